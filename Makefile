@@ -1,0 +1,48 @@
+# The two commands of the quick start are `make demo` and `make test`.
+# Everything they need is installed by the targets below (idempotent).
+SHELL := /bin/bash
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+export IBCKPT_CACHE ?= $(HOME)/.cache/ibckpt
+
+.PHONY: setup system venv native kube kernel helm demo test lint unit clean
+
+setup: system venv native kube kernel helm
+
+system:
+	bash tests/testbed/install-system.sh
+
+venv: $(BIN)/.installed
+$(BIN)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+native:
+	$(MAKE) -C native
+
+kube:
+	bash tests/testbed/build-kube.sh
+
+kernel:
+	bash tests/testbed/fetch-kernel.sh
+
+helm:
+	bash tests/testbed/fetch-helm.sh
+
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+	$(BIN)/lint-imports
+
+demo: setup
+	$(BIN)/python -m testbed.demo
+
+test: setup lint
+	$(BIN)/pytest
+
+clean:
+	rm -rf $(VENV) native/build

@@ -1,0 +1,1 @@
+"""ibckpt_operator."""

