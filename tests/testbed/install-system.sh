@@ -5,7 +5,7 @@ set -euo pipefail
 
 packages=(
   # guest runner
-  qemu-system-x86 busybox-static cpio kmod socat iproute2
+  qemu-system-x86 busybox-static cpio kmod socat iproute2 iputils-ping
   # RDMA userspace (host-built programs run unchanged in the guest)
   rdma-core ibverbs-utils ibverbs-providers rdmacm-utils perftest
   python3-pyverbs libibverbs-dev librdmacm-dev

@@ -1,0 +1,335 @@
+"""Boot Soft-RoCE qemu guests (TCG) that share the host's filesystem and run one command.
+
+One guest: rxe0 on a dummy netdev (10.77.0.1). Two guests ("node A" = 1, "node B" = 2):
+rxe0 on a virtio-net NIC each, joined by qemu's dgram netdev over a pair of unix sockets,
+so no IP packet ever touches the host's network. Host services on 127.0.0.1 (apiserver,
+S3, coordinator) are reachable from a guest at GUEST_HOST_ADDR:<same port>, through
+qemu's user-mode network in restrict mode with one forward per port.
+
+CLI: python -m testbed.guest run [--timeout S] [--two] -- 'shell command'
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gzip
+import hashlib
+import io
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+GUEST_HOST_ADDR = "10.0.2.100"
+# Modules the initramfs needs before the host's tree (and its /lib/modules) is mounted.
+INITRAMFS_MODULES = ("virtio_pci", "9pnet_virtio", "9p", "overlay", "virtio_net")
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("IBCKPT_CACHE", Path.home() / ".cache" / "ibckpt"))
+
+
+@dataclass(frozen=True)
+class Kernel:
+    version: str
+    vmlinuz: Path
+    modules_root: Path  # contains lib/modules/<version>
+
+    @property
+    def modules_dir(self) -> Path:
+        return self.modules_root / "lib" / "modules" / self.version
+
+
+def kernel() -> Kernel:
+    root = cache_dir() / "kernel"
+    kver_file = root / "kver"
+    if not kver_file.exists():
+        raise RuntimeError(f"no guest kernel in {root}: run tests/testbed/fetch-kernel.sh (make kernel)")
+    return Kernel(kver_file.read_text().strip(), root / "vmlinuz", root)
+
+
+def _module_insmod_order(k: Kernel) -> list[Path]:
+    order: list[Path] = []
+    for name in INITRAMFS_MODULES:
+        out = subprocess.run(
+            ["modprobe", "-d", str(k.modules_root), "-S", k.version, "--show-depends", name],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
+        for line in out.splitlines():
+            parts = line.split()
+            if parts and parts[0] == "insmod" and Path(parts[1]) not in order:
+                order.append(Path(parts[1]))
+    return order
+
+
+def initramfs() -> Path:
+    """The busybox initramfs, built once per kernel and init script and cached."""
+    k = kernel()
+    stage1 = (HERE / "guest-init1.sh").read_bytes()
+    key = hashlib.sha256(stage1 + k.version.encode()).hexdigest()[:16]
+    path = cache_dir() / f"initramfs-{key}.cpio.gz"
+    if path.exists():
+        return path
+    with tempfile.TemporaryDirectory(prefix="ibckpt-initramfs-") as tmp:
+        root = Path(tmp)
+        for d in ("bin", "proc", "sys", "dev", "mods"):
+            (root / d).mkdir()
+        shutil.copy2("/bin/busybox", root / "bin" / "busybox")
+        init = root / "init"
+        init.write_bytes(stage1)
+        init.chmod(0o755)
+        order = []
+        for ko in _module_insmod_order(k):
+            dest = root / "mods" / ko.name
+            shutil.copy2(ko, dest)
+            order.append(f"/mods/{ko.name}")
+        (root / "modules.order").write_text("\n".join(order) + "\n")
+        files = subprocess.run(
+            ["find", ".", "-print0"], cwd=root, check=True, capture_output=True
+        ).stdout
+        cpio = subprocess.run(
+            ["cpio", "--null", "-o", "-H", "newc", "--quiet"],
+            cwd=root,
+            input=files,
+            check=True,
+            capture_output=True,
+        ).stdout
+        tmp_out = path.with_suffix(".tmp")
+        with gzip.open(tmp_out, "wb", compresslevel=6) as f:
+            f.write(cpio)
+        tmp_out.rename(path)
+    return path
+
+
+@dataclass
+class GuestSpec:
+    """One guest to boot: what to run and what it may reach."""
+
+    command: str
+    node: int = 1
+    link: bool = False  # True in two-guest mode
+    cpus: int = 2
+    memory_mb: int = 1536
+    writable: Sequence[Path] = ()
+    forward_ports: Sequence[int] = ()
+    env: dict[str, str] = field(default_factory=dict)
+    cwd: Path = REPO
+
+
+@dataclass
+class GuestResult:
+    node: int
+    returncode: int
+    output: str
+    seconds: float
+
+
+def _qemu_args(spec: GuestSpec, job: Path, link_sockets: tuple[Path, Path] | None) -> list[str]:
+    k = kernel()
+    writable = [job, REPO, *spec.writable]
+    rw_args: list[str] = []
+    rw_cmdline = []
+    for i, path in enumerate(dict.fromkeys(Path(p).resolve() for p in writable)):
+        tag = f"rw{i}"
+        rw_args += [
+            "-fsdev",
+            f"local,id={tag},path={path},security_model=none",
+            "-device",
+            f"virtio-9p-pci,fsdev={tag},mount_tag={tag}",
+        ]
+        rw_cmdline.append(f"{tag}:{path}")
+    cmdline = " ".join(
+        [
+            "console=ttyS0",
+            "quiet",
+            "loglevel=3",
+            "panic=-1",
+            "oops=panic",
+            f"ibckpt.init={HERE / 'guest-init2.sh'}",
+            f"ibckpt.modules={k.modules_dir}",
+            f"ibckpt.job={job}",
+            f"ibckpt.rw={','.join(rw_cmdline)}",
+            f"ibckpt.node={spec.node}",
+            f"ibckpt.link={int(spec.link)}",
+        ]
+    )
+    # restrict=on: the guest reaches nothing but the forwarded loopback ports.
+    user_net = "user,id=hostnet,restrict=on"
+    for port in spec.forward_ports:
+        user_net += f",guestfwd=tcp:{GUEST_HOST_ADDR}:{port}-cmd:socat STDIO TCP:127.0.0.1:{port}"
+    args = [
+        "qemu-system-x86_64",
+        "-accel",
+        "tcg,thread=multi",
+        "-cpu",
+        "max",
+        "-smp",
+        str(spec.cpus),
+        "-m",
+        str(spec.memory_mb),
+        "-display",
+        "none",
+        "-monitor",
+        "none",
+        "-serial",
+        "stdio",
+        "-no-reboot",
+        "-nodefaults",
+        "-kernel",
+        str(k.vmlinuz),
+        "-initrd",
+        str(initramfs()),
+        "-append",
+        cmdline,
+        "-fsdev",
+        "local,id=hostroot,path=/,security_model=none,readonly=on,multidevs=remap",
+        "-device",
+        "virtio-9p-pci,fsdev=hostroot,mount_tag=hostroot",
+        *rw_args,
+        "-netdev",
+        user_net,
+        "-device",
+        "virtio-net-pci,netdev=hostnet,mac=52:54:00:12:34:56",
+    ]
+    if link_sockets is not None:
+        local, remote = link_sockets
+        args += [
+            "-netdev",
+            f"dgram,id=link,local.type=unix,local.path={local},remote.type=unix,remote.path={remote}",
+            "-device",
+            f"virtio-net-pci,netdev=link,mac=52:54:00:77:00:0{spec.node}",
+        ]
+    return args
+
+
+def _prepare_job(spec: GuestSpec, root: Path) -> Path:
+    job = root / f"node{spec.node}"
+    job.mkdir(parents=True)
+    (job / "cmd.sh").write_text(spec.command + "\n")
+    (job / "cwd").write_text(str(spec.cwd))
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), **spec.env}
+    (job / "env").write_text("".join(f"{k}={shlex.quote(v)}\n" for k, v in env.items()))
+    return job
+
+
+class _Guest:
+    def __init__(self, spec: GuestSpec, root: Path, link: tuple[Path, Path] | None, echo: bool) -> None:
+        self.spec = spec
+        self.job = _prepare_job(spec, root)
+        self.echo = echo
+        self.buffer = io.StringIO()
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(
+            _qemu_args(spec, self.job, link),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        prefix = f"[node-{self.spec.node}] " if self.spec.link else ""
+        for raw in iter(self.proc.stdout.readline, b""):
+            line = raw.decode(errors="replace").replace("\r", "")
+            self.buffer.write(line)
+            if self.echo:
+                sys.stdout.write(prefix + line)
+                sys.stdout.flush()
+
+    def wait(self, deadline: float) -> GuestResult:
+        try:
+            self.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.kill()
+            self.reader.join(5)
+            out = self.buffer.getvalue() + f"\nibckpt-guest: timed out, killed node-{self.spec.node}\n"
+            return GuestResult(self.spec.node, 124, out, time.monotonic() - self.started)
+        self.reader.join(5)
+        rc_file = self.job / "rc"
+        rc = int(rc_file.read_text()) if rc_file.exists() else 125
+        return GuestResult(self.spec.node, rc, self.buffer.getvalue(), time.monotonic() - self.started)
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+
+@contextlib.contextmanager
+def _job_root() -> Iterator[Path]:
+    root = Path(tempfile.mkdtemp(prefix="ibckpt-guest-"))
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def run(spec: GuestSpec, timeout: float = 600.0, echo: bool = False) -> GuestResult:
+    """Boot one guest, run spec.command, return its exit code and console output."""
+    with _job_root() as root:
+        guest = _Guest(spec, root, None, echo)
+        return guest.wait(time.monotonic() + timeout)
+
+
+def run_pair(spec_a: GuestSpec, spec_b: GuestSpec, timeout: float = 600.0, echo: bool = False) -> tuple[
+    GuestResult, GuestResult
+]:
+    """Boot node A (10.77.0.1) and node B (10.77.0.2) joined by a private link; run both."""
+    with _job_root() as root:
+        sock_a, sock_b = root / "link-a.sock", root / "link-b.sock"
+        spec_a.node, spec_b.node = 1, 2
+        spec_a.link = spec_b.link = True
+        spec_a.cpus = spec_b.cpus = 1
+        a = _Guest(spec_a, root, (sock_a, sock_b), echo)
+        b = _Guest(spec_b, root, (sock_b, sock_a), echo)
+        deadline = time.monotonic() + timeout
+        try:
+            result_a = a.wait(deadline)
+            result_b = b.wait(deadline)
+        finally:
+            for g in (a, b):
+                if g.proc.poll() is None:
+                    g.kill()
+        return result_a, result_b
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m testbed.guest", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    run_p = sub.add_parser("run", help="boot a guest and run a shell command in it")
+    run_p.add_argument("--timeout", type=float, default=600.0)
+    run_p.add_argument("--two", action="store_true", help="boot two linked guests; command runs on both")
+    run_p.add_argument("--forward", type=int, action="append", default=[], help="host loopback port to expose")
+    run_p.add_argument("command", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    command = " ".join(args.command[1:] if args.command[:1] == ["--"] else args.command)
+    if args.two:
+        ra, rb = run_pair(
+            GuestSpec(command, forward_ports=args.forward, cwd=Path.cwd()),
+            GuestSpec(command, forward_ports=args.forward, cwd=Path.cwd()),
+            timeout=args.timeout,
+            echo=True,
+        )
+        return ra.returncode or rb.returncode
+    result = run(GuestSpec(command, forward_ports=args.forward, cwd=Path.cwd()), timeout=args.timeout, echo=True)
+    return result.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())
