@@ -6,7 +6,10 @@ from collections.abc import Iterator
 
 import pytest
 
+from testbed.kube import ControlPlane, start_control_plane
 from testbed.s3 import S3Server, start_s3, stop_s3
+
+pytest_plugins = ["testbed.pytest_guest"]
 
 
 @pytest.fixture(scope="session")
@@ -17,3 +20,25 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
         yield server
     finally:
         stop_s3(server)
+
+
+@pytest.fixture(scope="session")
+def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
+    """A real etcd + kube-apiserver (v1.20, RBAC) + controller-manager on 127.0.0.1."""
+    plane = start_control_plane(tmp_path_factory.mktemp("kube"))
+    try:
+        yield plane
+    finally:
+        plane.stop()
+
+
+@pytest.fixture(scope="session")
+def kube_api(kube: ControlPlane):  # type: ignore[no-untyped-def]
+    """A kubernetes.client.ApiClient authenticated as cluster admin."""
+    import kubernetes
+
+    client = kubernetes.config.new_client_from_config(str(kube.kubeconfig))
+    try:
+        yield client
+    finally:
+        client.close()
