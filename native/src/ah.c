@@ -1,0 +1,77 @@
+/* Address handles: the app's attributes are virtual; the real AH is made
+ * from the peer's current real GID/LID. */
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "shim.h"
+
+int ibk_ah_create_real(struct ibk_ah *ah)
+{
+	struct ibv_ah_attr a = ah->attr;
+
+	if (atomic_load(&ibk_translating) && a.is_global) {
+		union ibv_gid rg;
+
+		if (!ibk_peers_lookup_gid(&a.grh.dgid, &rg))
+			a.grh.dgid = rg;
+	}
+	ah->real = ibk_real.create_ah(ah->pd->real, &a);
+	return ah->real ? 0 : (errno ? -errno : -EIO);
+}
+
+IBK_EXPORT struct ibv_ah *ibv_create_ah(struct ibv_pd *p, struct ibv_ah_attr *attr)
+{
+	struct ibk_pd *pd = (struct ibk_pd *)p;
+	struct ibk_ah *ah = calloc(1, sizeof(*ah));
+
+	if (!ah)
+		return NULL;
+	ah->obj.ctx = pd->obj.ctx;
+	ah->pd = pd;
+	ah->attr = *attr;
+	ibk_enter();
+	if (ibk_ah_create_real(ah)) {
+		ibk_leave();
+		free(ah);
+		return NULL;
+	}
+	ibk_leave();
+	ah->pub.context = p->context;
+	ah->pub.pd = p;
+	ah->pub.handle = ah->real->handle;
+	ibk_obj_add(pd->obj.ctx, &ah->obj, IBK_AH);
+	return &ah->pub;
+}
+
+IBK_EXPORT int ibv_destroy_ah(struct ibv_ah *a)
+{
+	struct ibk_ah *ah = (struct ibk_ah *)a;
+	int rc = 0;
+
+	ibk_enter();
+	if (ah->real)
+		rc = ibk_real.destroy_ah(ah->real);
+	ibk_leave();
+	if (rc)
+		return rc;
+	ibk_obj_del(ah->obj.ctx, &ah->obj);
+	free(ah);
+	return 0;
+}
+
+IBK_EXPORT int ibv_init_ah_from_wc(struct ibv_context *c, uint8_t port, struct ibv_wc *wc, struct ibv_grh *grh,
+				   struct ibv_ah_attr *attr)
+{
+	(void)c, (void)port, (void)wc, (void)grh, (void)attr;
+	ibk_unsupported("ibv_init_ah_from_wc");
+	return -1;
+}
+
+IBK_EXPORT struct ibv_ah *ibv_create_ah_from_wc(struct ibv_pd *pd, struct ibv_wc *wc, struct ibv_grh *grh,
+						uint8_t port)
+{
+	(void)pd, (void)wc, (void)grh, (void)port;
+	ibk_unsupported("ibv_create_ah_from_wc");
+	return NULL;
+}

@@ -1,0 +1,240 @@
+/* Client of the job coordinator (a key-value store with blocking get) and
+ * the table of peers' virtual->real ids learnt from it.
+ * Wire format, one request per connection, text lines:
+ *   PUT <key> <value...>\n        -> OK\n
+ *   GET <key> <timeout_ms>\n      -> VAL <value...>\n | NONE\n            */
+#include <errno.h>
+#include <netdb.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include "shim.h"
+
+atomic_int ibk_translating;
+
+int ibk_coord_configured(void)
+{
+	const char *c = getenv("IBCKPT_COORD");
+
+	return c && *c;
+}
+
+static int coord_connect(void)
+{
+	const char *c = getenv("IBCKPT_COORD");
+	int fd;
+
+	if (!c || !*c)
+		return -ENOTCONN;
+	if (!strncmp(c, "unix:", 5)) {
+		struct sockaddr_un sa;
+
+		memset(&sa, 0, sizeof(sa));
+		sa.sun_family = AF_UNIX;
+		snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", c + 5);
+		fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+		if (fd < 0)
+			return -errno;
+		if (connect(fd, (struct sockaddr *)&sa, sizeof(sa))) {
+			close(fd);
+			return -errno;
+		}
+		return fd;
+	} else {
+		char host[256], *port;
+		struct addrinfo hints, *ai;
+
+		snprintf(host, sizeof(host), "%s", c);
+		port = strrchr(host, ':');
+		if (!port)
+			return -EINVAL;
+		*port++ = 0;
+		memset(&hints, 0, sizeof(hints));
+		hints.ai_socktype = SOCK_STREAM;
+		if (getaddrinfo(host, port, &hints, &ai))
+			return -EHOSTUNREACH;
+		fd = socket(ai->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+		if (fd >= 0 && connect(fd, ai->ai_addr, ai->ai_addrlen)) {
+			close(fd);
+			fd = -ECONNREFUSED;
+		}
+		freeaddrinfo(ai);
+		return fd;
+	}
+}
+
+static int coord_request(const char *req, char *reply, size_t len)
+{
+	int fd = coord_connect();
+	size_t got = 0, n = strlen(req);
+	ssize_t r;
+
+	if (fd < 0)
+		return fd;
+	while (n) {
+		r = write(fd, req, n);
+		if (r <= 0) {
+			close(fd);
+			return -EIO;
+		}
+		req += r;
+		n -= (size_t)r;
+	}
+	while (got + 1 < len) {
+		r = read(fd, reply + got, len - got - 1);
+		if (r < 0 && errno == EINTR)
+			continue;
+		if (r <= 0)
+			break;
+		got += (size_t)r;
+		if (reply[got - 1] == '\n')
+			break;
+	}
+	close(fd);
+	reply[got] = 0;
+	if (got && reply[got - 1] == '\n')
+		reply[got - 1] = 0;
+	return got ? 0 : -EIO;
+}
+
+int ibk_coord_put(const char *key, const char *val)
+{
+	size_t n = strlen(key) + strlen(val) + 8;
+	char *req = malloc(n), rep[64];
+	int rc;
+
+	if (!req)
+		return -ENOMEM;
+	snprintf(req, n, "PUT %s %s\n", key, val);
+	rc = coord_request(req, rep, sizeof(rep));
+	free(req);
+	if (rc)
+		return rc;
+	return strcmp(rep, "OK") ? -EPROTO : 0;
+}
+
+int ibk_coord_get(const char *key, char *val, size_t len, int timeout_ms)
+{
+	char req[512];
+	char *rep = malloc(len + 8);
+	int rc;
+
+	if (!rep)
+		return -ENOMEM;
+	snprintf(req, sizeof(req), "GET %s %d\n", key, timeout_ms);
+	rc = coord_request(req, rep, len + 8);
+	if (!rc) {
+		if (!strncmp(rep, "VAL ", 4))
+			snprintf(val, len, "%s", rep + 4);
+		else
+			rc = -ENOENT;
+	}
+	free(rep);
+	return rc;
+}
+
+/* ---- peers ------------------------------------------------------------------ */
+
+static pthread_mutex_t peers_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct ibk_peer_map *peers;
+static size_t npeers, cap_peers;
+
+void ibk_peers_put(const struct ibk_peer_map *p)
+{
+	size_t i;
+
+	pthread_mutex_lock(&peers_lock);
+	for (i = 0; i < npeers; i++)
+		if (peers[i].vqpn == p->vqpn && !memcmp(&peers[i].vgid, &p->vgid, sizeof(p->vgid)))
+			break;
+	if (i == npeers) {
+		if (npeers == cap_peers) {
+			size_t nc = cap_peers ? cap_peers * 2 : 16;
+			struct ibk_peer_map *np = realloc(peers, nc * sizeof(*np));
+
+			if (!np) {
+				pthread_mutex_unlock(&peers_lock);
+				return;
+			}
+			peers = np;
+			cap_peers = nc;
+		}
+		npeers++;
+	}
+	peers[i] = *p;
+	pthread_mutex_unlock(&peers_lock);
+}
+
+int ibk_peers_lookup(const union ibv_gid *vgid, uint32_t vqpn, struct ibk_peer_map *out)
+{
+	size_t i;
+	int rc = -ENOENT;
+
+	pthread_mutex_lock(&peers_lock);
+	for (i = 0; i < npeers; i++)
+		if (peers[i].vqpn == vqpn && !memcmp(&peers[i].vgid, vgid, sizeof(*vgid))) {
+			*out = peers[i];
+			rc = 0;
+			break;
+		}
+	pthread_mutex_unlock(&peers_lock);
+	return rc;
+}
+
+int ibk_peers_lookup_gid(const union ibv_gid *vgid, union ibv_gid *rgid)
+{
+	size_t i;
+	int rc = -ENOENT;
+
+	pthread_mutex_lock(&peers_lock);
+	for (i = 0; i < npeers; i++)
+		if (!memcmp(&peers[i].vgid, vgid, sizeof(*vgid))) {
+			*rgid = peers[i].rgid;
+			rc = 0;
+			break;
+		}
+	pthread_mutex_unlock(&peers_lock);
+	return rc;
+}
+
+int ibk_peers_reverse_qpn(uint32_t rqpn, uint32_t *vqpn)
+{
+	size_t i;
+	int rc = -ENOENT;
+
+	pthread_mutex_lock(&peers_lock);
+	for (i = 0; i < npeers; i++)
+		if (peers[i].rqpn == rqpn) {
+			*vqpn = peers[i].vqpn;
+			rc = 0;
+			break;
+		}
+	pthread_mutex_unlock(&peers_lock);
+	return rc;
+}
+
+int ibk_peers_fetch(const union ibv_gid *vgid, uint32_t vqpn, int timeout_ms)
+{
+	char key[128], hex[40], val[256], rg[40];
+	struct ibk_peer_map p;
+	unsigned int lid, rqpn;
+
+	if (!ibk_coord_configured())
+		return -ENOTCONN;
+	ibk_gid_hex(vgid, hex);
+	snprintf(key, sizeof(key), "map/%s/%u", hex, vqpn);
+	if (ibk_coord_get(key, val, sizeof(val), timeout_ms))
+		return -ENOENT;
+	if (sscanf(val, "%39s %u %u", rg, &lid, &rqpn) != 3 || ibk_gid_parse(rg, &p.rgid))
+		return -EPROTO;
+	p.vgid = *vgid;
+	p.vqpn = vqpn;
+	p.rqpn = rqpn;
+	p.rlid = (uint16_t)lid;
+	p.vlid = 0;
+	ibk_peers_put(&p);
+	return 0;
+}

@@ -1,0 +1,156 @@
+/* Pure parts of libibckpt: id tables, work-request logs, completion queues and
+ * the exactly-once re-post planner.  No libibverbs calls in here, so the same
+ * code is unit-tested on the host (through cffi) where no RDMA device exists. */
+#ifndef IBK_CORE_H
+#define IBK_CORE_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <infiniband/verbs.h>
+
+/* ---- id tables ------------------------------------------------------- */
+
+/* Open-addressing map from a 32-bit virtual id to a 32-bit real id.  A
+ * deleted key leaves a tombstone so a retired virtual id is remembered. */
+struct ibk_idmap {
+	uint32_t *keys;
+	uint32_t *vals;
+	uint8_t *used; /* 0 empty, 1 live, 2 retired */
+	size_t cap;
+	size_t live;
+	size_t filled;
+};
+
+int ibk_idmap_init(struct ibk_idmap *m, size_t cap);
+void ibk_idmap_fini(struct ibk_idmap *m);
+int ibk_idmap_put(struct ibk_idmap *m, uint32_t vid, uint32_t rid);
+int ibk_idmap_get(const struct ibk_idmap *m, uint32_t vid, uint32_t *rid);
+int ibk_idmap_del(struct ibk_idmap *m, uint32_t vid);
+int ibk_idmap_is_live(const struct ibk_idmap *m, uint32_t vid);
+int ibk_idmap_was_used(const struct ibk_idmap *m, uint32_t vid);
+/* A virtual id for a new object: the real id itself unless another live
+ * object holds it; otherwise the next id above `floor` (masked to `mask`)
+ * that was never handed out. */
+uint32_t ibk_idmap_choose(const struct ibk_idmap *m, uint32_t real, uint32_t floor, uint32_t mask);
+
+/* ---- counters -------------------------------------------------------- */
+
+struct ibk_counters {
+	uint64_t sends_posted;     /* app send WRs accepted */
+	uint64_t sends_completed;  /* app send WRs retired (polled or implied) */
+	uint64_t consumers_posted; /* sends that consume a remote receive */
+	uint64_t consumers_done;   /* ... known delivered */
+	uint64_t recvs_posted;
+	uint64_t recvs_completed;  /* successful receive completions, ever */
+	uint64_t rdma_inflight;    /* RDMA read/write in the send log */
+	uint64_t atomic_inflight;  /* atomics in the send log */
+	uint64_t reposted;         /* sends posted again after a rebuild */
+	uint64_t synthesized;      /* completions made up for delivered sends */
+};
+
+/* ---- send log -------------------------------------------------------- */
+
+#define IBK_MAX_SGE 8
+
+enum ibk_wr_kind { IBK_KIND_SEND = 0x53454e44u, IBK_KIND_RECV = 0x52454356u };
+
+enum ibk_swr_flags {
+	IBK_SWR_SIGNALED = 1u << 0,
+	IBK_SWR_CONSUMER = 1u << 1, /* consumes a receive at the peer */
+	IBK_SWR_FLAG_WR = 1u << 2,  /* the shim's own zero-length probe */
+	IBK_SWR_ATOMIC = 1u << 3,
+	IBK_SWR_RDMA = 1u << 4,
+};
+
+/* One logged send work request.  `kind` comes first: the real wr_id is a
+ * pointer to the entry, and a completion tells send from receive by it. */
+struct ibk_swr {
+	uint32_t kind;
+	uint32_t flags;
+	uint64_t seq;
+	void *owner; /* the shadow QP */
+	uint64_t app_wr_id;
+	struct ibv_send_wr wr; /* copy with virtual keys; sg_list -> sge */
+	struct ibv_sge sge[IBK_MAX_SGE];
+	uint8_t *inline_buf; /* copy of inline payload, for replay */
+	uint32_t inline_len;
+};
+
+struct ibk_rwr {
+	uint32_t kind;
+	uint32_t in_use;
+	uint64_t seq;
+	void *owner; /* shadow QP or SRQ */
+	uint64_t app_wr_id;
+	int num_sge;
+	struct ibv_sge sge[IBK_MAX_SGE];
+};
+
+/* In-order ring of send entries: entries complete in posting order on one
+ * send queue, so retiring is "everything up to seq". */
+struct ibk_sendlog {
+	struct ibk_swr *slots;
+	uint8_t *inline_area;
+	uint32_t cap;
+	uint32_t max_inline;
+	uint64_t head; /* seq of the oldest live entry */
+	uint64_t tail; /* seq of the next entry */
+};
+
+int ibk_sendlog_init(struct ibk_sendlog *l, uint32_t cap, uint32_t max_inline, void *owner);
+void ibk_sendlog_fini(struct ibk_sendlog *l);
+struct ibk_swr *ibk_sendlog_push(struct ibk_sendlog *l);
+void ibk_sendlog_unpush(struct ibk_sendlog *l);
+struct ibk_swr *ibk_sendlog_at(struct ibk_sendlog *l, uint64_t seq);
+uint32_t ibk_sendlog_count(const struct ibk_sendlog *l);
+/* Retire entries up to and including seq, folding them into counters. */
+void ibk_sendlog_retire_to(struct ibk_sendlog *l, uint64_t seq, struct ibk_counters *c);
+
+/* Receive log: receives on a plain QP complete in order, on an SRQ in any
+ * order, so slots are found through a free scan and replayed by seq. */
+struct ibk_recvlog {
+	struct ibk_rwr *slots;
+	uint32_t cap;
+	uint32_t live;
+	uint32_t hint;
+	uint64_t next_seq;
+};
+
+int ibk_recvlog_init(struct ibk_recvlog *l, uint32_t cap, void *owner);
+void ibk_recvlog_fini(struct ibk_recvlog *l);
+struct ibk_rwr *ibk_recvlog_take(struct ibk_recvlog *l);
+void ibk_recvlog_release(struct ibk_recvlog *l, struct ibk_rwr *e);
+/* Live entries ordered by seq; returns how many were written to out. */
+uint32_t ibk_recvlog_ordered(const struct ibk_recvlog *l, struct ibk_rwr **out, uint32_t max);
+
+/* ---- private completion queue --------------------------------------- */
+
+struct ibk_wcq {
+	struct ibv_wc *ring;
+	uint32_t cap; /* power of two */
+	uint64_t head;
+	uint64_t tail;
+};
+
+int ibk_wcq_init(struct ibk_wcq *q, uint32_t cap);
+void ibk_wcq_fini(struct ibk_wcq *q);
+int ibk_wcq_push(struct ibk_wcq *q, const struct ibv_wc *wc);
+int ibk_wcq_pop(struct ibk_wcq *q, struct ibv_wc *out, int max);
+uint32_t ibk_wcq_count(const struct ibk_wcq *q);
+
+/* ---- exactly-once planner ------------------------------------------- */
+
+enum ibk_verdict { IBK_V_DELIVERED = 1, IBK_V_REPOST = 2, IBK_V_UNKNOWN = 3 };
+
+/* Decide, for each still-logged send (oldest first), whether the peer has
+ * executed it.  peer_recvs is the peer QP's lifetime receive-completion
+ * count; done_consumers is how many of our receive-consuming sends are
+ * already known delivered.  RC executes in order, so everything up to the
+ * last delivered consumer was executed and everything after the first
+ * undelivered consumer was not.  Entries between (no consumer after them)
+ * are executed-or-not: idempotent ones are re-posted, atomics are UNKNOWN.
+ * Returns the number of UNKNOWN entries, or -1 when the counts disagree. */
+int ibk_plan_resend(const uint32_t *flags, size_t n, uint64_t peer_recvs, uint64_t done_consumers,
+		    uint8_t *verdict);
+
+#endif

@@ -1,0 +1,255 @@
+/* Work-request logs, private completion queues and the re-post planner (pure). */
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core.h"
+
+int ibk_sendlog_init(struct ibk_sendlog *l, uint32_t cap, uint32_t max_inline, void *owner)
+{
+	uint32_t i;
+
+	memset(l, 0, sizeof(*l));
+	l->slots = calloc(cap, sizeof(*l->slots));
+	if (!l->slots)
+		return -ENOMEM;
+	if (max_inline) {
+		l->inline_area = calloc(cap, max_inline);
+		if (!l->inline_area) {
+			free(l->slots);
+			return -ENOMEM;
+		}
+	}
+	l->cap = cap;
+	l->max_inline = max_inline;
+	for (i = 0; i < cap; i++) {
+		l->slots[i].kind = IBK_KIND_SEND;
+		l->slots[i].owner = owner;
+		l->slots[i].inline_buf = max_inline ? l->inline_area + (size_t)i * max_inline : NULL;
+	}
+	return 0;
+}
+
+void ibk_sendlog_fini(struct ibk_sendlog *l)
+{
+	free(l->slots);
+	free(l->inline_area);
+	memset(l, 0, sizeof(*l));
+}
+
+struct ibk_swr *ibk_sendlog_push(struct ibk_sendlog *l)
+{
+	struct ibk_swr *e;
+
+	if (l->tail - l->head >= l->cap)
+		return NULL;
+	e = &l->slots[l->tail % l->cap];
+	e->seq = l->tail++;
+	e->flags = 0;
+	e->inline_len = 0;
+	return e;
+}
+
+void ibk_sendlog_unpush(struct ibk_sendlog *l)
+{
+	if (l->tail > l->head)
+		l->tail--;
+}
+
+struct ibk_swr *ibk_sendlog_at(struct ibk_sendlog *l, uint64_t seq)
+{
+	if (seq < l->head || seq >= l->tail)
+		return NULL;
+	return &l->slots[seq % l->cap];
+}
+
+uint32_t ibk_sendlog_count(const struct ibk_sendlog *l)
+{
+	return (uint32_t)(l->tail - l->head);
+}
+
+void ibk_sendlog_retire_to(struct ibk_sendlog *l, uint64_t seq, struct ibk_counters *c)
+{
+	while (l->head <= seq && l->head < l->tail) {
+		struct ibk_swr *e = &l->slots[l->head % l->cap];
+
+		if (!(e->flags & IBK_SWR_FLAG_WR)) {
+			c->sends_completed++;
+			if (e->flags & IBK_SWR_CONSUMER)
+				c->consumers_done++;
+			if (e->flags & IBK_SWR_RDMA)
+				c->rdma_inflight--;
+			if (e->flags & IBK_SWR_ATOMIC)
+				c->atomic_inflight--;
+		}
+		l->head++;
+	}
+}
+
+int ibk_recvlog_init(struct ibk_recvlog *l, uint32_t cap, void *owner)
+{
+	uint32_t i;
+
+	memset(l, 0, sizeof(*l));
+	l->slots = calloc(cap, sizeof(*l->slots));
+	if (!l->slots)
+		return -ENOMEM;
+	l->cap = cap;
+	for (i = 0; i < cap; i++) {
+		l->slots[i].kind = IBK_KIND_RECV;
+		l->slots[i].owner = owner;
+	}
+	return 0;
+}
+
+void ibk_recvlog_fini(struct ibk_recvlog *l)
+{
+	free(l->slots);
+	memset(l, 0, sizeof(*l));
+}
+
+struct ibk_rwr *ibk_recvlog_take(struct ibk_recvlog *l)
+{
+	uint32_t n;
+
+	if (l->live >= l->cap)
+		return NULL;
+	/* Receives mostly complete in order, so the slot after the last one
+	 * taken is nearly always free: the scan is short. */
+	for (n = 0; n < l->cap; n++) {
+		struct ibk_rwr *e = &l->slots[(l->hint + n) % l->cap];
+
+		if (!e->in_use) {
+			l->hint = (l->hint + n + 1) % l->cap;
+			e->in_use = 1;
+			e->seq = l->next_seq++;
+			l->live++;
+			return e;
+		}
+	}
+	return NULL;
+}
+
+void ibk_recvlog_release(struct ibk_recvlog *l, struct ibk_rwr *e)
+{
+	if (e->in_use) {
+		e->in_use = 0;
+		l->live--;
+	}
+}
+
+static int rwr_cmp(const void *a, const void *b)
+{
+	const struct ibk_rwr *x = *(struct ibk_rwr *const *)a;
+	const struct ibk_rwr *y = *(struct ibk_rwr *const *)b;
+
+	return x->seq < y->seq ? -1 : x->seq > y->seq;
+}
+
+uint32_t ibk_recvlog_ordered(const struct ibk_recvlog *l, struct ibk_rwr **out, uint32_t max)
+{
+	uint32_t i, n = 0;
+
+	for (i = 0; i < l->cap && n < max; i++)
+		if (l->slots[i].in_use)
+			out[n++] = &l->slots[i];
+	qsort(out, n, sizeof(*out), rwr_cmp);
+	return n;
+}
+
+int ibk_wcq_init(struct ibk_wcq *q, uint32_t cap)
+{
+	uint32_t c = 16;
+
+	while (c < cap)
+		c <<= 1;
+	q->ring = calloc(c, sizeof(*q->ring));
+	if (!q->ring)
+		return -ENOMEM;
+	q->cap = c;
+	q->head = 0;
+	q->tail = 0;
+	return 0;
+}
+
+void ibk_wcq_fini(struct ibk_wcq *q)
+{
+	free(q->ring);
+	memset(q, 0, sizeof(*q));
+}
+
+int ibk_wcq_push(struct ibk_wcq *q, const struct ibv_wc *wc)
+{
+	if (q->tail - q->head >= q->cap) {
+		/* Grow: drain may capture more than the CQ depth when several
+		 * generations of completions pile up before the app polls. */
+		uint32_t ncap = q->cap * 2, i, n = (uint32_t)(q->tail - q->head);
+		struct ibv_wc *nr = calloc(ncap, sizeof(*nr));
+
+		if (!nr)
+			return -ENOMEM;
+		for (i = 0; i < n; i++)
+			nr[i] = q->ring[(q->head + i) & (q->cap - 1)];
+		free(q->ring);
+		q->ring = nr;
+		q->cap = ncap;
+		q->head = 0;
+		q->tail = n;
+	}
+	q->ring[q->tail++ & (q->cap - 1)] = *wc;
+	return 0;
+}
+
+int ibk_wcq_pop(struct ibk_wcq *q, struct ibv_wc *out, int max)
+{
+	int n = 0;
+
+	while (n < max && q->head < q->tail)
+		out[n++] = q->ring[q->head++ & (q->cap - 1)];
+	return n;
+}
+
+uint32_t ibk_wcq_count(const struct ibk_wcq *q)
+{
+	return (uint32_t)(q->tail - q->head);
+}
+
+int ibk_plan_resend(const uint32_t *flags, size_t n, uint64_t peer_recvs, uint64_t done_consumers,
+		    uint8_t *verdict)
+{
+	uint64_t delivered;
+	size_t i, last_delivered = 0, first_undelivered = n;
+	int have_last = 0, unknown = 0;
+	uint64_t seen = 0;
+
+	if (peer_recvs < done_consumers)
+		return -1;
+	delivered = peer_recvs - done_consumers;
+	for (i = 0; i < n; i++) {
+		if (!(flags[i] & IBK_SWR_CONSUMER))
+			continue;
+		if (seen < delivered) {
+			last_delivered = i;
+			have_last = 1;
+		} else if (first_undelivered == n) {
+			first_undelivered = i;
+		}
+		seen++;
+	}
+	if (seen < delivered)
+		return -1; /* the peer saw more than we ever sent */
+	for (i = 0; i < n; i++) {
+		if (flags[i] & IBK_SWR_FLAG_WR)
+			verdict[i] = IBK_V_DELIVERED; /* dropped either way */
+		else if (have_last && i <= last_delivered)
+			verdict[i] = IBK_V_DELIVERED;
+		else if (i >= first_undelivered)
+			verdict[i] = IBK_V_REPOST;
+		else if (flags[i] & IBK_SWR_ATOMIC) {
+			verdict[i] = IBK_V_UNKNOWN;
+			unknown++;
+		} else
+			verdict[i] = IBK_V_REPOST; /* write/read: executing again is harmless */
+	}
+	return unknown;
+}

@@ -1,0 +1,191 @@
+/* Protection domains and memory regions.  MRs keep their address, length,
+ * iova and access so rebuild can register them again at the same place;
+ * the app keeps the first incarnation's keys as virtual keys. */
+#include <errno.h>
+#include <stdlib.h>
+
+#include "shim.h"
+
+/* verbs.h wraps these in macros; we define the exported symbols. */
+#undef ibv_reg_mr
+#undef ibv_reg_mr_iova
+
+IBK_EXPORT struct ibv_pd *ibv_alloc_pd(struct ibv_context *c)
+{
+	struct ibk_ctx *ctx = ibk_ctx_of(c);
+	struct ibk_pd *pd = calloc(1, sizeof(*pd));
+
+	if (!pd)
+		return NULL;
+	ibk_enter();
+	pd->real = ibk_real.alloc_pd(ctx->real);
+	ibk_leave();
+	if (!pd->real) {
+		free(pd);
+		return NULL;
+	}
+	pd->pub.context = c;
+	pd->pub.handle = pd->real->handle;
+	ibk_obj_add(ctx, &pd->obj, IBK_PD);
+	return &pd->pub;
+}
+
+IBK_EXPORT int ibv_dealloc_pd(struct ibv_pd *p)
+{
+	struct ibk_pd *pd = (struct ibk_pd *)p;
+	int rc;
+
+	ibk_enter();
+	rc = ibk_real.dealloc_pd(pd->real);
+	ibk_leave();
+	if (rc)
+		return rc;
+	ibk_obj_del(pd->obj.ctx, &pd->obj);
+	free(pd);
+	return 0;
+}
+
+/* Register (again) on the real PD and record the virtual->real keys. */
+int ibk_mr_register_real(struct ibk_mr *mr)
+{
+	struct ibk_ctx *ctx = mr->obj.ctx;
+
+	mr->real = ibk_real.reg_mr_iova2(mr->pd->real, mr->pub.addr, mr->pub.length, mr->iova, mr->access);
+	if (!mr->real)
+		return errno ? -errno : -EIO;
+	pthread_mutex_lock(&ctx->lock);
+	ibk_idmap_put(&ctx->lkeys, mr->pub.lkey, mr->real->lkey);
+	ibk_idmap_put(&ctx->rkeys, mr->pub.rkey, mr->real->rkey);
+	pthread_mutex_unlock(&ctx->lock);
+	return 0;
+}
+
+static struct ibv_mr *mr_create(struct ibv_pd *p, void *addr, size_t len, uint64_t iova, unsigned int access)
+{
+	struct ibk_pd *pd = (struct ibk_pd *)p;
+	struct ibk_ctx *ctx = pd->obj.ctx;
+	struct ibk_mr *mr = calloc(1, sizeof(*mr));
+
+	if (!mr)
+		return NULL;
+	mr->pd = pd;
+	mr->iova = iova;
+	mr->access = access;
+	mr->pub.context = p->context;
+	mr->pub.pd = p;
+	mr->pub.addr = addr;
+	mr->pub.length = len;
+	ibk_enter();
+	mr->real = ibk_real.reg_mr_iova2(pd->real, addr, len, iova, access);
+	if (!mr->real) {
+		ibk_leave();
+		free(mr);
+		return NULL;
+	}
+	/* Keys issued after a rebuild must not collide with live virtual keys. */
+	pthread_mutex_lock(&ctx->lock);
+	mr->pub.lkey = ibk_idmap_choose(&ctx->lkeys, mr->real->lkey, 0x80000000u, 0xffffffffu);
+	mr->pub.rkey = ibk_idmap_choose(&ctx->rkeys, mr->real->rkey, 0x80000000u, 0xffffffffu);
+	ibk_idmap_put(&ctx->lkeys, mr->pub.lkey, mr->real->lkey);
+	ibk_idmap_put(&ctx->rkeys, mr->pub.rkey, mr->real->rkey);
+	if (mr->pub.lkey != mr->real->lkey || mr->pub.rkey != mr->real->rkey)
+		ctx->translate = 1;
+	pthread_mutex_unlock(&ctx->lock);
+	mr->pub.handle = mr->real->handle;
+	ibk_leave();
+	ibk_obj_add(ctx, &mr->obj, IBK_MR);
+	return &mr->pub;
+}
+
+IBK_EXPORT struct ibv_mr *ibv_reg_mr(struct ibv_pd *pd, void *addr, size_t len, int access)
+{
+	return mr_create(pd, addr, len, (uintptr_t)addr, (unsigned int)access);
+}
+
+IBK_EXPORT struct ibv_mr *ibv_reg_mr_iova(struct ibv_pd *pd, void *addr, size_t len, uint64_t iova, int access)
+{
+	return mr_create(pd, addr, len, iova, (unsigned int)access);
+}
+
+IBK_EXPORT struct ibv_mr *ibv_reg_mr_iova2(struct ibv_pd *pd, void *addr, size_t len, uint64_t iova,
+					   unsigned int access)
+{
+	return mr_create(pd, addr, len, iova, access);
+}
+
+IBK_EXPORT int ibv_dereg_mr(struct ibv_mr *m)
+{
+	struct ibk_mr *mr = (struct ibk_mr *)m;
+	struct ibk_ctx *ctx = mr->obj.ctx;
+	int rc;
+
+	ibk_enter();
+	rc = ibk_real.dereg_mr(mr->real);
+	ibk_leave();
+	if (rc)
+		return rc;
+	pthread_mutex_lock(&ctx->lock);
+	ibk_idmap_del(&ctx->lkeys, mr->pub.lkey);
+	ibk_idmap_del(&ctx->rkeys, mr->pub.rkey);
+	pthread_mutex_unlock(&ctx->lock);
+	ibk_obj_del(ctx, &mr->obj);
+	free(mr);
+	return 0;
+}
+
+IBK_EXPORT int ibv_rereg_mr(struct ibv_mr *mr, int flags, struct ibv_pd *pd, void *addr, size_t len, int access)
+{
+	(void)mr, (void)flags, (void)pd, (void)addr, (void)len, (void)access;
+	ibk_unsupported("ibv_rereg_mr");
+	return EOPNOTSUPP;
+}
+
+IBK_EXPORT struct ibv_mr *ibv_reg_dmabuf_mr(struct ibv_pd *pd, uint64_t off, size_t len, uint64_t iova, int fd,
+					    int access)
+{
+	(void)pd, (void)off, (void)len, (void)iova, (void)fd, (void)access;
+	ibk_unsupported("ibv_reg_dmabuf_mr");
+	return NULL;
+}
+
+IBK_EXPORT struct ibv_pd *ibv_import_pd(struct ibv_context *c, uint32_t h)
+{
+	(void)c, (void)h;
+	ibk_unsupported("ibv_import_pd");
+	return NULL;
+}
+
+IBK_EXPORT struct ibv_mr *ibv_import_mr(struct ibv_pd *pd, uint32_t h)
+{
+	(void)pd, (void)h;
+	ibk_unsupported("ibv_import_mr");
+	return NULL;
+}
+
+IBK_EXPORT int ibv_attach_mcast(struct ibv_qp *qp, const union ibv_gid *gid, uint16_t lid)
+{
+	(void)qp, (void)gid, (void)lid;
+	ibk_unsupported("ibv_attach_mcast");
+	return EOPNOTSUPP;
+}
+
+IBK_EXPORT int ibv_detach_mcast(struct ibv_qp *qp, const union ibv_gid *gid, uint16_t lid)
+{
+	(void)qp, (void)gid, (void)lid;
+	ibk_unsupported("ibv_detach_mcast");
+	return EOPNOTSUPP;
+}
+
+IBK_EXPORT struct ibv_qp_ex *ibv_qp_to_qp_ex(struct ibv_qp *qp)
+{
+	(void)qp;
+	ibk_unsupported("ibv_qp_to_qp_ex (the ibv_wr_* send API)");
+	return NULL;
+}
+
+IBK_EXPORT int ibv_resize_cq(struct ibv_cq *cq, int cqe)
+{
+	(void)cq, (void)cqe;
+	ibk_unsupported("ibv_resize_cq");
+	return EOPNOTSUPP;
+}

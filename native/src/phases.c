@@ -1,0 +1,810 @@
+/* The checkpoint phases: quiesce, drain, release, rebuild, resume, abort.
+ * They run on the control thread, one at a time, each bounded by a timeout,
+ * and each writes a one-line JSON report. */
+#include <dirent.h>
+#include <errno.h>
+#include <stdarg.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "shim.h"
+#include "ibckpt.h"
+
+static enum ibk_phase phase = IBK_RUNNING;
+static pthread_mutex_t phase_lock = PTHREAD_MUTEX_INITIALIZER;
+static uint64_t last_epoch;
+static unsigned long checkpoints_done;
+
+const char *ibk_phase_name(enum ibk_phase p)
+{
+	static const char *const names[] = {"running", "quiesced", "drained", "released", "rebuilt"};
+
+	return names[p];
+}
+
+enum ibk_phase ibk_phase_now(void)
+{
+	return phase;
+}
+
+static long ms_now(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* Append to a report buffer, never overflowing it. */
+static void jcat(char *out, size_t len, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static void jcat(char *out, size_t len, const char *fmt, ...)
+{
+	size_t n = strlen(out);
+	va_list ap;
+
+	if (n + 1 >= len)
+		return;
+	va_start(ap, fmt);
+	vsnprintf(out + n, len - n, fmt, ap);
+	va_end(ap);
+}
+
+#define FOR_EACH_CTX(ctx) for (ctx = ibk_ctx_list; ctx; ctx = ctx->next_ctx)
+#define FOR_EACH_OBJ(ctx, o) for (o = (ctx)->head.next; o != &(ctx)->head; o = o->next)
+#define FOR_EACH_OBJ_REV(ctx, o, p) for (o = (ctx)->head.prev, p = o->prev; o != &(ctx)->head; o = p, p = o->prev)
+
+static void report_qps(char *out, size_t len)
+{
+	struct ibk_ctx *ctx;
+	struct ibk_obj *o;
+	int first = 1;
+
+	jcat(out, len, "\"qps\":[");
+	FOR_EACH_CTX(ctx)
+	FOR_EACH_OBJ(ctx, o)
+	{
+		struct ibk_qp *qp;
+
+		if (o->kind != IBK_QP)
+			continue;
+		qp = IBK_OBJ(o, ibk_qp);
+		jcat(out, len,
+		     "%s{\"qpn\":%u,\"real_qpn\":%d,\"type\":%d,\"state\":%d,\"sends_posted\":%llu,"
+		     "\"sends_completed\":%llu,\"consumers_done\":%llu,\"recvs_posted\":%llu,"
+		     "\"recvs_completed\":%llu,\"rdma_inflight\":%llu,\"atomic_inflight\":%llu,"
+		     "\"logged_sends\":%u,\"logged_recvs\":%u,\"reposted\":%llu,\"synthesized\":%llu}",
+		     first ? "" : ",", qp->vqpn, qp->real ? (int)qp->real->qp_num : -1, qp->pub.qp_type, qp->state,
+		     (unsigned long long)qp->cnt.sends_posted, (unsigned long long)qp->cnt.sends_completed,
+		     (unsigned long long)qp->cnt.consumers_done, (unsigned long long)qp->cnt.recvs_posted,
+		     (unsigned long long)qp->cnt.recvs_completed, (unsigned long long)qp->cnt.rdma_inflight,
+		     (unsigned long long)qp->cnt.atomic_inflight, ibk_sendlog_count(&qp->slog), qp->rlog.live,
+		     (unsigned long long)qp->cnt.reposted, (unsigned long long)qp->cnt.synthesized);
+		first = 0;
+	}
+	jcat(out, len, "]");
+}
+
+static void report_begin(char *out, size_t len, const char *name, int ok, long t0)
+{
+	out[0] = 0;
+	jcat(out, len, "{\"phase\":\"%s\",\"ok\":%s,\"ms\":%ld,\"state\":\"%s\"", name, ok ? "true" : "false",
+	     ms_now() - t0, ibk_phase_name(phase));
+}
+
+/* ---- quiesce ----------------------------------------------------------------- */
+
+int ibk_do_quiesce(int timeout_ms, char *out, size_t len)
+{
+	long t0 = ms_now();
+	int rc;
+
+	if (phase != IBK_RUNNING) {
+		report_begin(out, len, "quiesce", 0, t0);
+		jcat(out, len, ",\"error\":\"not running\"}");
+		return -EINVAL;
+	}
+	rc = ibk_hooks_wait_critical(timeout_ms);
+	if (rc) {
+		report_begin(out, len, "quiesce", 0, t0);
+		jcat(out, len, ",\"error\":\"a library critical section stayed open\"}");
+		return rc;
+	}
+	ibk_hooks_notify(IBCKPT_EV_QUIESCE);
+	ibk_chan_wake_all(1); /* threads blocked in ibv_get_cq_event come back to the gate */
+	rc = ibk_gate_close(timeout_ms - (int)(ms_now() - t0));
+	if (rc) {
+		long inside = atomic_load(&ibk_gate_inside);
+
+		ibk_gate_open();
+		ibk_chan_wake_all(0);
+		ibk_hooks_notify(IBCKPT_EV_RESUME);
+		report_begin(out, len, "quiesce", 0, t0);
+		jcat(out, len, ",\"error\":\"threads still inside verbs\",\"inside\":%ld}", inside);
+		return rc;
+	}
+	phase = IBK_QUIESCED;
+	report_begin(out, len, "quiesce", 1, t0);
+	jcat(out, len, "}");
+	return 0;
+}
+
+/* ---- drain ------------------------------------------------------------------- */
+
+/* Post a flag WR where trailing unsignaled sends would otherwise never
+ * report completion. */
+static int drain_post_flags(void)
+{
+	struct ibk_ctx *ctx;
+	struct ibk_obj *o;
+	int n = 0;
+
+	FOR_EACH_CTX(ctx)
+	FOR_EACH_OBJ(ctx, o)
+	{
+		struct ibk_qp *qp;
+		struct ibk_swr *tail;
+
+		if (o->kind != IBK_QP)
+			continue;
+		qp = IBK_OBJ(o, ibk_qp);
+		if (qp->state != IBV_QPS_RTS || qp->flag_outstanding || qp->pub.qp_type != IBV_QPT_RC)
+			continue;
+		pthread_mutex_lock(&qp->lock);
+		tail = ibk_sendlog_count(&qp->slog) ? ibk_sendlog_at(&qp->slog, qp->slog.tail - 1) : NULL;
+		if (tail && !(tail->flags & IBK_SWR_SIGNALED) && !ibk_qp_post_flag(qp))
+			n++;
+		pthread_mutex_unlock(&qp->lock);
+	}
+	return n;
+}
+
+/* One pass over every real CQ and channel; returns completions moved. */
+static int drain_pass(void)
+{
+	struct ibk_ctx *ctx;
+	struct ibk_obj *o;
+	int n = 0;
+
+	FOR_EACH_CTX(ctx)
+	FOR_EACH_OBJ(ctx, o)
+	{
+		if (o->kind == IBK_CQ && IBK_OBJ(o, ibk_cq)->real)
+			n += ibk_cq_drain_real(IBK_OBJ(o, ibk_cq));
+		else if (o->kind == IBK_CHAN)
+			ibk_chan_drain_real(IBK_OBJ(o, ibk_chan));
+	}
+	return n;
+}
+
+static uint32_t pending_sends(void)
+{
+	struct ibk_ctx *ctx;
+	struct ibk_obj *o;
+	uint32_t n = 0;
+
+	FOR_EACH_CTX(ctx)
+	FOR_EACH_OBJ(ctx, o)
+	if (o->kind == IBK_QP && IBK_OBJ(o, ibk_qp)->state >= IBV_QPS_RTS)
+		n += ibk_sendlog_count(&IBK_OBJ(o, ibk_qp)->slog);
+	return n;
+}
+
+int ibk_do_drain(int timeout_ms, char *out, size_t len)
+{
+	long t0 = ms_now();
+	int flags, moved = 0;
+	uint32_t pending;
+
+	if (phase != IBK_QUIESCED) {
+		report_begin(out, len, "drain", 0, t0);
+		jcat(out, len, ",\"error\":\"not quiesced\"}");
+		return -EINVAL;
+	}
+	pthread_mutex_lock(&ibk_ctx_lock);
+	flags = drain_post_flags();
+	for (;;) {
+		moved += drain_pass();
+		pending = pending_sends();
+		if (!pending || ms_now() - t0 > timeout_ms)
+			break;
+		usleep(500);
+	}
+	phase = IBK_DRAINED;
+	report_begin(out, len, "drain", 1, t0);
+	/* Sends still pending are settled at rebuild by the peers' counters. */
+	jcat(out, len, ",\"flag_wrs\":%d,\"moved\":%d,\"pending_sends\":%u,", flags, moved, pending);
+	report_qps(out, len);
+	jcat(out, len, "}");
+	pthread_mutex_unlock(&ibk_ctx_lock);
+	return 0;
+}
+
+/* ---- release ----------------------------------------------------------------- */
+
+static int count_device_fds(int *maps)
+{
+	char path[300], link[256];
+	DIR *d = opendir("/proc/self/fd");
+	struct dirent *de;
+	FILE *f;
+	int n = 0;
+
+	while (d && (de = readdir(d))) {
+		ssize_t l;
+
+		snprintf(path, sizeof(path), "/proc/self/fd/%s", de->d_name);
+		l = readlink(path, link, sizeof(link) - 1);
+		if (l > 0) {
+			link[l] = 0;
+			if (!strncmp(link, "/dev/infiniband/", 16))
+				n++;
+		}
+	}
+	if (d)
+		closedir(d);
+	*maps = 0;
+	f = fopen("/proc/self/maps", "r");
+	while (f && fgets(link, sizeof(link), f))
+		if (strstr(link, "/dev/infiniband/"))
+			(*maps)++;
+	if (f)
+		fclose(f);
+	return n;
+}
+
+static void release_flush_qps(struct ibk_ctx *ctx)
+{
+	struct ibk_obj *o;
+
+	FOR_EACH_OBJ(ctx, o)
+	{
+		struct ibk_qp *qp;
+		struct ibv_qp_attr a;
+
+		if (o->kind != IBK_QP)
+			continue;
+		qp = IBK_OBJ(o, ibk_qp);
+		qp->releasing = 1;
+		if (qp->state == IBV_QPS_RESET || !qp->real)
+			continue;
+		/* ERR stops the QP accepting packets, so the final poll below
+		 * sees every receive that will ever be counted. */
+		memset(&a, 0, sizeof(a));
+		a.qp_state = IBV_QPS_ERR;
+		if (ibk_real.modify_qp(qp->real, &a, IBV_QP_STATE))
+			ibk_log("release: QP %u to ERR failed", qp->vqpn);
+	}
+}
+
+static int release_destroy(struct ibk_ctx *ctx)
+{
+	struct ibk_obj *o, *p;
+	int errs = 0;
+
+	FOR_EACH_OBJ_REV(ctx, o, p)
+	{
+		int rc = 0;
+
+		switch (o->kind) {
+		case IBK_AH:
+			rc = ibk_real.destroy_ah(IBK_OBJ(o, ibk_ah)->real);
+			IBK_OBJ(o, ibk_ah)->real = NULL;
+			break;
+		case IBK_QP: {
+			struct ibk_qp *qp = IBK_OBJ(o, ibk_qp);
+
+			pthread_mutex_lock(&ctx->lock);
+			ibk_idmap_del(&ctx->rqpns, qp->real->qp_num);
+			pthread_mutex_unlock(&ctx->lock);
+			rc = ibk_real.destroy_qp(qp->real);
+			qp->real = NULL;
+			qp->flag_outstanding = 0;
+			break;
+		}
+		case IBK_SRQ:
+			rc = ibk_real.destroy_srq(IBK_OBJ(o, ibk_srq)->real);
+			IBK_OBJ(o, ibk_srq)->real = NULL;
+			break;
+		case IBK_CQ:
+			rc = ibk_real.destroy_cq(IBK_OBJ(o, ibk_cq)->real);
+			IBK_OBJ(o, ibk_cq)->real = NULL;
+			break;
+		case IBK_CHAN:
+			rc = ibk_chan_release_real(IBK_OBJ(o, ibk_chan));
+			break;
+		case IBK_MR:
+			rc = ibk_real.dereg_mr(IBK_OBJ(o, ibk_mr)->real);
+			IBK_OBJ(o, ibk_mr)->real = NULL;
+			break;
+		case IBK_PD:
+			rc = ibk_real.dealloc_pd(IBK_OBJ(o, ibk_pd)->real);
+			IBK_OBJ(o, ibk_pd)->real = NULL;
+			break;
+		}
+		if (rc) {
+			ibk_log("release: destroying a kind-%d object failed: %d", o->kind, rc);
+			errs++;
+		}
+	}
+	if (ibk_real.close_device(ctx->real))
+		errs++;
+	ctx->real = NULL;
+	return errs;
+}
+
+int ibk_do_release(int timeout_ms, char *out, size_t len)
+{
+	long t0 = ms_now(), quiet_since;
+	struct ibk_ctx *ctx;
+	int errs = 0, fds, maps, late = 0;
+
+	if (phase != IBK_DRAINED) {
+		report_begin(out, len, "release", 0, t0);
+		jcat(out, len, ",\"error\":\"not drained\"}");
+		return -EINVAL;
+	}
+	pthread_mutex_lock(&ibk_ctx_lock);
+	FOR_EACH_CTX(ctx)
+	release_flush_qps(ctx);
+	/* Collect what the QPs finished before ERR, until the CQs stay quiet. */
+	quiet_since = ms_now();
+	while (ms_now() - quiet_since < 20 && ms_now() - t0 < timeout_ms) {
+		int n = drain_pass();
+
+		late += n;
+		if (n)
+			quiet_since = ms_now();
+		usleep(1000);
+	}
+	FOR_EACH_CTX(ctx)
+	errs += release_destroy(ctx);
+	pthread_mutex_unlock(&ibk_ctx_lock);
+	fds = count_device_fds(&maps);
+	phase = IBK_RELEASED;
+	report_begin(out, len, "release", errs == 0 && fds == 0 && maps == 0, t0);
+	jcat(out, len, ",\"late_completions\":%d,\"errors\":%d,\"device_fds\":%d,\"device_maps\":%d,", late, errs,
+	     fds, maps);
+	pthread_mutex_lock(&ibk_ctx_lock);
+	report_qps(out, len);
+	pthread_mutex_unlock(&ibk_ctx_lock);
+	jcat(out, len, "}");
+	return errs || fds || maps ? -EIO : 0;
+}
+
+/* ---- rebuild ------------------------------------------------------------------ */
+
+static int rebuild_open(struct ibk_ctx *ctx)
+{
+	const char *want = getenv("IBCKPT_DEVICE");
+	struct ibv_device **list;
+	int i, n;
+
+	list = ibk_real.get_device_list(&n);
+	if (!list)
+		return -ENODEV;
+	for (i = 0; i < n && !ctx->real; i++)
+		if (!strcmp(ibk_real.get_device_name(list[i]), want && *want ? want : ctx->dev_name))
+			ctx->real = ibk_real.open_device(list[i]);
+	/* otherwise any device with a port like ours */
+	for (i = 0; i < n && !ctx->real; i++)
+		ctx->real = ibk_real.open_device(list[i]);
+	ibk_real.free_device_list(list);
+	if (!ctx->real)
+		return -ENODEV;
+	ctx->port_gid_valid = 0;
+	return ibk_ctx_read_port(ctx);
+}
+
+static int replay_mods(struct ibk_qp *qp, int from, int upto_init)
+{
+	int i;
+
+	for (i = from; i < qp->nmods; i++) {
+		int rc = ibk_qp_modify_real(qp, &qp->mods[i], qp->mod_masks[i], 1);
+
+		if (rc)
+			return -rc;
+		if (upto_init && (qp->mod_masks[i] & IBV_QP_STATE) && qp->mods[i].qp_state == IBV_QPS_INIT)
+			return i + 1;
+	}
+	return i;
+}
+
+static int repost_recvs(struct ibk_recvlog *log, struct ibk_qp *qp, struct ibk_srq *srq)
+{
+	struct ibk_rwr **v;
+	uint32_t n, i;
+	int rc = 0;
+
+	if (!log->live)
+		return 0;
+	v = calloc(log->live, sizeof(*v));
+	if (!v)
+		return -ENOMEM;
+	n = ibk_recvlog_ordered(log, v, log->live);
+	for (i = 0; i < n && !rc; i++)
+		rc = qp ? ibk_qp_post_logged_recv(qp, v[i]) : ibk_srq_post_logged_recv(srq, v[i]);
+	free(v);
+	return rc;
+}
+
+static int rebuild_objects(struct ibk_ctx *ctx)
+{
+	struct ibk_obj *o;
+	int rc = 0;
+
+	FOR_EACH_OBJ(ctx, o)
+	{
+		switch (o->kind) {
+		case IBK_PD: {
+			struct ibk_pd *pd = IBK_OBJ(o, ibk_pd);
+
+			pd->real = ibk_real.alloc_pd(ctx->real);
+			rc = pd->real ? 0 : -ENOMEM;
+			break;
+		}
+		case IBK_MR:
+			rc = ibk_mr_register_real(IBK_OBJ(o, ibk_mr));
+			break;
+		case IBK_CHAN:
+			rc = ibk_chan_create_real(IBK_OBJ(o, ibk_chan), IBK_OBJ(o, ibk_chan)->pub.fd);
+			break;
+		case IBK_CQ:
+			rc = ibk_cq_create_real(IBK_OBJ(o, ibk_cq));
+			break;
+		case IBK_SRQ: {
+			struct ibk_srq *srq = IBK_OBJ(o, ibk_srq);
+
+			rc = ibk_srq_create_real(srq);
+			if (!rc)
+				rc = repost_recvs(&srq->rlog, NULL, srq);
+			break;
+		}
+		case IBK_QP: {
+			struct ibk_qp *qp = IBK_OBJ(o, ibk_qp);
+			int done;
+
+			if (qp->mods_overflow) {
+				rc = -E2BIG;
+				break;
+			}
+			rc = ibk_qp_create_real(qp);
+			if (rc)
+				break;
+			qp->releasing = 0;
+			qp->psn_base = 0;
+			pthread_mutex_lock(&ctx->lock);
+			ibk_idmap_put(&ctx->qpns, qp->vqpn, qp->real->qp_num);
+			pthread_mutex_unlock(&ctx->lock);
+			/* Receives go in before the peer can send: INIT first. */
+			done = replay_mods(qp, 0, 1);
+			if (done < 0) {
+				rc = done;
+				break;
+			}
+			qp->mods_done = done;
+			if (!qp->srq && qp->state >= IBV_QPS_INIT)
+				rc = repost_recvs(&qp->rlog, qp, NULL);
+			break;
+		}
+		case IBK_AH:
+			break; /* after the peers are known */
+		}
+		if (rc) {
+			ibk_log("rebuild: kind-%d object failed: %d", o->kind, rc);
+			return rc;
+		}
+	}
+	return 0;
+}
+
+static int publish_qps(struct ibk_ctx *ctx, uint64_t epoch)
+{
+	struct ibk_obj *o;
+	size_t vlen = 64 + 24 * (ctx->rkeys.live + 1);
+	char *val = malloc(vlen);
+
+	if (!val)
+		return -ENOMEM;
+	FOR_EACH_OBJ(ctx, o)
+	{
+		struct ibk_qp *qp;
+		int g;
+
+		if (o->kind != IBK_QP)
+			continue;
+		qp = IBK_OBJ(o, ibk_qp);
+		for (g = 0; g < 4; g++) {
+			char key[128], vhex[40], rhex[40], head[128];
+			size_t i;
+			int rc;
+
+			if (!(ctx->port_gid_valid & (1u << g)))
+				continue;
+			ibk_gid_hex(&ctx->vgid[g], vhex);
+			ibk_gid_hex(&ctx->rgid[g], rhex);
+			snprintf(head, sizeof(head), "%s %u %u", rhex, ctx->rlid, qp->real->qp_num);
+			snprintf(key, sizeof(key), "map/%s/%u", vhex, qp->vqpn);
+			rc = ibk_coord_put(key, head);
+			if (rc)
+				goto fail;
+			snprintf(val, vlen, "%s %llu %zu", head, (unsigned long long)qp->cnt.recvs_completed,
+				 ctx->rkeys.live);
+			for (i = 0; i < ctx->rkeys.cap; i++)
+				if (ctx->rkeys.used[i] == 1)
+					snprintf(val + strlen(val), vlen - strlen(val), " %x:%x", ctx->rkeys.keys[i],
+						 ctx->rkeys.vals[i]);
+			snprintf(key, sizeof(key), "e%llu/qp/%s/%u", (unsigned long long)epoch, vhex, qp->vqpn);
+			rc = ibk_coord_put(key, val);
+			if (rc)
+				goto fail;
+		}
+	}
+	free(val);
+	return 0;
+fail:
+	free(val);
+	return -ECONNREFUSED;
+}
+
+static int fetch_peer(struct ibk_qp *qp, uint64_t epoch, int timeout_ms)
+{
+	char key[128], hex[40], rg[40], *val, *p;
+	unsigned int lid, rqpn;
+	unsigned long long recvs;
+	size_t nk, i;
+	int off, rc;
+	struct ibk_peer_map pm;
+	size_t vlen = 1 << 20;
+
+	ibk_gid_hex(&qp->peer.vgid, hex);
+	snprintf(key, sizeof(key), "e%llu/qp/%s/%u", (unsigned long long)epoch, hex, qp->peer.vqpn);
+	val = malloc(vlen);
+	if (!val)
+		return -ENOMEM;
+	rc = ibk_coord_get(key, val, vlen, timeout_ms);
+	if (rc) {
+		ibk_log("rebuild: no record of peer %s/%u: %d", hex, qp->peer.vqpn, rc);
+		free(val);
+		return -ETIMEDOUT;
+	}
+	if (sscanf(val, "%39s %u %u %llu %zu%n", rg, &lid, &rqpn, &recvs, &nk, &off) != 5 ||
+	    ibk_gid_parse(rg, &qp->peer.rgid)) {
+		free(val);
+		return -EPROTO;
+	}
+	qp->peer.rlid = (uint16_t)lid;
+	qp->peer.rqpn = rqpn;
+	qp->peer.recvs_completed = recvs;
+	p = val + off;
+	for (i = 0; i < nk; i++) {
+		unsigned int v, r;
+		int used;
+
+		if (sscanf(p, " %x:%x%n", &v, &r, &used) != 2)
+			break;
+		ibk_idmap_put(&qp->peer.rkeys, v, r);
+		p += used;
+	}
+	qp->peer.rkeys_translate = 1;
+	free(val);
+	pm.vgid = qp->peer.vgid;
+	pm.rgid = qp->peer.rgid;
+	pm.vqpn = qp->peer.vqpn;
+	pm.rqpn = rqpn;
+	pm.vlid = qp->peer.vlid;
+	pm.rlid = qp->peer.rlid;
+	ibk_peers_put(&pm);
+	return 0;
+}
+
+/* Settle the send log against the peer's count, then reconnect and post
+ * exactly the sends the peer never executed. */
+static int rebuild_settle_qp(struct ibk_qp *qp)
+{
+	uint32_t n, i, *flags;
+	uint8_t *verdict;
+	int unknown = 0, rc = 0;
+
+	pthread_mutex_lock(&qp->lock);
+	/* the flag WR is always last: it is re-posted at the next drain if needed */
+	while (ibk_sendlog_count(&qp->slog) &&
+	       (ibk_sendlog_at(&qp->slog, qp->slog.tail - 1)->flags & IBK_SWR_FLAG_WR))
+		ibk_sendlog_unpush(&qp->slog);
+	n = ibk_sendlog_count(&qp->slog);
+	flags = calloc(n + 1, sizeof(*flags));
+	verdict = calloc(n + 1, 1);
+	if (!flags || !verdict) {
+		rc = -ENOMEM;
+		goto out;
+	}
+	for (i = 0; i < n; i++)
+		flags[i] = ibk_sendlog_at(&qp->slog, qp->slog.head + i)->flags;
+	if (qp->pub.qp_type == IBV_QPT_RC && qp->peer.valid) {
+		unknown = ibk_plan_resend(flags, n, qp->peer.recvs_completed, qp->cnt.consumers_done, verdict);
+		if (unknown) {
+			ibk_log("rebuild: QP %u: cannot settle %d sends (peer recvs %llu, ours done %llu)", qp->vqpn,
+				unknown, (unsigned long long)qp->peer.recvs_completed,
+				(unsigned long long)qp->cnt.consumers_done);
+			rc = -EPROTO;
+			goto out;
+		}
+	} else {
+		memset(verdict, IBK_V_REPOST, n);
+	}
+	/* DELIVERED entries form a prefix: complete them for the app. */
+	for (i = 0; i < n && verdict[i] == IBK_V_DELIVERED; i++) {
+		struct ibk_swr *e = ibk_sendlog_at(&qp->slog, qp->slog.head);
+
+		if (e->flags & IBK_SWR_SIGNALED) {
+			ibk_cq_synthesize(qp, e);
+			qp->cnt.synthesized++;
+		}
+		ibk_sendlog_retire_to(&qp->slog, e->seq, &qp->cnt);
+	}
+	rc = replay_mods(qp, qp->mods_done, 0);
+	if (rc < 0)
+		goto out;
+	rc = 0;
+	n = ibk_sendlog_count(&qp->slog);
+	for (i = 0; i < n && !rc; i++) {
+		rc = ibk_qp_post_logged_send(qp, ibk_sendlog_at(&qp->slog, qp->slog.head + i));
+		qp->cnt.reposted++;
+	}
+	if (rc)
+		rc = -rc;
+out:
+	pthread_mutex_unlock(&qp->lock);
+	free(flags);
+	free(verdict);
+	return rc;
+}
+
+int ibk_do_rebuild(uint64_t epoch, int timeout_ms, char *out, size_t len)
+{
+	long t0 = ms_now();
+	struct ibk_ctx *ctx;
+	struct ibk_obj *o;
+	int rc = 0;
+	const char *step = "open";
+
+	if (phase != IBK_RELEASED) {
+		report_begin(out, len, "rebuild", 0, t0);
+		jcat(out, len, ",\"error\":\"not released\"}");
+		return -EINVAL;
+	}
+	if (!ibk_coord_configured()) {
+		report_begin(out, len, "rebuild", 0, t0);
+		jcat(out, len, ",\"error\":\"IBCKPT_COORD is not set\"}");
+		return -ENOTCONN;
+	}
+	pthread_mutex_lock(&ibk_ctx_lock);
+	atomic_store(&ibk_translating, 1);
+	FOR_EACH_CTX(ctx)
+	{
+		ctx->translate = 1;
+		rc = rebuild_open(ctx);
+		if (rc)
+			goto out;
+		step = "objects";
+		rc = rebuild_objects(ctx);
+		if (rc)
+			goto out;
+		step = "publish";
+		rc = publish_qps(ctx, epoch);
+		if (rc)
+			goto out;
+	}
+	step = "peers";
+	FOR_EACH_CTX(ctx)
+	FOR_EACH_OBJ(ctx, o)
+	{
+		struct ibk_qp *qp;
+
+		if (o->kind != IBK_QP)
+			continue;
+		qp = IBK_OBJ(o, ibk_qp);
+		if (qp->peer.valid && qp->pub.qp_type != IBV_QPT_UD) {
+			rc = fetch_peer(qp, epoch, timeout_ms - (int)(ms_now() - t0));
+			if (rc)
+				goto out;
+		}
+	}
+	step = "settle";
+	FOR_EACH_CTX(ctx)
+	FOR_EACH_OBJ(ctx, o)
+	{
+		if (o->kind == IBK_QP) {
+			rc = rebuild_settle_qp(IBK_OBJ(o, ibk_qp));
+			if (rc)
+				goto out;
+		} else if (o->kind == IBK_AH) {
+			rc = ibk_ah_create_real(IBK_OBJ(o, ibk_ah));
+			if (rc)
+				goto out;
+		} else if (o->kind == IBK_CQ) {
+			struct ibk_cq *cq = IBK_OBJ(o, ibk_cq);
+
+			if (cq->armed)
+				cq->real->context->ops.req_notify_cq(cq->real, cq->solicited);
+		}
+	}
+	last_epoch = epoch;
+	phase = IBK_REBUILT;
+out:
+	report_begin(out, len, "rebuild", rc == 0, t0);
+	if (rc)
+		jcat(out, len, ",\"error\":\"%s failed: %s\"", step, strerror(-rc));
+	jcat(out, len, ",\"epoch\":%llu,", (unsigned long long)epoch);
+	report_qps(out, len);
+	jcat(out, len, "}");
+	pthread_mutex_unlock(&ibk_ctx_lock);
+	return rc;
+}
+
+/* ---- resume / abort / status ------------------------------------------------ */
+
+int ibk_do_resume(char *out, size_t len)
+{
+	long t0 = ms_now();
+
+	if (phase != IBK_REBUILT && phase != IBK_QUIESCED && phase != IBK_DRAINED) {
+		report_begin(out, len, "resume", 0, t0);
+		jcat(out, len, ",\"error\":\"nothing to resume from\"}");
+		return -EINVAL;
+	}
+	if (phase == IBK_REBUILT)
+		checkpoints_done++;
+	phase = IBK_RUNNING;
+	ibk_chan_wake_all(0);
+	ibk_gate_open();
+	ibk_hooks_notify(IBCKPT_EV_RESUME);
+	report_begin(out, len, "resume", 1, t0);
+	jcat(out, len, "}");
+	return 0;
+}
+
+int ibk_do_abort(char *out, size_t len)
+{
+	char tmp[256];
+
+	if (phase == IBK_RELEASED) {
+		/* the resources are gone: only a rebuild (with the peers) helps */
+		snprintf(out, len, "{\"phase\":\"abort\",\"ok\":false,\"state\":\"released\","
+				   "\"error\":\"released: send rebuild, then resume\"}");
+		return -EINVAL;
+	}
+	if (phase != IBK_RUNNING && ibk_do_resume(tmp, sizeof(tmp))) {
+		snprintf(out, len, "{\"phase\":\"abort\",\"ok\":false,\"error\":\"resume failed\"}");
+		return -EINVAL;
+	}
+	snprintf(out, len, "{\"phase\":\"abort\",\"ok\":true,\"state\":\"running\"}");
+	return 0;
+}
+
+int ibk_do_status(char *out, size_t len)
+{
+	out[0] = 0;
+	pthread_mutex_lock(&ibk_ctx_lock);
+	jcat(out, len,
+	     "{\"proto\":%d,\"pid\":%d,\"state\":\"%s\",\"epoch\":%llu,\"checkpoints\":%lu,"
+	     "\"gate_closed\":%d,\"inside\":%ld,",
+	     IBCKPT_PROTO_VERSION, (int)getpid(), ibk_phase_name(phase), (unsigned long long)last_epoch,
+	     checkpoints_done, atomic_load(&ibk_gate_closed), atomic_load(&ibk_gate_inside));
+	report_qps(out, len);
+	jcat(out, len, "}");
+	pthread_mutex_unlock(&ibk_ctx_lock);
+	return 0;
+}
+
+int ibk_phase_lock(void)
+{
+	return pthread_mutex_lock(&phase_lock);
+}
+
+int ibk_phase_unlock(void)
+{
+	return pthread_mutex_unlock(&phase_lock);
+}

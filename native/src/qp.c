@@ -1,0 +1,551 @@
+/* Queue pairs: creation with a reserved flag slot, logged modify_qp with
+ * virtual-id translation, and the logged post_send / post_recv fast paths. */
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "shim.h"
+
+static inline uint32_t lkey_real(struct ibk_ctx *ctx, uint32_t v)
+{
+	uint32_t r;
+
+	if (!ctx->translate || ibk_idmap_get(&ctx->lkeys, v, &r))
+		return v;
+	return r;
+}
+
+static inline uint32_t rkey_real(struct ibk_qp *qp, uint32_t v)
+{
+	uint32_t r;
+
+	if (!qp->peer.rkeys_translate || ibk_idmap_get(&qp->peer.rkeys, v, &r))
+		return v;
+	return r;
+}
+
+static int is_consumer(enum ibv_wr_opcode op)
+{
+	return op == IBV_WR_SEND || op == IBV_WR_SEND_WITH_IMM || op == IBV_WR_RDMA_WRITE_WITH_IMM ||
+	       op == IBV_WR_SEND_WITH_INV;
+}
+
+int ibk_qp_post_logged_send(struct ibk_qp *qp, struct ibk_swr *e)
+{
+	struct ibk_ctx *ctx = qp->obj.ctx;
+	struct ibv_send_wr w = e->wr, *bad;
+	struct ibv_sge sge[IBK_MAX_SGE];
+	int i;
+
+	w.wr_id = (uintptr_t)e;
+	w.next = NULL;
+	if (e->wr.send_flags & IBV_SEND_INLINE) {
+		/* Replay needs the bytes, so the inline payload is sent from the
+		 * log's copy, which also frees the app's buffer at once. */
+		sge[0].addr = (uintptr_t)e->inline_buf;
+		sge[0].length = e->inline_len;
+		sge[0].lkey = 0;
+		w.sg_list = sge;
+		w.num_sge = e->inline_len ? 1 : 0;
+	} else {
+		for (i = 0; i < e->wr.num_sge; i++) {
+			sge[i] = e->sge[i];
+			sge[i].lkey = lkey_real(ctx, e->sge[i].lkey);
+		}
+		w.sg_list = sge;
+	}
+	switch (w.opcode) {
+	case IBV_WR_RDMA_WRITE:
+	case IBV_WR_RDMA_WRITE_WITH_IMM:
+	case IBV_WR_RDMA_READ:
+		if (!(e->flags & IBK_SWR_FLAG_WR))
+			w.wr.rdma.rkey = rkey_real(qp, e->wr.wr.rdma.rkey);
+		break;
+	case IBV_WR_ATOMIC_CMP_AND_SWP:
+	case IBV_WR_ATOMIC_FETCH_AND_ADD:
+		w.wr.atomic.rkey = rkey_real(qp, e->wr.wr.atomic.rkey);
+		break;
+	default:
+		break;
+	}
+	if (qp->pub.qp_type == IBV_QPT_UD) {
+		struct ibk_ah *ah = (struct ibk_ah *)e->wr.wr.ud.ah;
+
+		w.wr.ud.ah = ah->real;
+		if (atomic_load(&ibk_translating) && ah->attr.is_global) {
+			struct ibk_peer_map pm;
+
+			if (!ibk_peers_lookup(&ah->attr.grh.dgid, e->wr.wr.ud.remote_qpn, &pm) ||
+			    !ibk_peers_fetch(&ah->attr.grh.dgid, e->wr.wr.ud.remote_qpn, 0)) {
+				if (!ibk_peers_lookup(&ah->attr.grh.dgid, e->wr.wr.ud.remote_qpn, &pm))
+					w.wr.ud.remote_qpn = pm.rqpn;
+			}
+		}
+	}
+	return qp->real->context->ops.post_send(qp->real, &w, &bad);
+}
+
+int ibk_qp_post_flag(struct ibk_qp *qp)
+{
+	struct ibk_swr *e = ibk_sendlog_push(&qp->slog);
+	int rc;
+
+	if (!e)
+		return -ENOSPC;
+	memset(&e->wr, 0, sizeof(e->wr));
+	e->flags = IBK_SWR_FLAG_WR | IBK_SWR_SIGNALED;
+	e->wr.opcode = IBV_WR_RDMA_WRITE; /* zero length: needs no rkey (IBA C9-88) */
+	e->wr.send_flags = IBV_SEND_SIGNALED;
+	e->wr.num_sge = 0;
+	e->wr.sg_list = e->sge;
+	rc = ibk_qp_post_logged_send(qp, e);
+	if (rc) {
+		ibk_sendlog_unpush(&qp->slog);
+		return -rc;
+	}
+	qp->flag_outstanding = 1;
+	qp->flag_seq = e->seq;
+	return 0;
+}
+
+/* Copy one app WR into a log entry. */
+static int swr_fill(struct ibk_qp *qp, struct ibk_swr *e, const struct ibv_send_wr *w)
+{
+	int i;
+
+	if (w->num_sge < 0 || w->num_sge > IBK_MAX_SGE)
+		return EINVAL;
+	e->app_wr_id = w->wr_id;
+	e->wr = *w;
+	e->wr.next = NULL;
+	e->wr.sg_list = e->sge;
+	for (i = 0; i < w->num_sge; i++)
+		e->sge[i] = w->sg_list[i];
+	if (w->send_flags & IBV_SEND_INLINE) {
+		uint32_t len = 0;
+
+		for (i = 0; i < w->num_sge; i++) {
+			if (len + w->sg_list[i].length > qp->slog.max_inline)
+				return EINVAL;
+			memcpy(e->inline_buf + len, (void *)(uintptr_t)w->sg_list[i].addr, w->sg_list[i].length);
+			len += w->sg_list[i].length;
+		}
+		e->inline_len = len;
+	}
+	if ((w->send_flags & IBV_SEND_SIGNALED) || qp->init.sq_sig_all)
+		e->flags |= IBK_SWR_SIGNALED;
+	if (qp->pub.qp_type == IBV_QPT_RC && is_consumer(w->opcode))
+		e->flags |= IBK_SWR_CONSUMER;
+	if (w->opcode == IBV_WR_RDMA_WRITE || w->opcode == IBV_WR_RDMA_WRITE_WITH_IMM ||
+	    w->opcode == IBV_WR_RDMA_READ)
+		e->flags |= IBK_SWR_RDMA;
+	if (w->opcode == IBV_WR_ATOMIC_CMP_AND_SWP || w->opcode == IBV_WR_ATOMIC_FETCH_AND_ADD)
+		e->flags |= IBK_SWR_ATOMIC;
+	return 0;
+}
+
+int ibk_post_send(struct ibv_qp *q, struct ibv_send_wr *wr, struct ibv_send_wr **bad)
+{
+	struct ibk_qp *qp = (struct ibk_qp *)q;
+	int rc = 0;
+
+	ibk_enter();
+	pthread_mutex_lock(&qp->lock);
+	for (; wr; wr = wr->next) {
+		/* Keep the flag WR's slot free: the app sees one slot less. */
+		struct ibk_swr *e = ibk_sendlog_count(&qp->slog) + 1 < qp->slog.cap ? ibk_sendlog_push(&qp->slog)
+										     : NULL;
+
+		if (!e) {
+			rc = ENOMEM;
+			break;
+		}
+		rc = swr_fill(qp, e, wr);
+		if (!rc)
+			rc = ibk_qp_post_logged_send(qp, e);
+		if (rc) {
+			ibk_sendlog_unpush(&qp->slog);
+			break;
+		}
+		qp->cnt.sends_posted++;
+		if (e->flags & IBK_SWR_CONSUMER)
+			qp->cnt.consumers_posted++;
+		if (e->flags & IBK_SWR_RDMA)
+			qp->cnt.rdma_inflight++;
+		if (e->flags & IBK_SWR_ATOMIC)
+			qp->cnt.atomic_inflight++;
+	}
+	pthread_mutex_unlock(&qp->lock);
+	ibk_leave();
+	if (rc)
+		*bad = wr;
+	return rc;
+}
+
+static int post_real_recv(struct ibk_ctx *ctx, struct ibv_qp *rqp, struct ibv_srq *rsrq, struct ibk_rwr *e)
+{
+	struct ibv_recv_wr w, *bad;
+	struct ibv_sge sge[IBK_MAX_SGE];
+	int i;
+
+	for (i = 0; i < e->num_sge; i++) {
+		sge[i] = e->sge[i];
+		sge[i].lkey = lkey_real(ctx, e->sge[i].lkey);
+	}
+	w.wr_id = (uintptr_t)e;
+	w.next = NULL;
+	w.sg_list = sge;
+	w.num_sge = e->num_sge;
+	if (rsrq)
+		return rsrq->context->ops.post_srq_recv(rsrq, &w, &bad);
+	return rqp->context->ops.post_recv(rqp, &w, &bad);
+}
+
+int ibk_qp_post_logged_recv(struct ibk_qp *qp, struct ibk_rwr *e)
+{
+	return post_real_recv(qp->obj.ctx, qp->real, NULL, e);
+}
+
+int ibk_srq_post_logged_recv(struct ibk_srq *srq, struct ibk_rwr *e)
+{
+	return post_real_recv(srq->obj.ctx, NULL, srq->real, e);
+}
+
+/* Shared by QP and SRQ receive posting. */
+int ibk_post_recv_common(struct ibk_recvlog *log, pthread_mutex_t *lock, struct ibk_counters *cnt,
+			 struct ibk_qp *qp, struct ibk_srq *srq, struct ibv_recv_wr *wr, struct ibv_recv_wr **bad)
+{
+	int rc = 0, i;
+
+	ibk_enter();
+	pthread_mutex_lock(lock);
+	for (; wr; wr = wr->next) {
+		struct ibk_rwr *e;
+
+		if (wr->num_sge < 0 || wr->num_sge > IBK_MAX_SGE) {
+			rc = EINVAL;
+			break;
+		}
+		e = ibk_recvlog_take(log);
+		if (!e) {
+			rc = ENOMEM;
+			break;
+		}
+		e->app_wr_id = wr->wr_id;
+		e->num_sge = wr->num_sge;
+		for (i = 0; i < wr->num_sge; i++)
+			e->sge[i] = wr->sg_list[i];
+		rc = qp ? ibk_qp_post_logged_recv(qp, e) : ibk_srq_post_logged_recv(srq, e);
+		if (rc) {
+			ibk_recvlog_release(log, e);
+			break;
+		}
+		cnt->recvs_posted++;
+	}
+	pthread_mutex_unlock(lock);
+	ibk_leave();
+	if (rc)
+		*bad = wr;
+	return rc;
+}
+
+int ibk_post_recv(struct ibv_qp *q, struct ibv_recv_wr *wr, struct ibv_recv_wr **bad)
+{
+	struct ibk_qp *qp = (struct ibk_qp *)q;
+
+	if (qp->srq) {
+		*bad = wr;
+		return EINVAL;
+	}
+	return ibk_post_recv_common(&qp->rlog, &qp->rlock, &qp->cnt, qp, NULL, wr, bad);
+}
+
+/* ---- creation --------------------------------------------------------------- */
+
+int ibk_qp_create_real(struct ibk_qp *qp)
+{
+	struct ibv_qp_init_attr a = qp->init;
+	struct ibk_ctx *ctx = qp->obj.ctx;
+
+	a.send_cq = qp->scq->real;
+	a.recv_cq = qp->rcq->real;
+	a.srq = qp->srq ? qp->srq->real : NULL;
+	a.qp_context = qp;
+	a.cap.max_send_wr += 1; /* the flag WR's slot */
+	qp->real = ibk_real.create_qp(qp->pd->real, &a);
+	if (!qp->real)
+		return errno ? -errno : -EIO;
+	pthread_mutex_lock(&ctx->lock);
+	ibk_idmap_put(&ctx->rqpns, qp->real->qp_num, qp->slot);
+	pthread_mutex_unlock(&ctx->lock);
+	qp->real_cap = a.cap;
+	return 0;
+}
+
+static uint32_t qp_slot_take(struct ibk_ctx *ctx, struct ibk_qp *qp)
+{
+	uint32_t i;
+
+	pthread_mutex_lock(&ctx->lock);
+	if (!ctx->qp_slots)
+		ctx->qp_slots = calloc(IBK_MAX_QPS, sizeof(*ctx->qp_slots));
+	for (i = 0; ctx->qp_slots && i < IBK_MAX_QPS; i++)
+		if (!ctx->qp_slots[i]) {
+			ctx->qp_slots[i] = qp;
+			break;
+		}
+	pthread_mutex_unlock(&ctx->lock);
+	return i;
+}
+
+static struct ibv_qp *qp_create(struct ibv_pd *p, struct ibv_qp_init_attr *attr)
+{
+	struct ibk_pd *pd = (struct ibk_pd *)p;
+	struct ibk_ctx *ctx = pd->obj.ctx;
+	struct ibk_qp *qp;
+	uint32_t rcap;
+
+	if (attr->qp_type != IBV_QPT_RC && attr->qp_type != IBV_QPT_UD && attr->qp_type != IBV_QPT_UC) {
+		ibk_unsupported("ibv_create_qp of this QP type");
+		return NULL;
+	}
+	if (attr->cap.max_send_sge > IBK_MAX_SGE || attr->cap.max_recv_sge > IBK_MAX_SGE) {
+		ibk_log("ibv_create_qp: more than %d SGEs per WR is not supported", IBK_MAX_SGE);
+		errno = EINVAL;
+		return NULL;
+	}
+	qp = calloc(1, sizeof(*qp));
+	if (!qp)
+		return NULL;
+	qp->obj.ctx = ctx;
+	qp->pd = pd;
+	qp->scq = (struct ibk_cq *)attr->send_cq;
+	qp->rcq = (struct ibk_cq *)attr->recv_cq;
+	qp->srq = (struct ibk_srq *)attr->srq;
+	qp->init = *attr;
+	pthread_mutex_init(&qp->lock, NULL);
+	pthread_mutex_init(&qp->rlock, NULL);
+	if (ibk_idmap_init(&qp->peer.rkeys, 16))
+		goto fail;
+	qp->slot = qp_slot_take(ctx, qp);
+	if (qp->slot >= IBK_MAX_QPS)
+		goto fail;
+	ibk_enter();
+	if (ibk_qp_create_real(qp)) {
+		ibk_leave();
+		goto fail_slot;
+	}
+	ibk_leave();
+	/* What the provider granted, minus our slot, is what the app gets. */
+	attr->cap = qp->real_cap;
+	attr->cap.max_send_wr -= 1;
+	qp->init.cap = attr->cap;
+	if (ibk_sendlog_init(&qp->slog, qp->real_cap.max_send_wr, qp->real_cap.max_inline_data, &qp->obj))
+		goto fail_real;
+	rcap = qp->srq ? 1 : qp->real_cap.max_recv_wr;
+	if (ibk_recvlog_init(&qp->rlog, rcap ? rcap : 1, &qp->obj))
+		goto fail_real;
+	pthread_mutex_lock(&ctx->lock);
+	qp->vqpn = ibk_idmap_choose(&ctx->qpns, qp->real->qp_num, 0x800000u, 0xffffffu);
+	ibk_idmap_put(&ctx->qpns, qp->vqpn, qp->real->qp_num);
+	pthread_mutex_unlock(&ctx->lock);
+	qp->pub.context = p->context;
+	qp->pub.qp_context = attr->qp_context;
+	qp->pub.pd = p;
+	qp->pub.send_cq = attr->send_cq;
+	qp->pub.recv_cq = attr->recv_cq;
+	qp->pub.srq = attr->srq;
+	qp->pub.handle = qp->real->handle;
+	qp->pub.qp_num = qp->vqpn;
+	qp->pub.state = IBV_QPS_RESET;
+	qp->pub.qp_type = attr->qp_type;
+	pthread_mutex_init(&qp->pub.mutex, NULL);
+	pthread_cond_init(&qp->pub.cond, NULL);
+	ibk_obj_add(ctx, &qp->obj, IBK_QP);
+	IBK_DBG("QP %u created (real %u)", qp->vqpn, qp->real->qp_num);
+	return &qp->pub;
+fail_real:
+	ibk_real.destroy_qp(qp->real);
+fail_slot:
+	ctx->qp_slots[qp->slot] = NULL;
+fail:
+	ibk_idmap_fini(&qp->peer.rkeys);
+	ibk_sendlog_fini(&qp->slog);
+	free(qp);
+	return NULL;
+}
+
+IBK_EXPORT struct ibv_qp *ibv_create_qp(struct ibv_pd *pd, struct ibv_qp_init_attr *attr)
+{
+	return qp_create(pd, attr);
+}
+
+struct ibv_qp *ibk_create_qp_ex(struct ibv_context *c, struct ibv_qp_init_attr_ex *ax)
+{
+	struct ibv_qp_init_attr a;
+	struct ibv_qp *qp;
+
+	(void)c;
+	if ((ax->comp_mask & ~(uint32_t)IBV_QP_INIT_ATTR_PD) || !ax->pd || ax->create_flags) {
+		ibk_unsupported("ibv_create_qp_ex with anything beyond a PD (send ops flags, XRC, RSS, TSO)");
+		return NULL;
+	}
+	memset(&a, 0, sizeof(a));
+	a.qp_context = ax->qp_context;
+	a.send_cq = ax->send_cq;
+	a.recv_cq = ax->recv_cq;
+	a.srq = ax->srq;
+	a.cap = ax->cap;
+	a.qp_type = ax->qp_type;
+	a.sq_sig_all = ax->sq_sig_all;
+	qp = qp_create(ax->pd, &a);
+	if (qp)
+		ax->cap = a.cap;
+	return qp;
+}
+
+/* ---- modify / query / destroy ------------------------------------------------ */
+
+int ibk_qp_modify_real(struct ibk_qp *qp, struct ibv_qp_attr *in, int mask, int replay)
+{
+	struct ibv_qp_attr a = *in;
+
+	if (mask & IBV_QP_AV) {
+		struct ibk_peer_map pm;
+
+		if (qp->peer.rqpn || qp->peer.rlid || replay) {
+			/* The peer's real ids as learnt at the last rebuild. */
+			a.ah_attr.grh.dgid = qp->peer.rgid;
+			a.ah_attr.dlid = qp->peer.rlid;
+		} else if (atomic_load(&ibk_translating) && in->ah_attr.is_global &&
+			   !ibk_peers_lookup_gid(&in->ah_attr.grh.dgid, &pm.rgid)) {
+			a.ah_attr.grh.dgid = pm.rgid;
+		}
+	}
+	if (mask & IBV_QP_DEST_QPN) {
+		struct ibk_peer_map pm;
+
+		if (qp->peer.rqpn)
+			a.dest_qp_num = qp->peer.rqpn;
+		else if (atomic_load(&ibk_translating) && (mask & IBV_QP_AV) && in->ah_attr.is_global &&
+			 (!ibk_peers_lookup(&in->ah_attr.grh.dgid, in->dest_qp_num, &pm) ||
+			  (!ibk_peers_fetch(&in->ah_attr.grh.dgid, in->dest_qp_num, 0) &&
+			   !ibk_peers_lookup(&in->ah_attr.grh.dgid, in->dest_qp_num, &pm)))) {
+			a.dest_qp_num = pm.rqpn;
+			a.ah_attr.grh.dgid = pm.rgid;
+			a.ah_attr.dlid = pm.rlid;
+		}
+	}
+	if (replay) {
+		/* Both ends of a rebuilt connection start from PSN 0. */
+		if (mask & IBV_QP_RQ_PSN)
+			a.rq_psn = qp->psn_base;
+		if (mask & IBV_QP_SQ_PSN)
+			a.sq_psn = qp->psn_base;
+	}
+	return ibk_real.modify_qp(qp->real, &a, mask);
+}
+
+IBK_EXPORT int ibv_modify_qp(struct ibv_qp *q, struct ibv_qp_attr *attr, int mask)
+{
+	struct ibk_qp *qp = (struct ibk_qp *)q;
+	int rc;
+
+	ibk_enter();
+	pthread_mutex_lock(&qp->lock);
+	if (mask & IBV_QP_AV) {
+		qp->peer.valid = 1;
+		qp->peer.vgid = attr->ah_attr.grh.dgid;
+		qp->peer.vlid = attr->ah_attr.dlid;
+		qp->peer.rqpn = 0;
+		qp->peer.rlid = 0;
+	}
+	if (mask & IBV_QP_DEST_QPN)
+		qp->peer.vqpn = attr->dest_qp_num;
+	rc = ibk_qp_modify_real(qp, attr, mask, 0);
+	if (!rc) {
+		if ((mask & IBV_QP_STATE) && attr->qp_state == IBV_QPS_RESET)
+			qp->nmods = 0;
+		else if (qp->nmods < IBK_MAX_MODS) {
+			qp->mods[qp->nmods] = *attr;
+			qp->mod_masks[qp->nmods++] = mask;
+		} else {
+			ibk_log("QP %u: more than %d modify_qp calls since RESET; checkpoint replay disabled",
+				qp->vqpn, IBK_MAX_MODS);
+			qp->mods_overflow = 1;
+		}
+		if (mask & IBV_QP_STATE) {
+			qp->state = attr->qp_state;
+			qp->pub.state = attr->qp_state;
+		}
+	}
+	pthread_mutex_unlock(&qp->lock);
+	ibk_leave();
+	return rc;
+}
+
+IBK_EXPORT int ibv_query_qp(struct ibv_qp *q, struct ibv_qp_attr *attr, int mask, struct ibv_qp_init_attr *init)
+{
+	struct ibk_qp *qp = (struct ibk_qp *)q;
+	int rc;
+
+	ibk_enter();
+	rc = ibk_real.query_qp(qp->real, attr, mask, init);
+	if (!rc) {
+		if (qp->peer.valid) {
+			attr->dest_qp_num = qp->peer.vqpn;
+			attr->ah_attr.grh.dgid = qp->peer.vgid;
+			attr->ah_attr.dlid = qp->peer.vlid;
+		}
+		attr->cap = qp->init.cap;
+		*init = qp->init;
+	}
+	ibk_leave();
+	return rc;
+}
+
+IBK_EXPORT int ibv_destroy_qp(struct ibv_qp *q)
+{
+	struct ibk_qp *qp = (struct ibk_qp *)q;
+	struct ibk_ctx *ctx = qp->obj.ctx;
+	int rc = 0;
+
+	ibk_enter();
+	if (qp->real) {
+		uint32_t rq = qp->real->qp_num;
+
+		rc = ibk_real.destroy_qp(qp->real);
+		if (!rc) {
+			pthread_mutex_lock(&ctx->lock);
+			ibk_idmap_del(&ctx->rqpns, rq);
+			pthread_mutex_unlock(&ctx->lock);
+		}
+	}
+	ibk_leave();
+	if (rc)
+		return rc;
+	pthread_mutex_lock(&ctx->lock);
+	ibk_idmap_del(&ctx->qpns, qp->vqpn);
+	ctx->qp_slots[qp->slot] = NULL;
+	pthread_mutex_unlock(&ctx->lock);
+	ibk_obj_del(ctx, &qp->obj);
+	ibk_sendlog_fini(&qp->slog);
+	ibk_recvlog_fini(&qp->rlog);
+	ibk_idmap_fini(&qp->peer.rkeys);
+	free(qp);
+	return 0;
+}
+
+IBK_EXPORT int ibv_query_ece(struct ibv_qp *qp, struct ibv_ece *ece)
+{
+	(void)qp, (void)ece;
+	ibk_unsupported("ibv_query_ece");
+	return EOPNOTSUPP;
+}
+
+IBK_EXPORT int ibv_set_ece(struct ibv_qp *qp, struct ibv_ece *ece)
+{
+	(void)qp, (void)ece;
+	ibk_unsupported("ibv_set_ece");
+	return EOPNOTSUPP;
+}

@@ -1,0 +1,348 @@
+/* Internal declarations of libibckpt: shadow objects, the real-verbs table,
+ * the gate and the phases. */
+#ifndef IBK_SHIM_H
+#define IBK_SHIM_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+
+#include "core.h"
+
+#define IBK_EXPORT __attribute__((visibility("default")))
+
+struct ibk_qp;
+struct ibk_srq;
+struct ibk_cq;
+struct ibk_ah;
+struct ibk_chan;
+struct ibk_mr;
+
+/* ---- the real libibverbs, resolved once with dlvsym(RTLD_NEXT) --------- */
+
+struct ibk_real {
+	struct ibv_device **(*get_device_list)(int *);
+	void (*free_device_list)(struct ibv_device **);
+	const char *(*get_device_name)(struct ibv_device *);
+	struct ibv_context *(*open_device)(struct ibv_device *);
+	int (*close_device)(struct ibv_context *);
+	int (*query_device)(struct ibv_context *, struct ibv_device_attr *);
+	int (*query_port)(struct ibv_context *, uint8_t, struct _compat_ibv_port_attr *);
+	int (*query_gid)(struct ibv_context *, uint8_t, int, union ibv_gid *);
+	int (*query_pkey)(struct ibv_context *, uint8_t, int, __be16 *);
+	int (*get_pkey_index)(struct ibv_context *, uint8_t, __be16);
+	int (*query_gid_ex)(struct ibv_context *, uint32_t, uint32_t, struct ibv_gid_entry *, uint32_t,
+			    size_t);
+	ssize_t (*query_gid_table)(struct ibv_context *, struct ibv_gid_entry *, size_t, uint32_t, size_t);
+	struct ibv_pd *(*alloc_pd)(struct ibv_context *);
+	int (*dealloc_pd)(struct ibv_pd *);
+	struct ibv_mr *(*reg_mr)(struct ibv_pd *, void *, size_t, int);
+	struct ibv_mr *(*reg_mr_iova2)(struct ibv_pd *, void *, size_t, uint64_t, unsigned int);
+	int (*dereg_mr)(struct ibv_mr *);
+	struct ibv_comp_channel *(*create_comp_channel)(struct ibv_context *);
+	int (*destroy_comp_channel)(struct ibv_comp_channel *);
+	struct ibv_cq *(*create_cq)(struct ibv_context *, int, void *, struct ibv_comp_channel *, int);
+	int (*destroy_cq)(struct ibv_cq *);
+	int (*get_cq_event)(struct ibv_comp_channel *, struct ibv_cq **, void **);
+	void (*ack_cq_events)(struct ibv_cq *, unsigned int);
+	struct ibv_qp *(*create_qp)(struct ibv_pd *, struct ibv_qp_init_attr *);
+	int (*modify_qp)(struct ibv_qp *, struct ibv_qp_attr *, int);
+	int (*query_qp)(struct ibv_qp *, struct ibv_qp_attr *, int, struct ibv_qp_init_attr *);
+	int (*destroy_qp)(struct ibv_qp *);
+	struct ibv_srq *(*create_srq)(struct ibv_pd *, struct ibv_srq_init_attr *);
+	int (*modify_srq)(struct ibv_srq *, struct ibv_srq_attr *, int);
+	int (*query_srq)(struct ibv_srq *, struct ibv_srq_attr *);
+	int (*destroy_srq)(struct ibv_srq *);
+	struct ibv_ah *(*create_ah)(struct ibv_pd *, struct ibv_ah_attr *);
+	int (*destroy_ah)(struct ibv_ah *);
+};
+
+extern struct ibk_real ibk_real;
+void ibk_real_resolve(void);
+
+/* ---- logging ----------------------------------------------------------- */
+
+extern int ibk_verbose;
+void ibk_log(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+/* A verb the shim does not support: say so on stderr, every time. */
+void ibk_unsupported(const char *verb);
+#define IBK_DBG(...)                          \
+	do {                                  \
+		if (ibk_verbose)              \
+			ibk_log(__VA_ARGS__); \
+	} while (0)
+
+/* ---- the gate ---------------------------------------------------------- */
+
+extern atomic_int ibk_gate_closed;
+extern atomic_long ibk_gate_inside;
+void ibk_gate_wait(void);
+int ibk_gate_close(int timeout_ms);
+void ibk_gate_open(void);
+
+static inline void ibk_enter(void)
+{
+	atomic_fetch_add(&ibk_gate_inside, 1);
+	if (__builtin_expect(atomic_load(&ibk_gate_closed), 0))
+		ibk_gate_wait();
+}
+
+static inline void ibk_leave(void)
+{
+	atomic_fetch_sub_explicit(&ibk_gate_inside, 1, memory_order_release);
+}
+
+/* ---- shadow objects ------------------------------------------------------ */
+
+enum ibk_kind { IBK_PD = 1, IBK_MR, IBK_CHAN, IBK_CQ, IBK_SRQ, IBK_QP, IBK_AH };
+
+/* Every shadow object sits on its context's list in creation order: rebuild
+ * walks it forwards (PD before MR, CQ before QP), release backwards. */
+struct ibk_obj {
+	struct ibk_obj *next, *prev;
+	enum ibk_kind kind;
+	struct ibk_ctx *ctx;
+};
+
+struct ibk_ctx {
+	struct verbs_context vctx; /* the app holds &vctx.context */
+	struct ibv_context *real;
+	struct ibv_device *dev;
+	char dev_name[IBV_SYSFS_NAME_MAX];
+	pthread_mutex_t lock; /* object list and id tables */
+	struct ibk_obj head;  /* circular list sentinel */
+	struct ibk_idmap lkeys; /* virtual lkey -> real lkey */
+	struct ibk_idmap rkeys; /* virtual rkey -> real rkey, published to peers */
+	struct ibk_idmap qpns;  /* virtual qpn -> real qpn, own QPs */
+	struct ibk_idmap rqpns; /* real qpn -> index into qp_slots, for SRQ completions */
+	struct ibk_qp **qp_slots;
+	int translate;         /* 0 while every virtual id equals its real id */
+	int async_fd;          /* placeholder the app may poll: never readable */
+	uint8_t port_gid_valid;
+	union ibv_gid vgid[4];  /* virtual GID per index (port 1), fixed at open */
+	union ibv_gid rgid[4];  /* current real GID per index */
+	uint16_t vlid, rlid;
+	struct ibk_ctx *next_ctx;
+};
+
+struct ibk_pd {
+	struct ibv_pd pub;
+	struct ibk_obj obj;
+	struct ibv_pd *real;
+};
+
+struct ibk_mr {
+	struct ibv_mr pub;
+	struct ibk_obj obj;
+	struct ibv_mr *real;
+	struct ibk_pd *pd;
+	uint64_t iova;
+	unsigned int access;
+};
+
+/* Pending completion events of one channel: shadow CQs in arrival order. */
+struct ibk_chan {
+	struct ibv_comp_channel pub;
+	struct ibk_obj obj;
+	struct ibv_comp_channel *real;
+	int wake_fd; /* eventfd: readable while the gate is closed */
+	pthread_mutex_t lock;
+	struct ibk_cq **events;
+	uint32_t ev_cap, ev_head, ev_tail;
+};
+
+#define IBK_XBATCH 16
+
+struct ibk_cq {
+	union {
+		struct ibv_cq cq;
+		struct ibv_cq_ex ex; /* same leading layout as ibv_cq */
+	} pub;
+	struct ibk_obj obj;
+	struct ibv_cq *real;
+	struct ibk_chan *chan;
+	int cqe_req;
+	int comp_vector;
+	pthread_mutex_t lock; /* private queue and translation */
+	struct ibk_wcq pq;
+	atomic_uint pq_len; /* fast-path check without the lock */
+	int armed, solicited;
+	uint64_t events_got;
+	struct ibv_wc xbuf[IBK_XBATCH]; /* ibv_cq_ex polling batch */
+	int xn, xpos;
+};
+void ibk_cq_synthesize(struct ibk_qp *qp, struct ibk_swr *e);
+int ibk_cq_create_real(struct ibk_cq *cq);
+int ibk_mr_register_real(struct ibk_mr *mr);
+int ibk_qp_create_real(struct ibk_qp *qp);
+int ibk_srq_create_real(struct ibk_srq *srq);
+int ibk_chan_create_real(struct ibk_chan *ch, int stable_fd);
+int ibk_chan_release_real(struct ibk_chan *ch);
+void ibk_chan_wake_all(int on);
+int ibk_ah_create_real(struct ibk_ah *ah);
+int ibk_post_recv_common(struct ibk_recvlog *log, pthread_mutex_t *lock, struct ibk_counters *cnt,
+			 struct ibk_qp *qp, struct ibk_srq *srq, struct ibv_recv_wr *wr, struct ibv_recv_wr **bad);
+
+struct ibk_srq {
+	struct ibv_srq pub;
+	struct ibk_obj obj;
+	struct ibv_srq *real;
+	struct ibk_pd *pd;
+	struct ibv_srq_init_attr attr;
+	pthread_mutex_t lock;
+	struct ibk_recvlog rlog;
+	struct ibk_counters cnt;
+};
+
+#define IBK_MAX_MODS 8
+
+/* Where a connected QP points: the peer's virtual ids as the app gave them. */
+struct ibk_peer {
+	int valid;
+	union ibv_gid vgid;
+	uint16_t vlid;
+	uint32_t vqpn;
+	union ibv_gid rgid; /* the peer's current real ids */
+	uint16_t rlid;
+	uint32_t rqpn;
+	uint64_t recvs_completed; /* from the peer's last rebuild record */
+	struct ibk_idmap rkeys;   /* the peer's virtual rkey -> real rkey */
+	int rkeys_translate;
+};
+
+struct ibk_qp {
+	struct ibv_qp pub;
+	struct ibk_obj obj;
+	struct ibv_qp *real;
+	struct ibk_pd *pd;
+	struct ibk_cq *scq, *rcq;
+	struct ibk_srq *srq;
+	struct ibv_qp_init_attr init; /* with shadow pointers */
+	uint32_t vqpn;
+	pthread_mutex_t lock; /* send side log and counters */
+	pthread_mutex_t rlock; /* receive side log */
+	struct ibk_sendlog slog;
+	struct ibk_recvlog rlog;
+	struct ibk_counters cnt;
+	int nmods;
+	struct ibv_qp_attr mods[IBK_MAX_MODS];
+	int mod_masks[IBK_MAX_MODS];
+	enum ibv_qp_state state;
+	struct ibk_peer peer;
+	int flag_outstanding;
+	int releasing; /* the shim moved it to ERR: flushes stay in the logs */
+	uint32_t slot;
+	uint64_t flag_seq;
+	uint32_t psn_base; /* replay PSN, same on both ends */
+	struct ibv_qp_cap real_cap;
+	int mods_overflow;
+	int mods_done; /* replayed before the peers were known */
+};
+
+struct ibk_ah {
+	struct ibv_ah pub;
+	struct ibk_obj obj;
+	struct ibv_ah *real;
+	struct ibk_pd *pd;
+	struct ibv_ah_attr attr; /* as the app gave it (virtual) */
+};
+
+#define IBK_OBJ(p, type) ((struct type *)((char *)(p) - offsetof(struct type, obj)))
+
+static inline struct ibk_ctx *ibk_ctx_of(struct ibv_context *c)
+{
+	return (struct ibk_ctx *)((char *)c - offsetof(struct ibk_ctx, vctx.context));
+}
+
+void ibk_obj_add(struct ibk_ctx *ctx, struct ibk_obj *o, enum ibk_kind kind);
+void ibk_obj_del(struct ibk_ctx *ctx, struct ibk_obj *o);
+void ibk_install_ops(struct ibk_ctx *ctx);
+int ibk_ctx_read_port(struct ibk_ctx *ctx);
+#define IBK_MAX_QPS 4096
+
+/* Peers known by their virtual ids, learnt from the coordinator. */
+struct ibk_peer_map {
+	union ibv_gid vgid, rgid;
+	uint32_t vqpn, rqpn;
+	uint16_t vlid, rlid;
+};
+int ibk_peers_lookup(const union ibv_gid *vgid, uint32_t vqpn, struct ibk_peer_map *out);
+int ibk_peers_lookup_gid(const union ibv_gid *vgid, union ibv_gid *rgid);
+int ibk_peers_reverse_qpn(uint32_t rqpn, uint32_t *vqpn);
+void ibk_peers_put(const struct ibk_peer_map *p);
+/* Fetch one peer's latest mapping from the coordinator (slow path). */
+int ibk_peers_fetch(const union ibv_gid *vgid, uint32_t vqpn, int timeout_ms);
+extern atomic_int ibk_translating; /* set after the first rebuild anywhere in this process */
+
+/* the global list of shadow contexts */
+extern pthread_mutex_t ibk_ctx_lock;
+extern struct ibk_ctx *ibk_ctx_list;
+
+/* ---- fast-path helpers shared between files ----------------------------- */
+
+int ibk_poll_cq(struct ibv_cq *cq, int n, struct ibv_wc *wc);
+int ibk_req_notify_cq(struct ibv_cq *cq, int solicited_only);
+int ibk_post_send(struct ibv_qp *qp, struct ibv_send_wr *wr, struct ibv_send_wr **bad);
+int ibk_post_recv(struct ibv_qp *qp, struct ibv_recv_wr *wr, struct ibv_recv_wr **bad);
+int ibk_post_srq_recv(struct ibv_srq *srq, struct ibv_recv_wr *wr, struct ibv_recv_wr **bad);
+struct ibv_qp *ibk_create_qp_ex(struct ibv_context *c, struct ibv_qp_init_attr_ex *attr);
+struct ibv_cq_ex *ibk_create_cq_ex(struct ibv_context *c, struct ibv_cq_init_attr_ex *attr);
+
+/* Poll the real CQ of a shadow CQ once and translate into `wc`; returns
+ * the number of app-visible completions (hidden flag ones dropped). */
+int ibk_cq_poll_real(struct ibk_cq *cq, int n, struct ibv_wc *wc);
+/* Move everything the real CQ holds into the private queue. */
+int ibk_cq_drain_real(struct ibk_cq *cq);
+
+/* Post one logged send/recv entry on the real QP (keys translated). */
+int ibk_qp_post_logged_send(struct ibk_qp *qp, struct ibk_swr *e);
+int ibk_qp_post_logged_recv(struct ibk_qp *qp, struct ibk_rwr *e);
+int ibk_srq_post_logged_recv(struct ibk_srq *srq, struct ibk_rwr *e);
+int ibk_qp_post_flag(struct ibk_qp *qp);
+/* Apply an app-level modify to the real QP with virtual ids translated. */
+int ibk_qp_modify_real(struct ibk_qp *qp, struct ibv_qp_attr *attr, int mask, int replay);
+
+/* channel helpers */
+int ibk_chan_push_event(struct ibk_chan *ch, struct ibk_cq *cq);
+int ibk_chan_drain_real(struct ibk_chan *ch);
+
+/* ---- phases -------------------------------------------------------------- */
+
+enum ibk_phase {
+	IBK_RUNNING = 0,
+	IBK_QUIESCED,
+	IBK_DRAINED,
+	IBK_RELEASED,
+	IBK_REBUILT,
+};
+
+const char *ibk_phase_name(enum ibk_phase p);
+enum ibk_phase ibk_phase_now(void);
+/* Each phase writes a one-line JSON report into out. 0 on success. */
+int ibk_do_quiesce(int timeout_ms, char *out, size_t len);
+int ibk_do_drain(int timeout_ms, char *out, size_t len);
+int ibk_do_release(int timeout_ms, char *out, size_t len);
+int ibk_do_rebuild(uint64_t epoch, int timeout_ms, char *out, size_t len);
+int ibk_do_resume(char *out, size_t len);
+int ibk_do_abort(char *out, size_t len);
+int ibk_do_status(char *out, size_t len);
+
+/* ---- coordinator client -------------------------------------------------- */
+
+int ibk_coord_configured(void);
+int ibk_coord_put(const char *key, const char *val);
+/* Wait up to timeout_ms for key; 0 and the value on success. */
+int ibk_coord_get(const char *key, char *val, size_t len, int timeout_ms);
+
+/* ---- control socket and library hooks ------------------------------------ */
+
+void ibk_control_start(void);
+/* Deferral by ibckpt.h callers; returns -EBUSY while a critical section
+ * is open after the wait. */
+int ibk_hooks_wait_critical(int timeout_ms);
+void ibk_hooks_notify(int event);
+
+void ibk_gid_hex(const union ibv_gid *g, char *out);
+int ibk_gid_parse(const char *hex, union ibv_gid *g);
+
+#endif
