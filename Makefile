@@ -39,7 +39,7 @@ lint: venv
 	$(BIN)/lint-imports
 
 demo: setup
-	$(BIN)/python -m testbed.demo
+	cd tests && ../$(BIN)/python -m testbed.demo
 
 test: setup lint
 	$(BIN)/pytest

@@ -75,7 +75,9 @@ def test_crds_apply_validate_default_and_watch(kube_api: kubernetes.client.ApiCl
     watching.wait(5)
     time.sleep(0.5)
 
-    created = custom.create_namespaced_custom_object(GROUP, VERSION, ns, "checkpointjobs", checkpoint_job("ckj-a"))
+    created = custom.create_namespaced_custom_object(
+        GROUP, VERSION, ns, "checkpointjobs", checkpoint_job("ckj-a")
+    )
     # Structural schema defaulting happened on the server.
     assert created["spec"]["mode"] == "LeaveRunning"
     assert created["spec"]["timeouts"]["quiesceSeconds"] == 30

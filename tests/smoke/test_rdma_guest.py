@@ -35,13 +35,17 @@ def spawn_detached(args: list[str], log: Path) -> subprocess.Popen[bytes]:
 
 def test_rxe_device_is_up() -> None:
     assert Path("/dev/infiniband/uverbs0").exists()
-    info = subprocess.run(["ibv_devinfo", "-d", "rxe0", "-v"], capture_output=True, text=True, check=True).stdout
+    info = subprocess.run(
+        ["ibv_devinfo", "-d", "rxe0", "-v"], capture_output=True, text=True, check=True
+    ).stdout
     assert "PORT_ACTIVE" in info
     assert re.search(r"GID\[\s*1\]:\s+::ffff:10\.77\.0\.\d+, RoCE v2", info), info
 
 
 def test_rc_pingpong_between_two_processes(tmp_path: Path) -> None:
-    server = spawn_detached(["ibv_rc_pingpong", "-d", "rxe0", "-g", "1", "-n", "200"], tmp_path / "server.log")
+    server = spawn_detached(
+        ["ibv_rc_pingpong", "-d", "rxe0", "-g", "1", "-n", "200"], tmp_path / "server.log"
+    )
     time.sleep(0.5)
     client = subprocess.run(
         ["ibv_rc_pingpong", "-d", "rxe0", "-g", "1", "-n", "200", "127.0.0.1"],

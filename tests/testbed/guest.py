@@ -97,9 +97,7 @@ def initramfs() -> Path:
             shutil.copy2(ko, dest)
             order.append(f"/mods/{ko.name}")
         (root / "modules.order").write_text("\n".join(order) + "\n")
-        files = subprocess.run(
-            ["find", ".", "-print0"], cwd=root, check=True, capture_output=True
-        ).stdout
+        files = subprocess.run(["find", ".", "-print0"], cwd=root, check=True, capture_output=True).stdout
         cpio = subprocess.run(
             ["cpio", "--null", "-o", "-H", "newc", "--quiet"],
             cwd=root,
@@ -287,9 +285,9 @@ def run(spec: GuestSpec, timeout: float = 600.0, echo: bool = False) -> GuestRes
         return guest.wait(time.monotonic() + timeout)
 
 
-def run_pair(spec_a: GuestSpec, spec_b: GuestSpec, timeout: float = 600.0, echo: bool = False) -> tuple[
-    GuestResult, GuestResult
-]:
+def run_pair(
+    spec_a: GuestSpec, spec_b: GuestSpec, timeout: float = 600.0, echo: bool = False
+) -> tuple[GuestResult, GuestResult]:
     """Boot node A (10.77.0.1) and node B (10.77.0.2) joined by a private link; run both."""
     with _job_root() as root:
         sock_a, sock_b = root / "link-a.sock", root / "link-b.sock"
@@ -315,7 +313,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     run_p = sub.add_parser("run", help="boot a guest and run a shell command in it")
     run_p.add_argument("--timeout", type=float, default=600.0)
     run_p.add_argument("--two", action="store_true", help="boot two linked guests; command runs on both")
-    run_p.add_argument("--forward", type=int, action="append", default=[], help="host loopback port to expose")
+    run_p.add_argument(
+        "--forward", type=int, action="append", default=[], help="host loopback port to expose"
+    )
     run_p.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     command = " ".join(args.command[1:] if args.command[:1] == ["--"] else args.command)
@@ -327,7 +327,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             echo=True,
         )
         return ra.returncode or rb.returncode
-    result = run(GuestSpec(command, forward_ports=args.forward, cwd=Path.cwd()), timeout=args.timeout, echo=True)
+    result = run(
+        GuestSpec(command, forward_ports=args.forward, cwd=Path.cwd()), timeout=args.timeout, echo=True
+    )
     return result.returncode
 
 

@@ -14,7 +14,7 @@ packages=(
   # kube-apiserver build from Debian's source package
   dpkg-dev rsync golang-1.19-go golang-github-modern-go-reflect2-dev
   # native shim tooling
-  make gcc pkg-config valgrind
+  make gcc pkg-config valgrind openssl curl ca-certificates
   # helm comes out of an npm package's zip
   unzip
 )

@@ -144,7 +144,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 @pytest.hookimpl(trylast=True)
-def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(
+    session: pytest.Session, config: pytest.Config, items: list[pytest.Item]
+) -> None:
     if IN_GUEST:
         return
     guest_items = [i for i in items if i.get_closest_marker("guest")]
@@ -155,8 +157,11 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     )
     for index, item in enumerate(items):
         if item.get_closest_marker("guest"):
+            assert item.parent is not None
             stand_in = GuestStandIn.from_parent(item.parent, name=item.name, guest_run=run)
             stand_in.own_markers = list(item.own_markers)
+            # The first stand-in waits for the whole guest run: pytest-timeout must allow for it.
+            stand_in.add_marker(pytest.mark.timeout(run.timeout + 120))
             items[index] = stand_in
     config.stash[_RUN_KEY] = run
 
