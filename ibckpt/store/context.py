@@ -1,0 +1,100 @@
+"""What every store operation needs: the connection, the key layout, encryption settings, shared helpers."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import botocore.exceptions
+
+from ibckpt.store.codec import ChunkKeys
+from ibckpt.store.errors import CheckpointNotFoundError
+from ibckpt.store.layout import CheckpointRef, Layout
+from ibckpt.store.manifest import Manifest, parse_manifest
+from ibckpt.store.s3 import Connection, is_not_found, s3_errors
+
+ProgressCallback = Callable[[int], None]
+
+
+@dataclass(frozen=True)
+class StoreContext:
+    connection: Connection
+    layout: Layout
+    keys: ChunkKeys | None
+    # Extra arguments for every PUT: server-side encryption headers.
+    put_args: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def bucket(self) -> str:
+        return self.connection.config.bucket
+
+    @property
+    def client(self) -> Any:
+        return self.connection.client
+
+    def load_manifest(self, ref: CheckpointRef) -> Manifest:
+        key = self.layout.manifest_key(ref)
+        with s3_errors(self.connection, f"reading the manifest of {ref}"):
+            try:
+                response = self.client.get_object(Bucket=self.bucket, Key=key)
+            except botocore.exceptions.ClientError as error:
+                if is_not_found(error):
+                    raise CheckpointNotFoundError(
+                        f"checkpoint {ref} does not exist ({self.connection.where()})"
+                    ) from None
+                raise
+            data = response["Body"].read()
+        return parse_manifest(data, f"{ref} ({key})")
+
+
+class RateLimiter:
+    """A token bucket shared by the upload threads: at most `rate` bytes/s on average, bursts of 1 s."""
+
+    def __init__(self, rate: int | None) -> None:
+        self._rate = rate
+        self._lock = threading.Lock()
+        self._allowance = float(rate or 0)
+        self._stamp = time.monotonic()
+
+    def take(self, amount: int) -> None:
+        if not self._rate:
+            return
+        with self._lock:
+            now = time.monotonic()
+            self._allowance = min(float(self._rate), self._allowance + (now - self._stamp) * self._rate)
+            self._stamp = now
+            self._allowance -= amount
+            debt = -self._allowance / self._rate if self._allowance < 0 else 0.0
+        if debt > 0:
+            time.sleep(debt)
+
+
+class StageTimes:
+    """Seconds spent in each stage, summed over threads (so they can exceed the wall time)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.seconds: dict[str, float] = {}
+
+    def add(self, stage: str, seconds: float) -> None:
+        with self._lock:
+            self.seconds[stage] = self.seconds.get(stage, 0.0) + seconds
+
+    def timed(self, stage: str) -> _Timer:
+        return _Timer(self, stage)
+
+
+class _Timer:
+    def __init__(self, times: StageTimes, stage: str) -> None:
+        self._times = times
+        self._stage = stage
+        self._start = 0.0
+
+    def __enter__(self) -> None:
+        self._start = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        self._times.add(self._stage, time.perf_counter() - self._start)

@@ -1,0 +1,265 @@
+"""Reading a checkpoint: fetch chunks in parallel, verify each one's hash before use, rebuild the tree.
+
+The tree is rebuilt in a hidden sibling directory and renamed into place only when every chunk has been
+verified and written, so a failed restore never leaves a plausible-looking partial tree behind.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import os
+import secrets
+import shutil
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import botocore.exceptions
+
+from ibckpt.store import codec
+from ibckpt.store.context import ProgressCallback, StageTimes, StoreContext
+from ibckpt.store.errors import ChunkCorruptError, ChunkError, ChunkMissingError, EncryptionError, StoreError
+from ibckpt.store.layout import CheckpointRef
+from ibckpt.store.leases import holder_lease, wait_for_sweeps
+from ibckpt.store.manifest import FileRecord, Manifest
+from ibckpt.store.s3 import is_not_found, s3_errors
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one chunk's bytes go: file path (relative) and offset."""
+
+    path: str
+    offset: int
+
+
+@dataclass
+class TransferReport:
+    ref: CheckpointRef
+    logical_bytes: int = 0
+    chunks: int = 0
+    seconds: float = 0.0
+    stages: dict[str, float] = field(default_factory=dict)
+    problems: list[ChunkError] = field(default_factory=list)
+
+
+@contextmanager
+def reader_lease(context: StoreContext, ref: CheckpointRef) -> Iterator[None]:
+    """Hold a reader lease so no chunk sweep runs while the chunks are being fetched."""
+    lease = holder_lease(context.connection, context.layout, "reader", ref.job, ref.checkpoint_id)
+    with lease:
+        wait_for_sweeps(context.connection, context.layout, lease)
+        yield
+
+
+def _check_key(context: StoreContext, manifest: Manifest) -> None:
+    wanted = manifest.encryption.key_fingerprint
+    have = context.keys.fingerprint if context.keys else None
+    if wanted is not None and wanted != have:
+        raise EncryptionError(
+            f"checkpoint {manifest.ref} was encrypted client-side with key fingerprint {wanted}; "
+            + (f"the configured key has fingerprint {have}" if have else "no encryption key is configured")
+        )
+
+
+def _placements(manifest: Manifest) -> dict[str, tuple[int, list[Placement]]]:
+    """chunk id -> (plain size, every place it goes). A chunk used twice is fetched once."""
+    where: dict[str, tuple[int, list[Placement]]] = {}
+    for record in manifest.files:
+        offset = 0
+        for chunk in record.chunks:
+            where.setdefault(chunk.id, (chunk.size, []))[1].append(Placement(record.path, offset))
+            offset += chunk.size
+    return where
+
+
+def fetch_chunk(context: StoreContext, ref: CheckpointRef, cid: str, size: int, times: StageTimes) -> bytes:
+    """One chunk's plain bytes, verified against its id; ChunkError names the chunk and the checkpoint."""
+    key = context.layout.chunk_key(cid)
+    with times.timed("get"), s3_errors(context.connection, f"fetching chunk {cid} of {ref}"):
+        try:
+            stored = context.client.get_object(Bucket=context.bucket, Key=key)["Body"].read()
+        except botocore.exceptions.ClientError as error:
+            if is_not_found(error):
+                raise ChunkMissingError(
+                    f"chunk {cid} of checkpoint {ref} is missing ({context.connection.where()}, key {key})",
+                    chunk_id=cid,
+                    checkpoint=str(ref),
+                ) from None
+            raise
+    try:
+        with times.timed("decode"):
+            plain = codec.open_chunk(stored, cid, context.keys)
+    except codec.CodecError as error:
+        raise ChunkCorruptError(
+            f"chunk {cid} of checkpoint {ref} is corrupt: {error} (key {key})",
+            chunk_id=cid,
+            checkpoint=str(ref),
+        ) from None
+    with times.timed("hash"):
+        actual = codec.chunk_id(hashlib.sha256(plain).digest(), context.keys)
+    if actual != cid or len(plain) != size:
+        raise ChunkCorruptError(
+            f"chunk {cid} of checkpoint {ref} is corrupt: its content hashes to {actual} "
+            f"({len(plain)} bytes, {size} expected) (key {key})",
+            chunk_id=cid,
+            checkpoint=str(ref),
+        )
+    return plain
+
+
+def restore(
+    context: StoreContext,
+    ref: CheckpointRef,
+    destination: Path,
+    *,
+    progress: ProgressCallback | None = None,
+) -> TransferReport:
+    """Rebuild checkpoint `ref` at `destination`, which must not exist or be an empty directory."""
+    if destination.exists() and (not destination.is_dir() or any(destination.iterdir())):
+        raise StoreError(f"restore destination {destination} exists and is not an empty directory")
+    workers = context.connection.config.workers
+    report = TransferReport(ref)
+    times = StageTimes()
+    started = time.perf_counter()
+    with reader_lease(context, ref):
+        manifest = context.load_manifest(ref)
+        _check_key(context, manifest)
+        staging = destination.parent / f".{destination.name}.partial-{secrets.token_hex(4)}"
+        staging.mkdir(parents=True)
+        try:
+            _make_skeleton(staging, manifest.files)
+            placements = _placements(manifest)
+
+            def fetch_and_write(cid: str) -> int:
+                size, places = placements[cid]
+                plain = fetch_chunk(context, ref, cid, size, times)
+                with times.timed("write"):
+                    for place in places:
+                        _write_at(staging / place.path, place.offset, plain)
+                if progress is not None:
+                    progress(size * len(places))
+                return size * len(places)
+
+            with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="ibckpt-down") as pool:
+                futures = [pool.submit(fetch_and_write, cid) for cid in placements]
+                try:
+                    for future in concurrent.futures.as_completed(futures):
+                        report.logical_bytes += future.result()
+                except BaseException:
+                    for future in futures:
+                        future.cancel()
+                    raise
+            _finish_metadata(staging, manifest.files)
+            if destination.exists():
+                destination.rmdir()
+            staging.rename(destination)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+    report.chunks = len(placements)
+    report.seconds = time.perf_counter() - started
+    report.stages = dict(times.seconds)
+    return report
+
+
+def _make_skeleton(root: Path, records: list[FileRecord]) -> None:
+    """Directories, empty files of the right size, and symlinks; contents come later."""
+    for record in records:
+        target = root / record.path
+        if record.kind == "dir":
+            target.mkdir(parents=True, exist_ok=True)
+        elif record.kind == "symlink":
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.symlink(record.target or "", target)
+        else:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with open(target, "wb") as handle:
+                handle.truncate(record.size)
+
+
+def _write_at(path: Path, offset: int, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        view = memoryview(data)
+        while view:
+            written = os.pwrite(fd, view, offset)
+            view = view[written:]
+            offset += written
+    finally:
+        os.close(fd)
+
+
+def _finish_metadata(root: Path, records: list[FileRecord]) -> None:
+    """Modes and mtimes, deepest paths first so that a read-only directory is closed after its children."""
+    for record in sorted(records, key=lambda record: record.path.count("/"), reverse=True):
+        if record.kind == "symlink":
+            continue
+        target = root / record.path
+        os.chmod(target, record.mode)
+        if record.mtime_ns:
+            os.utime(target, ns=(record.mtime_ns, record.mtime_ns))
+
+
+def verify(
+    context: StoreContext, ref: CheckpointRef, *, deep: bool = True, progress: ProgressCallback | None = None
+) -> TransferReport:
+    """Check every chunk of a checkpoint. deep: fetch and hash each; otherwise only that each exists with the
+    recorded size. Problems are collected (not raised), so one run lists all of them."""
+    report = TransferReport(ref)
+    times = StageTimes()
+    started = time.perf_counter()
+    with reader_lease(context, ref):
+        manifest = context.load_manifest(ref)
+        _check_key(context, manifest)
+        placements = _placements(manifest)
+        stored_sizes = manifest.chunk_sizes()
+
+        def check(cid: str) -> int:
+            size, places = placements[cid]
+            try:
+                if deep:
+                    fetch_chunk(context, ref, cid, size, times)
+                else:
+                    _check_exists(context, ref, cid, stored_sizes[cid])
+            except ChunkError as problem:
+                report.problems.append(problem)
+            if progress is not None:
+                progress(size * len(places))
+            return size * len(places)
+
+        with concurrent.futures.ThreadPoolExecutor(
+            context.connection.config.workers, thread_name_prefix="ibckpt-verify"
+        ) as pool:
+            for future in [pool.submit(check, cid) for cid in placements]:
+                report.logical_bytes += future.result()
+    report.chunks = len(placements)
+    report.seconds = time.perf_counter() - started
+    report.stages = dict(times.seconds)
+    report.problems.sort(key=lambda problem: problem.chunk_id)
+    return report
+
+
+def _check_exists(context: StoreContext, ref: CheckpointRef, cid: str, stored_size: int) -> None:
+    key = context.layout.chunk_key(cid)
+    with s3_errors(context.connection, f"looking up chunk {cid} of {ref}"):
+        try:
+            head = context.client.head_object(Bucket=context.bucket, Key=key)
+        except botocore.exceptions.ClientError as error:
+            if is_not_found(error):
+                raise ChunkMissingError(
+                    f"chunk {cid} of checkpoint {ref} is missing (key {key})",
+                    chunk_id=cid,
+                    checkpoint=str(ref),
+                ) from None
+            raise
+    if int(head["ContentLength"]) != stored_size:
+        raise ChunkCorruptError(
+            f"chunk {cid} of checkpoint {ref} has {head['ContentLength']} bytes stored, "
+            f"{stored_size} expected",
+            chunk_id=cid,
+            checkpoint=str(ref),
+        )

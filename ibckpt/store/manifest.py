@@ -1,0 +1,163 @@
+"""The manifest: the one object that makes a checkpoint exist. Versioned JSON, written after every chunk.
+
+Readers accept schema versions they know (SUPPORTED_SCHEMAS) and refuse newer ones with a clear message
+instead of guessing at fields.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from ibckpt.store.chunking import EntryKind, check_relative
+from ibckpt.store.errors import ManifestError
+from ibckpt.store.layout import CheckpointRef, check_checkpoint_id, check_job
+
+SCHEMA_VERSION = 1
+SUPPORTED_SCHEMAS = frozenset({1})
+MANIFEST_KIND: Literal["ibckpt.dev/CheckpointManifest"] = "ibckpt.dev/CheckpointManifest"
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ChunkRef(_Model):
+    """One chunk of a file, in file order. `id` is the hash (see codec.chunk_id) that restore re-computes."""
+
+    id: str = Field(pattern=r"^[0-9a-f]{64}$")
+    size: int = Field(ge=0, description="plain bytes")
+    stored_size: int = Field(ge=0, description="bytes in the bucket, after compression and encryption")
+
+
+class FileRecord(_Model):
+    path: str
+    kind: EntryKind
+    mode: int = Field(ge=0, le=0o7777)
+    size: int = Field(default=0, ge=0)
+    mtime_ns: int = 0
+    target: str | None = None
+    chunks: list[ChunkRef] = Field(default_factory=list)
+
+    @field_validator("path")
+    @classmethod
+    def _safe_path(cls, path: str) -> str:
+        return check_relative(path)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> FileRecord:
+        if self.kind == "file" and sum(chunk.size for chunk in self.chunks) != self.size:
+            raise ValueError(f"{self.path}: chunk sizes do not add up to the file size")
+        if self.kind != "file" and self.chunks:
+            raise ValueError(f"{self.path}: only files have chunks")
+        if (self.kind == "symlink") != (self.target is not None):
+            raise ValueError(f"{self.path}: a symlink, and only a symlink, has a target")
+        return self
+
+
+class RankInfo(_Model):
+    """One process (or container) of the job and where it ran; `root` is its subtree in `files`."""
+
+    rank: int = Field(ge=0)
+    pod: str | None = None
+    node: str | None = None
+    root: str = ""
+
+
+class Versions(_Model):
+    ibckpt: str | None = None
+    shim: str | None = None
+    criu: str | None = None
+    kernel: str | None = None
+
+
+class Compression(_Model):
+    codec: Literal["zstd", "none"]
+    level: int = Field(ge=0, le=22)
+    chunk_size: int = Field(gt=0)
+
+
+class Encryption(_Model):
+    mode: Literal["none", "sse-s3", "sse-kms", "client"]
+    kms_key_id: str | None = None
+    key_fingerprint: str | None = Field(default=None, description="of the client-side key, never the key")
+
+
+class Stats(_Model):
+    files: int = 0
+    logical_bytes: int = 0
+    stored_bytes: int = Field(default=0, description="sum over this checkpoint's distinct chunks")
+    chunks: int = 0
+    distinct_chunks: int = 0
+    uploaded_chunks: int = 0
+    uploaded_bytes: int = 0
+
+
+class Manifest(_Model):
+    schema_version: int = SCHEMA_VERSION
+    kind: Literal["ibckpt.dev/CheckpointManifest"] = MANIFEST_KIND
+    job: str
+    checkpoint_id: str
+    created_at: datetime
+    started_at: datetime
+    ranks: list[RankInfo] = Field(default_factory=list)
+    labels: dict[str, str] = Field(default_factory=dict)
+    versions: Versions = Versions()
+    compression: Compression
+    encryption: Encryption
+    files: list[FileRecord]
+    stats: Stats
+    timings: dict[str, float] = Field(default_factory=dict, description="seconds, per phase")
+
+    @field_validator("job")
+    @classmethod
+    def _job(cls, job: str) -> str:
+        return check_job(job)
+
+    @field_validator("checkpoint_id")
+    @classmethod
+    def _checkpoint_id(cls, checkpoint_id: str) -> str:
+        return check_checkpoint_id(checkpoint_id)
+
+    @field_validator("created_at", "started_at")
+    @classmethod
+    def _aware(cls, moment: datetime) -> datetime:
+        return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
+
+    @model_validator(mode="after")
+    def _unique_paths(self) -> Manifest:
+        paths = [record.path for record in self.files]
+        if len(paths) != len(set(paths)):
+            raise ValueError("duplicate paths in files")
+        return self
+
+    @property
+    def ref(self) -> CheckpointRef:
+        return CheckpointRef(self.job, self.checkpoint_id)
+
+    def chunk_sizes(self) -> dict[str, int]:
+        """Distinct chunk id -> stored size."""
+        return {chunk.id: chunk.stored_size for record in self.files for chunk in record.chunks}
+
+    def to_json(self) -> bytes:
+        return self.model_dump_json(indent=1).encode()
+
+
+def parse_manifest(data: bytes, where: str) -> Manifest:
+    """Bytes of a manifest object -> Manifest, or ManifestError naming `where`."""
+    try:
+        raw = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ManifestError(f"manifest {where} is not JSON: {error}") from None
+    version = raw.get("schema_version") if isinstance(raw, dict) else None
+    if version not in SUPPORTED_SCHEMAS:
+        raise ManifestError(
+            f"manifest {where} has schema_version {version!r}; this ibckpt reads {sorted(SUPPORTED_SCHEMAS)}"
+        )
+    try:
+        return Manifest.model_validate(raw)
+    except ValidationError as error:
+        raise ManifestError(f"manifest {where} is invalid: {error}") from None

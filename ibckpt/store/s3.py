@@ -1,0 +1,213 @@
+"""The S3 client as the store uses it: built from StoreConfig, every call bounded by timeouts and retries,
+and every botocore failure turned into a StoreError that names the endpoint and bucket (not the secret)."""
+
+from __future__ import annotations
+
+import email.utils
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+import boto3
+import botocore.exceptions
+from botocore.config import Config as BotoConfig
+
+from ibckpt.store.config import StoreConfig
+from ibckpt.store.errors import (
+    AccessDeniedError,
+    BucketNotFoundError,
+    CredentialsError,
+    EndpointUnreachableError,
+    StoreError,
+)
+
+if TYPE_CHECKING:
+    from types_boto3_s3.client import S3Client
+else:
+    S3Client = Any
+
+_REJECTED_CREDENTIALS = {
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "InvalidToken",
+    "ExpiredToken",
+    "TokenRefreshRequired",
+    "InvalidClientTokenId",
+    "AuthorizationHeaderMalformed",
+}
+_UNREACHABLE = (
+    botocore.exceptions.EndpointConnectionError,
+    botocore.exceptions.ConnectTimeoutError,
+    botocore.exceptions.ReadTimeoutError,
+    botocore.exceptions.ConnectionClosedError,
+    botocore.exceptions.ProxyConnectionError,
+)
+
+
+@dataclass(frozen=True)
+class Connection:
+    """A client and what the messages may say about it."""
+
+    client: S3Client
+    config: StoreConfig
+    credential_source: str
+
+    def where(self) -> str:
+        return self.config.where()
+
+
+def connect(config: StoreConfig) -> Connection:
+    """A client for the configured endpoint. Raises CredentialsError if the AWS chain finds nothing."""
+    creds = config.credentials
+    session = boto3.session.Session(
+        aws_access_key_id=creds.access_key_id.get_secret_value() if creds else None,
+        aws_secret_access_key=creds.secret_access_key.get_secret_value() if creds else None,
+        aws_session_token=creds.session_token.get_secret_value() if creds and creds.session_token else None,
+        region_name=config.region,
+    )
+    if creds is not None:
+        source = creds.source
+    else:
+        resolved = session.get_credentials()
+        if resolved is None:
+            raise CredentialsError(
+                f"no S3 credentials for {config.where()}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
+                "a profile, or IBCKPT_S3_CREDENTIALS_DIR (a mounted Secret)"
+            )
+        source = f"the AWS credential chain ({resolved.method})"
+    boto_config = BotoConfig(
+        signature_version="s3v4",
+        s3={"addressing_style": config.addressing_style},
+        retries={"max_attempts": config.max_attempts, "mode": config.retry_mode},
+        connect_timeout=config.connect_timeout,
+        read_timeout=config.read_timeout,
+        max_pool_connections=config.workers + 4,
+        tcp_keepalive=True,
+        user_agent_extra="ibckpt",
+    )
+    verify: str | bool = config.ca_bundle if config.ca_bundle else config.verify_tls
+    try:
+        client = session.client("s3", endpoint_url=config.endpoint_url, config=boto_config, verify=verify)
+    except ValueError as error:  # e.g. a malformed endpoint URL
+        raise StoreError(f"cannot use S3 endpoint {config.endpoint_url!r}: {error}") from None
+    return Connection(client, config, source)
+
+
+def error_code(error: botocore.exceptions.ClientError) -> str:
+    return str(error.response.get("Error", {}).get("Code", ""))
+
+
+def is_not_found(error: botocore.exceptions.ClientError) -> bool:
+    return error_code(error) in {"404", "NoSuchKey", "NotFound"}
+
+
+def translate(error: Exception, connection: Connection, action: str) -> StoreError:
+    """A StoreError for a botocore failure during `action` (e.g. "listing checkpoints")."""
+    where = connection.where()
+    if isinstance(error, StoreError):
+        return error
+    if isinstance(error, botocore.exceptions.ClientError):
+        code = error_code(error)
+        status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if code == "NoSuchBucket":
+            return BucketNotFoundError(
+                f"bucket {connection.config.bucket!r} does not exist ({where}) while {action}"
+            )
+        if code in _REJECTED_CREDENTIALS:
+            return CredentialsError(
+                f"the server rejected the credentials from {connection.credential_source} ({code}) "
+                f"while {action} ({where})"
+            )
+        if code in {"AccessDenied", "Forbidden", "403"} or status == 403:
+            return AccessDeniedError(
+                f"access denied while {action} ({where}): the credentials from "
+                f"{connection.credential_source} are wrong or not allowed to do this"
+            )
+        message = error.response.get("Error", {}).get("Message", "")
+        return StoreError(f"S3 error {code or status} while {action} ({where}): {message}".rstrip(": "))
+    if isinstance(error, botocore.exceptions.SSLError):
+        return EndpointUnreachableError(
+            f"TLS failed while {action} ({where}): {_first_line(error)}; "
+            "give the server's CA with --ca-bundle / IBCKPT_S3_CA_BUNDLE"
+        )
+    if isinstance(error, botocore.exceptions.ReadTimeoutError | botocore.exceptions.ConnectTimeoutError):
+        config = connection.config
+        return EndpointUnreachableError(
+            f"S3 endpoint timed out while {action} ({where}; connect timeout {config.connect_timeout:g}s, "
+            f"read timeout {config.read_timeout:g}s, {config.max_attempts} attempts)"
+        )
+    if isinstance(error, _UNREACHABLE):
+        return EndpointUnreachableError(
+            f"cannot reach the S3 endpoint while {action} ({where}, "
+            f"{connection.config.max_attempts} attempts): {_first_line(error)}"
+        )
+    if isinstance(
+        error, botocore.exceptions.NoCredentialsError | botocore.exceptions.PartialCredentialsError
+    ):
+        return CredentialsError(f"incomplete S3 credentials from {connection.credential_source} ({where})")
+    if isinstance(error, botocore.exceptions.BotoCoreError):
+        return StoreError(f"S3 client error while {action} ({where}): {_first_line(error)}")
+    return StoreError(f"unexpected error while {action} ({where}): {type(error).__name__}: {error}")
+
+
+def _first_line(error: Exception) -> str:
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
+
+
+@contextmanager
+def s3_errors(connection: Connection, action: str) -> Iterator[None]:
+    """Turn botocore failures inside the block into StoreErrors."""
+    try:
+        yield
+    except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as error:
+        raise translate(error, connection, action) from error
+
+
+def server_time(response: Any) -> datetime:
+    """The server's clock, from a response's Date header (leases are judged on one clock: the server's)."""
+    headers = response.get("ResponseMetadata", {}).get("HTTPHeaders", {})
+    date = headers.get("date")
+    if date:
+        return email.utils.parsedate_to_datetime(date).astimezone(UTC)
+    return datetime.now(UTC)
+
+
+@dataclass(frozen=True)
+class ListedObject:
+    key: str
+    size: int
+    last_modified: datetime
+
+
+def list_objects(connection: Connection, prefix: str, action: str) -> tuple[list[ListedObject], datetime]:
+    """Every object under prefix, and the server time of the first page."""
+    found: list[ListedObject] = []
+    now: datetime | None = None
+    with s3_errors(connection, action):
+        paginator = connection.client.get_paginator("list_objects_v2")
+        for page in paginator.paginate(Bucket=connection.config.bucket, Prefix=prefix):
+            if now is None:
+                now = server_time(page)
+            for item in page.get("Contents", []):
+                found.append(ListedObject(item["Key"], item["Size"], item["LastModified"].astimezone(UTC)))
+    return found, now or datetime.now(UTC)
+
+
+def check_bucket(connection: Connection) -> None:
+    """Fail early, with a clear message, if the bucket is absent or the credentials are refused."""
+    try:
+        connection.client.head_bucket(Bucket=connection.config.bucket)
+    except botocore.exceptions.ClientError as error:
+        if error_code(error) in {"404", "NoSuchBucket", "NotFound"}:
+            raise BucketNotFoundError(
+                f"bucket {connection.config.bucket!r} does not exist ({connection.where()})"
+            ) from error
+        # HEAD responses have no body, so a 403 here cannot say which: ask again with a GET that can.
+        if error_code(error) in {"403", "Forbidden"}:
+            with s3_errors(connection, "checking the bucket"):
+                connection.client.list_objects_v2(Bucket=connection.config.bucket, MaxKeys=1)
+        raise translate(error, connection, "checking the bucket") from error
+    except botocore.exceptions.BotoCoreError as error:
+        raise translate(error, connection, "checking the bucket") from error

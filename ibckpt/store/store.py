@@ -1,0 +1,107 @@
+"""ImageStore: the one object the node agent, the operator and the CLI use to reach checkpoint images."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+
+from ibckpt.store import catalog, download, gc
+from ibckpt.store.codec import ChunkKeys
+from ibckpt.store.config import StoreConfig
+from ibckpt.store.context import ProgressCallback, StoreContext
+from ibckpt.store.layout import CheckpointRef, Layout
+from ibckpt.store.manifest import Manifest, RankInfo, Versions
+from ibckpt.store.retention import RetentionPolicy
+from ibckpt.store.s3 import Connection, check_bucket, connect
+from ibckpt.store.upload import CheckpointWriter
+
+
+def _put_args(config: StoreConfig) -> dict[str, str]:
+    mode = config.encryption.mode
+    if mode == "sse-s3":
+        return {"ServerSideEncryption": "AES256"}
+    if mode == "sse-kms":
+        return {"ServerSideEncryption": "aws:kms", "SSEKMSKeyId": config.encryption.kms_key_id or ""}
+    return {}
+
+
+class ImageStore:
+    def __init__(self, config: StoreConfig, connection: Connection | None = None) -> None:
+        config.encryption.check()
+        self.config = config
+        self.connection = connection or connect(config)
+        key = config.encryption.client_key
+        keys = (
+            ChunkKeys.derive(key.get_secret_value()) if config.encryption.mode == "client" and key else None
+        )
+        self.context = StoreContext(self.connection, Layout(config.prefix), keys, _put_args(config))
+
+    @classmethod
+    def open(cls, config: StoreConfig) -> ImageStore:
+        """Connect and check that the bucket is there and the credentials are accepted."""
+        store = cls(config)
+        check_bucket(store.connection)
+        return store
+
+    @property
+    def client(self):  # type: ignore[no-untyped-def]
+        """The boto3 S3 client (tests hook its events to count requests)."""
+        return self.connection.client
+
+    # -- catalog ---------------------------------------------------------------------------------------
+    def checkpoints(self, job: str | None = None) -> list[catalog.CheckpointEntry]:
+        return catalog.list_checkpoints(self.context, job)
+
+    def resolve(self, job: str, checkpoint_id: str) -> CheckpointRef:
+        return catalog.resolve(self.context, job, checkpoint_id)
+
+    def manifest(self, ref: CheckpointRef) -> Manifest:
+        return self.context.load_manifest(ref)
+
+    def delete(self, ref: CheckpointRef) -> None:
+        catalog.delete_checkpoint(self.context, ref)
+
+    # -- writing ---------------------------------------------------------------------------------------
+    def writer(
+        self, job: str, checkpoint_id: str | None = None, *, progress: ProgressCallback | None = None
+    ) -> CheckpointWriter:
+        return CheckpointWriter(self.context, job, checkpoint_id, progress=progress)
+
+    def upload_tree(
+        self,
+        root: Path,
+        job: str,
+        checkpoint_id: str | None = None,
+        *,
+        ranks: list[RankInfo] | None = None,
+        versions: Versions | None = None,
+        labels: dict[str, str] | None = None,
+        progress: ProgressCallback | None = None,
+    ) -> Manifest:
+        """Upload one directory as a whole checkpoint and commit it."""
+        with self.writer(job, checkpoint_id, progress=progress) as writer:
+            writer.add_tree(root)
+            return writer.commit(ranks or [], versions, labels)
+
+    # -- reading ---------------------------------------------------------------------------------------
+    def restore(
+        self, ref: CheckpointRef, destination: Path, *, progress: ProgressCallback | None = None
+    ) -> download.TransferReport:
+        return download.restore(self.context, ref, destination, progress=progress)
+
+    def verify(
+        self, ref: CheckpointRef, *, deep: bool = True, progress: ProgressCallback | None = None
+    ) -> download.TransferReport:
+        return download.verify(self.context, ref, deep=deep, progress=progress)
+
+    # -- garbage collection ------------------------------------------------------------------------------
+    def gc(
+        self,
+        policy: RetentionPolicy,
+        *,
+        grace: timedelta = gc.DEFAULT_GRACE,
+        job: str | None = None,
+        dry_run: bool = False,
+        sweep: bool = True,
+    ) -> gc.GcReport:
+        return gc.collect_garbage(self.context, policy, grace=grace, job=job, dry_run=dry_run, sweep=sweep)

@@ -1,0 +1,357 @@
+"""Writing a checkpoint: stream file trees into content-addressed chunks, then commit the manifest last.
+
+Each worker thread takes one span of one file and does the whole pipeline for it: read (pread, no staging
+copy), sha256, skip if the chunk is known or already in the bucket, else zstd (when it pays), seal and PUT.
+hashlib, zstandard and the network all release the GIL, so the threads overlap on every core. In-flight
+chunks are bounded by the worker count, which bounds memory to about workers x 2 x chunk_size.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import io
+import os
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path, PurePosixPath
+from types import TracebackType
+
+import botocore.exceptions
+from boto3.s3.transfer import TransferConfig
+
+from ibckpt import __version__
+from ibckpt.store import codec
+from ibckpt.store.catalog import latest_ref
+from ibckpt.store.chunking import Span, TreeEntry, TreeError, check_relative, spans, walk
+from ibckpt.store.context import ProgressCallback, RateLimiter, StageTimes, StoreContext
+from ibckpt.store.errors import CheckpointNotFoundError, StoreError
+from ibckpt.store.layout import CheckpointRef, check_checkpoint_id, check_job, new_checkpoint_id
+from ibckpt.store.leases import Lease, holder_lease, wait_for_sweeps
+from ibckpt.store.manifest import (
+    ChunkRef,
+    Compression,
+    Encryption,
+    FileRecord,
+    Manifest,
+    RankInfo,
+    Stats,
+    Versions,
+)
+from ibckpt.store.s3 import error_code, is_not_found, s3_errors
+
+
+@dataclass(frozen=True)
+class _Task:
+    file_index: int
+    path: Path
+    span: Span
+
+
+class CheckpointWriter:
+    """One checkpoint being written: `with store.writer(job) as w: w.add_tree(...); w.commit()`.
+
+    Nothing is visible to readers until commit() has written the manifest. Leaving the block without
+    committing leaves only unreferenced chunks, which garbage collection removes.
+    """
+
+    def __init__(
+        self,
+        context: StoreContext,
+        job: str,
+        checkpoint_id: str | None = None,
+        *,
+        progress: ProgressCallback | None = None,
+        reuse_latest: bool = True,
+    ) -> None:
+        self._context = context
+        self._config = context.connection.config
+        self.ref = CheckpointRef(check_job(job), check_checkpoint_id(checkpoint_id or new_checkpoint_id()))
+        self._progress = progress
+        self._reuse_latest = reuse_latest
+        self._lease: Lease | None = None
+        self._records: list[FileRecord] = []
+        self._known: dict[str, int] = {}  # chunk id -> stored size, for chunks known to be in the bucket
+        self._pending: dict[str, concurrent.futures.Future[int]] = {}
+        self._known_lock = threading.Lock()
+        self._uploaded_chunks = 0
+        self._uploaded_bytes = 0
+        self._times = StageTimes()
+        self._limiter = RateLimiter(self._config.max_rate)
+        self._started_at = datetime.now(UTC)
+        self._wall_start = time.perf_counter()
+        self._committed: Manifest | None = None
+        self._transfer_config = TransferConfig(
+            multipart_threshold=self._config.multipart_threshold,
+            multipart_chunksize=self._config.multipart_threshold // 4,
+            max_concurrency=2,
+            use_threads=True,
+        )
+
+    # -- lifecycle -------------------------------------------------------------------------------------
+    def __enter__(self) -> CheckpointWriter:
+        self.begin()
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def begin(self) -> None:
+        """Take the writer lease (before any chunk), wait out sweeps, learn the job's latest chunks."""
+        if self._lease is not None:
+            return
+        with self._times.timed("lease"):
+            lease = holder_lease(self._context.connection, self._context.layout, "writer", *self._ref_parts())
+            self._lease = lease.acquire()
+            wait_for_sweeps(self._context.connection, self._context.layout, lease)
+        if self._reuse_latest:
+            self._learn_latest()
+
+    def close(self) -> None:
+        if self._lease is not None:
+            self._lease.release()
+            self._lease = None
+
+    def _ref_parts(self) -> tuple[str, str]:
+        return self.ref.job, self.ref.checkpoint_id
+
+    def _learn_latest(self) -> None:
+        # Chunks of a manifest read while we hold a lease cannot be swept before we release it, so they need
+        # no HEAD request: only chunks new since the job's last checkpoint are looked up.
+        with self._times.timed("lease"):
+            try:
+                latest = latest_ref(self._context, self.ref.job)
+                manifest = self._context.load_manifest(latest)
+            except CheckpointNotFoundError:
+                return
+        self._known.update(manifest.chunk_sizes())
+
+    # -- writing ---------------------------------------------------------------------------------------
+    def add_tree(self, root: Path, under: str = "") -> list[FileRecord]:
+        """Upload every file under root; their paths in the checkpoint are prefixed with `under`."""
+        if self._lease is None:
+            raise StoreError("CheckpointWriter.add_tree() before begin()")
+        base = PurePosixPath(check_relative(under)) if under else None
+        entries = list(walk(root))
+        records: list[FileRecord] = []
+        if base is not None:
+            for depth in range(1, len(base.parts) + 1):
+                part = str(PurePosixPath(*base.parts[:depth]))
+                if all(record.path != part for record in self._records):
+                    records.append(FileRecord(path=part, kind="dir", mode=root.stat().st_mode & 0o7777))
+        tasks: list[_Task] = []
+        file_entries: list[TreeEntry] = []
+        for entry in entries:
+            if entry.kind == "file":
+                for span in spans(entry.size, self._config.chunk_size):
+                    tasks.append(_Task(len(file_entries), root / entry.path, span))
+                file_entries.append(entry)
+        chunk_lists = self._upload_all(tasks, len(file_entries))
+        files_seen = 0
+        for entry in entries:
+            path = str(base / entry.path) if base is not None else entry.path
+            chunks: list[ChunkRef] = []
+            if entry.kind == "file":
+                chunks = chunk_lists[files_seen]
+                files_seen += 1
+            records.append(
+                FileRecord(
+                    path=path,
+                    kind=entry.kind,
+                    mode=entry.mode,
+                    size=entry.size,
+                    mtime_ns=entry.mtime_ns,
+                    target=entry.target,
+                    chunks=chunks,
+                )
+            )
+        self._records.extend(records)
+        return records
+
+    def _upload_all(self, tasks: list[_Task], file_count: int) -> list[list[ChunkRef]]:
+        results: list[dict[int, ChunkRef]] = [{} for _ in range(file_count)]
+        slots = threading.BoundedSemaphore(self._config.workers)
+        failure: list[BaseException] = []
+        with concurrent.futures.ThreadPoolExecutor(
+            self._config.workers, thread_name_prefix="ibckpt-up"
+        ) as pool:
+            futures: list[concurrent.futures.Future[None]] = []
+
+            def run(task: _Task) -> None:
+                try:
+                    results[task.file_index][task.span.index] = self._chunk(task)
+                except BaseException as error:
+                    failure.append(error)
+                    raise
+                finally:
+                    slots.release()
+
+            for task in tasks:
+                slots.acquire()
+                if failure:
+                    slots.release()
+                    break
+                futures.append(pool.submit(run, task))
+            concurrent.futures.wait(futures)
+        if failure:
+            raise failure[0]
+        return [[chunks[index] for index in sorted(chunks)] for chunks in results]
+
+    def _read(self, task: _Task) -> bytes:
+        fd = os.open(task.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            data = os.pread(fd, task.span.length, task.span.offset)
+            while len(data) < task.span.length:
+                more = os.pread(fd, task.span.length - len(data), task.span.offset + len(data))
+                if not more:
+                    raise TreeError(f"{task.path} shrank while it was being uploaded")
+                data += more
+            return data
+        finally:
+            os.close(fd)
+
+    def _chunk(self, task: _Task) -> ChunkRef:
+        assert self._lease is not None
+        self._lease.check()
+        with self._times.timed("read"):
+            plain = self._read(task)
+        with self._times.timed("hash"):
+            cid = codec.chunk_id(hashlib.sha256(plain).digest(), self._context.keys)
+        stored_size = self._ensure_stored(cid, plain)
+        if self._progress is not None:
+            self._progress(len(plain))
+        return ChunkRef(id=cid, size=len(plain), stored_size=stored_size)
+
+    def _ensure_stored(self, cid: str, plain: bytes) -> int:
+        """The chunk's stored size, uploading it unless it is known or already in the bucket."""
+        with self._known_lock:
+            if cid in self._known:
+                return self._known[cid]
+            pending = self._pending.get(cid)
+            owner = pending is None
+            if pending is None:
+                pending = self._pending[cid] = concurrent.futures.Future()
+        if not owner:
+            return pending.result()  # another thread is storing the same bytes
+        try:
+            stored_size = self._existing_size(cid)
+            if stored_size is None:
+                stored_size = self._put(cid, plain)
+        except BaseException as error:
+            pending.set_exception(error)
+            with self._known_lock:
+                del self._pending[cid]
+            raise
+        with self._known_lock:
+            self._known[cid] = stored_size
+            del self._pending[cid]
+        pending.set_result(stored_size)
+        return stored_size
+
+    def _existing_size(self, cid: str) -> int | None:
+        key = self._context.layout.chunk_key(cid)
+        with self._times.timed("exists"), s3_errors(self._context.connection, f"looking up chunk {cid}"):
+            try:
+                head = self._context.client.head_object(Bucket=self._context.bucket, Key=key)
+            except botocore.exceptions.ClientError as error:
+                if is_not_found(error) or error_code(error) == "403":
+                    # Some servers answer 403 for a missing key when listing is not allowed; upload then.
+                    return None
+                raise
+        return int(head["ContentLength"])
+
+    def _put(self, cid: str, plain: bytes) -> int:
+        assert self._lease is not None
+        with self._times.timed("compress"):
+            payload, chosen = codec.compress(plain, self._config.compression_level)
+        with self._times.timed("encrypt" if self._context.keys else "frame"):
+            stored = codec.seal(payload, chosen, len(plain), cid, self._context.keys)
+        self._limiter.take(len(stored))
+        self._lease.check()
+        key = self._context.layout.chunk_key(cid)
+        with self._times.timed("put"), s3_errors(self._context.connection, f"uploading chunk {cid}"):
+            if len(stored) < self._config.multipart_threshold:
+                self._context.client.put_object(
+                    Bucket=self._context.bucket,
+                    Key=key,
+                    Body=stored,
+                    ContentType="application/octet-stream",
+                    **self._context.put_args,
+                )
+            else:
+                self._context.client.upload_fileobj(
+                    io.BytesIO(stored),
+                    self._context.bucket,
+                    key,
+                    ExtraArgs={"ContentType": "application/octet-stream", **self._context.put_args},
+                    Config=self._transfer_config,
+                )
+        with self._known_lock:
+            self._uploaded_chunks += 1
+            self._uploaded_bytes += len(stored)
+        return len(stored)
+
+    # -- commit ----------------------------------------------------------------------------------------
+    def commit(
+        self,
+        ranks: Iterable[RankInfo] = (),
+        versions: Versions | None = None,
+        labels: dict[str, str] | None = None,
+    ) -> Manifest:
+        """Write the manifest. From this moment the checkpoint exists; before it, it does not."""
+        if self._lease is None:
+            raise StoreError("CheckpointWriter.commit() before begin()")
+        if self._committed is not None:
+            return self._committed
+        all_chunks = {chunk.id: chunk.stored_size for record in self._records for chunk in record.chunks}
+        total_chunks = sum(len(record.chunks) for record in self._records)
+        encryption_mode = self._config.encryption.mode
+        timings = dict(self._times.seconds)
+        timings["total"] = time.perf_counter() - self._wall_start
+        manifest = Manifest(
+            job=self.ref.job,
+            checkpoint_id=self.ref.checkpoint_id,
+            created_at=datetime.now(UTC),
+            started_at=self._started_at,
+            ranks=list(ranks),
+            labels=labels or {},
+            versions=(versions or Versions()).model_copy(update={"ibckpt": __version__}),
+            compression=Compression(
+                codec="zstd" if self._config.compression_level > 0 else "none",
+                level=self._config.compression_level,
+                chunk_size=self._config.chunk_size,
+            ),
+            encryption=Encryption(
+                mode=encryption_mode,
+                kms_key_id=self._config.encryption.kms_key_id if encryption_mode == "sse-kms" else None,
+                key_fingerprint=self._context.keys.fingerprint if self._context.keys else None,
+            ),
+            files=self._records,
+            stats=Stats(
+                files=sum(1 for record in self._records if record.kind == "file"),
+                logical_bytes=sum(record.size for record in self._records),
+                stored_bytes=sum(all_chunks.values()),
+                chunks=total_chunks,
+                distinct_chunks=len(all_chunks),
+                uploaded_chunks=self._uploaded_chunks,
+                uploaded_bytes=self._uploaded_bytes,
+            ),
+            timings={stage: round(seconds, 4) for stage, seconds in timings.items()},
+        )
+        self._lease.check()
+        key = self._context.layout.manifest_key(self.ref)
+        with s3_errors(self._context.connection, f"committing the manifest of {self.ref}"):
+            self._context.client.put_object(
+                Bucket=self._context.bucket,
+                Key=key,
+                Body=manifest.to_json(),
+                ContentType="application/json",
+                **self._context.put_args,
+            )
+        self._committed = manifest
+        return manifest
