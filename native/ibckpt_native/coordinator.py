@@ -1,0 +1,86 @@
+"""A small local coordinator for libibckpt: a key-value store with blocking get.
+
+Wire format (one request per connection, text lines):
+    PUT <key> <value...>        -> OK
+    GET <key> <timeout_ms>      -> VAL <value...> | NONE
+It is what the operator's coordinator provides for a whole job; this one serves
+the processes of one machine (tests, single-node runs).
+"""
+
+from __future__ import annotations
+
+import os
+import socketserver
+import threading
+from pathlib import Path
+
+
+class _Store:
+    def __init__(self) -> None:
+        self.data: dict[str, str] = {}
+        self.cond = threading.Condition()
+
+    def put(self, key: str, value: str) -> None:
+        with self.cond:
+            self.data[key] = value
+            self.cond.notify_all()
+
+    def get(self, key: str, timeout_s: float) -> str | None:
+        with self.cond:
+            self.cond.wait_for(lambda: key in self.data, timeout=timeout_s)
+            return self.data.get(key)
+
+
+class _Handler(socketserver.StreamRequestHandler):
+    server: _Server
+
+    def handle(self) -> None:
+        line = self.rfile.readline().decode().rstrip("\n")
+        verb, _, rest = line.partition(" ")
+        store = self.server.store
+        if verb == "PUT":
+            key, _, value = rest.partition(" ")
+            store.put(key, value)
+            self.wfile.write(b"OK\n")
+        elif verb == "GET":
+            key, _, timeout = rest.partition(" ")
+            value = store.get(key, max(int(timeout or "0"), 0) / 1000.0)
+            self.wfile.write(b"NONE\n" if value is None else f"VAL {value}\n".encode())
+        else:
+            self.wfile.write(b"ERR\n")
+
+
+class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    daemon_threads = True
+    store: _Store
+
+
+class Coordinator:
+    """Serve on a unix socket in a background thread; `env` is what the shim needs."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        if path.exists():
+            path.unlink()
+        self._server = _Server(str(path), _Handler)
+        self._server.store = _Store()
+        os.chmod(path, 0o600)
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {"IBCKPT_COORD": f"unix:{self.path}"}
+
+    def keys(self) -> list[str]:
+        with self._server.store.cond:
+            return sorted(self._server.store.data)
+
+    def __enter__(self) -> Coordinator:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        if self.path.exists():
+            self.path.unlink()

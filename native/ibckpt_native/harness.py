@@ -1,0 +1,191 @@
+"""Run programs under libibckpt and checkpoint them: the test and bench driver.
+
+A checkpoint of a set of processes is quiesce -> drain -> release (all) ->
+optional CRIU dump -> rebuild (all, in parallel: each waits for its peers'
+records at the coordinator) -> resume (all).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ibckpt_native import SHIM
+from ibckpt_native.control import ShimControl
+
+
+@dataclass
+class ShimProc:
+    """One program started under the shim, detached from any tty."""
+
+    name: str
+    argv: Sequence[str]
+    workdir: Path
+    env: dict[str, str]
+    shim: Path = SHIM
+    popen: subprocess.Popen[bytes] | None = None
+    ctl_path: Path = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.ctl_path = self.workdir / f"{self.name}.ctl"
+
+    @property
+    def out(self) -> Path:
+        return self.workdir / f"{self.name}.out"
+
+    @property
+    def err(self) -> Path:
+        return self.workdir / f"{self.name}.err"
+
+    def start(self) -> None:
+        env = dict(os.environ)
+        env.update(self.env)
+        env["LD_PRELOAD"] = str(self.shim)
+        env["IBCKPT_CTL"] = str(self.ctl_path)
+        with self.out.open("wb") as out, self.err.open("wb") as err:
+            # setsid and no tty: CRIU cannot dump a task on the serial console.
+            self.popen = subprocess.Popen(
+                list(self.argv),
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                env=env,
+                start_new_session=True,
+                cwd=self.workdir,
+            )
+
+    @property
+    def pid(self) -> int:
+        assert self.popen is not None
+        return self.popen.pid
+
+    @property
+    def ctl(self) -> ShimControl:
+        return ShimControl(str(self.ctl_path))
+
+    def wait_for_output(self, pattern: str, timeout: float) -> re.Match[str]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            m = re.search(pattern, self.out.read_text(errors="replace"))
+            if m:
+                return m
+            if self.popen is not None and self.popen.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise TimeoutError(f"{self.name}: no {pattern!r}; stderr: {self.err.read_text(errors='replace')[-2000:]}")
+
+    def wait(self, timeout: float) -> int:
+        assert self.popen is not None
+        return self.popen.wait(timeout)
+
+    def kill(self) -> None:
+        if self.popen is not None and self.popen.poll() is None:
+            self.popen.kill()
+            self.popen.wait()
+
+
+def device_state(pid: int) -> tuple[int, int]:
+    """(fds, mappings) of /dev/infiniband/* that the process holds, read from /proc."""
+    fds = 0
+    fd_dir = Path(f"/proc/{pid}/fd")
+    for fd in fd_dir.iterdir():
+        try:
+            if os.readlink(fd).startswith("/dev/infiniband/"):
+                fds += 1
+        except OSError:
+            continue
+    maps = sum(1 for line in Path(f"/proc/{pid}/maps").read_text().splitlines() if "/dev/infiniband/" in line)
+    return fds, maps
+
+
+@dataclass
+class CheckpointResult:
+    epoch: int
+    reports: dict[str, dict[str, dict[str, Any]]]
+    released_state: dict[str, tuple[int, int]]
+    criu_rc: int | None = None
+    criu_log: str = ""
+
+
+def _each(procs: Sequence[ShimProc], fn: Callable[[ShimProc], dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    with ThreadPoolExecutor(max_workers=len(procs)) as pool:
+        futures = {p.name: pool.submit(fn, p) for p in procs}
+        return {name: f.result() for name, f in futures.items()}
+
+
+def criu_dump(pid: int, images: Path) -> tuple[int, str]:
+    images.mkdir(parents=True, exist_ok=True)
+    cmd = ["criu", "dump", "-t", str(pid), "-D", str(images), "--leave-running", "-o", "dump.log", "-v4"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    log = (images / "dump.log").read_text(errors="replace") if (images / "dump.log").exists() else ""
+    return proc.returncode, proc.stdout + proc.stderr + log[-4000:]
+
+
+def checkpoint(
+    procs: Sequence[ShimProc],
+    epoch: int,
+    *,
+    dump: ShimProc | None = None,
+    images: Path | None = None,
+    drain_ms: int = 3000,
+) -> CheckpointResult:
+    reports: dict[str, dict[str, dict[str, Any]]] = {}
+    reports["quiesce"] = _each(procs, lambda p: p.ctl.quiesce(20000))
+    reports["drain"] = _each(procs, lambda p: p.ctl.drain(drain_ms))
+    reports["release"] = _each(procs, lambda p: p.ctl.release(10000))
+    state = {p.name: device_state(p.pid) for p in procs}
+    result = CheckpointResult(epoch, reports, state)
+    if dump is not None:
+        assert images is not None
+        result.criu_rc, result.criu_log = criu_dump(dump.pid, images)
+    reports["rebuild"] = _each(procs, lambda p: p.ctl.rebuild(epoch, 60000))
+    reports["resume"] = _each(procs, lambda p: p.ctl.resume())
+    return result
+
+
+def checkpoint_loop(
+    procs: Sequence[ShimProc],
+    count: int,
+    *,
+    seed: int = 1,
+    min_gap: float = 0.02,
+    max_gap: float = 0.3,
+    dump_at: Sequence[int] = (),
+    images: Path | None = None,
+) -> list[CheckpointResult]:
+    """`count` checkpoints at random moments; CRIU-dump procs[0] at the given indices."""
+    rng = random.Random(seed)
+    results = []
+    for i in range(count):
+        time.sleep(rng.uniform(min_gap, max_gap))
+        dump = procs[0] if i in dump_at else None
+        img = images / f"ckpt{i}" if (images is not None and dump is not None) else None
+        results.append(checkpoint(procs, i + 1, dump=dump, images=img))
+    return results
+
+
+RESULT_RE = re.compile(
+    r"RESULT sent=(\d+) received=(\d+) send_sum=([0-9a-f]+) recv_sum=([0-9a-f]+) events=(\d+) bad=(\d+)"
+)
+
+
+def parse_result(text: str) -> dict[str, int | str]:
+    m = RESULT_RE.search(text)
+    if not m:
+        raise AssertionError(f"no RESULT line in: {text[-2000:]}")
+    return {
+        "sent": int(m.group(1)),
+        "received": int(m.group(2)),
+        "send_sum": m.group(3),
+        "recv_sum": m.group(4),
+        "events": int(m.group(5)),
+        "bad": int(m.group(6)),
+    }

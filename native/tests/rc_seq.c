@@ -1,0 +1,252 @@
+/* rc_seq: two processes exchange sequence-numbered, checksummed messages over
+ * one RC QP in both directions until a stop file appears, then each sends an
+ * END message carrying its count and checksum.  The receiver checks every
+ * message arrives exactly once, in order, intact.  Exit 0 only if so.
+ *
+ *   rc_seq [-c SERVER_IP] [-p PORT] [-g GID_INDEX] -f STOPFILE
+ *          [-u K (signal every K-th send)] [-i (inline)] [-q (SRQ)]
+ *          [-e (completion channel, blocking ibv_get_cq_event)] [-w WINDOW] [-r RECVS]     */
+#include <getopt.h>
+#include <time.h>
+
+#include "common.h"
+
+struct opts {
+	const char *peer;
+	int port, gid, unsig, inl, srq, chan, window, recvs;
+	const char *stop;
+};
+
+static struct opts o = {NULL, 18515, 1, 1, 0, 0, 0, 16, 32, NULL};
+
+static long now_ms(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+int main(int argc, char **argv)
+{
+	struct ibv_context *ctx;
+	struct ibv_pd *pd;
+	struct ibv_mr *smr, *rmr;
+	struct ibv_cq *cq;
+	struct ibv_comp_channel *ch = NULL;
+	struct ibv_srq *srq = NULL;
+	struct ibv_qp *qp;
+	struct ibv_qp_init_attr qa;
+	struct oob mine, theirs;
+	union ibv_gid gid;
+	struct msg *sbuf, *rbuf;
+	uint64_t next = 0, retired = 0, expect = 0, send_sum = 0, recv_sum = 0, data_sent = 0;
+	int c, stopping = 0, end_sent = 0, got_end = 0, bad = 0, i;
+	long last_check = 0, events = 0;
+
+	while ((c = getopt(argc, argv, "c:p:g:f:u:iqew:r:")) != -1) {
+		switch (c) {
+		case 'c': o.peer = optarg; break;
+		case 'p': o.port = atoi(optarg); break;
+		case 'g': o.gid = atoi(optarg); break;
+		case 'f': o.stop = optarg; break;
+		case 'u': o.unsig = atoi(optarg); break;
+		case 'i': o.inl = 1; break;
+		case 'q': o.srq = 1; break;
+		case 'e': o.chan = 1; break;
+		case 'w': o.window = atoi(optarg); break;
+		case 'r': o.recvs = atoi(optarg); break;
+		default: return 2;
+		}
+	}
+	if (!o.stop || o.unsig < 1 || o.unsig > o.window)
+		DIE("usage: -f STOPFILE required; 1 <= -u <= -w");
+	setvbuf(stdout, NULL, _IOLBF, 0);
+	ctx = open_first_device();
+	pd = ibv_alloc_pd(ctx);
+	sbuf = aligned_alloc(4096, 4096 * 4);
+	rbuf = aligned_alloc(4096, 4096 * 4);
+	memset(sbuf, 0, 4096 * 4);
+	memset(rbuf, 0, 4096 * 4);
+	smr = ibv_reg_mr(pd, sbuf, sizeof(struct msg) * (size_t)o.window, IBV_ACCESS_LOCAL_WRITE);
+	rmr = ibv_reg_mr(pd, rbuf, sizeof(struct msg) * (size_t)o.recvs, IBV_ACCESS_LOCAL_WRITE |
+			 IBV_ACCESS_REMOTE_WRITE);
+	if (!pd || !smr || !rmr)
+		DIE("pd/mr");
+	if (o.chan && !(ch = ibv_create_comp_channel(ctx)))
+		DIE("channel");
+	cq = ibv_create_cq(ctx, o.window + o.recvs + 16, NULL, ch, 0);
+	if (!cq)
+		DIE("cq");
+	if (o.srq) {
+		struct ibv_srq_init_attr sa;
+
+		memset(&sa, 0, sizeof(sa));
+		sa.attr.max_wr = (uint32_t)o.recvs;
+		sa.attr.max_sge = 1;
+		if (!(srq = ibv_create_srq(pd, &sa)))
+			DIE("srq");
+	}
+	memset(&qa, 0, sizeof(qa));
+	qa.send_cq = cq;
+	qa.recv_cq = cq;
+	qa.srq = srq;
+	qa.qp_type = IBV_QPT_RC;
+	qa.cap.max_send_wr = (uint32_t)o.window;
+	qa.cap.max_recv_wr = (uint32_t)o.recvs;
+	qa.cap.max_send_sge = 1;
+	qa.cap.max_recv_sge = 1;
+	qa.cap.max_inline_data = o.inl ? sizeof(struct msg) : 0;
+	if (!(qp = ibv_create_qp(pd, &qa)))
+		DIE("qp");
+	qp_to_init(qp, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
+	for (i = 0; i < o.recvs; i++) {
+		struct ibv_sge s = {(uintptr_t)&rbuf[i], sizeof(struct msg), rmr->lkey};
+		struct ibv_recv_wr w = {.wr_id = (uint64_t)i, .sg_list = &s, .num_sge = 1}, *bw;
+
+		if (srq ? ibv_post_srq_recv(srq, &w, &bw) : ibv_post_recv(qp, &w, &bw))
+			DIE("post recv");
+	}
+	if (ibv_query_gid(ctx, 1, o.gid, &gid))
+		DIE("gid");
+	memset(&mine, 0, sizeof(mine));
+	mine.qpn = qp->qp_num;
+	mine.psn = (uint32_t)(getpid() * 7919) & 0xffffff;
+	mine.rkey = rmr->rkey;
+	mine.addr = (uintptr_t)rbuf;
+	memcpy(mine.gid, gid.raw, 16);
+	oob_exchange(o.peer, o.port, &mine, &theirs);
+	qp_to_rts(qp, &theirs, o.gid, mine.psn);
+	if (ch && ibv_req_notify_cq(cq, 0))
+		DIE("notify");
+	printf("READY qpn=%u peer_qpn=%u\n", qp->qp_num, theirs.qpn);
+
+	while (!(end_sent && retired == next && got_end)) {
+		struct ibv_wc wc[16];
+		int n, progressed = 0;
+
+		if (!stopping && now_ms() - last_check > 20) {
+			last_check = now_ms();
+			stopping = file_exists(o.stop);
+		}
+		/* post sends while the window allows */
+		while (next - retired < (uint64_t)o.window && !end_sent) {
+			struct msg *m = &sbuf[next % (uint64_t)o.window];
+			struct ibv_sge s = {(uintptr_t)m, sizeof(*m), smr->lkey};
+			struct ibv_send_wr w, *bw;
+			int last = stopping;
+
+			if (last)
+				msg_fill(m, next, MSG_END, data_sent, send_sum);
+			else
+				msg_fill(m, next, MSG_DATA, 0, 0);
+			memset(&w, 0, sizeof(w));
+			w.wr_id = next;
+			w.sg_list = &s;
+			w.num_sge = 1;
+			w.opcode = IBV_WR_SEND;
+			if (last || next % (uint64_t)o.unsig == (uint64_t)o.unsig - 1)
+				w.send_flags = IBV_SEND_SIGNALED;
+			if (o.inl)
+				w.send_flags |= IBV_SEND_INLINE;
+			if (ibv_post_send(qp, &w, &bw))
+				DIE("post send %llu", (unsigned long long)next);
+			if (!last) {
+				send_sum = mix64(send_sum ^ m->check);
+				data_sent++;
+				/* the buffer may be reused as soon as an inline post returns */
+				if (o.inl)
+					memset(m, 0xee, sizeof(*m));
+			} else {
+				end_sent = 1;
+			}
+			next++;
+			progressed = 1;
+			if (next % (uint64_t)o.unsig == 0 && !last)
+				break;
+		}
+		n = ibv_poll_cq(cq, 16, wc);
+		if (n < 0)
+			DIE("poll");
+		for (i = 0; i < n; i++) {
+			progressed = 1;
+			if (wc[i].status != IBV_WC_SUCCESS)
+				DIE("completion %s wr_id %llu opcode %d", ibv_wc_status_str(wc[i].status),
+				    (unsigned long long)wc[i].wr_id, wc[i].opcode);
+			if (wc[i].qp_num != qp->qp_num) {
+				fprintf(stderr, "BAD qp_num %u != %u\n", wc[i].qp_num, qp->qp_num);
+				bad++;
+			}
+			if (wc[i].opcode == IBV_WC_SEND) {
+				if (wc[i].wr_id + 1 <= retired || wc[i].wr_id >= next) {
+					fprintf(stderr, "BAD send completion %llu (retired %llu next %llu)\n",
+						(unsigned long long)wc[i].wr_id, (unsigned long long)retired,
+						(unsigned long long)next);
+					bad++;
+				}
+				retired = wc[i].wr_id + 1;
+			} else if (wc[i].opcode == IBV_WC_RECV) {
+				struct msg *m = &rbuf[wc[i].wr_id];
+				struct ibv_sge s = {(uintptr_t)m, sizeof(*m), rmr->lkey};
+				struct ibv_recv_wr w = {.wr_id = wc[i].wr_id, .sg_list = &s, .num_sge = 1}, *bw;
+
+				if (wc[i].byte_len != sizeof(*m) || !msg_ok(m)) {
+					fprintf(stderr, "BAD corrupt message at expect %llu\n", (unsigned long long)expect);
+					bad++;
+				} else if (m->seq != expect) {
+					fprintf(stderr, "BAD seq %llu expected %llu (%s)\n", (unsigned long long)m->seq,
+						(unsigned long long)expect, m->seq < expect ? "duplicate" : "gap");
+					bad++;
+					expect = m->seq + 1;
+				} else if (m->kind == MSG_END) {
+					got_end = 1;
+					if (m->value != expect || m->sum != recv_sum) {
+						fprintf(stderr, "BAD end: peer sent %llu, got %llu; sums %llx/%llx\n",
+							(unsigned long long)m->value, (unsigned long long)expect,
+							(unsigned long long)m->sum, (unsigned long long)recv_sum);
+						bad++;
+					}
+					expect++;
+				} else {
+					recv_sum = mix64(recv_sum ^ m->check);
+					expect++;
+				}
+				memset(m, 0, sizeof(*m));
+				if (srq ? ibv_post_srq_recv(srq, &w, &bw) : ibv_post_recv(qp, &w, &bw))
+					DIE("repost recv");
+			} else {
+				fprintf(stderr, "BAD opcode %d\n", wc[i].opcode);
+				bad++;
+			}
+		}
+		if (ch && !progressed) {
+			struct ibv_cq *ecq;
+			void *ectx;
+
+			if (ibv_get_cq_event(ch, &ecq, &ectx))
+				DIE("get_cq_event");
+			if (ecq != cq)
+				DIE("event for a foreign CQ");
+			events++;
+			ibv_ack_cq_events(ecq, 1);
+			if (ibv_req_notify_cq(cq, 0))
+				DIE("re-arm");
+		}
+	}
+	printf("RESULT sent=%llu received=%llu send_sum=%016llx recv_sum=%016llx events=%ld bad=%d\n",
+	       (unsigned long long)data_sent, (unsigned long long)(expect ? expect - 1 : 0),
+	       (unsigned long long)send_sum, (unsigned long long)recv_sum, events, bad);
+	/* give the peer's last ack time to land before the QP goes away */
+	usleep(200000);
+	ibv_destroy_qp(qp);
+	if (srq)
+		ibv_destroy_srq(srq);
+	ibv_destroy_cq(cq);
+	if (ch)
+		ibv_destroy_comp_channel(ch);
+	ibv_dereg_mr(smr);
+	ibv_dereg_mr(rmr);
+	ibv_dealloc_pd(pd);
+	ibv_close_device(ctx);
+	return bad ? 1 : 0;
+}
