@@ -96,7 +96,7 @@ class StoreConfig(BaseModel):
     @classmethod
     def _bucket_name(cls, bucket: str) -> str:
         if not bucket:
-            raise ValueError("a bucket is required (--bucket or IBCKPT_S3_BUCKET)")
+            raise ValueError("required (--bucket or IBCKPT_S3_BUCKET)")
         return bucket
 
     @field_validator("prefix")
@@ -216,7 +216,14 @@ def _env_int(env: Mapping[str, str], name: str) -> int | None:
         raise ConfigError(f"{name}: not an integer: {value!r}") from None
 
 
-def config_from_env(env: Mapping[str, str] | None = None, **overrides: object) -> StoreConfig:
+def config_from_env(
+    env: Mapping[str, str] | None = None,
+    *,
+    encryption_mode: str | None = None,
+    kms_key_id: str | None = None,
+    client_key: bytes | None = None,
+    **overrides: object,
+) -> StoreConfig:
     """Build a StoreConfig from IBCKPT_* / AWS_* variables; keyword overrides (e.g. CLI flags) win.
 
     AWS_ACCESS_KEY_ID and friends are not read here: they are part of the standard AWS chain that boto3
@@ -246,9 +253,10 @@ def config_from_env(env: Mapping[str, str] | None = None, **overrides: object) -
     if credentials_dir:
         secret_data = read_secret_dir(Path(credentials_dir))
         fields["credentials"] = credentials_from_secret(secret_data, encoded=False, name=credentials_dir)
-    encryption_mode = env.get("IBCKPT_ENCRYPTION") or env.get("IBCKPT_S3_SSE") or "none"
-    client_key: bytes | None = None
-    if env.get("IBCKPT_ENCRYPTION_KEY"):
+    encryption_mode = encryption_mode or env.get("IBCKPT_ENCRYPTION") or env.get("IBCKPT_S3_SSE") or "none"
+    if client_key is not None:
+        pass
+    elif env.get("IBCKPT_ENCRYPTION_KEY"):
         client_key = decode_encryption_key(env["IBCKPT_ENCRYPTION_KEY"])
     elif env.get("IBCKPT_ENCRYPTION_KEY_FILE"):
         client_key = decode_encryption_key(Path(env["IBCKPT_ENCRYPTION_KEY_FILE"]).read_text())
@@ -256,7 +264,7 @@ def config_from_env(env: Mapping[str, str] | None = None, **overrides: object) -
         client_key = encryption_key_from_secret(secret_data, encoded=False)
     fields["encryption"] = {
         "mode": encryption_mode,
-        "kms_key_id": env.get("IBCKPT_S3_SSE_KMS_KEY_ID") or None,
+        "kms_key_id": kms_key_id or env.get("IBCKPT_S3_SSE_KMS_KEY_ID") or None,
         "client_key": client_key,
     }
     fields.update(overrides)

@@ -1,0 +1,124 @@
+"""Fixtures for the image store tests: a fresh bucket per test on the session's SeaweedFS server."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import SecretStr
+from testbed.s3 import S3Server
+
+from ibckpt.store import Credentials, ImageStore, StoreConfig
+
+StoreFactory = Callable[..., ImageStore]
+
+
+@pytest.fixture
+def bucket(s3_server: S3Server) -> str:
+    name = "store-" + secrets.token_hex(6)
+    s3_server.client().create_bucket(Bucket=name)
+    return name
+
+
+def config_for(s3_server: S3Server, **overrides: Any) -> StoreConfig:
+    fields: dict[str, Any] = {
+        "endpoint_url": s3_server.endpoint,
+        "region": s3_server.region,
+        "addressing_style": "path",
+        "credentials": Credentials(
+            access_key_id=SecretStr(s3_server.access_key),
+            secret_access_key=SecretStr(s3_server.secret_key),
+            source="the test fixture",
+        ),
+        "chunk_size": 256 * 1024,
+        "workers": 4,
+        "max_attempts": 2,
+        "connect_timeout": 5.0,
+        "read_timeout": 20.0,
+    }
+    fields.update(overrides)
+    return StoreConfig.model_validate(fields)
+
+
+@pytest.fixture
+def make_store(s3_server: S3Server, bucket: str) -> StoreFactory:
+    """ImageStore on this test's bucket; keyword arguments override StoreConfig fields."""
+
+    def make(**overrides: Any) -> ImageStore:
+        return ImageStore.open(config_for(s3_server, **({"bucket": bucket} | overrides)))
+
+    return make
+
+
+@pytest.fixture
+def s3_env(s3_server: S3Server, bucket: str) -> dict[str, str]:
+    """Environment for running the `ibckpt` CLI against this test's bucket."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("AWS_", "IBCKPT_"))}
+    env.update(
+        IBCKPT_S3_ENDPOINT=s3_server.endpoint,
+        IBCKPT_S3_BUCKET=bucket,
+        IBCKPT_S3_REGION=s3_server.region,
+        IBCKPT_S3_ADDRESSING="path",
+        AWS_ACCESS_KEY_ID=s3_server.access_key,
+        AWS_SECRET_ACCESS_KEY=s3_server.secret_key,
+        AWS_CONFIG_FILE="/dev/null",
+        AWS_SHARED_CREDENTIALS_FILE="/dev/null",
+        IBCKPT_CHUNK_SIZE="256KiB",
+        IBCKPT_WORKERS="4",
+    )
+    return env
+
+
+def write_tree(root: Path, files: dict[str, bytes], modes: dict[str, int] | None = None) -> Path:
+    """Create files (parents included) under root; modes by relative path."""
+    for relative, data in files.items():
+        path = root / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    for relative, mode in (modes or {}).items():
+        os.chmod(root / relative, mode)
+    return root
+
+
+def compressible(size: int, seed: int = 0) -> bytes:
+    line = f"rank {seed} step {{}} residual 0.000{seed}1 converged false\n"
+    text = "".join(line.format(step) for step in range(size // 40 + 1)).encode()
+    return text[:size]
+
+
+@pytest.fixture
+def tree_factory(tmp_path: Path) -> Iterator[Callable[..., Path]]:
+    counter = iter(range(1_000_000))
+
+    def make(files: dict[str, bytes], modes: dict[str, int] | None = None) -> Path:
+        return write_tree(tmp_path / f"tree-{next(counter)}", files, modes)
+
+    yield make
+
+
+def chunk_keys(s3_server: S3Server, bucket: str) -> list[str]:
+    s3 = s3_server.client()
+    keys: list[str] = []
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix="ibckpt/v1/chunks/"):
+        keys += [item["Key"] for item in page.get("Contents", [])]
+    return keys
+
+
+@pytest.fixture
+def list_chunks(s3_server: S3Server, bucket: str) -> Callable[[], list[str]]:
+    return lambda: chunk_keys(s3_server, bucket)
+
+
+@pytest.fixture
+def helpers() -> Any:
+    """Plain helper functions (conftest modules cannot be imported by the tests under importlib mode)."""
+
+    class Helpers:
+        write_tree = staticmethod(write_tree)
+        compressible = staticmethod(compressible)
+
+    return Helpers
