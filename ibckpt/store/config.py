@@ -116,14 +116,13 @@ class StoreConfig(BaseModel):
         return StoreConfig.model_validate(data)
 
 
-def _decode_secret_value(key: str, value: str | bytes, encoded: bool) -> bytes:
+def _secret_text(key: str, value: str | bytes, encoded: bool) -> str:
     raw = value.encode() if isinstance(value, str) else value
-    if not encoded:
-        return raw
     try:
-        return base64.b64decode(raw, validate=True)
+        return (base64.b64decode(raw, validate=True) if encoded else raw).decode().strip()
     except (binascii.Error, ValueError):
-        raise ConfigError(f"the Secret's key {key!r} is not valid base64 (Secret.data values are)") from None
+        what = "base64 of UTF-8 text (Secret.data values are base64)" if encoded else "UTF-8 text"
+        raise ConfigError(f"the Secret's key {key!r} is not valid {what}") from None
 
 
 def _pick(data: Mapping[str, str | bytes], names: tuple[str, ...]) -> str | None:
@@ -146,13 +145,11 @@ def credentials_from_secret(
             f"{_SECRET_SECRET_KEY[0]} (or accessKey/secretKey); it has keys {sorted(data)}"
         )
     token_key = _pick(data, _SECRET_SESSION_TOKEN)
-    token = _decode_secret_value(token_key, data[token_key], encoded).decode() if token_key else None
+    token = _secret_text(token_key, data[token_key], encoded) if token_key else None
     return Credentials(
-        access_key_id=SecretStr(_decode_secret_value(id_key, data[id_key], encoded).decode().strip()),
-        secret_access_key=SecretStr(
-            _decode_secret_value(secret_key, data[secret_key], encoded).decode().strip()
-        ),
-        session_token=SecretStr(token.strip()) if token else None,
+        access_key_id=SecretStr(_secret_text(id_key, data[id_key], encoded)),
+        secret_access_key=SecretStr(_secret_text(secret_key, data[secret_key], encoded)),
+        session_token=SecretStr(token) if token else None,
         source=f"Secret {name}",
     )
 
@@ -162,7 +159,7 @@ def encryption_key_from_secret(data: Mapping[str, str | bytes], *, encoded: bool
     key_name = _pick(data, _SECRET_ENCRYPTION_KEY)
     if key_name is None:
         return None
-    return decode_encryption_key(_decode_secret_value(key_name, data[key_name], encoded).decode())
+    return decode_encryption_key(_secret_text(key_name, data[key_name], encoded))
 
 
 def decode_encryption_key(text: str) -> bytes:

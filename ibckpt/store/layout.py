@@ -37,9 +37,9 @@ def check_checkpoint_id(checkpoint_id: str) -> str:
 
 
 def new_checkpoint_id(now: datetime | None = None) -> str:
-    """Sortable by time, unique without coordination: 20261122T073000Z-3f9a1c."""
+    """Sortable by time, unique without coordination: 20261122T073000.123Z-3f9a1c."""
     moment = (now or datetime.now(UTC)).astimezone(UTC)
-    return moment.strftime("%Y%m%dT%H%M%SZ") + "-" + secrets.token_hex(3)
+    return moment.strftime("%Y%m%dT%H%M%S.") + f"{moment.microsecond // 1000:03d}Z-" + secrets.token_hex(3)
 
 
 @dataclass(frozen=True)

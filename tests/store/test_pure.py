@@ -1,0 +1,273 @@
+"""Pure logic only: chunk spans, the chunk codec, the manifest schema, retention selection, configuration."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import itertools
+import os
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+from ibckpt.store import codec
+from ibckpt.store.chunking import Span, TreeError, check_relative, spans, walk
+from ibckpt.store.config import config_from_env, credentials_from_secret
+from ibckpt.store.errors import ConfigError, ManifestError
+from ibckpt.store.layout import CheckpointRef, Layout, new_checkpoint_id, parse_checkpoint_ref
+from ibckpt.store.manifest import (
+    ChunkRef,
+    Compression,
+    Encryption,
+    FileRecord,
+    Manifest,
+    Stats,
+    parse_manifest,
+)
+from ibckpt.store.retention import CheckpointFacts, RetentionPolicy, decide
+from ibckpt.store.units import parse_duration, parse_size
+
+# -- chunking -----------------------------------------------------------------------------------------
+
+
+def test_spans_cover_the_file_exactly() -> None:
+    assert spans(0, 10) == []
+    assert spans(10, 10) == [Span(0, 0, 10)]
+    assert spans(25, 10) == [Span(0, 0, 10), Span(1, 10, 10), Span(2, 20, 5)]
+    for size in (1, 9, 10, 11, 99, 100, 101):
+        parts = spans(size, 10)
+        assert sum(part.length for part in parts) == size
+        assert all(a.offset + a.length == b.offset for a, b in itertools.pairwise(parts))
+
+
+@pytest.mark.parametrize("path", ["/etc/passwd", "../x", "a/../../x", "a//b", "", "./a", "a/"])
+def test_unsafe_paths_are_refused(path: str) -> None:
+    with pytest.raises(TreeError):
+        check_relative(path)
+
+
+def test_walk_orders_parents_first_and_refuses_special_files(tmp_path: Path) -> None:
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "z.img").write_bytes(b"12")
+    (tmp_path / "a.img").write_bytes(b"1")
+    os.symlink("a.img", tmp_path / "c")
+    assert [(entry.path, entry.kind, entry.size) for entry in walk(tmp_path)] == [
+        ("a.img", "file", 1),
+        ("b", "dir", 0),
+        ("b/z.img", "file", 2),
+        ("c", "symlink", 0),
+    ]
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(TreeError, match="fifo"):
+        list(walk(tmp_path))
+
+
+# -- codec ----------------------------------------------------------------------------------------------
+
+
+def encode(plain: bytes, level: int, keys: codec.ChunkKeys | None = None) -> tuple[str, bytes, codec.Codec]:
+    cid = codec.chunk_id(hashlib.sha256(plain).digest(), keys)
+    payload, chosen = codec.compress(plain, level)
+    return cid, codec.seal(payload, chosen, len(plain), cid, keys), chosen
+
+
+def test_compressible_chunks_are_compressed_and_random_ones_are_not() -> None:
+    text = b"residual 0.0001 converged false\n" * 10_000
+    cid, stored, chosen = encode(text, 3)
+    assert chosen is codec.Codec.ZSTD and len(stored) < len(text) / 20
+    assert codec.open_chunk(stored, cid, None) == text
+    noise = os.urandom(300_000)
+    cid, stored, chosen = encode(noise, 3)
+    assert chosen is codec.Codec.RAW and len(stored) == len(noise) + codec.HEADER_SIZE
+    assert codec.open_chunk(stored, cid, None) == noise
+    assert encode(text, 0)[2] is codec.Codec.RAW
+
+
+def test_damaged_chunks_fail_to_open() -> None:
+    text = b"abc" * 50_000
+    cid, stored, _ = encode(text, 3)
+    with pytest.raises(codec.CodecError, match="truncated"):
+        codec.open_chunk(stored[:5], cid, None)
+    with pytest.raises(codec.CodecError, match="bad header"):
+        codec.open_chunk(b"XXXX" + stored[4:], cid, None)
+    with pytest.raises(codec.CodecError):
+        codec.open_chunk(stored[:-3], cid, None)
+
+
+def test_encrypted_chunks_are_bound_to_key_and_id() -> None:
+    keys = codec.ChunkKeys.derive(os.urandom(32))
+    plain = b"secret pages " * 1000
+    cid, stored, _ = encode(plain, 3, keys)
+    assert cid != hashlib.sha256(plain).hexdigest()
+    assert codec.open_chunk(stored, cid, keys) == plain
+    with pytest.raises(codec.CodecError, match="authentication failed"):
+        codec.open_chunk(stored, cid, codec.ChunkKeys.derive(os.urandom(32)))
+    with pytest.raises(codec.CodecError, match="authentication failed"):
+        codec.open_chunk(stored, "0" * 64, keys)  # served under another chunk's name
+    with pytest.raises(codec.CodecError, match="no client-side key"):
+        codec.open_chunk(stored, cid, None)
+    assert codec.ChunkKeys.derive(b"k" * 32).fingerprint == codec.ChunkKeys.derive(b"k" * 32).fingerprint
+
+
+# -- manifest -------------------------------------------------------------------------------------------
+
+
+def sample_manifest(**changes: object) -> Manifest:
+    chunk = ChunkRef(id="ab" * 32, size=10, stored_size=30)
+    fields: dict[str, object] = {
+        "job": "ns/solver",
+        "checkpoint_id": "c1",
+        "created_at": datetime(2026, 1, 1, tzinfo=UTC),
+        "started_at": datetime(2026, 1, 1, tzinfo=UTC),
+        "compression": Compression(codec="zstd", level=3, chunk_size=1024),
+        "encryption": Encryption(mode="none"),
+        "files": [
+            FileRecord(path="d", kind="dir", mode=0o755),
+            FileRecord(path="d/pages.img", kind="file", mode=0o600, size=20, chunks=[chunk, chunk]),
+        ],
+        "stats": Stats(),
+    }
+    fields.update(changes)
+    return Manifest.model_validate(fields)
+
+
+def test_manifest_round_trips_through_json() -> None:
+    manifest = sample_manifest()
+    assert parse_manifest(manifest.to_json(), "here") == manifest
+    assert manifest.chunk_sizes() == {"ab" * 32: 30}
+    assert manifest.ref == CheckpointRef("ns/solver", "c1")
+
+
+def test_manifest_refuses_unknown_schema_and_inconsistency() -> None:
+    with pytest.raises(ManifestError, match="schema_version 2"):
+        parse_manifest(
+            sample_manifest().to_json().replace(b'"schema_version": 1', b'"schema_version": 2'), "x"
+        )
+    with pytest.raises(ManifestError, match="not JSON"):
+        parse_manifest(b"{", "x")
+    with pytest.raises(ValueError, match="do not add up"):
+        FileRecord(
+            path="f",
+            kind="file",
+            mode=0o644,
+            size=11,
+            chunks=[ChunkRef(id="ab" * 32, size=10, stored_size=1)],
+        )
+    with pytest.raises(ValueError, match="unsafe path"):
+        FileRecord(path="../escape", kind="dir", mode=0o755)
+    with pytest.raises(ValueError, match="duplicate"):
+        sample_manifest(files=[FileRecord(path="d", kind="dir", mode=0o755)] * 2)
+
+
+# -- retention --------------------------------------------------------------------------------------------
+
+NOW = datetime(2026, 6, 1, 12, 0, tzinfo=UTC)
+
+
+def facts(job: str, name: str, hours_ago: float, chunks: dict[str, int] | None = None) -> CheckpointFacts:
+    return CheckpointFacts(CheckpointRef(job, name), NOW - timedelta(hours=hours_ago), chunks or {})
+
+
+def kept(decisions: list) -> set[str]:  # type: ignore[type-arg]
+    return {decision.ref.checkpoint_id for decision in decisions if decision.keep}
+
+
+def test_keep_last_applies_per_job() -> None:
+    all_facts = [facts("a", f"a{i}", hours_ago=10 - i) for i in range(5)] + [facts("b", "b0", 100)]
+    assert kept(decide(all_facts, RetentionPolicy(keep_last=2), NOW)) == {"a3", "a4", "b0"}
+    assert kept(decide(all_facts, RetentionPolicy(), NOW)) == {f"a{i}" for i in range(5)} | {"b0"}
+
+
+def test_max_age_and_min_keep() -> None:
+    all_facts = [facts("a", "old", 50), facts("a", "mid", 30), facts("a", "new", 1)]
+    assert kept(decide(all_facts, RetentionPolicy(max_age=timedelta(hours=40)), NOW)) == {"mid", "new"}
+    assert kept(decide(all_facts, RetentionPolicy(max_age=timedelta(minutes=1)), NOW)) == {"new"}
+    assert kept(decide(all_facts, RetentionPolicy(max_age=timedelta(minutes=1), min_keep=0), NOW)) == set()
+    assert kept(decide(all_facts, RetentionPolicy(keep_last=1, min_keep=2), NOW)) == {"mid", "new"}
+
+
+def test_max_bytes_counts_shared_chunks_once() -> None:
+    shared = {"s": 100}
+    all_facts = [
+        facts("a", "c1", 3, shared | {"x1": 10}),
+        facts("a", "c2", 2, shared | {"x2": 10}),
+        facts("a", "c3", 1, shared | {"x3": 10}),
+    ]
+    assert kept(decide(all_facts, RetentionPolicy(max_bytes=125), NOW)) == {"c3", "c2"}
+    assert kept(decide(all_facts, RetentionPolicy(max_bytes=130), NOW)) == {"c1", "c2", "c3"}
+    assert kept(decide(all_facts, RetentionPolicy(max_bytes=10, min_keep=0), NOW)) == set()
+
+
+def test_every_rule_must_keep() -> None:
+    all_facts = [facts("a", f"c{i}", hours_ago=10 - i, chunks={f"x{i}": 10}) for i in range(6)]
+    policy = RetentionPolicy(keep_last=4, max_age=timedelta(hours=8.5), max_bytes=25)
+    assert kept(decide(all_facts, policy, NOW)) == {"c5", "c4"}
+
+
+# -- configuration, names, units --------------------------------------------------------------------------
+
+
+def b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
+
+def test_credentials_from_secret_data() -> None:
+    creds = credentials_from_secret(
+        {"AWS_ACCESS_KEY_ID": b64("AKIA1"), "AWS_SECRET_ACCESS_KEY": b64("s3cr3t\n")}
+    )
+    assert creds.access_key_id.get_secret_value() == "AKIA1"
+    assert creds.secret_access_key.get_secret_value() == "s3cr3t"
+    assert "s3cr3t" not in repr(creds) and "s3cr3t" not in str(creds.model_dump())
+    short = credentials_from_secret({"accessKey": "id", "secretKey": "key"}, encoded=False, name="minio")
+    assert short.source == "Secret minio"
+
+
+def test_secret_errors_name_keys_not_values() -> None:
+    with pytest.raises(ConfigError, match=r"it has keys \['password', 'user'\]") as info:
+        credentials_from_secret({"user": b64("me"), "password": b64("hunter2hunter2")})
+    assert "hunter2" not in str(info.value)
+    with pytest.raises(ConfigError, match="not valid base64") as info:
+        credentials_from_secret({"AWS_ACCESS_KEY_ID": b64("AKIA"), "AWS_SECRET_ACCESS_KEY": "not base64 !!"})
+    assert "not base64 !!" not in str(info.value)
+
+
+def test_config_from_env() -> None:
+    env = {
+        "IBCKPT_S3_BUCKET": "ckpts",
+        "IBCKPT_S3_ENDPOINT": "https://s3.example.test",
+        "IBCKPT_S3_PREFIX": "/team/",
+        "IBCKPT_S3_ADDRESSING": "virtual",
+        "IBCKPT_CHUNK_SIZE": "16MiB",
+        "IBCKPT_S3_READ_TIMEOUT": "2m",
+        "IBCKPT_ENCRYPTION": "client",
+        "IBCKPT_ENCRYPTION_KEY": base64.b64encode(b"k" * 32).decode(),
+    }
+    config = config_from_env(env)
+    assert (config.bucket, config.prefix, config.addressing_style) == ("ckpts", "team", "virtual")
+    assert config.chunk_size == 16 * 1024 * 1024 and config.read_timeout == 120
+    assert config.where() == "endpoint https://s3.example.test, bucket 'ckpts'"
+    assert config_from_env(env, bucket="other").bucket == "other"
+    with pytest.raises(ConfigError, match="bucket"):
+        config_from_env({})
+    with pytest.raises(ConfigError, match="needs a key"):
+        config_from_env({"IBCKPT_S3_BUCKET": "b", "IBCKPT_ENCRYPTION": "client"})
+    with pytest.raises(ConfigError, match="chunk_size") as info:
+        config_from_env({"IBCKPT_S3_BUCKET": "b", "IBCKPT_CHUNK_SIZE": "1KiB"})
+    assert "1024" not in str(info.value)
+
+
+def test_names_and_units() -> None:
+    assert parse_checkpoint_ref("ns/job/c1") == ("ns/job", "c1")
+    assert parse_checkpoint_ref("job/latest") == ("job", "latest")
+    for bad in ("job", "/c1", "a/b/c/d", "job/../x"):
+        with pytest.raises(ValueError):
+            parse_checkpoint_ref(bad)
+    layout = Layout("pre")
+    ref = CheckpointRef("ns/job", new_checkpoint_id())
+    assert layout.ref_from_manifest_key(layout.manifest_key(ref)) == ref
+    assert layout.chunk_key("ab" * 32).startswith("pre/v1/chunks/ab/")
+    assert parse_size("8MiB") == 8 * 1024 * 1024 and parse_size("2G") == 2_000_000_000
+    assert parse_duration("1h30m") == 5400 and parse_duration("90") == 90
+    with pytest.raises(ValueError):
+        parse_duration("soon")
