@@ -73,15 +73,17 @@ class RateLimiter:
 
 
 class StageTimes:
-    """Seconds spent in each stage, summed over threads (so they can exceed the wall time)."""
+    """Per stage, summed over threads: elapsed seconds (`stage`) and CPU seconds of the thread
+    (`stage_cpu`). Elapsed includes waiting for the network and for a core, so sums exceed the wall time."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.seconds: dict[str, float] = {}
 
-    def add(self, stage: str, seconds: float) -> None:
+    def add(self, stage: str, seconds: float, cpu_seconds: float) -> None:
         with self._lock:
             self.seconds[stage] = self.seconds.get(stage, 0.0) + seconds
+            self.seconds[stage + "_cpu"] = self.seconds.get(stage + "_cpu", 0.0) + cpu_seconds
 
     def timed(self, stage: str) -> _Timer:
         return _Timer(self, stage)
@@ -92,9 +94,11 @@ class _Timer:
         self._times = times
         self._stage = stage
         self._start = 0.0
+        self._cpu_start = 0.0
 
     def __enter__(self) -> None:
         self._start = time.perf_counter()
+        self._cpu_start = time.thread_time()
 
     def __exit__(self, *exc: object) -> None:
-        self._times.add(self._stage, time.perf_counter() - self._start)
+        self._times.add(self._stage, time.perf_counter() - self._start, time.thread_time() - self._cpu_start)
