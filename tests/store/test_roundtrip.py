@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import SecretBytes
 
 from ibckpt.store import EncryptionConfig
 from ibckpt.store.errors import EncryptionError, StoreError
@@ -109,7 +110,7 @@ def test_client_side_encryption(
     make_store: Any, tree_factory: Any, s3_server: Any, bucket: str, tmp_path: Path
 ) -> None:
     key = os.urandom(32)
-    store = make_store(encryption=EncryptionConfig(mode="client", client_key=key))
+    store = make_store(encryption=EncryptionConfig(mode="client", client_key=SecretBytes(key)))
     secret_text = b"the solver's private state " * 2000
     manifest = store.upload_tree(tree_factory({"pages.img": secret_text}), "secret-job")
     assert manifest.encryption.mode == "client" and manifest.encryption.key_fingerprint
@@ -127,7 +128,7 @@ def test_client_side_encryption(
     store.restore(manifest.ref, tmp_path / "ok")
     assert (tmp_path / "ok" / "pages.img").read_bytes() == secret_text
 
-    wrong = make_store(encryption=EncryptionConfig(mode="client", client_key=os.urandom(32)))
+    wrong = make_store(encryption=EncryptionConfig(mode="client", client_key=SecretBytes(os.urandom(32))))
     with pytest.raises(EncryptionError, match="fingerprint"):
         wrong.restore(manifest.ref, tmp_path / "wrong")
     plain = make_store()
