@@ -1,0 +1,1 @@
+"""The job coordinator's wire protocol, record formats and client (shared by operator and node agent)."""

@@ -1,0 +1,171 @@
+"""asyncio client of the job coordinator, used by node agents (one per node per session)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from typing import Any
+
+from ibckpt.coordination.wire import (
+    PROTOCOL_VERSION,
+    Frame,
+    Kind,
+    ProtocolError,
+    read_frame,
+    segment_index,
+    unpack_segments,
+)
+
+CONNECT_TIMEOUT_S = 10.0
+# Replies may trail the server-side bound a little; this slack keeps the client from
+# giving up first and hiding the server's (more precise) message.
+REPLY_SLACK_S = 5.0
+
+
+class CoordinatorError(Exception):
+    """The coordinator refused a request (bad request or authentication)."""
+
+
+class CoordinationAborted(CoordinatorError):
+    """The session was aborted by a participant, the operator or its deadline."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class CoordinationTimedOut(CoordinatorError):
+    """A bounded wait on the coordinator ran out."""
+
+
+class CoordinatorClient:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, participant: str) -> None:
+        self.participant = participant
+        self._reader = reader
+        self._writer = writer
+        self._ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future[Frame]] = {}
+        self._write_lock = asyncio.Lock()
+        self.abort_reason: str | None = None
+        self.aborted = asyncio.Event()
+        self._reader_task: asyncio.Task[None] | None = None
+
+    @classmethod
+    async def connect(
+        cls, host: str, port: int, session: str, participant: str, token: str
+    ) -> CoordinatorClient:
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), CONNECT_TIMEOUT_S)
+        except (OSError, TimeoutError) as exc:
+            raise CoordinatorError(f"cannot reach the coordinator at {host}:{port}: {exc}") from exc
+        hello = {"version": PROTOCOL_VERSION, "session": session, "participant": participant, "token": token}
+        writer.write(Frame(Kind.HELLO, hello).encode())
+        await writer.drain()
+        try:
+            reply = await asyncio.wait_for(read_frame(reader), CONNECT_TIMEOUT_S)
+        except (asyncio.IncompleteReadError, TimeoutError, ProtocolError) as exc:
+            writer.close()
+            raise CoordinatorError(f"coordinator at {host}:{port} did not answer HELLO: {exc!r}") from exc
+        if reply.kind != Kind.OK:
+            writer.close()
+            raise CoordinatorError(f"coordinator refused {participant}: {reply.header.get('message')}")
+        client = cls(reader, writer, participant)
+        if reply.header.get("aborted"):
+            client._mark_aborted(str(reply.header["aborted"]))
+        client._reader_task = asyncio.ensure_future(client._read_loop())
+        return client
+
+    async def close(self) -> None:
+        if self._reader_task is not None:
+            self._reader_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader_task
+        self._writer.close()
+        with contextlib.suppress(ConnectionError):
+            await self._writer.wait_closed()
+
+    async def __aenter__(self) -> CoordinatorClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def _mark_aborted(self, reason: str) -> None:
+        if self.abort_reason is None:
+            self.abort_reason = reason
+            self.aborted.set()
+
+    async def _read_loop(self) -> None:
+        error: BaseException = ConnectionError("coordinator closed the connection")
+        try:
+            while True:
+                frame = await read_frame(self._reader)
+                if frame.kind == Kind.ABORTED:
+                    self._mark_aborted(str(frame.header.get("reason")))
+                    continue
+                future = self._pending.pop(int(frame.header.get("id", 0)), None)
+                if future is not None and not future.done():
+                    future.set_result(frame)
+        except (asyncio.IncompleteReadError, ConnectionError, ProtocolError) as exc:
+            error = exc
+        finally:
+            for future in self._pending.values():
+                if not future.done():
+                    future.set_exception(CoordinatorError(f"lost the coordinator: {error!r}"))
+            self._pending.clear()
+
+    async def _request(
+        self,
+        kind: Kind,
+        header: dict[str, Any],
+        payload: bytes = b"",
+        timeout: float = 60.0,
+        parts: tuple[bytes, ...] = (),
+    ) -> Frame:
+        request_id = next(self._ids)
+        future: asyncio.Future[Frame] = asyncio.get_running_loop().create_future()
+        self._pending[request_id] = future
+        frame = Frame(kind, {**header, "id": request_id, "timeout": timeout}, payload, parts)
+        async with self._write_lock:
+            self._writer.writelines(frame.buffers())
+            await self._writer.drain()
+        try:
+            reply = await asyncio.wait_for(future, timeout + REPLY_SLACK_S)
+        except TimeoutError:
+            self._pending.pop(request_id, None)
+            raise CoordinationTimedOut(
+                f"no reply to {kind.name} within {timeout + REPLY_SLACK_S:g}s"
+            ) from None
+        if reply.kind == Kind.ERROR:
+            error, message = reply.header.get("error"), str(reply.header.get("message"))
+            if error == "aborted":
+                self._mark_aborted(message)
+                raise CoordinationAborted(message)
+            if error == "timeout":
+                raise CoordinationTimedOut(message)
+            raise CoordinatorError(message)
+        return reply
+
+    # -- the API --------------------------------------------------------------------------
+
+    async def barrier(self, name: str, timeout: float) -> None:
+        await self._request(Kind.BARRIER, {"name": name}, timeout=timeout)
+
+    async def put(self, key: str, value: bytes) -> None:
+        await self._request(Kind.PUT, {"key": key}, value)
+
+    async def get(self, key: str, timeout: float) -> bytes:
+        return (await self._request(Kind.GET, {"key": key}, timeout=timeout)).payload
+
+    async def exchange(
+        self, round_name: str, segments: dict[str, bytes], timeout: float
+    ) -> dict[str, memoryview]:
+        """Publish segments addressed to other participants; return those addressed to us, by sender."""
+        header = {"round": round_name, "index": segment_index(segments)}
+        await self._request(Kind.ROUTE, header, parts=tuple(segments.values()))
+        reply = await self._request(Kind.GATHER, {"round": round_name}, timeout=timeout)
+        return unpack_segments(reply.header["index"], reply.payload)
+
+    async def abort(self, reason: str) -> None:
+        await self._request(Kind.ABORT, {"reason": reason})

@@ -1,0 +1,1 @@
+"""The job coordinator: barriers, key-value publish/subscribe and routed id exchange per session."""

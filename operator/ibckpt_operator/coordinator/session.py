@@ -1,0 +1,173 @@
+"""One coordination session: one checkpoint or restore of one job. Pure asyncio, no I/O.
+
+A session knows its participants (node agents, or ranks for small jobs) up front. It
+offers named barriers, a key-value store with blocking get, and routed exchange rounds
+(each participant publishes segments addressed to others, then gathers what was
+addressed to it). Every wait is bounded, and one abort fails every wait at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+# Published data: views into received frames are kept as they are, never copied.
+Blob = bytes | memoryview
+
+
+class SessionAborted(Exception):
+    """The session was aborted; `reason` says by whom and why."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class CoordinationTimeout(Exception):
+    """A wait ran past its bound."""
+
+
+class NotAParticipant(Exception):
+    """A name that is not one of the session's participants."""
+
+
+@dataclass
+class _Round:
+    """One routed exchange: segments[destination][source] = bytes."""
+
+    segments: dict[str, dict[str, Blob]] = field(default_factory=dict)
+    published: set[str] = field(default_factory=set)
+    complete: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class Session:
+    def __init__(
+        self,
+        session_id: str,
+        token: str,
+        participants: frozenset[str],
+        deadline_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not participants:
+            raise ValueError("a session needs at least one participant")
+        self.id = session_id
+        self._token = token
+        self.participants = participants
+        self.deadline = clock() + deadline_s
+        self._clock = clock
+        self._abort_reason: str | None = None
+        self._aborted = asyncio.Event()
+        self._barriers: dict[str, set[str]] = {}
+        self._barrier_done: dict[str, asyncio.Event] = {}
+        self._values: dict[str, bytes] = {}
+        self._value_set: dict[str, asyncio.Event] = {}
+        self._rounds: dict[str, _Round] = {}
+        self.abort_listeners: list[Callable[[str], None]] = []
+
+    # -- identity -------------------------------------------------------------------------
+
+    def authenticate(self, participant: str, token: str) -> bool:
+        return participant in self.participants and hmac.compare_digest(token.encode(), self._token.encode())
+
+    def _check(self, participant: str) -> None:
+        if participant not in self.participants:
+            raise NotAParticipant(f"{participant!r} is not a participant of session {self.id}")
+        if self._abort_reason is not None:
+            raise SessionAborted(self._abort_reason)
+
+    # -- abort ----------------------------------------------------------------------------
+
+    @property
+    def abort_reason(self) -> str | None:
+        return self._abort_reason
+
+    def abort(self, reason: str) -> None:
+        """Fail every current and future wait with `reason`. Idempotent: the first reason wins."""
+        if self._abort_reason is not None:
+            return
+        self._abort_reason = reason
+        self._aborted.set()
+        for listener in list(self.abort_listeners):
+            listener(reason)
+
+    async def _wait(self, event: asyncio.Event, timeout_s: float, what: str) -> None:
+        """Wait for `event`, bounded by `timeout_s` and the session deadline; abort wins."""
+        bound = min(timeout_s, self.deadline - self._clock())
+        if event.is_set():
+            return
+        waiters = {asyncio.ensure_future(event.wait()), asyncio.ensure_future(self._aborted.wait())}
+        try:
+            done, _ = await asyncio.wait(
+                waiters, timeout=max(bound, 0.0), return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            for w in waiters:
+                w.cancel()
+        if self._abort_reason is not None:
+            raise SessionAborted(self._abort_reason)
+        if not done:
+            if bound < timeout_s:
+                self.abort(f"session {self.id} passed its deadline while waiting for {what}")
+                raise SessionAborted(self._abort_reason or "deadline")
+            raise CoordinationTimeout(f"timed out after {timeout_s:g}s waiting for {what}")
+
+    # -- barriers -------------------------------------------------------------------------
+
+    async def barrier(self, name: str, participant: str, timeout_s: float) -> None:
+        """Return once every participant has reached barrier `name`."""
+        self._check(participant)
+        arrived = self._barriers.setdefault(name, set())
+        done = self._barrier_done.setdefault(name, asyncio.Event())
+        arrived.add(participant)
+        if arrived == self.participants:
+            done.set()
+        try:
+            await self._wait(done, timeout_s, f"barrier {name!r}")
+        except CoordinationTimeout as exc:
+            missing = sorted(self.participants - arrived)
+            raise CoordinationTimeout(f"{exc}; missing: {', '.join(missing[:10])}") from None
+
+    # -- key-value ------------------------------------------------------------------------
+
+    def put(self, key: str, value: bytes, participant: str) -> None:
+        self._check(participant)
+        self._values[key] = value
+        self._value_set.setdefault(key, asyncio.Event()).set()
+
+    async def get(self, key: str, participant: str, timeout_s: float) -> bytes:
+        """The value of `key`, waiting up to `timeout_s` for somebody to publish it."""
+        self._check(participant)
+        await self._wait(self._value_set.setdefault(key, asyncio.Event()), timeout_s, f"key {key!r}")
+        return self._values[key]
+
+    # -- routed exchange ------------------------------------------------------------------
+
+    def publish(self, round_name: str, participant: str, segments: Mapping[str, Blob]) -> None:
+        """Store `participant`'s segments of round `round_name`, keyed by destination."""
+        self._check(participant)
+        unknown = set(segments) - self.participants
+        if unknown:
+            raise NotAParticipant(f"segments addressed to non-participants: {sorted(unknown)[:5]}")
+        rnd = self._rounds.setdefault(round_name, _Round())
+        if participant in rnd.published:
+            raise ValueError(f"{participant} already published round {round_name!r}")
+        for dest, data in segments.items():
+            rnd.segments.setdefault(dest, {})[participant] = data
+        rnd.published.add(participant)
+        if rnd.published == self.participants:
+            rnd.complete.set()
+
+    async def gather(self, round_name: str, participant: str, timeout_s: float) -> dict[str, Blob]:
+        """Once everyone has published round `round_name`: the segments addressed to `participant`."""
+        self._check(participant)
+        rnd = self._rounds.setdefault(round_name, _Round())
+        try:
+            await self._wait(rnd.complete, timeout_s, f"round {round_name!r}")
+        except CoordinationTimeout as exc:
+            missing = sorted(self.participants - rnd.published)
+            raise CoordinationTimeout(f"{exc}; not published by: {', '.join(missing[:10])}") from None
+        return rnd.segments.get(participant, {})

@@ -1,0 +1,101 @@
+"""Unit tests of the pure coordination session: barriers, key-value, rounds, timeouts, abort."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from ibckpt_operator.coordinator.session import (
+    CoordinationTimeout,
+    NotAParticipant,
+    Session,
+    SessionAborted,
+)
+
+NODES = frozenset({"node-a", "node-b", "node-c"})
+
+
+def session(deadline: float = 60.0) -> Session:
+    return Session("s1", "secret-token", NODES, deadline)
+
+
+async def test_barrier_releases_only_when_everyone_arrived() -> None:
+    s = session()
+    a = asyncio.ensure_future(s.barrier("quiesced", "node-a", 5))
+    b = asyncio.ensure_future(s.barrier("quiesced", "node-b", 5))
+    await asyncio.sleep(0.05)
+    assert not a.done() and not b.done()
+    await s.barrier("quiesced", "node-c", 5)
+    await asyncio.wait_for(asyncio.gather(a, b), 1)
+
+
+async def test_barrier_timeout_names_the_missing() -> None:
+    s = session()
+    with pytest.raises(CoordinationTimeout, match=r"missing: node-a, node-c"):
+        await s.barrier("drained", "node-b", 0.1)
+
+
+async def test_abort_fails_every_wait_with_the_reason() -> None:
+    s = session()
+    waits = [
+        asyncio.ensure_future(s.barrier("x", "node-a", 5)),
+        asyncio.ensure_future(s.get("missing-key", "node-b", 5)),
+        asyncio.ensure_future(s.gather("r1", "node-c", 5)),
+    ]
+    await asyncio.sleep(0.05)
+    heard: list[str] = []
+    s.abort_listeners.append(heard.append)
+    s.abort("node-b: drain timed out")
+    for w in waits:
+        with pytest.raises(SessionAborted, match="drain timed out"):
+            await w
+    assert heard == ["node-b: drain timed out"]
+    with pytest.raises(SessionAborted):  # and every later call too
+        s.put("k", b"v", "node-a")
+    s.abort("second reason is ignored")
+    assert s.abort_reason == "node-b: drain timed out"
+
+
+async def test_deadline_aborts_the_session() -> None:
+    s = session(deadline=0.1)
+    with pytest.raises(SessionAborted, match="deadline"):
+        await s.barrier("late", "node-a", 10)
+    assert s.abort_reason is not None
+
+
+async def test_get_waits_for_put() -> None:
+    s = session()
+    pending = asyncio.ensure_future(s.get("rank-3/qpn", "node-a", 5))
+    await asyncio.sleep(0.02)
+    assert not pending.done()
+    s.put("rank-3/qpn", b"\x01\x02", "node-b")
+    assert await pending == b"\x01\x02"
+    with pytest.raises(CoordinationTimeout):
+        await s.get("never", "node-a", 0.05)
+
+
+async def test_rounds_route_segments_to_their_destination() -> None:
+    s = session()
+    s.publish("ids", "node-a", {"node-b": b"a->b", "node-c": b"a->c"})
+    s.publish("ids", "node-b", {"node-a": b"b->a"})
+    early = asyncio.ensure_future(s.gather("ids", "node-a", 5))
+    await asyncio.sleep(0.02)
+    assert not early.done(), "a round completes only when every participant published"
+    s.publish("ids", "node-c", {"node-a": b"c->a", "node-b": b"c->b"})
+    assert await early == {"node-b": b"b->a", "node-c": b"c->a"}
+    assert await s.gather("ids", "node-b", 1) == {"node-a": b"a->b", "node-c": b"c->b"}
+    assert await s.gather("ids", "node-c", 1) == {"node-a": b"a->c"}
+
+
+async def test_strangers_and_duplicates_are_refused() -> None:
+    s = session()
+    assert s.authenticate("node-a", "secret-token")
+    assert not s.authenticate("node-a", "secret-tokex")
+    assert not s.authenticate("node-z", "secret-token")
+    with pytest.raises(NotAParticipant):
+        await s.barrier("x", "node-z", 1)
+    with pytest.raises(NotAParticipant):
+        s.publish("r", "node-a", {"node-z": b""})
+    s.publish("r", "node-a", {})
+    with pytest.raises(ValueError, match="already published"):
+        s.publish("r", "node-a", {})
