@@ -44,8 +44,8 @@ class _Handler(socketserver.StreamRequestHandler):
             self.wfile.write(b"OK\n")
         elif verb == "GET":
             key, _, timeout = rest.partition(" ")
-            value = store.get(key, max(int(timeout or "0"), 0) / 1000.0)
-            self.wfile.write(b"NONE\n" if value is None else f"VAL {value}\n".encode())
+            found = store.get(key, max(int(timeout or "0"), 0) / 1000.0)
+            self.wfile.write(b"NONE\n" if found is None else f"VAL {found}\n".encode())
         else:
             self.wfile.write(b"ERR\n")
 

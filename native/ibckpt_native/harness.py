@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ibckpt_native import SHIM
-from ibckpt_native.control import ShimControl
+from . import SHIM
+from .control import ShimControl
 
 
 @dataclass
@@ -49,6 +49,13 @@ class ShimProc:
         env = dict(os.environ)
         env.update(self.env)
         env["LD_PRELOAD"] = str(self.shim)
+        if "asan" in self.shim.name:
+            # the ASan runtime must be the first object in the process
+            libasan = subprocess.run(
+                ["gcc", "-print-file-name=libasan.so"], capture_output=True, text=True, check=True
+            ).stdout.strip()
+            env["LD_PRELOAD"] = f"{libasan} {self.shim}"
+            env.setdefault("ASAN_OPTIONS", "detect_leaks=0:abort_on_error=1")
         env["IBCKPT_CTL"] = str(self.ctl_path)
         with self.out.open("wb") as out, self.err.open("wb") as err:
             # setsid and no tty: CRIU cannot dump a task on the serial console.
@@ -80,7 +87,8 @@ class ShimProc:
             if self.popen is not None and self.popen.poll() is not None:
                 break
             time.sleep(0.05)
-        raise TimeoutError(f"{self.name}: no {pattern!r}; stderr: {self.err.read_text(errors='replace')[-2000:]}")
+        tail = self.err.read_text(errors="replace")[-2000:]
+        raise TimeoutError(f"{self.name}: no {pattern!r}; stderr: {tail}")
 
     def wait(self, timeout: float) -> int:
         assert self.popen is not None

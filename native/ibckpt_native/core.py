@@ -1,0 +1,105 @@
+"""cffi (ABI mode) binding of libibckpt's pure core: id tables, the private completion
+queue and the exactly-once re-post planner. Loads build/libibckpt_core.so, which has no
+libibverbs dependency, so it works on hosts without RDMA."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import cffi
+
+from . import CORE
+
+CDEF = """
+struct ibk_idmap {
+    uint32_t *keys; uint32_t *vals; uint8_t *used; size_t cap; size_t live; size_t filled;
+};
+int ibk_idmap_init(struct ibk_idmap *m, size_t cap);
+void ibk_idmap_fini(struct ibk_idmap *m);
+int ibk_idmap_put(struct ibk_idmap *m, uint32_t vid, uint32_t rid);
+int ibk_idmap_get(const struct ibk_idmap *m, uint32_t vid, uint32_t *rid);
+int ibk_idmap_del(struct ibk_idmap *m, uint32_t vid);
+int ibk_idmap_is_live(const struct ibk_idmap *m, uint32_t vid);
+int ibk_idmap_was_used(const struct ibk_idmap *m, uint32_t vid);
+uint32_t ibk_idmap_choose(const struct ibk_idmap *m, uint32_t real, uint32_t floor, uint32_t mask);
+
+struct ibv_wc {
+    uint64_t wr_id; int status; int opcode; uint32_t vendor_err; uint32_t byte_len;
+    uint32_t imm_data; uint32_t qp_num; uint32_t src_qp; unsigned int wc_flags;
+    uint16_t pkey_index; uint16_t slid; uint8_t sl; uint8_t dlid_path_bits;
+};
+struct ibk_wcq { struct ibv_wc *ring; uint32_t cap; uint64_t head; uint64_t tail; };
+int ibk_wcq_init(struct ibk_wcq *q, uint32_t cap);
+void ibk_wcq_fini(struct ibk_wcq *q);
+int ibk_wcq_push(struct ibk_wcq *q, const struct ibv_wc *wc);
+int ibk_wcq_pop(struct ibk_wcq *q, struct ibv_wc *out, int max);
+uint32_t ibk_wcq_count(const struct ibk_wcq *q);
+
+int ibk_plan_resend(const uint32_t *flags, size_t n, uint64_t peer_recvs, uint64_t done_consumers,
+                    uint8_t *verdict);
+"""
+
+# Flags and verdicts, as in src/core.h.
+SIGNALED = 1 << 0
+CONSUMER = 1 << 1
+FLAG_WR = 1 << 2
+ATOMIC = 1 << 3
+RDMA = 1 << 4
+DELIVERED, REPOST, UNKNOWN = 1, 2, 3
+
+ffi = cffi.FFI()
+ffi.cdef(CDEF)
+
+
+def load(path: Path = CORE) -> Any:
+    return ffi.dlopen(str(path))
+
+
+class IdMap:
+    """A virtual->real id table."""
+
+    def __init__(self, lib: Any, cap: int = 16) -> None:
+        self.lib = lib
+        self.m = ffi.new("struct ibk_idmap *")
+        if lib.ibk_idmap_init(self.m, cap):
+            raise MemoryError
+        self.closed = False
+
+    def put(self, vid: int, rid: int) -> None:
+        if self.lib.ibk_idmap_put(self.m, vid, rid):
+            raise MemoryError
+
+    def get(self, vid: int) -> int | None:
+        out = ffi.new("uint32_t *")
+        return None if self.lib.ibk_idmap_get(self.m, vid, out) else int(out[0])
+
+    def delete(self, vid: int) -> bool:
+        return int(self.lib.ibk_idmap_del(self.m, vid)) == 0
+
+    def choose(self, real: int, floor: int, mask: int) -> int:
+        return int(self.lib.ibk_idmap_choose(self.m, real, floor, mask))
+
+    def was_used(self, vid: int) -> bool:
+        return bool(self.lib.ibk_idmap_was_used(self.m, vid))
+
+    @property
+    def live(self) -> int:
+        return int(self.m.live)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.lib.ibk_idmap_fini(self.m)
+            self.closed = True
+
+
+def plan_resend(
+    lib: Any, flags: Sequence[int], peer_recvs: int, done_consumers: int
+) -> tuple[int, list[int]]:
+    """(UNKNOWN count or -1, verdict per entry) for a send log, oldest first."""
+    n = len(flags)
+    cflags = ffi.new("uint32_t[]", list(flags) or [0])
+    verdict = ffi.new("uint8_t[]", max(n, 1))
+    rc = int(lib.ibk_plan_resend(cflags, n, peer_recvs, done_consumers, verdict))
+    return rc, [int(verdict[i]) for i in range(n)]
