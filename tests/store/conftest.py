@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 from pydantic import SecretStr
-from testbed.s3 import S3Server
 
 from ibckpt.store import Credentials, ImageStore, StoreConfig
+from testbed.s3 import S3Server
 
 StoreFactory = Callable[..., ImageStore]
 

@@ -155,3 +155,17 @@ def test_killed_upload_leaves_no_checkpoint_and_gc_removes_its_chunks(
     for index in range(24):
         name = f"pages-{index:02}.img"
         assert (out / name).read_bytes() == (tree / name).read_bytes()
+
+
+def test_credentials_from_a_mounted_secret(s3_env: dict[str, str], s3_server: Any, tmp_path: Path) -> None:
+    mounted = tmp_path / "secret"
+    mounted.mkdir()
+    (mounted / "AWS_ACCESS_KEY_ID").write_text(s3_server.access_key)
+    (mounted / "AWS_SECRET_ACCESS_KEY").write_text(s3_server.secret_key + "\n")
+    env = {key: value for key, value in s3_env.items() if not key.startswith("AWS_ACCESS_KEY_ID")}
+    env.pop("AWS_SECRET_ACCESS_KEY")
+    assert ibckpt_json(env, "ls", "--credentials-dir", str(mounted)) == []
+    (mounted / "AWS_SECRET_ACCESS_KEY").write_text("not-the-secret")
+    result = ibckpt(dict(env, IBCKPT_S3_CREDENTIALS_DIR=str(mounted)), "ls", check=False)
+    assert result.returncode == 1 and f"credentials from Secret {mounted}" in result.stderr
+    assert "not-the-secret" not in result.stderr

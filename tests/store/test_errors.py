@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 from pydantic import SecretStr
-from testbed.s3 import S3Server
 
 from ibckpt.store import (
     BucketNotFoundError,
@@ -20,6 +19,7 @@ from ibckpt.store import (
     EndpointUnreachableError,
 )
 from ibckpt.store.errors import AccessDeniedError
+from testbed.s3 import S3Server
 
 pytestmark = pytest.mark.s3
 

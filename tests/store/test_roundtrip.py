@@ -151,3 +151,15 @@ def test_uncompressed_and_large_chunks_with_multipart(
     assert head["ETag"].strip('"').endswith("-2"), "expected a multipart object"
     store.restore(manifest.ref, tmp_path / "big")
     assert (tmp_path / "big" / "big.img").read_bytes() == data
+
+
+def test_server_side_encryption_headers(make_store: Any, tree_factory: Any, tmp_path: Path) -> None:
+    store = make_store(encryption=EncryptionConfig(mode="sse-s3"))
+    data = os.urandom(300_000)
+    manifest = store.upload_tree(tree_factory({"a.img": data}), "sse")
+    assert manifest.encryption.mode == "sse-s3"
+    layout, bucket = store.context.layout, store.config.bucket
+    for key in [layout.chunk_key(manifest.files[0].chunks[0].id), layout.manifest_key(manifest.ref)]:
+        assert store.client.head_object(Bucket=bucket, Key=key).get("ServerSideEncryption") == "AES256", key
+    store.restore(manifest.ref, tmp_path / "out")
+    assert (tmp_path / "out" / "a.img").read_bytes() == data
