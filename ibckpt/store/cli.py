@@ -295,7 +295,8 @@ def _ls(args: argparse.Namespace, store: ImageStore) -> int:
             format_size(row["logical_bytes"]) if "logical_bytes" in row else "",
             format_size(row["stored_bytes"]) if "stored_bytes" in row else "",
         )
-    Console(highlight=False).print(table)
+    # Not a terminal: wide enough that nothing is cut (scripts should use -o json anyway).
+    Console(highlight=False, width=None if sys.stdout.isatty() else 200).print(table)
     return EXIT_OK
 
 

@@ -154,6 +154,7 @@ def restore(
                         future.cancel()
                     raise
             _finish_metadata(staging, manifest.files)
+            _make_symlinks(staging, manifest.files)
             if destination.exists():
                 destination.rmdir()
             staging.rename(destination)
@@ -167,22 +168,31 @@ def restore(
 
 
 def _make_skeleton(root: Path, records: list[FileRecord]) -> None:
-    """Directories, empty files of the right size, and symlinks; contents come later."""
+    """Directories and empty files of the right size; contents come later, symlinks last."""
     for record in records:
         target = root / record.path
         if record.kind == "dir":
             target.mkdir(parents=True, exist_ok=True)
-        elif record.kind == "symlink":
+        elif record.kind == "file":
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            try:
+                os.ftruncate(fd, record.size)
+            finally:
+                os.close(fd)
+
+
+def _make_symlinks(root: Path, records: list[FileRecord]) -> None:
+    # Made after every write, so that no write can be sent through a link out of the tree.
+    for record in records:
+        if record.kind == "symlink":
+            target = root / record.path
             target.parent.mkdir(parents=True, exist_ok=True)
             os.symlink(record.target or "", target)
-        else:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with open(target, "wb") as handle:
-                handle.truncate(record.size)
 
 
 def _write_at(path: Path, offset: int, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
+    fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         view = memoryview(data)
         while view:
