@@ -6,7 +6,7 @@ COPY native/ /src/native/
 RUN make -C /src/native build/libibckpt.so
 
 FROM python:3.11-slim-bookworm
-RUN apt-get update && apt-get install -y --no-install-recommends criu libibverbs1 ibverbs-providers \
+RUN apt-get update && apt-get install -y --no-install-recommends criu iptables libibverbs1 ibverbs-providers \
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /opt/ibckpt
 COPY pyproject.toml README.md ./

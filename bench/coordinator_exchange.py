@@ -12,9 +12,8 @@ import argparse
 import asyncio
 import time
 
-from ibckpt_operator.coordinator.simulation import run_exchange, segments_for
-
 from ibckpt.coordination.ranks import QP_RECORD
+from ibckpt_operator.coordinator.simulation import run_exchange, segments_for
 
 
 def main() -> None:

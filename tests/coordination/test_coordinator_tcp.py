@@ -6,8 +6,6 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
-from ibckpt_operator.coordinator.server import CoordinatorServer
-from ibckpt_operator.coordinator.simulation import check_received, run_exchange
 
 from ibckpt.coordination.client import (
     CoordinationAborted,
@@ -15,6 +13,8 @@ from ibckpt.coordination.client import (
     CoordinatorClient,
     CoordinatorError,
 )
+from ibckpt_operator.coordinator.server import CoordinatorServer
+from ibckpt_operator.coordinator.simulation import check_received, run_exchange
 
 
 @pytest.fixture

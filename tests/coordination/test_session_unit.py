@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+
 from ibckpt_operator.coordinator.session import (
     CoordinationTimeout,
     NotAParticipant,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from testbed.guest import GUEST_HOST_ADDR, GuestSpec, run
 from testbed.ports import free_port
 from testbed.s3 import S3Server

@@ -8,6 +8,7 @@ from pathlib import Path
 import kubernetes
 import pytest
 import yaml
+
 from testbed.guest import cache_dir
 
 pytestmark = pytest.mark.kube

@@ -8,6 +8,7 @@ import os
 import botocore.exceptions
 import pytest
 from boto3.s3.transfer import TransferConfig
+
 from testbed.s3 import S3Server
 
 pytestmark = pytest.mark.s3

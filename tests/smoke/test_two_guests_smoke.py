@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
+
 from testbed.guest import GuestSpec, run_pair
 
 pytestmark = pytest.mark.twoguests

@@ -10,7 +10,7 @@ packages=(
   rdma-core ibverbs-utils ibverbs-providers rdmacm-utils perftest
   python3-pyverbs libibverbs-dev librdmacm-dev
   # process checkpointing
-  criu
+  criu iptables
   # kube-apiserver build from Debian's source package
   dpkg-dev rsync golang-1.19-go golang-github-modern-go-reflect2-dev
   # native shim tooling

@@ -1,0 +1,119 @@
+"""The one place that runs CRIU: which options are used, and the full error text when it fails.
+
+Every call is bounded by a timeout; on timeout CRIU is killed and the error says so. A dump
+that fails leaves the task running (CRIU resumes it), so the caller can rebuild and resume.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+LOG_TAIL_CHARS = 4000
+
+
+class CriuError(RuntimeError):
+    """CRIU failed; the message carries the command, its exit status and the log's tail."""
+
+    def __init__(self, action: str, pid_or_dir: str, detail: str, log_tail: str) -> None:
+        super().__init__(
+            f"criu {action} of {pid_or_dir} failed: {detail}\n--- criu log (tail) ---\n{log_tail}"
+        )
+        self.action = action
+        self.detail = detail
+        self.log_tail = log_tail
+
+
+@dataclass(frozen=True)
+class DumpOptions:
+    leave_running: bool = False
+    # Established TCP connections (launchers, PMIx, bootstrap sockets) are dumped with
+    # TCP repair; without it CRIU refuses them.
+    tcp_established: bool = True
+    shell_job: bool = False
+    file_locks: bool = True
+    ext_unix_sk: bool = True
+
+
+@dataclass(frozen=True)
+class DumpResult:
+    images: Path
+    seconds: float
+
+
+@dataclass(frozen=True)
+class RestoreResult:
+    pid: int
+    seconds: float
+
+
+def criu_binary() -> str:
+    found = shutil.which("criu")
+    if not found:
+        raise CriuError("lookup", "criu", "the criu binary is not installed on this node", "")
+    return found
+
+
+def _tail(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")[-LOG_TAIL_CHARS:]
+    except OSError:
+        return f"(no log at {path})"
+
+
+def _run(action: str, subject: str, args: Sequence[str], log: Path, timeout_s: float) -> None:
+    try:
+        proc = subprocess.run(list(args), capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise CriuError(
+            action, subject, f"timed out after {timeout_s:g}s (criu was killed)", _tail(log)
+        ) from None
+    if proc.returncode != 0:
+        detail = f"exit status {proc.returncode}"
+        if proc.stderr.strip():
+            detail += f": {proc.stderr.strip()[-500:]}"
+        raise CriuError(action, subject, detail, _tail(log))
+
+
+def dump(pid: int, images: Path, options: DumpOptions, timeout_s: float) -> DumpResult:
+    """Dump the process tree rooted at `pid` into `images` (created, must be empty)."""
+    images.mkdir(parents=True, exist_ok=True)
+    if any(images.iterdir()):
+        raise CriuError("dump", str(pid), f"image dir {images} is not empty", "")
+    args = [criu_binary(), "dump", "-t", str(pid), "-D", str(images), "-o", "dump.log", "-v4"]
+    if options.leave_running:
+        args.append("--leave-running")
+    if options.tcp_established:
+        args.append("--tcp-established")
+    if options.shell_job:
+        args.append("--shell-job")
+    if options.file_locks:
+        args.append("--file-locks")
+    if options.ext_unix_sk:
+        args.append("--ext-unix-sk")
+    started = time.monotonic()
+    _run("dump", f"pid {pid}", args, images / "dump.log", timeout_s)
+    return DumpResult(images, time.monotonic() - started)
+
+
+def restore(
+    images: Path, timeout_s: float, tcp_established: bool = True, shell_job: bool = False
+) -> RestoreResult:
+    """Restore a dumped tree, detached from CRIU; returns the restored root's pid."""
+    pidfile = images / "restored.pid"
+    pidfile.unlink(missing_ok=True)
+    args = [
+        criu_binary(), "restore", "-D", str(images), "-o", "restore.log", "-v4",
+        "--restore-detached", "--pidfile", str(pidfile),
+    ]  # fmt: skip
+    if tcp_established:
+        args.append("--tcp-established")
+    if shell_job:
+        args.append("--shell-job")
+    started = time.monotonic()
+    _run("restore", str(images), args, images / "restore.log", timeout_s)
+    return RestoreResult(int(pidfile.read_text().strip()), time.monotonic() - started)
