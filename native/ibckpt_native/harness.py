@@ -90,6 +90,20 @@ class ShimProc:
         tail = self.err.read_text(errors="replace")[-2000:]
         raise TimeoutError(f"{self.name}: no {pattern!r}; stderr: {tail}")
 
+    def wait_connected(self, timeout: float) -> None:
+        """Until the shim reports every QP of the process in RTS (no need to read stdout,
+        which unmodified programs buffer)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.ctl_path.exists():
+                qps = self.ctl.status().get("qps", [])
+                if qps and all(q["state"] == 3 for q in qps):
+                    return
+            if self.popen is not None and self.popen.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise TimeoutError(f"{self.name}: QPs never reached RTS; stderr: {self.err.read_text()[-2000:]}")
+
     def wait(self, timeout: float) -> int:
         assert self.popen is not None
         return self.popen.wait(timeout)

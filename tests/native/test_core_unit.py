@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+
 from ibckpt_native import CORE, NATIVE_DIR
 from ibckpt_native.core import (
     ATOMIC,

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from ibckpt_native import NATIVE_DIR, SHIM, SHIM_ASAN, SHIM_UBSAN, TESTS_DIR
 from ibckpt_native.coordinator import Coordinator
 from ibckpt_native.harness import ShimProc, checkpoint, checkpoint_loop, parse_result
@@ -134,8 +135,8 @@ def test_rc_pingpong_checkpointed_mid_run(tmp_path: Path, coord: Coordinator) ->
     procs = _pair(tmp_path, coord, ["ibv_rc_pingpong", "-g", "1", "-n", "40000"], 18621)
     try:
         for p in procs:
-            p.wait_for_output("remote address", 120)
-        time.sleep(0.5)
+            p.wait_connected(120)
+        time.sleep(0.3)
         results = [checkpoint(procs, i + 1) for i in range(3)]
         codes = [p.wait(600) for p in procs]
     finally:
