@@ -92,7 +92,7 @@ async def test_abort_reaches_every_participant(server: CoordinatorServer) -> Non
     # Operator-side abort (e.g. a phase deadline) reaches them the same way; the first reason stays.
     server.sessions[session].abort("operator: checkpoint deleted")
     with pytest.raises(CoordinationAborted, match="drain of rank 3"):
-        await c.put("k", b"v")
+        await c.barrier("later", timeout=5)
     for cl in (a, b, c):
         await cl.close()
 

@@ -40,7 +40,6 @@ async def test_abort_fails_every_wait_with_the_reason() -> None:
     s = session()
     waits = [
         asyncio.ensure_future(s.barrier("x", "node-a", 5)),
-        asyncio.ensure_future(s.get("missing-key", "node-b", 5)),
         asyncio.ensure_future(s.gather("r1", "node-c", 5)),
     ]
     await asyncio.sleep(0.05)
@@ -52,7 +51,7 @@ async def test_abort_fails_every_wait_with_the_reason() -> None:
             await w
     assert heard == ["node-b: drain timed out"]
     with pytest.raises(SessionAborted):  # and every later call too
-        s.put("k", b"v", "node-a")
+        await s.barrier("y", "node-a", 5)
     s.abort("second reason is ignored")
     assert s.abort_reason == "node-b: drain timed out"
 
@@ -100,3 +99,16 @@ async def test_strangers_and_duplicates_are_refused() -> None:
     s.publish("r", "node-a", {})
     with pytest.raises(ValueError, match="already published"):
         s.publish("r", "node-a", {})
+
+
+async def test_key_value_outlives_an_abort_for_recovery() -> None:
+    """Released ranks rebuild toward each other after an abort: put/get keep working, bounded."""
+    s = session()
+    pending = asyncio.ensure_future(s.get("map/rank-1", "node-a", 5))
+    s.abort("node-c: dump failed")
+    await asyncio.sleep(0.02)
+    assert not pending.done()
+    s.put("map/rank-1", b"new ids", "node-b")
+    assert await pending == b"new ids"
+    with pytest.raises(CoordinationTimeout):
+        await s.get("never", "node-a", 0.05)

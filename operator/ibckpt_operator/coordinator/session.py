@@ -73,10 +73,10 @@ class Session:
     def authenticate(self, participant: str, token: str) -> bool:
         return participant in self.participants and hmac.compare_digest(token.encode(), self._token.encode())
 
-    def _check(self, participant: str) -> None:
+    def _check(self, participant: str, allow_aborted: bool = False) -> None:
         if participant not in self.participants:
             raise NotAParticipant(f"{participant!r} is not a participant of session {self.id}")
-        if self._abort_reason is not None:
+        if self._abort_reason is not None and not allow_aborted:
             raise SessionAborted(self._abort_reason)
 
     # -- abort ----------------------------------------------------------------------------
@@ -94,12 +94,14 @@ class Session:
         for listener in list(self.abort_listeners):
             listener(reason)
 
-    async def _wait(self, event: asyncio.Event, timeout_s: float, what: str) -> None:
-        """Wait for `event`, bounded by `timeout_s` and the session deadline; abort wins."""
-        bound = min(timeout_s, self.deadline - self._clock())
+    async def _wait(self, event: asyncio.Event, timeout_s: float, what: str, abortable: bool = True) -> None:
+        """Wait for `event`, bounded by `timeout_s` and the session deadline; abort wins if abortable."""
+        bound = min(timeout_s, self.deadline - self._clock()) if abortable else timeout_s
         if event.is_set():
             return
-        waiters = {asyncio.ensure_future(event.wait()), asyncio.ensure_future(self._aborted.wait())}
+        waiters = {asyncio.ensure_future(event.wait())}
+        if abortable:
+            waiters.add(asyncio.ensure_future(self._aborted.wait()))
         try:
             done, _ = await asyncio.wait(
                 waiters, timeout=max(bound, 0.0), return_when=asyncio.FIRST_COMPLETED
@@ -107,7 +109,7 @@ class Session:
         finally:
             for w in waiters:
                 w.cancel()
-        if self._abort_reason is not None:
+        if abortable and self._abort_reason is not None:
             raise SessionAborted(self._abort_reason)
         if not done:
             if bound < timeout_s:
@@ -132,16 +134,19 @@ class Session:
             raise CoordinationTimeout(f"{exc}; missing: {', '.join(missing[:10])}") from None
 
     # -- key-value ------------------------------------------------------------------------
+    # The key-value store outlives an abort: ranks that had already released their device
+    # rebuild toward each other through it to get back to running (each get is still bounded).
 
     def put(self, key: str, value: bytes, participant: str) -> None:
-        self._check(participant)
+        self._check(participant, allow_aborted=True)
         self._values[key] = value
         self._value_set.setdefault(key, asyncio.Event()).set()
 
     async def get(self, key: str, participant: str, timeout_s: float) -> bytes:
         """The value of `key`, waiting up to `timeout_s` for somebody to publish it."""
-        self._check(participant)
-        await self._wait(self._value_set.setdefault(key, asyncio.Event()), timeout_s, f"key {key!r}")
+        self._check(participant, allow_aborted=True)
+        event = self._value_set.setdefault(key, asyncio.Event())
+        await self._wait(event, timeout_s, f"key {key!r}", abortable=False)
         return self._values[key]
 
     # -- routed exchange ------------------------------------------------------------------

@@ -1,0 +1,228 @@
+"""The node agent's per-node driver: takes this node's ranks through a checkpoint or a restore.
+
+Checkpoint: quiesce -> drain -> release -> CRIU dump -> (rebuild -> resume | stop), with a
+coordinator barrier after each phase so every node is at the same cut. Restore: CRIU restore
+-> rebuild -> resume. Any failure before the dump is committed aborts the session; every
+node then brings its ranks back to running where they are, and the application continues.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ibckpt.coordination.client import CoordinationAborted, CoordinatorClient, CoordinatorError
+from ibckpt.coordination.ranks import RankId
+from ibckpt_native.control import ControlError, ShimControl
+from ibckpt_node import criu
+
+log = logging.getLogger(__name__)
+
+
+class Mode(enum.Enum):
+    LEAVE_RUNNING = "LeaveRunning"
+    STOP = "Stop"
+
+
+@dataclass(frozen=True)
+class PhaseTimeouts:
+    quiesce_s: float = 30.0
+    drain_s: float = 60.0
+    release_s: float = 30.0
+    dump_s: float = 600.0
+    restore_s: float = 600.0
+    rebuild_s: float = 120.0
+    barrier_slack_s: float = 30.0  # how long a node waits for the slowest other node
+
+
+@dataclass
+class LocalRank:
+    """A process on this node that runs under the shim."""
+
+    rank: RankId
+    pid: int
+    control_path: Path
+
+    @property
+    def control(self) -> ShimControl:
+        return ShimControl(str(self.control_path))
+
+
+@dataclass
+class NodeReport:
+    node: str
+    phases: dict[str, float] = field(default_factory=dict)  # seconds per phase
+    shim: dict[str, dict[str, Any]] = field(default_factory=dict)  # last report per rank
+    images: dict[str, Path] = field(default_factory=dict)
+    restored_pids: dict[str, int] = field(default_factory=dict)
+    outcome: str = ""
+
+
+class CheckpointFailed(RuntimeError):
+    """This node's part failed or the session was aborted; the ranks were brought back if possible."""
+
+
+def device_fds_and_maps(pid: int) -> tuple[int, int]:
+    """How many /dev/infiniband fds and mappings `pid` holds (0, 0 after a release)."""
+    fds = 0
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            fds += os.readlink(fd).startswith("/dev/infiniband/")
+        except OSError:
+            continue
+    maps = sum("/dev/infiniband/" in line for line in Path(f"/proc/{pid}/maps").read_text().splitlines())
+    return fds, maps
+
+
+class NodeDriver:
+    def __init__(
+        self,
+        node: str,
+        client: CoordinatorClient,
+        ranks: Sequence[LocalRank],
+        timeouts: PhaseTimeouts | None = None,
+    ) -> None:
+        self.node = node
+        self.client = client
+        self.ranks = list(ranks)
+        self.timeouts = timeouts or PhaseTimeouts()
+        self.report = NodeReport(node)
+
+    # -- helpers --------------------------------------------------------------------------
+
+    async def _each(self, phase: str, call: Callable[[LocalRank], dict[str, Any]]) -> None:
+        """Run one shim phase on every local rank in parallel; the first failure raises."""
+
+        async def one(r: LocalRank) -> None:
+            reply = await asyncio.to_thread(call, r)
+            self.report.shim[r.rank.key()] = reply
+            if reply.get("ok") is False:
+                raise CheckpointFailed(f"{phase} of {r.rank.key()} (pid {r.pid}) failed: {reply}")
+
+        await asyncio.gather(*(one(r) for r in self.ranks))
+
+    async def _phase(self, name: str, work: Callable[[], Awaitable[None]], bound_s: float) -> None:
+        started = time.monotonic()
+        try:
+            await asyncio.wait_for(work(), bound_s)
+        except TimeoutError:
+            raise CheckpointFailed(f"{self.node}: {name} did not finish within {bound_s:g}s") from None
+        except (ControlError, OSError) as exc:
+            raise CheckpointFailed(f"{self.node}: {name} failed: {exc}") from exc
+        await self.client.barrier(name, timeout=bound_s + self.timeouts.barrier_slack_s)
+        self.report.phases[name] = time.monotonic() - started
+        log.info("%s: %s done in %.3fs", self.node, name, self.report.phases[name])
+
+    @staticmethod
+    def _ms(seconds: float) -> int:
+        return max(1, int(seconds * 1000))
+
+    # -- checkpoint -----------------------------------------------------------------------
+
+    async def checkpoint(self, mode: Mode, images_root: Path, epoch: int) -> NodeReport:
+        t = self.timeouts
+        committed = False
+        try:
+            await self._phase(
+                "quiesced",
+                lambda: self._each("quiesce", lambda r: r.control.quiesce(self._ms(t.quiesce_s))),
+                t.quiesce_s,
+            )
+            await self._phase(
+                "drained",
+                lambda: self._each("drain", lambda r: r.control.drain(self._ms(t.drain_s))),
+                t.drain_s,
+            )
+            await self._phase(
+                "released",
+                lambda: self._each("release", lambda r: r.control.release(self._ms(t.release_s))),
+                t.release_s,
+            )
+            self._check_released()
+            await self._phase("dumped", lambda: self._dump_all(mode, images_root), t.dump_s)
+            committed = True
+            if mode is Mode.STOP:
+                self.report.outcome = "Stopped"
+                return self.report
+            await self._phase(
+                "rebuilt",
+                lambda: self._each("rebuild", lambda r: r.control.rebuild(epoch, self._ms(t.rebuild_s))),
+                t.rebuild_s,
+            )
+            await self._phase(
+                "resumed", lambda: self._each("resume", lambda r: r.control.resume()), t.rebuild_s
+            )
+            self.report.outcome = "Succeeded"
+            return self.report
+        except (CheckpointFailed, CoordinatorError) as exc:
+            if not committed:
+                await self._abort_and_recover(exc, epoch)
+            raise CheckpointFailed(str(exc)) from exc
+
+    def _check_released(self) -> None:
+        for r in self.ranks:
+            fds, maps = device_fds_and_maps(r.pid)
+            if fds or maps:
+                raise CheckpointFailed(
+                    f"{r.rank.key()} (pid {r.pid}) still holds {fds} device fds and {maps} device "
+                    "mappings after release; refusing to dump"
+                )
+
+    async def _dump_all(self, mode: Mode, images_root: Path) -> None:
+        options = criu.DumpOptions(leave_running=mode is Mode.LEAVE_RUNNING)
+        for r in self.ranks:  # one CRIU at a time: each freezes and walks a whole tree
+            images = images_root / r.rank.key().replace("/", "_")
+            await asyncio.to_thread(criu.dump, r.pid, images, options, self.timeouts.dump_s)
+            self.report.images[r.rank.key()] = images
+
+    async def _abort_and_recover(self, cause: Exception, epoch: int) -> None:
+        """Tell every node, then bring this node's ranks back to running from wherever they are."""
+        log.warning("%s: aborting checkpoint: %s", self.node, cause)
+        if not isinstance(cause, CoordinationAborted):
+            # Already aborted by someone else, or the coordinator is gone: recover regardless.
+            with contextlib.suppress(CoordinatorError):
+                await self.client.abort(str(cause))
+        for r in self.ranks:
+            try:
+                reply = await asyncio.to_thread(r.control.abort)
+            except ControlError as exc:
+                if exc.reply.get("state") != "released":
+                    log.error("%s: could not resume %s: %s", self.node, r.rank.key(), exc)
+                    continue
+                # Released already: the real resources are gone, rebuild with the peers.
+                reply = await asyncio.to_thread(r.control.rebuild, epoch, self._ms(self.timeouts.rebuild_s))
+                reply = await asyncio.to_thread(r.control.resume)
+            self.report.shim[r.rank.key()] = reply
+        self.report.outcome = "Aborted"
+
+    # -- restore --------------------------------------------------------------------------
+
+    async def restore(
+        self, images: dict[str, Path], control_paths: dict[str, Path], epoch: int
+    ) -> NodeReport:
+        """Restore this node's ranks from their images, then rebuild toward the peers and resume."""
+        t = self.timeouts
+
+        async def restore_all() -> None:
+            for key, image_dir in images.items():
+                result = await asyncio.to_thread(criu.restore, image_dir, t.restore_s)
+                self.report.restored_pids[key] = result.pid
+                self.ranks.append(LocalRank(RankId.parse(key), result.pid, control_paths[key]))
+
+        await self._phase("restored", restore_all, t.restore_s)
+        await self._phase(
+            "rebuilt",
+            lambda: self._each("rebuild", lambda r: r.control.rebuild(epoch, self._ms(t.rebuild_s))),
+            t.rebuild_s,
+        )
+        await self._phase("resumed", lambda: self._each("resume", lambda r: r.control.resume()), t.rebuild_s)
+        self.report.outcome = "Succeeded"
+        return self.report
