@@ -400,9 +400,10 @@ def _gc(args: argparse.Namespace, store: ImageStore) -> int:
             f"{report.chunks_in_grace} unused but within the grace period; {would} {report.chunks_deleted} "
             f"({format_size(report.bytes_deleted)})"
         )
-        if report.stale_leases_removed or report.multipart_aborted:
+        if report.stale_leases_removed or report.multipart_aborted or report.abandoned_parts_removed:
             print(
-                f"removed {report.stale_leases_removed} expired lease(s), "
+                f"removed {report.stale_leases_removed} expired lease(s) and "
+                f"{report.abandoned_parts_removed} abandoned part(s), "
                 f"aborted {report.multipart_aborted} stale multipart upload(s)"
             )
     elif report.skipped_reason:
@@ -429,6 +430,7 @@ def _gc_json(report: GcReport) -> dict[str, Any]:
         "chunks_deleted": report.chunks_deleted,
         "bytes_deleted": report.bytes_deleted,
         "stale_leases_removed": report.stale_leases_removed,
+        "abandoned_parts_removed": report.abandoned_parts_removed,
         "multipart_aborted": report.multipart_aborted,
     }
 

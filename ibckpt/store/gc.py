@@ -19,11 +19,13 @@ from ibckpt.store.context import StoreContext
 from ibckpt.store.errors import LeaseError, ManifestError
 from ibckpt.store.layout import CheckpointRef
 from ibckpt.store.leases import Lease, LeaseRecord, read_records
-from ibckpt.store.manifest import Manifest
+from ibckpt.store.manifest import Manifest, parse_manifest
 from ibckpt.store.retention import CheckpointFacts, Decision, RetentionPolicy, decide
-from ibckpt.store.s3 import list_objects, s3_errors
+from ibckpt.store.s3 import ListedObject, list_objects, s3_errors
 
 DEFAULT_GRACE = timedelta(hours=1)
+# Staged parts that nobody committed for this long belong to a checkpoint that failed.
+DEFAULT_ABANDONED_AFTER = timedelta(days=1)
 SWEEP_LEASE_SECONDS = 120.0
 _DELETE_BATCH = 1000  # the S3 DeleteObjects limit
 
@@ -41,6 +43,7 @@ class GcReport:
     bytes_deleted: int = 0
     chunks_in_grace: int = 0
     stale_leases_removed: int = 0
+    abandoned_parts_removed: int = 0
     multipart_aborted: int = 0
     dry_run: bool = False
 
@@ -54,6 +57,7 @@ def collect_garbage(
     dry_run: bool = False,
     sweep: bool = True,
     sweep_lease_seconds: float = SWEEP_LEASE_SECONDS,
+    abandoned_after: timedelta = DEFAULT_ABANDONED_AFTER,
 ) -> GcReport:
     """Apply `policy` (to `job` only, if given), then sweep unreferenced chunks older than `grace`."""
     report = GcReport(dry_run=dry_run)
@@ -78,12 +82,17 @@ def collect_garbage(
                         )
                 report.deleted_checkpoints.append(decision.ref)
     if sweep:
-        _sweep(context, report, grace, dry_run, sweep_lease_seconds)
+        _sweep(context, report, grace, dry_run, sweep_lease_seconds, abandoned_after)
     return report
 
 
 def _sweep(
-    context: StoreContext, report: GcReport, grace: timedelta, dry_run: bool, lease_seconds: float
+    context: StoreContext,
+    report: GcReport,
+    grace: timedelta,
+    dry_run: bool,
+    lease_seconds: float,
+    abandoned_after: timedelta,
 ) -> None:
     layout = context.layout
     connection = context.connection
@@ -108,6 +117,18 @@ def _sweep(
         for loaded in manifests.values():
             assert isinstance(loaded, Manifest)
             referenced.update(loaded.chunk_sizes())
+        # Staged parts of multi-node checkpoints keep their chunks, unless abandoned.
+        parts, parts_now = list_objects(connection, layout.parts, "listing staged parts")
+        abandoned = [item.key for item in parts if parts_now - item.last_modified >= abandoned_after]
+        try:
+            for item in parts:
+                if item.key not in abandoned:
+                    referenced.update(_load_part(context, item).chunk_sizes())
+        except ManifestError as error:
+            report.skipped_reason = f"unreadable staged part (its chunks would look unused): {error}"
+            return
+        if not dry_run:
+            report.abandoned_parts_removed = _delete_keys(context, abandoned, marker)
         chunks, server_now = list_objects(connection, layout.chunks, "listing chunks")
         cutoff = server_now - grace
         doomed: list[str] = []
@@ -126,6 +147,12 @@ def _sweep(
             _delete_keys(context, doomed, marker)
             report.multipart_aborted = _abort_stale_multipart(context, cutoff, marker)
         report.swept = True
+
+
+def _load_part(context: StoreContext, item: ListedObject) -> Manifest:
+    with s3_errors(context.connection, f"reading staged part {item.key}"):
+        data = context.client.get_object(Bucket=context.bucket, Key=item.key)["Body"].read()
+    return parse_manifest(data, item.key)
 
 
 def _describe(record: LeaseRecord) -> str:

@@ -1,6 +1,7 @@
 """Where each kind of object lives in the bucket, and the names that are allowed for jobs and checkpoints.
 
     <prefix>/v1/manifests/<job>/<checkpoint>.json   committed checkpoints (written last)
+    <prefix>/v1/parts/<job>/<checkpoint>/<part>.json what each node wrote, until the manifest merges them
     <prefix>/v1/chunks/<id[:2]>/<id>                  content-addressed chunks, shared by all checkpoints
     <prefix>/v1/leases/<holder>.json                  live writers and readers (garbage collection waits)
     <prefix>/v1/sweeps/<sweep>.json                   a running chunk sweep (writers wait)
@@ -77,6 +78,16 @@ class Layout:
     @property
     def chunks(self) -> str:
         return self.root + "chunks/"
+
+    @property
+    def parts(self) -> str:
+        return self.root + "parts/"
+
+    def checkpoint_parts(self, ref: CheckpointRef) -> str:
+        return f"{self.parts}{ref.job}/{ref.checkpoint_id}/"
+
+    def part_key(self, ref: CheckpointRef, part: str) -> str:
+        return f"{self.checkpoint_parts(ref)}{part}.json"
 
     @property
     def leases(self) -> str:

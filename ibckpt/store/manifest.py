@@ -18,7 +18,10 @@ from ibckpt.store.layout import CheckpointRef, check_checkpoint_id, check_job
 
 SCHEMA_VERSION = 1
 SUPPORTED_SCHEMAS = frozenset({1})
-MANIFEST_KIND: Literal["ibckpt.dev/CheckpointManifest"] = "ibckpt.dev/CheckpointManifest"
+ManifestKind = Literal["ibckpt.dev/CheckpointManifest", "ibckpt.dev/CheckpointPart"]
+MANIFEST_KIND: ManifestKind = "ibckpt.dev/CheckpointManifest"
+# A part is what one node wrote of a multi-node checkpoint, staged until the manifest merges all parts.
+PART_KIND: ManifestKind = "ibckpt.dev/CheckpointPart"
 
 
 class _Model(BaseModel):
@@ -98,7 +101,7 @@ class Stats(_Model):
 
 class Manifest(_Model):
     schema_version: int = SCHEMA_VERSION
-    kind: Literal["ibckpt.dev/CheckpointManifest"] = MANIFEST_KIND
+    kind: ManifestKind = MANIFEST_KIND
     job: str
     checkpoint_id: str
     created_at: datetime

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
 
-from ibckpt.store import catalog, download, gc
+from ibckpt.store import catalog, download, gc, parts
 from ibckpt.store.codec import ChunkKeys
 from ibckpt.store.config import StoreConfig
 from ibckpt.store.context import ProgressCallback, StoreContext
@@ -83,6 +84,24 @@ class ImageStore:
             writer.add_tree(root)
             return writer.commit(ranks or [], versions, labels)
 
+    def commit_parts(
+        self,
+        job: str,
+        checkpoint_id: str,
+        expected: Sequence[str] | None = None,
+        *,
+        versions: Versions | None = None,
+        labels: dict[str, str] | None = None,
+    ) -> Manifest:
+        """Merge the parts that nodes staged with `CheckpointWriter.stage` and commit the checkpoint."""
+        return parts.commit_parts(
+            self.context, job, checkpoint_id, expected, versions=versions, labels=labels
+        )
+
+    def abort(self, job: str, checkpoint_id: str) -> int:
+        """Drop the staged parts of a checkpoint that will not be committed; its chunks go at the next gc."""
+        return parts.delete_parts(self.context, CheckpointRef(job, checkpoint_id))
+
     # -- reading ---------------------------------------------------------------------------------------
     def restore(
         self, ref: CheckpointRef, destination: Path, *, progress: ProgressCallback | None = None
@@ -103,5 +122,14 @@ class ImageStore:
         job: str | None = None,
         dry_run: bool = False,
         sweep: bool = True,
+        abandoned_after: timedelta = gc.DEFAULT_ABANDONED_AFTER,
     ) -> gc.GcReport:
-        return gc.collect_garbage(self.context, policy, grace=grace, job=job, dry_run=dry_run, sweep=sweep)
+        return gc.collect_garbage(
+            self.context,
+            policy,
+            grace=grace,
+            job=job,
+            dry_run=dry_run,
+            sweep=sweep,
+            abandoned_after=abandoned_after,
+        )

@@ -32,11 +32,14 @@ from ibckpt.store.errors import CheckpointNotFoundError, StoreError
 from ibckpt.store.layout import CheckpointRef, check_checkpoint_id, check_job, new_checkpoint_id
 from ibckpt.store.leases import Lease, holder_lease, wait_for_sweeps
 from ibckpt.store.manifest import (
+    MANIFEST_KIND,
+    PART_KIND,
     ChunkRef,
     Compression,
     Encryption,
     FileRecord,
     Manifest,
+    ManifestKind,
     RankInfo,
     Stats,
     Versions,
@@ -297,23 +300,18 @@ class CheckpointWriter:
         return len(stored)
 
     # -- commit ----------------------------------------------------------------------------------------
-    def commit(
+    def _build(
         self,
-        ranks: Iterable[RankInfo] = (),
-        versions: Versions | None = None,
-        labels: dict[str, str] | None = None,
+        kind: ManifestKind,
+        ranks: Iterable[RankInfo],
+        versions: Versions | None,
+        labels: dict[str, str] | None,
     ) -> Manifest:
-        """Write the manifest. From this moment the checkpoint exists; before it, it does not."""
-        if self._lease is None:
-            raise StoreError("CheckpointWriter.commit() before begin()")
-        if self._committed is not None:
-            return self._committed
-        all_chunks = {chunk.id: chunk.stored_size for record in self._records for chunk in record.chunks}
-        total_chunks = sum(len(record.chunks) for record in self._records)
-        encryption_mode = self._config.encryption.mode
         timings = dict(self._times.seconds)
         timings["total"] = time.perf_counter() - self._wall_start
-        manifest = Manifest(
+        encryption_mode = self._config.encryption.mode
+        return Manifest(
+            kind=kind,
             job=self.ref.job,
             checkpoint_id=self.ref.checkpoint_id,
             created_at=datetime.now(UTC),
@@ -332,26 +330,59 @@ class CheckpointWriter:
                 key_fingerprint=self._context.keys.fingerprint if self._context.keys else None,
             ),
             files=self._records,
-            stats=Stats(
-                files=sum(1 for record in self._records if record.kind == "file"),
-                logical_bytes=sum(record.size for record in self._records),
-                stored_bytes=sum(all_chunks.values()),
-                chunks=total_chunks,
-                distinct_chunks=len(all_chunks),
-                uploaded_chunks=self._uploaded_chunks,
-                uploaded_bytes=self._uploaded_bytes,
-            ),
+            stats=summarize(self._records, self._uploaded_chunks, self._uploaded_bytes),
             timings={stage: round(seconds, 4) for stage, seconds in timings.items()},
         )
+
+    def commit(
+        self,
+        ranks: Iterable[RankInfo] = (),
+        versions: Versions | None = None,
+        labels: dict[str, str] | None = None,
+    ) -> Manifest:
+        """Write the manifest. From this moment the checkpoint exists; before it, it does not."""
+        if self._lease is None:
+            raise StoreError("CheckpointWriter.commit() before begin()")
+        if self._committed is None:
+            manifest = self._build(MANIFEST_KIND, ranks, versions, labels)
+            self._lease.check()
+            key = self._context.layout.manifest_key(self.ref)
+            put_json(self._context, key, manifest, f"committing {self.ref}")
+            self._committed = manifest
+        return self._committed
+
+    def stage(self, part: str, ranks: Iterable[RankInfo] = (), versions: Versions | None = None) -> Manifest:
+        """Write this writer's files as one part of a checkpoint that several nodes write; the checkpoint
+        exists once `ImageStore.commit_parts` has merged the parts into its manifest. Until then the part
+        keeps its chunks from garbage collection."""
+        if self._lease is None:
+            raise StoreError("CheckpointWriter.stage() before begin()")
+        staged = self._build(PART_KIND, ranks, versions, None)
         self._lease.check()
-        key = self._context.layout.manifest_key(self.ref)
-        with s3_errors(self._context.connection, f"committing the manifest of {self.ref}"):
-            self._context.client.put_object(
-                Bucket=self._context.bucket,
-                Key=key,
-                Body=manifest.to_json(),
-                ContentType="application/json",
-                **self._context.put_args,
-            )
-        self._committed = manifest
-        return manifest
+        key = self._context.layout.part_key(self.ref, check_checkpoint_id(part))
+        put_json(self._context, key, staged, f"staging part {part} of {self.ref}")
+        return staged
+
+
+def summarize(records: list[FileRecord], uploaded_chunks: int, uploaded_bytes: int) -> Stats:
+    distinct = {chunk.id: chunk.stored_size for record in records for chunk in record.chunks}
+    return Stats(
+        files=sum(1 for record in records if record.kind == "file"),
+        logical_bytes=sum(record.size for record in records),
+        stored_bytes=sum(distinct.values()),
+        chunks=sum(len(record.chunks) for record in records),
+        distinct_chunks=len(distinct),
+        uploaded_chunks=uploaded_chunks,
+        uploaded_bytes=uploaded_bytes,
+    )
+
+
+def put_json(context: StoreContext, key: str, manifest: Manifest, action: str) -> None:
+    with s3_errors(context.connection, action):
+        context.client.put_object(
+            Bucket=context.bucket,
+            Key=key,
+            Body=manifest.to_json(),
+            ContentType="application/json",
+            **context.put_args,
+        )

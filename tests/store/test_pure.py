@@ -14,7 +14,7 @@ import pytest
 from ibckpt.store import codec
 from ibckpt.store.chunking import Span, TreeError, check_relative, spans, walk
 from ibckpt.store.config import config_from_env, credentials_from_secret
-from ibckpt.store.errors import ConfigError, ManifestError
+from ibckpt.store.errors import ConfigError, ManifestError, StoreError
 from ibckpt.store.layout import CheckpointRef, Layout, new_checkpoint_id, parse_checkpoint_ref
 from ibckpt.store.manifest import (
     ChunkRef,
@@ -271,3 +271,28 @@ def test_names_and_units() -> None:
     assert parse_duration("1h30m") == 5400 and parse_duration("90") == 90
     with pytest.raises(ValueError):
         parse_duration("soon")
+
+
+# -- merging the parts of a multi-node checkpoint ---------------------------------------------------------
+
+
+def part(name: str, rank: int, paths: list[str]) -> Manifest:
+    from ibckpt.store.manifest import PART_KIND, RankInfo
+
+    records = [FileRecord(path=path, kind="dir", mode=0o755) for path in paths]
+    return sample_manifest(kind=PART_KIND, files=records, ranks=[RankInfo(rank=rank, node=name)])
+
+
+def test_merge_parts() -> None:
+    from ibckpt.store.manifest import MANIFEST_KIND
+    from ibckpt.store.parts import merge_parts
+
+    merged = merge_parts({"b": part("b", 1, ["ranks", "ranks/1"]), "a": part("a", 0, ["ranks", "ranks/0"])})
+    assert merged.kind == MANIFEST_KIND
+    assert [rank.node for rank in merged.ranks] == ["a", "b"]
+    assert sorted(record.path for record in merged.files) == ["ranks", "ranks/0", "ranks/1"]
+    with pytest.raises(StoreError, match="same rank twice"):
+        merge_parts({"a": part("a", 0, ["x"]), "b": part("b", 0, ["y"])})
+    clash = sample_manifest(kind="ibckpt.dev/CheckpointPart")  # has the file d/pages.img, like the other
+    with pytest.raises(StoreError, match=r"both contain 'd/pages\.img'"):
+        merge_parts({"a": clash, "b": clash.model_copy(update={"ranks": []})})
