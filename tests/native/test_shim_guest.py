@@ -147,3 +147,41 @@ def test_rc_pingpong_checkpointed_mid_run(tmp_path: Path, coord: Coordinator) ->
     assert all(_pingpong_ok(o) for o in outs), outs
     for r in results:
         assert r.released_state == {"server": (0, 0), "client": (0, 0)}
+
+
+PYVERBS_PROG = """
+import pyverbs.device as d
+import pyverbs.enums as e
+from pyverbs.cq import CQ
+from pyverbs.mr import MR
+from pyverbs.pd import PD
+
+ctx = d.Context(name="rxe0")
+pd = PD(ctx)
+cq = CQ(ctx, 16)
+mr = MR(pd, 4096, e.IBV_ACCESS_LOCAL_WRITE)
+attr = ctx.query_device()
+port = ctx.query_port(1)
+print("PYVERBS", attr.max_qp_wr, mr.lkey, cq.poll(1)[0], port.state)
+"""
+
+
+def test_pyverbs_under_shim(tmp_path: Path) -> None:
+    env = {"LD_PRELOAD": str(SHIM), "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run(["/usr/bin/python3", "-c", PYVERBS_PROG], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "PYVERBS" in proc.stdout and "libibckpt" not in proc.stderr
+
+
+@pytest.mark.parametrize("prog", ["ib_send_bw", "ib_write_bw", "ib_read_bw"])
+def test_perftest_unmodified_under_shim(tmp_path: Path, coord: Coordinator, prog: str) -> None:
+    argv = [prog, "-d", "rxe0", "-x", "1", "-n", "300", "-s", "4096"]
+    procs = _pair(tmp_path, coord, argv, 18630)
+    try:
+        codes = [p.wait(300) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    outs = [p.out.read_text() + p.err.read_text() for p in procs]
+    assert codes == [0, 0], outs
+    assert re.search(r"4096\s+300\s+[\d.]+\s+[\d.]+", outs[1]), outs[1]
