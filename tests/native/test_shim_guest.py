@@ -32,10 +32,16 @@ def coord(tmp_path: Path) -> Iterator[Coordinator]:
 
 
 def _pair(
-    tmp_path: Path, coord: Coordinator, argv: list[str], port: int, shim: Path = SHIM
+    tmp_path: Path,
+    coord: Coordinator,
+    argv: list[str],
+    port: int,
+    shim: Path = SHIM,
+    client_args: tuple[str, ...] = ("-c", "127.0.0.1"),
 ) -> list[ShimProc]:
+    # rc_seq takes `-c SERVER`; for the pingpongs `-c` is "check data" and the server is positional
     server = ShimProc("server", [*argv, "-p", str(port)], tmp_path, coord.env, shim=shim)
-    client = ShimProc("client", [*argv, "-p", str(port), "-c", "127.0.0.1"], tmp_path, coord.env, shim=shim)
+    client = ShimProc("client", [*argv, "-p", str(port), *client_args], tmp_path, coord.env, shim=shim)
     server.start()
     time.sleep(0.2)
     client.start()
@@ -175,8 +181,8 @@ def test_pyverbs_under_shim(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("prog", ["ib_send_bw", "ib_write_bw", "ib_read_bw"])
 def test_perftest_unmodified_under_shim(tmp_path: Path, coord: Coordinator, prog: str) -> None:
-    argv = [prog, "-d", "rxe0", "-x", "1", "-n", "300", "-s", "4096"]
-    procs = _pair(tmp_path, coord, argv, 18630)
+    argv = [prog, "-d", "rxe0", "-x", "1", "-n", "300", "-s", "4096", "-F"]
+    procs = _pair(tmp_path, coord, argv, 18630, client_args=("127.0.0.1",))
     try:
         codes = [p.wait(300) for p in procs]
     finally:
