@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
 import os
 import secrets
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 from pydantic import SecretStr
 
+from ibckpt.cli import main as cli_main
 from ibckpt.store import Credentials, ImageStore, StoreConfig
 from testbed.s3 import S3Server
 
@@ -111,6 +117,48 @@ def chunk_keys(s3_server: S3Server, bucket: str) -> list[str]:
 @pytest.fixture
 def list_chunks(s3_server: S3Server, bucket: str) -> Callable[[], list[str]]:
     return lambda: chunk_keys(s3_server, bucket)
+
+
+class CliResult(NamedTuple):
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def run_cli(env: dict[str, str], *args: str, check: bool = True, in_process: bool = True) -> CliResult:
+    """`ibckpt images ARGS` with exactly `env` as its environment. In-process by default (the same main() the
+    console script calls, minus a second of interpreter start-up); in_process=False runs a real subprocess."""
+    argv = ["images", *args]
+    if in_process:
+        out, err = io.StringIO(), io.StringIO()
+        saved = dict(os.environ)
+        os.environ.clear()
+        os.environ.update(env)
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                code = cli_main(argv)
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+        result = CliResult(code, out.getvalue(), err.getvalue())
+    else:
+        done = subprocess.run(
+            [sys.executable, "-m", "ibckpt.cli", *argv], env=env, capture_output=True, text=True, timeout=120
+        )
+        result = CliResult(done.returncode, done.stdout, done.stderr)
+    if check:
+        assert result.returncode == 0, result.stderr
+    return result
+
+
+@pytest.fixture
+def ibckpt() -> Callable[..., CliResult]:
+    return run_cli
+
+
+@pytest.fixture
+def ibckpt_json() -> Callable[..., Any]:
+    return lambda env, *args: json.loads(run_cli(env, *args, "-o", "json").stdout)
 
 
 @pytest.fixture

@@ -1,9 +1,8 @@
-"""The `ibckpt images` command line, run as users run it: a subprocess with configuration in the
-environment, machine-readable output, and an upload killed halfway."""
+"""The `ibckpt images` command line, configured through the environment as users run it: machine-readable
+output, exit codes, and an upload process killed halfway."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -19,25 +18,8 @@ pytestmark = pytest.mark.s3
 LEASE_SECONDS = 6
 
 
-def ibckpt(env: dict[str, str], *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run(
-        [sys.executable, "-m", "ibckpt.cli", "images", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    if check:
-        assert result.returncode == 0, result.stderr
-    return result
-
-
-def ibckpt_json(env: dict[str, str], *args: str) -> Any:
-    return json.loads(ibckpt(env, *args, "-o", "json").stdout)
-
-
 def test_upload_inspect_verify_download_remove(
-    s3_env: dict[str, str], tree_factory: Any, tmp_path: Path
+    s3_env: dict[str, str], tree_factory: Any, tmp_path: Path, ibckpt: Any, ibckpt_json: Any
 ) -> None:
     tree = tree_factory(
         {"pages-1.img": os.urandom(700_000), "core-1.img": b"core" * 100}, modes={"core-1.img": 0o600}
@@ -88,7 +70,7 @@ def test_upload_inspect_verify_download_remove(
 
 
 def test_verify_exit_code_names_the_bad_chunk(
-    s3_env: dict[str, str], make_store: Any, tree_factory: Any
+    s3_env: dict[str, str], make_store: Any, tree_factory: Any, ibckpt: Any
 ) -> None:
     store = make_store()
     manifest = store.upload_tree(tree_factory({"a.img": os.urandom(300_000)}), "solver", "c1")
@@ -101,7 +83,13 @@ def test_verify_exit_code_names_the_bad_chunk(
 
 
 def test_killed_upload_leaves_no_checkpoint_and_gc_removes_its_chunks(
-    s3_env: dict[str, str], make_store: Any, tree_factory: Any, list_chunks: Any, tmp_path: Path
+    s3_env: dict[str, str],
+    make_store: Any,
+    tree_factory: Any,
+    list_chunks: Any,
+    tmp_path: Path,
+    ibckpt: Any,
+    ibckpt_json: Any,
 ) -> None:
     tree = tree_factory({f"pages-{index:02}.img": os.urandom(256 * 1024) for index in range(24)})
     store = make_store()
@@ -157,7 +145,9 @@ def test_killed_upload_leaves_no_checkpoint_and_gc_removes_its_chunks(
         assert (out / name).read_bytes() == (tree / name).read_bytes()
 
 
-def test_credentials_from_a_mounted_secret(s3_env: dict[str, str], s3_server: Any, tmp_path: Path) -> None:
+def test_credentials_from_a_mounted_secret(
+    s3_env: dict[str, str], s3_server: Any, tmp_path: Path, ibckpt: Any, ibckpt_json: Any
+) -> None:
     mounted = tmp_path / "secret"
     mounted.mkdir()
     (mounted / "AWS_ACCESS_KEY_ID").write_text(s3_server.access_key)
