@@ -89,7 +89,7 @@ class CheckpointWriter:
         self._committed: Manifest | None = None
         self._transfer_config = TransferConfig(
             multipart_threshold=self._config.multipart_threshold,
-            multipart_chunksize=self._config.multipart_threshold // 4,
+            multipart_chunksize=max(8 * 1024 * 1024, self._config.multipart_threshold // 4),
             max_concurrency=2,
             use_threads=True,
         )
@@ -109,9 +109,10 @@ class CheckpointWriter:
         if self._lease is not None:
             return
         with self._times.timed("lease"):
-            lease = holder_lease(self._context.connection, self._context.layout, "writer", *self._ref_parts())
+            connection, layout = self._context.connection, self._context.layout
+            lease = holder_lease(connection, layout, "writer", self.ref.job, self.ref.checkpoint_id)
             self._lease = lease.acquire()
-            wait_for_sweeps(self._context.connection, self._context.layout, lease)
+            wait_for_sweeps(connection, layout, lease)
         if self._reuse_latest:
             self._learn_latest()
 
@@ -119,9 +120,6 @@ class CheckpointWriter:
         if self._lease is not None:
             self._lease.release()
             self._lease = None
-
-    def _ref_parts(self) -> tuple[str, str]:
-        return self.ref.job, self.ref.checkpoint_id
 
     def _learn_latest(self) -> None:
         # Chunks of a manifest read while we hold a lease cannot be swept before we release it, so they need
