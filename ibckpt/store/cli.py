@@ -247,6 +247,16 @@ def _progress(args: argparse.Namespace, label: str, total: int) -> Iterator[Call
         yield lambda amount: bar.advance(task, amount)
 
 
+def _stages(timings: dict[str, float]) -> str:
+    """`read 0.03/0.38s, hash ...`: CPU / elapsed seconds per stage, summed over threads."""
+    parts = [
+        f"{stage} {timings.get(stage + '_cpu', 0.0):.2f}/{seconds:.2f}s"
+        for stage, seconds in timings.items()
+        if not stage.endswith("_cpu") and stage != "total"
+    ]
+    return ", ".join(parts)
+
+
 def _rate(size: int, seconds: float) -> str:
     return f"{format_size(size / seconds)}/s" if seconds > 0 else "-"
 
@@ -318,7 +328,8 @@ def _show(args: argparse.Namespace, store: ImageStore) -> int:
         f"encryption   {manifest.encryption.mode}"
         + (f" (key {manifest.encryption.key_fingerprint})" if manifest.encryption.key_fingerprint else ""),
         "versions     " + ", ".join(f"{k} {v}" for k, v in manifest.versions.model_dump().items() if v),
-        "timings      " + ", ".join(f"{k} {v:.2f}s" for k, v in manifest.timings.items()),
+        f"timings      {manifest.timings.get('total', 0.0):.2f}s in all; "
+        f"per stage, CPU/elapsed thread-seconds: {_stages(manifest.timings)}",
     ]
     for rank in manifest.ranks:
         lines.append(f"rank {rank.rank:<7} pod {rank.pod or '-'} on node {rank.node or '-'} at /{rank.root}")
@@ -489,10 +500,7 @@ def _upload(args: argparse.Namespace, store: ImageStore) -> int:
             f"({_rate(stats.logical_bytes, seconds)}); {stats.uploaded_chunks} of {stats.distinct_chunks} "
             f"chunks new ({format_size(stats.uploaded_bytes)} sent), {format_size(stats.stored_bytes)} stored"
         )
-        busy = ", ".join(
-            f"{stage} {value:.2f}s" for stage, value in manifest.timings.items() if stage != "total"
-        )
-        print(f"thread time: {busy}")
+        print(f"per stage, CPU/elapsed thread-seconds: {_stages(manifest.timings)}")
     return EXIT_OK
 
 
