@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import filecmp
 import os
+import re
 import stat
 from pathlib import Path
 from typing import Any
@@ -148,7 +149,7 @@ def test_uncompressed_and_large_chunks_with_multipart(
     head = store.client.head_object(
         Bucket=store.config.bucket, Key=store.context.layout.chunk_key(manifest.files[0].chunks[0].id)
     )
-    assert head["ETag"].strip('"').endswith("-2"), "expected a multipart object"
+    assert re.search(r"-[0-9]+$", head["ETag"].strip('"')), "expected a multipart object"
     store.restore(manifest.ref, tmp_path / "big")
     assert (tmp_path / "big" / "big.img").read_bytes() == data
 
