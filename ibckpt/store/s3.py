@@ -35,7 +35,12 @@ _REJECTED_CREDENTIALS = {
     "ExpiredToken",
     "TokenRefreshRequired",
     "InvalidClientTokenId",
+}
+_WRONG_REGION = {
+    "PermanentRedirect",
+    "301",
     "AuthorizationHeaderMalformed",
+    "IllegalLocationConstraintException",
 }
 _UNREACHABLE = (
     botocore.exceptions.EndpointConnectionError,
@@ -114,6 +119,15 @@ def translate(error: Exception, connection: Connection, action: str) -> StoreErr
         if code == "NoSuchBucket":
             return BucketNotFoundError(
                 f"bucket {connection.config.bucket!r} does not exist ({where}) while {action}"
+            )
+        if code in _WRONG_REGION:
+            headers = error.response.get("ResponseMetadata", {}).get("HTTPHeaders", {})
+            actual = headers.get("x-amz-bucket-region")
+            hint = f"it is in {actual}" if actual else "check the region"
+            return StoreError(
+                f"bucket {connection.config.bucket!r} is not in region "
+                f"{connection.config.region or '(default)'} "
+                f"({where}) while {action}: {hint} (--region / IBCKPT_S3_REGION)"
             )
         if code in _REJECTED_CREDENTIALS:
             return CredentialsError(

@@ -296,3 +296,23 @@ def test_merge_parts() -> None:
     clash = sample_manifest(kind="ibckpt.dev/CheckpointPart")  # has the file d/pages.img, like the other
     with pytest.raises(StoreError, match=r"both contain 'd/pages\.img'"):
         merge_parts({"a": clash, "b": clash.model_copy(update={"ranks": []})})
+
+
+def test_wrong_region_message_names_the_right_one() -> None:
+    import botocore.exceptions
+    from pydantic import SecretStr
+
+    from ibckpt.store.config import Credentials, StoreConfig
+    from ibckpt.store.s3 import connect, translate
+
+    secret = "do-not-print-this-secret"
+    creds = Credentials(access_key_id=SecretStr("AKIA"), secret_access_key=SecretStr(secret), source="env")
+    connection = connect(StoreConfig(bucket="ckpts", region="us-east-1", credentials=creds))
+    response: dict[str, object] = {
+        "Error": {"Code": "PermanentRedirect", "Message": "moved"},
+        "ResponseMetadata": {"HTTPStatusCode": 301, "HTTPHeaders": {"x-amz-bucket-region": "eu-west-1"}},
+    }
+    error = botocore.exceptions.ClientError(response, "HeadBucket")  # type: ignore[arg-type]
+    message = str(translate(error, connection, "checking the bucket"))
+    assert "bucket 'ckpts' is not in region us-east-1" in message and "it is in eu-west-1" in message
+    assert "AWS S3 (us-east-1)" in message and secret not in message
