@@ -107,7 +107,9 @@ def _sweep(
         if not dry_run:
             report.stale_leases_removed = _delete_keys(context, [record.key for record in leases], marker)
         # Listed after the marker: every manifest committed by a writer whose lease has ended is visible now.
-        refs = [entry.ref for entry in list_checkpoints(context)]
+        # A dry run counts as if retention had deleted what it would delete.
+        dropped = set(report.deleted_checkpoints) if dry_run else set()
+        refs = [entry.ref for entry in list_checkpoints(context) if entry.ref not in dropped]
         manifests = load_many(context, refs, connection.config.workers)
         unreadable = [str(ref) for ref, loaded in manifests.items() if isinstance(loaded, ManifestError)]
         if unreadable:

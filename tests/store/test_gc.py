@@ -45,9 +45,11 @@ def test_keep_last_per_job(make_store: Any, tree_factory: Any, list_chunks: Any)
     ]
     viz = [store.upload_tree(tree_factory({"v.img": os.urandom(1000)}), "viz") for _ in range(2)]
 
+    chunks_before = stored_chunk_ids(list_chunks)
     dry = store.gc(RetentionPolicy(keep_last=2), grace=NO_GRACE, dry_run=True)
     assert set(dry.deleted_checkpoints) == {solver[0].ref, solver[1].ref}
-    assert len(store.checkpoints()) == 6 and dry.dry_run
+    assert dry.chunks_deleted == 2, "a dry run reports the chunks that the real run will delete"
+    assert len(store.checkpoints()) == 6 and stored_chunk_ids(list_chunks) == chunks_before
 
     report = store.gc(RetentionPolicy(keep_last=2), grace=NO_GRACE)
     assert set(report.deleted_checkpoints) == {solver[0].ref, solver[1].ref}
