@@ -108,13 +108,18 @@ class CheckpointWriter:
         """Take the writer lease (before any chunk), wait out sweeps, learn the job's latest chunks."""
         if self._lease is not None:
             return
+        connection, layout = self._context.connection, self._context.layout
+        lease = holder_lease(connection, layout, "writer", self.ref.job, self.ref.checkpoint_id)
         with self._times.timed("lease"):
-            connection, layout = self._context.connection, self._context.layout
-            lease = holder_lease(connection, layout, "writer", self.ref.job, self.ref.checkpoint_id)
             self._lease = lease.acquire()
-            wait_for_sweeps(connection, layout, lease)
-        if self._reuse_latest:
-            self._learn_latest()
+        try:
+            with self._times.timed("lease"):
+                wait_for_sweeps(connection, layout, lease)
+            if self._reuse_latest:
+                self._learn_latest()
+        except BaseException:
+            self.close()  # __exit__ does not run when __enter__ fails
+            raise
 
     def close(self) -> None:
         if self._lease is not None:
