@@ -33,7 +33,7 @@ from ibckpt.store.config import (
     read_secret_dir,
 )
 from ibckpt.store.errors import ConfigError, StoreError
-from ibckpt.store.gc import DEFAULT_GRACE, GcReport
+from ibckpt.store.gc import DEFAULT_ABANDONED_AFTER, DEFAULT_GRACE, GcReport
 from ibckpt.store.layout import CheckpointRef, parse_checkpoint_ref
 from ibckpt.store.manifest import Manifest, RankInfo, Versions
 from ibckpt.store.retention import RetentionPolicy
@@ -142,6 +142,12 @@ def register(groups: Any) -> None:
         type=_duration,
         default=DEFAULT_GRACE.total_seconds(),
         help=f"keep unused chunks younger than this (default {format_duration(DEFAULT_GRACE.seconds)})",
+    )
+    gc.add_argument(
+        "--abandoned-after",
+        type=_duration,
+        default=DEFAULT_ABANDONED_AFTER.total_seconds(),
+        help="drop staged parts never committed for this long (default 1d)",
     )
     gc.add_argument("--dry-run", action="store_true", help="report what would be deleted")
     gc.add_argument("--no-sweep", action="store_true", help="only apply retention, keep chunks")
