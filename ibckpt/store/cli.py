@@ -404,6 +404,7 @@ def _gc(args: argparse.Namespace, store: ImageStore) -> int:
         job=args.job,
         dry_run=args.dry_run,
         sweep=not args.no_sweep,
+        abandoned_after=timedelta(seconds=args.abandoned_after),
     )
     if args.output == "json":
         _emit_json(_gc_json(report))
