@@ -36,6 +36,8 @@ LeaseKind = Literal["writer", "reader", "sweep"]
 # A holder stops trusting its lease when it has not renewed it for this fraction of the lease time.
 TRUST_FRACTION = 0.6
 RENEW_FRACTION = 0.2
+# S3 timestamps (LastModified, Date) may be whole seconds, both rounded down: judge liveness with this margin.
+CLOCK_RESOLUTION_SECONDS = 1.0
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,8 @@ class LeaseRecord:
     checkpoint_id: str | None = None
 
     def live_at(self, server_now: datetime) -> bool:
-        return (server_now - self.last_renewed).total_seconds() <= self.lease_seconds
+        age = (server_now - self.last_renewed).total_seconds()
+        return age <= self.lease_seconds + CLOCK_RESOLUTION_SECONDS
 
 
 class Lease:
