@@ -43,7 +43,11 @@ def _pair(
     server = ShimProc("server", [*argv, "-p", str(port)], tmp_path, coord.env, shim=shim)
     client = ShimProc("client", [*argv, "-p", str(port), *client_args], tmp_path, coord.env, shim=shim)
     server.start()
-    time.sleep(0.2)
+    # the control socket appears at ibv_open_device, just before the server listens
+    deadline = time.monotonic() + 60
+    while not server.ctl_path.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)
     client.start()
     return [server, client]
 
@@ -126,9 +130,12 @@ def _pingpong_ok(text: str) -> bool:
 def test_pingpong_unmodified_under_shim(
     tmp_path: Path, coord: Coordinator, prog: str, extra: list[str]
 ) -> None:
-    procs = _pair(tmp_path, coord, [prog, "-g", "1", "-n", "500", *extra], 18620)
+    port = {"ibv_rc_pingpong": 18620, "ibv_srq_pingpong": 18622, "ibv_ud_pingpong": 18623}[prog]
+    procs = _pair(tmp_path, coord, [prog, "-g", "1", "-n", "500", *extra], port)
     try:
         codes = [p.wait(300) for p in procs]
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"timed out: {[p.out.read_text() + p.err.read_text() for p in procs]}")
     finally:
         for p in procs:
             p.kill()
