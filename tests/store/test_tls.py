@@ -129,6 +129,7 @@ def tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TlsServer]:
         "-admin.ui=false",
         "-s3.port.iceberg=0",
         "-s3.port.lance=0",
+        "-master.telemetry=false",  # no reports to the outside from a test server
     ]
     with open(root / "weed.log", "wb") as log:
         process = subprocess.Popen(
