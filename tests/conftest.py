@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+
 from testbed.kube import ControlPlane, start_control_plane
 from testbed.s3 import S3Server, start_s3, stop_s3
 

@@ -36,6 +36,10 @@ class Mode(enum.Enum):
 class PhaseTimeouts:
     quiesce_s: float = 30.0
     drain_s: float = 60.0
+    # How long the shim polls for in-flight sends to complete. A send can stay pending
+    # (its receiver is quiesced too and posts no receives); the peers' counters settle it
+    # at rebuild, so the drain only needs to catch what completes promptly.
+    drain_settle_s: float = 3.0
     release_s: float = 30.0
     dump_s: float = 600.0
     restore_s: float = 600.0
@@ -60,7 +64,7 @@ class LocalRank:
 class NodeReport:
     node: str
     phases: dict[str, float] = field(default_factory=dict)  # seconds per phase
-    shim: dict[str, dict[str, Any]] = field(default_factory=dict)  # last report per rank
+    shim: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)  # phase -> rank -> report
     images: dict[str, Path] = field(default_factory=dict)
     restored_pids: dict[str, int] = field(default_factory=dict)
     outcome: str = ""
@@ -103,7 +107,7 @@ class NodeDriver:
 
         async def one(r: LocalRank) -> None:
             reply = await asyncio.to_thread(call, r)
-            self.report.shim[r.rank.key()] = reply
+            self.report.shim.setdefault(phase, {})[r.rank.key()] = reply
             if reply.get("ok") is False:
                 raise CheckpointFailed(f"{phase} of {r.rank.key()} (pid {r.pid}) failed: {reply}")
 
@@ -138,7 +142,7 @@ class NodeDriver:
             )
             await self._phase(
                 "drained",
-                lambda: self._each("drain", lambda r: r.control.drain(self._ms(t.drain_s))),
+                lambda: self._each("drain", lambda r: r.control.drain(self._ms(t.drain_settle_s))),
                 t.drain_s,
             )
             await self._phase(
@@ -200,7 +204,7 @@ class NodeDriver:
                 # Released already: the real resources are gone, rebuild with the peers.
                 reply = await asyncio.to_thread(r.control.rebuild, epoch, self._ms(self.timeouts.rebuild_s))
                 reply = await asyncio.to_thread(r.control.resume)
-            self.report.shim[r.rank.key()] = reply
+            self.report.shim.setdefault("abort", {})[r.rank.key()] = reply
         self.report.outcome = "Aborted"
 
     # -- restore --------------------------------------------------------------------------

@@ -1,0 +1,96 @@
+"""`ibckpt-node`: run this node's part of one checkpoint or restore, as the node agent does.
+
+    ibckpt-node checkpoint --coordinator HOST:PORT --session ID --node NAME \
+        --rank KEY=PID:CONTROL_SOCKET ... --images DIR [--mode Stop|LeaveRunning] [--epoch N]
+    ibckpt-node restore --coordinator HOST:PORT --session ID --node NAME \
+        --rank KEY=IMAGE_DIR:CONTROL_SOCKET ... [--epoch N]
+
+The session token comes from the IBCKPT_SESSION_TOKEN environment variable (never a flag:
+command lines are world-readable). The shim's key-value socket is served at --shim-socket
+for the duration of the call. Prints a JSON report; exits non-zero on failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ibckpt.coordination.client import CoordinatorClient, CoordinatorError
+from ibckpt.coordination.ranks import RankId
+from ibckpt_node.coord_proxy import ShimCoordinatorProxy
+from ibckpt_node.criu import CriuError
+from ibckpt_node.driver import CheckpointFailed, LocalRank, Mode, NodeDriver, NodeReport
+
+DEFAULT_SHIM_SOCKET = "/run/ibckpt/coord.sock"
+
+
+def _parse_rank(spec: str) -> tuple[RankId, str, Path]:
+    key, sep, rest = spec.partition("=")
+    where, sep2, control = rest.rpartition(":")
+    if not sep or not sep2:
+        raise argparse.ArgumentTypeError(f"--rank {spec!r}: expected KEY=PID_OR_IMAGES:CONTROL_SOCKET")
+    return RankId.parse(key), where, Path(control)
+
+
+def _report_json(report: NodeReport) -> str:
+    def default(value: Any) -> Any:
+        return str(value) if isinstance(value, Path) else value
+
+    return json.dumps(dataclasses.asdict(report), default=default, indent=2)
+
+
+async def _run(args: argparse.Namespace) -> NodeReport:
+    token = os.environ.get("IBCKPT_SESSION_TOKEN", "")
+    if not token:
+        raise CheckpointFailed("IBCKPT_SESSION_TOKEN is not set")
+    host, _, port = args.coordinator.rpartition(":")
+    client = await CoordinatorClient.connect(host, int(port), args.session, args.node, token)
+    try:
+        async with ShimCoordinatorProxy(Path(args.shim_socket), client):
+            ranks = [_parse_rank(spec) for spec in args.rank]
+            if args.command == "checkpoint":
+                local = [LocalRank(rank, int(where), control) for rank, where, control in ranks]
+                driver = NodeDriver(args.node, client, local)
+                return await driver.checkpoint(Mode(args.mode), Path(args.images), args.epoch)
+            driver = NodeDriver(args.node, client, [])
+            images = {rank.key(): Path(where) for rank, where, _ in ranks}
+            controls = {rank.key(): control for rank, _, control in ranks}
+            return await driver.restore(images, controls, args.epoch)
+    finally:
+        await client.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ibckpt-node", description=__doc__.splitlines()[0])
+    parser.add_argument("command", choices=["checkpoint", "restore"])
+    parser.add_argument("--coordinator", required=True, help="HOST:PORT of the job coordinator")
+    parser.add_argument("--session", required=True)
+    parser.add_argument("--node", required=True, help="this node's participant name")
+    parser.add_argument("--rank", action="append", default=[], required=True)
+    parser.add_argument("--images", help="checkpoint: where the CRIU images go")
+    parser.add_argument("--mode", default=Mode.LEAVE_RUNNING.value, choices=[m.value for m in Mode])
+    parser.add_argument("--epoch", type=int, default=1)
+    parser.add_argument("--shim-socket", default=DEFAULT_SHIM_SOCKET)
+    args = parser.parse_args(argv)
+    if args.command == "checkpoint" and not args.images:
+        parser.error("checkpoint needs --images")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        report = asyncio.run(_run(args))
+    except (CheckpointFailed, CoordinatorError, CriuError) as exc:
+        print(f"ibckpt-node: {args.command} failed: {exc}", file=sys.stderr)
+        return 1
+    print(_report_json(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
