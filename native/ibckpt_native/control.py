@@ -70,3 +70,24 @@ class ShimControl:
 
     def abort(self) -> dict[str, Any]:
         return self.command("abort")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m ibckpt_native.control SOCKET COMMAND...`: send one command, print the reply as JSON."""
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) < 2:
+        print("usage: python -m ibckpt_native.control SOCKET COMMAND [ARGS...]", file=sys.stderr)
+        return 2
+    try:
+        reply = ShimControl(args[0]).command(" ".join(args[1:]))
+    except (OSError, ControlError) as exc:
+        print(f"{args[0]}: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(reply))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -420,8 +420,10 @@ IBK_EXPORT int ibv_close_device(struct ibv_context *c)
 			break;
 		}
 	pthread_mutex_unlock(&ibk_ctx_lock);
-	if (ctx->real)
+	if (ctx->real) {
+		ibk_devfd_forget(ctx->real->cmd_fd);
 		rc = ibk_real.close_device(ctx->real);
+	}
 	if (ctx->async_fd >= 0)
 		close(ctx->async_fd);
 	ibk_idmap_fini(&ctx->lkeys);

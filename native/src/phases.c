@@ -328,6 +328,7 @@ static int release_destroy(struct ibk_ctx *ctx)
 			errs++;
 		}
 	}
+	ibk_devfd_forget(ctx->real->cmd_fd);
 	if (ibk_real.close_device(ctx->real))
 		errs++;
 	ctx->real = NULL;
@@ -386,10 +387,10 @@ static int rebuild_open(struct ibk_ctx *ctx)
 		return -ENODEV;
 	for (i = 0; i < n && !ctx->real; i++)
 		if (!strcmp(ibk_real.get_device_name(list[i]), want && *want ? want : ctx->dev_name))
-			ctx->real = ibk_real.open_device(list[i]);
+			ctx->real = ibk_devthread_open(list[i]);
 	/* otherwise any device with a port like ours */
 	for (i = 0; i < n && !ctx->real; i++)
-		ctx->real = ibk_real.open_device(list[i]);
+		ctx->real = ibk_devthread_open(list[i]);
 	ibk_real.free_device_list(list);
 	if (!ctx->real)
 		return -ENODEV;
@@ -790,9 +791,10 @@ int ibk_do_status(char *out, size_t len)
 	pthread_mutex_lock(&ibk_ctx_lock);
 	jcat(out, len,
 	     "{\"proto\":%d,\"pid\":%d,\"state\":\"%s\",\"epoch\":%llu,\"checkpoints\":%lu,"
-	     "\"gate_closed\":%d,\"inside\":%ld,",
+	     "\"gate_closed\":%d,\"inside\":%ld,\"delegated_writes\":%lu,",
 	     IBCKPT_PROTO_VERSION, (int)getpid(), ibk_phase_name(phase), (unsigned long long)last_epoch,
-	     checkpoints_done, atomic_load(&ibk_gate_closed), atomic_load(&ibk_gate_inside));
+	     checkpoints_done, atomic_load(&ibk_gate_closed), atomic_load(&ibk_gate_inside),
+	     ibk_devthread_writes());
 	report_qps(out, len);
 	jcat(out, len, "}");
 	pthread_mutex_unlock(&ibk_ctx_lock);

@@ -18,6 +18,17 @@ struct ibk_ah;
 struct ibk_chan;
 struct ibk_mr;
 
+/* ---- the device thread (devthread.c) ------------------------------------ */
+
+/* Run fn(arg) on the shim's device thread and return its result. */
+void *ibk_devthread_call(void *(*fn)(void *), void *arg);
+/* Open a device on the device thread and track its command fd. */
+struct ibv_context *ibk_devthread_open(struct ibv_device *dev);
+void ibk_devfd_track(int fd);
+void ibk_devfd_forget(int fd);
+/* Writes other threads handed to the device thread (after a CRIU restore). */
+unsigned long ibk_devthread_writes(void);
+
 /* ---- the real libibverbs, resolved once with dlvsym(RTLD_NEXT) --------- */
 
 struct ibk_real {
