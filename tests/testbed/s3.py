@@ -87,6 +87,7 @@ def start_s3(workdir: Path | None = None, timeout: float = 30.0) -> S3Server:
         "-admin.ui=false",
         "-s3.port.iceberg=0",
         "-s3.port.lance=0",
+        "-master.telemetry=false",  # no reports to the outside from a test server
     ]
     env = dict(os.environ, GOMEMLIMIT="256MiB")
     log = open(root / "weed.log", "wb")  # noqa: SIM115 - lives as long as the server
