@@ -169,6 +169,25 @@ def register(groups: Any) -> None:
     upload.add_argument("--max-rate", type=_size, help="bytes/s cap, e.g. 200MiB [IBCKPT_MAX_RATE]")
     upload.add_argument("--lease", type=_duration, help="writer lease, default 10m [IBCKPT_LEASE]")
 
+    stage = add("stage", _stage, "stage a directory as one node's part of a multi-node checkpoint")
+    stage.add_argument("directory", type=Path)
+    stage.add_argument("--job", required=True, help="job name, or namespace/name")
+    stage.add_argument("--id", dest="checkpoint_id", required=True, help="checkpoint id shared by all parts")
+    stage.add_argument("--part", required=True, help="this part's name, usually the node")
+    stage.add_argument("--under", default="", help="path of the directory inside the checkpoint")
+    stage.add_argument("--rank", type=int, default=0)
+    stage.add_argument("--pod")
+    stage.add_argument("--node")
+    stage.add_argument("--criu-version")
+    stage.add_argument("--chunk-size", type=_size, help="default 8MiB [IBCKPT_CHUNK_SIZE]")
+    stage.add_argument("--compression-level", type=int, help="zstd level, 0 = off")
+
+    commit = add("commit", _commit, "merge the staged parts of a checkpoint and commit it")
+    commit.add_argument("checkpoint", help="JOB/ID")
+    commit.add_argument(
+        "--expect", default="", help="comma-separated parts that must be present (default: any staged)"
+    )
+
     download = add("download", _download, "download a checkpoint into a new directory")
     download.add_argument("checkpoint", help="JOB/ID or JOB/latest")
     download.add_argument("directory", type=Path)
@@ -508,6 +527,50 @@ def _upload(args: argparse.Namespace, store: ImageStore) -> int:
             f"chunks new ({format_size(stats.uploaded_bytes)} sent), {format_size(stats.stored_bytes)} stored"
         )
         print(f"per stage, CPU/elapsed thread-seconds: {_stages(manifest.timings)}")
+    return EXIT_OK
+
+
+def _stage(args: argparse.Namespace, store: ImageStore) -> int:
+    if not args.directory.is_dir():
+        raise ConfigError(f"{args.directory} is not a directory")
+    started = time.perf_counter()
+    rank = RankInfo(rank=args.rank, pod=args.pod, node=args.node or args.part, root=args.under)
+    versions = Versions(criu=args.criu_version, kernel=os.uname().release)
+    with (
+        _progress(args, "stage", _tree_size(args.directory)) as progress,
+        store.writer(args.job, args.checkpoint_id, progress=progress) as writer,
+    ):
+        writer.add_tree(args.directory, under=args.under)
+        staged = writer.stage(args.part, [rank], versions)
+    seconds = time.perf_counter() - started
+    stats = staged.stats
+    if args.output == "json":
+        _emit_json({"part": args.part, "seconds": round(seconds, 3), "stats": stats.model_dump()})
+    else:
+        print(
+            f"staged part {args.part} of {args.job}/{args.checkpoint_id}: {format_size(stats.logical_bytes)} "
+            f"in {seconds:.1f}s; {stats.uploaded_chunks} of {stats.distinct_chunks} chunks new"
+        )
+    return EXIT_OK
+
+
+def _commit(args: argparse.Namespace, store: ImageStore) -> int:
+    job, checkpoint_id = parse_checkpoint_ref(args.checkpoint)
+    expected = [part for part in args.expect.split(",") if part] or None
+    manifest = store.commit_parts(job, checkpoint_id, expected)
+    if args.output == "json":
+        _emit_json(
+            {
+                "checkpoint": str(manifest.ref),
+                "ranks": len(manifest.ranks),
+                "stats": manifest.stats.model_dump(),
+            }
+        )
+    else:
+        print(
+            f"committed {manifest.ref}: {len(manifest.ranks)} rank(s), "
+            f"{format_size(manifest.stats.logical_bytes)}, {manifest.stats.files} files"
+        )
     return EXIT_OK
 
 

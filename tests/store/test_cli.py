@@ -160,3 +160,32 @@ def test_credentials_from_a_mounted_secret(
     result = ibckpt(dict(env, IBCKPT_S3_CREDENTIALS_DIR=str(mounted)), "ls", check=False)
     assert result.returncode == 1 and f"credentials from Secret {mounted}" in result.stderr
     assert "not-the-secret" not in result.stderr
+
+
+def test_two_nodes_stage_parts_and_one_commit_makes_the_checkpoint(
+    s3_env: dict[str, str], tree_factory: Any, tmp_path: Path, ibckpt: Any, ibckpt_json: Any
+) -> None:
+    node_a = tree_factory({"pages-1.img": os.urandom(300_000)})
+    node_b = tree_factory({"pages-1.img": os.urandom(200_000)})
+    for part, tree, rank in (("node-a", node_a, 0), ("node-b", node_b, 1)):
+        staged = ibckpt_json(
+            s3_env, "stage", str(tree), "--job", "ns/ring", "--id", "c1", "--part", part,
+            "--under", f"rank-{rank}", "--rank", str(rank),
+        )  # fmt: skip
+        assert staged["part"] == part
+    # Staged parts are not a checkpoint yet; a commit that expects a missing part refuses.
+    assert ibckpt_json(s3_env, "ls", "--job", "ns/ring") == []
+    refused = ibckpt(s3_env, "commit", "ns/ring/c1", "--expect", "node-a,node-b,node-c", check=False)
+    assert refused.returncode == 1 and "node-c" in refused.stderr
+    committed = ibckpt_json(s3_env, "commit", "ns/ring/c1", "--expect", "node-a,node-b")
+    assert committed["checkpoint"] == "ns/ring/c1" and committed["ranks"] == 2
+
+    out = tmp_path / "both"
+    ibckpt_json(s3_env, "download", "ns/ring/c1", str(out))
+    assert (out / "rank-0" / "pages-1.img").read_bytes() == (node_a / "pages-1.img").read_bytes()
+    assert (out / "rank-1" / "pages-1.img").read_bytes() == (node_b / "pages-1.img").read_bytes()
+    manifest = ibckpt_json(s3_env, "show", "ns/ring/c1")
+    assert sorted((r["rank"], r["node"], r["root"]) for r in manifest["ranks"]) == [
+        (0, "node-a", "rank-0"),
+        (1, "node-b", "rank-1"),
+    ]
