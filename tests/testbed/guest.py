@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gzip
 import hashlib
 import io
@@ -291,9 +292,9 @@ def run_pair(
     """Boot node A (10.77.0.1) and node B (10.77.0.2) joined by a private link; run both."""
     with _job_root() as root:
         sock_a, sock_b = root / "link-a.sock", root / "link-b.sock"
-        spec_a.node, spec_b.node = 1, 2
-        spec_a.link = spec_b.link = True
-        spec_a.cpus = spec_b.cpus = 1
+        # Copies: the caller may pass one spec for both nodes.
+        spec_a = dataclasses.replace(spec_a, node=1, link=True, cpus=1)
+        spec_b = dataclasses.replace(spec_b, node=2, link=True, cpus=1)
         a = _Guest(spec_a, root, (sock_a, sock_b), echo)
         b = _Guest(spec_b, root, (sock_b, sock_a), echo)
         deadline = time.monotonic() + timeout
