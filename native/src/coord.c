@@ -168,6 +168,19 @@ void ibk_peers_put(const struct ibk_peer_map *p)
 	pthread_mutex_unlock(&peers_lock);
 }
 
+static void peers_forget(const struct ibk_peer_map *p)
+{
+	size_t i;
+
+	pthread_mutex_lock(&peers_lock);
+	for (i = 0; i < npeers; i++)
+		if (peers[i].vqpn == p->vqpn && !memcmp(&peers[i].vgid, &p->vgid, sizeof(p->vgid))) {
+			peers[i] = peers[--npeers];
+			break;
+		}
+	pthread_mutex_unlock(&peers_lock);
+}
+
 int ibk_peers_lookup(const union ibv_gid *vgid, uint32_t vqpn, struct ibk_peer_map *out)
 {
 	size_t i;
@@ -235,6 +248,44 @@ int ibk_peers_fetch(const union ibv_gid *vgid, uint32_t vqpn, int timeout_ms)
 	p.rqpn = rqpn;
 	p.rlid = (uint16_t)lid;
 	p.vlid = 0;
+	p.epoch = 0;
 	ibk_peers_put(&p);
 	return 0;
+}
+
+void ibk_peers_refresh(uint64_t epoch, int timeout_ms)
+{
+	struct ibk_peer_map *copy;
+	size_t n, i;
+
+	pthread_mutex_lock(&peers_lock);
+	n = npeers;
+	copy = n ? malloc(n * sizeof(*copy)) : NULL;
+	if (copy)
+		memcpy(copy, peers, n * sizeof(*copy));
+	pthread_mutex_unlock(&peers_lock);
+	for (i = 0; copy && i < n; i++) {
+		char key[128], hex[40], val[256], rg[40];
+		unsigned int lid, rqpn;
+		struct ibk_peer_map *p = &copy[i];
+		/* a peer that is gone must not hold the rebuild for long */
+		int wait = timeout_ms < 5000 ? timeout_ms : 5000;
+
+		if (p->epoch == epoch)
+			continue;
+		ibk_gid_hex(&p->vgid, hex);
+		snprintf(key, sizeof(key), "e%llu/qp/%s/%u", (unsigned long long)epoch, hex, p->vqpn);
+		if (ibk_coord_get(key, val, sizeof(val), wait > 0 ? wait : 0) ||
+		    sscanf(val, "%39s %u %u", rg, &lid, &rqpn) != 3 || ibk_gid_parse(rg, &p->rgid)) {
+			ibk_log("rebuild: peer %s/%u published nothing in epoch %llu: forgotten", hex, p->vqpn,
+				(unsigned long long)epoch);
+			peers_forget(p);
+			continue;
+		}
+		p->rqpn = rqpn;
+		p->rlid = (uint16_t)lid;
+		p->epoch = epoch;
+		ibk_peers_put(p);
+	}
+	free(copy);
 }

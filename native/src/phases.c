@@ -125,7 +125,12 @@ int ibk_do_quiesce(int timeout_ms, char *out, size_t len)
 		return rc;
 	}
 	phase = IBK_QUIESCED;
+	/* the counters at the cut show what was in flight when the gate closed */
 	report_begin(out, len, "quiesce", 1, t0);
+	jcat(out, len, ",");
+	pthread_mutex_lock(&ibk_ctx_lock);
+	report_qps(out, len);
+	pthread_mutex_unlock(&ibk_ctx_lock);
 	jcat(out, len, "}");
 	return 0;
 }
@@ -149,7 +154,7 @@ static int drain_post_flags(void)
 		if (o->kind != IBK_QP)
 			continue;
 		qp = IBK_OBJ(o, ibk_qp);
-		if (qp->state != IBV_QPS_RTS || qp->flag_outstanding || qp->pub.qp_type != IBV_QPT_RC)
+		if (qp->state != IBV_QPS_RTS || qp->flag_outstanding)
 			continue;
 		pthread_mutex_lock(&qp->lock);
 		tail = ibk_sendlog_count(&qp->slog) ? ibk_sendlog_at(&qp->slog, qp->slog.tail - 1) : NULL;
@@ -191,10 +196,55 @@ static uint32_t pending_sends(void)
 	return n;
 }
 
+/* Whether the sends still logged may be left to rebuild's settlement. RC
+ * executes in order, so a read or atomic that comes before every logged
+ * receive-consuming send has already executed at the peer and only its
+ * response is outstanding: release would lose that response, so drain
+ * must wait for it. Anything after a consumer that stalls (RNR: the
+ * peer's app is gated and posts no receives) has not executed and is
+ * re-posted. Sends without acks (UD, UC) must complete locally. */
+static int pending_settleable(void)
+{
+	struct ibk_ctx *ctx;
+	struct ibk_obj *o;
+
+	FOR_EACH_CTX(ctx)
+	FOR_EACH_OBJ(ctx, o)
+	{
+		struct ibk_qp *qp;
+		uint64_t seq;
+
+		if (o->kind != IBK_QP)
+			continue;
+		qp = IBK_OBJ(o, ibk_qp);
+		if (qp->state < IBV_QPS_RTS || !ibk_sendlog_count(&qp->slog))
+			continue;
+		if (qp->pub.qp_type != IBV_QPT_RC)
+			return 0;
+		pthread_mutex_lock(&qp->lock);
+		for (seq = qp->slog.head; seq < qp->slog.tail; seq++) {
+			struct ibk_swr *e = ibk_sendlog_at(&qp->slog, seq);
+
+			if (e->flags & IBK_SWR_CONSUMER)
+				break;
+			if ((e->flags & IBK_SWR_ATOMIC) || e->wr.opcode == IBV_WR_RDMA_READ) {
+				pthread_mutex_unlock(&qp->lock);
+				return 0;
+			}
+		}
+		pthread_mutex_unlock(&qp->lock);
+	}
+	return 1;
+}
+
+/* No completion for this long, with only settleable sends left, means they
+ * are stalled on the peer's gate: waiting longer would change nothing. */
+#define DRAIN_STALL_MS 100
+
 int ibk_do_drain(int timeout_ms, char *out, size_t len)
 {
-	long t0 = ms_now();
-	int flags, moved = 0;
+	long t0 = ms_now(), last_move = t0;
+	int flags, moved = 0, stalled = 0;
 	uint32_t pending;
 
 	if (phase != IBK_QUIESCED) {
@@ -205,16 +255,25 @@ int ibk_do_drain(int timeout_ms, char *out, size_t len)
 	pthread_mutex_lock(&ibk_ctx_lock);
 	flags = drain_post_flags();
 	for (;;) {
-		moved += drain_pass();
+		int n = drain_pass();
+
+		moved += n;
+		if (n)
+			last_move = ms_now();
 		pending = pending_sends();
 		if (!pending || ms_now() - t0 > timeout_ms)
 			break;
+		if (ms_now() - last_move > DRAIN_STALL_MS && pending_settleable()) {
+			stalled = 1;
+			break;
+		}
 		usleep(500);
 	}
 	phase = IBK_DRAINED;
 	report_begin(out, len, "drain", 1, t0);
 	/* Sends still pending are settled at rebuild by the peers' counters. */
-	jcat(out, len, ",\"flag_wrs\":%d,\"moved\":%d,\"pending_sends\":%u,", flags, moved, pending);
+	jcat(out, len, ",\"flag_wrs\":%d,\"moved\":%d,\"pending_sends\":%u,\"stalled\":%s,", flags, moved,
+	     pending, stalled ? "true" : "false");
 	report_qps(out, len);
 	jcat(out, len, "}");
 	pthread_mutex_unlock(&ibk_ctx_lock);
@@ -335,6 +394,18 @@ static int release_destroy(struct ibk_ctx *ctx)
 	return errs;
 }
 
+static int have_ud_qps(void)
+{
+	struct ibk_ctx *ctx;
+	struct ibk_obj *o;
+
+	FOR_EACH_CTX(ctx)
+	FOR_EACH_OBJ(ctx, o)
+	if (o->kind == IBK_QP && IBK_OBJ(o, ibk_qp)->pub.qp_type == IBV_QPT_UD)
+		return 1;
+	return 0;
+}
+
 int ibk_do_release(int timeout_ms, char *out, size_t len)
 {
 	long t0 = ms_now(), quiet_since;
@@ -347,6 +418,19 @@ int ibk_do_release(int timeout_ms, char *out, size_t len)
 		return -EINVAL;
 	}
 	pthread_mutex_lock(&ibk_ctx_lock);
+	/* A datagram on its way in when the QP goes to ERR is lost for good (UD
+	 * has no retry): first let the CQs of a process with UD QPs go quiet. */
+	if (have_ud_qps()) {
+		quiet_since = ms_now();
+		while (ms_now() - quiet_since < 20 && ms_now() - t0 < timeout_ms) {
+			int n = drain_pass();
+
+			late += n;
+			if (n)
+				quiet_since = ms_now();
+			usleep(1000);
+		}
+	}
 	FOR_EACH_CTX(ctx)
 	release_flush_qps(ctx);
 	/* Collect what the QPs finished before ERR, until the CQs stay quiet. */
@@ -597,6 +681,7 @@ static int fetch_peer(struct ibk_qp *qp, uint64_t epoch, int timeout_ms)
 	pm.rqpn = rqpn;
 	pm.vlid = qp->peer.vlid;
 	pm.rlid = qp->peer.rlid;
+	pm.epoch = epoch;
 	ibk_peers_put(&pm);
 	return 0;
 }
@@ -635,7 +720,21 @@ static int rebuild_settle_qp(struct ibk_qp *qp)
 	} else {
 		memset(verdict, IBK_V_REPOST, n);
 	}
-	/* DELIVERED entries form a prefix: complete them for the app. */
+	/* DELIVERED entries form a prefix: complete them for the app. A read or
+	 * atomic there executed at the peer, but its response never arrived:
+	 * its data is lost, and neither a made-up completion nor a second
+	 * execution would be right. Drain waits for these, so this is a bug. */
+	for (i = 0; i < n && verdict[i] == IBK_V_DELIVERED; i++) {
+		struct ibk_swr *e = ibk_sendlog_at(&qp->slog, qp->slog.head + i);
+
+		if (!(e->flags & IBK_SWR_FLAG_WR) &&
+		    ((e->flags & IBK_SWR_ATOMIC) || e->wr.opcode == IBV_WR_RDMA_READ)) {
+			ibk_log("rebuild: QP %u: a read/atomic executed at the peer but its response was lost",
+				qp->vqpn);
+			rc = -EPROTO;
+			goto out;
+		}
+	}
 	for (i = 0; i < n && verdict[i] == IBK_V_DELIVERED; i++) {
 		struct ibk_swr *e = ibk_sendlog_at(&qp->slog, qp->slog.head);
 
@@ -713,6 +812,26 @@ int ibk_do_rebuild(uint64_t epoch, int timeout_ms, char *out, size_t len)
 				goto out;
 		}
 	}
+	/* UD destinations the app has used: their new ids before the AHs and
+	 * any re-posted datagram need them */
+	step = "ud peers";
+	FOR_EACH_CTX(ctx)
+	FOR_EACH_OBJ(ctx, o)
+	{
+		struct ibk_ah *ah;
+		struct ibk_peer_map pm;
+
+		if (o->kind != IBK_AH || !IBK_OBJ(o, ibk_ah)->used || !IBK_OBJ(o, ibk_ah)->attr.is_global)
+			continue;
+		ah = IBK_OBJ(o, ibk_ah);
+		if (!ibk_peers_lookup(&ah->attr.grh.dgid, ah->last_qpn, &pm))
+			continue;
+		memset(&pm, 0, sizeof(pm));
+		pm.vgid = ah->attr.grh.dgid;
+		pm.vqpn = ah->last_qpn;
+		ibk_peers_put(&pm); /* epoch 0: the refresh below fills it in */
+	}
+	ibk_peers_refresh(epoch, timeout_ms - (int)(ms_now() - t0));
 	step = "settle";
 	FOR_EACH_CTX(ctx)
 	FOR_EACH_OBJ(ctx, o)

@@ -72,6 +72,8 @@ int ibk_qp_post_logged_send(struct ibk_qp *qp, struct ibk_swr *e)
 		struct ibk_ah *ah = (struct ibk_ah *)e->wr.wr.ud.ah;
 
 		w.wr.ud.ah = ah->real;
+		ah->last_qpn = e->wr.wr.ud.remote_qpn;
+		ah->used = 1;
 		if (atomic_load(&ibk_translating) && ah->attr.is_global) {
 			struct ibk_peer_map pm;
 
@@ -85,19 +87,47 @@ int ibk_qp_post_logged_send(struct ibk_qp *qp, struct ibk_swr *e)
 	return qp->real->context->ops.post_send(qp->real, &w, &bad);
 }
 
+/* The Q_Key a UD QP was given in its last modify that set one. */
+static uint32_t qp_qkey(const struct ibk_qp *qp)
+{
+	int i;
+
+	for (i = qp->nmods - 1; i >= 0; i--)
+		if (qp->mod_masks[i] & IBV_QP_QKEY)
+			return qp->mods[i].qkey;
+	return 0;
+}
+
 int ibk_qp_post_flag(struct ibk_qp *qp)
 {
-	struct ibk_swr *e = ibk_sendlog_push(&qp->slog);
+	struct ibk_swr *tail = ibk_sendlog_count(&qp->slog) ? ibk_sendlog_at(&qp->slog, qp->slog.tail - 1) : NULL;
+	struct ibk_swr *e;
 	int rc;
 
+	if (qp->pub.qp_type == IBV_QPT_UD && !tail)
+		return -EINVAL;
+	e = ibk_sendlog_push(&qp->slog);
 	if (!e)
 		return -ENOSPC;
 	memset(&e->wr, 0, sizeof(e->wr));
 	e->flags = IBK_SWR_FLAG_WR | IBK_SWR_SIGNALED;
-	e->wr.opcode = IBV_WR_RDMA_WRITE; /* zero length: needs no rkey (IBA C9-88) */
 	e->wr.send_flags = IBV_SEND_SIGNALED;
 	e->wr.num_sge = 0;
 	e->wr.sg_list = e->sge;
+	if (qp->pub.qp_type == IBV_QPT_UD) {
+		/* UD has no RDMA write: a zero-length send to the last destination,
+		 * with a Q_Key the receiver does not hold, so it drops the datagram
+		 * without consuming a receive. */
+		uint32_t qkey = tail->wr.wr.ud.remote_qkey;
+
+		if (qkey & 0x80000000u)
+			qkey = qp_qkey(qp);
+		e->wr.opcode = IBV_WR_SEND;
+		e->wr.wr.ud = tail->wr.wr.ud;
+		e->wr.wr.ud.remote_qkey = (qkey ^ 0x2b5a6c1du) & 0x7fffffffu;
+	} else {
+		e->wr.opcode = IBV_WR_RDMA_WRITE; /* zero length: needs no rkey (IBA C9-88) */
+	}
 	rc = ibk_qp_post_logged_send(qp, e);
 	if (rc) {
 		ibk_sendlog_unpush(&qp->slog);

@@ -256,6 +256,11 @@ struct ibk_ah {
 	struct ibv_ah *real;
 	struct ibk_pd *pd;
 	struct ibv_ah_attr attr; /* as the app gave it (virtual) */
+	/* the last UD QP sent to through this AH: after a rebuild that peer is
+	 * looked up at once, so its datagrams show their virtual src_qp even
+	 * before we send to it again */
+	uint32_t last_qpn;
+	int used;
 };
 
 #define IBK_OBJ(p, type) ((struct type *)((char *)(p) - offsetof(struct type, obj)))
@@ -276,11 +281,15 @@ struct ibk_peer_map {
 	union ibv_gid vgid, rgid;
 	uint32_t vqpn, rqpn;
 	uint16_t vlid, rlid;
+	uint64_t epoch; /* the rebuild whose record this is */
 };
 int ibk_peers_lookup(const union ibv_gid *vgid, uint32_t vqpn, struct ibk_peer_map *out);
 int ibk_peers_lookup_gid(const union ibv_gid *vgid, union ibv_gid *rgid);
 int ibk_peers_reverse_qpn(uint32_t rqpn, uint32_t *vqpn);
 void ibk_peers_put(const struct ibk_peer_map *p);
+/* After a rebuild: take every cached peer not yet learnt in this epoch from
+ * its new record; a peer that publishes none in time is forgotten. */
+void ibk_peers_refresh(uint64_t epoch, int timeout_ms);
 /* Fetch one peer's latest mapping from the coordinator (slow path). */
 int ibk_peers_fetch(const union ibv_gid *vgid, uint32_t vqpn, int timeout_ms);
 extern atomic_int ibk_translating; /* set after the first rebuild anywhere in this process */
