@@ -211,3 +211,11 @@ def parse_result(text: str) -> dict[str, int | str]:
         "events": int(m.group(5)),
         "bad": int(m.group(6)),
     }
+
+
+def parse_fields(text: str) -> dict[str, str]:
+    """All key=value fields of the last RESULT line (verbs_seq prints mode-specific ones)."""
+    lines = [line for line in text.splitlines() if line.startswith("RESULT ")]
+    if not lines:
+        raise AssertionError(f"no RESULT line in: {text[-2000:]}")
+    return dict(field.split("=", 1) for field in lines[-1].split()[1:] if "=" in field)
