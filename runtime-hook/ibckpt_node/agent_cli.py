@@ -3,7 +3,10 @@
     ibckpt-node checkpoint --coordinator HOST:PORT --session ID --node NAME \
         --rank KEY=PID:CONTROL_SOCKET ... --images DIR [--mode Stop|LeaveRunning] [--epoch N]
     ibckpt-node restore --coordinator HOST:PORT --session ID --node NAME \
-        --rank KEY=IMAGE_DIR:CONTROL_SOCKET ... [--epoch N]
+        --rank KEY=IMAGE_DIR:CONTROL_SOCKET ... [--rejoin KEY=PID:CONTROL_SOCKET ...] [--epoch N]
+
+A mixed restart (some ranks move, the rest stay): the staying node checkpoints with --mode Hold,
+which leaves its ranks released, and passes them to its restore with --rejoin.
 
 The session token comes from the IBCKPT_SESSION_TOKEN environment variable (never a flag:
 command lines are world-readable). The shim's key-value socket is served at --shim-socket
@@ -63,7 +66,9 @@ async def _run(args: argparse.Namespace) -> NodeReport:
             driver = NodeDriver(args.node, client, [])
             images = {rank.key(): Path(where) for rank, where, _ in ranks}
             controls = {rank.key(): control for rank, _, control in ranks}
-            return await driver.restore(images, controls, args.epoch)
+            held = [_parse_rank(spec) for spec in args.rejoin]
+            rejoin = [LocalRank(rank, int(where), control) for rank, where, control in held]
+            return await driver.restore(images, controls, args.epoch, rejoin)
     finally:
         await client.close()
 
@@ -75,6 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--session", required=True)
     parser.add_argument("--node", required=True, help="this node's participant name")
     parser.add_argument("--rank", action="append", default=[], required=True)
+    parser.add_argument("--rejoin", action="append", default=[], help="restore: KEY=PID:CONTROL_SOCKET held")
     parser.add_argument("--images", help="checkpoint: where the CRIU images go")
     parser.add_argument("--mode", default=Mode.LEAVE_RUNNING.value, choices=[m.value for m in Mode])
     parser.add_argument("--epoch", type=int, default=1)

@@ -30,6 +30,9 @@ log = logging.getLogger(__name__)
 class Mode(enum.Enum):
     LEAVE_RUNNING = "LeaveRunning"
     STOP = "Stop"
+    # Mixed restarts: dump like LeaveRunning, but keep the ranks released (alive, no device
+    # state) until a restore session rebuilds them together with the peers that moved.
+    HOLD = "Hold"
 
 
 @dataclass(frozen=True)
@@ -156,6 +159,9 @@ class NodeDriver:
             if mode is Mode.STOP:
                 self.report.outcome = "Stopped"
                 return self.report
+            if mode is Mode.HOLD:
+                self.report.outcome = "Held"
+                return self.report
             await self._phase(
                 "rebuilt",
                 lambda: self._each("rebuild", lambda r: r.control.rebuild(epoch, self._ms(t.rebuild_s))),
@@ -181,7 +187,7 @@ class NodeDriver:
                 )
 
     async def _dump_all(self, mode: Mode, images_root: Path) -> None:
-        options = criu.DumpOptions(leave_running=mode is Mode.LEAVE_RUNNING)
+        options = criu.DumpOptions(leave_running=mode is not Mode.STOP)
         for r in self.ranks:  # one CRIU at a time: each freezes and walks a whole tree
             images = images_root / r.rank.key().replace("/", "_")
             await asyncio.to_thread(criu.dump, r.pid, images, options, self.timeouts.dump_s)
@@ -210,10 +216,27 @@ class NodeDriver:
     # -- restore --------------------------------------------------------------------------
 
     async def restore(
-        self, images: dict[str, Path], control_paths: dict[str, Path], epoch: int
+        self,
+        images: dict[str, Path],
+        control_paths: dict[str, Path],
+        epoch: int,
+        rejoin: Sequence[LocalRank] = (),
     ) -> NodeReport:
-        """Restore this node's ranks from their images, then rebuild toward the peers and resume."""
+        """Restore this node's ranks from their images, then rebuild toward the peers and resume.
+
+        `rejoin` are ranks that stayed on this node, held released by a Hold checkpoint: they
+        rebuild in the same epoch, toward the moved peers' new ids, and resume with them.
+        """
         t = self.timeouts
+        for r in rejoin:
+            fds, maps = device_fds_and_maps(r.pid)
+            state = (await asyncio.to_thread(r.control.status)).get("state")
+            if state != "released" or fds or maps:
+                raise CheckpointFailed(
+                    f"{r.rank.key()} (pid {r.pid}) cannot rejoin: state {state!r}, "
+                    f"{fds} device fds, {maps} device mappings (a Hold checkpoint leaves it released)"
+                )
+        self.ranks.extend(rejoin)
 
         async def restore_all() -> None:
             for key, image_dir in images.items():

@@ -1,0 +1,81 @@
+"""Mixed restart: four all-to-all ranks on two nodes; node B's ranks move to node A, node A's stay.
+
+Ranks 0 and 1 run on node A, ranks 2 and 3 on node B, each with one RC QP to every other rank,
+exchanging sequence-numbered, checksummed messages. Mid-traffic one checkpoint session runs on
+both nodes: node B checkpoints with mode Stop (its ranks are dumped and gone), node A with mode
+Hold (dumped too, then left alive and released). A restore session on node A then CRIU-restores
+ranks 2 and 3 from their images and, in the same epoch, rebuilds the held ranks 0 and 1 toward
+the moved peers' new GID and QPNs. Node B powers off; all four ranks finish on node A and every
+ordered pair must show exactly-once delivery with matching checksums.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from node.a2a_job import assert_exactly_once, assert_ok, diagnostics, prelude
+
+from testbed.guest import GuestSpec, run_pair
+
+pytestmark = pytest.mark.twoguests
+
+HOSTS = ["10.77.0.1", "10.77.0.1", "10.77.0.2", "10.77.0.2"]
+
+SCRIPT = """
+case $IBCKPT_NODE in
+  1) mine="0 1"; mode=Hold ;;
+  # Node B's ranks take pids far above anything node A will use, so they are free there.
+  2) mine="2 3"; mode=Stop; echo 20000 > /proc/sys/kernel/ns_last_pid ;;
+esac
+for r in $mine; do start_rank $r; done
+for r in $mine; do wait_for READY {work}/r$r.out 180; done
+sleep 3  # traffic in flight on every QP when the checkpoint starts
+IBCKPT_SESSION_TOKEN=$TOKEN_CKPT agent checkpoint --session {ckpt} $(rank_args pid $mine) \
+  --images {work}/images --mode $mode > {work}/ckpt-node-$IBCKPT_NODE.json
+[ $IBCKPT_NODE = 2 ] && exit 0  # its ranks now live only in the images
+for r in 0 1; do grep -q DONE {work}/r$r.out && {{ echo "rank $r ended before the restore"; exit 1; }}; done
+IBCKPT_SESSION_TOKEN=$TOKEN_RESTORE agent restore --session {restore} --epoch 2 \
+  $(rank_args img:{work}/images 2 3) $(rank_args rejoin 0 1) > {work}/restore.json
+sleep 3  # traffic after the move, all four ranks on node A
+status_all after 0 1 2 3
+touch {work}/stop
+for r in 0 1 2 3; do wait_for DONE {work}/r$r.out 300; done
+"""
+
+
+def test_one_nodes_ranks_move_while_the_others_stay(coordinator, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    work = tmp_path
+    ckpt, token_ckpt = coordinator.create_session({"node-1", "node-2"})
+    restore, token_restore = coordinator.create_session({"node-1"})
+    script = prelude(work, coordinator.port, HOSTS) + SCRIPT.format(work=work, ckpt=ckpt, restore=restore)
+    env = {"TOKEN_CKPT": token_ckpt, "TOKEN_RESTORE": token_restore}
+    spec = GuestSpec(script, writable=[work], forward_ports=[coordinator.port], env=env)
+    results = run_pair(spec, spec, timeout=900)
+    assert_ok(results, "mixed restart", work)
+
+    try:
+        assert_exactly_once(work, len(HOSTS))
+        ckpt_a = json.loads((work / "ckpt-node-1.json").read_text())
+        ckpt_b = json.loads((work / "ckpt-node-2.json").read_text())
+        assert ckpt_a["outcome"] == "Held" and ckpt_b["outcome"] == "Stopped"
+        # A real checkpoint of all four ranks: every rank has an image.
+        for r in range(4):
+            assert (work / "images" / f"a2a_rank-{r}_main_0" / "dump.log").exists()
+        restored = json.loads((work / "restore.json").read_text())
+        assert set(restored["restored_pids"]) == {"a2a/rank-2/main/0", "a2a/rank-3/main/0"}
+        assert set(restored["shim"]["rebuild"]) == {f"a2a/rank-{r}/main/0" for r in range(4)}
+        pids = {r: int((work / f"r{r}.pid").read_text()) for r in range(4)}
+        for r in range(4):
+            status = json.loads((work / f"status-after-r{r}.json").read_text())
+            assert status["state"] == "running" and status["epoch"] == 2, (r, status)
+            if r < 2:
+                # Stayed: the same process, rebuilt in place, never CRIU-restored.
+                assert status["pid"] == pids[r], (r, status)
+                assert status["delegated_writes"] == 0, (r, status)
+            else:
+                # Moved: restored from its image on node A (CRIU gave each thread its own cred).
+                assert status["delegated_writes"] > 0, (r, status)
+    except (AssertionError, KeyError, OSError) as exc:
+        raise AssertionError(f"{exc!r}{diagnostics(work, results)}") from None
