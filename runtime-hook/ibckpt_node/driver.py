@@ -138,6 +138,10 @@ class NodeDriver:
         t = self.timeouts
         committed = False
         try:
+            # Every node is connected and ready before any rank is gated, so a node that is
+            # late (or never comes) does not leave the others' ranks stalled; "checkpoint
+            # requested" is measured from here.
+            await self.client.barrier("joined", timeout=t.quiesce_s + t.barrier_slack_s)
             await self._phase(
                 "quiesced",
                 lambda: self._each("quiesce", lambda r: r.control.quiesce(self._ms(t.quiesce_s))),
