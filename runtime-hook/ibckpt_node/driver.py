@@ -15,9 +15,10 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ibckpt.coordination.client import CoordinationAborted, CoordinatorClient, CoordinatorError
 from ibckpt.coordination.ranks import RankId
@@ -25,6 +26,8 @@ from ibckpt_native.control import ControlError, ShimControl
 from ibckpt_node import criu
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class Mode(enum.Enum):
@@ -105,16 +108,28 @@ class NodeDriver:
 
     # -- helpers --------------------------------------------------------------------------
 
+    async def _on_all(self, phase: str, call: Callable[[LocalRank], T]) -> list[T]:
+        """Run a blocking call for every local rank, all at once.
+
+        One thread per rank, not asyncio's default pool (a handful of threads on a small node):
+        a rank's rebuild blocks until its peers on this node have published, so every rank's
+        call must be in flight together or they wait for each other until the timeout.
+        """
+        pool = ThreadPoolExecutor(max_workers=max(1, len(self.ranks)), thread_name_prefix=f"ibckpt-{phase}")
+        loop = asyncio.get_running_loop()
+        try:
+            return list(await asyncio.gather(*(loop.run_in_executor(pool, call, r) for r in self.ranks)))
+        finally:
+            pool.shutdown(wait=False)  # a timed-out call must not block the event loop
+
     async def _each(self, phase: str, call: Callable[[LocalRank], dict[str, Any]]) -> None:
         """Run one shim phase on every local rank in parallel; the first failure raises."""
-
-        async def one(r: LocalRank) -> None:
-            reply = await asyncio.to_thread(call, r)
+        replies = await self._on_all(phase, call)
+        for r, reply in zip(self.ranks, replies, strict=True):
             self.report.shim.setdefault(phase, {})[r.rank.key()] = reply
+        for r, reply in zip(self.ranks, replies, strict=True):
             if reply.get("ok") is False:
                 raise CheckpointFailed(f"{phase} of {r.rank.key()} (pid {r.pid}) failed: {reply}")
-
-        await asyncio.gather(*(one(r) for r in self.ranks))
 
     async def _phase(self, name: str, work: Callable[[], Awaitable[None]], bound_s: float) -> None:
         started = time.monotonic()
@@ -122,7 +137,9 @@ class NodeDriver:
             await asyncio.wait_for(work(), bound_s)
         except TimeoutError:
             raise CheckpointFailed(f"{self.node}: {name} did not finish within {bound_s:g}s") from None
-        except (ControlError, OSError) as exc:
+        except (ControlError, OSError, criu.CriuError) as exc:
+            # A failed dump leaves the ranks released (CRIU resumes the frozen tasks): this
+            # must take the abort path, which rebuilds them, like any other phase failure.
             raise CheckpointFailed(f"{self.node}: {name} failed: {exc}") from exc
         await self.client.barrier(name, timeout=bound_s + self.timeouts.barrier_slack_s)
         self.report.phases[name] = time.monotonic() - started
@@ -204,17 +221,26 @@ class NodeDriver:
             # Already aborted by someone else, or the coordinator is gone: recover regardless.
             with contextlib.suppress(CoordinatorError):
                 await self.client.abort(str(cause))
-        for r in self.ranks:
+
+        def recover(r: LocalRank) -> dict[str, Any] | None:
             try:
-                reply = await asyncio.to_thread(r.control.abort)
+                return r.control.abort()
             except ControlError as exc:
                 if exc.reply.get("state") != "released":
                     log.error("%s: could not resume %s: %s", self.node, r.rank.key(), exc)
-                    continue
-                # Released already: the real resources are gone, rebuild with the peers.
-                reply = await asyncio.to_thread(r.control.rebuild, epoch, self._ms(self.timeouts.rebuild_s))
-                reply = await asyncio.to_thread(r.control.resume)
-            self.report.shim.setdefault("abort", {})[r.rank.key()] = reply
+                    return None
+            # Released already: the real resources are gone, rebuild with the peers (all of
+            # this node's ranks at once: they wait for each other's records).
+            try:
+                r.control.rebuild(epoch, self._ms(self.timeouts.rebuild_s))
+                return r.control.resume()
+            except ControlError as exc:
+                log.error("%s: could not rebuild %s: %s", self.node, r.rank.key(), exc)
+                return None
+
+        for r, reply in zip(self.ranks, await self._on_all("abort", recover), strict=True):
+            if reply is not None:
+                self.report.shim.setdefault("abort", {})[r.rank.key()] = reply
         self.report.outcome = "Aborted"
 
     # -- restore --------------------------------------------------------------------------

@@ -1,0 +1,123 @@
+"""The node driver against fake shims on the host: many ranks per node, and the abort path.
+
+Each fake shim serves the control protocol on a unix socket. Its `rebuild` blocks until every
+rank of the node has been told to rebuild, as a real one does when its peers are on the same
+node (it waits for their records). So these tests fail if the driver runs a phase on fewer
+ranks at a time than the node has, which is what a small default thread pool does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import subprocess
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ibckpt.coordination.client import CoordinatorClient
+from ibckpt.coordination.ranks import RankId
+from ibckpt_node.driver import CheckpointFailed, LocalRank, Mode, NodeDriver, PhaseTimeouts
+from testbed.coordinator import ThreadedCoordinator
+
+RANKS = 12  # more than asyncio's default pool on a 2-core node (cpus + 4)
+
+
+class FakeShim:
+    def __init__(self, path: Path, everyone: threading.Barrier) -> None:
+        self.path = path
+        self.everyone = everyone
+        self.state = "running"
+        self.commands: list[str] = []
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(str(path))
+        self.sock.listen(8)
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._one, args=(conn,), daemon=True).start()
+
+    def _one(self, conn: socket.socket) -> None:
+        with conn:
+            verb = conn.makefile().readline().split()[0]
+            self.commands.append(verb)
+            ok, reply = self._answer(verb)
+            conn.sendall(f"{'ok' if ok else 'err'} {json.dumps(reply)}\n".encode())
+
+    def _answer(self, verb: str) -> tuple[bool, dict[str, object]]:
+        if verb == "abort" and self.state == "released":
+            return False, {"phase": "abort", "ok": False, "state": "released"}
+        if verb == "rebuild":
+            try:
+                self.everyone.wait(timeout=5)
+            except threading.BrokenBarrierError:
+                return False, {"phase": "rebuild", "ok": False, "error": "peers never rebuilt"}
+        self.state = {"release": "released", "resume": "running", "abort": "running"}.get(verb, self.state)
+        return True, {"phase": verb, "ok": True, "ms": 0, "state": self.state}
+
+
+@pytest.fixture
+def sleeper() -> Iterator[int]:
+    """A real process with no device fds, standing in for every rank's pid."""
+    proc = subprocess.Popen(["sleep", "60"])
+    yield proc.pid
+    proc.kill()
+    proc.wait()
+
+
+def _setup(tmp_path: Path, pid: int) -> tuple[list[FakeShim], list[LocalRank]]:
+    everyone = threading.Barrier(RANKS)
+    shims = [FakeShim(tmp_path / f"r{i}.ctl", everyone) for i in range(RANKS)]
+    ranks = [LocalRank(RankId.parse(f"job/rank-{i}/main/0"), pid, s.path) for i, s in enumerate(shims)]
+    return shims, ranks
+
+
+async def _driver(coordinator: ThreadedCoordinator, ranks: list[LocalRank]) -> NodeDriver:
+    session, token = coordinator.create_session({"node-1"})
+    client = await CoordinatorClient.connect("127.0.0.1", coordinator.port, session, "node-1", token)
+    return NodeDriver("node-1", client, ranks, PhaseTimeouts(rebuild_s=20))
+
+
+async def test_restore_rebuilds_every_held_rank_at_once(
+    coordinator: ThreadedCoordinator, tmp_path: Path, sleeper: int
+) -> None:
+    shims, ranks = _setup(tmp_path, sleeper)
+    for s in shims:
+        s.state = "released"
+    driver = await _driver(coordinator, [])
+    try:
+        report = await asyncio.wait_for(driver.restore({}, {}, epoch=2, rejoin=ranks), 30)
+    finally:
+        await driver.client.close()
+    assert report.outcome == "Succeeded"
+    assert all(s.commands == ["status", "rebuild", "resume"] for s in shims), [s.commands for s in shims]
+    assert all(reply["ok"] for reply in report.shim["rebuild"].values())
+
+
+async def test_failed_dump_aborts_and_rebuilds_every_released_rank(
+    coordinator: ThreadedCoordinator, tmp_path: Path, sleeper: int
+) -> None:
+    shims, ranks = _setup(tmp_path, sleeper)
+    images = tmp_path / "images"
+    # An image dir that is not empty makes the dump fail before CRIU touches any process.
+    (images / ranks[0].rank.key().replace("/", "_")).mkdir(parents=True)
+    (images / ranks[0].rank.key().replace("/", "_") / "stale").write_text("x")
+    driver = await _driver(coordinator, ranks)
+    try:
+        with pytest.raises(CheckpointFailed, match="not empty"):
+            await asyncio.wait_for(driver.checkpoint(Mode.LEAVE_RUNNING, images, epoch=2), 30)
+    finally:
+        await driver.client.close()
+    assert driver.report.outcome == "Aborted"
+    for s in shims:
+        # Released when the dump failed: abort is refused, so the driver rebuilt and resumed it.
+        assert s.commands == ["quiesce", "drain", "release", "abort", "rebuild", "resume"], s.commands
+        assert s.state == "running"
