@@ -69,7 +69,8 @@ class LocalRank:
 @dataclass
 class NodeReport:
     node: str
-    phases: dict[str, float] = field(default_factory=dict)  # seconds per phase
+    phases: dict[str, float] = field(default_factory=dict)  # seconds per phase, barrier included
+    local: dict[str, float] = field(default_factory=dict)  # seconds until this node's part was done
     shim: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)  # phase -> rank -> report
     images: dict[str, Path] = field(default_factory=dict)
     restored_pids: dict[str, int] = field(default_factory=dict)
@@ -141,6 +142,7 @@ class NodeDriver:
             # A failed dump leaves the ranks released (CRIU resumes the frozen tasks): this
             # must take the abort path, which rebuilds them, like any other phase failure.
             raise CheckpointFailed(f"{self.node}: {name} failed: {exc}") from exc
+        self.report.local[name] = time.monotonic() - started
         await self.client.barrier(name, timeout=bound_s + self.timeouts.barrier_slack_s)
         self.report.phases[name] = time.monotonic() - started
         log.info("%s: %s done in %.3fs", self.node, name, self.report.phases[name])

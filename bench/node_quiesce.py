@@ -1,0 +1,167 @@
+"""Checkpoint cut and restore cost of the node driver: 16 all-to-all ranks on two Soft-RoCE guests.
+
+Run from the repo root:  .venv/bin/python bench/node_quiesce.py [--ranks 16]
+
+Half the ranks run on each guest (native/tests/a2a_seq under the shim, one RC QP per pair). The
+bench takes one LeaveRunning and one Stop checkpoint through the job coordinator and measures,
+per node, the time from "checkpoint requested" (every node joined) until every rank is
+quiesced, drained and released, barriers included, dump excluded. It then restores each node's
+ranks twice from the same images: first with a raw CRIU restore of copies (the restored
+processes are killed again), then with the driver (CRIU restore + rebuild + resume). The job
+then finishes and must show exactly-once delivery. Prints both measurements side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+SCRIPT = """
+half=$(( NRANKS / 2 ))
+case $IBCKPT_NODE in
+  1) mine=$(seq 0 $(( half - 1 ))) ;;
+  2) mine=$(seq $half $(( NRANKS - 1 ))) ;;
+esac
+mine=$(echo $mine)
+for r in $mine; do start_rank $r; done
+for r in $mine; do wait_for READY {work}/r$r.out 600; done
+sleep 3
+IBCKPT_SESSION_TOKEN=$TOKEN_LR agent checkpoint --session {lr} $(rank_args pid $mine) \
+  --images {work}/images-lr-$IBCKPT_NODE --mode LeaveRunning > {work}/lr-node-$IBCKPT_NODE.json
+sleep 3
+IBCKPT_SESSION_TOKEN=$TOKEN_STOP agent checkpoint --session {stop} $(rank_args pid $mine) \
+  --images {work}/images --mode Stop > {work}/stop-node-$IBCKPT_NODE.json
+{python} {bench} raw-restore {work}/images {work}/raw-$IBCKPT_NODE $mine > {work}/raw-node-$IBCKPT_NODE.json
+IBCKPT_SESSION_TOKEN=$TOKEN_RESTORE agent restore --session {restore} --epoch 2 \
+  $(rank_args img:{work}/images $mine) > {work}/restore-node-$IBCKPT_NODE.json
+sleep 3
+touch {work}/stop
+for r in $mine; do wait_for DONE {work}/r$r.out 600; done
+"""
+
+
+def raw_restore(images: Path, scratch: Path, ranks: list[int]) -> dict[str, Any]:
+    """In the guest: CRIU-restore copies of the ranks' images, as the driver would, then kill them."""
+    from ibckpt_node import criu
+
+    seconds: dict[str, float] = {}
+    pids = []
+    for r in ranks:
+        name = f"a2a_rank-{r}_main_0"
+        copy = scratch / name
+        shutil.copytree(images / name, copy)
+        result = criu.restore(copy, timeout_s=600)
+        seconds[name] = result.seconds
+        pids.append(result.pid)
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while any(Path(f"/proc/{pid}").exists() for pid in pids):  # their pids must be free again
+        if time.monotonic() > deadline:
+            raise SystemExit(f"restored copies did not exit: {pids}")
+        time.sleep(0.05)
+    return {"seconds": seconds, "total": sum(seconds.values())}
+
+
+def _cut(report: dict[str, Any]) -> tuple[float, dict[str, float], dict[str, float]]:
+    phases = report["phases"]
+    names = ("quiesced", "drained", "released")
+    wall = {n: phases[n] for n in names}
+    shim = {
+        phase: max(reply["ms"] for reply in report["shim"][phase].values()) / 1000.0
+        for phase in ("quiesce", "drain", "release")
+    }
+    return sum(wall.values()), wall, shim
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=16)
+    parser.add_argument("--keep", action="store_true", help="keep the work dir")
+    sub = parser.add_subparsers(dest="cmd")
+    raw = sub.add_parser("raw-restore")
+    raw.add_argument("images", type=Path)
+    raw.add_argument("scratch", type=Path)
+    raw.add_argument("rank", type=int, nargs="+")
+    args = parser.parse_args()
+    if args.cmd == "raw-restore":
+        print(json.dumps(raw_restore(args.images, args.scratch, args.rank)))
+        return 0
+
+    from node.a2a_job import assert_exactly_once, assert_ok, prelude
+
+    from testbed.coordinator import ThreadedCoordinator
+    from testbed.guest import GuestSpec, run_pair
+
+    if args.ranks < 2 or args.ranks % 2:
+        parser.error("--ranks must be even and >= 2")
+    hosts = ["10.77.0.1"] * (args.ranks // 2) + ["10.77.0.2"] * (args.ranks // 2)
+    work = Path(tempfile.mkdtemp(prefix="ibckpt-bench-node-"))
+    coord = ThreadedCoordinator()
+    coord.start()
+    try:
+        nodes = {"node-1", "node-2"}
+        sessions: dict[str, str] = {}
+        env: dict[str, str] = {}
+        for name in ("lr", "stop", "restore"):
+            sessions[name], env[f"TOKEN_{name.upper()}"] = coord.create_session(nodes)
+        script = prelude(work, coord.port, hosts) + SCRIPT.format(
+            work=work, python=sys.executable, bench=Path(__file__).resolve(), **sessions
+        )
+        spec = GuestSpec(script, writable=[work], forward_ports=[coord.port], env=env)
+        started = time.monotonic()
+        results = run_pair(spec, spec, timeout=1800)
+        assert_ok(results, "bench", work)
+        assert_exactly_once(work, args.ranks)
+        guests_s = time.monotonic() - started
+    finally:
+        coord.stop()
+
+    def load(name: str) -> dict[str, Any]:
+        data: dict[str, Any] = json.loads((work / name).read_text())
+        return data
+
+    qps = args.ranks * (args.ranks - 1)
+    print(f"{args.ranks} ranks on 2 guests, all-to-all over {qps // 2} RC connections ({qps} QPs)")
+    print(f"two guests ran for {guests_s:.0f} s; every pair finished exactly-once\n")
+    print("checkpoint requested -> every rank quiesced, drained, released (barriers included, no dump)")
+    header = f"{'checkpoint':<13}{'node':<6}{'total ms':>9}{'quiesce':>9}{'drain':>8}{'release':>9}"
+    print(f"{header}   shim max ms q/d/r")
+    for label, prefix in (("LeaveRunning", "lr"), ("Stop", "stop")):
+        worst = 0.0
+        for node in (1, 2):
+            total, wall, shim = _cut(load(f"{prefix}-node-{node}.json"))
+            worst = max(worst, total)
+            ms = [round(v * 1000) for v in wall.values()]
+            shim_ms = "/".join(str(round(v * 1000)) for v in shim.values())
+            print(f"{label:<13}{node:<6}{total * 1000:>9.0f}{ms[0]:>9}{ms[1]:>8}{ms[2]:>9}   {shim_ms}")
+        print(f"{label:<13}{'all':<6}{worst * 1000:>9.0f}   (goal <= 50 ms)")
+    print("\nrestore of the same images, per node (sequential CRIU restores of its ranks)")
+    print(f"{'node':<6}{'raw criu s':>11}{'driver s':>10}{'criu':>7}{'rebuild':>9}{'resume':>8}{'ratio':>7}")
+    for node in (1, 2):
+        raw_total = load(f"raw-node-{node}.json")["total"]
+        phases = load(f"restore-node-{node}.json")["phases"]
+        driver_total = sum(phases.values())
+        print(
+            f"{node:<6}{raw_total:>11.2f}{driver_total:>10.2f}{phases['restored']:>7.2f}"
+            f"{phases['rebuilt']:>9.2f}{phases['resumed']:>8.2f}{driver_total / raw_total:>7.2f}"
+        )
+    if args.keep:
+        print(f"\nwork dir: {work}")
+    else:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
