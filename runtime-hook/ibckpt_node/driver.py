@@ -11,11 +11,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import json
 import logging
 import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -28,6 +28,7 @@ from ibckpt_node import criu
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+REPLY_LIMIT = 64 * 1024 * 1024  # a status or rebuild reply lists every QP of the rank
 
 
 class Mode(enum.Enum):
@@ -64,6 +65,29 @@ class LocalRank:
     @property
     def control(self) -> ShimControl:
         return ShimControl(str(self.control_path))
+
+    async def command(self, line: str, timeout_s: float = 600.0) -> dict[str, Any]:
+        """One control command on a fresh connection, as ShimControl does, but on the event loop.
+
+        No thread per rank: on a small node, creating and scheduling one thread per rank next to
+        busy-polling ranks cost more than the shim's own quiesce.
+        """
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_unix_connection(str(self.control_path), limit=REPLY_LIMIT), timeout_s
+        )
+        try:
+            writer.write(line.encode() + b"\n")
+            await writer.drain()
+            raw = await asyncio.wait_for(reader.readline(), timeout_s)
+        finally:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+        status, _, body = raw.decode().strip().partition(" ")
+        reply: dict[str, Any] = json.loads(body) if body else {}
+        if status != "ok":
+            raise ControlError(line, reply)
+        return reply
 
 
 @dataclass
@@ -109,23 +133,17 @@ class NodeDriver:
 
     # -- helpers --------------------------------------------------------------------------
 
-    async def _on_all(self, phase: str, call: Callable[[LocalRank], T]) -> list[T]:
-        """Run a blocking call for every local rank, all at once.
+    async def _on_all(self, call: Callable[[LocalRank], Awaitable[T]]) -> list[T]:
+        """Run a control call on every local rank at once.
 
-        One thread per rank, not asyncio's default pool (a handful of threads on a small node):
-        a rank's rebuild blocks until its peers on this node have published, so every rank's
-        call must be in flight together or they wait for each other until the timeout.
+        All must be in flight together: a rank's rebuild blocks until its peers on this node
+        have published their records.
         """
-        pool = ThreadPoolExecutor(max_workers=max(1, len(self.ranks)), thread_name_prefix=f"ibckpt-{phase}")
-        loop = asyncio.get_running_loop()
-        try:
-            return list(await asyncio.gather(*(loop.run_in_executor(pool, call, r) for r in self.ranks)))
-        finally:
-            pool.shutdown(wait=False)  # a timed-out call must not block the event loop
+        return list(await asyncio.gather(*(call(r) for r in self.ranks)))
 
-    async def _each(self, phase: str, call: Callable[[LocalRank], dict[str, Any]]) -> None:
+    async def _each(self, phase: str, line: str) -> None:
         """Run one shim phase on every local rank in parallel; the first failure raises."""
-        replies = await self._on_all(phase, call)
+        replies = await self._on_all(lambda r: r.command(line))
         for r, reply in zip(self.ranks, replies, strict=True):
             self.report.shim.setdefault(phase, {})[r.rank.key()] = reply
         for r, reply in zip(self.ranks, replies, strict=True):
@@ -163,17 +181,17 @@ class NodeDriver:
             await self.client.barrier("joined", timeout=t.quiesce_s + t.barrier_slack_s)
             await self._phase(
                 "quiesced",
-                lambda: self._each("quiesce", lambda r: r.control.quiesce(self._ms(t.quiesce_s))),
+                lambda: self._each("quiesce", f"quiesce {self._ms(t.quiesce_s)}"),
                 t.quiesce_s,
             )
             await self._phase(
                 "drained",
-                lambda: self._each("drain", lambda r: r.control.drain(self._ms(t.drain_settle_s))),
+                lambda: self._each("drain", f"drain {self._ms(t.drain_settle_s)}"),
                 t.drain_s,
             )
             await self._phase(
                 "released",
-                lambda: self._each("release", lambda r: r.control.release(self._ms(t.release_s))),
+                lambda: self._each("release", f"release {self._ms(t.release_s)}"),
                 t.release_s,
             )
             self._check_released()
@@ -187,12 +205,10 @@ class NodeDriver:
                 return self.report
             await self._phase(
                 "rebuilt",
-                lambda: self._each("rebuild", lambda r: r.control.rebuild(epoch, self._ms(t.rebuild_s))),
+                lambda: self._each("rebuild", f"rebuild {epoch} {self._ms(t.rebuild_s)}"),
                 t.rebuild_s,
             )
-            await self._phase(
-                "resumed", lambda: self._each("resume", lambda r: r.control.resume()), t.rebuild_s
-            )
+            await self._phase("resumed", lambda: self._each("resume", "resume"), t.rebuild_s)
             self.report.outcome = "Succeeded"
             return self.report
         except (CheckpointFailed, CoordinatorError) as exc:
@@ -224,23 +240,23 @@ class NodeDriver:
             with contextlib.suppress(CoordinatorError):
                 await self.client.abort(str(cause))
 
-        def recover(r: LocalRank) -> dict[str, Any] | None:
+        async def recover(r: LocalRank) -> dict[str, Any] | None:
             try:
-                return r.control.abort()
-            except ControlError as exc:
-                if exc.reply.get("state") != "released":
+                return await r.command("abort")
+            except (ControlError, OSError, TimeoutError) as exc:
+                if not isinstance(exc, ControlError) or exc.reply.get("state") != "released":
                     log.error("%s: could not resume %s: %s", self.node, r.rank.key(), exc)
                     return None
             # Released already: the real resources are gone, rebuild with the peers (all of
             # this node's ranks at once: they wait for each other's records).
             try:
-                r.control.rebuild(epoch, self._ms(self.timeouts.rebuild_s))
-                return r.control.resume()
-            except ControlError as exc:
+                await r.command(f"rebuild {epoch} {self._ms(self.timeouts.rebuild_s)}")
+                return await r.command("resume")
+            except (ControlError, OSError, TimeoutError) as exc:
                 log.error("%s: could not rebuild %s: %s", self.node, r.rank.key(), exc)
                 return None
 
-        for r, reply in zip(self.ranks, await self._on_all("abort", recover), strict=True):
+        for r, reply in zip(self.ranks, await self._on_all(recover), strict=True):
             if reply is not None:
                 self.report.shim.setdefault("abort", {})[r.rank.key()] = reply
         self.report.outcome = "Aborted"
@@ -262,7 +278,7 @@ class NodeDriver:
         t = self.timeouts
         for r in rejoin:
             fds, maps = device_fds_and_maps(r.pid)
-            state = (await asyncio.to_thread(r.control.status)).get("state")
+            state = (await r.command("status", t.quiesce_s)).get("state")
             if state != "released" or fds or maps:
                 raise CheckpointFailed(
                     f"{r.rank.key()} (pid {r.pid}) cannot rejoin: state {state!r}, "
@@ -279,9 +295,9 @@ class NodeDriver:
         await self._phase("restored", restore_all, t.restore_s)
         await self._phase(
             "rebuilt",
-            lambda: self._each("rebuild", lambda r: r.control.rebuild(epoch, self._ms(t.rebuild_s))),
+            lambda: self._each("rebuild", f"rebuild {epoch} {self._ms(t.rebuild_s)}"),
             t.rebuild_s,
         )
-        await self._phase("resumed", lambda: self._each("resume", lambda r: r.control.resume()), t.rebuild_s)
+        await self._phase("resumed", lambda: self._each("resume", "resume"), t.rebuild_s)
         self.report.outcome = "Succeeded"
         return self.report
