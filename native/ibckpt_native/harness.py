@@ -91,18 +91,29 @@ class ShimProc:
         raise TimeoutError(f"{self.name}: no {pattern!r}; stderr: {tail}")
 
     def wait_connected(self, timeout: float) -> None:
-        """Until the shim reports every QP of the process in RTS (no need to read stdout,
+        """Until the shim reports every QP of the process in RTR or RTS (no need to read stdout,
         which unmodified programs buffer)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.ctl_path.exists():
-                qps = self.ctl.status().get("qps", [])
-                if qps and all(q["state"] == 3 for q in qps):
-                    return
             if self.popen is not None and self.popen.poll() is not None:
                 break
+            if self.ctl_path.exists():
+                try:
+                    qps = self.ctl.status().get("qps", [])
+                except OSError as exc:
+                    raise RuntimeError(f"{self.name}: control socket: {exc}; {self._outputs()}") from exc
+                # RTR is enough: a side that only receives (perftest's send_bw server) stops there
+                if qps and all(q["state"] in (2, 3) for q in qps):
+                    return
             time.sleep(0.05)
-        raise TimeoutError(f"{self.name}: QPs never reached RTS; stderr: {self.err.read_text()[-2000:]}")
+        raise TimeoutError(f"{self.name}: QPs never connected; {self._outputs()}")
+
+    def _outputs(self) -> str:
+        alive = self.popen is not None and self.popen.poll() is None
+        return (
+            f"{'running' if alive else 'exited'}; stdout: {self.out.read_text(errors='replace')[-1500:]}"
+            f"; stderr: {self.err.read_text(errors='replace')[-1500:]}"
+        )
 
     def wait(self, timeout: float) -> int:
         assert self.popen is not None

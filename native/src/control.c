@@ -4,6 +4,7 @@
  *   hello | status | quiesce [ms] | drain [ms] | release [ms]
  *   rebuild <epoch> [ms] | resume | abort                                   */
 #include <errno.h>
+#include <fcntl.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
@@ -116,6 +117,8 @@ static void *control_main(void *arg)
 
 /* IBCKPT_CTL is the socket path; "%p" in it becomes the pid, so children
  * that inherit the environment get their own socket. */
+#define IBK_CONTROL_FD_MIN 900
+
 void ibk_control_start(void)
 {
 	const char *tmpl = getenv("IBCKPT_CTL");
@@ -144,6 +147,16 @@ void ibk_control_start(void)
 	fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
 	if (fd < 0)
 		return;
+	/* Out of the app's low fd numbers: perftest, for one, closes fds it
+	 * never opened, which took the control socket away mid-run. */
+	{
+		int high = fcntl(fd, F_DUPFD_CLOEXEC, IBK_CONTROL_FD_MIN);
+
+		if (high >= 0) {
+			close(fd);
+			fd = high;
+		}
+	}
 	unlink(path);
 	/* 0600 from the start: umask while binding, chmod to be sure */
 	{

@@ -86,6 +86,49 @@ static void report_qps(char *out, size_t len)
 	jcat(out, len, "]");
 }
 
+/* For the agent's preflight: this rank's own GIDs, every connected QP's peer as the app
+ * gave it (virtual GID and QPN), and the verbs the shim refused. */
+static void report_identity(char *out, size_t len)
+{
+	struct ibk_ctx *ctx;
+	struct ibk_obj *o;
+	const char *verbs[IBK_MAX_REFUSED];
+	char hex[40];
+	int first = 1, g, n, i;
+
+	jcat(out, len, ",\"gids\":[");
+	FOR_EACH_CTX(ctx)
+	for (g = 0; g < 4; g++) {
+		if (!(ctx->port_gid_valid & (1u << g)))
+			continue;
+		ibk_gid_hex(&ctx->vgid[g], hex);
+		jcat(out, len, "%s\"%s\"", first ? "" : ",", hex);
+		first = 0;
+	}
+	jcat(out, len, "],\"peers\":[");
+	first = 1;
+	FOR_EACH_CTX(ctx)
+	FOR_EACH_OBJ(ctx, o)
+	{
+		struct ibk_qp *qp;
+
+		if (o->kind != IBK_QP)
+			continue;
+		qp = IBK_OBJ(o, ibk_qp);
+		if (!qp->peer.valid || qp->pub.qp_type == IBV_QPT_UD)
+			continue;
+		ibk_gid_hex(&qp->peer.vgid, hex);
+		jcat(out, len, "%s{\"qpn\":%u,\"type\":%d,\"peer_gid\":\"%s\",\"peer_qpn\":%u}", first ? "" : ",",
+		     qp->vqpn, qp->pub.qp_type, hex, qp->peer.vqpn);
+		first = 0;
+	}
+	jcat(out, len, "],\"unsupported\":[");
+	n = ibk_refused_verbs(verbs, IBK_MAX_REFUSED);
+	for (i = 0; i < n; i++)
+		jcat(out, len, "%s\"%s\"", i ? "," : "", verbs[i]);
+	jcat(out, len, "]");
+}
+
 static void report_begin(char *out, size_t len, const char *name, int ok, long t0)
 {
 	out[0] = 0;
@@ -515,13 +558,20 @@ static int repost_recvs(struct ibk_recvlog *log, struct ibk_qp *qp, struct ibk_s
 	return rc;
 }
 
+/* One pass per kind, in dependency order (the enum's): the app may create a
+ * QP before the MRs its receives use, and those receives are re-posted as
+ * soon as the QP exists, so every MR must already have its new real key. */
 static int rebuild_objects(struct ibk_ctx *ctx)
 {
 	struct ibk_obj *o;
 	int rc = 0;
+	int kind;
 
+	for (kind = IBK_PD; kind <= IBK_QP; kind++)
 	FOR_EACH_OBJ(ctx, o)
 	{
+		if ((int)o->kind != kind)
+			continue;
 		switch (o->kind) {
 		case IBK_PD: {
 			struct ibk_pd *pd = IBK_OBJ(o, ibk_pd);
@@ -915,6 +965,7 @@ int ibk_do_status(char *out, size_t len)
 	     checkpoints_done, atomic_load(&ibk_gate_closed), atomic_load(&ibk_gate_inside),
 	     ibk_devthread_writes());
 	report_qps(out, len);
+	report_identity(out, len);
 	jcat(out, len, "}");
 	pthread_mutex_unlock(&ibk_ctx_lock);
 	return 0;

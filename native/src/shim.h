@@ -77,6 +77,9 @@ extern int ibk_verbose;
 void ibk_log(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 /* A verb the shim does not support: say so on stderr, every time. */
 void ibk_unsupported(const char *verb);
+/* The distinct verbs ibk_unsupported refused (string literals), at most max. */
+#define IBK_MAX_REFUSED 32
+int ibk_refused_verbs(const char **out, int max);
 #define IBK_DBG(...)                          \
 	do {                                  \
 		if (ibk_verbose)              \

@@ -83,7 +83,9 @@ struct oob {
 	uint8_t gid[16];
 };
 
-static inline int oob_exchange(const char *peer, int port, const struct oob *mine, struct oob *theirs)
+/* Exchange ids over a fresh TCP connection (connect to peer, or accept on port)
+ * and return that connection, still open. */
+static inline int oob_exchange_keep(const char *peer, int port, const struct oob *mine, struct oob *theirs)
 {
 	int fd, one = 1;
 	struct sockaddr_in sa;
@@ -118,9 +120,14 @@ static inline int oob_exchange(const char *peer, int port, const struct oob *min
 	if (write(fd, mine, sizeof(*mine)) != (ssize_t)sizeof(*mine) ||
 	    read(fd, theirs, sizeof(*theirs)) != (ssize_t)sizeof(*theirs))
 		DIE("oob exchange");
+	return fd;
+}
+
+static inline int oob_exchange(const char *peer, int port, const struct oob *mine, struct oob *theirs)
+{
 	/* Closed right away: a process holding a TCP connection needs more
 	 * CRIU options, and the tests want the plain case. */
-	close(fd);
+	close(oob_exchange_keep(peer, port, mine, theirs));
 	return 0;
 }
 

@@ -5,7 +5,14 @@
  *
  *   rc_seq [-c SERVER_IP] [-p PORT] [-g GID_INDEX] -f STOPFILE
  *          [-u K (signal every K-th send)] [-i (inline)] [-q (SRQ)]
- *          [-e (completion channel, blocking ibv_get_cq_event)] [-w WINDOW] [-r RECVS]     */
+ *          [-e (completion channel, blocking ibv_get_cq_event)] [-w WINDOW] [-r RECVS]
+ *          [-t N (keep the bootstrap TCP connection open; ping over it every N messages)]
+ *          [-x IP:PORT (hold an idle TCP connection to an outsider)]
+ *
+ * With -t, both sides send a sequence-numbered, checked 16-byte ping over the TCP
+ * connection every N data messages and read the peer's without blocking; at the end
+ * each sends an END ping carrying its count and reads until the peer's END.  A line
+ * "TCP sent= received= bad=" precedes RESULT; bad counts gaps, duplicates, corruption. */
 #include <getopt.h>
 #include <time.h>
 
@@ -13,11 +20,103 @@
 
 struct opts {
 	const char *peer;
-	int port, gid, unsig, inl, srq, chan, window, recvs;
-	const char *stop;
+	int port, gid, unsig, inl, srq, chan, window, recvs, tcp_every;
+	const char *stop, *outsider;
 };
 
-static struct opts o = {NULL, 18515, 1, 1, 0, 0, 0, 16, 32, NULL};
+static struct opts o = {NULL, 18515, 1, 1, 0, 0, 0, 16, 32, 0, NULL, NULL};
+
+/* ---- -t: pings over the kept bootstrap TCP connection ---- */
+#define PING_END UINT64_MAX
+struct ping {
+	uint64_t seq;
+	uint64_t check; /* END: the number of pings sent */
+};
+
+static int tfd = -1;
+static uint64_t t_sent, t_recv, t_bad;
+static unsigned char t_buf[sizeof(struct ping)];
+static size_t t_have;
+static int t_got_end;
+
+static uint64_t ping_check(uint64_t seq)
+{
+	return mix64(seq ^ 0x7463702070696e67ull);
+}
+
+static void ping_send(uint64_t seq, uint64_t check)
+{
+	struct ping p = {seq, check};
+	size_t off = 0;
+
+	while (off < sizeof(p)) {
+		ssize_t w = write(tfd, (char *)&p + off, sizeof(p) - off);
+
+		if (w < 0 && errno == EINTR)
+			continue;
+		if (w <= 0)
+			DIE("tcp ping write");
+		off += (size_t)w;
+	}
+}
+
+/* Read whatever pings have arrived; with block, until the peer's END. */
+static void ping_poll(int block)
+{
+	while (!t_got_end) {
+		ssize_t r = recv(tfd, t_buf + t_have, sizeof(t_buf) - t_have, block ? 0 : MSG_DONTWAIT);
+		struct ping p;
+
+		if (r < 0 && errno == EINTR)
+			continue;
+		if (r < 0 && !block && (errno == EAGAIN || errno == EWOULDBLOCK))
+			return;
+		if (r <= 0)
+			DIE("tcp ping connection lost after %llu pings received", (unsigned long long)t_recv);
+		t_have += (size_t)r;
+		if (t_have < sizeof(t_buf))
+			continue;
+		t_have = 0;
+		memcpy(&p, t_buf, sizeof(p));
+		if (p.seq == PING_END) {
+			t_got_end = 1;
+			if (p.check != t_recv) {
+				fprintf(stderr, "BAD tcp end: peer sent %llu pings, got %llu\n",
+					(unsigned long long)p.check, (unsigned long long)t_recv);
+				t_bad++;
+			}
+		} else if (p.seq != t_recv || p.check != ping_check(p.seq)) {
+			fprintf(stderr, "BAD tcp ping %llu (expected %llu)\n", (unsigned long long)p.seq,
+				(unsigned long long)t_recv);
+			t_bad++;
+			t_recv = p.seq + 1;
+		} else {
+			t_recv++;
+		}
+	}
+}
+
+static int connect_outsider(const char *spec)
+{
+	char host[64];
+	const char *colon = strrchr(spec, ':');
+	struct sockaddr_in sa;
+	int fd;
+
+	if (!colon || (size_t)(colon - spec) >= sizeof(host))
+		DIE("-x wants IP:PORT");
+	memcpy(host, spec, (size_t)(colon - spec));
+	host[colon - spec] = 0;
+	memset(&sa, 0, sizeof(sa));
+	sa.sin_family = AF_INET;
+	sa.sin_port = htons((uint16_t)atoi(colon + 1));
+	if (inet_pton(AF_INET, host, &sa.sin_addr) != 1)
+		DIE("-x %s: not an IPv4 address", spec);
+	fd = socket(AF_INET, SOCK_STREAM, 0);
+	if (fd < 0 || connect(fd, (struct sockaddr *)&sa, sizeof(sa)))
+		DIE("connect to outsider %s", spec);
+	return fd;
+}
 
 static long now_ms(void)
 {
@@ -44,7 +143,7 @@ int main(int argc, char **argv)
 	int c, stopping = 0, end_sent = 0, got_end = 0, bad = 0, i;
 	long last_check = 0, events = 0;
 
-	while ((c = getopt(argc, argv, "c:p:g:f:u:iqew:r:")) != -1) {
+	while ((c = getopt(argc, argv, "c:p:g:f:u:iqew:r:t:x:")) != -1) {
 		switch (c) {
 		case 'c': o.peer = optarg; break;
 		case 'p': o.port = atoi(optarg); break;
@@ -56,6 +155,8 @@ int main(int argc, char **argv)
 		case 'e': o.chan = 1; break;
 		case 'w': o.window = atoi(optarg); break;
 		case 'r': o.recvs = atoi(optarg); break;
+		case 't': o.tcp_every = atoi(optarg); break;
+		case 'x': o.outsider = optarg; break;
 		default: return 2;
 		}
 	}
@@ -115,7 +216,12 @@ int main(int argc, char **argv)
 	mine.rkey = rmr->rkey;
 	mine.addr = (uintptr_t)rbuf;
 	memcpy(mine.gid, gid.raw, 16);
-	oob_exchange(o.peer, o.port, &mine, &theirs);
+	if (o.tcp_every > 0)
+		tfd = oob_exchange_keep(o.peer, o.port, &mine, &theirs);
+	else
+		oob_exchange(o.peer, o.port, &mine, &theirs);
+	if (o.outsider)
+		connect_outsider(o.outsider); /* held open, never used */
 	qp_to_rts(qp, &theirs, o.gid, mine.psn);
 	if (ch && ibv_req_notify_cq(cq, 0))
 		DIE("notify");
@@ -154,6 +260,10 @@ int main(int argc, char **argv)
 			if (!last) {
 				send_sum = mix64(send_sum ^ m->check);
 				data_sent++;
+				if (tfd >= 0 && data_sent % (uint64_t)o.tcp_every == 0) {
+					ping_send(t_sent, ping_check(t_sent));
+					t_sent++;
+				}
 				/* the buffer may be reused as soon as an inline post returns */
 				if (o.inl)
 					memset(m, 0xee, sizeof(*m));
@@ -165,6 +275,8 @@ int main(int argc, char **argv)
 			if (next % (uint64_t)o.unsig == 0 && !last)
 				break;
 		}
+		if (tfd >= 0)
+			ping_poll(0);
 		n = ibv_poll_cq(cq, 16, wc);
 		if (n < 0)
 			DIE("poll");
@@ -233,6 +345,13 @@ int main(int argc, char **argv)
 				DIE("re-arm");
 		}
 	}
+	if (tfd >= 0) {
+		ping_send(PING_END, t_sent);
+		ping_poll(1);
+		printf("TCP sent=%llu received=%llu bad=%llu\n", (unsigned long long)t_sent,
+		       (unsigned long long)t_recv, (unsigned long long)t_bad);
+		close(tfd);
+	}
 	printf("RESULT sent=%llu received=%llu send_sum=%016llx recv_sum=%016llx events=%ld bad=%d\n",
 	       (unsigned long long)data_sent, (unsigned long long)(expect ? expect - 1 : 0),
 	       (unsigned long long)send_sum, (unsigned long long)recv_sum, events, bad);
@@ -248,5 +367,5 @@ int main(int argc, char **argv)
 	ibv_dereg_mr(rmr);
 	ibv_dealloc_pd(pd);
 	ibv_close_device(ctx);
-	return bad ? 1 : 0;
+	return bad || t_bad ? 1 : 0;
 }

@@ -127,12 +127,18 @@ def test_rc_under_sanitizers(tmp_path: Path, coord: Coordinator, shim: Path) -> 
 
 
 def _run_verbs_seq(
-    tmp_path: Path, coord: Coordinator, mode: str, flags: list[str], port: int, checkpoints: int = CHECKPOINTS
+    tmp_path: Path,
+    coord: Coordinator,
+    mode: str,
+    flags: list[str],
+    port: int,
+    checkpoints: int = CHECKPOINTS,
+    shim: Path = SHIM,
 ) -> tuple[dict[str, str], dict[str, str], list[CheckpointResult]]:
     """verbs_seq MODE under the shim, checkpointed at random moments under traffic; returns both RESULTs."""
     stop = tmp_path / "stop"
     argv = [str(TESTS_DIR / "verbs_seq"), "-m", mode, "-f", str(stop), *flags]
-    procs = _pair(tmp_path, coord, argv, port)
+    procs = _pair(tmp_path, coord, argv, port, shim)
     try:
         for p in procs:
             p.wait_for_output("READY", 120)
@@ -184,6 +190,16 @@ def test_atomics_exactly_once(tmp_path: Path, coord: Coordinator) -> None:
     for me, peer in ((srv, cli), (cli, srv)):
         assert me["ctr0"] == peer["fa"] and me["ctr1"] == peer["cs"]
         assert int(me["fa"]) + int(me["cs"]) == int(me["sent"])
+
+
+@pytest.mark.parametrize("shim", [SHIM_ASAN, SHIM_UBSAN], ids=["asan", "ubsan"])
+@pytest.mark.parametrize("mode", ["write", "read", "atomic", "ud"])
+def test_verbs_seq_under_sanitizers(tmp_path: Path, coord: Coordinator, shim: Path, mode: str) -> None:
+    # the one-sided, atomic and UD paths of the shim (logs, key translation, UD peers) under
+    # ASan/UBSan, with checkpoints under traffic; any report aborts the program (codes != 0)
+    port = 18660 + 2 * ["write", "read", "atomic", "ud"].index(mode) + (shim == SHIM_UBSAN)
+    srv, cli, _ = _run_verbs_seq(tmp_path, coord, mode, ["-u", "3"], port, checkpoints=6, shim=shim)
+    assert int(srv["sent"]) > 0 and int(cli["sent"]) > 0
 
 
 def test_ud_exactly_once(tmp_path: Path, coord: Coordinator) -> None:
@@ -273,6 +289,72 @@ def test_pyverbs_under_shim(tmp_path: Path) -> None:
     proc = subprocess.run(["/usr/bin/python3", "-c", PYVERBS_PROG], capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stderr
     assert "PYVERBS" in proc.stdout and "libibckpt" not in proc.stderr
+
+
+def test_pyverbs_checkpointed_under_traffic(tmp_path: Path, coord: Coordinator) -> None:
+    # two RC QPs of one Python process, talking to each other through rxe
+    stop = tmp_path / "stop"
+    prog = ShimProc(
+        "pyverbs",
+        ["/usr/bin/python3", str(Path(__file__).with_name("pyverbs_seq.py")), str(stop)],
+        tmp_path,
+        {**coord.env, "PATH": "/usr/bin:/bin"},
+    )
+    prog.start()
+    try:
+        prog.wait_for_output("READY", 120)
+        prog.wait_connected(60)
+        try:
+            results = checkpoint_loop([prog], 5, seed=7, dump_at=(1,), images=tmp_path / "img")
+        except Exception as exc:  # the shim's own log says why
+            dump_log = tmp_path / "img" / "ckpt1" / "dump.log"
+            log_tail = dump_log.read_text(errors="replace")[-3000:] if dump_log.exists() else ""
+            pytest.fail(f"{exc}\nstderr: {prog.err.read_text(errors='replace')[-3000:]}\ncriu: {log_tail}")
+        before_stop = prog.ctl.status()
+        time.sleep(1)
+        stop.touch()
+        code = prog.wait(120)
+    finally:
+        prog.kill()
+    err = prog.err.read_text(errors="replace")[-3000:]
+    assert code == 0, err
+    for r in results:
+        assert r.released_state == {"pyverbs": (0, 0)}, r.reports["release"]
+        assert r.reports["rebuild"]["pyverbs"]["ok"], r.reports["rebuild"]["pyverbs"]
+    assert results[1].criu_rc == 0, results[1].criu_log
+    assert before_stop["epoch"] == 5, before_stop
+    fields = parse_fields(prog.out.read_text())
+    assert fields["bad"] == "0", fields
+    # every message arrived once, in order: the receive counts match the sends exactly
+    assert fields["a_sent"] == fields["b_received"] and fields["b_sent"] == fields["a_received"], fields
+    assert int(fields["a_sent"]) > 5, fields
+
+
+@pytest.mark.parametrize("prog,port", [("ib_send_bw", 18650), ("ib_write_bw", 18652), ("ib_read_bw", 18654)])
+def test_perftest_checkpointed_mid_run(tmp_path: Path, coord: Coordinator, prog: str, port: int) -> None:
+    iters = 100000  # long enough (tens of seconds on rxe in TCG) to checkpoint it three times
+    argv = [prog, "-d", "rxe0", "-x", "1", "-n", str(iters), "-s", "1024", "-F"]
+    procs = _pair(tmp_path, coord, argv, port, client_args=("127.0.0.1",))
+    try:
+        for p in procs:
+            p.wait_connected(120)
+        time.sleep(0.5)
+        results = [checkpoint(procs, i + 1) for i in range(3)]
+        # traffic was still running after the last checkpoint: the run was really interrupted
+        still_running = [p.popen.poll() is None for p in procs if p.popen is not None]
+        codes = [p.wait(600) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    outs = [p.out.read_text() + p.err.read_text() for p in procs]
+    assert codes == [0, 0], outs
+    assert still_running == [True, True], outs
+    for r in results:
+        assert r.released_state == {"server": (0, 0), "client": (0, 0)}
+        for name in ("server", "client"):
+            assert r.reports["rebuild"][name]["ok"], r.reports["rebuild"][name]
+    # perftest's own report line: 1024-byte messages, every iteration completed
+    assert re.search(rf"1024\s+{iters}\s+[\d.]+\s+[\d.]+", outs[1]), outs[1]
 
 
 @pytest.mark.parametrize("prog", ["ib_send_bw", "ib_write_bw", "ib_read_bw"])
