@@ -1,16 +1,24 @@
 """`ibckpt-node`: run this node's part of one checkpoint or restore, as the node agent does.
 
     ibckpt-node checkpoint --coordinator HOST:PORT --session ID --node NAME \
-        --rank KEY=PID:CONTROL_SOCKET ... --images DIR [--mode Stop|LeaveRunning] [--epoch N]
+        --rank KEY=PID:CONTROL_SOCKET ... --images DIR [--mode Stop|LeaveRunning] [--epoch N] \
+        [--job-addr ADDR ...]
     ibckpt-node restore --coordinator HOST:PORT --session ID --node NAME \
-        --rank KEY=IMAGE_DIR:CONTROL_SOCKET ... [--rejoin KEY=PID:CONTROL_SOCKET ...] [--epoch N]
+        --rank KEY=IMAGE_DIR:CONTROL_SOCKET ... [--rejoin KEY=PID:CONTROL_SOCKET ...] [--epoch N] \
+        [--remap-ip OLD=NEW ...]
+
+Before any rank is touched, checkpoint refuses a rank with a TCP connection to an address that
+is not one of the job's (--job-addr; default: every node of the session publishes its own), a
+QP connected outside the job, or a verb the shim refused. --remap-ip rewrites the TCP socket
+addresses in the images before CRIU restores them, so connections between ranks follow a move.
 
 A mixed restart (some ranks move, the rest stay): the staying node checkpoints with --mode Hold,
 which leaves its ranks released, and passes them to its restore with --rejoin.
 
 The session token comes from the IBCKPT_SESSION_TOKEN environment variable (never a flag:
 command lines are world-readable). The shim's key-value socket is served at --shim-socket
-for the duration of the call. Prints a JSON report; exits non-zero on failure.
+for the duration of the call. Prints a JSON report (on failure too: what was done before it);
+exits non-zero on failure.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from ibckpt.coordination.ranks import RankId
 from ibckpt_node.coord_proxy import ShimCoordinatorProxy
 from ibckpt_node.criu import CriuError
 from ibckpt_node.driver import CheckpointFailed, LocalRank, Mode, NodeDriver, NodeReport
+from ibckpt_node.tcp_remap import RemapError, parse_map
 
 DEFAULT_SHIM_SOCKET = "/run/ibckpt/coord.sock"
 
@@ -50,7 +59,7 @@ def _report_json(report: NodeReport) -> str:
     return json.dumps(dataclasses.asdict(report), default=default, indent=2)
 
 
-async def _run(args: argparse.Namespace) -> NodeReport:
+async def _run(args: argparse.Namespace, drivers: list[NodeDriver]) -> NodeReport:
     token = os.environ.get("IBCKPT_SESSION_TOKEN", "")
     if not token:
         raise CheckpointFailed("IBCKPT_SESSION_TOKEN is not set")
@@ -61,14 +70,16 @@ async def _run(args: argparse.Namespace) -> NodeReport:
             ranks = [_parse_rank(spec) for spec in args.rank]
             if args.command == "checkpoint":
                 local = [LocalRank(rank, int(where), control) for rank, where, control in ranks]
-                driver = NodeDriver(args.node, client, local)
+                driver = NodeDriver(args.node, client, local, job_addrs=args.job_addr or None)
+                drivers.append(driver)
                 return await driver.checkpoint(Mode(args.mode), Path(args.images), args.epoch)
             driver = NodeDriver(args.node, client, [])
+            drivers.append(driver)
             images = {rank.key(): Path(where) for rank, where, _ in ranks}
             controls = {rank.key(): control for rank, _, control in ranks}
             held = [_parse_rank(spec) for spec in args.rejoin]
             rejoin = [LocalRank(rank, int(where), control) for rank, where, control in held]
-            return await driver.restore(images, controls, args.epoch, rejoin)
+            return await driver.restore(images, controls, args.epoch, rejoin, parse_map(args.remap_ip))
     finally:
         await client.close()
 
@@ -85,13 +96,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--mode", default=Mode.LEAVE_RUNNING.value, choices=[m.value for m in Mode])
     parser.add_argument("--epoch", type=int, default=1)
     parser.add_argument("--shim-socket", default=DEFAULT_SHIM_SOCKET)
+    parser.add_argument(
+        "--job-addr", action="append", default=[], help="checkpoint: an address of the job's nodes"
+    )
+    parser.add_argument(
+        "--remap-ip", action="append", default=[], help="restore: OLD=NEW, rewrite TCP socket addresses"
+    )
     args = parser.parse_args(argv)
     if args.command == "checkpoint" and not args.images:
         parser.error("checkpoint needs --images")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        report = asyncio.run(_run(args))
-    except (CheckpointFailed, CoordinatorError, CriuError) as exc:
+        parse_map(args.remap_ip)
+    except ValueError as exc:
+        parser.error(str(exc))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    drivers: list[NodeDriver] = []
+    try:
+        report = asyncio.run(_run(args, drivers))
+    except (CheckpointFailed, CoordinatorError, CriuError, RemapError) as exc:
+        if drivers:  # what was done before the failure (outcome Refused, Aborted or empty)
+            print(_report_json(drivers[0].report))
         print(f"ibckpt-node: {args.command} failed: {exc}", file=sys.stderr)
         return 1
     print(_report_json(report))

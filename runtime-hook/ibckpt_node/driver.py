@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import ipaddress
 import json
 import logging
 import os
@@ -20,10 +21,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ibckpt.coordination.client import CoordinationAborted, CoordinatorClient, CoordinatorError
+from ibckpt.coordination.client import (
+    CoordinationAborted,
+    CoordinationTimedOut,
+    CoordinatorClient,
+    CoordinatorError,
+)
 from ibckpt.coordination.ranks import RankId
 from ibckpt_native.control import ControlError, ShimControl
-from ibckpt_node import criu
+from ibckpt_node import criu, preflight, tcp_remap
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +58,9 @@ class PhaseTimeouts:
     restore_s: float = 600.0
     rebuild_s: float = 120.0
     barrier_slack_s: float = 30.0  # how long a node waits for the slowest other node
+    # Preflight asks whether a key was published once every node has published its own (after
+    # a barrier): a key that is not there by then never comes, so the wait can be short.
+    preflight_lookup_s: float = 1.0
 
 
 @dataclass
@@ -98,11 +107,17 @@ class NodeReport:
     shim: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)  # phase -> rank -> report
     images: dict[str, Path] = field(default_factory=dict)
     restored_pids: dict[str, int] = field(default_factory=dict)
+    remapped: dict[str, list[str]] = field(default_factory=dict)  # rank -> socket addresses rewritten
+    locked: list[str] = field(default_factory=list)  # TCP connections held until every node restored
     outcome: str = ""
 
 
 class CheckpointFailed(RuntimeError):
     """This node's part failed or the session was aborted; the ranks were brought back if possible."""
+
+
+class CheckpointRefused(CheckpointFailed):
+    """Preflight found state that cannot be saved; no rank was touched."""
 
 
 def device_fds_and_maps(pid: int) -> tuple[int, int]:
@@ -124,11 +139,15 @@ class NodeDriver:
         client: CoordinatorClient,
         ranks: Sequence[LocalRank],
         timeouts: PhaseTimeouts | None = None,
+        job_addrs: Sequence[str] | None = None,
     ) -> None:
+        """`job_addrs`: the addresses of the job's nodes, which the ranks' TCP connections may
+        lead to. None: every node of the session publishes its own interfaces' addresses."""
         self.node = node
         self.client = client
         self.ranks = list(ranks)
         self.timeouts = timeouts or PhaseTimeouts()
+        self.job_addrs = None if job_addrs is None else [ipaddress.ip_address(a) for a in job_addrs]
         self.report = NodeReport(node)
 
     # -- helpers --------------------------------------------------------------------------
@@ -156,7 +175,7 @@ class NodeDriver:
             await asyncio.wait_for(work(), bound_s)
         except TimeoutError:
             raise CheckpointFailed(f"{self.node}: {name} did not finish within {bound_s:g}s") from None
-        except (ControlError, OSError, criu.CriuError) as exc:
+        except (ControlError, OSError, criu.CriuError, tcp_remap.RemapError) as exc:
             # A failed dump leaves the ranks released (CRIU resumes the frozen tasks): this
             # must take the abort path, which rebuilds them, like any other phase failure.
             raise CheckpointFailed(f"{self.node}: {name} failed: {exc}") from exc
@@ -174,11 +193,14 @@ class NodeDriver:
     async def checkpoint(self, mode: Mode, images_root: Path, epoch: int) -> NodeReport:
         t = self.timeouts
         committed = False
+        touched = False
         try:
             # Every node is connected and ready before any rank is gated, so a node that is
             # late (or never comes) does not leave the others' ranks stalled; "checkpoint
-            # requested" is measured from here.
-            await self.client.barrier("joined", timeout=t.quiesce_s + t.barrier_slack_s)
+            # requested" is measured from here. Before it, each node publishes what preflight
+            # asks about: its ranks' QPs and (by default) its addresses.
+            await self._preflight()
+            touched = True
             await self._phase(
                 "quiesced",
                 lambda: self._each("quiesce", f"quiesce {self._ms(t.quiesce_s)}"),
@@ -212,9 +234,84 @@ class NodeDriver:
             self.report.outcome = "Succeeded"
             return self.report
         except (CheckpointFailed, CoordinatorError) as exc:
+            if not touched:
+                await self._abort_untouched(exc)
+                mine = isinstance(exc, CheckpointRefused)
+                raise CheckpointRefused(f"{self.node}: {exc}" if mine else str(exc)) from exc
             if not committed:
                 await self._abort_and_recover(exc, epoch)
             raise CheckpointFailed(str(exc)) from exc
+
+    # -- preflight ------------------------------------------------------------------------
+
+    async def _preflight(self) -> None:
+        """Refuse, before any rank is gated, what a checkpoint cannot carry (see preflight.py)."""
+        t = self.timeouts
+        started = time.monotonic()
+        try:
+            statuses = await asyncio.wait_for(
+                self._on_all(lambda r: r.command("status", t.quiesce_s)), t.quiesce_s
+            )
+        except (ControlError, OSError, TimeoutError) as exc:
+            raise CheckpointRefused(f"preflight: a rank's shim did not answer status: {exc}") from exc
+        idents = [preflight.ShimIdentity.from_status(s) for s in statuses]
+        own_addrs = preflight.node_addresses()
+        keys = [k for ident in idents for k in ident.own_keys()]
+        if self.job_addrs is None:
+            keys += [preflight.addr_key(a) for a in own_addrs]
+        await asyncio.gather(*(self.client.put(k, b"1") for k in keys))
+        await self.client.barrier("joined", timeout=t.quiesce_s + t.barrier_slack_s)
+
+        problems = await asyncio.gather(
+            *(self._rank_problems(r, ident, own_addrs) for r, ident in zip(self.ranks, idents, strict=True))
+        )
+        refusals = [
+            preflight.refusal(r.rank.key(), r.pid, found)
+            for r, found in zip(self.ranks, problems, strict=True)
+            if found
+        ]
+        self.report.local["preflight"] = time.monotonic() - started
+        if refusals:
+            raise CheckpointRefused(" | ".join(refusals))  # the coordinator's abort adds our name
+        await self.client.barrier("preflight", timeout=t.quiesce_s + t.barrier_slack_s)
+        self.report.phases["preflight"] = time.monotonic() - started
+
+    async def _published(self, key: str) -> bool:
+        try:
+            await self.client.get(key, timeout=self.timeouts.preflight_lookup_s)
+        except CoordinationTimedOut:
+            return False
+        return True
+
+    async def _rank_problems(
+        self, r: LocalRank, ident: preflight.ShimIdentity, own_addrs: set[preflight.IPAddress]
+    ) -> list[str]:
+        found = preflight.shim_problems(ident)
+        own = set(ident.own_keys())
+        peers = [p for p in ident.peers if preflight.qp_key(p[2], p[3]) not in own]
+        known = await asyncio.gather(*(self._published(preflight.qp_key(p[2], p[3])) for p in peers))
+        found += [preflight.foreign_peer_problem(*p) for p, ok in zip(peers, known, strict=True) if not ok]
+
+        sockets = await asyncio.to_thread(preflight.tcp_sockets_of, r.pid)
+        if self.job_addrs is not None:
+            job = list(self.job_addrs)
+            outside = preflight.outside_connections((s for _, s in sockets), job)
+        else:
+            candidates = preflight.outside_connections((s for _, s in sockets), own_addrs)
+            remotes = sorted({preflight.unmapped(s.remote) for s in candidates}, key=str)
+            published = await asyncio.gather(*(self._published(preflight.addr_key(a)) for a in remotes))
+            job = sorted(own_addrs | {a for a, ok in zip(remotes, published, strict=True) if ok}, key=str)
+            outside = preflight.outside_connections(candidates, job)
+        found += [preflight.tcp_problem(s, job) for s in outside]
+        return found
+
+    async def _abort_untouched(self, cause: Exception) -> None:
+        """Refused before any rank was gated: tell every node; the ranks keep running as they were."""
+        log.warning("%s: refusing the checkpoint: %s", self.node, cause)
+        if not isinstance(cause, CoordinationAborted):
+            with contextlib.suppress(CoordinatorError):
+                await self.client.abort(str(cause))
+        self.report.outcome = "Refused"
 
     def _check_released(self) -> None:
         for r in self.ranks:
@@ -269,11 +366,14 @@ class NodeDriver:
         control_paths: dict[str, Path],
         epoch: int,
         rejoin: Sequence[LocalRank] = (),
+        remap: tcp_remap.AddressMap | None = None,
     ) -> NodeReport:
         """Restore this node's ranks from their images, then rebuild toward the peers and resume.
 
         `rejoin` are ranks that stayed on this node, held released by a Hold checkpoint: they
         rebuild in the same epoch, toward the moved peers' new ids, and resume with them.
+        `remap` ({old: new} address, the same on every node) rewrites the images' TCP sockets
+        before CRIU restores them, so connections between ranks that moved follow them.
         """
         t = self.timeouts
         for r in rejoin:
@@ -286,13 +386,31 @@ class NodeDriver:
                 )
         self.ranks.extend(rejoin)
 
+        lock = tcp_remap.ConnectionLock([])
+
+        async def prepare_all() -> None:
+            # Rewrite the images' socket addresses, then hold the arriving TCP connections
+            # (drop their packets) until every node has restored: see tcp_remap.py.
+            for key, image_dir in images.items():
+                prepared = await asyncio.to_thread(tcp_remap.prepare_images, image_dir, remap or {})
+                if prepared.changes:
+                    self.report.remapped[key] = prepared.changes
+                lock.connections += prepared.connections
+            self.report.locked = [c.describe() for c in lock.connections]
+            await asyncio.to_thread(lock.lock)
+
         async def restore_all() -> None:
             for key, image_dir in images.items():
                 result = await asyncio.to_thread(criu.restore, image_dir, t.restore_s)
                 self.report.restored_pids[key] = result.pid
                 self.ranks.append(LocalRank(RankId.parse(key), result.pid, control_paths[key]))
 
-        await self._phase("restored", restore_all, t.restore_s)
+        try:
+            await self._phase("locked", prepare_all, t.restore_s)
+            await self._phase("restored", restore_all, t.restore_s)
+        finally:
+            for error in await asyncio.to_thread(lock.unlock):
+                log.error("%s: %s", self.node, error)
         await self._phase(
             "rebuilt",
             lambda: self._each("rebuild", f"rebuild {epoch} {self._ms(t.rebuild_s)}"),

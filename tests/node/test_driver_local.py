@@ -118,6 +118,8 @@ async def test_failed_dump_aborts_and_rebuilds_every_released_rank(
         await driver.client.close()
     assert driver.report.outcome == "Aborted"
     for s in shims:
-        # Released when the dump failed: abort is refused, so the driver rebuilt and resumed it.
-        assert s.commands == ["quiesce", "drain", "release", "abort", "rebuild", "resume"], s.commands
+        # status: preflight. Released when the dump failed: abort is refused, so the driver
+        # rebuilt and resumed it.
+        expected = ["status", "quiesce", "drain", "release", "abort", "rebuild", "resume"]
+        assert s.commands == expected, s.commands
         assert s.state == "running"

@@ -1,0 +1,195 @@
+"""A two-rank rc_seq job over two Soft-RoCE guests, checkpointed by the node agents: shared by node tests.
+
+Rank 0 (`ring/rank-0/main/0`, rc_seq server) starts on node 1 (10.77.0.1), rank 1 (client) on
+node 2 (10.77.0.2). The shell prelude defines, on each node, `role`, `key` and:
+    start_rank ARGS...     start this node's rank under the shim (extra rc_seq ARGS), pid in $pid
+    agent CMD ARGS...      ibckpt-node with the coordinator, session and node name filled in
+Phase scripts are formatted with `script()`; `on_both_nodes()` boots the pair and runs one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+from ibckpt_native import SHIM, TESTS_DIR
+from ibckpt_native.harness import parse_result
+from testbed.guest import GUEST_HOST_ADDR, GuestResult, GuestSpec, run_pair
+
+KEYS = ("ring/rank-0/main/0", "ring/rank-1/main/0")
+SWAP = "--remap-ip 10.77.0.1=10.77.0.2 --remap-ip 10.77.0.2=10.77.0.1"
+
+PRELUDE = """
+set -eu
+mkdir -p /run/ibckpt
+start_rank() {{
+  [ $role = client ] && sleep 1
+  LD_PRELOAD={shim} IBCKPT_CTL=/run/ibckpt/$role.ctl IBCKPT_COORD=unix:/run/ibckpt/coord.sock \\
+    setsid {rc_seq} -f {work}/stop -p 18515 $peer_args "$@" \\
+    </dev/null >{work}/$role.out 2>{work}/$role.err &
+  pid=$!
+  for _ in $(seq 600); do grep -q READY {work}/$role.out 2>/dev/null && break; sleep 0.1; done
+  grep -q READY {work}/$role.out
+}}
+agent() {{
+  cmd=$1; shift
+  {python} -m ibckpt_node.agent_cli $cmd --coordinator {addr}:{port} --session {session} \\
+    --node node-$IBCKPT_NODE "$@"
+}}
+wait_result() {{
+  for _ in $(seq 600); do grep -q RESULT {work}/$role.out 2>/dev/null && break; sleep 0.1; done
+  cat {work}/$role.out
+}}
+"""
+
+# Where each rank starts (phase 1) and where it is restored swapped (phase 2).
+START = """
+case $IBCKPT_NODE in
+  1) role=server; key=ring/rank-0/main/0; peer_args="" ;;
+  2) role=client; key=ring/rank-1/main/0; peer_args="-c 10.77.0.1" ;;
+esac
+"""
+SWAPPED = """
+case $IBCKPT_NODE in
+  2) role=server; key=ring/rank-0/main/0; peer_args="" ;;   # rank 0 moves from node 1 to node 2
+  1) role=client; key=ring/rank-1/main/0; peer_args="" ;;   # rank 1 moves from node 2 to node 1
+esac
+"""
+
+
+def pinned_binaries(work: Path) -> tuple[Path, Path]:
+    """Private copies of the shim and rc_seq for this job: CRIU restores their mappings by path
+    and build-ID, so a rebuild of native/ between checkpoint and restore must not reach them."""
+    bin_dir = work / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    pinned = bin_dir / SHIM.name, bin_dir / "rc_seq"
+    # IBCKPT_TEST_SHIM: run the job under another build of the shim (a tree others rebuild)
+    shim = Path(os.environ.get("IBCKPT_TEST_SHIM", str(SHIM)))
+    for src, dst in zip((shim, TESTS_DIR / "rc_seq"), pinned, strict=True):
+        if not dst.exists():
+            shutil.copy2(src, dst)
+    return pinned
+
+
+def script(body: str, work: Path, port: int, session: str) -> str:
+    shim, rc_seq = pinned_binaries(work)
+    return (PRELUDE + body).format(
+        shim=shim,
+        rc_seq=rc_seq,
+        work=work,
+        python=sys.executable,
+        addr=GUEST_HOST_ADDR,
+        port=port,
+        session=session,
+    )
+
+
+def on_both_nodes(
+    coordinator: Any, work: Path, body: str, forward: tuple[int, ...] = (), timeout: float = 900
+) -> tuple[GuestResult, GuestResult]:
+    """Boot the pair with a fresh coordinator session for node-1 and node-2; run `body` on both."""
+    session, token = coordinator.create_session({"node-1", "node-2"})
+    text = script(body, work, coordinator.port, session)
+    env = {"IBCKPT_SESSION_TOKEN": token}
+    spec = GuestSpec(text, writable=[work], forward_ports=[coordinator.port, *forward], env=env)
+    return run_pair(spec, spec, timeout=timeout)
+
+
+def diagnostics(work: Path, results: tuple[GuestResult, ...] = ()) -> str:
+    files = sorted([*work.glob("*.err"), *work.glob("*.json"), *work.glob("*.out")])
+    text = "".join(f"\n--- {p.name}\n{p.read_text(errors='replace')[-1500:]}" for p in files)
+    return text + "".join(f"\n--- console node-{r.node}\n{r.output[-3000:]}" for r in results)
+
+
+def assert_ok(results: tuple[GuestResult, GuestResult], phase: str, work: Path) -> None:
+    for r in results:
+        if r.returncode != 0:
+            raise AssertionError(f"{phase}: node-{r.node} exit {r.returncode}{diagnostics(work, results)}")
+
+
+def assert_exactly_once(work: Path, results: tuple[GuestResult, ...] = ()) -> dict[str, dict[str, Any]]:
+    """Both ranks' RESULT lines cross-match: every message delivered once, identical checksums."""
+    try:
+        server = parse_result((work / "server.out").read_text())
+        client = parse_result((work / "client.out").read_text())
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}{diagnostics(work, results)}") from None
+    assert server["bad"] == 0 and client["bad"] == 0
+    assert server["sent"] == client["received"] and client["sent"] == server["received"]
+    assert server["send_sum"] == client["recv_sum"] and client["send_sum"] == server["recv_sum"]
+    assert int(server["sent"]) > 0 and int(client["sent"]) > 0
+    return {"server": server, "client": client}
+
+
+# Push the pid counter up first: phase 2's agent must not take the ranks' (and their threads') pids.
+PHASE1 = (
+    START
+    + """
+for _ in $(seq 300); do /bin/true; done
+start_rank {rc_args}
+sleep 3  # traffic in flight when the checkpoint starts
+agent checkpoint --rank "$key=$pid:/run/ibckpt/$role.ctl" --images {work}/images --mode Stop \\
+  > {work}/ckpt-node-$IBCKPT_NODE.json
+echo "checkpointed $key from pid $pid"
+"""
+)
+
+PHASE2 = (
+    SWAPPED
+    + """
+images={work}/images/$(echo $key | tr / _)
+agent restore --rank "$key=$images:/run/ibckpt/$role.ctl" --epoch 2 {restore_args} \\
+  > {work}/restore-node-$IBCKPT_NODE.json
+pid=$({python} -c "import json,sys; print(json.load(open(sys.argv[1]))['restored_pids'][sys.argv[2]])" \\
+  {work}/restore-node-$IBCKPT_NODE.json $key)
+echo "restored $key as pid $pid on node-$IBCKPT_NODE"
+sleep 3  # traffic after the move
+for _ in 1 2 3 4 5; do
+  {python} -m ibckpt_native.control /run/ibckpt/$role.ctl status > {work}/status-$role.json && break
+  ls -l /run/ibckpt/ >&2; sleep 1
+done
+[ -s {work}/status-$role.json ] || {{
+  echo "status of $key failed; its sockets:"; grep ibckpt /proc/net/unix; ls -l /proc/$pid/fd; }}
+touch {work}/stop
+wait_result
+"""
+)
+
+
+def migrate_swapped(
+    coordinator: Any, work: Path, rc_args: str = "", restore_args: str = "", status_after: bool = True
+) -> None:
+    """Phase 1: start (extra rc_seq `rc_args`), Stop-checkpoint; phase 2: restore swapped (extra
+    agent `restore_args`), finish; assert exactly-once and that both ranks resumed in epoch 2."""
+    ckpt = on_both_nodes(coordinator, work, PHASE1.replace("{rc_args}", rc_args))
+    assert_ok(ckpt, "checkpoint", work)
+    for key in KEYS:
+        assert (work / "images" / key.replace("/", "_") / "dump.log").exists()
+    assert not (work / "stop").exists()
+    before = {role: (work / f"{role}.out").read_text() for role in ("server", "client")}
+    assert all("RESULT" not in text for text in before.values()), "the job ended before the checkpoint"
+
+    restored = on_both_nodes(coordinator, work, PHASE2.replace("{restore_args}", restore_args))
+    assert_ok(restored, "restore", work)
+    assert re.search(r"restored ring/rank-0/main/0 as pid \d+ on node-2", restored[1].output)
+    assert re.search(r"restored ring/rank-1/main/0 as pid \d+ on node-1", restored[0].output)
+    assert_exactly_once(work, restored)
+    for node, key in ((2, KEYS[0]), (1, KEYS[1])):
+        report = json.loads((work / f"restore-node-{node}.json").read_text())
+        assert report["outcome"] == "Succeeded" and report["shim"]["rebuild"][key]["ok"], report
+        assert report["shim"]["resume"][key]["state"] == "running", report
+    if not status_after:
+        return
+    for role in ("server", "client"):
+        text = (work / f"status-{role}.json").read_text()
+        assert text, f"no status of the restored {role}:{diagnostics(work, restored)}"
+        status = json.loads(text)
+        # Resumed in the new epoch, and posting after the restore really went through the device
+        # thread (CRIU gives each restored thread its own cred; see docs/native-shim.md).
+        assert status["state"] == "running" and status["epoch"] == 2, status
+        assert status["delegated_writes"] > 0, status

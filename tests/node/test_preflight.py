@@ -1,0 +1,233 @@
+"""Preflight refusals on the host: parsing /proc, in or out of the job, and the driver's refusal
+path with fake shims (no rank is gated; the coordinator session is aborted for every node)."""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ibckpt.coordination.client import CoordinationAborted, CoordinatorClient
+from ibckpt.coordination.ranks import RankId
+from ibckpt_node import preflight
+from ibckpt_node.driver import CheckpointRefused, LocalRank, Mode, NodeDriver
+from testbed.coordinator import ThreadedCoordinator
+
+TCP = """  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 00000000:484B 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 551 1 0 100
+   1: 01004D0A:484B 02004D0A:9C40 01 00000000:00000000 00:00000000 00000000     0        0 777 1 0 20
+   2: 0F02000A:A000 6402000A:15B3 01 00000000:00000000 00:00000000 00000000     0        0 778 1 0 20
+"""
+TCP6 = """  sl  local_address                         remote_address                        st tx_queue ...
+   0: 0000000000000000FFFF00000F02000A:A001 0000000000000000FFFF00006402000A:15B4 01 00000000:00000000 00:00000000 00000000     0        0 901 1
+   1: 00000000000000000000000001000000:1F90 00000000000000000000000001000000:C350 01 00000000:00000000 00:00000000 00000000     0        0 902 1
+"""  # noqa: E501
+FIB = """Main:
+  +-- 0.0.0.0/0 3 0 5
+     +-- 10.77.0.0/24 2 0 2
+           |-- 10.77.0.1
+              /32 host LOCAL
+           |-- 10.77.0.255
+              /32 link BROADCAST
+     +-- 127.0.0.0/8 2 0 2
+           |-- 127.0.0.0
+              /8 host LOCAL
+           |-- 127.0.0.1
+              /32 host LOCAL
+"""
+JOB = [ipaddress.ip_address("10.77.0.1"), ipaddress.ip_address("10.77.0.2")]
+
+
+def test_proc_net_tcp_is_parsed() -> None:
+    v4 = preflight.parse_proc_net_tcp(TCP)
+    assert [(str(s.local), s.local_port, str(s.remote), s.remote_port, s.state, s.inode) for s in v4] == [
+        ("0.0.0.0", 18507, "0.0.0.0", 0, 10, 551),
+        ("10.77.0.1", 18507, "10.77.0.2", 40000, 1, 777),
+        ("10.0.2.15", 40960, "10.0.2.100", 5555, 1, 778),
+    ]
+    v6 = preflight.parse_proc_net_tcp(TCP6)
+    assert v6[0].remote == ipaddress.ip_address("::ffff:10.0.2.100") and v6[0].remote_port == 5556
+    assert str(v6[1].remote) == "::1" and v6[1].inode == 902
+
+
+def test_only_peers_outside_the_job_and_the_node_are_refused() -> None:
+    sockets = preflight.parse_proc_net_tcp(TCP) + preflight.parse_proc_net_tcp(TCP6)
+    outside = preflight.outside_connections(sockets, JOB)
+    # the listener, the connection to the other job node and the loopback one are fine; the
+    # connections to 10.0.2.100 (IPv4 and dual-stack) are not
+    assert [s.inode for s in outside] == [778, 901]
+    message = preflight.tcp_problem(outside[0], JOB)
+    assert message == (
+        "TCP connection 10.0.2.15:40960 -> 10.0.2.100:5555 (ESTABLISHED) leads outside the job "
+        "(job addresses: 10.77.0.1, 10.77.0.2)"
+    )
+
+
+def test_node_addresses_are_read_from_fib_trie_and_if_inet6() -> None:
+    assert preflight.parse_fib_trie(FIB) == {
+        ipaddress.IPv4Address("10.77.0.1"),
+        ipaddress.IPv4Address("127.0.0.1"),
+    }
+    six = preflight.parse_if_inet6("fd000000000000000000000000000002 04 40 00 82     eth0\n")
+    assert six == {ipaddress.IPv6Address("fd00::2")}
+
+
+def test_shim_status_problems() -> None:
+    ident = preflight.ShimIdentity.from_status(
+        {
+            "qps": [{"qpn": 17, "type": 2}, {"qpn": 18, "type": 9}],
+            "gids": ["fe80000000000000020000fffe000001"],
+            "peers": [{"qpn": 17, "type": 2, "peer_gid": "00000000000000000000ffff0a4d0002", "peer_qpn": 99}],
+            "unsupported": ["ibv_query_rt_values_ex", "ibv_alloc_mw"],
+        }
+    )
+    assert ident.own_keys() == [
+        "preflight/qp/fe80000000000000020000fffe000001/17",
+        "preflight/qp/fe80000000000000020000fffe000001/18",
+    ]
+    assert preflight.shim_problems(ident) == [
+        "QP 18 has QP type 9, which the shim does not support",
+        "the shim refused ibv_alloc_mw (not supported under checkpointing)",
+    ]
+    assert preflight.foreign_peer_problem(*ident.peers[0]) == (
+        "RC QP 17 is connected to GID ::ffff:10.77.0.2 QPN 99, which no rank of the job holds"
+    )
+
+
+def test_a_real_connection_of_a_process_tree_is_found() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        code = f"import socket,time; s=socket.create_connection(('127.0.0.1',{port})); time.sleep(60)"
+        child = subprocess.Popen([sys.executable, "-c", code])
+        try:
+            conn, _ = server.accept()
+            with conn:
+                mine = [s for _, s in preflight.tcp_sockets_of(os.getpid()) if s.remote_port != port]
+                found = [(p, s) for p, s in preflight.tcp_sockets_of(os.getpid()) if s.remote_port == port]
+                assert [p for p, _ in found] == [child.pid], (found, mine)
+                assert found[0][1].state == 1
+                assert preflight.outside_connections([found[0][1]], JOB) == []  # loopback
+        finally:
+            child.kill()
+            child.wait()
+
+
+# -- the driver refuses through the coordinator ------------------------------------------
+
+
+class StatusShim:
+    """Answers `status` with a canned report; records every command (only status may come)."""
+
+    def __init__(self, path: Path, status: dict[str, Any]) -> None:
+        self.status = status
+        self.commands: list[str] = []
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(str(path))
+        self.sock.listen(8)
+        self.path = path
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                verb = conn.makefile().readline().split()[0]
+                self.commands.append(verb)
+                reply = self.status if verb == "status" else {"phase": verb, "ok": True, "state": "running"}
+                conn.sendall(f"ok {json.dumps(reply)}\n".encode())
+
+
+@pytest.fixture
+def sleeper() -> Iterator[int]:
+    proc = subprocess.Popen(["sleep", "60"])
+    yield proc.pid
+    proc.kill()
+    proc.wait()
+
+
+GID_A = "00000000000000000000ffff0a4d0001"
+GID_B = "00000000000000000000ffff0a4d0002"
+
+
+@pytest.fixture
+def outsider_rank() -> Iterator[tuple[int, int]]:
+    """A process holding an established TCP connection to this machine's non-loopback address."""
+    addrs = sorted(a for a in preflight.node_addresses() if a.version == 4)
+    assert addrs, "the host needs a non-loopback IPv4 address for this test"
+    with socket.create_server((str(addrs[0]), 0)) as server:
+        port = server.getsockname()[1]
+        code = f"import socket,time; s=socket.create_connection(('{addrs[0]}',{port})); time.sleep(60)"
+        child = subprocess.Popen([sys.executable, "-c", code])
+        conn, _ = server.accept()
+        try:
+            yield child.pid, port
+        finally:
+            conn.close()
+            child.kill()
+            child.wait()
+
+
+async def test_refusal_names_rank_pid_and_resources_and_aborts_every_node(
+    coordinator: ThreadedCoordinator, tmp_path: Path, outsider_rank: tuple[int, int], sleeper: int
+) -> None:
+    pid, port = outsider_rank
+    # node-1's rank: an RC QP toward node-2's rank (in the job) and one toward a storage server
+    s1 = StatusShim(tmp_path / "r1.ctl", {
+        "state": "running", "qps": [{"qpn": 17, "type": 2}, {"qpn": 18, "type": 2}], "gids": [GID_A],
+        "peers": [{"qpn": 17, "type": 2, "peer_gid": GID_B, "peer_qpn": 33},
+                  {"qpn": 18, "type": 2, "peer_gid": GID_B, "peer_qpn": 900}],
+        "unsupported": [],
+    })  # fmt: skip
+    s2 = StatusShim(tmp_path / "r2.ctl", {
+        "state": "running", "qps": [{"qpn": 33, "type": 2}], "gids": [GID_B],
+        "peers": [{"qpn": 33, "type": 2, "peer_gid": GID_A, "peer_qpn": 17}], "unsupported": [],
+    })  # fmt: skip
+    session, token = coordinator.create_session({"node-1", "node-2"})
+    clients = [
+        await CoordinatorClient.connect("127.0.0.1", coordinator.port, session, n, token)
+        for n in ("node-1", "node-2")
+    ]
+    job = ["10.77.0.1", "10.77.0.2"]
+    d1 = NodeDriver(
+        "node-1", clients[0], [LocalRank(RankId.parse("job/rank-0/main/0"), pid, s1.path)], job_addrs=job
+    )
+    rank2 = LocalRank(RankId.parse("job/rank-1/main/0"), sleeper, s2.path)
+    d2 = NodeDriver("node-2", clients[1], [rank2], job_addrs=job)
+    try:
+        results = await asyncio.wait_for(
+            asyncio.gather(
+                d1.checkpoint(Mode.STOP, tmp_path / "i1", 2),
+                d2.checkpoint(Mode.STOP, tmp_path / "i2", 2),
+                return_exceptions=True,
+            ),
+            30,
+        )
+    finally:
+        for c in clients:
+            await c.close()
+    assert all(isinstance(r, CheckpointRefused) for r in results), results
+    message = str(results[0])
+    assert message.startswith("node-1: refusing to checkpoint")
+    assert f"refusing to checkpoint job/rank-0/main/0 (pid {pid})" in message
+    assert "RC QP 18 is connected to GID ::ffff:10.77.0.2 QPN 900, which no rank of the job holds" in message
+    assert "QP 17" not in message  # its peer is node-2's rank
+    assert f":{port} (ESTABLISHED) leads outside the job (job addresses: 10.77.0.1, 10.77.0.2)" in message
+    # node-2 found nothing itself, and refused because node-1 aborted the session
+    assert isinstance(results[1].__cause__, CoordinationAborted) and "node-1: refusing" in str(results[1])
+    # no rank was gated: status was the only command either shim saw
+    assert s1.commands == ["status"] and s2.commands == ["status"]
+    assert d1.report.outcome == d2.report.outcome == "Refused"
+    assert not (tmp_path / "i1").exists() and not (tmp_path / "i2").exists()
