@@ -286,10 +286,27 @@ def run(spec: GuestSpec, timeout: float = 600.0, echo: bool = False) -> GuestRes
         return guest.wait(time.monotonic() + timeout)
 
 
+# The link's unix datagram sockets queue at most net.unix.max_dgram_qlen datagrams at the receiver
+# (10 by default). A busy TCG peer fills that at once, and then the sending qemu stalls its NIC's
+# transmit queue: seen as "NETDEV WATCHDOG: transmit queue 0 timed out" and RoCE traffic that stops
+# for a minute. The limit is read when a socket is created, so raise it before qemu starts.
+LINK_DGRAM_QLEN = 1024
+_QLEN_SYSCTL = Path("/proc/sys/net/unix/max_dgram_qlen")
+
+
+def _widen_link_queue() -> None:
+    try:
+        if int(_QLEN_SYSCTL.read_text()) < LINK_DGRAM_QLEN:
+            _QLEN_SYSCTL.write_text(f"{LINK_DGRAM_QLEN}\n")
+    except OSError as exc:
+        print(f"testbed: cannot raise {_QLEN_SYSCTL} ({exc}); the guest link may stall under load")
+
+
 def run_pair(
     spec_a: GuestSpec, spec_b: GuestSpec, timeout: float = 600.0, echo: bool = False
 ) -> tuple[GuestResult, GuestResult]:
     """Boot node A (10.77.0.1) and node B (10.77.0.2) joined by a private link; run both."""
+    _widen_link_queue()
     with _job_root() as root:
         sock_a, sock_b = root / "link-a.sock", root / "link-b.sock"
         # Copies: the caller may pass one spec for both nodes.
