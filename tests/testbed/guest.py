@@ -18,9 +18,11 @@ import gzip
 import hashlib
 import io
 import os
+import re
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -209,8 +211,10 @@ def _qemu_args(spec: GuestSpec, job: Path, link_sockets: tuple[Path, Path] | Non
             "-netdev",
             f"dgram,id=link,local.type=unix,local.path={local},remote.type=unix,remote.path={remote}",
             "-device",
-            f"virtio-net-pci,netdev=link,mac=52:54:00:77:00:0{spec.node}",
+            f"virtio-net-pci,id={LINK_NIC_ID},netdev=link,mac=52:54:00:77:00:0{spec.node}",
         ]
+        # A monitor to read the link NIC's virtqueues when its transmit queue stalls.
+        args[args.index("-monitor") + 1] = f"unix:{job / 'monitor.sock'},server=on,wait=off"
     return args
 
 
@@ -230,6 +234,7 @@ class _Guest:
         self.job = _prepare_job(spec, root)
         self.echo = echo
         self.buffer = io.StringIO()
+        self.stall_line: str | None = None
         self.started = time.monotonic()
         self.proc = subprocess.Popen(
             _qemu_args(spec, self.job, link),
@@ -247,6 +252,8 @@ class _Guest:
         for raw in iter(self.proc.stdout.readline, b""):
             line = raw.decode(errors="replace").replace("\r", "")
             self.buffer.write(line)
+            if self.spec.link and LINK_STALL_SIGNATURE in line and self.stall_line is None:
+                self.stall_line = line.strip()
             if self.echo:
                 sys.stdout.write(prefix + line)
                 sys.stdout.flush()
@@ -263,6 +270,14 @@ class _Guest:
         rc_file = self.job / "rc"
         rc = int(rc_file.read_text()) if rc_file.exists() else 125
         return GuestResult(self.spec.node, rc, self.buffer.getvalue(), time.monotonic() - self.started)
+
+    def link_queue_status(self) -> str:
+        """The link NIC's virtqueue indices (rx 0, tx 1) from qemu's monitor, for the stall report."""
+        out = []
+        for queue in (0, 1):
+            cmd = f"info virtio-queue-status /machine/peripheral/{LINK_NIC_ID}/virtio-backend {queue}\n"
+            out.append(_monitor_command(self.job / "monitor.sock", cmd))
+        return "\n".join(out)
 
     def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -287,9 +302,9 @@ def run(spec: GuestSpec, timeout: float = 600.0, echo: bool = False) -> GuestRes
 
 
 # The link's unix datagram sockets queue at most net.unix.max_dgram_qlen datagrams at the receiver
-# (10 by default). A busy TCG peer fills that at once, and then the sending qemu stalls its NIC's
-# transmit queue: seen as "NETDEV WATCHDOG: transmit queue 0 timed out" and RoCE traffic that stops
-# for a minute. The limit is read when a socket is created, so raise it before qemu starts.
+# (10 by default); past that the sending qemu busy-retries until the receiver reads. Raised so a
+# busy TCG peer does not throttle the other guest. (This did not stop the transmit-queue stalls that
+# LinkStalledError reports.) The limit is read when a socket is created, so raise it before qemu starts.
 LINK_DGRAM_QLEN = 1024
 _QLEN_SYSCTL = Path("/proc/sys/net/unix/max_dgram_qlen")
 
@@ -302,10 +317,65 @@ def _widen_link_queue() -> None:
         print(f"testbed: cannot raise {_QLEN_SYSCTL} ({exc}); the guest link may stall under load")
 
 
+LINK_NIC_ID = "linknic"
+# Printed by a guest kernel once its link NIC has not sent for 5 s with packets queued.
+LINK_STALL_SIGNATURE = "NETDEV WATCHDOG"
+
+
+class LinkStalledError(RuntimeError):
+    """The emulated link NIC of a guest stopped transmitting: the testbed failed, not the code under test.
+
+    Seen now and then under RoCE traffic (docs/testbed.md, "The guest link's transmit queue stalls");
+    the queue never recovers, so both guests are stopped at once and the run is void. The test suite
+    reruns a test that raised this (pytest-rerunfailures, --only-rerun LinkStalledError).
+    """
+
+
+def _monitor_command(path: Path, command: str, timeout: float = 5.0) -> str:
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(timeout)
+            sock.connect(str(path))
+            sock.sendall(command.encode())
+            data = b""
+            deadline = time.monotonic() + timeout
+            # The monitor echoes the command and prints "(qemu) " after the answer.
+            while data.count(b"(qemu)") < 2 and time.monotonic() < deadline:
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                data += chunk
+    except OSError as exc:
+        return f"(monitor {path}: {exc})"
+    text = data.decode(errors="replace")
+    text = re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", text)
+    return "\n".join(ln for ln in text.splitlines() if ln.strip() and not ln.startswith("(qemu)"))
+
+
+def _wait_pair(guests: tuple[_Guest, _Guest], deadline: float) -> tuple[GuestResult, GuestResult]:
+    while any(g.proc.poll() is None for g in guests) and time.monotonic() < deadline:
+        stalled = [g for g in guests if g.stall_line is not None]
+        if stalled:
+            report = "".join(
+                f"\nnode-{g.spec.node}: {g.stall_line or 'no stall seen'}\n{g.link_queue_status()}"
+                for g in guests
+            )
+            for g in guests:
+                g.kill()
+            names = ", ".join(f"node-{g.spec.node}" for g in stalled)
+            raise LinkStalledError(f"testbed: the guest link's transmit queue stalled on {names}{report}")
+        time.sleep(0.5)
+    results = guests[0].wait(deadline), guests[1].wait(deadline)
+    return results
+
+
 def run_pair(
     spec_a: GuestSpec, spec_b: GuestSpec, timeout: float = 600.0, echo: bool = False
 ) -> tuple[GuestResult, GuestResult]:
-    """Boot node A (10.77.0.1) and node B (10.77.0.2) joined by a private link; run both."""
+    """Boot node A (10.77.0.1) and node B (10.77.0.2) joined by a private link; run both.
+
+    Raises LinkStalledError as soon as either guest's link NIC stops transmitting.
+    """
     _widen_link_queue()
     with _job_root() as root:
         sock_a, sock_b = root / "link-a.sock", root / "link-b.sock"
@@ -316,8 +386,7 @@ def run_pair(
         b = _Guest(spec_b, root, (sock_b, sock_a), echo)
         deadline = time.monotonic() + timeout
         try:
-            result_a = a.wait(deadline)
-            result_b = b.wait(deadline)
+            result_a, result_b = _wait_pair((a, b), deadline)
         finally:
             for g in (a, b):
                 if g.proc.poll() is None:
