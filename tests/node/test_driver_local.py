@@ -9,14 +9,13 @@ ranks at a time than the node has, which is what a small default thread pool doe
 from __future__ import annotations
 
 import asyncio
-import json
-import socket
 import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from node.fake_shim import FakeShimSocket
 
 from ibckpt.coordination.client import CoordinatorClient
 from ibckpt.coordination.ranks import RankId
@@ -26,33 +25,14 @@ from testbed.coordinator import ThreadedCoordinator
 RANKS = 12  # more than asyncio's default pool on a 2-core node (cpus + 4)
 
 
-class FakeShim:
+class FakeShim(FakeShimSocket):
+    """Every rank's rebuild waits for all the others', as real QP reconnection does."""
+
     def __init__(self, path: Path, everyone: threading.Barrier) -> None:
-        self.path = path
+        super().__init__(path)
         self.everyone = everyone
-        self.state = "running"
-        self.commands: list[str] = []
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.bind(str(path))
-        self.sock.listen(8)
-        threading.Thread(target=self._serve, daemon=True).start()
 
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._one, args=(conn,), daemon=True).start()
-
-    def _one(self, conn: socket.socket) -> None:
-        with conn:
-            verb = conn.makefile().readline().split()[0]
-            self.commands.append(verb)
-            ok, reply = self._answer(verb)
-            conn.sendall(f"{'ok' if ok else 'err'} {json.dumps(reply)}\n".encode())
-
-    def _answer(self, verb: str) -> tuple[bool, dict[str, object]]:
+    def answer(self, verb: str) -> tuple[bool, dict[str, object]]:
         if verb == "abort" and self.state == "released":
             return False, {"phase": "abort", "ok": False, "state": "released"}
         if verb == "rebuild":
@@ -60,8 +40,7 @@ class FakeShim:
                 self.everyone.wait(timeout=5)
             except threading.BrokenBarrierError:
                 return False, {"phase": "rebuild", "ok": False, "error": "peers never rebuilt"}
-        self.state = {"release": "released", "resume": "running", "abort": "running"}.get(verb, self.state)
-        return True, {"phase": verb, "ok": True, "ms": 0, "state": self.state}
+        return super().answer(verb)
 
 
 @pytest.fixture

@@ -5,17 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
-import json
 import os
 import socket
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from node.fake_shim import FakeShimSocket
 
 from ibckpt.coordination.client import CoordinationAborted, CoordinatorClient
 from ibckpt.coordination.ranks import RankId
@@ -125,29 +124,15 @@ def test_a_real_connection_of_a_process_tree_is_found() -> None:
 # -- the driver refuses through the coordinator ------------------------------------------
 
 
-class StatusShim:
+class StatusShim(FakeShimSocket):
     """Answers `status` with a canned report; records every command (only status may come)."""
 
     def __init__(self, path: Path, status: dict[str, Any]) -> None:
+        super().__init__(path)
         self.status = status
-        self.commands: list[str] = []
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.bind(str(path))
-        self.sock.listen(8)
-        self.path = path
-        threading.Thread(target=self._serve, daemon=True).start()
 
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            with conn:
-                verb = conn.makefile().readline().split()[0]
-                self.commands.append(verb)
-                reply = self.status if verb == "status" else {"phase": verb, "ok": True, "state": "running"}
-                conn.sendall(f"ok {json.dumps(reply)}\n".encode())
+    def answer(self, verb: str) -> tuple[bool, dict[str, object]]:
+        return (True, self.status) if verb == "status" else super().answer(verb)
 
 
 @pytest.fixture

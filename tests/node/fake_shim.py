@@ -1,0 +1,44 @@
+"""A stand-in for a rank's shim control socket, for host tests of the node driver.
+
+It speaks the control protocol's framing (one request line, one `ok|err <json>` reply line) and
+records every verb it was sent. Subclasses decide the replies in `answer`.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from pathlib import Path
+
+
+class FakeShimSocket:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.state = "running"
+        self.commands: list[str] = []
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(str(path))
+        self.sock.listen(8)
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def answer(self, verb: str) -> tuple[bool, dict[str, object]]:
+        """Every phase succeeds and moves the state the way the real shim does."""
+        self.state = {"release": "released", "resume": "running", "abort": "running"}.get(verb, self.state)
+        return True, {"phase": verb, "ok": True, "ms": 0, "state": self.state}
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            # One thread per connection: the driver talks to many ranks at once and a reply may wait.
+            threading.Thread(target=self._one, args=(conn,), daemon=True).start()
+
+    def _one(self, conn: socket.socket) -> None:
+        with conn:
+            verb = conn.makefile().readline().split()[0]
+            self.commands.append(verb)
+            ok, reply = self.answer(verb)
+            conn.sendall(f"{'ok' if ok else 'err'} {json.dumps(reply)}\n".encode())
