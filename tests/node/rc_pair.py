@@ -153,8 +153,11 @@ for _ in 1 2 3 4 5; do
   {python} -m ibckpt_native.control /run/ibckpt/$role.ctl status > {work}/status-$role.json && break
   ls -l /run/ibckpt/ >&2; sleep 1
 done
+# Diagnostics only (callers with status_after=False tolerate a refused status): never fail here.
 [ -s {work}/status-$role.json ] || {{
-  echo "status of $key failed; its sockets:"; grep ibckpt /proc/net/unix; ls -l /proc/$pid/fd; }}
+  echo "status of $key failed; listening unix sockets, the rank's fds and net namespace vs ours:"
+  grep ' 00010000 0001 ' /proc/net/unix || true
+  ls -l /proc/$pid/fd /proc/$pid/ns/net /proc/self/ns/net || true; }}
 touch {work}/stop
 wait_result
 """
