@@ -6,10 +6,12 @@
 #  3. perftest message rate and latency with and without the shim, alternating rounds.
 # Run it in the guest (not a test; it prints numbers, see docs/native-shim.md "Benchmark"):
 #   cd tests && ../.venv/bin/python -m testbed.guest run --timeout 900 -- 'bash /work/main/bench/native_perf.sh'
+# REPO (default: the checkout the script is in) is the tree whose shim and venv are used; SHIM
+# (default: REPO's native/build/libibckpt.so) is the shim measured.
 # Knobs: OUT (result dir, native/build/bench), ROUNDS (perftest rounds, 3), ITERS (perftest -n, 20000),
 # QUICK=1 (tiny sizes), CALLGRIND=0 (skip part 1).
 set -u
-REPO=/work/main
+REPO=${REPO:-$(cd "$(dirname "$0")/.." && pwd)}
 OUT=${OUT:-$REPO/native/build/bench}
 ROUNDS=${ROUNDS:-3}
 ITERS=${ITERS:-20000}
@@ -21,7 +23,7 @@ mkdir -p "$OUT"
 
 # A private copy of the shim: others may rebuild native/build while this runs.
 S=$OUT/libibckpt.so
-cp "$REPO/native/build/libibckpt.so" "$S"
+cp "${SHIM:-$REPO/native/build/libibckpt.so}" "$S"
 FP=$OUT/fastpath
 gcc -std=c11 -O2 -g -Wall -Wextra -Werror -o "$FP" "$REPO/bench/fastpath.c" -libverbs || exit 1
 echo "shim: $(sha256sum "$S" | cut -c1-16) from $(git -C $REPO rev-parse --short HEAD)$(git -C $REPO diff --quiet HEAD -- native/src || echo ' + uncommitted native/src changes')"

@@ -38,12 +38,9 @@ uint32_t ibk_idmap_choose(const struct ibk_idmap *m, uint32_t real, uint32_t flo
 struct ibk_counters {
 	uint64_t sends_posted;     /* app send WRs accepted */
 	uint64_t sends_completed;  /* app send WRs retired (polled or implied) */
-	uint64_t consumers_posted; /* sends that consume a remote receive */
-	uint64_t consumers_done;   /* ... known delivered */
+	uint64_t consumers_done;   /* sends that consume a remote receive, known delivered */
 	uint64_t recvs_posted;
 	uint64_t recvs_completed;  /* successful receive completions, ever */
-	uint64_t rdma_inflight;    /* RDMA read/write in the send log */
-	uint64_t atomic_inflight;  /* atomics in the send log */
 	uint64_t reposted;         /* sends posted again after a rebuild */
 	uint64_t synthesized;      /* completions made up for delivered sends */
 };
@@ -78,20 +75,22 @@ struct ibk_swr {
 
 struct ibk_rwr {
 	uint32_t kind;
-	uint32_t in_use;
+	uint32_t in_use; /* scan mode only */
 	uint64_t seq;
 	void *owner; /* shadow QP or SRQ */
 	uint64_t app_wr_id;
-	int num_sge;
+	struct ibv_recv_wr wr; /* wr_id (this entry), next, sg_list fixed at init */
 	struct ibv_sge sge[IBK_MAX_SGE];
 };
 
 /* In-order ring of send entries: entries complete in posting order on one
- * send queue, so retiring is "everything up to seq". */
+ * send queue, so retiring is "everything up to seq".  The ring has a power
+ * of two slots (seq & mask finds one); at most cap of them are live. */
 struct ibk_sendlog {
 	struct ibk_swr *slots;
 	uint8_t *inline_area;
 	uint32_t cap;
+	uint32_t mask;
 	uint32_t max_inline;
 	uint64_t head; /* seq of the oldest live entry */
 	uint64_t tail; /* seq of the next entry */
@@ -99,29 +98,128 @@ struct ibk_sendlog {
 
 int ibk_sendlog_init(struct ibk_sendlog *l, uint32_t cap, uint32_t max_inline, void *owner);
 void ibk_sendlog_fini(struct ibk_sendlog *l);
-struct ibk_swr *ibk_sendlog_push(struct ibk_sendlog *l);
 void ibk_sendlog_unpush(struct ibk_sendlog *l);
 struct ibk_swr *ibk_sendlog_at(struct ibk_sendlog *l, uint64_t seq);
-uint32_t ibk_sendlog_count(const struct ibk_sendlog *l);
-/* Retire entries up to and including seq, folding them into counters. */
-void ibk_sendlog_retire_to(struct ibk_sendlog *l, uint64_t seq, struct ibk_counters *c);
 
-/* Receive log: receives on a plain QP complete in order, on an SRQ in any
- * order, so slots are found through a free scan and replayed by seq. */
+static inline uint32_t ibk_sendlog_count(const struct ibk_sendlog *l)
+{
+	return (uint32_t)(l->tail - l->head);
+}
+
+static inline struct ibk_swr *ibk_sendlog_push(struct ibk_sendlog *l)
+{
+	struct ibk_swr *e;
+
+	if (l->tail - l->head >= l->cap)
+		return NULL;
+	e = &l->slots[l->tail & l->mask];
+	e->seq = l->tail++;
+	e->flags = 0;
+	e->inline_len = 0;
+	return e;
+}
+
+/* Retire entries up to and including seq, folding them into counters.
+ * (rdma_inflight and atomic_inflight are not kept here: the status report
+ * counts them in the log.) */
+static inline void ibk_sendlog_retire_to(struct ibk_sendlog *l, uint64_t seq, struct ibk_counters *c)
+{
+	uint64_t end = seq < l->tail ? seq + 1 : l->tail;
+
+	for (; l->head < end; l->head++) {
+		uint32_t f = l->slots[l->head & l->mask].flags;
+
+		if (f & IBK_SWR_FLAG_WR)
+			continue;
+		c->sends_completed++;
+		c->consumers_done += !!(f & IBK_SWR_CONSUMER);
+	}
+}
+
+/* A completion for live entry e: usually the oldest one, retired at once. */
+static inline void ibk_sendlog_retire_entry(struct ibk_sendlog *l, const struct ibk_swr *e,
+					    struct ibk_counters *c)
+{
+	if (__builtin_expect(e->seq == l->head && !(e->flags & IBK_SWR_FLAG_WR), 1)) {
+		l->head++;
+		c->sends_completed++;
+		c->consumers_done += !!(e->flags & IBK_SWR_CONSUMER);
+		return;
+	}
+	ibk_sendlog_retire_to(l, e->seq, c);
+}
+
+/* Receive log.  Receives on a plain QP complete in posting order, so its log
+ * is a ring like the send log (ring mode: retire everything up to the entry
+ * that completed).  On an SRQ they complete in any order: slots are found
+ * through a free scan and replayed by seq (scan mode). */
 struct ibk_recvlog {
 	struct ibk_rwr *slots;
-	uint32_t cap;
-	uint32_t live;
-	uint32_t hint;
+	uint32_t cap;  /* live entries at most */
+	uint32_t mask; /* ring mode: slots - 1, a power of two minus one */
+	int ring;
+	uint32_t live; /* scan mode */
+	uint32_t hint; /* scan mode */
+	uint64_t head; /* ring mode: seq of the oldest live entry */
 	uint64_t next_seq;
 };
 
-int ibk_recvlog_init(struct ibk_recvlog *l, uint32_t cap, void *owner);
+int ibk_recvlog_init(struct ibk_recvlog *l, uint32_t cap, int ring, void *owner);
 void ibk_recvlog_fini(struct ibk_recvlog *l);
-struct ibk_rwr *ibk_recvlog_take(struct ibk_recvlog *l);
-void ibk_recvlog_release(struct ibk_recvlog *l, struct ibk_rwr *e);
+struct ibk_rwr *ibk_recvlog_take_scan(struct ibk_recvlog *l);
 /* Live entries ordered by seq; returns how many were written to out. */
 uint32_t ibk_recvlog_ordered(const struct ibk_recvlog *l, struct ibk_rwr **out, uint32_t max);
+
+static inline uint32_t ibk_recvlog_live(const struct ibk_recvlog *l)
+{
+	return l->ring ? (uint32_t)(l->next_seq - l->head) : l->live;
+}
+
+static inline struct ibk_rwr *ibk_recvlog_take(struct ibk_recvlog *l)
+{
+	struct ibk_rwr *e;
+
+	if (__builtin_expect(l->ring, 1)) {
+		if (__builtin_expect(l->next_seq - l->head >= l->cap, 0))
+			return NULL;
+		e = &l->slots[l->next_seq & l->mask];
+		e->seq = l->next_seq++;
+		return e;
+	}
+	/* The slot after the last one taken is nearly always free: no scan. */
+	e = &l->slots[l->hint];
+	if (__builtin_expect(e->in_use || l->live >= l->cap, 0))
+		return ibk_recvlog_take_scan(l);
+	if (++l->hint == l->cap)
+		l->hint = 0;
+	e->in_use = 1;
+	e->seq = l->next_seq++;
+	l->live++;
+	return e;
+}
+
+/* The entry completed (ring mode: and every one before it). */
+static inline void ibk_recvlog_release(struct ibk_recvlog *l, struct ibk_rwr *e)
+{
+	if (l->ring) {
+		if (e->seq >= l->head)
+			l->head = e->seq + 1;
+	} else if (e->in_use) {
+		e->in_use = 0;
+		l->live--;
+	}
+}
+
+/* Give back the entry just taken (its post failed). */
+static inline void ibk_recvlog_untake(struct ibk_recvlog *l, struct ibk_rwr *e)
+{
+	if (l->ring) {
+		if (e->seq + 1 == l->next_seq)
+			l->next_seq--;
+	} else {
+		ibk_recvlog_release(l, e);
+	}
+}
 
 /* ---- private completion queue --------------------------------------- */
 

@@ -40,10 +40,10 @@ void ibk_cq_synthesize(struct ibk_qp *qp, struct ibk_swr *e)
 	wc.byte_len = (wc.opcode == IBV_WC_RDMA_READ || wc.opcode == IBV_WC_COMP_SWAP ||
 		       wc.opcode == IBV_WC_FETCH_ADD) ? len : 0;
 	wc.qp_num = qp->vqpn;
-	pthread_mutex_lock(&qp->scq->lock);
+	ibk_lock(&qp->scq->lock);
 	ibk_wcq_push(&qp->scq->pq, &wc);
 	atomic_store(&qp->scq->pq_len, ibk_wcq_count(&qp->scq->pq));
-	pthread_mutex_unlock(&qp->scq->lock);
+	ibk_unlock(&qp->scq->lock);
 }
 
 static struct ibk_qp *qp_by_real_qpn(struct ibk_ctx *ctx, uint32_t rqpn)
@@ -56,28 +56,26 @@ static struct ibk_qp *qp_by_real_qpn(struct ibk_ctx *ctx, uint32_t rqpn)
 }
 
 /* Translate one real completion in place; 0 means hide it from the app. */
-static int wc_translate(struct ibk_ctx *ctx, struct ibv_wc *wc)
+static inline int wc_translate(struct ibk_ctx *ctx, struct ibv_wc *wc)
 {
 	uint32_t *kind = (uint32_t *)(uintptr_t)wc->wr_id;
 
-	if (*kind == IBK_KIND_SEND) {
+	if (__builtin_expect(*kind == IBK_KIND_SEND, 1)) {
 		struct ibk_swr *e = (struct ibk_swr *)kind;
 		struct ibk_qp *qp = IBK_OBJ(e->owner, ibk_qp);
 		int show = 1;
 
-		pthread_mutex_lock(&qp->lock);
+		ibk_lock(&qp->lock);
 		wc->wr_id = e->app_wr_id;
-		if (e->flags & IBK_SWR_FLAG_WR) {
+		if (__builtin_expect(e->flags & IBK_SWR_FLAG_WR, 0)) {
 			qp->flag_outstanding = 0;
 			show = 0;
 		}
-		if (wc->status == IBV_WC_SUCCESS)
-			ibk_sendlog_retire_to(&qp->slog, e->seq, &qp->cnt);
-		else if (qp->releasing)
-			show = 0; /* flushed by the shim itself: stays logged for replay */
+		if (__builtin_expect(wc->status == IBV_WC_SUCCESS || !qp->releasing, 1))
+			ibk_sendlog_retire_entry(&qp->slog, e, &qp->cnt);
 		else
-			ibk_sendlog_retire_to(&qp->slog, e->seq, &qp->cnt);
-		pthread_mutex_unlock(&qp->lock);
+			show = 0; /* flushed by the shim itself: stays logged for replay */
+		ibk_unlock(&qp->lock);
 		wc->qp_num = qp->vqpn;
 		return show;
 	}
@@ -91,7 +89,7 @@ static int wc_translate(struct ibk_ctx *ctx, struct ibv_wc *wc)
 			struct ibk_srq *srq = IBK_OBJ(owner, ibk_srq);
 
 			qp = qp_by_real_qpn(ctx, wc->qp_num);
-			pthread_mutex_lock(&srq->lock);
+			ibk_lock(&srq->lock);
 			wc->wr_id = e->app_wr_id;
 			if (wc->status == IBV_WC_SUCCESS) {
 				srq->cnt.recvs_completed++;
@@ -101,15 +99,15 @@ static int wc_translate(struct ibk_ctx *ctx, struct ibv_wc *wc)
 			} else {
 				show = 0;
 			}
-			pthread_mutex_unlock(&srq->lock);
+			ibk_unlock(&srq->lock);
 			if (qp && wc->status == IBV_WC_SUCCESS) {
-				pthread_mutex_lock(&qp->rlock);
+				ibk_lock(&qp->rlock);
 				qp->cnt.recvs_completed++;
-				pthread_mutex_unlock(&qp->rlock);
+				ibk_unlock(&qp->rlock);
 			}
 		} else {
 			qp = IBK_OBJ(owner, ibk_qp);
-			pthread_mutex_lock(&qp->rlock);
+			ibk_lock(&qp->rlock);
 			wc->wr_id = e->app_wr_id;
 			if (wc->status == IBV_WC_SUCCESS) {
 				qp->cnt.recvs_completed++;
@@ -119,11 +117,12 @@ static int wc_translate(struct ibk_ctx *ctx, struct ibv_wc *wc)
 			} else {
 				ibk_recvlog_release(&qp->rlog, e);
 			}
-			pthread_mutex_unlock(&qp->rlock);
+			ibk_unlock(&qp->rlock);
 		}
 		if (qp)
 			wc->qp_num = qp->vqpn;
-		if (atomic_load(&ibk_translating) && qp && qp->pub.qp_type == IBV_QPT_UD) {
+		if (__builtin_expect(atomic_load_explicit(&ibk_translating, memory_order_relaxed), 0) && qp &&
+		    qp->pub.qp_type == IBV_QPT_UD) {
 			uint32_t v;
 
 			if (!ibk_peers_reverse_qpn(wc->src_qp, &v))
@@ -135,15 +134,26 @@ static int wc_translate(struct ibk_ctx *ctx, struct ibv_wc *wc)
 	return 0;
 }
 
-int ibk_cq_poll_real(struct ibk_cq *cq, int n, struct ibv_wc *wc)
+/* Translate got completions in wc in place, dropping hidden ones; returns
+ * how many are left.  Out of line: an empty poll never comes here. */
+static __attribute__((noinline)) int wc_translate_all(struct ibk_ctx *ctx, struct ibv_wc *wc, int got)
 {
-	struct ibv_cq *r = cq->real;
-	int got = r->context->ops.poll_cq(r, n, wc), i, out = 0;
+	int i, out = 0;
 
 	for (i = 0; i < got; i++)
-		if (wc_translate(cq->obj.ctx, &wc[i]))
-			wc[out++] = wc[i];
-	return got < 0 ? got : out;
+		if (wc_translate(ctx, &wc[i])) {
+			if (out != i)
+				wc[out] = wc[i];
+			out++;
+		}
+	return out;
+}
+
+int ibk_cq_poll_real(struct ibk_cq *cq, int n, struct ibv_wc *wc)
+{
+	int got = cq->poll_fn(cq->real, n, wc);
+
+	return got > 0 ? wc_translate_all(cq->obj.ctx, wc, got) : got;
 }
 
 int ibk_cq_drain_real(struct ibk_cq *cq)
@@ -154,34 +164,47 @@ int ibk_cq_drain_real(struct ibk_cq *cq)
 	while ((n = ibk_cq_poll_real(cq, 32, wc)) != 0) {
 		if (n < 0)
 			return n;
-		pthread_mutex_lock(&cq->lock);
+		ibk_lock(&cq->lock);
 		for (i = 0; i < n; i++)
 			ibk_wcq_push(&cq->pq, &wc[i]);
 		atomic_store(&cq->pq_len, ibk_wcq_count(&cq->pq));
-		pthread_mutex_unlock(&cq->lock);
+		ibk_unlock(&cq->lock);
 		total += n;
 	}
 	return total;
 }
 
-int ibk_poll_cq(struct ibv_cq *c, int n, struct ibv_wc *wc)
+/* poll_cq with completions drain left in the private queue: those first. */
+static __attribute__((noinline)) int poll_cq_private(struct ibk_cq *cq, int n, struct ibv_wc *wc)
 {
-	struct ibk_cq *cq = (struct ibk_cq *)c;
-	int got = 0, more;
+	int got, more;
 
-	ibk_enter();
-	if (__builtin_expect(atomic_load_explicit(&cq->pq_len, memory_order_relaxed) != 0, 0)) {
-		pthread_mutex_lock(&cq->lock);
-		got = ibk_wcq_pop(&cq->pq, wc, n);
-		atomic_store(&cq->pq_len, ibk_wcq_count(&cq->pq));
-		pthread_mutex_unlock(&cq->lock);
-	}
+	ibk_lock(&cq->lock);
+	got = ibk_wcq_pop(&cq->pq, wc, n);
+	atomic_store(&cq->pq_len, ibk_wcq_count(&cq->pq));
+	ibk_unlock(&cq->lock);
 	if (got < n) {
 		more = ibk_cq_poll_real(cq, n - got, wc + got);
 		if (more < 0 && !got)
 			got = more;
 		else if (more > 0)
 			got += more;
+	}
+	return got;
+}
+
+int ibk_poll_cq(struct ibv_cq *c, int n, struct ibv_wc *wc)
+{
+	struct ibk_cq *cq = (struct ibk_cq *)c;
+	int got;
+
+	ibk_enter();
+	if (__builtin_expect(atomic_load_explicit(&cq->pq_len, memory_order_relaxed) != 0, 0))
+		got = poll_cq_private(cq, n, wc);
+	else {
+		got = cq->poll_fn(cq->real, n, wc);
+		if (got > 0)
+			got = wc_translate_all(cq->obj.ctx, wc, got);
 	}
 	ibk_leave();
 	return got;
@@ -206,6 +229,8 @@ int ibk_cq_create_real(struct ibk_cq *cq)
 
 	cq->real = ibk_real.create_cq(ctx->real, cq->cqe_req, cq, cq->chan ? cq->chan->real : NULL,
 				      cq->comp_vector);
+	if (cq->real)
+		cq->poll_fn = cq->real->context->ops.poll_cq;
 	return cq->real ? 0 : (errno ? -errno : -EIO);
 }
 
@@ -221,7 +246,7 @@ static struct ibk_cq *cq_new(struct ibv_context *c, int cqe, void *cq_context, s
 	cq->cqe_req = cqe;
 	cq->comp_vector = vec;
 	cq->chan = ch ? (struct ibk_chan *)ch : NULL;
-	pthread_mutex_init(&cq->lock, NULL);
+	ibk_lock_init(&cq->lock);
 	if (ibk_wcq_init(&cq->pq, (uint32_t)(cqe > 16 ? cqe : 16))) {
 		free(cq);
 		return NULL;

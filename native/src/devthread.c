@@ -202,12 +202,13 @@ static void *write_on_device_thread(void *arg)
 	return NULL;
 }
 
-IBK_EXPORT ssize_t write(int fd, const void *buf, size_t n)
+/* write() failed: hand it to the device thread if the kernel refused this
+ * thread a device fd the device thread opened. */
+static __attribute__((noinline)) ssize_t write_failed(int fd, const void *buf, size_t n, ssize_t rc)
 {
-	ssize_t rc = resolve_write()(fd, buf, n);
 	struct devwrite w;
 
-	if (rc >= 0 || errno != EACCES || !devfd_tracked(fd))
+	if (errno != EACCES || !devfd_tracked(fd))
 		return rc;
 	w = (struct devwrite){ .fd = fd, .buf = buf, .n = n };
 	ibk_devthread_call(write_on_device_thread, &w);
@@ -215,4 +216,19 @@ IBK_EXPORT ssize_t write(int fd, const void *buf, size_t n)
 	if (w.rc < 0)
 		errno = w.err;
 	return w.rc;
+}
+
+/* Every write() of the process passes here (Soft-RoCE's doorbell among
+ * them), so the way through is kept short. */
+IBK_EXPORT ssize_t write(int fd, const void *buf, size_t n)
+{
+	write_fn real = atomic_load_explicit(&real_write, memory_order_relaxed);
+	ssize_t rc;
+
+	if (__builtin_expect(!real, 0))
+		real = resolve_write();
+	rc = real(fd, buf, n);
+	if (__builtin_expect(rc >= 0, 1))
+		return rc;
+	return write_failed(fd, buf, n, rc);
 }

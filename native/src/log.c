@@ -7,25 +7,32 @@
 
 int ibk_sendlog_init(struct ibk_sendlog *l, uint32_t cap, uint32_t max_inline, void *owner)
 {
-	uint32_t i;
+	uint32_t i, size = 1;
 
 	memset(l, 0, sizeof(*l));
-	l->slots = calloc(cap, sizeof(*l->slots));
+	while (size < cap)
+		size <<= 1;
+	l->slots = calloc(size, sizeof(*l->slots));
 	if (!l->slots)
 		return -ENOMEM;
 	if (max_inline) {
-		l->inline_area = calloc(cap, max_inline);
+		l->inline_area = calloc(size, max_inline);
 		if (!l->inline_area) {
 			free(l->slots);
 			return -ENOMEM;
 		}
 	}
 	l->cap = cap;
+	l->mask = size - 1;
 	l->max_inline = max_inline;
-	for (i = 0; i < cap; i++) {
+	for (i = 0; i < size; i++) {
 		l->slots[i].kind = IBK_KIND_SEND;
 		l->slots[i].owner = owner;
 		l->slots[i].inline_buf = max_inline ? l->inline_area + (size_t)i * max_inline : NULL;
+		/* fixed for the entry's life: it is posted to the real QP as is */
+		l->slots[i].wr.wr_id = (uintptr_t)&l->slots[i];
+		l->slots[i].wr.next = NULL;
+		l->slots[i].wr.sg_list = l->slots[i].sge;
 	}
 	return 0;
 }
@@ -35,19 +42,6 @@ void ibk_sendlog_fini(struct ibk_sendlog *l)
 	free(l->slots);
 	free(l->inline_area);
 	memset(l, 0, sizeof(*l));
-}
-
-struct ibk_swr *ibk_sendlog_push(struct ibk_sendlog *l)
-{
-	struct ibk_swr *e;
-
-	if (l->tail - l->head >= l->cap)
-		return NULL;
-	e = &l->slots[l->tail % l->cap];
-	e->seq = l->tail++;
-	e->flags = 0;
-	e->inline_len = 0;
-	return e;
 }
 
 void ibk_sendlog_unpush(struct ibk_sendlog *l)
@@ -60,44 +54,31 @@ struct ibk_swr *ibk_sendlog_at(struct ibk_sendlog *l, uint64_t seq)
 {
 	if (seq < l->head || seq >= l->tail)
 		return NULL;
-	return &l->slots[seq % l->cap];
+	return &l->slots[seq & l->mask];
 }
 
-uint32_t ibk_sendlog_count(const struct ibk_sendlog *l)
+int ibk_recvlog_init(struct ibk_recvlog *l, uint32_t cap, int ring, void *owner)
 {
-	return (uint32_t)(l->tail - l->head);
-}
-
-void ibk_sendlog_retire_to(struct ibk_sendlog *l, uint64_t seq, struct ibk_counters *c)
-{
-	while (l->head <= seq && l->head < l->tail) {
-		struct ibk_swr *e = &l->slots[l->head % l->cap];
-
-		if (!(e->flags & IBK_SWR_FLAG_WR)) {
-			c->sends_completed++;
-			if (e->flags & IBK_SWR_CONSUMER)
-				c->consumers_done++;
-			if (e->flags & IBK_SWR_RDMA)
-				c->rdma_inflight--;
-			if (e->flags & IBK_SWR_ATOMIC)
-				c->atomic_inflight--;
-		}
-		l->head++;
-	}
-}
-
-int ibk_recvlog_init(struct ibk_recvlog *l, uint32_t cap, void *owner)
-{
-	uint32_t i;
+	uint32_t i, size = 1;
 
 	memset(l, 0, sizeof(*l));
-	l->slots = calloc(cap, sizeof(*l->slots));
+	if (ring)
+		while (size < cap)
+			size <<= 1;
+	else
+		size = cap;
+	l->slots = calloc(size, sizeof(*l->slots));
 	if (!l->slots)
 		return -ENOMEM;
 	l->cap = cap;
-	for (i = 0; i < cap; i++) {
+	l->ring = ring;
+	l->mask = ring ? size - 1 : 0;
+	for (i = 0; i < size; i++) {
 		l->slots[i].kind = IBK_KIND_RECV;
 		l->slots[i].owner = owner;
+		l->slots[i].wr.wr_id = (uintptr_t)&l->slots[i];
+		l->slots[i].wr.next = NULL;
+		l->slots[i].wr.sg_list = l->slots[i].sge;
 	}
 	return 0;
 }
@@ -108,19 +89,19 @@ void ibk_recvlog_fini(struct ibk_recvlog *l)
 	memset(l, 0, sizeof(*l));
 }
 
-struct ibk_rwr *ibk_recvlog_take(struct ibk_recvlog *l)
+struct ibk_rwr *ibk_recvlog_take_scan(struct ibk_recvlog *l)
 {
-	uint32_t n;
+	uint32_t n, i = l->hint;
 
 	if (l->live >= l->cap)
 		return NULL;
-	/* Receives mostly complete in order, so the slot after the last one
-	 * taken is nearly always free: the scan is short. */
 	for (n = 0; n < l->cap; n++) {
-		struct ibk_rwr *e = &l->slots[(l->hint + n) % l->cap];
+		struct ibk_rwr *e = &l->slots[i];
 
+		if (++i == l->cap)
+			i = 0;
 		if (!e->in_use) {
-			l->hint = (l->hint + n + 1) % l->cap;
+			l->hint = i;
 			e->in_use = 1;
 			e->seq = l->next_seq++;
 			l->live++;
@@ -128,14 +109,6 @@ struct ibk_rwr *ibk_recvlog_take(struct ibk_recvlog *l)
 		}
 	}
 	return NULL;
-}
-
-void ibk_recvlog_release(struct ibk_recvlog *l, struct ibk_rwr *e)
-{
-	if (e->in_use) {
-		e->in_use = 0;
-		l->live--;
-	}
 }
 
 static int rwr_cmp(const void *a, const void *b)
@@ -149,7 +122,13 @@ static int rwr_cmp(const void *a, const void *b)
 uint32_t ibk_recvlog_ordered(const struct ibk_recvlog *l, struct ibk_rwr **out, uint32_t max)
 {
 	uint32_t i, n = 0;
+	uint64_t seq;
 
+	if (l->ring) {
+		for (seq = l->head; seq < l->next_seq && n < max; seq++)
+			out[n++] = &l->slots[seq & l->mask];
+		return n;
+	}
 	for (i = 0; i < l->cap && n < max; i++)
 		if (l->slots[i].in_use)
 			out[n++] = &l->slots[i];

@@ -66,10 +66,22 @@ static void report_qps(char *out, size_t len)
 	FOR_EACH_OBJ(ctx, o)
 	{
 		struct ibk_qp *qp;
+		unsigned long long rdma, atomics;
+		uint64_t seq;
 
 		if (o->kind != IBK_QP)
 			continue;
 		qp = IBK_OBJ(o, ibk_qp);
+		/* RDMA and atomics in flight: counted in the log, not on the fast path */
+		rdma = atomics = 0;
+		ibk_lock(&qp->lock);
+		for (seq = qp->slog.head; seq < qp->slog.tail; seq++) {
+			uint32_t f = ibk_sendlog_at(&qp->slog, seq)->flags;
+
+			rdma += !(f & IBK_SWR_FLAG_WR) && (f & IBK_SWR_RDMA);
+			atomics += !!(f & IBK_SWR_ATOMIC);
+		}
+		ibk_unlock(&qp->lock);
 		jcat(out, len,
 		     "%s{\"qpn\":%u,\"real_qpn\":%d,\"type\":%d,\"state\":%d,\"sends_posted\":%llu,"
 		     "\"sends_completed\":%llu,\"consumers_done\":%llu,\"recvs_posted\":%llu,"
@@ -78,8 +90,8 @@ static void report_qps(char *out, size_t len)
 		     first ? "" : ",", qp->vqpn, qp->real ? (int)qp->real->qp_num : -1, qp->pub.qp_type, qp->state,
 		     (unsigned long long)qp->cnt.sends_posted, (unsigned long long)qp->cnt.sends_completed,
 		     (unsigned long long)qp->cnt.consumers_done, (unsigned long long)qp->cnt.recvs_posted,
-		     (unsigned long long)qp->cnt.recvs_completed, (unsigned long long)qp->cnt.rdma_inflight,
-		     (unsigned long long)qp->cnt.atomic_inflight, ibk_sendlog_count(&qp->slog), qp->rlog.live,
+		     (unsigned long long)qp->cnt.recvs_completed, (unsigned long long)rdma,
+		     (unsigned long long)atomics, ibk_sendlog_count(&qp->slog), ibk_recvlog_live(&qp->rlog),
 		     (unsigned long long)qp->cnt.reposted, (unsigned long long)qp->cnt.synthesized);
 		first = 0;
 	}
@@ -199,11 +211,11 @@ static int drain_post_flags(void)
 		qp = IBK_OBJ(o, ibk_qp);
 		if (qp->state != IBV_QPS_RTS || qp->flag_outstanding)
 			continue;
-		pthread_mutex_lock(&qp->lock);
+		ibk_lock(&qp->lock);
 		tail = ibk_sendlog_count(&qp->slog) ? ibk_sendlog_at(&qp->slog, qp->slog.tail - 1) : NULL;
 		if (tail && !(tail->flags & IBK_SWR_SIGNALED) && !ibk_qp_post_flag(qp))
 			n++;
-		pthread_mutex_unlock(&qp->lock);
+		ibk_unlock(&qp->lock);
 	}
 	return n;
 }
@@ -264,18 +276,18 @@ static int pending_settleable(void)
 			continue;
 		if (qp->pub.qp_type != IBV_QPT_RC)
 			return 0;
-		pthread_mutex_lock(&qp->lock);
+		ibk_lock(&qp->lock);
 		for (seq = qp->slog.head; seq < qp->slog.tail; seq++) {
 			struct ibk_swr *e = ibk_sendlog_at(&qp->slog, seq);
 
 			if (e->flags & IBK_SWR_CONSUMER)
 				break;
 			if ((e->flags & IBK_SWR_ATOMIC) || e->wr.opcode == IBV_WR_RDMA_READ) {
-				pthread_mutex_unlock(&qp->lock);
+				ibk_unlock(&qp->lock);
 				return 0;
 			}
 		}
-		pthread_mutex_unlock(&qp->lock);
+		ibk_unlock(&qp->lock);
 	}
 	return 1;
 }
@@ -546,12 +558,13 @@ static int repost_recvs(struct ibk_recvlog *log, struct ibk_qp *qp, struct ibk_s
 	uint32_t n, i;
 	int rc = 0;
 
-	if (!log->live)
+	n = ibk_recvlog_live(log);
+	if (!n)
 		return 0;
-	v = calloc(log->live, sizeof(*v));
+	v = calloc(n, sizeof(*v));
 	if (!v)
 		return -ENOMEM;
-	n = ibk_recvlog_ordered(log, v, log->live);
+	n = ibk_recvlog_ordered(log, v, n);
 	for (i = 0; i < n && !rc; i++)
 		rc = qp ? ibk_qp_post_logged_recv(qp, v[i]) : ibk_srq_post_logged_recv(srq, v[i]);
 	free(v);
@@ -744,7 +757,7 @@ static int rebuild_settle_qp(struct ibk_qp *qp)
 	uint8_t *verdict;
 	int unknown = 0, rc = 0;
 
-	pthread_mutex_lock(&qp->lock);
+	ibk_lock(&qp->lock);
 	/* the flag WR is always last: it is re-posted at the next drain if needed */
 	while (ibk_sendlog_count(&qp->slog) &&
 	       (ibk_sendlog_at(&qp->slog, qp->slog.tail - 1)->flags & IBK_SWR_FLAG_WR))
@@ -806,7 +819,7 @@ static int rebuild_settle_qp(struct ibk_qp *qp)
 	if (rc)
 		rc = -rc;
 out:
-	pthread_mutex_unlock(&qp->lock);
+	ibk_unlock(&qp->lock);
 	free(flags);
 	free(verdict);
 	return rc;

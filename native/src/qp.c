@@ -24,12 +24,6 @@ static inline uint32_t rkey_real(struct ibk_qp *qp, uint32_t v)
 	return r;
 }
 
-static int is_consumer(enum ibv_wr_opcode op)
-{
-	return op == IBV_WR_SEND || op == IBV_WR_SEND_WITH_IMM || op == IBV_WR_RDMA_WRITE_WITH_IMM ||
-	       op == IBV_WR_SEND_WITH_INV;
-}
-
 int ibk_qp_post_logged_send(struct ibk_qp *qp, struct ibk_swr *e)
 {
 	struct ibk_ctx *ctx = qp->obj.ctx;
@@ -110,6 +104,7 @@ int ibk_qp_post_flag(struct ibk_qp *qp)
 	if (!e)
 		return -ENOSPC;
 	memset(&e->wr, 0, sizeof(e->wr));
+	e->wr.wr_id = (uintptr_t)e;
 	e->flags = IBK_SWR_FLAG_WR | IBK_SWR_SIGNALED;
 	e->wr.send_flags = IBV_SEND_SIGNALED;
 	e->wr.num_sge = 0;
@@ -138,156 +133,224 @@ int ibk_qp_post_flag(struct ibk_qp *qp)
 	return 0;
 }
 
-/* Copy one app WR into a log entry. */
-static int swr_fill(struct ibk_qp *qp, struct ibk_swr *e, const struct ibv_send_wr *w)
-{
-	int i;
+/* What each opcode is, for the log and the counters (CONSUMER only on RC:
+ * qp->flag_mask drops it elsewhere). */
+static const uint8_t op_flags[16] = {
+	[IBV_WR_RDMA_WRITE] = IBK_SWR_RDMA,
+	[IBV_WR_RDMA_WRITE_WITH_IMM] = IBK_SWR_RDMA | IBK_SWR_CONSUMER,
+	[IBV_WR_SEND] = IBK_SWR_CONSUMER,
+	[IBV_WR_SEND_WITH_IMM] = IBK_SWR_CONSUMER,
+	[IBV_WR_RDMA_READ] = IBK_SWR_RDMA,
+	[IBV_WR_ATOMIC_CMP_AND_SWP] = IBK_SWR_ATOMIC,
+	[IBV_WR_ATOMIC_FETCH_AND_ADD] = IBK_SWR_ATOMIC,
+	[IBV_WR_SEND_WITH_INV] = IBK_SWR_CONSUMER,
+};
 
-	if (w->num_sge < 0 || w->num_sge > IBK_MAX_SGE)
+/* memcpy for the short payloads inline sends carry, without a libc call. */
+static inline void copy_small(uint8_t *d, const uint8_t *s, uint32_t n)
+{
+	uint64_t a, b;
+
+	if (n >= 8 && n <= 16) {
+		memcpy(&a, s, 8);
+		memcpy(&b, s + n - 8, 8);
+		memcpy(d, &a, 8);
+		memcpy(d + n - 8, &b, 8);
+	} else {
+		memcpy(d, s, n);
+	}
+}
+
+/* Copy one app WR into its log entry: the one copy the shim keeps, and
+ * (virtual ids permitting) the very WR the real QP is given.  The entry's
+ * wr_id, next and sg_list are fixed at log creation. */
+static inline int swr_fill(struct ibk_qp *qp, struct ibk_swr *e, const struct ibv_send_wr *w)
+{
+	int i, n = w->num_sge;
+	uint32_t f;
+
+	if (__builtin_expect((unsigned)n > IBK_MAX_SGE, 0))
 		return EINVAL;
 	e->app_wr_id = w->wr_id;
-	e->wr = *w;
-	e->wr.next = NULL;
-	e->wr.sg_list = e->sge;
-	for (i = 0; i < w->num_sge; i++)
-		e->sge[i] = w->sg_list[i];
-	if (w->send_flags & IBV_SEND_INLINE) {
+	e->wr.opcode = w->opcode;
+	e->wr.send_flags = w->send_flags;
+	e->wr.imm_data = w->imm_data;
+	e->wr.wr = w->wr;
+	e->wr.qp_type = w->qp_type;
+	if (__builtin_expect(w->opcode == IBV_WR_BIND_MW || w->opcode == IBV_WR_TSO, 0))
+		e->wr.bind_mw = w->bind_mw; /* the larger member of that union */
+	if (__builtin_expect(w->send_flags & IBV_SEND_INLINE, 0) == 0) {
+		e->wr.num_sge = n;
+		if (__builtin_expect(n == 1, 1))
+			e->sge[0] = w->sg_list[0];
+		else
+			for (i = 0; i < n; i++)
+				e->sge[i] = w->sg_list[i];
+	} else {
+		/* Replay needs the bytes, so the inline payload is sent from the
+		 * log's copy, which also frees the app's buffer at once. */
 		uint32_t len = 0;
 
-		for (i = 0; i < w->num_sge; i++) {
-			if (len + w->sg_list[i].length > qp->slog.max_inline)
+		for (i = 0; i < n; i++) {
+			uint32_t l = w->sg_list[i].length;
+
+			if (l > qp->slog.max_inline - len)
 				return EINVAL;
-			memcpy(e->inline_buf + len, (void *)(uintptr_t)w->sg_list[i].addr, w->sg_list[i].length);
-			len += w->sg_list[i].length;
+			copy_small(e->inline_buf + len, (const uint8_t *)(uintptr_t)w->sg_list[i].addr, l);
+			len += l;
 		}
 		e->inline_len = len;
+		e->sge[0].addr = (uintptr_t)e->inline_buf;
+		e->sge[0].length = len;
+		e->sge[0].lkey = 0;
+		e->wr.num_sge = len ? 1 : 0;
 	}
-	if ((w->send_flags & IBV_SEND_SIGNALED) || qp->init.sq_sig_all)
-		e->flags |= IBK_SWR_SIGNALED;
-	if (qp->pub.qp_type == IBV_QPT_RC && is_consumer(w->opcode))
-		e->flags |= IBK_SWR_CONSUMER;
-	if (w->opcode == IBV_WR_RDMA_WRITE || w->opcode == IBV_WR_RDMA_WRITE_WITH_IMM ||
-	    w->opcode == IBV_WR_RDMA_READ)
-		e->flags |= IBK_SWR_RDMA;
-	if (w->opcode == IBV_WR_ATOMIC_CMP_AND_SWP || w->opcode == IBV_WR_ATOMIC_FETCH_AND_ADD)
-		e->flags |= IBK_SWR_ATOMIC;
+	f = (unsigned)w->opcode < 16 ? op_flags[w->opcode] & qp->flag_mask : 0;
+	f |= ((w->send_flags & IBV_SEND_SIGNALED) ? IBK_SWR_SIGNALED : 0) | qp->sig_all;
+	e->flags = f;
 	return 0;
 }
 
 int ibk_post_send(struct ibv_qp *q, struct ibv_send_wr *wr, struct ibv_send_wr **bad)
 {
 	struct ibk_qp *qp = (struct ibk_qp *)q;
+	struct ibv_send_wr *rbad;
 	int rc = 0;
 
 	ibk_enter();
-	pthread_mutex_lock(&qp->lock);
+	ibk_lock(&qp->lock);
 	for (; wr; wr = wr->next) {
-		/* Keep the flag WR's slot free: the app sees one slot less. */
-		struct ibk_swr *e = ibk_sendlog_count(&qp->slog) + 1 < qp->slog.cap ? ibk_sendlog_push(&qp->slog)
-										     : NULL;
+		struct ibk_swr *e;
 
-		if (!e) {
+		/* Keep the flag WR's slot free: the app sees one slot less. */
+		if (__builtin_expect(ibk_sendlog_count(&qp->slog) + 1 >= qp->slog.cap, 0)) {
 			rc = ENOMEM;
 			break;
 		}
+		e = &qp->slog.slots[qp->slog.tail & qp->slog.mask];
+		e->seq = qp->slog.tail++;
 		rc = swr_fill(qp, e, wr);
-		if (!rc)
-			rc = ibk_qp_post_logged_send(qp, e);
-		if (rc) {
+		if (__builtin_expect(!rc, 1)) {
+			/* Before any rebuild a non-UD WR needs no translation: the
+			 * log entry itself is posted. */
+			if (__builtin_expect(!(qp->ud | qp->obj.ctx->translate | qp->peer.rkeys_translate), 1))
+				rc = qp->post_send_fn(qp->real, &e->wr, &rbad);
+			else
+				rc = ibk_qp_post_logged_send(qp, e);
+		}
+		if (__builtin_expect(rc != 0, 0)) {
 			ibk_sendlog_unpush(&qp->slog);
 			break;
 		}
 		qp->cnt.sends_posted++;
-		if (e->flags & IBK_SWR_CONSUMER)
-			qp->cnt.consumers_posted++;
-		if (e->flags & IBK_SWR_RDMA)
-			qp->cnt.rdma_inflight++;
-		if (e->flags & IBK_SWR_ATOMIC)
-			qp->cnt.atomic_inflight++;
 	}
-	pthread_mutex_unlock(&qp->lock);
+	ibk_unlock(&qp->lock);
 	ibk_leave();
-	if (rc)
+	if (__builtin_expect(rc != 0, 0))
 		*bad = wr;
 	return rc;
 }
 
-static int post_real_recv(struct ibk_ctx *ctx, struct ibv_qp *rqp, struct ibv_srq *rsrq, struct ibk_rwr *e)
+/* After a rebuild: a copy of the WR with real lkeys. */
+static __attribute__((noinline)) int post_real_recv_translated(struct ibk_ctx *ctx, struct ibk_qp *qp,
+							       struct ibk_srq *srq, struct ibk_rwr *e)
 {
-	struct ibv_recv_wr w, *bad;
+	struct ibv_recv_wr w = e->wr, *bad;
 	struct ibv_sge sge[IBK_MAX_SGE];
 	int i;
 
-	for (i = 0; i < e->num_sge; i++) {
+	for (i = 0; i < e->wr.num_sge; i++) {
 		sge[i] = e->sge[i];
 		sge[i].lkey = lkey_real(ctx, e->sge[i].lkey);
 	}
-	w.wr_id = (uintptr_t)e;
-	w.next = NULL;
 	w.sg_list = sge;
-	w.num_sge = e->num_sge;
-	if (rsrq)
-		return rsrq->context->ops.post_srq_recv(rsrq, &w, &bad);
-	return rqp->context->ops.post_recv(rqp, &w, &bad);
+	if (srq)
+		return srq->post_recv_fn(srq->real, &w, &bad);
+	return qp->post_recv_fn(qp->real, &w, &bad);
+}
+
+/* Post one logged receive: the log entry itself unless keys need translating. */
+static inline __attribute__((always_inline)) int post_real_recv(struct ibk_ctx *ctx, struct ibk_qp *qp,
+								struct ibk_srq *srq, struct ibk_rwr *e)
+{
+	struct ibv_recv_wr *bad;
+
+	if (__builtin_expect(ctx->translate, 0))
+		return post_real_recv_translated(ctx, qp, srq, e);
+	if (srq)
+		return srq->post_recv_fn(srq->real, &e->wr, &bad);
+	return qp->post_recv_fn(qp->real, &e->wr, &bad);
 }
 
 int ibk_qp_post_logged_recv(struct ibk_qp *qp, struct ibk_rwr *e)
 {
-	return post_real_recv(qp->obj.ctx, qp->real, NULL, e);
+	return post_real_recv(qp->obj.ctx, qp, NULL, e);
 }
 
 int ibk_srq_post_logged_recv(struct ibk_srq *srq, struct ibk_rwr *e)
 {
-	return post_real_recv(srq->obj.ctx, NULL, srq->real, e);
+	return post_real_recv(srq->obj.ctx, NULL, srq, e);
 }
 
 /* Shared by QP and SRQ receive posting. */
-int ibk_post_recv_common(struct ibk_recvlog *log, pthread_mutex_t *lock, struct ibk_counters *cnt,
-			 struct ibk_qp *qp, struct ibk_srq *srq, struct ibv_recv_wr *wr, struct ibv_recv_wr **bad)
+static inline __attribute__((always_inline)) int post_recv_common(struct ibk_recvlog *log, ibk_lock_t *lock, struct ibk_counters *cnt,
+				   struct ibk_ctx *ctx, struct ibk_qp *qp, struct ibk_srq *srq,
+				   struct ibv_recv_wr *wr, struct ibv_recv_wr **bad)
 {
 	int rc = 0, i;
 
 	ibk_enter();
-	pthread_mutex_lock(lock);
+	ibk_lock(lock);
 	for (; wr; wr = wr->next) {
 		struct ibk_rwr *e;
+		int n = wr->num_sge;
 
-		if (wr->num_sge < 0 || wr->num_sge > IBK_MAX_SGE) {
+		if (__builtin_expect((unsigned)n > IBK_MAX_SGE, 0)) {
 			rc = EINVAL;
 			break;
 		}
 		e = ibk_recvlog_take(log);
-		if (!e) {
+		if (__builtin_expect(!e, 0)) {
 			rc = ENOMEM;
 			break;
 		}
 		e->app_wr_id = wr->wr_id;
-		e->num_sge = wr->num_sge;
-		for (i = 0; i < wr->num_sge; i++)
-			e->sge[i] = wr->sg_list[i];
-		rc = qp ? ibk_qp_post_logged_recv(qp, e) : ibk_srq_post_logged_recv(srq, e);
-		if (rc) {
-			ibk_recvlog_release(log, e);
+		e->wr.num_sge = n;
+		if (__builtin_expect(n == 1, 1))
+			e->sge[0] = wr->sg_list[0];
+		else
+			for (i = 0; i < n; i++)
+				e->sge[i] = wr->sg_list[i];
+		rc = post_real_recv(ctx, qp, srq, e);
+		if (__builtin_expect(rc != 0, 0)) {
+			ibk_recvlog_untake(log, e);
 			break;
 		}
 		cnt->recvs_posted++;
 	}
-	pthread_mutex_unlock(lock);
+	ibk_unlock(lock);
 	ibk_leave();
-	if (rc)
+	if (__builtin_expect(rc != 0, 0))
 		*bad = wr;
 	return rc;
+}
+
+int ibk_post_srq_recv(struct ibv_srq *s, struct ibv_recv_wr *wr, struct ibv_recv_wr **bad)
+{
+	struct ibk_srq *srq = (struct ibk_srq *)s;
+
+	return post_recv_common(&srq->rlog, &srq->lock, &srq->cnt, srq->obj.ctx, NULL, srq, wr, bad);
 }
 
 int ibk_post_recv(struct ibv_qp *q, struct ibv_recv_wr *wr, struct ibv_recv_wr **bad)
 {
 	struct ibk_qp *qp = (struct ibk_qp *)q;
 
-	if (qp->srq) {
+	if (__builtin_expect(qp->srq != NULL, 0)) {
 		*bad = wr;
 		return EINVAL;
 	}
-	return ibk_post_recv_common(&qp->rlog, &qp->rlock, &qp->cnt, qp, NULL, wr, bad);
+	return post_recv_common(&qp->rlog, &qp->rlock, &qp->cnt, qp->obj.ctx, qp, NULL, wr, bad);
 }
 
 /* ---- creation --------------------------------------------------------------- */
@@ -305,6 +368,8 @@ int ibk_qp_create_real(struct ibk_qp *qp)
 	qp->real = ibk_real.create_qp(qp->pd->real, &a);
 	if (!qp->real)
 		return errno ? -errno : -EIO;
+	qp->post_send_fn = qp->real->context->ops.post_send;
+	qp->post_recv_fn = qp->real->context->ops.post_recv;
 	pthread_mutex_lock(&ctx->lock);
 	ibk_idmap_put(&ctx->rqpns, qp->real->qp_num, qp->slot);
 	pthread_mutex_unlock(&ctx->lock);
@@ -353,8 +418,11 @@ static struct ibv_qp *qp_create(struct ibv_pd *p, struct ibv_qp_init_attr *attr)
 	qp->rcq = (struct ibk_cq *)attr->recv_cq;
 	qp->srq = (struct ibk_srq *)attr->srq;
 	qp->init = *attr;
-	pthread_mutex_init(&qp->lock, NULL);
-	pthread_mutex_init(&qp->rlock, NULL);
+	ibk_lock_init(&qp->lock);
+	ibk_lock_init(&qp->rlock);
+	qp->ud = attr->qp_type == IBV_QPT_UD;
+	qp->flag_mask = attr->qp_type == IBV_QPT_RC ? ~0u : ~(uint32_t)IBK_SWR_CONSUMER;
+	qp->sig_all = attr->sq_sig_all ? IBK_SWR_SIGNALED : 0;
 	if (ibk_idmap_init(&qp->peer.rkeys, 16))
 		goto fail;
 	qp->slot = qp_slot_take(ctx, qp);
@@ -373,7 +441,7 @@ static struct ibv_qp *qp_create(struct ibv_pd *p, struct ibv_qp_init_attr *attr)
 	if (ibk_sendlog_init(&qp->slog, qp->real_cap.max_send_wr, qp->real_cap.max_inline_data, &qp->obj))
 		goto fail_real;
 	rcap = qp->srq ? 1 : qp->real_cap.max_recv_wr;
-	if (ibk_recvlog_init(&qp->rlog, rcap ? rcap : 1, &qp->obj))
+	if (ibk_recvlog_init(&qp->rlog, rcap ? rcap : 1, 1, &qp->obj))
 		goto fail_real;
 	pthread_mutex_lock(&ctx->lock);
 	qp->vqpn = ibk_idmap_choose(&ctx->qpns, qp->real->qp_num, 0x800000u, 0xffffffu);
@@ -482,7 +550,7 @@ IBK_EXPORT int ibv_modify_qp(struct ibv_qp *q, struct ibv_qp_attr *attr, int mas
 	int rc;
 
 	ibk_enter();
-	pthread_mutex_lock(&qp->lock);
+	ibk_lock(&qp->lock);
 	if (mask & IBV_QP_AV) {
 		qp->peer.valid = 1;
 		qp->peer.vgid = attr->ah_attr.grh.dgid;
@@ -509,7 +577,7 @@ IBK_EXPORT int ibv_modify_qp(struct ibv_qp *q, struct ibv_qp_attr *attr, int mas
 			qp->pub.state = attr->qp_state;
 		}
 	}
-	pthread_mutex_unlock(&qp->lock);
+	ibk_unlock(&qp->lock);
 	ibk_leave();
 	return rc;
 }

@@ -2,9 +2,11 @@
  * helpers: logging, the gate and the object lists. */
 #include <dlfcn.h>
 #include <errno.h>
+#include <linux/futex.h>
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -175,6 +177,20 @@ void ibk_gate_open(void)
 	atomic_store(&ibk_gate_closed, 0);
 	pthread_cond_broadcast(&gate_cond);
 	pthread_mutex_unlock(&gate_lock);
+}
+
+/* ---- the fast-path lock ------------------------------------------------------ */
+
+void ibk_lock_slow(ibk_lock_t *l)
+{
+	/* Mark the lock contended, and sleep while somebody else holds it. */
+	while (atomic_exchange_explicit(&l->v, 2, memory_order_acquire) != 0)
+		syscall(SYS_futex, &l->v, FUTEX_WAIT_PRIVATE, 2, NULL, NULL, 0);
+}
+
+void ibk_unlock_wake(ibk_lock_t *l)
+{
+	syscall(SYS_futex, &l->v, FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0);
 }
 
 /* ---- object lists ---------------------------------------------------------- */

@@ -106,6 +106,39 @@ static inline void ibk_leave(void)
 	atomic_fetch_sub_explicit(&ibk_gate_inside, 1, memory_order_release);
 }
 
+/* ---- a small lock for the fast path ---------------------------------------- */
+
+/* A futex lock (0 free, 1 held, 2 held with waiters): one locked RMW to take
+ * it and one to give it back when nobody waits, against some 55 instructions
+ * for a pthread mutex pair.  Zeroed memory is an unlocked lock. */
+typedef struct {
+	atomic_int v;
+} ibk_lock_t;
+
+void ibk_lock_slow(ibk_lock_t *l);
+void ibk_unlock_wake(ibk_lock_t *l);
+
+static inline void ibk_lock_init(ibk_lock_t *l)
+{
+	atomic_init(&l->v, 0);
+}
+
+static inline void ibk_lock(ibk_lock_t *l)
+{
+	int z = 0;
+
+	if (__builtin_expect(!atomic_compare_exchange_strong_explicit(&l->v, &z, 1, memory_order_acquire,
+								      memory_order_relaxed),
+			     0))
+		ibk_lock_slow(l);
+}
+
+static inline void ibk_unlock(ibk_lock_t *l)
+{
+	if (__builtin_expect(atomic_exchange_explicit(&l->v, 0, memory_order_release) != 1, 0))
+		ibk_unlock_wake(l);
+}
+
 /* ---- shadow objects ------------------------------------------------------ */
 
 enum ibk_kind { IBK_PD = 1, IBK_MR, IBK_CHAN, IBK_CQ, IBK_SRQ, IBK_QP, IBK_AH };
@@ -177,7 +210,8 @@ struct ibk_cq {
 	struct ibk_chan *chan;
 	int cqe_req;
 	int comp_vector;
-	pthread_mutex_t lock; /* private queue and translation */
+	int (*poll_fn)(struct ibv_cq *, int, struct ibv_wc *); /* the real CQ's */
+	ibk_lock_t lock; /* private queue */
 	struct ibk_wcq pq;
 	atomic_uint pq_len; /* fast-path check without the lock */
 	int armed, solicited;
@@ -194,8 +228,6 @@ int ibk_chan_create_real(struct ibk_chan *ch, int stable_fd);
 int ibk_chan_release_real(struct ibk_chan *ch);
 void ibk_chan_wake_all(int on);
 int ibk_ah_create_real(struct ibk_ah *ah);
-int ibk_post_recv_common(struct ibk_recvlog *log, pthread_mutex_t *lock, struct ibk_counters *cnt,
-			 struct ibk_qp *qp, struct ibk_srq *srq, struct ibv_recv_wr *wr, struct ibv_recv_wr **bad);
 
 struct ibk_srq {
 	struct ibv_srq pub;
@@ -203,7 +235,8 @@ struct ibk_srq {
 	struct ibv_srq *real;
 	struct ibk_pd *pd;
 	struct ibv_srq_init_attr attr;
-	pthread_mutex_t lock;
+	int (*post_recv_fn)(struct ibv_srq *, struct ibv_recv_wr *, struct ibv_recv_wr **); /* real's */
+	ibk_lock_t lock;
 	struct ibk_recvlog rlog;
 	struct ibk_counters cnt;
 };
@@ -233,8 +266,14 @@ struct ibk_qp {
 	struct ibk_srq *srq;
 	struct ibv_qp_init_attr init; /* with shadow pointers */
 	uint32_t vqpn;
-	pthread_mutex_t lock; /* send side log and counters */
-	pthread_mutex_t rlock; /* receive side log */
+	/* the real QP's post verbs, looked up once per incarnation */
+	int (*post_send_fn)(struct ibv_qp *, struct ibv_send_wr *, struct ibv_send_wr **);
+	int (*post_recv_fn)(struct ibv_qp *, struct ibv_recv_wr *, struct ibv_recv_wr **);
+	int ud;             /* UD: every send needs its AH translated */
+	uint32_t flag_mask; /* log flags this QP type keeps (no CONSUMER but on RC) */
+	uint32_t sig_all;   /* IBK_SWR_SIGNALED if sq_sig_all */
+	ibk_lock_t lock;  /* send side log and counters */
+	ibk_lock_t rlock; /* receive side log */
 	struct ibk_sendlog slog;
 	struct ibk_recvlog rlog;
 	struct ibk_counters cnt;

@@ -10,6 +10,8 @@ int ibk_srq_create_real(struct ibk_srq *srq)
 
 	a.srq_context = srq;
 	srq->real = ibk_real.create_srq(srq->pd->real, &a);
+	if (srq->real)
+		srq->post_recv_fn = srq->real->context->ops.post_srq_recv;
 	return srq->real ? 0 : (errno ? -errno : -EIO);
 }
 
@@ -29,7 +31,7 @@ IBK_EXPORT struct ibv_srq *ibv_create_srq(struct ibv_pd *p, struct ibv_srq_init_
 	srq->obj.ctx = pd->obj.ctx;
 	srq->pd = pd;
 	srq->attr = *attr;
-	pthread_mutex_init(&srq->lock, NULL);
+	ibk_lock_init(&srq->lock);
 	ibk_enter();
 	if (ibk_srq_create_real(srq)) {
 		ibk_leave();
@@ -39,7 +41,7 @@ IBK_EXPORT struct ibv_srq *ibv_create_srq(struct ibv_pd *p, struct ibv_srq_init_
 	ibk_leave();
 	/* the provider may round max_wr up: write it back like the real verb */
 	attr->attr = srq->attr.attr;
-	if (ibk_recvlog_init(&srq->rlog, srq->attr.attr.max_wr * 2 + 1, &srq->obj)) {
+	if (ibk_recvlog_init(&srq->rlog, srq->attr.attr.max_wr * 2 + 1, 0, &srq->obj)) {
 		ibk_real.destroy_srq(srq->real);
 		free(srq);
 		return NULL;
@@ -52,13 +54,6 @@ IBK_EXPORT struct ibv_srq *ibv_create_srq(struct ibv_pd *p, struct ibv_srq_init_
 	pthread_cond_init(&srq->pub.cond, NULL);
 	ibk_obj_add(pd->obj.ctx, &srq->obj, IBK_SRQ);
 	return &srq->pub;
-}
-
-int ibk_post_srq_recv(struct ibv_srq *s, struct ibv_recv_wr *wr, struct ibv_recv_wr **bad)
-{
-	struct ibk_srq *srq = (struct ibk_srq *)s;
-
-	return ibk_post_recv_common(&srq->rlog, &srq->lock, &srq->cnt, NULL, srq, wr, bad);
 }
 
 IBK_EXPORT int ibv_modify_srq(struct ibv_srq *s, struct ibv_srq_attr *attr, int mask)
