@@ -51,10 +51,20 @@ agent() {{
   cmd=$1; shift
   {python} -m ibckpt_node.agent_cli $cmd --coordinator {addr}:{port} --node node-$IBCKPT_NODE "$@"
 }}
+# A rank's control socket has refused connections for some seconds after a restore (not understood
+# yet, docs/node-agent.md): retry for up to 30 s, and say when and what the rank holds meanwhile.
 status_all() {{
   label=$1; shift
   for r in "$@"; do
-    {python} -m ibckpt_native.control /run/ibckpt/r$r.ctl status > {work}/status-$label-r$r.json
+    for try in $(seq 30); do
+      {python} -m ibckpt_native.control /run/ibckpt/r$r.ctl status > {work}/status-$label-r$r.json && break
+      {{ echo "$(date +%T.%N) status of rank $r refused (try $try); listeners and the rank's fds:"
+        grep ' 00010000 0001 ' /proc/net/unix || true
+        for p in $(pgrep -f "a2a_seq -n .* -r $r " || true); do ls -l /proc/$p/fd || true; done
+      }} >> {work}/status-diag.err 2>&1
+      sleep 1
+    done
+    [ -s {work}/status-$label-r$r.json ]
   done
 }}
 """

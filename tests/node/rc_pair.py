@@ -149,9 +149,10 @@ pid=$({python} -c "import json,sys; print(json.load(open(sys.argv[1]))['restored
   {work}/restore-node-$IBCKPT_NODE.json $key)
 echo "restored $key as pid $pid on node-$IBCKPT_NODE"
 sleep 3  # traffic after the move
-for _ in 1 2 3 4 5; do
+for try in $(seq 30); do  # see a2a_job.status_all: retried for up to 30 s
   {python} -m ibckpt_native.control /run/ibckpt/$role.ctl status > {work}/status-$role.json && break
-  ls -l /run/ibckpt/ >&2; sleep 1
+  echo "$(date +%T.%N) status of $key refused (try $try)" >> {work}/status-diag.err
+  ls -l /run/ibckpt/ /proc/$pid/fd >> {work}/status-diag.err 2>&1 || true; sleep 1
 done
 # Diagnostics only (callers with status_after=False tolerate a refused status): never fail here.
 [ -s {work}/status-$role.json ] || {{
