@@ -59,8 +59,8 @@ status_all() {{
     for try in $(seq 30); do
       {python} -m ibckpt_native.control /run/ibckpt/r$r.ctl status > {work}/status-$label-r$r.json && break
       {{ echo "$(date +%T.%N) status of rank $r refused (try $try); listeners and the rank's fds:"
-        grep ' 00010000 0001 ' /proc/net/unix || true
-        for p in $(pgrep -f "a2a_seq -n .* -r $r " || true); do ls -l /proc/$p/fd || true; done
+        cat /proc/net/unix; ps -eo pid,ppid,stat,comm | grep -v ' ps$' || true
+        for p in $(pgrep a2a_seq || true); do ls -l /proc/$p/fd /proc/$p/ns || true; done
       }} >> {work}/status-diag.err 2>&1
       sleep 1
     done
