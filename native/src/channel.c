@@ -47,14 +47,28 @@ static struct ibk_cq *chan_pop_event(struct ibk_chan *ch)
 	return cq;
 }
 
-/* Read one real event without blocking and queue it; 1 if one was read. */
+/* Read one real event without blocking and queue it; 1 if one was read.
+ * The real fd keeps the blocking mode the app chose (UCX, for one, sets
+ * O_NONBLOCK and expects EAGAIN), so readiness is checked with poll()
+ * first, under rd_lock so that two readers never race for one event. */
 static int chan_read_real(struct ibk_chan *ch)
 {
 	struct ibv_cq *rcq;
 	void *cqctx;
 	struct ibk_cq *cq;
+	struct pollfd p;
+	int got;
 
-	if (!ch->real || ibk_real.get_cq_event(ch->real, &rcq, &cqctx))
+	if (!ch->real)
+		return 0;
+	pthread_mutex_lock(&ch->rd_lock);
+	p.fd = ch->real->fd;
+	p.events = POLLIN;
+	p.revents = 0;
+	got = poll(&p, 1, 0) == 1 && (p.revents & POLLIN) &&
+	      !ibk_real.get_cq_event(ch->real, &rcq, &cqctx);
+	pthread_mutex_unlock(&ch->rd_lock);
+	if (!got)
 		return 0;
 	cq = cqctx; /* the real CQ's context is its shadow */
 	ibk_real.ack_cq_events(rcq, 1);
@@ -87,8 +101,10 @@ int ibk_chan_create_real(struct ibk_chan *ch, int stable_fd)
 		close(ch->real->fd);
 		ch->real->fd = stable_fd;
 	}
+	/* A new real file after a rebuild: give it the app's blocking mode. */
 	fl = fcntl(ch->real->fd, F_GETFL);
-	fcntl(ch->real->fd, F_SETFL, fl | O_NONBLOCK);
+	if (fl >= 0 && ch->app_nonblock && !(fl & O_NONBLOCK))
+		fcntl(ch->real->fd, F_SETFL, fl | O_NONBLOCK);
 	return 0;
 }
 
@@ -100,6 +116,7 @@ int ibk_chan_release_real(struct ibk_chan *ch)
 
 	if (!ch->real)
 		return 0;
+	ch->app_nonblock = (fcntl(ch->pub.fd, F_GETFL) & O_NONBLOCK) != 0;
 	keep = dup(ch->real->fd);
 	ph = eventfd(0, EFD_CLOEXEC);
 	if (keep < 0 || ph < 0)
@@ -122,6 +139,7 @@ IBK_EXPORT struct ibv_comp_channel *ibv_create_comp_channel(struct ibv_context *
 		return NULL;
 	ch->obj.ctx = ctx;
 	pthread_mutex_init(&ch->lock, NULL);
+	pthread_mutex_init(&ch->rd_lock, NULL);
 	ch->wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
 	ibk_enter();
 	if (ibk_chan_create_real(ch, -1)) {
@@ -176,6 +194,13 @@ IBK_EXPORT int ibv_get_cq_event(struct ibv_comp_channel *c, struct ibv_cq **cq_o
 			*ctx_out = cq->pub.cq.cq_context;
 			ibk_leave();
 			return 0;
+		}
+		/* Like libibverbs' read() of the channel fd: a non-blocking
+		 * fd gives EAGAIN instead of waiting. */
+		if (fcntl(ch->pub.fd, F_GETFL) & O_NONBLOCK) {
+			ibk_leave();
+			errno = EAGAIN;
+			return -1;
 		}
 		p[0].fd = ch->pub.fd;
 		p[0].events = POLLIN;

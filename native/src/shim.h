@@ -193,7 +193,9 @@ struct ibk_chan {
 	struct ibk_obj obj;
 	struct ibv_comp_channel *real;
 	int wake_fd; /* eventfd: readable while the gate is closed */
+	int app_nonblock; /* O_NONBLOCK as the app left it on its fd, carried across a rebuild */
 	pthread_mutex_t lock;
+	pthread_mutex_t rd_lock; /* one reader of the real fd at a time */
 	struct ibk_cq **events;
 	uint32_t ev_cap, ev_head, ev_tail;
 };

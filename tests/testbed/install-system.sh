@@ -9,6 +9,8 @@ packages=(
   # RDMA userspace (host-built programs run unchanged in the guest)
   rdma-core ibverbs-utils ibverbs-providers rdmacm-utils perftest
   python3-pyverbs libibverbs-dev librdmacm-dev
+  # MPI over verbs (docs/mpi.md): Open MPI 4.1 with UCX, and UCX's own perftest
+  openmpi-bin libopenmpi-dev ucx-utils
   # process checkpointing
   criu iptables
   # kube-apiserver build from Debian's source package
