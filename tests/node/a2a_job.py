@@ -60,7 +60,9 @@ status_all() {{
       {python} -m ibckpt_native.control /run/ibckpt/r$r.ctl status > {work}/status-$label-r$r.json && break
       {{ echo "$(date +%T.%N) status of rank $r refused (try $try); listeners and the rank's fds:"
         cat /proc/net/unix; ps -eo pid,ppid,stat,comm | grep -v ' ps$' || true
-        for p in $(pgrep a2a_seq || true); do ls -l /proc/$p/fd /proc/$p/ns || true; done
+        for p in $(pgrep a2a_seq || true) $(cat {work}/r$r.pid); do
+          head -12 /proc/$p/status || true; ls -l /proc/$p/fd /proc/$p/ns || true; done
+        ls -l /proc/self/ns; tail -5 /proc/net/unix; dmesg | tail -5
       }} >> {work}/status-diag.err 2>&1
       sleep 1
     done
