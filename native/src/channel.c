@@ -1,12 +1,17 @@
-/* Completion channels.  The app's channel fd number stays the same for the
- * life of the channel (the real fd is dup2'ed onto it at every rebuild);
- * events are read by the shim and queued per shadow channel, so that a
- * thread blocked in ibv_get_cq_event can be parked for a checkpoint. */
+/* Completion channels.  The app's channel fd is an epoll fd the shim owns,
+ * holding the real channel's fd and a "pending" eventfd.  It is the same open
+ * file for the life of the channel, so an app (UCX, for one) that put it in
+ * its own epoll set keeps being woken after a release and rebuild, which
+ * only swap the real fd inside it.  It is readable while the real channel
+ * has an event or the shim holds queued ones (drained for a checkpoint).
+ * Events are read by the shim, so that a thread blocked in ibv_get_cq_event
+ * can be parked for a checkpoint. */
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 
@@ -32,6 +37,11 @@ int ibk_chan_push_event(struct ibk_chan *ch, struct ibk_cq *cq)
 		ch->ev_tail = n;
 	}
 	ch->events[ch->ev_tail++ % ch->ev_cap] = cq;
+	if (!ch->pending_on) {
+		uint64_t one = 1;
+
+		ch->pending_on = write(ch->pending_fd, &one, sizeof(one)) == sizeof(one);
+	}
 	pthread_mutex_unlock(&ch->lock);
 	return 0;
 }
@@ -43,88 +53,85 @@ static struct ibk_cq *chan_pop_event(struct ibk_chan *ch)
 	pthread_mutex_lock(&ch->lock);
 	if (ch->ev_head != ch->ev_tail)
 		cq = ch->events[ch->ev_head++ % ch->ev_cap];
+	if (ch->pending_on && ch->ev_head == ch->ev_tail) {
+		uint64_t v;
+
+		ch->pending_on = !(read(ch->pending_fd, &v, sizeof(v)) == sizeof(v));
+	}
 	pthread_mutex_unlock(&ch->lock);
 	return cq;
 }
 
-/* Read one real event without blocking and queue it; 1 if one was read.
- * The real fd keeps the blocking mode the app chose (UCX, for one, sets
- * O_NONBLOCK and expects EAGAIN), so readiness is checked with poll()
- * first, under rd_lock so that two readers never race for one event. */
-static int chan_read_real(struct ibk_chan *ch)
+/* Read one real event without blocking (the real fd is always O_NONBLOCK);
+ * its shadow CQ, or NULL.  rd_lock: two readers never race for one event. */
+static struct ibk_cq *chan_read_real(struct ibk_chan *ch)
 {
 	struct ibv_cq *rcq;
 	void *cqctx;
 	struct ibk_cq *cq;
-	struct pollfd p;
 	int got;
 
 	if (!ch->real)
-		return 0;
+		return NULL;
 	pthread_mutex_lock(&ch->rd_lock);
-	p.fd = ch->real->fd;
-	p.events = POLLIN;
-	p.revents = 0;
-	got = poll(&p, 1, 0) == 1 && (p.revents & POLLIN) &&
-	      !ibk_real.get_cq_event(ch->real, &rcq, &cqctx);
+	got = !ibk_real.get_cq_event(ch->real, &rcq, &cqctx);
 	pthread_mutex_unlock(&ch->rd_lock);
 	if (!got)
-		return 0;
+		return NULL;
 	cq = cqctx; /* the real CQ's context is its shadow */
 	ibk_real.ack_cq_events(rcq, 1);
 	cq->armed = 0;
-	ibk_chan_push_event(ch, cq);
-	return 1;
+	return cq;
 }
 
+/* For drain: move every real event into the channel's queue. */
 int ibk_chan_drain_real(struct ibk_chan *ch)
 {
+	struct ibk_cq *cq;
 	int n = 0;
 
-	while (chan_read_real(ch))
+	while ((cq = chan_read_real(ch))) {
+		ibk_chan_push_event(ch, cq);
 		n++;
+	}
 	return n;
 }
 
-int ibk_chan_create_real(struct ibk_chan *ch, int stable_fd)
+int ibk_chan_create_real(struct ibk_chan *ch)
 {
 	struct ibk_ctx *ctx = ch->obj.ctx;
+	struct epoll_event ev = { .events = EPOLLIN };
 	int fl;
 
 	ch->real = ibk_real.create_comp_channel(ctx->real);
 	if (!ch->real)
 		return errno ? -errno : -EIO;
-	if (stable_fd >= 0 && ch->real->fd != stable_fd) {
-		/* Put the new channel under the number the app already knows. */
-		if (dup2(ch->real->fd, stable_fd) < 0)
-			return -errno;
-		close(ch->real->fd);
-		ch->real->fd = stable_fd;
-	}
-	/* A new real file after a rebuild: give it the app's blocking mode. */
+	/* The shim never blocks on the real fd: it polls it first, and a
+	 * blocking wait happens on the app's fd (see ibv_get_cq_event). */
 	fl = fcntl(ch->real->fd, F_GETFL);
-	if (fl >= 0 && ch->app_nonblock && !(fl & O_NONBLOCK))
+	if (fl >= 0)
 		fcntl(ch->real->fd, F_SETFL, fl | O_NONBLOCK);
+	ev.data.fd = ch->real->fd;
+	if (epoll_ctl(ch->pub.fd, EPOLL_CTL_ADD, ch->real->fd, &ev)) {
+		int err = errno;
+
+		ibk_real.destroy_comp_channel(ch->real);
+		ch->real = NULL;
+		return -err;
+	}
 	return 0;
 }
 
-/* Destroy the real channel but keep its fd number occupied by a harmless
- * placeholder (an eventfd, which CRIU can dump). */
+/* Take the real fd out of the app's epoll fd and destroy the real channel;
+ * the app's fd stays open and the same file (CRIU dumps it as an epoll fd
+ * watching the pending eventfd only). */
 int ibk_chan_release_real(struct ibk_chan *ch)
 {
-	int keep, ph, rc;
+	int rc;
 
 	if (!ch->real)
 		return 0;
-	ch->app_nonblock = (fcntl(ch->pub.fd, F_GETFL) & O_NONBLOCK) != 0;
-	keep = dup(ch->real->fd);
-	ph = eventfd(0, EFD_CLOEXEC);
-	if (keep < 0 || ph < 0)
-		return -errno;
-	if (dup2(ph, ch->pub.fd) < 0)
-		return -errno;
-	close(ph);
-	ch->real->fd = keep; /* so the real destroy closes the real file */
+	epoll_ctl(ch->pub.fd, EPOLL_CTL_DEL, ch->real->fd, NULL);
 	rc = ibk_real.destroy_comp_channel(ch->real);
 	ch->real = NULL;
 	return rc;
@@ -134,6 +141,7 @@ IBK_EXPORT struct ibv_comp_channel *ibv_create_comp_channel(struct ibv_context *
 {
 	struct ibk_ctx *ctx = ibk_ctx_of(c);
 	struct ibk_chan *ch = calloc(1, sizeof(*ch));
+	struct epoll_event ev = { .events = EPOLLIN };
 
 	if (!ch)
 		return NULL;
@@ -141,18 +149,31 @@ IBK_EXPORT struct ibv_comp_channel *ibv_create_comp_channel(struct ibv_context *
 	pthread_mutex_init(&ch->lock, NULL);
 	pthread_mutex_init(&ch->rd_lock, NULL);
 	ch->wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+	ch->pending_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+	/* Like a real channel fd, the app's fd is blocking and not close-on-exec. */
+	ch->pub.fd = epoll_create1(0);
+	ev.data.fd = ch->pending_fd;
+	if (ch->wake_fd < 0 || ch->pending_fd < 0 || ch->pub.fd < 0 ||
+	    epoll_ctl(ch->pub.fd, EPOLL_CTL_ADD, ch->pending_fd, &ev))
+		goto fail;
 	ibk_enter();
-	if (ibk_chan_create_real(ch, -1)) {
+	if (ibk_chan_create_real(ch)) {
 		ibk_leave();
-		close(ch->wake_fd);
-		free(ch);
-		return NULL;
+		goto fail;
 	}
 	ibk_leave();
 	ch->pub.context = c;
-	ch->pub.fd = ch->real->fd;
 	ibk_obj_add(ctx, &ch->obj, IBK_CHAN);
 	return &ch->pub;
+fail:
+	if (ch->wake_fd >= 0)
+		close(ch->wake_fd);
+	if (ch->pending_fd >= 0)
+		close(ch->pending_fd);
+	if (ch->pub.fd >= 0)
+		close(ch->pub.fd);
+	free(ch);
+	return NULL;
 }
 
 IBK_EXPORT int ibv_destroy_comp_channel(struct ibv_comp_channel *c)
@@ -161,14 +182,13 @@ IBK_EXPORT int ibv_destroy_comp_channel(struct ibv_comp_channel *c)
 	int rc = 0;
 
 	ibk_enter();
-	if (ch->real)
-		rc = ibk_real.destroy_comp_channel(ch->real);
-	else
-		close(ch->pub.fd);
+	rc = ibk_chan_release_real(ch);
 	ibk_leave();
 	if (rc)
 		return rc;
 	ibk_obj_del(ch->obj.ctx, &ch->obj);
+	close(ch->pub.fd);
+	close(ch->pending_fd);
 	close(ch->wake_fd);
 	free(ch->events);
 	free(ch);
@@ -185,9 +205,9 @@ IBK_EXPORT int ibv_get_cq_event(struct ibv_comp_channel *c, struct ibv_cq **cq_o
 		int n;
 
 		ibk_enter();
-		cq = chan_pop_event(ch);
-		if (!cq && chan_read_real(ch))
-			cq = chan_pop_event(ch);
+		cq = chan_pop_event(ch); /* queued by a drain come first */
+		if (!cq)
+			cq = chan_read_real(ch);
 		if (cq) {
 			cq->events_got++;
 			*cq_out = &cq->pub.cq;

@@ -597,7 +597,7 @@ static int rebuild_objects(struct ibk_ctx *ctx)
 			rc = ibk_mr_register_real(IBK_OBJ(o, ibk_mr));
 			break;
 		case IBK_CHAN:
-			rc = ibk_chan_create_real(IBK_OBJ(o, ibk_chan), IBK_OBJ(o, ibk_chan)->pub.fd);
+			rc = ibk_chan_create_real(IBK_OBJ(o, ibk_chan));
 			break;
 		case IBK_CQ:
 			rc = ibk_cq_create_real(IBK_OBJ(o, ibk_cq));

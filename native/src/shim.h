@@ -192,8 +192,9 @@ struct ibk_chan {
 	struct ibv_comp_channel pub;
 	struct ibk_obj obj;
 	struct ibv_comp_channel *real;
-	int wake_fd; /* eventfd: readable while the gate is closed */
-	int app_nonblock; /* O_NONBLOCK as the app left it on its fd, carried across a rebuild */
+	int wake_fd;    /* eventfd: readable while the gate is closed */
+	int pending_fd; /* eventfd in the app's epoll fd: readable while events are queued */
+	int pending_on; /* pending_fd is signalled (under lock) */
 	pthread_mutex_t lock;
 	pthread_mutex_t rd_lock; /* one reader of the real fd at a time */
 	struct ibk_cq **events;
@@ -226,7 +227,7 @@ int ibk_cq_create_real(struct ibk_cq *cq);
 int ibk_mr_register_real(struct ibk_mr *mr);
 int ibk_qp_create_real(struct ibk_qp *qp);
 int ibk_srq_create_real(struct ibk_srq *srq);
-int ibk_chan_create_real(struct ibk_chan *ch, int stable_fd);
+int ibk_chan_create_real(struct ibk_chan *ch);
 int ibk_chan_release_real(struct ibk_chan *ch);
 void ibk_chan_wake_all(int on);
 int ibk_ah_create_real(struct ibk_ah *ah);

@@ -5,7 +5,9 @@
  *
  *   rc_seq [-c SERVER_IP] [-p PORT] [-g GID_INDEX] -f STOPFILE
  *          [-u K (signal every K-th send)] [-i (inline)] [-q (SRQ)]
- *          [-e (completion channel, blocking ibv_get_cq_event)] [-w WINDOW] [-r RECVS]
+ *          [-e (completion channel, blocking ibv_get_cq_event)]
+ *          [-E (completion channel, non-blocking fd watched by the app's own epoll set, added once)]
+ *          [-w WINDOW] [-r RECVS]
  *          [-t N (keep the bootstrap TCP connection open; ping over it every N messages)]
  *          [-x IP:PORT (hold an idle TCP connection to an outsider)]
  *
@@ -13,7 +15,9 @@
  * connection every N data messages and read the peer's without blocking; at the end
  * each sends an END ping carrying its count and reads until the peer's END.  A line
  * "TCP sent= received= bad=" precedes RESULT; bad counts gaps, duplicates, corruption. */
+#include <fcntl.h>
 #include <getopt.h>
+#include <sys/epoll.h>
 #include <time.h>
 
 #include "common.h"
@@ -141,9 +145,10 @@ int main(int argc, char **argv)
 	struct msg *sbuf, *rbuf;
 	uint64_t next = 0, retired = 0, expect = 0, send_sum = 0, recv_sum = 0, data_sent = 0;
 	int c, stopping = 0, end_sent = 0, got_end = 0, bad = 0, i;
-	long last_check = 0, events = 0;
+	long last_check = 0, events = 0, ep_timeouts = 0;
+	int ep = -1;
 
-	while ((c = getopt(argc, argv, "c:p:g:f:u:iqew:r:t:x:")) != -1) {
+	while ((c = getopt(argc, argv, "c:p:g:f:u:iqeEw:r:t:x:")) != -1) {
 		switch (c) {
 		case 'c': o.peer = optarg; break;
 		case 'p': o.port = atoi(optarg); break;
@@ -153,6 +158,7 @@ int main(int argc, char **argv)
 		case 'i': o.inl = 1; break;
 		case 'q': o.srq = 1; break;
 		case 'e': o.chan = 1; break;
+		case 'E': o.chan = 2; break;
 		case 'w': o.window = atoi(optarg); break;
 		case 'r': o.recvs = atoi(optarg); break;
 		case 't': o.tcp_every = atoi(optarg); break;
@@ -176,6 +182,15 @@ int main(int argc, char **argv)
 		DIE("pd/mr");
 	if (o.chan && !(ch = ibv_create_comp_channel(ctx)))
 		DIE("channel");
+	if (o.chan == 2) {
+		/* Like UCX: the channel fd goes into the app's epoll set once, for good. */
+		struct epoll_event ev = { .events = EPOLLIN };
+
+		ep = epoll_create1(EPOLL_CLOEXEC);
+		if (ep < 0 || fcntl(ch->fd, F_SETFL, fcntl(ch->fd, F_GETFL) | O_NONBLOCK) ||
+		    epoll_ctl(ep, EPOLL_CTL_ADD, ch->fd, &ev))
+			DIE("epoll");
+	}
 	cq = ibv_create_cq(ctx, o.window + o.recvs + 16, NULL, ch, 0);
 	if (!cq)
 		DIE("cq");
@@ -335,8 +350,22 @@ int main(int argc, char **argv)
 			struct ibv_cq *ecq;
 			void *ectx;
 
-			if (ibv_get_cq_event(ch, &ecq, &ectx))
+			if (ep >= 0) {
+				struct epoll_event ev;
+				int n = epoll_wait(ep, &ev, 1, 5000);
+
+				if (n == 0)
+					ep_timeouts++; /* not woken: look at the CQ anyway */
+				if (n <= 0)
+					continue;
+				if (ibv_get_cq_event(ch, &ecq, &ectx)) {
+					if (errno != EAGAIN)
+						DIE("get_cq_event");
+					continue;
+				}
+			} else if (ibv_get_cq_event(ch, &ecq, &ectx)) {
 				DIE("get_cq_event");
+			}
 			if (ecq != cq)
 				DIE("event for a foreign CQ");
 			events++;
@@ -352,6 +381,8 @@ int main(int argc, char **argv)
 		       (unsigned long long)t_recv, (unsigned long long)t_bad);
 		close(tfd);
 	}
+	if (ep >= 0)
+		printf("EPOLL timeouts=%ld\n", ep_timeouts);
 	printf("RESULT sent=%llu received=%llu send_sum=%016llx recv_sum=%016llx events=%ld bad=%d\n",
 	       (unsigned long long)data_sent, (unsigned long long)(expect ? expect - 1 : 0),
 	       (unsigned long long)send_sum, (unsigned long long)recv_sum, events, bad);

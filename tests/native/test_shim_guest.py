@@ -67,7 +67,8 @@ def _run_rc_seq(
     shim: Path = SHIM,
     checkpoints: int = CHECKPOINTS,
     dump_at: tuple[int, ...] = (2,),
-) -> None:
+) -> tuple[str, str]:
+    """rc_seq under the shim, checkpointed at random moments under traffic; returns both outputs."""
     stop = tmp_path / "stop"
     procs = _pair(tmp_path, coord, [str(TESTS_DIR / "rc_seq"), "-f", str(stop), *flags], port, shim)
     try:
@@ -98,6 +99,7 @@ def _run_rc_seq(
     assert srv["send_sum"] == cli["recv_sum"] and cli["send_sum"] == srv["recv_sum"]
     # traffic really flowed across the checkpoints
     assert int(srv["sent"]) > checkpoints and int(cli["sent"]) > checkpoints
+    return procs[0].out.read_text(), procs[1].out.read_text()
 
 
 def test_rc_send_recv_busy_poll(tmp_path: Path, coord: Coordinator) -> None:
@@ -110,6 +112,17 @@ def test_rc_unsignaled_inline(tmp_path: Path, coord: Coordinator) -> None:
 
 def test_rc_srq_completion_channel(tmp_path: Path, coord: Coordinator) -> None:
     _run_rc_seq(tmp_path, coord, ["-q", "-e", "-u", "3"], 18613, dump_at=())
+
+
+def test_channel_fd_in_the_apps_epoll_set_keeps_waking(tmp_path: Path, coord: Coordinator) -> None:
+    """UCX's way: the channel fd goes into the app's own epoll set once, non-blocking. Release and
+    rebuild must not take the file out from under that registration: each wait that is not woken
+    times out after 5 s, so a stale registration shows as timeouts after the first checkpoint."""
+    outs = _run_rc_seq(tmp_path, coord, ["-E"], 18619, dump_at=(2,))
+    for out in outs:
+        m = re.search(r"EPOLL timeouts=(\d+)", out)
+        assert m, out[-500:]
+        assert int(m.group(1)) <= 2, out[-500:]
 
 
 @pytest.mark.parametrize("shim", [SHIM_ASAN, SHIM_UBSAN], ids=["asan", "ubsan"])
