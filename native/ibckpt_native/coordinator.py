@@ -32,7 +32,7 @@ class _Store:
 
 
 class _Handler(socketserver.StreamRequestHandler):
-    server: _Server
+    server: _Server | _TcpServer
 
     def handle(self) -> None:
         line = self.rfile.readline().decode().rstrip("\n")
@@ -53,6 +53,20 @@ class _Handler(socketserver.StreamRequestHandler):
 class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     daemon_threads = True
     store: _Store
+
+
+class _TcpServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    store: _Store
+
+
+def serve_tcp(bind: str, port: int) -> None:
+    """Serve over TCP in the foreground: for ranks on several hosts with no node agent (tests/mpi)."""
+    server = _TcpServer((bind, port), _Handler)
+    server.store = _Store()
+    print(f"ibckpt_native.coordinator: serving on {bind}:{port}", flush=True)
+    server.serve_forever()
 
 
 class Coordinator:

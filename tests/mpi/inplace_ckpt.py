@@ -18,59 +18,13 @@ import argparse
 import glob
 import json
 import socket
-import socketserver
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ibckpt_native.control import ControlError, ShimControl
-
-# ---------------------------------------------------------------- coordinator
-
-
-class _Store:
-    def __init__(self) -> None:
-        self.data: dict[str, str] = {}
-        self.cond = threading.Condition()
-
-
-class _Handler(socketserver.StreamRequestHandler):
-    server: _TCPServer
-
-    def handle(self) -> None:
-        line = self.rfile.readline().decode().rstrip("\n")
-        verb, _, rest = line.partition(" ")
-        store = self.server.store
-        if verb == "PUT":
-            key, _, value = rest.partition(" ")
-            with store.cond:
-                store.data[key] = value
-                store.cond.notify_all()
-            self.wfile.write(b"OK\n")
-        elif verb == "GET":
-            key, _, timeout = rest.partition(" ")
-            with store.cond:
-                store.cond.wait_for(lambda: key in store.data, timeout=max(int(timeout or "0"), 0) / 1000)
-                found = store.data.get(key)
-            self.wfile.write(b"NONE\n" if found is None else f"VAL {found}\n".encode())
-        else:
-            self.wfile.write(b"ERR\n")
-
-
-class _TCPServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-    store: _Store
-
-
-def serve(bind: str, port: int) -> None:
-    server = _TCPServer((bind, port), _Handler)
-    server.store = _Store()
-    print(f"inplace_ckpt: coordinator on {bind}:{port}", flush=True)
-    server.serve_forever()
-
+from ibckpt_native.coordinator import serve_tcp
 
 # ---------------------------------------------------------------- driver
 
@@ -190,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--gap", type=float, default=3.0)
     args = parser.parse_args(argv)
     if args.cmd == "coord":
-        serve(args.bind, args.port)
+        serve_tcp(args.bind, args.port)
         return 0
     return drive(args)
 
