@@ -36,6 +36,15 @@ wait_for() {{
   for _ in $(seq $(( $3 * 10 ))); do grep -q "$1" "$2" 2>/dev/null && return 0; sleep 0.1; done
   echo "timed out after $3 s waiting for '$1' in $2" >&2; return 1
 }}
+# Ends the job only once both nodes are done with their ranks (status calls and all): a rank ends
+# soon after the stop file appears, so one node's stop must not race the other node's last look.
+stop_when_both_ready() {{
+  touch {work}/ready-to-stop-$IBCKPT_NODE
+  for _ in $(seq 3000); do
+    [ -e {work}/ready-to-stop-1 ] && [ -e {work}/ready-to-stop-2 ] && break; sleep 0.1
+  done
+  touch {work}/stop
+}}
 rank_args() {{
   kind=$1; shift
   for r in "$@"; do

@@ -41,6 +41,15 @@ agent() {{
   {python} -m ibckpt_node.agent_cli $cmd --coordinator {addr}:{port} --session {session} \\
     --node node-$IBCKPT_NODE "$@"
 }}
+# Ends the job only once both nodes are done with their ranks (status calls and all): a rank ends
+# soon after the stop file appears, so one node's stop must not race the other node's last look.
+stop_when_both_ready() {{
+  touch {work}/ready-to-stop-$IBCKPT_NODE
+  for _ in $(seq 3000); do
+    [ -e {work}/ready-to-stop-1 ] && [ -e {work}/ready-to-stop-2 ] && break; sleep 0.1
+  done
+  touch {work}/stop
+}}
 wait_result() {{
   for _ in $(seq 600); do grep -q RESULT {work}/$role.out 2>/dev/null && break; sleep 0.1; done
   cat {work}/$role.out
@@ -159,7 +168,7 @@ done
   echo "status of $key failed; listening unix sockets, the rank's fds and net namespace vs ours:"
   grep ' 00010000 0001 ' /proc/net/unix || true
   ls -l /proc/$pid/fd /proc/$pid/ns/net /proc/self/ns/net || true; }}
-touch {work}/stop
+stop_when_both_ready
 wait_result
 """
 )

@@ -41,7 +41,7 @@ if agent checkpoint --rank "$key=$pid:/run/ibckpt/$role.ctl" --images {work}/ima
 fi
 echo "node-$IBCKPT_NODE refused"
 sleep 2  # the job carries on
-touch {work}/stop
+stop_when_both_ready
 wait_result
 """
 )

@@ -46,7 +46,7 @@ sleep 2
 cycle 2 {c2} {work}/images2 $other {r2} 3 $me
 sleep 2
 status_all final $me
-touch {work}/stop
+stop_when_both_ready
 wait_for DONE {work}/r$me.out 300
 """
 
