@@ -130,7 +130,7 @@ def request(host: str, port: int, payload: dict[str, object]) -> int:
 def main(argv: Sequence[str]) -> int:
     args = list(argv)
     if args[:1] == ["serve"]:
-        bind, port = "0.0.0.0", DEFAULT_PORT
+        bind, port = "127.0.0.1", DEFAULT_PORT  # tests pass --bind with the private link address
         rest = args[1:]
         while rest:
             opt, value, *rest = rest

@@ -21,7 +21,20 @@ from testbed.guest import GUEST_HOST_ADDR, GuestResult
 A2A = TESTS_DIR / "a2a_seq"
 BASE_PORT = 18600
 
-PRELUDE = r"""
+STOP_WHEN_BOTH_READY = """
+# Ends the job only once both nodes are done with their ranks (status calls and all): a rank ends
+# soon after the stop file appears, so one node's stop must not race the other node's last look.
+stop_when_both_ready() {{
+  touch {work}/ready-to-stop-$IBCKPT_NODE
+  for _ in $(seq 3000); do
+    [ -e {work}/ready-to-stop-1 ] && [ -e {work}/ready-to-stop-2 ] && break; sleep 0.1
+  done
+  touch {work}/stop
+}}
+"""
+
+PRELUDE = (
+    r"""
 set -eu
 mkdir -p /run/ibckpt
 NRANKS={nranks}
@@ -36,16 +49,9 @@ wait_for() {{
   for _ in $(seq $(( $3 * 10 ))); do grep -q "$1" "$2" 2>/dev/null && return 0; sleep 0.1; done
   echo "timed out after $3 s waiting for '$1' in $2" >&2; return 1
 }}
-# Ends the job only once both nodes are done with their ranks (status calls and all): a rank ends
-# soon after the stop file appears, so one node's stop must not race the other node's last look.
-stop_when_both_ready() {{
-  touch {work}/ready-to-stop-$IBCKPT_NODE
-  for _ in $(seq 3000); do
-    [ -e {work}/ready-to-stop-1 ] && [ -e {work}/ready-to-stop-2 ] && break; sleep 0.1
-  done
-  touch {work}/stop
-}}
-rank_args() {{
+"""
+    + STOP_WHEN_BOTH_READY
+    + r"""rank_args() {{
   kind=$1; shift
   for r in "$@"; do
     key=a2a/rank-$r/main/0
@@ -79,6 +85,7 @@ status_all() {{
   done
 }}
 """
+)
 
 
 def prelude(work: Path, coordinator_port: int, hosts: list[str]) -> str:

@@ -17,6 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from node.a2a_job import STOP_WHEN_BOTH_READY
+
 from ibckpt_native import SHIM, TESTS_DIR
 from ibckpt_native.harness import parse_result
 from testbed.guest import GUEST_HOST_ADDR, GuestResult, GuestSpec, run_pair
@@ -24,7 +26,8 @@ from testbed.guest import GUEST_HOST_ADDR, GuestResult, GuestSpec, run_pair
 KEYS = ("ring/rank-0/main/0", "ring/rank-1/main/0")
 SWAP = "--remap-ip 10.77.0.1=10.77.0.2 --remap-ip 10.77.0.2=10.77.0.1"
 
-PRELUDE = """
+PRELUDE = (
+    """
 set -eu
 mkdir -p /run/ibckpt
 start_rank() {{
@@ -41,20 +44,14 @@ agent() {{
   {python} -m ibckpt_node.agent_cli $cmd --coordinator {addr}:{port} --session {session} \\
     --node node-$IBCKPT_NODE "$@"
 }}
-# Ends the job only once both nodes are done with their ranks (status calls and all): a rank ends
-# soon after the stop file appears, so one node's stop must not race the other node's last look.
-stop_when_both_ready() {{
-  touch {work}/ready-to-stop-$IBCKPT_NODE
-  for _ in $(seq 3000); do
-    [ -e {work}/ready-to-stop-1 ] && [ -e {work}/ready-to-stop-2 ] && break; sleep 0.1
-  done
-  touch {work}/stop
-}}
-wait_result() {{
+"""
+    + STOP_WHEN_BOTH_READY
+    + """wait_result() {{
   for _ in $(seq 600); do grep -q RESULT {work}/$role.out 2>/dev/null && break; sleep 0.1; done
   cat {work}/$role.out
 }}
 """
+)
 
 # Where each rank starts (phase 1) and where it is restored swapped (phase 2).
 START = """
