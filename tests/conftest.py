@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from testbed.coordinator import ThreadedCoordinator
 from testbed.kube import ControlPlane, start_control_plane
 from testbed.s3 import S3Server, start_s3, stop_s3
 
@@ -42,3 +43,14 @@ def kube_api(kube: ControlPlane):  # type: ignore[no-untyped-def]
         yield client
     finally:
         client.close()
+
+
+@pytest.fixture
+def coordinator() -> Iterator[ThreadedCoordinator]:
+    """A job coordinator on 127.0.0.1, run in its own thread, for the two-guest node tests."""
+    coord = ThreadedCoordinator()
+    coord.start()
+    try:
+        yield coord
+    finally:
+        coord.stop()

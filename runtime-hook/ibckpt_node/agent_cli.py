@@ -2,15 +2,19 @@
 
     ibckpt-node checkpoint --coordinator HOST:PORT --session ID --node NAME \
         --rank KEY=PID:CONTROL_SOCKET ... --images DIR [--mode Stop|LeaveRunning] [--epoch N] \
-        [--job-addr ADDR ...]
+        [--job-addr ADDR ...] [--tree NAME=ROOT_PID ...]
     ibckpt-node restore --coordinator HOST:PORT --session ID --node NAME \
         --rank KEY=IMAGE_DIR:CONTROL_SOCKET ... [--rejoin KEY=PID:CONTROL_SOCKET ...] [--epoch N] \
-        [--remap-ip OLD=NEW ...]
+        [--remap-ip OLD=NEW ...] [--tree IMAGE_DIR ...]
 
 Before any rank is touched, checkpoint refuses a rank with a TCP connection to an address that
 is not one of the job's (--job-addr; default: every node of the session publishes its own), a
 QP connected outside the job, or a verb the shim refused. --remap-ip rewrites the TCP socket
 addresses in the images before CRIU restores them, so connections between ranks follow a move.
+
+--tree dumps a whole process tree (say mpirun or orted with its ranks) as one image, under
+IMAGES/NAME; every --rank must then be inside a tree. Restore it with --tree IMAGES/NAME: the
+ranks to rebuild are read from the manifest beside the images.
 
 A mixed restart (some ranks move, the rest stay): the staying node checkpoints with --mode Hold,
 which leaves its ranks released, and passes them to its restore with --rejoin.
@@ -38,7 +42,7 @@ from ibckpt.coordination.client import CoordinatorClient, CoordinatorError
 from ibckpt.coordination.ranks import RankId
 from ibckpt_node.coord_proxy import ShimCoordinatorProxy
 from ibckpt_node.criu import CriuError
-from ibckpt_node.driver import CheckpointFailed, LocalRank, Mode, NodeDriver, NodeReport
+from ibckpt_node.driver import CheckpointFailed, LocalRank, Mode, NodeDriver, NodeReport, ProcessTree
 from ibckpt_node.tcp_remap import RemapError, parse_map
 
 DEFAULT_SHIM_SOCKET = "/run/ibckpt/coord.sock"
@@ -50,6 +54,13 @@ def _parse_rank(spec: str) -> tuple[RankId, str, Path]:
     if not sep or not sep2:
         raise argparse.ArgumentTypeError(f"--rank {spec!r}: expected KEY=PID_OR_IMAGES:CONTROL_SOCKET")
     return RankId.parse(key), where, Path(control)
+
+
+def _parse_tree(spec: str) -> ProcessTree:
+    name, sep, pid = spec.partition("=")
+    if not sep or not name or "/" in name or not pid.isdigit():
+        raise CheckpointFailed(f"--tree {spec!r}: expected NAME=ROOT_PID")
+    return ProcessTree(name, int(pid))
 
 
 def _report_json(report: NodeReport) -> str:
@@ -70,7 +81,8 @@ async def _run(args: argparse.Namespace, drivers: list[NodeDriver]) -> NodeRepor
             ranks = [_parse_rank(spec) for spec in args.rank]
             if args.command == "checkpoint":
                 local = [LocalRank(rank, int(where), control) for rank, where, control in ranks]
-                driver = NodeDriver(args.node, client, local, job_addrs=args.job_addr or None)
+                trees = [_parse_tree(spec) for spec in args.tree]
+                driver = NodeDriver(args.node, client, local, job_addrs=args.job_addr or None, trees=trees)
                 drivers.append(driver)
                 return await driver.checkpoint(Mode(args.mode), Path(args.images), args.epoch)
             driver = NodeDriver(args.node, client, [])
@@ -79,7 +91,9 @@ async def _run(args: argparse.Namespace, drivers: list[NodeDriver]) -> NodeRepor
             controls = {rank.key(): control for rank, _, control in ranks}
             held = [_parse_rank(spec) for spec in args.rejoin]
             rejoin = [LocalRank(rank, int(where), control) for rank, where, control in held]
-            return await driver.restore(images, controls, args.epoch, rejoin, parse_map(args.remap_ip))
+            remap = parse_map(args.remap_ip)
+            tree_dirs = [Path(spec) for spec in args.tree]
+            return await driver.restore(images, controls, args.epoch, rejoin, remap, tree_dirs)
     finally:
         await client.close()
 
@@ -90,7 +104,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--coordinator", required=True, help="HOST:PORT of the job coordinator")
     parser.add_argument("--session", required=True)
     parser.add_argument("--node", required=True, help="this node's participant name")
-    parser.add_argument("--rank", action="append", default=[], required=True)
+    parser.add_argument("--rank", action="append", default=[])
+    parser.add_argument(
+        "--tree", action="append", default=[], help="checkpoint: NAME=ROOT_PID; restore: IMAGE_DIR"
+    )
     parser.add_argument("--rejoin", action="append", default=[], help="restore: KEY=PID:CONTROL_SOCKET held")
     parser.add_argument("--images", help="checkpoint: where the CRIU images go")
     parser.add_argument("--mode", default=Mode.LEAVE_RUNNING.value, choices=[m.value for m in Mode])
@@ -105,6 +122,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "checkpoint" and not args.images:
         parser.error("checkpoint needs --images")
+    if not args.rank and not (args.command == "restore" and args.tree):
+        parser.error("give at least one --rank (or, to restore, a --tree)")
     try:
         parse_map(args.remap_ip)
     except ValueError as exc:

@@ -132,6 +132,44 @@ def device_fds_and_maps(pid: int) -> tuple[int, int]:
     return fds, maps
 
 
+TREE_MANIFEST = "ibckpt-tree.json"
+
+
+@dataclass(frozen=True)
+class ProcessTree:
+    """A process tree dumped and restored as one: a container's processes, ranks and all.
+
+    An MPI job's ranks are children of mpirun or of an orted daemon, connected to them by
+    sockets and pipes; CRIU can only carry those if it dumps the whole tree. CRIU restores every
+    pid as it was, so the manifest written beside the images names the ranks to rebuild.
+    """
+
+    name: str
+    root_pid: int
+
+
+def descendants(pid: int) -> list[int]:
+    """`pid` and every process below it (through each thread's children list)."""
+    found, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        found.append(current)
+        for task in Path(f"/proc/{current}/task").iterdir():
+            with contextlib.suppress(OSError):
+                todo += [int(c) for c in (task / "children").read_text().split()]
+    return found
+
+
+def read_tree_manifest(images: Path) -> tuple[int, list[tuple[RankId, int, Path]]]:
+    """The root pid and the ranks (key, pid, control socket) of a dumped process tree."""
+    try:
+        data = json.loads((images / TREE_MANIFEST).read_text())
+        ranks = [(RankId.parse(r["key"]), int(r["pid"]), Path(r["control"])) for r in data["ranks"]]
+        return int(data["root_pid"]), ranks
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointFailed(f"{images}: not a dumped process tree ({TREE_MANIFEST}: {exc})") from exc
+
+
 class NodeDriver:
     def __init__(
         self,
@@ -140,12 +178,16 @@ class NodeDriver:
         ranks: Sequence[LocalRank],
         timeouts: PhaseTimeouts | None = None,
         job_addrs: Sequence[str] | None = None,
+        trees: Sequence[ProcessTree] = (),
     ) -> None:
         """`job_addrs`: the addresses of the job's nodes, which the ranks' TCP connections may
-        lead to. None: every node of the session publishes its own interfaces' addresses."""
+        lead to. None: every node of the session publishes its own interfaces' addresses.
+        `trees`: process trees dumped whole, each holding some of `ranks`; a rank in no tree
+        is dumped on its own."""
         self.node = node
         self.client = client
         self.ranks = list(ranks)
+        self.trees = list(trees)
         self.timeouts = timeouts or PhaseTimeouts()
         self.job_addrs = None if job_addrs is None else [ipaddress.ip_address(a) for a in job_addrs]
         self.report = NodeReport(node)
@@ -255,6 +297,7 @@ class NodeDriver:
         except (ControlError, OSError, TimeoutError) as exc:
             raise CheckpointRefused(f"preflight: a rank's shim did not answer status: {exc}") from exc
         idents = [preflight.ShimIdentity.from_status(s) for s in statuses]
+        self._tree_members()  # refuses a rank that no process tree holds
         own_addrs = preflight.node_addresses()
         keys = [k for ident in idents for k in ident.own_keys()]
         if self.job_addrs is None:
@@ -313,18 +356,50 @@ class NodeDriver:
                 await self.client.abort(str(cause))
         self.report.outcome = "Refused"
 
-    def _check_released(self) -> None:
+    def _tree_members(self) -> dict[str, list[LocalRank]]:
+        """Which ranks each process tree holds; a rank outside every tree is refused here."""
+        members: dict[str, list[LocalRank]] = {t.name: [] for t in self.trees}
+        below = {t.name: set(descendants(t.root_pid)) for t in self.trees}
         for r in self.ranks:
-            fds, maps = device_fds_and_maps(r.pid)
+            inside = [name for name, pids in below.items() if r.pid in pids]
+            if self.trees and not inside:
+                raise CheckpointRefused(
+                    f"{r.rank.key()} (pid {r.pid}) is in none of the process trees "
+                    f"{', '.join(f'{t.name} (root {t.root_pid})' for t in self.trees)}"
+                )
+            if inside:
+                members[inside[0]].append(r)
+        return members
+
+    def _check_released(self) -> None:
+        processes = [(r.rank.key(), r.pid) for r in self.ranks]
+        # Every process of a tree goes into the image: none may hold the device either.
+        processes += [(f"process tree {t.name}", p) for t in self.trees for p in descendants(t.root_pid)]
+        for who, pid in processes:
+            fds, maps = device_fds_and_maps(pid)
             if fds or maps:
                 raise CheckpointFailed(
-                    f"{r.rank.key()} (pid {r.pid}) still holds {fds} device fds and {maps} device "
+                    f"{who} (pid {pid}) still holds {fds} device fds and {maps} device "
                     "mappings after release; refusing to dump"
                 )
 
     async def _dump_all(self, mode: Mode, images_root: Path) -> None:
         options = criu.DumpOptions(leave_running=mode is not Mode.STOP)
-        for r in self.ranks:  # one CRIU at a time: each freezes and walks a whole tree
+        members = self._tree_members()
+        for t in self.trees:  # one CRIU at a time: each freezes and walks a whole tree
+            images = images_root / t.name
+            await asyncio.to_thread(criu.dump, t.root_pid, images, options, self.timeouts.dump_s)
+            manifest = {
+                "root_pid": t.root_pid,
+                "ranks": [
+                    {"key": r.rank.key(), "pid": r.pid, "control": str(r.control_path)}
+                    for r in members[t.name]
+                ],
+            }
+            (images / TREE_MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+            for r in members[t.name]:
+                self.report.images[r.rank.key()] = images
+        for r in [] if self.trees else self.ranks:  # with trees, preflight put every rank in one
             images = images_root / r.rank.key().replace("/", "_")
             await asyncio.to_thread(criu.dump, r.pid, images, options, self.timeouts.dump_s)
             self.report.images[r.rank.key()] = images
@@ -367,6 +442,7 @@ class NodeDriver:
         epoch: int,
         rejoin: Sequence[LocalRank] = (),
         remap: tcp_remap.AddressMap | None = None,
+        trees: Sequence[Path] = (),
     ) -> NodeReport:
         """Restore this node's ranks from their images, then rebuild toward the peers and resume.
 
@@ -374,6 +450,8 @@ class NodeDriver:
         rebuild in the same epoch, toward the moved peers' new ids, and resume with them.
         `remap` ({old: new} address, the same on every node) rewrites the images' TCP sockets
         before CRIU restores them, so connections between ranks that moved follow them.
+        `trees` are image dirs of whole process trees (ProcessTree); their manifests name the
+        ranks inside, which CRIU restores with their pids.
         """
         t = self.timeouts
         for r in rejoin:
@@ -388,10 +466,12 @@ class NodeDriver:
 
         lock = tcp_remap.ConnectionLock([])
 
+        manifests = {tree: read_tree_manifest(tree) for tree in trees}
+
         async def prepare_all() -> None:
             # Rewrite the images' socket addresses, then hold the arriving TCP connections
             # (drop their packets) until every node has restored: see tcp_remap.py.
-            for key, image_dir in images.items():
+            for key, image_dir in [*images.items(), *((str(t), t) for t in trees)]:
                 prepared = await asyncio.to_thread(tcp_remap.prepare_images, image_dir, remap or {})
                 if prepared.changes:
                     self.report.remapped[key] = prepared.changes
@@ -404,6 +484,13 @@ class NodeDriver:
                 result = await asyncio.to_thread(criu.restore, image_dir, t.restore_s)
                 self.report.restored_pids[key] = result.pid
                 self.ranks.append(LocalRank(RankId.parse(key), result.pid, control_paths[key]))
+            for tree, (root_pid, inside) in manifests.items():
+                result = await asyncio.to_thread(criu.restore, tree, t.restore_s)
+                if result.pid != root_pid:
+                    raise CheckpointFailed(f"{tree}: CRIU restored root pid {result.pid}, not {root_pid}")
+                for rank, pid, control in inside:
+                    self.report.restored_pids[rank.key()] = pid
+                    self.ranks.append(LocalRank(rank, pid, control))
 
         try:
             await self._phase("locked", prepare_all, t.restore_s)
