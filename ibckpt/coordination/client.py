@@ -156,7 +156,7 @@ class CoordinatorClient:
         await self._request(Kind.PUT, {"key": key}, value)
 
     async def get(self, key: str, timeout: float) -> bytes:
-        return (await self._request(Kind.GET, {"key": key}, timeout=timeout)).payload
+        return bytes((await self._request(Kind.GET, {"key": key}, timeout=timeout)).payload)
 
     async def exchange(
         self, round_name: str, segments: dict[str, bytes], timeout: float
