@@ -5,7 +5,8 @@ where `length` counts everything after itself, the header is a small JSON object
 payload is raw bytes. Bulk data (id tables, counters) travels in the payload, never in
 JSON, so 2,048 ranks in all-to-all (~4M QP records) cost one copy, not 4M objects.
 Every request header carries an `id` that its response echoes, so a client can keep
-several requests in flight (a barrier wait while it publishes, say).
+several requests in flight (a barrier wait while it publishes, say). Both ends read and
+write frames on plain non-blocking sockets (SocketFrameReader, send_buffers), not streams.
 """
 
 from __future__ import annotations
@@ -63,20 +64,6 @@ class Frame:
 
     def encode(self) -> bytes:
         return b"".join(self.buffers())
-
-
-async def read_frame(reader: asyncio.StreamReader) -> Frame:
-    """Read one frame; raises asyncio.IncompleteReadError at end of stream."""
-    prefix = await reader.readexactly(_PREFIX.size)
-    length, kind, head_len = _PREFIX.unpack(prefix)
-    if length > MAX_FRAME or head_len > length - 5:
-        raise ProtocolError(f"bad frame lengths ({length}, {head_len})")
-    body = await reader.readexactly(length - 5)
-    try:
-        header = json.loads(body[:head_len]) if head_len else {}
-        return Frame(Kind(kind), header, body[head_len:])
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ProtocolError(f"undecodable frame: {exc}") from exc
 
 
 def _decode(kind: int, head: bytes) -> tuple[Kind, dict[str, Any]]:
