@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import socket
 from typing import Any
 
 from ibckpt.coordination.wire import (
@@ -12,8 +13,9 @@ from ibckpt.coordination.wire import (
     Frame,
     Kind,
     ProtocolError,
-    read_frame,
+    SocketFrameReader,
     segment_index,
+    send_buffers,
     unpack_segments,
 )
 
@@ -39,11 +41,35 @@ class CoordinationTimedOut(CoordinatorError):
     """A bounded wait on the coordinator ran out."""
 
 
+async def _open(host: str, port: int) -> socket.socket:
+    """A connected non-blocking TCP socket to the first of `host`'s addresses that answers."""
+    loop = asyncio.get_running_loop()
+    error: OSError = OSError(f"no address for {host}")
+    for family, kind, proto, _, address in await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM):
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setblocking(False)
+            await loop.sock_connect(sock, address)
+        except OSError as exc:
+            sock.close()
+            error = exc
+            continue
+        except BaseException:
+            sock.close()
+            raise
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+    raise error
+
+
 class CoordinatorClient:
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, participant: str) -> None:
+    """One participant's connection. Plain socket, like the server: a routed round's reply is
+    received into one buffer that the returned segments are views of."""
+
+    def __init__(self, sock: socket.socket, reader: SocketFrameReader, participant: str) -> None:
         self.participant = participant
+        self._sock = sock
         self._reader = reader
-        self._writer = writer
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[Frame]] = {}
         self._write_lock = asyncio.Lock()
@@ -56,34 +82,35 @@ class CoordinatorClient:
         cls, host: str, port: int, session: str, participant: str, token: str
     ) -> CoordinatorClient:
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), CONNECT_TIMEOUT_S)
+            sock = await asyncio.wait_for(_open(host, port), CONNECT_TIMEOUT_S)
         except (OSError, TimeoutError) as exc:
             raise CoordinatorError(f"cannot reach the coordinator at {host}:{port}: {exc}") from exc
         hello = {"version": PROTOCOL_VERSION, "session": session, "participant": participant, "token": token}
-        writer.write(Frame(Kind.HELLO, hello).encode())
-        await writer.drain()
+        reader = SocketFrameReader(sock)
         try:
-            reply = await asyncio.wait_for(read_frame(reader), CONNECT_TIMEOUT_S)
-        except (asyncio.IncompleteReadError, TimeoutError, ProtocolError) as exc:
-            writer.close()
+            await asyncio.wait_for(send_buffers(sock, Frame(Kind.HELLO, hello).buffers()), CONNECT_TIMEOUT_S)
+            reply = await asyncio.wait_for(reader.read(), CONNECT_TIMEOUT_S)
+        except (asyncio.IncompleteReadError, TimeoutError, ProtocolError, OSError) as exc:
+            sock.close()
             raise CoordinatorError(f"coordinator at {host}:{port} did not answer HELLO: {exc!r}") from exc
         if reply.kind != Kind.OK:
-            writer.close()
+            sock.close()
             raise CoordinatorError(f"coordinator refused {participant}: {reply.header.get('message')}")
-        client = cls(reader, writer, participant)
+        client = cls(sock, reader, participant)
         if reply.header.get("aborted"):
             client._mark_aborted(str(reply.header["aborted"]))
         client._reader_task = asyncio.ensure_future(client._read_loop())
         return client
 
     async def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes a request still sending
         if self._reader_task is not None:
             self._reader_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reader_task
-        self._writer.close()
-        with contextlib.suppress(ConnectionError):
-            await self._writer.wait_closed()
+        async with self._write_lock:  # no request is between its sendmsg() and its wait
+            self._sock.close()
 
     async def __aenter__(self) -> CoordinatorClient:
         return self
@@ -100,14 +127,14 @@ class CoordinatorClient:
         error: BaseException = ConnectionError("coordinator closed the connection")
         try:
             while True:
-                frame = await read_frame(self._reader)
+                frame = await self._reader.read()
                 if frame.kind == Kind.ABORTED:
                     self._mark_aborted(str(frame.header.get("reason")))
                     continue
                 future = self._pending.pop(int(frame.header.get("id", 0)), None)
                 if future is not None and not future.done():
                     future.set_result(frame)
-        except (asyncio.IncompleteReadError, ConnectionError, ProtocolError) as exc:
+        except (asyncio.IncompleteReadError, OSError, ProtocolError) as exc:
             error = exc
         finally:
             for future in self._pending.values():
@@ -128,8 +155,7 @@ class CoordinatorClient:
         self._pending[request_id] = future
         frame = Frame(kind, {**header, "id": request_id, "timeout": timeout}, payload, parts)
         async with self._write_lock:
-            self._writer.writelines(frame.buffers())
-            await self._writer.drain()
+            await send_buffers(self._sock, frame.buffers())
         try:
             reply = await asyncio.wait_for(future, timeout + REPLY_SLACK_S)
         except TimeoutError:
@@ -156,7 +182,7 @@ class CoordinatorClient:
         await self._request(Kind.PUT, {"key": key}, value)
 
     async def get(self, key: str, timeout: float) -> bytes:
-        return (await self._request(Kind.GET, {"key": key}, timeout=timeout)).payload
+        return bytes((await self._request(Kind.GET, {"key": key}, timeout=timeout)).payload)
 
     async def exchange(
         self, round_name: str, segments: dict[str, bytes], timeout: float

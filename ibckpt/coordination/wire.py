@@ -5,7 +5,8 @@ where `length` counts everything after itself, the header is a small JSON object
 payload is raw bytes. Bulk data (id tables, counters) travels in the payload, never in
 JSON, so 2,048 ranks in all-to-all (~4M QP records) cost one copy, not 4M objects.
 Every request header carries an `id` that its response echoes, so a client can keep
-several requests in flight (a barrier wait while it publishes, say).
+several requests in flight (a barrier wait while it publishes, say). Both ends read and
+write frames on plain non-blocking sockets (SocketFrameReader, send_buffers), not streams.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import json
+import socket
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -20,7 +22,9 @@ from typing import Any
 
 PROTOCOL_VERSION = 1
 MAX_FRAME = 512 * 1024 * 1024
+MAX_HELLO = 64 * 1024  # before authentication a peer gets no large buffer
 _PREFIX = struct.Struct("!IBI")
+_IOV_MAX = 1024  # Linux's limit on buffers per sendmsg()
 
 
 class Kind(enum.IntEnum):
@@ -46,7 +50,7 @@ class ProtocolError(Exception):
 class Frame:
     kind: Kind
     header: dict[str, Any] = field(default_factory=dict)
-    payload: bytes = b""
+    payload: bytes | memoryview = b""  # a view when read by SocketFrameReader
 
     payload_parts: tuple[bytes | memoryview, ...] = ()  # sent after payload, without joining
 
@@ -62,18 +66,104 @@ class Frame:
         return b"".join(self.buffers())
 
 
-async def read_frame(reader: asyncio.StreamReader) -> Frame:
-    """Read one frame; raises asyncio.IncompleteReadError at end of stream."""
-    prefix = await reader.readexactly(_PREFIX.size)
-    length, kind, head_len = _PREFIX.unpack(prefix)
-    if length > MAX_FRAME or head_len > length - 5:
-        raise ProtocolError(f"bad frame lengths ({length}, {head_len})")
-    body = await reader.readexactly(length - 5)
+def _decode(kind: int, head: bytes) -> tuple[Kind, dict[str, Any]]:
     try:
-        header = json.loads(body[:head_len]) if head_len else {}
-        return Frame(Kind(kind), header, body[head_len:])
+        header = json.loads(head) if len(head) else {}
+        return Kind(kind), header
     except (ValueError, UnicodeDecodeError) as exc:
         raise ProtocolError(f"undecodable frame: {exc}") from exc
+
+
+class SocketFrameReader:
+    """Reads frames from a non-blocking socket with the event loop's sock_recv_into().
+
+    Small frames come out of one scratch buffer; a frame's body is received straight into a
+    buffer of its own exact size, which the returned payload is a view of: the kernel's copy
+    is the only one (a StreamReader copies a large body two or three times more).
+    """
+
+    _SCRATCH = 64 * 1024
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._loop = asyncio.get_running_loop()
+        self._scratch = bytearray(self._SCRATCH)
+        self._view = memoryview(self._scratch)
+        self._start = self._end = 0
+
+    async def _recv_into(self, view: memoryview) -> int:
+        n = await self._loop.sock_recv_into(self._sock, view)
+        if n == 0:
+            raise asyncio.IncompleteReadError(b"", len(view))
+        return n
+
+    async def read(self, max_frame: int = MAX_FRAME) -> Frame:
+        """Read one frame; raises asyncio.IncompleteReadError at end of stream."""
+        while self._end - self._start < _PREFIX.size:
+            if self._start:
+                left = self._end - self._start
+                self._view[:left] = self._view[self._start : self._end]
+                self._start, self._end = 0, left
+            self._end += await self._recv_into(self._view[self._end :])
+        length, kind, head_len = _PREFIX.unpack_from(self._scratch, self._start)
+        if length > max_frame or length < 5 or head_len > length - 5:
+            raise ProtocolError(f"bad frame lengths ({length}, {head_len})")
+        self._start += _PREFIX.size
+        size = length - 5
+        buffered = min(size, self._end - self._start)
+        if size <= self._SCRATCH // 4 and buffered == size:
+            body = bytes(self._view[self._start : self._start + size])  # small and here: no recv
+            self._start += size
+            kind_, header = _decode(kind, body[:head_len])
+            return Frame(kind_, header, body[head_len:])
+        whole = bytearray(size)
+        view = memoryview(whole)
+        view[:buffered] = self._view[self._start : self._start + buffered]
+        self._start += buffered
+        got = buffered
+        while got < size:
+            got += await self._recv_into(view[got:])
+        kind_, header = _decode(kind, bytes(view[:head_len]))
+        return Frame(kind_, header, view[head_len:])
+
+
+async def send_buffers(sock: socket.socket, buffers: list[bytes | memoryview]) -> None:
+    """Send `buffers` in order on a non-blocking socket with sendmsg(): no joining, no copy.
+
+    The caller serialises senders on one socket (one frame at a time).
+    """
+    loop = asyncio.get_running_loop()
+    views = [memoryview(b) for b in buffers if len(b)]
+    first = 0
+    while first < len(views):
+        try:
+            sent = sock.sendmsg(views[first : first + _IOV_MAX], [], socket.MSG_NOSIGNAL)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        while sent:
+            head = views[first]
+            if sent >= len(head):
+                sent -= len(head)
+                first += 1
+            else:
+                views[first] = head[sent:]
+                sent = 0
+        if first < len(views):
+            await _writable(loop, sock.fileno())
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
+async def _writable(loop: asyncio.AbstractEventLoop, fd: int) -> None:
+    waiter: asyncio.Future[None] = loop.create_future()
+    loop.add_writer(fd, _wake, waiter)
+    try:
+        await waiter
+    finally:
+        loop.remove_writer(fd)
 
 
 def segment_index(segments: Mapping[str, bytes | memoryview]) -> list[list[Any]]:
@@ -81,7 +171,7 @@ def segment_index(segments: Mapping[str, bytes | memoryview]) -> list[list[Any]]
     return [[name, len(data)] for name, data in segments.items()]
 
 
-def unpack_segments(index: list[list[Any]], payload: bytes) -> dict[str, memoryview]:
+def unpack_segments(index: list[list[Any]], payload: bytes | memoryview) -> dict[str, memoryview]:
     """Split a payload by its index, as views (no copy: 4M records must not be copied per hop)."""
     out: dict[str, memoryview] = {}
     view = memoryview(payload)

@@ -34,8 +34,8 @@ async def connect_all(srv: CoordinatorServer, names: list[str]) -> tuple[str, li
 
 
 async def test_listens_on_loopback_only(server: CoordinatorServer) -> None:
-    assert server._server is not None
-    assert {s.getsockname()[0] for s in server._server.sockets} == {"127.0.0.1"}
+    assert server.sockets
+    assert {s.getsockname()[0] for s in server.sockets} == {"127.0.0.1"}
 
 
 async def test_wrong_token_or_stranger_is_refused(server: CoordinatorServer) -> None:

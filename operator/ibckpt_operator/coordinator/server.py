@@ -7,15 +7,18 @@ import contextlib
 import dataclasses
 import logging
 import secrets
+import socket
 from typing import Any
 
 from ibckpt.coordination.wire import (
+    MAX_HELLO,
     PROTOCOL_VERSION,
     Frame,
     Kind,
     ProtocolError,
-    read_frame,
+    SocketFrameReader,
     segment_index,
+    send_buffers,
     unpack_segments,
 )
 from ibckpt_operator.coordinator.session import (
@@ -29,19 +32,28 @@ log = logging.getLogger(__name__)
 
 HELLO_TIMEOUT_S = 10.0
 MAX_WAIT_S = 3600.0
+BACKLOG = 1024  # every node agent of a large job connects at once
 
 
 class _Connection:
-    def __init__(self, session: Session, participant: str, writer: asyncio.StreamWriter) -> None:
+    """One participant's socket. The server uses sockets, not streams: a routed round's payload
+    is received into one buffer and sent on from views of it with sendmsg(), never copied."""
+
+    def __init__(self, session: Session, participant: str, sock: socket.socket) -> None:
         self.session = session
         self.participant = participant
-        self.writer = writer
+        self.sock = sock
         self.lock = asyncio.Lock()
 
     async def send(self, frame: Frame) -> None:
         async with self.lock:
-            self.writer.writelines(frame.buffers())
-            await self.writer.drain()
+            await send_buffers(self.sock, frame.buffers())
+
+
+def _shutdown(sock: socket.socket) -> None:
+    """End a connection: its handler's next (or pending) read sees the end and closes the socket."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
 
 
 class CoordinatorServer:
@@ -51,26 +63,45 @@ class CoordinatorServer:
         self.host = host
         self.port = port
         self.sessions: dict[str, Session] = {}
+        self.sockets: list[socket.socket] = []  # the listening sockets
         self._connections: dict[str, set[_Connection]] = {}
-        self._server: asyncio.Server | None = None
+        self._acceptors: list[asyncio.Task[None]] = []
         self._pushes: set[asyncio.Task[None]] = set()
-        self._handlers: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
+        self._handlers: dict[asyncio.Task[None], socket.socket] = {}
 
     async def start(self) -> None:
-        self._server = await asyncio.start_server(self._serve, self.host, self.port)
-        self.port = self._server.sockets[0].getsockname()[1]
+        loop = asyncio.get_running_loop()
+        infos = await loop.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        try:
+            for family, kind, proto, _, address in dict.fromkeys(infos):
+                sock = socket.socket(family, kind, proto)
+                self.sockets.append(sock)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                sock.bind(address)
+                sock.listen(BACKLOG)
+                sock.setblocking(False)
+        except OSError:
+            for sock in self.sockets:
+                sock.close()
+            self.sockets.clear()
+            raise
+        self.port = self.sockets[0].getsockname()[1]
+        self._acceptors = [asyncio.ensure_future(self._accept(sock)) for sock in self.sockets]
 
     async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
-        # Closing the sockets ends each handler at its next read; cancelling would not be
-        # clean (asyncio logs a cancelled client_connected_cb as an error).
-        for writer in self._handlers.values():
-            writer.transport.abort()
+        for acceptor in self._acceptors:
+            acceptor.cancel()
+        for sock in self.sockets:
+            sock.close()
+        self.sockets.clear()
+        for sock in self._handlers.values():
+            _shutdown(sock)
         if self._handlers:
-            await asyncio.wait(list(self._handlers), timeout=5)
-        if self._server is not None:
-            await self._server.wait_closed()
+            _, late = await asyncio.wait(list(self._handlers), timeout=5)
+            for task in late:
+                task.cancel()
 
     def create_session(self, participants: set[str] | frozenset[str], deadline_s: float) -> tuple[str, str]:
         """A new session; returns (session id, token). The token is a secret: never log it."""
@@ -86,7 +117,7 @@ class CoordinatorServer:
     def close_session(self, session_id: str) -> None:
         self.sessions.pop(session_id, None)
         for conn in self._connections.pop(session_id, set()):
-            conn.writer.close()
+            _shutdown(conn.sock)
 
     def _broadcast_abort(self, session_id: str, reason: str) -> None:
         log.warning("session %s aborted: %s", session_id, reason)
@@ -97,28 +128,41 @@ class CoordinatorServer:
 
     @staticmethod
     async def _push_quietly(conn: _Connection, frame: Frame) -> None:
-        with contextlib.suppress(ConnectionError, RuntimeError):
+        with contextlib.suppress(OSError):
             await conn.send(frame)
 
     # -- connection handling --------------------------------------------------------------
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        me = asyncio.current_task()
-        if me is not None:
-            self._handlers[me] = writer
-            me.add_done_callback(lambda task: self._handlers.pop(task, None))
+    async def _accept(self, listener: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                sock, _ = await loop.sock_accept(listener)
+            except OSError as exc:  # out of descriptors, say: keep serving those we have
+                log.warning("accept failed: %s", exc)
+                await asyncio.sleep(0.1)
+                continue
+            sock.setblocking(False)
+            if sock.family in (socket.AF_INET, socket.AF_INET6):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            handler = asyncio.ensure_future(self._serve(sock))
+            self._handlers[handler] = sock
+            handler.add_done_callback(lambda task: self._handlers.pop(task, None))
+
+    async def _serve(self, sock: socket.socket) -> None:
+        reader = SocketFrameReader(sock)
         conn: _Connection | None = None
         tasks: set[asyncio.Task[None]] = set()
         try:
-            conn = await self._hello(reader, writer)
+            conn = await self._hello(reader, sock)
             if conn is None:
                 return
             while True:
-                frame = await read_frame(reader)
+                frame = await reader.read()
                 task = asyncio.ensure_future(self._handle(conn, frame))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
-        except (asyncio.IncompleteReadError, ConnectionError):
+        except (asyncio.IncompleteReadError, OSError):
             pass
         except ProtocolError as exc:
             log.warning("dropping connection: %s", exc)
@@ -127,15 +171,17 @@ class CoordinatorServer:
                 task.cancel()
             if conn is not None:
                 self._connections.get(conn.session.id, set()).discard(conn)
-            writer.close()
+            if tasks:  # they stop writing to this socket before it is closed
+                await asyncio.wait(list(tasks), timeout=1)
+            sock.close()
 
-    async def _hello(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> _Connection | None:
+    async def _hello(self, reader: SocketFrameReader, sock: socket.socket) -> _Connection | None:
         async def refuse(message: str) -> None:
-            writer.write(Frame(Kind.ERROR, {"id": 0, "error": "auth", "message": message}).encode())
-            await writer.drain()
+            frame = Frame(Kind.ERROR, {"id": 0, "error": "auth", "message": message})
+            await send_buffers(sock, frame.buffers())
 
         try:
-            frame = await asyncio.wait_for(read_frame(reader), HELLO_TIMEOUT_S)
+            frame = await asyncio.wait_for(reader.read(MAX_HELLO), HELLO_TIMEOUT_S)
         except TimeoutError:
             return None
         head = frame.header
@@ -149,7 +195,7 @@ class CoordinatorServer:
                         head.get("session"))  # fmt: skip
             await refuse("unknown session, participant or token")
             return None
-        conn = _Connection(session, participant, writer)
+        conn = _Connection(session, participant, sock)
         self._connections[session.id].add(conn)
         await conn.send(Frame(Kind.OK, {"id": 0, "aborted": session.abort_reason}))
         return conn
@@ -169,7 +215,7 @@ class CoordinatorServer:
         except (NotAParticipant, ValueError, KeyError, ProtocolError) as exc:
             reply = Frame(Kind.ERROR, {"error": "request", "message": str(exc)})
         reply = dataclasses.replace(reply, header={**reply.header, "id": request_id})
-        with contextlib.suppress(ConnectionError, RuntimeError):
+        with contextlib.suppress(OSError):
             await conn.send(reply)
 
     async def _dispatch(self, session: Session, me: str, frame: Frame, timeout: float) -> Frame:
@@ -179,7 +225,7 @@ class CoordinatorServer:
                 await session.barrier(str(head["name"]), me, timeout)
                 return Frame(Kind.OK)
             case Kind.PUT:
-                session.put(str(head["key"]), frame.payload, me)
+                session.put(str(head["key"]), bytes(frame.payload), me)
                 return Frame(Kind.OK)
             case Kind.GET:
                 return Frame(Kind.VALUE, {}, await session.get(str(head["key"]), me, timeout))

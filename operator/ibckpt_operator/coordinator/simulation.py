@@ -68,29 +68,45 @@ def digest(got: Mapping[str, bytes | memoryview]) -> str:
     return h.hexdigest()
 
 
+async def connect_nodes(
+    host: str, port: int, session: str, token: str, nodes: int
+) -> list[CoordinatorClient]:
+    """One connected client per simulated node agent, node-000 first."""
+    return list(
+        await asyncio.gather(
+            *(CoordinatorClient.connect(host, port, session, node_name(n), token) for n in range(nodes))
+        )
+    )
+
+
+async def exchange_all(
+    clients: list[CoordinatorClient], outgoing: list[dict[str, bytes]], round_name: str = "rebuild-ids"
+) -> tuple[list[dict[str, memoryview]], float]:
+    """Every client publishes its segments and gathers its own; return what each got and the seconds."""
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    results = await asyncio.gather(
+        *(c.exchange(round_name, outgoing[n], timeout=120) for n, c in enumerate(clients))
+    )
+    return list(results), loop.time() - started
+
+
 async def run_exchange(
     nodes: int, per_node: int, prepared: list[dict[str, bytes]] | None = None
 ) -> tuple[list[dict[str, memoryview]], float]:
-    """Run one exchange round through a real server on 127.0.0.1; return what each node got and seconds."""
+    """Run one exchange round through a real server on 127.0.0.1; return what each node got and seconds.
+
+    Server and clients share this process and its event loop (the bench also runs them apart).
+    """
     server = CoordinatorServer()
     await server.start()
     try:
         session, token = server.create_session({node_name(n) for n in range(nodes)}, deadline_s=600)
-        clients = await asyncio.gather(
-            *(
-                CoordinatorClient.connect("127.0.0.1", server.port, session, node_name(n), token)
-                for n in range(nodes)
-            )
-        )
+        clients = await connect_nodes("127.0.0.1", server.port, session, token, nodes)
         outgoing = prepared or [segments_for(n, nodes, per_node) for n in range(nodes)]
-        loop = asyncio.get_running_loop()
-        started = loop.time()
-        results = await asyncio.gather(
-            *(c.exchange("rebuild-ids", outgoing[n], timeout=120) for n, c in enumerate(clients))
-        )
-        elapsed = loop.time() - started
+        results, elapsed = await exchange_all(clients, outgoing)
         for c in clients:
             await c.close()
-        return list(results), elapsed
+        return results, elapsed
     finally:
         await server.stop()
