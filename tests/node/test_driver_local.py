@@ -19,7 +19,18 @@ from node.fake_shim import FakeShimSocket
 
 from ibckpt.coordination.client import CoordinatorClient
 from ibckpt.coordination.ranks import RankId
-from ibckpt_node.driver import CheckpointFailed, LocalRank, Mode, NodeDriver, PhaseTimeouts
+from ibckpt_node.driver import (
+    TREE_MANIFEST,
+    CheckpointFailed,
+    CheckpointRefused,
+    LocalRank,
+    Mode,
+    NodeDriver,
+    PhaseTimeouts,
+    ProcessTree,
+    descendants,
+    read_tree_manifest,
+)
 from testbed.coordinator import ThreadedCoordinator
 
 RANKS = 12  # more than asyncio's default pool on a 2-core node (cpus + 4)
@@ -102,3 +113,55 @@ async def test_failed_dump_aborts_and_rebuilds_every_released_rank(
         expected = ["status", "quiesce", "drain", "release", "abort", "rebuild", "resume"]
         assert s.commands == expected, s.commands
         assert s.state == "running"
+
+
+@pytest.fixture
+def launcher() -> Iterator[tuple[int, int]]:
+    """A real process tree, launcher -> shell -> rank: (root pid, rank pid)."""
+    proc = subprocess.Popen(
+        ["sh", "-c", "sh -c 'sleep 60 & echo $!; wait'; :"], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    rank_pid = int(proc.stdout.readline())
+    yield proc.pid, rank_pid
+    subprocess.run(["pkill", "-P", str(proc.pid)], check=False)
+    proc.kill()
+    proc.wait()
+
+
+def test_a_process_tree_holds_its_grandchildren(launcher: tuple[int, int]) -> None:
+    root, rank = launcher
+    assert {root, rank} <= set(descendants(root))
+    assert root not in descendants(rank)
+
+
+async def test_a_rank_outside_every_process_tree_is_refused_before_it_is_touched(
+    coordinator: ThreadedCoordinator, tmp_path: Path, sleeper: int, launcher: tuple[int, int]
+) -> None:
+    root, rank_pid = launcher
+    inside = FakeShimSocket(tmp_path / "in.ctl")
+    outside = FakeShimSocket(tmp_path / "out.ctl")
+    ranks = [
+        LocalRank(RankId.parse("job/rank-0/main/0"), rank_pid, inside.path),
+        LocalRank(RankId.parse("job/rank-1/main/0"), sleeper, outside.path),
+    ]
+    session, token = coordinator.create_session({"node-1"})
+    client = await CoordinatorClient.connect("127.0.0.1", coordinator.port, session, "node-1", token)
+    driver = NodeDriver("node-1", client, ranks, trees=[ProcessTree("launcher", root)])
+    try:
+        with pytest.raises(CheckpointRefused, match=rf"job/rank-1/main/0 \(pid {sleeper}\) is in none"):
+            await asyncio.wait_for(driver.checkpoint(Mode.STOP, tmp_path / "images", epoch=2), 30)
+    finally:
+        await client.close()
+    assert driver.report.outcome == "Refused"
+    assert inside.commands == ["status"] and outside.commands == ["status"]
+    assert not (tmp_path / "images").exists()
+
+
+def test_a_restore_refuses_an_image_dir_without_a_tree_manifest(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointFailed, match="not a dumped process tree"):
+        read_tree_manifest(tmp_path)
+    (tmp_path / TREE_MANIFEST).write_text(
+        '{"root_pid": 7, "ranks": [{"key": "a/b/c/d", "pid": 8, "control": "/x"}]}'
+    )
+    assert read_tree_manifest(tmp_path) == (7, [(RankId.parse("a/b/c/d"), 8, Path("/x"))])
