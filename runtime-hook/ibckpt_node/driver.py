@@ -148,18 +148,6 @@ class ProcessTree:
     root_pid: int
 
 
-def descendants(pid: int) -> list[int]:
-    """`pid` and every process below it (through each thread's children list)."""
-    found, todo = [], [pid]
-    while todo:
-        current = todo.pop()
-        found.append(current)
-        for task in Path(f"/proc/{current}/task").iterdir():
-            with contextlib.suppress(OSError):
-                todo += [int(c) for c in (task / "children").read_text().split()]
-    return found
-
-
 def read_tree_manifest(images: Path) -> tuple[int, list[tuple[RankId, int, Path]]]:
     """The root pid and the ranks (key, pid, control socket) of a dumped process tree."""
     try:
@@ -313,6 +301,11 @@ class NodeDriver:
             for r, found in zip(self.ranks, problems, strict=True)
             if found
         ]
+        # A process tree is dumped whole: its launcher's or daemon's connections move too.
+        for tree in self.trees:
+            found = await self._tcp_problems(tree.root_pid, own_addrs)
+            if found:
+                refusals.append(preflight.refusal(f"process tree {tree.name}", tree.root_pid, found))
         self.report.local["preflight"] = time.monotonic() - started
         if refusals:
             raise CheckpointRefused(" | ".join(refusals))  # the coordinator's abort adds our name
@@ -334,8 +327,11 @@ class NodeDriver:
         peers = [p for p in ident.peers if preflight.qp_key(p[2], p[3]) not in own]
         known = await asyncio.gather(*(self._published(preflight.qp_key(p[2], p[3])) for p in peers))
         found += [preflight.foreign_peer_problem(*p) for p, ok in zip(peers, known, strict=True) if not ok]
+        return found + await self._tcp_problems(r.pid, own_addrs)
 
-        sockets = await asyncio.to_thread(preflight.tcp_sockets_of, r.pid)
+    async def _tcp_problems(self, pid: int, own_addrs: set[preflight.IPAddress]) -> list[str]:
+        """The TCP connections of the tree rooted at `pid` that lead outside the job."""
+        sockets = await asyncio.to_thread(preflight.tcp_sockets_of, pid)
         if self.job_addrs is not None:
             job = list(self.job_addrs)
             outside = preflight.outside_connections((s for _, s in sockets), job)
@@ -345,8 +341,7 @@ class NodeDriver:
             published = await asyncio.gather(*(self._published(preflight.addr_key(a)) for a in remotes))
             job = sorted(own_addrs | {a for a, ok in zip(remotes, published, strict=True) if ok}, key=str)
             outside = preflight.outside_connections(candidates, job)
-        found += [preflight.tcp_problem(s, job) for s in outside]
-        return found
+        return [preflight.tcp_problem(s, job) for s in outside]
 
     async def _abort_untouched(self, cause: Exception) -> None:
         """Refused before any rank was gated: tell every node; the ranks keep running as they were."""
@@ -359,7 +354,7 @@ class NodeDriver:
     def _tree_members(self) -> dict[str, list[LocalRank]]:
         """Which ranks each process tree holds; a rank outside every tree is refused here."""
         members: dict[str, list[LocalRank]] = {t.name: [] for t in self.trees}
-        below = {t.name: set(descendants(t.root_pid)) for t in self.trees}
+        below = {t.name: set(preflight.process_tree(t.root_pid)) for t in self.trees}
         for r in self.ranks:
             inside = [name for name, pids in below.items() if r.pid in pids]
             if self.trees and not inside:
@@ -374,7 +369,8 @@ class NodeDriver:
     def _check_released(self) -> None:
         processes = [(r.rank.key(), r.pid) for r in self.ranks]
         # Every process of a tree goes into the image: none may hold the device either.
-        processes += [(f"process tree {t.name}", p) for t in self.trees for p in descendants(t.root_pid)]
+        for t in self.trees:
+            processes += [(f"process tree {t.name}", p) for p in preflight.process_tree(t.root_pid)]
         for who, pid in processes:
             fds, maps = device_fds_and_maps(pid)
             if fds or maps:

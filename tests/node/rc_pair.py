@@ -160,7 +160,7 @@ for try in $(seq 30); do  # see a2a_job.status_all: retried for up to 30 s
   echo "$(date +%T.%N) status of $key refused (try $try)" >> {work}/status-diag.err
   ls -l /run/ibckpt/ /proc/$pid/fd >> {work}/status-diag.err 2>&1 || true; sleep 1
 done
-# Diagnostics only (callers with status_after=False tolerate a refused status): never fail here.
+# Diagnostics only (the test asserts on status-$role.json unless status_after=False): never fail here.
 [ -s {work}/status-$role.json ] || {{
   echo "status of $key failed; listening unix sockets, the rank's fds and net namespace vs ours:"
   grep ' 00010000 0001 ' /proc/net/unix || true

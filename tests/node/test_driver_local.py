@@ -9,7 +9,9 @@ ranks at a time than the node has, which is what a small default thread pool doe
 from __future__ import annotations
 
 import asyncio
+import socket
 import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,9 +30,9 @@ from ibckpt_node.driver import (
     NodeDriver,
     PhaseTimeouts,
     ProcessTree,
-    descendants,
     read_tree_manifest,
 )
+from ibckpt_node.preflight import node_addresses, process_tree
 from testbed.coordinator import ThreadedCoordinator
 
 RANKS = 12  # more than asyncio's default pool on a 2-core node (cpus + 4)
@@ -131,8 +133,8 @@ def launcher() -> Iterator[tuple[int, int]]:
 
 def test_a_process_tree_holds_its_grandchildren(launcher: tuple[int, int]) -> None:
     root, rank = launcher
-    assert {root, rank} <= set(descendants(root))
-    assert root not in descendants(rank)
+    assert {root, rank} <= set(process_tree(root))
+    assert root not in process_tree(rank)
 
 
 async def test_a_rank_outside_every_process_tree_is_refused_before_it_is_touched(
@@ -165,3 +167,43 @@ def test_a_restore_refuses_an_image_dir_without_a_tree_manifest(tmp_path: Path) 
         '{"root_pid": 7, "ranks": [{"key": "a/b/c/d", "pid": 8, "control": "/x"}]}'
     )
     assert read_tree_manifest(tmp_path) == (7, [(RankId.parse("a/b/c/d"), 8, Path("/x"))])
+
+
+async def test_a_process_trees_own_connection_outside_the_job_is_refused(
+    coordinator: ThreadedCoordinator, tmp_path: Path
+) -> None:
+    # The launcher (not the rank) holds a TCP connection to an address that is not the job's.
+    own = sorted(str(a) for a in node_addresses() if a.version == 4)
+    assert own, "the host needs a non-loopback IPv4 address for this test"
+    listener = socket.create_server((own[0], 0))
+    port = listener.getsockname()[1]
+    launcher = subprocess.Popen(
+        [sys.executable, "-c",
+         "import socket, subprocess, sys, time\n"
+         f"s = socket.create_connection(({own[0]!r}, {port}))\n"
+         "child = subprocess.Popen(['sleep', '60'])\n"
+         "print(child.pid, flush=True)\n"
+         "time.sleep(60)\n"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert launcher.stdout is not None
+    try:
+        rank_pid = int(launcher.stdout.readline())
+        shim = FakeShimSocket(tmp_path / "r.ctl")
+        rank = LocalRank(RankId.parse("job/rank-0/main/0"), rank_pid, shim.path)
+        session, token = coordinator.create_session({"node-1"})
+        client = await CoordinatorClient.connect("127.0.0.1", coordinator.port, session, "node-1", token)
+        tree = ProcessTree("launcher", launcher.pid)
+        driver = NodeDriver("node-1", client, [rank], job_addrs=["10.77.0.1"], trees=[tree])
+        try:
+            refused = rf"process tree launcher \(pid {launcher.pid}\).*{own[0]}:{port}.*leads outside the job"
+            with pytest.raises(CheckpointRefused, match=refused):
+                await asyncio.wait_for(driver.checkpoint(Mode.STOP, tmp_path / "images", epoch=2), 30)
+        finally:
+            await client.close()
+        assert shim.commands == ["status"]
+    finally:
+        subprocess.run(["pkill", "-P", str(launcher.pid)], check=False)
+        launcher.kill()
+        launcher.wait()
+        listener.close()

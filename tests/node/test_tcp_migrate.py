@@ -26,9 +26,7 @@ TCP_RE = re.compile(r"TCP sent=(\d+) received=(\d+) bad=(\d+)")
 
 def test_tcp_connection_between_ranks_follows_a_swapped_restore(coordinator, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     work = tmp_path
-    # status_after=False: the shim's control socket refused connections after the move in these
-    # runs (see docs/node-agent.md, "Not done yet"); the agents' reports prove the resume instead
-    migrate_swapped(coordinator, work, rc_args="-t 50", restore_args=SWAP, status_after=False)
+    migrate_swapped(coordinator, work, rc_args="-t 50", restore_args=SWAP)
 
     # Preflight let the connection through: its peer is the other node of the job.
     for node in (1, 2):
