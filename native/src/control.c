@@ -93,6 +93,9 @@ static void *control_main(void *arg)
 	int lfd = (int)(intptr_t)arg;
 	char *reply = malloc(REPLY_MAX + 8), *body = malloc(REPLY_MAX);
 
+	/* The node agent finds this thread by name and raises its priority for a
+	 * checkpoint: it shares its CPU with busy-polling app threads. */
+	pthread_setname_np(pthread_self(), IBK_CONTROL_THREAD_NAME);
 	if (!reply || !body) {
 		free(reply);
 		free(body);

@@ -79,6 +79,8 @@ void ibk_log(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 void ibk_unsupported(const char *verb);
 /* The distinct verbs ibk_unsupported refused (string literals), at most max. */
 #define IBK_MAX_REFUSED 32
+/* The control thread's name (15 chars max): the node agent looks it up in /proc. */
+#define IBK_CONTROL_THREAD_NAME "ibk-control"
 int ibk_refused_verbs(const char **out, int max);
 #define IBK_DBG(...)                          \
 	do {                                  \

@@ -43,6 +43,7 @@ from ibckpt.coordination.ranks import RankId
 from ibckpt_node.coord_proxy import ShimCoordinatorProxy
 from ibckpt_node.criu import CriuError
 from ibckpt_node.driver import CheckpointFailed, LocalRank, Mode, NodeDriver, NodeReport, ProcessTree
+from ibckpt_node.priority import DEFAULT_BOOST_NICE
 from ibckpt_node.tcp_remap import RemapError, parse_map
 
 DEFAULT_SHIM_SOCKET = "/run/ibckpt/coord.sock"
@@ -77,15 +78,18 @@ async def _run(args: argparse.Namespace, drivers: list[NodeDriver]) -> NodeRepor
     host, _, port = args.coordinator.rpartition(":")
     client = await CoordinatorClient.connect(host, int(port), args.session, args.node, token)
     try:
+        boost = None if args.no_boost else DEFAULT_BOOST_NICE
         async with ShimCoordinatorProxy(Path(args.shim_socket), client):
             ranks = [_parse_rank(spec) for spec in args.rank]
             if args.command == "checkpoint":
                 local = [LocalRank(rank, int(where), control) for rank, where, control in ranks]
                 trees = [_parse_tree(spec) for spec in args.tree]
-                driver = NodeDriver(args.node, client, local, job_addrs=args.job_addr or None, trees=trees)
+                driver = NodeDriver(
+                    args.node, client, local, job_addrs=args.job_addr or None, trees=trees, boost_nice=boost
+                )
                 drivers.append(driver)
                 return await driver.checkpoint(Mode(args.mode), Path(args.images), args.epoch)
-            driver = NodeDriver(args.node, client, [])
+            driver = NodeDriver(args.node, client, [], boost_nice=boost)
             drivers.append(driver)
             images = {rank.key(): Path(where) for rank, where, _ in ranks}
             controls = {rank.key(): control for rank, _, control in ranks}
@@ -113,6 +117,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--mode", default=Mode.LEAVE_RUNNING.value, choices=[m.value for m in Mode])
     parser.add_argument("--epoch", type=int, default=1)
     parser.add_argument("--shim-socket", default=DEFAULT_SHIM_SOCKET)
+    parser.add_argument(
+        "--no-boost",
+        action="store_true",
+        help=f"keep the agent's and ranks' control threads' nice value (else {DEFAULT_BOOST_NICE})",
+    )
     parser.add_argument(
         "--job-addr", action="append", default=[], help="checkpoint: an address of the job's nodes"
     )

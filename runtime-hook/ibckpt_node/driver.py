@@ -16,7 +16,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -29,7 +29,7 @@ from ibckpt.coordination.client import (
 )
 from ibckpt.coordination.ranks import RankId
 from ibckpt_native.control import ControlError, ShimControl
-from ibckpt_node import criu, preflight, tcp_remap
+from ibckpt_node import criu, preflight, priority, tcp_remap
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +109,7 @@ class NodeReport:
     restored_pids: dict[str, int] = field(default_factory=dict)
     remapped: dict[str, list[str]] = field(default_factory=dict)  # rank -> socket addresses rewritten
     locked: list[str] = field(default_factory=list)  # TCP connections held until every node restored
+    boosted: dict[str, int] = field(default_factory=dict)  # phases -> threads run at a raised priority
     outcome: str = ""
 
 
@@ -167,12 +168,15 @@ class NodeDriver:
         timeouts: PhaseTimeouts | None = None,
         job_addrs: Sequence[str] | None = None,
         trees: Sequence[ProcessTree] = (),
+        boost_nice: int | None = priority.DEFAULT_BOOST_NICE,
     ) -> None:
         """`job_addrs`: the addresses of the job's nodes, which the ranks' TCP connections may
         lead to. None: every node of the session publishes its own interfaces' addresses.
         `trees`: process trees dumped whole, each holding some of `ranks`; a rank in no tree
-        is dumped on its own."""
+        is dumped on its own. `boost_nice`: the nice value of the agent's and the ranks' control
+        threads while the agent waits on them (priority.py); None leaves priorities alone."""
         self.node = node
+        self.boost_nice = boost_nice
         self.client = client
         self.ranks = list(ranks)
         self.trees = list(trees)
@@ -214,6 +218,22 @@ class NodeDriver:
         self.report.phases[name] = time.monotonic() - started
         log.info("%s: %s done in %.3fs", self.node, name, self.report.phases[name])
 
+    @contextlib.contextmanager
+    def _boosted(self, phases: str) -> Iterator[None]:
+        with priority.boosted([r.pid for r in self.ranks], self.boost_nice) as tids:
+            self.report.boosted[phases] = len(tids)
+            yield
+
+    async def _rebuild_and_resume(self, epoch: int) -> None:
+        t = self.timeouts
+        with self._boosted("rebuild"):
+            await self._phase(
+                "rebuilt",
+                lambda: self._each("rebuild", f"rebuild {epoch} {self._ms(t.rebuild_s)}"),
+                t.rebuild_s,
+            )
+            await self._phase("resumed", lambda: self._each("resume", "resume"), t.rebuild_s)
+
     @staticmethod
     def _ms(seconds: float) -> int:
         return max(1, int(seconds * 1000))
@@ -229,23 +249,25 @@ class NodeDriver:
             # late (or never comes) does not leave the others' ranks stalled; "checkpoint
             # requested" is measured from here. Before it, each node publishes what preflight
             # asks about: its ranks' QPs and (by default) its addresses.
-            await self._preflight()
-            touched = True
-            await self._phase(
-                "quiesced",
-                lambda: self._each("quiesce", f"quiesce {self._ms(t.quiesce_s)}"),
-                t.quiesce_s,
-            )
-            await self._phase(
-                "drained",
-                lambda: self._each("drain", f"drain {self._ms(t.drain_settle_s)}"),
-                t.drain_s,
-            )
-            await self._phase(
-                "released",
-                lambda: self._each("release", f"release {self._ms(t.release_s)}"),
-                t.release_s,
-            )
+            # Raised priority for the cut, back to normal before the dump (CRIU saves it).
+            with self._boosted("cut"):
+                await self._preflight()
+                touched = True
+                await self._phase(
+                    "quiesced",
+                    lambda: self._each("quiesce", f"quiesce {self._ms(t.quiesce_s)}"),
+                    t.quiesce_s,
+                )
+                await self._phase(
+                    "drained",
+                    lambda: self._each("drain", f"drain {self._ms(t.drain_settle_s)}"),
+                    t.drain_s,
+                )
+                await self._phase(
+                    "released",
+                    lambda: self._each("release", f"release {self._ms(t.release_s)}"),
+                    t.release_s,
+                )
             self._check_released()
             await self._phase("dumped", lambda: self._dump_all(mode, images_root), t.dump_s)
             committed = True
@@ -255,12 +277,7 @@ class NodeDriver:
             if mode is Mode.HOLD:
                 self.report.outcome = "Held"
                 return self.report
-            await self._phase(
-                "rebuilt",
-                lambda: self._each("rebuild", f"rebuild {epoch} {self._ms(t.rebuild_s)}"),
-                t.rebuild_s,
-            )
-            await self._phase("resumed", lambda: self._each("resume", "resume"), t.rebuild_s)
+            await self._rebuild_and_resume(epoch)
             self.report.outcome = "Succeeded"
             return self.report
         except (CheckpointFailed, CoordinatorError) as exc:
@@ -494,11 +511,6 @@ class NodeDriver:
         finally:
             for error in await asyncio.to_thread(lock.unlock):
                 log.error("%s: %s", self.node, error)
-        await self._phase(
-            "rebuilt",
-            lambda: self._each("rebuild", f"rebuild {epoch} {self._ms(t.rebuild_s)}"),
-            t.rebuild_s,
-        )
-        await self._phase("resumed", lambda: self._each("resume", "resume"), t.rebuild_s)
+        await self._rebuild_and_resume(epoch)
         self.report.outcome = "Succeeded"
         return self.report
