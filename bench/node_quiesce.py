@@ -3,7 +3,9 @@
 Run from the repo root:  .venv/bin/python bench/node_quiesce.py [--ranks 16]
 
 Half the ranks run on each guest (native/tests/a2a_seq under the shim, one RC QP per pair). The
-bench takes one LeaveRunning and one Stop checkpoint through the job coordinator and measures,
+bench takes two LeaveRunning checkpoints (the first with `--no-boost`: the agent's and the
+control threads' priority left alone, see runtime-hook/ibckpt_node/priority.py) and one Stop
+checkpoint through the job coordinator and measures,
 per node, the time from "checkpoint requested" (every node joined) until every rank is
 quiesced, drained and released, barriers included, dump excluded. It then restores each node's
 ranks twice from the same images: first with a raw CRIU restore of copies (the restored
@@ -35,6 +37,10 @@ esac
 mine=$(echo $mine)
 for r in $mine; do start_rank $r; done
 for r in $mine; do wait_for READY {work}/r$r.out 600; done
+sleep 3
+IBCKPT_SESSION_TOKEN=$TOKEN_LRPLAIN agent checkpoint --session {lrplain} $(rank_args pid $mine) \
+  --images {work}/images-lrplain-$IBCKPT_NODE --mode LeaveRunning --no-boost \
+  > {work}/lrplain-node-$IBCKPT_NODE.json
 sleep 3
 IBCKPT_SESSION_TOKEN=$TOKEN_LR agent checkpoint --session {lr} $(rank_args pid $mine) \
   --images {work}/images-lr-$IBCKPT_NODE --mode LeaveRunning > {work}/lr-node-$IBCKPT_NODE.json
@@ -114,7 +120,7 @@ def main() -> int:
         nodes = {"node-1", "node-2"}
         sessions: dict[str, str] = {}
         env: dict[str, str] = {}
-        for name in ("lr", "stop", "restore"):
+        for name in ("lrplain", "lr", "stop", "restore"):
             sessions[name], env[f"TOKEN_{name.upper()}"] = coord.create_session(nodes)
         script = prelude(work, coord.port, hosts) + SCRIPT.format(
             work=work, python=sys.executable, bench=Path(__file__).resolve(), **sessions
@@ -138,7 +144,8 @@ def main() -> int:
     print("checkpoint requested -> every rank quiesced, drained, released (barriers included, no dump)")
     header = f"{'checkpoint':<13}{'node':<6}{'total ms':>9}{'quiesce':>9}{'drain':>8}{'release':>9}"
     print(f"{header}   node-local q/d/r   shim max q/d/r")
-    for label, prefix in (("LeaveRunning", "lr"), ("Stop", "stop")):
+    rows = (("LR no boost", "lrplain"), ("LeaveRunning", "lr"), ("Stop", "stop"))
+    for label, prefix in rows:
         worst = 0.0
         for node in (1, 2):
             total, wall, local, shim = _cut(load(f"{prefix}-node-{node}.json"))

@@ -1,7 +1,4 @@
-"""NOT COLLECTED (the name has no test_ prefix): a draft of the issue-5 test "perftest `ib_write_bw`
-between the guests, migrated mid-run, completes". It passed 13 of 17 runs on the development machine;
-the failures were hangs after the restore and a stalled guest link (see docs/node-agent.md). Rename it
-to test_perftest_migrate.py once it passes reliably.
+"""perftest `ib_write_bw` between the guests, migrated mid-run, completes (issue 5).
 
 An unmodified third-party verbs program: the `ib_write_bw` server starts on node A (10.77.0.1)
 and the client on node B (10.77.0.2), both under the shim, `-d rxe0 -x 1 -F`, with enough
