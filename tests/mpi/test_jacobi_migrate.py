@@ -31,7 +31,7 @@ from testbed.guest import GUEST_HOST_ADDR, REPO, GuestResult, GuestSpec, run_pai
 pytestmark = pytest.mark.twoguests
 
 HERE = Path(__file__).resolve().parent
-STEPS = 1200
+STEPS = 2000  # 40 s of sleeps alone: the checkpoint comes well before the end, even under load
 KEYS = {1: "jacobi/rank-0/main/0", 2: "jacobi/rank-1/main/0"}
 SWAP = "--remap-ip 10.77.0.1=10.77.0.2 --remap-ip 10.77.0.2=10.77.0.1"
 
