@@ -736,6 +736,7 @@ static int fetch_peer(struct ibk_qp *qp, uint64_t epoch, int timeout_ms)
 		ibk_idmap_put(&qp->peer.rkeys, v, r);
 		p += used;
 	}
+	atomic_store(&ibk_xlate_any, 1);
 	qp->peer.rkeys_translate = 1;
 	free(val);
 	pm.vgid = qp->peer.vgid;
@@ -845,6 +846,7 @@ int ibk_do_rebuild(uint64_t epoch, int timeout_ms, char *out, size_t len)
 	}
 	pthread_mutex_lock(&ibk_ctx_lock);
 	atomic_store(&ibk_translating, 1);
+	atomic_store(&ibk_xlate_any, 1);
 	FOR_EACH_CTX(ctx)
 	{
 		ctx->translate = 1;

@@ -275,6 +275,7 @@ struct ibk_qp {
 	int ud;             /* UD: every send needs its AH translated */
 	uint32_t flag_mask; /* log flags this QP type keeps (no CONSUMER but on RC) */
 	uint32_t sig_all;   /* IBK_SWR_SIGNALED if sq_sig_all */
+	uint8_t opf[16];    /* log flags per opcode: op_flags & flag_mask | sig_all */
 	ibk_lock_t lock;  /* send side log and counters */
 	ibk_lock_t rlock; /* receive side log */
 	struct ibk_sendlog slog;
@@ -338,6 +339,11 @@ void ibk_peers_refresh(uint64_t epoch, int timeout_ms);
 /* Fetch one peer's latest mapping from the coordinator (slow path). */
 int ibk_peers_fetch(const union ibv_gid *vgid, uint32_t vqpn, int timeout_ms);
 extern atomic_int ibk_translating; /* set after the first rebuild anywhere in this process */
+/* Set (inside the gate's closed phases or under ctx->lock) before any
+ * ctx->translate or peer.rkeys_translate turns on: while it is 0 the post
+ * fast paths skip all of them with one load.  Read after ibk_enter, so a
+ * thread parked across a rebuild sees it. */
+extern atomic_int ibk_xlate_any;
 
 /* the global list of shadow contexts */
 extern pthread_mutex_t ibk_ctx_lock;
