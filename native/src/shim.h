@@ -133,6 +133,14 @@ static inline void ibk_lock(ibk_lock_t *l)
 		ibk_lock_slow(l);
 }
 
+/* 1 if taken; never waits. */
+static inline int ibk_trylock(ibk_lock_t *l)
+{
+	int z = 0;
+
+	return atomic_compare_exchange_strong_explicit(&l->v, &z, 1, memory_order_acquire, memory_order_relaxed);
+}
+
 static inline void ibk_unlock(ibk_lock_t *l)
 {
 	if (__builtin_expect(atomic_exchange_explicit(&l->v, 0, memory_order_release) != 1, 0))
