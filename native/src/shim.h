@@ -3,6 +3,7 @@
 #ifndef IBK_SHIM_H
 #define IBK_SHIM_H
 
+#include <limits.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -88,22 +89,35 @@ int ibk_refused_verbs(const char **out, int max);
 
 /* ---- the gate ---------------------------------------------------------- */
 
-extern atomic_int ibk_gate_closed;
-extern atomic_long ibk_gate_inside;
+/* One word: the sign bit says closed, the rest counts threads inside.  One
+ * locked RMW both enters and sees the state: the close (an RMW on the same
+ * word) is either ordered before it (we see the bit and step back out) or
+ * after it (ibk_gate_close sees us counted and waits for ibk_leave). */
+#define IBK_GATE_CLOSED LONG_MIN
+extern atomic_long ibk_gate;
 void ibk_gate_wait(void);
 int ibk_gate_close(int timeout_ms);
 void ibk_gate_open(void);
 
+static inline long ibk_gate_inside(void)
+{
+	return atomic_load(&ibk_gate) & LONG_MAX;
+}
+
+static inline int ibk_gate_is_closed(void)
+{
+	return atomic_load(&ibk_gate) < 0;
+}
+
 static inline void ibk_enter(void)
 {
-	atomic_fetch_add(&ibk_gate_inside, 1);
-	if (__builtin_expect(atomic_load(&ibk_gate_closed), 0))
+	if (__builtin_expect(atomic_fetch_add(&ibk_gate, 1) < 0, 0))
 		ibk_gate_wait();
 }
 
 static inline void ibk_leave(void)
 {
-	atomic_fetch_sub_explicit(&ibk_gate_inside, 1, memory_order_release);
+	atomic_fetch_sub_explicit(&ibk_gate, 1, memory_order_release);
 }
 
 /* ---- a small lock for the fast path ---------------------------------------- */
