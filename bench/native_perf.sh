@@ -9,13 +9,14 @@
 # REPO (default: the checkout the script is in) is the tree whose shim and venv are used; SHIM
 # (default: REPO's native/build/libibckpt.so) is the shim measured.
 # Knobs: OUT (result dir, native/build/bench), ROUNDS (perftest rounds, 3), ITERS (perftest -n, 20000),
-# QUICK=1 (tiny sizes), CALLGRIND=0 (skip part 1).
+# QUICK=1 (tiny sizes), CALLGRIND=0 (skip part 1), ROUNDS=0 (callgrind only), PY.
 set -u
 REPO=${REPO:-$(cd "$(dirname "$0")/.." && pwd)}
 OUT=${OUT:-$REPO/native/build/bench}
 ROUNDS=${ROUNDS:-3}
 ITERS=${ITERS:-20000}
-PY=$REPO/.venv/bin/python
+# PY: the python that reads the results (a worktree has no .venv of its own).
+PY=${PY:-$REPO/.venv/bin/python}
 DEV=rxe0
 GIDX=1
 rm -rf "$OUT"

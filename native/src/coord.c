@@ -14,6 +14,7 @@
 #include "shim.h"
 
 atomic_int ibk_translating;
+atomic_int ibk_xlate_any;
 
 int ibk_coord_configured(void)
 {

@@ -55,29 +55,37 @@ static struct ibk_qp *qp_by_real_qpn(struct ibk_ctx *ctx, uint32_t rqpn)
 	return ctx->qp_slots[slot];
 }
 
-/* Translate one real completion in place; 0 means hide it from the app. */
-static inline int wc_translate(struct ibk_ctx *ctx, struct ibv_wc *wc)
+/* A send completion off the common case (flag WR, error, out of order),
+ * entered with qp->lock held. */
+static __attribute__((noinline)) int wc_translate_send_slow(struct ibk_qp *qp, struct ibk_swr *e, struct ibv_wc *wc)
+{
+	int show = 1;
+
+	wc->wr_id = e->app_wr_id;
+	if (e->flags & IBK_SWR_FLAG_WR) {
+		qp->flag_outstanding = 0;
+		show = 0;
+	}
+	if (wc->status == IBV_WC_SUCCESS || !qp->releasing)
+		ibk_sendlog_retire_entry(&qp->slog, e, &qp->cnt);
+	else
+		show = 0; /* flushed by the shim itself: stays logged for replay */
+	ibk_unlock(&qp->lock);
+	wc->qp_num = qp->vqpn;
+	return show;
+}
+
+/* Any completion off the two common cases below. */
+static __attribute__((noinline)) int wc_translate_other(struct ibk_ctx *ctx, struct ibv_wc *wc)
 {
 	uint32_t *kind = (uint32_t *)(uintptr_t)wc->wr_id;
 
-	if (__builtin_expect(*kind == IBK_KIND_SEND, 1)) {
+	if (*kind == IBK_KIND_SEND) {
 		struct ibk_swr *e = (struct ibk_swr *)kind;
 		struct ibk_qp *qp = IBK_OBJ(e->owner, ibk_qp);
-		int show = 1;
 
 		ibk_lock(&qp->lock);
-		wc->wr_id = e->app_wr_id;
-		if (__builtin_expect(e->flags & IBK_SWR_FLAG_WR, 0)) {
-			qp->flag_outstanding = 0;
-			show = 0;
-		}
-		if (__builtin_expect(wc->status == IBV_WC_SUCCESS || !qp->releasing, 1))
-			ibk_sendlog_retire_entry(&qp->slog, e, &qp->cnt);
-		else
-			show = 0; /* flushed by the shim itself: stays logged for replay */
-		ibk_unlock(&qp->lock);
-		wc->qp_num = qp->vqpn;
-		return show;
+		return wc_translate_send_slow(qp, e, wc);
 	}
 	if (*kind == IBK_KIND_RECV) {
 		struct ibk_rwr *e = (struct ibk_rwr *)kind;
@@ -134,25 +142,106 @@ static inline int wc_translate(struct ibk_ctx *ctx, struct ibv_wc *wc)
 	return 0;
 }
 
+/* The fast-path unlock when someone waits: wake, and show the completion. */
+static __attribute__((noinline)) int unlock_wake_show(ibk_lock_t *l)
+{
+	ibk_unlock_wake(l);
+	return 1;
+}
+
+/* Release a lock taken with ibk_trylock and return 1; the wake is a tail
+ * call, so the common paths below stay leaf code (no registers to save). */
+static inline __attribute__((always_inline)) int unlock_show(ibk_lock_t *l)
+{
+	if (__builtin_expect(atomic_exchange_explicit(&l->v, 0, memory_order_release) != 1, 0))
+		return unlock_wake_show(l);
+	return 1;
+}
+
+/* Translate one real completion in place; 0 means hide it from the app.
+ * The two common cases are handled here, under an uncontended lock; all
+ * else (and contention) goes to wc_translate_other. */
+static inline __attribute__((always_inline)) int wc_translate(struct ibk_ctx *ctx, struct ibv_wc *wc)
+{
+	uint32_t *kind = (uint32_t *)(uintptr_t)wc->wr_id;
+
+	if (__builtin_expect(*kind == IBK_KIND_SEND, 1)) {
+		struct ibk_swr *e = (struct ibk_swr *)kind;
+		struct ibk_qp *qp = IBK_OBJ(e->owner, ibk_qp);
+		uint32_t f = e->flags;
+
+		if (__builtin_expect(!ibk_trylock(&qp->lock), 0))
+			return wc_translate_other(ctx, wc);
+		/* A successful app WR, the oldest in the log. */
+		if (__builtin_expect(e->seq == qp->slog.head && !(f & IBK_SWR_FLAG_WR) &&
+					     wc->status == IBV_WC_SUCCESS, 1)) {
+			/* read the entry before the unlock frees its slot */
+			wc->wr_id = e->app_wr_id;
+			wc->qp_num = qp->vqpn;
+			qp->slog.head++;
+			qp->cnt.sends_completed++;
+			if (f & IBK_SWR_CONSUMER)
+				qp->cnt.consumers_done++;
+			return unlock_show(&qp->lock);
+		}
+		return wc_translate_send_slow(qp, e, wc);
+	}
+	if (__builtin_expect(*kind == IBK_KIND_RECV, 1)) {
+		struct ibk_rwr *e = (struct ibk_rwr *)kind;
+		struct ibk_obj *owner = e->owner;
+		struct ibk_qp *qp = IBK_OBJ(owner, ibk_qp);
+
+		/* A successful receive on a plain QP, no UD source to translate. */
+		if (__builtin_expect(owner->kind == IBK_QP && wc->status == IBV_WC_SUCCESS &&
+					     !atomic_load_explicit(&ibk_translating, memory_order_relaxed) &&
+					     ibk_trylock(&qp->rlock), 1)) {
+			wc->wr_id = e->app_wr_id;
+			wc->qp_num = qp->vqpn;
+			qp->cnt.recvs_completed++;
+			if (e->seq >= qp->rlog.head) /* the ring: retires every older one too */
+				qp->rlog.head = e->seq + 1;
+			return unlock_show(&qp->rlock);
+		}
+	}
+	return wc_translate_other(ctx, wc);
+}
+
+/* The rest of a batch after a hidden completion at wc[0]: translate and
+ * close the gaps. */
+static __attribute__((noinline)) int wc_translate_rest(struct ibk_ctx *ctx, struct ibv_wc *wc, int n)
+{
+	int i, out = 0;
+
+	for (i = 1; i < n; i++)
+		if (wc_translate(ctx, &wc[i]))
+			wc[out++] = wc[i];
+	return out;
+}
+
+/* A batch of one, the usual result of polling: no loop, few registers. */
+static __attribute__((noinline)) int wc_translate_one(struct ibk_ctx *ctx, struct ibv_wc *wc)
+{
+	return wc_translate(ctx, wc);
+}
+
 /* Translate got completions in wc in place, dropping hidden ones; returns
  * how many are left.  Out of line: an empty poll never comes here. */
 static __attribute__((noinline)) int wc_translate_all(struct ibk_ctx *ctx, struct ibv_wc *wc, int got)
 {
-	int i, out = 0;
+	int i;
 
 	for (i = 0; i < got; i++)
-		if (wc_translate(ctx, &wc[i])) {
-			if (out != i)
-				wc[out] = wc[i];
-			out++;
-		}
-	return out;
+		if (__builtin_expect(!wc_translate(ctx, &wc[i]), 0))
+			return i + wc_translate_rest(ctx, &wc[i], got - i);
+	return got;
 }
 
 int ibk_cq_poll_real(struct ibk_cq *cq, int n, struct ibv_wc *wc)
 {
 	int got = cq->poll_fn(cq->real, n, wc);
 
+	if (got == 1)
+		return wc_translate_one(cq->obj.ctx, wc);
 	return got > 0 ? wc_translate_all(cq->obj.ctx, wc, got) : got;
 }
 
@@ -204,7 +293,7 @@ int ibk_poll_cq(struct ibv_cq *c, int n, struct ibv_wc *wc)
 	else {
 		got = cq->poll_fn(cq->real, n, wc);
 		if (got > 0)
-			got = wc_translate_all(cq->obj.ctx, wc, got);
+			got = got == 1 ? wc_translate_one(cq->obj.ctx, wc) : wc_translate_all(cq->obj.ctx, wc, got);
 	}
 	ibk_leave();
 	return got;

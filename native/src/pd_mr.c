@@ -88,8 +88,10 @@ static struct ibv_mr *mr_create(struct ibv_pd *p, void *addr, size_t len, uint64
 	mr->pub.rkey = ibk_idmap_choose(&ctx->rkeys, mr->real->rkey, 0x80000000u, 0xffffffffu);
 	ibk_idmap_put(&ctx->lkeys, mr->pub.lkey, mr->real->lkey);
 	ibk_idmap_put(&ctx->rkeys, mr->pub.rkey, mr->real->rkey);
-	if (mr->pub.lkey != mr->real->lkey || mr->pub.rkey != mr->real->rkey)
+	if (mr->pub.lkey != mr->real->lkey || mr->pub.rkey != mr->real->rkey) {
+		atomic_store(&ibk_xlate_any, 1);
 		ctx->translate = 1;
+	}
 	pthread_mutex_unlock(&ctx->lock);
 	mr->pub.handle = mr->real->handle;
 	ibk_leave();

@@ -170,7 +170,7 @@ int ibk_do_quiesce(int timeout_ms, char *out, size_t len)
 	ibk_chan_wake_all(1); /* threads blocked in ibv_get_cq_event come back to the gate */
 	rc = ibk_gate_close(timeout_ms - (int)(ms_now() - t0));
 	if (rc) {
-		long inside = atomic_load(&ibk_gate_inside);
+		long inside = ibk_gate_inside();
 
 		ibk_gate_open();
 		ibk_chan_wake_all(0);
@@ -736,6 +736,7 @@ static int fetch_peer(struct ibk_qp *qp, uint64_t epoch, int timeout_ms)
 		ibk_idmap_put(&qp->peer.rkeys, v, r);
 		p += used;
 	}
+	atomic_store(&ibk_xlate_any, 1);
 	qp->peer.rkeys_translate = 1;
 	free(val);
 	pm.vgid = qp->peer.vgid;
@@ -845,6 +846,7 @@ int ibk_do_rebuild(uint64_t epoch, int timeout_ms, char *out, size_t len)
 	}
 	pthread_mutex_lock(&ibk_ctx_lock);
 	atomic_store(&ibk_translating, 1);
+	atomic_store(&ibk_xlate_any, 1);
 	FOR_EACH_CTX(ctx)
 	{
 		ctx->translate = 1;
@@ -975,7 +977,7 @@ int ibk_do_status(char *out, size_t len)
 	     "{\"proto\":%d,\"pid\":%d,\"state\":\"%s\",\"epoch\":%llu,\"checkpoints\":%lu,"
 	     "\"gate_closed\":%d,\"inside\":%ld,\"delegated_writes\":%lu,",
 	     IBCKPT_PROTO_VERSION, (int)getpid(), ibk_phase_name(phase), (unsigned long long)last_epoch,
-	     checkpoints_done, atomic_load(&ibk_gate_closed), atomic_load(&ibk_gate_inside),
+	     checkpoints_done, ibk_gate_is_closed(), ibk_gate_inside(),
 	     ibk_devthread_writes());
 	report_qps(out, len);
 	report_identity(out, len);

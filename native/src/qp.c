@@ -164,23 +164,22 @@ static inline void copy_small(uint8_t *d, const uint8_t *s, uint32_t n)
 /* Copy one app WR into its log entry: the one copy the shim keeps, and
  * (virtual ids permitting) the very WR the real QP is given.  The entry's
  * wr_id, next and sg_list are fixed at log creation. */
-static inline int swr_fill(struct ibk_qp *qp, struct ibk_swr *e, const struct ibv_send_wr *w)
+static inline __attribute__((always_inline)) int swr_fill(struct ibk_qp *qp, struct ibk_swr *e,
+							  const struct ibv_send_wr *w)
 {
 	int i, n = w->num_sge;
-	uint32_t f;
+	unsigned op = (unsigned)w->opcode;
 
 	if (__builtin_expect((unsigned)n > IBK_MAX_SGE, 0))
 		return EINVAL;
 	e->app_wr_id = w->wr_id;
-	e->wr.opcode = w->opcode;
-	e->wr.send_flags = w->send_flags;
-	e->wr.imm_data = w->imm_data;
-	e->wr.wr = w->wr;
-	e->wr.qp_type = w->qp_type;
-	if (__builtin_expect(w->opcode == IBV_WR_BIND_MW || w->opcode == IBV_WR_TSO, 0))
+	/* num_sge, opcode, send_flags, imm_data, wr and qp_type are adjacent:
+	 * one fixed-size copy (num_sge is redone below for inline sends) */
+	memcpy(&e->wr.num_sge, &w->num_sge,
+	       offsetof(struct ibv_send_wr, bind_mw) - offsetof(struct ibv_send_wr, num_sge));
+	if (__builtin_expect(op == IBV_WR_BIND_MW || op == IBV_WR_TSO, 0))
 		e->wr.bind_mw = w->bind_mw; /* the larger member of that union */
 	if (__builtin_expect(w->send_flags & IBV_SEND_INLINE, 0) == 0) {
-		e->wr.num_sge = n;
 		if (__builtin_expect(n == 1, 1))
 			e->sge[0] = w->sg_list[0];
 		else
@@ -191,13 +190,18 @@ static inline int swr_fill(struct ibk_qp *qp, struct ibk_swr *e, const struct ib
 		 * log's copy, which also frees the app's buffer at once. */
 		uint32_t len = 0;
 
-		for (i = 0; i < n; i++) {
-			uint32_t l = w->sg_list[i].length;
+		if (__builtin_expect(n == 1 && w->sg_list[0].length <= qp->slog.max_inline, 1)) {
+			len = w->sg_list[0].length;
+			copy_small(e->inline_buf, (const uint8_t *)(uintptr_t)w->sg_list[0].addr, len);
+		} else {
+			for (i = 0; i < n; i++) {
+				uint32_t l = w->sg_list[i].length;
 
-			if (l > qp->slog.max_inline - len)
-				return EINVAL;
-			copy_small(e->inline_buf + len, (const uint8_t *)(uintptr_t)w->sg_list[i].addr, l);
-			len += l;
+				if (l > qp->slog.max_inline - len)
+					return EINVAL;
+				copy_small(e->inline_buf + len, (const uint8_t *)(uintptr_t)w->sg_list[i].addr, l);
+				len += l;
+			}
 		}
 		e->inline_len = len;
 		e->sge[0].addr = (uintptr_t)e->inline_buf;
@@ -205,44 +209,78 @@ static inline int swr_fill(struct ibk_qp *qp, struct ibk_swr *e, const struct ib
 		e->sge[0].lkey = 0;
 		e->wr.num_sge = len ? 1 : 0;
 	}
-	f = (unsigned)w->opcode < 16 ? op_flags[w->opcode] & qp->flag_mask : 0;
-	f |= ((w->send_flags & IBV_SEND_SIGNALED) ? IBK_SWR_SIGNALED : 0) | qp->sig_all;
-	e->flags = f;
+	/* qp->opf: the opcode's log flags for this QP type, with sq_sig_all */
+	e->flags = (__builtin_expect(op < 16, 1) ? qp->opf[op] : qp->sig_all) |
+		   ((w->send_flags & IBV_SEND_SIGNALED) ? IBK_SWR_SIGNALED : 0);
 	return 0;
 }
 
-int ibk_post_send(struct ibv_qp *q, struct ibv_send_wr *wr, struct ibv_send_wr **bad)
+/* Any list of WRs, translated as needed.  The caller is inside the gate. */
+static __attribute__((noinline)) int post_send_list(struct ibk_qp *qp, struct ibv_send_wr *wr,
+						    struct ibv_send_wr **bad)
 {
-	struct ibk_qp *qp = (struct ibk_qp *)q;
 	struct ibv_send_wr *rbad;
 	int rc = 0;
 
-	ibk_enter();
 	ibk_lock(&qp->lock);
 	for (; wr; wr = wr->next) {
 		struct ibk_swr *e;
 
 		/* Keep the flag WR's slot free: the app sees one slot less. */
-		if (__builtin_expect(ibk_sendlog_count(&qp->slog) + 1 >= qp->slog.cap, 0)) {
+		if (ibk_sendlog_count(&qp->slog) + 1 >= qp->slog.cap) {
 			rc = ENOMEM;
 			break;
 		}
 		e = &qp->slog.slots[qp->slog.tail & qp->slog.mask];
 		e->seq = qp->slog.tail++;
 		rc = swr_fill(qp, e, wr);
-		if (__builtin_expect(!rc, 1)) {
-			/* Before any rebuild a non-UD WR needs no translation: the
-			 * log entry itself is posted. */
-			if (__builtin_expect(!(qp->ud | qp->obj.ctx->translate | qp->peer.rkeys_translate), 1))
+		if (!rc) {
+			if (!(qp->ud | qp->obj.ctx->translate | qp->peer.rkeys_translate))
 				rc = qp->post_send_fn(qp->real, &e->wr, &rbad);
 			else
 				rc = ibk_qp_post_logged_send(qp, e);
 		}
-		if (__builtin_expect(rc != 0, 0)) {
+		if (rc) {
 			ibk_sendlog_unpush(&qp->slog);
 			break;
 		}
 		qp->cnt.sends_posted++;
+	}
+	ibk_unlock(&qp->lock);
+	if (rc)
+		*bad = wr;
+	return rc;
+}
+
+int ibk_post_send(struct ibv_qp *q, struct ibv_send_wr *wr, struct ibv_send_wr **bad)
+{
+	struct ibk_qp *qp = (struct ibk_qp *)q;
+	struct ibv_send_wr *rbad;
+	struct ibk_swr *e;
+	int rc;
+
+	ibk_enter();
+	/* The common case: one WR on a non-UD QP before any translation (checked
+	 * inside the gate: a rebuild may turn translation on while we wait). */
+	if (__builtin_expect(!wr || wr->next || qp->ud ||
+				     atomic_load_explicit(&ibk_xlate_any, memory_order_relaxed), 0)) {
+		rc = post_send_list(qp, wr, bad);
+		ibk_leave();
+		return rc;
+	}
+	ibk_lock(&qp->lock);
+	/* Keep the flag WR's slot free: the app sees one slot less. */
+	rc = ENOMEM;
+	if (__builtin_expect(ibk_sendlog_count(&qp->slog) + 1 < qp->slog.cap, 1)) {
+		e = &qp->slog.slots[qp->slog.tail & qp->slog.mask];
+		e->seq = qp->slog.tail++;
+		rc = swr_fill(qp, e, wr);
+		if (__builtin_expect(!rc, 1))
+			rc = qp->post_send_fn(qp->real, &e->wr, &rbad); /* the log entry itself */
+		if (__builtin_expect(!rc, 1))
+			qp->cnt.sends_posted++;
+		else
+			qp->slog.tail--;
 	}
 	ibk_unlock(&qp->lock);
 	ibk_leave();
@@ -292,45 +330,41 @@ int ibk_srq_post_logged_recv(struct ibk_srq *srq, struct ibk_rwr *e)
 	return post_real_recv(srq->obj.ctx, NULL, srq, e);
 }
 
-/* Shared by QP and SRQ receive posting. */
-static inline __attribute__((always_inline)) int post_recv_common(struct ibk_recvlog *log, ibk_lock_t *lock, struct ibk_counters *cnt,
-				   struct ibk_ctx *ctx, struct ibk_qp *qp, struct ibk_srq *srq,
-				   struct ibv_recv_wr *wr, struct ibv_recv_wr **bad)
+/* Any list of receive WRs, for a QP or an SRQ.  The caller is inside the gate. */
+static __attribute__((noinline)) int post_recv_list(struct ibk_recvlog *log, ibk_lock_t *lock,
+						    struct ibk_counters *cnt, struct ibk_ctx *ctx,
+						    struct ibk_qp *qp, struct ibk_srq *srq,
+						    struct ibv_recv_wr *wr, struct ibv_recv_wr **bad)
 {
 	int rc = 0, i;
 
-	ibk_enter();
 	ibk_lock(lock);
 	for (; wr; wr = wr->next) {
 		struct ibk_rwr *e;
 		int n = wr->num_sge;
 
-		if (__builtin_expect((unsigned)n > IBK_MAX_SGE, 0)) {
+		if ((unsigned)n > IBK_MAX_SGE) {
 			rc = EINVAL;
 			break;
 		}
 		e = ibk_recvlog_take(log);
-		if (__builtin_expect(!e, 0)) {
+		if (!e) {
 			rc = ENOMEM;
 			break;
 		}
 		e->app_wr_id = wr->wr_id;
 		e->wr.num_sge = n;
-		if (__builtin_expect(n == 1, 1))
-			e->sge[0] = wr->sg_list[0];
-		else
-			for (i = 0; i < n; i++)
-				e->sge[i] = wr->sg_list[i];
+		for (i = 0; i < n; i++)
+			e->sge[i] = wr->sg_list[i];
 		rc = post_real_recv(ctx, qp, srq, e);
-		if (__builtin_expect(rc != 0, 0)) {
+		if (rc) {
 			ibk_recvlog_untake(log, e);
 			break;
 		}
 		cnt->recvs_posted++;
 	}
 	ibk_unlock(lock);
-	ibk_leave();
-	if (__builtin_expect(rc != 0, 0))
+	if (rc)
 		*bad = wr;
 	return rc;
 }
@@ -338,19 +372,55 @@ static inline __attribute__((always_inline)) int post_recv_common(struct ibk_rec
 int ibk_post_srq_recv(struct ibv_srq *s, struct ibv_recv_wr *wr, struct ibv_recv_wr **bad)
 {
 	struct ibk_srq *srq = (struct ibk_srq *)s;
+	int rc;
 
-	return post_recv_common(&srq->rlog, &srq->lock, &srq->cnt, srq->obj.ctx, NULL, srq, wr, bad);
+	ibk_enter();
+	rc = post_recv_list(&srq->rlog, &srq->lock, &srq->cnt, srq->obj.ctx, NULL, srq, wr, bad);
+	ibk_leave();
+	return rc;
 }
 
 int ibk_post_recv(struct ibv_qp *q, struct ibv_recv_wr *wr, struct ibv_recv_wr **bad)
 {
 	struct ibk_qp *qp = (struct ibk_qp *)q;
+	struct ibk_recvlog *l = &qp->rlog;
+	struct ibv_recv_wr *rbad;
+	struct ibk_rwr *e;
+	int rc;
 
 	if (__builtin_expect(qp->srq != NULL, 0)) {
 		*bad = wr;
 		return EINVAL;
 	}
-	return post_recv_common(&qp->rlog, &qp->rlock, &qp->cnt, qp->obj.ctx, qp, NULL, wr, bad);
+	ibk_enter();
+	/* The common case: one WR with one SGE before any translation (checked
+	 * inside the gate: a rebuild may turn translation on while we wait).
+	 * A plain QP's receive log is always a ring. */
+	if (__builtin_expect(!wr || wr->next || wr->num_sge != 1 ||
+				     atomic_load_explicit(&ibk_xlate_any, memory_order_relaxed), 0)) {
+		rc = post_recv_list(l, &qp->rlock, &qp->cnt, qp->obj.ctx, qp, NULL, wr, bad);
+		ibk_leave();
+		return rc;
+	}
+	ibk_lock(&qp->rlock);
+	rc = ENOMEM;
+	if (__builtin_expect(l->next_seq - l->head < l->cap, 1)) {
+		e = &l->slots[l->next_seq & l->mask];
+		e->seq = l->next_seq++;
+		e->app_wr_id = wr->wr_id;
+		e->wr.num_sge = 1;
+		e->sge[0] = wr->sg_list[0];
+		rc = qp->post_recv_fn(qp->real, &e->wr, &rbad); /* the log entry itself */
+		if (__builtin_expect(!rc, 1))
+			qp->cnt.recvs_posted++;
+		else
+			l->next_seq--;
+	}
+	ibk_unlock(&qp->rlock);
+	ibk_leave();
+	if (__builtin_expect(rc != 0, 0))
+		*bad = wr;
+	return rc;
 }
 
 /* ---- creation --------------------------------------------------------------- */
@@ -423,6 +493,8 @@ static struct ibv_qp *qp_create(struct ibv_pd *p, struct ibv_qp_init_attr *attr)
 	qp->ud = attr->qp_type == IBV_QPT_UD;
 	qp->flag_mask = attr->qp_type == IBV_QPT_RC ? ~0u : ~(uint32_t)IBK_SWR_CONSUMER;
 	qp->sig_all = attr->sq_sig_all ? IBK_SWR_SIGNALED : 0;
+	for (rcap = 0; rcap < 16; rcap++)
+		qp->opf[rcap] = (uint8_t)((op_flags[rcap] & qp->flag_mask) | qp->sig_all);
 	if (ibk_idmap_init(&qp->peer.rkeys, 16))
 		goto fail;
 	qp->slot = qp_slot_take(ctx, qp);

@@ -128,8 +128,7 @@ int ibk_refused_verbs(const char **out, int max)
 
 /* ---- gate ---------------------------------------------------------------- */
 
-atomic_int ibk_gate_closed;
-atomic_long ibk_gate_inside;
+atomic_long ibk_gate;
 static pthread_mutex_t gate_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t gate_cond = PTHREAD_COND_INITIALIZER;
 
@@ -137,13 +136,12 @@ static pthread_cond_t gate_cond = PTHREAD_COND_INITIALIZER;
 void ibk_gate_wait(void)
 {
 	for (;;) {
-		atomic_fetch_sub(&ibk_gate_inside, 1);
+		atomic_fetch_sub(&ibk_gate, 1);
 		pthread_mutex_lock(&gate_lock);
-		while (atomic_load(&ibk_gate_closed))
+		while (atomic_load(&ibk_gate) < 0)
 			pthread_cond_wait(&gate_cond, &gate_lock);
 		pthread_mutex_unlock(&gate_lock);
-		atomic_fetch_add(&ibk_gate_inside, 1);
-		if (!atomic_load(&ibk_gate_closed))
+		if (atomic_fetch_add(&ibk_gate, 1) >= 0)
 			return;
 	}
 }
@@ -161,9 +159,9 @@ int ibk_gate_close(int timeout_ms)
 	long deadline = now_ms() + timeout_ms;
 
 	pthread_mutex_lock(&gate_lock);
-	atomic_store(&ibk_gate_closed, 1);
+	atomic_fetch_or(&ibk_gate, IBK_GATE_CLOSED);
 	pthread_mutex_unlock(&gate_lock);
-	while (atomic_load(&ibk_gate_inside) > 0) {
+	while (ibk_gate_inside() > 0) {
 		if (now_ms() > deadline)
 			return -ETIMEDOUT;
 		usleep(200);
@@ -174,7 +172,7 @@ int ibk_gate_close(int timeout_ms)
 void ibk_gate_open(void)
 {
 	pthread_mutex_lock(&gate_lock);
-	atomic_store(&ibk_gate_closed, 0);
+	atomic_fetch_and(&ibk_gate, LONG_MAX);
 	pthread_cond_broadcast(&gate_cond);
 	pthread_mutex_unlock(&gate_lock);
 }

@@ -3,6 +3,7 @@
 #ifndef IBK_SHIM_H
 #define IBK_SHIM_H
 
+#include <limits.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -90,22 +91,35 @@ int ibk_refused_verbs(const char **out, int max);
 
 /* ---- the gate ---------------------------------------------------------- */
 
-extern atomic_int ibk_gate_closed;
-extern atomic_long ibk_gate_inside;
+/* One word: the sign bit says closed, the rest counts threads inside.  One
+ * locked RMW both enters and sees the state: the close (an RMW on the same
+ * word) is either ordered before it (we see the bit and step back out) or
+ * after it (ibk_gate_close sees us counted and waits for ibk_leave). */
+#define IBK_GATE_CLOSED LONG_MIN
+extern atomic_long ibk_gate;
 void ibk_gate_wait(void);
 int ibk_gate_close(int timeout_ms);
 void ibk_gate_open(void);
 
+static inline long ibk_gate_inside(void)
+{
+	return atomic_load(&ibk_gate) & LONG_MAX;
+}
+
+static inline int ibk_gate_is_closed(void)
+{
+	return atomic_load(&ibk_gate) < 0;
+}
+
 static inline void ibk_enter(void)
 {
-	atomic_fetch_add(&ibk_gate_inside, 1);
-	if (__builtin_expect(atomic_load(&ibk_gate_closed), 0))
+	if (__builtin_expect(atomic_fetch_add(&ibk_gate, 1) < 0, 0))
 		ibk_gate_wait();
 }
 
 static inline void ibk_leave(void)
 {
-	atomic_fetch_sub_explicit(&ibk_gate_inside, 1, memory_order_release);
+	atomic_fetch_sub_explicit(&ibk_gate, 1, memory_order_release);
 }
 
 /* ---- a small lock for the fast path ---------------------------------------- */
@@ -133,6 +147,14 @@ static inline void ibk_lock(ibk_lock_t *l)
 								      memory_order_relaxed),
 			     0))
 		ibk_lock_slow(l);
+}
+
+/* 1 if taken; never waits. */
+static inline int ibk_trylock(ibk_lock_t *l)
+{
+	int z = 0;
+
+	return atomic_compare_exchange_strong_explicit(&l->v, &z, 1, memory_order_acquire, memory_order_relaxed);
 }
 
 static inline void ibk_unlock(ibk_lock_t *l)
@@ -277,6 +299,7 @@ struct ibk_qp {
 	int ud;             /* UD: every send needs its AH translated */
 	uint32_t flag_mask; /* log flags this QP type keeps (no CONSUMER but on RC) */
 	uint32_t sig_all;   /* IBK_SWR_SIGNALED if sq_sig_all */
+	uint8_t opf[16];    /* log flags per opcode: op_flags & flag_mask | sig_all */
 	ibk_lock_t lock;  /* send side log and counters */
 	ibk_lock_t rlock; /* receive side log */
 	struct ibk_sendlog slog;
@@ -340,6 +363,11 @@ void ibk_peers_refresh(uint64_t epoch, int timeout_ms);
 /* Fetch one peer's latest mapping from the coordinator (slow path). */
 int ibk_peers_fetch(const union ibv_gid *vgid, uint32_t vqpn, int timeout_ms);
 extern atomic_int ibk_translating; /* set after the first rebuild anywhere in this process */
+/* Set (inside the gate's closed phases or under ctx->lock) before any
+ * ctx->translate or peer.rkeys_translate turns on: while it is 0 the post
+ * fast paths skip all of them with one load.  Read after ibk_enter, so a
+ * thread parked across a rebuild sees it. */
+extern atomic_int ibk_xlate_any;
 
 /* the global list of shadow contexts */
 extern pthread_mutex_t ibk_ctx_lock;
