@@ -99,7 +99,7 @@ static void report_qps(char *out, size_t len)
 }
 
 /* For the agent's preflight: this rank's own GIDs, every connected QP's peer as the app
- * gave it (virtual GID and QPN), and the verbs the shim refused. */
+ * gave it (virtual GID and QPN), every address handle's GID, and the verbs the shim refused. */
 static void report_identity(char *out, size_t len)
 {
 	struct ibk_ctx *ctx;
@@ -132,6 +132,23 @@ static void report_identity(char *out, size_t len)
 		ibk_gid_hex(&qp->peer.vgid, hex);
 		jcat(out, len, "%s{\"qpn\":%u,\"type\":%d,\"peer_gid\":\"%s\",\"peer_qpn\":%u}", first ? "" : ",",
 		     qp->vqpn, qp->pub.qp_type, hex, qp->peer.vqpn);
+		first = 0;
+	}
+	/* UD has no connection: where its datagrams go is in the address handles */
+	jcat(out, len, "],\"ah_gids\":[");
+	first = 1;
+	FOR_EACH_CTX(ctx)
+	FOR_EACH_OBJ(ctx, o)
+	{
+		struct ibk_ah *ah;
+
+		if (o->kind != IBK_AH)
+			continue;
+		ah = IBK_OBJ(o, ibk_ah);
+		if (!ah->attr.is_global)
+			continue;
+		ibk_gid_hex(&ah->attr.grh.dgid, hex);
+		jcat(out, len, "%s\"%s\"", first ? "" : ",", hex);
 		first = 0;
 	}
 	jcat(out, len, "],\"unsupported\":[");

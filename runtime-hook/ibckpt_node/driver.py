@@ -344,6 +344,10 @@ class NodeDriver:
         peers = [p for p in ident.peers if preflight.qp_key(p[2], p[3]) not in own]
         known = await asyncio.gather(*(self._published(preflight.qp_key(p[2], p[3])) for p in peers))
         found += [preflight.foreign_peer_problem(*p) for p, ok in zip(peers, known, strict=True) if not ok]
+        # UD: every address handle must point at a GID some rank of the job holds.
+        ah_gids = [g for g in ident.ah_gids if g not in ident.gids]
+        known = await asyncio.gather(*(self._published(preflight.gid_key(g)) for g in ah_gids))
+        found += [preflight.foreign_ah_problem(g) for g, ok in zip(ah_gids, known, strict=True) if not ok]
         return found + await self._tcp_problems(r.pid, own_addrs)
 
     async def _tcp_problems(self, pid: int, own_addrs: set[preflight.IPAddress]) -> list[str]:

@@ -138,6 +138,7 @@ class ShimIdentity:
     qp_types: Mapping[int, int]
     peers: tuple[tuple[int, int, str, int], ...]  # (qpn, type, peer GID hex, peer QPN)
     refused: tuple[str, ...]  # verbs the shim refused
+    ah_gids: tuple[str, ...] = ()  # where the rank's UD address handles point, hex
 
     @classmethod
     def from_status(cls, status: Mapping[str, Any]) -> ShimIdentity:
@@ -152,15 +153,21 @@ class ShimIdentity:
                 for p in status.get("peers", [])
             ),
             refused=tuple(str(v) for v in status.get("unsupported", [])),
+            ah_gids=tuple(sorted({str(g) for g in status.get("ah_gids", [])})),
         )
 
     def own_keys(self) -> list[str]:
-        return [qp_key(g, q) for g in self.gids for q in self.qpns]
+        return [qp_key(g, q) for g in self.gids for q in self.qpns] + [gid_key(g) for g in self.gids]
 
 
 def qp_key(gid_hex: str, qpn: int) -> str:
     """The coordinator key under which a node publishes that one of its ranks holds (GID, QPN)."""
     return f"preflight/qp/{gid_hex}/{qpn}"
+
+
+def gid_key(gid_hex: str) -> str:
+    """The key under which a node publishes that one of its ranks holds a GID (for UD)."""
+    return f"preflight/gid/{gid_hex}"
 
 
 def addr_key(addr: IPAddress) -> str:
@@ -189,6 +196,10 @@ def shim_problems(ident: ShimIdentity) -> list[str]:
         if verb not in STATELESS_REFUSALS
     ]
     return problems
+
+
+def foreign_ah_problem(gid_hex: str) -> str:
+    return f"a UD address handle points to GID {gid_text(gid_hex)}, which no rank of the job holds"
 
 
 def foreign_peer_problem(qpn: int, qp_type: int, peer_gid: str, peer_qpn: int) -> str:

@@ -8,6 +8,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -147,14 +148,18 @@ def _run_verbs_seq(
     port: int,
     checkpoints: int = CHECKPOINTS,
     shim: Path = SHIM,
+    statuses: dict[str, dict[str, Any]] | None = None,
 ) -> tuple[dict[str, str], dict[str, str], list[CheckpointResult]]:
-    """verbs_seq MODE under the shim, checkpointed at random moments under traffic; returns both RESULTs."""
+    """verbs_seq MODE under the shim, checkpointed at random moments under traffic; returns both RESULTs.
+    `statuses`, if given, receives each side's shim status once both are READY."""
     stop = tmp_path / "stop"
     argv = [str(TESTS_DIR / "verbs_seq"), "-m", mode, "-f", str(stop), *flags]
     procs = _pair(tmp_path, coord, argv, port, shim)
     try:
         for p in procs:
             p.wait_for_output("READY", 120)
+        if statuses is not None:
+            statuses.update({p.name: p.ctl.status() for p in procs})
         results = checkpoint_loop(procs, checkpoints, seed=port)
         stop.touch()
         codes = [p.wait(300) for p in procs]
@@ -218,8 +223,13 @@ def test_verbs_seq_under_sanitizers(tmp_path: Path, coord: Coordinator, shim: Pa
 def test_ud_exactly_once(tmp_path: Path, coord: Coordinator) -> None:
     # the client sends datagrams (every 3rd signaled), the server acknowledges each;
     # both check order, content and the peer's virtual source QPN
-    srv, cli, _ = _run_verbs_seq(tmp_path, coord, "ud", ["-u", "3"], 18644)
+    statuses: dict[str, dict[str, Any]] = {}
+    srv, cli, _ = _run_verbs_seq(tmp_path, coord, "ud", ["-u", "3"], 18644, statuses=statuses)
     assert srv["received"] == cli["sent"] and cli["received"] == srv["sent"]
+    # status names where the UD address handles point (the agent's preflight checks them); both
+    # ends run in this one guest, so each side's AH points at the GID they share
+    for status in statuses.values():
+        assert status["ah_gids"] and set(status["ah_gids"]) <= set(status["gids"]), status
     assert srv["recv_sum"] == cli["send_sum"] and cli["recv_sum"] == srv["send_sum"]
 
 

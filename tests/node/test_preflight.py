@@ -93,6 +93,7 @@ def test_shim_status_problems() -> None:
     assert ident.own_keys() == [
         "preflight/qp/fe80000000000000020000fffe000001/17",
         "preflight/qp/fe80000000000000020000fffe000001/18",
+        "preflight/gid/fe80000000000000020000fffe000001",
     ]
     assert preflight.shim_problems(ident) == [
         "QP 18 has QP type 9, which the shim does not support",
@@ -145,6 +146,7 @@ def sleeper() -> Iterator[int]:
 
 GID_A = "00000000000000000000ffff0a4d0001"
 GID_B = "00000000000000000000ffff0a4d0002"
+GID_OUTSIDE = "00000000000000000000ffff0a4d0063"  # 10.77.0.99: no rank of the job
 
 
 @pytest.fixture
@@ -174,11 +176,12 @@ async def test_refusal_names_rank_pid_and_resources_and_aborts_every_node(
         "state": "running", "qps": [{"qpn": 17, "type": 2}, {"qpn": 18, "type": 2}], "gids": [GID_A],
         "peers": [{"qpn": 17, "type": 2, "peer_gid": GID_B, "peer_qpn": 33},
                   {"qpn": 18, "type": 2, "peer_gid": GID_B, "peer_qpn": 900}],
-        "unsupported": [],
+        "unsupported": [], "ah_gids": [GID_B, GID_OUTSIDE, GID_A],
     })  # fmt: skip
     s2 = StatusShim(tmp_path / "r2.ctl", {
         "state": "running", "qps": [{"qpn": 33, "type": 2}], "gids": [GID_B],
         "peers": [{"qpn": 33, "type": 2, "peer_gid": GID_A, "peer_qpn": 17}], "unsupported": [],
+        "ah_gids": [GID_A],
     })  # fmt: skip
     session, token = coordinator.create_session({"node-1", "node-2"})
     clients = [
@@ -209,6 +212,9 @@ async def test_refusal_names_rank_pid_and_resources_and_aborts_every_node(
     assert f"refusing to checkpoint job/rank-0/main/0 (pid {pid})" in message
     assert "RC QP 18 is connected to GID ::ffff:10.77.0.2 QPN 900, which no rank of the job holds" in message
     assert "QP 17" not in message  # its peer is node-2's rank
+    # UD: of its address handles, only the one toward a GID no rank holds is named
+    assert "a UD address handle points to GID ::ffff:10.77.0.99, which no rank of the job holds" in message
+    assert "GID ::ffff:10.77.0.2," not in message and "GID ::ffff:10.77.0.1" not in message
     assert f":{port} (ESTABLISHED) leads outside the job (job addresses: 10.77.0.1, 10.77.0.2)" in message
     # node-2 found nothing itself, and refused because node-1 aborted the session
     assert isinstance(results[1].__cause__, CoordinationAborted) and "node-1: refusing" in str(results[1])
