@@ -154,8 +154,12 @@ class CoordinatorClient:
         future: asyncio.Future[Frame] = asyncio.get_running_loop().create_future()
         self._pending[request_id] = future
         frame = Frame(kind, {**header, "id": request_id, "timeout": timeout}, payload, parts)
-        async with self._write_lock:
-            await send_buffers(self._sock, frame.buffers())
+        try:
+            async with self._write_lock:
+                await send_buffers(self._sock, frame.buffers())
+        except OSError as exc:  # closed, or the coordinator went away
+            self._pending.pop(request_id, None)
+            raise CoordinatorError(f"cannot send {kind.name} to the coordinator: {exc}") from exc
         try:
             reply = await asyncio.wait_for(future, timeout + REPLY_SLACK_S)
         except TimeoutError:

@@ -1,0 +1,62 @@
+"""The agent's proxy between the shims' key-value lines and the job coordinator, on the host."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from ibckpt.coordination.client import CoordinatorClient
+from ibckpt_node.coord_proxy import ShimCoordinatorProxy
+from testbed.coordinator import ThreadedCoordinator
+
+
+async def _request(path: Path, line: str) -> str:
+    """One request per connection, as the shim sends it (native/src/coord.c)."""
+    reader, writer = await asyncio.open_unix_connection(str(path))
+    writer.write(line.encode() + b"\n")
+    await writer.drain()
+    reply = (await reader.readline()).decode().rstrip("\n")
+    writer.close()
+    return reply
+
+
+async def _client(coordinator: ThreadedCoordinator, node: str = "node-1") -> CoordinatorClient:
+    session, token = coordinator.create_session({node})
+    return await CoordinatorClient.connect("127.0.0.1", coordinator.port, session, node, token)
+
+
+async def test_epoch_records_and_maps_reach_the_coordinator_in_order(
+    coordinator: ThreadedCoordinator, tmp_path: Path
+) -> None:
+    client = await _client(coordinator)
+    sock = tmp_path / "coord.sock"
+    try:
+        async with ShimCoordinatorProxy(sock, client) as proxy:
+            for i in range(20):
+                assert await _request(sock, f"PUT e2/qp/g/{i} rec-{i} 5 0") == "OK"
+            # a map record is forwarded before OK, after every epoch record queued before it
+            assert await _request(sock, "PUT map/g/7 real 1 99") == "OK"
+            assert proxy.failed is None
+            for i in range(20):
+                assert (await client.get(f"e2/qp/g/{i}", timeout=5)) == f"rec-{i} 5 0".encode()
+            assert await _request(sock, "GET map/g/7 0") == "VAL real 1 99"
+            assert await _request(sock, "GET e2/qp/g/3 1000") == "VAL rec-3 5 0"
+            assert await _request(sock, "GET e2/qp/none 100") == "NONE"
+    finally:
+        await client.close()
+    assert not sock.exists()
+
+
+async def test_a_failed_background_put_fails_every_later_request(
+    coordinator: ThreadedCoordinator, tmp_path: Path
+) -> None:
+    client = await _client(coordinator)
+    sock = tmp_path / "coord.sock"
+    async with ShimCoordinatorProxy(sock, client) as proxy:
+        await client.close()  # the coordinator connection is gone
+        assert await _request(sock, "PUT e3/qp/g/1 rec") == "OK"  # answered before it was sent
+        await asyncio.wait_for(proxy.flush(), 10)
+        assert proxy.failed is not None and "PUT e3/qp/g/1 failed" in proxy.failed
+        # the shim's rebuild then fails at once instead of waiting for records that never come
+        assert (await _request(sock, "GET e3/qp/g/2 60000")).startswith("ERR PUT e3/qp/g/1 failed")
+        assert (await _request(sock, "PUT e3/qp/g/2 rec")).startswith("ERR")
