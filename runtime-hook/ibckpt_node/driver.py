@@ -388,11 +388,12 @@ class NodeDriver:
         return members
 
     def _check_released(self) -> None:
-        processes = [(r.rank.key(), r.pid) for r in self.ranks]
         # Every process of a tree goes into the image: none may hold the device either.
+        processes: dict[int, str] = {}
         for t in self.trees:
-            processes += [(f"process tree {t.name}", p) for p in preflight.process_tree(t.root_pid)]
-        for who, pid in processes:
+            processes |= dict.fromkeys(preflight.process_tree(t.root_pid), f"process tree {t.name}")
+        processes |= {r.pid: r.rank.key() for r in self.ranks}  # a rank is named as itself
+        for pid, who in processes.items():
             fds, maps = device_fds_and_maps(pid)
             if fds or maps:
                 raise CheckpointFailed(

@@ -145,16 +145,20 @@ echo "checkpointed $key from pid $pid"
 """
 )
 
-PHASE2 = (
-    SWAPPED
-    + """
+# Restore this node's arriving rank from its images (extra agent args in {restore_args}); its pid in $pid.
+RESTORE_RANK = """
 images={work}/images/$(echo $key | tr / _)
 agent restore --rank "$key=$images:/run/ibckpt/$role.ctl" --epoch 2 {restore_args} \\
   > {work}/restore-node-$IBCKPT_NODE.json
 pid=$({python} -c "import json,sys; print(json.load(open(sys.argv[1]))['restored_pids'][sys.argv[2]])" \\
   {work}/restore-node-$IBCKPT_NODE.json $key)
 echo "restored $key as pid $pid on node-$IBCKPT_NODE"
-sleep 3  # traffic after the move
+"""
+
+PHASE2 = (
+    SWAPPED
+    + RESTORE_RANK
+    + """sleep 3  # traffic after the move
 for try in $(seq 30); do  # see a2a_job.status_all: retried for up to 30 s
   {python} -m ibckpt_native.control /run/ibckpt/$role.ctl status > {work}/status-$role.json && break
   echo "$(date +%T.%N) status of $key refused (try $try)" >> {work}/status-diag.err

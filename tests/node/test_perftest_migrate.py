@@ -20,7 +20,7 @@ import re
 from pathlib import Path
 
 import pytest
-from node.rc_pair import KEYS, SWAP, assert_ok, diagnostics, on_both_nodes
+from node.rc_pair import KEYS, RESTORE_RANK, SWAP, SWAPPED, assert_ok, diagnostics, on_both_nodes
 
 pytestmark = pytest.mark.twoguests
 
@@ -77,18 +77,11 @@ echo "checkpointed $key from pid $pid"
 """
 )
 
-PHASE2 = """
-case $IBCKPT_NODE in
-  2) role=server; key={key0} ;;   # rank 0 moves from node 1 to node 2
-  1) role=client; key={key1} ;;   # rank 1 moves from node 2 to node 1
-esac
-images={work}/images/$(echo $key | tr / _)
-agent restore --rank "$key=$images:/run/ibckpt/$role.ctl" --epoch 2 {swap} \\
-  > {work}/restore-node-$IBCKPT_NODE.json
-pid=$({python} -c "import json,sys; print(json.load(open(sys.argv[1]))['restored_pids'][sys.argv[2]])" \\
-  {work}/restore-node-$IBCKPT_NODE.json $key)
-echo "restored $key as pid $pid on node-$IBCKPT_NODE"
-for _ in $(seq 1500); do [ -e {work}/$role.rc ] && break; sleep 0.2; done
+# each rank restored on the other node (rc_pair.SWAPPED: rank 0 to node 2, rank 1 to node 1)
+PHASE2 = (
+    SWAPPED
+    + RESTORE_RANK
+    + """for _ in $(seq 1500); do [ -e {work}/$role.rc ] && break; sleep 0.2; done
 if [ ! -e {work}/$role.rc ]; then
   echo "$role has not finished 5 minutes after the restore"
   ps -eo pid,ppid,stat,wchan:32,etime,args | grep -vE 'kworker|ksoftirq|rcu_|migration|cpuhp' || true
@@ -106,6 +99,7 @@ if [ ! -e {work}/$role.rc ]; then
 fi
 echo "$role exit status: $(cat {work}/$role.rc)"
 """
+)
 
 
 def _body(template: str) -> str:
@@ -115,7 +109,7 @@ def _body(template: str) -> str:
         "{key1}": KEYS[1],
         "{args}": ARGS,
         "{port_hex}": f"{PORT:04X}",
-        "{swap}": SWAP,
+        "{restore_args}": SWAP,
     }
     for name, value in fixed.items():
         template = template.replace(name, value)
