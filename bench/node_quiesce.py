@@ -3,9 +3,9 @@
 Run from the repo root:  .venv/bin/python bench/node_quiesce.py [--ranks 16]
 
 Half the ranks run on each guest (native/tests/a2a_seq under the shim, one RC QP per pair). The
-bench takes two LeaveRunning checkpoints (the first with `--no-boost`: the agent's and the
-control threads' priority left alone, see runtime-hook/ibckpt_node/priority.py) and one Stop
-checkpoint through the job coordinator and measures,
+bench takes two LeaveRunning checkpoints (the first with the cut as it was before stop 9:
+`--quiesce-barrier --release-quiet --drain-stall-ms 100`, the second with the fast cut) and one
+Stop checkpoint through the job coordinator and measures,
 per node, the time from "checkpoint requested" (every node joined) until every rank is
 quiesced, drained and released, barriers included, dump excluded. It then restores each node's
 ranks twice from the same images: first with a raw CRIU restore of copies (the restored
@@ -38,9 +38,9 @@ mine=$(echo $mine)
 for r in $mine; do start_rank $r; done
 for r in $mine; do wait_for READY {work}/r$r.out 600; done
 sleep 3
-IBCKPT_SESSION_TOKEN=$TOKEN_LRPLAIN agent checkpoint --session {lrplain} $(rank_args pid $mine) \
-  --images {work}/images-lrplain-$IBCKPT_NODE --mode LeaveRunning --no-boost \
-  > {work}/lrplain-node-$IBCKPT_NODE.json
+IBCKPT_SESSION_TOKEN=$TOKEN_LROLD agent checkpoint --session {lrold} $(rank_args pid $mine) \
+  --images {work}/images-lrold-$IBCKPT_NODE --mode LeaveRunning \
+  --quiesce-barrier --release-quiet --drain-stall-ms 100 > {work}/lrold-node-$IBCKPT_NODE.json
 sleep 3
 IBCKPT_SESSION_TOKEN=$TOKEN_LR agent checkpoint --session {lr} $(rank_args pid $mine) \
   --images {work}/images-lr-$IBCKPT_NODE --mode LeaveRunning > {work}/lr-node-$IBCKPT_NODE.json
@@ -79,16 +79,22 @@ def raw_restore(images: Path, scratch: Path, ranks: list[int]) -> dict[str, Any]
     return {"seconds": seconds, "total": sum(seconds.values())}
 
 
-def _cut(report: dict[str, Any]) -> tuple[float, list[float], list[float], list[float]]:
-    """Total cut, and per phase: wall time (barrier included), this node's own part, shim's slowest rank."""
+def _cut(report: dict[str, Any]) -> tuple[float, list[float], list[float], list[float], list[int]]:
+    """Total cut, and per phase: wall time (barrier included), this node's own part, shim's slowest rank;
+    then the sends drain left to rebuild and the ranks whose release counted every flush.
+
+    The fast cut has no barrier after quiesce: its "drained" phase covers quiesce and drain.
+    """
     names = ("quiesced", "drained", "released")
-    wall = [report["phases"][n] for n in names]
-    local = [report["local"][n] for n in names]
+    wall = [report["phases"].get(n, 0.0) for n in names]
+    local = [report["local"].get(n, 0.0) for n in names]
     shim = [
         max(reply["ms"] for reply in report["shim"][phase].values()) / 1000.0
         for phase in ("quiesce", "drain", "release")
     ]
-    return sum(wall), wall, local, shim
+    left = sum(reply["pending_sends"] for reply in report["shim"]["drain"].values())
+    settled = sum(1 for reply in report["shim"]["release"].values() if reply.get("settled"))
+    return sum(wall), wall, local, shim, [left, settled, len(report["shim"]["release"])]
 
 
 def main() -> int:
@@ -120,7 +126,7 @@ def main() -> int:
         nodes = {"node-1", "node-2"}
         sessions: dict[str, str] = {}
         env: dict[str, str] = {}
-        for name in ("lrplain", "lr", "stop", "restore"):
+        for name in ("lrold", "lr", "stop", "restore"):
             sessions[name], env[f"TOKEN_{name.upper()}"] = coord.create_session(nodes)
         script = prelude(work, coord.port, hosts) + SCRIPT.format(
             work=work, python=sys.executable, bench=Path(__file__).resolve(), **sessions
@@ -143,17 +149,25 @@ def main() -> int:
     print(f"two guests ran for {guests_s:.0f} s; every pair finished exactly-once\n")
     print("checkpoint requested -> every rank quiesced, drained, released (barriers included, no dump)")
     header = f"{'checkpoint':<13}{'node':<6}{'total ms':>9}{'quiesce':>9}{'drain':>8}{'release':>9}"
-    print(f"{header}   node-local q/d/r   shim max q/d/r")
-    rows = (("LR no boost", "lrplain"), ("LeaveRunning", "lr"), ("Stop", "stop"))
+    print(f"{header}   node-local q/d/r   shim max q/d/r   sends left   settled releases")
+    print("(LR old: the cut before stop 9: a barrier after quiesce, a 100 ms drain stall, release")
+    print(" waiting for quiet CQs; the fast cut quiesces and drains each rank in one go, its quiesce")
+    print(" column is 0 and its drain column holds both)")
+    rows = (("LR old", "lrold"), ("LeaveRunning", "lr"), ("Stop", "stop"))
+    worst: dict[str, float] = {}
     for label, prefix in rows:
-        worst = 0.0
+        worst[prefix] = 0.0
         for node in (1, 2):
-            total, wall, local, shim = _cut(load(f"{prefix}-node-{node}.json"))
-            worst = max(worst, total)
+            total, wall, local, shim, (left, settled, n) = _cut(load(f"{prefix}-node-{node}.json"))
+            worst[prefix] = max(worst[prefix], total)
             ms = [round(v * 1000) for v in wall]
             parts = "   ".join("/".join(str(round(v * 1000)) for v in vs) for vs in (local, shim))
-            print(f"{label:<13}{node:<6}{total * 1000:>9.0f}{ms[0]:>9}{ms[1]:>8}{ms[2]:>9}   {parts}")
-        print(f"{label:<13}{'all':<6}{worst * 1000:>9.0f}   (goal <= 50 ms)")
+            print(
+                f"{label:<13}{node:<6}{total * 1000:>9.0f}{ms[0]:>9}{ms[1]:>8}{ms[2]:>9}   {parts}"
+                f"   {left:>10}   {settled}/{n}"
+            )
+        print(f"{label:<13}{'all':<6}{worst[prefix] * 1000:>9.0f}   (goal <= 50 ms)")
+    print(f"fast / old cut, LeaveRunning, slowest node: {worst['lr'] / worst['lrold']:.2f}")
     print("\nrestore of the same images, per node (sequential CRIU restores of its ranks)")
     print(f"{'node':<6}{'raw criu s':>11}{'driver s':>10}{'criu':>7}{'rebuild':>9}{'resume':>8}{'ratio':>7}")
     for node in (1, 2):

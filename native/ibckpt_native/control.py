@@ -56,8 +56,9 @@ class ShimControl:
     def quiesce(self, timeout_ms: int = 10000) -> dict[str, Any]:
         return self.command(f"quiesce {timeout_ms}")
 
-    def drain(self, timeout_ms: int = 10000) -> dict[str, Any]:
-        return self.command(f"drain {timeout_ms}")
+    def drain(self, timeout_ms: int = 10000, stall_ms: int | None = None) -> dict[str, Any]:
+        """stall_ms: how long without a completion ends the drain (the shim's default if None)."""
+        return self.command(f"drain {timeout_ms}" + ("" if stall_ms is None else f" {stall_ms}"))
 
     def release(self, timeout_ms: int = 10000) -> dict[str, Any]:
         return self.command(f"release {timeout_ms}")

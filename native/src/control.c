@@ -39,9 +39,9 @@ static int run_command(const char *line, char *out, size_t len)
 	else if (!strcmp(verb, "quiesce"))
 		rc = ibk_do_quiesce(n >= 2 ? (int)a : 10000, out, len);
 	else if (!strcmp(verb, "drain"))
-		rc = ibk_do_drain(n >= 2 ? (int)a : 10000, out, len);
+		rc = ibk_do_drain(n >= 2 ? (int)a : 10000, n >= 3 ? (int)b : IBK_DRAIN_STALL_MS, out, len);
 	else if (!strcmp(verb, "release"))
-		rc = ibk_do_release(n >= 2 ? (int)a : 10000, out, len);
+		rc = ibk_do_release(n >= 2 ? (int)a : 10000, strstr(line, " quiet") != NULL, out, len);
 	else if (!strcmp(verb, "rebuild"))
 		rc = n >= 2 ? ibk_do_rebuild(a, n >= 3 ? (int)b : 30000, out, len)
 			    : (snprintf(out, len, "{\"error\":\"rebuild needs an epoch\"}"), -EINVAL);

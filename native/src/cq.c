@@ -68,8 +68,10 @@ static __attribute__((noinline)) int wc_translate_send_slow(struct ibk_qp *qp, s
 	}
 	if (wc->status == IBV_WC_SUCCESS || !qp->releasing)
 		ibk_sendlog_retire_entry(&qp->slog, e, &qp->cnt);
-	else
+	else {
 		show = 0; /* flushed by the shim itself: stays logged for replay */
+		qp->rel_send_seen = e->seq + 1;
+	}
 	ibk_unlock(&qp->lock);
 	wc->qp_num = qp->vqpn;
 	return show;
@@ -122,6 +124,7 @@ static __attribute__((noinline)) int wc_translate_other(struct ibk_ctx *ctx, str
 				ibk_recvlog_release(&qp->rlog, e);
 			} else if (qp->releasing) {
 				show = 0;
+				qp->rel_recvs_flushed++;
 			} else {
 				ibk_recvlog_release(&qp->rlog, e);
 			}

@@ -309,11 +309,11 @@ static int pending_settleable(void)
 	return 1;
 }
 
-/* No completion for this long, with only settleable sends left, means they
- * are stalled on the peer's gate: waiting longer would change nothing. */
-#define DRAIN_STALL_MS 100
-
-int ibk_do_drain(int timeout_ms, char *out, size_t len)
+/* No completion for stall_ms, with only settleable sends left, means they
+ * are most likely stalled on the peer's gate. Stopping early is safe either
+ * way: rebuild settles each pending send by the peer's counters, so the
+ * window only trades cut time against sends replayed at rebuild. */
+int ibk_do_drain(int timeout_ms, int stall_ms, char *out, size_t len)
 {
 	long t0 = ms_now(), last_move = t0;
 	int flags, moved = 0, stalled = 0;
@@ -335,11 +335,11 @@ int ibk_do_drain(int timeout_ms, char *out, size_t len)
 		pending = pending_sends();
 		if (!pending || ms_now() - t0 > timeout_ms)
 			break;
-		if (ms_now() - last_move > DRAIN_STALL_MS && pending_settleable()) {
+		if (ms_now() - last_move >= stall_ms && pending_settleable()) {
 			stalled = 1;
 			break;
 		}
-		usleep(500);
+		usleep(200);
 	}
 	phase = IBK_DRAINED;
 	report_begin(out, len, "drain", 1, t0);
@@ -385,9 +385,11 @@ static int count_device_fds(int *maps)
 	return n;
 }
 
-static void release_flush_qps(struct ibk_ctx *ctx)
+/* Moves every live QP to ERR; returns how many would not go. */
+static int release_flush_qps(struct ibk_ctx *ctx)
 {
 	struct ibk_obj *o;
+	int failed = 0;
 
 	FOR_EACH_OBJ(ctx, o)
 	{
@@ -398,15 +400,59 @@ static void release_flush_qps(struct ibk_ctx *ctx)
 			continue;
 		qp = IBK_OBJ(o, ibk_qp);
 		qp->releasing = 1;
+		qp->rel_send_seen = 0;
+		qp->rel_recvs_flushed = 0;
 		if (qp->state == IBV_QPS_RESET || !qp->real)
 			continue;
 		/* ERR stops the QP accepting packets, so the final poll below
 		 * sees every receive that will ever be counted. */
 		memset(&a, 0, sizeof(a));
 		a.qp_state = IBV_QPS_ERR;
-		if (ibk_real.modify_qp(qp->real, &a, IBV_QP_STATE))
+		if (ibk_real.modify_qp(qp->real, &a, IBV_QP_STATE)) {
 			ibk_log("release: QP %u to ERR failed", qp->vqpn);
+			failed++;
+		}
 	}
+	return failed;
+}
+
+/* Whether every WR still logged on a QP in ERR has reported back. A QP in
+ * ERR completes each posted receive and, in order, each send from the
+ * first unfinished one on, all with a completion (flushes are reported
+ * signaled or not). So once the newest send and every logged receive has
+ * shown up, no completion is left to come. An SRQ's receives are not
+ * flushed with its QPs, and a newest send that succeeded unsignaled never
+ * reports: those leave the answer to the quiet window. */
+static int release_settled(void)
+{
+	struct ibk_ctx *ctx;
+	struct ibk_obj *o;
+
+	FOR_EACH_CTX(ctx)
+	FOR_EACH_OBJ(ctx, o)
+	{
+		struct ibk_qp *qp;
+		int done;
+
+		if (o->kind != IBK_QP)
+			continue;
+		qp = IBK_OBJ(o, ibk_qp);
+		if (qp->state == IBV_QPS_RESET || !qp->real)
+			continue;
+		if (qp->srq)
+			return 0;
+		ibk_lock(&qp->lock);
+		done = !ibk_sendlog_count(&qp->slog) || qp->rel_send_seen == qp->slog.tail;
+		ibk_unlock(&qp->lock);
+		if (!done)
+			return 0;
+		ibk_lock(&qp->rlock);
+		done = ibk_recvlog_live(&qp->rlog) == qp->rel_recvs_flushed;
+		ibk_unlock(&qp->rlock);
+		if (!done)
+			return 0;
+	}
+	return 1;
 }
 
 static int release_destroy(struct ibk_ctx *ctx)
@@ -478,11 +524,11 @@ static int have_ud_qps(void)
 	return 0;
 }
 
-int ibk_do_release(int timeout_ms, char *out, size_t len)
+int ibk_do_release(int timeout_ms, int quiet_only, char *out, size_t len)
 {
-	long t0 = ms_now(), quiet_since;
+	long t0 = ms_now(), quiet_since, t_flushed, t_destroyed;
 	struct ibk_ctx *ctx;
-	int errs = 0, fds, maps, late = 0;
+	int errs = 0, fds, maps, late = 0, unflushed = 0, settled = 0;
 
 	if (phase != IBK_DRAINED) {
 		report_begin(out, len, "release", 0, t0);
@@ -504,8 +550,9 @@ int ibk_do_release(int timeout_ms, char *out, size_t len)
 		}
 	}
 	FOR_EACH_CTX(ctx)
-	release_flush_qps(ctx);
-	/* Collect what the QPs finished before ERR, until the CQs stay quiet. */
+	unflushed += release_flush_qps(ctx);
+	/* Collect what the QPs finished before ERR: until every logged WR has
+	 * reported back, or else until the CQs stay quiet. */
 	quiet_since = ms_now();
 	while (ms_now() - quiet_since < 20 && ms_now() - t0 < timeout_ms) {
 		int n = drain_pass();
@@ -513,16 +560,24 @@ int ibk_do_release(int timeout_ms, char *out, size_t len)
 		late += n;
 		if (n)
 			quiet_since = ms_now();
-		usleep(1000);
+		if (!unflushed && !quiet_only && release_settled()) {
+			settled = 1;
+			break;
+		}
+		usleep(200);
 	}
+	t_flushed = ms_now();
 	FOR_EACH_CTX(ctx)
 	errs += release_destroy(ctx);
 	pthread_mutex_unlock(&ibk_ctx_lock);
+	t_destroyed = ms_now();
 	fds = count_device_fds(&maps);
 	phase = IBK_RELEASED;
 	report_begin(out, len, "release", errs == 0 && fds == 0 && maps == 0, t0);
-	jcat(out, len, ",\"late_completions\":%d,\"errors\":%d,\"device_fds\":%d,\"device_maps\":%d,", late, errs,
-	     fds, maps);
+	jcat(out, len,
+	     ",\"late_completions\":%d,\"settled\":%s,\"flush_ms\":%ld,\"destroy_ms\":%ld,\"errors\":%d,"
+	     "\"device_fds\":%d,\"device_maps\":%d,",
+	     late, settled ? "true" : "false", t_flushed - t0, t_destroyed - t_flushed, errs, fds, maps);
 	pthread_mutex_lock(&ibk_ctx_lock);
 	report_qps(out, len);
 	pthread_mutex_unlock(&ibk_ctx_lock);

@@ -82,6 +82,9 @@ void ibk_unsupported(const char *verb);
 #define IBK_MAX_REFUSED 32
 /* The control thread's name (15 chars max): the node agent looks it up in /proc. */
 #define IBK_CONTROL_THREAD_NAME "ibk-control"
+/* drain: no completion for this long with only settleable sends left ends
+ * it (the control protocol's drain takes another value) */
+#define IBK_DRAIN_STALL_MS 20
 int ibk_refused_verbs(const char **out, int max);
 #define IBK_DBG(...)                          \
 	do {                                  \
@@ -312,6 +315,10 @@ struct ibk_qp {
 	struct ibk_peer peer;
 	int flag_outstanding;
 	int releasing; /* the shim moved it to ERR: flushes stay in the logs */
+	/* release's bookkeeping: once every logged WR has completed or been
+	 * flushed, the QP's CQs will never report anything more for it */
+	uint64_t rel_send_seen; /* seq + 1 of the newest flushed send */
+	uint32_t rel_recvs_flushed;
 	uint32_t slot;
 	uint64_t flag_seq;
 	uint32_t psn_base; /* replay PSN, same on both ends */
@@ -415,8 +422,8 @@ const char *ibk_phase_name(enum ibk_phase p);
 enum ibk_phase ibk_phase_now(void);
 /* Each phase writes a one-line JSON report into out. 0 on success. */
 int ibk_do_quiesce(int timeout_ms, char *out, size_t len);
-int ibk_do_drain(int timeout_ms, char *out, size_t len);
-int ibk_do_release(int timeout_ms, char *out, size_t len);
+int ibk_do_drain(int timeout_ms, int stall_ms, char *out, size_t len);
+int ibk_do_release(int timeout_ms, int quiet_only, char *out, size_t len);
 int ibk_do_rebuild(uint64_t epoch, int timeout_ms, char *out, size_t len);
 int ibk_do_resume(char *out, size_t len);
 int ibk_do_abort(char *out, size_t len);

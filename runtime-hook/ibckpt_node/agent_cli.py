@@ -2,7 +2,8 @@
 
     ibckpt-node checkpoint --coordinator HOST:PORT --session ID --node NAME \
         --rank KEY=PID:CONTROL_SOCKET ... --images DIR [--mode Stop|LeaveRunning] [--epoch N] \
-        [--job-addr ADDR ...] [--tree NAME=ROOT_PID ...]
+        [--job-addr ADDR ...] [--tree NAME=ROOT_PID ...] [--drain-stall-ms N] [--quiesce-barrier]
+        [--release-quiet]
     ibckpt-node restore --coordinator HOST:PORT --session ID --node NAME \
         --rank KEY=IMAGE_DIR:CONTROL_SOCKET ... [--rejoin KEY=PID:CONTROL_SOCKET ...] [--epoch N] \
         [--remap-ip OLD=NEW ...] [--tree IMAGE_DIR ...]
@@ -42,7 +43,16 @@ from ibckpt.coordination.client import CoordinatorClient, CoordinatorError
 from ibckpt.coordination.ranks import RankId
 from ibckpt_node.coord_proxy import ShimCoordinatorProxy
 from ibckpt_node.criu import CriuError
-from ibckpt_node.driver import CheckpointFailed, LocalRank, Mode, NodeDriver, NodeReport, ProcessTree
+from ibckpt_node.driver import (
+    CheckpointFailed,
+    CutOptions,
+    LocalRank,
+    Mode,
+    NodeDriver,
+    NodeReport,
+    PhaseTimeouts,
+    ProcessTree,
+)
 from ibckpt_node.priority import DEFAULT_BOOST_NICE
 from ibckpt_node.tcp_remap import RemapError, parse_map
 
@@ -85,7 +95,14 @@ async def _run(args: argparse.Namespace, drivers: list[NodeDriver]) -> NodeRepor
                 local = [LocalRank(rank, int(where), control) for rank, where, control in ranks]
                 trees = [_parse_tree(spec) for spec in args.tree]
                 driver = NodeDriver(
-                    args.node, client, local, job_addrs=args.job_addr or None, trees=trees, boost_nice=boost
+                    args.node,
+                    client,
+                    local,
+                    timeouts=PhaseTimeouts(drain_stall_ms=args.drain_stall_ms),
+                    job_addrs=args.job_addr or None,
+                    trees=trees,
+                    boost_nice=boost,
+                    cut=CutOptions(quiesce_barrier=args.quiesce_barrier, release_quiet=args.release_quiet),
                 )
                 drivers.append(driver)
                 return await driver.checkpoint(Mode(args.mode), Path(args.images), args.epoch)
@@ -121,6 +138,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--no-boost",
         action="store_true",
         help=f"keep the agent's and ranks' control threads' nice value (else {DEFAULT_BOOST_NICE})",
+    )
+    cut = parser.add_argument_group("the cut (checkpoint); the defaults are the fast cut")
+    cut.add_argument(
+        "--drain-stall-ms",
+        type=int,
+        default=PhaseTimeouts.drain_stall_ms,
+        help="end a drain after this long without a completion when rebuild can settle what is left",
+    )
+    cut.add_argument("--quiesce-barrier", action="store_true", help="wait for every node after quiesce too")
+    cut.add_argument(
+        "--release-quiet", action="store_true", help="release waits for quiet CQs instead of counting flushes"
     )
     parser.add_argument(
         "--job-addr", action="append", default=[], help="checkpoint: an address of the job's nodes"

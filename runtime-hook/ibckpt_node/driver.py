@@ -53,6 +53,8 @@ class PhaseTimeouts:
     # (its receiver is quiesced too and posts no receives); the peers' counters settle it
     # at rebuild, so the drain only needs to catch what completes promptly.
     drain_settle_s: float = 3.0
+    # No completion for this long, with only sends the rebuild can settle left, ends the drain.
+    drain_stall_ms: int = 20
     release_s: float = 30.0
     dump_s: float = 600.0
     restore_s: float = 600.0
@@ -61,6 +63,20 @@ class PhaseTimeouts:
     # Preflight asks whether a key was published once every node has published its own (after
     # a barrier): a key that is not there by then never comes, so the wait can be short.
     preflight_lookup_s: float = 1.0
+
+
+@dataclass(frozen=True)
+class CutOptions:
+    """How the cut (quiesce, drain, release) runs. The defaults are the fast cut; the others
+    reproduce the cut as it was before, so a benchmark can measure both side by side."""
+
+    # A barrier after quiesce. Not needed: a rank that drains while a peer is still running
+    # sees that peer's sends complete or stall, and rebuild settles the stalled ones either way.
+    # The barrier that matters comes after drain: no QP may go to ERR while a peer still waits
+    # on it.
+    quiesce_barrier: bool = False
+    # Release waits for its CQs to stay quiet for 20 ms instead of counting flushes.
+    release_quiet: bool = False
 
 
 @dataclass
@@ -169,6 +185,7 @@ class NodeDriver:
         job_addrs: Sequence[str] | None = None,
         trees: Sequence[ProcessTree] = (),
         boost_nice: int | None = priority.DEFAULT_BOOST_NICE,
+        cut: CutOptions | None = None,
     ) -> None:
         """`job_addrs`: the addresses of the job's nodes, which the ranks' TCP connections may
         lead to. None: every node of the session publishes its own interfaces' addresses.
@@ -181,6 +198,7 @@ class NodeDriver:
         self.ranks = list(ranks)
         self.trees = list(trees)
         self.timeouts = timeouts or PhaseTimeouts()
+        self.cut = cut or CutOptions()
         self.job_addrs = None if job_addrs is None else [ipaddress.ip_address(a) for a in job_addrs]
         self.report = NodeReport(node)
 
@@ -196,12 +214,20 @@ class NodeDriver:
 
     async def _each(self, phase: str, line: str) -> None:
         """Run one shim phase on every local rank in parallel; the first failure raises."""
-        replies = await self._on_all(lambda r: r.command(line))
-        for r, reply in zip(self.ranks, replies, strict=True):
-            self.report.shim.setdefault(phase, {})[r.rank.key()] = reply
-        for r, reply in zip(self.ranks, replies, strict=True):
-            if reply.get("ok") is False:
-                raise CheckpointFailed(f"{phase} of {r.rank.key()} (pid {r.pid}) failed: {reply}")
+        await self._each_in_turn([(phase, line)])
+
+    async def _each_in_turn(self, steps: Sequence[tuple[str, str]]) -> None:
+        """Run shim phases one after another on each local rank, all ranks in parallel: a rank
+        starts its next phase as soon as its own previous one is done. The first failure raises."""
+
+        async def run(r: LocalRank) -> None:
+            for phase, line in steps:
+                reply = await r.command(line)
+                self.report.shim.setdefault(phase, {})[r.rank.key()] = reply
+                if reply.get("ok") is False:
+                    raise CheckpointFailed(f"{phase} of {r.rank.key()} (pid {r.pid}) failed: {reply}")
+
+        await self._on_all(run)
 
     async def _phase(self, name: str, work: Callable[[], Awaitable[None]], bound_s: float) -> None:
         started = time.monotonic()
@@ -253,21 +279,7 @@ class NodeDriver:
             with self._boosted("cut"):
                 await self._preflight()
                 touched = True
-                await self._phase(
-                    "quiesced",
-                    lambda: self._each("quiesce", f"quiesce {self._ms(t.quiesce_s)}"),
-                    t.quiesce_s,
-                )
-                await self._phase(
-                    "drained",
-                    lambda: self._each("drain", f"drain {self._ms(t.drain_settle_s)}"),
-                    t.drain_s,
-                )
-                await self._phase(
-                    "released",
-                    lambda: self._each("release", f"release {self._ms(t.release_s)}"),
-                    t.release_s,
-                )
+                await self._cut()
             self._check_released()
             await self._phase("dumped", lambda: self._dump_all(mode, images_root), t.dump_s)
             committed = True
@@ -288,6 +300,20 @@ class NodeDriver:
             if not committed:
                 await self._abort_and_recover(exc, epoch)
             raise CheckpointFailed(str(exc)) from exc
+
+    async def _cut(self) -> None:
+        """Quiesce, drain and release every local rank, with a barrier after drain and release."""
+        t = self.timeouts
+        quiesce = ("quiesce", f"quiesce {self._ms(t.quiesce_s)}")
+        drain = ("drain", f"drain {self._ms(t.drain_settle_s)} {t.drain_stall_ms}")
+        if self.cut.quiesce_barrier:
+            await self._phase("quiesced", lambda: self._each(*quiesce), t.quiesce_s)
+            await self._phase("drained", lambda: self._each(*drain), t.drain_s)
+        else:
+            both = t.quiesce_s + t.drain_s
+            await self._phase("drained", lambda: self._each_in_turn([quiesce, drain]), both)
+        release = f"release {self._ms(t.release_s)}" + (" quiet" if self.cut.release_quiet else "")
+        await self._phase("released", lambda: self._each("release", release), t.release_s)
 
     # -- preflight ------------------------------------------------------------------------
 

@@ -68,8 +68,13 @@ def _run_rc_seq(
     shim: Path = SHIM,
     checkpoints: int = CHECKPOINTS,
     dump_at: tuple[int, ...] = (2,),
+    release_settles: bool = False,
 ) -> tuple[str, str]:
-    """rc_seq under the shim, checkpointed at random moments under traffic; returns both outputs."""
+    """rc_seq under the shim, checkpointed at random moments under traffic; returns both outputs.
+
+    release_settles: every release must end by counting its flushes (every send signaled, no
+    SRQ), not by waiting for quiet CQs.
+    """
     stop = tmp_path / "stop"
     procs = _pair(tmp_path, coord, [str(TESTS_DIR / "rc_seq"), "-f", str(stop), *flags], port, shim)
     try:
@@ -89,6 +94,8 @@ def _run_rc_seq(
         for name in ("server", "client"):
             assert r.reports["release"][name]["ok"], r.reports["release"][name]
             assert r.reports["rebuild"][name]["ok"], r.reports["rebuild"][name]
+            if release_settles:
+                assert r.reports["release"][name]["settled"] is True, r.reports["release"][name]
         if r.criu_rc is not None:
             assert r.criu_rc == 0, r.criu_log
             assert "Dumping finished successfully" in r.criu_log
@@ -104,7 +111,7 @@ def _run_rc_seq(
 
 
 def test_rc_send_recv_busy_poll(tmp_path: Path, coord: Coordinator) -> None:
-    _run_rc_seq(tmp_path, coord, [], 18611)
+    _run_rc_seq(tmp_path, coord, [], 18611, release_settles=True)
 
 
 def test_rc_unsignaled_inline(tmp_path: Path, coord: Coordinator) -> None:
