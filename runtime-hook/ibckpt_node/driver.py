@@ -212,22 +212,45 @@ class NodeDriver:
         """
         return list(await asyncio.gather(*(call(r) for r in self.ranks)))
 
-    async def _each(self, phase: str, line: str) -> None:
-        """Run one shim phase on every local rank in parallel; the first failure raises."""
-        await self._each_in_turn([(phase, line)])
+    async def _each(self, phase: str, line: str, wait_all: bool = True) -> None:
+        """Run one shim phase on every local rank in parallel; a failure raises."""
+        await self._each_in_turn([(phase, line)], wait_all)
 
-    async def _each_in_turn(self, steps: Sequence[tuple[str, str]]) -> None:
+    async def _each_in_turn(self, steps: Sequence[tuple[str, str]], wait_all: bool = True) -> None:
         """Run shim phases one after another on each local rank, all ranks in parallel: a rank
-        starts its next phase as soon as its own previous one is done. The first failure raises."""
+        starts its next phase as soon as its own previous one is done.
+
+        A failure raises once every rank's call is over (`wait_all`): otherwise the abort that
+        follows could reach a rank before its next step does (a quiesce after the abort would
+        leave it gated). A rank stops taking steps once any has failed; the phase's bound
+        cancels the lot if one hangs. Without `wait_all` the first failure raises at once: a
+        rebuild waits for its peers' records, which only the abort cuts short.
+        """
+
+        failed = False
 
         async def run(r: LocalRank) -> None:
+            nonlocal failed
             for phase, line in steps:
-                reply = await r.command(line)
+                if failed:  # another rank failed: take no further step, the abort follows
+                    return
+                try:
+                    reply = await r.command(line)
+                except BaseException:
+                    failed = True
+                    raise
+                failed = failed or reply.get("ok") is False
                 self.report.shim.setdefault(phase, {})[r.rank.key()] = reply
                 if reply.get("ok") is False:
                     raise CheckpointFailed(f"{phase} of {r.rank.key()} (pid {r.pid}) failed: {reply}")
 
-        await self._on_all(run)
+        if not wait_all:
+            await self._on_all(run)
+            return
+        results = await asyncio.gather(*(run(r) for r in self.ranks), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
 
     async def _phase(self, name: str, work: Callable[[], Awaitable[None]], bound_s: float) -> None:
         started = time.monotonic()
@@ -255,7 +278,7 @@ class NodeDriver:
         with self._boosted("rebuild"):
             await self._phase(
                 "rebuilt",
-                lambda: self._each("rebuild", f"rebuild {epoch} {self._ms(t.rebuild_s)}"),
+                lambda: self._each("rebuild", f"rebuild {epoch} {self._ms(t.rebuild_s)}", wait_all=False),
                 t.rebuild_s,
             )
             await self._phase("resumed", lambda: self._each("resume", "resume"), t.rebuild_s)

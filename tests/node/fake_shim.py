@@ -17,6 +17,7 @@ class FakeShimSocket:
         self.path = path
         self.state = "running"
         self.commands: list[str] = []
+        self.lines: list[str] = []  # the whole request lines, arguments included
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.bind(str(path))
         self.sock.listen(8)
@@ -38,7 +39,9 @@ class FakeShimSocket:
 
     def _one(self, conn: socket.socket) -> None:
         with conn:
-            verb = conn.makefile().readline().split()[0]
+            line = conn.makefile().readline().strip()
+            verb = line.split()[0]
+            self.lines.append(line)
             self.commands.append(verb)
             ok, reply = self.answer(verb)
             conn.sendall(f"{'ok' if ok else 'err'} {json.dumps(reply)}\n".encode())

@@ -25,6 +25,7 @@ from ibckpt_node.driver import (
     TREE_MANIFEST,
     CheckpointFailed,
     CheckpointRefused,
+    CutOptions,
     LocalRank,
     Mode,
     NodeDriver,
@@ -114,6 +115,84 @@ async def test_failed_dump_aborts_and_rebuilds_every_released_rank(
         # rebuilt and resumed it.
         expected = ["status", "quiesce", "drain", "release", "abort", "rebuild", "resume"]
         assert s.commands == expected, s.commands
+        assert s.state == "running"
+
+
+class FailingQuiesce(FakeShim):
+    """A rank whose quiesce times out (an app thread never leaves verbs)."""
+
+    def answer(self, verb: str) -> tuple[bool, dict[str, object]]:
+        if verb == "quiesce":
+            return False, {"phase": "quiesce", "ok": False, "error": "threads still inside verbs"}
+        return super().answer(verb)
+
+
+def _unwritable_images(tmp_path: Path, ranks: list[LocalRank]) -> Path:
+    """An image dir that makes the dump fail before CRIU touches a process: the cut is what these
+    tests look at."""
+    images = tmp_path / "images"
+    (images / ranks[0].rank.key().replace("/", "_")).mkdir(parents=True)
+    (images / ranks[0].rank.key().replace("/", "_") / "stale").write_text("x")
+    return images
+
+
+async def test_the_fast_cut_drains_each_rank_right_after_its_quiesce(
+    coordinator: ThreadedCoordinator, tmp_path: Path, sleeper: int
+) -> None:
+    shims, ranks = _setup(tmp_path, sleeper)
+    driver = await _driver(coordinator, ranks)
+    try:
+        with pytest.raises(CheckpointFailed, match="not empty"):
+            await asyncio.wait_for(driver.checkpoint(Mode.STOP, _unwritable_images(tmp_path, ranks), 2), 30)
+    finally:
+        await driver.client.close()
+    report = driver.report
+    # no barrier between quiesce and drain: one phase covers both, then release
+    assert "quiesced" not in report.phases and {"drained", "released"} <= report.phases.keys(), report.phases
+    for s in shims:
+        assert [line.split()[0] for line in s.lines[1:4]] == ["quiesce", "drain", "release"], s.lines
+        drain, release = s.lines[2].split(), s.lines[3].split()
+        assert drain[2] == str(PhaseTimeouts().drain_stall_ms) and len(release) == 2, s.lines
+
+
+async def test_the_old_cut_keeps_its_barrier_stall_window_and_quiet_release(
+    coordinator: ThreadedCoordinator, tmp_path: Path, sleeper: int
+) -> None:
+    shims, ranks = _setup(tmp_path, sleeper)
+    session, token = coordinator.create_session({"node-1"})
+    client = await CoordinatorClient.connect("127.0.0.1", coordinator.port, session, "node-1", token)
+    cut = CutOptions(quiesce_barrier=True, release_quiet=True)
+    driver = NodeDriver("node-1", client, ranks, PhaseTimeouts(drain_stall_ms=100), cut=cut)
+    try:
+        with pytest.raises(CheckpointFailed, match="not empty"):
+            await asyncio.wait_for(driver.checkpoint(Mode.STOP, _unwritable_images(tmp_path, ranks), 2), 30)
+    finally:
+        await client.close()
+    report = driver.report
+    assert {"quiesced", "drained", "released"} <= report.phases.keys(), report.phases
+    for s in shims:
+        assert s.lines[2].split()[2] == "100" and s.lines[3].endswith(" quiet"), s.lines
+
+
+async def test_a_failed_quiesce_in_the_fast_cut_brings_every_rank_back(
+    coordinator: ThreadedCoordinator, tmp_path: Path, sleeper: int
+) -> None:
+    shims, ranks = _setup(tmp_path, sleeper)
+    shims[0].sock.close()
+    everyone = shims[1].everyone
+    shims[0] = FailingQuiesce(tmp_path / "r0-failing.ctl", everyone)
+    ranks[0] = LocalRank(ranks[0].rank, sleeper, shims[0].path)
+    driver = await _driver(coordinator, ranks)
+    try:
+        with pytest.raises(CheckpointFailed, match="threads still inside verbs"):
+            await asyncio.wait_for(driver.checkpoint(Mode.STOP, tmp_path / "images", epoch=2), 30)
+    finally:
+        await driver.client.close()
+    assert driver.report.outcome == "Aborted"
+    assert shims[0].commands == ["status", "quiesce", "abort"], shims[0].commands
+    for s in shims[1:]:
+        # the others quiesced (and maybe drained) on their own; none was released, all resumed
+        assert "release" not in s.commands and s.commands[-1] == "abort", s.commands
         assert s.state == "running"
 
 
