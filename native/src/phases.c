@@ -317,6 +317,7 @@ int ibk_do_drain(int timeout_ms, int stall_ms, char *out, size_t len)
 {
 	long t0 = ms_now(), last_move = t0;
 	int flags, moved = 0, stalled = 0;
+	useconds_t nap = 100;
 	uint32_t pending;
 
 	if (phase != IBK_QUIESCED) {
@@ -330,8 +331,10 @@ int ibk_do_drain(int timeout_ms, int stall_ms, char *out, size_t len)
 		int n = drain_pass();
 
 		moved += n;
-		if (n)
+		if (n) {
 			last_move = ms_now();
+			nap = 100;
+		}
 		pending = pending_sends();
 		if (!pending || ms_now() - t0 > timeout_ms)
 			break;
@@ -339,7 +342,10 @@ int ibk_do_drain(int timeout_ms, int stall_ms, char *out, size_t len)
 			stalled = 1;
 			break;
 		}
-		usleep(200);
+		/* back off while nothing moves: other ranks' app threads need the
+		 * CPU to reach their gates */
+		usleep(nap);
+		nap = nap < 2000 ? nap * 2 : 2000;
 	}
 	phase = IBK_DRAINED;
 	report_begin(out, len, "drain", 1, t0);
@@ -455,10 +461,75 @@ static int release_settled(void)
 	return 1;
 }
 
+/* Destroying a QP can wait in the kernel: rxe waits (up to 200 ms) until
+ * packets still queued toward the NIC drop their hold on it. A few threads
+ * side by side overlap those waits instead of adding them up. */
+#define RELEASE_DESTROY_THREADS 8
+
+struct qp_destroy_job {
+	struct ibk_ctx *ctx;
+	struct ibk_qp **qps;
+	int n;
+	atomic_int next;
+	atomic_int errs;
+};
+
+static void *destroy_qps_worker(void *arg)
+{
+	struct qp_destroy_job *job = arg;
+	int i;
+
+	while ((i = atomic_fetch_add(&job->next, 1)) < job->n) {
+		struct ibk_qp *qp = job->qps[i];
+
+		pthread_mutex_lock(&job->ctx->lock);
+		ibk_idmap_del(&job->ctx->rqpns, qp->real->qp_num);
+		pthread_mutex_unlock(&job->ctx->lock);
+		if (ibk_real.destroy_qp(qp->real)) {
+			ibk_log("release: destroying QP %u failed", qp->vqpn);
+			atomic_fetch_add(&job->errs, 1);
+		}
+		qp->real = NULL;
+		qp->flag_outstanding = 0;
+	}
+	return NULL;
+}
+
+static int release_destroy_qps(struct ibk_ctx *ctx)
+{
+	struct qp_destroy_job job = {.ctx = ctx};
+	pthread_t tids[RELEASE_DESTROY_THREADS];
+	int started = 0, i;
+	struct ibk_obj *o;
+
+	FOR_EACH_OBJ(ctx, o)
+	if (o->kind == IBK_QP && IBK_OBJ(o, ibk_qp)->real)
+		job.n++;
+	if (!job.n)
+		return 0;
+	job.qps = calloc((size_t)job.n, sizeof(*job.qps));
+	if (!job.qps)
+		return 0; /* release_destroy destroys them one by one */
+	i = 0;
+	FOR_EACH_OBJ(ctx, o)
+	if (o->kind == IBK_QP && IBK_OBJ(o, ibk_qp)->real)
+		job.qps[i++] = IBK_OBJ(o, ibk_qp);
+	atomic_init(&job.next, 0);
+	atomic_init(&job.errs, 0);
+	while (started < RELEASE_DESTROY_THREADS && started < job.n - 1 &&
+	       !pthread_create(&tids[started], NULL, destroy_qps_worker, &job))
+		started++;
+	destroy_qps_worker(&job);
+	for (i = 0; i < started; i++)
+		pthread_join(tids[i], NULL);
+	free(job.qps);
+	return atomic_load(&job.errs);
+}
+
 static int release_destroy(struct ibk_ctx *ctx)
 {
 	struct ibk_obj *o, *p;
-	int errs = 0;
+	int errs = release_destroy_qps(ctx);
 
 	FOR_EACH_OBJ_REV(ctx, o, p)
 	{
@@ -472,6 +543,8 @@ static int release_destroy(struct ibk_ctx *ctx)
 		case IBK_QP: {
 			struct ibk_qp *qp = IBK_OBJ(o, ibk_qp);
 
+			if (!qp->real)
+				break; /* destroyed above, or never created */
 			pthread_mutex_lock(&ctx->lock);
 			ibk_idmap_del(&ctx->rqpns, qp->real->qp_num);
 			pthread_mutex_unlock(&ctx->lock);
@@ -901,6 +974,8 @@ out:
 int ibk_do_rebuild(uint64_t epoch, int timeout_ms, char *out, size_t len)
 {
 	long t0 = ms_now();
+	/* when each step ended, for the report: open, objects, publish, peers, settle */
+	long t_open = 0, t_objects = 0, t_publish = 0, t_peers = 0, t_settle = 0;
 	struct ibk_ctx *ctx;
 	struct ibk_obj *o;
 	int rc = 0;
@@ -925,14 +1000,17 @@ int ibk_do_rebuild(uint64_t epoch, int timeout_ms, char *out, size_t len)
 		rc = rebuild_open(ctx);
 		if (rc)
 			goto out;
+		t_open += ms_now() - t0 - t_open - t_objects - t_publish;
 		step = "objects";
 		rc = rebuild_objects(ctx);
 		if (rc)
 			goto out;
+		t_objects += ms_now() - t0 - t_open - t_objects - t_publish;
 		step = "publish";
 		rc = publish_qps(ctx, epoch);
 		if (rc)
 			goto out;
+		t_publish += ms_now() - t0 - t_open - t_objects - t_publish;
 	}
 	step = "peers";
 	FOR_EACH_CTX(ctx)
@@ -969,6 +1047,7 @@ int ibk_do_rebuild(uint64_t epoch, int timeout_ms, char *out, size_t len)
 		ibk_peers_put(&pm); /* epoch 0: the refresh below fills it in */
 	}
 	ibk_peers_refresh(epoch, timeout_ms - (int)(ms_now() - t0));
+	t_peers = ms_now() - t0 - t_open - t_objects - t_publish;
 	step = "settle";
 	FOR_EACH_CTX(ctx)
 	FOR_EACH_OBJ(ctx, o)
@@ -988,12 +1067,15 @@ int ibk_do_rebuild(uint64_t epoch, int timeout_ms, char *out, size_t len)
 				cq->real->context->ops.req_notify_cq(cq->real, cq->solicited);
 		}
 	}
+	t_settle = ms_now() - t0 - t_open - t_objects - t_publish - t_peers;
 	last_epoch = epoch;
 	phase = IBK_REBUILT;
 out:
 	report_begin(out, len, "rebuild", rc == 0, t0);
 	if (rc)
 		jcat(out, len, ",\"error\":\"%s failed: %s\"", step, strerror(-rc));
+	jcat(out, len, ",\"steps_ms\":{\"open\":%ld,\"objects\":%ld,\"publish\":%ld,\"peers\":%ld,\"settle\":%ld}",
+	     t_open, t_objects, t_publish, t_peers, t_settle);
 	jcat(out, len, ",\"epoch\":%llu,", (unsigned long long)epoch);
 	report_qps(out, len);
 	jcat(out, len, "}");
