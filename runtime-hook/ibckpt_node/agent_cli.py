@@ -89,7 +89,7 @@ async def _run(args: argparse.Namespace, drivers: list[NodeDriver]) -> NodeRepor
     client = await CoordinatorClient.connect(host, int(port), args.session, args.node, token)
     try:
         boost = None if args.no_boost else DEFAULT_BOOST_NICE
-        async with ShimCoordinatorProxy(Path(args.shim_socket), client):
+        async with ShimCoordinatorProxy(Path(args.shim_socket), client) as proxy:
             ranks = [_parse_rank(spec) for spec in args.rank]
             if args.command == "checkpoint":
                 local = [LocalRank(rank, int(where), control) for rank, where, control in ranks]
@@ -103,10 +103,11 @@ async def _run(args: argparse.Namespace, drivers: list[NodeDriver]) -> NodeRepor
                     trees=trees,
                     boost_nice=boost,
                     cut=CutOptions(quiesce_barrier=args.quiesce_barrier, release_quiet=args.release_quiet),
+                    flush_records=proxy.published,
                 )
                 drivers.append(driver)
                 return await driver.checkpoint(Mode(args.mode), Path(args.images), args.epoch)
-            driver = NodeDriver(args.node, client, [], boost_nice=boost)
+            driver = NodeDriver(args.node, client, [], boost_nice=boost, flush_records=proxy.published)
             drivers.append(driver)
             images = {rank.key(): Path(where) for rank, where, _ in ranks}
             controls = {rank.key(): control for rank, _, control in ranks}

@@ -186,12 +186,16 @@ class NodeDriver:
         trees: Sequence[ProcessTree] = (),
         boost_nice: int | None = priority.DEFAULT_BOOST_NICE,
         cut: CutOptions | None = None,
+        flush_records: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         """`job_addrs`: the addresses of the job's nodes, which the ranks' TCP connections may
         lead to. None: every node of the session publishes its own interfaces' addresses.
         `trees`: process trees dumped whole, each holding some of `ranks`; a rank in no tree
         is dumped on its own. `boost_nice`: the nice value of the agent's and the ranks' control
-        threads while the agent waits on them (priority.py); None leaves priorities alone."""
+        threads while the agent waits on them (priority.py); None leaves priorities alone.
+        `flush_records`: waits until every record the shims published has reached the
+        coordinator (the proxy answers PUTs before forwarding them); called before the
+        rebuild barrier, after which peers may read them without waiting."""
         self.node = node
         self.boost_nice = boost_nice
         self.client = client
@@ -199,6 +203,7 @@ class NodeDriver:
         self.trees = list(trees)
         self.timeouts = timeouts or PhaseTimeouts()
         self.cut = cut or CutOptions()
+        self.flush_records = flush_records
         self.job_addrs = None if job_addrs is None else [ipaddress.ip_address(a) for a in job_addrs]
         self.report = NodeReport(node)
 
@@ -276,12 +281,13 @@ class NodeDriver:
     async def _rebuild_and_resume(self, epoch: int) -> None:
         t = self.timeouts
         with self._boosted("rebuild"):
-            await self._phase(
-                "rebuilt",
-                lambda: self._each("rebuild", f"rebuild {epoch} {self._ms(t.rebuild_s)}", wait_all=False),
-                t.rebuild_s,
-            )
+            await self._phase("rebuilt", lambda: self._rebuild_all(epoch), t.rebuild_s)
             await self._phase("resumed", lambda: self._each("resume", "resume"), t.rebuild_s)
+
+    async def _rebuild_all(self, epoch: int) -> None:
+        await self._each("rebuild", f"rebuild {epoch} {self._ms(self.timeouts.rebuild_s)}", wait_all=False)
+        if self.flush_records is not None:
+            await self.flush_records()
 
     @staticmethod
     def _ms(seconds: float) -> int:
