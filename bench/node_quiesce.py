@@ -127,7 +127,7 @@ def main() -> int:
         sessions: dict[str, str] = {}
         env: dict[str, str] = {}
         for name in ("lrold", "lr", "stop", "restore"):
-            sessions[name], env[f"TOKEN_{name.upper()}"] = coord.create_session(nodes)
+            sessions[name], env[f"TOKEN_{name.upper()}"] = coord.create_session(nodes, deadline_s=1800)
         script = prelude(work, coord.port, hosts) + SCRIPT.format(
             work=work, python=sys.executable, bench=Path(__file__).resolve(), **sessions
         )
