@@ -29,7 +29,7 @@ from ibckpt.coordination.client import (
 )
 from ibckpt.coordination.ranks import RankId
 from ibckpt_native.control import ControlError, ShimControl
-from ibckpt_node import criu, preflight, priority, tcp_remap
+from ibckpt_node import criu, preflight, priority, stuck, tcp_remap
 
 log = logging.getLogger(__name__)
 
@@ -262,7 +262,14 @@ class NodeDriver:
         try:
             await asyncio.wait_for(work(), bound_s)
         except TimeoutError:
-            raise CheckpointFailed(f"{self.node}: {name} did not finish within {bound_s:g}s") from None
+            # The log gets every thread; the message, which every node sees, the control threads.
+            log.error(
+                "%s: %s did not finish within %gs; %s", self.node, name, bound_s, self._where_ranks_wait()
+            )
+            where = self._where_ranks_wait(priority.CONTROL_THREAD_NAME)
+            raise CheckpointFailed(
+                f"{self.node}: {name} did not finish within {bound_s:g}s ({where})"
+            ) from None
         except (ControlError, OSError, criu.CriuError, tcp_remap.RemapError) as exc:
             # A failed dump leaves the ranks released (CRIU resumes the frozen tasks): this
             # must take the abort path, which rebuilds them, like any other phase failure.
@@ -271,6 +278,10 @@ class NodeDriver:
         await self.client.barrier(name, timeout=bound_s + self.timeouts.barrier_slack_s)
         self.report.phases[name] = time.monotonic() - started
         log.info("%s: %s done in %.3fs", self.node, name, self.report.phases[name])
+
+    def _where_ranks_wait(self, only: str | None = None) -> str:
+        """Each local rank's threads (named `only`, if given) and where they wait."""
+        return "; ".join(f"{r.rank.key()} {stuck.describe_process(r.pid, only)}" for r in self.ranks)
 
     @contextlib.contextmanager
     def _boosted(self, phases: str) -> Iterator[None]:

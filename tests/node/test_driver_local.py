@@ -196,6 +196,37 @@ async def test_a_failed_quiesce_in_the_fast_cut_brings_every_rank_back(
         assert s.state == "running"
 
 
+class HangingRelease(FakeShim):
+    """A rank whose release never answers in time (a control thread stuck in the driver)."""
+
+    def answer(self, verb: str) -> tuple[bool, dict[str, object]]:
+        if verb == "release":
+            threading.Event().wait(5)
+        return super().answer(verb)
+
+
+async def test_a_release_that_times_out_says_where_each_control_thread_waits(
+    coordinator: ThreadedCoordinator, tmp_path: Path, named_sleeper: tuple[int, int]
+) -> None:
+    pid, control_tid = named_sleeper
+    shims, ranks = _setup(tmp_path, pid)
+    shims[0].sock.close()
+    shims[0] = HangingRelease(tmp_path / "r0-hanging.ctl", shims[1].everyone)
+    ranks = [LocalRank(r.rank, pid, s.path) for r, s in zip(ranks, shims, strict=True)]
+    session, token = coordinator.create_session({"node-1"})
+    client = await CoordinatorClient.connect("127.0.0.1", coordinator.port, session, "node-1", token)
+    driver = NodeDriver("node-1", client, ranks, PhaseTimeouts(release_s=1, rebuild_s=20), boost_nice=None)
+    try:
+        with pytest.raises(CheckpointFailed) as failed:
+            await asyncio.wait_for(driver.checkpoint(Mode.STOP, tmp_path / "images", epoch=2), 30)
+    finally:
+        await client.close()
+    message = str(failed.value)
+    assert "released did not finish within 1s" in message, message
+    assert f"job/rank-0/main/0 pid {pid}: ibk-control/{control_tid} S in " in message, message
+    assert driver.report.outcome == "Aborted"
+
+
 @pytest.fixture
 def launcher() -> Iterator[tuple[int, int]]:
     """A real process tree, launcher -> shell -> rank: (root pid, rank pid)."""
