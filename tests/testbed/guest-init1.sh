@@ -7,7 +7,11 @@ mount -t proc proc /proc
 mount -t sysfs sys /sys
 mount -t devtmpfs dev /dev
 
-for ko in $(cat /modules.order); do insmod "$ko" 2>/dev/null; done
+# Module parameters come from the command line as "module.param=value", as modprobe would read them.
+for ko in $(cat /modules.order); do
+  name=$(basename "$ko" .ko)
+  insmod "$ko" $(tr ' ' '\n' < /proc/cmdline | sed -n "s/^$name\.//p") 2>/dev/null
+done
 
 arg() { sed -n "s/.*$1=\([^ ]*\).*/\1/p" /proc/cmdline; }
 stage2=$(arg ibckpt.init)

@@ -1,8 +1,9 @@
 """Boot Soft-RoCE qemu guests (TCG) that share the host's filesystem and run one command.
 
 One guest: rxe0 on a dummy netdev (10.77.0.1). Two guests ("node A" = 1, "node B" = 2):
-rxe0 on a virtio-net NIC each, joined by qemu's dgram netdev over a pair of unix sockets,
-so no IP packet ever touches the host's network. Host services on 127.0.0.1 (apiserver,
+rxe0 on a virtio-net NIC each, joined by qemu's stream netdev over one unix socket (or, with
+IBCKPT_GUEST_LINK=dgram, its dgram netdev over a pair), so no IP packet ever touches the host's
+network. Host services on 127.0.0.1 (apiserver,
 S3, coordinator) are reachable from a guest at GUEST_HOST_ADDR:<same port>, through
 qemu's user-mode network in restrict mode with one forward per port.
 
@@ -138,7 +139,7 @@ class GuestResult:
     seconds: float
 
 
-def _qemu_args(spec: GuestSpec, job: Path, link_sockets: tuple[Path, Path] | None) -> list[str]:
+def _qemu_args(spec: GuestSpec, job: Path, link_netdev: str | None) -> list[str]:
     k = kernel()
     writable = [job, REPO, *spec.writable]
     rw_args: list[str] = []
@@ -165,6 +166,10 @@ def _qemu_args(spec: GuestSpec, job: Path, link_sockets: tuple[Path, Path] | Non
             f"ibckpt.rw={','.join(rw_cmdline)}",
             f"ibckpt.node={spec.node}",
             f"ibckpt.link={int(spec.link)}",
+            # A sent frame's skb is freed at once, not when a later TX interrupt reclaims it:
+            # rxe holds its QP until then, and destroying the QP waited (D state, in
+            # __rxe_cleanup) for a reclaim that, on the emulated NIC, sometimes never came.
+            "virtio_net.napi_tx=0",
         ]
     )
     # restrict=on: the guest reaches nothing but the forwarded loopback ports.
@@ -205,11 +210,10 @@ def _qemu_args(spec: GuestSpec, job: Path, link_sockets: tuple[Path, Path] | Non
         "-device",
         "virtio-net-pci,netdev=hostnet,mac=52:54:00:12:34:56",
     ]
-    if link_sockets is not None:
-        local, remote = link_sockets
+    if link_netdev is not None:
         args += [
             "-netdev",
-            f"dgram,id=link,local.type=unix,local.path={local},remote.type=unix,remote.path={remote}",
+            f"{link_netdev},id=link",
             "-device",
             f"virtio-net-pci,id={LINK_NIC_ID},netdev=link,mac=52:54:00:77:00:0{spec.node}",
         ]
@@ -229,7 +233,7 @@ def _prepare_job(spec: GuestSpec, root: Path) -> Path:
 
 
 class _Guest:
-    def __init__(self, spec: GuestSpec, root: Path, link: tuple[Path, Path] | None, echo: bool) -> None:
+    def __init__(self, spec: GuestSpec, root: Path, link: str | None, echo: bool) -> None:
         self.spec = spec
         self.job = _prepare_job(spec, root)
         self.echo = echo
@@ -376,22 +380,52 @@ def run_pair(
 
     Raises LinkStalledError as soon as either guest's link NIC stops transmitting.
     """
-    _widen_link_queue()
+    kind = os.environ.get("IBCKPT_GUEST_LINK", "stream")
+    if kind not in ("stream", "dgram"):
+        raise ValueError(f"IBCKPT_GUEST_LINK must be stream or dgram, not {kind!r}")
+    if kind == "dgram":
+        _widen_link_queue()
     with _job_root() as root:
-        sock_a, sock_b = root / "link-a.sock", root / "link-b.sock"
         # Copies: the caller may pass one spec for both nodes.
         spec_a = dataclasses.replace(spec_a, node=1, link=True, cpus=1)
         spec_b = dataclasses.replace(spec_b, node=2, link=True, cpus=1)
-        a = _Guest(spec_a, root, (sock_a, sock_b), echo)
-        b = _Guest(spec_b, root, (sock_b, sock_a), echo)
         deadline = time.monotonic() + timeout
+        a = b = None
         try:
+            if kind == "stream":
+                # One connection: node A listens, node B connects once the socket exists (qemu
+                # 7.2's client does not retry). The stream carries each frame with its length.
+                sock = root / "link.sock"
+                a = _Guest(spec_a, root, f"stream,server=on,addr.type=unix,addr.path={sock}", echo)
+                _wait_for_socket(sock, a, min(deadline, time.monotonic() + LINK_LISTEN_S))
+                b = _Guest(spec_b, root, f"stream,server=off,addr.type=unix,addr.path={sock}", echo)
+            else:
+                sock_a, sock_b = root / "link-a.sock", root / "link-b.sock"
+                dgram = "dgram,local.type=unix,local.path={},remote.type=unix,remote.path={}"
+                a = _Guest(spec_a, root, dgram.format(sock_a, sock_b), echo)
+                b = _Guest(spec_b, root, dgram.format(sock_b, sock_a), echo)
             result_a, result_b = _wait_pair((a, b), deadline)
         finally:
             for g in (a, b):
-                if g.proc.poll() is None:
+                if g is not None and g.proc.poll() is None:
                     g.kill()
         return result_a, result_b
+
+
+# How long node A's qemu may take to start listening on the link socket.
+LINK_LISTEN_S = 30.0
+
+
+def _wait_for_socket(path: Path, guest: _Guest, deadline: float) -> None:
+    while not path.exists():
+        if guest.proc.poll() is not None:
+            raise RuntimeError(
+                f"testbed: node-1's qemu exited before it listened on {path}:\n"
+                f"{guest.buffer.getvalue()[-2000:]}"
+            )
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"testbed: node-1's qemu did not listen on {path} in {LINK_LISTEN_S:g}s")
+        time.sleep(0.02)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
