@@ -178,6 +178,14 @@ def main() -> int:
             f"{node:<6}{raw_total:>11.2f}{driver_total:>10.2f}{phases['restored']:>7.2f}"
             f"{phases['rebuilt']:>9.2f}{phases['resumed']:>8.2f}{driver_total / raw_total:>7.2f}"
         )
+    print("\nthe shim's rebuild on the restored ranks, slowest rank per step, ms")
+    steps = ("open", "objects", "publish", "peers", "settle")
+    print(f"{'node':<6}" + "".join(f"{step:>9}" for step in steps) + f"{'whole':>9}")
+    for node in (1, 2):
+        replies = load(f"restore-node-{node}.json")["shim"]["rebuild"].values()
+        slowest = [max(r.get("steps_ms", {}).get(step, 0) for r in replies) for step in steps]
+        whole = max(r["ms"] for r in replies)
+        print(f"{node:<6}" + "".join(f"{v:>9}" for v in slowest) + f"{whole:>9}")
     if args.keep:
         print(f"\nwork dir: {work}")
     else:
