@@ -45,6 +45,7 @@ static atomic_ulong delegated_writes;
 static void *device_main(void *unused)
 {
 	(void)unused;
+	pthread_setname_np(pthread_self(), IBK_DEVICE_THREAD_NAME);
 	pthread_mutex_lock(&dev_lock);
 	for (;;) {
 		struct devcall *c;

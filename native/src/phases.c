@@ -467,6 +467,7 @@ static int release_settled(void)
 #define RELEASE_DESTROY_THREADS 8
 
 struct qp_destroy_job {
+	pthread_t caller; /* the control thread, which destroys QPs too */
 	struct ibk_ctx *ctx;
 	struct ibk_qp **qps;
 	int n;
@@ -479,6 +480,8 @@ static void *destroy_qps_worker(void *arg)
 	struct qp_destroy_job *job = arg;
 	int i;
 
+	if (!pthread_equal(pthread_self(), job->caller))
+		pthread_setname_np(pthread_self(), IBK_RELEASE_THREAD_NAME);
 	while ((i = atomic_fetch_add(&job->next, 1)) < job->n) {
 		struct ibk_qp *qp = job->qps[i];
 
@@ -497,7 +500,7 @@ static void *destroy_qps_worker(void *arg)
 
 static int release_destroy_qps(struct ibk_ctx *ctx)
 {
-	struct qp_destroy_job job = {.ctx = ctx};
+	struct qp_destroy_job job = {.caller = pthread_self(), .ctx = ctx};
 	pthread_t tids[RELEASE_DESTROY_THREADS];
 	int started = 0, i;
 	struct ibk_obj *o;

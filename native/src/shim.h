@@ -80,8 +80,11 @@ void ibk_log(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 void ibk_unsupported(const char *verb);
 /* The distinct verbs ibk_unsupported refused (string literals), at most max. */
 #define IBK_MAX_REFUSED 32
-/* The control thread's name (15 chars max): the node agent looks it up in /proc. */
+/* The shim's thread names (15 chars max): the node agent looks them up in
+ * /proc, and a thread inherits its creator's name unless it sets its own. */
 #define IBK_CONTROL_THREAD_NAME "ibk-control"
+#define IBK_DEVICE_THREAD_NAME "ibk-device"
+#define IBK_RELEASE_THREAD_NAME "ibk-release"
 /* drain: no completion for this long with only settleable sends left ends
  * it (the control protocol's drain takes another value) */
 #define IBK_DRAIN_STALL_MS 20

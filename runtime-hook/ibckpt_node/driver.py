@@ -262,11 +262,11 @@ class NodeDriver:
         try:
             await asyncio.wait_for(work(), bound_s)
         except TimeoutError:
-            # The log gets every thread; the message, which every node sees, the control threads.
+            # The log gets every thread; the message, which every node sees, the shim's threads.
             log.error(
                 "%s: %s did not finish within %gs; %s", self.node, name, bound_s, self._where_ranks_wait()
             )
-            where = self._where_ranks_wait(priority.CONTROL_THREAD_NAME)
+            where = self._where_ranks_wait(priority.SHIM_THREAD_PREFIX)
             raise CheckpointFailed(
                 f"{self.node}: {name} did not finish within {bound_s:g}s ({where})"
             ) from None
@@ -279,9 +279,9 @@ class NodeDriver:
         self.report.phases[name] = time.monotonic() - started
         log.info("%s: %s done in %.3fs", self.node, name, self.report.phases[name])
 
-    def _where_ranks_wait(self, only: str | None = None) -> str:
-        """Each local rank's threads (named `only`, if given) and where they wait."""
-        return "; ".join(f"{r.rank.key()} {stuck.describe_process(r.pid, only)}" for r in self.ranks)
+    def _where_ranks_wait(self, prefix: str = "") -> str:
+        """Each local rank's threads (whose names start with `prefix`) and where they wait."""
+        return "; ".join(f"{r.rank.key()} {stuck.describe_process(r.pid, prefix)}" for r in self.ranks)
 
     @contextlib.contextmanager
     def _boosted(self, phases: str) -> Iterator[None]:

@@ -21,16 +21,20 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 CONTROL_THREAD_NAME = "ibk-control"
+# The thread a rebuild opens the device on, and that rings doorbells after a CRIU restore.
+DEVICE_THREAD_NAME = "ibk-device"
+SHIM_THREAD_PREFIX = "ibk-"  # every thread the shim starts (native/src/shim.h)
 DEFAULT_BOOST_NICE = -10
 
 
 def control_threads(pid: int, proc: Path = Path("/proc")) -> list[int]:
-    """The thread ids of `pid`'s shim control thread (none if the shim is not loaded)."""
+    """The thread ids of `pid`'s shim threads the agent waits on: the control thread and the
+    device thread (none if the shim is not loaded)."""
     found = []
     with contextlib.suppress(OSError):
         for task in (proc / str(pid) / "task").iterdir():
             with contextlib.suppress(OSError):
-                if (task / "comm").read_text().strip() == CONTROL_THREAD_NAME:
+                if (task / "comm").read_text().strip() in (CONTROL_THREAD_NAME, DEVICE_THREAD_NAME):
                     found.append(int(task.name))
     return found
 

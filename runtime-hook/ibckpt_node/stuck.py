@@ -70,11 +70,11 @@ def thread_states(pid: int, proc: Path = Path("/proc")) -> list[ThreadState]:
     return states
 
 
-def describe_process(pid: int, only: str | None = None, proc: Path = Path("/proc")) -> str:
-    """One line: each thread's name, state and where it waits (only the threads named `only`,
-    if given), or that the process is gone."""
+def describe_process(pid: int, prefix: str = "", proc: Path = Path("/proc")) -> str:
+    """One line: each thread's name, state and where it waits (only the threads whose name
+    starts with `prefix`), or that the process is gone."""
     states = thread_states(pid, proc)
     if not states:
         return f"pid {pid} is gone"
-    shown = [s for s in states if only is None or s.name == only]
-    return f"pid {pid}: " + ("; ".join(s.describe() for s in shown) or f"no thread named {only}")
+    shown = [s for s in states if s.name.startswith(prefix)]
+    return f"pid {pid}: " + ("; ".join(s.describe() for s in shown) or f"no thread named {prefix}*")

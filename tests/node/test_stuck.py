@@ -18,12 +18,12 @@ def test_each_thread_says_its_name_state_and_where_it_sleeps(named_sleeper: tupl
         assert control.stack[0] == control.wchan, control
 
 
-def test_describing_only_the_control_thread(named_sleeper: tuple[int, int]) -> None:
+def test_describing_only_the_shims_threads(named_sleeper: tuple[int, int]) -> None:
     pid, tid = named_sleeper
-    line = stuck.describe_process(pid, only="ibk-control")
+    line = stuck.describe_process(pid, prefix="ibk-")
     assert line.startswith(f"pid {pid}: ibk-control/{tid} S in "), line
     assert ";" not in line  # the main thread is left out
-    assert stuck.describe_process(pid, only="nobody") == f"pid {pid}: no thread named nobody"
+    assert stuck.describe_process(pid, prefix="nobody") == f"pid {pid}: no thread named nobody*"
 
 
 def test_a_gone_process_is_said_to_be_gone() -> None:
