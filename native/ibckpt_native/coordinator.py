@@ -1,6 +1,6 @@
 """A small local coordinator for libibckpt: a key-value store with blocking get.
 
-Wire format (one request per connection, text lines):
+Wire format (text lines; a connection may carry several requests, answered in order):
     PUT <key> <value...>        -> OK
     GET <key> <timeout_ms>      -> VAL <value...> | NONE
 It is what the operator's coordinator provides for a whole job; this one serves
@@ -35,19 +35,21 @@ class _Handler(socketserver.StreamRequestHandler):
     server: _Server | _TcpServer
 
     def handle(self) -> None:
-        line = self.rfile.readline().decode().rstrip("\n")
+        while raw := self.rfile.readline():
+            self.wfile.write(self.answer(raw.decode().rstrip("\n")))
+
+    def answer(self, line: str) -> bytes:
         verb, _, rest = line.partition(" ")
         store = self.server.store
         if verb == "PUT":
             key, _, value = rest.partition(" ")
             store.put(key, value)
-            self.wfile.write(b"OK\n")
-        elif verb == "GET":
+            return b"OK\n"
+        if verb == "GET":
             key, _, timeout = rest.partition(" ")
             found = store.get(key, max(int(timeout or "0"), 0) / 1000.0)
-            self.wfile.write(b"NONE\n" if found is None else f"VAL {found}\n".encode())
-        else:
-            self.wfile.write(b"ERR\n")
+            return b"NONE\n" if found is None else f"VAL {found}\n".encode()
+        return b"ERR\n"
 
 
 class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):

@@ -1,6 +1,7 @@
 /* Client of the job coordinator (a key-value store with blocking get) and
  * the table of peers' virtual->real ids learnt from it.
- * Wire format, one request per connection, text lines:
+ * Wire format, text lines; a connection may carry several requests, which
+ * are answered in order:
  *   PUT <key> <value...>\n        -> OK\n
  *   GET <key> <timeout_ms>\n      -> VAL <value...>\n | NONE\n            */
 #include <errno.h>
@@ -8,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/time.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -101,22 +103,6 @@ static int coord_request(const char *req, char *reply, size_t len)
 	return got ? 0 : -EIO;
 }
 
-int ibk_coord_put(const char *key, const char *val)
-{
-	size_t n = strlen(key) + strlen(val) + 8;
-	char *req = malloc(n), rep[64];
-	int rc;
-
-	if (!req)
-		return -ENOMEM;
-	snprintf(req, n, "PUT %s %s\n", key, val);
-	rc = coord_request(req, rep, sizeof(rep));
-	free(req);
-	if (rc)
-		return rc;
-	return strcmp(rep, "OK") ? -EPROTO : 0;
-}
-
 int ibk_coord_get(const char *key, char *val, size_t len, int timeout_ms)
 {
 	char req[512];
@@ -134,6 +120,103 @@ int ibk_coord_get(const char *key, char *val, size_t len, int timeout_ms)
 			rc = -ENOENT;
 	}
 	free(rep);
+	return rc;
+}
+
+int ibk_coord_batch_put(struct ibk_coord_batch *b, const char *key, const char *val)
+{
+	size_t need = strlen(key) + strlen(val) + 8;
+
+	if (b->len + need > b->cap) {
+		size_t cap = b->cap ? b->cap : 4096;
+		char *p;
+
+		while (cap < b->len + need)
+			cap *= 2;
+		p = realloc(b->buf, cap);
+		if (!p)
+			return -ENOMEM;
+		b->buf = p;
+		b->cap = cap;
+	}
+	b->len += (size_t)snprintf(b->buf + b->len, b->cap - b->len, "PUT %s %s\n", key, val);
+	b->n++;
+	return 0;
+}
+
+static void set_io_timeout(int fd, int timeout_ms)
+{
+	struct timeval tv = {.tv_sec = timeout_ms / 1000, .tv_usec = (timeout_ms % 1000) * 1000};
+
+	if (timeout_ms <= 0)
+		tv.tv_usec = 1000;
+	setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+	setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+}
+
+/* Every reply line must be OK; reads until it has one per request. */
+static int batch_read_oks(int fd, int n)
+{
+	char rep[4096];
+	size_t held = 0;
+	int oks = 0;
+
+	while (oks < n) {
+		ssize_t r = read(fd, rep + held, sizeof(rep) - 1 - held);
+		char *line, *nl;
+
+		if (r < 0 && errno == EINTR)
+			continue;
+		if (r <= 0)
+			return r < 0 && errno == EAGAIN ? -ETIMEDOUT : -EIO;
+		held += (size_t)r;
+		rep[held] = 0;
+		for (line = rep; (nl = strchr(line, '\n')); line = nl + 1) {
+			*nl = 0;
+			if (strcmp(line, "OK"))
+				return -EPROTO;
+			oks++;
+		}
+		held -= (size_t)(line - rep);
+		memmove(rep, line, held);
+		if (held == sizeof(rep) - 1)
+			return -EPROTO; /* no OK is that long */
+	}
+	return 0;
+}
+
+int ibk_coord_batch_send(struct ibk_coord_batch *b, int timeout_ms)
+{
+	const char *p = b->buf;
+	size_t left = b->len;
+	int fd, rc = 0;
+
+	if (!b->n)
+		goto out;
+	fd = coord_connect();
+	if (fd < 0) {
+		rc = fd;
+		goto out;
+	}
+	set_io_timeout(fd, timeout_ms);
+	while (left && !rc) {
+		ssize_t r = write(fd, p, left);
+
+		if (r < 0 && errno == EINTR)
+			continue;
+		if (r <= 0)
+			rc = r < 0 && errno == EAGAIN ? -ETIMEDOUT : -EIO;
+		else {
+			p += r;
+			left -= (size_t)r;
+		}
+	}
+	if (!rc)
+		rc = batch_read_oks(fd, b->n);
+	close(fd);
+out:
+	free(b->buf);
+	memset(b, 0, sizeof(*b));
 	return rc;
 }
 

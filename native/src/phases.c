@@ -796,11 +796,13 @@ static int rebuild_objects(struct ibk_ctx *ctx)
 	return 0;
 }
 
-static int publish_qps(struct ibk_ctx *ctx, uint64_t epoch)
+static int publish_qps(struct ibk_ctx *ctx, uint64_t epoch, int timeout_ms)
 {
+	struct ibk_coord_batch batch = {0};
 	struct ibk_obj *o;
 	size_t vlen = 64 + 24 * (ctx->rkeys.live + 1);
 	char *val = malloc(vlen);
+	int rc;
 
 	if (!val)
 		return -ENOMEM;
@@ -815,7 +817,6 @@ static int publish_qps(struct ibk_ctx *ctx, uint64_t epoch)
 		for (g = 0; g < 4; g++) {
 			char key[128], vhex[40], rhex[40], head[128];
 			size_t i;
-			int rc;
 
 			if (!(ctx->port_gid_valid & (1u << g)))
 				continue;
@@ -823,7 +824,7 @@ static int publish_qps(struct ibk_ctx *ctx, uint64_t epoch)
 			ibk_gid_hex(&ctx->rgid[g], rhex);
 			snprintf(head, sizeof(head), "%s %u %u", rhex, ctx->rlid, qp->real->qp_num);
 			snprintf(key, sizeof(key), "map/%s/%u", vhex, qp->vqpn);
-			rc = ibk_coord_put(key, head);
+			rc = ibk_coord_batch_put(&batch, key, head);
 			if (rc)
 				goto fail;
 			snprintf(val, vlen, "%s %llu %zu", head, (unsigned long long)qp->cnt.recvs_completed,
@@ -833,16 +834,17 @@ static int publish_qps(struct ibk_ctx *ctx, uint64_t epoch)
 					snprintf(val + strlen(val), vlen - strlen(val), " %x:%x", ctx->rkeys.keys[i],
 						 ctx->rkeys.vals[i]);
 			snprintf(key, sizeof(key), "e%llu/qp/%s/%u", (unsigned long long)epoch, vhex, qp->vqpn);
-			rc = ibk_coord_put(key, val);
+			rc = ibk_coord_batch_put(&batch, key, val);
 			if (rc)
 				goto fail;
 		}
 	}
 	free(val);
-	return 0;
+	return ibk_coord_batch_send(&batch, timeout_ms);
 fail:
 	free(val);
-	return -ECONNREFUSED;
+	free(batch.buf);
+	return rc;
 }
 
 static int fetch_peer(struct ibk_qp *qp, uint64_t epoch, int timeout_ms)
@@ -1010,7 +1012,7 @@ int ibk_do_rebuild(uint64_t epoch, int timeout_ms, char *out, size_t len)
 			goto out;
 		t_objects += ms_now() - t0 - t_open - t_objects - t_publish;
 		step = "publish";
-		rc = publish_qps(ctx, epoch);
+		rc = publish_qps(ctx, epoch, timeout_ms - (int)(ms_now() - t0));
 		if (rc)
 			goto out;
 		t_publish += ms_now() - t0 - t_open - t_objects - t_publish;

@@ -435,9 +435,18 @@ int ibk_do_status(char *out, size_t len);
 /* ---- coordinator client -------------------------------------------------- */
 
 int ibk_coord_configured(void);
-int ibk_coord_put(const char *key, const char *val);
 /* Wait up to timeout_ms for key; 0 and the value on success. */
 int ibk_coord_get(const char *key, char *val, size_t len, int timeout_ms);
+/* PUTs gathered, then sent on one connection: one round trip instead of one
+ * per record (a rebuild publishes two per QP and GID). */
+struct ibk_coord_batch {
+	char *buf;
+	size_t len, cap;
+	int n; /* requests gathered */
+};
+int ibk_coord_batch_put(struct ibk_coord_batch *b, const char *key, const char *val);
+/* Sends the batch, waits up to timeout_ms for every OK, and frees it. */
+int ibk_coord_batch_send(struct ibk_coord_batch *b, int timeout_ms);
 
 /* ---- control socket and library hooks ------------------------------------ */
 

@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 LINE_LIMIT = 64 * 1024
 MAX_GET_S = 600.0
 BATCH = 512  # PUTs in flight to the coordinator at once
+IDLE_S = 10.0  # a shim connection with no request for this long is closed
 
 
 class ShimCoordinatorProxy:
@@ -83,10 +84,12 @@ class ShimCoordinatorProxy:
         await self.stop()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Requests one per line, answered in order, until the shim closes the connection
+        (a rebuild sends all its PUTs on one connection)."""
         try:
-            line = (await asyncio.wait_for(reader.readline(), 10)).decode().rstrip("\n")
-            writer.write((await self.answer(line) + "\n").encode())
-            await writer.drain()
+            while raw := await asyncio.wait_for(reader.readline(), IDLE_S):
+                writer.write((await self.answer(raw.decode().rstrip("\n")) + "\n").encode())
+                await writer.drain()
         except (TimeoutError, ConnectionError, UnicodeDecodeError, ValueError) as exc:
             log.warning("shim request dropped: %r", exc)
         finally:

@@ -22,6 +22,17 @@ async def _request(path: Path, line: str) -> str:
     return reply
 
 
+async def _requests(path: Path, lines: list[str]) -> list[str]:
+    """Several requests on one connection, all sent before any reply is read, as a rebuild
+    publishes its records."""
+    reader, writer = await asyncio.open_unix_connection(str(path))
+    writer.write("".join(f"{line}\n" for line in lines).encode())
+    await writer.drain()
+    replies = [(await reader.readline()).decode().rstrip("\n") for _ in lines]
+    writer.close()
+    return replies
+
+
 async def _client(coordinator: ThreadedCoordinator, node: str = "node-1") -> CoordinatorClient:
     session, token = coordinator.create_session({node})
     return await CoordinatorClient.connect("127.0.0.1", coordinator.port, session, node, token)
@@ -63,3 +74,19 @@ async def test_a_failed_background_put_fails_every_later_request(
         # the shim's rebuild then fails at once instead of waiting for records that never come
         assert (await _request(sock, "GET e3/qp/g/2 60000")).startswith("ERR PUT e3/qp/g/1 failed")
         assert (await _request(sock, "PUT e3/qp/g/2 rec")).startswith("ERR")
+
+
+async def test_one_connection_carries_many_requests_answered_in_order(
+    coordinator: ThreadedCoordinator, tmp_path: Path
+) -> None:
+    client = await _client(coordinator)
+    sock = tmp_path / "coord.sock"
+    try:
+        async with ShimCoordinatorProxy(sock, client) as proxy:
+            lines = [f"PUT e4/qp/g/{i} rec-{i}" for i in range(300)] + ["GET e4/qp/g/299 5000", "GET none 0"]
+            replies = await _requests(sock, lines)
+            assert replies == ["OK"] * 300 + ["VAL rec-299", "NONE"]
+            await asyncio.wait_for(proxy.published(), 10)
+            assert (await client.get("e4/qp/g/0", timeout=0.01)) == b"rec-0"
+    finally:
+        await client.close()
