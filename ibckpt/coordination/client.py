@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import itertools
 import socket
+from collections.abc import Mapping
 from typing import Any
 
 from ibckpt.coordination.wire import (
@@ -184,6 +185,13 @@ class CoordinatorClient:
 
     async def put(self, key: str, value: bytes) -> None:
         await self._request(Kind.PUT, {"key": key}, value)
+
+    async def put_many(self, records: Mapping[str, bytes]) -> None:
+        """Publish many keys in one request (a node's rebuild records): one frame, one reply."""
+        if records:
+            await self._request(
+                Kind.PUT_MANY, {"index": segment_index(records)}, parts=tuple(records.values())
+            )
 
     async def get(self, key: str, timeout: float) -> bytes:
         return bytes((await self._request(Kind.GET, {"key": key}, timeout=timeout)).payload)

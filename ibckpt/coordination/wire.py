@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: PUT_MANY
 MAX_FRAME = 512 * 1024 * 1024
 MAX_HELLO = 64 * 1024  # before authentication a peer gets no large buffer
 _PREFIX = struct.Struct("!IBI")
@@ -40,6 +40,7 @@ class Kind(enum.IntEnum):
     SEGMENTS = 10
     ABORT = 11
     ABORTED = 12  # pushed by the server to every participant
+    PUT_MANY = 13  # many keys in one frame: header "index" [[key, size], ...], the values as payload
 
 
 class ProtocolError(Exception):

@@ -10,7 +10,7 @@ node (a process restored elsewhere finds it where it was).
 A rebuild PUTs two records per QP per GID and waits for each answer, so a round trip to the
 coordinator per PUT adds up (hundreds per node, serialized: a rebuild took 13 s of 16 ranks'
 round trips through qemu's user networking). So every PUT is answered at once and forwarded in
-the background, the queued ones together (pipelined on the one connection). The epoch records
+the background, all those queued meanwhile in one PUT_MANY request. The epoch records
 (`e<N>/...`) are only read by GETs that wait for them. The `map/...` records are read without
 waiting, but only by a peer's app after resume, which comes after the rebuild barrier: the
 agent calls `published()` before it (NodeDriver's `flush_records`). A background PUT that fails is
@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 LINE_LIMIT = 64 * 1024
 MAX_GET_S = 600.0
-BATCH = 512  # PUTs in flight to the coordinator at once
+BATCH = 4096  # PUTs forwarded in one coordinator request at most
 IDLE_S = 10.0  # a shim connection with no request for this long is closed
 
 
@@ -96,24 +96,19 @@ class ShimCoordinatorProxy:
             writer.close()
 
     async def _forward(self) -> None:
-        """Forward background PUTs, everything queued at once: the coordinator answers a
-        connection's requests in order, and no two queued PUTs of a rebuild share a key."""
+        """Forward background PUTs, everything queued so far in one request (a later PUT of
+        the same key wins, as it would one by one)."""
         while True:
             batch = [await self._puts.get()]
             while len(batch) < BATCH and not self._puts.empty():
                 batch.append(self._puts.get_nowait())
             try:
                 if self.failed is None:
-                    results = await asyncio.gather(
-                        *(self.client.put(key, value) for key, value in batch), return_exceptions=True
-                    )
-                    for (key, _), result in zip(batch, results, strict=True):
-                        if isinstance(result, (CoordinatorError, OSError)):
-                            self.failed = f"PUT {key} failed: {result}"
-                            log.error("shim record not published: %s", self.failed)
-                            break
-                        if isinstance(result, BaseException):
-                            raise result
+                    await self.client.put_many(dict(batch))
+            except (CoordinatorError, OSError) as exc:
+                keys = ", ".join(key for key, _ in batch[:3]) + (", ..." if len(batch) > 3 else "")
+                self.failed = f"PUT {keys} failed: {exc}"
+                log.error("shim records not published: %s", self.failed)
             finally:
                 for _ in batch:
                     self._puts.task_done()

@@ -59,6 +59,19 @@ async def test_unreachable_coordinator_is_a_clear_error() -> None:
         await CoordinatorClient.connect("127.0.0.1", port, "s", "p", "t")
 
 
+async def test_put_many_publishes_every_key_in_one_request(server: CoordinatorServer) -> None:
+    _, (a, b) = await connect_all(server, ["node-a", "node-b"])
+    waiting = asyncio.ensure_future(b.get("e2/qp/g/999", timeout=5))
+    records = {f"e2/qp/g/{i}": f"rec-{i}".encode() * (i % 7) for i in range(1000)}
+    await a.put_many(records)
+    await a.put_many({})  # nothing to send
+    assert await waiting == records["e2/qp/g/999"]
+    for key in ("e2/qp/g/0", "e2/qp/g/1", "e2/qp/g/500"):  # empty values too
+        assert await b.get(key, timeout=0.1) == records[key]
+    await a.close()
+    await b.close()
+
+
 async def test_barrier_put_get_and_exchange(server: CoordinatorServer) -> None:
     _, (a, b) = await connect_all(server, ["node-a", "node-b"])
     getter = asyncio.ensure_future(b.get("node-a/ids", timeout=5))

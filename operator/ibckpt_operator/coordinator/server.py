@@ -227,6 +227,10 @@ class CoordinatorServer:
             case Kind.PUT:
                 session.put(str(head["key"]), bytes(frame.payload), me)
                 return Frame(Kind.OK)
+            case Kind.PUT_MANY:
+                for key, value in unpack_segments(head["index"], frame.payload).items():
+                    session.put(key, bytes(value), me)
+                return Frame(Kind.OK)
             case Kind.GET:
                 return Frame(Kind.VALUE, {}, await session.get(str(head["key"]), me, timeout))
             case Kind.ROUTE:
