@@ -54,24 +54,27 @@ static void jcat(char *out, size_t len, const char *fmt, ...)
 #define FOR_EACH_CTX(ctx) for (ctx = ibk_ctx_list; ctx; ctx = ctx->next_ctx)
 #define FOR_EACH_OBJ(ctx, o) for (o = (ctx)->head.next; o != &(ctx)->head; o = o->next)
 #define FOR_EACH_OBJ_REV(ctx, o, p) for (o = (ctx)->head.prev, p = o->prev; o != &(ctx)->head; o = p, p = o->prev)
+/* the QPs among them: qp is set for each (an if/else, so break and continue
+ * act on the object loop) */
+#define FOR_EACH_QP(ctx, o, qp)                                         \
+	FOR_EACH_OBJ(ctx, o)                                            \
+	if ((o)->kind != IBK_QP || !((qp) = IBK_OBJ(o, ibk_qp))) { \
+	} else
 
 static void report_qps(char *out, size_t len)
 {
+	struct ibk_qp *qp;
 	struct ibk_ctx *ctx;
 	struct ibk_obj *o;
 	int first = 1;
 
 	jcat(out, len, "\"qps\":[");
 	FOR_EACH_CTX(ctx)
-	FOR_EACH_OBJ(ctx, o)
+	FOR_EACH_QP(ctx, o, qp)
 	{
-		struct ibk_qp *qp;
 		unsigned long long rdma, atomics;
 		uint64_t seq;
 
-		if (o->kind != IBK_QP)
-			continue;
-		qp = IBK_OBJ(o, ibk_qp);
 		/* RDMA and atomics in flight: counted in the log, not on the fast path */
 		rdma = atomics = 0;
 		ibk_lock(&qp->lock);
@@ -102,6 +105,7 @@ static void report_qps(char *out, size_t len)
  * gave it (virtual GID and QPN), every address handle's GID, and the verbs the shim refused. */
 static void report_identity(char *out, size_t len)
 {
+	struct ibk_qp *qp;
 	struct ibk_ctx *ctx;
 	struct ibk_obj *o;
 	const char *verbs[IBK_MAX_REFUSED];
@@ -120,13 +124,8 @@ static void report_identity(char *out, size_t len)
 	jcat(out, len, "],\"peers\":[");
 	first = 1;
 	FOR_EACH_CTX(ctx)
-	FOR_EACH_OBJ(ctx, o)
+	FOR_EACH_QP(ctx, o, qp)
 	{
-		struct ibk_qp *qp;
-
-		if (o->kind != IBK_QP)
-			continue;
-		qp = IBK_OBJ(o, ibk_qp);
 		if (!qp->peer.valid || qp->pub.qp_type == IBV_QPT_UD)
 			continue;
 		ibk_gid_hex(&qp->peer.vgid, hex);
@@ -213,19 +212,16 @@ int ibk_do_quiesce(int timeout_ms, char *out, size_t len)
  * report completion. */
 static int drain_post_flags(void)
 {
+	struct ibk_qp *qp;
 	struct ibk_ctx *ctx;
 	struct ibk_obj *o;
 	int n = 0;
 
 	FOR_EACH_CTX(ctx)
-	FOR_EACH_OBJ(ctx, o)
+	FOR_EACH_QP(ctx, o, qp)
 	{
-		struct ibk_qp *qp;
 		struct ibk_swr *tail;
 
-		if (o->kind != IBK_QP)
-			continue;
-		qp = IBK_OBJ(o, ibk_qp);
 		if (qp->state != IBV_QPS_RTS || qp->flag_outstanding)
 			continue;
 		ibk_lock(&qp->lock);
@@ -277,18 +273,15 @@ static uint32_t pending_sends(void)
  * re-posted. Sends without acks (UD, UC) must complete locally. */
 static int pending_settleable(void)
 {
+	struct ibk_qp *qp;
 	struct ibk_ctx *ctx;
 	struct ibk_obj *o;
 
 	FOR_EACH_CTX(ctx)
-	FOR_EACH_OBJ(ctx, o)
+	FOR_EACH_QP(ctx, o, qp)
 	{
-		struct ibk_qp *qp;
 		uint64_t seq;
 
-		if (o->kind != IBK_QP)
-			continue;
-		qp = IBK_OBJ(o, ibk_qp);
 		if (qp->state < IBV_QPS_RTS || !ibk_sendlog_count(&qp->slog))
 			continue;
 		if (qp->pub.qp_type != IBV_QPT_RC)
@@ -394,17 +387,14 @@ static int count_device_fds(int *maps)
 /* Moves every live QP to ERR; returns how many would not go. */
 static int release_flush_qps(struct ibk_ctx *ctx)
 {
+	struct ibk_qp *qp;
 	struct ibk_obj *o;
 	int failed = 0;
 
-	FOR_EACH_OBJ(ctx, o)
+	FOR_EACH_QP(ctx, o, qp)
 	{
-		struct ibk_qp *qp;
 		struct ibv_qp_attr a;
 
-		if (o->kind != IBK_QP)
-			continue;
-		qp = IBK_OBJ(o, ibk_qp);
 		qp->releasing = 1;
 		qp->rel_send_seen = 0;
 		qp->rel_recvs_flushed = 0;
@@ -431,18 +421,15 @@ static int release_flush_qps(struct ibk_ctx *ctx)
  * reports: those leave the answer to the quiet window. */
 static int release_settled(void)
 {
+	struct ibk_qp *qp;
 	struct ibk_ctx *ctx;
 	struct ibk_obj *o;
 
 	FOR_EACH_CTX(ctx)
-	FOR_EACH_OBJ(ctx, o)
+	FOR_EACH_QP(ctx, o, qp)
 	{
-		struct ibk_qp *qp;
 		int done;
 
-		if (o->kind != IBK_QP)
-			continue;
-		qp = IBK_OBJ(o, ibk_qp);
 		if (qp->state == IBV_QPS_RESET || !qp->real)
 			continue;
 		if (qp->srq)
@@ -798,6 +785,7 @@ static int rebuild_objects(struct ibk_ctx *ctx)
 
 static int publish_qps(struct ibk_ctx *ctx, uint64_t epoch, int timeout_ms)
 {
+	struct ibk_qp *qp;
 	struct ibk_coord_batch batch = {0};
 	struct ibk_obj *o;
 	size_t vlen = 64 + 24 * (ctx->rkeys.live + 1);
@@ -806,14 +794,10 @@ static int publish_qps(struct ibk_ctx *ctx, uint64_t epoch, int timeout_ms)
 
 	if (!val)
 		return -ENOMEM;
-	FOR_EACH_OBJ(ctx, o)
+	FOR_EACH_QP(ctx, o, qp)
 	{
-		struct ibk_qp *qp;
 		int g;
 
-		if (o->kind != IBK_QP)
-			continue;
-		qp = IBK_OBJ(o, ibk_qp);
 		for (g = 0; g < 4; g++) {
 			char key[128], vhex[40], rhex[40], head[128];
 			size_t i;
@@ -978,6 +962,7 @@ out:
 
 int ibk_do_rebuild(uint64_t epoch, int timeout_ms, char *out, size_t len)
 {
+	struct ibk_qp *qp;
 	long t0 = ms_now();
 	/* when each step ended, for the report: open, objects, publish, peers, settle */
 	long t_open = 0, t_objects = 0, t_publish = 0, t_peers = 0, t_settle = 0;
@@ -1019,13 +1004,8 @@ int ibk_do_rebuild(uint64_t epoch, int timeout_ms, char *out, size_t len)
 	}
 	step = "peers";
 	FOR_EACH_CTX(ctx)
-	FOR_EACH_OBJ(ctx, o)
+	FOR_EACH_QP(ctx, o, qp)
 	{
-		struct ibk_qp *qp;
-
-		if (o->kind != IBK_QP)
-			continue;
-		qp = IBK_OBJ(o, ibk_qp);
 		if (qp->peer.valid && qp->pub.qp_type != IBV_QPT_UD) {
 			rc = fetch_peer(qp, epoch, timeout_ms - (int)(ms_now() - t0));
 			if (rc)
