@@ -3,19 +3,26 @@
 from __future__ import annotations
 
 import subprocess
+import time
 
 from ibckpt_node import stuck
 
 
 def test_each_thread_says_its_name_state_and_where_it_sleeps(named_sleeper: tuple[int, int]) -> None:
     pid, tid = named_sleeper
-    states = {s.tid: s for s in stuck.thread_states(pid)}
-    assert set(states) >= {pid, tid}
-    control = states[tid]
-    assert control.name == "ibk-control" and control.state == "S", control
-    assert control.wchan, control  # a sleeping thread waits in some kernel function
-    if control.stack:  # readable as root: the innermost frame is where it waits
-        assert control.stack[0] == control.wchan, control
+    # The kernel reports no wchan for a moment now and then (seen under load: "0" while the
+    # stack showed the sleep), so a few reads are allowed; one must name the function.
+    deadline = time.monotonic() + 5
+    while True:
+        states = {s.tid: s for s in stuck.thread_states(pid)}
+        assert set(states) >= {pid, tid}
+        control = states[tid]
+        assert control.name == "ibk-control" and control.state == "S", control
+        # readable as root, the innermost frame of the stack is where it waits
+        if control.wchan and (not control.stack or control.stack[0] == control.wchan):
+            break
+        assert time.monotonic() < deadline, control
+        time.sleep(0.05)
 
 
 def test_describing_only_the_shims_threads(named_sleeper: tuple[int, int]) -> None:
