@@ -24,7 +24,8 @@ class ThreadState:
     stack: tuple[str, ...]  # innermost kernel frames, without offsets; empty without the privilege
 
     def describe(self) -> str:
-        where = self.wchan or "-"
+        # wchan reads "0" for a moment now and then; the stack's innermost frame says the same
+        where = self.wchan or (self.stack[0] if self.stack else "-")
         frames = f" [{' < '.join(self.stack)}]" if self.stack else ""
         return f"{self.name}/{self.tid} {self.state} in {where}{frames}"
 

@@ -39,6 +39,12 @@ def test_a_gone_process_is_said_to_be_gone() -> None:
     assert stuck.describe_process(proc.pid) == f"pid {proc.pid} is gone"
 
 
+def test_where_falls_back_to_the_innermost_frame() -> None:
+    no_wchan = stuck.ThreadState(7, "ibk-control", "D", "", ("__rxe_cleanup", "rxe_destroy_qp"))
+    assert no_wchan.describe() == "ibk-control/7 D in __rxe_cleanup [__rxe_cleanup < rxe_destroy_qp]"
+    assert stuck.ThreadState(8, "app", "R", "", ()).describe() == "app/8 R in -"
+
+
 def test_a_command_name_with_parentheses_does_not_shift_the_state() -> None:
     assert stuck._state("123 (a) b) (c) D 1 2 3") == "D"
     assert stuck._frames("[<0>] rxe_cleanup_task+0x5/0x10\n[<0>] rxe_qp_destroy+0x1/0x2\n") == (
