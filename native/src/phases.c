@@ -462,6 +462,19 @@ struct qp_destroy_job {
 	atomic_int errs;
 };
 
+static int release_destroy_qp(struct ibk_ctx *ctx, struct ibk_qp *qp)
+{
+	int rc;
+
+	pthread_mutex_lock(&ctx->lock);
+	ibk_idmap_del(&ctx->rqpns, qp->real->qp_num);
+	pthread_mutex_unlock(&ctx->lock);
+	rc = ibk_real.destroy_qp(qp->real);
+	qp->real = NULL;
+	qp->flag_outstanding = 0;
+	return rc;
+}
+
 static void *destroy_qps_worker(void *arg)
 {
 	struct qp_destroy_job *job = arg;
@@ -472,15 +485,10 @@ static void *destroy_qps_worker(void *arg)
 	while ((i = atomic_fetch_add(&job->next, 1)) < job->n) {
 		struct ibk_qp *qp = job->qps[i];
 
-		pthread_mutex_lock(&job->ctx->lock);
-		ibk_idmap_del(&job->ctx->rqpns, qp->real->qp_num);
-		pthread_mutex_unlock(&job->ctx->lock);
-		if (ibk_real.destroy_qp(qp->real)) {
+		if (release_destroy_qp(job->ctx, qp)) {
 			ibk_log("release: destroying QP %u failed", qp->vqpn);
 			atomic_fetch_add(&job->errs, 1);
 		}
-		qp->real = NULL;
-		qp->flag_outstanding = 0;
 	}
 	return NULL;
 }
@@ -490,20 +498,20 @@ static int release_destroy_qps(struct ibk_ctx *ctx)
 	struct qp_destroy_job job = {.caller = pthread_self(), .ctx = ctx};
 	pthread_t tids[RELEASE_DESTROY_THREADS];
 	int started = 0, i;
+	struct ibk_qp *qp;
 	struct ibk_obj *o;
 
-	FOR_EACH_OBJ(ctx, o)
-	if (o->kind == IBK_QP && IBK_OBJ(o, ibk_qp)->real)
-		job.n++;
+	FOR_EACH_QP(ctx, o, qp)
+	job.n += qp->real != NULL;
 	if (!job.n)
 		return 0;
 	job.qps = calloc((size_t)job.n, sizeof(*job.qps));
 	if (!job.qps)
 		return 0; /* release_destroy destroys them one by one */
 	i = 0;
-	FOR_EACH_OBJ(ctx, o)
-	if (o->kind == IBK_QP && IBK_OBJ(o, ibk_qp)->real)
-		job.qps[i++] = IBK_OBJ(o, ibk_qp);
+	FOR_EACH_QP(ctx, o, qp)
+	if (qp->real)
+		job.qps[i++] = qp;
 	atomic_init(&job.next, 0);
 	atomic_init(&job.errs, 0);
 	while (started < RELEASE_DESTROY_THREADS && started < job.n - 1 &&
@@ -533,14 +541,8 @@ static int release_destroy(struct ibk_ctx *ctx)
 		case IBK_QP: {
 			struct ibk_qp *qp = IBK_OBJ(o, ibk_qp);
 
-			if (!qp->real)
-				break; /* destroyed above, or never created */
-			pthread_mutex_lock(&ctx->lock);
-			ibk_idmap_del(&ctx->rqpns, qp->real->qp_num);
-			pthread_mutex_unlock(&ctx->lock);
-			rc = ibk_real.destroy_qp(qp->real);
-			qp->real = NULL;
-			qp->flag_outstanding = 0;
+			if (qp->real) /* not destroyed above: no memory for the job */
+				rc = release_destroy_qp(ctx, qp);
 			break;
 		}
 		case IBK_SRQ:
@@ -960,12 +962,21 @@ out:
 	return rc;
 }
 
+/* ms since *mark, and *mark moved to now */
+static long lap_ms(long *mark)
+{
+	long now = ms_now(), ms = now - *mark;
+
+	*mark = now;
+	return ms;
+}
+
 int ibk_do_rebuild(uint64_t epoch, int timeout_ms, char *out, size_t len)
 {
 	struct ibk_qp *qp;
 	long t0 = ms_now();
-	/* when each step ended, for the report: open, objects, publish, peers, settle */
-	long t_open = 0, t_objects = 0, t_publish = 0, t_peers = 0, t_settle = 0;
+	/* each step's ms, for the report; lap is when the last step ended */
+	long lap = t0, t_open = 0, t_objects = 0, t_publish = 0, t_peers = 0, t_settle = 0;
 	struct ibk_ctx *ctx;
 	struct ibk_obj *o;
 	int rc = 0;
@@ -990,17 +1001,17 @@ int ibk_do_rebuild(uint64_t epoch, int timeout_ms, char *out, size_t len)
 		rc = rebuild_open(ctx);
 		if (rc)
 			goto out;
-		t_open += ms_now() - t0 - t_open - t_objects - t_publish;
+		t_open += lap_ms(&lap);
 		step = "objects";
 		rc = rebuild_objects(ctx);
 		if (rc)
 			goto out;
-		t_objects += ms_now() - t0 - t_open - t_objects - t_publish;
+		t_objects += lap_ms(&lap);
 		step = "publish";
 		rc = publish_qps(ctx, epoch, timeout_ms - (int)(ms_now() - t0));
 		if (rc)
 			goto out;
-		t_publish += ms_now() - t0 - t_open - t_objects - t_publish;
+		t_publish += lap_ms(&lap);
 	}
 	step = "peers";
 	FOR_EACH_CTX(ctx)
@@ -1032,7 +1043,7 @@ int ibk_do_rebuild(uint64_t epoch, int timeout_ms, char *out, size_t len)
 		ibk_peers_put(&pm); /* epoch 0: the refresh below fills it in */
 	}
 	ibk_peers_refresh(epoch, timeout_ms - (int)(ms_now() - t0));
-	t_peers = ms_now() - t0 - t_open - t_objects - t_publish;
+	t_peers = lap_ms(&lap);
 	step = "settle";
 	FOR_EACH_CTX(ctx)
 	FOR_EACH_OBJ(ctx, o)
@@ -1052,7 +1063,7 @@ int ibk_do_rebuild(uint64_t epoch, int timeout_ms, char *out, size_t len)
 				cq->real->context->ops.req_notify_cq(cq->real, cq->solicited);
 		}
 	}
-	t_settle = ms_now() - t0 - t_open - t_objects - t_publish - t_peers;
+	t_settle = lap_ms(&lap);
 	last_epoch = epoch;
 	phase = IBK_REBUILT;
 out:
