@@ -39,7 +39,7 @@ struct ibk_counters {
 	uint64_t sends_posted;     /* app send WRs accepted */
 	uint64_t sends_completed;  /* app send WRs retired (polled or implied) */
 	uint64_t consumers_done;   /* sends that consume a remote receive, known delivered */
-	uint64_t recvs_posted;
+	uint64_t recvs_posted;     /* SRQ only: a QP's is its receive log's next_seq */
 	uint64_t recvs_completed;  /* successful receive completions, ever */
 	uint64_t reposted;         /* sends posted again after a rebuild */
 	uint64_t synthesized;      /* completions made up for delivered sends */
@@ -89,7 +89,7 @@ struct ibk_rwr {
 struct ibk_sendlog {
 	struct ibk_swr *slots;
 	uint8_t *inline_area;
-	uint32_t cap;
+	uint64_t cap; /* 64 bits: the post fast path compares it to a seq difference */
 	uint32_t mask;
 	uint32_t max_inline;
 	uint64_t head; /* seq of the oldest live entry */
@@ -155,7 +155,7 @@ static inline void ibk_sendlog_retire_entry(struct ibk_sendlog *l, const struct 
  * through a free scan and replayed by seq (scan mode). */
 struct ibk_recvlog {
 	struct ibk_rwr *slots;
-	uint32_t cap;  /* live entries at most */
+	uint64_t cap;  /* live entries at most (64 bits: as in ibk_sendlog) */
 	uint32_t mask; /* ring mode: slots - 1, a power of two minus one */
 	int ring;
 	uint32_t live; /* scan mode */

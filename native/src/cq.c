@@ -146,18 +146,20 @@ static __attribute__((noinline)) int wc_translate_other(struct ibk_ctx *ctx, str
 }
 
 /* The fast-path unlock when someone waits: wake, and show the completion. */
-static __attribute__((noinline)) int unlock_wake_show(ibk_lock_t *l)
+static __attribute__((noinline)) int unlock_slow_show(ibk_lock_t *l, int old)
 {
-	ibk_unlock_wake(l);
+	ibk_unlock_slow(l, old);
 	return 1;
 }
 
-/* Release a lock taken with ibk_trylock and return 1; the wake is a tail
- * call, so the common paths below stay leaf code (no registers to save). */
+/* Release a lock taken with ibk_trylock and return 1; the slow unlock is a
+ * tail call, so the common paths below stay leaf code (no registers to save). */
 static inline __attribute__((always_inline)) int unlock_show(ibk_lock_t *l)
 {
-	if (__builtin_expect(atomic_exchange_explicit(&l->v, 0, memory_order_release) != 1, 0))
-		return unlock_wake_show(l);
+	int old = atomic_fetch_sub_explicit(&l->v, 1, memory_order_release);
+
+	if (__builtin_expect(old != 1, 0))
+		return unlock_slow_show(l, old);
 	return 1;
 }
 

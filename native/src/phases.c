@@ -92,7 +92,7 @@ static void report_qps(char *out, size_t len)
 		     "\"logged_sends\":%u,\"logged_recvs\":%u,\"reposted\":%llu,\"synthesized\":%llu}",
 		     first ? "" : ",", qp->vqpn, qp->real ? (int)qp->real->qp_num : -1, qp->pub.qp_type, qp->state,
 		     (unsigned long long)qp->cnt.sends_posted, (unsigned long long)qp->cnt.sends_completed,
-		     (unsigned long long)qp->cnt.consumers_done, (unsigned long long)qp->cnt.recvs_posted,
+		     (unsigned long long)qp->cnt.consumers_done, (unsigned long long)qp->rlog.next_seq,
 		     (unsigned long long)qp->cnt.recvs_completed, (unsigned long long)rdma,
 		     (unsigned long long)atomics, ibk_sendlog_count(&qp->slog), ibk_recvlog_live(&qp->rlog),
 		     (unsigned long long)qp->cnt.reposted, (unsigned long long)qp->cnt.synthesized);
@@ -166,6 +166,48 @@ static void report_begin(char *out, size_t len, const char *name, int ok, long t
 
 /* ---- quiesce ----------------------------------------------------------------- */
 
+/* The post fast paths take no gate, so closing the gate is not enough:
+ * close every QP's posts too, and wait until no post that got in before
+ * still holds a QP lock.  Returns how many QPs are still busy (0: closed). */
+static long posts_close(long deadline)
+{
+	struct ibk_ctx *ctx;
+	struct ibk_obj *o;
+	struct ibk_qp *qp;
+	useconds_t nap = 50;
+	long busy;
+
+	pthread_mutex_lock(&ibk_ctx_lock);
+	FOR_EACH_CTX(ctx)
+	FOR_EACH_QP(ctx, o, qp)
+	ibk_qp_posts_close(qp);
+	for (;;) {
+		busy = 0;
+		FOR_EACH_CTX(ctx)
+		FOR_EACH_QP(ctx, o, qp)
+		busy += ibk_qp_posts_busy(qp) != 0;
+		if (!busy || ms_now() > deadline)
+			break;
+		usleep(nap);
+		nap = nap < 2000 ? nap * 2 : 2000;
+	}
+	pthread_mutex_unlock(&ibk_ctx_lock);
+	return busy;
+}
+
+static void posts_open(void)
+{
+	struct ibk_ctx *ctx;
+	struct ibk_obj *o;
+	struct ibk_qp *qp;
+
+	pthread_mutex_lock(&ibk_ctx_lock);
+	FOR_EACH_CTX(ctx)
+	FOR_EACH_QP(ctx, o, qp)
+	ibk_qp_posts_open(qp);
+	pthread_mutex_unlock(&ibk_ctx_lock);
+}
+
 int ibk_do_quiesce(int timeout_ms, char *out, size_t len)
 {
 	long t0 = ms_now();
@@ -185,6 +227,19 @@ int ibk_do_quiesce(int timeout_ms, char *out, size_t len)
 	ibk_hooks_notify(IBCKPT_EV_QUIESCE);
 	ibk_chan_wake_all(1); /* threads blocked in ibv_get_cq_event come back to the gate */
 	rc = ibk_gate_close(timeout_ms - (int)(ms_now() - t0));
+	if (!rc) {
+		long busy = posts_close(t0 + timeout_ms);
+
+		if (busy) {
+			posts_open();
+			ibk_gate_open();
+			ibk_chan_wake_all(0);
+			ibk_hooks_notify(IBCKPT_EV_RESUME);
+			report_begin(out, len, "quiesce", 0, t0);
+			jcat(out, len, ",\"error\":\"threads still inside a post\",\"posting_qps\":%ld}", busy);
+			return -ETIMEDOUT;
+		}
+	}
 	if (rc) {
 		long inside = ibk_gate_inside();
 
@@ -1095,6 +1150,7 @@ int ibk_do_resume(char *out, size_t len)
 	phase = IBK_RUNNING;
 	ibk_chan_wake_all(0);
 	ibk_gate_open();
+	posts_open();
 	ibk_hooks_notify(IBCKPT_EV_RESUME);
 	report_begin(out, len, "resume", 1, t0);
 	jcat(out, len, "}");

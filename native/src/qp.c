@@ -252,40 +252,59 @@ static __attribute__((noinline)) int post_send_list(struct ibk_qp *qp, struct ib
 	return rc;
 }
 
-int ibk_post_send(struct ibv_qp *q, struct ibv_send_wr *wr, struct ibv_send_wr **bad)
+/* Everything but the fast path's case, through the gate. */
+static __attribute__((noinline)) int post_send_slow(struct ibk_qp *qp, struct ibv_send_wr *wr,
+						    struct ibv_send_wr **bad)
 {
-	struct ibk_qp *qp = (struct ibk_qp *)q;
-	struct ibv_send_wr *rbad;
-	struct ibk_swr *e;
 	int rc;
 
 	ibk_enter();
-	/* The common case: one WR on a non-UD QP before any translation (checked
-	 * inside the gate: a rebuild may turn translation on while we wait). */
-	if (__builtin_expect(!wr || wr->next || qp->ud ||
-				     atomic_load_explicit(&ibk_xlate_any, memory_order_relaxed), 0)) {
-		rc = post_send_list(qp, wr, bad);
-		ibk_leave();
-		return rc;
-	}
-	ibk_lock(&qp->lock);
+	rc = post_send_list(qp, wr, bad);
+	ibk_leave();
+	return rc;
+}
+
+/* The fast path takes no gate: the QP's send lock stands in for it.  The
+ * shim closes the posts by setting IBK_LOCK_SLOW on every post lock and
+ * waiting until none is held, so a post either holds the lock before that
+ * (and quiesce waits for it) or fails the trylock and parks at the gate. */
+int ibk_post_send(struct ibv_qp *q, struct ibv_send_wr *wr, struct ibv_send_wr **bad)
+{
+	struct ibk_qp *qp = (struct ibk_qp *)q;
+	/* only a failed post reads these after the real call (see ibk_post_recv) */
+	struct ibv_send_wr *volatile app_wr = wr;
+	struct ibv_send_wr **volatile app_bad = bad;
+	struct ibk_swr *e;
+	uint64_t seq;
+	int rc;
+
+	/* The common case: one WR on a non-UD QP, the posts open and no
+	 * translation (read under the lock: see ibk_xlate_any). */
+	if (__builtin_expect(!wr || wr->next || qp->ud || !ibk_trylock(&qp->lock), 0))
+		return post_send_slow(qp, wr, bad);
+	seq = qp->slog.tail;
 	/* Keep the flag WR's slot free: the app sees one slot less. */
-	rc = ENOMEM;
-	if (__builtin_expect(ibk_sendlog_count(&qp->slog) + 1 < qp->slog.cap, 1)) {
-		e = &qp->slog.slots[qp->slog.tail & qp->slog.mask];
-		e->seq = qp->slog.tail++;
-		rc = swr_fill(qp, e, wr);
-		if (__builtin_expect(!rc, 1))
-			rc = qp->post_send_fn(qp->real, &e->wr, &rbad); /* the log entry itself */
-		if (__builtin_expect(!rc, 1))
-			qp->cnt.sends_posted++;
-		else
-			qp->slog.tail--;
+	if (__builtin_expect(atomic_load_explicit(&ibk_xlate_any, memory_order_relaxed) ||
+				     seq + 1 - qp->slog.head >= qp->slog.cap,
+			     0)) {
+		ibk_unlock(&qp->lock);
+		return post_send_slow(qp, app_wr, app_bad);
+	}
+	e = &qp->slog.slots[seq & qp->slog.mask];
+	qp->slog.tail = seq + 1;
+	e->seq = seq;
+	rc = swr_fill(qp, e, wr);
+	if (__builtin_expect(!rc, 1)) {
+		rc = qp->post_send_fn(qp->real, &e->wr, bad); /* the log entry itself */
+		IBK_FORGET(qp);
+	}
+	if (__builtin_expect(!rc, 1)) {
+		qp->cnt.sends_posted++;
+	} else {
+		qp->slog.tail--;
+		*app_bad = app_wr;
 	}
 	ibk_unlock(&qp->lock);
-	ibk_leave();
-	if (__builtin_expect(rc != 0, 0))
-		*bad = wr;
 	return rc;
 }
 
@@ -361,7 +380,8 @@ static __attribute__((noinline)) int post_recv_list(struct ibk_recvlog *log, ibk
 			ibk_recvlog_untake(log, e);
 			break;
 		}
-		cnt->recvs_posted++;
+		if (srq)
+			cnt->recvs_posted++;
 	}
 	ibk_unlock(lock);
 	if (rc)
@@ -380,47 +400,84 @@ int ibk_post_srq_recv(struct ibv_srq *s, struct ibv_recv_wr *wr, struct ibv_recv
 	return rc;
 }
 
-int ibk_post_recv(struct ibv_qp *q, struct ibv_recv_wr *wr, struct ibv_recv_wr **bad)
+/* Everything but the fast path's case, through the gate. */
+static __attribute__((noinline)) int post_recv_slow(struct ibk_qp *qp, struct ibv_recv_wr *wr,
+						    struct ibv_recv_wr **bad)
 {
-	struct ibk_qp *qp = (struct ibk_qp *)q;
-	struct ibk_recvlog *l = &qp->rlog;
-	struct ibv_recv_wr *rbad;
-	struct ibk_rwr *e;
 	int rc;
 
-	if (__builtin_expect(qp->srq != NULL, 0)) {
+	if (qp->srq) {
 		*bad = wr;
 		return EINVAL;
 	}
 	ibk_enter();
-	/* The common case: one WR with one SGE before any translation (checked
-	 * inside the gate: a rebuild may turn translation on while we wait).
-	 * A plain QP's receive log is always a ring. */
-	if (__builtin_expect(!wr || wr->next || wr->num_sge != 1 ||
-				     atomic_load_explicit(&ibk_xlate_any, memory_order_relaxed), 0)) {
-		rc = post_recv_list(l, &qp->rlock, &qp->cnt, qp->obj.ctx, qp, NULL, wr, bad);
-		ibk_leave();
-		return rc;
+	rc = post_recv_list(&qp->rlog, &qp->rlock, &qp->cnt, qp->obj.ctx, qp, NULL, wr, bad);
+	ibk_leave();
+	return rc;
+}
+
+/* No gate here either: see ibk_post_send.  The receive lock of a QP on an
+ * SRQ always has IBK_LOCK_SLOW, so the slow path refuses those posts. */
+int ibk_post_recv(struct ibv_qp *q, struct ibv_recv_wr *wr, struct ibv_recv_wr **bad)
+{
+	struct ibk_qp *qp = (struct ibk_qp *)q;
+	struct ibk_recvlog *l = &qp->rlog;
+	/* only a failed post reads these after the real call: kept in memory,
+	 * not in saved registers */
+	struct ibv_recv_wr *volatile app_wr = wr;
+	struct ibv_recv_wr **volatile app_bad = bad;
+	struct ibk_rwr *e;
+	uint64_t seq;
+	int rc;
+
+	/* The common case: one WR with one SGE, the posts open and no
+	 * translation.  A plain QP's receive log is always a ring. */
+	if (__builtin_expect(!wr || wr->next || wr->num_sge != 1 || !ibk_trylock(&qp->rlock), 0))
+		return post_recv_slow(qp, wr, bad);
+	seq = l->next_seq;
+	if (__builtin_expect(atomic_load_explicit(&ibk_xlate_any, memory_order_relaxed) || seq - l->head >= l->cap,
+			     0)) {
+		ibk_unlock(&qp->rlock);
+		return post_recv_slow(qp, app_wr, app_bad);
 	}
-	ibk_lock(&qp->rlock);
-	rc = ENOMEM;
-	if (__builtin_expect(l->next_seq - l->head < l->cap, 1)) {
-		e = &l->slots[l->next_seq & l->mask];
-		e->seq = l->next_seq++;
-		e->app_wr_id = wr->wr_id;
-		e->wr.num_sge = 1;
-		e->sge[0] = wr->sg_list[0];
-		rc = qp->post_recv_fn(qp->real, &e->wr, &rbad); /* the log entry itself */
-		if (__builtin_expect(!rc, 1))
-			qp->cnt.recvs_posted++;
-		else
-			l->next_seq--;
+	e = &l->slots[seq & l->mask];
+	l->next_seq = seq + 1;
+	e->seq = seq;
+	e->app_wr_id = wr->wr_id;
+	e->wr.num_sge = 1;
+	e->sge[0] = wr->sg_list[0];
+	/* the log entry itself; on failure the provider points bad at it, and
+	 * we point it back at the app's WR */
+	rc = qp->post_recv_fn(qp->real, &e->wr, bad);
+	IBK_FORGET(qp);
+	if (__builtin_expect(rc != 0, 0)) {
+		qp->rlog.next_seq--;
+		*app_bad = app_wr;
 	}
 	ibk_unlock(&qp->rlock);
-	ibk_leave();
-	if (__builtin_expect(rc != 0, 0))
-		*bad = wr;
 	return rc;
+}
+
+/* ---- closing the posts (quiesce to resume) ------------------------------- */
+
+/* From now on this QP's posts fail the fast path's trylock and go to the gate. */
+void ibk_qp_posts_close(struct ibk_qp *qp)
+{
+	atomic_fetch_or(&qp->lock.v, IBK_LOCK_SLOW);
+	atomic_fetch_or(&qp->rlock.v, IBK_LOCK_SLOW);
+}
+
+/* Nonzero while a post that got in before the close still holds a lock. */
+int ibk_qp_posts_busy(struct ibk_qp *qp)
+{
+	return (atomic_load(&qp->lock.v) | atomic_load(&qp->rlock.v)) & IBK_LOCK_STATE;
+}
+
+void ibk_qp_posts_open(struct ibk_qp *qp)
+{
+	atomic_fetch_and_explicit(&qp->lock.v, ~IBK_LOCK_SLOW, memory_order_release);
+	if (!qp->srq)
+		atomic_fetch_and_explicit(&qp->rlock.v, ~IBK_LOCK_SLOW, memory_order_release);
 }
 
 /* ---- creation --------------------------------------------------------------- */
@@ -490,6 +547,8 @@ static struct ibv_qp *qp_create(struct ibv_pd *p, struct ibv_qp_init_attr *attr)
 	qp->init = *attr;
 	ibk_lock_init(&qp->lock);
 	ibk_lock_init(&qp->rlock);
+	if (qp->srq) /* its receives go to the SRQ: the slow path refuses them */
+		atomic_store(&qp->rlock.v, IBK_LOCK_SLOW);
 	qp->ud = attr->qp_type == IBV_QPT_UD;
 	qp->flag_mask = attr->qp_type == IBV_QPT_RC ? ~0u : ~(uint32_t)IBK_SWR_CONSUMER;
 	qp->sig_all = attr->sq_sig_all ? IBK_SWR_SIGNALED : 0;
@@ -500,12 +559,13 @@ static struct ibv_qp *qp_create(struct ibv_pd *p, struct ibv_qp_init_attr *attr)
 	qp->slot = qp_slot_take(ctx, qp);
 	if (qp->slot >= IBK_MAX_QPS)
 		goto fail;
+	/* Inside the gate until the QP is on the context's list: a quiesce
+	 * then either finds it (and closes its posts) or waits for us. */
 	ibk_enter();
 	if (ibk_qp_create_real(qp)) {
 		ibk_leave();
 		goto fail_slot;
 	}
-	ibk_leave();
 	/* What the provider granted, minus our slot, is what the app gets. */
 	attr->cap = qp->real_cap;
 	attr->cap.max_send_wr -= 1;
@@ -532,10 +592,12 @@ static struct ibv_qp *qp_create(struct ibv_pd *p, struct ibv_qp_init_attr *attr)
 	pthread_mutex_init(&qp->pub.mutex, NULL);
 	pthread_cond_init(&qp->pub.cond, NULL);
 	ibk_obj_add(ctx, &qp->obj, IBK_QP);
+	ibk_leave();
 	IBK_DBG("QP %u created (real %u)", qp->vqpn, qp->real->qp_num);
 	return &qp->pub;
 fail_real:
 	ibk_real.destroy_qp(qp->real);
+	ibk_leave();
 fail_slot:
 	ctx->qp_slots[qp->slot] = NULL;
 fail:

@@ -10,6 +10,10 @@
 
 #include "core.h"
 
+/* Everything declared below is the shim's own: direct calls and rip-relative
+ * loads, no PLT or GOT on the fast paths.  Exports say IBK_EXPORT. */
+#pragma GCC visibility push(hidden)
+
 #define IBK_EXPORT __attribute__((visibility("default")))
 
 struct ibk_qp;
@@ -128,17 +132,30 @@ static inline void ibk_leave(void)
 	atomic_fetch_sub_explicit(&ibk_gate, 1, memory_order_release);
 }
 
+/* The compiler must assume x changed: addresses derived from it are then
+ * recomputed after a call instead of kept in a saved register. */
+#define IBK_FORGET(x) __asm__("" : "+r"(x))
+
 /* ---- a small lock for the fast path ---------------------------------------- */
 
-/* A futex lock (0 free, 1 held, 2 held with waiters): one locked RMW to take
- * it and one to give it back when nobody waits, against some 55 instructions
- * for a pthread mutex pair.  Zeroed memory is an unlocked lock. */
+/* A futex lock.  The low two bits are its state (0 free, 1 held, 2 held with
+ * waiters); one locked RMW takes it and one gives it back when nobody waits,
+ * against some 55 instructions for a pthread mutex pair.  Zeroed memory is an
+ * unlocked lock.
+ *
+ * A QP's post locks also carry IBK_LOCK_SLOW, which sends the post fast path
+ * (a trylock that wants the whole word 0) to the slow path.  It is set while
+ * the shim has the posts closed (quiesce to resume) and for good on the
+ * receive lock of a QP on an SRQ.  ibk_lock, ibk_unlock and the slow paths
+ * keep the bit as they find it. */
+#define IBK_LOCK_STATE 3
+#define IBK_LOCK_SLOW 4
 typedef struct {
 	atomic_int v;
 } ibk_lock_t;
 
 void ibk_lock_slow(ibk_lock_t *l);
-void ibk_unlock_wake(ibk_lock_t *l);
+void ibk_unlock_slow(ibk_lock_t *l, int old);
 
 static inline void ibk_lock_init(ibk_lock_t *l)
 {
@@ -155,7 +172,7 @@ static inline void ibk_lock(ibk_lock_t *l)
 		ibk_lock_slow(l);
 }
 
-/* 1 if taken; never waits. */
+/* 1 if taken: only when it is free and has no IBK_LOCK_SLOW.  Never waits. */
 static inline int ibk_trylock(ibk_lock_t *l)
 {
 	int z = 0;
@@ -163,10 +180,13 @@ static inline int ibk_trylock(ibk_lock_t *l)
 	return atomic_compare_exchange_strong_explicit(&l->v, &z, 1, memory_order_acquire, memory_order_relaxed);
 }
 
+/* A decrement, not a store of 0: IBK_LOCK_SLOW may have been set meanwhile. */
 static inline void ibk_unlock(ibk_lock_t *l)
 {
-	if (__builtin_expect(atomic_exchange_explicit(&l->v, 0, memory_order_release) != 1, 0))
-		ibk_unlock_wake(l);
+	int old = atomic_fetch_sub_explicit(&l->v, 1, memory_order_release);
+
+	if (__builtin_expect(old != 1, 0))
+		ibk_unlock_slow(l, old);
 }
 
 /* ---- shadow objects ------------------------------------------------------ */
@@ -375,8 +395,9 @@ int ibk_peers_fetch(const union ibv_gid *vgid, uint32_t vqpn, int timeout_ms);
 extern atomic_int ibk_translating; /* set after the first rebuild anywhere in this process */
 /* Set (inside the gate's closed phases or under ctx->lock) before any
  * ctx->translate or peer.rkeys_translate turns on: while it is 0 the post
- * fast paths skip all of them with one load.  Read after ibk_enter, so a
- * thread parked across a rebuild sees it. */
+ * fast paths skip all of them with one load.  Read with the QP's post lock
+ * held: a rebuild sets it before the posts reopen, so a post that takes the
+ * lock after that sees it. */
 extern atomic_int ibk_xlate_any;
 
 /* the global list of shadow contexts */
@@ -390,6 +411,10 @@ int ibk_req_notify_cq(struct ibv_cq *cq, int solicited_only);
 int ibk_post_send(struct ibv_qp *qp, struct ibv_send_wr *wr, struct ibv_send_wr **bad);
 int ibk_post_recv(struct ibv_qp *qp, struct ibv_recv_wr *wr, struct ibv_recv_wr **bad);
 int ibk_post_srq_recv(struct ibv_srq *srq, struct ibv_recv_wr *wr, struct ibv_recv_wr **bad);
+/* The post fast paths take no gate; quiesce closes them per QP (qp.c). */
+void ibk_qp_posts_close(struct ibk_qp *qp);
+int ibk_qp_posts_busy(struct ibk_qp *qp);
+void ibk_qp_posts_open(struct ibk_qp *qp);
 struct ibv_qp *ibk_create_qp_ex(struct ibv_context *c, struct ibv_qp_init_attr_ex *attr);
 struct ibv_cq_ex *ibk_create_cq_ex(struct ibv_context *c, struct ibv_cq_init_attr_ex *attr);
 
@@ -458,5 +483,7 @@ void ibk_hooks_notify(int event);
 
 void ibk_gid_hex(const union ibv_gid *g, char *out);
 int ibk_gid_parse(const char *hex, union ibv_gid *g);
+
+#pragma GCC visibility pop
 
 #endif
