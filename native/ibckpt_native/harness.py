@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from . import SHIM
-from .control import ShimControl
+from .control import ControlError, ShimControl
 
 
 @dataclass
@@ -101,14 +101,14 @@ class ShimProc:
                 try:
                     qps = self.ctl.status().get("qps", [])
                 except OSError as exc:
-                    raise RuntimeError(f"{self.name}: control socket: {exc}; {self._outputs()}") from exc
+                    raise RuntimeError(f"{self.name}: control socket: {exc}; {self.outputs()}") from exc
                 # RTR is enough: a side that only receives (perftest's send_bw server) stops there
                 if qps and all(q["state"] in (2, 3) for q in qps):
                     return
             time.sleep(0.05)
-        raise TimeoutError(f"{self.name}: QPs never connected; {self._outputs()}")
+        raise TimeoutError(f"{self.name}: QPs never connected; {self.outputs()}")
 
-    def _outputs(self) -> str:
+    def outputs(self) -> str:
         alive = self.popen is not None and self.popen.poll() is None
         return (
             f"{'running' if alive else 'exited'}; stdout: {self.out.read_text(errors='replace')[-1500:]}"
@@ -150,8 +150,15 @@ class CheckpointResult:
 
 def _each(procs: Sequence[ShimProc], fn: Callable[[ShimProc], dict[str, Any]]) -> dict[str, dict[str, Any]]:
     with ThreadPoolExecutor(max_workers=len(procs)) as pool:
-        futures = {p.name: pool.submit(fn, p) for p in procs}
-        return {name: f.result() for name, f in futures.items()}
+        futures = [(p, pool.submit(fn, p)) for p in procs]
+        results = {}
+        for p, f in futures:
+            try:
+                results[p.name] = f.result()
+            except (ControlError, OSError) as exc:
+                # a process that died mid-phase says why on its stderr (a sanitizer, an abort)
+                raise RuntimeError(f"{p.name}: {exc}; {p.outputs()}") from exc
+        return results
 
 
 def criu_dump(pid: int, images: Path) -> tuple[int, str]:
