@@ -268,6 +268,21 @@ static __attribute__((noinline)) int post_send_slow(struct ibk_qp *qp, struct ib
  * shim closes the posts by setting IBK_LOCK_SLOW on every post lock and
  * waiting until none is held, so a post either holds the lock before that
  * (and quiesce waits for it) or fails the trylock and parks at the gate. */
+/* The fast path's WR: one SGE, a data opcode (send, write, read, atomics:
+ * the ones without bind_mw/tso/invalidate fields) and an inline payload, if
+ * any, of 8 to 16 bytes.  Everything else takes the list path. */
+static inline __attribute__((always_inline)) int send_wr_is_plain(const struct ibk_qp *qp,
+								   const struct ibv_send_wr *w)
+{
+	uint32_t len = w->sg_list[0].length;
+
+	if (__builtin_expect(w->num_sge != 1 || (unsigned)w->opcode > IBV_WR_ATOMIC_FETCH_AND_ADD, 0))
+		return 0;
+	if (__builtin_expect(w->send_flags & IBV_SEND_INLINE, 0))
+		return len - 8 <= 8 && len <= qp->slog.max_inline;
+	return 1;
+}
+
 int ibk_post_send(struct ibv_qp *q, struct ibv_send_wr *wr, struct ibv_send_wr **bad)
 {
 	struct ibk_qp *qp = (struct ibk_qp *)q;
@@ -276,16 +291,18 @@ int ibk_post_send(struct ibv_qp *q, struct ibv_send_wr *wr, struct ibv_send_wr *
 	struct ibv_send_wr **volatile app_bad = bad;
 	struct ibk_swr *e;
 	uint64_t seq;
+	unsigned op;
 	int rc;
 
-	/* The common case: one WR on a non-UD QP, the posts open and no
-	 * translation (read under the lock: see ibk_xlate_any). */
+	/* The common case: one plain WR on a non-UD QP, the posts open and no
+	 * translation (read under the lock: see ibk_xlate_any).  Only the real
+	 * post is called on the way, so only qp needs a saved register. */
 	if (__builtin_expect(!wr || wr->next || qp->ud || !ibk_trylock(&qp->lock), 0))
 		return post_send_slow(qp, wr, bad);
 	seq = qp->slog.tail;
 	/* Keep the flag WR's slot free: the app sees one slot less. */
 	if (__builtin_expect(atomic_load_explicit(&ibk_xlate_any, memory_order_relaxed) ||
-				     seq + 1 - qp->slog.head >= qp->slog.cap,
+				     seq + 1 - qp->slog.head >= qp->slog.cap || !send_wr_is_plain(qp, wr),
 			     0)) {
 		ibk_unlock(&qp->lock);
 		return post_send_slow(qp, app_wr, app_bad);
@@ -293,11 +310,30 @@ int ibk_post_send(struct ibv_qp *q, struct ibv_send_wr *wr, struct ibv_send_wr *
 	e = &qp->slog.slots[seq & qp->slog.mask];
 	qp->slog.tail = seq + 1;
 	e->seq = seq;
-	rc = swr_fill(qp, e, wr);
-	if (__builtin_expect(!rc, 1)) {
-		rc = qp->post_send_fn(qp->real, &e->wr, bad); /* the log entry itself */
-		IBK_FORGET(qp);
+	e->app_wr_id = wr->wr_id;
+	/* num_sge, opcode, send_flags, imm_data and the rdma/atomic union */
+	memcpy(&e->wr.num_sge, &wr->num_sge, offsetof(struct ibv_send_wr, qp_type) - offsetof(struct ibv_send_wr, num_sge));
+	if (__builtin_expect(wr->send_flags & IBV_SEND_INLINE, 0)) {
+		/* replay needs the bytes: the payload is sent from the log's copy */
+		const uint8_t *src = (const uint8_t *)(uintptr_t)wr->sg_list[0].addr;
+		uint32_t len = wr->sg_list[0].length;
+		uint64_t head8, tail8;
+
+		memcpy(&head8, src, 8);
+		memcpy(&tail8, src + len - 8, 8);
+		memcpy(e->inline_buf, &head8, 8);
+		memcpy(e->inline_buf + len - 8, &tail8, 8);
+		e->inline_len = len;
+		e->sge[0].addr = (uintptr_t)e->inline_buf;
+		e->sge[0].length = len;
+		e->sge[0].lkey = 0;
+	} else {
+		e->sge[0] = wr->sg_list[0];
 	}
+	op = (unsigned)wr->opcode;
+	e->flags = qp->opf[op] | ((wr->send_flags & IBV_SEND_SIGNALED) ? IBK_SWR_SIGNALED : 0);
+	rc = qp->post_send_fn(qp->real, &e->wr, bad); /* the log entry itself */
+	IBK_FORGET(qp);
 	if (__builtin_expect(!rc, 1)) {
 		qp->cnt.sends_posted++;
 	} else {
