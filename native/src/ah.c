@@ -36,11 +36,11 @@ IBK_EXPORT struct ibv_ah *ibv_create_ah(struct ibv_pd *p, struct ibv_ah_attr *at
 		free(ah);
 		return NULL;
 	}
-	ibk_leave();
 	ah->pub.context = p->context;
 	ah->pub.pd = p;
 	ah->pub.handle = ah->real->handle;
 	ibk_obj_add(pd->obj.ctx, &ah->obj, IBK_AH);
+	ibk_leave();
 	return &ah->pub;
 }
 
@@ -52,10 +52,12 @@ IBK_EXPORT int ibv_destroy_ah(struct ibv_ah *a)
 	ibk_enter();
 	if (ah->real)
 		rc = ibk_real.destroy_ah(ah->real);
-	ibk_leave();
-	if (rc)
+	if (rc) {
+		ibk_leave();
 		return rc;
+	}
 	ibk_obj_del(ah->obj.ctx, &ah->obj);
+	ibk_leave();
 	free(ah);
 	return 0;
 }

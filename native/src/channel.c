@@ -161,9 +161,9 @@ IBK_EXPORT struct ibv_comp_channel *ibv_create_comp_channel(struct ibv_context *
 		ibk_leave();
 		goto fail;
 	}
-	ibk_leave();
 	ch->pub.context = c;
 	ibk_obj_add(ctx, &ch->obj, IBK_CHAN);
+	ibk_leave();
 	return &ch->pub;
 fail:
 	if (ch->wake_fd >= 0)
@@ -183,10 +183,12 @@ IBK_EXPORT int ibv_destroy_comp_channel(struct ibv_comp_channel *c)
 
 	ibk_enter();
 	rc = ibk_chan_release_real(ch);
-	ibk_leave();
-	if (rc)
+	if (rc) {
+		ibk_leave();
 		return rc;
+	}
 	ibk_obj_del(ch->obj.ctx, &ch->obj);
+	ibk_leave();
 	close(ch->pub.fd);
 	close(ch->pending_fd);
 	close(ch->wake_fd);

@@ -352,7 +352,6 @@ static struct ibk_cq *cq_new(struct ibv_context *c, int cqe, void *cq_context, s
 		free(cq);
 		return NULL;
 	}
-	ibk_leave();
 	cq->pub.ex.context = c;
 	cq->pub.ex.channel = ch;
 	cq->pub.ex.cq_context = cq_context;
@@ -361,6 +360,7 @@ static struct ibk_cq *cq_new(struct ibv_context *c, int cqe, void *cq_context, s
 	pthread_mutex_init(&cq->pub.ex.mutex, NULL);
 	pthread_cond_init(&cq->pub.ex.cond, NULL);
 	ibk_obj_add(ctx, &cq->obj, IBK_CQ);
+	ibk_leave();
 	return cq;
 }
 
@@ -479,10 +479,12 @@ IBK_EXPORT int ibv_destroy_cq(struct ibv_cq *c)
 	ibk_enter();
 	if (cq->real)
 		rc = ibk_real.destroy_cq(cq->real);
-	ibk_leave();
-	if (rc)
+	if (rc) {
+		ibk_leave();
 		return rc;
+	}
 	ibk_obj_del(cq->obj.ctx, &cq->obj);
+	ibk_leave();
 	ibk_wcq_fini(&cq->pq);
 	free(cq);
 	return 0;

@@ -19,14 +19,15 @@ IBK_EXPORT struct ibv_pd *ibv_alloc_pd(struct ibv_context *c)
 		return NULL;
 	ibk_enter();
 	pd->real = ibk_real.alloc_pd(ctx->real);
-	ibk_leave();
 	if (!pd->real) {
+		ibk_leave();
 		free(pd);
 		return NULL;
 	}
 	pd->pub.context = c;
 	pd->pub.handle = pd->real->handle;
 	ibk_obj_add(ctx, &pd->obj, IBK_PD);
+	ibk_leave();
 	return &pd->pub;
 }
 
@@ -37,10 +38,12 @@ IBK_EXPORT int ibv_dealloc_pd(struct ibv_pd *p)
 
 	ibk_enter();
 	rc = ibk_real.dealloc_pd(pd->real);
-	ibk_leave();
-	if (rc)
+	if (rc) {
+		ibk_leave();
 		return rc;
+	}
 	ibk_obj_del(pd->obj.ctx, &pd->obj);
+	ibk_leave();
 	free(pd);
 	return 0;
 }
@@ -94,8 +97,8 @@ static struct ibv_mr *mr_create(struct ibv_pd *p, void *addr, size_t len, uint64
 	}
 	pthread_mutex_unlock(&ctx->lock);
 	mr->pub.handle = mr->real->handle;
-	ibk_leave();
 	ibk_obj_add(ctx, &mr->obj, IBK_MR);
+	ibk_leave();
 	return &mr->pub;
 }
 
@@ -123,14 +126,16 @@ IBK_EXPORT int ibv_dereg_mr(struct ibv_mr *m)
 
 	ibk_enter();
 	rc = ibk_real.dereg_mr(mr->real);
-	ibk_leave();
-	if (rc)
+	if (rc) {
+		ibk_leave();
 		return rc;
+	}
 	pthread_mutex_lock(&ctx->lock);
 	ibk_idmap_del(&ctx->lkeys, mr->pub.lkey);
 	ibk_idmap_del(&ctx->rkeys, mr->pub.rkey);
 	pthread_mutex_unlock(&ctx->lock);
 	ibk_obj_del(ctx, &mr->obj);
+	ibk_leave();
 	free(mr);
 	return 0;
 }

@@ -789,14 +789,16 @@ IBK_EXPORT int ibv_destroy_qp(struct ibv_qp *q)
 			pthread_mutex_unlock(&ctx->lock);
 		}
 	}
-	ibk_leave();
-	if (rc)
+	if (rc) {
+		ibk_leave();
 		return rc;
+	}
 	pthread_mutex_lock(&ctx->lock);
 	ibk_idmap_del(&ctx->qpns, qp->vqpn);
 	ctx->qp_slots[qp->slot] = NULL;
 	pthread_mutex_unlock(&ctx->lock);
 	ibk_obj_del(ctx, &qp->obj);
+	ibk_leave();
 	ibk_sendlog_fini(&qp->slog);
 	ibk_recvlog_fini(&qp->rlog);
 	ibk_idmap_fini(&qp->peer.rkeys);

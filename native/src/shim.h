@@ -142,7 +142,9 @@ static inline void ibk_leave(void)
 enum ibk_kind { IBK_PD = 1, IBK_MR, IBK_CHAN, IBK_CQ, IBK_SRQ, IBK_QP, IBK_AH };
 
 /* Every shadow object sits on its context's list in creation order: rebuild
- * walks it forwards (PD before MR, CQ before QP), release backwards. */
+ * walks it forwards (PD before MR, CQ before QP), release backwards.  An
+ * object joins and leaves the list inside the gate, with its real object, so
+ * a phase never finds one without the other. */
 struct ibk_obj {
 	struct ibk_obj *next, *prev;
 	enum ibk_kind kind;

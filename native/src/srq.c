@@ -38,11 +38,11 @@ IBK_EXPORT struct ibv_srq *ibv_create_srq(struct ibv_pd *p, struct ibv_srq_init_
 		free(srq);
 		return NULL;
 	}
-	ibk_leave();
 	/* the provider may round max_wr up: write it back like the real verb */
 	attr->attr = srq->attr.attr;
 	if (ibk_recvlog_init(&srq->rlog, srq->attr.attr.max_wr * 2 + 1, 0, &srq->obj)) {
 		ibk_real.destroy_srq(srq->real);
+		ibk_leave();
 		free(srq);
 		return NULL;
 	}
@@ -53,6 +53,7 @@ IBK_EXPORT struct ibv_srq *ibv_create_srq(struct ibv_pd *p, struct ibv_srq_init_
 	pthread_mutex_init(&srq->pub.mutex, NULL);
 	pthread_cond_init(&srq->pub.cond, NULL);
 	ibk_obj_add(pd->obj.ctx, &srq->obj, IBK_SRQ);
+	ibk_leave();
 	return &srq->pub;
 }
 
@@ -90,10 +91,12 @@ IBK_EXPORT int ibv_destroy_srq(struct ibv_srq *s)
 	ibk_enter();
 	if (srq->real)
 		rc = ibk_real.destroy_srq(srq->real);
-	ibk_leave();
-	if (rc)
+	if (rc) {
+		ibk_leave();
 		return rc;
+	}
 	ibk_obj_del(srq->obj.ctx, &srq->obj);
+	ibk_leave();
 	ibk_recvlog_fini(&srq->rlog);
 	free(srq);
 	return 0;
