@@ -219,17 +219,25 @@ static __attribute__((noinline)) ssize_t write_failed(int fd, const void *buf, s
 	return w.rc;
 }
 
-/* Every write() of the process passes here (Soft-RoCE's doorbell among
- * them), so the way through is kept short. */
-IBK_EXPORT ssize_t write(int fd, const void *buf, size_t n)
+/* The rest of write(): before any rebuild, or when the real call fails. */
+static __attribute__((noinline)) ssize_t write_slow(int fd, const void *buf, size_t n)
 {
-	write_fn real = atomic_load_explicit(&real_write, memory_order_relaxed);
-	ssize_t rc;
+	ssize_t rc = resolve_write()(fd, buf, n);
 
-	if (__builtin_expect(!real, 0))
-		real = resolve_write();
-	rc = real(fd, buf, n);
 	if (__builtin_expect(rc >= 0, 1))
 		return rc;
 	return write_failed(fd, buf, n, rc);
+}
+
+/* Every write() of the process passes here (Soft-RoCE's doorbell among
+ * them), so the way through is kept short: until a rebuild has opened a
+ * device on the device thread, no write can need handing over, and the
+ * real write() is a tail call. */
+IBK_EXPORT ssize_t write(int fd, const void *buf, size_t n)
+{
+	write_fn real = atomic_load_explicit(&real_write, memory_order_relaxed);
+
+	if (__builtin_expect(real && atomic_load_explicit(&devfds_ready, memory_order_relaxed) != 2, 1))
+		return real(fd, buf, n);
+	return write_slow(fd, buf, n);
 }

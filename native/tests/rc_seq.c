@@ -10,6 +10,7 @@
  *          [-w WINDOW] [-r RECVS]
  *          [-t N (keep the bootstrap TCP connection open; ping over it every N messages)]
  *          [-x IP:PORT (hold an idle TCP connection to an outsider)]
+ *          [-T (a second thread posts the sends while the main thread polls and re-posts receives)]
  *
  * With -t, both sides send a sequence-numbered, checked 16-byte ping over the TCP
  * connection every N data messages and read the peer's without blocking; at the end
@@ -17,6 +18,9 @@
  * "TCP sent= received= bad=" precedes RESULT; bad counts gaps, duplicates, corruption. */
 #include <fcntl.h>
 #include <getopt.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <sys/epoll.h>
 #include <time.h>
 
@@ -24,11 +28,77 @@
 
 struct opts {
 	const char *peer;
-	int port, gid, unsig, inl, srq, chan, window, recvs, tcp_every;
+	int port, gid, unsig, inl, srq, chan, window, recvs, tcp_every, threaded;
 	const char *stop, *outsider;
 };
 
-static struct opts o = {NULL, 18515, 1, 1, 0, 0, 0, 16, 32, 0, NULL, NULL};
+static struct opts o = {NULL, 18515, 1, 1, 0, 0, 0, 16, 32, 0, 0, NULL, NULL};
+
+/* Message n into m, and the SEND WR that carries it (every -u'th signaled,
+ * and the END message; inline with -i). */
+static void send_wr_fill(struct ibv_send_wr *w, struct ibv_sge *sg, struct msg *m, uint32_t lkey, uint64_t n,
+			 int last, uint64_t data_sent, uint64_t send_sum)
+{
+	if (last)
+		msg_fill(m, n, MSG_END, data_sent, send_sum);
+	else
+		msg_fill(m, n, MSG_DATA, 0, 0);
+	*sg = (struct ibv_sge){(uintptr_t)m, sizeof(*m), lkey};
+	memset(w, 0, sizeof(*w));
+	w->wr_id = n;
+	w->sg_list = sg;
+	w->num_sge = 1;
+	w->opcode = IBV_WR_SEND;
+	if (last || n % (uint64_t)o.unsig == (uint64_t)o.unsig - 1)
+		w->send_flags = IBV_SEND_SIGNALED;
+	if (o.inl)
+		w->send_flags |= IBV_SEND_INLINE;
+}
+
+/* ---- -T: the sending thread ----
+ * It owns the send side; the main thread only polls.  s_next is advanced
+ * before each post, so a completion never names a WR the poller has not
+ * seen counted; s_retired comes back from the poller's send completions. */
+struct sender {
+	struct ibv_qp *qp;
+	struct msg *sbuf;
+	struct ibv_mr *smr;
+	uint64_t data_sent, send_sum; /* read after the join */
+};
+static _Atomic uint64_t s_next, s_retired;
+static atomic_int s_stopping, s_end_sent;
+
+static void *send_thread(void *arg)
+{
+	struct sender *sd = arg;
+
+	while (!atomic_load(&s_end_sent)) {
+		uint64_t n = atomic_load(&s_next);
+		struct msg *m = &sd->sbuf[n % (uint64_t)o.window];
+		struct ibv_sge sg;
+		struct ibv_send_wr w, *bw;
+		int last;
+
+		if (n - atomic_load(&s_retired) >= (uint64_t)o.window) {
+			sched_yield();
+			continue;
+		}
+		last = atomic_load(&s_stopping);
+		send_wr_fill(&w, &sg, m, sd->smr->lkey, n, last, sd->data_sent, sd->send_sum);
+		atomic_store(&s_next, n + 1);
+		if (ibv_post_send(sd->qp, &w, &bw))
+			DIE("post send %llu", (unsigned long long)n);
+		if (last) {
+			atomic_store(&s_end_sent, 1);
+		} else {
+			sd->send_sum = mix64(sd->send_sum ^ m->check);
+			sd->data_sent++;
+			if (o.inl)
+				memset(m, 0xee, sizeof(*m));
+		}
+	}
+	return NULL;
+}
 
 /* ---- -t: pings over the kept bootstrap TCP connection ---- */
 #define PING_END UINT64_MAX
@@ -147,8 +217,10 @@ int main(int argc, char **argv)
 	int c, stopping = 0, end_sent = 0, got_end = 0, bad = 0, i;
 	long last_check = 0, events = 0, ep_timeouts = 0;
 	int ep = -1;
+	struct sender sd;
+	pthread_t sender_tid;
 
-	while ((c = getopt(argc, argv, "c:p:g:f:u:iqeEw:r:t:x:")) != -1) {
+	while ((c = getopt(argc, argv, "c:p:g:f:u:iqeEw:r:t:x:T")) != -1) {
 		switch (c) {
 		case 'c': o.peer = optarg; break;
 		case 'p': o.port = atoi(optarg); break;
@@ -163,11 +235,14 @@ int main(int argc, char **argv)
 		case 'r': o.recvs = atoi(optarg); break;
 		case 't': o.tcp_every = atoi(optarg); break;
 		case 'x': o.outsider = optarg; break;
+		case 'T': o.threaded = 1; break;
 		default: return 2;
 		}
 	}
 	if (!o.stop || o.unsig < 1 || o.unsig > o.window)
 		DIE("usage: -f STOPFILE required; 1 <= -u <= -w");
+	if (o.threaded && o.tcp_every)
+		DIE("usage: -T and -t do not go together");
 	setvbuf(stdout, NULL, _IOLBF, 0);
 	ctx = open_first_device();
 	pd = ibv_alloc_pd(ctx);
@@ -241,6 +316,11 @@ int main(int argc, char **argv)
 	if (ch && ibv_req_notify_cq(cq, 0))
 		DIE("notify");
 	printf("READY qpn=%u peer_qpn=%u\n", qp->qp_num, theirs.qpn);
+	if (o.threaded) {
+		sd = (struct sender){qp, sbuf, smr, 0, 0};
+		if (pthread_create(&sender_tid, NULL, send_thread, &sd))
+			DIE("sender thread");
+	}
 
 	while (!(end_sent && retired == next && got_end)) {
 		struct ibv_wc wc[16];
@@ -249,27 +329,22 @@ int main(int argc, char **argv)
 		if (!stopping && now_ms() - last_check > 20) {
 			last_check = now_ms();
 			stopping = file_exists(o.stop);
+			if (stopping)
+				atomic_store(&s_stopping, 1);
+		}
+		if (o.threaded) {
+			/* the sender thread's view, for the checks and the loop's end */
+			end_sent = atomic_load(&s_end_sent);
+			next = atomic_load(&s_next);
 		}
 		/* post sends while the window allows */
-		while (next - retired < (uint64_t)o.window && !end_sent) {
+		while (!o.threaded && next - retired < (uint64_t)o.window && !end_sent) {
 			struct msg *m = &sbuf[next % (uint64_t)o.window];
-			struct ibv_sge s = {(uintptr_t)m, sizeof(*m), smr->lkey};
+			struct ibv_sge s;
 			struct ibv_send_wr w, *bw;
 			int last = stopping;
 
-			if (last)
-				msg_fill(m, next, MSG_END, data_sent, send_sum);
-			else
-				msg_fill(m, next, MSG_DATA, 0, 0);
-			memset(&w, 0, sizeof(w));
-			w.wr_id = next;
-			w.sg_list = &s;
-			w.num_sge = 1;
-			w.opcode = IBV_WR_SEND;
-			if (last || next % (uint64_t)o.unsig == (uint64_t)o.unsig - 1)
-				w.send_flags = IBV_SEND_SIGNALED;
-			if (o.inl)
-				w.send_flags |= IBV_SEND_INLINE;
+			send_wr_fill(&w, &s, m, smr->lkey, next, last, data_sent, send_sum);
 			if (ibv_post_send(qp, &w, &bw))
 				DIE("post send %llu", (unsigned long long)next);
 			if (!last) {
@@ -295,6 +370,8 @@ int main(int argc, char **argv)
 		n = ibv_poll_cq(cq, 16, wc);
 		if (n < 0)
 			DIE("poll");
+		if (o.threaded && n > 0)
+			next = atomic_load(&s_next); /* every WR completed here is counted in it */
 		for (i = 0; i < n; i++) {
 			progressed = 1;
 			if (wc[i].status != IBV_WC_SUCCESS)
@@ -312,6 +389,7 @@ int main(int argc, char **argv)
 					bad++;
 				}
 				retired = wc[i].wr_id + 1;
+				atomic_store(&s_retired, retired);
 			} else if (wc[i].opcode == IBV_WC_RECV) {
 				struct msg *m = &rbuf[wc[i].wr_id];
 				struct ibv_sge s = {(uintptr_t)m, sizeof(*m), rmr->lkey};
@@ -373,6 +451,11 @@ int main(int argc, char **argv)
 			if (ibv_req_notify_cq(cq, 0))
 				DIE("re-arm");
 		}
+	}
+	if (o.threaded) {
+		pthread_join(sender_tid, NULL);
+		data_sent = sd.data_sent;
+		send_sum = sd.send_sum;
 	}
 	if (tfd >= 0) {
 		ping_send(PING_END, t_sent);

@@ -123,6 +123,43 @@ def test_rc_unsignaled_inline(tmp_path: Path, coord: Coordinator) -> None:
     _run_rc_seq(tmp_path, coord, ["-u", "4", "-i"], 18612, dump_at=())
 
 
+def test_rc_sends_from_a_second_thread(tmp_path: Path, coord: Coordinator) -> None:
+    """One thread posts sends while another polls and re-posts receives on the same QP: the
+    post fast path runs outside the gate, against polls retiring the same log and quiesce
+    closing the QP's posts under it."""
+    _run_rc_seq(tmp_path, coord, ["-T", "-u", "2"], 18616, dump_at=(3,))
+
+
+def test_posts_stand_still_while_quiesced(tmp_path: Path, coord: Coordinator) -> None:
+    """The post fast paths take no gate; quiesce closes every QP's posts instead. Two threads
+    post receives to one QP in INIT every 500 us, and nothing completes: the shim's count of
+    posted receives must stand still from quiesce to resume, and move again after it."""
+    stop = tmp_path / "stop"
+    prog = ShimProc("post_gate", [str(TESTS_DIR / "post_gate"), "-f", str(stop)], tmp_path, coord.env)
+    prog.start()
+
+    def posted() -> int:
+        return int(prog.ctl.status()["qps"][0]["recvs_posted"])
+
+    try:
+        prog.wait_for_output("READY", 120)
+        for _ in range(3):
+            before = posted()
+            time.sleep(0.3)
+            assert posted() > before, prog.outputs()
+            assert prog.ctl.quiesce(20000)["ok"]
+            at_cut = posted()
+            time.sleep(0.5)
+            assert posted() == at_cut, "a post got through while the posts were closed"
+            prog.ctl.resume()
+            time.sleep(0.3)
+            assert posted() > at_cut, prog.outputs()
+        stop.touch()
+        assert prog.wait(60) == 0, prog.outputs()
+    finally:
+        prog.kill()
+
+
 def test_rc_srq_completion_channel(tmp_path: Path, coord: Coordinator) -> None:
     _run_rc_seq(tmp_path, coord, ["-q", "-e", "-u", "3"], 18613, dump_at=())
 
