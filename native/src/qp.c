@@ -264,25 +264,27 @@ static __attribute__((noinline)) int post_send_slow(struct ibk_qp *qp, struct ib
 	return rc;
 }
 
+/* The fast path's WR: one SGE, a data opcode (send, write, read, atomics:
+ * the ones without bind_mw/tso/invalidate fields) and an inline payload, if
+ * any, of 8 to 16 bytes.  Everything else takes the list path.  sg_list is
+ * read only once num_sge says there is one. */
+static inline __attribute__((always_inline)) int send_wr_is_plain(const struct ibk_qp *qp,
+								   const struct ibv_send_wr *w)
+{
+	uint32_t len;
+
+	if (__builtin_expect(w->num_sge != 1 || (unsigned)w->opcode > IBV_WR_ATOMIC_FETCH_AND_ADD, 0))
+		return 0;
+	if (__builtin_expect(!(w->send_flags & IBV_SEND_INLINE), 1))
+		return 1;
+	len = w->sg_list[0].length;
+	return len - 8 <= 8 && len <= qp->slog.max_inline;
+}
+
 /* The fast path takes no gate: the QP's send lock stands in for it.  The
  * shim closes the posts by setting IBK_LOCK_SLOW on every post lock and
  * waiting until none is held, so a post either holds the lock before that
  * (and quiesce waits for it) or fails the trylock and parks at the gate. */
-/* The fast path's WR: one SGE, a data opcode (send, write, read, atomics:
- * the ones without bind_mw/tso/invalidate fields) and an inline payload, if
- * any, of 8 to 16 bytes.  Everything else takes the list path. */
-static inline __attribute__((always_inline)) int send_wr_is_plain(const struct ibk_qp *qp,
-								   const struct ibv_send_wr *w)
-{
-	uint32_t len = w->sg_list[0].length;
-
-	if (__builtin_expect(w->num_sge != 1 || (unsigned)w->opcode > IBV_WR_ATOMIC_FETCH_AND_ADD, 0))
-		return 0;
-	if (__builtin_expect(w->send_flags & IBV_SEND_INLINE, 0))
-		return len - 8 <= 8 && len <= qp->slog.max_inline;
-	return 1;
-}
-
 int ibk_post_send(struct ibv_qp *q, struct ibv_send_wr *wr, struct ibv_send_wr **bad)
 {
 	struct ibk_qp *qp = (struct ibk_qp *)q;

@@ -4,6 +4,8 @@
  * shim's count of posted receives only moves when a post gets through: a
  * test reads it while the shim has the posts closed, and it must stand still.
  *
+ * First it posts one send with no SGE and no sg_list (EMPTY_SEND rc= bad_ok=).
+ *
  *   post_gate -f STOPFILE      prints READY, then POSTED <n> at the end */
 #include <pthread.h>
 #include <stdatomic.h>
@@ -71,6 +73,15 @@ int main(int argc, char **argv)
 	if (!(qp = ibv_create_qp(pd, &qa)))
 		DIE("qp");
 	qp_to_init(qp, IBV_ACCESS_LOCAL_WRITE);
+	{
+		/* A send with no SGE has no sg_list to read: whatever the provider
+		 * says of it in INIT, the shim must not look past num_sge, and a
+		 * failure must point bad at the app's own WR. */
+		struct ibv_send_wr w = {.wr_id = 7, .opcode = IBV_WR_SEND, .num_sge = 0, .sg_list = NULL}, *bad = NULL;
+		int rc = ibv_post_send(qp, &w, &bad);
+
+		printf("EMPTY_SEND rc=%d bad_ok=%d\n", rc, rc ? bad == &w : 1);
+	}
 	printf("READY qpn=%u\n", qp->qp_num);
 	for (i = 0; i < 2; i++)
 		pthread_create(&t[i], NULL, poster, NULL);

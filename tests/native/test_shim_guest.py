@@ -133,7 +133,9 @@ def test_rc_sends_from_a_second_thread(tmp_path: Path, coord: Coordinator) -> No
 def test_posts_stand_still_while_quiesced(tmp_path: Path, coord: Coordinator) -> None:
     """The post fast paths take no gate; quiesce closes every QP's posts instead. Two threads
     post receives to one QP in INIT every 500 us, and nothing completes: the shim's count of
-    posted receives must stand still from quiesce to resume, and move again after it."""
+    posted receives must stand still from quiesce to resume, and move again after it. First, a
+    send with no SGE and no sg_list must come back cleanly (the fast path once read sg_list
+    before num_sge)."""
     stop = tmp_path / "stop"
     prog = ShimProc("post_gate", [str(TESTS_DIR / "post_gate"), "-f", str(stop)], tmp_path, coord.env)
     prog.start()
@@ -143,6 +145,7 @@ def test_posts_stand_still_while_quiesced(tmp_path: Path, coord: Coordinator) ->
 
     try:
         prog.wait_for_output("READY", 120)
+        assert re.search(r"EMPTY_SEND rc=\d+ bad_ok=1", prog.out.read_text()), prog.outputs()
         for _ in range(3):
             before = posted()
             time.sleep(0.3)
