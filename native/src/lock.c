@@ -8,14 +8,16 @@
 void ibk_lock_slow(ibk_lock_t *l)
 {
 	int w = atomic_load_explicit(&l->v, memory_order_relaxed);
+	/* Free at once (only IBK_LOCK_SLOW made the fast path fail): take it as
+	 * "held", so its unlock needs no wake.  Once we have slept, others may
+	 * sleep too: take it as "held with waiters", so its unlock wakes one. */
+	int held = 1;
 
-	/* Take it as "held with waiters" (others may sleep on it too), or mark it
-	 * so and sleep; IBK_LOCK_SLOW stays as it is. */
 	for (;;) {
 		int flags = w & ~IBK_LOCK_STATE;
 
 		if ((w & IBK_LOCK_STATE) == 0) {
-			if (atomic_compare_exchange_weak_explicit(&l->v, &w, flags | 2, memory_order_acquire,
+			if (atomic_compare_exchange_weak_explicit(&l->v, &w, flags | held, memory_order_acquire,
 								  memory_order_relaxed))
 				return;
 			continue;
@@ -25,6 +27,7 @@ void ibk_lock_slow(ibk_lock_t *l)
 							   memory_order_relaxed))
 			continue;
 		syscall(SYS_futex, &l->v, FUTEX_WAIT_PRIVATE, flags | 2, NULL, NULL, 0);
+		held = 2;
 		w = atomic_load_explicit(&l->v, memory_order_relaxed);
 	}
 }
