@@ -145,7 +145,8 @@ static __attribute__((noinline)) int wc_translate_other(struct ibk_ctx *ctx, str
 	return 0;
 }
 
-/* The fast-path unlock when someone waits: wake, and show the completion. */
+/* The unlock when the decrement found more than "held" (waiters, or the
+ * posts closed): the slow unlock, and show the completion. */
 static __attribute__((noinline)) int unlock_slow_show(ibk_lock_t *l, int old)
 {
 	ibk_unlock_slow(l, old);

@@ -210,7 +210,7 @@ static void posts_open(void)
 
 int ibk_do_quiesce(int timeout_ms, char *out, size_t len)
 {
-	long t0 = ms_now();
+	long t0 = ms_now(), inside = 0, busy = 0;
 	int rc;
 
 	if (phase != IBK_RUNNING) {
@@ -227,27 +227,24 @@ int ibk_do_quiesce(int timeout_ms, char *out, size_t len)
 	ibk_hooks_notify(IBCKPT_EV_QUIESCE);
 	ibk_chan_wake_all(1); /* threads blocked in ibv_get_cq_event come back to the gate */
 	rc = ibk_gate_close(timeout_ms - (int)(ms_now() - t0));
-	if (!rc) {
-		long busy = posts_close(t0 + timeout_ms);
-
+	if (rc) {
+		inside = ibk_gate_inside();
+	} else {
+		busy = posts_close(t0 + timeout_ms);
 		if (busy) {
 			posts_open();
-			ibk_gate_open();
-			ibk_chan_wake_all(0);
-			ibk_hooks_notify(IBCKPT_EV_RESUME);
-			report_begin(out, len, "quiesce", 0, t0);
-			jcat(out, len, ",\"error\":\"threads still inside a post\",\"posting_qps\":%ld}", busy);
-			return -ETIMEDOUT;
+			rc = -ETIMEDOUT;
 		}
 	}
 	if (rc) {
-		long inside = ibk_gate_inside();
-
 		ibk_gate_open();
 		ibk_chan_wake_all(0);
 		ibk_hooks_notify(IBCKPT_EV_RESUME);
 		report_begin(out, len, "quiesce", 0, t0);
-		jcat(out, len, ",\"error\":\"threads still inside verbs\",\"inside\":%ld}", inside);
+		if (busy)
+			jcat(out, len, ",\"error\":\"threads still inside a post\",\"posting_qps\":%ld}", busy);
+		else
+			jcat(out, len, ",\"error\":\"threads still inside verbs\",\"inside\":%ld}", inside);
 		return rc;
 	}
 	phase = IBK_QUIESCED;

@@ -2,11 +2,9 @@
  * helpers: logging, the gate and the object lists. */
 #include <dlfcn.h>
 #include <errno.h>
-#include <linux/futex.h>
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
