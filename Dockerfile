@@ -1,20 +1,32 @@
-# One image for every component: operator, node agent, OCI hook, CLI and libibckpt.so.
+# One image for every component: operator, node agent, OCI hook, runtime handler, CLI and
+# libibckpt.so. Every stage is Debian bookworm, so the shim is built against the same
+# rdma-core (libibverbs ABI) that the runtime stage ships, and Python is Debian's 3.11.
 FROM debian:bookworm-slim AS native
 RUN apt-get update && apt-get install -y --no-install-recommends gcc make libc6-dev libibverbs-dev \
     && rm -rf /var/lib/apt/lists/*
 COPY native/ /src/native/
 RUN make -C /src/native build/libibckpt.so
 
-FROM python:3.11-slim-bookworm
-RUN apt-get update && apt-get install -y --no-install-recommends criu iptables libibverbs1 ibverbs-providers \
+FROM debian:bookworm-slim AS python
+RUN apt-get update && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
     && rm -rf /var/lib/apt/lists/*
-WORKDIR /opt/ibckpt
+WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY ibckpt/ ibckpt/
 COPY operator/ operator/
 COPY runtime-hook/ runtime-hook/
 COPY native/ibckpt_native/ native/ibckpt_native/
-RUN pip install --no-cache-dir .
+RUN python3 -m venv /opt/ibckpt/venv && /opt/ibckpt/venv/bin/pip install --no-cache-dir /src
+
+FROM debian:bookworm-slim
+# criu and runc: the agent checkpoints containers through the runtime; iptables: the TCP
+# remap of restored connections; libibverbs + providers: the shim's real verbs.
+RUN apt-get update && apt-get install -y --no-install-recommends python3 criu runc iptables libibverbs1 \
+    ibverbs-providers ca-certificates \
+    && rm -rf /var/lib/apt/lists/*
+COPY --from=python /opt/ibckpt/venv /opt/ibckpt/venv
 COPY --from=native /src/native/build/libibckpt.so /usr/lib/ibckpt/libibckpt.so
+ENV PATH=/opt/ibckpt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
+# The operator and CLI run as this user; the agent's pod asks for root (it drives CRIU).
 USER 65532
 ENTRYPOINT ["ibckpt"]

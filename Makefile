@@ -6,9 +6,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 export IBCKPT_CACHE ?= $(HOME)/.cache/ibckpt
 
-.PHONY: setup system venv native kube kernel helm demo test lint unit clean
+.PHONY: setup system venv native kube kernel helm images demo test lint unit clean
 
-setup: system venv native kube kernel helm
+setup: system venv native kube kernel helm images
 
 system:
 	bash tests/testbed/install-system.sh
@@ -31,6 +31,10 @@ kernel:
 
 helm:
 	bash tests/testbed/fetch-helm.sh
+
+# Node images (pause, test apps, the product from ./Dockerfile), built with buildah.
+images: venv kube
+	cd tests && ../$(BIN)/python -m testbed.images build
 
 lint: venv
 	$(BIN)/ruff check .

@@ -1,4 +1,4 @@
-"""Session fixtures for the real parts: S3 (SeaweedFS), kube-apiserver, Soft-RoCE guests."""
+"""Session fixtures for the real parts: S3 (SeaweedFS), kube-apiserver, the two-node cluster, guests."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from testbed.cluster import Cluster, start_cluster
 from testbed.coordinator import ThreadedCoordinator
 from testbed.kube import ControlPlane, start_control_plane
 from testbed.s3 import S3Server, start_s3, stop_s3
@@ -43,6 +44,20 @@ def kube_api(kube: ControlPlane):  # type: ignore[no-untyped-def]
         yield client
     finally:
         client.close()
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory, s3_server: S3Server) -> Iterator[Cluster]:
+    """A real two-node cluster (kubelet + containerd + runc in each Soft-RoCE guest), shared by the session.
+
+    Pods reach the session's S3 at 10.0.2.100:<its port>. Tests leave no pods behind them.
+    """
+    s3_port = int(s3_server.endpoint.rsplit(":", 1)[1])
+    cluster = start_cluster(tmp_path_factory.mktemp("cluster"), forward_ports=[s3_port])
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
 
 
 @pytest.fixture

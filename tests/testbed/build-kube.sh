@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Builds kube-apiserver and kube-controller-manager from Debian's `kubernetes`
-# source package and fetches etcd from Debian's etcd-server package. Results
+# Builds kube-apiserver, kube-controller-manager, kube-scheduler and kubelet
+# from Debian's `kubernetes` source package (one Go build) and fetches etcd from Debian's etcd-server package. Results
 # are cached in $IBCKPT_CACHE/kube, so a second run costs nothing.
 set -euo pipefail
 
@@ -8,7 +8,13 @@ cache=${IBCKPT_CACHE:-$HOME/.cache/ibckpt}
 out=$cache/kube
 mkdir -p "$out"
 
-if [[ -x $out/kube-apiserver && -x $out/kube-controller-manager && -x $out/etcd ]]; then
+bins=(kube-apiserver kube-controller-manager kube-scheduler kubelet)
+have_all() {
+  local b
+  for b in "${bins[@]}"; do [[ -x $out/$b ]] || return 1; done
+}
+
+if have_all && [[ -x $out/etcd && -f $out/pause.c ]]; then
   echo "build-kube: cached in $out"
   exit 0
 fi
@@ -32,7 +38,7 @@ if [[ ! -x $out/etcd ]]; then
   install -m 0755 "$work/etcd/usr/bin/etcd" "$out/etcd"
 fi
 
-if [[ ! -x $out/kube-apiserver || ! -x $out/kube-controller-manager ]]; then
+if ! have_all || [[ ! -f $out/pause.c ]]; then
   (cd "$work" && apt-get source -qq --download-only kubernetes/bookworm >/dev/null &&
     dpkg-source -x --no-check kubernetes_*.dsc src >/dev/null)
   tree=$work/src
@@ -42,11 +48,12 @@ if [[ ! -x $out/kube-apiserver || ! -x $out/kube-controller-manager ]]; then
   cp -r /usr/share/gocode/src/github.com/modern-go/reflect2 "$vend"
   export PATH=/usr/lib/go-1.19/bin:$PATH GOFLAGS=-mod=vendor CGO_ENABLED=0
   export GOCACHE=$work/gocache GOPATH=$work/gopath
-  (cd "$tree" && make WHAT="cmd/kube-apiserver cmd/kube-controller-manager" >"$work/make.log" 2>&1) || {
+  (cd "$tree" && make WHAT="${bins[*]/#/cmd/}" >"$work/make.log" 2>&1) || {
     tail -40 "$work/make.log"
     exit 1
   }
-  install -m 0755 "$tree"/_output/local/bin/linux/amd64/kube-apiserver "$out/"
-  install -m 0755 "$tree"/_output/local/bin/linux/amd64/kube-controller-manager "$out/"
+  for b in "${bins[@]}"; do install -m 0755 "$tree/_output/local/bin/linux/amd64/$b" "$out/"; done
+  # The pause image is built from the same tree (no registry to pull it from).
+  install -m 0644 "$tree/build/pause/linux/pause.c" "$out/pause.c"
 fi
 echo "build-kube: built into $out"

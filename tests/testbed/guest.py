@@ -33,9 +33,13 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from testbed.reaper import die_with_parent
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 GUEST_HOST_ADDR = "10.0.2.100"
+# The guest's own address on qemu's user-mode NIC (guest-init2.sh).
+GUEST_USER_ADDR = "10.0.2.15"
 # Modules the initramfs needs before the host's tree (and its /lib/modules) is mounted.
 INITRAMFS_MODULES = ("virtio_pci", "9pnet_virtio", "9p", "overlay", "virtio_net")
 
@@ -129,6 +133,8 @@ class GuestSpec:
     forward_ports: Sequence[int] = ()
     env: dict[str, str] = field(default_factory=dict)
     cwd: Path = REPO
+    # (host loopback port, guest port) pairs: qemu forwards 127.0.0.1:host to the guest's user NIC.
+    host_forwards: Sequence[tuple[int, int]] = ()
 
 
 @dataclass
@@ -176,6 +182,8 @@ def _qemu_args(spec: GuestSpec, job: Path, link_netdev: str | None) -> list[str]
     user_net = "user,id=hostnet,restrict=on"
     for port in spec.forward_ports:
         user_net += f",guestfwd=tcp:{GUEST_HOST_ADDR}:{port}-cmd:socat STDIO TCP:127.0.0.1:{port}"
+    for host_port, guest_port in spec.host_forwards:
+        user_net += f",hostfwd=tcp:127.0.0.1:{host_port}-{GUEST_USER_ADDR}:{guest_port}"
     args = [
         "qemu-system-x86_64",
         "-accel",
@@ -246,6 +254,7 @@ class _Guest:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=die_with_parent,
         )
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
@@ -410,6 +419,44 @@ def run_pair(
                 if g is not None and g.proc.poll() is None:
                     g.kill()
         return result_a, result_b
+
+
+class GuestPair:
+    """Two linked guests that run until stopped (the cluster's nodes), not until a command ends."""
+
+    def __init__(self, spec_a: GuestSpec, spec_b: GuestSpec, echo: bool = False) -> None:
+        self.root = Path(tempfile.mkdtemp(prefix="ibckpt-pair-"))
+        spec_a = dataclasses.replace(spec_a, node=1, link=True)
+        spec_b = dataclasses.replace(spec_b, node=2, link=True)
+        sock = self.root / "link.sock"
+        self.guests: list[_Guest] = []
+        try:
+            a = _Guest(spec_a, self.root, f"stream,server=on,addr.type=unix,addr.path={sock}", echo)
+            self.guests.append(a)
+            _wait_for_socket(sock, a, time.monotonic() + LINK_LISTEN_S)
+            self.guests.append(
+                _Guest(spec_b, self.root, f"stream,server=off,addr.type=unix,addr.path={sock}", echo)
+            )
+        except BaseException:
+            self.stop()
+            raise
+
+    def console(self, node: int) -> str:
+        return self.guests[node - 1].buffer.getvalue()
+
+    def dead(self) -> list[str]:
+        """What each guest that is no longer running printed last."""
+        return [
+            f"node-{g.spec.node} exited ({g.proc.returncode}):\n{g.buffer.getvalue()[-3000:]}"
+            for g in self.guests
+            if g.proc.poll() is not None
+        ]
+
+    def stop(self) -> None:
+        for g in self.guests:
+            if g.proc.poll() is None:
+                g.kill()
+        shutil.rmtree(self.root, ignore_errors=True)
 
 
 # How long node A's qemu may take to start listening on the link socket.

@@ -19,6 +19,9 @@ packages=(
   make gcc pkg-config valgrind openssl curl ca-certificates
   # helm comes out of an npm package's zip
   unzip
+  # Kubernetes nodes in the guests: runtime, CNI, and images built without a registry
+  containerd runc crun containernetworking-plugins conntrack ethtool
+  debootstrap umoci skopeo buildah podman fuse-overlayfs uidmap
 )
 
 missing=()

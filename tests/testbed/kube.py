@@ -2,8 +2,8 @@
 
 Built from Debian's source package by build-kube.sh (v1.20). Everything listens on
 127.0.0.1 only. The apiserver has its own CA and serving cert, a static admin token,
-RBAC authorization and a service-account signing key. There is no kubelet: tests play
-the kubelet by patching pod and node status, as envtest does.
+RBAC authorization and a service-account signing key. Without nodes, tests play the kubelet
+by patching pod and node status, as envtest does; testbed.cluster adds real kubelets.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import secrets
 import signal
 import ssl
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
@@ -23,6 +24,7 @@ from pathlib import Path
 
 from testbed.guest import cache_dir
 from testbed.ports import free_port
+from testbed.reaper import die_with_parent
 
 
 def kube_bin(name: str) -> Path:
@@ -54,22 +56,57 @@ def _openssl(*args: str, cwd: Path) -> None:
     subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
 
 
+# Addresses the apiserver is reached at: the host, a guest (qemu's forward) and pods (the
+# kubernetes Service's first IP, DNAT'd to the forward by each node).
+SERVICE_CIDR = "10.96.0.0/16"
+KUBERNETES_SERVICE_IP = "10.96.0.1"
+APISERVER_SANS = (
+    "IP:127.0.0.1,IP:10.0.2.100,IP:10.96.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,"
+    "DNS:kubernetes.default.svc"
+)
+
+
+def issue_cert(pki: Path, name: str, subject: str, *, sans: str | None = None, client: bool = False) -> None:
+    """name.key and name.crt signed by the test CA (client auth or server auth)."""
+    ext = pki / f"{name}.ext"
+    usage = "clientAuth" if client else "serverAuth"
+    ext.write_text(f"extendedKeyUsage={usage}\n" + (f"subjectAltName={sans}\n" if sans else ""))
+    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", subject,
+             "-keyout", f"{name}.key", "-out", f"{name}.csr", cwd=pki)  # fmt: skip
+    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+             "-days", "7", "-extfile", ext.name, "-out", f"{name}.crt", cwd=pki)  # fmt: skip
+    (pki / f"{name}.key").chmod(0o600)
+
+
 def _make_pki(pki: Path) -> None:
     pki.mkdir(parents=True)
     _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "7", "-subj", "/CN=ibckpt-test-ca",
              "-keyout", "ca.key", "-out", "ca.crt", cwd=pki)  # fmt: skip
-    (pki / "san.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost,DNS:kubernetes.default.svc\n")
-    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=kube-apiserver",
-             "-keyout", "apiserver.key", "-out", "apiserver.csr", cwd=pki)  # fmt: skip
-    _openssl("x509", "-req", "-in", "apiserver.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
-             "-days", "7", "-extfile", "san.cnf", "-out", "apiserver.crt", cwd=pki)  # fmt: skip
+    issue_cert(pki, "apiserver", "/CN=kube-apiserver", sans=APISERVER_SANS)
+    # How the apiserver proves itself to kubelets (logs, exec): a kubeadm-style identity.
+    issue_cert(
+        pki, "apiserver-kubelet-client", "/O=system:masters/CN=kube-apiserver-kubelet-client", client=True
+    )
+    issue_cert(pki, "scheduler", "/CN=system:kube-scheduler", client=True)
     _openssl("genrsa", "-out", "sa.key", "2048", cwd=pki)
     _openssl("rsa", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=pki)
     for key in pki.glob("*.key"):
         key.chmod(0o600)
 
 
-def write_kubeconfig(path: Path, url: str, ca_file: Path, token: str, user: str = "admin") -> None:
+def write_kubeconfig(
+    path: Path,
+    url: str,
+    ca_file: Path,
+    token: str | None = None,
+    user: str = "admin",
+    cert: tuple[Path, Path] | None = None,
+) -> None:
+    """A kubeconfig that trusts ca_file and authenticates with a token or a client cert."""
+    if cert is not None:
+        creds = f'{{client-certificate: "{cert[0]}", client-key: "{cert[1]}"}}'
+    else:
+        creds = f'{{token: "{token}"}}'
     path.write_text(
         f"""apiVersion: v1
 kind: Config
@@ -78,7 +115,7 @@ clusters:
   cluster: {{server: "{url}", certificate-authority: "{ca_file}"}}
 users:
 - name: {user}
-  user: {{token: "{token}"}}
+  user: {creds}
 contexts:
 - name: ibckpt-test
   context: {{cluster: ibckpt-test, user: {user}}}
@@ -90,7 +127,13 @@ current-context: ibckpt-test
 
 def _spawn(args: Sequence[str], log: Path) -> int:
     with open(log, "wb") as out:
-        proc = subprocess.Popen(list(args), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            list(args),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=die_with_parent,
+        )
     return proc.pid
 
 
@@ -111,7 +154,26 @@ def _wait_ready(url: str, ca_file: Path, token: str, timeout: float, log: Path) 
     raise RuntimeError(f"kube-apiserver not ready at {url} within {timeout}s ({last})\n{tail}")
 
 
-def start_control_plane(workdir: Path | None = None, controller_manager: bool = True) -> ControlPlane:
+# Controllers a real cluster runs for workloads and drains. nodelifecycle lifts the not-ready
+# taint a kubelet registers with (nothing schedules without it).
+NODE_CONTROLLERS = (
+    "garbagecollector,namespace,serviceaccount,serviceaccount-token,nodelifecycle,replicaset,deployment,"
+    "statefulset,daemonset,job,disruption,endpoint,podgc,ttl"
+)
+
+
+def start_control_plane(
+    workdir: Path | None = None,
+    controller_manager: bool = True,
+    kubelets: dict[str, int] | None = None,
+) -> ControlPlane:
+    """etcd + apiserver (+ controller-manager) on 127.0.0.1.
+
+    kubelets, for a cluster with real nodes: each node's "ip:port" of its kubelet, mapped to the
+    loopback port qemu forwards it to. The apiserver then authorizes nodes (Node, RBAC,
+    NodeRestriction), mounts service-account tokens into pods, reaches kubelets through the
+    egress proxy, and a kube-scheduler and the workload controllers run too.
+    """
     root = Path(workdir or tempfile.mkdtemp(prefix="ibckpt-kube-"))
     pki = root / "pki"
     _make_pki(pki)
@@ -122,7 +184,32 @@ def start_control_plane(workdir: Path | None = None, controller_manager: bool = 
 
     etcd_client, etcd_peer, api_port = free_port(), free_port(), free_port()
     plane = ControlPlane(f"https://127.0.0.1:{api_port}", token, pki / "ca.crt", root / "kubeconfig", root)
+    if kubelets is None:
+        mode = ["--authorization-mode=RBAC", "--disable-admission-plugins=ServiceAccount"]
+    else:
+        egress_sock = root / "egress.sock"
+        (root / "egress.yaml").write_text(
+            "apiVersion: apiserver.k8s.io/v1beta1\nkind: EgressSelectorConfiguration\negressSelections:\n"
+            "- name: cluster\n  connection:\n    proxyProtocol: HTTPConnect\n"
+            f"    transport:\n      uds:\n        udsName: {egress_sock}\n"
+        )
+        mode = [
+            "--authorization-mode=Node,RBAC",
+            "--enable-admission-plugins=NodeRestriction",
+            f"--kubelet-client-certificate={pki / 'apiserver-kubelet-client.crt'}",
+            f"--kubelet-client-key={pki / 'apiserver-kubelet-client.key'}",
+            f"--kubelet-certificate-authority={pki / 'ca.crt'}",
+            f"--egress-selector-config-file={root / 'egress.yaml'}",
+        ]
     try:
+        if kubelets is not None:
+            maps = [f"--map={node}=127.0.0.1:{port}" for node, port in kubelets.items()]
+            plane.pids.append(
+                _spawn(
+                    [sys.executable, "-m", "testbed.egress", f"--socket={egress_sock}", *maps],
+                    root / "egress.log",
+                )
+            )
         plane.pids.append(
             _spawn(
                 [
@@ -152,17 +239,16 @@ def start_control_plane(workdir: Path | None = None, controller_manager: bool = 
                     f"--tls-private-key-file={pki / 'apiserver.key'}",
                     f"--client-ca-file={pki / 'ca.crt'}",
                     f"--token-auth-file={tokens}",
-                    "--authorization-mode=RBAC",
+                    *mode,
                     # Real clusters allow privileged pods (the node agent is one).
                     "--allow-privileged=true",
                     f"--service-account-key-file={pki / 'sa.pub'}",
                     f"--service-account-signing-key-file={pki / 'sa.key'}",
                     "--service-account-issuer=https://kubernetes.default.svc",
                     "--api-audiences=https://kubernetes.default.svc",
-                    # Service IPs are only allocated, never routed: there is no kube-proxy.
-                    "--service-cluster-ip-range=10.96.0.0/16",
+                    # Service IPs are only allocated; each node DNATs kubernetes.default itself.
+                    f"--service-cluster-ip-range={SERVICE_CIDR}",
                     "--endpoint-reconciler-type=none",
-                    "--disable-admission-plugins=ServiceAccount",
                     f"--cert-dir={root / 'certs'}",
                 ],
                 api_log,
@@ -171,22 +257,50 @@ def start_control_plane(workdir: Path | None = None, controller_manager: bool = 
         _wait_ready(plane.url, plane.ca_file, token, 60.0, api_log)
         write_kubeconfig(plane.kubeconfig, plane.url, plane.ca_file, token)
         if controller_manager:
+            controllers = NODE_CONTROLLERS if kubelets is not None else _API_ONLY_CONTROLLERS
             plane.pids.append(
                 _spawn(
                     [
                         str(kube_bin("kube-controller-manager")),
                         f"--kubeconfig={plane.kubeconfig}",
-                        "--controllers=garbagecollector,namespace,serviceaccount-token",
+                        f"--controllers={controllers}",
                         f"--service-account-private-key-file={pki / 'sa.key'}",
                         f"--root-ca-file={pki / 'ca.crt'}",
                         "--leader-elect=false",
                         "--port=0",
                         "--secure-port=0",
+                        # TCG guests are slow: a busy kubelet must not be taken for a dead one.
+                        "--node-monitor-grace-period=60s",
+                        "--pod-eviction-timeout=60s",
                     ],
                     root / "controller-manager.log",
+                )
+            )
+        if kubelets is not None:
+            scheduler_kc = root / "scheduler.kubeconfig"
+            write_kubeconfig(
+                scheduler_kc, plane.url, plane.ca_file, user="system:kube-scheduler",
+                cert=(pki / "scheduler.crt", pki / "scheduler.key"),
+            )  # fmt: skip
+            plane.pids.append(
+                _spawn(
+                    [
+                        str(kube_bin("kube-scheduler")),
+                        f"--kubeconfig={scheduler_kc}",
+                        f"--authentication-kubeconfig={scheduler_kc}",
+                        f"--authorization-kubeconfig={scheduler_kc}",
+                        "--leader-elect=false",
+                        "--bind-address=127.0.0.1",
+                        "--port=0",
+                        f"--secure-port={free_port()}",
+                    ],
+                    root / "scheduler.log",
                 )
             )
     except BaseException:
         plane.stop()
         raise
     return plane
+
+
+_API_ONLY_CONTROLLERS = "garbagecollector,namespace,serviceaccount-token"

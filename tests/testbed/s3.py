@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from testbed.ports import free_port
+from testbed.reaper import die_with_parent
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,14 @@ def start_s3(workdir: Path | None = None, timeout: float = 30.0) -> S3Server:
     ]
     env = dict(os.environ, GOMEMLIMIT="256MiB")
     log = open(root / "weed.log", "wb")  # noqa: SIM115 - lives as long as the server
-    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        args,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+        preexec_fn=die_with_parent,
+    )
     endpoint = f"http://127.0.0.1:{s3_port}"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -1,0 +1,163 @@
+"""The testbed's cluster, used the way a user uses one: kubectl against real kubelet/containerd/runc nodes."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from testbed import pods
+from testbed.cluster import NODE_NAMES, RDMA_LABEL, Cluster, node_ip
+from testbed.images import APPS_IMAGE, PRODUCT_IMAGE
+
+pytestmark = pytest.mark.cluster
+
+
+@pytest.fixture
+def ns(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[str]:
+    name = pods.namespace(cluster, request.node.name.replace("_", "-")[:50].strip("-"))
+    try:
+        yield name
+    finally:
+        pods.delete_namespace(cluster, name)
+
+
+def test_both_nodes_ready_with_rdma(cluster: Cluster) -> None:
+    nodes = json.loads(cluster.kubectl("get", "nodes", "-o", "json").stdout)["items"]
+    by_name = {n["metadata"]["name"]: n for n in nodes}
+    assert sorted(by_name) == sorted(NODE_NAMES)
+    for i, name in enumerate(NODE_NAMES, 1):
+        node = by_name[name]
+        assert node["metadata"]["labels"][RDMA_LABEL] == "rxe"
+        addresses = {a["type"]: a["address"] for a in node["status"]["addresses"]}
+        assert addresses["InternalIP"] == node_ip(i)
+        runtime = node["status"]["nodeInfo"]["containerRuntimeVersion"]
+        assert runtime.startswith("containerd://"), runtime
+    print(f"cluster timings: {cluster.timings}")
+
+
+def test_kubelets_have_node_identities(cluster: Cluster) -> None:
+    """Each kubelet is system:node:<name> (Node authorizer), not an admin: it may not read secrets at will."""
+    for name in NODE_NAMES:
+        kubeconfig = cluster.node_dirs[name] / "kubelet.kubeconfig"
+        # The node's kubeconfig names the guest's view of the host; ask the same questions as the admin.
+        as_node = (f"--as=system:node:{name}", "--as-group=system:nodes")
+        who = cluster.kubectl("auth", "can-i", "list", "secrets", "--all-namespaces", *as_node, check=False)
+        assert who.stdout.strip() == "no", who.stdout + who.stderr
+        own = cluster.kubectl("auth", "can-i", "get", f"nodes/{name}", *as_node, check=False)
+        assert own.stdout.strip() == "yes", own.stdout + own.stderr
+        assert f"system:node:{name}" in kubeconfig.read_text()
+
+
+def test_rdma_pingpong_between_pods_on_two_nodes(cluster: Cluster, ns: str) -> None:
+    iters = "200"
+    connect = f"ibv_rc_pingpong -g 1 -n {iters} {node_ip(1)}"
+    server = pods.rdma_pod("pp-server", "node-1", ["ibv_rc_pingpong", "-g", "1", "-n", iters], APPS_IMAGE)
+    client = pods.rdma_pod(
+        "pp-client", "node-2",
+        # The server may not listen yet when the client starts: retry the connect.
+        ["sh", "-c", f"for i in $(seq 60); do {connect} && exit 0; sleep 1; done; exit 1"],
+        APPS_IMAGE,
+    )  # fmt: skip
+    pods.apply(cluster, ns, server, client)
+    for name in ("pp-server", "pp-client"):
+        pods.wait_pod(cluster, ns, name, {"Succeeded"}, timeout=300)
+    for name in ("pp-server", "pp-client"):
+        out = cluster.kubectl("logs", "-n", ns, name).stdout
+        assert f"{iters} iters in" in out, out
+
+
+def test_product_image_runs_and_logs_reach_kubectl(cluster: Cluster, ns: str) -> None:
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "version"},
+        "spec": {
+            "nodeName": "node-2",
+            "restartPolicy": "Never",
+            "containers": [
+                {
+                    "name": "ibckpt",
+                    "image": PRODUCT_IMAGE,
+                    "imagePullPolicy": "Never",
+                    "args": ["--version"],
+                }
+            ],
+        },
+    }
+    pods.apply(cluster, ns, pod)
+    done = pods.wait_pod(cluster, ns, "version", {"Succeeded"}, timeout=300)
+    assert done["spec"]["containers"][0]["image"] == PRODUCT_IMAGE
+    out = cluster.kubectl("logs", "-n", ns, "version").stdout
+    assert out.startswith("ibckpt "), out
+
+
+def test_kubectl_exec_into_a_pod(cluster: Cluster, ns: str) -> None:
+    pod = pods.rdma_pod("shell", "node-1", ["sleep", "600"], APPS_IMAGE, host_network=False)
+    pods.apply(cluster, ns, pod)
+    pods.wait_pod(cluster, ns, "shell", {"Running"})
+    out = cluster.kubectl("exec", "-n", ns, "shell", "--", "sh", "-c", "hostname; ibv_devices").stdout
+    lines = out.split()
+    assert lines[0] == "shell", out  # a pod-network pod has its own UTS namespace
+    assert "rxe0" in out, out
+
+
+def _deployment_pods(cluster: Cluster, ns: str) -> list[dict[str, object]]:
+    items: list[dict[str, object]] = pods.get(cluster, ns, "pods", app="drained")["items"]
+    return [p for p in items if not p["metadata"].get("deletionTimestamp")]  # type: ignore[attr-defined]
+
+
+def test_drain_moves_a_deployment_pod_to_the_other_node(cluster: Cluster, ns: str) -> None:
+    deployment = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "drained"},
+        "spec": {
+            "replicas": 1,
+            "selector": {"matchLabels": {"app": "drained"}},
+            "template": {
+                "metadata": {"labels": {"app": "drained"}},
+                "spec": {
+                    "terminationGracePeriodSeconds": 1,
+                    "containers": [
+                        {
+                            "name": "main",
+                            "image": APPS_IMAGE,
+                            "imagePullPolicy": "Never",
+                            "command": ["sleep", "3600"],
+                        }
+                    ],
+                },
+            },
+        },
+    }
+    # Start it on node-1: keep node-2 cordoned until the pod runs.
+    cluster.kubectl("cordon", "node-2")
+    try:
+        pods.apply(cluster, ns, deployment)
+        cluster.kubectl("rollout", "status", "-n", ns, "deployment/drained", "--timeout=300s", timeout=320)
+    finally:
+        cluster.kubectl("uncordon", "node-2")
+    [first] = _deployment_pods(cluster, ns)
+    assert first["spec"]["nodeName"] == "node-1"  # type: ignore[index]
+    try:
+        drain = cluster.kubectl(
+            "drain", "node-1", "--ignore-daemonsets", "--delete-emptydir-data", "--timeout=240s", timeout=260
+        )
+        assert "drained" in drain.stdout, drain.stdout
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            running = [
+                p for p in _deployment_pods(cluster, ns)
+                if p["status"].get("phase") == "Running"  # type: ignore[attr-defined]
+            ]  # fmt: skip
+            if running:
+                break
+            time.sleep(2)
+        assert running, f"no replacement pod Running{cluster.diagnose()}"
+        assert running[0]["spec"]["nodeName"] == "node-2"  # type: ignore[index]
+        assert running[0]["metadata"]["name"] != first["metadata"]["name"]  # type: ignore[index]
+    finally:
+        cluster.kubectl("uncordon", "node-1")

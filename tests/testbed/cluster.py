@@ -1,0 +1,275 @@
+"""A real two-node Kubernetes cluster: the Soft-RoCE guests are its nodes.
+
+The control plane (etcd, apiserver, controller-manager, scheduler, and the egress proxy the
+apiserver reaches kubelets through) runs on the host's 127.0.0.1. Each of the two linked qemu
+guests runs containerd, runc, CNI and a kubelet with a node identity of its own (a client cert
+for system:node:node-N, as kubeadm gives them), joins the apiserver at 10.0.2.100 (qemu's
+forward) and registers as node-1 / node-2 with an RDMA label. Pods with /dev/infiniband on the
+two nodes talk RDMA over the guests' private link (rxe0, 10.77.0.N).
+
+CLI (for a person at the keyboard): python -m testbed.cluster up
+    prints a kubeconfig path, keeps the cluster until Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from testbed import images as image_builds
+from testbed.guest import GUEST_USER_ADDR, HERE, GuestPair, GuestSpec, cache_dir
+from testbed.kube import (
+    KUBERNETES_SERVICE_IP,
+    ControlPlane,
+    issue_cert,
+    start_control_plane,
+    write_kubeconfig,
+)
+from testbed.ports import free_port
+
+NODE_NAMES = ("node-1", "node-2")
+KUBELET_PORT = 10250
+RDMA_LABEL = "ibckpt.io/rdma"
+# The Soft-RoCE devices every node has (guest-init2.sh creates rxe0 on the link NIC).
+RDMA_DEVICE = "/dev/infiniband/uverbs0"
+
+
+def node_ip(index: int) -> str:
+    return f"10.77.0.{index}"
+
+
+@dataclass
+class Cluster:
+    plane: ControlPlane
+    guests: GuestPair
+    node_dirs: dict[str, Path]
+    images: dict[str, image_builds.Image]
+    started: float = field(default_factory=time.monotonic)
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def kubeconfig(self) -> Path:
+        return self.plane.kubeconfig
+
+    def kubectl(
+        self, *args: str, check: bool = True, timeout: float = 180.0, stdin: str | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        """Run kubectl as the cluster admin, the way a user at the keyboard would."""
+        proc = subprocess.run(
+            [str(kubectl_bin()), f"--kubeconfig={self.kubeconfig}", *args],
+            input=stdin,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        if check and proc.returncode != 0:
+            raise RuntimeError(
+                f"kubectl {' '.join(args)} failed ({proc.returncode}):\n"
+                f"{proc.stdout[-3000:]}{proc.stderr[-3000:]}{self.diagnose()}"
+            )
+        return proc
+
+    def node_log(self, node: str, name: str = "kubelet.log", tail: int = 40) -> str:
+        path = self.node_dirs[node] / name
+        if not path.exists():
+            return f"({path} missing)"
+        return "\n".join(path.read_text(errors="replace").splitlines()[-tail:])
+
+    def diagnose(self) -> str:
+        """What a failing test should show: dead guests, and each kubelet's last lines."""
+        parts = [f"\n--- {d}" for d in self.guests.dead()]
+        for node in NODE_NAMES:
+            parts.append(f"\n--- {node} kubelet.log (tail)\n{self.node_log(node, tail=15)}")
+        return "".join(parts)
+
+    def wait_nodes_ready(self, timeout: float = 420.0) -> None:
+        deadline = time.monotonic() + timeout
+        ready: set[str] = set()
+        while time.monotonic() < deadline:
+            if self.guests.dead():
+                raise RuntimeError(f"testbed: a node guest died while joining{self.diagnose()}")
+            proc = self.kubectl("get", "nodes", "-o", "json", check=False)
+            if proc.returncode == 0:
+                for item in json.loads(proc.stdout)["items"]:
+                    conds = {c["type"]: c["status"] for c in item["status"].get("conditions", [])}
+                    taints = [t["key"] for t in item["spec"].get("taints", [])]
+                    name = item["metadata"]["name"]
+                    if conds.get("Ready") == "True" and "node.kubernetes.io/not-ready" not in taints:
+                        if name not in ready:
+                            self.timings[f"{name} ready"] = time.monotonic() - self.started
+                        ready.add(name)
+            if ready >= set(NODE_NAMES):
+                return
+            time.sleep(2)
+        raise RuntimeError(
+            f"testbed: nodes {sorted(set(NODE_NAMES) - ready)} not Ready in {timeout:g}s{self.diagnose()}"
+        )
+
+    def stop(self) -> None:
+        self.guests.stop()
+        self.plane.stop()
+
+
+def kubectl_bin() -> Path:
+    path = cache_dir() / "helm" / "kubectl"
+    if not path.exists():
+        raise RuntimeError(f"{path} missing: run tests/testbed/fetch-helm.sh (make helm)")
+    return path
+
+
+def _kubelet_config(node_dir: Path) -> str:
+    return f"""apiVersion: kubelet.config.k8s.io/v1beta1
+kind: KubeletConfiguration
+address: {GUEST_USER_ADDR}
+port: {KUBELET_PORT}
+readOnlyPort: 0
+tlsCertFile: {node_dir / "kubelet.crt"}
+tlsPrivateKeyFile: {node_dir / "kubelet.key"}
+authentication:
+  anonymous: {{enabled: false}}
+  webhook: {{enabled: true}}
+  x509: {{clientCAFile: {node_dir / "ca.crt"}}}
+authorization:
+  mode: Webhook
+cgroupDriver: cgroupfs
+failSwapOn: false
+makeIPTablesUtilChains: false
+# The node's disks are tmpfs: disk-pressure evictions would fire at once.
+evictionHard: {{}}
+enforceNodeAllocatable: []
+imageGCHighThresholdPercent: 100
+imageGCLowThresholdPercent: 99
+serializeImagePulls: false
+clusterDomain: cluster.local
+"""
+
+
+def _prepare_node(
+    plane: ControlPlane, root: Path, index: int, tars: Sequence[Path], handlers_toml: str
+) -> Path:
+    name = NODE_NAMES[index - 1]
+    node_dir = root / name
+    node_dir.mkdir(parents=True)
+    pki = plane.workdir / "pki"
+    # The kubelet's client identity (Node authorizer) and its serving cert for the apiserver.
+    issue_cert(pki, f"{name}-client", f"/O=system:nodes/CN=system:node:{name}", client=True)
+    issue_cert(
+        pki, f"{name}-serving", f"/CN={name}", sans=f"IP:{node_ip(index)},IP:{GUEST_USER_ADDR},DNS:{name}"
+    )
+    for src, dst in (
+        ("ca.crt", "ca.crt"),
+        (f"{name}-client.crt", "client.crt"),
+        (f"{name}-client.key", "client.key"),
+        (f"{name}-serving.crt", "kubelet.crt"),
+        (f"{name}-serving.key", "kubelet.key"),
+    ):
+        shutil.copy2(pki / src, node_dir / dst)
+    api_port = plane.url.rsplit(":", 1)[1]
+    write_kubeconfig(
+        node_dir / "kubelet.kubeconfig",
+        f"https://10.0.2.100:{api_port}",
+        node_dir / "ca.crt",
+        user=f"system:node:{name}",
+        cert=(node_dir / "client.crt", node_dir / "client.key"),
+    )
+    (node_dir / "kubelet-config.yaml").write_text(_kubelet_config(node_dir))
+    (node_dir / "runtime-handlers.toml").write_text(handlers_toml)
+    env = {
+        "NODE_NAME": name,
+        "NODE_IP": node_ip(index),
+        "NODE_LABELS": f"{RDMA_LABEL}=rxe",
+        "API_PORT": api_port,
+        "IMAGE_TARS": " ".join(str(t) for t in tars),
+        "PAUSE_IMAGE": image_builds.PAUSE_IMAGE,
+        "POD_SUBNET": f"10.88.{index}.0/24",
+        "CLUSTER_API_IP": KUBERNETES_SERVICE_IP,
+    }
+    (node_dir / "node.env").write_text("".join(f"{k}='{v}'\n" for k, v in env.items()))
+    return node_dir
+
+
+def start_cluster(
+    workdir: Path | None = None,
+    forward_ports: Sequence[int] = (),
+    runtime_handlers_toml: str = "",
+    memory_mb: int = 3072,
+    cpus: int = 2,
+    echo: bool = False,
+) -> Cluster:
+    """Control plane on the host, two node guests; returns once both nodes are Ready.
+
+    forward_ports: host services (S3, ...) that pods and nodes reach at 10.0.2.100:<port>.
+    runtime_handlers_toml: extra containerd runtimes (the ibckpt runtime handler).
+    """
+    root = Path(workdir or tempfile.mkdtemp(prefix="ibckpt-cluster-"))
+    built = image_builds.build()
+    kubelet_ports = {name: free_port() for name in NODE_NAMES}
+    started = time.monotonic()
+    plane = start_control_plane(
+        root / "control-plane",
+        kubelets={f"{node_ip(i)}:{KUBELET_PORT}": kubelet_ports[n] for i, n in enumerate(NODE_NAMES, 1)},
+    )
+    try:
+        api_port = int(plane.url.rsplit(":", 1)[1])
+        tars = [img.tar for img in built.values()]
+        node_dirs = {
+            n: _prepare_node(plane, root, i, tars, runtime_handlers_toml) for i, n in enumerate(NODE_NAMES, 1)
+        }
+        specs = [
+            GuestSpec(
+                command=f"bash {HERE / 'node-init.sh'} {node_dirs[n]}",
+                cpus=cpus,
+                memory_mb=memory_mb,
+                writable=[node_dirs[n]],
+                forward_ports=[api_port, *forward_ports],
+                host_forwards=[(kubelet_ports[n], KUBELET_PORT)],
+            )
+            for n in NODE_NAMES
+        ]
+        cluster = Cluster(plane, GuestPair(specs[0], specs[1], echo=echo), node_dirs, built, started)
+    except BaseException:
+        plane.stop()
+        raise
+    try:
+        cluster.timings["control plane"] = time.monotonic() - started
+        cluster.wait_nodes_ready()
+        # Pods get a service account token only once the namespace's default account exists.
+        cluster.kubectl("wait", "--for=condition=Ready", "node", "--all", "--timeout=60s")
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m testbed.cluster", description=__doc__.splitlines()[0])
+    parser.add_argument("action", choices=["up"])
+    parser.add_argument("--echo", action="store_true", help="show both guests' consoles")
+    args = parser.parse_args(argv)
+    cluster = start_cluster(echo=args.echo)
+    print(f"cluster up: export KUBECONFIG={cluster.kubeconfig}")
+    for what, seconds in cluster.timings.items():
+        print(f"  {what}: {seconds:.1f}s")
+    try:
+        while not cluster.guests.dead():
+            time.sleep(5)
+        print("\n".join(cluster.guests.dead()))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        cluster.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    os.umask(0o022)
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""Pods for tests on the real cluster, applied and watched through kubectl as a user would."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from testbed.cluster import RDMA_DEVICE, Cluster
+
+
+def rdma_pod(
+    name: str,
+    node: str,
+    command: list[str],
+    image: str,
+    *,
+    host_network: bool = True,
+    labels: dict[str, str] | None = None,
+    restart: str = "Never",
+) -> dict[str, Any]:
+    """A pod pinned to node with the node's RDMA device, running image's command."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "labels": labels or {"app": name}},
+        "spec": {
+            "nodeName": node,
+            "hostNetwork": host_network,
+            "restartPolicy": restart,
+            "terminationGracePeriodSeconds": 2,
+            "containers": [
+                {
+                    "name": "main",
+                    "image": image,
+                    "imagePullPolicy": "Never",
+                    "command": command,
+                    "securityContext": {"privileged": True},
+                    "volumeMounts": [{"name": "infiniband", "mountPath": "/dev/infiniband"}],
+                }
+            ],
+            "volumes": [{"name": "infiniband", "hostPath": {"path": RDMA_DEVICE.rsplit("/", 1)[0]}}],
+        },
+    }
+
+
+def apply(cluster: Cluster, namespace: str, *objects: dict[str, Any]) -> None:
+    doc = {"apiVersion": "v1", "kind": "List", "items": list(objects)}
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", stdin=json.dumps(doc))
+
+
+def get(cluster: Cluster, namespace: str, kind: str, name: str | None = None, **selectors: str) -> Any:
+    args = ["get", kind, "-n", namespace, "-o", "json"]
+    if name:
+        args.insert(2, name)
+    if selectors:
+        args += ["-l", ",".join(f"{k}={v}" for k, v in selectors.items())]
+    return json.loads(cluster.kubectl(*args).stdout)
+
+
+def wait_pod(
+    cluster: Cluster, namespace: str, name: str, phases: set[str], timeout: float = 300.0
+) -> dict[str, Any]:
+    """Wait until the pod's phase is one of phases; fail early if it ends in another."""
+    deadline = time.monotonic() + timeout
+    pod: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        pod = get(cluster, namespace, "pod", name)
+        phase = pod["status"].get("phase", "")
+        if phase in phases:
+            return pod
+        if phase in ("Succeeded", "Failed"):
+            break
+        time.sleep(2)
+    logs = cluster.kubectl("logs", "-n", namespace, name, "--all-containers", check=False)
+    raise AssertionError(
+        f"pod {namespace}/{name} is {pod.get('status', {}).get('phase')!r}, wanted {sorted(phases)}:\n"
+        f"{json.dumps(pod.get('status', {}), indent=1)[-3000:]}\n"
+        f"logs:\n{logs.stdout[-2000:]}{logs.stderr[-500:]}{cluster.diagnose()}"
+    )
+
+
+def namespace(cluster: Cluster, name: str) -> str:
+    """A fresh namespace whose default service account exists (pods need it for their token)."""
+    cluster.kubectl("create", "namespace", name)
+    deadline = time.monotonic() + 60
+    while cluster.kubectl("get", "serviceaccount", "default", "-n", name, check=False).returncode != 0:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"namespace {name}: no default service account after 60 s")
+        time.sleep(0.5)
+    return name
+
+
+def delete_namespace(cluster: Cluster, name: str) -> None:
+    cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
