@@ -1,0 +1,112 @@
+"""Checkpoint: one stored, complete checkpoint (its manifest exists in the store), like
+VolumeSnapshotContent. The operator creates it after the manifest commit; a RestoreJob names it."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from pydantic import ConfigDict, Field, model_validator
+
+from ibckpt.api.base import ApiModel, KindInfo, PrinterColumn
+from ibckpt.api.checkpointjob import CheckpointMode, WorkloadReference
+from ibckpt.api.common import CONDITIONS_SCHEMA_EXTRA, Condition, LocalObjectReference
+from ibckpt.api.storage import S3Location
+
+
+class JobReference(ApiModel):
+    """The CheckpointJob that made this checkpoint (it may be gone: the checkpoint outlives it)."""
+
+    name: str
+    uid: str | None = None
+
+
+class CheckpointPod(ApiModel):
+    name: str
+    uid: str | None = None
+    node: str | None = None
+    ranks: list[str] | None = Field(default=None, description="Rank keys (job/pod/container/process).")
+    bytes: int | None = Field(default=None, ge=0)
+
+
+class CheckpointSize(ApiModel):
+    bytes: int = Field(ge=0, description="Image bytes before compression.")
+    stored_bytes: int | None = Field(default=None, ge=0, description="Bytes in the bucket (new chunks only).")
+    human: str | None = Field(default=None, description="bytes, for people (printer column).")
+
+
+class CheckpointTimings(ApiModel):
+    """Seconds each phase took, as the job measured them; pauseSeconds is how long the ranks were gated."""
+
+    pause_seconds: float | None = Field(default=None, ge=0)
+    quiesce_seconds: float | None = Field(default=None, ge=0)
+    drain_seconds: float | None = Field(default=None, ge=0)
+    release_seconds: float | None = Field(default=None, ge=0)
+    dump_seconds: float | None = Field(default=None, ge=0)
+    upload_seconds: float | None = Field(default=None, ge=0)
+    total_seconds: float | None = Field(default=None, ge=0)
+
+
+class RequiredVersions(ApiModel):
+    """The versions the images were taken with; a restore node must be compatible with them."""
+
+    kernel: str | None = None
+    rdma_core: str | None = None
+    criu: str | None = None
+    ibckpt: str | None = None
+
+
+class CheckpointSpec(ApiModel):
+    """What the checkpoint holds and where. Written once by the operator; exactly one of storageRef and
+    storage."""
+
+    model_config = ConfigDict(
+        json_schema_extra={"oneOf": [{"required": ["storageRef"]}, {"required": ["storage"]}]}
+    )
+
+    job_name: str | None = Field(default=None, description="The job's name in the store (namespace/name).")
+    checkpoint_job_ref: JobReference | None = None
+    source: WorkloadReference | None = Field(default=None, description="The workload that was checkpointed.")
+    checkpoint_id: str | None = Field(default=None, description="The checkpoint's id in the store.")
+    storage_ref: LocalObjectReference | None = None
+    storage: S3Location | None = None
+    manifest_key: str = Field(min_length=1, description="Object key of the manifest in the store.")
+    mode: CheckpointMode | None = None
+    rank_count: int | None = Field(default=None, ge=0)
+    pods: list[CheckpointPod] | None = None
+    nodes: list[str] | None = None
+    size: CheckpointSize | None = None
+    timings: CheckpointTimings | None = None
+    requires: RequiredVersions | None = None
+    committed_time: datetime | None = None
+
+    @model_validator(mode="after")
+    def _one_storage(self) -> CheckpointSpec:
+        if (self.storage is None) == (self.storage_ref is None):
+            raise ValueError("give exactly one of storageRef and storage")
+        return self
+
+
+class CheckpointStatus(ApiModel):
+    ready_to_restore: bool | None = None
+    message: str | None = None
+    observed_generation: int | None = Field(default=None, ge=0)
+    conditions: list[Condition] | None = Field(default=None, json_schema_extra=CONDITIONS_SCHEMA_EXTRA)
+    last_verified_time: datetime | None = None
+
+
+CHECKPOINT = KindInfo(
+    kind="Checkpoint",
+    plural="checkpoints",
+    short_names=("ckpt",),
+    scope="Namespaced",
+    summary="One stored, complete checkpoint (its manifest exists in the store). Like VolumeSnapshotContent.",
+    spec=CheckpointSpec,
+    status=CheckpointStatus,
+    printer_columns=(
+        PrinterColumn("Job", ".spec.jobName"),
+        PrinterColumn("Ranks", ".spec.rankCount", "integer"),
+        PrinterColumn("Size", ".spec.size.human"),
+        PrinterColumn("Ready", ".status.readyToRestore", "boolean"),
+        PrinterColumn("Age", ".metadata.creationTimestamp", "date"),
+    ),
+)

@@ -1,0 +1,194 @@
+"""CheckpointJob: checkpoint every pod of one workload at one consistent cut, into a storage."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import StrEnum
+from typing import Literal
+
+from pydantic import ConfigDict, Field, model_validator
+
+from ibckpt.api.base import ApiModel, KindInfo, PrinterColumn
+from ibckpt.api.common import (
+    CONDITIONS_SCHEMA_EXTRA,
+    NAME_PATTERN,
+    Condition,
+    LabelSelector,
+    LocalObjectReference,
+)
+from ibckpt.api.storage import S3Location
+
+
+class CheckpointMode(StrEnum):
+    """LeaveRunning: the job continues after the dump. Stop: the source processes are killed once the
+    checkpoint is committed (to move the job elsewhere with a RestoreJob)."""
+
+    LEAVE_RUNNING = "LeaveRunning"
+    STOP = "Stop"
+
+
+class ConcurrencyPolicy(StrEnum):
+    """What a CheckpointJob does while another one holds any of its pods: Wait (within its admission
+    deadline) or Fail at once."""
+
+    WAIT = "Wait"
+    FAIL = "Fail"
+
+
+class JobPhase(StrEnum):
+    """Where a CheckpointJob is; docs/crds.md draws the machine."""
+
+    PENDING = "Pending"
+    ADMITTED = "Admitted"
+    QUIESCING = "Quiescing"
+    DRAINING = "Draining"
+    RELEASING = "Releasing"
+    DUMPING = "Dumping"
+    UPLOADING = "Uploading"
+    COMMITTED = "Committed"
+    REBUILDING = "Rebuilding"
+    RESUMING = "Resuming"
+    STOPPED = "Stopped"
+    ABORTING = "Aborting"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+
+
+class WorkloadReference(ApiModel):
+    """The workload whose pods are checkpointed: a Job, StatefulSet, JobSet, MPIJob or any kind that owns
+    its pods, directly or through one owner in between (a JobSet's Jobs)."""
+
+    api_version: str | None = Field(
+        default=None, description="e.g. batch/v1; unset: any group with this kind."
+    )
+    kind: str = Field(min_length=1, pattern=r"^[A-Z][A-Za-z0-9]*$")
+    name: str = Field(min_length=1, max_length=253, pattern=NAME_PATTERN)
+
+
+class JobTimeouts(ApiModel):
+    """The bound on each phase, in seconds. One that runs out before the checkpoint is committed aborts it,
+    and every rank resumes where it was."""
+
+    admit_seconds: int = Field(
+        default=60, ge=1, description="Pending and Admitted: pods found, claimed, admitted."
+    )
+    quiesce_seconds: int = Field(default=30, ge=1)
+    drain_seconds: int = Field(default=60, ge=1)
+    release_seconds: int = Field(default=60, ge=1)
+    dump_seconds: int = Field(default=600, ge=1)
+    upload_seconds: int = Field(default=1800, ge=1, description="Uploading, including the manifest commit.")
+    publish_seconds: int = Field(default=60, ge=1, description="Committed: the Checkpoint object is created.")
+    rebuild_seconds: int = Field(default=120, ge=1)
+    resume_seconds: int = Field(default=30, ge=1)
+    stop_seconds: int = Field(default=60, ge=1, description="Stopped: the source processes are killed.")
+    abort_seconds: int = Field(default=120, ge=1, description="Aborting: every rank confirms it resumed.")
+
+
+class CheckpointJobSpec(ApiModel):
+    """What to checkpoint, how, and where to. Exactly one of selector and workloadRef; exactly one of
+    storageRef and storage."""
+
+    # Without CEL (v1.20) "exactly one of" is a oneOf of required lists, which structural schemas allow.
+    model_config = ConfigDict(
+        json_schema_extra={
+            "allOf": [
+                {"oneOf": [{"required": ["selector"]}, {"required": ["workloadRef"]}]},
+                {"oneOf": [{"required": ["storageRef"]}, {"required": ["storage"]}]},
+            ]
+        }
+    )
+
+    selector: LabelSelector | None = Field(
+        default=None,
+        description="The pods of the job, by label (every container with RDMA devices is checkpointed).",
+        json_schema_extra={"minProperties": 1},
+    )
+    workload_ref: WorkloadReference | None = Field(
+        default=None, description="The pods of the job, by the workload that owns them."
+    )
+    mode: CheckpointMode = CheckpointMode.LEAVE_RUNNING
+    storage_ref: LocalObjectReference | None = Field(default=None, description="A CheckpointStorage.")
+    storage: S3Location | None = Field(default=None, description="An S3 location given in place.")
+    timeouts: JobTimeouts = JobTimeouts()
+    active_deadline_seconds: int = Field(
+        default=3600, ge=1, description="Bound on the whole job, from its start to Succeeded or Failed."
+    )
+    concurrency_policy: ConcurrencyPolicy = ConcurrencyPolicy.WAIT
+    compression: Literal["zstd", "none"] = "zstd"
+    checkpoint_name: str | None = Field(
+        default=None,
+        max_length=253,
+        pattern=NAME_PATTERN,
+        description="Name of the Checkpoint to create; unset: the job's name and its attempt.",
+    )
+    copy_labels: list[str] | None = Field(
+        default=None, description="Keys of this job's labels to copy onto the Checkpoint ('*': all)."
+    )
+
+    @model_validator(mode="after")
+    def _one_of_each(self) -> CheckpointJobSpec:
+        if (self.selector is None) == (self.workload_ref is None):
+            raise ValueError("give exactly one of selector and workloadRef")
+        if self.selector is not None and self.selector.is_empty():
+            raise ValueError("selector must have at least one rule (an empty one would match every pod)")
+        if (self.storage is None) == (self.storage_ref is None):
+            raise ValueError("give exactly one of storageRef and storage")
+        return self
+
+
+class PodRow(ApiModel):
+    """One member pod: pinned by UID when the job admits it."""
+
+    name: str
+    uid: str | None = None
+    node: str | None = None
+    phase: str | None = Field(default=None, description="The last step this pod finished, or why it failed.")
+    ranks: int | None = Field(default=None, ge=0, description="Processes of this pod under the shim.")
+    bytes: int | None = Field(default=None, ge=0, description="Image bytes this pod uploaded.")
+    seconds: float | None = Field(default=None, ge=0, description="Seconds this pod spent in the last step.")
+    message: str | None = None
+
+
+class CheckpointJobStatus(ApiModel):
+    """What the operator did. `attempt` is written before each side effect, so a restarted operator knows
+    which step's outcome it does not know."""
+
+    phase: JobPhase | None = None
+    reason: str | None = Field(
+        default=None, description="Why the job failed or is waiting, one CamelCase word."
+    )
+    message: str | None = None
+    observed_generation: int | None = Field(default=None, ge=0)
+    conditions: list[Condition] | None = Field(default=None, json_schema_extra=CONDITIONS_SCHEMA_EXTRA)
+    attempt: str | None = Field(default=None, description="Id of the side effect last started.")
+    step: str | None = Field(default=None, description="What that side effect is (quiesce, upload, ...).")
+    aborted_from: JobPhase | None = Field(default=None, description="The phase an abort started in.")
+    waiting_for: str | None = Field(default=None, description="The job that holds some of this job's pods.")
+    pod_count: int | None = Field(default=None, ge=0)
+    pods: list[PodRow] | None = None
+    checkpoint_name: str | None = None
+    manifest_key: str | None = None
+    bytes: int | None = Field(default=None, ge=0)
+    start_time: datetime | None = None
+    phase_start_time: datetime | None = None
+    step_start_time: datetime | None = None
+    completion_time: datetime | None = None
+
+
+CHECKPOINT_JOB = KindInfo(
+    kind="CheckpointJob",
+    plural="checkpointjobs",
+    short_names=("ckj",),
+    scope="Namespaced",
+    summary="A request to checkpoint every RDMA pod of one workload at one consistent cut.",
+    spec=CheckpointJobSpec,
+    status=CheckpointJobStatus,
+    printer_columns=(
+        PrinterColumn("Phase", ".status.phase"),
+        PrinterColumn("Mode", ".spec.mode"),
+        PrinterColumn("Pods", ".status.podCount", "integer"),
+        PrinterColumn("Checkpoint", ".status.checkpointName"),
+        PrinterColumn("Reason", ".status.reason", priority=1),
+        PrinterColumn("Age", ".metadata.creationTimestamp", "date"),
+    ),
+)

@@ -1,0 +1,88 @@
+"""RestoreJob: bring a job back from a Checkpoint, on the same nodes or others."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import StrEnum
+
+from pydantic import Field
+
+from ibckpt.api.base import ApiModel, KindInfo, PrinterColumn
+from ibckpt.api.checkpointjob import PodRow
+from ibckpt.api.common import CONDITIONS_SCHEMA_EXTRA, NAME_PATTERN, Condition
+
+
+class RestorePhase(StrEnum):
+    """Where a RestoreJob is; docs/crds.md draws the machine."""
+
+    PENDING = "Pending"
+    ADMITTED = "Admitted"
+    DOWNLOADING = "Downloading"
+    RESTORING = "Restoring"
+    REBUILDING = "Rebuilding"
+    RESUMING = "Resuming"
+    CLEANING_UP = "CleaningUp"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+
+
+class RestoreTimeouts(ApiModel):
+    """The bound on each phase, in seconds. One that runs out fails the restore and removes what it
+    restored; the Checkpoint stays valid for another try."""
+
+    admit_seconds: int = Field(default=60, ge=1, description="Pending and Admitted: placed and admitted.")
+    download_seconds: int = Field(default=1800, ge=1)
+    restore_seconds: int = Field(default=600, ge=1)
+    rebuild_seconds: int = Field(default=120, ge=1)
+    resume_seconds: int = Field(default=30, ge=1)
+    cleanup_seconds: int = Field(default=120, ge=1, description="CleaningUp: restored ranks are removed.")
+
+
+class RestoreJobSpec(ApiModel):
+    """Which Checkpoint to restore, and where the pods may go."""
+
+    checkpoint_name: str = Field(min_length=1, max_length=253, pattern=NAME_PATTERN)
+    node_selector: dict[str, str] | None = Field(
+        default=None, description="Labels a destination node must have."
+    )
+    avoid_nodes: list[str] | None = Field(default=None, description="Nodes that must not receive a pod.")
+    avoid_source_nodes: bool = Field(
+        default=False, description="Keep every pod off the nodes it was checkpointed on (moving off a drain)."
+    )
+    timeouts: RestoreTimeouts = RestoreTimeouts()
+    active_deadline_seconds: int = Field(default=3600, ge=1, description="Bound on the whole restore.")
+
+
+class RestoreJobStatus(ApiModel):
+    """What the operator did; `attempt` is written before each side effect (see CheckpointJob)."""
+
+    phase: RestorePhase | None = None
+    reason: str | None = None
+    message: str | None = None
+    observed_generation: int | None = Field(default=None, ge=0)
+    conditions: list[Condition] | None = Field(default=None, json_schema_extra=CONDITIONS_SCHEMA_EXTRA)
+    attempt: str | None = None
+    step: str | None = None
+    failed_from: RestorePhase | None = Field(default=None, description="The phase the restore failed in.")
+    pods: list[PodRow] | None = Field(default=None, description="One row per pod; node is the destination.")
+    start_time: datetime | None = None
+    phase_start_time: datetime | None = None
+    step_start_time: datetime | None = None
+    completion_time: datetime | None = None
+
+
+RESTORE_JOB = KindInfo(
+    kind="RestoreJob",
+    plural="restorejobs",
+    short_names=("rsj",),
+    scope="Namespaced",
+    summary="Bring a job back from a Checkpoint, on the same or other nodes.",
+    spec=RestoreJobSpec,
+    status=RestoreJobStatus,
+    printer_columns=(
+        PrinterColumn("Phase", ".status.phase"),
+        PrinterColumn("Checkpoint", ".spec.checkpointName"),
+        PrinterColumn("Reason", ".status.reason", priority=1),
+        PrinterColumn("Age", ".metadata.creationTimestamp", "date"),
+    ),
+)
