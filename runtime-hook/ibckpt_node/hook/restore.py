@@ -1,0 +1,99 @@
+"""Whether a `create` may become a restore, and from which images.
+
+A pod annotation alone proves nothing: anybody who can create a pod can write one. A restore is
+honoured only when the node agent (root) staged images for exactly this container:
+
+    STATE_DIR/restore/POD_UID/CONTAINER/staged.json   {"checkpoint": "NS/NAME", "namespace": NS,
+                                                        "pod": POD, "pod_uid": UID,
+                                                        "container": NAME, "restore_args": "..."}
+    STATE_DIR/restore/POD_UID/CONTAINER/images/       what `runc checkpoint` wrote
+
+and both are root's and writable by nobody else. The agent stages only for a RestoreJob the
+operator admitted, and the pod's uid is given by the API server when the pod is created, so an
+annotation copied onto another pod, or naming another namespace's checkpoint, finds nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+
+from ibckpt_node.hook import oci
+from ibckpt_node.hook.oci import Refused
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
+# runc restore options the agent may ask for (they must match how it dumped)
+ALLOWED_RESTORE_ARGS = frozenset({"--tcp-established", "--ext-unix-sk", "--file-locks", "--shell-job"})
+
+
+def _root_only(path: str, what: str) -> os.stat_result:
+    st = os.lstat(path)
+    if st.st_uid != 0 or st.st_mode & 0o022 or stat.S_ISLNK(st.st_mode):
+        raise Refused(f"{what} {path} is not root's alone (owner {st.st_uid}, mode {st.st_mode & 0o7777:o})")
+    return st
+
+
+def check(config: oci.NodeConfig, spec: dict[str, Any]) -> tuple[str, str]:
+    """(image dir, extra restore args) for this container, or Refused saying why not."""
+    value = oci.annotations_of(spec).get(oci.ANN_RESTORE, "").strip()
+    who = oci.identity(spec)
+    namespace, _, name = value.partition("/")
+    if not namespace or not name or "/" in name:
+        raise Refused(f"{oci.ANN_RESTORE}={value!r}: expected NAMESPACE/CHECKPOINT")
+    if not (who.namespace and who.pod and who.pod_uid and who.container):
+        raise Refused(
+            f"{oci.ANN_RESTORE}={value}: the container carries no pod identity "
+            "(namespace, pod, pod uid, container name), so no restore can be matched to it"
+        )
+    if namespace != who.namespace:
+        raise Refused(
+            f"refusing to restore pod {who.namespace}/{who.pod} from checkpoint {value}: "
+            f"it belongs to namespace {namespace!r}, the pod is in {who.namespace!r}"
+        )
+    try:
+        oci.checked_id(who.pod_uid)
+        oci.checked_id(who.container)
+    except ValueError as exc:
+        raise Refused(str(exc)) from None
+    where = config.restore_dir(who.pod_uid, who.container)
+    staged_file = os.path.join(where, "staged.json")
+    images = os.path.join(where, "images")
+    try:
+        _root_only(where, "restore dir")
+        _root_only(staged_file, "staged restore")
+        _root_only(images, "image dir")
+        with open(staged_file, encoding="utf-8") as f:
+            staged = json.load(f)
+    except FileNotFoundError:
+        raise Refused(
+            f"refusing to restore pod {who.namespace}/{who.pod} (uid {who.pod_uid}) container "
+            f"{who.container} from {value}: the node agent staged no images for it on this node "
+            "(a forged or stale restore annotation, or the agent has not staged them yet)"
+        ) from None
+    except ValueError as exc:
+        raise Refused(f"{staged_file}: {exc}") from None
+    want = {
+        "checkpoint": value,
+        "namespace": who.namespace,
+        "pod": who.pod,
+        "pod_uid": who.pod_uid,
+        "container": who.container,
+    }
+    if not isinstance(staged, dict):
+        raise Refused(f"{staged_file}: not an object")
+    wrong = sorted(k for k, v in want.items() if staged.get(k) != v)
+    if wrong:
+        theirs = ", ".join(f"{k}={staged.get(k)!r}" for k in wrong)
+        raise Refused(
+            f"refusing to restore pod {who.namespace}/{who.pod} container {who.container} from {value}: "
+            f"the staged images are for another restore ({theirs})"
+        )
+    extra = str(staged.get("restore_args", ""))
+    bad = [a for a in extra.split() if a not in ALLOWED_RESTORE_ARGS]
+    if bad:
+        raise Refused(f"{staged_file}: restore_args {bad} not allowed")
+    return images, extra

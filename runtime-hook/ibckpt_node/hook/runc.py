@@ -1,0 +1,201 @@
+"""`ibckpt-runc`: containerd's (or CRI-O's, or podman's) runc for the `ibckpt` runtime handler.
+
+`create` and `run` first edit the bundle's config.json for a container that goes under the shim
+(oci.edit_spec: the shim file, LD_PRELOAD, the control and coordinator directories, the hook),
+then exec the real runc with the arguments untouched. Every other subcommand is an exec of runc
+and nothing else. The real runc is `runc` in /etc/ibckpt/node.json, or $IBCKPT_RUNC.
+
+Restore seam: the `create` of a container whose pod carries `ibckpt.io/restore-from:
+NAMESPACE/CHECKPOINT` becomes `runc restore --detach` from the images the node agent staged in
+STATE_DIR/restore/POD_UID/CONTAINER (restore.check refuses anything else); the `start` that
+follows is then answered here, since the container already runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from ibckpt_node.hook import oci
+from ibckpt_node.hook.oci import Refused
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import NoReturn
+
+# runc's global flags that take a value (as `--flag value`, `--flag=value`, or with one dash)
+GLOBAL_VALUE_FLAGS = frozenset({"root", "log", "log-format", "criu", "rootless"})
+# create's and run's flags that take a value; every other flag of theirs is a boolean
+CREATE_VALUE_FLAGS = frozenset({"bundle", "b", "console-socket", "pid-file", "preserve-fds"})
+# what restore also understands of create's options
+RESTORE_KEEPS = frozenset({"bundle", "b", "console-socket", "pid-file", "no-pivot"})
+RESTORED_MARK = "restored"
+
+
+def _flag(arg: str) -> tuple[str, str | None]:
+    name, eq, value = arg.lstrip("-").partition("=")
+    return name, (value if eq else None)
+
+
+def find_command(argv: list[str]) -> int | None:
+    """Index of the subcommand in runc's argv (after the global flags), or None."""
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":
+            return i + 1 if i + 1 < len(argv) else None
+        if not arg.startswith("-") or arg == "-":
+            return i
+        name, value = _flag(arg)
+        i += 2 if value is None and name in GLOBAL_VALUE_FLAGS else 1
+    return None
+
+
+class CreateArgs:
+    """create's (or run's) own arguments: flags, then the container id."""
+
+    def __init__(self, args: list[str]) -> None:
+        self.options: list[tuple[str, str | None, list[str]]] = []  # (name, value, raw tokens)
+        self.container_id = ""
+        i = 0
+        while i < len(args):
+            arg = args[i]
+            if arg.startswith("-") and arg != "-" and not self.container_id:
+                name, value = _flag(arg)
+                raw = [arg]
+                if value is None and name in CREATE_VALUE_FLAGS and i + 1 < len(args):
+                    value = args[i + 1]
+                    raw.append(value)
+                    i += 1
+                self.options.append((name, value, raw))
+            elif not self.container_id:
+                self.container_id = arg
+            i += 1
+
+    def value(self, *names: str) -> str | None:
+        for name, value, _ in self.options:
+            if name in names:
+                return value
+        return None
+
+    @property
+    def bundle(self) -> str:
+        return self.value("bundle", "b") or os.getcwd()
+
+
+def log_error(global_args: list[str], message: str) -> None:
+    """Say why on stderr and in runc's --log file, where containerd reads a failed create's reason."""
+    print(f"ibckpt-runc: {message}", file=sys.stderr)
+    log_file = fmt = None
+    for i, arg in enumerate(global_args):
+        name, value = _flag(arg)
+        if value is None and i + 1 < len(global_args):
+            value = global_args[i + 1]
+        if name == "log":
+            log_file = value
+        elif name == "log-format":
+            fmt = value
+    if not log_file:
+        return
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    if fmt == "json":
+        line = json.dumps({"level": "error", "msg": f"ibckpt-runc: {message}", "time": stamp})
+    else:
+        line = f'time="{stamp}" level=error msg="ibckpt-runc: {message}"'
+    try:
+        with open(log_file, "a", encoding="utf-8") as f:
+            f.write(line + "\n")
+    except OSError:
+        pass
+
+
+def prepare(config: oci.NodeConfig, args: CreateArgs) -> tuple[str, str] | None:
+    """Edit the bundle for the shim if the container wants it. Returns (image dir, staged restore
+    options) when the create is to be a restore."""
+    path = os.path.join(args.bundle, "config.json")
+    with open(path, encoding="utf-8") as f:
+        spec = json.load(f)
+    restore: tuple[str, str] | None = None
+    reason = oci.wants_shim(spec)
+    if oci.ANN_RESTORE in oci.annotations_of(spec):
+        from ibckpt_node.hook import restore as restore_mod
+
+        restore = restore_mod.check(config, spec)
+        reason = reason or "restore"
+    if reason is None:
+        return None
+    container_id = oci.checked_id(args.container_id)
+    if not os.path.isfile(config.shim):
+        raise Refused(f"{container_id} ({reason}): the shim {config.shim} is missing on this node")
+    cdir = config.container_dir(container_id)
+    ctl = os.path.join(cdir, "ctl")
+    os.makedirs(cdir, mode=0o700, exist_ok=True)
+    os.makedirs(ctl, mode=0o700, exist_ok=True)
+    os.makedirs(config.coord_dir, mode=0o755, exist_ok=True)
+    uid, gid = oci.process_owner(spec)
+    os.chown(ctl, uid, gid)  # the shim runs as the container's user and binds its socket here
+    edited = oci.edit_spec(spec, config, container_id)
+    tmp = path + ".ibckpt.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(edited, f)
+    os.chmod(tmp, os.stat(path).st_mode & 0o7777)
+    os.replace(tmp, path)
+    return restore
+
+
+def restore_argv(global_args: list[str], args: CreateArgs, images: str, extra: str) -> list[str]:
+    argv = [*global_args, "restore", "--detach", "--image-path", images]
+    for name, _, raw in args.options:
+        if name in RESTORE_KEEPS:
+            argv += raw
+    argv += extra.split() if extra else []
+    return [*argv, args.container_id]
+
+
+def exec_runc(config: oci.NodeConfig, argv: list[str]) -> NoReturn:
+    os.execv(config.runc, [config.runc, *argv])
+
+
+def main() -> int:
+    argv = sys.argv[1:]
+    try:
+        config = oci.load_config()
+    except ValueError as exc:
+        print(f"ibckpt-runc: {exc}", file=sys.stderr)
+        return 1
+    runc = os.environ.get("IBCKPT_RUNC")
+    if runc:
+        config.runc = runc
+    at = find_command(argv)
+    command = argv[at] if at is not None else ""
+    if at is None or command not in ("create", "run", "start"):
+        exec_runc(config, argv)
+    global_args = argv[:at]
+    args = CreateArgs(argv[at + 1 :])
+    if command == "start":
+        mark = os.path.join(config.container_dir(args.container_id or "-"), RESTORED_MARK)
+        if args.container_id and os.path.exists(mark):
+            os.unlink(mark)  # restore --detach left it running: nothing to start
+            return 0
+        exec_runc(config, argv)
+    try:
+        restore = prepare(config, args)
+    except (Refused, ValueError, OSError) as exc:
+        log_error(global_args, str(exc))
+        return 1
+    if restore is not None:
+        if command != "create":
+            log_error(global_args, f"{args.container_id}: a restore needs create/start, not {command}")
+            return 1
+        images, extra = restore
+        mark = os.path.join(config.container_dir(args.container_id), RESTORED_MARK)
+        with open(mark, "w", encoding="utf-8") as f:
+            f.write(images + "\n")
+        exec_runc(config, restore_argv(global_args, args, images, extra))
+    exec_runc(config, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
