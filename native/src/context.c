@@ -202,6 +202,8 @@ IBK_EXPORT int ibv_query_device(struct ibv_context *c, struct ibv_device_attr *a
 	struct ibk_ctx *ctx = ibk_ctx_of(c);
 	int rc;
 
+	if (!ibk_is_shadow(c))
+		return ibk_real.query_device(c, attr);
 	ibk_enter();
 	rc = ibk_real.query_device(ctx->real, attr);
 	if (!rc && attr->max_qp_wr > 1)
@@ -212,6 +214,8 @@ IBK_EXPORT int ibv_query_device(struct ibv_context *c, struct ibv_device_attr *a
 
 IBK_EXPORT int ibv_query_port(struct ibv_context *c, uint8_t port, struct _compat_ibv_port_attr *attr)
 {
+	if (!ibk_is_shadow(c))
+		return ibk_real.query_port(c, port, attr);
 	return ctx_query_port(c, port, (struct ibv_port_attr *)attr, sizeof(struct ibv_port_attr));
 }
 
@@ -220,6 +224,8 @@ IBK_EXPORT int ibv_query_gid(struct ibv_context *c, uint8_t port, int index, uni
 	struct ibk_ctx *ctx = ibk_ctx_of(c);
 	int rc = 0;
 
+	if (!ibk_is_shadow(c))
+		return ibk_real.query_gid(c, port, index, gid);
 	ibk_enter();
 	if (port == 1 && index >= 0 && index < 4 && (ctx->port_gid_valid & (1u << index)))
 		*gid = ctx->vgid[index];
@@ -234,6 +240,8 @@ IBK_EXPORT int ibv_query_pkey(struct ibv_context *c, uint8_t port, int index, __
 	struct ibk_ctx *ctx = ibk_ctx_of(c);
 	int rc;
 
+	if (!ibk_is_shadow(c))
+		return ibk_real.query_pkey(c, port, index, pkey);
 	ibk_enter();
 	rc = ibk_real.query_pkey(ctx->real, port, index, pkey);
 	ibk_leave();
@@ -245,6 +253,8 @@ IBK_EXPORT int ibv_get_pkey_index(struct ibv_context *c, uint8_t port, __be16 pk
 	struct ibk_ctx *ctx = ibk_ctx_of(c);
 	int rc;
 
+	if (!ibk_is_shadow(c))
+		return ibk_real.get_pkey_index(c, port, pkey);
 	ibk_enter();
 	rc = ibk_real.get_pkey_index(ctx->real, port, pkey);
 	ibk_leave();
@@ -257,6 +267,8 @@ IBK_EXPORT int _ibv_query_gid_ex(struct ibv_context *c, uint32_t port, uint32_t 
 	struct ibk_ctx *ctx = ibk_ctx_of(c);
 	int rc;
 
+	if (!ibk_is_shadow(c))
+		return ibk_real.query_gid_ex(c, port, index, entry, flags, size);
 	ibk_enter();
 	rc = ibk_real.query_gid_ex(ctx->real, port, index, entry, flags, size);
 	if (!rc && port == 1 && index < 4 && (ctx->port_gid_valid & (1u << index)))
@@ -271,6 +283,8 @@ IBK_EXPORT ssize_t _ibv_query_gid_table(struct ibv_context *c, struct ibv_gid_en
 	struct ibk_ctx *ctx = ibk_ctx_of(c);
 	ssize_t n, i;
 
+	if (!ibk_is_shadow(c))
+		return ibk_real.query_gid_table(c, entries, max, flags, size);
 	ibk_enter();
 	n = ibk_real.query_gid_table(ctx->real, entries, max, flags, size);
 	for (i = 0; i < n; i++)
@@ -279,6 +293,21 @@ IBK_EXPORT ssize_t _ibv_query_gid_table(struct ibv_context *c, struct ibv_gid_en
 			entries[i].gid = ctx->vgid[entries[i].gid_index];
 	ibk_leave();
 	return n;
+}
+
+/* A private libibverbs symbol, but pyverbs and libibverbs' own
+ * ibv_init_ah_from_wc call it: a GID's type does not change with its id. */
+IBK_EXPORT int ibv_query_gid_type(struct ibv_context *c, uint8_t port, unsigned int index,
+				  int *type)
+{
+	int rc;
+
+	if (!ibk_is_shadow(c))
+		return ibk_real.query_gid_type(c, port, index, type);
+	ibk_enter();
+	rc = ibk_real.query_gid_type(ibk_ctx_of(c)->real, port, index, type);
+	ibk_leave();
+	return rc;
 }
 
 IBK_EXPORT int ibv_get_async_event(struct ibv_context *c, struct ibv_async_event *ev)

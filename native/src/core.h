@@ -47,7 +47,9 @@ struct ibk_counters {
 
 /* ---- send log -------------------------------------------------------- */
 
-#define IBK_MAX_SGE 8
+/* The most SGEs per WR the shim takes: a bound for stack copies, above what
+ * HCAs offer (rxe: 32).  Each log holds as many per entry as its QP got. */
+#define IBK_MAX_SGE 64
 
 enum ibk_wr_kind { IBK_KIND_SEND = 0x53454e44u, IBK_KIND_RECV = 0x52454356u };
 
@@ -68,7 +70,7 @@ struct ibk_swr {
 	void *owner; /* the shadow QP */
 	uint64_t app_wr_id;
 	struct ibv_send_wr wr; /* copy with virtual keys; sg_list -> sge */
-	struct ibv_sge sge[IBK_MAX_SGE];
+	struct ibv_sge *sge;   /* the log's max_sge of them, fixed at init */
 	uint8_t *inline_buf; /* copy of inline payload, for replay */
 	uint32_t inline_len;
 };
@@ -80,7 +82,7 @@ struct ibk_rwr {
 	void *owner; /* shadow QP or SRQ */
 	uint64_t app_wr_id;
 	struct ibv_recv_wr wr; /* wr_id (this entry), next, sg_list fixed at init */
-	struct ibv_sge sge[IBK_MAX_SGE];
+	struct ibv_sge *sge;   /* the log's max_sge of them */
 };
 
 /* In-order ring of send entries: entries complete in posting order on one
@@ -89,14 +91,16 @@ struct ibk_rwr {
 struct ibk_sendlog {
 	struct ibk_swr *slots;
 	uint8_t *inline_area;
+	struct ibv_sge *sge_area;
 	uint64_t cap; /* 64 bits: the post fast path compares it to a seq difference */
 	uint32_t mask;
 	uint32_t max_inline;
+	uint32_t max_sge;
 	uint64_t head; /* seq of the oldest live entry */
 	uint64_t tail; /* seq of the next entry */
 };
 
-int ibk_sendlog_init(struct ibk_sendlog *l, uint32_t cap, uint32_t max_inline, void *owner);
+int ibk_sendlog_init(struct ibk_sendlog *l, uint32_t cap, uint32_t max_inline, uint32_t max_sge, void *owner);
 void ibk_sendlog_fini(struct ibk_sendlog *l);
 void ibk_sendlog_unpush(struct ibk_sendlog *l);
 struct ibk_swr *ibk_sendlog_at(struct ibk_sendlog *l, uint64_t seq);
@@ -155,6 +159,8 @@ static inline void ibk_sendlog_retire_entry(struct ibk_sendlog *l, const struct 
  * through a free scan and replayed by seq (scan mode). */
 struct ibk_recvlog {
 	struct ibk_rwr *slots;
+	struct ibv_sge *sge_area;
+	uint32_t max_sge;
 	uint64_t cap;  /* live entries at most (64 bits: as in ibk_sendlog) */
 	uint32_t mask; /* ring mode: slots - 1, a power of two minus one */
 	int ring;
@@ -164,7 +170,7 @@ struct ibk_recvlog {
 	uint64_t next_seq;
 };
 
-int ibk_recvlog_init(struct ibk_recvlog *l, uint32_t cap, int ring, void *owner);
+int ibk_recvlog_init(struct ibk_recvlog *l, uint32_t cap, int ring, uint32_t max_sge, void *owner);
 void ibk_recvlog_fini(struct ibk_recvlog *l);
 struct ibk_rwr *ibk_recvlog_take_scan(struct ibk_recvlog *l);
 /* Live entries ordered by seq; returns how many were written to out. */

@@ -490,3 +490,19 @@ IBK_EXPORT int ibv_destroy_cq(struct ibv_cq *c)
 	free(cq);
 	return 0;
 }
+
+/* The real CQ is resized; rebuild then makes it at the new size. */
+IBK_EXPORT int ibv_resize_cq(struct ibv_cq *c, int cqe)
+{
+	struct ibk_cq *cq = (struct ibk_cq *)c;
+	int rc;
+
+	ibk_enter();
+	rc = ibk_real.resize_cq(cq->real, cqe);
+	if (!rc) {
+		cq->cqe_req = cqe;
+		cq->pub.cq.cqe = cq->real->cqe;
+	}
+	ibk_leave();
+	return rc;
+}

@@ -5,23 +5,27 @@
 
 #include "core.h"
 
-int ibk_sendlog_init(struct ibk_sendlog *l, uint32_t cap, uint32_t max_inline, void *owner)
+int ibk_sendlog_init(struct ibk_sendlog *l, uint32_t cap, uint32_t max_inline, uint32_t max_sge, void *owner)
 {
 	uint32_t i, size = 1;
 
 	memset(l, 0, sizeof(*l));
+	if (max_sge > IBK_MAX_SGE)
+		return -EINVAL;
+	/* an inline send is logged as one SGE pointing at its copy */
+	if (max_sge < 1)
+		max_sge = 1;
 	while (size < cap)
 		size <<= 1;
 	l->slots = calloc(size, sizeof(*l->slots));
-	if (!l->slots)
-		return -ENOMEM;
-	if (max_inline) {
+	l->sge_area = calloc((size_t)size * max_sge, sizeof(*l->sge_area));
+	if (max_inline)
 		l->inline_area = calloc(size, max_inline);
-		if (!l->inline_area) {
-			free(l->slots);
-			return -ENOMEM;
-		}
+	if (!l->slots || !l->sge_area || (max_inline && !l->inline_area)) {
+		ibk_sendlog_fini(l);
+		return -ENOMEM;
 	}
+	l->max_sge = max_sge;
 	l->cap = cap;
 	l->mask = size - 1;
 	l->max_inline = max_inline;
@@ -29,6 +33,7 @@ int ibk_sendlog_init(struct ibk_sendlog *l, uint32_t cap, uint32_t max_inline, v
 		l->slots[i].kind = IBK_KIND_SEND;
 		l->slots[i].owner = owner;
 		l->slots[i].inline_buf = max_inline ? l->inline_area + (size_t)i * max_inline : NULL;
+		l->slots[i].sge = l->sge_area + (size_t)i * max_sge;
 		/* fixed for the entry's life: it is posted to the real QP as is */
 		l->slots[i].wr.wr_id = (uintptr_t)&l->slots[i];
 		l->slots[i].wr.next = NULL;
@@ -41,6 +46,7 @@ void ibk_sendlog_fini(struct ibk_sendlog *l)
 {
 	free(l->slots);
 	free(l->inline_area);
+	free(l->sge_area);
 	memset(l, 0, sizeof(*l));
 }
 
@@ -57,19 +63,27 @@ struct ibk_swr *ibk_sendlog_at(struct ibk_sendlog *l, uint64_t seq)
 	return &l->slots[seq & l->mask];
 }
 
-int ibk_recvlog_init(struct ibk_recvlog *l, uint32_t cap, int ring, void *owner)
+int ibk_recvlog_init(struct ibk_recvlog *l, uint32_t cap, int ring, uint32_t max_sge, void *owner)
 {
 	uint32_t i, size = 1;
 
 	memset(l, 0, sizeof(*l));
+	if (max_sge > IBK_MAX_SGE)
+		return -EINVAL;
+	if (max_sge < 1)
+		max_sge = 1;
 	if (ring)
 		while (size < cap)
 			size <<= 1;
 	else
 		size = cap;
 	l->slots = calloc(size, sizeof(*l->slots));
-	if (!l->slots)
+	l->sge_area = calloc((size_t)size * max_sge, sizeof(*l->sge_area));
+	if (!l->slots || !l->sge_area) {
+		ibk_recvlog_fini(l);
 		return -ENOMEM;
+	}
+	l->max_sge = max_sge;
 	l->cap = cap;
 	l->ring = ring;
 	l->mask = ring ? size - 1 : 0;
@@ -78,6 +92,7 @@ int ibk_recvlog_init(struct ibk_recvlog *l, uint32_t cap, int ring, void *owner)
 		l->slots[i].owner = owner;
 		l->slots[i].wr.wr_id = (uintptr_t)&l->slots[i];
 		l->slots[i].wr.next = NULL;
+		l->slots[i].sge = l->sge_area + (size_t)i * max_sge;
 		l->slots[i].wr.sg_list = l->slots[i].sge;
 	}
 	return 0;
@@ -86,6 +101,7 @@ int ibk_recvlog_init(struct ibk_recvlog *l, uint32_t cap, int ring, void *owner)
 void ibk_recvlog_fini(struct ibk_recvlog *l)
 {
 	free(l->slots);
+	free(l->sge_area);
 	memset(l, 0, sizeof(*l));
 }
 

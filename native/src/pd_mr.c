@@ -140,11 +140,59 @@ IBK_EXPORT int ibv_dereg_mr(struct ibv_mr *m)
 	return 0;
 }
 
-IBK_EXPORT int ibv_rereg_mr(struct ibv_mr *mr, int flags, struct ibv_pd *pd, void *addr, size_t len, int access)
+/* A key the provider changed gets a virtual key of its own (ctx->lock held). */
+static void mr_rekey(struct ibk_ctx *ctx, struct ibk_idmap *map, uint32_t *vkey, uint32_t real)
 {
-	(void)mr, (void)flags, (void)pd, (void)addr, (void)len, (void)access;
-	ibk_unsupported("ibv_rereg_mr");
-	return EOPNOTSUPP;
+	uint32_t old;
+
+	if (!ibk_idmap_get(map, *vkey, &old) && old == real)
+		return;
+	ibk_idmap_del(map, *vkey);
+	*vkey = ibk_idmap_choose(map, real, 0x80000000u, 0xffffffffu);
+	ibk_idmap_put(map, *vkey, real);
+	if (*vkey != real) {
+		atomic_store(&ibk_xlate_any, 1);
+		ctx->translate = 1;
+	}
+}
+
+/* The real MR changes in place; the shadow follows it, and keys the
+ * provider changed get virtual keys of their own, as a new MR would. */
+IBK_EXPORT int ibv_rereg_mr(struct ibv_mr *m, int flags, struct ibv_pd *p, void *addr, size_t len, int access)
+{
+	struct ibk_mr *mr = (struct ibk_mr *)m;
+	struct ibk_pd *pd = (struct ibk_pd *)p;
+	struct ibk_ctx *ctx = mr->obj.ctx;
+	int rc;
+
+	if ((flags & IBV_REREG_MR_CHANGE_PD) && (!pd || pd->obj.ctx != ctx)) {
+		errno = EINVAL;
+		return IBV_REREG_MR_ERR_INPUT;
+	}
+	ibk_enter();
+	rc = ibk_real.rereg_mr(mr->real, flags, (flags & IBV_REREG_MR_CHANGE_PD) ? pd->real : NULL, addr, len,
+			       access);
+	if (rc) {
+		ibk_leave();
+		return rc;
+	}
+	if (flags & IBV_REREG_MR_CHANGE_PD) {
+		mr->pd = pd;
+		mr->pub.pd = p;
+	}
+	if (flags & IBV_REREG_MR_CHANGE_TRANSLATION) {
+		mr->pub.addr = addr;
+		mr->pub.length = len;
+		mr->iova = (uintptr_t)addr;
+	}
+	if (flags & IBV_REREG_MR_CHANGE_ACCESS)
+		mr->access = (unsigned int)access;
+	pthread_mutex_lock(&ctx->lock);
+	mr_rekey(ctx, &ctx->lkeys, &mr->pub.lkey, mr->real->lkey);
+	mr_rekey(ctx, &ctx->rkeys, &mr->pub.rkey, mr->real->rkey);
+	pthread_mutex_unlock(&ctx->lock);
+	ibk_leave();
+	return 0;
 }
 
 IBK_EXPORT struct ibv_mr *ibv_reg_dmabuf_mr(struct ibv_pd *pd, uint64_t off, size_t len, uint64_t iova, int fd,
@@ -188,11 +236,4 @@ IBK_EXPORT struct ibv_qp_ex *ibv_qp_to_qp_ex(struct ibv_qp *qp)
 	(void)qp;
 	ibk_unsupported("ibv_qp_to_qp_ex (the ibv_wr_* send API)");
 	return NULL;
-}
-
-IBK_EXPORT int ibv_resize_cq(struct ibv_cq *cq, int cqe)
-{
-	(void)cq, (void)cqe;
-	ibk_unsupported("ibv_resize_cq");
-	return EOPNOTSUPP;
 }

@@ -170,7 +170,7 @@ static inline __attribute__((always_inline)) int swr_fill(struct ibk_qp *qp, str
 	int i, n = w->num_sge;
 	unsigned op = (unsigned)w->opcode;
 
-	if (__builtin_expect((unsigned)n > IBK_MAX_SGE, 0))
+	if (__builtin_expect((unsigned)n > qp->slog.max_sge, 0))
 		return EINVAL;
 	e->app_wr_id = w->wr_id;
 	/* num_sge, opcode, send_flags, imm_data, wr and qp_type are adjacent:
@@ -400,7 +400,7 @@ static __attribute__((noinline)) int post_recv_list(struct ibk_recvlog *log, ibk
 		struct ibk_rwr *e;
 		int n = wr->num_sge;
 
-		if ((unsigned)n > IBK_MAX_SGE) {
+		if ((unsigned)n > log->max_sge) {
 			rc = EINVAL;
 			break;
 		}
@@ -604,14 +604,20 @@ static struct ibv_qp *qp_create(struct ibv_pd *p, struct ibv_qp_init_attr *attr)
 		ibk_leave();
 		goto fail_slot;
 	}
-	/* What the provider granted, minus our slot, is what the app gets. */
+	/* What the provider granted, minus our slot, is what the app gets;
+	 * SGEs beyond what a log entry holds are not offered. */
+	if (qp->real_cap.max_send_sge > IBK_MAX_SGE)
+		qp->real_cap.max_send_sge = IBK_MAX_SGE;
+	if (qp->real_cap.max_recv_sge > IBK_MAX_SGE)
+		qp->real_cap.max_recv_sge = IBK_MAX_SGE;
 	attr->cap = qp->real_cap;
 	attr->cap.max_send_wr -= 1;
 	qp->init.cap = attr->cap;
-	if (ibk_sendlog_init(&qp->slog, qp->real_cap.max_send_wr, qp->real_cap.max_inline_data, &qp->obj))
+	if (ibk_sendlog_init(&qp->slog, qp->real_cap.max_send_wr, qp->real_cap.max_inline_data,
+			     qp->real_cap.max_send_sge, &qp->obj))
 		goto fail_real;
 	rcap = qp->srq ? 1 : qp->real_cap.max_recv_wr;
-	if (ibk_recvlog_init(&qp->rlog, rcap ? rcap : 1, 1, &qp->obj))
+	if (ibk_recvlog_init(&qp->rlog, rcap ? rcap : 1, 1, qp->real_cap.max_recv_sge, &qp->obj))
 		goto fail_real;
 	pthread_mutex_lock(&ctx->lock);
 	qp->vqpn = ibk_idmap_choose(&ctx->qpns, qp->real->qp_num, 0x800000u, 0xffffffu);

@@ -20,12 +20,13 @@ struct ibk_ctx *ibk_ctx_list;
  * privately (pyverbs, UCX). */
 static void *real_sym(const char *name, const char *ver)
 {
-	void *p = dlvsym(RTLD_NEXT, name, ver);
+	void *p = ver ? dlvsym(RTLD_NEXT, name, ver) : NULL;
 
 	if (!p)
 		p = dlsym(RTLD_NEXT, name);
 	if (!p) {
-		fprintf(stderr, "libibckpt: cannot resolve real %s@%s: %s\n", name, ver, dlerror());
+		fprintf(stderr, "libibckpt: cannot resolve real %s@%s: %s\n", name, ver ? ver : "default",
+			dlerror());
 		abort();
 	}
 	return p;
@@ -73,6 +74,14 @@ static void real_resolve_once(void)
 	R(destroy_srq, "ibv_destroy_srq", "IBVERBS_1.1");
 	R(create_ah, "ibv_create_ah", "IBVERBS_1.1");
 	R(destroy_ah, "ibv_destroy_ah", "IBVERBS_1.1");
+	/* newer than the rest: absent from libibverbs before rdma-core 35 */
+	*(void **)&ibk_real.query_qp_data_in_order = dlvsym(RTLD_NEXT, "ibv_query_qp_data_in_order", "IBVERBS_1.14");
+	R(resize_cq, "ibv_resize_cq", "IBVERBS_1.1");
+	R(rereg_mr, "ibv_rereg_mr", "IBVERBS_1.1");
+	R(init_ah_from_wc, "ibv_init_ah_from_wc", "IBVERBS_1.1");
+	R(create_ah_from_wc, "ibv_create_ah_from_wc", "IBVERBS_1.1");
+	/* private to rdma-core: its version name follows the provider ABI */
+	*(void **)&ibk_real.query_gid_type = real_sym("ibv_query_gid_type", NULL);
 }
 
 void ibk_real_resolve(void)

@@ -72,6 +72,14 @@ struct ibk_real {
 	int (*destroy_srq)(struct ibv_srq *);
 	struct ibv_ah *(*create_ah)(struct ibv_pd *, struct ibv_ah_attr *);
 	int (*destroy_ah)(struct ibv_ah *);
+	/* the type is an enum of rdma-core's driver.h, which is not installed: an int */
+	int (*query_gid_type)(struct ibv_context *, uint8_t, unsigned int, int *);
+	int (*query_qp_data_in_order)(struct ibv_qp *, enum ibv_wr_opcode, uint32_t);
+	int (*resize_cq)(struct ibv_cq *, int);
+	int (*rereg_mr)(struct ibv_mr *, int, struct ibv_pd *, void *, size_t, int);
+	int (*init_ah_from_wc)(struct ibv_context *, uint8_t, struct ibv_wc *, struct ibv_grh *,
+			       struct ibv_ah_attr *);
+	struct ibv_ah *(*create_ah_from_wc)(struct ibv_pd *, struct ibv_wc *, struct ibv_grh *, uint8_t);
 };
 
 extern struct ibk_real ibk_real;
@@ -361,6 +369,14 @@ int ibk_req_notify_cq(struct ibv_cq *cq, int solicited_only);
 int ibk_post_send(struct ibv_qp *qp, struct ibv_send_wr *wr, struct ibv_send_wr **bad);
 int ibk_post_recv(struct ibv_qp *qp, struct ibv_recv_wr *wr, struct ibv_recv_wr **bad);
 int ibk_post_srq_recv(struct ibv_srq *srq, struct ibv_recv_wr *wr, struct ibv_recv_wr **bad);
+
+/* A context the shim made.  libibverbs and providers call the exported
+ * verbs with real contexts too (rxe's create_ah queries a GID, libibverbs'
+ * fallbacks query ports): those go straight to libibverbs. */
+static inline int ibk_is_shadow(const struct ibv_context *c)
+{
+	return c->ops.post_send == ibk_post_send;
+}
 /* The post fast paths take no gate; quiesce closes them per QP (qp.c). */
 void ibk_qp_posts_close(struct ibk_qp *qp);
 int ibk_qp_posts_busy(struct ibk_qp *qp);

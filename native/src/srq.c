@@ -40,7 +40,7 @@ IBK_EXPORT struct ibv_srq *ibv_create_srq(struct ibv_pd *p, struct ibv_srq_init_
 	}
 	/* the provider may round max_wr up: write it back like the real verb */
 	attr->attr = srq->attr.attr;
-	if (ibk_recvlog_init(&srq->rlog, srq->attr.attr.max_wr * 2 + 1, 0, &srq->obj)) {
+	if (ibk_recvlog_init(&srq->rlog, srq->attr.attr.max_wr * 2 + 1, 0, srq->attr.attr.max_sge, &srq->obj)) {
 		ibk_real.destroy_srq(srq->real);
 		ibk_leave();
 		free(srq);
