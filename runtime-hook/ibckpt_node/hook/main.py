@@ -53,7 +53,7 @@ def make_entry(
 ) -> dict[str, Any]:
     who = oci.identity(spec)
     env = (spec.get("process") or {}).get("env") or []
-    preload = next((e for e in env if e.startswith("LD_PRELOAD=")), "")
+    preload = next((e[len("LD_PRELOAD=") :] for e in env if e.startswith("LD_PRELOAD=")), "")
     shim = oci.IN_SHIM in preload.replace(" ", ":").split(":")
     control_dir = os.path.join(config.container_dir(container_id), "ctl")
     entry: dict[str, Any] = who.as_dict()

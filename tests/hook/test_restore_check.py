@@ -1,0 +1,150 @@
+"""Host unit tests: a restore annotation is honoured only for images the agent staged for this pod."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hook.specs import containerd_spec, with_device
+
+from ibckpt_node.hook import oci, restore, runc
+
+UID = "0b9e2d1c-1111-4222-8333-444455556666"
+
+
+def stage(config: oci.NodeConfig, **over: str) -> Path:
+    """What the agent leaves for ml/job-0's container `trainer` (root's, as the agent is)."""
+    where = Path(config.restore_dir(UID, "trainer"))
+    (where / "images").mkdir(parents=True)
+    staged = {
+        "checkpoint": "ml/ckpt-7",
+        "namespace": "ml",
+        "pod": "job-0",
+        "pod_uid": UID,
+        "container": "trainer",
+    }
+    staged.update(over)
+    (where / "staged.json").write_text(json.dumps(staged))
+    for p in (where.parent.parent, where.parent, where, where / "images"):
+        p.chmod(0o700)
+    return where
+
+
+@pytest.fixture
+def config(tmp_path: Path) -> oci.NodeConfig:
+    return oci.NodeConfig(state_dir=str(tmp_path / "state"))
+
+
+def restoring(value: str = "ml/ckpt-7", **ann: str) -> dict[str, Any]:
+    return with_device(containerd_spec(**{oci.ANN_RESTORE: value}, **ann))
+
+
+def test_staged_images_for_this_pod_are_used(config: oci.NodeConfig) -> None:
+    where = stage(config, restore_args="--tcp-established")
+    assert restore.check(config, restoring()) == (str(where / "images"), "--tcp-established")
+
+
+def test_another_namespaces_checkpoint_is_refused(config: oci.NodeConfig) -> None:
+    stage(config)
+    with pytest.raises(oci.Refused, match=r"belongs to namespace 'other', the pod is in 'ml'"):
+        restore.check(config, restoring("other/ckpt-7"))
+
+
+def test_a_forged_annotation_with_nothing_staged_is_refused(config: oci.NodeConfig) -> None:
+    with pytest.raises(oci.Refused, match="staged no images for it on this node"):
+        restore.check(config, restoring())
+
+
+def test_images_staged_for_another_restore_are_refused(config: oci.NodeConfig) -> None:
+    stage(config, checkpoint="ml/ckpt-6")
+    with pytest.raises(oci.Refused, match="staged images are for another restore"):
+        restore.check(config, restoring())
+
+
+def test_images_someone_else_can_write_are_refused(config: oci.NodeConfig) -> None:
+    where = stage(config)
+    (where / "staged.json").chmod(0o666)
+    with pytest.raises(oci.Refused, match="not root's alone"):
+        restore.check(config, restoring())
+    (where / "staged.json").chmod(0o600)
+    os.chown(where / "images", 1000, 1000)
+    with pytest.raises(oci.Refused, match="not root's alone"):
+        restore.check(config, restoring())
+
+
+def test_restore_args_outside_the_allowlist_are_refused(config: oci.NodeConfig) -> None:
+    stage(config, restore_args="--action-script /tmp/evil")
+    with pytest.raises(oci.Refused, match="not allowed"):
+        restore.check(config, restoring())
+
+
+def test_malformed_and_anonymous_are_refused(config: oci.NodeConfig) -> None:
+    with pytest.raises(oci.Refused, match="expected NAMESPACE/CHECKPOINT"):
+        restore.check(config, restoring("ckpt-7"))
+    anonymous = restoring()
+    del anonymous["annotations"]["io.kubernetes.cri.sandbox-uid"]
+    with pytest.raises(oci.Refused, match="no pod identity"):
+        restore.check(config, anonymous)
+
+
+def test_the_wrapper_turns_create_into_restore_and_answers_start(tmp_path: Path) -> None:
+    import subprocess
+
+    fake = tmp_path / "runc"
+    fake.write_text('#!/bin/sh\nfor a in "$@"; do printf "%s\\n" "$a"; done > "$RECORD"\n')
+    fake.chmod(0o755)
+    shim = tmp_path / "libibckpt.so"
+    shim.write_bytes(b"\x7fELF")
+    node = {"runc": str(fake), "shim": str(shim), "state_dir": str(tmp_path / "state")}
+    (tmp_path / "node.json").write_text(json.dumps(node))
+    config = oci.load_config({"IBCKPT_NODE_CONFIG": str(tmp_path / "node.json")})
+    where = stage(config)
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    (bundle / "config.json").write_text(json.dumps(restoring()))
+    env = {"PATH": os.environ["PATH"], "IBCKPT_NODE_CONFIG": str(tmp_path / "node.json")}
+    env["RECORD"] = str(tmp_path / "argv")
+
+    def wrap(*argv: str) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "ibckpt_node.hook.runc", *argv]
+        return subprocess.run(cmd, env=env, capture_output=True, text=True)
+
+    done = wrap("--root", "/r", "create", "--bundle", str(bundle), "--pid-file", "/p", "c9")
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "argv").read_text().splitlines() == [
+        "--root",
+        "/r",
+        "restore",
+        "--detach",
+        "--image-path",
+        str(where / "images"),
+        "--bundle",
+        str(bundle),
+        "--pid-file",
+        "/p",
+        "c9",
+    ]
+    assert "LD_PRELOAD=/run/ibckpt/lib/libibckpt.so" in (bundle / "config.json").read_text()
+    (tmp_path / "argv").unlink()
+    done = wrap("--root", "/r", "start", "c9")
+    assert done.returncode == 0 and not (tmp_path / "argv").exists(), (
+        "start of a restored container is answered"
+    )
+    done = wrap("--root", "/r", "start", "c9")
+    assert (tmp_path / "argv").read_text().splitlines() == ["--root", "/r", "start", "c9"], "only once"
+
+    # the same annotation on another pod's container: refused, runc never runs
+    (tmp_path / "argv").unlink()
+    other = restoring()
+    other["annotations"]["io.kubernetes.cri.sandbox-uid"] = "99999999-0000-4000-8000-000000000000"
+    (bundle / "config.json").write_text(json.dumps(other))
+    log = tmp_path / "log.json"
+    done = wrap("--log", str(log), "--log-format", "json", "create", "--bundle", str(bundle), "c10")
+    assert done.returncode == 1
+    assert "staged no images" in json.loads(log.read_text())["msg"]
+    assert not (tmp_path / "argv").exists()
+    assert runc.RESTORED_MARK == "restored"

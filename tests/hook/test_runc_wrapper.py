@@ -1,0 +1,192 @@
+"""Host unit tests of ibckpt-runc: runc's argv, the edit on create, exact pass-through.
+
+The real runc runs in the guest (test_hook_guest.py). Here a stand-in that records its argv takes
+runc's place, which is enough to prove the wrapper hands every argument over untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hook.specs import containerd_spec, with_device
+
+from ibckpt_node.hook import oci, runc
+
+RECORDER = """#!/bin/sh
+# stands in for runc: records its argv, one per line
+for a in "$@"; do printf '%s\\n' "$a"; done > "$RECORD"
+"""
+
+
+def test_find_command_skips_global_flags() -> None:
+    argv = [
+        "--root",
+        "/run/containerd/runc/k8s.io",
+        "--log=/x/log.json",
+        "--log-format",
+        "json",
+        "--systemd-cgroup",
+        "-debug",
+        "create",
+        "--bundle",
+        "/b",
+        "id1",
+    ]
+    assert runc.find_command(argv) == 7
+    assert runc.find_command(["state", "x"]) == 0
+    assert runc.find_command(["--version"]) is None
+    assert runc.find_command([]) is None
+    assert runc.find_command(["--criu", "/usr/sbin/criu", "restore", "x"]) == 2
+
+
+def test_create_args() -> None:
+    args = runc.CreateArgs(
+        ["--bundle", "/b", "--pid-file=/p", "--console-socket", "/c.sock", "--no-pivot", "cid"]
+    )
+    assert (args.bundle, args.container_id, args.value("pid-file")) == ("/b", "cid", "/p")
+    assert runc.CreateArgs(["-b", "/b2", "x"]).bundle == "/b2"
+    assert runc.CreateArgs(["x"]).bundle == os.getcwd()
+    argv = runc.restore_argv(["--root", "/r"], args, "/img", "--tcp-established")
+    assert argv == [
+        "--root",
+        "/r",
+        "restore",
+        "--detach",
+        "--image-path",
+        "/img",
+        "--bundle",
+        "/b",
+        "--pid-file=/p",
+        "--console-socket",
+        "/c.sock",
+        "--no-pivot",
+        "--tcp-established",
+        "cid",
+    ]
+
+
+def test_log_error_writes_runcs_json_log(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    log = tmp_path / "log.json"
+    runc.log_error(["--log", str(log), "--log-format", "json"], "no way")
+    assert json.loads(log.read_text())["msg"] == "ibckpt-runc: no way"
+    assert json.loads(log.read_text())["level"] == "error"
+    assert "ibckpt-runc: no way" in capsys.readouterr().err
+
+
+@pytest.fixture
+def wrapper(tmp_path: Path) -> dict[str, Any]:
+    """Runs ibckpt-runc as a process against the recorder, with a node config under tmp_path."""
+    fake = tmp_path / "runc"
+    fake.write_text(RECORDER)
+    fake.chmod(0o755)
+    shim = tmp_path / "libibckpt.so"
+    shim.write_bytes(b"\x7fELF")
+    state = tmp_path / "state"
+    config = tmp_path / "node.json"
+    config.write_text(json.dumps({"runc": str(fake), "shim": str(shim), "state_dir": str(state)}))
+    record = tmp_path / "argv"
+
+    def run(*argv: str, cwd: Path = tmp_path) -> subprocess.CompletedProcess[str]:
+        env = {"PATH": os.environ["PATH"], "IBCKPT_NODE_CONFIG": str(config), "RECORD": str(record)}
+        return subprocess.run(
+            [sys.executable, "-m", "ibckpt_node.hook.runc", *argv],
+            env=env,
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+        )
+
+    def recorded() -> list[str]:
+        return record.read_text().splitlines()
+
+    return {"run": run, "recorded": recorded, "state": state, "shim": shim, "config": config}
+
+
+def make_bundle(where: Path, spec: dict[str, Any]) -> Path:
+    where.mkdir()
+    (where / "config.json").write_text(json.dumps(spec))
+    (where / "config.json").chmod(0o640)
+    return where
+
+
+GLOBAL = ["--root", "/run/containerd/runc/k8s.io", "--log", "LOG", "--log-format", "json"]
+
+
+def test_every_other_subcommand_passes_through_untouched(wrapper: dict[str, Any], tmp_path: Path) -> None:
+    for argv in (
+        ["start", "c1"],
+        ["state", "c1"],
+        ["kill", "c1", "9"],
+        ["delete", "--force", "c1"],
+        ["exec", "--process", "/tmp/p.json", "--detach", "c1"],
+        ["ps", "--format", "json", "c1"],
+        ["checkpoint", "--image-path", "/i", "--leave-running", "c1"],
+        ["features"],
+        ["--version"],
+    ):
+        full = [*GLOBAL, *argv]
+        done = wrapper["run"](*full)
+        assert done.returncode == 0, done.stderr
+        assert wrapper["recorded"]() == full
+
+
+def test_create_of_a_plain_container_leaves_the_bundle_alone(wrapper: dict[str, Any], tmp_path: Path) -> None:
+    bundle = make_bundle(tmp_path / "b", containerd_spec())
+    before = (bundle / "config.json").read_bytes()
+    full = [*GLOBAL, "create", "--bundle", str(bundle), "--pid-file", "/p", "c1"]
+    done = wrapper["run"](*full)
+    assert done.returncode == 0, done.stderr
+    assert wrapper["recorded"]() == full
+    assert (bundle / "config.json").read_bytes() == before
+    assert not (wrapper["state"] / "containers" / "c1").exists()
+
+
+def test_create_of_an_rdma_container_edits_then_passes_through(
+    wrapper: dict[str, Any], tmp_path: Path
+) -> None:
+    spec = with_device(containerd_spec())
+    spec["process"]["user"] = {"uid": 1234, "gid": 4321}
+    bundle = make_bundle(tmp_path / "b", spec)
+    full = [*GLOBAL, "create", "--bundle", str(bundle), "--pid-file", "/p", "c1"]
+    done = wrapper["run"](*full)
+    assert done.returncode == 0, done.stderr
+    assert wrapper["recorded"]() == full
+    edited = json.loads((bundle / "config.json").read_text())
+    assert edited == oci.edit_spec(
+        spec, oci.load_config({"IBCKPT_NODE_CONFIG": str(wrapper["config"])}), "c1"
+    )
+    assert (bundle / "config.json").stat().st_mode & 0o777 == 0o640
+    ctl = wrapper["state"] / "containers" / "c1" / "ctl"
+    st = ctl.stat()
+    assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (1234, 4321, 0o700)
+    assert (wrapper["state"] / "coord").is_dir()
+
+
+def test_create_with_the_bundle_as_working_directory(wrapper: dict[str, Any], tmp_path: Path) -> None:
+    bundle = make_bundle(tmp_path / "b", with_device(containerd_spec()))
+    done = wrapper["run"]("create", "c2", cwd=bundle)
+    assert done.returncode == 0, done.stderr
+    assert "LD_PRELOAD=/run/ibckpt/lib/libibckpt.so" in (bundle / "config.json").read_text()
+
+
+def test_missing_shim_fails_the_create_with_a_reason(wrapper: dict[str, Any], tmp_path: Path) -> None:
+    wrapper["shim"].unlink()
+    bundle = make_bundle(tmp_path / "b", with_device(containerd_spec()))
+    log = tmp_path / "log.json"
+    done = wrapper["run"]("--log", str(log), "--log-format", "json", "create", "--bundle", str(bundle), "c1")
+    assert done.returncode == 1
+    assert "the shim" in done.stderr and "missing" in done.stderr
+    assert "missing on this node" in json.loads(log.read_text())["msg"]
+    assert not (tmp_path / "argv").exists(), "runc must not have run"
+
+
+def test_a_bad_container_id_is_refused(wrapper: dict[str, Any], tmp_path: Path) -> None:
+    bundle = make_bundle(tmp_path / "b", with_device(containerd_spec()))
+    done = wrapper["run"]("create", "--bundle", str(bundle), "../../etc")
+    assert done.returncode == 1 and "bad container id" in done.stderr
