@@ -77,3 +77,23 @@ IBK_EXPORT struct ibv_ah *ibv_create_ah_from_wc(struct ibv_pd *pd, struct ibv_wc
 {
 	return ibk_real.create_ah_from_wc(pd, wc, grh, port);
 }
+
+/* Neighbour resolution for a destination the app names by its virtual GID:
+ * done on the real context with the peer's current real GID. */
+IBK_EXPORT int ibv_resolve_eth_l2_from_gid(struct ibv_context *c, struct ibv_ah_attr *attr, uint8_t mac[6],
+					   uint16_t *vid)
+{
+	struct ibv_ah_attr a;
+	union ibv_gid rg;
+	int rc;
+
+	if (!ibk_is_shadow(c))
+		return ibk_real.resolve_eth_l2_from_gid(c, attr, mac, vid);
+	a = *attr;
+	if (atomic_load(&ibk_translating) && a.is_global && !ibk_peers_lookup_gid(&a.grh.dgid, &rg))
+		a.grh.dgid = rg;
+	ibk_enter();
+	rc = ibk_real.resolve_eth_l2_from_gid(ibk_ctx_of(c)->real, &a, mac, vid);
+	ibk_leave();
+	return rc;
+}

@@ -155,6 +155,21 @@ static int stub_post_srq_ops(struct ibv_srq *s, struct ibv_ops_wr *op, struct ib
 	return EOPNOTSUPP;
 }
 
+static struct ibv_flow_action *stub_create_flow_action_esp(struct ibv_context *c,
+							    struct ibv_flow_action_esp_attr *a)
+{
+	(void)c, (void)a;
+	ibk_unsupported("ibv_create_flow_action_esp");
+	return NULL;
+}
+
+static int stub_modify_flow_action_esp(struct ibv_flow_action *fa, struct ibv_flow_action_esp_attr *a)
+{
+	(void)fa, (void)a;
+	ibk_unsupported("ibv_modify_flow_action_esp");
+	return EOPNOTSUPP;
+}
+
 /* ---- port and device queries ------------------------------------------------ */
 
 static int ctx_query_port(struct ibv_context *c, uint8_t port, struct ibv_port_attr *attr, size_t len)
@@ -359,6 +374,8 @@ void ibk_install_ops(struct ibk_ctx *ctx)
 	v->create_srq_ex = stub_create_srq_ex;
 	v->open_xrcd = stub_open_xrcd;
 	v->modify_qp_rate_limit = stub_modify_qp_rate_limit;
+	v->create_flow_action_esp = stub_create_flow_action_esp;
+	v->modify_flow_action_esp = stub_modify_flow_action_esp;
 	v->sz = sizeof(*v);
 	v->context.abi_compat = __VERBS_ABI_IS_EXTENDED;
 }

@@ -444,6 +444,32 @@ CQX_READ(slid, uint32_t, slid)
 CQX_READ(sl, uint8_t, sl)
 CQX_READ(dlid_path_bits, uint8_t, dlid_path_bits)
 
+/* Readers of WC fields create_cq_ex refuses to provide: never valid to
+ * call, but an app that calls one anyway reads 0 rather than jumping to NULL. */
+static uint64_t cqx_read_none64(struct ibv_cq_ex *c)
+{
+	(void)c;
+	return 0;
+}
+
+static uint16_t cqx_read_none16(struct ibv_cq_ex *c)
+{
+	(void)c;
+	return 0;
+}
+
+static uint32_t cqx_read_none32(struct ibv_cq_ex *c)
+{
+	(void)c;
+	return 0;
+}
+
+static void cqx_read_no_tm(struct ibv_cq_ex *c, struct ibv_wc_tm_info *tm)
+{
+	(void)c;
+	memset(tm, 0, sizeof(*tm));
+}
+
 struct ibv_cq_ex *ibk_create_cq_ex(struct ibv_context *c, struct ibv_cq_init_attr_ex *attr)
 {
 	struct ibk_cq *cq;
@@ -469,6 +495,11 @@ struct ibv_cq_ex *ibk_create_cq_ex(struct ibv_context *c, struct ibv_cq_init_att
 	cq->pub.ex.read_slid = cqx_read_slid;
 	cq->pub.ex.read_sl = cqx_read_sl;
 	cq->pub.ex.read_dlid_path_bits = cqx_read_dlid_path_bits;
+	cq->pub.ex.read_completion_ts = cqx_read_none64;
+	cq->pub.ex.read_completion_wallclock_ns = cqx_read_none64;
+	cq->pub.ex.read_cvlan = cqx_read_none16;
+	cq->pub.ex.read_flow_tag = cqx_read_none32;
+	cq->pub.ex.read_tm_info = cqx_read_no_tm;
 	return &cq->pub.ex;
 }
 

@@ -80,6 +80,7 @@ struct ibk_real {
 	int (*init_ah_from_wc)(struct ibv_context *, uint8_t, struct ibv_wc *, struct ibv_grh *,
 			       struct ibv_ah_attr *);
 	struct ibv_ah *(*create_ah_from_wc)(struct ibv_pd *, struct ibv_wc *, struct ibv_grh *, uint8_t);
+	int (*resolve_eth_l2_from_gid)(struct ibv_context *, struct ibv_ah_attr *, uint8_t *, uint16_t *);
 };
 
 extern struct ibk_real ibk_real;
