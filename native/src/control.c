@@ -5,19 +5,32 @@
  *   rebuild <epoch> [ms] | resume | abort                                   */
 #include <errno.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "ibckpt.h"
 #include "shim.h"
 
-#define REPLY_MAX (256 * 1024)
 static pthread_mutex_t cmd_lock = PTHREAD_MUTEX_INITIALIZER;
+
+/* One control thread serves every client with poll(): an idle or slow
+ * client never holds up another one's command (the agent's abort).  Each
+ * read and write is bounded; a client that does not take its reply within
+ * IO_TIMEOUT_MS, or sends a line longer than a command, is dropped. */
+#define MAX_CLIENTS 16
+#define CMD_MAX 256
+#define IO_TIMEOUT_MS 5000
+/* A report is a few hundred bytes per object: the reply buffer is sized
+ * for the objects there are, so 2,048 QPs per rank fit (docs/wire-formats). */
+#define REPLY_BASE (64 * 1024)
+#define REPLY_PER_OBJ 1024
 
 static int run_command(const char *line, char *out, size_t len)
 {
@@ -55,66 +68,190 @@ static int run_command(const char *line, char *out, size_t len)
 	return rc;
 }
 
-static void serve_client(int fd, char *reply, char *body)
+static size_t reply_size(void)
 {
-	char line[256];
-	size_t got = 0;
+	struct ibk_ctx *ctx;
+	struct ibk_obj *o;
+	size_t n = 0;
 
-	for (;;) {
-		ssize_t r = read(fd, line + got, sizeof(line) - 1 - got);
-		char *nl;
-
-		if (r < 0 && errno == EINTR)
-			continue;
-		if (r <= 0)
-			return;
-		got += (size_t)r;
-		line[got] = 0;
-		while ((nl = strchr(line, '\n'))) {
-			size_t rest;
-			int rc;
-
-			*nl = 0;
-			rc = run_command(line, body, REPLY_MAX);
-			snprintf(reply, REPLY_MAX + 8, "%s %s\n", rc ? "err" : "ok", body);
-			if (write(fd, reply, strlen(reply)) < 0)
-				return;
-			rest = got - (size_t)(nl + 1 - line);
-			memmove(line, nl + 1, rest + 1);
-			got = rest;
-		}
-		if (got == sizeof(line) - 1)
-			return; /* a line too long to be a command */
+	pthread_mutex_lock(&ibk_ctx_lock);
+	for (ctx = ibk_ctx_list; ctx; ctx = ctx->next_ctx) {
+		pthread_mutex_lock(&ctx->lock);
+		for (o = ctx->head.next; o != &ctx->head; o = o->next)
+			n++;
+		pthread_mutex_unlock(&ctx->lock);
 	}
+	pthread_mutex_unlock(&ibk_ctx_lock);
+	/* objects made while the command runs: room for as many again */
+	return REPLY_BASE + 2 * n * REPLY_PER_OBJ;
+}
+
+/* The whole reply line for one command, malloc'd: "ok <json>\n" or
+ * "err <json>\n".  A report that did not fit is an error, never a cut line. */
+static char *control_reply(const char *line, size_t *outlen)
+{
+	size_t cap = reply_size(), n;
+	char *body = malloc(cap), *reply;
+	int rc;
+
+	if (!body)
+		return NULL;
+	body[0] = 0;
+	rc = run_command(line, body, cap);
+	n = strlen(body);
+	if (n + 1 >= cap) {
+		n = (size_t)snprintf(body, cap, "{\"error\":\"a reply of more than %zu bytes\"}", cap);
+		rc = -E2BIG;
+	}
+	reply = malloc(n + 6);
+	if (reply)
+		*outlen = (size_t)snprintf(reply, n + 6, "%s %s\n", rc ? "err" : "ok", body);
+	free(body);
+	return reply;
+}
+
+static long now_ms(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* Write it all within IO_TIMEOUT_MS (the socket is non-blocking). */
+static int write_bounded(int fd, const char *p, size_t n)
+{
+	long deadline = now_ms() + IO_TIMEOUT_MS;
+
+	while (n) {
+		ssize_t w = send(fd, p, n, MSG_NOSIGNAL);
+		struct pollfd pf = {.fd = fd, .events = POLLOUT};
+		long left;
+
+		if (w > 0) {
+			p += w;
+			n -= (size_t)w;
+			continue;
+		}
+		if (w < 0 && errno != EAGAIN && errno != EINTR)
+			return -1;
+		left = deadline - now_ms();
+		if (left <= 0 || poll(&pf, 1, (int)left) < 0)
+			return -1;
+	}
+	return 0;
+}
+
+/* Root or the process's own user: anyone else cannot drive its checkpoints. */
+static int peer_allowed(int fd)
+{
+	struct ucred cr;
+	socklen_t l = sizeof(cr);
+
+	if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cr, &l) || l != sizeof(cr))
+		return 0;
+	return cr.uid == 0 || cr.uid == getuid() || cr.uid == geteuid();
+}
+
+struct client {
+	int fd;
+	size_t got;
+	long last; /* ms of its last line, for choosing whom to drop when full */
+	char line[CMD_MAX];
+};
+
+static void client_drop(struct client *c)
+{
+	close(c->fd);
+	c->fd = -1;
+	c->got = 0;
+}
+
+/* New bytes from a client: run each complete line.  0 to keep it. */
+static int client_input(struct client *c)
+{
+	ssize_t r = recv(c->fd, c->line + c->got, sizeof(c->line) - 1 - c->got, MSG_DONTWAIT);
+	char *nl;
+
+	if (r < 0 && (errno == EAGAIN || errno == EINTR))
+		return 0;
+	if (r <= 0)
+		return -1;
+	c->got += (size_t)r;
+	c->line[c->got] = 0;
+	while ((nl = memchr(c->line, '\n', c->got))) {
+		size_t rest = c->got - (size_t)(nl + 1 - c->line), n = 0;
+		char *reply;
+		int bad;
+
+		*nl = 0;
+		reply = control_reply(c->line, &n);
+		bad = !reply || write_bounded(c->fd, reply, n);
+		free(reply);
+		if (bad)
+			return -1;
+		memmove(c->line, nl + 1, rest + 1);
+		c->got = rest;
+		c->last = now_ms();
+	}
+	return c->got == sizeof(c->line) - 1 ? -1 : 0; /* a line too long to be a command */
+}
+
+static void client_accept(int lfd, struct client *cl)
+{
+	int fd = accept4(lfd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK), i, oldest = 0;
+
+	if (fd < 0) {
+		if (errno != EINTR && errno != EAGAIN && errno != ECONNABORTED)
+			ibk_log("control socket: accept: %s", strerror(errno));
+		return;
+	}
+	if (!peer_allowed(fd)) {
+		ibk_log("control socket: refused a client of another user");
+		close(fd);
+		return;
+	}
+	for (i = 0; i < MAX_CLIENTS && cl[i].fd >= 0; i++)
+		if (cl[i].last < cl[oldest].last)
+			oldest = i;
+	if (i == MAX_CLIENTS) /* full: the one quiet the longest makes room */
+		client_drop(&cl[i = oldest]);
+	cl[i].fd = fd;
+	cl[i].got = 0;
+	cl[i].last = now_ms();
 }
 
 static void *control_main(void *arg)
 {
-	int lfd = (int)(intptr_t)arg;
-	char *reply = malloc(REPLY_MAX + 8), *body = malloc(REPLY_MAX);
+	struct client cl[MAX_CLIENTS];
+	struct pollfd pf[MAX_CLIENTS + 1];
+	int lfd = (int)(intptr_t)arg, i;
 
 	/* The node agent finds this thread by name and raises its priority for a
 	 * checkpoint: it shares its CPU with busy-polling app threads. */
 	pthread_setname_np(pthread_self(), IBK_CONTROL_THREAD_NAME);
-	if (!reply || !body) {
-		free(reply);
-		free(body);
-		return NULL;
-	}
+	for (i = 0; i < MAX_CLIENTS; i++)
+		cl[i].fd = -1;
 	for (;;) {
-		int fd = accept4(lfd, NULL, NULL, SOCK_CLOEXEC);
-
-		if (fd < 0) {
-			if (errno == EINTR || errno == ECONNABORTED)
+		pf[0].fd = lfd;
+		pf[0].events = POLLIN;
+		for (i = 0; i < MAX_CLIENTS; i++) {
+			pf[i + 1].fd = cl[i].fd;
+			pf[i + 1].events = POLLIN;
+			pf[i + 1].revents = 0;
+		}
+		if (poll(pf, MAX_CLIENTS + 1, -1) < 0) {
+			if (errno == EINTR)
 				continue;
-			ibk_log("control socket: accept: %s", strerror(errno));
+			ibk_log("control socket: poll: %s", strerror(errno));
 			break;
 		}
-		serve_client(fd, reply, body);
-		close(fd);
+		for (i = 0; i < MAX_CLIENTS; i++)
+			if (cl[i].fd >= 0 && pf[i + 1].revents && client_input(&cl[i]))
+				client_drop(&cl[i]);
+		if (pf[0].revents & POLLIN)
+			client_accept(lfd, cl);
 	}
-	free(reply);
-	free(body);
 	return NULL;
 }
 
@@ -167,7 +304,7 @@ void ibk_control_start(void)
 		int rc = bind(fd, (struct sockaddr *)&sa, sizeof(sa));
 
 		umask(um);
-		if (rc || chmod(path, 0600) || listen(fd, 4)) {
+		if (rc || chmod(path, 0600) || listen(fd, 16)) {
 			ibk_log("control socket %s: %s", path, strerror(errno));
 			close(fd);
 			return;

@@ -17,7 +17,6 @@ from collections.abc import Callable
 
 import pyverbs.enums as e
 from pyverbs.addr import AH, AHAttr, GlobalRoute
-from pyverbs.addr import GRH as PyGRH
 from pyverbs.cq import CQ, CompChannel
 from pyverbs.device import Context
 from pyverbs.mr import MR, MW
@@ -26,7 +25,7 @@ from pyverbs.pyverbs_error import PyverbsError, PyverbsRDMAError
 from pyverbs.qp import QP, QPAttr, QPCap, QPInitAttr
 from pyverbs.wr import SGE, RecvWR, SendWR
 
-GID = 1  # the IPv4-mapped RoCEv2 GID on rxe
+GID_INDEX = 1  # the IPv4-mapped RoCEv2 GID on rxe
 QKEY = 0x11111111
 GRH = 40
 RC_ACCESS = (
@@ -59,7 +58,7 @@ def ok(wcs: list) -> list:  # type: ignore[type-arg]
 
 
 def gr(ctx: Context) -> GlobalRoute:
-    return GlobalRoute(dgid=ctx.query_gid(1, GID), sgid_index=GID)
+    return GlobalRoute(dgid=ctx.query_gid(1, GID_INDEX), sgid_index=GID_INDEX)
 
 
 def rc_pair(ctx: Context, pd: PD, cq: CQ, qpt: int = e.IBV_QPT_RC, sge: int = 1) -> tuple[QP, QP]:
@@ -286,11 +285,8 @@ def case_ud_traffic(ctx: Context) -> None:
     rwc = next(w for w in wcs if w.opcode == e.IBV_WC_RECV)
     same = rmr.read(16 * (nsge - 1), GRH) == data[: 16 * (nsge - 1)]
     out("ud_traffic", nsge, rwc.byte_len, rwc.src_qp == a.qp_num, same)
-    # the 40 bytes the receive got, as the GRH struct (for RoCEv2 over IPv4 the IP header is
-    # in its last 20 bytes, which are the two GID fields)
-    raw = rmr.read(GRH, 0)
-    grh = PyGRH(sgid=_gid_str(raw[8:24]), dgid=_gid_str(raw[24:40]))
-    reply_ah = AH(pd, wc=rwc, grh=grh, port_num=1)
+    # the GRH as the receive wrote it into the buffer, as a C program passes it
+    reply_ah = AH(pd, wc=rwc, grh=rmr.buf, port_num=1)
     a.post_recv(
         RecvWR(wr_id=9, num_sge=2, sg=[SGE(rmr.buf, GRH, rmr.lkey), SGE(rmr.buf + GRH, 16, rmr.lkey)])
     )
@@ -299,10 +295,6 @@ def case_ud_traffic(ctx: Context) -> None:
     b.post_send(wr)
     wcs = ok(poll(cq, 2))
     out("ud_reply_via_wc", sorted((w.opcode, w.byte_len) for w in wcs))
-
-
-def _gid_str(raw: bytes) -> str:
-    return ":".join(raw[i : i + 2].hex() for i in range(0, 16, 2))
 
 
 def case_rereg_mr(ctx: Context) -> None:
