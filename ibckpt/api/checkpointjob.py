@@ -164,6 +164,10 @@ class CheckpointJobStatus(ApiModel):
     step: str | None = Field(default=None, description="What that side effect is (quiesce, upload, ...).")
     aborted_from: JobPhase | None = Field(default=None, description="The phase an abort started in.")
     waiting_for: str | None = Field(default=None, description="The job that holds some of this job's pods.")
+    claimed: bool | None = Field(
+        default=None,
+        description="This job holds its pods: no other CheckpointJob touches them until it ends.",
+    )
     pod_count: int | None = Field(default=None, ge=0)
     pods: list[PodRow] | None = None
     checkpoint_name: str | None = None

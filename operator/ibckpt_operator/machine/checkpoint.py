@@ -1,0 +1,642 @@
+"""The CheckpointJob state machine: (state, event, now) -> (state, actions). Pure: no I/O, no clock.
+
+    Pending -> Admitted -> Quiescing -> Draining -> Releasing -> Dumping -> Uploading -> Committed
+      -> Rebuilding -> Resuming -> Succeeded          (LeaveRunning)
+      -> Stopped -> Succeeded                         (Stop: sources killed only now)
+    any failure, deadline, lost pod or cancel before Committed -> Aborting (ResumeAll) -> Failed
+    before any rank is touched (Pending, Admitted)             -> Failed
+
+The rules it encodes (tests/operator/test_checkpoint_machine.py shows each):
+- every member is admitted before any member is touched; the members are pinned by UID at selection;
+- the manifest is committed only after every member uploaded, so a partial set is never published;
+- Stop kills the sources only once the checkpoint is committed and its Checkpoint object exists;
+- each side effect gets a new attempt id, recorded in the state the handler writes to status before it acts;
+  a result for another attempt is stale and ignored; after an operator restart a step with an unknown
+  outcome is run again only when that is safe (Unknown.REISSUE), looked up (VERIFY) or given up (ABORT);
+- two jobs never hold the same pod: the claim is granted, or the job waits (bounded) or fails, saying who
+  holds the pods.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+
+from ibckpt.api import CheckpointJobSpec, CheckpointMode, ConcurrencyPolicy, JobPhase
+from ibckpt_operator.machine.core import (
+    Action,
+    Cancelled,
+    EmitEvent,
+    Event,
+    Member,
+    OperatorRestarted,
+    PodAdmitted,
+    PodLost,
+    PodRef,
+    PodRefused,
+    PodsBusy,
+    PodsClaimed,
+    PodsSelected,
+    PodStepDone,
+    SessionOpened,
+    StepAction,
+    StepFailed,
+    StepRecord,
+    Tick,
+    Transition,
+    Unknown,
+    attempt_id,
+    keys_not_at,
+    with_progress,
+)
+
+
+class JobStep(StrEnum):
+    SELECT = "select"
+    CLAIM = "claim"
+    ADMIT = "admit"
+    OPEN_SESSION = "open-session"
+    QUIESCE = "quiesce"
+    DRAIN = "drain"
+    RELEASE = "release"
+    DUMP = "dump"
+    UPLOAD = "upload"
+    COMMIT = "commit"
+    VERIFY_COMMIT = "verify-commit"
+    PUBLISH = "publish"
+    REBUILD = "rebuild"
+    RESUME = "resume"
+    KILL = "kill"
+    RESUME_ALL = "resume-all"
+
+
+# Per step: the label a member gets when it finishes it (None: the step is not per member), and what a
+# restarted operator does when it finds the step in flight.
+STEP_LABEL: Mapping[JobStep, str | None] = {
+    JobStep.SELECT: None,
+    JobStep.CLAIM: None,
+    JobStep.ADMIT: "Admitted",
+    JobStep.OPEN_SESSION: None,
+    JobStep.QUIESCE: "Quiesced",
+    JobStep.DRAIN: "Drained",
+    JobStep.RELEASE: "Released",
+    JobStep.DUMP: "Dumped",
+    JobStep.UPLOAD: "Uploaded",
+    JobStep.COMMIT: None,
+    JobStep.VERIFY_COMMIT: None,
+    JobStep.PUBLISH: None,
+    JobStep.REBUILD: "Rebuilt",
+    JobStep.RESUME: "Resumed",
+    JobStep.KILL: "Killed",
+    JobStep.RESUME_ALL: "Resumed",
+}
+ON_UNKNOWN: Mapping[JobStep, Unknown] = {
+    JobStep.SELECT: Unknown.REISSUE,  # reads pods
+    JobStep.CLAIM: Unknown.REISSUE,  # in the operator's memory, rebuilt from statuses
+    JobStep.ADMIT: Unknown.REISSUE,  # read-only checks
+    JobStep.OPEN_SESSION: Unknown.REISSUE,  # a coordinator session touches no rank
+    JobStep.QUIESCE: Unknown.ABORT,
+    JobStep.DRAIN: Unknown.ABORT,
+    JobStep.RELEASE: Unknown.ABORT,
+    JobStep.DUMP: Unknown.ABORT,
+    JobStep.UPLOAD: Unknown.ABORT,
+    JobStep.COMMIT: Unknown.VERIFY,  # one PUT: the manifest is there or not
+    JobStep.VERIFY_COMMIT: Unknown.REISSUE,
+    JobStep.PUBLISH: Unknown.REISSUE,  # create-if-absent by name
+    JobStep.REBUILD: Unknown.ABORT,  # after the commit this means: resume every rank (see _restarted)
+    JobStep.RESUME: Unknown.REISSUE,  # opening a gate twice is harmless
+    JobStep.KILL: Unknown.REISSUE,  # by UID: a dead pod stays dead
+    JobStep.RESUME_ALL: Unknown.REISSUE,  # brings each rank to running from wherever it is
+}
+NEXT_STEP: Mapping[JobStep, tuple[JobStep, JobPhase]] = {
+    JobStep.ADMIT: (JobStep.OPEN_SESSION, JobPhase.ADMITTED),
+    JobStep.QUIESCE: (JobStep.DRAIN, JobPhase.DRAINING),
+    JobStep.DRAIN: (JobStep.RELEASE, JobPhase.RELEASING),
+    JobStep.RELEASE: (JobStep.DUMP, JobPhase.DUMPING),
+    JobStep.DUMP: (JobStep.UPLOAD, JobPhase.UPLOADING),
+    JobStep.UPLOAD: (JobStep.COMMIT, JobPhase.UPLOADING),
+    JobStep.REBUILD: (JobStep.RESUME, JobPhase.RESUMING),
+}
+TERMINAL = frozenset({JobPhase.SUCCEEDED, JobPhase.FAILED})
+# Phases in which no rank has been touched: a failure ends the job, nothing to bring back.
+UNTOUCHED = frozenset({JobPhase.PENDING, JobPhase.ADMITTED})
+# Phases after the manifest commit: the checkpoint exists whatever happens next.
+AFTER_COMMIT = frozenset({JobPhase.COMMITTED, JobPhase.REBUILDING, JobPhase.RESUMING, JobPhase.STOPPED})
+
+
+# Job-specific events.
+
+
+@dataclass(frozen=True)
+class ManifestCommitted(Event):
+    attempt: str
+    manifest_key: str
+
+
+@dataclass(frozen=True)
+class ManifestMissing(Event):
+    """A verify found no manifest: the interrupted commit did not happen."""
+
+    attempt: str
+
+
+@dataclass(frozen=True)
+class CheckpointPublished(Event):
+    attempt: str
+
+
+# Actions. The handler maps each to its side effect; a StepAction's pods are the pinned members.
+
+
+@dataclass(frozen=True)
+class SelectPods(StepAction):
+    """Resolve the selector or workload to pods (name, UID, node)."""
+
+
+@dataclass(frozen=True)
+class ClaimPods(StepAction):
+    """Claim the pods for this job in the operator's registry (answer PodsClaimed or PodsBusy)."""
+
+
+@dataclass(frozen=True)
+class ReleaseClaim(Action):
+    pass
+
+
+@dataclass(frozen=True)
+class AdmitPods(StepAction):
+    """Per pod: its node has a ready agent, its containers are registered, the preflight passes."""
+
+
+@dataclass(frozen=True)
+class OpenSession(StepAction):
+    """Create the coordinator session for these pods' agents."""
+
+
+@dataclass(frozen=True)
+class CloseSession(Action):
+    pass
+
+
+@dataclass(frozen=True)
+class QuiesceRanks(StepAction):
+    pass
+
+
+@dataclass(frozen=True)
+class DrainRanks(StepAction):
+    pass
+
+
+@dataclass(frozen=True)
+class ReleaseRanks(StepAction):
+    pass
+
+
+@dataclass(frozen=True)
+class DumpRanks(StepAction):
+    pass
+
+
+@dataclass(frozen=True)
+class UploadImages(StepAction):
+    checkpoint_name: str = ""
+
+
+@dataclass(frozen=True)
+class CommitManifest(StepAction):
+    """Merge every member's uploaded part into the manifest: the one write that makes the checkpoint exist."""
+
+    checkpoint_name: str = ""
+
+
+@dataclass(frozen=True)
+class VerifyManifest(StepAction):
+    """Look whether the manifest exists (answer ManifestCommitted or ManifestMissing); writes nothing."""
+
+    checkpoint_name: str = ""
+
+
+@dataclass(frozen=True)
+class DiscardUpload(StepAction):
+    """Delete what this attempt staged in the store (parts; never a committed manifest's chunks)."""
+
+    checkpoint_name: str = ""
+
+
+@dataclass(frozen=True)
+class PublishCheckpoint(StepAction):
+    """Create the Checkpoint object (if absent) for the committed manifest."""
+
+    checkpoint_name: str = ""
+    manifest_key: str = ""
+
+
+@dataclass(frozen=True)
+class RebuildRanks(StepAction):
+    pass
+
+
+@dataclass(frozen=True)
+class ResumeRanks(StepAction):
+    pass
+
+
+@dataclass(frozen=True)
+class KillSources(StepAction):
+    """Kill the source processes, by pod UID (Stop mode, after the commit)."""
+
+
+@dataclass(frozen=True)
+class ResumeAll(StepAction):
+    """Bring every rank back to running from wherever it is (reopen, or rebuild and resume): the abort."""
+
+
+_STEP_ACTION: Mapping[JobStep, type[StepAction]] = {
+    JobStep.SELECT: SelectPods,
+    JobStep.CLAIM: ClaimPods,
+    JobStep.ADMIT: AdmitPods,
+    JobStep.OPEN_SESSION: OpenSession,
+    JobStep.QUIESCE: QuiesceRanks,
+    JobStep.DRAIN: DrainRanks,
+    JobStep.RELEASE: ReleaseRanks,
+    JobStep.DUMP: DumpRanks,
+    JobStep.UPLOAD: UploadImages,
+    JobStep.COMMIT: CommitManifest,
+    JobStep.VERIFY_COMMIT: VerifyManifest,
+    JobStep.PUBLISH: PublishCheckpoint,
+    JobStep.REBUILD: RebuildRanks,
+    JobStep.RESUME: ResumeRanks,
+    JobStep.KILL: KillSources,
+    JobStep.RESUME_ALL: ResumeAll,
+}
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """What the machine needs of the spec."""
+
+    checkpoint_name: str
+    mode: CheckpointMode = CheckpointMode.LEAVE_RUNNING
+    concurrency: ConcurrencyPolicy = ConcurrencyPolicy.WAIT
+    timeouts: Mapping[JobPhase, float] = field(default_factory=dict)
+    active_deadline: float = 3600.0
+    retry_seconds: float = 5.0  # how often a waiting job asks for its pods again
+
+    @classmethod
+    def from_spec(cls, spec: CheckpointJobSpec, checkpoint_name: str) -> JobConfig:
+        t = spec.timeouts
+        return cls(
+            checkpoint_name=spec.checkpoint_name or checkpoint_name,
+            mode=spec.mode,
+            concurrency=spec.concurrency_policy,
+            timeouts={
+                JobPhase.PENDING: t.admit_seconds,
+                JobPhase.ADMITTED: t.admit_seconds,
+                JobPhase.QUIESCING: t.quiesce_seconds,
+                JobPhase.DRAINING: t.drain_seconds,
+                JobPhase.RELEASING: t.release_seconds,
+                JobPhase.DUMPING: t.dump_seconds,
+                JobPhase.UPLOADING: t.upload_seconds,
+                JobPhase.COMMITTED: t.publish_seconds,
+                JobPhase.REBUILDING: t.rebuild_seconds,
+                JobPhase.RESUMING: t.resume_seconds,
+                JobPhase.STOPPED: t.stop_seconds,
+                JobPhase.ABORTING: t.abort_seconds,
+            },
+            active_deadline=spec.active_deadline_seconds,
+        )
+
+
+@dataclass(frozen=True)
+class JobState:
+    """Everything the machine knows; all of it goes to status (machine/status.py), so a restarted operator
+    reads it back."""
+
+    phase: JobPhase
+    run: str  # attempt ids are RUN-N
+    seq: int
+    started_at: float
+    phase_since: float
+    step: StepRecord | None = None
+    members: tuple[Member, ...] = ()
+    claimed: bool = False
+    reason: str | None = None
+    message: str | None = None
+    aborted_from: JobPhase | None = None
+    waiting_for: str | None = None
+    retry_at: float | None = None
+    manifest_key: str | None = None
+    finished_at: float | None = None
+
+    @property
+    def attempt(self) -> str | None:
+        return self.step.attempt if self.step else None
+
+    @property
+    def live_pods(self) -> tuple[PodRef, ...]:
+        return tuple(member.pod for member in self.members if member.progress != "Lost")
+
+
+JobTransition = Transition[JobState]
+
+
+class CheckpointMachine:
+    """The rules of one CheckpointJob; `start` once, then `handle` every event."""
+
+    def __init__(self, config: JobConfig) -> None:
+        self.config = config
+
+    def start(self, run: str, now: float) -> JobTransition:
+        state = JobState(phase=JobPhase.PENDING, run=run, seq=0, started_at=now, phase_since=now)
+        state, actions = self._issue(state, JobStep.SELECT, now)
+        return self._done(state, [EmitEvent("Normal", "Pending", "selecting the job's pods"), *actions], now)
+
+    def handle(self, state: JobState, event: Event, now: float) -> JobTransition:
+        if state.phase in TERMINAL:
+            return Transition(state)
+        expired = self._deadline(state, now)
+        if expired is not None:
+            return expired
+        if isinstance(event, OperatorRestarted):
+            return self._restarted(state, now)
+        if isinstance(event, Cancelled):
+            if state.phase in AFTER_COMMIT or state.phase == JobPhase.ABORTING:
+                return self._done(state, [], now)  # the checkpoint exists: finish what was started
+            return self._abort(state, "Cancelled", "the CheckpointJob was deleted", now)
+        if isinstance(event, PodLost):
+            return self._pod_lost(state, event, now)
+        if isinstance(event, Tick):
+            if state.waiting_for and state.retry_at is not None and now >= state.retry_at:
+                state, actions = self._issue(state, JobStep.CLAIM, now)
+                return self._done(replace(state, retry_at=None), actions, now)
+            return self._done(state, [], now)
+        if getattr(event, "attempt", None) != state.attempt:
+            return self._done(state, [], now)  # a stale result: its attempt was given up
+        return self._result(state, event, now)
+
+    # -- results of the step in flight
+
+    def _result(self, state: JobState, event: Event, now: float) -> JobTransition:
+        step = JobStep(state.step.kind) if state.step else None
+        if isinstance(event, StepFailed):
+            return self._step_failed(state, event, now)
+        if isinstance(event, PodsSelected) and step == JobStep.SELECT:
+            if not event.pods:
+                return self._fail(state, "NoPods", "no pod matches the job's selector or workload", now)
+            members = tuple(Member(pod) for pod in event.pods)
+            state = replace(state, members=members)
+            state, actions = self._issue(state, JobStep.CLAIM, now)
+            return self._done(state, actions, now)
+        if isinstance(event, PodsClaimed) and step == JobStep.CLAIM:
+            state = replace(state, claimed=True, waiting_for=None, retry_at=None, reason=None, message=None)
+            state, actions = self._issue(state, JobStep.ADMIT, now)
+            return self._done(state, actions, now)
+        if isinstance(event, PodsBusy) and step == JobStep.CLAIM:
+            return self._busy(state, event, now)
+        if isinstance(event, PodAdmitted) and step == JobStep.ADMIT:
+            return self._member_done(state, event.pod, None, None, now)
+        if isinstance(event, PodRefused) and step == JobStep.ADMIT:
+            name = self._name(state, event.pod)
+            state = replace(
+                state, members=with_progress(state.members, event.pod, "Refused", message=event.message)
+            )
+            return self._fail(state, "AdmissionRefused", f"{name}: {event.message}", now)
+        if isinstance(event, SessionOpened) and step == JobStep.OPEN_SESSION:
+            state, actions = self._issue(state, JobStep.QUIESCE, now, JobPhase.QUIESCING)
+            return self._done(state, actions, now)
+        if isinstance(event, PodStepDone) and step not in (None, JobStep.ADMIT):
+            return self._member_done(state, event.pod, event.bytes, event.seconds, now)
+        if isinstance(event, ManifestCommitted) and step in (JobStep.COMMIT, JobStep.VERIFY_COMMIT):
+            state = replace(state, manifest_key=event.manifest_key)
+            state, actions = self._issue(state, JobStep.PUBLISH, now, JobPhase.COMMITTED)
+            return self._done(state, actions, now)
+        if isinstance(event, ManifestMissing) and step == JobStep.VERIFY_COMMIT:
+            return self._abort(
+                state,
+                "OperatorRestarted",
+                "the operator restarted while committing the manifest, and no manifest was written",
+                now,
+            )
+        if isinstance(event, CheckpointPublished) and step == JobStep.PUBLISH:
+            if self.config.mode == CheckpointMode.STOP:
+                state, actions = self._issue(state, JobStep.KILL, now, JobPhase.STOPPED)
+            else:
+                state, actions = self._issue(state, JobStep.REBUILD, now, JobPhase.REBUILDING)
+            return self._done(state, actions, now)
+        return self._done(state, [], now)  # an event this step does not expect
+
+    def _member_done(
+        self, state: JobState, key: str, size: int | None, seconds: float | None, now: float
+    ) -> JobTransition:
+        assert state.step is not None
+        label = STEP_LABEL[JobStep(state.step.kind)]
+        if label is None or all(member.key != key for member in state.members):
+            return self._done(state, [], now)  # not a member: another pod of the same name, say
+        members = with_progress(state.members, key, label, bytes=size, seconds=seconds)
+        return self._maybe_advance(replace(state, members=members), now)
+
+    def _maybe_advance(self, state: JobState, now: float) -> JobTransition:
+        """The next step once every member finished this one; lost (and, in an abort, failed) members
+        no longer count."""
+        assert state.step is not None
+        step = JobStep(state.step.kind)
+        label = STEP_LABEL[step]
+        if any(m.progress not in (label, "Lost", "ResumeFailed") for m in state.members):
+            return self._done(state, [], now)
+        if step in NEXT_STEP:
+            next_step, phase = NEXT_STEP[step]
+            state, actions = self._issue(state, next_step, now, phase)
+            return self._done(state, actions, now)
+        if step == JobStep.RESUME_ALL and state.phase == JobPhase.ABORTING:
+            return self._aborted(state, now)
+        return self._succeed(state, now)  # RESUME, KILL, or RESUME_ALL after a restart past the commit
+
+    def _busy(self, state: JobState, event: PodsBusy, now: float) -> JobTransition:
+        message = f"pods of this job are being checkpointed by {event.holder}"
+        if self.config.concurrency == ConcurrencyPolicy.FAIL:
+            return self._fail(state, "PodsBusy", message, now)
+        actions: list[Action] = []
+        if state.waiting_for != event.holder:
+            actions.append(EmitEvent("Normal", "WaitingForPods", message))
+        state = replace(
+            state,
+            waiting_for=event.holder,
+            retry_at=now + self.config.retry_seconds,
+            reason="WaitingForPods",
+            message=message,
+        )
+        return self._done(state, actions, now)
+
+    def _step_failed(self, state: JobState, event: StepFailed, now: float) -> JobTransition:
+        where = f"{self._name(state, event.pod)}: " if event.pod else ""
+        if state.phase == JobPhase.ABORTING:
+            if event.pod is None:
+                return self._aborted(state, now, f"resuming failed: {event.message}")
+            members = with_progress(state.members, event.pod, "ResumeFailed", message=event.message)
+            return self._maybe_advance(replace(state, members=members), now)
+        return self._abort(state, event.reason, where + event.message, now)
+
+    def _pod_lost(self, state: JobState, event: PodLost, now: float) -> JobTransition:
+        if all(member.key != event.pod for member in state.members):
+            return self._done(state, [], now)
+        name = self._name(state, event.pod)
+        if state.phase == JobPhase.STOPPED and state.step is not None:
+            return self._member_done(state, event.pod, None, None, now)  # killing it is what Stop does
+        state = replace(state, members=with_progress(state.members, event.pod, "Lost", message=event.message))
+        if state.phase == JobPhase.ABORTING and state.step is not None:
+            return self._maybe_advance(state, now)
+        return self._abort(state, "PodLost", f"{name}: {event.message}", now)
+
+    # -- deadlines and restarts
+
+    def _deadline(self, state: JobState, now: float) -> JobTransition | None:
+        limit = self.config.timeouts.get(state.phase)
+        if limit is not None and now >= state.phase_since + limit:
+            if state.phase == JobPhase.PENDING and state.waiting_for:
+                message = f"waited {limit:g}s for pods held by {state.waiting_for}"
+                return self._fail(state, "PodsBusy", message, now)
+            if state.phase == JobPhase.ABORTING:
+                return self._aborted(state, now, f"not confirmed within {limit:g}s")
+            waiting = self._waiting_for(state)
+            suffix = f" (waiting for {', '.join(waiting)})" if waiting else ""
+            message = f"{state.phase} did not finish within {limit:g}s{suffix}"
+            return self._abort(state, f"{state.phase}Timeout", message, now)
+        if state.phase != JobPhase.ABORTING and now >= state.started_at + self.config.active_deadline:
+            message = f"the job did not finish within activeDeadlineSeconds={self.config.active_deadline:g}"
+            return self._abort(state, "DeadlineExceeded", message, now)
+        return None
+
+    def _waiting_for(self, state: JobState) -> list[str]:
+        label = STEP_LABEL[JobStep(state.step.kind)] if state.step else None
+        return keys_not_at(tuple(m for m in state.members if m.progress != "Lost"), label) if label else []
+
+    def _restarted(self, state: JobState, now: float) -> JobTransition:
+        if state.step is None:
+            return self._done(state, [], now)
+        step = JobStep(state.step.kind)
+        policy = ON_UNKNOWN[step]
+        if policy == Unknown.REISSUE:
+            if step == JobStep.ADMIT:  # admit again from scratch: an agent may have gone meanwhile
+                state = replace(state, members=tuple(replace(m, progress="Selected") for m in state.members))
+            state, actions = self._issue(state, step, now)
+            return self._done(replace(state, retry_at=None), actions, now)
+        if policy == Unknown.VERIFY:
+            state, actions = self._issue(state, JobStep.VERIFY_COMMIT, now)
+            return self._done(state, actions, now)
+        if state.phase in (JobPhase.REBUILDING, JobPhase.RESUMING):
+            # Past the commit the checkpoint is good: only the ranks need to run again.
+            state, actions = self._issue(state, JobStep.RESUME_ALL, now, JobPhase.RESUMING)
+            return self._done(state, actions, now)
+        message = (
+            f"the operator restarted during {step}; its outcome is unknown, so the checkpoint is aborted"
+        )
+        return self._abort(state, "OperatorRestarted", message, now)
+
+    # -- endings
+
+    def _abort(self, state: JobState, reason: str, message: str, now: float) -> JobTransition:
+        """The one abort path: before any rank is touched the job just fails; after, every rank resumes."""
+        if state.phase in UNTOUCHED:
+            return self._fail(state, reason, message, now)
+        if state.phase == JobPhase.STOPPED:
+            committed = f"; checkpoint {self.config.checkpoint_name} is committed, some sources may still run"
+            return self._fail(state, reason, message + committed, now)
+        if state.phase == JobPhase.ABORTING:
+            return self._done(state, [], now)
+        aborted_from = state.phase
+        warning = EmitEvent("Warning", reason, f"{message}: resuming every rank")
+        state = replace(state, reason=reason, message=message, aborted_from=aborted_from)
+        state, actions = self._issue(state, JobStep.RESUME_ALL, now, JobPhase.ABORTING)
+        if aborted_from == JobPhase.UPLOADING:
+            # Same attempt as the resume: one recorded step, two idempotent effects.
+            attempt = actions[-1].attempt if isinstance(actions[-1], StepAction) else ""
+            actions.append(DiscardUpload(attempt, state.live_pods, self.config.checkpoint_name))
+        return self._done(state, [warning, *actions], now)
+
+    def _aborted(self, state: JobState, now: float, note: str | None = None) -> JobTransition:
+        unconfirmed = [m.pod.name for m in state.members if m.progress not in ("Resumed", "Lost")]
+        message = state.message or "aborted"
+        if state.aborted_from in AFTER_COMMIT:
+            message += f"; checkpoint {self.config.checkpoint_name} is committed and restorable"
+        if unconfirmed:
+            message += (
+                f"; {note or 'resume failed'} for {', '.join(unconfirmed)} (their shim's lease resumes them)"
+            )
+        return self._fail(state, state.reason or "Aborted", message, now)
+
+    def _fail(self, state: JobState, reason: str, message: str, now: float) -> JobTransition:
+        actions: list[Action] = [EmitEvent("Warning", reason, message)]
+        if state.phase != JobPhase.PENDING:
+            actions.append(CloseSession())
+        if state.claimed:
+            actions.append(ReleaseClaim())
+        state = replace(
+            state,
+            phase=JobPhase.FAILED,
+            phase_since=now,
+            reason=reason,
+            message=message,
+            claimed=False,
+            retry_at=None,
+            finished_at=now,
+        )
+        return Transition(state, tuple(actions))
+
+    def _succeed(self, state: JobState, now: float) -> JobTransition:
+        done = "moved out (sources stopped)" if self.config.mode == CheckpointMode.STOP else "job resumed"
+        message = f"checkpoint {self.config.checkpoint_name} committed; {done}"
+        actions: list[Action] = [EmitEvent("Normal", "Succeeded", message), CloseSession(), ReleaseClaim()]
+        state = replace(
+            state,
+            phase=JobPhase.SUCCEEDED,
+            phase_since=now,
+            reason=None,
+            message=message,
+            claimed=False,
+            finished_at=now,
+        )
+        return Transition(state, tuple(actions))
+
+    # -- plumbing
+
+    def _issue(
+        self, state: JobState, step: JobStep, now: float, phase: JobPhase | None = None
+    ) -> tuple[JobState, list[Action]]:
+        """A new attempt id, recorded in the state before the action that carries it."""
+        seq = state.seq + 1
+        attempt = attempt_id(state.run, seq)
+        actions: list[Action] = []
+        if phase is not None and phase != state.phase:
+            actions.append(EmitEvent("Normal", str(phase), f"{phase}: attempt {attempt}"))
+            state = replace(state, phase=phase, phase_since=now)
+        kind = _STEP_ACTION[step]
+        extra: dict[str, str] = {}
+        if kind in (UploadImages, CommitManifest, VerifyManifest, PublishCheckpoint):
+            extra["checkpoint_name"] = self.config.checkpoint_name
+        if kind is PublishCheckpoint:
+            extra["manifest_key"] = state.manifest_key or ""
+        pods = () if kind is SelectPods else state.live_pods
+        actions.append(kind(attempt=attempt, pods=pods, **extra))
+        return replace(state, seq=seq, step=StepRecord(str(step), attempt, now)), actions
+
+    def _done(self, state: JobState, actions: list[Action], now: float) -> JobTransition:
+        return Transition(state, tuple(actions), self._wake_at(state))
+
+    def _wake_at(self, state: JobState) -> float | None:
+        if state.phase in TERMINAL:
+            return None
+        times = []
+        limit = self.config.timeouts.get(state.phase)
+        if limit is not None:
+            times.append(state.phase_since + limit)
+        if state.phase != JobPhase.ABORTING:
+            times.append(state.started_at + self.config.active_deadline)
+        if state.retry_at is not None:
+            times.append(state.retry_at)
+        return min(times) if times else None
+
+    @staticmethod
+    def _name(state: JobState, key: str | None) -> str:
+        return next((m.pod.name for m in state.members if m.key == key), key or "?")

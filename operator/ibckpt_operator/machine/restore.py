@@ -1,0 +1,433 @@
+"""The RestoreJob state machine: (state, event, now) -> (state, actions). Pure: no I/O, no clock.
+
+    Pending -> Admitted -> Downloading -> Restoring -> Rebuilding -> Resuming -> Succeeded
+    failure, deadline, lost pod or cancel in Pending, Admitted, Downloading -> Failed
+                                     in Restoring, Rebuilding, Resuming     -> CleaningUp -> Failed
+
+No part of a job is left running by itself: once any rank may have been restored, a failure removes every
+restored rank (CleanUpRestore) before the job fails. The Checkpoint stays valid for another RestoreJob.
+Placement honours the spec: a pod is never placed on a node to avoid, nor back on its source node when
+avoidSourceNodes is set.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+
+from ibckpt.api import RestoreJobSpec, RestorePhase
+from ibckpt_operator.machine.core import (
+    Action,
+    Cancelled,
+    EmitEvent,
+    Event,
+    Member,
+    OperatorRestarted,
+    PodAdmitted,
+    PodLost,
+    PodRef,
+    PodRefused,
+    PodStepDone,
+    SessionOpened,
+    StepAction,
+    StepFailed,
+    StepRecord,
+    Tick,
+    Transition,
+    Unknown,
+    attempt_id,
+    with_progress,
+)
+
+
+class RestoreStep(StrEnum):
+    RESOLVE = "resolve"
+    PLACE = "place"
+    ADMIT = "admit"
+    OPEN_SESSION = "open-session"
+    DOWNLOAD = "download"
+    RESTORE = "restore"
+    REBUILD = "rebuild"
+    RESUME = "resume"
+    CLEAN_UP = "clean-up"
+
+
+STEP_LABEL: Mapping[RestoreStep, str | None] = {
+    RestoreStep.RESOLVE: None,
+    RestoreStep.PLACE: None,
+    RestoreStep.ADMIT: "Admitted",
+    RestoreStep.OPEN_SESSION: None,
+    RestoreStep.DOWNLOAD: "Downloaded",
+    RestoreStep.RESTORE: "Restored",
+    RestoreStep.REBUILD: "Rebuilt",
+    RestoreStep.RESUME: "Resumed",
+    RestoreStep.CLEAN_UP: "Removed",
+}
+ON_UNKNOWN: Mapping[RestoreStep, Unknown] = {
+    RestoreStep.RESOLVE: Unknown.REISSUE,
+    RestoreStep.PLACE: Unknown.REISSUE,
+    RestoreStep.ADMIT: Unknown.REISSUE,
+    RestoreStep.OPEN_SESSION: Unknown.REISSUE,
+    RestoreStep.DOWNLOAD: Unknown.REISSUE,  # chunks are verified by hash: downloading again is harmless
+    RestoreStep.RESTORE: Unknown.ABORT,  # processes may or may not exist
+    RestoreStep.REBUILD: Unknown.ABORT,  # rebuild publishes ids under an epoch; never twice blindly
+    RestoreStep.RESUME: Unknown.REISSUE,
+    RestoreStep.CLEAN_UP: Unknown.REISSUE,
+}
+NEXT_STEP: Mapping[RestoreStep, tuple[RestoreStep, RestorePhase] | None] = {
+    RestoreStep.ADMIT: (RestoreStep.OPEN_SESSION, RestorePhase.ADMITTED),
+    RestoreStep.DOWNLOAD: (RestoreStep.RESTORE, RestorePhase.RESTORING),
+    RestoreStep.RESTORE: (RestoreStep.REBUILD, RestorePhase.REBUILDING),
+    RestoreStep.REBUILD: (RestoreStep.RESUME, RestorePhase.RESUMING),
+    RestoreStep.RESUME: None,  # done
+}
+TERMINAL = frozenset({RestorePhase.SUCCEEDED, RestorePhase.FAILED})
+# Phases before any rank can exist on a destination node: a failure just fails.
+NOTHING_RESTORED = frozenset({RestorePhase.PENDING, RestorePhase.ADMITTED, RestorePhase.DOWNLOADING})
+
+
+@dataclass(frozen=True)
+class CheckpointResolved(Event):
+    """The Checkpoint exists, is ready, and holds these pods (node: where each was checkpointed)."""
+
+    attempt: str
+    pods: tuple[PodRef, ...]
+
+
+@dataclass(frozen=True)
+class PodsPlaced(Event):
+    """A destination node for each pod, by pod name."""
+
+    attempt: str
+    nodes: Mapping[str, str]
+
+
+@dataclass(frozen=True)
+class ResolveCheckpoint(StepAction):
+    checkpoint_name: str = ""
+
+
+@dataclass(frozen=True)
+class PlacePods(StepAction):
+    """Choose a destination node per pod within the constraints (answer PodsPlaced or StepFailed)."""
+
+    node_selector: Mapping[str, str] = field(default_factory=dict)
+    avoid_nodes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class AdmitNodes(StepAction):
+    """Per pod: its destination node has a ready agent and the versions the checkpoint requires."""
+
+
+@dataclass(frozen=True)
+class OpenRestoreSession(StepAction):
+    pass
+
+
+@dataclass(frozen=True)
+class CloseRestoreSession(Action):
+    pass
+
+
+@dataclass(frozen=True)
+class DownloadImages(StepAction):
+    checkpoint_name: str = ""
+
+
+@dataclass(frozen=True)
+class DiscardStaged(StepAction):
+    """Delete downloaded images on the destination nodes."""
+
+
+@dataclass(frozen=True)
+class RestoreRanks(StepAction):
+    pass
+
+
+@dataclass(frozen=True)
+class RebuildRestored(StepAction):
+    pass
+
+
+@dataclass(frozen=True)
+class ResumeRestored(StepAction):
+    pass
+
+
+@dataclass(frozen=True)
+class CleanUpRestore(StepAction):
+    """Kill and remove every restored rank: no part of the job may run alone."""
+
+
+_STEP_ACTION: Mapping[RestoreStep, type[StepAction]] = {
+    RestoreStep.RESOLVE: ResolveCheckpoint,
+    RestoreStep.PLACE: PlacePods,
+    RestoreStep.ADMIT: AdmitNodes,
+    RestoreStep.OPEN_SESSION: OpenRestoreSession,
+    RestoreStep.DOWNLOAD: DownloadImages,
+    RestoreStep.RESTORE: RestoreRanks,
+    RestoreStep.REBUILD: RebuildRestored,
+    RestoreStep.RESUME: ResumeRestored,
+    RestoreStep.CLEAN_UP: CleanUpRestore,
+}
+
+
+@dataclass(frozen=True)
+class RestoreConfig:
+    checkpoint_name: str
+    node_selector: Mapping[str, str] = field(default_factory=dict)
+    avoid_nodes: tuple[str, ...] = ()
+    avoid_source_nodes: bool = False
+    timeouts: Mapping[RestorePhase, float] = field(default_factory=dict)
+    active_deadline: float = 3600.0
+
+    @classmethod
+    def from_spec(cls, spec: RestoreJobSpec) -> RestoreConfig:
+        t = spec.timeouts
+        return cls(
+            checkpoint_name=spec.checkpoint_name,
+            node_selector=dict(spec.node_selector or {}),
+            avoid_nodes=tuple(spec.avoid_nodes or ()),
+            avoid_source_nodes=spec.avoid_source_nodes,
+            timeouts={
+                RestorePhase.PENDING: t.admit_seconds,
+                RestorePhase.ADMITTED: t.admit_seconds,
+                RestorePhase.DOWNLOADING: t.download_seconds,
+                RestorePhase.RESTORING: t.restore_seconds,
+                RestorePhase.REBUILDING: t.rebuild_seconds,
+                RestorePhase.RESUMING: t.resume_seconds,
+                RestorePhase.CLEANING_UP: t.cleanup_seconds,
+            },
+            active_deadline=spec.active_deadline_seconds,
+        )
+
+
+@dataclass(frozen=True)
+class RestoreState:
+    phase: RestorePhase
+    run: str
+    seq: int
+    started_at: float
+    phase_since: float
+    step: StepRecord | None = None
+    members: tuple[Member, ...] = ()  # keyed by pod name; node is the destination once placed
+    reason: str | None = None
+    message: str | None = None
+    failed_from: RestorePhase | None = None
+    finished_at: float | None = None
+
+    @property
+    def attempt(self) -> str | None:
+        return self.step.attempt if self.step else None
+
+
+RestoreTransition = Transition[RestoreState]
+
+
+class RestoreMachine:
+    def __init__(self, config: RestoreConfig) -> None:
+        self.config = config
+
+    def start(self, run: str, now: float) -> RestoreTransition:
+        state = RestoreState(phase=RestorePhase.PENDING, run=run, seq=0, started_at=now, phase_since=now)
+        state, actions = self._issue(state, RestoreStep.RESOLVE, now)
+        message = f"restoring checkpoint {self.config.checkpoint_name}"
+        return self._done(state, [EmitEvent("Normal", "Pending", message), *actions])
+
+    def handle(self, state: RestoreState, event: Event, now: float) -> RestoreTransition:
+        if state.phase in TERMINAL:
+            return Transition(state)
+        expired = self._deadline(state, now)
+        if expired is not None:
+            return expired
+        if isinstance(event, OperatorRestarted):
+            return self._restarted(state, now)
+        if isinstance(event, Cancelled):
+            return self._abort(state, "Cancelled", "the RestoreJob was deleted", now)
+        if isinstance(event, PodLost):
+            if all(member.key != event.pod for member in state.members):
+                return self._done(state, [])
+            members = with_progress(state.members, event.pod, "Lost", message=event.message)
+            state = replace(state, members=members)
+            if state.phase == RestorePhase.CLEANING_UP:
+                return self._maybe_advance(state, now)
+            return self._abort(state, "PodLost", f"{event.pod}: {event.message}", now)
+        if isinstance(event, Tick) or getattr(event, "attempt", None) != state.attempt:
+            return self._done(state, [])
+        return self._result(state, event, now)
+
+    def _result(self, state: RestoreState, event: Event, now: float) -> RestoreTransition:
+        assert state.step is not None
+        step = RestoreStep(state.step.kind)
+        if isinstance(event, StepFailed):
+            if state.phase == RestorePhase.CLEANING_UP:
+                return self._fail(
+                    state, state.reason or event.reason, f"{state.message}; {event.message}", now
+                )
+            where = f"{event.pod}: " if event.pod else ""
+            return self._abort(state, event.reason, where + event.message, now)
+        if isinstance(event, CheckpointResolved) and step == RestoreStep.RESOLVE:
+            if not event.pods:
+                return self._fail(state, "EmptyCheckpoint", "the checkpoint holds no pod", now)
+            state = replace(state, members=tuple(Member(pod) for pod in event.pods))
+            state, actions = self._issue(state, RestoreStep.PLACE, now)
+            return self._done(state, actions)
+        if isinstance(event, PodsPlaced) and step == RestoreStep.PLACE:
+            problems = self._placement_problems(state, event.nodes)
+            if problems:
+                return self._fail(state, "PlacementRejected", "; ".join(problems), now)
+            members = tuple(
+                replace(m, pod=replace(m.pod, node=event.nodes[m.pod.name]), progress="Placed")
+                for m in state.members
+            )
+            state, actions = self._issue(replace(state, members=members), RestoreStep.ADMIT, now)
+            return self._done(state, actions)
+        if isinstance(event, PodRefused) and step == RestoreStep.ADMIT:
+            members = with_progress(state.members, event.pod, "Refused", message=event.message)
+            return self._fail(
+                replace(state, members=members), "AdmissionRefused", f"{event.pod}: {event.message}", now
+            )
+        if isinstance(event, SessionOpened) and step == RestoreStep.OPEN_SESSION:
+            state, actions = self._issue(state, RestoreStep.DOWNLOAD, now, RestorePhase.DOWNLOADING)
+            return self._done(state, actions)
+        if isinstance(event, (PodAdmitted, PodStepDone)) and STEP_LABEL[step] is not None:
+            if isinstance(event, PodAdmitted) != (step == RestoreStep.ADMIT):
+                return self._done(state, [])
+            if all(member.key != event.pod for member in state.members):
+                return self._done(state, [])
+            size = event.bytes if isinstance(event, PodStepDone) else None
+            seconds = event.seconds if isinstance(event, PodStepDone) else None
+            label = STEP_LABEL[step] or ""
+            members = with_progress(state.members, event.pod, label, bytes=size, seconds=seconds)
+            return self._maybe_advance(replace(state, members=members), now)
+        return self._done(state, [])
+
+    def _maybe_advance(self, state: RestoreState, now: float) -> RestoreTransition:
+        assert state.step is not None
+        step = RestoreStep(state.step.kind)
+        label = STEP_LABEL[step]
+        if any(m.progress not in (label, "Lost") for m in state.members):
+            return self._done(state, [])
+        if step == RestoreStep.CLEAN_UP:
+            return self._fail(state, state.reason or "Failed", state.message or "restore failed", now)
+        following = NEXT_STEP[step]
+        if following is None:
+            return self._succeed(state, now)
+        state, actions = self._issue(state, following[0], now, following[1])
+        return self._done(state, actions)
+
+    def _placement_problems(self, state: RestoreState, nodes: Mapping[str, str]) -> list[str]:
+        problems = []
+        for member in state.members:
+            node = nodes.get(member.pod.name)
+            if node is None:
+                problems.append(f"{member.pod.name}: no node")
+            elif node in self.config.avoid_nodes:
+                problems.append(f"{member.pod.name}: {node} is in avoidNodes")
+            elif self.config.avoid_source_nodes and node == member.pod.node:
+                problems.append(f"{member.pod.name}: {node} is its source node (avoidSourceNodes)")
+        return problems
+
+    def _deadline(self, state: RestoreState, now: float) -> RestoreTransition | None:
+        limit = self.config.timeouts.get(state.phase)
+        if limit is not None and now >= state.phase_since + limit:
+            label = STEP_LABEL[RestoreStep(state.step.kind)] if state.step else None
+            late = [m.pod.name for m in state.members if label and m.progress not in (label, "Lost")]
+            suffix = f" (waiting for {', '.join(late)})" if late else ""
+            if state.phase == RestorePhase.CLEANING_UP:
+                note = f"; clean-up not confirmed within {limit:g}s{suffix}"
+                return self._fail(state, state.reason or "Failed", (state.message or "") + note, now)
+            message = f"{state.phase} did not finish within {limit:g}s{suffix}"
+            return self._abort(state, f"{state.phase}Timeout", message, now)
+        if state.phase != RestorePhase.CLEANING_UP and now >= state.started_at + self.config.active_deadline:
+            message = (
+                f"the restore did not finish within activeDeadlineSeconds={self.config.active_deadline:g}"
+            )
+            return self._abort(state, "DeadlineExceeded", message, now)
+        return None
+
+    def _restarted(self, state: RestoreState, now: float) -> RestoreTransition:
+        if state.step is None:
+            return self._done(state, [])
+        step = RestoreStep(state.step.kind)
+        if ON_UNKNOWN[step] == Unknown.REISSUE:
+            if step == RestoreStep.ADMIT:
+                state = replace(state, members=tuple(replace(m, progress="Placed") for m in state.members))
+            state, actions = self._issue(state, step, now)
+            return self._done(state, actions)
+        message = f"the operator restarted during {step}; its outcome is unknown, so the restore is undone"
+        return self._abort(state, "OperatorRestarted", message, now)
+
+    def _abort(self, state: RestoreState, reason: str, message: str, now: float) -> RestoreTransition:
+        if state.phase == RestorePhase.CLEANING_UP:
+            return self._done(state, [])
+        if state.phase in NOTHING_RESTORED:
+            return self._fail(state, reason, message, now)
+        warning = EmitEvent("Warning", reason, f"{message}: removing every restored rank")
+        state = replace(state, reason=reason, message=message, failed_from=state.phase)
+        state, actions = self._issue(state, RestoreStep.CLEAN_UP, now, RestorePhase.CLEANING_UP)
+        return self._done(state, [warning, *actions])
+
+    def _fail(self, state: RestoreState, reason: str, message: str, now: float) -> RestoreTransition:
+        actions: list[Action] = [EmitEvent("Warning", reason, message)]
+        if state.phase != RestorePhase.PENDING:
+            actions.append(CloseRestoreSession())
+        if state.phase == RestorePhase.DOWNLOADING:
+            actions.append(DiscardStaged(state.attempt or "", self._pods(state)))
+        failed_from = state.failed_from or state.phase
+        state = replace(
+            state,
+            phase=RestorePhase.FAILED,
+            phase_since=now,
+            reason=reason,
+            message=message,
+            failed_from=failed_from,
+            finished_at=now,
+        )
+        return Transition(state, tuple(actions))
+
+    def _succeed(self, state: RestoreState, now: float) -> RestoreTransition:
+        message = f"checkpoint {self.config.checkpoint_name} restored; the job runs again"
+        actions = (EmitEvent("Normal", "Succeeded", message), CloseRestoreSession())
+        state = replace(
+            state, phase=RestorePhase.SUCCEEDED, phase_since=now, message=message, finished_at=now
+        )
+        return Transition(state, actions)
+
+    def _issue(
+        self, state: RestoreState, step: RestoreStep, now: float, phase: RestorePhase | None = None
+    ) -> tuple[RestoreState, list[Action]]:
+        seq = state.seq + 1
+        attempt = attempt_id(state.run, seq)
+        actions: list[Action] = []
+        if phase is not None and phase != state.phase:
+            actions.append(EmitEvent("Normal", str(phase), f"{phase}: attempt {attempt}"))
+            state = replace(state, phase=phase, phase_since=now)
+        pods = self._pods(state)
+        action: StepAction
+        if step == RestoreStep.RESOLVE:
+            action = ResolveCheckpoint(attempt, (), self.config.checkpoint_name)
+        elif step == RestoreStep.PLACE:
+            avoid = self.config.avoid_nodes
+            action = PlacePods(attempt, pods, dict(self.config.node_selector), avoid)
+        elif step == RestoreStep.DOWNLOAD:
+            action = DownloadImages(attempt, pods, self.config.checkpoint_name)
+        else:
+            action = _STEP_ACTION[step](attempt, pods)
+        actions.append(action)
+        return replace(state, seq=seq, step=StepRecord(str(step), attempt, now)), actions
+
+    @staticmethod
+    def _pods(state: RestoreState) -> tuple[PodRef, ...]:
+        return tuple(member.pod for member in state.members if member.progress != "Lost")
+
+    def _done(self, state: RestoreState, actions: list[Action]) -> RestoreTransition:
+        times = []
+        limit = self.config.timeouts.get(state.phase)
+        if limit is not None:
+            times.append(state.phase_since + limit)
+        if state.phase != RestorePhase.CLEANING_UP:
+            times.append(state.started_at + self.config.active_deadline)
+        return Transition(state, tuple(actions), min(times) if times else None)
