@@ -25,7 +25,19 @@ int ibk_coord_configured(void)
 	return c && *c;
 }
 
-static int coord_connect(void)
+/* Bounds connect (Linux applies SO_SNDTIMEO to it), every read and every
+ * write on fd. */
+static void set_io_timeout(int fd, int timeout_ms)
+{
+	struct timeval tv = {.tv_sec = timeout_ms / 1000, .tv_usec = (timeout_ms % 1000) * 1000};
+
+	if (timeout_ms <= 0)
+		tv.tv_usec = 1000;
+	setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+	setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+}
+
+static int coord_connect(int timeout_ms)
 {
 	const char *c = getenv("IBCKPT_COORD");
 	int fd;
@@ -41,6 +53,7 @@ static int coord_connect(void)
 		fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
 		if (fd < 0)
 			return -errno;
+		set_io_timeout(fd, timeout_ms);
 		if (connect(fd, (struct sockaddr *)&sa, sizeof(sa))) {
 			close(fd);
 			return -errno;
@@ -60,6 +73,8 @@ static int coord_connect(void)
 		if (getaddrinfo(host, port, &hints, &ai))
 			return -EHOSTUNREACH;
 		fd = socket(ai->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+		if (fd >= 0)
+			set_io_timeout(fd, timeout_ms);
 		if (fd >= 0 && connect(fd, ai->ai_addr, ai->ai_addrlen)) {
 			close(fd);
 			fd = -ECONNREFUSED;
@@ -69,9 +84,13 @@ static int coord_connect(void)
 	}
 }
 
-static int coord_request(const char *req, char *reply, size_t len)
+/* The coordinator answers a GET within its own timeout: this much more is
+ * the most a request may take, on the control thread or an app's. */
+#define COORD_SLACK_MS 1000
+
+static int coord_request(const char *req, char *reply, size_t len, int timeout_ms)
 {
-	int fd = coord_connect();
+	int fd = coord_connect(timeout_ms + COORD_SLACK_MS);
 	size_t got = 0, n = strlen(req);
 	ssize_t r;
 
@@ -112,7 +131,7 @@ int ibk_coord_get(const char *key, char *val, size_t len, int timeout_ms)
 	if (!rep)
 		return -ENOMEM;
 	snprintf(req, sizeof(req), "GET %s %d\n", key, timeout_ms);
-	rc = coord_request(req, rep, len + 8);
+	rc = coord_request(req, rep, len + 8, timeout_ms > 0 ? timeout_ms : 0);
 	if (!rc) {
 		if (!strncmp(rep, "VAL ", 4))
 			snprintf(val, len, "%s", rep + 4);
@@ -142,16 +161,6 @@ int ibk_coord_batch_put(struct ibk_coord_batch *b, const char *key, const char *
 	b->len += (size_t)snprintf(b->buf + b->len, b->cap - b->len, "PUT %s %s\n", key, val);
 	b->n++;
 	return 0;
-}
-
-static void set_io_timeout(int fd, int timeout_ms)
-{
-	struct timeval tv = {.tv_sec = timeout_ms / 1000, .tv_usec = (timeout_ms % 1000) * 1000};
-
-	if (timeout_ms <= 0)
-		tv.tv_usec = 1000;
-	setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-	setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
 }
 
 /* Every reply line must be OK; reads until it has one per request. */
@@ -193,7 +202,7 @@ int ibk_coord_batch_send(struct ibk_coord_batch *b, int timeout_ms)
 
 	if (!b->n)
 		goto out;
-	fd = coord_connect();
+	fd = coord_connect(timeout_ms + COORD_SLACK_MS);
 	if (fd < 0) {
 		rc = fd;
 		goto out;

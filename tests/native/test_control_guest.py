@@ -1,0 +1,123 @@
+"""The control socket cannot be wedged (issue 16): idle and half-line clients do not hold up
+other clients' commands, a client of another user gets nothing, and a rank with 2,048 QPs gets
+its whole report in every phase (replies used to be cut at 256 KiB)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ibckpt_native import NATIVE_DIR, TESTS_DIR
+from ibckpt_native.coordinator import Coordinator
+from ibckpt_native.harness import ShimProc
+
+pytestmark = pytest.mark.guest
+
+NQPS = 2048
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built() -> None:
+    subprocess.run(["make", "-s", "-C", str(NATIVE_DIR)], check=True)
+
+
+@pytest.fixture
+def coord(tmp_path: Path) -> Iterator[Coordinator]:
+    with Coordinator(tmp_path / "coord.sock") as c:
+        yield c
+
+
+def _raw(path: Path, line: str, timeout: float = 120) -> str:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        s.connect(str(path))
+        s.sendall(line.encode() + b"\n")
+        buf = b""
+        while not buf.endswith(b"\n"):
+            chunk = s.recv(1 << 20)
+            if not chunk:
+                break
+            buf += chunk
+    return buf.decode()
+
+
+def _ok(path: Path, line: str) -> tuple[dict[str, object], int]:
+    text = _raw(path, line)
+    status, _, body = text.strip().partition(" ")
+    assert status == "ok", text[:2000]
+    return json.loads(body), len(text)
+
+
+OTHER_USER = """
+import socket, sys
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.settimeout(20)
+s.connect(sys.argv[1])
+try:
+    s.sendall(b"status\\n")
+    print("GOT", len(s.recv(1 << 16)))
+except (BrokenPipeError, ConnectionResetError) as exc:
+    print("GOT 0", exc)
+"""
+
+
+def test_control_socket_cannot_be_wedged(tmp_path: Path, coord: Coordinator) -> None:
+    # a directory another user can reach (pytest's own are 0700)
+    work = Path(tempfile.mkdtemp(prefix="ibk-ctl-", dir="/tmp"))
+    work.chmod(0o755)
+    stop = work / "stop"
+    argv = [str(TESTS_DIR / "many_qps"), "-n", str(NQPS), "-f", str(stop)]
+    prog = ShimProc("many", argv, work, coord.env)
+    prog.start()
+    idle = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    half = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        prog.wait_for_output("READY", 600)
+        ctl = prog.ctl_path
+        # two clients that never finish a command: one silent, one with half a line
+        idle.connect(str(ctl))
+        half.connect(str(ctl))
+        half.sendall(b"stat")
+        t0 = time.monotonic()
+        status, size = _ok(ctl, "status")
+        took = time.monotonic() - t0
+        assert len(status["qps"]) == NQPS  # type: ignore[arg-type]
+        assert size > 256 * 1024  # the old cut
+        assert took < 60, took
+        # every phase's report in full, through the same idle clients
+        for cmd in ("quiesce 60000", "drain 60000", "release 120000", "rebuild 1 120000", "resume"):
+            reply, _ = _ok(ctl, cmd)
+            assert reply["ok"], (cmd, str(reply)[:2000])
+            if cmd != "resume":
+                assert len(reply["qps"]) == NQPS, cmd  # type: ignore[arg-type]
+        # the agent's abort gets through too
+        _ok(ctl, "quiesce 60000")
+        reply, _ = _ok(ctl, "abort")
+        assert reply["ok"] and reply["state"] == "running"
+        # a client of another user gets nothing, even where the file mode lets it connect
+        os.chmod(ctl, 0o666)
+        other = subprocess.run(
+            ["/usr/bin/python3", "-c", OTHER_USER, str(ctl)],
+            capture_output=True,
+            text=True,
+            user=65534,
+            timeout=120,
+        )
+        assert "GOT 0" in other.stdout, (other.stdout, other.stderr)
+        assert "refused a client of another user" in prog.err.read_text()
+        # and root still does
+        _ok(ctl, "hello")
+        stop.touch()
+        assert prog.wait(120) == 0
+    finally:
+        idle.close()
+        half.close()
+        prog.kill()
