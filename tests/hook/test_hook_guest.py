@@ -1,0 +1,196 @@
+"""The runtime handler and the hook with real runc and podman, in a Soft-RoCE guest.
+
+The guest's / is the host's (read-only) under a tmpfs overlay, so the installer puts the hook,
+the wrapper and the shim under /usr/local as it would on a node; /etc/ibckpt/node.json points
+at the real runc. A registry serves /run/ibckpt/registry.sock. Containers run from a rootfs made
+of the host's /usr (bind-mounted read-only): no image, nothing rebuilt.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ibckpt_node.hook import client
+
+pytestmark = pytest.mark.guest
+
+REPO = Path(__file__).resolve().parents[2]
+SHIM = REPO / "native" / "build" / "libibckpt.so"
+HOOKS_D = REPO / "runtime-hook" / "hooks.d"
+STATE = Path("/run/ibckpt")
+REGISTRY = STATE / "registry.sock"
+WRAPPER = "/usr/local/bin/ibckpt-runc"
+UVERBS = "/dev/infiniband/uverbs0"
+PODMAN = [
+    "podman",
+    "--cgroup-manager",
+    "cgroupfs",
+    "--events-backend",
+    "file",
+    "--root",
+    "/tmp/podman/root",
+    "--runroot",
+    "/tmp/podman/run",
+    "--storage-driver",
+    "vfs",
+    "--hooks-dir",
+    str(HOOKS_D),
+]
+
+
+def sh(*cmd: str, timeout: float = 120.0, check: bool = True) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout)
+    if check and done.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {done.returncode}\n{done.stdout}\n{done.stderr}")
+    return done
+
+
+def wait_for(what: str, predicate: Any, timeout: float = 60.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def make_rootfs(where: Path) -> Path:
+    """A container root: the host's /usr comes in as a read-only bind mount at run time."""
+    rootfs = where / "rootfs"
+    for d in ("proc", "dev", "sys", "tmp", "etc", "usr", "run"):
+        (rootfs / d).mkdir(parents=True, exist_ok=True)
+    for link in ("bin", "lib", "lib64", "sbin"):
+        (rootfs / link).symlink_to(f"usr/{link}")
+    sh("cp", "-r", "/etc/libibverbs.d", "/etc/ld.so.cache", "/etc/passwd", "/etc/group", str(rootfs / "etc"))
+    return rootfs
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Cgroups, the node install, a registry; yields a directory with a rootfs in it."""
+    sh("sh", str(Path(__file__).with_name("guest-cgroups.sh")))
+    config = {"runc": "/usr/sbin/runc", "shim": "/usr/local/lib/ibckpt/libibckpt.so"}
+    install = [sys.executable, "-m", "ibckpt_node.hook.install", "--shim", str(SHIM)]
+    sh(*install, "--config", json.dumps(config))
+    registry = subprocess.Popen(
+        [sys.executable, "-m", "ibckpt_node.registry", "serve", "--state-dir", str(STATE)],
+        stdout=subprocess.DEVNULL,
+        stderr=open(STATE.parent / "registry.log", "w"),  # noqa: SIM115 - lives as long as the registry
+    )
+    try:
+        wait_for("the registry socket", REGISTRY.exists, 120)
+        where = tmp_path_factory.mktemp("ct")
+        make_rootfs(where)
+        yield where
+    finally:
+        registry.terminate()
+        registry.wait(30)
+
+
+def entries() -> list[dict[str, Any]]:
+    return client.list_entries(str(REGISTRY))
+
+
+def hello(path: str) -> dict[str, Any]:
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(30)
+        s.connect(path)
+        s.sendall(b"hello\n")
+        reply = b""
+        while not reply.endswith(b"\n"):
+            chunk = s.recv(4096)
+            assert chunk, "control socket closed"
+            reply += chunk
+    status, _, body = reply.decode().strip().partition(" ")
+    assert status == "ok", reply
+    result: dict[str, Any] = json.loads(body)
+    return result
+
+
+def maps_have_shim(pid: int) -> bool:
+    return "libibckpt.so" in Path(f"/proc/{pid}/maps").read_text()
+
+
+def environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(e.decode().split("=", 1) for e in raw if b"=" in e)
+
+
+def podman_run(rootfs: Path, options: list[str], command: list[str], runtime: str = WRAPPER) -> str:
+    cmd = [*PODMAN, "--runtime", runtime, "run", "-d", "--network", "host", "-v", "/usr:/usr:ro", *options]
+    return sh(*cmd, "--rootfs", str(rootfs), *command, timeout=300).stdout.strip()
+
+
+def bundle_spec(cid: str) -> dict[str, Any]:
+    """The config.json podman wrote (and the wrapper edited) for a container."""
+    path = Path(f"/tmp/podman/root/vfs-containers/{cid}/userdata/config.json")
+    spec: dict[str, Any] = json.loads(path.read_text())
+    return spec
+
+
+def test_podman_runs_an_unmodified_verbs_program_under_the_shim(node: Path) -> None:
+    """ibv_rc_pingpong loopback in a container: preloaded, registered, control socket answers."""
+    script = (
+        "ibv_rc_pingpong -g 1 -n 200 -p 18515 > /tmp/server.out 2>&1 & sleep 2; "
+        "ibv_rc_pingpong -g 1 -n 200 -p 18515 127.0.0.1 > /tmp/client.out 2>&1 && wait $! && "
+        "grep -q 'iters in' /tmp/client.out && grep -q 'iters in' /tmp/server.out && echo PINGPONG-OK; "
+        "exec ibv_rc_pingpong -g 1 -p 18516"
+    )
+    cid = podman_run(node / "rootfs", ["--device", UVERBS], ["/bin/sh", "-c", script])
+    try:
+        logs = wait_for(
+            "the ping-pong inside the container",
+            lambda: (out := sh(*PODMAN, "logs", cid, check=False).stdout) and "PINGPONG-OK" in out and out,
+            240,
+        )
+        assert "PINGPONG-OK" in logs
+        (entry,) = wait_for("the registration", lambda: [e for e in entries() if e["container_id"] == cid])
+        pid = entry["pid"]
+        assert entry["shim"] is True and entry["reason"] == f"RDMA device {UVERBS}"
+        assert entry["control_socket"] == f"/run/ibckpt/containers/{cid}/ctl/1.sock"
+        # pid 1 of the container exec'd the last server, which opened the device under the shim
+        wait_for("the shim's control socket", lambda: os.path.exists(entry["control_socket"]), 120)
+        assert maps_have_shim(pid)
+        env = environ(pid)
+        assert env["LD_PRELOAD"] == "/run/ibckpt/lib/libibckpt.so"
+        assert env["IBCKPT_COORD"] == "unix:/run/ibckpt/coord/coord.sock"
+        assert hello(entry["control_socket"])["pid"] == 1
+        # the earlier server and client each had their own socket (%p), made as the container's user
+        socks = sorted(os.listdir(f"/run/ibckpt/containers/{cid}/ctl"))
+        assert len(socks) == 3 and "1.sock" in socks, socks
+        # podman put the hook in from hooks.d; the wrapper did not add it a second time (podman
+        # runs poststop hooks itself, so config.json has none: the wrapper must not add one either)
+        hooks = bundle_spec(cid)["hooks"]
+        assert [h["path"] for h in hooks["createRuntime"]].count("/usr/local/bin/ibckpt-hook") == 1, hooks
+        assert not hooks.get("poststop"), hooks
+    finally:
+        sh(*PODMAN, "rm", "-f", cid, check=False, timeout=300)
+    wait_for("the deregistration at poststop", lambda: all(e["container_id"] != cid for e in entries()), 120)
+    assert not Path(f"/run/ibckpt/containers/{cid}").exists()
+
+
+def test_podman_leaves_a_container_without_rdma_alone(node: Path) -> None:
+    cid = podman_run(node / "rootfs", [], ["/bin/sh", "-c", "sleep 600"])
+    try:
+        pid = int(sh(*PODMAN, "inspect", "--format", "{{.State.Pid}}", cid).stdout)
+        assert "LD_PRELOAD" not in environ(pid)
+        assert not maps_have_shim(pid)
+        time.sleep(1)
+        assert all(e["container_id"] != cid for e in entries())
+        assert not Path(f"/run/ibckpt/containers/{cid}").exists()
+        spec = bundle_spec(cid)
+        assert not any(m["destination"].startswith("/run/ibckpt") for m in spec["mounts"])
+        assert not any(e.startswith("LD_PRELOAD=") for e in spec["process"]["env"])
+    finally:
+        sh(*PODMAN, "rm", "-f", cid, check=False, timeout=300)
