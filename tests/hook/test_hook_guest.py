@@ -194,3 +194,123 @@ def test_podman_leaves_a_container_without_rdma_alone(node: Path) -> None:
         assert not any(e.startswith("LD_PRELOAD=") for e in spec["process"]["env"])
     finally:
         sh(*PODMAN, "rm", "-f", cid, check=False, timeout=300)
+
+
+def test_podman_hooks_d_alone_registers_an_rdma_container_without_the_shim(node: Path) -> None:
+    """Without the wrapper (podman's own runc) the hook still registers, and says it cannot preload."""
+    cid = podman_run(
+        node / "rootfs", ["--device", UVERBS], ["/bin/sh", "-c", "sleep 600"], runtime="/usr/sbin/runc"
+    )
+    try:
+        (entry,) = wait_for("the registration", lambda: [e for e in entries() if e["container_id"] == cid])
+        assert entry["shim"] is False and entry["control_socket"] == ""
+        assert "LD_PRELOAD" not in environ(entry["pid"])
+        assert "runs without the shim" in (STATE / "hook.log").read_text()
+    finally:
+        sh(*PODMAN, "rm", "-f", cid, check=False, timeout=300)
+    wait_for("the deregistration", lambda: all(e["container_id"] != cid for e in entries()), 120)
+
+
+CRI_ANNOTATIONS = {
+    "io.kubernetes.cri.container-type": "container",
+    "io.kubernetes.cri.container-name": "trainer",
+    "io.kubernetes.cri.sandbox-name": "job-0",
+    "io.kubernetes.cri.sandbox-namespace": "ml",
+    "io.kubernetes.cri.sandbox-uid": "0b9e2d1c-1111-4222-8333-444455556666",
+}
+
+
+def runc_bundle(node: Path, name: str, args: list[str], annotations: dict[str, str]) -> Path:
+    """A bundle as containerd would hand it to runc: `runc spec`, our rootfs, the RDMA device."""
+    bundle = node / name
+    bundle.mkdir()
+    sh("runc", "spec", "--bundle", str(bundle))
+    spec = json.loads((bundle / "config.json").read_text())
+    dev = os.stat(UVERBS).st_rdev
+    major, minor = os.major(dev), os.minor(dev)
+    spec["root"] = {"path": str(node / "rootfs"), "readonly": False}
+    spec["process"].update(terminal=False, args=args)
+    spec["mounts"].append(
+        {"destination": "/usr", "type": "bind", "source": "/usr", "options": ["rbind", "ro"]}
+    )
+    spec["linux"]["devices"] = [
+        {"path": UVERBS, "type": "c", "major": major, "minor": minor, "fileMode": 0o666}
+    ]
+    spec["linux"]["resources"]["devices"].append(
+        {"allow": True, "type": "c", "major": major, "minor": minor, "access": "rwm"}
+    )
+    spec["annotations"] = annotations
+    (bundle / "config.json").write_text(json.dumps(spec))
+    return bundle
+
+
+def test_runc_through_the_wrapper_edits_create_and_passes_everything_else(node: Path) -> None:
+    """ibckpt-runc create/start/state/kill/delete on a bundle, as containerd's runc shim calls it."""
+    bundle = runc_bundle(
+        node, "b-runc", ["/usr/bin/ibv_rc_pingpong", "-g", "1", "-p", "18517"], CRI_ANNOTATIONS
+    )
+    before = json.loads((bundle / "config.json").read_text())
+    cid = "rdma-runc-1"
+    glob = ["--root", "/run/runc-test", "--log", str(node / "runc-log.json"), "--log-format", "json"]
+    out = open(node / "ct-out.txt", "w")  # noqa: SIM115 - the container keeps it
+    create = [WRAPPER, *glob, "create", "--bundle", str(bundle), "--pid-file", str(node / "pid"), cid]
+    done = subprocess.run(create, stdin=subprocess.DEVNULL, stdout=out, stderr=out, timeout=300)
+    assert done.returncode == 0, (node / "ct-out.txt").read_text()
+    try:
+        pid = int((node / "pid").read_text())
+        edited = json.loads((bundle / "config.json").read_text())
+        env = dict(e.split("=", 1) for e in edited["process"]["env"])
+        assert env["LD_PRELOAD"] == "/run/ibckpt/lib/libibckpt.so"
+        assert [m["destination"] for m in edited["mounts"]][-3:] == [
+            "/run/ibckpt/lib/libibckpt.so",
+            "/run/ibckpt/ctl",
+            "/run/ibckpt/coord",
+        ]
+        assert edited["mounts"][: len(before["mounts"])] == before["mounts"]
+        assert [h["path"] for h in edited["hooks"]["createRuntime"]] == ["/usr/local/bin/ibckpt-hook"]
+        assert [h["path"] for h in edited["hooks"]["poststop"]] == ["/usr/local/bin/ibckpt-hook"]
+        # the createRuntime hook registered it during create, with the pod's identity
+        (entry,) = [e for e in entries() if e["container_id"] == cid]
+        assert (entry["pid"], entry["namespace"], entry["pod"], entry["container"], entry["shim"]) == (
+            pid,
+            "ml",
+            "job-0",
+            "trainer",
+            True,
+        )
+
+        def state() -> dict[str, Any]:
+            mine: dict[str, Any] = json.loads(sh(WRAPPER, *glob, "state", cid).stdout)
+            real = json.loads(sh("runc", *glob, "state", cid).stdout)
+            assert mine == real, "state must be runc's own answer"
+            return mine
+
+        assert (state()["status"], state()["pid"]) == ("created", pid)
+        sh(WRAPPER, *glob, "start", cid)
+        assert state()["status"] == "running"
+        wait_for("the control socket", lambda: os.path.exists(entry["control_socket"]), 120)
+        assert hello(entry["control_socket"])["pid"] == 1
+        assert maps_have_shim(pid)
+        assert sh(WRAPPER, "--version").stdout == sh("runc", "--version").stdout
+        sh(WRAPPER, *glob, "kill", cid, "KILL")
+        wait_for("the container to stop", lambda: state()["status"] == "stopped", 60)
+        sh(WRAPPER, *glob, "delete", cid)
+        assert sh("runc", *glob, "state", cid, check=False).returncode != 0
+        # poststop (run by runc at delete) deregistered it and removed its directory
+        assert all(e["container_id"] != cid for e in entries())
+        assert not Path(f"/run/ibckpt/containers/{cid}").exists()
+    finally:
+        sh("runc", *glob, "delete", "--force", cid, check=False)
+        out.close()
+
+
+def test_runc_through_the_wrapper_leaves_a_plain_bundle_alone(node: Path) -> None:
+    bundle = runc_bundle(node, "b-plain", ["/bin/true"], {})
+    spec = json.loads((bundle / "config.json").read_text())
+    spec["linux"]["devices"] = []
+    (bundle / "config.json").write_text(json.dumps(spec))
+    before = (bundle / "config.json").read_bytes()
+    done = sh(WRAPPER, "--root", "/run/runc-test", "run", "--bundle", str(bundle), "plain-1")
+    assert done.returncode == 0
+    assert (bundle / "config.json").read_bytes() == before
+    assert not Path("/run/ibckpt/containers/plain-1").exists()
