@@ -314,3 +314,91 @@ def test_runc_through_the_wrapper_leaves_a_plain_bundle_alone(node: Path) -> Non
     assert done.returncode == 0
     assert (bundle / "config.json").read_bytes() == before
     assert not Path("/run/ibckpt/containers/plain-1").exists()
+
+
+def create_with_pipes(argv: list[str]) -> tuple[subprocess.CompletedProcess[bytes], int]:
+    """Run a create as containerd's shim does: the container's stdio are pipes the caller keeps."""
+    read_end, write_end = os.pipe()
+    try:
+        done = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=write_end, stderr=write_end, timeout=300)
+    finally:
+        os.close(write_end)
+    return done, read_end
+
+
+def test_a_staged_restore_runs_through_the_wrapper_and_a_forged_one_is_refused(node: Path) -> None:
+    """runc checkpoint a container, stage its images as the agent would, create a new container
+    through ibckpt-runc with the restore annotation: it continues where it was dumped."""
+    out = node / "out"
+    out.mkdir()
+    counter = ["/bin/sh", "-c", "i=0; while true; do i=$((i+1)); echo $i > /out/count; sleep 0.1; done"]
+    annotations = CRI_ANNOTATIONS | {"ibckpt.io/enabled": "true"}
+    glob = ["--root", "/run/runc-restore", "--log", str(node / "restore-log.json"), "--log-format", "json"]
+
+    def bundle(name: str, ann: dict[str, str]) -> Path:
+        b = runc_bundle(node, name, counter, ann)
+        spec = json.loads((b / "config.json").read_text())
+        spec["mounts"].append(
+            {"destination": "/out", "type": "bind", "source": str(out), "options": ["rbind", "rw"]}
+        )
+        (b / "config.json").write_text(json.dumps(spec))
+        return b
+
+    def count() -> int:
+        return int((out / "count").read_text() or "0")
+
+    first = bundle("b-ckpt", annotations)
+    done, pipe_a = create_with_pipes([WRAPPER, *glob, "create", "--bundle", str(first), "ckpt-a"])
+    assert done.returncode == 0, (node / "restore-log.json").read_text()
+    sh(WRAPPER, *glob, "start", "ckpt-a")
+    wait_for("the counter", lambda: (out / "count").exists() and count() > 5, 120)
+    images = node / "images"
+    sh("runc", *glob, "checkpoint", "--image-path", str(images), "ckpt-a", timeout=300)
+    dumped = count()
+    sh(WRAPPER, *glob, "delete", "--force", "ckpt-a")
+    time.sleep(1)
+    assert count() == dumped, "the checkpointed container must be gone"
+
+    # the agent's staging: root's, for this pod's uid and container
+    uid = CRI_ANNOTATIONS["io.kubernetes.cri.sandbox-uid"]
+    staged = STATE / "restore" / uid / "trainer"
+    staged.mkdir(parents=True, mode=0o700)
+    images.rename(staged / "images")
+    (staged / "images").chmod(0o700)
+    (staged / "staged.json").write_text(
+        json.dumps(
+            {
+                "checkpoint": "ml/ckpt-1",
+                "namespace": "ml",
+                "pod": "job-0",
+                "pod_uid": uid,
+                "container": "trainer",
+            }
+        )
+    )
+
+    # a forged annotation (another namespace's checkpoint) is refused before runc runs
+    forged = bundle("b-forged", annotations | {"ibckpt.io/restore-from": "other/ckpt-1"})
+    done, pipe_f = create_with_pipes([WRAPPER, *glob, "create", "--bundle", str(forged), "forged-1"])
+    os.close(pipe_f)
+    assert done.returncode == 1
+    assert "belongs to namespace 'other', the pod is in 'ml'" in (node / "restore-log.json").read_text()
+    assert sh("runc", *glob, "state", "forged-1", check=False).returncode != 0
+
+    second = bundle("b-restore", annotations | {"ibckpt.io/restore-from": "ml/ckpt-1"})
+    pid_file = node / "restored.pid"
+    create = [WRAPPER, *glob, "create", "--bundle", str(second), "--pid-file", str(pid_file), "ckpt-b"]
+    done, pipe_b = create_with_pipes(create)
+    try:
+        assert done.returncode == 0, (node / "restore-log.json").read_text()
+        state = json.loads(sh("runc", *glob, "state", "ckpt-b").stdout)
+        assert state["status"] == "running" and state["pid"] == int(pid_file.read_text())
+        sh(WRAPPER, *glob, "start", "ckpt-b")  # answered by the wrapper: it already runs
+        wait_for("the restored counter", lambda: count() > dumped + 3, 120)
+        assert maps_have_shim(state["pid"]), "restored with the shim mapped, from the same path"
+        (entry,) = [e for e in entries() if e["container_id"] == "ckpt-b"]
+        assert entry["pid"] == state["pid"]
+    finally:
+        sh("runc", *glob, "delete", "--force", "ckpt-b", check=False)
+        os.close(pipe_a)
+        os.close(pipe_b)
