@@ -1,0 +1,569 @@
+"""The CheckpointJob state machine, pure, with fake time: every transition, deadline and abort."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TypeVar
+
+import pytest
+
+from ibckpt.api import CheckpointJobSpec, CheckpointMode, ConcurrencyPolicy, JobPhase
+from ibckpt_operator.machine import CheckpointMachine, JobConfig, JobState, JobStep, PodClaims, PodRef
+from ibckpt_operator.machine.checkpoint import (
+    ON_UNKNOWN,
+    AdmitPods,
+    CheckpointPublished,
+    ClaimPods,
+    CloseSession,
+    CommitManifest,
+    DiscardUpload,
+    DumpRanks,
+    KillSources,
+    ManifestCommitted,
+    ManifestMissing,
+    PublishCheckpoint,
+    QuiesceRanks,
+    RebuildRanks,
+    ReleaseClaim,
+    ResumeAll,
+    ResumeRanks,
+    SelectPods,
+    UploadImages,
+    VerifyManifest,
+)
+from ibckpt_operator.machine.core import (
+    Action,
+    Cancelled,
+    EmitEvent,
+    Event,
+    OperatorRestarted,
+    PodAdmitted,
+    PodLost,
+    PodRefused,
+    PodsBusy,
+    PodsClaimed,
+    PodsSelected,
+    PodStepDone,
+    SessionOpened,
+    StepAction,
+    StepFailed,
+    Tick,
+    Transition,
+    Unknown,
+)
+
+PODS = (
+    PodRef("ring-0", "uid-0", "node-1"),
+    PodRef("ring-1", "uid-1", "node-2"),
+    PodRef("ring-2", "uid-2", "node-2"),
+)
+SPEC = CheckpointJobSpec.from_wire(
+    {"selector": {"matchLabels": {"app": "ring"}}, "storageRef": {"name": "s3"}}
+)
+T0 = 1_800_000_000.0
+A = TypeVar("A", bound=Action)
+PER_POD_STEPS = {
+    JobStep.QUIESCE,
+    JobStep.DRAIN,
+    JobStep.RELEASE,
+    JobStep.DUMP,
+    JobStep.UPLOAD,
+    JobStep.REBUILD,
+    JobStep.RESUME,
+    JobStep.KILL,
+    JobStep.RESUME_ALL,
+}
+
+
+class Driver:
+    """Feeds one job's machine, keeps its state, and records every action it asked for."""
+
+    def __init__(self, mode: CheckpointMode = CheckpointMode.LEAVE_RUNNING, **config: object) -> None:
+        base = JobConfig.from_spec(SPEC.model_copy(update={"mode": mode}), "ring-ckpt")
+        self.machine = CheckpointMachine(replace(base, **config))  # type: ignore[arg-type]
+        self.now = T0
+        self.actions: list[Action] = []
+        self.phases: list[JobPhase] = []
+        first = self.machine.start("run7", self.now)
+        self.state = first.state
+        self.last = first
+        self._record(first)
+
+    def _record(self, transition: Transition[JobState]) -> None:
+        # The attempt of every side effect is the one the new state records (written before acting).
+        for action in transition.actions:
+            if isinstance(action, StepAction):
+                assert action.attempt == transition.state.attempt, (action, transition.state.step)
+        self.actions.extend(transition.actions)
+        if not self.phases or self.phases[-1] != transition.state.phase:
+            self.phases.append(transition.state.phase)
+
+    def send(self, event: Event, after: float = 0.0) -> Transition[JobState]:
+        self.now += after
+        transition = self.machine.handle(self.state, event, self.now)
+        self.state = transition.state
+        self.last = transition
+        self._record(transition)
+        return transition
+
+    @property
+    def attempt(self) -> str:
+        assert self.state.attempt is not None
+        return self.state.attempt
+
+    @property
+    def step(self) -> JobStep:
+        assert self.state.step is not None
+        return JobStep(self.state.step.kind)
+
+    def all_done(self) -> None:
+        for pod in self.state.live_pods:
+            self.send(PodStepDone(self.attempt, pod.uid, bytes=100, seconds=0.5), after=0.1)
+
+    def admit(self, pods: tuple[PodRef, ...] = PODS) -> None:
+        self.send(PodsSelected(self.attempt, pods))
+        self.send(PodsClaimed(self.attempt))
+        for pod in pods:
+            self.send(PodAdmitted(self.attempt, pod.uid))
+        self.send(SessionOpened(self.attempt))
+
+    def to_phase(self, phase: JobPhase) -> None:
+        """Drive the happy path until `phase` is reached."""
+        for _ in range(50):  # a machine that loops fails here instead of hanging
+            if self.state.phase == phase:
+                return
+            assert self.state.phase not in (JobPhase.SUCCEEDED, JobPhase.FAILED), self.phases
+            self.advance()
+        raise AssertionError(f"never reached {phase}: {self.phases}")
+
+    def advance(self) -> None:
+        step = self.step
+        if step == JobStep.SELECT:
+            self.send(PodsSelected(self.attempt, PODS))
+        elif step == JobStep.CLAIM:
+            self.send(PodsClaimed(self.attempt))
+        elif step == JobStep.ADMIT:
+            for pod in PODS:
+                self.send(PodAdmitted(self.attempt, pod.uid))
+        elif step == JobStep.OPEN_SESSION:
+            self.send(SessionOpened(self.attempt))
+        elif step in (JobStep.COMMIT, JobStep.VERIFY_COMMIT):
+            self.send(ManifestCommitted(self.attempt, "ibckpt/v1/manifests/ns/ring/c1.json"))
+        elif step == JobStep.PUBLISH:
+            self.send(CheckpointPublished(self.attempt))
+        else:
+            assert step in PER_POD_STEPS
+            self.all_done()
+
+    def of_type(self, kind: type[A]) -> list[A]:
+        return [action for action in self.actions if isinstance(action, kind)]
+
+
+def index_of(actions: list[Action], kind: type[Action]) -> int:
+    return next(i for i, action in enumerate(actions) if isinstance(action, kind))
+
+
+def test_leave_running_goes_through_every_phase_in_order() -> None:
+    job = Driver()
+    job.to_phase(JobPhase.SUCCEEDED)
+    assert job.phases == [
+        JobPhase.PENDING,
+        JobPhase.ADMITTED,
+        JobPhase.QUIESCING,
+        JobPhase.DRAINING,
+        JobPhase.RELEASING,
+        JobPhase.DUMPING,
+        JobPhase.UPLOADING,
+        JobPhase.COMMITTED,
+        JobPhase.REBUILDING,
+        JobPhase.RESUMING,
+        JobPhase.SUCCEEDED,
+    ]
+    side_effects = [type(a).__name__ for a in job.actions if isinstance(a, StepAction)]
+    assert side_effects == [
+        "SelectPods", "ClaimPods", "AdmitPods", "OpenSession", "QuiesceRanks", "DrainRanks", "ReleaseRanks",
+        "DumpRanks", "UploadImages", "CommitManifest", "PublishCheckpoint", "RebuildRanks", "ResumeRanks",
+    ]  # fmt: skip
+    attempts = [a.attempt for a in job.actions if isinstance(a, StepAction)]
+    assert len(set(attempts)) == len(attempts)  # a new attempt id for every side effect
+    assert not job.of_type(ResumeAll) and not job.of_type(KillSources)
+    assert isinstance(job.actions[-1], ReleaseClaim) and job.of_type(CloseSession)
+    assert job.state.manifest_key == "ibckpt/v1/manifests/ns/ring/c1.json"
+    assert all(m.progress == "Resumed" and m.bytes == 100 for m in job.state.members)
+    assert job.last.wake_at is None
+
+
+def test_stop_kills_the_sources_only_after_the_commit_and_publish() -> None:
+    job = Driver(CheckpointMode.STOP)
+    job.to_phase(JobPhase.SUCCEEDED)
+    assert job.phases[-3:] == [JobPhase.COMMITTED, JobPhase.STOPPED, JobPhase.SUCCEEDED]
+    assert index_of(job.actions, CommitManifest) < index_of(job.actions, PublishCheckpoint)
+    assert index_of(job.actions, PublishCheckpoint) < index_of(job.actions, KillSources)
+    (kill,) = job.of_type(KillSources)
+    assert {pod.uid for pod in kill.pods} == {"uid-0", "uid-1", "uid-2"}  # pinned by UID
+    assert not job.of_type(RebuildRanks) and not job.of_type(ResumeRanks)
+
+
+def test_a_killed_pod_disappearing_counts_as_killed() -> None:
+    job = Driver(CheckpointMode.STOP)
+    job.to_phase(JobPhase.STOPPED)
+    for pod in PODS:
+        job.send(PodLost(pod.uid, "deleted"))
+    assert job.state.phase == JobPhase.SUCCEEDED
+
+
+def test_no_member_is_touched_before_every_member_is_admitted() -> None:
+    job = Driver()
+    job.send(PodsSelected(job.attempt, PODS))
+    job.send(PodsClaimed(job.attempt))
+    (admit,) = job.of_type(AdmitPods)
+    assert admit.pods == PODS
+    job.send(PodAdmitted(job.attempt, "uid-0"))
+    job.send(PodAdmitted(job.attempt, "uid-1"))
+    assert job.state.phase == JobPhase.PENDING
+    job.send(PodAdmitted(job.attempt, "uid-1"))  # twice the same pod is still two pods short of three
+    assert job.state.phase == JobPhase.PENDING and not job.of_type(QuiesceRanks)
+    job.send(PodRefused(job.attempt, "uid-2", "TCP connection to 10.0.2.100 leads outside the job"))
+    assert job.state.phase == JobPhase.FAILED
+    assert job.state.reason == "AdmissionRefused"
+    assert job.state.message == "ring-2: TCP connection to 10.0.2.100 leads outside the job"
+    assert not job.of_type(QuiesceRanks) and not job.of_type(ResumeAll)  # nothing touched, nothing to undo
+    assert job.of_type(ReleaseClaim)
+
+
+def test_quiesce_waits_for_the_session_after_admission() -> None:
+    job = Driver()
+    job.send(PodsSelected(job.attempt, PODS))
+    job.send(PodsClaimed(job.attempt))
+    for pod in PODS:
+        job.send(PodAdmitted(job.attempt, pod.uid))
+    assert job.state.phase == JobPhase.ADMITTED and not job.of_type(QuiesceRanks)
+    job.send(SessionOpened(job.attempt))
+    assert job.state.phase == JobPhase.QUIESCING
+    (quiesce,) = job.of_type(QuiesceRanks)
+    assert quiesce.pods == PODS
+
+
+def test_no_pods_fails_at_once() -> None:
+    job = Driver()
+    job.send(PodsSelected(job.attempt, ()))
+    assert (job.state.phase, job.state.reason) == (JobPhase.FAILED, "NoPods")
+    assert not job.of_type(ClaimPods)
+
+
+def test_a_partial_set_is_never_committed() -> None:
+    job = Driver()
+    job.to_phase(JobPhase.UPLOADING)
+    job.send(PodStepDone(job.attempt, "uid-0", bytes=10))
+    job.send(PodStepDone(job.attempt, "uid-1", bytes=10))
+    assert not job.of_type(CommitManifest)
+    job.send(StepFailed(job.attempt, "UploadFailed", "AccessDenied on PutObject", pod="uid-2"))
+    assert job.state.phase == JobPhase.ABORTING
+    assert job.state.reason == "UploadFailed" and job.state.message == "ring-2: AccessDenied on PutObject"
+    assert not job.of_type(CommitManifest) and not job.of_type(PublishCheckpoint)
+    (resume,) = job.of_type(ResumeAll)
+    (discard,) = job.of_type(DiscardUpload)
+    assert resume.pods == PODS and discard.attempt == resume.attempt == job.attempt
+
+
+def test_commit_follows_only_the_last_upload() -> None:
+    job = Driver()
+    job.to_phase(JobPhase.UPLOADING)
+    for pod in PODS[:-1]:
+        job.send(PodStepDone(job.attempt, pod.uid, bytes=10))
+    assert not job.of_type(CommitManifest)
+    job.send(PodStepDone(job.attempt, PODS[-1].uid, bytes=10))
+    (commit,) = job.of_type(CommitManifest)
+    assert commit.checkpoint_name == "ring-ckpt" and commit.pods == PODS
+    assert job.state.phase == JobPhase.UPLOADING  # committed only when the store says so
+    job.send(ManifestCommitted(job.attempt, "key"))
+    assert job.state.phase == JobPhase.COMMITTED
+    (publish,) = job.of_type(PublishCheckpoint)
+    assert publish.manifest_key == "key"
+
+
+def test_pods_are_pinned_by_uid() -> None:
+    job = Driver()
+    job.to_phase(JobPhase.QUIESCING)
+    job.send(PodStepDone(job.attempt, "uid-0"))
+    job.send(PodStepDone(job.attempt, "uid-1"))
+    job.send(PodStepDone(job.attempt, "uid-2-replacement"))  # ring-2 again, but another pod
+    assert job.state.phase == JobPhase.QUIESCING
+    job.send(PodLost("uid-2", "pod ring-2 was deleted"))
+    assert job.state.phase == JobPhase.ABORTING and job.state.reason == "PodLost"
+    (resume,) = job.of_type(ResumeAll)
+    assert [pod.uid for pod in resume.pods] == ["uid-0", "uid-1"]  # the lost pod is not addressed
+    for uid in ("uid-0", "uid-1"):
+        job.send(PodStepDone(job.attempt, uid))
+    assert job.state.phase == JobPhase.FAILED and job.state.reason == "PodLost"
+
+
+def test_a_pod_lost_before_anything_was_touched_just_fails() -> None:
+    job = Driver()
+    job.send(PodsSelected(job.attempt, PODS))
+    job.send(PodsClaimed(job.attempt))
+    job.send(PodLost("uid-1", "evicted"))
+    assert job.state.phase == JobPhase.FAILED and not job.of_type(ResumeAll)
+    job.send(PodLost("uid-9", "unrelated"))  # terminal: nothing changes
+    assert job.state.phase == JobPhase.FAILED
+
+
+PRE_COMMIT = [JobPhase.QUIESCING, JobPhase.DRAINING, JobPhase.RELEASING, JobPhase.DUMPING, JobPhase.UPLOADING]
+TIMEOUT_FIELD = {
+    JobPhase.QUIESCING: "quiesce_seconds",
+    JobPhase.DRAINING: "drain_seconds",
+    JobPhase.RELEASING: "release_seconds",
+    JobPhase.DUMPING: "dump_seconds",
+    JobPhase.UPLOADING: "upload_seconds",
+}
+
+
+@pytest.mark.parametrize("phase", PRE_COMMIT)
+def test_a_phase_deadline_before_the_commit_aborts_and_resumes_every_rank(phase: JobPhase) -> None:
+    job = Driver()
+    job.to_phase(phase)
+    limit = getattr(SPEC.timeouts, TIMEOUT_FIELD[phase])
+    entered = job.state.phase_since
+    assert job.last.wake_at == entered + limit
+    job.send(PodStepDone(job.attempt, "uid-0"))
+    job.now = entered + limit - 0.001
+    job.send(Tick())
+    assert job.state.phase == phase and not job.of_type(ResumeAll)
+    job.now = entered + limit
+    job.send(Tick())
+    assert job.state.phase == JobPhase.ABORTING
+    assert job.state.reason == f"{phase}Timeout"
+    assert job.state.aborted_from == phase
+    assert job.state.message == f"{phase} did not finish within {limit}s (waiting for ring-1, ring-2)"
+    (resume,) = job.of_type(ResumeAll)
+    assert resume.pods == PODS
+    assert (len(job.of_type(DiscardUpload)) == 1) == (phase == JobPhase.UPLOADING)
+    job.all_done()
+    assert job.state.phase == JobPhase.FAILED and job.state.reason == f"{phase}Timeout"
+    assert not job.of_type(CommitManifest) and not job.of_type(KillSources)
+
+
+@pytest.mark.parametrize("phase", [JobPhase.PENDING, JobPhase.ADMITTED])
+def test_an_admission_deadline_fails_without_touching_anything(phase: JobPhase) -> None:
+    job = Driver()
+    job.to_phase(phase)
+    job.send(Tick(), after=SPEC.timeouts.admit_seconds)
+    assert job.state.phase == JobPhase.FAILED and job.state.reason == f"{phase}Timeout"
+    assert not job.of_type(ResumeAll) and not job.of_type(QuiesceRanks)
+
+
+def test_the_overall_deadline_aborts() -> None:
+    job = Driver(active_deadline=100.0)
+    job.to_phase(JobPhase.DUMPING)
+    assert job.last.wake_at == T0 + 100.0  # sooner than the dump's own 600 s
+    job.now = T0 + 100.0
+    job.send(Tick())
+    assert job.state.phase == JobPhase.ABORTING and job.state.reason == "DeadlineExceeded"
+    # The abort has its own bound, not the overall one that just ran out.
+    assert job.last.wake_at == job.now + SPEC.timeouts.abort_seconds
+
+
+def test_an_abort_that_is_not_confirmed_in_time_still_ends() -> None:
+    job = Driver()
+    job.to_phase(JobPhase.DRAINING)
+    job.send(StepFailed(job.attempt, "DrainFailed", "node-2 agent: drain timed out"))
+    job.send(PodStepDone(job.attempt, "uid-0"))
+    job.send(StepFailed(job.attempt, "ResumeFailed", "rebuild failed", pod="uid-1"))
+    assert job.state.phase == JobPhase.ABORTING
+    job.send(Tick(), after=SPEC.timeouts.abort_seconds)
+    assert job.state.phase == JobPhase.FAILED and job.state.reason == "DrainFailed"
+    assert "not confirmed within 120s for ring-1, ring-2" in (job.state.message or "")
+
+
+def test_stale_results_are_ignored() -> None:
+    job = Driver()
+    job.to_phase(JobPhase.DUMPING)
+    dump_attempt = job.attempt
+    job.send(StepFailed(dump_attempt, "DumpFailed", "criu: Can't handle non-regular mapping"))
+    before = job.state
+    for pod in PODS:  # the dump's late successes belong to an attempt that was given up
+        job.send(PodStepDone(dump_attempt, pod.uid))
+    assert job.state == before and not job.last.actions
+
+
+def test_a_failure_after_the_commit_resumes_the_ranks_and_says_the_checkpoint_is_good() -> None:
+    job = Driver()
+    job.to_phase(JobPhase.REBUILDING)
+    job.send(StepFailed(job.attempt, "RebuildFailed", "ibv_create_qp: ENOMEM", pod="uid-1"))
+    assert job.state.phase == JobPhase.ABORTING and job.state.aborted_from == JobPhase.REBUILDING
+    job.all_done()
+    assert job.state.phase == JobPhase.FAILED
+    assert "checkpoint ring-ckpt is committed and restorable" in (job.state.message or "")
+
+
+def test_a_failed_kill_never_resumes_half_killed_ranks() -> None:
+    job = Driver(CheckpointMode.STOP)
+    job.to_phase(JobPhase.STOPPED)
+    job.send(PodStepDone(job.attempt, "uid-0"))
+    job.send(Tick(), after=SPEC.timeouts.stop_seconds)
+    assert job.state.phase == JobPhase.FAILED and job.state.reason == "StoppedTimeout"
+    assert "is committed, some sources may still run" in (job.state.message or "")
+    assert not job.of_type(ResumeAll)
+
+
+def test_cancel_aborts_before_the_commit_and_is_ignored_after() -> None:
+    job = Driver()
+    job.to_phase(JobPhase.RELEASING)
+    job.send(Cancelled())
+    assert job.state.phase == JobPhase.ABORTING and job.state.reason == "Cancelled"
+    late = Driver()
+    late.to_phase(JobPhase.REBUILDING)
+    late.send(Cancelled())
+    assert late.state.phase == JobPhase.REBUILDING
+    late.to_phase(JobPhase.SUCCEEDED)
+
+
+@pytest.mark.parametrize(
+    "step", [JobStep.QUIESCE, JobStep.DRAIN, JobStep.RELEASE, JobStep.DUMP, JobStep.UPLOAD]
+)
+def test_a_restart_during_a_rank_step_aborts_and_never_replays_it(step: JobStep) -> None:
+    job = Driver()
+    while job.state.step is None or job.step != step:
+        job.advance()
+    replayed = type(job.actions[-1])
+    count = len(job.of_type(replayed))
+    job.send(OperatorRestarted())
+    assert job.state.phase == JobPhase.ABORTING and job.state.reason == "OperatorRestarted"
+    assert len(job.of_type(replayed)) == count
+    assert job.of_type(ResumeAll)
+
+
+def test_a_restart_during_the_commit_looks_before_it_goes_on() -> None:
+    job = Driver()
+    while job.state.step is None or job.step != JobStep.COMMIT:
+        job.advance()
+    job.send(OperatorRestarted())
+    assert len(job.of_type(CommitManifest)) == 1  # not written a second time
+    (verify,) = job.of_type(VerifyManifest)
+    assert verify.checkpoint_name == "ring-ckpt"
+    job.send(ManifestCommitted(job.attempt, "found"))
+    assert job.state.phase == JobPhase.COMMITTED and job.state.manifest_key == "found"
+
+    missing = Driver()
+    while missing.state.step is None or missing.step != JobStep.COMMIT:
+        missing.advance()
+    missing.send(OperatorRestarted())
+    missing.send(ManifestMissing(missing.attempt))
+    assert missing.state.phase == JobPhase.ABORTING and missing.state.reason == "OperatorRestarted"
+    assert not missing.of_type(PublishCheckpoint)
+
+
+def test_a_restart_after_the_commit_resumes_every_rank_and_succeeds() -> None:
+    job = Driver()
+    job.to_phase(JobPhase.REBUILDING)
+    job.send(OperatorRestarted())
+    assert job.state.phase == JobPhase.RESUMING and job.step == JobStep.RESUME_ALL
+    assert len(job.of_type(RebuildRanks)) == 1
+    job.all_done()
+    assert job.state.phase == JobPhase.SUCCEEDED
+
+
+@pytest.mark.parametrize(
+    ("step", "action"),
+    [
+        (JobStep.SELECT, SelectPods),
+        (JobStep.CLAIM, ClaimPods),
+        (JobStep.ADMIT, AdmitPods),
+        (JobStep.PUBLISH, PublishCheckpoint),
+        (JobStep.RESUME, ResumeRanks),
+    ],
+)
+def test_a_restart_reissues_a_safe_step_under_a_new_attempt(step: JobStep, action: type[StepAction]) -> None:
+    job = Driver()
+    while job.state.step is None or job.step != step:
+        job.advance()
+    if step == JobStep.ADMIT:
+        job.send(PodAdmitted(job.attempt, "uid-0"))
+    old = job.attempt
+    job.send(OperatorRestarted())
+    first, again = job.of_type(action)[-2:]
+    assert (first.attempt, again.attempt) == (old, job.attempt) and old != job.attempt
+    assert ON_UNKNOWN[step] == Unknown.REISSUE
+    if step == JobStep.ADMIT:  # admitted again from scratch
+        assert all(m.progress == "Selected" for m in job.state.members)
+    job.send(PodAdmitted(old, "uid-1"))  # the old attempt's answers no longer count
+    assert job.state.step is not None and job.state.step.attempt != old
+    job.to_phase(JobPhase.SUCCEEDED)
+
+
+def test_every_step_has_a_restart_policy() -> None:
+    assert set(ON_UNKNOWN) == set(JobStep)
+    assert ON_UNKNOWN[JobStep.COMMIT] == Unknown.VERIFY
+    assert all(ON_UNKNOWN[s] == Unknown.ABORT for s in (JobStep.QUIESCE, JobStep.DUMP, JobStep.UPLOAD))
+
+
+def test_a_second_job_for_the_same_pods_waits_then_runs() -> None:
+    claims = PodClaims()
+    assert claims.claim("ns/first", ["uid-0", "uid-1"]) is None
+    job = Driver()
+    job.send(PodsSelected(job.attempt, PODS))
+    (claim,) = job.of_type(ClaimPods)
+    holder = claims.claim("ns/second", [pod.uid for pod in claim.pods])
+    assert holder == "ns/first"
+    assert claims.holder("uid-2") is None  # all or nothing
+    job.send(PodsBusy(job.attempt, holder))
+    assert job.state.phase == JobPhase.PENDING
+    assert (job.state.reason, job.state.waiting_for) == ("WaitingForPods", "ns/first")
+    assert job.state.message == "pods of this job are being checkpointed by ns/first"
+    assert job.last.wake_at == job.now + 5.0
+    job.send(Tick(), after=4.9)
+    assert len(job.of_type(ClaimPods)) == 1
+    job.send(Tick(), after=0.1)
+    assert len(job.of_type(ClaimPods)) == 2
+    claims.release("ns/first")
+    assert claims.claim("ns/second", [pod.uid for pod in job.of_type(ClaimPods)[-1].pods]) is None
+    job.send(PodsClaimed(job.attempt))
+    assert job.state.waiting_for is None and job.state.claimed
+    job.to_phase(JobPhase.SUCCEEDED)
+
+
+def test_a_second_job_waits_only_within_its_admission_deadline() -> None:
+    job = Driver()
+    job.send(PodsSelected(job.attempt, PODS))
+    while job.now < T0 + SPEC.timeouts.admit_seconds:
+        job.send(PodsBusy(job.attempt, "ns/first"))
+        job.send(Tick(), after=5.0)
+    assert job.state.phase == JobPhase.FAILED and job.state.reason == "PodsBusy"
+    assert job.state.message == "waited 60s for pods held by ns/first"
+    assert sum(isinstance(a, EmitEvent) and a.reason == "WaitingForPods" for a in job.actions) == 1
+
+
+def test_a_second_job_with_policy_fail_fails_at_once() -> None:
+    job = Driver(concurrency=ConcurrencyPolicy.FAIL)
+    job.send(PodsSelected(job.attempt, PODS))
+    job.send(PodsBusy(job.attempt, "ns/first"))
+    assert job.state.phase == JobPhase.FAILED and job.state.reason == "PodsBusy"
+    assert "ns/first" in (job.state.message or "")
+    assert not job.of_type(ReleaseClaim)  # it never held them
+
+
+def test_claims_are_rebuilt_from_the_jobs_states() -> None:
+    running = Driver()
+    running.to_phase(JobPhase.DUMPING)
+    finished = Driver()
+    finished.to_phase(JobPhase.SUCCEEDED)
+    claims = PodClaims.from_jobs([("ns/running", running.state), ("ns/finished", finished.state)])
+    assert claims.holder("uid-0") == "ns/running"
+    assert claims.claim("ns/new", ["uid-2"]) == "ns/running"
+
+
+def test_terminal_states_ignore_everything() -> None:
+    job = Driver()
+    job.to_phase(JobPhase.SUCCEEDED)
+    for event in (Tick(), OperatorRestarted(), Cancelled(), PodLost("uid-0", "gone")):
+        assert job.send(event, after=10_000).state == job.state
+        assert not job.last.actions
+
+
+def test_dump_then_upload_sizes_are_kept_per_pod() -> None:
+    job = Driver()
+    job.to_phase(JobPhase.UPLOADING)
+    assert job.of_type(DumpRanks) and job.of_type(UploadImages)
+    job.send(PodStepDone(job.attempt, "uid-1", bytes=4096, seconds=2.5))
+    member = next(m for m in job.state.members if m.pod.uid == "uid-1")
+    assert (member.progress, member.bytes, member.seconds) == ("Uploaded", 4096, 2.5)
