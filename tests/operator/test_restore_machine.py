@@ -1,0 +1,288 @@
+"""The RestoreJob state machine, pure, with fake time."""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+import pytest
+
+from ibckpt.api import RestoreJobSpec, RestorePhase
+from ibckpt_operator.machine import PodRef, RestoreConfig, RestoreMachine, RestoreState, RestoreStep
+from ibckpt_operator.machine.core import (
+    Action,
+    Cancelled,
+    Event,
+    OperatorRestarted,
+    PodAdmitted,
+    PodLost,
+    PodRefused,
+    PodStepDone,
+    SessionOpened,
+    StepAction,
+    StepFailed,
+    Tick,
+    Transition,
+)
+from ibckpt_operator.machine.restore import (
+    ON_UNKNOWN,
+    AdmitNodes,
+    CheckpointResolved,
+    CleanUpRestore,
+    CloseRestoreSession,
+    DiscardStaged,
+    DownloadImages,
+    PlacePods,
+    PodsPlaced,
+    RebuildRestored,
+    RestoreRanks,
+    ResumeRestored,
+)
+
+T0 = 1_800_000_000.0
+A = TypeVar("A", bound=Action)
+SOURCE = (PodRef("ring-0", node="node-1"), PodRef("ring-1", node="node-2"))
+SWAP = {"ring-0": "node-2", "ring-1": "node-1"}
+
+
+class Driver:
+    def __init__(self, **spec: object) -> None:
+        config = RestoreConfig.from_spec(RestoreJobSpec.from_wire({"checkpointName": "ring-ckpt", **spec}))
+        self.machine = RestoreMachine(config)
+        self.now = T0
+        first = self.machine.start("r1", self.now)
+        self.state: RestoreState = first.state
+        self.last: Transition[RestoreState] = first
+        self.actions: list[Action] = list(first.actions)
+        self.phases = [first.state.phase]
+
+    def send(self, event: Event, after: float = 0.0) -> None:
+        self.now += after
+        self.last = self.machine.handle(self.state, event, self.now)
+        self.state = self.last.state
+        for action in self.last.actions:
+            if isinstance(action, StepAction):
+                assert action.attempt == self.state.attempt
+        self.actions.extend(self.last.actions)
+        if self.phases[-1] != self.state.phase:
+            self.phases.append(self.state.phase)
+
+    @property
+    def attempt(self) -> str:
+        assert self.state.attempt is not None
+        return self.state.attempt
+
+    @property
+    def step(self) -> RestoreStep:
+        assert self.state.step is not None
+        return RestoreStep(self.state.step.kind)
+
+    def of_type(self, kind: type[A]) -> list[A]:
+        return [action for action in self.actions if isinstance(action, kind)]
+
+    def advance(self) -> None:
+        step = self.step
+        if step == RestoreStep.RESOLVE:
+            self.send(CheckpointResolved(self.attempt, SOURCE))
+        elif step == RestoreStep.PLACE:
+            self.send(PodsPlaced(self.attempt, SWAP))
+        elif step == RestoreStep.ADMIT:
+            for pod in SOURCE:
+                self.send(PodAdmitted(self.attempt, pod.name))
+        elif step == RestoreStep.OPEN_SESSION:
+            self.send(SessionOpened(self.attempt))
+        else:
+            for member in self.state.members:
+                if member.progress != "Lost":
+                    self.send(PodStepDone(self.attempt, member.pod.name, bytes=10, seconds=1.0))
+
+    def to_phase(self, phase: RestorePhase) -> None:
+        for _ in range(30):
+            if self.state.phase == phase:
+                return
+            assert self.state.phase not in (RestorePhase.SUCCEEDED, RestorePhase.FAILED), self.phases
+            self.advance()
+        raise AssertionError(f"never reached {phase}: {self.phases}")
+
+
+def test_a_restore_goes_through_every_phase_in_order() -> None:
+    job = Driver()
+    job.to_phase(RestorePhase.SUCCEEDED)
+    assert job.phases == [
+        RestorePhase.PENDING,
+        RestorePhase.ADMITTED,
+        RestorePhase.DOWNLOADING,
+        RestorePhase.RESTORING,
+        RestorePhase.REBUILDING,
+        RestorePhase.RESUMING,
+        RestorePhase.SUCCEEDED,
+    ]
+    names = [type(a).__name__ for a in job.actions if isinstance(a, StepAction)]
+    assert names == [
+        "ResolveCheckpoint", "PlacePods", "AdmitNodes", "OpenRestoreSession", "DownloadImages",
+        "RestoreRanks", "RebuildRestored", "ResumeRestored",
+    ]  # fmt: skip
+    (restore,) = job.of_type(RestoreRanks)
+    assert {pod.name: pod.node for pod in restore.pods} == SWAP  # the destinations, not the sources
+    assert not job.of_type(CleanUpRestore)
+    assert isinstance(job.actions[-1], CloseRestoreSession)
+
+
+def test_nothing_is_downloaded_before_every_node_is_admitted() -> None:
+    job = Driver()
+    job.to_phase(RestorePhase.PENDING)
+    job.send(CheckpointResolved(job.attempt, SOURCE))
+    job.send(PodsPlaced(job.attempt, SWAP))
+    job.send(PodAdmitted(job.attempt, "ring-0"))
+    assert not job.of_type(DownloadImages)
+    job.send(PodRefused(job.attempt, "ring-1", "node-1 has CRIU 3.17, the checkpoint needs 4.1"))
+    assert job.state.phase == RestorePhase.FAILED and job.state.reason == "AdmissionRefused"
+    assert not job.of_type(DownloadImages) and not job.of_type(CleanUpRestore)
+
+
+@pytest.mark.parametrize(
+    ("spec", "nodes", "problem"),
+    [
+        ({"avoidNodes": ["node-2"]}, SWAP, "ring-0: node-2 is in avoidNodes"),
+        (
+            {"avoidSourceNodes": True},
+            {"ring-0": "node-1", "ring-1": "node-3"},
+            "ring-0: node-1 is its source",
+        ),
+        ({}, {"ring-0": "node-3"}, "ring-1: no node"),
+    ],
+)
+def test_a_placement_against_the_spec_is_rejected(
+    spec: dict[str, object], nodes: dict[str, str], problem: str
+) -> None:
+    job = Driver(**spec)
+    job.send(CheckpointResolved(job.attempt, SOURCE))
+    (place,) = job.of_type(PlacePods)
+    assert place.avoid_nodes == tuple(spec.get("avoidNodes", ()))  # type: ignore[arg-type]
+    job.send(PodsPlaced(job.attempt, nodes))
+    assert job.state.phase == RestorePhase.FAILED and job.state.reason == "PlacementRejected"
+    assert problem in (job.state.message or "")
+    assert not job.of_type(AdmitNodes)
+
+
+def test_a_good_placement_away_from_the_sources_is_taken() -> None:
+    job = Driver(avoidSourceNodes=True, avoidNodes=["node-9"])
+    job.to_phase(RestorePhase.SUCCEEDED)
+
+
+@pytest.mark.parametrize("phase", [RestorePhase.PENDING, RestorePhase.ADMITTED, RestorePhase.DOWNLOADING])
+def test_a_deadline_before_anything_is_restored_just_fails(phase: RestorePhase) -> None:
+    job = Driver()
+    job.to_phase(phase)
+    limit = job.machine.config.timeouts[phase]
+    assert job.last.wake_at == job.state.phase_since + limit
+    job.send(Tick(), after=limit - 0.01)
+    assert job.state.phase == phase
+    job.send(Tick(), after=0.01)
+    assert job.state.phase == RestorePhase.FAILED and job.state.reason == f"{phase}Timeout"
+    assert not job.of_type(CleanUpRestore)
+    assert (len(job.of_type(DiscardStaged)) == 1) == (phase == RestorePhase.DOWNLOADING)
+
+
+@pytest.mark.parametrize("phase", [RestorePhase.RESTORING, RestorePhase.REBUILDING, RestorePhase.RESUMING])
+def test_a_deadline_once_ranks_may_exist_removes_every_restored_rank(phase: RestorePhase) -> None:
+    job = Driver()
+    job.to_phase(phase)
+    job.send(PodStepDone(job.attempt, "ring-0"))
+    job.send(Tick(), after=job.machine.config.timeouts[phase])
+    assert job.state.phase == RestorePhase.CLEANING_UP and job.state.failed_from == phase
+    assert job.state.message == f"{phase} did not finish within {job.machine.config.timeouts[phase]:g}s " \
+        "(waiting for ring-1)"  # fmt: skip
+    (cleanup,) = job.of_type(CleanUpRestore)
+    assert [pod.name for pod in cleanup.pods] == ["ring-0", "ring-1"]
+    for pod in SOURCE:
+        job.send(PodStepDone(job.attempt, pod.name))
+    assert job.state.phase == RestorePhase.FAILED and job.state.reason == f"{phase}Timeout"
+
+
+def test_a_clean_up_that_is_not_confirmed_in_time_still_ends() -> None:
+    job = Driver()
+    job.to_phase(RestorePhase.RESTORING)
+    job.send(StepFailed(job.attempt, "RestoreFailed", "criu restore: pid 4242 is busy", pod="ring-1"))
+    assert job.state.phase == RestorePhase.CLEANING_UP
+    assert job.state.message == "ring-1: criu restore: pid 4242 is busy"
+    job.send(PodStepDone(job.attempt, "ring-0"))
+    job.send(Tick(), after=job.machine.config.timeouts[RestorePhase.CLEANING_UP])
+    assert job.state.phase == RestorePhase.FAILED and job.state.reason == "RestoreFailed"
+    assert "clean-up not confirmed within 120s (waiting for ring-1)" in (job.state.message or "")
+
+
+def test_the_overall_deadline_applies() -> None:
+    job = Driver(activeDeadlineSeconds=50)
+    job.to_phase(RestorePhase.DOWNLOADING)
+    job.now = T0 + 50
+    job.send(Tick())
+    assert job.state.phase == RestorePhase.FAILED and job.state.reason == "DeadlineExceeded"
+
+
+def test_a_lost_pod_or_a_cancel_after_restoring_cleans_up() -> None:
+    job = Driver()
+    job.to_phase(RestorePhase.REBUILDING)
+    job.send(PodLost("ring-0", "the restored pod was deleted"))
+    assert job.state.phase == RestorePhase.CLEANING_UP and job.state.reason == "PodLost"
+    (cleanup,) = job.of_type(CleanUpRestore)
+    assert [pod.name for pod in cleanup.pods] == ["ring-1"]
+    job.send(PodStepDone(job.attempt, "ring-1"))
+    assert job.state.phase == RestorePhase.FAILED
+
+    cancelled = Driver()
+    cancelled.to_phase(RestorePhase.RESUMING)
+    cancelled.send(Cancelled())
+    assert cancelled.state.phase == RestorePhase.CLEANING_UP and cancelled.state.reason == "Cancelled"
+
+
+@pytest.mark.parametrize(
+    ("step", "outcome"),
+    [
+        (RestoreStep.RESOLVE, "reissue"),
+        (RestoreStep.PLACE, "reissue"),
+        (RestoreStep.ADMIT, "reissue"),
+        (RestoreStep.DOWNLOAD, "reissue"),
+        (RestoreStep.RESTORE, "clean-up"),
+        (RestoreStep.REBUILD, "clean-up"),
+        (RestoreStep.RESUME, "reissue"),
+    ],
+)
+def test_a_restart_reissues_safe_steps_and_undoes_the_others(step: RestoreStep, outcome: str) -> None:
+    job = Driver()
+    for _ in range(30):
+        if job.state.step is not None and job.step == step:
+            break
+        job.advance()
+    kind = type(job.actions[-1])
+    count, old = len(job.of_type(kind)), job.attempt
+    job.send(OperatorRestarted())
+    if outcome == "reissue":
+        assert len(job.of_type(kind)) == count + 1 and job.attempt != old
+        assert ON_UNKNOWN[step].value == "reissue"
+        for _ in range(30):
+            if job.state.phase == RestorePhase.SUCCEEDED:
+                break
+            job.advance()
+        assert job.state.phase == RestorePhase.SUCCEEDED
+    else:
+        assert len(job.of_type(kind)) == count  # never replayed
+        assert job.state.phase == RestorePhase.CLEANING_UP and job.state.reason == "OperatorRestarted"
+
+
+def test_stale_and_foreign_results_are_ignored() -> None:
+    job = Driver()
+    job.to_phase(RestorePhase.DOWNLOADING)
+    old = job.attempt
+    job.send(PodStepDone(job.attempt, "ring-7"))  # not a pod of this checkpoint
+    job.send(PodStepDone(old, "ring-0"))
+    job.send(OperatorRestarted())
+    before = job.state
+    job.send(PodStepDone(old, "ring-1"))
+    assert job.state == before
+    assert not job.of_type(RebuildRestored) and not job.of_type(ResumeRestored)
+
+
+def test_an_empty_checkpoint_fails() -> None:
+    job = Driver()
+    job.send(CheckpointResolved(job.attempt, ()))
+    assert job.state.phase == RestorePhase.FAILED and job.state.reason == "EmptyCheckpoint"
