@@ -36,6 +36,15 @@ from ibckpt.api.common import (
     SecretKeyReference,
 )
 from ibckpt.api.kinds import KINDS
+from ibckpt.api.objects import (
+    Checkpoint,
+    CheckpointJob,
+    CheckpointSchedule,
+    CheckpointStorage,
+    ObjectMeta,
+    OwnerReference,
+    RestoreJob,
+)
 from ibckpt.api.restorejob import RESTORE_JOB, RestoreJobSpec, RestoreJobStatus, RestorePhase, RestoreTimeouts
 from ibckpt.api.schedule import CHECKPOINT_SCHEDULE, CheckpointScheduleSpec, CheckpointScheduleStatus
 from ibckpt.api.storage import (
@@ -60,15 +69,19 @@ __all__ = [
     "RESTORE_JOB",
     "VERSION",
     "ApiModel",
+    "Checkpoint",
+    "CheckpointJob",
     "CheckpointJobSpec",
     "CheckpointJobStatus",
     "CheckpointMode",
     "CheckpointPod",
+    "CheckpointSchedule",
     "CheckpointScheduleSpec",
     "CheckpointScheduleStatus",
     "CheckpointSize",
     "CheckpointSpec",
     "CheckpointStatus",
+    "CheckpointStorage",
     "CheckpointStorageSpec",
     "CheckpointStorageStatus",
     "CheckpointTimings",
@@ -85,9 +98,12 @@ __all__ = [
     "LabelSelector",
     "LabelSelectorRequirement",
     "LocalObjectReference",
+    "ObjectMeta",
+    "OwnerReference",
     "PodRow",
     "PrinterColumn",
     "RequiredVersions",
+    "RestoreJob",
     "RestoreJobSpec",
     "RestoreJobStatus",
     "RestorePhase",

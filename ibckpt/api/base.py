@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal, Self
+from typing import Any, Final, Literal, Self
 
 from pydantic import BaseModel, ConfigDict
 from pydantic.alias_generators import to_camel
 
 GROUP = "ibckpt.io"
 VERSION = "v1alpha1"
-API_VERSION = f"{GROUP}/{VERSION}"
+API_VERSION: Final = "ibckpt.io/v1alpha1"  # GROUP/VERSION, spelled out for the type checker
 CATEGORY = "ibckpt"
 
 

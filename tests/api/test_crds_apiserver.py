@@ -10,7 +10,18 @@ from typing import Any
 import kubernetes
 import pytest
 
-from ibckpt.api import GROUP, KINDS, VERSION, CheckpointJobSpec, CheckpointJobStatus
+from ibckpt.api import (
+    GROUP,
+    KINDS,
+    VERSION,
+    CheckpointJob,
+    CheckpointJobSpec,
+    CheckpointJobStatus,
+    CheckpointMode,
+    LabelSelector,
+    LocalObjectReference,
+    ObjectMeta,
+)
 from ibckpt.api.crdgen import crd
 
 pytestmark = pytest.mark.kube
@@ -78,6 +89,7 @@ def _rejected(custom: kubernetes.client.CustomObjectsApi, plural: str, body: dic
 def test_defaults_apply_on_the_server(custom: kubernetes.client.CustomObjectsApi) -> None:
     created = _create(custom, "checkpointjobs", _job("defaults"))
     spec = created["spec"]
+    assert CheckpointJob.from_wire(created).metadata.uid
     # Every default the model declares, and the server filled the same values in.
     assert spec == CheckpointJobSpec.from_wire(spec).to_wire()
     assert spec["mode"] == "LeaveRunning"
@@ -209,3 +221,17 @@ def test_printer_columns_short_names_and_category(kube_api: kubernetes.client.Ap
         # The server computed no non-structural complaint.
         conditions = {c.type: c.status for c in (got.status.conditions or [])}
         assert conditions.get("NonStructuralSchema") is None, conditions
+
+
+def test_an_object_built_from_the_models_is_accepted(custom: kubernetes.client.CustomObjectsApi) -> None:
+    job = CheckpointJob(
+        metadata=ObjectMeta(name="typed", labels={"team": "hpc"}),
+        spec=CheckpointJobSpec(
+            selector=LabelSelector(match_labels={"app": "ring"}),
+            storage_ref=LocalObjectReference(name="s3"),
+            mode=CheckpointMode.STOP,
+        ),
+    )
+    created = CheckpointJob.from_wire(_create(custom, "checkpointjobs", job.to_wire()))
+    assert created.spec == job.spec  # the model's defaults and the server's agree
+    assert created.metadata.labels == {"team": "hpc"} and created.metadata.generation == 1

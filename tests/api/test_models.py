@@ -10,7 +10,11 @@ import yaml
 from pydantic import BaseModel, Field, ValidationError
 
 from ibckpt.api import (
+    API_VERSION,
+    GROUP,
     KINDS,
+    VERSION,
+    CheckpointJob,
     CheckpointJobSpec,
     CheckpointJobStatus,
     CheckpointSpec,
@@ -164,3 +168,25 @@ def test_schema_translation_refuses_what_is_not_structural() -> None:
         "minimum": 0,
         "exclusiveMinimum": True,
     }
+
+
+def test_whole_objects_read_what_the_apiserver_returns() -> None:
+    assert f"{GROUP}/{VERSION}" == API_VERSION
+    body = {
+        "apiVersion": "ibckpt.io/v1alpha1",
+        "kind": "CheckpointJob",
+        "metadata": {
+            "name": "ring-move",
+            "namespace": "hpc",
+            "uid": "0b9d",
+            "generation": 2,
+            "creationTimestamp": "2026-11-24T22:00:00Z",
+            "managedFields": [{"manager": "kubectl"}],  # not modelled: ignored
+        },
+        "spec": CheckpointJobSpec.from_wire(MINIMAL_JOB).to_wire(),
+    }
+    job = CheckpointJob.from_wire(body)
+    assert (job.metadata.name, job.metadata.generation, job.status) == ("ring-move", 2, None)
+    assert job.to_wire()["metadata"] == {k: v for k, v in body["metadata"].items() if k != "managedFields"}
+    with pytest.raises(ValidationError, match="kind"):
+        CheckpointJob.from_wire({**body, "kind": "RestoreJob"})
