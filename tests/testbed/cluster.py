@@ -31,6 +31,7 @@ from testbed.kube import (
     KUBERNETES_SERVICE_IP,
     ControlPlane,
     issue_cert,
+    kube_bin,
     start_control_plane,
     write_kubeconfig,
 )
@@ -87,11 +88,13 @@ class Cluster:
     def diagnose(self) -> str:
         """What a failing test should show: dead guests, and each kubelet's last lines."""
         parts = [f"\n--- {d}" for d in self.guests.dead()]
-        for node in NODE_NAMES:
+        for i, node in enumerate(NODE_NAMES, 1):
+            console = "\n".join(self.guests.console(i).splitlines()[-12:])
+            parts.append(f"\n--- {node} console (tail)\n{console}")
             parts.append(f"\n--- {node} kubelet.log (tail)\n{self.node_log(node, tail=15)}")
         return "".join(parts)
 
-    def wait_nodes_ready(self, timeout: float = 420.0) -> None:
+    def wait_nodes_ready(self, timeout: float = 600.0) -> None:
         deadline = time.monotonic() + timeout
         ready: set[str] = set()
         while time.monotonic() < deadline:
@@ -107,7 +110,10 @@ class Cluster:
                         if name not in ready:
                             self.timings[f"{name} ready"] = time.monotonic() - self.started
                         ready.add(name)
-            if ready >= set(NODE_NAMES):
+            imported = {n for n in NODE_NAMES if (self.node_dirs[n] / "images.done").exists()}
+            for name in {f"{n} images" for n in imported} - set(self.timings):
+                self.timings[name] = time.monotonic() - self.started
+            if ready >= set(NODE_NAMES) and imported >= set(NODE_NAMES):
                 return
             time.sleep(2)
         raise RuntimeError(
@@ -153,9 +159,7 @@ clusterDomain: cluster.local
 """
 
 
-def _prepare_node(
-    plane: ControlPlane, root: Path, index: int, tars: Sequence[Path], handlers_toml: str
-) -> Path:
+def _prepare_node(plane: ControlPlane, root: Path, index: int, store: Path, handlers_toml: str) -> Path:
     name = NODE_NAMES[index - 1]
     node_dir = root / name
     node_dir.mkdir(parents=True)
@@ -188,7 +192,8 @@ def _prepare_node(
         "NODE_IP": node_ip(index),
         "NODE_LABELS": f"{RDMA_LABEL}=rxe",
         "API_PORT": api_port,
-        "IMAGE_TARS": " ".join(str(t) for t in tars),
+        "NODE_STORE": str(store),
+        "KUBELET": str(kube_bin("kubelet")),
         "PAUSE_IMAGE": image_builds.PAUSE_IMAGE,
         "POD_SUBNET": f"10.88.{index}.0/24",
         "CLUSTER_API_IP": KUBERNETES_SERVICE_IP,
@@ -212,6 +217,7 @@ def start_cluster(
     """
     root = Path(workdir or tempfile.mkdtemp(prefix="ibckpt-cluster-"))
     built = image_builds.build()
+    store = image_builds.node_store(built)
     kubelet_ports = {name: free_port() for name in NODE_NAMES}
     started = time.monotonic()
     plane = start_control_plane(
@@ -220,9 +226,9 @@ def start_cluster(
     )
     try:
         api_port = int(plane.url.rsplit(":", 1)[1])
-        tars = [img.tar for img in built.values()]
         node_dirs = {
-            n: _prepare_node(plane, root, i, tars, runtime_handlers_toml) for i, n in enumerate(NODE_NAMES, 1)
+            name: _prepare_node(plane, root, i, store, runtime_handlers_toml)
+            for i, name in enumerate(NODE_NAMES, 1)
         }
         specs = [
             GuestSpec(

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from testbed.guest import REPO, cache_dir
+from testbed.reaper import die_with_parent
 
 BASE_NAME = "docker.io/library/debian:bookworm-slim"
 PAUSE_IMAGE = "ibckpt.local/pause:3.2"
@@ -40,14 +41,12 @@ APPS_IMAGE = "ibckpt.local/rdma-apps:test"
 PRODUCT_IMAGE = "ibckpt.local/ibckpt:dev"
 IMAGES_DIR = REPO / "tests" / "images"
 
-# Settings of this machine that apt and pip inside a build step need (read-only mounts).
-_BUILD_MOUNTS = (
-    "/etc/apt/apt.conf.d",
-    "/etc/apt/sources.list.d",
-    "/etc/pip.conf",
-    "/etc/ssl/certs/ca-certificates.crt",
-    "/usr/local/share/ca-certificates",
-)
+# Settings of this machine that apt inside a build step needs (read-only mounts).
+_APT_MOUNTS = ("/etc/apt/apt.conf.d", "/etc/apt/sources.list.d")
+# pip inside a build step trusts the machine's CA bundle, mounted beside the image's own
+# (which the image's ca-certificates package must be free to rewrite).
+_HOST_CA = Path("/etc/ssl/certs/ca-certificates.crt")
+_BUILD_CA = "/etc/ibckpt-build/ca.crt"
 
 
 @dataclass(frozen=True)
@@ -206,9 +205,33 @@ def _bud(name: str, containerfile: Path, context: Path, key: str, log: Path) -> 
         return hit
     base(log)
     mounts: list[str] = []
-    for path in _BUILD_MOUNTS:
+    for path in _APT_MOUNTS:
         if Path(path).exists():
             mounts += ["-v", f"{path}:{path}:ro"]
+    settings = Path(tempfile.mkdtemp(prefix="ibckpt-build-settings-"))
+    pip_conf = settings / "pip.conf"
+    pip_conf.write_text(_pip_conf())
+    mounts += ["-v", f"{pip_conf}:/etc/pip.conf:ro"]
+    if _HOST_CA.exists():
+        mounts += ["-v", f"{_HOST_CA}:{_BUILD_CA}:ro"]
+    try:
+        _build(name, containerfile, context, mounts, log)
+    finally:
+        shutil.rmtree(settings, ignore_errors=True)
+    return _export(name, key, log)
+
+
+def _pip_conf() -> str:
+    """The machine's pip settings, with its CA bundle at the path it is mounted at in a build."""
+    host = Path("/etc/pip.conf")
+    lines = host.read_text().splitlines() if host.exists() else ["[global]"]
+    kept = [ln for ln in lines if not ln.replace(" ", "").startswith("cert=")]
+    if _HOST_CA.exists():
+        kept.insert(kept.index("[global]") + 1 if "[global]" in kept else 0, f"cert = {_BUILD_CA}")
+    return "\n".join(kept) + "\n"
+
+
+def _build(name: str, containerfile: Path, context: Path, mounts: list[str], log: Path) -> None:
     _buildah(
         "bud",
         "--isolation",
@@ -225,7 +248,6 @@ def _bud(name: str, containerfile: Path, context: Path, key: str, log: Path) -> 
         str(context),
         log=log,
     )
-    return _export(name, key, log)
 
 
 def apps(log: Path) -> Image:
@@ -244,6 +266,65 @@ def product(log: Path) -> Image:
 
 
 BUILDERS = {"pause": pause, "rdma-apps": apps, "ibckpt": product}
+
+# What a node's containerd keeps: image metadata and unpacked layers (overlayfs snapshots).
+STORE_PARTS = ("io.containerd.metadata.v1.bolt", "io.containerd.content.v1.content")
+STORE_SNAPSHOTS = "io.containerd.snapshotter.v1.overlayfs"
+
+
+def node_store(built: dict[str, Image], log: Path | None = None) -> Path:
+    """A containerd root holding every image, unpacked once on the host and shared by the nodes.
+
+    Importing an image inside a TCG guest took minutes (every file of every layer written
+    through an emulated CPU); here it takes seconds. A node mounts the unpacked layers as the
+    lower dirs of its containers' overlays and keeps only its own changes in memory.
+    """
+    log = log or cache_dir() / "images" / "build.log"
+    key = hashlib.sha256(" ".join(sorted(str(i.tar) for i in built.values())).encode()).hexdigest()[:16]
+    stores = cache_dir() / "node-store"
+    root = stores / key
+    if (root / "ready").exists():
+        return root
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    state = Path(tempfile.mkdtemp(prefix="ibckpt-ctrd-"))
+    sock = state / "containerd.sock"
+    (state / "config.toml").write_text(
+        f'version = 2\nroot = "{root}"\nstate = "{state}"\n[grpc]\n  address = "{sock}"\n'
+        '[plugins."io.containerd.grpc.v1.cri".containerd]\n  snapshotter = "overlayfs"\n'
+    )
+    with open(log, "a") as out:
+        daemon = subprocess.Popen(
+            ["containerd", "-c", str(state / "config.toml")], stdout=out, stderr=subprocess.STDOUT,
+            preexec_fn=die_with_parent,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while not sock.exists():
+            if daemon.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"containerd for the node store did not start (see {log})")
+            time.sleep(0.1)
+        for image in built.values():
+            proc = subprocess.run(
+                ["ctr", "-a", str(sock), "-n", "k8s.io", "images", "import", "--snapshotter", "overlayfs",
+                 str(image.tar)],
+                capture_output=True, text=True,
+            )  # fmt: skip
+            if proc.returncode != 0:
+                raise RuntimeError(f"ctr import {image.tar} failed: {proc.stderr[-2000:]}")
+    finally:
+        daemon.terminate()
+        try:
+            daemon.wait(20)
+        except subprocess.TimeoutExpired:
+            daemon.kill()
+            daemon.wait()
+        shutil.rmtree(state, ignore_errors=True)
+    (root / "ready").write_text("")
+    for old in stores.iterdir():
+        if old != root:
+            shutil.rmtree(old, ignore_errors=True)
+    return root
 
 
 def build(only: Sequence[str] = (), log: Path | None = None) -> dict[str, Image]:
@@ -269,7 +350,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("images: buildah and debootstrap are needed (make system)", file=sys.stderr)
         return 2
     os.umask(0o022)
-    build(args.only)
+    built = build(args.only)
+    if not args.only:
+        print(f"images: node store {node_store(built)}")
     return 0
 
 

@@ -200,6 +200,8 @@ def start_control_plane(
             f"--kubelet-client-key={pki / 'apiserver-kubelet-client.key'}",
             f"--kubelet-certificate-authority={pki / 'ca.crt'}",
             f"--egress-selector-config-file={root / 'egress.yaml'}",
+            # The node's IP is what the egress proxy routes and the kubelet's cert names.
+            "--kubelet-preferred-address-types=InternalIP",
         ]
     try:
         if kubelets is not None:

@@ -6,7 +6,7 @@
 set -euo pipefail
 dir=$1
 # shellcheck disable=SC1091
-. "$dir/node.env"  # NODE_NAME NODE_IP NODE_LABELS API_PORT IMAGE_TARS PAUSE_IMAGE POD_SUBNET CLUSTER_API_IP
+. "$dir/node.env"  # NODE_NAME NODE_IP NODE_LABELS API_PORT NODE_STORE KUBELET PAUSE_IMAGE POD_SUBNET CLUSTER_API_IP
 
 log() { echo "ibckpt-node: $NODE_NAME: $*"; }
 started=$(date +%s.%N)
@@ -61,6 +61,20 @@ for chain in OUTPUT PREROUTING; do
 done
 iptables -t nat -A POSTROUTING -d 10.0.2.100 -j MASQUERADE
 
+# The images, unpacked once on the host (testbed/images.py, node_store): metadata is copied,
+# layers are bind-mounted and serve as the read-only lower dirs of every container's overlay.
+store_snaps=io.containerd.snapshotter.v1.overlayfs
+mkdir -p "/var/lib/containerd/$store_snaps/snapshots"
+cp -a "$NODE_STORE/io.containerd.metadata.v1.bolt" /var/lib/containerd/
+cp -a "$NODE_STORE/$store_snaps/metadata.db" "/var/lib/containerd/$store_snaps/"
+mkdir -p /var/lib/containerd/io.containerd.content.v1.content
+mount --bind "$NODE_STORE/io.containerd.content.v1.content" /var/lib/containerd/io.containerd.content.v1.content
+for snap in "$NODE_STORE/$store_snaps/snapshots"/*; do
+  mkdir -p "/var/lib/containerd/$store_snaps/snapshots/${snap##*/}/fs"
+  mount --bind "$snap/fs" "/var/lib/containerd/$store_snaps/snapshots/${snap##*/}/fs"
+done
+date +%s >"$dir/images.done"
+
 mkdir -p /etc/containerd
 cat >/etc/containerd/config.toml <<EOF
 version = 2
@@ -70,7 +84,7 @@ state = "/run/containerd"
   sandbox_image = "$PAUSE_IMAGE"
   enable_selinux = false
   [plugins."io.containerd.grpc.v1.cri".containerd]
-    snapshotter = "native"
+    snapshotter = "overlayfs"
     default_runtime_name = "runc"
     [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
       runtime_type = "io.containerd.runc.v2"
@@ -89,14 +103,9 @@ done
 ctr version >/dev/null 2>&1 || { tail -20 "$dir/containerd.log"; exit 1; }
 log "containerd up at $(since)s"
 
-for tar in $IMAGE_TARS; do
-  ctr -n k8s.io images import --no-unpack=false "$tar" >/dev/null
-done
-log "images imported at $(since)s"
-
 # kubectl logs/exec: the apiserver reaches this kubelet through the host's egress proxy
 # and qemu's forward of the user NIC's port 10250; only the host can connect.
-exec kubelet \
+"$KUBELET" \
   --config="$dir/kubelet-config.yaml" \
   --kubeconfig="$dir/kubelet.kubeconfig" \
   --container-runtime=remote \
@@ -107,4 +116,9 @@ exec kubelet \
   --node-labels="$NODE_LABELS" \
   --pod-infra-container-image="$PAUSE_IMAGE" \
   --root-dir=/var/lib/kubelet \
-  --v=1 >"$dir/kubelet.log" 2>&1
+  --v=1 >"$dir/kubelet.log" 2>&1 &
+kubelet_pid=$!
+log "kubelet started at $(since)s"
+wait "$kubelet_pid"
+log "kubelet exited ($?)"
+exit 1
