@@ -36,7 +36,7 @@ def test_rendered_chart_passes_server_dry_run(kube, kube_api: kubernetes.client.
         check=True,
     ).stdout
     kinds = sorted(d["kind"] for d in yaml.safe_load_all(rendered) if d)
-    assert kinds.count("CustomResourceDefinition") == 4
+    assert kinds.count("CustomResourceDefinition") == 5
     assert {"Deployment", "DaemonSet", "ClusterRole", "ServiceAccount"} <= set(kinds)
     applied = subprocess.run(
         [tool("kubectl"), f"--kubeconfig={kube.kubeconfig}", "apply", "--dry-run=server", "-f", "-"],
