@@ -24,6 +24,7 @@ import logging
 import os
 import signal
 import socket
+import stat
 import struct
 import sys
 import time
@@ -73,7 +74,14 @@ class RegisteredContainer(BaseModel):
             names = sorted(os.listdir(self.control_dir))
         except OSError:
             return []
-        return [os.path.join(self.control_dir, n) for n in names if n.endswith(".sock")]
+        found = []
+        for name in names:
+            path = os.path.join(self.control_dir, name)
+            # the directory is the container's: a symlink there could point the agent at any host socket
+            with contextlib.suppress(OSError):
+                if name.endswith(".sock") and stat.S_ISSOCK(os.lstat(path).st_mode):
+                    found.append(path)
+        return found
 
 
 def peer_uid(sock: socket.socket) -> int:

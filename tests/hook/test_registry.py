@@ -262,3 +262,25 @@ def test_hook_never_fails_the_container(tmp_path: Path) -> None:
     config = node_config(tmp_path, tmp_path / "state")
     done = run_hook(config, {"id": "x", "bundle": str(tmp_path / "nowhere")}, "createRuntime")
     assert done.returncode == 0 and "FileNotFoundError" in done.stderr
+
+
+def test_sockets_lists_only_real_sockets_in_the_containers_directory(
+    tmp_path: Path, sleeper: subprocess.Popen[bytes]
+) -> None:
+    import socket
+
+    ctl = tmp_path / "ctl"
+    ctl.mkdir()
+    real = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    real.bind(str(ctl / "1.sock"))
+    host_socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    host_socket.bind(str(tmp_path / "host.sock"))
+    try:
+        # the container owns ctl/: a symlink there must not lead the agent to a host socket
+        (ctl / "2.sock").symlink_to(tmp_path / "host.sock")
+        (ctl / "3.sock").write_text("")
+        entry = RegisteredContainer.model_validate(entry_for(sleeper.pid) | {"control_dir": str(ctl)})
+        assert entry.sockets() == [str(ctl / "1.sock")]
+    finally:
+        real.close()
+        host_socket.close()
