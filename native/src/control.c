@@ -1,8 +1,6 @@
-/* The per-process control socket and the in-process ibckpt.h API.
- * Protocol version 1: one command per line, one reply line per command,
- * "ok <json>" or "err <json>".  Commands:
- *   hello | status | quiesce [ms] | drain [ms] | release [ms]
- *   rebuild <epoch> [ms] | resume | abort                                   */
+/* The per-process control socket (protocol version 1, docs/wire-formats.md):
+ * one command per line, one reply line per command, "ok <json>" or
+ * "err <json>".  The commands themselves are in commands.c. */
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
@@ -18,8 +16,6 @@
 #include "ibckpt.h"
 #include "shim.h"
 
-static pthread_mutex_t cmd_lock = PTHREAD_MUTEX_INITIALIZER;
-
 /* One control thread serves every client with poll(): an idle or slow
  * client never holds up another one's command (the agent's abort).  Each
  * read and write is bounded; a client that does not take its reply within
@@ -27,88 +23,6 @@ static pthread_mutex_t cmd_lock = PTHREAD_MUTEX_INITIALIZER;
 #define MAX_CLIENTS 16
 #define CMD_MAX 256
 #define IO_TIMEOUT_MS 5000
-/* A report is a few hundred bytes per object: the reply buffer is sized
- * for the objects there are, so 2,048 QPs per rank fit (docs/wire-formats). */
-#define REPLY_BASE (64 * 1024)
-#define REPLY_PER_OBJ 1024
-
-static int run_command(const char *line, char *out, size_t len)
-{
-	char verb[32] = "";
-	unsigned long long a = 0;
-	long b = 0;
-	int n = sscanf(line, "%31s %llu %ld", verb, &a, &b);
-	int rc;
-
-	pthread_mutex_lock(&cmd_lock);
-	if (n < 1)
-		rc = (snprintf(out, len, "{\"error\":\"empty command\"}"), -EINVAL);
-	else if (!strcmp(verb, "hello"))
-		rc = (snprintf(out, len, "{\"proto\":%d,\"api\":%d,\"pid\":%d}", IBCKPT_PROTO_VERSION,
-			       IBCKPT_API_VERSION, (int)getpid()),
-		      0);
-	else if (!strcmp(verb, "status"))
-		rc = ibk_do_status(out, len);
-	else if (!strcmp(verb, "quiesce"))
-		rc = ibk_do_quiesce(n >= 2 ? (int)a : 10000, out, len);
-	else if (!strcmp(verb, "drain"))
-		rc = ibk_do_drain(n >= 2 ? (int)a : 10000, n >= 3 ? (int)b : IBK_DRAIN_STALL_MS, out, len);
-	else if (!strcmp(verb, "release"))
-		rc = ibk_do_release(n >= 2 ? (int)a : 10000, strstr(line, " quiet") != NULL, out, len);
-	else if (!strcmp(verb, "rebuild"))
-		rc = n >= 2 ? ibk_do_rebuild(a, n >= 3 ? (int)b : 30000, out, len)
-			    : (snprintf(out, len, "{\"error\":\"rebuild needs an epoch\"}"), -EINVAL);
-	else if (!strcmp(verb, "resume"))
-		rc = ibk_do_resume(out, len);
-	else if (!strcmp(verb, "abort"))
-		rc = ibk_do_abort(out, len);
-	else
-		rc = (snprintf(out, len, "{\"error\":\"unknown command\"}"), -EINVAL);
-	pthread_mutex_unlock(&cmd_lock);
-	return rc;
-}
-
-static size_t reply_size(void)
-{
-	struct ibk_ctx *ctx;
-	struct ibk_obj *o;
-	size_t n = 0;
-
-	pthread_mutex_lock(&ibk_ctx_lock);
-	for (ctx = ibk_ctx_list; ctx; ctx = ctx->next_ctx) {
-		pthread_mutex_lock(&ctx->lock);
-		for (o = ctx->head.next; o != &ctx->head; o = o->next)
-			n++;
-		pthread_mutex_unlock(&ctx->lock);
-	}
-	pthread_mutex_unlock(&ibk_ctx_lock);
-	/* objects made while the command runs: room for as many again */
-	return REPLY_BASE + 2 * n * REPLY_PER_OBJ;
-}
-
-/* The whole reply line for one command, malloc'd: "ok <json>\n" or
- * "err <json>\n".  A report that did not fit is an error, never a cut line. */
-static char *control_reply(const char *line, size_t *outlen)
-{
-	size_t cap = reply_size(), n;
-	char *body = malloc(cap), *reply;
-	int rc;
-
-	if (!body)
-		return NULL;
-	body[0] = 0;
-	rc = run_command(line, body, cap);
-	n = strlen(body);
-	if (n + 1 >= cap) {
-		n = (size_t)snprintf(body, cap, "{\"error\":\"a reply of more than %zu bytes\"}", cap);
-		rc = -E2BIG;
-	}
-	reply = malloc(n + 6);
-	if (reply)
-		*outlen = (size_t)snprintf(reply, n + 6, "%s %s\n", rc ? "err" : "ok", body);
-	free(body);
-	return reply;
-}
 
 static long now_ms(void)
 {
@@ -185,7 +99,7 @@ static int client_input(struct client *c)
 		int bad;
 
 		*nl = 0;
-		reply = control_reply(c->line, &n);
+		reply = ibk_command_reply(c->line, &n);
 		bad = !reply || write_bounded(c->fd, reply, n);
 		free(reply);
 		if (bad)
@@ -320,103 +234,4 @@ void ibk_control_start(void)
 	pthread_attr_destroy(&at);
 	pthread_sigmask(SIG_SETMASK, &old, NULL);
 	IBK_DBG("control socket at %s", path);
-}
-
-/* ---- ibckpt.h ------------------------------------------------------------------ */
-
-static pthread_mutex_t hook_lock = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t hook_cond = PTHREAD_COND_INITIALIZER;
-static int critical_open, checkpoint_pending;
-static struct {
-	ibckpt_event_cb cb;
-	void *arg;
-} hooks[8];
-static int nhooks;
-
-IBK_EXPORT int ibckpt_api_version(void)
-{
-	return IBCKPT_API_VERSION;
-}
-
-IBK_EXPORT void ibckpt_critical_enter(void)
-{
-	pthread_mutex_lock(&hook_lock);
-	while (checkpoint_pending)
-		pthread_cond_wait(&hook_cond, &hook_lock);
-	critical_open++;
-	pthread_mutex_unlock(&hook_lock);
-}
-
-IBK_EXPORT void ibckpt_critical_leave(void)
-{
-	pthread_mutex_lock(&hook_lock);
-	if (critical_open > 0)
-		critical_open--;
-	pthread_cond_broadcast(&hook_cond);
-	pthread_mutex_unlock(&hook_lock);
-}
-
-IBK_EXPORT int ibckpt_register_callback(ibckpt_event_cb cb, void *arg)
-{
-	int rc = -1;
-
-	pthread_mutex_lock(&hook_lock);
-	if (nhooks < 8) {
-		hooks[nhooks].cb = cb;
-		hooks[nhooks++].arg = arg;
-		rc = 0;
-	}
-	pthread_mutex_unlock(&hook_lock);
-	return rc;
-}
-
-IBK_EXPORT const char *ibckpt_phase(void)
-{
-	return ibk_phase_name(ibk_phase_now());
-}
-
-IBK_EXPORT int ibckpt_control(const char *cmd, char *out, size_t len)
-{
-	return run_command(cmd, out, len);
-}
-
-int ibk_hooks_wait_critical(int timeout_ms)
-{
-	struct timespec ts;
-	int rc = 0;
-
-	clock_gettime(CLOCK_REALTIME, &ts);
-	ts.tv_sec += timeout_ms / 1000;
-	ts.tv_nsec += (long)(timeout_ms % 1000) * 1000000;
-	if (ts.tv_nsec >= 1000000000) {
-		ts.tv_sec++;
-		ts.tv_nsec -= 1000000000;
-	}
-	pthread_mutex_lock(&hook_lock);
-	checkpoint_pending = 1;
-	while (critical_open && rc == 0)
-		rc = pthread_cond_timedwait(&hook_cond, &hook_lock, &ts);
-	if (critical_open) {
-		checkpoint_pending = 0;
-		pthread_cond_broadcast(&hook_cond);
-		rc = -EBUSY;
-	} else {
-		rc = 0;
-	}
-	pthread_mutex_unlock(&hook_lock);
-	return rc;
-}
-
-void ibk_hooks_notify(int event)
-{
-	int i;
-
-	pthread_mutex_lock(&hook_lock);
-	if (event == IBCKPT_EV_RESUME) {
-		checkpoint_pending = 0;
-		pthread_cond_broadcast(&hook_cond);
-	}
-	for (i = 0; i < nhooks; i++)
-		hooks[i].cb((enum ibckpt_event)event, hooks[i].arg);
-	pthread_mutex_unlock(&hook_lock);
 }

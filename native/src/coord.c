@@ -324,22 +324,22 @@ int ibk_peers_reverse_qpn(uint32_t rqpn, uint32_t *vqpn)
 
 int ibk_peers_fetch(const union ibv_gid *vgid, uint32_t vqpn, int timeout_ms)
 {
-	char key[128], hex[40], val[256], rg[40];
+	char key[128], val[256];
 	struct ibk_peer_map p;
-	unsigned int lid, rqpn;
+	struct ibk_record r;
 
 	if (!ibk_coord_configured())
 		return -ENOTCONN;
-	ibk_gid_hex(vgid, hex);
-	snprintf(key, sizeof(key), "map/%s/%u", hex, vqpn);
+	ibk_record_key_map(key, sizeof(key), vgid, vqpn);
 	if (ibk_coord_get(key, val, sizeof(val), timeout_ms))
 		return -ENOENT;
-	if (sscanf(val, "%39s %u %u", rg, &lid, &rqpn) != 3 || ibk_gid_parse(rg, &p.rgid))
+	if (ibk_record_parse(val, 0, &r))
 		return -EPROTO;
 	p.vgid = *vgid;
 	p.vqpn = vqpn;
-	p.rqpn = rqpn;
-	p.rlid = (uint16_t)lid;
+	p.rgid = r.rgid;
+	p.rqpn = r.rqpn;
+	p.rlid = r.rlid;
 	p.vlid = 0;
 	p.epoch = 0;
 	ibk_peers_put(&p);
@@ -358,25 +358,26 @@ void ibk_peers_refresh(uint64_t epoch, int timeout_ms)
 		memcpy(copy, peers, n * sizeof(*copy));
 	pthread_mutex_unlock(&peers_lock);
 	for (i = 0; copy && i < n; i++) {
-		char key[128], hex[40], val[256], rg[40];
-		unsigned int lid, rqpn;
+		char key[128], hex[IBK_GID_HEX], val[256];
 		struct ibk_peer_map *p = &copy[i];
+		struct ibk_record r;
 		/* a peer that is gone must not hold the rebuild for long */
 		int wait = timeout_ms < 5000 ? timeout_ms : 5000;
 
 		if (p->epoch == epoch)
 			continue;
 		ibk_gid_hex(&p->vgid, hex);
-		snprintf(key, sizeof(key), "e%llu/qp/%s/%u", (unsigned long long)epoch, hex, p->vqpn);
-		if (ibk_coord_get(key, val, sizeof(val), wait > 0 ? wait : 0) ||
-		    sscanf(val, "%39s %u %u", rg, &lid, &rqpn) != 3 || ibk_gid_parse(rg, &p->rgid)) {
+		ibk_record_key_qp(key, sizeof(key), epoch, &p->vgid, p->vqpn);
+		/* val holds the record's head; the rkeys that may not fit are not needed */
+		if (ibk_coord_get(key, val, sizeof(val), wait > 0 ? wait : 0) || ibk_record_parse(val, 1, &r)) {
 			ibk_log("rebuild: peer %s/%u published nothing in epoch %llu: forgotten", hex, p->vqpn,
 				(unsigned long long)epoch);
 			peers_forget(p);
 			continue;
 		}
-		p->rqpn = rqpn;
-		p->rlid = (uint16_t)lid;
+		p->rgid = r.rgid;
+		p->rqpn = r.rqpn;
+		p->rlid = r.rlid;
 		p->epoch = epoch;
 		ibk_peers_put(p);
 	}

@@ -210,26 +210,3 @@ void ibk_obj_del(struct ibk_ctx *ctx, struct ibk_obj *o)
 	o->next->prev = o->prev;
 	pthread_mutex_unlock(&ctx->lock);
 }
-
-void ibk_gid_hex(const union ibv_gid *g, char *out)
-{
-	int i;
-
-	for (i = 0; i < 16; i++)
-		sprintf(out + 2 * i, "%02x", g->raw[i]);
-	out[32] = 0;
-}
-
-int ibk_gid_parse(const char *hex, union ibv_gid *g)
-{
-	int i;
-
-	for (i = 0; i < 16; i++) {
-		unsigned int b;
-
-		if (sscanf(hex + 2 * i, "%2x", &b) != 1)
-			return -EINVAL;
-		g->raw[i] = (uint8_t)b;
-	}
-	return 0;
-}

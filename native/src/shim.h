@@ -10,6 +10,7 @@
 
 #include "core.h"
 #include "lock.h"
+#include "records.h"
 
 /* Everything declared below is the shim's own: direct calls and rip-relative
  * loads, no PLT or GOT on the fast paths.  Exports say IBK_EXPORT. */
@@ -443,13 +444,14 @@ int ibk_coord_batch_send(struct ibk_coord_batch *b, int timeout_ms);
 /* ---- control socket and library hooks ------------------------------------ */
 
 void ibk_control_start(void);
+/* commands.c: the reply line ("ok <json>\n" or "err <json>\n") to one
+ * command line, malloc'd; NULL without memory */
+char *ibk_command_reply(const char *line, size_t *outlen);
 /* Deferral by ibckpt.h callers; returns -EBUSY while a critical section
  * is open after the wait. */
 int ibk_hooks_wait_critical(int timeout_ms);
 void ibk_hooks_notify(int event);
 
-void ibk_gid_hex(const union ibv_gid *g, char *out);
-int ibk_gid_parse(const char *hex, union ibv_gid *g);
 
 #pragma GCC visibility pop
 

@@ -1,0 +1,71 @@
+/* The control protocol's input side: lines, then commands.  Pure, fuzzed
+ * on the host (native/fuzz). */
+#include <stdio.h>
+#include <string.h>
+
+#include "cmdline.h"
+
+char *ibk_linebuf_space(struct ibk_linebuf *lb, size_t *room)
+{
+	if (lb->used) { /* drop the lines already handed out */
+		memmove(lb->buf, lb->buf + lb->used, lb->got - lb->used);
+		lb->got -= lb->used;
+		lb->used = 0;
+	}
+	/* one byte stays free for the NUL that ends a line */
+	*room = sizeof(lb->buf) - 1 - lb->got;
+	return lb->buf + lb->got;
+}
+
+void ibk_linebuf_added(struct ibk_linebuf *lb, size_t n)
+{
+	lb->got += n;
+}
+
+char *ibk_linebuf_line(struct ibk_linebuf *lb)
+{
+	char *start = lb->buf + lb->used, *nl = memchr(start, '\n', lb->got - lb->used);
+
+	if (!nl)
+		return NULL;
+	*nl = 0;
+	lb->used = (size_t)(nl + 1 - lb->buf);
+	return start;
+}
+
+static const struct {
+	const char *name;
+	enum ibk_verb verb;
+} verbs[] = {
+	{"hello", IBK_CMD_HELLO},	{"status", IBK_CMD_STATUS},   {"quiesce", IBK_CMD_QUIESCE},
+	{"drain", IBK_CMD_DRAIN},	{"release", IBK_CMD_RELEASE}, {"rebuild", IBK_CMD_REBUILD},
+	{"resume", IBK_CMD_RESUME}, {"abort", IBK_CMD_ABORT},
+};
+
+int ibk_command_parse(const char *line, struct ibk_cmd *c)
+{
+	char verb[32] = "";
+	int n = sscanf(line, "%31s %llu %ld", verb, &c->a, &c->b);
+	size_t i;
+
+	c->verb = 0;
+	c->error = NULL;
+	c->nargs = n > 1 ? n - 1 : 0;
+	c->quiet = strstr(line, " quiet") != NULL;
+	if (n < 1) {
+		c->error = "empty command";
+		return -1;
+	}
+	for (i = 0; i < sizeof(verbs) / sizeof(verbs[0]); i++)
+		if (!strcmp(verb, verbs[i].name))
+			c->verb = verbs[i].verb;
+	if (!c->verb) {
+		c->error = "unknown command";
+		return -1;
+	}
+	if (c->verb == IBK_CMD_REBUILD && c->nargs < 1) {
+		c->error = "rebuild needs an epoch";
+		return -1;
+	}
+	return 0;
+}

@@ -1,0 +1,308 @@
+/* release: move every QP to ERR, collect what it finished, destroy every
+ * real object and close the device, then prove from /proc that nothing of
+ * the device is left. */
+#include <dirent.h>
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "phases.h"
+
+static int count_device_fds(int *maps)
+{
+	char path[300], link[256];
+	DIR *d = opendir("/proc/self/fd");
+	struct dirent *de;
+	FILE *f;
+	int n = 0;
+
+	while (d && (de = readdir(d))) {
+		ssize_t l;
+
+		snprintf(path, sizeof(path), "/proc/self/fd/%s", de->d_name);
+		l = readlink(path, link, sizeof(link) - 1);
+		if (l > 0) {
+			link[l] = 0;
+			if (!strncmp(link, "/dev/infiniband/", 16))
+				n++;
+		}
+	}
+	if (d)
+		closedir(d);
+	*maps = 0;
+	f = fopen("/proc/self/maps", "r");
+	while (f && fgets(link, sizeof(link), f))
+		if (strstr(link, "/dev/infiniband/"))
+			(*maps)++;
+	if (f)
+		fclose(f);
+	return n;
+}
+
+/* Moves every live QP to ERR; returns how many would not go. */
+static int release_flush_qps(struct ibk_ctx *ctx)
+{
+	struct ibk_qp *qp;
+	struct ibk_obj *o;
+	int failed = 0;
+
+	FOR_EACH_QP(ctx, o, qp)
+	{
+		struct ibv_qp_attr a;
+
+		qp->releasing = 1;
+		qp->rel_send_seen = 0;
+		qp->rel_recvs_flushed = 0;
+		if (qp->state == IBV_QPS_RESET || !qp->real)
+			continue;
+		/* ERR stops the QP accepting packets, so the final poll below
+		 * sees every receive that will ever be counted. */
+		memset(&a, 0, sizeof(a));
+		a.qp_state = IBV_QPS_ERR;
+		if (ibk_real.modify_qp(qp->real, &a, IBV_QP_STATE)) {
+			ibk_log("release: QP %u to ERR failed", qp->vqpn);
+			failed++;
+		}
+	}
+	return failed;
+}
+
+/* Whether every WR still logged on a QP in ERR has reported back. A QP in
+ * ERR completes each posted receive and, in order, each send from the
+ * first unfinished one on, all with a completion (flushes are reported
+ * signaled or not). So once the newest send and every logged receive has
+ * shown up, no completion is left to come. An SRQ's receives are not
+ * flushed with its QPs, and a newest send that succeeded unsignaled never
+ * reports: those leave the answer to the quiet window. */
+static int release_settled(void)
+{
+	struct ibk_qp *qp;
+	struct ibk_ctx *ctx;
+	struct ibk_obj *o;
+
+	FOR_EACH_CTX(ctx)
+	FOR_EACH_QP(ctx, o, qp)
+	{
+		int done;
+
+		if (qp->state == IBV_QPS_RESET || !qp->real)
+			continue;
+		if (qp->srq)
+			return 0;
+		ibk_lock(&qp->lock);
+		done = !ibk_sendlog_count(&qp->slog) || qp->rel_send_seen == qp->slog.tail;
+		ibk_unlock(&qp->lock);
+		if (!done)
+			return 0;
+		ibk_lock(&qp->rlock);
+		done = ibk_recvlog_live(&qp->rlog) == qp->rel_recvs_flushed;
+		ibk_unlock(&qp->rlock);
+		if (!done)
+			return 0;
+	}
+	return 1;
+}
+
+/* Destroying a QP can wait in the kernel: rxe waits (up to 200 ms) until
+ * packets still queued toward the NIC drop their hold on it. A few threads
+ * side by side overlap those waits instead of adding them up. */
+#define RELEASE_DESTROY_THREADS 8
+
+struct qp_destroy_job {
+	pthread_t caller; /* the control thread, which destroys QPs too */
+	struct ibk_ctx *ctx;
+	struct ibk_qp **qps;
+	int n;
+	atomic_int next;
+	atomic_int errs;
+};
+
+static int release_destroy_qp(struct ibk_ctx *ctx, struct ibk_qp *qp)
+{
+	int rc;
+
+	pthread_mutex_lock(&ctx->lock);
+	ibk_idmap_del(&ctx->rqpns, qp->real->qp_num);
+	pthread_mutex_unlock(&ctx->lock);
+	rc = ibk_real.destroy_qp(qp->real);
+	qp->real = NULL;
+	qp->flag_outstanding = 0;
+	return rc;
+}
+
+static void *destroy_qps_worker(void *arg)
+{
+	struct qp_destroy_job *job = arg;
+	int i;
+
+	if (!pthread_equal(pthread_self(), job->caller))
+		pthread_setname_np(pthread_self(), IBK_RELEASE_THREAD_NAME);
+	while ((i = atomic_fetch_add(&job->next, 1)) < job->n) {
+		struct ibk_qp *qp = job->qps[i];
+
+		if (release_destroy_qp(job->ctx, qp)) {
+			ibk_log("release: destroying QP %u failed", qp->vqpn);
+			atomic_fetch_add(&job->errs, 1);
+		}
+	}
+	return NULL;
+}
+
+static int release_destroy_qps(struct ibk_ctx *ctx)
+{
+	struct qp_destroy_job job = {.caller = pthread_self(), .ctx = ctx};
+	pthread_t tids[RELEASE_DESTROY_THREADS];
+	int started = 0, i;
+	struct ibk_qp *qp;
+	struct ibk_obj *o;
+
+	FOR_EACH_QP(ctx, o, qp)
+	job.n += qp->real != NULL;
+	if (!job.n)
+		return 0;
+	job.qps = calloc((size_t)job.n, sizeof(*job.qps));
+	if (!job.qps)
+		return 0; /* release_destroy destroys them one by one */
+	i = 0;
+	FOR_EACH_QP(ctx, o, qp)
+	if (qp->real)
+		job.qps[i++] = qp;
+	atomic_init(&job.next, 0);
+	atomic_init(&job.errs, 0);
+	while (started < RELEASE_DESTROY_THREADS && started < job.n - 1 &&
+	       !pthread_create(&tids[started], NULL, destroy_qps_worker, &job))
+		started++;
+	destroy_qps_worker(&job);
+	for (i = 0; i < started; i++)
+		pthread_join(tids[i], NULL);
+	free(job.qps);
+	return atomic_load(&job.errs);
+}
+
+static int release_destroy(struct ibk_ctx *ctx)
+{
+	struct ibk_obj *o, *p;
+	int errs = release_destroy_qps(ctx);
+
+	FOR_EACH_OBJ_REV(ctx, o, p)
+	{
+		int rc = 0;
+
+		switch (o->kind) {
+		case IBK_AH:
+			rc = ibk_real.destroy_ah(IBK_OBJ(o, ibk_ah)->real);
+			IBK_OBJ(o, ibk_ah)->real = NULL;
+			break;
+		case IBK_QP: {
+			struct ibk_qp *qp = IBK_OBJ(o, ibk_qp);
+
+			if (qp->real) /* not destroyed above: no memory for the job */
+				rc = release_destroy_qp(ctx, qp);
+			break;
+		}
+		case IBK_SRQ:
+			rc = ibk_real.destroy_srq(IBK_OBJ(o, ibk_srq)->real);
+			IBK_OBJ(o, ibk_srq)->real = NULL;
+			break;
+		case IBK_CQ:
+			rc = ibk_real.destroy_cq(IBK_OBJ(o, ibk_cq)->real);
+			IBK_OBJ(o, ibk_cq)->real = NULL;
+			break;
+		case IBK_CHAN:
+			rc = ibk_chan_release_real(IBK_OBJ(o, ibk_chan));
+			break;
+		case IBK_MR:
+			rc = ibk_real.dereg_mr(IBK_OBJ(o, ibk_mr)->real);
+			IBK_OBJ(o, ibk_mr)->real = NULL;
+			break;
+		case IBK_PD:
+			rc = ibk_real.dealloc_pd(IBK_OBJ(o, ibk_pd)->real);
+			IBK_OBJ(o, ibk_pd)->real = NULL;
+			break;
+		}
+		if (rc) {
+			ibk_log("release: destroying a kind-%d object failed: %d", o->kind, rc);
+			errs++;
+		}
+	}
+	ibk_devfd_forget(ctx->real->cmd_fd);
+	if (ibk_real.close_device(ctx->real))
+		errs++;
+	ctx->real = NULL;
+	return errs;
+}
+
+static int have_ud_qps(void)
+{
+	struct ibk_ctx *ctx;
+	struct ibk_obj *o;
+
+	FOR_EACH_CTX(ctx)
+	FOR_EACH_OBJ(ctx, o)
+	if (o->kind == IBK_QP && IBK_OBJ(o, ibk_qp)->pub.qp_type == IBV_QPT_UD)
+		return 1;
+	return 0;
+}
+
+int ibk_do_release(int timeout_ms, int quiet_only, char *out, size_t len)
+{
+	long t0 = ibk_ms_now(), quiet_since, t_flushed, t_destroyed;
+	struct ibk_ctx *ctx;
+	int errs = 0, fds, maps, late = 0, unflushed = 0, settled = 0;
+
+	if (ibk_phase_cur != IBK_DRAINED) {
+		ibk_report_begin(out, len, "release", 0, t0);
+		ibk_jcat(out, len, ",\"error\":\"not drained\"}");
+		return -EINVAL;
+	}
+	pthread_mutex_lock(&ibk_ctx_lock);
+	/* A datagram on its way in when the QP goes to ERR is lost for good (UD
+	 * has no retry): first let the CQs of a process with UD QPs go quiet. */
+	if (have_ud_qps()) {
+		quiet_since = ibk_ms_now();
+		while (ibk_ms_now() - quiet_since < 20 && ibk_ms_now() - t0 < timeout_ms) {
+			int n = ibk_drain_pass();
+
+			late += n;
+			if (n)
+				quiet_since = ibk_ms_now();
+			usleep(1000);
+		}
+	}
+	FOR_EACH_CTX(ctx)
+	unflushed += release_flush_qps(ctx);
+	/* Collect what the QPs finished before ERR: until every logged WR has
+	 * reported back, or else until the CQs stay quiet. */
+	quiet_since = ibk_ms_now();
+	while (ibk_ms_now() - quiet_since < 20 && ibk_ms_now() - t0 < timeout_ms) {
+		int n = ibk_drain_pass();
+
+		late += n;
+		if (n)
+			quiet_since = ibk_ms_now();
+		if (!unflushed && !quiet_only && release_settled()) {
+			settled = 1;
+			break;
+		}
+		usleep(200);
+	}
+	t_flushed = ibk_ms_now();
+	FOR_EACH_CTX(ctx)
+	errs += release_destroy(ctx);
+	pthread_mutex_unlock(&ibk_ctx_lock);
+	t_destroyed = ibk_ms_now();
+	fds = count_device_fds(&maps);
+	ibk_phase_cur = IBK_RELEASED;
+	ibk_report_begin(out, len, "release", errs == 0 && fds == 0 && maps == 0, t0);
+	ibk_jcat(out, len,
+	     ",\"late_completions\":%d,\"settled\":%s,\"flush_ms\":%ld,\"destroy_ms\":%ld,\"errors\":%d,"
+	     "\"device_fds\":%d,\"device_maps\":%d,",
+	     late, settled ? "true" : "false", t_flushed - t0, t_destroyed - t_flushed, errs, fds, maps);
+	pthread_mutex_lock(&ibk_ctx_lock);
+	ibk_report_qps(out, len);
+	pthread_mutex_unlock(&ibk_ctx_lock);
+	ibk_jcat(out, len, "}");
+	return errs || fds || maps ? -EIO : 0;
+}

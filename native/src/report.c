@@ -1,0 +1,145 @@
+/* The phases' one-line JSON reports: per-QP counters, this rank's identity
+ * for the agent's preflight, and the status command. */
+#include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "ibckpt.h"
+#include "phases.h"
+
+/* Append to a report buffer, never overflowing it. */
+void ibk_jcat(char *out, size_t len, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+void ibk_jcat(char *out, size_t len, const char *fmt, ...)
+{
+	size_t n = strlen(out);
+	va_list ap;
+
+	if (n + 1 >= len)
+		return;
+	va_start(ap, fmt);
+	vsnprintf(out + n, len - n, fmt, ap);
+	va_end(ap);
+}
+
+void ibk_report_qps(char *out, size_t len)
+{
+	struct ibk_qp *qp;
+	struct ibk_ctx *ctx;
+	struct ibk_obj *o;
+	int first = 1;
+
+	ibk_jcat(out, len, "\"qps\":[");
+	FOR_EACH_CTX(ctx)
+	FOR_EACH_QP(ctx, o, qp)
+	{
+		unsigned long long rdma, atomics;
+		uint64_t seq;
+
+		/* RDMA and atomics in flight: counted in the log, not on the fast path */
+		rdma = atomics = 0;
+		ibk_lock(&qp->lock);
+		for (seq = qp->slog.head; seq < qp->slog.tail; seq++) {
+			uint32_t f = ibk_sendlog_at(&qp->slog, seq)->flags;
+
+			rdma += !(f & IBK_SWR_FLAG_WR) && (f & IBK_SWR_RDMA);
+			atomics += !!(f & IBK_SWR_ATOMIC);
+		}
+		ibk_unlock(&qp->lock);
+		ibk_jcat(out, len,
+		     "%s{\"qpn\":%u,\"real_qpn\":%d,\"type\":%d,\"state\":%d,\"sends_posted\":%llu,"
+		     "\"sends_completed\":%llu,\"consumers_done\":%llu,\"recvs_posted\":%llu,"
+		     "\"recvs_completed\":%llu,\"rdma_inflight\":%llu,\"atomic_inflight\":%llu,"
+		     "\"logged_sends\":%u,\"logged_recvs\":%u,\"reposted\":%llu,\"synthesized\":%llu}",
+		     first ? "" : ",", qp->vqpn, qp->real ? (int)qp->real->qp_num : -1, qp->pub.qp_type, qp->state,
+		     (unsigned long long)qp->cnt.sends_posted, (unsigned long long)qp->cnt.sends_completed,
+		     (unsigned long long)qp->cnt.consumers_done, (unsigned long long)qp->rlog.next_seq,
+		     (unsigned long long)qp->cnt.recvs_completed, (unsigned long long)rdma,
+		     (unsigned long long)atomics, ibk_sendlog_count(&qp->slog), ibk_recvlog_live(&qp->rlog),
+		     (unsigned long long)qp->cnt.reposted, (unsigned long long)qp->cnt.synthesized);
+		first = 0;
+	}
+	ibk_jcat(out, len, "]");
+}
+
+/* For the agent's preflight: this rank's own GIDs, every connected QP's peer as the app
+ * gave it (virtual GID and QPN), every address handle's GID, and the verbs the shim refused. */
+void ibk_report_identity(char *out, size_t len)
+{
+	struct ibk_qp *qp;
+	struct ibk_ctx *ctx;
+	struct ibk_obj *o;
+	const char *verbs[IBK_MAX_REFUSED];
+	char hex[40];
+	int first = 1, g, n, i;
+
+	ibk_jcat(out, len, ",\"gids\":[");
+	FOR_EACH_CTX(ctx)
+	for (g = 0; g < 4; g++) {
+		if (!(ctx->port_gid_valid & (1u << g)))
+			continue;
+		ibk_gid_hex(&ctx->vgid[g], hex);
+		ibk_jcat(out, len, "%s\"%s\"", first ? "" : ",", hex);
+		first = 0;
+	}
+	ibk_jcat(out, len, "],\"peers\":[");
+	first = 1;
+	FOR_EACH_CTX(ctx)
+	FOR_EACH_QP(ctx, o, qp)
+	{
+		if (!qp->peer.valid || qp->pub.qp_type == IBV_QPT_UD)
+			continue;
+		ibk_gid_hex(&qp->peer.vgid, hex);
+		ibk_jcat(out, len, "%s{\"qpn\":%u,\"type\":%d,\"peer_gid\":\"%s\",\"peer_qpn\":%u}", first ? "" : ",",
+		     qp->vqpn, qp->pub.qp_type, hex, qp->peer.vqpn);
+		first = 0;
+	}
+	/* UD has no connection: where its datagrams go is in the address handles */
+	ibk_jcat(out, len, "],\"ah_gids\":[");
+	first = 1;
+	FOR_EACH_CTX(ctx)
+	FOR_EACH_OBJ(ctx, o)
+	{
+		struct ibk_ah *ah;
+
+		if (o->kind != IBK_AH)
+			continue;
+		ah = IBK_OBJ(o, ibk_ah);
+		if (!ah->attr.is_global)
+			continue;
+		ibk_gid_hex(&ah->attr.grh.dgid, hex);
+		ibk_jcat(out, len, "%s\"%s\"", first ? "" : ",", hex);
+		first = 0;
+	}
+	ibk_jcat(out, len, "],\"unsupported\":[");
+	n = ibk_refused_verbs(verbs, IBK_MAX_REFUSED);
+	for (i = 0; i < n; i++)
+		ibk_jcat(out, len, "%s\"%s\"", i ? "," : "", verbs[i]);
+	ibk_jcat(out, len, "]");
+}
+
+void ibk_report_begin(char *out, size_t len, const char *name, int ok, long t0)
+{
+	out[0] = 0;
+	ibk_jcat(out, len, "{\"phase\":\"%s\",\"ok\":%s,\"ms\":%ld,\"state\":\"%s\"", name, ok ? "true" : "false",
+	     ibk_ms_now() - t0, ibk_phase_name(ibk_phase_cur));
+}
+
+int ibk_do_status(char *out, size_t len)
+{
+	out[0] = 0;
+	pthread_mutex_lock(&ibk_ctx_lock);
+	ibk_jcat(out, len,
+	     "{\"proto\":%d,\"pid\":%d,\"state\":\"%s\",\"epoch\":%llu,\"checkpoints\":%lu,"
+	     "\"gate_closed\":%d,\"inside\":%ld,\"delegated_writes\":%lu,",
+	     IBCKPT_PROTO_VERSION, (int)getpid(), ibk_phase_name(ibk_phase_cur), (unsigned long long)ibk_last_epoch,
+	     ibk_checkpoints_done, ibk_gate_is_closed(), ibk_gate_inside(),
+	     ibk_devthread_writes());
+	ibk_report_qps(out, len);
+	ibk_report_identity(out, len);
+	ibk_jcat(out, len, "}");
+	pthread_mutex_unlock(&ibk_ctx_lock);
+	return 0;
+}
