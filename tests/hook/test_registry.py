@@ -284,3 +284,26 @@ def test_sockets_lists_only_real_sockets_in_the_containers_directory(
     finally:
         real.close()
         host_socket.close()
+
+
+def test_the_hooks_fast_path_only_skips_what_cannot_be_ours(tmp_path: Path) -> None:
+    from ibckpt_node.hook import main
+
+    def state_for(spec: dict[str, Any], **extra: Any) -> str:
+        return json.dumps(bundle_with(tmp_path, spec, f"f{len(list(tmp_path.iterdir()))}") | extra)
+
+    assert main.not_ours(state_for(containerd_spec())) is True
+    assert main.not_ours(state_for(with_device(containerd_spec()))) is False
+    assert main.not_ours(state_for(containerd_spec(**{"ibckpt.io/enabled": "true"}))) is False
+    escaped = tmp_path / "escaped"
+    escaped.mkdir()
+    escaped_device = '{"linux": {"devices": [{"path": "\\/dev\\/infiniband\\/uverbs0"}]}}'
+    (escaped / "config.json").write_text(escaped_device)
+    assert main.not_ours(json.dumps({"id": "e", "bundle": str(escaped)})) is False
+    # what the fast path cannot read goes the full way
+    assert main.not_ours('{"id": "x", "bundle": "/nowhere"}') is False
+    assert main.not_ours('{"bundle": "/a\\"b"}') is False
+    assert main.string_field('{"id":"c1","bundle":"/b/x"}', "bundle") == "/b/x"
+    assert main.string_field('{"bundle":"/b\\\\x"}', "bundle") is None
+    assert main.string_field('{"bundle" :  "/b/y", "id": 1}', "bundle") == "/b/y"
+    assert main.string_field('{"bundle": 7}', "bundle") is None

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-MODULES = ("__init__.py", "oci.py", "client.py", "main.py", "runc.py", "restore.py")
+MODULES = ("__init__.py", "oci.py", "client.py", "main.py", "stages.py", "runc.py", "restore.py")
 LAUNCHERS = {"ibckpt-hook": "ibckpt_node.hook.main", "ibckpt-runc": "ibckpt_node.hook.runc"}
 
 
