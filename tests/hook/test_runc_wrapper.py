@@ -190,3 +190,37 @@ def test_a_bad_container_id_is_refused(wrapper: dict[str, Any], tmp_path: Path) 
     bundle = make_bundle(tmp_path / "b", with_device(containerd_spec()))
     done = wrapper["run"]("create", "--bundle", str(bundle), "../../etc")
     assert done.returncode == 1 and "bad container id" in done.stderr
+
+
+def test_installed_launchers_run_with_the_nodes_python_alone(tmp_path: Path) -> None:
+    """The installer's copy works without the virtualenv (python3 -IS), and the wrapper's launcher
+    passes through to the runc it was installed with, without reading node.json."""
+    from ibckpt_node.hook import install
+
+    fake = tmp_path / "runc"
+    fake.write_text(RECORDER)
+    fake.chmod(0o755)
+    root = tmp_path / "node"
+    install.install(root, "/usr/local", "/usr/bin/python3", None, {"runc": str(fake)})
+    assert json.loads((root / "etc/ibckpt/node.json").read_text()) == {"runc": str(fake)}
+    for name in ("ibckpt-runc", "ibckpt-hook"):
+        launcher = root / "usr/local/bin" / name
+        assert launcher.read_text().startswith("#!/usr/bin/python3 -IS\n")
+        # point it at this copy of the library instead of the node's /usr/local
+        launcher.write_text(launcher.read_text().replace("'/usr/local/lib", f"'{root}/usr/local/lib"))
+    env = {"PATH": os.environ["PATH"], "RECORD": str(tmp_path / "argv"), "IBCKPT_NODE_CONFIG": "/nonexistent"}
+    done = subprocess.run(
+        [root / "usr/local/bin/ibckpt-runc", "state", "c1"], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "argv").read_text().splitlines() == ["state", "c1"]
+    bundle = make_bundle(tmp_path / "b", containerd_spec())
+    state = json.dumps({"id": "c1", "status": "creating", "bundle": str(bundle), "pid": os.getpid()})
+    hook = subprocess.run(
+        [root / "usr/local/bin/ibckpt-hook", "createRuntime"],
+        input=state,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert (hook.returncode, hook.stderr) == (0, "")

@@ -25,13 +25,13 @@ MODULES = ("__init__.py", "oci.py", "client.py", "main.py", "stages.py", "runc.p
 LAUNCHERS = {"ibckpt-hook": "ibckpt_node.hook.main", "ibckpt-runc": "ibckpt_node.hook.runc"}
 
 
-def launcher(python: str, libdir: str, module: str) -> str:
+def launcher(python: str, libdir: str, module: str, main_args: str = "") -> str:
     return (
         f"#!{python} -IS\n"
         "import sys\n"
         f"sys.path.insert(0, {libdir!r})\n"
         f"from {module} import main\n"
-        "sys.exit(main())\n"
+        f"sys.exit(main({main_args}))\n"
     )
 
 
@@ -53,8 +53,11 @@ def install(
     for name in MODULES:
         _write(pkg / "hook" / name, (HERE / name).read_text(), 0o644)
     (top / "bin").mkdir(parents=True, exist_ok=True)
+    runc = str((config or {}).get("runc", "/usr/sbin/runc"))
     for name, module in LAUNCHERS.items():
-        _write(top / "bin" / name, launcher(python, libdir, module), 0o755)
+        # the wrapper passes most calls through without reading node.json: it gets runc here
+        main_args = f"default_runc={runc!r}" if name == "ibckpt-runc" else ""
+        _write(top / "bin" / name, launcher(python, libdir, module, main_args), 0o755)
     if shim is not None:
         dest = top / "lib" / "ibckpt" / "libibckpt.so"
         tmp = dest.with_name(dest.name + ".tmp")

@@ -13,17 +13,15 @@ follows is then answered here, since the container already runs.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-import time
 
-from ibckpt_node.hook import oci
-from ibckpt_node.hook.oci import Refused
-
+# Passing through (most calls) needs neither json nor the spec code: they are imported on create.
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import NoReturn
+
+    from ibckpt_node.hook import oci
 
 # runc's global flags that take a value (as `--flag value`, `--flag=value`, or with one dash)
 GLOBAL_VALUE_FLAGS = frozenset({"root", "log", "log-format", "criu", "rootless"})
@@ -87,6 +85,9 @@ class CreateArgs:
 
 def log_error(global_args: list[str], message: str) -> None:
     """Say why on stderr and in runc's --log file, where containerd reads a failed create's reason."""
+    import json
+    import time
+
     print(f"ibckpt-runc: {message}", file=sys.stderr)
     log_file = fmt = None
     for i, arg in enumerate(global_args):
@@ -114,6 +115,11 @@ def log_error(global_args: list[str], message: str) -> None:
 def prepare(config: oci.NodeConfig, args: CreateArgs) -> tuple[str, str] | None:
     """Edit the bundle for the shim if the container wants it. Returns (image dir, staged restore
     options) when the create is to be a restore."""
+    import json
+
+    from ibckpt_node.hook import oci
+    from ibckpt_node.hook.oci import Refused
+
     path = os.path.join(args.bundle, "config.json")
     with open(path, encoding="utf-8") as f:
         spec = json.load(f)
@@ -158,8 +164,22 @@ def exec_runc(config: oci.NodeConfig, argv: list[str]) -> NoReturn:
     os.execv(config.runc, [config.runc, *argv])
 
 
-def main() -> int:
+def main(default_runc: str | None = None) -> int:
+    """default_runc: the runc the installer found in the node's config when it wrote the launcher,
+    so that passing through reads no config file."""
     argv = sys.argv[1:]
+    at = find_command(argv)
+    command = argv[at] if at is not None else ""
+    runc = os.environ.get("IBCKPT_RUNC") or default_runc
+    if runc and command not in ("create", "run", "start"):
+        os.execv(runc, [runc, *argv])
+    return _main(argv, at, command)
+
+
+def _main(argv: list[str], at: int | None, command: str) -> int:
+    from ibckpt_node.hook import oci
+    from ibckpt_node.hook.oci import Refused
+
     try:
         config = oci.load_config()
     except ValueError as exc:
@@ -168,8 +188,6 @@ def main() -> int:
     runc = os.environ.get("IBCKPT_RUNC")
     if runc:
         config.runc = runc
-    at = find_command(argv)
-    command = argv[at] if at is not None else ""
     if at is None or command not in ("create", "run", "start"):
         exec_runc(config, argv)
     global_args = argv[:at]
