@@ -56,10 +56,13 @@ def host_part(runs: int) -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        install.install(root, "/usr/local", "/usr/bin/python3", None, None)
-        # the launcher names its library by the node's path; point it at this copy instead
+        install.install(root, "/usr/local", "/usr/bin/python3", None, {"runc": "/bin/true"})
+        # the launchers name their library by the node's path; point them at this copy instead
+        for name in ("ibckpt-hook", "ibckpt-runc"):
+            path = root / "usr/local/bin" / name
+            path.write_text(path.read_text().replace("'/usr/local/lib", f"'{root}/usr/local/lib"))
         launcher = root / "usr/local/bin/ibckpt-hook"
-        launcher.write_text(launcher.read_text().replace("'/usr/local/lib", f"'{root}/usr/local/lib"))
+        wrapper = root / "usr/local/bin/ibckpt-runc"
         bundle = root / "bundle"
         bundle.mkdir()
         (bundle / "config.json").write_text(json.dumps(PLAIN_SPEC))
@@ -70,13 +73,17 @@ def host_part(runs: int) -> None:
         (root / "node.json").write_text(json.dumps({"state_dir": str(root / "state")}))
         venv = [sys.executable, "-m", "ibckpt_node.hook.main", "createRuntime"]
         base = timed(["/bin/true"], runs, state, env)
+        interpreter = timed(["/usr/bin/python3", "-IS", "-c", "pass"], runs, state, env)
         installed = timed([str(launcher), "createRuntime"], runs, state, env)
         in_venv = timed(venv, runs, state, {**env, **{"PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
+        passthrough = timed([str(wrapper), "--root", "/run/runc", "state", "c1"], runs, b"", env)
         assert not (root / "state" / "containers").exists(), "a plain container must not be registered"
     print(f"host, hook process for a non-RDMA container (median of {runs}):")
     print(f"  /bin/true (any hook at all)        {base * 1e3:7.1f} ms")
+    print(f"  python3 -IS -c pass (the floor)    {interpreter * 1e3:7.1f} ms  ({interpreter / base:.1f}x)")
     print(f"  ibckpt-hook, installed (-IS)       {installed * 1e3:7.1f} ms  ({installed / base:.1f}x)")
     print(f"  ibckpt-hook, virtualenv python     {in_venv * 1e3:7.1f} ms  ({in_venv / base:.1f}x)")
+    print(f"  ibckpt-runc state (exec of 'runc') {passthrough * 1e3:7.1f} ms  ({passthrough / base:.1f}x)")
 
 
 GUEST_SCRIPT = """
