@@ -1,0 +1,55 @@
+"""The operator <-> node agent wire format (models.py) and the one client the operator uses (client.py).
+
+Both components import this package and nothing of each other; docs/node-agent.md describes the API.
+"""
+
+from ibckpt.agentapi.client import AgentClient, AgentError
+from ibckpt.agentapi.models import (
+    API_PREFIX,
+    DEFAULT_PORT,
+    AbortRequest,
+    AgentInfo,
+    CheckpointRequest,
+    ContainerList,
+    ErrorReply,
+    ImageDestination,
+    ImageSource,
+    Mode,
+    PhaseTimeouts,
+    RankPhase,
+    RankProgress,
+    RankRef,
+    RegisteredContainer,
+    RestoreRank,
+    RestoreRequest,
+    SecretRef,
+    SessionKind,
+    SessionReport,
+    SessionState,
+)
+
+__all__ = [
+    "API_PREFIX",
+    "DEFAULT_PORT",
+    "AbortRequest",
+    "AgentClient",
+    "AgentError",
+    "AgentInfo",
+    "CheckpointRequest",
+    "ContainerList",
+    "ErrorReply",
+    "ImageDestination",
+    "ImageSource",
+    "Mode",
+    "PhaseTimeouts",
+    "RankPhase",
+    "RankProgress",
+    "RankRef",
+    "RegisteredContainer",
+    "RestoreRank",
+    "RestoreRequest",
+    "SecretRef",
+    "SessionKind",
+    "SessionReport",
+    "SessionState",
+]

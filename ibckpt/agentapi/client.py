@@ -1,0 +1,149 @@
+"""The one client of the node agent API (the operator's). Standard library HTTP, every call bounded.
+
+    client = AgentClient("10.77.0.1", token_file=SERVICE_ACCOUNT_TOKEN)
+    info = client.info()
+    report = client.checkpoint(CheckpointRequest(...))
+
+Synchronous: from asyncio code, call it through `asyncio.to_thread` (each call holds a thread for at
+most its timeout). The token is read from its file on every call: projected service-account tokens
+are rotated by the kubelet.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+from urllib.parse import quote
+
+from pydantic import ValidationError
+
+from ibckpt.agentapi.models import (
+    API_PREFIX,
+    DEFAULT_PORT,
+    AbortRequest,
+    AgentInfo,
+    AgentModel,
+    CheckpointRequest,
+    ContainerList,
+    RestoreRequest,
+    SessionReport,
+)
+
+SERVICE_ACCOUNT_TOKEN = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
+MAX_REPLY = 16 * 1024 * 1024
+M = TypeVar("M", bound=AgentModel)
+
+
+class AgentError(Exception):
+    """A call failed: status is the HTTP status (0 when the agent could not be reached or answered badly)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"{status}: {message}" if status else message)
+        self.status = status
+        self.message = message
+
+
+class AgentClient:
+    def __init__(
+        self,
+        host: str,
+        port: int = DEFAULT_PORT,
+        *,
+        token: str | None = None,
+        token_file: Path | None = None,
+        timeout_s: float = 10.0,
+    ) -> None:
+        if (token is None) == (token_file is None):
+            raise ValueError("give exactly one of token and token_file")
+        self.host = host
+        self.port = port
+        self.timeout_s = timeout_s
+        self._token: Callable[[], str] = (
+            (lambda: token) if token is not None else (lambda: Path(str(token_file)).read_text().strip())
+        )
+
+    def __repr__(self) -> str:  # never the token
+        return f"AgentClient({self.host}:{self.port})"
+
+    # -- the endpoints -----------------------------------------------------------------------------------
+
+    def healthy(self) -> bool:
+        try:
+            status, _ = self._call("GET", "/healthz", None, auth=False)
+        except AgentError:
+            return False
+        return status == 200
+
+    def info(self) -> AgentInfo:
+        return self._get(f"{API_PREFIX}/info", AgentInfo)
+
+    def containers(self) -> ContainerList:
+        return self._get(f"{API_PREFIX}/containers", ContainerList)
+
+    def checkpoint(self, request: CheckpointRequest) -> SessionReport:
+        return self._post(f"{API_PREFIX}/sessions/checkpoint", request, SessionReport)
+
+    def restore(self, request: RestoreRequest) -> SessionReport:
+        return self._post(f"{API_PREFIX}/sessions/restore", request, SessionReport)
+
+    def session(self, session_id: str) -> SessionReport:
+        return self._get(f"{API_PREFIX}/sessions/{quote(session_id, safe='')}", SessionReport)
+
+    def abort(self, session_id: str, reason: str) -> SessionReport:
+        path = f"{API_PREFIX}/sessions/{quote(session_id, safe='')}/abort"
+        return self._post(path, AbortRequest(reason=reason), SessionReport)
+
+    # -- plumbing ----------------------------------------------------------------------------------------
+
+    def _get(self, path: str, reply: type[M]) -> M:
+        _, body = self._call("GET", path, None)
+        return self._parse(path, body, reply)
+
+    def _post(self, path: str, request: AgentModel, reply: type[M]) -> M:
+        _, body = self._call("POST", path, request.to_json())
+        return self._parse(path, body, reply)
+
+    def _parse(self, path: str, body: bytes, reply: type[M]) -> M:
+        try:
+            return reply.from_json(body)
+        except ValidationError as exc:
+            raise AgentError(0, f"agent {self.host}:{self.port}{path}: bad reply: {exc}") from exc
+
+    def _call(self, method: str, path: str, body: bytes | None, auth: bool = True) -> tuple[int, bytes]:
+        headers = {"Accept": "application/json"}
+        if body is not None:
+            headers["Content-Type"] = "application/json"
+        if auth:
+            try:
+                headers["Authorization"] = f"Bearer {self._token()}"
+            except OSError as exc:
+                raise AgentError(0, f"cannot read the service-account token: {exc.strerror}") from exc
+        where = f"agent {self.host}:{self.port}"
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
+        try:
+            conn.request(method, path, body=body, headers=headers)
+            response = conn.getresponse()
+            data = response.read(MAX_REPLY + 1)
+        except (OSError, http.client.HTTPException) as exc:  # TimeoutError is an OSError
+            raise AgentError(0, f"{where}: {method} {path}: {exc}") from exc
+        finally:
+            conn.close()
+        if len(data) > MAX_REPLY:
+            raise AgentError(0, f"{where}: {method} {path}: reply larger than {MAX_REPLY} bytes")
+        if response.status >= 400:
+            raise AgentError(response.status, f"{where}: {method} {path}: {_error_text(data)}")
+        return response.status, data
+
+
+def _error_text(data: bytes) -> str:
+    try:
+        parsed = json.loads(data)
+    except ValueError:
+        return data[:500].decode(errors="replace")
+    error = parsed.get("error") if isinstance(parsed, dict) else None
+    if isinstance(error, str):
+        return error
+    return data[:500].decode(errors="replace")

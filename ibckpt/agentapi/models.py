@@ -1,0 +1,267 @@
+"""The operator <-> node agent API, version 1: every request and reply body, as pydantic models.
+
+HTTP on the node's own address (the agent pod is hostNetwork), JSON bodies, camelCase keys like the CRDs.
+Every path but /healthz needs `Authorization: Bearer <token>`: the agent checks the token with a
+TokenReview and accepts only the operator's service account (401 without a valid token, 403 for any
+other identity). Errors come back as ErrorReply with the status code.
+
+    GET  /healthz                      200 "ok" once the agent serves its registry (no auth)
+    GET  /v1/info                      AgentInfo
+    GET  /v1/containers                ContainerList
+    POST /v1/sessions/checkpoint       CheckpointRequest -> 202 SessionReport (409: id in use)
+    POST /v1/sessions/restore          RestoreRequest    -> 202 SessionReport
+    GET  /v1/sessions/{id}             SessionReport (404: unknown)
+    POST /v1/sessions/{id}/abort       AbortRequest      -> SessionReport
+
+A session runs in the agent after the 202; the operator polls its report. Storage credentials never
+travel here: a request names the Secret (ImageDestination.credentials) and the agent reads it itself.
+The coordinator's per-session token does travel (the agent must present it to the coordinator); it is
+a SecretStr, so it is left out of repr and of any dump that is not meant for the wire.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any, Final, Self
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, SerializationInfo, field_serializer
+from pydantic.alias_generators import to_camel
+
+from ibckpt.api.storage import S3Location
+
+API_PREFIX: Final = "/v1"
+DEFAULT_PORT: Final = 9478
+# A session id becomes part of paths on the node: keep it a plain name.
+SESSION_ID_PATTERN = r"^[a-z0-9]([-a-z0-9.]{0,126}[a-z0-9])?$"
+NAME_PATTERN = r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$"
+# Serialization context that lets SecretStr fields out in clear (the client's request body only).
+WIRE: Final = {"wire": True}
+
+
+class AgentModel(BaseModel):
+    """camelCase on the wire; unknown fields refused, so a typo or a newer peer fails loudly."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel, validate_by_name=True, validate_by_alias=True, extra="forbid"
+    )
+
+    def to_wire(self) -> dict[str, Any]:
+        return self.model_dump(by_alias=True, exclude_none=True, mode="json", context=WIRE)
+
+    def to_json(self) -> bytes:
+        return self.model_dump_json(by_alias=True, exclude_none=True, context=WIRE).encode()
+
+    @classmethod
+    def from_wire(cls, data: object) -> Self:
+        return cls.model_validate(data, by_alias=True)
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> Self:
+        return cls.model_validate_json(raw, by_alias=True)
+
+
+class Mode(StrEnum):
+    """LeaveRunning: dump, then rebuild and resume. Stop: dump, the ranks end (migration). Hold: dump and
+    leave the ranks alive but released (the staying side of a mixed restart)."""
+
+    LEAVE_RUNNING = "LeaveRunning"
+    STOP = "Stop"
+    HOLD = "Hold"
+
+
+class SessionKind(StrEnum):
+    CHECKPOINT = "Checkpoint"
+    RESTORE = "Restore"
+
+
+class SessionState(StrEnum):
+    RUNNING = "Running"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"  # something broke; the ranks were brought back where they could be
+    REFUSED = "Refused"  # preflight said no: nothing was touched
+    ABORTED = "Aborted"  # the operator (or the coordinator) aborted it
+
+    @property
+    def finished(self) -> bool:
+        return self is not SessionState.RUNNING
+
+
+class RankPhase(StrEnum):
+    """The last step a rank is in (checkpoint and restore share the names of docs/crds.md)."""
+
+    PENDING = "Pending"
+    PREFLIGHT = "Preflight"
+    QUIESCING = "Quiescing"
+    DRAINING = "Draining"
+    RELEASING = "Releasing"
+    DUMPING = "Dumping"
+    UPLOADING = "Uploading"
+    DOWNLOADING = "Downloading"
+    RESTORING = "Restoring"
+    REBUILDING = "Rebuilding"
+    RESUMING = "Resuming"
+    STOPPED = "Stopped"
+    HELD = "Held"
+    DONE = "Done"
+    FAILED = "Failed"
+
+
+# -- what the agent knows ------------------------------------------------------------------------------
+
+
+class RegisteredContainer(AgentModel):
+    """A container the OCI hook registered on this node (the registry's entry, as the operator sees it)."""
+
+    container_id: str
+    namespace: str
+    pod: str
+    pod_uid: str
+    container: str
+    pid: int = Field(gt=0, description="Host pid of the container's first process.")
+    control_socket: str = Field(description="Host path of the first process's control socket.")
+    sockets: list[str] = Field(default_factory=list, description="Every control socket the shim made.")
+    shim: bool = Field(description="The shim is preloaded: the container can be checkpointed.")
+    reason: str = ""
+
+
+class AgentInfo(AgentModel):
+    node: str
+    version: str
+    ready: bool
+    address: str = Field(description="host:port this API is served on.")
+    shim_path: str = Field(description="The shim installed on the node (host path).")
+    shim_present: bool
+    containers: list[RegisteredContainer] = Field(default_factory=list)
+    sessions: list[str] = Field(default_factory=list, description="Ids of sessions still running.")
+
+
+class ContainerList(AgentModel):
+    node: str
+    containers: list[RegisteredContainer]
+
+
+class ErrorReply(AgentModel):
+    error: str
+
+
+# -- sessions --------------------------------------------------------------------------------------------
+
+
+class SecretRef(AgentModel):
+    """A Secret the agent reads itself (its RBAC allows only the chart's storage Secret)."""
+
+    namespace: str = Field(min_length=1, max_length=63, pattern=NAME_PATTERN)
+    name: str = Field(min_length=1, max_length=253, pattern=NAME_PATTERN)
+
+
+class ImageDestination(AgentModel):
+    """Where a checkpoint's images go: this node stages its part of checkpoint `checkpointId` of `job`."""
+
+    location: S3Location
+    credentials: SecretRef = Field(description="The Secret behind location.credentialsSecretRef.")
+    job: str = Field(min_length=1, max_length=253)
+    checkpoint_id: str = Field(min_length=1, max_length=128)
+
+
+class ImageSource(AgentModel):
+    """A committed checkpoint to restore from."""
+
+    location: S3Location
+    credentials: SecretRef
+    job: str = Field(min_length=1, max_length=253)
+    checkpoint_id: str = Field(min_length=1, max_length=128)
+
+
+class PhaseTimeouts(AgentModel):
+    """The bound on each of this node's phases, in seconds (CheckpointJob.spec.timeouts)."""
+
+    preflight_seconds: float = Field(default=60, gt=0)
+    quiesce_seconds: float = Field(default=30, gt=0)
+    drain_seconds: float = Field(default=60, gt=0)
+    release_seconds: float = Field(default=60, gt=0)
+    dump_seconds: float = Field(default=600, gt=0)
+    upload_seconds: float = Field(default=1800, gt=0)
+    download_seconds: float = Field(default=1800, gt=0)
+    restore_seconds: float = Field(default=600, gt=0)
+    rebuild_seconds: float = Field(default=120, gt=0)
+    resume_seconds: float = Field(default=30, gt=0)
+
+
+class RankRef(AgentModel):
+    """A container of a member pod on this node; each process of it that runs under the shim is a rank."""
+
+    pod_uid: str = Field(min_length=1, max_length=64)
+    container: str = Field(min_length=1, max_length=63)
+
+
+class SessionBase(AgentModel):
+    session_id: str = Field(pattern=SESSION_ID_PATTERN)
+    coordinator: str = Field(
+        pattern=r"^[^\s:]+:[0-9]{1,5}$", description="host:port of the job's coordinator."
+    )
+    session_token: SecretStr = Field(description="The coordinator's token for this session.")
+    epoch: int = Field(default=1, ge=1)
+    timeouts: PhaseTimeouts = Field(default_factory=PhaseTimeouts)
+
+    @field_serializer("session_token")
+    def _token(self, token: SecretStr, info: SerializationInfo) -> str:
+        # only a request body built for the wire carries the token in clear
+        context = info.context
+        return token.get_secret_value() if isinstance(context, dict) and context.get("wire") else str(token)
+
+
+class CheckpointRequest(SessionBase):
+    job: str = Field(min_length=1, max_length=253, description="The job's name in rank keys.")
+    mode: Mode = Mode.LEAVE_RUNNING
+    ranks: list[RankRef] = Field(min_length=1)
+    images: ImageDestination | None = Field(
+        default=None, description="Stage the images to S3; without it they stay on the node."
+    )
+    job_addresses: list[str] = Field(default_factory=list, description="Addresses of the job's nodes.")
+
+
+class RestoreRank(AgentModel):
+    """A rank to restore here: the pod the operator created for it, and the rank's key in the images."""
+
+    pod_uid: str = Field(min_length=1, max_length=64)
+    container: str = Field(min_length=1, max_length=63)
+    rank_key: str = Field(min_length=1, description="job/pod/container/process of the checkpointed rank.")
+
+
+class RestoreRequest(SessionBase):
+    job: str = Field(min_length=1, max_length=253)
+    images: ImageSource
+    ranks: list[RestoreRank] = Field(default_factory=list)
+    rejoin: list[RankRef] = Field(
+        default_factory=list, description="Ranks held on this node (Hold) that rebuild with the moved ones."
+    )
+    remap_ip: dict[str, str] = Field(default_factory=dict, description="Old address -> new address.")
+
+
+class AbortRequest(AgentModel):
+    reason: str = Field(min_length=1, max_length=1024)
+
+
+class RankProgress(AgentModel):
+    rank_key: str
+    pod_uid: str
+    container: str
+    pid: int | None = None
+    phase: RankPhase = RankPhase.PENDING
+    bytes: int = Field(default=0, ge=0, description="Image bytes written (checkpoint) or read (restore).")
+    seconds: float = Field(default=0.0, ge=0)
+    error: str = ""
+
+
+class SessionReport(AgentModel):
+    session_id: str
+    kind: SessionKind
+    node: str
+    state: SessionState = SessionState.RUNNING
+    phase: str = Field(default="", description="The node's current (or last) phase.")
+    ranks: list[RankProgress] = Field(default_factory=list)
+    phases: dict[str, float] = Field(default_factory=dict, description="Seconds per finished phase.")
+    message: str = ""
+    bytes: int = Field(default=0, ge=0)
+    started_at: float = Field(description="Unix time.")
+    finished_at: float | None = None
