@@ -224,3 +224,32 @@ def test_installed_launchers_run_with_the_nodes_python_alone(tmp_path: Path) -> 
         text=True,
     )
     assert (hook.returncode, hook.stderr) == (0, "")
+
+
+def test_create_fast_path_skips_only_plain_bundles(tmp_path: Path) -> None:
+    """With runc known up front, a plain create is exec'd from its bytes alone; an RDMA one is edited."""
+    fake = tmp_path / "runc"
+    fake.write_text(RECORDER)
+    fake.chmod(0o755)
+    shim = tmp_path / "libibckpt.so"
+    shim.write_bytes(b"\x7fELF")
+    (tmp_path / "node.json").write_text(json.dumps({"shim": str(shim), "state_dir": str(tmp_path / "s")}))
+    env = {
+        "PATH": os.environ["PATH"],
+        "RECORD": str(tmp_path / "argv"),
+        "IBCKPT_RUNC": str(fake),
+        "IBCKPT_NODE_CONFIG": str(tmp_path / "node.json"),
+    }
+    assert runc.plain(str(make_bundle(tmp_path / "p", containerd_spec())))
+    for name, spec, edited in (
+        ("plain", containerd_spec(), False),
+        ("rdma", with_device(containerd_spec()), True),
+    ):
+        bundle = make_bundle(tmp_path / name, spec)
+        argv = ["create", "--bundle", str(bundle), name]
+        done = subprocess.run(
+            [sys.executable, "-m", "ibckpt_node.hook.runc", *argv], env=env, capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stderr
+        assert (tmp_path / "argv").read_text().splitlines() == argv
+        assert ("LD_PRELOAD" in (bundle / "config.json").read_text()) is edited

@@ -173,7 +173,21 @@ def main(default_runc: str | None = None) -> int:
     runc = os.environ.get("IBCKPT_RUNC") or default_runc
     if runc and command not in ("create", "run", "start"):
         os.execv(runc, [runc, *argv])
+    if runc and at is not None and command in ("create", "run") and plain(CreateArgs(argv[at + 1 :]).bundle):
+        os.execv(runc, [runc, *argv])
     return _main(argv, at, command)
+
+
+def plain(bundle: str) -> bool:
+    """Whether config.json's bytes show the container cannot be ours (as the hook's fast path)."""
+    from ibckpt_node.hook.main import MARKERS
+
+    try:
+        with open(os.path.join(bundle, "config.json"), "rb") as f:
+            spec = f.read()
+    except OSError:
+        return False
+    return b"\\/" not in spec and not any(m in spec for m in MARKERS)
 
 
 def _main(argv: list[str], at: int | None, command: str) -> int:
