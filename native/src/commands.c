@@ -8,6 +8,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "cmdline.h"
 #include "ibckpt.h"
 #include "shim.h"
 
@@ -20,36 +21,44 @@ static pthread_mutex_t cmd_lock = PTHREAD_MUTEX_INITIALIZER;
 
 static int run_command(const char *line, char *out, size_t len)
 {
-	char verb[32] = "";
-	unsigned long long a = 0;
-	long b = 0;
-	int n = sscanf(line, "%31s %llu %ld", verb, &a, &b);
+	struct ibk_cmd c;
 	int rc;
 
+	if (ibk_command_parse(line, &c)) {
+		snprintf(out, len, "{\"error\":\"%s\"}", c.error);
+		return -EINVAL;
+	}
 	pthread_mutex_lock(&cmd_lock);
-	if (n < 1)
-		rc = (snprintf(out, len, "{\"error\":\"empty command\"}"), -EINVAL);
-	else if (!strcmp(verb, "hello"))
-		rc = (snprintf(out, len, "{\"proto\":%d,\"api\":%d,\"pid\":%d}", IBCKPT_PROTO_VERSION,
-			       IBCKPT_API_VERSION, (int)getpid()),
-		      0);
-	else if (!strcmp(verb, "status"))
+	switch (c.verb) {
+	case IBK_CMD_HELLO:
+		snprintf(out, len, "{\"proto\":%d,\"api\":%d,\"pid\":%d}", IBCKPT_PROTO_VERSION, IBCKPT_API_VERSION,
+			 (int)getpid());
+		rc = 0;
+		break;
+	case IBK_CMD_STATUS:
 		rc = ibk_do_status(out, len);
-	else if (!strcmp(verb, "quiesce"))
-		rc = ibk_do_quiesce(n >= 2 ? (int)a : 10000, out, len);
-	else if (!strcmp(verb, "drain"))
-		rc = ibk_do_drain(n >= 2 ? (int)a : 10000, n >= 3 ? (int)b : IBK_DRAIN_STALL_MS, out, len);
-	else if (!strcmp(verb, "release"))
-		rc = ibk_do_release(n >= 2 ? (int)a : 10000, strstr(line, " quiet") != NULL, out, len);
-	else if (!strcmp(verb, "rebuild"))
-		rc = n >= 2 ? ibk_do_rebuild(a, n >= 3 ? (int)b : 30000, out, len)
-			    : (snprintf(out, len, "{\"error\":\"rebuild needs an epoch\"}"), -EINVAL);
-	else if (!strcmp(verb, "resume"))
+		break;
+	case IBK_CMD_QUIESCE:
+		rc = ibk_do_quiesce(c.nargs >= 1 ? (int)c.a : 10000, out, len);
+		break;
+	case IBK_CMD_DRAIN:
+		rc = ibk_do_drain(c.nargs >= 1 ? (int)c.a : 10000, c.nargs >= 2 ? (int)c.b : IBK_DRAIN_STALL_MS, out,
+				  len);
+		break;
+	case IBK_CMD_RELEASE:
+		rc = ibk_do_release(c.nargs >= 1 ? (int)c.a : 10000, c.quiet, out, len);
+		break;
+	case IBK_CMD_REBUILD:
+		rc = ibk_do_rebuild(c.a, c.nargs >= 2 ? (int)c.b : 30000, out, len);
+		break;
+	case IBK_CMD_RESUME:
 		rc = ibk_do_resume(out, len);
-	else if (!strcmp(verb, "abort"))
+		break;
+	case IBK_CMD_ABORT:
+	default:
 		rc = ibk_do_abort(out, len);
-	else
-		rc = (snprintf(out, len, "{\"error\":\"unknown command\"}"), -EINVAL);
+		break;
+	}
 	pthread_mutex_unlock(&cmd_lock);
 	return rc;
 }

@@ -13,7 +13,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "ibckpt.h"
+#include "cmdline.h"
 #include "shim.h"
 
 /* One control thread serves every client with poll(): an idle or slow
@@ -21,7 +21,6 @@
  * read and write is bounded; a client that does not take its reply within
  * IO_TIMEOUT_MS, or sends a line longer than a command, is dropped. */
 #define MAX_CLIENTS 16
-#define CMD_MAX 256
 #define IO_TIMEOUT_MS 5000
 
 static long now_ms(void)
@@ -69,46 +68,41 @@ static int peer_allowed(int fd)
 
 struct client {
 	int fd;
-	size_t got;
 	long last; /* ms of its last line, for choosing whom to drop when full */
-	char line[CMD_MAX];
+	struct ibk_linebuf in;
 };
 
 static void client_drop(struct client *c)
 {
 	close(c->fd);
 	c->fd = -1;
-	c->got = 0;
 }
 
 /* New bytes from a client: run each complete line.  0 to keep it. */
 static int client_input(struct client *c)
 {
-	ssize_t r = recv(c->fd, c->line + c->got, sizeof(c->line) - 1 - c->got, MSG_DONTWAIT);
-	char *nl;
+	size_t room, n = 0;
+	char *space = ibk_linebuf_space(&c->in, &room), *line;
+	ssize_t r;
 
+	if (!room)
+		return -1; /* a line too long to be a command */
+	r = recv(c->fd, space, room, MSG_DONTWAIT);
 	if (r < 0 && (errno == EAGAIN || errno == EINTR))
 		return 0;
 	if (r <= 0)
 		return -1;
-	c->got += (size_t)r;
-	c->line[c->got] = 0;
-	while ((nl = memchr(c->line, '\n', c->got))) {
-		size_t rest = c->got - (size_t)(nl + 1 - c->line), n = 0;
-		char *reply;
-		int bad;
+	ibk_linebuf_added(&c->in, (size_t)r);
+	while ((line = ibk_linebuf_line(&c->in))) {
+		char *reply = ibk_command_reply(line, &n);
+		int bad = !reply || write_bounded(c->fd, reply, n);
 
-		*nl = 0;
-		reply = ibk_command_reply(c->line, &n);
-		bad = !reply || write_bounded(c->fd, reply, n);
 		free(reply);
 		if (bad)
 			return -1;
-		memmove(c->line, nl + 1, rest + 1);
-		c->got = rest;
 		c->last = now_ms();
 	}
-	return c->got == sizeof(c->line) - 1 ? -1 : 0; /* a line too long to be a command */
+	return 0;
 }
 
 static void client_accept(int lfd, struct client *cl)
@@ -131,7 +125,7 @@ static void client_accept(int lfd, struct client *cl)
 	if (i == MAX_CLIENTS) /* full: the one quiet the longest makes room */
 		client_drop(&cl[i = oldest]);
 	cl[i].fd = fd;
-	cl[i].got = 0;
+	memset(&cl[i].in, 0, sizeof(cl[i].in));
 	cl[i].last = now_ms();
 }
 

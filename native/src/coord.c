@@ -6,11 +6,13 @@
  *   GET <key> <timeout_ms>\n      -> VAL <value...>\n | NONE\n            */
 #include <errno.h>
 #include <netdb.h>
+#include <poll.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/time.h>
 #include <sys/un.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "shim.h"
@@ -163,42 +165,41 @@ int ibk_coord_batch_put(struct ibk_coord_batch *b, const char *key, const char *
 	return 0;
 }
 
-/* Every reply line must be OK; reads until it has one per request. */
-static int batch_read_oks(int fd, int n)
+/* Counts the complete "OK" lines in buf[0..*held), keeps a partial one. */
+static int count_oks(char *buf, size_t *held, int *oks)
 {
-	char rep[4096];
-	size_t held = 0;
-	int oks = 0;
+	char *line = buf, *nl;
 
-	while (oks < n) {
-		ssize_t r = read(fd, rep + held, sizeof(rep) - 1 - held);
-		char *line, *nl;
-
-		if (r < 0 && errno == EINTR)
-			continue;
-		if (r <= 0)
-			return r < 0 && errno == EAGAIN ? -ETIMEDOUT : -EIO;
-		held += (size_t)r;
-		rep[held] = 0;
-		for (line = rep; (nl = strchr(line, '\n')); line = nl + 1) {
-			*nl = 0;
-			if (strcmp(line, "OK"))
-				return -EPROTO;
-			oks++;
-		}
-		held -= (size_t)(line - rep);
-		memmove(rep, line, held);
-		if (held == sizeof(rep) - 1)
-			return -EPROTO; /* no OK is that long */
+	buf[*held] = 0;
+	for (; (nl = strchr(line, '\n')); line = nl + 1) {
+		*nl = 0;
+		if (strcmp(line, "OK"))
+			return -EPROTO;
+		(*oks)++;
 	}
+	*held -= (size_t)(line - buf);
+	memmove(buf, line, *held);
 	return 0;
 }
 
+static long coord_ms(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* The PUTs are written while the OKs are read: written first and read
+ * after, the coordinator's thousands of small OKs filled the socket's
+ * buffer, it stopped reading, and both sides waited until the rebuild's
+ * timeout (2,048 QPs publish 8,192 records). */
 int ibk_coord_batch_send(struct ibk_coord_batch *b, int timeout_ms)
 {
-	const char *p = b->buf;
-	size_t left = b->len;
-	int fd, rc = 0;
+	long deadline = coord_ms() + timeout_ms;
+	size_t off = 0, held = 0;
+	char rep[4096];
+	int fd, rc = 0, oks = 0;
 
 	if (!b->n)
 		goto out;
@@ -207,21 +208,40 @@ int ibk_coord_batch_send(struct ibk_coord_batch *b, int timeout_ms)
 		rc = fd;
 		goto out;
 	}
-	set_io_timeout(fd, timeout_ms);
-	while (left && !rc) {
-		ssize_t r = write(fd, p, left);
+	while (!rc && oks < b->n) {
+		struct pollfd pf = {.fd = fd, .events = (short)(POLLIN | (off < b->len ? POLLOUT : 0))};
+		long left = deadline - coord_ms();
 
-		if (r < 0 && errno == EINTR)
+		if (left <= 0) {
+			rc = -ETIMEDOUT;
+			break;
+		}
+		if (poll(&pf, 1, (int)left) < 0) {
+			if (errno != EINTR)
+				rc = -EIO;
 			continue;
-		if (r <= 0)
-			rc = r < 0 && errno == EAGAIN ? -ETIMEDOUT : -EIO;
-		else {
-			p += r;
-			left -= (size_t)r;
+		}
+		if (pf.revents & POLLOUT) {
+			ssize_t w = send(fd, b->buf + off, b->len - off, MSG_DONTWAIT | MSG_NOSIGNAL);
+
+			if (w > 0)
+				off += (size_t)w;
+			else if (w < 0 && errno != EAGAIN && errno != EINTR)
+				rc = -EIO;
+		}
+		if (!rc && (pf.revents & (POLLIN | POLLHUP | POLLERR))) {
+			ssize_t r = recv(fd, rep + held, sizeof(rep) - 1 - held, MSG_DONTWAIT);
+
+			if (r > 0) {
+				held += (size_t)r;
+				rc = count_oks(rep, &held, &oks);
+				if (!rc && held == sizeof(rep) - 1)
+					rc = -EPROTO; /* no OK is that long */
+			} else if (r == 0 || (errno != EAGAIN && errno != EINTR)) {
+				rc = -EIO;
+			}
 		}
 	}
-	if (!rc)
-		rc = batch_read_oks(fd, b->n);
 	close(fd);
 out:
 	free(b->buf);

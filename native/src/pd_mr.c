@@ -230,10 +230,3 @@ IBK_EXPORT int ibv_detach_mcast(struct ibv_qp *qp, const union ibv_gid *gid, uin
 	ibk_unsupported("ibv_detach_mcast");
 	return EOPNOTSUPP;
 }
-
-IBK_EXPORT struct ibv_qp_ex *ibv_qp_to_qp_ex(struct ibv_qp *qp)
-{
-	(void)qp;
-	ibk_unsupported("ibv_qp_to_qp_ex (the ibv_wr_* send API)");
-	return NULL;
-}

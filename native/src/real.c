@@ -81,6 +81,8 @@ static void real_resolve_once(void)
 	R(init_ah_from_wc, "ibv_init_ah_from_wc", "IBVERBS_1.1");
 	R(create_ah_from_wc, "ibv_create_ah_from_wc", "IBVERBS_1.1");
 	R(resolve_eth_l2_from_gid, "ibv_resolve_eth_l2_from_gid", "IBVERBS_1.1");
+	*(void **)&ibk_real.query_ece = dlvsym(RTLD_NEXT, "ibv_query_ece", "IBVERBS_1.10");
+	*(void **)&ibk_real.set_ece = dlvsym(RTLD_NEXT, "ibv_set_ece", "IBVERBS_1.10");
 	/* private to rdma-core: its version name follows the provider ABI */
 	*(void **)&ibk_real.query_gid_type = real_sym("ibv_query_gid_type", NULL);
 }

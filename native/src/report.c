@@ -1,5 +1,6 @@
 /* The phases' one-line JSON reports: per-QP counters, this rank's identity
  * for the agent's preflight, and the status command. */
+#include <dirent.h>
 #include <errno.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -64,6 +65,29 @@ void ibk_report_qps(char *out, size_t len)
 	ibk_jcat(out, len, "]");
 }
 
+/* Open fds on the RDMA connection manager's device. */
+static int rdma_cm_fds(void)
+{
+	char path[300], link[64];
+	DIR *d = opendir("/proc/self/fd");
+	struct dirent *de;
+	int n = 0;
+
+	while (d && (de = readdir(d))) {
+		ssize_t l;
+
+		snprintf(path, sizeof(path), "/proc/self/fd/%s", de->d_name);
+		l = readlink(path, link, sizeof(link) - 1);
+		if (l > 0) {
+			link[l] = 0;
+			n += !strcmp(link, "/dev/infiniband/rdma_cm");
+		}
+	}
+	if (d)
+		closedir(d);
+	return n;
+}
+
 /* For the agent's preflight: this rank's own GIDs, every connected QP's peer as the app
  * gave it (virtual GID and QPN), every address handle's GID, and the verbs the shim refused. */
 void ibk_report_identity(char *out, size_t len)
@@ -117,6 +141,10 @@ void ibk_report_identity(char *out, size_t len)
 	n = ibk_refused_verbs(verbs, IBK_MAX_REFUSED);
 	for (i = 0; i < n; i++)
 		ibk_jcat(out, len, "%s\"%s\"", i ? "," : "", verbs[i]);
+	/* librdmacm's connection ids live in the kernel behind this fd: the
+	 * shim does not rebuild them, and release could not close it */
+	if (rdma_cm_fds())
+		ibk_jcat(out, len, "%s\"rdma_cm (librdmacm connection ids)\"", n ? "," : "");
 	ibk_jcat(out, len, "]");
 }
 

@@ -82,6 +82,8 @@ struct ibk_real {
 			       struct ibv_ah_attr *);
 	struct ibv_ah *(*create_ah_from_wc)(struct ibv_pd *, struct ibv_wc *, struct ibv_grh *, uint8_t);
 	int (*resolve_eth_l2_from_gid)(struct ibv_context *, struct ibv_ah_attr *, uint8_t *, uint16_t *);
+	int (*query_ece)(struct ibv_qp *, struct ibv_ece *);
+	int (*set_ece)(struct ibv_qp *, struct ibv_ece *);
 };
 
 extern struct ibk_real ibk_real;
@@ -270,9 +272,25 @@ struct ibk_peer {
 	int rkeys_translate;
 };
 
+/* The ibv_wr_* builder of a QP made with send ops flags (qp_ex.c): WRs
+ * gathered between wr_start and wr_complete, then posted as one list
+ * through the shim's logged post_send. */
+struct ibk_wrb {
+	struct ibv_send_wr *wr;
+	struct ibv_send_wr *cur; /* the WR the setters fill; NULL after an error */
+	struct ibv_sge *sge;     /* max_sge per WR */
+	uint8_t *inl;            /* max_inline bytes per WR */
+	uint32_t n, cap, max_sge, max_inline;
+	int err;
+};
+
 struct ibk_qp {
-	struct ibv_qp pub;
+	union { /* an extended QP's ibv_qp_ex starts with its ibv_qp, as in libibverbs */
+		struct ibv_qp pub;
+		struct ibv_qp_ex pubx;
+	};
 	struct ibk_obj obj;
+	struct ibk_wrb *wrb; /* NULL unless made with send ops flags */
 	struct ibv_qp *real;
 	struct ibk_pd *pd;
 	struct ibk_cq *scq, *rcq;
@@ -379,11 +397,15 @@ static inline int ibk_is_shadow(const struct ibv_context *c)
 {
 	return c->ops.post_send == ibk_post_send;
 }
-/* The post fast paths take no gate; quiesce closes them per QP (qp.c). */
+/* The post fast paths take no gate; quiesce closes them per QP (post.c). */
+void ibk_qp_set_op_flags(struct ibk_qp *qp);
 void ibk_qp_posts_close(struct ibk_qp *qp);
 int ibk_qp_posts_busy(struct ibk_qp *qp);
 void ibk_qp_posts_open(struct ibk_qp *qp);
 struct ibv_qp *ibk_create_qp_ex(struct ibv_context *c, struct ibv_qp_init_attr_ex *attr);
+/* qp_ex.c: the ibv_wr_* builder of a new extended QP, and its end */
+int ibk_qpx_init(struct ibk_qp *qp, uint64_t send_ops_flags);
+void ibk_qpx_fini(struct ibk_qp *qp);
 struct ibv_cq_ex *ibk_create_cq_ex(struct ibv_context *c, struct ibv_cq_init_attr_ex *attr);
 
 /* Poll the real CQ of a shadow CQ once and translate into `wc`; returns

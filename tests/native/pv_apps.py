@@ -17,12 +17,12 @@ from collections.abc import Callable
 
 import pyverbs.enums as e
 from pyverbs.addr import AH, AHAttr, GlobalRoute
-from pyverbs.cq import CQ, CompChannel
+from pyverbs.cq import CQ, CQEX, CompChannel, CqInitAttrEx, PollCqAttr
 from pyverbs.device import Context
 from pyverbs.mr import MR, MW
 from pyverbs.pd import PD
 from pyverbs.pyverbs_error import PyverbsError, PyverbsRDMAError
-from pyverbs.qp import QP, QPAttr, QPCap, QPInitAttr
+from pyverbs.qp import QP, QPAttr, QPCap, QPEx, QPInitAttr, QPInitAttrEx
 from pyverbs.wr import SGE, RecvWR, SendWR
 
 GID_INDEX = 1  # the IPv4-mapped RoCEv2 GID on rxe
@@ -338,6 +338,73 @@ def case_qp_data_in_order(ctx: Context) -> None:
     out("data_in_order", a.query_data_in_order(e.IBV_WR_RDMA_WRITE))
 
 
+def _poll_ex(cq: CQEX, n: int) -> list[tuple[int, int, int, int]]:
+    """(wr_id, status, opcode, byte_len) of n completions, read the ibv_cq_ex way."""
+    got: list[tuple[int, int, int, int]] = []
+    attr = PollCqAttr()
+    for _ in range(2_000_000):
+        if cq.start_poll(attr) == 0:
+            while True:
+                got.append((cq.wr_id, cq.status, cq.read_opcode(), cq.read_byte_len()))
+                if cq.poll_next() != 0:
+                    break
+            cq.end_poll()
+        if len(got) >= n:
+            return got
+    raise RuntimeError(f"timed out waiting for {n} extended completions (got {len(got)})")
+
+
+def case_wr_api(ctx: Context) -> None:
+    """The ibv_wr_* send API on an RC pair whose CQ is an extended CQ."""
+    pd = PD(ctx)
+    # byte_len must be asked for: a provider need not give readers of fields not asked for
+    cq = CQEX(ctx, CqInitAttrEx(cqe=64, wc_flags=e.IBV_WC_EX_WITH_BYTE_LEN))
+    ops = e.IBV_QP_EX_WITH_SEND | e.IBV_QP_EX_WITH_RDMA_WRITE | e.IBV_QP_EX_WITH_ATOMIC_FETCH_AND_ADD
+    cap = QPCap(max_send_wr=16, max_recv_wr=16)
+    init = QPAttr(port_num=1)
+    init.qp_access_flags = RC_ACCESS
+    mask = e.IBV_QP_INIT_ATTR_PD | e.IBV_QP_INIT_ATTR_SEND_OPS_FLAGS
+    qps = [
+        QPEx(
+            ctx,
+            QPInitAttrEx(
+                qp_type=e.IBV_QPT_RC, scq=cq, rcq=cq, cap=cap, pd=pd, send_ops_flags=ops, comp_mask=mask
+            ),
+            init,
+        )
+        for _ in range(2)
+    ]
+    for me, peer in ((qps[0], qps[1]), (qps[1], qps[0])):
+        attr = QPAttr(port_num=1)
+        attr.path_mtu = e.IBV_MTU_1024
+        attr.max_dest_rd_atomic = attr.max_rd_atomic = 1
+        attr.min_rnr_timer, attr.timeout, attr.retry_cnt, attr.rnr_retry = 12, 14, 7, 7
+        attr.ah_attr = AHAttr(port_num=1, is_global=1, gr=gr(ctx))
+        attr.dest_qp_num = peer.qp_num
+        me.to_rts(attr)
+    a, b = qps
+    src = MR(pd, 64, e.IBV_ACCESS_LOCAL_WRITE)
+    dst = MR(pd, 64, RC_ACCESS)
+    src.write(b"W" * 32 + struct.pack("<Q", 0) * 4, 64, 0)
+    dst.write(struct.pack("<Q", 40) + b"\0" * 56, 64, 0)
+    b.post_recv(RecvWR(wr_id=50, num_sge=1, sg=[SGE(dst.buf + 32, 32, dst.lkey)]))
+    a.wr_start()
+    a.wr_id, a.wr_flags = 1, e.IBV_SEND_SIGNALED
+    a.wr_rdma_write(dst.rkey, dst.buf + 8)
+    a.wr_set_sge(SGE(src.buf, 16, src.lkey))
+    a.wr_id, a.wr_flags = 2, e.IBV_SEND_SIGNALED
+    a.wr_send()
+    a.wr_set_sge(SGE(src.buf, 24, src.lkey))
+    a.wr_id, a.wr_flags = 3, e.IBV_SEND_SIGNALED
+    a.wr_atomic_fetch_add(dst.rkey, dst.buf, 2)
+    a.wr_set_sge(SGE(src.buf + 32, 8, src.lkey))
+    a.wr_complete()
+    got = sorted(_poll_ex(cq, 4))
+    data = dst.read(64, 0)
+    out("wr_api", got, struct.unpack("<Q", data[:8])[0], data[8:24] == b"W" * 16, data[32:56] == b"W" * 24)
+    out("wr_api_fetched", struct.unpack("<Q", src.read(8, 32))[0])
+
+
 CASES: dict[str, Callable[[Context], None]] = {
     "query": case_query,
     "qp_max_sge": case_qp_max_sge,
@@ -349,6 +416,7 @@ CASES: dict[str, Callable[[Context], None]] = {
     "rereg_mr": case_rereg_mr,
     "mw": case_mw,
     "data_in_order": case_qp_data_in_order,
+    "wr_api": case_wr_api,
 }
 
 
