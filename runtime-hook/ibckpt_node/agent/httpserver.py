@@ -1,0 +1,143 @@
+"""A small HTTP/1.1 server on asyncio streams: one request per connection, bounded in size and time.
+
+The agent's API is a handful of JSON calls from one client (the operator); this keeps it on the same
+event loop as the registry and the sessions, with no framework in the node image.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import http
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+MAX_HEAD = 16 * 1024
+MAX_BODY = 1024 * 1024
+READ_TIMEOUT_S = 10.0
+
+
+@dataclass
+class Request:
+    method: str
+    path: str
+    headers: dict[str, str]  # lower-case names
+    body: bytes
+    peer: str
+
+
+@dataclass
+class Response:
+    status: int
+    body: bytes = b""
+    content_type: str = "application/json"
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+class BadRequest(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+async def read_request(reader: asyncio.StreamReader, peer: str) -> Request:
+    try:
+        head = await reader.readuntil(b"\r\n\r\n")
+    except asyncio.LimitOverrunError as exc:
+        raise BadRequest(431, "request head too large") from exc
+    except asyncio.IncompleteReadError as exc:
+        raise BadRequest(400, "incomplete request") from exc
+    lines = head.decode("latin-1").split("\r\n")
+    parts = lines[0].split(" ")
+    if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
+        raise BadRequest(400, "bad request line")
+    method, target, _ = parts
+    headers: dict[str, str] = {}
+    for line in lines[1:]:
+        if not line:
+            continue
+        name, sep, value = line.partition(":")
+        if not sep:
+            raise BadRequest(400, "bad header line")
+        headers[name.strip().lower()] = value.strip()
+    if "transfer-encoding" in headers:
+        raise BadRequest(501, "chunked bodies are not supported: send Content-Length")
+    try:
+        length = int(headers.get("content-length", "0"))
+    except ValueError as exc:
+        raise BadRequest(400, "bad Content-Length") from exc
+    if length < 0 or length > MAX_BODY:
+        raise BadRequest(413, f"body larger than {MAX_BODY} bytes")
+    try:
+        body = await reader.readexactly(length) if length else b""
+    except asyncio.IncompleteReadError as exc:
+        raise BadRequest(400, "incomplete body") from exc
+    path = target.split("?", 1)[0]
+    return Request(method, path, headers, body, peer)
+
+
+def encode(response: Response) -> bytes:
+    reason = http.HTTPStatus(response.status).phrase
+    head = [
+        f"HTTP/1.1 {response.status} {reason}",
+        f"Content-Type: {response.content_type}",
+        f"Content-Length: {len(response.body)}",
+        "Connection: close",
+        *(f"{k}: {v}" for k, v in response.headers.items()),
+    ]
+    return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + response.body
+
+
+class HttpServer:
+    """Serves handler on (host, port). Never binds a wildcard address: the caller names one."""
+
+    def __init__(self, host: str, port: int, handler: Handler, error: Callable[[int, str], Response]) -> None:
+        if host in ("", "0.0.0.0", "::"):
+            raise ValueError("the agent serves on one address of the node, not on every address")
+        self.host = host
+        self.port = port
+        self.handler = handler
+        self.error = error
+        self._server: asyncio.AbstractServer | None = None
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._serve, self.host, self.port, limit=MAX_HEAD)
+        if self.port == 0:
+            self.port = self._server.sockets[0].getsockname()[1]
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+            self._server = None
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")
+        where = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+        try:
+            try:
+                request = await asyncio.wait_for(read_request(reader, where), READ_TIMEOUT_S)
+            except BadRequest as exc:
+                response = self.error(exc.status, str(exc))
+            except TimeoutError:
+                response = self.error(408, "request not received in time")
+            else:
+                try:
+                    response = await self.handler(request)
+                except Exception:
+                    log.exception("%s %s from %s", request.method, request.path, where)
+                    response = self.error(500, "internal error (see the agent's log)")
+            writer.write(encode(response))
+            await writer.drain()
+        except (OSError, ConnectionError) as exc:
+            log.debug("connection from %s: %s", where, exc)
+        finally:
+            writer.close()
+            with contextlib.suppress(OSError, ConnectionError):
+                await writer.wait_closed()

@@ -1,0 +1,119 @@
+"""`ibckpt-agent`: the node agent daemon (the chart's DaemonSet runs it on every RDMA node).
+
+    ibckpt-agent --node NAME --address NODE_IP [--port 9478] [--metrics-port 9479]
+        [--host-dir /var/lib/ibckpt] [--install] --allow system:serviceaccount:NS:NAME ...
+
+At start, with --install, it copies the node pieces onto the host (ibckpt_node.hook.install: the hook,
+the runtime wrapper, the shim, /etc/ibckpt/node.json), so that containerd finds them in the node's own
+filesystem. Then it hosts the container registry on HOST_DIR/registry.sock and serves the agent API
+(ibckpt.agentapi) on NODE_IP:PORT to the identities given with --allow, and Prometheus metrics on
+NODE_IP:METRICS_PORT. It never binds a wildcard address.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, start_http_server
+
+from ibckpt.agentapi.models import DEFAULT_PORT
+from ibckpt_node.agent.auth import Authenticator, TokenReviewer
+from ibckpt_node.agent.server import AgentServer
+from ibckpt_node.hook import install
+from ibckpt_node.registry import ContainerRegistry
+
+log = logging.getLogger("ibckpt_node.agent")
+
+DEFAULT_HOST_DIR = "/var/lib/ibckpt"
+IMAGE_SHIM = "/usr/lib/ibckpt/libibckpt.so"  # where the Dockerfile puts it
+
+
+def node_config(host_dir: str, runc: str) -> dict[str, object]:
+    """/etc/ibckpt/node.json: where the hook and the wrapper find everything (host paths)."""
+    return {
+        "runc": runc,
+        "shim": f"{host_dir}/lib/ibckpt/libibckpt.so",
+        "hook": f"{host_dir}/bin/ibckpt-hook",
+        "state_dir": host_dir,
+    }
+
+
+def parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="ibckpt-agent", description=__doc__.splitlines()[0])
+    parser.add_argument("--node", default=os.environ.get("NODE_NAME"), help="this node's name ($NODE_NAME)")
+    parser.add_argument(
+        "--address", default=os.environ.get("HOST_IP"), help="the node address to serve on ($HOST_IP)"
+    )
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT)
+    parser.add_argument("--metrics-port", type=int, default=DEFAULT_PORT + 1, help="0: no metrics server")
+    parser.add_argument("--host-dir", default=DEFAULT_HOST_DIR, help="the node's ibckpt dir (same path here)")
+    parser.add_argument("--install", action="store_true", help="install the hook, wrapper and shim first")
+    parser.add_argument("--shim-source", default=IMAGE_SHIM)
+    parser.add_argument("--node-python", default="/usr/bin/python3", help="the node's python3 (>= 3.9)")
+    parser.add_argument("--runc", default="/usr/sbin/runc", help="the node's runc, which the wrapper runs")
+    parser.add_argument(
+        "--allow",
+        action="append",
+        default=[i for i in os.environ.get("IBCKPT_AGENT_ALLOW", "").split(",") if i],
+        help="an identity that may call the API (system:serviceaccount:NS:NAME); $IBCKPT_AGENT_ALLOW",
+    )
+    parser.add_argument("--log-level", default=os.environ.get("IBCKPT_LOG_LEVEL", "info"))
+    args = parser.parse_args(argv)
+    if not args.node or not args.address:
+        parser.error("--node and --address are required (or NODE_NAME and HOST_IP)")
+    if args.address in ("0.0.0.0", "::"):
+        parser.error("--address must be one of the node's addresses, not a wildcard")
+    if not args.allow:
+        parser.error("give at least one --allow identity (the operator's service account)")
+    return args
+
+
+async def serve(args: argparse.Namespace) -> None:
+    host_dir = Path(args.host_dir)
+    metrics = CollectorRegistry()
+    server = AgentServer(
+        node=args.node,
+        host=args.address,
+        port=args.port,
+        registry=ContainerRegistry(host_dir),
+        authenticator=Authenticator(TokenReviewer.in_cluster(), frozenset(args.allow)),
+        work_dir=host_dir,
+        shim_path=str(node_config(args.host_dir, args.runc)["shim"]),
+        metrics=metrics,
+    )
+    if args.metrics_port:
+        start_http_server(args.metrics_port, addr=args.address, registry=metrics)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await server.start()
+    try:
+        await stop.wait()
+    finally:
+        log.info("stopping")
+        await server.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.install:
+        config = node_config(args.host_dir, args.runc)
+        install.install(Path("/"), args.host_dir, args.node_python, Path(args.shim_source), config)
+        log.info("installed the hook, the runtime wrapper and the shim under %s", args.host_dir)
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(serve(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

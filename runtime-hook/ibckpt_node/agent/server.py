@@ -1,0 +1,181 @@
+"""The agent API (ibckpt.agentapi) over the agent's own HTTP server, with the registry and the sessions."""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from pydantic import ValidationError
+
+import ibckpt
+from ibckpt.agentapi import models as api
+from ibckpt_node.agent.auth import Authenticator, AuthError
+from ibckpt_node.agent.httpserver import HttpServer, Request, Response
+from ibckpt_node.agent.sessions import SessionError, Sessions
+from ibckpt_node.registry import ContainerRegistry, RegisteredContainer
+
+log = logging.getLogger(__name__)
+
+SESSION_PATH = re.compile(r"^/v1/sessions/([a-z0-9][-a-z0-9.]{0,127})(/abort)?$")
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter(
+            "ibckpt_agent_requests", "API calls answered", ["route", "code"], registry=registry
+        )
+        self.containers = Gauge(
+            "ibckpt_agent_registered_containers", "Live registered containers", ["shim"], registry=registry
+        )
+        self.sessions = Counter(
+            "ibckpt_agent_sessions", "Sessions finished on this node", ["kind", "state"], registry=registry
+        )
+        self.session_bytes = Counter(
+            "ibckpt_agent_session_image_bytes", "Image bytes written by finished sessions", registry=registry
+        )
+        self.running = Gauge("ibckpt_agent_sessions_running", "Sessions running now", registry=registry)
+
+
+def error(status: int, message: str) -> Response:
+    return Response(status, api.ErrorReply(error=message).to_json())
+
+
+def ok(model: api.AgentModel, status: int = 200) -> Response:
+    return Response(status, model.to_json())
+
+
+def wire_entry(entry: RegisteredContainer) -> api.RegisteredContainer:
+    return api.RegisteredContainer(
+        container_id=entry.container_id,
+        namespace=entry.namespace,
+        pod=entry.pod,
+        pod_uid=entry.pod_uid,
+        container=entry.container,
+        pid=entry.pid,
+        control_socket=entry.control_socket,
+        sockets=entry.sockets(),
+        shim=entry.shim,
+        reason=entry.reason,
+    )
+
+
+class AgentServer:
+    def __init__(
+        self,
+        node: str,
+        host: str,
+        port: int,
+        registry: ContainerRegistry,
+        authenticator: Authenticator,
+        work_dir: Path,
+        shim_path: str,
+        shim_present_path: Path | None = None,
+        metrics: CollectorRegistry | None = None,
+    ) -> None:
+        self.node = node
+        self.registry = registry
+        self.auth = authenticator
+        self.shim_path = shim_path
+        self.shim_present_path = shim_present_path or Path(shim_path)
+        self.metrics = Metrics(metrics or CollectorRegistry())
+        self.sessions = Sessions(
+            node, registry, work_dir, Path(registry.config.coord_dir) / "coord.sock", self._finished
+        )
+        self.http = HttpServer(host, port, self.handle, error)
+        self.ready = False
+
+    @property
+    def address(self) -> str:
+        host = f"[{self.http.host}]" if ":" in self.http.host else self.http.host
+        return f"{host}:{self.http.port}"
+
+    async def start(self) -> None:
+        await self.registry.start()
+        await self.http.start()
+        self.ready = True
+        log.info("node agent for %s serving %s", self.node, self.address)
+
+    async def close(self) -> None:
+        self.ready = False
+        await self.http.close()
+        await self.sessions.close()
+        await self.registry.close()
+
+    def _finished(self, report: api.SessionReport) -> None:
+        self.metrics.sessions.labels(report.kind.value, report.state.value).inc()
+        self.metrics.session_bytes.inc(report.bytes)
+        self.metrics.running.set(len(self.sessions.running()))
+
+    def containers(self) -> list[api.RegisteredContainer]:
+        entries = [wire_entry(e) for e in self.registry.entries()]
+        for shim in (True, False):
+            self.metrics.containers.labels(str(shim).lower()).set(sum(e.shim is shim for e in entries))
+        return entries
+
+    async def handle(self, request: Request) -> Response:
+        route = request.path if not request.path.startswith("/v1/sessions/") else "/v1/sessions/{id}"
+        response = await self._route(request)
+        self.metrics.requests.labels(route if response.status != 404 else "other", str(response.status)).inc()
+        return response
+
+    async def _route(self, request: Request) -> Response:
+        method, path = request.method, request.path
+        if path == "/healthz" and method == "GET":
+            if self.ready:
+                return Response(200, b"ok\n", "text/plain")
+            return Response(503, b"starting\n", "text/plain")
+        if not path.startswith(api.API_PREFIX + "/"):
+            return error(404, f"no such path {path}")
+        try:
+            await self.auth.check(request.headers.get("authorization"))
+        except AuthError as exc:
+            headers = {"WWW-Authenticate": 'Bearer realm="ibckpt-agent"'} if exc.status == 401 else {}
+            response = error(exc.status, str(exc))
+            response.headers.update(headers)
+            return response
+        try:
+            return await self._api(method, path, request.body)
+        except SessionError as exc:
+            return error(exc.status, str(exc))
+        except ValidationError as exc:
+            return error(422, f"bad request body: {exc}")
+
+    async def _api(self, method: str, path: str, body: bytes) -> Response:
+        if path == "/v1/info" and method == "GET":
+            return ok(
+                api.AgentInfo(
+                    node=self.node,
+                    version=ibckpt.__version__,
+                    ready=self.ready,
+                    address=self.address,
+                    shim_path=self.shim_path,
+                    shim_present=self.shim_present_path.is_file(),
+                    containers=self.containers(),
+                    sessions=self.sessions.running(),
+                )
+            )
+        if path == "/v1/containers" and method == "GET":
+            return ok(api.ContainerList(node=self.node, containers=self.containers()))
+        if path == "/v1/sessions/checkpoint" and method == "POST":
+            report = self.sessions.start_checkpoint(api.CheckpointRequest.from_json(body))
+            self.metrics.running.set(len(self.sessions.running()))
+            return ok(report, 202)
+        if path == "/v1/sessions/restore" and method == "POST":
+            api.RestoreRequest.from_json(body)  # a malformed request still says what is wrong with it
+            return error(501, "restore through the node agent is not implemented yet; ibckpt-node restore is")
+        match = SESSION_PATH.match(path)
+        if match and match.group(1) not in ("checkpoint", "restore"):
+            if match.group(2) and method == "POST":
+                abort = api.AbortRequest.from_json(body)
+                return ok(await self.sessions.abort(match.group(1), abort.reason))
+            if not match.group(2) and method == "GET":
+                return ok(self.sessions.get(match.group(1)))
+        if path.startswith("/v1/"):
+            return error(405 if self._known(path) else 404, f"{method} {path} is not part of the agent API")
+        return error(404, f"no such path {path}")
+
+    @staticmethod
+    def _known(path: str) -> bool:
+        return path in ("/v1/info", "/v1/containers") or bool(SESSION_PATH.match(path))

@@ -1,0 +1,328 @@
+"""This node's part of a checkpoint session, run in the agent with the driver (ibckpt_node.driver).
+
+The operator starts a session (CheckpointRequest), the agent resolves the request's containers to the
+ranks the registry knows (each control socket the shim made in a container is one rank), connects to
+the job's coordinator, serves the shims' coordinator socket for the session and runs the driver. The
+report (ibckpt.agentapi.SessionReport) follows the driver's barriers while it runs.
+
+One session at a time per node: the shims find the coordinator at one fixed path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ibckpt.agentapi import models as api
+from ibckpt.coordination.client import CoordinationAborted, CoordinatorClient, CoordinatorError
+from ibckpt.coordination.ranks import RankId
+from ibckpt_node import driver
+from ibckpt_node.coord_proxy import ShimCoordinatorProxy
+from ibckpt_node.criu import CriuError
+from ibckpt_node.registry import ContainerRegistry, RegisteredContainer
+
+log = logging.getLogger(__name__)
+
+# The barrier a node passed last -> the phase its ranks are in now.
+NEXT_PHASE = {
+    "": api.RankPhase.PREFLIGHT,
+    "joined": api.RankPhase.PREFLIGHT,
+    "preflight": api.RankPhase.QUIESCING,
+    "quiesced": api.RankPhase.DRAINING,
+    "drained": api.RankPhase.RELEASING,
+    "released": api.RankPhase.DUMPING,
+    "dumped": api.RankPhase.REBUILDING,
+    "rebuilt": api.RankPhase.RESUMING,
+    "resumed": api.RankPhase.DONE,
+}
+POLL_S = 0.5
+
+
+class SessionError(Exception):
+    """The request cannot start; status is the HTTP status to answer with."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def pid_namespace(pid: int) -> str:
+    return os.readlink(f"/proc/{pid}/ns/pid")
+
+
+def host_pid(container_pid: int, ns_pid: int) -> int:
+    """The host pid of the process that is ns_pid in the pid namespace of container_pid."""
+    want = pid_namespace(container_pid)
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            status = Path(f"/proc/{name}/status").read_text()
+            nspid = next((line.split()[1:] for line in status.splitlines() if line.startswith("NSpid:")), [])
+            if nspid and int(nspid[-1]) == ns_pid and pid_namespace(int(name)) == want:
+                return int(name)
+    raise SessionError(422, f"no process {ns_pid} in the pid namespace of {container_pid}")
+
+
+def container_ranks(job: str, entry: RegisteredContainer) -> list[driver.LocalRank]:
+    """One rank per control socket the shim made in the container (one per process that opened a device)."""
+    ranks = []
+    first = Path(entry.control_socket).name
+    for path in entry.sockets():
+        stem = Path(path).name.removesuffix(".sock")
+        if not stem.isdigit():
+            continue
+        pid = entry.pid if Path(path).name == first else host_pid(entry.pid, int(stem))
+        rank = RankId(job, entry.pod, entry.container, stem)
+        ranks.append(driver.LocalRank(rank, pid, Path(path)))
+    return ranks
+
+
+def driver_timeouts(t: api.PhaseTimeouts) -> driver.PhaseTimeouts:
+    return driver.PhaseTimeouts(
+        quiesce_s=t.quiesce_seconds,
+        drain_s=t.drain_seconds,
+        release_s=t.release_seconds,
+        dump_s=t.dump_seconds,
+        restore_s=t.restore_seconds,
+        rebuild_s=t.rebuild_seconds,
+    )
+
+
+def tree_bytes(root: Path) -> int:
+    total = 0
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+    return total
+
+
+@dataclass
+class Session:
+    request: api.CheckpointRequest
+    report: api.SessionReport
+    ranks: list[driver.LocalRank]
+    trees: list[driver.ProcessTree]
+    tree_keys: dict[str, list[str]]  # tree name -> its ranks' keys
+    task: asyncio.Task[None] | None = None
+    client: CoordinatorClient | None = None
+    engine: driver.NodeDriver | None = None
+    abort_reason: str = ""
+    by_key: dict[str, api.RankProgress] = field(default_factory=dict)
+
+
+class Sessions:
+    def __init__(
+        self,
+        node: str,
+        registry: ContainerRegistry,
+        work_dir: Path,
+        shim_socket: Path,
+        on_finished: Callable[[api.SessionReport], None] = lambda report: None,
+    ) -> None:
+        self.node = node
+        self.registry = registry
+        self.work_dir = work_dir
+        self.shim_socket = shim_socket
+        self.on_finished = on_finished
+        self.sessions: dict[str, Session] = {}
+
+    def running(self) -> list[str]:
+        return [sid for sid, s in self.sessions.items() if not s.report.state.finished]
+
+    def get(self, session_id: str) -> api.SessionReport:
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise SessionError(404, f"no session {session_id!r} on {self.node}")
+        return session.report
+
+    def _resolve(
+        self, request: api.CheckpointRequest
+    ) -> tuple[list[tuple[driver.LocalRank, str]], list[driver.ProcessTree], dict[str, list[str]]]:
+        """The ranks (with their pod's uid), one process tree per container, and each tree's rank keys."""
+        entries = {(e.pod_uid, e.container): e for e in self.registry.entries()}
+        ranks: list[tuple[driver.LocalRank, str]] = []
+        trees: list[driver.ProcessTree] = []
+        tree_keys: dict[str, list[str]] = {}
+        for ref in request.ranks:
+            entry = entries.get((ref.pod_uid, ref.container))
+            if entry is None:
+                raise SessionError(
+                    422, f"container {ref.container} of pod {ref.pod_uid} is not registered on {self.node}"
+                )
+            if not entry.shim:
+                raise SessionError(
+                    422,
+                    f"{entry.namespace}/{entry.pod} container {entry.container} runs without the shim"
+                    + (f" ({entry.reason})" if entry.reason else ""),
+                )
+            found = container_ranks(request.job, entry)
+            if not found:
+                raise SessionError(
+                    422,
+                    f"{entry.namespace}/{entry.pod} container {entry.container} has no process that "
+                    "opened an RDMA device (no control socket)",
+                )
+            ranks += [(r, entry.pod_uid) for r in found]
+            # the container's whole process tree is one image: its ranks' pipes and sockets go with it
+            name = f"{entry.pod}.{entry.container}"
+            trees.append(driver.ProcessTree(name, entry.pid))
+            tree_keys[name] = [r.rank.key() for r in found]
+        return ranks, trees, tree_keys
+
+    def start_checkpoint(self, request: api.CheckpointRequest) -> api.SessionReport:
+        if request.session_id in self.sessions:
+            raise SessionError(409, f"session {request.session_id!r} exists on {self.node}")
+        busy = self.running()
+        if busy:
+            raise SessionError(409, f"{self.node} is busy with session {busy[0]!r}")
+        ranks, trees, tree_keys = self._resolve(request)
+        report = api.SessionReport(
+            session_id=request.session_id,
+            kind=api.SessionKind.CHECKPOINT,
+            node=self.node,
+            phase="Pending",
+            started_at=time.time(),
+            ranks=[
+                api.RankProgress(
+                    rank_key=r.rank.key(),
+                    pod_uid=pod_uid,
+                    container=r.rank.container,
+                    pid=r.pid,
+                )
+                for r, pod_uid in ranks
+            ],
+        )
+        session = Session(request, report, [r for r, _ in ranks], trees, tree_keys)
+        session.by_key = {p.rank_key: p for p in report.ranks}
+        self.sessions[request.session_id] = session
+        session.task = asyncio.create_task(self._run(session), name=f"session {request.session_id}")
+        return report
+
+    async def abort(self, session_id: str, reason: str) -> api.SessionReport:
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise SessionError(404, f"no session {session_id!r} on {self.node}")
+        if session.report.state.finished:
+            return session.report
+        session.abort_reason = reason
+        if session.client is not None:
+            # every node hears it; the driver brings its ranks back from wherever they are
+            with contextlib.suppress(CoordinatorError):
+                await session.client.abort(reason)
+        elif session.task is not None:
+            session.task.cancel()
+        return session.report
+
+    def _follow(self, session: Session, started: float) -> None:
+        engine = session.engine
+        if engine is None:
+            return
+        passed = list(engine.report.phases)
+        last = passed[-1] if passed else ""
+        session.report.phases = dict(engine.report.phases)
+        phase = NEXT_PHASE.get(last, api.RankPhase.PENDING)
+        session.report.phase = phase.value
+        for progress in session.report.ranks:
+            if not progress.error:
+                progress.phase = phase
+                progress.seconds = round(time.time() - started, 3)
+
+    async def _run(self, session: Session) -> None:
+        request = session.request
+        report = session.report
+        started = time.time()
+        images = self.work_dir / "sessions" / request.session_id / "images"
+        follower: asyncio.Task[None] | None = None
+        try:
+            host, _, port = request.coordinator.rpartition(":")
+            session.client = await CoordinatorClient.connect(
+                host, int(port), request.session_id, self.node, request.session_token.get_secret_value()
+            )
+            try:
+                async with ShimCoordinatorProxy(self.shim_socket, session.client) as proxy:
+                    session.engine = driver.NodeDriver(
+                        self.node,
+                        session.client,
+                        session.ranks,
+                        timeouts=driver_timeouts(request.timeouts),
+                        job_addrs=request.job_addresses or None,
+                        trees=session.trees,
+                        flush_records=proxy.published,
+                    )
+
+                    async def follow() -> None:
+                        while True:
+                            self._follow(session, started)
+                            await asyncio.sleep(POLL_S)
+
+                    follower = asyncio.create_task(follow())
+                    result = await session.engine.checkpoint(
+                        driver.Mode(request.mode.value), images, request.epoch
+                    )
+            finally:
+                await session.client.close()
+            self._follow(session, started)
+            final = {
+                "Stopped": api.RankPhase.STOPPED,
+                "Held": api.RankPhase.HELD,
+            }.get(result.outcome, api.RankPhase.DONE)
+            for tree in session.trees:
+                size = tree_bytes(images / tree.name)
+                report.bytes += size
+                members = [session.by_key[k] for k in session.tree_keys[tree.name]]
+                for progress in members:
+                    progress.bytes = size // max(1, len(members))
+            for progress in report.ranks:
+                progress.phase = final
+            report.state = api.SessionState.SUCCEEDED
+            report.phase = result.outcome
+            report.message = f"images in {images} on {self.node}"
+        except driver.CheckpointRefused as exc:
+            self._finish_failed(session, api.SessionState.REFUSED, str(exc))
+        except CoordinationAborted as exc:
+            self._finish_failed(session, api.SessionState.ABORTED, str(exc))
+        except (driver.CheckpointFailed, CoordinatorError, CriuError, OSError) as exc:
+            aborted = bool(session.abort_reason) or (
+                session.engine is not None and session.engine.report.outcome == "Aborted"
+            )
+            state = api.SessionState.ABORTED if aborted and session.abort_reason else api.SessionState.FAILED
+            self._finish_failed(session, state, str(exc))
+        except asyncio.CancelledError:
+            self._finish_failed(session, api.SessionState.ABORTED, session.abort_reason or "cancelled")
+        except Exception as exc:
+            log.exception("session %s", request.session_id)
+            self._finish_failed(session, api.SessionState.FAILED, f"agent error: {exc}")
+        finally:
+            if follower is not None:
+                follower.cancel()
+            report.finished_at = time.time()
+            log.info(
+                "session %s: %s (%s) %s", request.session_id, report.state.value, report.phase, report.message
+            )
+            self.on_finished(report)
+
+    def _finish_failed(self, session: Session, state: api.SessionState, message: str) -> None:
+        report = session.report
+        if session.engine is not None:
+            report.phases = dict(session.engine.report.phases)
+        report.state = state
+        report.message = message
+        for progress in report.ranks:
+            progress.phase = api.RankPhase.FAILED
+            progress.error = message
+
+    async def close(self) -> None:
+        for session in self.sessions.values():
+            if session.task is not None and not session.task.done():
+                await self.abort(session.report.session_id, "the node agent is stopping")
+        tasks = [s.task for s in self.sessions.values() if s.task is not None]
+        if tasks:
+            await asyncio.wait(tasks, timeout=30)
