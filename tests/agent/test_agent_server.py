@@ -1,0 +1,240 @@
+"""The node agent's API on the host: the real server, registry socket and client; TokenReview stubbed.
+
+The real TokenReview against a real apiserver, from a pod to an agent on a node, is tests/helm's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ibckpt.agentapi import (
+    AgentClient,
+    AgentError,
+    CheckpointRequest,
+    RankRef,
+    RestoreRequest,
+)
+from ibckpt_node.agent.auth import Authenticator, Review
+from ibckpt_node.agent.server import AgentServer
+from ibckpt_node.hook import client as registry_client
+from ibckpt_node.registry import ContainerRegistry
+
+OPERATOR = "system:serviceaccount:ibckpt:ibckpt-operator"
+TOKENS = {"op-token": OPERATOR, "other-token": "system:serviceaccount:default:default"}
+
+
+class Stub:
+    """Plays the apiserver's TokenReview: knows two tokens, counts the reviews."""
+
+    def __init__(self) -> None:
+        self.reviews = 0
+
+    async def __call__(self, token: str) -> Review:
+        self.reviews += 1
+        user = TOKENS.get(token)
+        return Review(True, user) if user else Review(False, error="invalid bearer token")
+
+
+class Running:
+    def __init__(self, state: Path) -> None:
+        self.reviewer = Stub()
+        self.loop = asyncio.new_event_loop()
+        self.server = AgentServer(
+            node="node-x",
+            host="127.0.0.1",
+            port=0,
+            registry=ContainerRegistry(state),
+            authenticator=Authenticator(self.reviewer, frozenset({OPERATOR})),
+            work_dir=state,
+            shim_path=str(state / "lib" / "libibckpt.so"),
+        )
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        asyncio.run_coroutine_threadsafe(self.server.start(), self.loop).result(10)
+        self.port = self.server.http.port
+
+    def client(self, token: str = "op-token") -> AgentClient:
+        return AgentClient("127.0.0.1", self.port, token=token, timeout_s=5)
+
+    def raw(self, method: str, path: str, headers: dict[str, str] | None = None, body: bytes = b"") -> Any:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
+        try:
+            conn.request(method, path, body=body or None, headers=headers or {})
+            reply = conn.getresponse()
+            return reply.status, dict(reply.getheaders()), reply.read()
+        finally:
+            conn.close()
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.close(), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@pytest.fixture
+def agent(tmp_path: Path) -> Iterator[Running]:
+    running = Running(tmp_path / "state")
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+@pytest.fixture
+def sleeper() -> Iterator[subprocess.Popen[bytes]]:
+    proc = subprocess.Popen(["sleep", "300"])
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def register(state: Path, pid: int, cid: str, *, shim: bool = True, sockets: int = 1) -> list[socket.socket]:
+    """Register pid as a container the way ibckpt-hook does, with `sockets` control sockets made."""
+    ctl = state / "containers" / cid / "ctl"
+    ctl.mkdir(parents=True)
+    made = []
+    for i in range(sockets):
+        s = socket.socket(socket.AF_UNIX)
+        s.bind(str(ctl / f"{1 + i}.sock"))
+        made.append(s)
+    entry = {
+        "container_id": cid,
+        "namespace": "ml",
+        "pod": f"pod-{cid}",
+        "pod_uid": f"uid-{cid}",
+        "container": "main",
+        "pid": pid,
+        "pid_start": registry_client.process_start(pid),
+        "control_dir": str(ctl),
+        "control_socket": str(ctl / "1.sock"),
+        "shim": shim,
+        "reason": "" if shim else "no ibckpt-runc",
+        "registered_at": time.time(),
+    }
+    registry_client.register(str(state / "registry.sock"), entry, 5.0)
+    return made
+
+
+def test_health_needs_no_token_everything_else_does(agent: Running) -> None:
+    assert agent.client("none").healthy()
+    status, headers, body = agent.raw("GET", "/v1/info")
+    assert status == 401
+    assert headers["WWW-Authenticate"].startswith("Bearer")
+    assert "bearer token is required" in json.loads(body)["error"]
+    status, _, _ = agent.raw("GET", "/v1/info", {"Authorization": "Basic b3A6b3A="})
+    assert status == 401
+    with pytest.raises(AgentError) as refused:
+        agent.client("forged").info()
+    assert refused.value.status == 401
+    assert "forged" not in str(refused.value)
+
+
+def test_another_service_account_is_forbidden(agent: Running) -> None:
+    with pytest.raises(AgentError) as refused:
+        agent.client("other-token").containers()
+    assert refused.value.status == 403
+    assert "system:serviceaccount:default:default may not use the node agent" in refused.value.message
+
+
+def test_operator_sees_the_node_and_its_registered_containers(
+    agent: Running, tmp_path: Path, sleeper: subprocess.Popen[bytes]
+) -> None:
+    made = register(tmp_path / "state", sleeper.pid, "c1", sockets=2)
+    try:
+        client = agent.client()
+        info = client.info()
+        assert (info.node, info.ready, info.shim_present) == ("node-x", True, False)
+        assert info.address == f"127.0.0.1:{agent.port}"
+        [c] = info.containers
+        assert (c.pod, c.pod_uid, c.container, c.pid, c.shim) == ("pod-c1", "uid-c1", "main", sleeper.pid, True)
+        assert [Path(s).name for s in c.sockets] == ["1.sock", "2.sock"]
+        assert client.containers().containers == info.containers
+        # one TokenReview for the token, then it is remembered
+        client.info()
+        assert agent.reviewer.reviews == 1
+    finally:
+        for s in made:
+            s.close()
+
+
+def _checkpoint(pod_uid: str, container: str = "main") -> CheckpointRequest:
+    return CheckpointRequest(
+        session_id="s-1",
+        coordinator="127.0.0.1:9",
+        session_token="session-secret",
+        job="ring",
+        ranks=[RankRef(pod_uid=pod_uid, container=container)],
+    )
+
+
+def test_a_session_for_containers_the_agent_cannot_checkpoint_is_refused_with_the_reason(
+    agent: Running, tmp_path: Path, sleeper: subprocess.Popen[bytes]
+) -> None:
+    made = register(tmp_path / "state", sleeper.pid, "plain", shim=False)
+    try:
+        client = agent.client()
+        with pytest.raises(AgentError) as unknown:
+            client.checkpoint(_checkpoint("uid-nope"))
+        assert unknown.value.status == 422
+        assert "container main of pod uid-nope is not registered on node-x" in unknown.value.message
+        with pytest.raises(AgentError) as plain:
+            client.checkpoint(_checkpoint("uid-plain"))
+        assert plain.value.status == 422
+        assert "ml/pod-plain container main runs without the shim (no ibckpt-runc)" in plain.value.message
+        with pytest.raises(AgentError) as missing:
+            client.session("s-1")
+        assert missing.value.status == 404
+    finally:
+        for s in made:
+            s.close()
+
+
+def test_malformed_and_unsupported_requests(agent: Running) -> None:
+    auth = {"Authorization": "Bearer op-token", "Content-Type": "application/json"}
+    status, _, body = agent.raw("POST", "/v1/sessions/checkpoint", auth, b'{"sessionId": "x"}')
+    assert status == 422
+    assert "coordinator" in json.loads(body)["error"]
+    status, _, body = agent.raw("POST", "/v1/sessions/checkpoint", auth, b"not json")
+    assert status == 422
+    status, _, _ = agent.raw("DELETE", "/v1/info", auth)
+    assert status == 405
+    status, _, _ = agent.raw("GET", "/v2/info", auth)
+    assert status == 404
+    restore = RestoreRequest.from_wire(
+        {
+            "sessionId": "r-1",
+            "coordinator": "127.0.0.1:9",
+            "sessionToken": "t",
+            "job": "ring",
+            "images": {
+                "location": {"bucket": "ckpts", "credentialsSecretRef": {"name": "s3"}},
+                "credentials": {"namespace": "ibckpt", "name": "s3"},
+                "job": "ring",
+                "checkpointId": "c1",
+            },
+        }
+    )
+    with pytest.raises(AgentError) as not_yet:
+        agent.client().restore(restore)
+    assert not_yet.value.status == 501
+
+
+def test_the_session_token_reaches_the_wire_but_not_repr_or_a_plain_dump() -> None:
+    request = _checkpoint("uid")
+    assert b"session-secret" in request.to_json()
+    assert "session-secret" not in repr(request)
+    assert "session-secret" not in request.model_dump_json()
+    assert CheckpointRequest.from_json(request.to_json()).session_token.get_secret_value() == "session-secret"
