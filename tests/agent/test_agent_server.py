@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import SecretStr
 
 from ibckpt.agentapi import (
     AgentClient,
@@ -175,7 +176,7 @@ def _checkpoint(pod_uid: str, container: str = "main") -> CheckpointRequest:
     return CheckpointRequest(
         session_id="s-1",
         coordinator="127.0.0.1:9",
-        session_token="session-secret",
+        session_token=SecretStr("session-secret"),
         job="ring",
         ranks=[RankRef(pod_uid=pod_uid, container=container)],
     )
