@@ -1,5 +1,9 @@
 {{- define "ibckpt.fullname" -}}
-{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 50 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 50 | trimSuffix "-" -}}
+{{- end -}}
 {{- end -}}
 
 {{- define "ibckpt.image" -}}
@@ -11,4 +15,18 @@ app.kubernetes.io/name: {{ .Chart.Name }}
 app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{- define "ibckpt.operatorAccount" -}}
+{{- printf "%s-operator" (include "ibckpt.fullname" .) -}}
+{{- end -}}
+
+{{- define "ibckpt.agentAccount" -}}
+{{- printf "%s-agent" (include "ibckpt.fullname" .) -}}
+{{- end -}}
+
+{{/* The one identity the agents accept on their API. */}}
+{{- define "ibckpt.operatorIdentity" -}}
+{{- printf "system:serviceaccount:%s:%s" .Release.Namespace (include "ibckpt.operatorAccount" .) -}}
 {{- end -}}
