@@ -103,9 +103,15 @@ class CoordinatorServer:
             for task in late:
                 task.cancel()
 
-    def create_session(self, participants: set[str] | frozenset[str], deadline_s: float) -> tuple[str, str]:
-        """A new session; returns (session id, token). The token is a secret: never log it."""
-        session_id = secrets.token_hex(8)
+    def create_session(
+        self, participants: set[str] | frozenset[str], deadline_s: float, session_id: str | None = None
+    ) -> tuple[str, str]:
+        """A new session; returns (session id, token). The token is a secret: never log it.
+
+        The operator names sessions after the job's run, so a restarted operator knows what to abort."""
+        session_id = session_id or secrets.token_hex(8)
+        if session_id in self.sessions:
+            self.close_session(session_id)
         token = secrets.token_urlsafe(32)
         session = Session(session_id, token, frozenset(participants), deadline_s)
         self.sessions[session_id] = session

@@ -67,6 +67,8 @@ class Session:
         self._value_set: dict[str, asyncio.Event] = {}
         self._rounds: dict[str, _Round] = {}
         self.abort_listeners: list[Callable[[str], None]] = []
+        # (barrier, participant) on each arrival: the operator turns them into per-pod progress.
+        self.arrival_listeners: list[Callable[[str, str], None]] = []
 
     # -- identity -------------------------------------------------------------------------
 
@@ -124,7 +126,10 @@ class Session:
         self._check(participant)
         arrived = self._barriers.setdefault(name, set())
         done = self._barrier_done.setdefault(name, asyncio.Event())
-        arrived.add(participant)
+        if participant not in arrived:
+            arrived.add(participant)
+            for listener in list(self.arrival_listeners):
+                listener(name, participant)
         if arrived == self.participants:
             done.set()
         try:

@@ -1,0 +1,101 @@
+"""The node agents as the operator sees them: which node has a ready one (its pod, by label, Ready), and
+calls to it through ibckpt.agentapi's client, off the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from pathlib import Path
+
+from ibckpt.agentapi import (
+    AgentClient,
+    AgentError,
+    AgentInfo,
+    CheckpointRequest,
+    RestoreRequest,
+    SessionReport,
+)
+from ibckpt_operator.config import current
+from ibckpt_operator.kube import Body, Kube
+
+
+@dataclass(frozen=True)
+class Agent:
+    node: str
+    pod: str
+    host: str  # the agent pod's IP (hostNetwork: the node's)
+    ready: bool
+
+
+def _ready(pod: Body) -> bool:
+    status = pod.get("status", {})
+    if pod.get("metadata", {}).get("deletionTimestamp") or status.get("phase") != "Running":
+        return False
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or ())
+
+
+async def agents_by_node(kube: Kube) -> dict[str, Agent]:
+    """The agent of each node; a ready one wins over a not-ready one (a DaemonSet rollout has both)."""
+    settings = current()
+    found: dict[str, Agent] = {}
+    for pod in await kube.list_pods(settings.namespace, settings.agent_selector):
+        node = pod.get("spec", {}).get("nodeName")
+        if not node:
+            continue
+        agent = Agent(node, pod["metadata"]["name"], pod.get("status", {}).get("podIP") or "", _ready(pod))
+        if node not in found or (agent.ready and not found[node].ready):
+            found[node] = agent
+    return found
+
+
+def no_agent_message(pod: str, node: str, agent: Agent | None) -> str:
+    if agent is None:
+        return f"pod {pod} is on node {node} which has no ready ibckpt agent (no agent pod there)"
+    return f"pod {pod} is on node {node} which has no ready ibckpt agent ({agent.pod} is not Ready)"
+
+
+class AgentGateway:
+    """Calls to the agents; every call bounded by the client's timeout. Tests may give a token directly."""
+
+    def __init__(self, token: str | None = None) -> None:
+        self._token = token
+
+    def client(self, agent: Agent) -> AgentClient:
+        settings = current()
+        if self._token is not None:
+            return AgentClient(
+                agent.host, settings.agent_port, token=self._token, timeout_s=settings.agent_timeout
+            )
+        return AgentClient(
+            agent.host,
+            settings.agent_port,
+            token_file=Path(settings.agent_token_file),
+            timeout_s=settings.agent_timeout,
+        )
+
+    async def info(self, agent: Agent) -> AgentInfo:
+        return await asyncio.to_thread(self.client(agent).info)
+
+    async def checkpoint(self, agent: Agent, request: CheckpointRequest) -> SessionReport:
+        return await asyncio.to_thread(self.client(agent).checkpoint, request)
+
+    async def restore(self, agent: Agent, request: RestoreRequest) -> SessionReport:
+        return await asyncio.to_thread(self.client(agent).restore, request)
+
+    async def session(self, agent: Agent, session_id: str) -> SessionReport | None:
+        try:
+            return await asyncio.to_thread(self.client(agent).session, session_id)
+        except AgentError as error:
+            if error.status == 404:
+                return None
+            raise
+
+    async def abort(self, agent: Agent, session_id: str, reason: str) -> SessionReport | None:
+        """None if the agent never heard of the session (nothing of it to bring back)."""
+        try:
+            return await asyncio.to_thread(self.client(agent).abort, session_id, reason)
+        except AgentError as error:
+            if error.status == 404:
+                return None
+            raise

@@ -1,0 +1,605 @@
+"""One CheckpointJob's driver: feeds the machine what happened, writes its state to status, then runs its
+actions against Kubernetes, the agents, the coordinator and the store.
+
+The machine decides everything. This only observes (pods, agent reports, coordinator barriers, the store)
+and acts; every action runs after the state that records its attempt id is in status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import Awaitable
+from dataclasses import dataclass
+
+from ibckpt.agentapi import (
+    AgentError,
+    CheckpointRequest,
+    ImageDestination,
+    Mode,
+    PhaseTimeouts,
+    RankPhase,
+    RankRef,
+    SecretRef,
+    SessionReport,
+    SessionState,
+)
+from ibckpt.api import (
+    Checkpoint,
+    CheckpointJobSpec,
+    CheckpointJobStatus,
+    CheckpointMode,
+    CheckpointPod,
+    CheckpointSize,
+    CheckpointSpec,
+    JobPhase,
+    JobReference,
+    ObjectMeta,
+)
+from ibckpt.store import StoreError
+from ibckpt_operator import metrics, selection, storage
+from ibckpt_operator.agents import Agent, agents_by_node, no_agent_message
+from ibckpt_operator.config import current
+from ibckpt_operator.driver import Driver
+from ibckpt_operator.kube import Body
+from ibckpt_operator.machine import CheckpointMachine, JobConfig, JobState, PodRef
+from ibckpt_operator.machine.checkpoint import (
+    STEP_LABEL,
+    TERMINAL,
+    AdmitPods,
+    CheckpointPublished,
+    ClaimPods,
+    CloseSession,
+    CommitManifest,
+    DiscardUpload,
+    KillSources,
+    ManifestCommitted,
+    ManifestMissing,
+    OpenSession,
+    PublishCheckpoint,
+    QuiesceRanks,
+    ReleaseClaim,
+    ResumeAll,
+    SelectPods,
+    VerifyManifest,
+)
+from ibckpt_operator.machine.core import (
+    Action,
+    EmitEvent,
+    Event,
+    OperatorRestarted,
+    PodAdmitted,
+    PodLost,
+    PodRefused,
+    PodsBusy,
+    PodsClaimed,
+    PodsSelected,
+    PodStepDone,
+    SessionOpened,
+    StepAction,
+    StepFailed,
+    Transition,
+)
+from ibckpt_operator.machine.status import job_state, job_status
+from ibckpt_operator.runtime import Runtime
+
+log = logging.getLogger(__name__)
+PLURAL = "checkpointjobs"
+KIND = "CheckpointJob"
+
+# How far a pod got, in the order an agent goes (the machine's per-pod labels).
+MILESTONES = ("Quiesced", "Drained", "Released", "Dumped", "Uploaded", "Rebuilt", "Resumed")
+BARRIER_MILESTONE = {
+    "quiesced": "Quiesced",
+    "drained": "Drained",
+    "released": "Released",
+    "dumped": "Dumped",
+    "rebuilt": "Rebuilt",
+    "resumed": "Resumed",
+}
+# A rank in this phase has finished the milestone before it.
+RANK_MILESTONE = {
+    RankPhase.DRAINING: "Quiesced",
+    RankPhase.RELEASING: "Drained",
+    RankPhase.DUMPING: "Released",
+    RankPhase.UPLOADING: "Dumped",
+    RankPhase.REBUILDING: "Uploaded",
+    RankPhase.HELD: "Uploaded",
+    RankPhase.STOPPED: "Uploaded",
+    RankPhase.RESUMING: "Rebuilt",
+    RankPhase.DONE: "Resumed",
+}
+AGENT_UNREACHABLE_S = 15.0  # an agent that answers no poll for this long fails the step
+
+
+def _rank(milestone: str | None) -> int:
+    return MILESTONES.index(milestone) if milestone in MILESTONES else -1
+
+
+def job_key(namespace: str, name: str) -> str:
+    return f"{namespace}/{name}"
+
+
+@dataclass
+class Session:
+    id: str
+    token: str
+    nodes: dict[str, Agent]
+
+
+class CheckpointJobDriver(Driver[JobState]):
+    kind = KIND
+    plural = PLURAL
+
+    def __init__(self, runtime: Runtime, body: Body) -> None:
+        super().__init__(runtime, body)
+        self.spec = CheckpointJobSpec.from_wire(body.get("spec") or {})
+        self.machine: CheckpointMachine | None = None
+        self.session: Session | None = None
+        self.progress: dict[str, int] = {}  # pod UID -> index of its last milestone
+        self.pod_bytes: dict[str, int] = {}
+        self.reported: set[tuple[str, str]] = set()  # (attempt, pod UID) already told to the machine
+        self.resolved: storage.ResolvedStorage | None = None
+
+    # -- names
+
+    def checkpoint_name(self, run: str) -> str:
+        return self.spec.checkpoint_name or f"{self.name}-{run}"
+
+    @property
+    def store_job(self) -> str:
+        """The job's name in the store: the workload's, so its checkpoints are listed (and kept) together."""
+        workload = self.spec.workload_ref.name if self.spec.workload_ref else self.name
+        return f"{self.namespace}/{workload}"
+
+    def session_id(self, run: str) -> str:
+        return f"ckj-{run}"
+
+    # -- the machine
+
+    def begin(self, now: float) -> Transition[JobState]:
+        status = self.body.get("status") or {}
+        if status.get("attempt"):
+            parsed = CheckpointJobStatus.from_wire(status)
+            state = job_state(parsed)
+            self.conditions = parsed.conditions
+            self.machine = CheckpointMachine(JobConfig.from_spec(self.spec, self.checkpoint_name(state.run)))
+            self.state = state
+            return self.machine.handle(state, OperatorRestarted(), now)
+        run = secrets.token_hex(4)
+        self.machine = CheckpointMachine(JobConfig.from_spec(self.spec, self.checkpoint_name(run)))
+        return self.machine.start(run, now)
+
+    def terminal(self, state: JobState) -> bool:
+        return state.phase in TERMINAL
+
+    def handle(self, state: JobState, event: Event, now: float) -> Transition[JobState]:
+        assert self.machine is not None
+        return self.machine.handle(state, event, now)
+
+    def status_of(self, state: JobState, now: float) -> CheckpointJobStatus:
+        return job_status(
+            state,
+            checkpoint_name=self.machine_checkpoint_name(),
+            generation=self.generation,
+            previous=self.conditions,
+            now=now,
+        )
+
+    def background(self) -> list[Awaitable[None]]:
+        return [self.watch_members()]
+
+    # -- actions
+
+    async def execute(self, action: Action) -> None:
+        log.debug("%s: %s", self.key, type(action).__name__)
+        if isinstance(action, EmitEvent):
+            await self.rt.kube.post_event(self.body, action.type, action.reason, action.message)
+        elif isinstance(action, ReleaseClaim):
+            self.rt.claims.release(self.key)
+        elif isinstance(action, CloseSession):
+            self.close_session()
+        elif isinstance(action, ClaimPods):
+            holder = self.rt.claims.claim(self.key, (pod.uid for pod in action.pods))
+            self.emit(PodsClaimed(action.attempt) if holder is None else PodsBusy(action.attempt, holder))
+        elif isinstance(action, OpenSession):
+            await self.open_session(action)
+        elif isinstance(action, StepAction):
+            self.spawn(self.guarded(action))
+        else:
+            log.warning("%s: no effect for %s", self.key, type(action).__name__)
+
+    async def guarded(self, action: StepAction) -> None:
+        """A step's effect; any unexpected error fails the step with a reason, never silently."""
+        try:
+            await self.effect(action)
+        except asyncio.CancelledError:
+            raise
+        except storage.StorageProblem as problem:
+            self.emit(StepFailed(action.attempt, problem.reason, problem.message))
+        except StoreError as error:
+            self.emit(StepFailed(action.attempt, "StoreError", str(error)))
+        except Exception as error:
+            log.exception("%s: %s failed", self.key, type(action).__name__)
+            self.emit(StepFailed(action.attempt, "OperatorError", f"{type(action).__name__}: {error}"))
+
+    async def effect(self, action: StepAction) -> None:
+        if isinstance(action, SelectPods):
+            await self.select(action)
+        elif isinstance(action, AdmitPods):
+            await self.admit(action)
+        elif isinstance(action, QuiesceRanks):
+            await self.start_agents(action)
+        elif isinstance(action, CommitManifest):
+            await self.commit(action)
+        elif isinstance(action, VerifyManifest):
+            await self.verify(action)
+        elif isinstance(action, DiscardUpload):
+            await self.discard(action)
+        elif isinstance(action, PublishCheckpoint):
+            await self.publish(action)
+        elif isinstance(action, KillSources):
+            await self.kill(action)
+        elif isinstance(action, ResumeAll):
+            await self.resume_all(action)
+        else:  # Drain, Release, Dump, Upload, Rebuild, Resume: the agents go on by themselves
+            self.report_progress()
+
+    async def store(self) -> storage.ResolvedStorage:
+        if self.resolved is None:
+            self.resolved = await storage.check(
+                self.rt.kube, self.namespace, self.spec.storage_ref, self.spec.storage
+            )
+        return self.resolved
+
+    async def select(self, action: SelectPods) -> None:
+        # The storage is checked first: bad credentials or an unreachable bucket fail before any pod.
+        await self.store()
+        pods = await selection.select_pods(
+            self.rt.kube, self.namespace, self.spec.selector, self.spec.workload_ref
+        )
+        self.emit(PodsSelected(action.attempt, pods))
+
+    async def admit(self, action: AdmitPods) -> None:
+        agents = await agents_by_node(self.rt.kube)
+        registered: dict[str, set[str]] = {}
+        for pod in action.pods:
+            body = await self.rt.kube.get_pod(self.namespace, pod.name)
+            uid = (body or {}).get("metadata", {}).get("uid")
+            if body is None or uid != pod.uid:
+                self.emit(PodRefused(action.attempt, pod.uid, f"pod {pod.name} is gone or was replaced"))
+                continue
+            node = body.get("spec", {}).get("nodeName") or ""
+            if not node:
+                self.emit(PodRefused(action.attempt, pod.uid, f"pod {pod.name} is not scheduled to a node"))
+                continue
+            agent = agents.get(node)
+            if agent is None or not agent.ready:
+                self.emit(PodRefused(action.attempt, pod.uid, no_agent_message(pod.name, node, agent)))
+                continue
+            if node not in registered:
+                try:
+                    info = await self.rt.gateway.info(agent)
+                except AgentError as error:
+                    message = f"pod {pod.name} is on node {node} whose ibckpt agent does not answer: {error}"
+                    self.emit(PodRefused(action.attempt, pod.uid, message))
+                    continue
+                registered[node] = {c.pod_uid for c in info.containers if c.shim}
+                if not info.ready:
+                    registered[node] = set()
+            if pod.uid not in registered[node]:
+                message = (
+                    f"pod {pod.name} has no container registered with the ibckpt agent on node {node} "
+                    "(does it run with the ibckpt runtime class and get an RDMA device?)"
+                )
+                self.emit(PodRefused(action.attempt, pod.uid, message))
+                continue
+            self.emit(PodAdmitted(action.attempt, pod.uid))
+
+    async def open_session(self, action: OpenSession) -> None:
+        assert self.state is not None
+        agents = await agents_by_node(self.rt.kube)
+        nodes = {pod.node: agents[pod.node] for pod in action.pods if pod.node in agents}
+        missing = sorted({pod.node for pod in action.pods} - set(nodes))
+        if missing:
+            self.emit(StepFailed(action.attempt, "NoAgent", f"no ready ibckpt agent on {', '.join(missing)}"))
+            return
+        t = self.spec.timeouts
+        deadline = float(
+            t.quiesce_seconds + t.drain_seconds + t.release_seconds + t.dump_seconds + t.upload_seconds
+            + t.publish_seconds + t.rebuild_seconds + t.resume_seconds + t.abort_seconds
+        )  # fmt: skip
+        session_id = self.session_id(self.state.run)
+        sid, token = self.rt.coordinator.create_session(set(nodes), deadline, session_id)
+        self.session = Session(sid, token, nodes)
+        coordinator_session = self.rt.coordinator.sessions[sid]
+        coordinator_session.arrival_listeners.append(self.on_barrier)
+        coordinator_session.abort_listeners.append(self.on_abort)
+        self.emit(SessionOpened(action.attempt))
+
+    def close_session(self) -> None:
+        if self.session is not None:
+            self.rt.coordinator.close_session(self.session.id)
+
+    def pods_on(self, node: str) -> list[PodRef]:
+        assert self.state is not None
+        return [m.pod for m in self.state.members if m.pod.node == node]
+
+    def on_barrier(self, barrier: str, node: str) -> None:
+        milestone = BARRIER_MILESTONE.get(barrier)
+        if milestone is None:
+            return
+        for pod in self.pods_on(node):
+            self.progress[pod.uid] = max(self.progress.get(pod.uid, -1), _rank(milestone))
+        self.report_progress()
+
+    def on_abort(self, reason: str) -> None:
+        assert self.state is not None
+        if self.state.phase not in (JobPhase.ABORTING, *TERMINAL) and self.state.attempt:
+            self.emit(StepFailed(self.state.attempt, "SessionAborted", reason))
+
+    def report_progress(self) -> None:
+        """One PodStepDone per pod that has reached the step in flight's milestone (once per attempt)."""
+        state = self.state
+        if state is None or state.step is None:
+            return
+        label = STEP_LABEL.get(state.step.kind)  # type: ignore[call-overload]
+        wanted = _rank(label)
+        if wanted < 0 or state.phase == JobPhase.ABORTING:
+            return
+        for member in state.members:
+            uid = member.pod.uid
+            if self.progress.get(uid, -1) >= wanted and (state.step.attempt, uid) not in self.reported:
+                self.reported.add((state.step.attempt, uid))
+                self.emit(PodStepDone(state.step.attempt, uid, bytes=self.pod_bytes.get(uid)))
+
+    async def start_agents(self, action: QuiesceRanks) -> None:
+        assert self.session is not None and self.state is not None
+        resolved = await self.store()
+        secret = resolved.location.credentials_secret_ref
+        t = self.spec.timeouts
+        # Stop: the agents dump and hold the ranks released; the pods are deleted only after the commit.
+        mode = Mode.HOLD if self.spec.mode == CheckpointMode.STOP else Mode.LEAVE_RUNNING
+        for node, agent in self.session.nodes.items():
+            try:
+                info = await self.rt.gateway.info(agent)
+            except AgentError as error:
+                self.emit(StepFailed(action.attempt, "AgentUnreachable", f"node {node}: {error}"))
+                return
+            uids = {pod.uid for pod in self.pods_on(node)}
+            ranks = [
+                RankRef(pod_uid=c.pod_uid, container=c.container)
+                for c in info.containers
+                if c.shim and c.pod_uid in uids
+            ]
+            request = CheckpointRequest(
+                session_id=self.session.id,
+                coordinator=self.rt.coordinator_address(),
+                session_token=self.session.token,  # type: ignore[arg-type]
+                timeouts=PhaseTimeouts(
+                    preflight_seconds=t.admit_seconds,
+                    quiesce_seconds=t.quiesce_seconds,
+                    drain_seconds=t.drain_seconds,
+                    release_seconds=t.release_seconds,
+                    dump_seconds=t.dump_seconds,
+                    upload_seconds=t.upload_seconds,
+                    rebuild_seconds=t.rebuild_seconds,
+                    resume_seconds=t.resume_seconds,
+                ),
+                job=self.store_job,
+                mode=mode,
+                ranks=ranks,
+                images=ImageDestination(
+                    location=resolved.location,
+                    credentials=SecretRef(namespace=self.namespace, name=secret.name),
+                    job=self.store_job,
+                    checkpoint_id=self.machine_checkpoint_name(),
+                ),
+                job_addresses=sorted({a.host for a in self.session.nodes.values() if a.host}),
+            )
+            try:
+                await self.rt.gateway.checkpoint(agent, request)
+            except AgentError as error:
+                self.emit(StepFailed(action.attempt, "AgentFailed", f"node {node}: {error}"))
+                return
+        for node, agent in self.session.nodes.items():
+            self.spawn(self.poll(node, agent, action.attempt))
+
+    def machine_checkpoint_name(self) -> str:
+        assert self.machine is not None
+        return self.machine.config.checkpoint_name
+
+    async def poll(self, node: str, agent: Agent, attempt: str) -> None:
+        """Read the node's session report until it ends: rank progress, bytes, and failures."""
+        assert self.session is not None
+        last_answer = time.monotonic()
+        while True:
+            await asyncio.sleep(current().poll_seconds)
+            try:
+                report = await self.rt.gateway.session(agent, self.session.id)
+            except AgentError as error:
+                if time.monotonic() - last_answer > AGENT_UNREACHABLE_S:
+                    self.fail_current("AgentUnreachable", f"node {node}: {error}")
+                    return
+                continue
+            last_answer = time.monotonic()
+            if report is None:
+                self.fail_current("AgentLostSession", f"node {node}: the agent no longer knows the session")
+                return
+            self.absorb(report)
+            if report.state.finished:
+                if report.state != SessionState.SUCCEEDED:
+                    reason = {
+                        SessionState.REFUSED: "PreflightRefused",
+                        SessionState.ABORTED: "SessionAborted",
+                    }.get(report.state, "AgentFailed")
+                    self.fail_current(reason, report.message or f"node {node}: {report.state}")
+                return
+
+    def fail_current(self, reason: str, message: str) -> None:
+        state = self.state
+        if state is not None and state.attempt and state.phase not in (JobPhase.ABORTING, *TERMINAL):
+            self.emit(StepFailed(state.attempt, reason, message))
+
+    def absorb(self, report: SessionReport) -> None:
+        by_pod: dict[str, list[int]] = {}
+        for rank in report.ranks:
+            by_pod.setdefault(rank.pod_uid, []).append(_rank(RANK_MILESTONE.get(rank.phase)))
+        for uid, ranks in by_pod.items():
+            self.progress[uid] = max(self.progress.get(uid, -1), min(ranks))
+            self.pod_bytes[uid] = sum(r.bytes for r in report.ranks if r.pod_uid == uid)
+        self.report_progress()
+
+    async def commit(self, action: CommitManifest) -> None:
+        resolved = await self.store()
+        assert self.state is not None
+        # Each agent stages its part under its node's name: the commit refuses a set missing one.
+        expected = sorted({m.pod.node for m in self.state.members})
+        image_store = await asyncio.to_thread(storage.open_store, resolved.config)
+        manifest = await asyncio.to_thread(
+            image_store.commit_parts, self.store_job, action.checkpoint_name, expected
+        )
+        metrics.CHECKPOINT_BYTES.inc(manifest.stats.logical_bytes)
+        key = image_store.context.layout.manifest_key(manifest.ref)
+        self.emit(ManifestCommitted(action.attempt, key))
+
+    async def verify(self, action: VerifyManifest) -> None:
+        resolved = await self.store()
+        image_store = await asyncio.to_thread(storage.open_store, resolved.config)
+        from ibckpt.store import CheckpointNotFoundError, CheckpointRef
+
+        ref = CheckpointRef(self.store_job, action.checkpoint_name)
+        try:
+            await asyncio.to_thread(image_store.manifest, ref)
+        except CheckpointNotFoundError:
+            self.emit(ManifestMissing(action.attempt))
+            return
+        self.emit(ManifestCommitted(action.attempt, image_store.context.layout.manifest_key(ref)))
+
+    async def discard(self, action: DiscardUpload) -> None:
+        resolved = await self.store()
+        image_store = await asyncio.to_thread(storage.open_store, resolved.config)
+        dropped = await asyncio.to_thread(image_store.abort, self.store_job, action.checkpoint_name)
+        log.info("%s: dropped %d staged part(s) of %s", self.key, dropped, action.checkpoint_name)
+
+    async def publish(self, action: PublishCheckpoint) -> None:
+        assert self.state is not None
+        members = self.state.members
+        total = sum(self.pod_bytes.get(m.pod.uid, m.bytes or 0) for m in members)
+        spec = CheckpointSpec(
+            job_name=self.store_job,
+            checkpoint_job_ref=JobReference(name=self.name, uid=self.body["metadata"].get("uid")),
+            source=self.spec.workload_ref,
+            checkpoint_id=action.checkpoint_name,
+            storage_ref=self.spec.storage_ref,
+            storage=self.spec.storage,
+            manifest_key=action.manifest_key,
+            mode=self.spec.mode,
+            pods=[
+                CheckpointPod(name=m.pod.name, uid=m.pod.uid, node=m.pod.node or None, bytes=m.bytes)
+                for m in members
+            ],
+            nodes=sorted({m.pod.node for m in members if m.pod.node}),
+            size=CheckpointSize(bytes=total, human=_human(total)),
+        )
+        labels = self.copied_labels()
+        checkpoint = Checkpoint(
+            metadata=ObjectMeta(name=action.checkpoint_name, namespace=self.namespace, labels=labels or None),
+            spec=spec,
+        )
+        created = await self.rt.kube.create_custom("checkpoints", self.namespace, checkpoint.to_wire())
+        if created:
+            with contextlib.suppress(Exception):
+                await self.rt.kube.patch_status(
+                    "checkpoints", self.namespace, action.checkpoint_name, {"readyToRestore": True}
+                )
+        self.emit(CheckpointPublished(action.attempt))
+
+    def copied_labels(self) -> dict[str, str]:
+        labels: dict[str, str] = self.body["metadata"].get("labels") or {}
+        keys = self.spec.copy_labels or []
+        if "*" in keys:
+            return dict(labels)
+        return {key: labels[key] for key in keys if key in labels}
+
+    async def kill(self, action: KillSources) -> None:
+        for pod in action.pods:
+            await self.rt.kube.delete_pod(self.namespace, pod.name, pod.uid)
+            self.emit(PodStepDone(action.attempt, pod.uid))
+
+    async def resume_all(self, action: ResumeAll) -> None:
+        """The abort: every node's agent brings its ranks back; a node that never started is done."""
+        assert self.state is not None
+        run = self.state.run
+        session_id = self.session.id if self.session else self.session_id(run)
+        if self.session is not None and session_id in self.rt.coordinator.sessions:
+            self.rt.coordinator.sessions[session_id].abort(f"operator: {self.state.reason or 'aborted'}")
+        agents = await agents_by_node(self.rt.kube)
+        nodes = sorted({pod.node for pod in action.pods})
+        await asyncio.gather(
+            *(self.resume_node(node, agents.get(node), session_id, action) for node in nodes)
+        )
+
+    async def resume_node(self, node: str, agent: Agent | None, session_id: str, action: ResumeAll) -> None:
+        pods = [pod for pod in action.pods if pod.node == node]
+        if agent is None:
+            for pod in pods:
+                message = f"no ibckpt agent on node {node} to resume it"
+                self.emit(StepFailed(action.attempt, "AgentUnreachable", message, pod=pod.uid))
+            return
+        reason = (self.state.message if self.state else None) or "aborted by the operator"
+        try:
+            report = await self.rt.gateway.abort(agent, session_id, reason[:1000])
+            while report is not None and not report.state.finished:
+                await asyncio.sleep(current().poll_seconds)
+                report = await self.rt.gateway.session(agent, session_id)
+        except AgentError as error:
+            for pod in pods:
+                self.emit(
+                    StepFailed(action.attempt, "AgentUnreachable", f"node {node}: {error}", pod=pod.uid)
+                )
+            return
+        broken = {r.pod_uid for r in (report.ranks if report else []) if r.phase == RankPhase.FAILED}
+        for pod in pods:
+            if pod.uid in broken:
+                self.emit(
+                    StepFailed(action.attempt, "ResumeFailed", f"node {node}: rank failed", pod=pod.uid)
+                )
+            else:
+                self.emit(PodStepDone(action.attempt, pod.uid))
+
+    # -- member pods
+
+    async def watch_members(self) -> None:
+        """A member that is deleted or replaced (another UID) is lost: the machine aborts."""
+        lost: set[str] = set()
+        while True:
+            await asyncio.sleep(2.0)
+            state = self.state
+            if state is None or state.phase in TERMINAL:
+                return
+            if state.phase in (JobPhase.PENDING,):
+                continue
+            for member in state.members:
+                if member.progress == "Lost" or member.pod.uid in lost:
+                    continue
+                body = await self.rt.kube.get_pod(self.namespace, member.pod.name)
+                meta = (body or {}).get("metadata", {})
+                if body is None or meta.get("uid") != member.pod.uid:
+                    lost.add(member.pod.uid)
+                    self.emit(PodLost(member.pod.uid, f"pod {member.pod.name} was deleted"))
+                elif meta.get("deletionTimestamp"):
+                    lost.add(member.pod.uid)
+                    self.emit(PodLost(member.pod.uid, f"pod {member.pod.name} is being deleted"))
+
+
+def _human(size: int) -> str:
+    value = float(size)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{size} B"

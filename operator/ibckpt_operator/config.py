@@ -1,0 +1,59 @@
+"""The operator's settings: one object, set by main() from flags (or by tests before an in-process run)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+from ibckpt.agentapi import DEFAULT_PORT
+from ibckpt.agentapi.client import SERVICE_ACCOUNT_TOKEN
+
+GROUP = "ibckpt.io"
+VERSION = "v1alpha1"
+FINALIZER = "ibckpt.io/finalizer"
+AGENT_SELECTOR = "app.kubernetes.io/component=agent"
+COMPONENT = "ibckpt-operator"
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    namespace: str = "ibckpt-system"  # where the operator runs: its Lease and the agent pods live here
+    identity: str = ""  # this replica's name in the Lease
+    lease_name: str = "ibckpt-operator"
+    lease_seconds: float = 15.0
+    lease_enabled: bool = True
+    metrics_port: int = 9108  # 0: no metrics server
+    metrics_host: str = "0.0.0.0"
+    coordinator_host: str = ""  # where agents reach the coordinator: the pod's IP (POD_IP) by default
+    coordinator_bind: str = "0.0.0.0"
+    coordinator_port: int = 7070
+    agent_selector: str = AGENT_SELECTOR
+    agent_port: int = DEFAULT_PORT
+    agent_token_file: str = str(SERVICE_ACCOUNT_TOKEN)  # the operator's service-account token
+    agent_timeout: float = 10.0
+    poll_seconds: float = 1.0  # how often a running agent session's report is read
+    # A Checkpoint's deletion sweeps chunks no other checkpoint references once older than this.
+    gc_grace_seconds: float = 3600.0
+    # The cheap S3 check before any pod is touched: short bounds, an unreachable endpoint fails fast.
+    s3_check_timeout: float = 5.0
+    s3_check_attempts: int = 2
+    tick_seconds: float = 30.0  # the longest a job's loop sleeps without an event
+
+    def with_(self, **changes: object) -> OperatorConfig:
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+
+def default_identity() -> str:
+    return os.environ.get("POD_NAME") or os.environ.get("HOSTNAME") or f"ibckpt-operator-{os.getpid()}"
+
+
+_current = OperatorConfig(identity=default_identity())
+
+
+def current() -> OperatorConfig:
+    return _current
+
+
+def configure(config: OperatorConfig) -> None:
+    global _current
+    _current = config

@@ -1,0 +1,158 @@
+"""The loop every job driver shares: feed the machine, write its state to status BEFORE running the
+actions that state records, run them, wait for the next observation or the machine's wake_at."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, Generic, TypeVar
+
+from ibckpt.api import ApiModel, Condition
+from ibckpt_operator import metrics
+from ibckpt_operator.config import current
+from ibckpt_operator.kube import Body, is_status
+from ibckpt_operator.machine.core import Action, Cancelled, Event, Tick, Transition
+from ibckpt_operator.runtime import Runtime
+
+log = logging.getLogger(__name__)
+S = TypeVar("S")
+StopWaiter = Callable[[], Awaitable[str | None]]
+
+
+def status_body(status: ApiModel) -> Body:
+    """A merge patch for the whole status: fields the state no longer has are removed (null)."""
+    body = status.to_wire()
+    for name, info in type(status).model_fields.items():
+        body.setdefault(info.alias or name, None)
+    return body
+
+
+class Driver(Generic[S]):
+    kind = ""
+    plural = ""
+
+    def __init__(self, runtime: Runtime, body: Body) -> None:
+        self.rt = runtime
+        self.body = body
+        meta = body["metadata"]
+        self.namespace: str = meta["namespace"]
+        self.name: str = meta["name"]
+        self.key = f"{self.namespace}/{self.name}"
+        self.generation: int | None = meta.get("generation")
+        self.events: asyncio.Queue[Event] = asyncio.Queue()
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.conditions: list[Condition] | None = None
+        self.state: S | None = None
+
+    # -- what each kind says
+
+    def begin(self, now: float) -> Transition[S]:
+        """The first transition: the machine's start, or OperatorRestarted on the state in status."""
+        raise NotImplementedError
+
+    def terminal(self, state: S) -> bool:
+        raise NotImplementedError
+
+    def handle(self, state: S, event: Event, now: float) -> Transition[S]:
+        raise NotImplementedError
+
+    def status_of(self, state: S, now: float) -> Any:
+        raise NotImplementedError
+
+    async def execute(self, action: Action) -> None:
+        raise NotImplementedError
+
+    def phase_of(self, state: S) -> str:
+        return str(getattr(state, "phase", ""))
+
+    def background(self) -> list[Awaitable[None]]:
+        return []
+
+    # -- the loop
+
+    async def run(self, stop: StopWaiter) -> None:
+        """Drive the job until it ends, or until `stop` says "exit" (operator leaving: the state is in
+        status) or "deleted" (the job is cancelled, the machine brings the ranks back first)."""
+        transition = self.begin(time.time())
+        metrics.ACTIVE.labels(self.kind).inc()
+        cancelled = False
+        for work in self.background():
+            self.spawn(work)
+        try:
+            await self.apply(transition)
+            while self.state is not None and not self.terminal(self.state):
+                event, why = await self.next_event(transition.wake_at, stop, cancelled)
+                if why == "exit":
+                    return
+                if why == "deleted":
+                    cancelled = True
+                    event = Cancelled()
+                assert event is not None
+                transition = self.handle(self.state, event, time.time())
+                await self.apply(transition)
+        finally:
+            metrics.ACTIVE.labels(self.kind).dec()
+            for task in list(self.tasks):
+                task.cancel()
+
+    async def next_event(
+        self, wake_at: float | None, stop: StopWaiter, cancelled: bool
+    ) -> tuple[Event | None, str | None]:
+        if not self.events.empty():
+            return self.events.get_nowait(), None
+        timeout = current().tick_seconds
+        if wake_at is not None:
+            timeout = min(timeout, max(0.0, wake_at - time.time()) + 0.05)
+        getter = asyncio.ensure_future(self.events.get())
+        waiters: set[asyncio.Future[Any]] = {getter}
+        stopper: asyncio.Future[str | None] | None = None
+        if not cancelled:
+            stopper = asyncio.ensure_future(stop())
+            waiters.add(stopper)
+        try:
+            done, _ = await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.cancel()
+        if getter in done:
+            return getter.result(), None
+        if stopper is not None and stopper in done and stopper.result():
+            return None, stopper.result()
+        return Tick(), None
+
+    async def apply(self, transition: Transition[S]) -> None:
+        before = self.state
+        self.state = transition.state
+        now = time.time()
+        if before is None or before != self.state:
+            await self.write_status(now)
+        if before is not None and self.phase_of(before) != self.phase_of(self.state):
+            since = float(getattr(before, "phase_since", now))
+            metrics.PHASE_SECONDS.labels(self.kind, self.phase_of(before)).observe(max(0.0, now - since))
+            if self.terminal(self.state):
+                metrics.ended(self.kind, self.phase_of(self.state), getattr(self.state, "reason", None))
+        for action in transition.actions:
+            await self.execute(action)
+
+    async def write_status(self, now: float) -> None:
+        assert self.state is not None
+        status = self.status_of(self.state, now)
+        self.conditions = status.conditions
+        try:
+            await self.rt.kube.patch_status(self.plural, self.namespace, self.name, status_body(status))
+        except Exception as error:
+            if is_status(error, 404):
+                log.info("%s is gone; its status was not written", self.key)
+                return
+            raise
+
+    def emit(self, event: Event) -> None:
+        self.events.put_nowait(event)
+
+    def spawn(self, work: Awaitable[None]) -> None:
+        task: asyncio.Task[None] = asyncio.ensure_future(work)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)

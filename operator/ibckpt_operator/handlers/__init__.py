@@ -1,0 +1,8 @@
+"""The kopf handlers: thin. Each loads an object, hands it to its driver, and lets the machine decide.
+
+`kopf run -m ibckpt_operator.handlers` (or `ibckpt-operator`) registers all of them.
+"""
+
+from ibckpt_operator.handlers import checkpoint, checkpointjob, lifecycle, restorejob
+
+__all__ = ["checkpoint", "checkpointjob", "lifecycle", "restorejob"]

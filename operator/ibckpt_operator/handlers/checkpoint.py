@@ -1,0 +1,72 @@
+"""Checkpoint: a finalizer that removes the checkpoint's objects from the store when it is deleted (its
+manifest at once; its chunks by a sweep of what no other checkpoint references)."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+from datetime import timedelta
+from typing import Any
+
+import kopf
+
+from ibckpt.api import Checkpoint
+from ibckpt.store import CheckpointNotFoundError, RetentionPolicy, StoreConfig, StoreError
+from ibckpt_operator import metrics, runtime, storage
+from ibckpt_operator.config import GROUP, VERSION, current
+
+log = logging.getLogger(__name__)
+PLURAL = "checkpoints"
+RETAIN_ANNOTATION = "ibckpt.io/retain-images"  # "true": deleting the object leaves the images in place
+DELETE_RETRIES = 5
+
+
+def remove_images(config: StoreConfig, manifest_key: str, grace_seconds: float) -> str:
+    """Delete the manifest, then sweep unreferenced chunks; returns what happened, for the Event."""
+    image_store = storage.open_store(config)
+    ref = image_store.context.layout.ref_from_manifest_key(manifest_key)
+    if ref is None:
+        return f"{manifest_key} is not a manifest under prefix {config.prefix!r}: nothing deleted"
+    try:
+        image_store.delete(ref)
+        said = f"deleted manifest {ref}"
+    except CheckpointNotFoundError:
+        said = f"manifest {ref} was already gone"
+    report = image_store.gc(RetentionPolicy(), grace=timedelta(seconds=grace_seconds))
+    if report.swept:
+        return f"{said}; swept {report.chunks_deleted} unreferenced chunk(s), {report.bytes_deleted} bytes"
+    return f"{said}; chunk sweep deferred ({report.skipped_reason})"
+
+
+@kopf.on.delete(GROUP, VERSION, PLURAL)
+async def delete_images(body: kopf.Body, retry: int, **_: Any) -> None:
+    rt = runtime.get()
+    raw = copy.deepcopy(dict(body))
+    meta = raw["metadata"]
+    if (meta.get("annotations") or {}).get(RETAIN_ANNOTATION) == "true":
+        await rt.kube.post_event(
+            raw, "Normal", "ImagesRetained", f"{RETAIN_ANNOTATION}: images left in place"
+        )
+        return
+    try:
+        checkpoint = Checkpoint.from_wire(raw)
+        location = await storage.location_of(
+            rt.kube, meta["namespace"], checkpoint.spec.storage_ref, checkpoint.spec.storage
+        )
+        resolved = await storage.resolve(rt.kube, meta["namespace"], location)
+        said = await asyncio.to_thread(
+            remove_images, resolved.config, checkpoint.spec.manifest_key, current().gc_grace_seconds
+        )
+    except (storage.StorageProblem, StoreError, ValueError) as error:
+        message = str(error)
+        if retry < DELETE_RETRIES:
+            raise kopf.TemporaryError(f"images not deleted yet: {message}", delay=5) from None
+        # The object goes anyway: a finalizer that never ends would block the namespace's deletion.
+        await rt.kube.post_event(
+            raw, "Warning", "ImagesNotDeleted", f"gave up after {retry + 1} tries, images remain: {message}"
+        )
+        return
+    metrics.CHECKPOINTS_DELETED.inc()
+    log.info("checkpoint %s/%s: %s", meta["namespace"], meta["name"], said)
+    await rt.kube.post_event(raw, "Normal", "ImagesDeleted", said)

@@ -1,0 +1,81 @@
+"""CheckpointJob: one daemon per job drives it (checkpointjob.CheckpointJobDriver) from its status."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+import kopf
+
+from ibckpt.api import Condition, ConditionStatus, ConditionType, JobPhase
+from ibckpt_operator import metrics, runtime
+from ibckpt_operator.checkpointjob import PLURAL, CheckpointJobDriver
+from ibckpt_operator.config import GROUP, VERSION
+from ibckpt_operator.machine.status import to_time
+
+
+def stop_waiter(stopped: kopf.DaemonStopped, rt: runtime.Runtime) -> Any:
+    """What ends the driver's loop: the Lease lost or the operator leaving ("exit"), the job deleted."""
+
+    async def wait() -> str | None:
+        lease_lost = asyncio.ensure_future(rt.lost.wait())
+        stop = asyncio.ensure_future(stopped.wait())
+        try:
+            await asyncio.wait({lease_lost, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            lease_lost.cancel()
+            stop.cancel()
+        if rt.lost.is_set():
+            return "exit"
+        reason = stopped.reason
+        if reason is not None and kopf.DaemonStoppingReason.RESOURCE_DELETED in reason:
+            return "deleted"
+        return "exit"
+
+    return wait
+
+
+async def fail_invalid(rt: runtime.Runtime, body: dict[str, Any], plural: str, message: str) -> None:
+    """A spec the models refuse: Failed at once, nothing touched."""
+    now = time.time()
+    generation = body["metadata"].get("generation")
+    conditions = [
+        Condition(type=ConditionType.READY, status=ConditionStatus.FALSE, reason="InvalidSpec",
+                  observed_generation=generation, last_transition_time=to_time(now)),
+        Condition(type=ConditionType.PROGRESSING, status=ConditionStatus.FALSE, reason="InvalidSpec",
+                  observed_generation=generation, last_transition_time=to_time(now)),
+        Condition(type=ConditionType.FAILED, status=ConditionStatus.TRUE, reason="InvalidSpec",
+                  message=message, observed_generation=generation, last_transition_time=to_time(now)),
+    ]  # fmt: skip
+    status = {
+        "phase": "Failed",
+        "reason": "InvalidSpec",
+        "message": message,
+        "observedGeneration": generation,
+        "conditions": [c.to_wire() for c in conditions],
+        "completionTime": datetime.fromtimestamp(now, UTC).isoformat(),
+    }
+    meta = body["metadata"]
+    await rt.kube.patch_status(plural, meta["namespace"], meta["name"], status)
+    await rt.kube.post_event(body, "Warning", "InvalidSpec", message)
+    metrics.ended(body.get("kind", plural), "Failed", "InvalidSpec")
+
+
+@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=None)
+async def drive(body: kopf.Body, stopped: kopf.DaemonStopped, **_: Any) -> None:
+    rt = runtime.get()
+    raw = copy.deepcopy(dict(body))
+    if (raw.get("status") or {}).get("phase") in (JobPhase.SUCCEEDED, JobPhase.FAILED):
+        return
+    try:
+        driver = CheckpointJobDriver(rt, raw)
+    except ValueError as error:
+        await fail_invalid(rt, raw, PLURAL, f"invalid spec: {error}")
+        return
+    await driver.run(stop_waiter(stopped, rt))
+
+
+__all__ = ["drive", "fail_invalid", "stop_waiter"]

@@ -1,0 +1,97 @@
+"""Start-up and clean-up: the Lease first (no handler runs before this replica holds it), then metrics,
+the coordinator, and the pod claims rebuilt from every CheckpointJob's status."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import kopf
+
+from ibckpt.api import CheckpointJobStatus, JobPhase
+from ibckpt_operator import metrics, runtime
+from ibckpt_operator.agents import AgentGateway
+from ibckpt_operator.checkpointjob import job_key
+from ibckpt_operator.config import FINALIZER, current
+from ibckpt_operator.coordinator.server import CoordinatorServer
+from ibckpt_operator.kube import Kube, new_api_client
+from ibckpt_operator.leader import LeaderLease
+from ibckpt_operator.machine import PodClaims
+from ibckpt_operator.machine.status import job_state
+
+log = logging.getLogger(__name__)
+
+
+def tune(settings: kopf.OperatorSettings) -> None:
+    # Our CRDs' status is structural: kopf's own bookkeeping goes to annotations, not status.kopf.
+    settings.persistence.finalizer = FINALIZER
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="kopf.ibckpt.io")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix="kopf.ibckpt.io", key="last-handled-configuration"
+    )
+    settings.posting.level = logging.ERROR  # our Events are written by the drivers themselves
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    settings.networking.request_timeout = 60
+
+
+async def rebuild_claims(kube: Kube) -> PodClaims:
+    jobs = []
+    for body in await kube.list_custom("checkpointjobs"):
+        status = body.get("status") or {}
+        if not status.get("attempt") or status.get("phase") in (JobPhase.SUCCEEDED, JobPhase.FAILED):
+            continue
+        try:
+            state = job_state(CheckpointJobStatus.from_wire(status))
+        except ValueError:
+            continue
+        meta = body["metadata"]
+        jobs.append((job_key(meta["namespace"], meta["name"]), state))
+    return PodClaims.from_jobs(jobs)
+
+
+@kopf.on.startup()
+async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+    tune(settings)
+    config = current()
+    kube = Kube(new_api_client())
+    lease = None
+    if config.lease_enabled:
+        lease = LeaderLease(kube, config.namespace, config.lease_name, config.identity, config.lease_seconds)
+        await lease.acquire()
+    metrics.serve(config.metrics_host, config.metrics_port)
+    coordinator = CoordinatorServer(config.coordinator_bind, config.coordinator_port)
+    await coordinator.start()
+    rt = runtime.Runtime(kube=kube, gateway=AgentGateway(), coordinator=coordinator, lease=lease)
+    rt.claims = await rebuild_claims(kube)
+    if lease is not None:
+        keeper = asyncio.ensure_future(lease.keep(rt.lost.set))
+        rt.tasks.add(keeper)
+    runtime.set_runtime(rt)
+    log.info("ibckpt operator started; coordinator on port %d", coordinator.port)
+
+
+@kopf.on.cleanup()
+async def cleanup(**_: Any) -> None:
+    try:
+        rt = runtime.get()
+    except RuntimeError:
+        return
+    for task in rt.tasks:
+        task.cancel()
+    await rt.coordinator.stop()
+    if rt.lease is not None:
+        await asyncio.to_thread(rt.lease.release)
+    rt.kube.api.close()  # type: ignore[no-untyped-call]
+    runtime.set_runtime(None)
+
+
+@kopf.on.probe(id="leader")
+def leader(**_: Any) -> bool:
+    """For the liveness endpoint: whether this replica still holds the Lease."""
+    try:
+        rt = runtime.get()
+    except RuntimeError:
+        return False
+    return not rt.lost.is_set()

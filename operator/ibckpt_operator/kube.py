@@ -1,0 +1,204 @@
+"""The Kubernetes calls the operator makes, through the official client, each run off the event loop.
+
+Nothing here decides anything: the machines decide, this reads and writes objects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from datetime import UTC, datetime
+from typing import Any
+
+import kubernetes
+from kubernetes.client import ApiException
+
+from ibckpt_operator.config import COMPONENT, GROUP, VERSION
+
+log = logging.getLogger(__name__)
+Body = dict[str, Any]
+
+
+def new_api_client() -> kubernetes.client.ApiClient:
+    """In a pod: its service account; elsewhere: KUBECONFIG or ~/.kube/config."""
+    try:
+        kubernetes.config.load_incluster_config()  # type: ignore[no-untyped-call]
+        return kubernetes.client.ApiClient()
+    except kubernetes.config.ConfigException:
+        client: kubernetes.client.ApiClient = kubernetes.config.new_client_from_config()  # type: ignore[no-untyped-call]
+        return client
+
+
+def is_status(error: BaseException, *codes: int) -> bool:
+    return isinstance(error, ApiException) and error.status in codes
+
+
+class Kube:
+    def __init__(self, api: kubernetes.client.ApiClient) -> None:
+        self.api = api
+        self.core = kubernetes.client.CoreV1Api(api)
+        self.custom = kubernetes.client.CustomObjectsApi(api)
+        self.coordination = kubernetes.client.CoordinationV1Api(api)
+        self._plurals: dict[tuple[str, str], str] = {}
+
+    @staticmethod
+    async def _run(call: Any, *args: Any, **kwargs: Any) -> Any:
+        return await asyncio.to_thread(call, *args, **kwargs)
+
+    # -- plain objects as dicts (the models read them; the client's own classes are not used)
+
+    async def list_pods(self, namespace: str, label_selector: str | None = None) -> list[Body]:
+        kwargs = {"label_selector": label_selector} if label_selector else {}
+        result = await self._run(self.core.list_namespaced_pod, namespace, _preload_content=False, **kwargs)
+        return list(_json(result).get("items", []))
+
+    async def get_pod(self, namespace: str, name: str) -> Body | None:
+        try:
+            return _json(
+                await self._run(self.core.read_namespaced_pod, name, namespace, _preload_content=False)
+            )
+        except ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+
+    async def list_nodes(self) -> list[Body]:
+        result = await self._run(self.core.list_node, _preload_content=False)
+        return list(_json(result).get("items", []))
+
+    async def delete_pod(self, namespace: str, name: str, uid: str) -> bool:
+        """Delete the pod only if it is still this UID; False if it is gone (or another pod by now)."""
+        body = kubernetes.client.V1DeleteOptions(preconditions=kubernetes.client.V1Preconditions(uid=uid))
+        try:
+            await self._run(self.core.delete_namespaced_pod, name, namespace, body=body)
+            return True
+        except ApiException as error:
+            if error.status in (404, 409):
+                return False
+            raise
+
+    async def get_secret(self, namespace: str, name: str) -> dict[str, str] | None:
+        """A Secret's data (base64 values), or None if there is no such Secret."""
+        try:
+            secret = _json(
+                await self._run(self.core.read_namespaced_secret, name, namespace, _preload_content=False)
+            )
+        except ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+        return dict(secret.get("data") or {})
+
+    async def _get_path(self, path: str) -> Body | None:
+        try:
+            result = await self._run(
+                self.api.call_api,
+                path,
+                "GET",
+                auth_settings=["BearerToken"],
+                _preload_content=False,
+                response_type="object",
+            )
+        except ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+        return _json(result[0])
+
+    async def plural_of(self, api_version: str, kind: str) -> str | None:
+        """The resource name of a kind, from the apiserver's discovery (cached)."""
+        key = (api_version, kind)
+        if key not in self._plurals:
+            base = f"/apis/{api_version}" if "/" in api_version else f"/api/{api_version}"
+            found = await self._get_path(base)
+            for resource in (found or {}).get("resources", []):
+                if "/" not in resource.get("name", ""):
+                    self._plurals[(api_version, resource.get("kind", ""))] = resource["name"]
+        return self._plurals.get(key)
+
+    async def get_object(self, api_version: str, kind: str, namespace: str, name: str) -> Body | None:
+        """Any namespaced object by apiVersion and kind (owner walks); None if absent or unknown."""
+        plural = await self.plural_of(api_version, kind)
+        if plural is None:
+            return None
+        base = f"/apis/{api_version}" if "/" in api_version else f"/api/{api_version}"
+        return await self._get_path(f"{base}/namespaces/{namespace}/{plural}/{name}")
+
+    # -- our own kinds
+
+    async def get_custom(self, plural: str, namespace: str, name: str) -> Body | None:
+        try:
+            return dict(
+                await self._run(
+                    self.custom.get_namespaced_custom_object, GROUP, VERSION, namespace, plural, name
+                )
+            )
+        except ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+
+    async def list_custom(self, plural: str) -> list[Body]:
+        result = await self._run(self.custom.list_cluster_custom_object, GROUP, VERSION, plural)
+        return list(result.get("items", []))
+
+    async def create_custom(self, plural: str, namespace: str, body: Body) -> bool:
+        """Create if absent: False when an object of that name exists already."""
+        try:
+            await self._run(
+                self.custom.create_namespaced_custom_object, GROUP, VERSION, namespace, plural, body
+            )
+            return True
+        except ApiException as error:
+            if error.status == 409:
+                return False
+            raise
+
+    async def patch_status(self, plural: str, namespace: str, name: str, status: Body) -> None:
+        await self._run(
+            self.custom.patch_namespaced_custom_object_status,
+            GROUP,
+            VERSION,
+            namespace,
+            plural,
+            name,
+            {"status": status},
+        )
+
+    # -- Events
+
+    async def post_event(
+        self, involved: Body, type_: str, reason: str, message: str, *, api_version: str | None = None
+    ) -> None:
+        """A core/v1 Event about `involved` (an object body). Failing to post one never fails a job."""
+        meta = involved.get("metadata", {})
+        now = datetime.now(UTC)
+        event = kubernetes.client.CoreV1Event(
+            metadata=kubernetes.client.V1ObjectMeta(generate_name=f"{meta.get('name', 'ibckpt')}."),
+            involved_object=kubernetes.client.V1ObjectReference(
+                api_version=api_version or involved.get("apiVersion"),
+                kind=involved.get("kind"),
+                name=meta.get("name"),
+                namespace=meta.get("namespace"),
+                uid=meta.get("uid"),
+            ),
+            reason=reason,
+            message=message[:1024],
+            type=type_,
+            source=kubernetes.client.V1EventSource(component=COMPONENT),
+            first_timestamp=now,
+            last_timestamp=now,
+            count=1,
+            reporting_component=COMPONENT,
+        )
+        try:
+            await self._run(self.core.create_namespaced_event, meta.get("namespace") or "default", event)
+        except ApiException as error:
+            log.warning("could not post Event %s on %s: %s", reason, meta.get("name"), error.reason)
+
+
+def _json(response: Any) -> Body:
+    import json
+
+    data = response.data if hasattr(response, "data") else response
+    return dict(json.loads(data))

@@ -1,0 +1,83 @@
+"""`ibckpt-operator`: kopf with the ibckpt handlers, a liveness endpoint, /metrics, and one active replica
+at a time (a coordination.k8s.io Lease, taken before any handler runs)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import threading
+
+import kopf
+
+from ibckpt_operator import config as settings
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    env = os.environ
+    parser = argparse.ArgumentParser(prog="ibckpt-operator", description=__doc__)
+    parser.add_argument("--namespace", default=env.get("POD_NAMESPACE", "ibckpt-system"),
+                        help="the operator's own namespace: its Lease and the agent pods")  # fmt: skip
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--metrics-port", type=int, default=9108, help="0: no /metrics")
+    parser.add_argument("--liveness-port", type=int, default=8080, help="0: no /healthz")
+    parser.add_argument("--coordinator-port", type=int, default=7070)
+    parser.add_argument("--coordinator-host", default="",
+                        help="address agents dial (default: POD_IP, else the default route's)")  # fmt: skip
+    parser.add_argument("--lease-name", default="ibckpt-operator")
+    parser.add_argument("--lease-seconds", type=float, default=15.0)
+    parser.add_argument("--no-lease", action="store_true", help="do not elect (a single test operator)")
+    parser.add_argument("--agent-port", type=int, default=settings.current().agent_port)
+    parser.add_argument("--gc-grace-seconds", type=float, default=3600.0,
+                        help="a deleted Checkpoint's chunks younger than this are swept later")  # fmt: skip
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    settings.configure(
+        settings.current().with_(
+            namespace=args.namespace,
+            metrics_port=args.metrics_port,
+            coordinator_port=args.coordinator_port,
+            coordinator_host=args.coordinator_host,
+            lease_name=args.lease_name,
+            lease_seconds=args.lease_seconds,
+            lease_enabled=not args.no_lease,
+            agent_port=args.agent_port,
+            gc_grace_seconds=args.gc_grace_seconds,
+        )
+    )
+    import ibckpt_operator.handlers  # noqa: F401 - registers the handlers with kopf
+    from ibckpt_operator import runtime
+
+    stop = threading.Event()
+
+    async def run() -> None:
+        async def lease_watch() -> None:
+            # A replica that lost the Lease stops: the next leader resumes the jobs from their status.
+            while True:
+                await asyncio.sleep(1.0)
+                try:
+                    if runtime.get().lost.is_set():
+                        stop.set()
+                        return
+                except RuntimeError:
+                    continue
+
+        watcher = asyncio.ensure_future(lease_watch())
+        liveness = f"http://0.0.0.0:{args.liveness_port}/healthz" if args.liveness_port else None
+        try:
+            await kopf.operator(clusterwide=True, standalone=True, liveness_endpoint=liveness, stop_flag=stop)
+        finally:
+            watcher.cancel()
+
+    asyncio.run(run())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""What every handler shares in one operator process: the API client, the agents, the coordinator, the
+pod claims and the Lease. Made by the startup handler, dropped by the cleanup handler."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from dataclasses import dataclass, field
+
+from ibckpt_operator.agents import AgentGateway
+from ibckpt_operator.config import current
+from ibckpt_operator.coordinator.server import CoordinatorServer
+from ibckpt_operator.kube import Kube
+from ibckpt_operator.leader import LeaderLease
+from ibckpt_operator.machine import PodClaims
+
+
+@dataclass
+class Runtime:
+    kube: Kube
+    gateway: AgentGateway
+    coordinator: CoordinatorServer
+    claims: PodClaims = field(default_factory=PodClaims)
+    lease: LeaderLease | None = None
+    lost: asyncio.Event = field(default_factory=asyncio.Event)  # the Lease is gone: stop driving jobs
+    tasks: set[asyncio.Task[None]] = field(default_factory=set)
+
+    def coordinator_address(self) -> str:
+        return f"{advertised_host()}:{self.coordinator.port}"
+
+
+def advertised_host() -> str:
+    """Where agents reach this operator: the configured host, the pod's IP (downward API), or the address
+    the default route leaves from."""
+    configured = current().coordinator_host or os.environ.get("POD_IP", "")
+    if configured:
+        return configured
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("10.255.255.255", 1))  # no packet is sent: this only picks a route
+            return str(probe.getsockname()[0])
+        except OSError:
+            return "127.0.0.1"
+
+
+_runtime: Runtime | None = None
+
+
+def get() -> Runtime:
+    if _runtime is None:
+        raise RuntimeError("the operator has not started (no startup handler ran)")
+    return _runtime
+
+
+def set_runtime(runtime: Runtime | None) -> None:
+    global _runtime
+    _runtime = runtime

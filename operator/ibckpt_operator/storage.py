@@ -1,0 +1,156 @@
+"""Where a job's checkpoint goes: its CheckpointStorage (or in-place location) and credentials Secret,
+turned into the image store's configuration, and checked with one cheap request before any pod is touched.
+
+Credentials never leave this module in a message: errors name the Secret and the endpoint, not the keys.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from dataclasses import dataclass
+
+from ibckpt.api import CheckpointStorageSpec, LocalObjectReference, S3Location
+from ibckpt.store import (
+    AccessDeniedError,
+    BucketNotFoundError,
+    ConfigError,
+    CredentialsError,
+    EndpointUnreachableError,
+    ImageStore,
+    StoreConfig,
+    StoreError,
+    credentials_from_secret,
+)
+from ibckpt.store.config import EncryptionConfig, encryption_key_from_secret
+from ibckpt_operator.config import current
+from ibckpt_operator.kube import Kube
+
+
+class StorageProblem(Exception):
+    """Why the storage cannot be used: `reason` is one CamelCase word for status and Events."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+@dataclass(frozen=True)
+class ResolvedStorage:
+    location: S3Location
+    config: StoreConfig
+
+
+async def location_of(
+    kube: Kube, namespace: str, ref: LocalObjectReference | None, inline: S3Location | None
+) -> S3Location:
+    if inline is not None:
+        return inline
+    assert ref is not None
+    body = await kube.get_custom("checkpointstorages", namespace, ref.name)
+    if body is None:
+        raise StorageProblem("StorageNotFound", f"CheckpointStorage {namespace}/{ref.name} does not exist")
+    try:
+        return CheckpointStorageSpec.from_wire(body.get("spec", {}))
+    except ValueError as error:
+        raise StorageProblem("InvalidStorage", f"CheckpointStorage {ref.name}: {error}") from None
+
+
+async def resolve(kube: Kube, namespace: str, location: S3Location) -> ResolvedStorage:
+    """The store configuration, with the credentials read from the Secret the location names."""
+    secret_ref = location.credentials_secret_ref
+    data = await kube.get_secret(namespace, secret_ref.name)
+    if data is None:
+        raise StorageProblem(
+            "SecretNotFound", f"the credentials Secret {namespace}/{secret_ref.name} does not exist"
+        )
+    try:
+        credentials = credentials_from_secret(data, name=f"{namespace}/{secret_ref.name}")
+    except ConfigError as error:
+        raise StorageProblem("InvalidSecret", str(error)) from None
+    ca_bundle = None
+    if location.ca_bundle_secret_ref is not None:
+        ca_ref = location.ca_bundle_secret_ref
+        ca_data = await kube.get_secret(namespace, ca_ref.name)
+        key = ca_ref.key or "ca.crt"
+        if ca_data is None or key not in ca_data:
+            raise StorageProblem(
+                "SecretNotFound", f"the CA bundle Secret {namespace}/{ca_ref.name} has no {key}"
+            )
+        ca_bundle = base64.b64decode(ca_data[key]).decode()
+    encryption = EncryptionConfig()
+    if location.encryption is not None:
+        mode = str(location.encryption.mode)
+        client_key = None
+        if location.encryption.key_secret_ref is not None:
+            key_ref = location.encryption.key_secret_ref
+            key_data = await kube.get_secret(namespace, key_ref.name)
+            if key_data is None:
+                raise StorageProblem(
+                    "SecretNotFound", f"the encryption key Secret {namespace}/{key_ref.name} does not exist"
+                )
+            if key_ref.key:
+                key_data = {"IBCKPT_ENCRYPTION_KEY": key_data.get(key_ref.key, "")}
+            try:
+                client_key = encryption_key_from_secret(key_data)
+            except ConfigError as error:
+                raise StorageProblem("InvalidSecret", str(error)) from None
+        encryption = EncryptionConfig.model_validate(
+            {"mode": mode, "kms_key_id": location.encryption.kms_key_id, "client_key": client_key}
+        )
+    settings = current()
+    try:
+        config = StoreConfig(
+            bucket=location.bucket,
+            prefix=location.prefix,
+            endpoint_url=location.endpoint or None,
+            region=location.region,
+            addressing_style=location.addressing_style,
+            credentials=credentials,
+            encryption=encryption,
+            max_attempts=settings.s3_check_attempts,
+            connect_timeout=settings.s3_check_timeout,
+            read_timeout=max(settings.s3_check_timeout, 30.0),
+        )
+    except ValueError as error:
+        raise StorageProblem("InvalidStorage", f"storage settings: {error}") from None
+    if ca_bundle is not None:
+        config = _with_ca_file(config, ca_bundle)
+    return ResolvedStorage(location, config)
+
+
+def _with_ca_file(config: StoreConfig, pem: str) -> StoreConfig:
+    import tempfile
+
+    # boto3 takes a CA bundle as a path; the file holds no secret (a CA certificate).
+    with tempfile.NamedTemporaryFile("w", prefix="ibckpt-ca-", suffix=".pem", delete=False) as handle:
+        handle.write(pem)
+    return config.with_overrides(ca_bundle=handle.name)
+
+
+def _problem(error: StoreError) -> StorageProblem:
+    if isinstance(error, CredentialsError | AccessDeniedError):
+        return StorageProblem("StorageCredentialsRejected", str(error))
+    if isinstance(error, EndpointUnreachableError):
+        return StorageProblem("StorageUnreachable", str(error))
+    if isinstance(error, BucketNotFoundError):
+        return StorageProblem("BucketNotFound", str(error))
+    return StorageProblem("StorageUnavailable", str(error))
+
+
+def open_store(config: StoreConfig) -> ImageStore:
+    """Connect and head the bucket (blocking: call it in a thread)."""
+    try:
+        return ImageStore.open(config)
+    except StoreError as error:
+        raise _problem(error) from None
+
+
+async def check(
+    kube: Kube, namespace: str, ref: LocalObjectReference | None, inline: S3Location | None
+) -> ResolvedStorage:
+    """Resolve the location and its Secret, then one HEAD on the bucket: a clear reason if any fails."""
+    resolved = await resolve(kube, namespace, await location_of(kube, namespace, ref, inline))
+    await asyncio.to_thread(open_store, resolved.config)
+    return resolved
