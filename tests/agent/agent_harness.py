@@ -1,0 +1,100 @@
+"""The node agent on the host for tests/agent: its server in a thread; registrations as the hook does."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from ibckpt.agentapi import AgentClient
+from ibckpt_node.agent.auth import Authenticator, Review
+from ibckpt_node.agent.server import AgentServer
+from ibckpt_node.hook import client as registry_client
+from ibckpt_node.registry import ContainerRegistry
+
+OPERATOR = "system:serviceaccount:ibckpt:ibckpt-operator"
+TOKENS = {"op-token": OPERATOR, "other-token": "system:serviceaccount:default:default"}
+
+
+class Stub:
+    """Plays the apiserver's TokenReview: knows two tokens, counts the reviews."""
+
+    def __init__(self) -> None:
+        self.reviews = 0
+
+    async def __call__(self, token: str) -> Review:
+        self.reviews += 1
+        user = TOKENS.get(token)
+        return Review(True, user) if user else Review(False, error="invalid bearer token")
+
+
+class Running:
+    def __init__(self, state: Path) -> None:
+        self.reviewer = Stub()
+        self.loop = asyncio.new_event_loop()
+        self.server = AgentServer(
+            node="node-x",
+            host="127.0.0.1",
+            port=0,
+            registry=ContainerRegistry(state),
+            authenticator=Authenticator(self.reviewer, frozenset({OPERATOR})),
+            work_dir=state,
+            shim_path=str(state / "lib" / "libibckpt.so"),
+        )
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        asyncio.run_coroutine_threadsafe(self.server.start(), self.loop).result(10)
+        self.port = self.server.http.port
+
+    def client(self, token: str = "op-token") -> AgentClient:
+        return AgentClient("127.0.0.1", self.port, token=token, timeout_s=5)
+
+    def raw(self, method: str, path: str, headers: dict[str, str] | None = None, body: bytes = b"") -> Any:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
+        try:
+            conn.request(method, path, body=body or None, headers=headers or {})
+            reply = conn.getresponse()
+            return reply.status, dict(reply.getheaders()), reply.read()
+        finally:
+            conn.close()
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.close(), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+def register(state: Path, pid: int, cid: str, *, shim: bool = True, sockets: int = 1) -> list[socket.socket]:
+    """Register pid as a container the way ibckpt-hook does, with `sockets` control sockets made."""
+    ctl = state / "containers" / cid / "ctl"
+    ctl.mkdir(parents=True)
+    made = []
+    for i in range(sockets):
+        s = socket.socket(socket.AF_UNIX)
+        s.bind(str(ctl / f"{1 + i}.sock"))
+        made.append(s)
+    register_entry(state, pid, cid, shim=shim)
+    return made
+
+
+def register_entry(state: Path, pid: int, cid: str, *, shim: bool = True) -> None:
+    ctl = state / "containers" / cid / "ctl"
+    entry = {
+        "container_id": cid,
+        "namespace": "ml",
+        "pod": f"pod-{cid}",
+        "pod_uid": f"uid-{cid}",
+        "container": "main",
+        "pid": pid,
+        "pid_start": registry_client.process_start(pid),
+        "control_dir": str(ctl),
+        "control_socket": str(ctl / "1.sock"),
+        "shim": shim,
+        "reason": "" if shim else "no ibckpt-runc",
+        "registered_at": time.time(),
+    }
+    registry_client.register(str(state / "registry.sock"), entry, 5.0)
