@@ -267,9 +267,8 @@ def product(log: Path) -> Image:
 
 BUILDERS = {"pause": pause, "rdma-apps": apps, "ibckpt": product}
 
-# What a node's containerd keeps: image metadata and unpacked layers (overlayfs snapshots).
-STORE_PARTS = ("io.containerd.metadata.v1.bolt", "io.containerd.content.v1.content")
-STORE_SNAPSHOTS = "io.containerd.snapshotter.v1.overlayfs"
+# How long an unused node store (another checkout's) is kept before a new one replaces it.
+STORE_KEEP_S = 6 * 3600
 
 
 def node_store(built: dict[str, Image], log: Path | None = None) -> Path:
@@ -284,6 +283,7 @@ def node_store(built: dict[str, Image], log: Path | None = None) -> Path:
     stores = cache_dir() / "node-store"
     root = stores / key
     if (root / "ready").exists():
+        (root / "ready").touch()  # in use: kept by the clean-up below
         return root
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
@@ -321,8 +321,10 @@ def node_store(built: dict[str, Image], log: Path | None = None) -> Path:
             daemon.wait()
         shutil.rmtree(state, ignore_errors=True)
     (root / "ready").write_text("")
+    # Another checkout's cluster may still run on an older store: drop only long-unused ones.
     for old in stores.iterdir():
-        if old != root:
+        ready = old / "ready"
+        if old != root and (not ready.exists() or time.time() - ready.stat().st_mtime > STORE_KEEP_S):
             shutil.rmtree(old, ignore_errors=True)
     return root
 

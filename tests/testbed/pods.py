@@ -92,4 +92,5 @@ def namespace(cluster: Cluster, name: str) -> str:
 
 
 def delete_namespace(cluster: Cluster, name: str) -> None:
-    cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+    """Delete and wait until its pods are gone: the next test (a drain, say) must not meet them."""
+    cluster.kubectl("delete", "namespace", name, "--timeout=180s", check=False, timeout=200)
