@@ -22,6 +22,15 @@ from ibckpt.agentapi import CheckpointRequest, PhaseTimeouts, RankRef, SessionRe
 from testbed.coordinator import ThreadedCoordinator
 
 
+class Shim(FakeShimSocket):
+    """As the real shim: once released, `abort` is refused (only a rebuild brings it back)."""
+
+    def answer(self, verb: str) -> tuple[bool, dict[str, object]]:
+        if verb == "abort" and self.state == "released":
+            return False, {"phase": "abort", "ok": False, "state": "released"}
+        return super().answer(verb)
+
+
 @pytest.fixture
 def agent(tmp_path: Path) -> Iterator[Running]:
     running = Running(tmp_path / "state")
@@ -43,7 +52,7 @@ def test_a_checkpoint_whose_dump_fails_recovers_the_rank_and_reports_it(
     try:
         ctl = state / "containers" / "c1" / "ctl"
         ctl.mkdir(parents=True)
-        shim = FakeShimSocket(ctl / "1.sock")
+        shim = Shim(ctl / "1.sock")
         register_entry(state, sleeper.pid, "c1")
         session, token = coordinator.create_session({"node-x"})
         request = CheckpointRequest(
