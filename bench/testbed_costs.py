@@ -2,7 +2,8 @@
 
 Run from the repo root:  .venv/bin/python bench/testbed_costs.py
 Prints one table: start-up time and peak RSS for SeaweedFS, the kube control plane,
-one Soft-RoCE guest (boot + trivial command) and two linked guests.
+one Soft-RoCE guest (boot + trivial command), two linked guests, and the two-node cluster
+(start to both nodes Ready, a pod's create to Running, each node guest's memory).
 """
 
 from __future__ import annotations
@@ -15,7 +16,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+import json
+
+from testbed.cluster import start_cluster
 from testbed.guest import GuestSpec, run, run_pair
+from testbed.images import APPS_IMAGE
 from testbed.kube import start_control_plane
 from testbed.s3 import start_s3, stop_s3
 
@@ -96,6 +101,32 @@ def main() -> None:
         a, b = run_pair(GuestSpec("true"), GuestSpec("true"), timeout=300)
         assert a.returncode == 0 and b.returncode == 0, a.output + b.output
         rows.append(("two linked guests: boot + `true` (both qemu)", time.monotonic() - t0, peak.peak))
+
+    with PeakRss() as peak:
+        t0 = time.monotonic()
+        cluster = start_cluster()
+        rows.append(("cluster: start to both nodes Ready (peak, both)", time.monotonic() - t0, peak.peak))
+        try:
+            pod = {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": "bench"},
+                "spec": {
+                    "nodeName": "node-1",
+                    "containers": [
+                        {"name": "c", "image": APPS_IMAGE, "imagePullPolicy": "Never", "args": ["sleep", "9"]}
+                    ],
+                },
+            }
+            t0 = time.monotonic()
+            cluster.kubectl("apply", "-f", "-", stdin=json.dumps(pod))
+            cluster.kubectl("wait", "--for=condition=Ready", "pod/bench", "--timeout=300s", timeout=320)
+            rows.append(("cluster: pod create to Running (node-1)", time.monotonic() - t0, 0.0))
+            for g in cluster.guests.guests:
+                name = f"cluster: node-{g.spec.node} guest with a pod (qemu RSS)"
+                rows.append((name, 0.0, rss_mb(g.proc.pid)))
+        finally:
+            cluster.stop()
 
     print(f"{'part':<55} {'seconds':>8} {'RSS MiB':>8}")
     for name, seconds, mem in rows:
