@@ -28,6 +28,8 @@ class Stub:
 
     async def __call__(self, token: str) -> Review:
         self.reviews += 1
+        if token == "apiserver-down":
+            return Review(False, error="TokenReview failed: connection refused", unavailable=True)
         user = TOKENS.get(token)
         return Review(True, user) if user else Review(False, error="invalid bearer token")
 

@@ -55,6 +55,13 @@ def test_health_needs_no_token_everything_else_does(agent: Running) -> None:
     assert "forged" not in str(refused.value)
 
 
+def test_no_verdict_from_the_apiserver_is_503_not_401(agent: Running) -> None:
+    with pytest.raises(AgentError) as unavailable:
+        agent.client("apiserver-down").info()
+    assert unavailable.value.status == 503
+    assert agent.client().info().node == "node-x"  # not remembered as anything
+
+
 def test_another_service_account_is_forbidden(agent: Running) -> None:
     with pytest.raises(AgentError) as refused:
         agent.client("other-token").containers()

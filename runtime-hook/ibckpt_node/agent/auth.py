@@ -3,8 +3,8 @@
 The operator sends its service-account token; the agent asks the apiserver whose it is (TokenReview,
 which the agent's RBAC allows) and accepts only the identity the chart names
 (`system:serviceaccount:<namespace>:<release>-operator`). No token or an invalid one: 401; a valid token
-of anyone else: 403. A reviewed token is remembered for a short while (by its hash, never the token), so
-polling a session does not cost a TokenReview per call.
+of anyone else: 403; no answer from the apiserver: 503. A reviewed token is remembered for a short while
+(by its hash, never the token), so polling a session does not cost a TokenReview per call.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ class Review:
     authenticated: bool
     username: str = ""
     error: str = ""
+    unavailable: bool = False  # the apiserver could not be asked: no verdict on the token
 
 
 Reviewer = Callable[[str], Awaitable[Review]]
@@ -82,9 +83,9 @@ class TokenReviewer:
             with urllib.request.urlopen(request, timeout=self.timeout_s, context=self.context) as reply:
                 status = json.load(reply).get("status", {})
         except urllib.error.HTTPError as exc:
-            return Review(False, error=f"TokenReview refused: HTTP {exc.code}")
+            return Review(False, error=f"TokenReview refused: HTTP {exc.code}", unavailable=True)
         except (OSError, ValueError) as exc:
-            return Review(False, error=f"TokenReview failed: {exc}")
+            return Review(False, error=f"TokenReview failed: {exc}", unavailable=True)
         if not status.get("authenticated"):
             return Review(False, error=status.get("error") or "token not authenticated")
         return Review(True, username=str(status.get("user", {}).get("username", "")))
@@ -112,6 +113,9 @@ class Authenticator:
             username = known[0]
         else:
             review = await self.reviewer(token)
+            if review.unavailable:
+                log.warning("cannot check a caller: %s", review.error)
+                raise AuthError(503, "the agent cannot check tokens now (TokenReview failed)")
             if not review.authenticated:
                 log.info("refused a call: %s", review.error)
                 raise AuthError(401, "the token was not authenticated")
