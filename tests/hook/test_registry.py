@@ -307,3 +307,4 @@ def test_the_hooks_fast_path_only_skips_what_cannot_be_ours(tmp_path: Path) -> N
     assert main.string_field('{"bundle":"/b\\\\x"}', "bundle") is None
     assert main.string_field('{"bundle" :  "/b/y", "id": 1}', "bundle") == "/b/y"
     assert main.string_field('{"bundle": 7}', "bundle") is None
+    assert main.string_field('{"bundle": "/b", "annotations": {"bundle": "/x"}}', "bundle") is None

@@ -22,8 +22,8 @@ def string_field(raw: str, key: str) -> str | None:
     """The value of a top-level string field of the state, or None when it is not plain
     (escapes or odd spacing): the caller then parses the JSON properly."""
     at = raw.find(f'"{key}"')
-    if at < 0:
-        return None
+    if at < 0 or raw.find(f'"{key}"', at + 1) >= 0:
+        return None  # absent, or also an annotation's name: let json tell them apart
     rest = raw[at + len(key) + 2 :].lstrip()
     if not rest.startswith(":"):
         return None
