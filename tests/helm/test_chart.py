@@ -257,7 +257,7 @@ def test_the_agent_api_answers_only_the_operator(installed: Installed) -> None:
         )
         result = json.loads(proc.stdout.split("RESULT ", 1)[1])
     finally:
-        cluster.kubectl("delete", "pod", "-n", NAMESPACE, "caller", "--wait=false", check=False)
+        cluster.kubectl("delete", "pod", "-n", NAMESPACE, "caller", "--timeout=60s", check=False, timeout=90)
     for i, node in enumerate(NODE_NAMES, 1):
         r = result[node]
         assert r["healthy"] is True
@@ -273,8 +273,10 @@ def test_the_agent_api_answers_only_the_operator(installed: Installed) -> None:
         assert (info["node"], info["ready"], info["address"]) == (node, True, f"{node_ip(i)}:{AGENT_PORT}")
         assert info["shimPresent"] is True
         assert info["shimPath"] == "/var/lib/ibckpt/lib/ibckpt/libibckpt.so"
-        assert any('route="/v1/info",code="200"' in line for line in r["metrics"]), r["metrics"]
-        assert any('code="403"' in line for line in r["metrics"]), r["metrics"]
+        counted = {line.split("{", 1)[1].split("}", 1)[0] for line in r["metrics"]}
+        assert 'code="200",route="/v1/info"' in counted, r["metrics"]
+        assert 'code="403",route="/v1/info"' in counted, r["metrics"]
+        assert 'code="401",route="/v1/info"' in counted, r["metrics"]
     # no token reached a log
     logs = cluster.kubectl(
         "logs", "-n", NAMESPACE, "-l", "app.kubernetes.io/component=agent", "--tail=-1"
