@@ -38,6 +38,17 @@ from testbed.kube import (
 from testbed.ports import free_port
 
 NODE_NAMES = ("node-1", "node-2")
+# The one step a cluster admin takes by hand on each RDMA node (docs/runtime-hook.md): a
+# containerd runtime handler for the `ibckpt` RuntimeClass. The agent installs the wrapper
+# it names; until then pods of that class fail to start with the reason, others are untouched.
+IBCKPT_RUNTIME_HANDLER = """
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.ibckpt]
+      runtime_type = "io.containerd.runc.v2"
+      pod_annotations = ["ibckpt.io/*"]
+      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.ibckpt.options]
+        BinaryName = "/usr/local/bin/ibckpt-runc"
+        SystemdCgroup = false
+"""
 KUBELET_PORT = 10250
 RDMA_LABEL = "ibckpt.io/rdma"
 # The Soft-RoCE devices every node has (guest-init2.sh creates rxe0 on the link NIC).
@@ -205,7 +216,7 @@ def _prepare_node(plane: ControlPlane, root: Path, index: int, store: Path, hand
 def start_cluster(
     workdir: Path | None = None,
     forward_ports: Sequence[int] = (),
-    runtime_handlers_toml: str = "",
+    runtime_handlers_toml: str = IBCKPT_RUNTIME_HANDLER,
     memory_mb: int = 3072,
     cpus: int = 2,
     echo: bool = False,
