@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from datetime import UTC, datetime
 from typing import Any
 
@@ -19,14 +20,19 @@ log = logging.getLogger(__name__)
 Body = dict[str, Any]
 
 
-def new_api_client() -> kubernetes.client.ApiClient:
-    """In a pod: its service account; elsewhere: KUBECONFIG or ~/.kube/config."""
+def client_configuration() -> kubernetes.client.Configuration:
+    """In a pod: its service account; elsewhere: $KUBECONFIG (read now, not at import) or ~/.kube/config."""
+    configuration = kubernetes.client.Configuration()
     try:
-        kubernetes.config.load_incluster_config()  # type: ignore[no-untyped-call]
-        return kubernetes.client.ApiClient()
+        kubernetes.config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
     except kubernetes.config.ConfigException:
-        client: kubernetes.client.ApiClient = kubernetes.config.new_client_from_config()  # type: ignore[no-untyped-call]
-        return client
+        path = os.environ.get("KUBECONFIG") or os.path.expanduser("~/.kube/config")
+        kubernetes.config.load_kube_config(config_file=path, client_configuration=configuration)  # type: ignore[no-untyped-call]
+    return configuration
+
+
+def new_api_client() -> kubernetes.client.ApiClient:
+    return kubernetes.client.ApiClient(client_configuration())
 
 
 def is_status(error: BaseException, *codes: int) -> bool:

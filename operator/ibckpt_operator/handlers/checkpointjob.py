@@ -64,7 +64,9 @@ async def fail_invalid(rt: runtime.Runtime, body: dict[str, Any], plural: str, m
     metrics.ended(body.get("kind", plural), "Failed", "InvalidSpec")
 
 
-@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=None)
+# A deleted job first brings its ranks back (bounded by its abort timeout); an exiting operator leaves at
+# once (the state is in status). kopf cancels the daemon only past these bounds.
+@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_backoff=2.0, cancellation_timeout=600.0)
 async def drive(body: kopf.Body, stopped: kopf.DaemonStopped, **_: Any) -> None:
     rt = runtime.get()
     raw = copy.deepcopy(dict(body))

@@ -15,7 +15,7 @@ from ibckpt_operator.agents import AgentGateway
 from ibckpt_operator.checkpointjob import job_key
 from ibckpt_operator.config import FINALIZER, current
 from ibckpt_operator.coordinator.server import CoordinatorServer
-from ibckpt_operator.kube import Kube, new_api_client
+from ibckpt_operator.kube import Kube, client_configuration, new_api_client
 from ibckpt_operator.leader import LeaderLease
 from ibckpt_operator.machine import PodClaims
 from ibckpt_operator.machine.status import job_state
@@ -30,6 +30,7 @@ def tune(settings: kopf.OperatorSettings) -> None:
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix="kopf.ibckpt.io", key="last-handled-configuration"
     )
+    settings.background.cancellation_polling = 2.0  # a deleted job's finalizer goes soon after its daemon
     settings.posting.level = logging.ERROR  # our Events are written by the drivers themselves
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
@@ -49,6 +50,24 @@ async def rebuild_claims(kube: Kube) -> PodClaims:
         meta = body["metadata"]
         jobs.append((job_key(meta["namespace"], meta["name"]), state))
     return PodClaims.from_jobs(jobs)
+
+
+@kopf.on.login()
+def login(**_: Any) -> kopf.ConnectionInfo:
+    """kopf talks to the same apiserver, as the same identity, as the operator's own client."""
+    configuration = client_configuration()
+    keys = configuration.api_key or {}
+    authorization = str(keys.get("BearerToken") or keys.get("authorization") or "")
+    scheme, _sep, value = authorization.partition(" ")
+    token = value.strip() if scheme.lower() == "bearer" else None
+    return kopf.ConnectionInfo(
+        server=configuration.host,
+        ca_path=configuration.ssl_ca_cert,
+        insecure=not configuration.verify_ssl,
+        token=token,
+        certificate_path=configuration.cert_file,
+        private_key_path=configuration.key_file,
+    )
 
 
 @kopf.on.startup()

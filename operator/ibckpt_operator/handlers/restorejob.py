@@ -14,7 +14,9 @@ from ibckpt_operator.handlers.checkpointjob import fail_invalid, stop_waiter
 from ibckpt_operator.restorejob import PLURAL, RestoreJobDriver
 
 
-@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=None)
+# A deleted job first brings its ranks back (bounded by its abort timeout); an exiting operator leaves at
+# once (the state is in status). kopf cancels the daemon only past these bounds.
+@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_backoff=2.0, cancellation_timeout=600.0)
 async def drive(body: kopf.Body, stopped: kopf.DaemonStopped, **_: Any) -> None:
     rt = runtime.get()
     raw = copy.deepcopy(dict(body))

@@ -1,0 +1,458 @@
+"""Fixtures for the operator's handler tests: the real apiserver (v1.20) with the CRDs, the real S3, the
+operator run in-process under kopf's KopfRunner, and fake node agents that speak ibckpt.agentapi over
+HTTP on 127.0.0.x (the agent is the one part faked at this level; the cluster tests use the real one).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import kubernetes
+import pytest
+import yaml
+from pydantic import SecretStr
+
+from ibckpt.agentapi import (
+    AgentInfo,
+    CheckpointRequest,
+    ContainerList,
+    RankPhase,
+    RankProgress,
+    RegisteredContainer,
+    SessionKind,
+    SessionReport,
+    SessionState,
+)
+from ibckpt.store import Credentials, ImageStore, RankInfo, StoreConfig
+from testbed.kube import ControlPlane
+from testbed.ports import free_port
+from testbed.s3 import S3Server
+
+GROUP, VERSION = "ibckpt.io", "v1alpha1"
+CRD_DIR = Path(__file__).resolve().parents[2] / "crds"
+OPERATOR_NS = "ibckpt-system"
+AGENT_TOKEN = "agent-test-token"
+
+
+# -- the apiserver ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def crds(kube_api: kubernetes.client.ApiClient) -> kubernetes.client.ApiClient:
+    ext = kubernetes.client.ApiextensionsV1Api(kube_api)
+    names = []
+    for path in sorted(CRD_DIR.glob("*.yaml")):
+        body = yaml.safe_load(path.read_text())
+        names.append(body["metadata"]["name"])
+        try:
+            ext.create_custom_resource_definition(body)
+        except kubernetes.client.ApiException as exc:
+            if exc.status != 409:
+                raise
+    deadline = time.monotonic() + 30
+    for name in names:
+        while True:
+            crd = ext.read_custom_resource_definition(name)
+            if any(c.type == "Established" and c.status == "True" for c in crd.status.conditions or []):
+                break
+            assert time.monotonic() < deadline, f"CRD {name} not established"
+            time.sleep(0.2)
+    core = kubernetes.client.CoreV1Api(kube_api)
+    try:
+        core.create_namespace({"metadata": {"name": OPERATOR_NS}})
+    except kubernetes.client.ApiException as exc:
+        if exc.status != 409:
+            raise
+    return kube_api
+
+
+@dataclass
+class Cluster:
+    """Plays the kubelet: nodes, pods and their status, envtest-style."""
+
+    api: kubernetes.client.ApiClient
+    namespace: str
+
+    @property
+    def core(self) -> kubernetes.client.CoreV1Api:
+        return kubernetes.client.CoreV1Api(self.api)
+
+    @property
+    def custom(self) -> kubernetes.client.CustomObjectsApi:
+        return kubernetes.client.CustomObjectsApi(self.api)
+
+    def node(self, name: str, ready: bool = True) -> None:
+        try:
+            self.core.create_node({"metadata": {"name": name, "labels": {"kubernetes.io/hostname": name}}})
+        except kubernetes.client.ApiException as exc:
+            if exc.status != 409:
+                raise
+        status = "True" if ready else "False"
+        self.core.patch_node_status(name, {"status": {"conditions": [{"type": "Ready", "status": status,
+                                                       "reason": "Test", "message": "test"}]}})  # fmt: skip
+
+    def pod(
+        self,
+        name: str,
+        node: str,
+        labels: dict[str, str] | None = None,
+        namespace: str | None = None,
+        ip: str = "10.1.0.1",
+        ready: bool = True,
+        owners: list[dict[str, Any]] | None = None,
+    ) -> dict[str, Any]:
+        ns = namespace or self.namespace
+        meta: dict[str, Any] = {"name": name, "labels": labels or {}}
+        if owners:
+            meta["ownerReferences"] = owners
+        body = {
+            "metadata": meta,
+            "spec": {"nodeName": node, "containers": [{"name": "main", "image": "ring:test"}]},
+        }
+        created = self.core.create_namespaced_pod(ns, body)
+        cond = "True" if ready else "False"
+        status = {"phase": "Running", "podIP": ip, "conditions": [{"type": "Ready", "status": cond}]}
+        self.core.patch_namespaced_pod_status(name, ns, {"status": status})
+        return {"name": name, "uid": created.metadata.uid, "node": node}
+
+    def agent_pod(self, node: str, ip: str, ready: bool = True) -> None:
+        labels = {"app.kubernetes.io/component": "agent", "app.kubernetes.io/instance": "ibckpt"}
+        self.pod(f"agent-{node}", node, labels, namespace=OPERATOR_NS, ip=ip, ready=ready)
+
+    def secret(self, name: str, data: dict[str, str]) -> None:
+        encoded = {k: base64.b64encode(v.encode()).decode() for k, v in data.items()}
+        self.core.create_namespaced_secret(self.namespace, {"metadata": {"name": name}, "data": encoded})
+
+    def create(self, plural: str, body: dict[str, Any]) -> dict[str, Any]:
+        result: dict[str, Any] = self.custom.create_namespaced_custom_object(
+            GROUP, VERSION, self.namespace, plural, body
+        )
+        return result
+
+    def get(self, plural: str, name: str) -> dict[str, Any] | None:
+        try:
+            result: dict[str, Any] = self.custom.get_namespaced_custom_object(
+                GROUP, VERSION, self.namespace, plural, name
+            )
+            return result
+        except kubernetes.client.ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def delete(self, plural: str, name: str) -> None:
+        self.custom.delete_namespaced_custom_object(GROUP, VERSION, self.namespace, plural, name)
+
+    def wait(
+        self, plural: str, name: str, check: Callable[[dict[str, Any]], bool], timeout: float = 60
+    ) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        last: dict[str, Any] | None = None
+        while time.monotonic() < deadline:
+            last = self.get(plural, name)
+            if last is not None and check(last):
+                return last
+            time.sleep(0.3)
+        seen = json.dumps((last or {}).get("status"), indent=1)[:4000]
+        raise AssertionError(f"{plural}/{name} never got there; last status: {seen}")
+
+    def events(self, name: str) -> list[Any]:
+        items = self.core.list_namespaced_event(self.namespace).items
+        return [e for e in items if e.involved_object.name == name]
+
+    def pod_names(self) -> list[str]:
+        return sorted(p.metadata.name for p in self.core.list_namespaced_pod(self.namespace).items)
+
+
+@pytest.fixture
+def cluster_ns(crds: kubernetes.client.ApiClient) -> Iterator[Cluster]:
+    name = "t-" + secrets.token_hex(4)
+    kubernetes.client.CoreV1Api(crds).create_namespace({"metadata": {"name": name}})
+    yield Cluster(crds, name)
+    # No job of this test may be resumed by the next test's operator: drop them, finalizers and all.
+    custom = kubernetes.client.CustomObjectsApi(crds)
+    for plural in ("checkpointjobs", "restorejobs", "checkpoints"):
+        for item in custom.list_namespaced_custom_object(GROUP, VERSION, name, plural)["items"]:
+            item_name = item["metadata"]["name"]
+            try:
+                custom.patch_namespaced_custom_object(
+                    GROUP, VERSION, name, plural, item_name, {"metadata": {"finalizers": None}}
+                )
+                custom.delete_namespaced_custom_object(GROUP, VERSION, name, plural, item_name)
+            except kubernetes.client.ApiException as exc:
+                if exc.status != 404:
+                    raise
+
+
+# -- S3 -------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def bucket(s3_server: S3Server) -> str:
+    name = "ops-" + secrets.token_hex(5)
+    s3_server.client().create_bucket(Bucket=name)
+    return name
+
+
+@pytest.fixture
+def store_config(s3_server: S3Server) -> Callable[[str], StoreConfig]:
+    """The store configuration the fake agents write with (the operator reads the Secret instead)."""
+    return lambda bucket: _store_config(s3_server, bucket)
+
+
+def _store_config(s3: S3Server, bucket: str, prefix: str = "ibckpt") -> StoreConfig:
+    return StoreConfig(
+        bucket=bucket,
+        prefix=prefix,
+        endpoint_url=s3.endpoint,
+        region=s3.region,
+        addressing_style="path",
+        credentials=Credentials(
+            access_key_id=SecretStr(s3.access_key), secret_access_key=SecretStr(s3.secret_key)
+        ),
+        chunk_size=64 * 1024,
+        workers=2,
+        max_attempts=2,
+    )
+
+
+# -- fake node agents -------------------------------------------------------------------------------------
+
+
+@dataclass
+class FakeAgent:
+    """One node's agent API. `behaviour`: "hang" keeps every rank quiescing; "complete" walks the ranks
+    through every phase and stages this node's part in the real S3 (so the operator's commit is real)."""
+
+    node: str
+    host: str
+    port: int
+    behaviour: str = "hang"
+    store: StoreConfig | None = None
+    containers: list[RegisteredContainer] = field(default_factory=list)
+    requests: list[CheckpointRequest] = field(default_factory=list)
+    aborts: list[tuple[str, str]] = field(default_factory=list)
+    reports: dict[str, SessionReport] = field(default_factory=dict)
+    server: ThreadingHTTPServer | None = None
+
+    def register(self, pod: dict[str, Any], namespace: str, container: str = "main") -> None:
+        self.containers.append(
+            RegisteredContainer(
+                container_id=secrets.token_hex(8),
+                namespace=namespace,
+                pod=pod["name"],
+                pod_uid=pod["uid"],
+                container=container,
+                pid=4242,
+                control_socket="/run/ibckpt/ctl/4242.sock",
+                shim=True,
+            )
+        )
+
+    def start(self) -> None:
+        agent = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def reply(self, status: int, body: bytes) -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def authorized(self) -> bool:
+                if self.headers.get("Authorization") != f"Bearer {AGENT_TOKEN}":
+                    self.reply(401, b'{"error": "unauthorized"}')
+                    return False
+                return True
+
+            def do_GET(self) -> None:
+                if self.path == "/healthz":
+                    self.reply(200, b"ok")
+                    return
+                if not self.authorized():
+                    return
+                if self.path == "/v1/info":
+                    info = AgentInfo(node=agent.node, version="test", ready=True, address=f"{agent.host}:1",
+                                     shim_path="/opt/ibckpt/libibckpt.so", shim_present=True,
+                                     containers=agent.containers)  # fmt: skip
+                    self.reply(200, info.to_json())
+                elif self.path == "/v1/containers":
+                    self.reply(200, ContainerList(node=agent.node, containers=agent.containers).to_json())
+                elif self.path.startswith("/v1/sessions/"):
+                    report = agent.reports.get(self.path.rsplit("/", 1)[1])
+                    if report is None:
+                        self.reply(404, b'{"error": "unknown session"}')
+                    else:
+                        self.reply(200, report.to_json())
+                else:
+                    self.reply(404, b'{"error": "no such path"}')
+
+            def do_POST(self) -> None:
+                if not self.authorized():
+                    return
+                body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+                if self.path == "/v1/sessions/checkpoint":
+                    request = CheckpointRequest.from_json(body)
+                    agent.requests.append(request)
+                    report = agent.new_report(request)
+                    self.reply(202, report.to_json())
+                    if agent.behaviour == "complete":
+                        threading.Thread(target=agent.complete, args=(request,), daemon=True).start()
+                elif self.path.endswith("/abort"):
+                    session = self.path.split("/")[3]
+                    agent.aborts.append((session, json.loads(body)["reason"]))
+                    report = agent.reports.get(session)
+                    if report is None:
+                        self.reply(404, b'{"error": "unknown session"}')
+                        return
+                    ranks = [r.model_copy(update={"phase": RankPhase.DONE}) for r in report.ranks]
+                    done = report.model_copy(update={"state": SessionState.ABORTED, "ranks": ranks,
+                                                     "finished_at": time.time()})  # fmt: skip
+                    agent.reports[session] = done
+                    self.reply(200, done.to_json())
+                else:
+                    self.reply(404, b'{"error": "no such path"}')
+
+        self.server = ThreadingHTTPServer((self.host, self.port), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+
+    def new_report(self, request: CheckpointRequest) -> SessionReport:
+        ranks = [
+            RankProgress(rank_key=f"{request.job}/{r.pod_uid}/{r.container}/0", pod_uid=r.pod_uid,
+                         container=r.container, pid=4242, phase=RankPhase.QUIESCING)
+            for r in request.ranks
+        ]  # fmt: skip
+        report = SessionReport(session_id=request.session_id, kind=SessionKind.CHECKPOINT, node=self.node,
+                               phase="quiesce", ranks=ranks, started_at=time.time())  # fmt: skip
+        self.reports[request.session_id] = report
+        return report
+
+    def set_phase(self, session: str, phase: RankPhase, **changes: Any) -> None:
+        report = self.reports[session]
+        ranks = [
+            r.model_copy(update={"phase": phase, "bytes": changes.pop("bytes", r.bytes)})
+            for r in report.ranks
+        ]
+        self.reports[session] = report.model_copy(update={"ranks": ranks, **changes})
+
+    def complete(self, request: CheckpointRequest) -> None:
+        session = request.session_id
+        for phase in (RankPhase.DRAINING, RankPhase.RELEASING, RankPhase.DUMPING, RankPhase.UPLOADING):
+            time.sleep(0.2)
+            self.set_phase(session, phase)
+        assert self.store is not None and request.images is not None
+        images = Path(f"/tmp/ibckpt-fake-agent-{self.node}-{secrets.token_hex(3)}")
+        images.mkdir()
+        (images / "pages-1.img").write_bytes(os.urandom(200_000))
+        store = ImageStore.open(self.store)
+        with store.writer(request.images.job, request.images.checkpoint_id) as writer:
+            writer.add_tree(images, under=self.node)
+            rank = RankInfo(
+                rank=int(self.host.rsplit(".", 1)[1]), pod=self.node, node=self.node, root=self.node
+            )
+            writer.stage(self.node, ranks=[rank])
+        for phase in (RankPhase.REBUILDING, RankPhase.RESUMING, RankPhase.DONE):
+            time.sleep(0.2)
+            self.set_phase(session, phase, bytes=200_000)
+        self.set_phase(session, RankPhase.DONE, state=SessionState.SUCCEEDED, finished_at=time.time())
+
+
+@dataclass
+class Agents:
+    port: int
+    by_node: dict[str, FakeAgent] = field(default_factory=dict)
+
+    def add(self, cluster: Cluster, node: str, index: int, behaviour: str = "hang",
+            store: StoreConfig | None = None, ready: bool = True) -> FakeAgent:  # fmt: skip
+        host = f"127.0.0.{index}"
+        cluster.node(node)
+        cluster.agent_pod(node, host, ready=ready)
+        agent = FakeAgent(node, host, self.port, behaviour, store)
+        agent.start()
+        self.by_node[node] = agent
+        return agent
+
+
+@pytest.fixture
+def agents(crds: kubernetes.client.ApiClient) -> Iterator[Agents]:
+    found = Agents(free_port())
+    yield found
+    for agent in found.by_node.values():
+        agent.stop()
+    core = kubernetes.client.CoreV1Api(crds)
+    for node in found.by_node:
+        core.delete_namespaced_pod(f"agent-{node}", OPERATOR_NS, grace_period_seconds=0)
+
+
+# -- the operator, in-process -------------------------------------------------------------------------------
+
+
+@dataclass
+class OperatorHandle:
+    metrics_port: int
+    config: Any
+
+
+@pytest.fixture
+def operator(
+    kube: ControlPlane, crds: kubernetes.client.ApiClient, agents: Agents, tmp_path: Path
+) -> Iterator[Callable[..., Any]]:
+    """Start (and restart) the operator under KopfRunner: `with operator() as handle: ...`."""
+    from kopf.testing import KopfRunner
+
+    from ibckpt_operator import config as settings
+
+    token_file = tmp_path / "agent-token"
+    token_file.write_text(AGENT_TOKEN)
+    os.environ["KUBECONFIG"] = str(kube.kubeconfig)
+    metrics_port = free_port()
+    lease_name = "ibckpt-operator-" + secrets.token_hex(3)
+    saved = settings.current()
+
+    @contextmanager
+    def run(**overrides: Any) -> Iterator[OperatorHandle]:
+        config = saved.with_(
+            namespace=OPERATOR_NS,
+            identity="test-operator",
+            lease_name=lease_name,
+            lease_seconds=6.0,
+            metrics_port=metrics_port,
+            metrics_host="127.0.0.1",
+            coordinator_host="127.0.0.1",
+            coordinator_bind="127.0.0.1",
+            coordinator_port=0,
+            agent_port=agents.port,
+            agent_token_file=str(token_file),
+            agent_timeout=3.0,
+            gc_grace_seconds=0.0,
+            poll_seconds=0.3,
+            tick_seconds=2.0,
+        ).with_(**overrides)
+        settings.configure(config)
+        args = ["run", "-A", "--standalone", "-m", "ibckpt_operator.handlers"]
+        with KopfRunner(args, timeout=60) as runner:
+            yield OperatorHandle(metrics_port, config)
+        settings.configure(saved)
+        assert runner.exception is None or isinstance(runner.exception, SystemExit), runner.output[-3000:]
+
+    yield run

@@ -1,0 +1,343 @@
+"""The operator process against the real apiserver and the real S3: bad input touches nothing and says why,
+admission, two jobs over the same pods, a restart mid-phase, a whole LeaveRunning checkpoint committed to
+S3, the Checkpoint finalizer, the Lease, and /metrics. Node agents are fakes speaking ibckpt.agentapi."""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import kubernetes
+import pytest
+
+from ibckpt.store import ImageStore
+from testbed.ports import free_port
+from testbed.s3 import S3Server
+
+OPERATOR_NS = "ibckpt-system"  # as conftest.py sets it up
+Agents = Cluster = Any  # conftest.py's fixtures (a test module cannot import its conftest by name)
+
+pytestmark = [pytest.mark.kube, pytest.mark.s3]
+JOBS = "checkpointjobs"
+
+
+def storage(
+    s3: S3Server, bucket: str, secret: str = "s3-creds", endpoint: str | None = None
+) -> dict[str, Any]:
+    return {
+        "endpoint": endpoint or s3.endpoint,
+        "region": s3.region,
+        "bucket": bucket,
+        "credentialsSecretRef": {"name": secret},
+    }
+
+
+def job(
+    name: str, location: dict[str, Any], labels: dict[str, str] | None = None, **spec: Any
+) -> dict[str, Any]:
+    body: dict[str, Any] = {"storage": location, **spec}
+    if "workloadRef" not in spec:
+        body["selector"] = {"matchLabels": labels or {"app": "ring"}}
+    return {
+        "apiVersion": "ibckpt.io/v1alpha1",
+        "kind": "CheckpointJob",
+        "metadata": {"name": name},
+        "spec": body,
+    }
+
+
+def creds(cluster: Cluster, s3: S3Server, name: str = "s3-creds", secret_key: str | None = None) -> None:
+    cluster.secret(
+        name, {"AWS_ACCESS_KEY_ID": s3.access_key, "AWS_SECRET_ACCESS_KEY": secret_key or s3.secret_key}
+    )
+
+
+def phase(wanted: str) -> Any:
+    return lambda body: (body.get("status") or {}).get("phase") == wanted
+
+
+def condition(body: dict[str, Any], kind: str) -> dict[str, Any]:
+    return next(c for c in body["status"]["conditions"] if c["type"] == kind)
+
+
+def assert_failed(cluster: Cluster, body: dict[str, Any], reason: str, *words: str) -> None:
+    status = body["status"]
+    assert status["phase"] == "Failed" and status["reason"] == reason, status
+    failed = condition(body, "Failed")
+    assert failed["status"] == "True" and failed["reason"] == reason
+    assert failed["observedGeneration"] == body["metadata"]["generation"]
+    assert condition(body, "Ready")["status"] == "False"
+    assert condition(body, "Progressing")["status"] == "False"
+    for word in words:
+        assert word in status["message"], status["message"]
+    deadline = time.monotonic() + 10
+    while True:  # Events are posted right after the status that names the failure
+        warnings = [
+            e for e in cluster.events(body["metadata"]["name"]) if e.type == "Warning" and e.reason == reason
+        ]
+        if warnings:
+            break
+        assert time.monotonic() < deadline, f"no Warning Event {reason}"
+        time.sleep(0.2)
+    for word in words:
+        assert word in warnings[0].message
+
+
+def test_selector_matching_nothing_fails_and_touches_nothing(
+    cluster_ns: Cluster, s3_server: S3Server, bucket: str, agents: Agents, operator: Any
+) -> None:
+    agent = agents.add(cluster_ns, "node-a", 1)
+    other = cluster_ns.pod("web-0", "node-a", {"app": "web"})
+    agent.register(other, cluster_ns.namespace)
+    before = cluster_ns.core.read_namespaced_pod("web-0", cluster_ns.namespace).metadata.resource_version
+    creds(cluster_ns, s3_server)
+    with operator():
+        cluster_ns.create(JOBS, job("nothing", storage(s3_server, bucket)))
+        body = cluster_ns.wait(JOBS, "nothing", phase("Failed"))
+    assert_failed(cluster_ns, body, "NoPods", "no pod matches")
+    assert body["status"].get("podCount") == 0
+    after = cluster_ns.core.read_namespaced_pod("web-0", cluster_ns.namespace).metadata.resource_version
+    assert after == before and agent.requests == []
+
+
+def test_missing_credentials_secret(
+    cluster_ns: Cluster, s3_server: S3Server, bucket: str, agents: Agents, operator: Any
+) -> None:
+    agents.add(cluster_ns, "node-a", 1)
+    cluster_ns.pod("ring-0", "node-a", {"app": "ring"})
+    with operator():
+        cluster_ns.create(JOBS, job("nosecret", storage(s3_server, bucket, secret="absent")))
+        body = cluster_ns.wait(JOBS, "nosecret", phase("Failed"))
+    assert_failed(cluster_ns, body, "SecretNotFound", f"{cluster_ns.namespace}/absent", "does not exist")
+    assert not body["status"].get("pods")  # failed before any pod was even selected
+
+
+def test_wrong_credentials_and_unreachable_endpoint(
+    cluster_ns: Cluster, s3_server: S3Server, bucket: str, agents: Agents, operator: Any
+) -> None:
+    agents.add(cluster_ns, "node-a", 1)
+    cluster_ns.pod("ring-0", "node-a", {"app": "ring"})
+    creds(cluster_ns, s3_server, "wrong", secret_key="not-the-secret-key")
+    dead = f"http://127.0.0.1:{free_port()}"
+    creds(cluster_ns, s3_server)
+    with operator():
+        cluster_ns.create(JOBS, job("badkey", storage(s3_server, bucket, secret="wrong")))
+        cluster_ns.create(JOBS, job("nowhere", storage(s3_server, bucket, endpoint=dead)))
+        wrong = cluster_ns.wait(JOBS, "badkey", phase("Failed"))
+        unreachable = cluster_ns.wait(JOBS, "nowhere", phase("Failed"))
+    assert_failed(cluster_ns, wrong, "StorageCredentialsRejected", "rejected the credentials", bucket)
+    assert_failed(cluster_ns, unreachable, "StorageUnreachable", "cannot reach the S3 endpoint", dead)
+    for body in (wrong, unreachable):  # the secret key is nowhere in what the operator wrote
+        assert "not-the-secret-key" not in str(body) and s3_server.secret_key not in str(body)
+        for event in cluster_ns.events(body["metadata"]["name"]):
+            assert "not-the-secret-key" not in event.message and s3_server.secret_key not in event.message
+
+
+def test_pod_on_a_node_without_a_ready_agent(
+    cluster_ns: Cluster, s3_server: S3Server, bucket: str, agents: Agents, operator: Any
+) -> None:
+    agent = agents.add(cluster_ns, "node-a", 1)
+    agents.add(cluster_ns, "node-c", 3, ready=False)
+    cluster_ns.node("node-b")
+    for name, node in (("ring-0", "node-a"), ("ring-1", "node-b"), ("ring-2", "node-c")):
+        agent.register(cluster_ns.pod(name, node, {"app": "ring"}), cluster_ns.namespace)
+    creds(cluster_ns, s3_server)
+    with operator():
+        cluster_ns.create(JOBS, job("noagent", storage(s3_server, bucket)))
+        body = cluster_ns.wait(JOBS, "noagent", phase("Failed"))
+    assert_failed(
+        cluster_ns, body, "AdmissionRefused", "pod ring-1 is on node node-b which has no ready ibckpt agent"
+    )
+    rows = {row["name"]: row for row in body["status"]["pods"]}
+    assert rows["ring-1"]["phase"] == "Refused" and rows["ring-1"]["node"] == "node-b"
+    assert rows["ring-0"]["uid"] and agent.requests == []  # admission comes before any touch
+    assert body["status"]["claimed"] is False
+
+
+def test_workload_ref_walks_owners(
+    cluster_ns: Cluster, s3_server: S3Server, bucket: str, agents: Agents, operator: Any
+) -> None:
+    """Pods owned by a Job (any kind works) are the members; a pod of another owner is not."""
+    agents.add(cluster_ns, "node-a", 1)
+    batch = kubernetes.client.BatchV1Api(cluster_ns.api)
+    template = {"spec": {"restartPolicy": "Never", "containers": [{"name": "main", "image": "ring:test"}]}}
+    owner = batch.create_namespaced_job(
+        cluster_ns.namespace,
+        {"metadata": {"name": "solver"}, "spec": {"template": template, "suspend": True}},
+    )
+    ref = [{"apiVersion": "batch/v1", "kind": "Job", "name": "solver", "uid": owner.metadata.uid}]
+    cluster_ns.pod("solver-0", "node-a", {"x": "1"}, owners=ref)
+    cluster_ns.pod("solver-1", "node-a", {"x": "2"}, owners=ref)
+    cluster_ns.pod("bystander", "node-a", {"x": "3"})
+    creds(cluster_ns, s3_server)
+    with operator():
+        cluster_ns.create(
+            JOBS, job("bywork", storage(s3_server, bucket), workloadRef={"kind": "Job", "name": "solver"})
+        )
+        body = cluster_ns.wait(JOBS, "bywork", phase("Failed"))
+    # Nothing registered with the agent: admission refuses, naming a member.
+    assert body["status"]["reason"] == "AdmissionRefused"
+    assert sorted(row["name"] for row in body["status"]["pods"]) == ["solver-0", "solver-1"]
+    assert "no container registered" in body["status"]["message"]
+
+
+def test_two_jobs_over_the_same_pods(
+    cluster_ns: Cluster, s3_server: S3Server, bucket: str, agents: Agents, operator: Any
+) -> None:
+    a = agents.add(cluster_ns, "node-a", 1)
+    b = agents.add(cluster_ns, "node-b", 2)
+    a.register(cluster_ns.pod("ring-0", "node-a", {"app": "ring"}), cluster_ns.namespace)
+    b.register(cluster_ns.pod("ring-1", "node-b", {"app": "ring"}), cluster_ns.namespace)
+    creds(cluster_ns, s3_server)
+    ns = cluster_ns.namespace
+    with operator():
+        cluster_ns.create(JOBS, job("first", storage(s3_server, bucket)))
+        first = cluster_ns.wait(JOBS, "first", phase("Quiescing"))
+        assert first["status"]["claimed"] is True and len(a.requests) == len(b.requests) == 1
+        request = a.requests[0]
+        assert request.coordinator.startswith("127.0.0.1:") and request.ranks[0].container == "main"
+        assert request.session_id == f"ckj-{first['status']['attempt'].rpartition('-')[0]}"
+        cluster_ns.create(JOBS, job("second", storage(s3_server, bucket), concurrencyPolicy="Fail"))
+        second = cluster_ns.wait(JOBS, "second", phase("Failed"))
+        assert_failed(cluster_ns, second, "PodsBusy", f"being checkpointed by {ns}/first")
+        cluster_ns.create(JOBS, job("third", storage(s3_server, bucket)))
+        third = cluster_ns.wait(
+            JOBS, "third", lambda o: (o.get("status") or {}).get("reason") == "WaitingForPods"
+        )
+        assert third["status"]["phase"] == "Pending" and third["status"]["waitingFor"] == f"{ns}/first"
+        # Deleting the first job cancels it: every rank is brought back, then the third gets the pods.
+        cluster_ns.delete(JOBS, "first")
+        cluster_ns.wait(JOBS, "third", phase("Quiescing"), timeout=60)
+        deadline = time.monotonic() + 30
+        while cluster_ns.get(JOBS, "first") is not None:  # its finalizer goes once its daemon ended
+            assert time.monotonic() < deadline, "the cancelled job was never released"
+            time.sleep(0.3)
+    assert [session for session, _ in a.aborts][:1] == [request.session_id]
+    assert "deleted" in a.aborts[0][1]
+
+
+def test_operator_restart_mid_phase_aborts_from_status(
+    cluster_ns: Cluster, s3_server: S3Server, bucket: str, agents: Agents, operator: Any
+) -> None:
+    a = agents.add(cluster_ns, "node-a", 1)
+    a.register(cluster_ns.pod("ring-0", "node-a", {"app": "ring"}), cluster_ns.namespace)
+    creds(cluster_ns, s3_server)
+    with operator():
+        cluster_ns.create(JOBS, job("restarted", storage(s3_server, bucket)))
+        before = cluster_ns.wait(JOBS, "restarted", phase("Quiescing"))
+    # The operator is gone while the ranks were being quiesced: the outcome of that step is unknown.
+    status = before["status"]
+    assert status["step"] == "quiesce" and status["attempt"]
+    run, _, seq = status["attempt"].rpartition("-")
+    with operator():
+        after = cluster_ns.wait(JOBS, "restarted", phase("Failed"))
+    assert_failed(cluster_ns, after, "OperatorRestarted", "quiesce", "outcome is unknown")
+    assert after["status"]["abortedFrom"] == "Quiescing"
+    new_run, _, new_seq = after["status"]["attempt"].rpartition("-")
+    assert new_run == run and int(new_seq) > int(seq)  # the same run, a new attempt: never a blind replay
+    assert [s for s, _ in a.aborts] == [f"ckj-{run}"] and len(a.requests) == 1
+
+
+def test_leave_running_checkpoint_committed_then_deleted(
+    cluster_ns: Cluster, s3_server: S3Server, bucket: str, agents: Agents, operator: Any, store_config: Any
+) -> None:
+    """A whole checkpoint: both agents stage their parts in the real S3, the operator commits the
+    manifest, publishes the Checkpoint; deleting the Checkpoint removes its objects from S3."""
+    config = store_config(bucket)
+    a = agents.add(cluster_ns, "node-a", 1, "complete", config)
+    b = agents.add(cluster_ns, "node-b", 2, "complete", config)
+    a.register(cluster_ns.pod("ring-0", "node-a", {"app": "ring"}), cluster_ns.namespace)
+    b.register(cluster_ns.pod("ring-1", "node-b", {"app": "ring"}), cluster_ns.namespace)
+    creds(cluster_ns, s3_server)
+    client = s3_server.client()
+    with operator() as handle:
+        cluster_ns.create(JOBS, job("ring-ckpt", storage(s3_server, bucket), checkpointName="ring-1st"))
+        body = cluster_ns.wait(JOBS, "ring-ckpt", phase("Succeeded"), timeout=90)
+        status = body["status"]
+        assert status["checkpointName"] == "ring-1st" and status["manifestKey"].endswith(
+            "/ring-ckpt/ring-1st.json"
+        )
+        assert condition(body, "Ready")["status"] == "True"
+        assert [row["phase"] for row in status["pods"]] == ["Resumed", "Resumed"]
+        checkpoint = cluster_ns.wait(
+            "checkpoints", "ring-1st", lambda o: bool(o.get("metadata", {}).get("finalizers"))
+        )
+        assert checkpoint["spec"]["manifestKey"] == status["manifestKey"]
+        assert checkpoint["spec"]["nodes"] == ["node-a", "node-b"]
+        manifest = ImageStore.open(config).manifest(
+            ImageStore.open(config).context.layout.ref_from_manifest_key(status["manifestKey"])  # type: ignore[arg-type]
+        )
+        assert sorted(rank.node or "" for rank in manifest.ranks) == ["node-a", "node-b"]
+        keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket).get("Contents", [])]
+        assert any("/chunks/" in k for k in keys) and status["manifestKey"] in keys
+        reasons = [e.reason for e in cluster_ns.events("ring-ckpt")]
+        for expected in ("Pending", "Quiescing", "Uploading", "Committed", "Rebuilding", "Succeeded"):
+            assert expected in reasons, reasons
+
+        cluster_ns.delete("checkpoints", "ring-1st")
+        deadline = time.monotonic() + 60
+        while cluster_ns.get("checkpoints", "ring-1st") is not None:
+            assert time.monotonic() < deadline, "the Checkpoint's finalizer never finished"
+            time.sleep(0.3)
+        left = [o["Key"] for o in client.list_objects_v2(Bucket=bucket).get("Contents", [])]
+        assert not [k for k in left if "/manifests/" in k or "/chunks/" in k], left
+        assert any(e.reason == "ImagesDeleted" for e in cluster_ns.events("ring-1st"))
+
+        text = (
+            urllib.request.urlopen(f"http://127.0.0.1:{handle.metrics_port}/metrics", timeout=10)
+            .read()
+            .decode()
+        )
+    assert 'ibckpt_operations_total{kind="CheckpointJob",result="Succeeded"}' in text
+    assert 'ibckpt_phase_duration_seconds_count{kind="CheckpointJob",phase="Quiescing"}' in text
+    assert "ibckpt_checkpoint_bytes_total" in text and "ibckpt_checkpoints_deleted_total 1.0" in text
+    assert "ibckpt_operator_leader 1.0" in text
+
+
+def test_metrics_count_failures_by_reason(
+    cluster_ns: Cluster, s3_server: S3Server, bucket: str, agents: Agents, operator: Any
+) -> None:
+    creds(cluster_ns, s3_server)
+    with operator() as handle:
+        cluster_ns.create(JOBS, job("counted", storage(s3_server, bucket), labels={"app": "none"}))
+        cluster_ns.wait(JOBS, "counted", phase("Failed"))
+        text = (
+            urllib.request.urlopen(f"http://127.0.0.1:{handle.metrics_port}/metrics", timeout=10)
+            .read()
+            .decode()
+        )
+    assert 'ibckpt_failures_total{kind="CheckpointJob",reason="NoPods"}' in text
+    assert 'ibckpt_operations_total{kind="CheckpointJob",result="Failed"}' in text
+
+
+def test_one_active_operator_holds_the_lease(
+    cluster_ns: Cluster, s3_server: S3Server, bucket: str, agents: Agents, operator: Any
+) -> None:
+    """While another replica renews the Lease, this one touches nothing; once it stops, this one leads."""
+    coordination = kubernetes.client.CoordinationV1Api(cluster_ns.api)
+    name = "lease-test-" + cluster_ns.namespace
+    now = datetime.now(UTC)
+    coordination.create_namespaced_lease(OPERATOR_NS, {
+        "metadata": {"name": name},
+        "spec": {"holderIdentity": "other-replica", "leaseDurationSeconds": 6, "acquireTime": now.isoformat(),
+                 "renewTime": now.isoformat()},
+    })  # fmt: skip
+    creds(cluster_ns, s3_server)
+    cluster_ns.create(JOBS, job("led", storage(s3_server, bucket), labels={"app": "none"}))
+    with operator(lease_name=name):
+        # The other replica renews for a while: nothing is written to the job meanwhile.
+        for _ in range(4):
+            coordination.patch_namespaced_lease(
+                name, OPERATOR_NS, {"spec": {"renewTime": datetime.now(UTC).isoformat()}}
+            )
+            time.sleep(1.5)
+            assert not (cluster_ns.get(JOBS, "led") or {}).get("status"), "a follower touched the job"
+        body = cluster_ns.wait(JOBS, "led", phase("Failed"), timeout=40)
+        lease = coordination.read_namespaced_lease(name, OPERATOR_NS)
+        assert lease.spec.holder_identity == "test-operator" and lease.spec.lease_transitions == 1
+    assert body["status"]["reason"] == "NoPods"
+    released = coordination.read_namespaced_lease(name, OPERATOR_NS)
+    assert not released.spec.holder_identity  # given up at a clean exit
+    assert datetime.now(UTC) - now < timedelta(minutes=2)
