@@ -26,6 +26,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from ibckpt.agentapi.models import DEFAULT_PORT
 from ibckpt_node.agent.auth import Authenticator, TokenReviewer
+from ibckpt_node.agent.kubesecrets import KubeSecrets
 from ibckpt_node.agent.server import AgentServer
 from ibckpt_node.hook import install
 from ibckpt_node.registry import ContainerRegistry
@@ -88,6 +89,7 @@ async def serve(args: argparse.Namespace) -> None:
         work_dir=host_dir,
         shim_path=str(node_config(args.host_dir, args.runc)["shim"]),
         metrics=metrics,
+        secrets=KubeSecrets.in_cluster(),
     )
     if args.metrics_port:
         start_http_server(args.metrics_port, addr=args.address, registry=metrics)

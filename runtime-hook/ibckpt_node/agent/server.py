@@ -13,6 +13,7 @@ import ibckpt
 from ibckpt.agentapi import models as api
 from ibckpt_node.agent.auth import Authenticator, AuthError
 from ibckpt_node.agent.httpserver import HttpServer, Request, Response
+from ibckpt_node.agent.kubesecrets import SecretReader
 from ibckpt_node.agent.sessions import SessionError, Sessions
 from ibckpt_node.registry import ContainerRegistry, RegisteredContainer
 
@@ -73,6 +74,7 @@ class AgentServer:
         shim_path: str,
         shim_present_path: Path | None = None,
         metrics: CollectorRegistry | None = None,
+        secrets: SecretReader | None = None,
     ) -> None:
         self.node = node
         self.registry = registry
@@ -81,7 +83,12 @@ class AgentServer:
         self.shim_present_path = shim_present_path or Path(shim_path)
         self.metrics = Metrics(metrics or CollectorRegistry())
         self.sessions = Sessions(
-            node, registry, work_dir, Path(registry.config.coord_dir) / "coord.sock", self._finished
+            node,
+            registry,
+            work_dir,
+            Path(registry.config.coord_dir) / "coord.sock",
+            self._finished,
+            secrets,
         )
         self.http = HttpServer(host, port, self.handle, error)
         self.ready = False

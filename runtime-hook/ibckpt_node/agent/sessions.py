@@ -23,6 +23,7 @@ from ibckpt.agentapi import models as api
 from ibckpt.coordination.client import CoordinationAborted, CoordinatorClient, CoordinatorError
 from ibckpt.coordination.ranks import RankId
 from ibckpt_node import driver
+from ibckpt_node.agent.kubesecrets import SecretReader, StagingError
 from ibckpt_node.coord_proxy import ShimCoordinatorProxy
 from ibckpt_node.criu import CriuError
 from ibckpt_node.registry import ContainerRegistry, RegisteredContainer
@@ -126,7 +127,9 @@ class Sessions:
         work_dir: Path,
         shim_socket: Path,
         on_finished: Callable[[api.SessionReport], None] = lambda report: None,
+        secrets: SecretReader | None = None,
     ) -> None:
+        self.secrets = secrets
         self.node = node
         self.registry = registry
         self.work_dir = work_dir
@@ -280,11 +283,17 @@ class Sessions:
                 members = [session.by_key[k] for k in session.tree_keys[tree.name]]
                 for progress in members:
                     progress.bytes = size // max(1, len(members))
+            if request.images is not None:
+                await self._stage(session, images)
             for progress in report.ranks:
                 progress.phase = final
             report.state = api.SessionState.SUCCEEDED
             report.phase = result.outcome
-            report.message = f"images in {images} on {self.node}"
+            if request.images is None:
+                report.message = f"images in {images} on {self.node}"
+        except StagingError as exc:
+            # the ranks are back (or, with Stop, gone): only the upload failed; the images stay here
+            self._finish_failed(session, api.SessionState.FAILED, f"{exc} (images kept in {images})")
         except driver.CheckpointRefused as exc:
             self._finish_failed(session, api.SessionState.REFUSED, str(exc))
         except CoordinationAborted as exc:
@@ -308,6 +317,42 @@ class Sessions:
                 "session %s: %s (%s) %s", request.session_id, report.state.value, report.phase, report.message
             )
             self.on_finished(report)
+
+    async def _stage(self, session: Session, images: Path) -> None:
+        """Upload this node's images as its part of the checkpoint (the operator commits the parts)."""
+        from ibckpt_node.agent.staging import stage_trees, store_config  # boto3: only when staging
+
+        destination = session.request.images
+        assert destination is not None
+        report = session.report
+        report.phase = api.RankPhase.UPLOADING.value
+        for rank in report.ranks:
+            rank.phase = api.RankPhase.UPLOADING
+        if self.secrets is None:
+            raise StagingError("this agent has no way to read Secrets")
+        data = await self.secrets(destination.credentials.namespace, destination.credentials.name)
+        config = store_config(destination.location, destination.credentials, data)
+        uploaded = 0
+
+        def count(size: int) -> None:  # runs on the upload's threads
+            nonlocal uploaded
+            uploaded += size
+
+        trees = [(t.name, t.name.split(".", 1)[0]) for t in session.trees]
+        started = time.monotonic()
+        upload = asyncio.to_thread(stage_trees, config, destination, self.node, images, trees, count)
+        try:
+            # a thread cannot be cancelled: on timeout the upload may go on, but nothing commits it
+            total = await asyncio.wait_for(upload, session.request.timeouts.upload_seconds)
+        except TimeoutError:
+            raise StagingError(
+                f"upload did not finish within {session.request.timeouts.upload_seconds:g}s"
+            ) from None
+        report.phases["uploaded"] = round(time.monotonic() - started, 3)
+        report.message = (
+            f"staged {total} bytes ({uploaded} uploaded, the rest already stored) as part {self.node} "
+            f"of {destination.job}/{destination.checkpoint_id}"
+        )
 
     def _finish_failed(self, session: Session, state: api.SessionState, message: str) -> None:
         report = session.report

@@ -1,0 +1,63 @@
+"""Staging a node's images to S3: its part of the checkpoint, which the operator commits with the others.
+
+The request names the S3 location and the Secret that holds its credentials; the agent reads the Secret
+itself (its RBAC allows the chart's storage Secret only), so credentials never travel in a request and
+never reach a report or a log (errors name the Secret and its keys, never the values).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from ibckpt.agentapi import models as api
+from ibckpt.api.storage import S3Location
+from ibckpt.store import ImageStore, StoreConfig, credentials_from_secret
+from ibckpt.store.errors import StoreError
+from ibckpt.store.manifest import RankInfo
+from ibckpt_node.agent.kubesecrets import StagingError
+
+
+def store_config(location: S3Location, secret: api.SecretRef, data: dict[str, str]) -> StoreConfig:
+    # What the agent cannot do yet is refused, never silently dropped.
+    if location.encryption is not None and str(location.encryption.mode) != "none":
+        raise StagingError("encrypted storage is not supported by the node agent yet")
+    if location.ca_bundle_secret_ref is not None:
+        raise StagingError("a CA bundle for the S3 endpoint is not supported by the node agent yet")
+    try:
+        credentials = credentials_from_secret(data, name=f"{secret.namespace}/{secret.name}")
+    except StoreError as exc:
+        raise StagingError(str(exc)) from None
+    return StoreConfig(
+        bucket=location.bucket,
+        prefix=location.prefix,
+        endpoint_url=location.endpoint or None,
+        region=location.region,
+        addressing_style=location.addressing_style,
+        credentials=credentials,
+    )
+
+
+def stage_trees(
+    config: StoreConfig,
+    destination: api.ImageDestination,
+    node: str,
+    images_root: Path,
+    trees: Sequence[tuple[str, str]],  # (image dir name under images_root, pod name)
+    progress: Callable[[int], None],
+) -> int:
+    """Upload each tree under `<node>/<tree>` and stage them as this node's part; returns logical bytes."""
+    try:
+        store = ImageStore.open(config)
+        with store.writer(destination.job, destination.checkpoint_id, progress=progress) as writer:
+            total = 0
+            ranks = []
+            for index, (name, pod) in enumerate(trees):
+                root = f"{node}/{name}"
+                records = writer.add_tree(images_root / name, under=root)
+                total += sum(r.size for r in records)
+                ranks.append(RankInfo(rank=index, pod=pod, node=node, root=root))
+            writer.stage(node, ranks)
+        return total
+    except StoreError as exc:
+        raise StagingError(f"staging to {config.where()}: {exc}") from exc

@@ -1,0 +1,99 @@
+"""Staging a node's images to a real S3 (SeaweedFS, SigV4 enforced): the credentials come from a Secret's
+data as the agent reads it, the node's trees become its part, and the operator's commit of the parts
+gives back the same bytes."""
+
+from __future__ import annotations
+
+import base64
+import os
+import secrets
+from pathlib import Path
+
+import pytest
+
+from ibckpt.agentapi import ImageDestination, SecretRef
+from ibckpt.api.storage import S3Location
+from ibckpt.store import CheckpointRef, ImageStore
+from ibckpt_node.agent.kubesecrets import StagingError
+from ibckpt_node.agent.staging import stage_trees, store_config
+from testbed.s3 import S3Server
+
+SECRET = SecretRef(namespace="ibckpt", name="s3-credentials")
+
+
+def _secret(s3: S3Server) -> dict[str, str]:
+    def b64(text: str) -> str:
+        return base64.b64encode(text.encode()).decode()
+
+    return {"AWS_ACCESS_KEY_ID": b64(s3.access_key), "AWS_SECRET_ACCESS_KEY": b64(s3.secret_key)}
+
+
+def _destination(s3: S3Server, bucket: str, **location: object) -> ImageDestination:
+    return ImageDestination(
+        location=S3Location.model_validate(
+            {
+                "endpoint": s3.endpoint,
+                "region": s3.region,
+                "bucket": bucket,
+                "prefix": "lab",
+                "credentialsSecretRef": {"name": SECRET.name},
+                **location,
+            }
+        ),
+        credentials=SECRET,
+        job="ring",
+        checkpoint_id="ckpt-1",
+    )
+
+
+def test_a_nodes_trees_are_staged_as_its_part_and_commit_restores_them(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    bucket = "agent-" + secrets.token_hex(6)
+    s3_server.client().create_bucket(Bucket=bucket)
+    images = tmp_path / "images"
+    files = {
+        "pod-a.main/pages-1.img": os.urandom(3 * 1024 * 1024 + 17),
+        "pod-a.main/core-1.img": b"core",
+        "pod-b.main/pages-1.img": os.urandom(100_000),
+    }
+    for name, data in files.items():
+        (images / name).parent.mkdir(parents=True, exist_ok=True)
+        (images / name).write_bytes(data)
+    destination = _destination(s3_server, bucket)
+    config = store_config(destination.location, destination.credentials, _secret(s3_server))
+    uploaded: list[int] = []
+    total = stage_trees(
+        config,
+        destination,
+        "node-1",
+        images,
+        [("pod-a.main", "pod-a"), ("pod-b.main", "pod-b")],
+        uploaded.append,
+    )
+    assert total == sum(len(d) for d in files.values())
+    assert sum(uploaded) > 0
+    store = ImageStore.open(config)
+    manifest = store.commit_parts("ring", "ckpt-1", ["node-1"])
+    assert [(r.pod, r.node, r.root) for r in manifest.ranks] == [
+        ("pod-a", "node-1", "node-1/pod-a.main"),
+        ("pod-b", "node-1", "node-1/pod-b.main"),
+    ]
+    back = tmp_path / "back"
+    store.restore(CheckpointRef("ring", "ckpt-1"), back)
+    for name, data in files.items():
+        assert (back / "node-1" / name).read_bytes() == data
+
+
+def test_what_the_agent_cannot_do_is_refused_and_no_secret_value_is_shown(s3_server: S3Server) -> None:
+    wrong = {"username": base64.b64encode(b"very-secret-value").decode()}
+    destination = _destination(s3_server, "any-bucket")
+    with pytest.raises(StagingError) as no_keys:
+        store_config(destination.location, destination.credentials, wrong)
+    assert "ibckpt/s3-credentials" in str(no_keys.value) and "username" in str(no_keys.value)
+    assert "very-secret-value" not in str(no_keys.value)
+    encrypted = _destination(
+        s3_server, "any-bucket", encryption={"mode": "client", "keySecretRef": {"name": "key"}}
+    )
+    with pytest.raises(StagingError, match="encrypted storage is not supported"):
+        store_config(encrypted.location, encrypted.credentials, _secret(s3_server))
