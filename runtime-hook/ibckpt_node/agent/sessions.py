@@ -338,7 +338,8 @@ class Sessions:
             nonlocal uploaded
             uploaded += size
 
-        trees = [(t.name, t.name.split(".", 1)[0]) for t in session.trees]
+        # pod names may hold dots: take each tree's pod from its ranks' keys (job/pod/container/process)
+        trees = [(t.name, RankId.parse(session.tree_keys[t.name][0]).pod) for t in session.trees]
         started = time.monotonic()
         upload = asyncio.to_thread(stage_trees, config, destination, self.node, images, trees, count)
         try:
