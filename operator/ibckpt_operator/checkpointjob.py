@@ -429,7 +429,8 @@ class CheckpointJobDriver(Driver[JobState]):
             if report is None:
                 self.fail_current("AgentLostSession", f"node {node}: the agent no longer knows the session")
                 return
-            self.absorb(report)
+            if report.state in (SessionState.RUNNING, SessionState.SUCCEEDED):
+                self.absorb(report)  # a failed session's rank phases say nothing of success
             if report.state.finished:
                 if report.state != SessionState.SUCCEEDED:
                     reason = {

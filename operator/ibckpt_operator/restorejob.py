@@ -58,6 +58,11 @@ def _node_ready(node: Body) -> bool:
     return ready and not node.get("spec", {}).get("unschedulable")
 
 
+def _key(pod: PodRef) -> str:
+    """The machine's key of a member (machine.core.Member.key)."""
+    return pod.uid or pod.name
+
+
 class RestoreJobDriver(Driver[RestoreState]):
     kind = KIND
     plural = PLURAL
@@ -112,7 +117,7 @@ class RestoreJobDriver(Driver[RestoreState]):
                 await self.admit(action)
             elif isinstance(action, CleanUpRestore):
                 for pod in action.pods:  # no rank was started by this operator
-                    self.emit(PodStepDone(action.attempt, pod.name))
+                    self.emit(PodStepDone(action.attempt, _key(pod)))
             else:
                 message = (
                     "this operator cannot yet create the destination pods and start the agents' restore; "
@@ -172,9 +177,9 @@ class RestoreJobDriver(Driver[RestoreState]):
         for pod in action.pods:
             agent = agents.get(pod.node)
             if agent is None or not agent.ready:
-                self.emit(PodRefused(action.attempt, pod.name, no_agent_message(pod.name, pod.node, agent)))
+                self.emit(PodRefused(action.attempt, _key(pod), no_agent_message(pod.name, pod.node, agent)))
             else:
-                self.emit(PodAdmitted(action.attempt, pod.name))
+                self.emit(PodAdmitted(action.attempt, _key(pod)))
 
     async def open_session(self, action: OpenRestoreSession) -> None:
         assert self.state is not None

@@ -27,6 +27,7 @@ from ibckpt.agentapi import (
     AgentInfo,
     CheckpointRequest,
     ContainerList,
+    Mode,
     RankPhase,
     RankProgress,
     RegisteredContainer,
@@ -313,6 +314,8 @@ class FakeAgent:
                     self.reply(202, report.to_json())
                     if agent.behaviour == "complete":
                         threading.Thread(target=agent.complete, args=(request,), daemon=True).start()
+                    elif agent.behaviour == "refuse":
+                        agent.refuse(request)
                 elif self.path.endswith("/abort"):
                     session = self.path.split("/")[3]
                     agent.aborts.append((session, json.loads(body)["reason"]))
@@ -355,6 +358,14 @@ class FakeAgent:
         ]
         self.reports[session] = report.model_copy(update={"ranks": ranks, **changes})
 
+    def refuse(self, request: CheckpointRequest) -> None:
+        """What the real agent's preflight says of a rank holding something it cannot save."""
+        rank = request.ranks[0]
+        message = (f"{self.node}: refusing to checkpoint {request.job}/{rank.container} (pid 4242): "
+                   "unsupported verb ibv_alloc_dm")  # fmt: skip
+        self.set_phase(request.session_id, RankPhase.DONE, state=SessionState.REFUSED, message=message,
+                       finished_at=time.time())  # fmt: skip
+
     def complete(self, request: CheckpointRequest) -> None:
         session = request.session_id
         for phase in (RankPhase.DRAINING, RankPhase.RELEASING, RankPhase.DUMPING, RankPhase.UPLOADING):
@@ -371,6 +382,10 @@ class FakeAgent:
                 rank=int(self.host.rsplit(".", 1)[1]), pod=self.node, node=self.node, root=self.node
             )
             writer.stage(self.node, ranks=[rank])
+        if request.mode == Mode.HOLD:  # dumped and uploaded; the ranks stay released until killed
+            self.set_phase(session, RankPhase.HELD, bytes=200_000, state=SessionState.SUCCEEDED,
+                           finished_at=time.time())  # fmt: skip
+            return
         for phase in (RankPhase.REBUILDING, RankPhase.RESUMING, RankPhase.DONE):
             time.sleep(0.2)
             self.set_phase(session, phase, bytes=200_000)
