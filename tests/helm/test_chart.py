@@ -154,17 +154,17 @@ def test_the_agent_installed_the_node_pieces(installed: Installed) -> None:
     for p in installed.agent_pods():
         name = p["metadata"]["name"]
         script = (
-            "cat /etc/ibckpt/node.json; head -1 /var/lib/ibckpt/bin/ibckpt-runc; "
+            "cat /host/etc/ibckpt/node.json; head -1 /host/usr/local/bin/ibckpt-runc; "
             "test -S /var/lib/ibckpt/registry.sock && echo registry-socket; "
             "stat -c '%a %U' /var/lib/ibckpt/registry.sock; "
-            "cmp /usr/lib/ibckpt/libibckpt.so /var/lib/ibckpt/lib/ibckpt/libibckpt.so && echo same-shim"
+            "cmp /usr/lib/ibckpt/libibckpt.so /host/usr/local/lib/ibckpt/libibckpt.so && echo same-shim"
         )
         out = installed.cluster.kubectl("exec", "-n", NAMESPACE, name, "--", "sh", "-c", script).stdout
         config = json.loads(out[: out.index("}") + 1])
         assert config == {
             "runc": "/usr/sbin/runc",
-            "shim": "/var/lib/ibckpt/lib/ibckpt/libibckpt.so",
-            "hook": "/var/lib/ibckpt/bin/ibckpt-hook",
+            "shim": "/usr/local/lib/ibckpt/libibckpt.so",
+            "hook": "/usr/local/bin/ibckpt-hook",
             "state_dir": "/var/lib/ibckpt",
         }
         assert "#!/usr/bin/python3 -IS" in out, out
@@ -290,7 +290,7 @@ def test_the_agent_api_answers_only_the_operator(installed: Installed) -> None:
         info = r["operator"]["info"]
         assert (info["node"], info["ready"], info["address"]) == (node, True, f"{node_ip(i)}:{AGENT_PORT}")
         assert info["shimPresent"] is True
-        assert info["shimPath"] == "/var/lib/ibckpt/lib/ibckpt/libibckpt.so"
+        assert info["shimPath"] == "/usr/local/lib/ibckpt/libibckpt.so"
         counted = {line.split("{", 1)[1].split("}", 1)[0] for line in r["metrics"]}
         assert 'code="200",route="/v1/info"' in counted, r["metrics"]
         assert 'code="403",route="/v1/info"' in counted, r["metrics"]

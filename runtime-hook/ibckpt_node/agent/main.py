@@ -1,13 +1,14 @@
 """`ibckpt-agent`: the node agent daemon (the chart's DaemonSet runs it on every RDMA node).
 
     ibckpt-agent --node NAME --address NODE_IP [--port 9478] [--metrics-port 9479]
-        [--host-dir /var/lib/ibckpt] [--install] --allow system:serviceaccount:NS:NAME ...
+        [--host-dir /var/lib/ibckpt] [--install [--install-root /host] [--prefix /usr/local]]
+        --allow system:serviceaccount:NS:NAME ...
 
 At start, with --install, it copies the node pieces onto the host (ibckpt_node.hook.install: the hook,
-the runtime wrapper, the shim, /etc/ibckpt/node.json), so that containerd finds them in the node's own
-filesystem. Then it hosts the container registry on HOST_DIR/registry.sock and serves the agent API
-(ibckpt.agentapi) on NODE_IP:PORT to the identities given with --allow, and Prometheus metrics on
-NODE_IP:METRICS_PORT. It never binds a wildcard address.
+the runtime wrapper and the shim under PREFIX, /etc/ibckpt/node.json), so that containerd finds them in
+the node's own filesystem (seen here under --install-root). Then it hosts the container registry on
+HOST_DIR/registry.sock and serves the agent API (ibckpt.agentapi) on NODE_IP:PORT to the identities
+given with --allow, and Prometheus metrics on NODE_IP:METRICS_PORT. It never binds a wildcard address.
 """
 
 from __future__ import annotations
@@ -37,12 +38,12 @@ DEFAULT_HOST_DIR = "/var/lib/ibckpt"
 IMAGE_SHIM = "/usr/lib/ibckpt/libibckpt.so"  # where the Dockerfile puts it
 
 
-def node_config(host_dir: str, runc: str) -> dict[str, object]:
+def node_config(prefix: str, host_dir: str, runc: str) -> dict[str, object]:
     """/etc/ibckpt/node.json: where the hook and the wrapper find everything (host paths)."""
     return {
         "runc": runc,
-        "shim": f"{host_dir}/lib/ibckpt/libibckpt.so",
-        "hook": f"{host_dir}/bin/ibckpt-hook",
+        "shim": f"{prefix}/lib/ibckpt/libibckpt.so",
+        "hook": f"{prefix}/bin/ibckpt-hook",
         "state_dir": host_dir,
     }
 
@@ -57,6 +58,16 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--metrics-port", type=int, default=DEFAULT_PORT + 1, help="0: no metrics server")
     parser.add_argument("--host-dir", default=DEFAULT_HOST_DIR, help="the node's ibckpt dir (same path here)")
     parser.add_argument("--install", action="store_true", help="install the hook, wrapper and shim first")
+    parser.add_argument(
+        "--install-root",
+        default="/",
+        help="the node's / as this process sees it (the chart mounts /host/...)",
+    )
+    parser.add_argument(
+        "--prefix",
+        default="/usr/local",
+        help="the node's install prefix: PREFIX/bin/ibckpt-runc, PREFIX/lib/ibckpt",
+    )
     parser.add_argument("--shim-source", default=IMAGE_SHIM)
     parser.add_argument("--node-python", default="/usr/bin/python3", help="the node's python3 (>= 3.9)")
     parser.add_argument("--runc", default="/usr/sbin/runc", help="the node's runc, which the wrapper runs")
@@ -79,6 +90,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 async def serve(args: argparse.Namespace) -> None:
     host_dir = Path(args.host_dir)
+    shim = str(node_config(args.prefix, args.host_dir, args.runc)["shim"])
     metrics = CollectorRegistry()
     server = AgentServer(
         node=args.node,
@@ -87,7 +99,8 @@ async def serve(args: argparse.Namespace) -> None:
         registry=ContainerRegistry(host_dir),
         authenticator=Authenticator(TokenReviewer.in_cluster(), frozenset(args.allow)),
         work_dir=host_dir,
-        shim_path=str(node_config(args.host_dir, args.runc)["shim"]),
+        shim_path=shim,
+        shim_present_path=Path(args.install_root) / shim.lstrip("/"),
         metrics=metrics,
         secrets=KubeSecrets.in_cluster(),
     )
@@ -109,9 +122,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.install:
-        config = node_config(args.host_dir, args.runc)
-        install.install(Path("/"), args.host_dir, args.node_python, Path(args.shim_source), config)
-        log.info("installed the hook, the runtime wrapper and the shim under %s", args.host_dir)
+        config = node_config(args.prefix, args.host_dir, args.runc)
+        install.install(
+            Path(args.install_root), args.prefix, args.node_python, Path(args.shim_source), config
+        )
+        log.info("installed the hook, the runtime wrapper and the shim under %s on the node", args.prefix)
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(serve(args))
     return 0
