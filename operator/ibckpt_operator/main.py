@@ -7,7 +7,6 @@ import argparse
 import asyncio
 import logging
 import os
-import threading
 
 import kopf
 
@@ -55,9 +54,9 @@ def main(argv: list[str] | None = None) -> None:
     import ibckpt_operator.handlers  # noqa: F401 - registers the handlers with kopf
     from ibckpt_operator import runtime
 
-    stop = threading.Event()
-
     async def run() -> None:
+        stop = asyncio.Event()  # not a threading.Event: kopf would park an executor thread on it
+
         async def lease_watch() -> None:
             # A replica that lost the Lease stops: the next leader resumes the jobs from their status.
             while True:
