@@ -5,7 +5,10 @@ messages both ways until a stop file appears. Each message carries its sequence 
 checksum of its payload; the receiver checks both. Prints READY once connected and a RESULT line
 at the end, in the format of the C test programs.
 
-Usage: pyverbs_seq.py STOP_FILE
+With --wr-api the QPs are extended QPs and every send goes through the ibv_wr_* API
+(wr_start, wr_send, wr_set_sge, wr_complete).
+
+Usage: pyverbs_seq.py STOP_FILE [--wr-api]
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from pyverbs.cq import CQ
 from pyverbs.device import Context
 from pyverbs.mr import MR
 from pyverbs.pd import PD
-from pyverbs.qp import QP, QPAttr, QPCap, QPInitAttr
+from pyverbs.qp import QP, QPAttr, QPCap, QPEx, QPInitAttr, QPInitAttrEx
 from pyverbs.wr import SGE, RecvWR, SendWR
 
 MSG = 256
@@ -39,13 +42,27 @@ def payload(seq: int, direction: int) -> bytes:
 class End:
     """One queue pair with its own CQ and a ring of receive buffers."""
 
-    def __init__(self, ctx: Context, pd: PD) -> None:
+    def __init__(self, ctx: Context, pd: PD, wr_api: bool = False) -> None:
         self.cq = CQ(ctx, 4 * DEPTH)
         cap = QPCap(max_send_wr=DEPTH, max_recv_wr=DEPTH)
-        init = QPInitAttr(qp_type=e.IBV_QPT_RC, scq=self.cq, rcq=self.cq, cap=cap)
+        self.wr_api = wr_api
         # The QP before the MRs its receives use, on purpose: a rebuild must give the MRs their
         # new keys before it re-posts the receives (this order once broke it).
-        self.qp = QP(pd, init, QPAttr(port_num=1))
+        if wr_api:
+            mask = e.IBV_QP_INIT_ATTR_PD | e.IBV_QP_INIT_ATTR_SEND_OPS_FLAGS
+            ex = QPInitAttrEx(
+                qp_type=e.IBV_QPT_RC,
+                scq=self.cq,
+                rcq=self.cq,
+                cap=cap,
+                pd=pd,
+                send_ops_flags=e.IBV_QP_EX_WITH_SEND,
+                comp_mask=mask,
+            )
+            self.qp: QP = QPEx(ctx, ex, QPAttr(port_num=1))
+        else:
+            init = QPInitAttr(qp_type=e.IBV_QPT_RC, scq=self.cq, rcq=self.cq, cap=cap)
+            self.qp = QP(pd, init, QPAttr(port_num=1))
         self.send_mr = MR(pd, MSG, e.IBV_ACCESS_LOCAL_WRITE)
         self.recv_mr = MR(pd, MSG * DEPTH, e.IBV_ACCESS_LOCAL_WRITE)
         self.sent = 0
@@ -75,6 +92,15 @@ class End:
     def send(self, direction: int) -> None:
         self.send_mr.write(payload(self.sent, direction), MSG, 0)
         sge = SGE(self.send_mr.buf, MSG, self.send_mr.lkey)
+        if self.wr_api:
+            qp = self.qp
+            assert isinstance(qp, QPEx)
+            qp.wr_start()
+            qp.wr_id, qp.wr_flags = self.sent, e.IBV_SEND_SIGNALED
+            qp.wr_send()
+            qp.wr_set_sge(sge)
+            qp.wr_complete()
+            return
         wr = SendWR(wr_id=self.sent, opcode=e.IBV_WR_SEND, num_sge=1, sg=[sge])
         self.qp.post_send(wr)
 
@@ -112,9 +138,10 @@ def exchange(sender: End, receiver: End, direction: int) -> None:
 
 def main() -> int:
     stop = sys.argv[1]
+    wr_api = "--wr-api" in sys.argv[2:]
     ctx = Context(name="rxe0")
     pd = PD(ctx)
-    a, b = End(ctx, pd), End(ctx, pd)
+    a, b = End(ctx, pd, wr_api), End(ctx, pd, wr_api)
     a.connect(ctx, b.qp.qp_num)
     b.connect(ctx, a.qp.qp_num)
     for end in (a, b):

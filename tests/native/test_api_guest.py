@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
 from ibckpt_native import NATIVE_DIR, SHIM
+from ibckpt_native.coordinator import Coordinator
+from ibckpt_native.harness import ShimProc, checkpoint_loop, parse_fields
 
 pytestmark = pytest.mark.guest
 
@@ -65,3 +68,36 @@ def test_pyverbs_programs_same_with_and_without_the_shim() -> None:
             assert g == b
     assert "ibv_alloc_mw is not supported" in shimmed.stderr
     assert "libibckpt" not in "".join(ln for ln in shimmed.stderr.splitlines() if "ibv_alloc_mw" not in ln)
+
+
+def test_wr_api_checkpointed_under_traffic(tmp_path: Path) -> None:
+    """The ibv_wr_* send API under checkpoints: pyverbs_seq.py --wr-api sends every message with
+    wr_start/wr_send/wr_set_sge/wr_complete; five checkpoints (one with a CRIU dump) at random
+    moments, every message exactly once."""
+    with Coordinator(tmp_path / "coord.sock") as coord:
+        stop = tmp_path / "stop"
+        prog = ShimProc(
+            "wrapi",
+            ["/usr/bin/python3", str(Path(__file__).with_name("pyverbs_seq.py")), str(stop), "--wr-api"],
+            tmp_path,
+            {**coord.env, "PATH": "/usr/bin:/bin"},
+        )
+        prog.start()
+        try:
+            prog.wait_for_output("READY", 120)
+            prog.wait_connected(60)
+            results = checkpoint_loop([prog], 5, seed=11, dump_at=(1,), images=tmp_path / "img")
+            time.sleep(1)
+            stop.touch()
+            code = prog.wait(120)
+        finally:
+            prog.kill()
+    assert code == 0, prog.err.read_text(errors="replace")[-3000:]
+    for r in results:
+        assert r.released_state == {"wrapi": (0, 0)}, r.reports["release"]
+        assert r.reports["rebuild"]["wrapi"]["ok"], r.reports["rebuild"]["wrapi"]
+    assert results[1].criu_rc == 0, results[1].criu_log
+    fields = parse_fields(prog.out.read_text())
+    assert fields["bad"] == "0", fields
+    assert fields["a_sent"] == fields["b_received"] and fields["b_sent"] == fields["a_received"], fields
+    assert int(fields["a_sent"]) > 5, fields
