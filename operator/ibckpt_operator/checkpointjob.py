@@ -92,25 +92,22 @@ KIND = "CheckpointJob"
 
 # How far a pod got, in the order an agent goes (the machine's per-pod labels).
 MILESTONES = ("Quiesced", "Drained", "Released", "Dumped", "Uploaded", "Rebuilt", "Resumed")
+# Barriers up to the dump. The agent rebuilds and resumes a LeaveRunning job before it uploads its part,
+# so "rebuilt" and "resumed" say nothing about the upload: only the finished session does.
 BARRIER_MILESTONE = {
     "quiesced": "Quiesced",
     "drained": "Drained",
     "released": "Released",
     "dumped": "Dumped",
-    "rebuilt": "Rebuilt",
-    "resumed": "Resumed",
 }
-# A rank in this phase has finished the milestone before it.
+# A rank in this phase has finished the milestone before it (at most the dump, as above).
 RANK_MILESTONE = {
     RankPhase.DRAINING: "Quiesced",
     RankPhase.RELEASING: "Drained",
     RankPhase.DUMPING: "Released",
     RankPhase.UPLOADING: "Dumped",
-    RankPhase.REBUILDING: "Uploaded",
-    RankPhase.HELD: "Uploaded",
-    RankPhase.STOPPED: "Uploaded",
-    RankPhase.RESUMING: "Rebuilt",
-    RankPhase.DONE: "Resumed",
+    RankPhase.REBUILDING: "Dumped",
+    RankPhase.RESUMING: "Dumped",
 }
 AGENT_UNREACHABLE_S = 15.0  # an agent that answers no poll for this long fails the step
 
@@ -449,6 +446,10 @@ class CheckpointJobDriver(Driver[JobState]):
         by_pod: dict[str, list[int]] = {}
         for rank in report.ranks:
             by_pod.setdefault(rank.pod_uid, []).append(_rank(RANK_MILESTONE.get(rank.phase)))
+        if report.state == SessionState.SUCCEEDED:
+            # Staged, and (LeaveRunning) rebuilt and resumed; held (Stop) ranks wait for the kill.
+            final = "Uploaded" if self.spec.mode == CheckpointMode.STOP else "Resumed"
+            by_pod = {uid: [_rank(final)] for uid in by_pod}
         for uid, ranks in by_pod.items():
             self.progress[uid] = max(self.progress.get(uid, -1), min(ranks))
             self.pod_bytes[uid] = sum(r.bytes for r in report.ranks if r.pod_uid == uid)

@@ -367,8 +367,13 @@ class FakeAgent:
                        finished_at=time.time())  # fmt: skip
 
     def complete(self, request: CheckpointRequest) -> None:
+        """The real agent's order: the cut, the dump, (LeaveRunning) rebuild and resume, then the upload
+        of this node's part; the session succeeds only once the part is staged."""
         session = request.session_id
-        for phase in (RankPhase.DRAINING, RankPhase.RELEASING, RankPhase.DUMPING, RankPhase.UPLOADING):
+        phases = [RankPhase.DRAINING, RankPhase.RELEASING, RankPhase.DUMPING]
+        if request.mode != Mode.HOLD:
+            phases += [RankPhase.REBUILDING, RankPhase.RESUMING]
+        for phase in [*phases, RankPhase.UPLOADING]:
             time.sleep(0.2)
             self.set_phase(session, phase)
         assert self.store is not None and request.images is not None
@@ -382,14 +387,8 @@ class FakeAgent:
                 rank=int(self.host.rsplit(".", 1)[1]), pod=self.node, node=self.node, root=self.node
             )
             writer.stage(self.node, ranks=[rank])
-        if request.mode == Mode.HOLD:  # dumped and uploaded; the ranks stay released until killed
-            self.set_phase(session, RankPhase.HELD, bytes=200_000, state=SessionState.SUCCEEDED,
-                           finished_at=time.time())  # fmt: skip
-            return
-        for phase in (RankPhase.REBUILDING, RankPhase.RESUMING, RankPhase.DONE):
-            time.sleep(0.2)
-            self.set_phase(session, phase, bytes=200_000)
-        self.set_phase(session, RankPhase.DONE, state=SessionState.SUCCEEDED, finished_at=time.time())
+        final = RankPhase.HELD if request.mode == Mode.HOLD else RankPhase.DONE
+        self.set_phase(session, final, bytes=200_000, state=SessionState.SUCCEEDED, finished_at=time.time())
 
 
 @dataclass
