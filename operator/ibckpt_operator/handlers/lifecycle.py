@@ -107,10 +107,13 @@ async def cleanup(**_: Any) -> None:
 
 
 @kopf.on.probe(id="leader")
-def leader(**_: Any) -> bool:
-    """For the liveness endpoint: whether this replica still holds the Lease."""
+def leader(**_: Any) -> str:
+    """For the liveness endpoint: fails (HTTP 500) once this replica lost the Lease, so it is restarted as
+    a follower; a replica still waiting for the Lease is alive."""
     try:
         rt = runtime.get()
     except RuntimeError:
-        return False
-    return not rt.lost.is_set()
+        return "waiting for the Lease"
+    if rt.lost.is_set():
+        raise RuntimeError("this replica lost the operator Lease")
+    return "leader"
