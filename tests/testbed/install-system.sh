@@ -18,7 +18,7 @@ packages=(
   # native shim tooling
   make gcc pkg-config valgrind openssl curl ca-certificates
   # libFuzzer (the control and record parser fuzzers)
-  clang-14
+  clang-14 libclang-rt-14-dev
   # helm comes out of an npm package's zip
   unzip
   # Kubernetes nodes in the guests: runtime, CNI, and images built without a registry
