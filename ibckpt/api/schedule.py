@@ -1,27 +1,108 @@
-"""CheckpointSchedule: periodic CheckpointJobs with retention (issue 17 fills in the controller)."""
+"""CheckpointSchedule: the policy object of one protected workload. Periodic CheckpointJobs with retention
+(fixed interval, or Young/Daly from the measured cost and a given MTBF), and drain protection: migrate the
+workload when a node it runs on is drained. docs/schedules.md and docs/drains.md explain both."""
 
 from __future__ import annotations
 
 from datetime import datetime
+from enum import StrEnum
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from ibckpt.api.base import ApiModel, KindInfo, PrinterColumn
 from ibckpt.api.checkpointjob import CheckpointJobSpec
 from ibckpt.api.common import CONDITIONS_SCHEMA_EXTRA, Condition
 from ibckpt.api.storage import Retention
 
+# A Checkpoint with this label set to "true" is never pruned by a schedule.
+PIN_LABEL = "ibckpt.io/pinned"
+
+
+class OverlapPolicy(StrEnum):
+    """What a fire does while the schedule's previous CheckpointJob still runs: Skip it, or Queue one run
+    (at most one) that starts as soon as the running one ends."""
+
+    SKIP = "Skip"
+    QUEUE = "Queue"
+
+
+class OnDrainFailure(StrEnum):
+    """What a drain does when the migration misses its deadline or its checkpoint fails.
+    ProceedAndLose: let the drain evict the pods; the running state since the last checkpoint is lost.
+    KeepHolding: keep answering evictions with 429, retry the checkpoint, and warn until someone acts."""
+
+    PROCEED_AND_LOSE = "ProceedAndLose"
+    KEEP_HOLDING = "KeepHolding"
+
+
+class DrainProtection(ApiModel):
+    """Migrate the workload (checkpoint with Stop, commit, let the drain go on, restore elsewhere) when a
+    node running one of its pods is drained or one of its pods is evicted."""
+
+    enabled: bool = True
+    deadline_seconds: int = Field(
+        default=1800, ge=60, description="Bound on the migration, from the first hold to the commit."
+    )
+    on_failure: OnDrainFailure = OnDrainFailure.KEEP_HOLDING
+    retry_seconds: int = Field(
+        default=120, ge=10, description="KeepHolding: seconds between checkpoint retries and warnings."
+    )
+    restore: bool = Field(
+        default=True, description="Restore the job on the remaining nodes once the drain proceeded."
+    )
+
 
 class CheckpointScheduleSpec(ApiModel):
-    interval_seconds: int = Field(ge=60, description="Seconds between the starts of two CheckpointJobs.")
-    suspend: bool = False
+    """One of intervalSeconds (fixed) and mtbfSeconds (Young/Daly) makes it periodic; drain alone makes it
+    a drain protection without periodic checkpoints. At least one of the three."""
+
+    interval_seconds: int | None = Field(
+        default=None, ge=60, description="Fixed seconds between the starts of two CheckpointJobs."
+    )
+    mtbf_seconds: int | None = Field(
+        default=None,
+        ge=60,
+        description="Mean time between failures: the interval is sqrt(2 * cost * MTBF) (Young/Daly).",
+    )
+    min_interval_seconds: int = Field(default=300, ge=60, description="Lower clamp of the computed interval.")
+    max_interval_seconds: int = Field(
+        default=86400, ge=60, description="Upper clamp of the computed interval."
+    )
+    cost_window: int = Field(
+        default=5, ge=1, le=100, description="The cost is the mean duration of this many last checkpoints."
+    )
+    overlap_policy: OverlapPolicy = OverlapPolicy.SKIP
+    suspend: bool = Field(default=False, description="No periodic checkpoints (drain protection stays).")
     retention: Retention = Retention(keep_last=3)
+    drain: DrainProtection | None = Field(default=None, description="Migrate the workload on node drains.")
     template: CheckpointJobSpec = Field(description="The spec of each CheckpointJob it creates.")
+
+    @model_validator(mode="after")
+    def _something_to_do(self) -> CheckpointScheduleSpec:
+        if self.interval_seconds is not None and self.mtbf_seconds is not None:
+            raise ValueError("give at most one of intervalSeconds and mtbfSeconds")
+        if self.interval_seconds is None and self.mtbf_seconds is None and self.drain is None:
+            raise ValueError("give intervalSeconds, mtbfSeconds or drain")
+        if self.min_interval_seconds > self.max_interval_seconds:
+            raise ValueError("minIntervalSeconds must not exceed maxIntervalSeconds")
+        return self
+
+    @property
+    def periodic(self) -> bool:
+        return not self.suspend and (self.interval_seconds is not None or self.mtbf_seconds is not None)
 
 
 class CheckpointScheduleStatus(ApiModel):
     last_checkpoint_time: datetime | None = None
     last_checkpoint_job: str | None = None
+    active_job: str | None = Field(default=None, description="The CheckpointJob of this schedule now running.")
+    next_checkpoint_time: datetime | None = None
+    interval_seconds: float | None = Field(default=None, ge=0, description="The interval now in use.")
+    cost_seconds: float | None = Field(default=None, ge=0, description="The measured cost it came from.")
+    drain_phase: str | None = Field(default=None, description="Where a drain migration is (Idle: none).")
+    drain_reason: str | None = None
+    drain_message: str | None = None
+    drain_nodes: list[str] | None = Field(default=None, description="The drained nodes being moved off.")
     message: str | None = None
     observed_generation: int | None = Field(default=None, ge=0)
     conditions: list[Condition] | None = Field(default=None, json_schema_extra=CONDITIONS_SCHEMA_EXTRA)
@@ -32,12 +113,14 @@ CHECKPOINT_SCHEDULE = KindInfo(
     plural="checkpointschedules",
     short_names=("ckps",),
     scope="Namespaced",
-    summary="Periodic CheckpointJobs with retention.",
+    summary="Periodic CheckpointJobs with retention, and migration of the workload on node drains.",
     spec=CheckpointScheduleSpec,
     status=CheckpointScheduleStatus,
     printer_columns=(
         PrinterColumn("Every", ".spec.intervalSeconds", "integer"),
         PrinterColumn("Suspend", ".spec.suspend", "boolean"),
         PrinterColumn("Last", ".status.lastCheckpointTime", "date"),
+        PrinterColumn("Drain", ".status.drainPhase"),
+        PrinterColumn("Interval", ".status.intervalSeconds", "number", priority=1),
     ),
 )
