@@ -195,6 +195,10 @@ def test_two_jobs_over_the_same_pods(
     with operator():
         cluster_ns.create(JOBS, job("first", storage(s3_server, bucket)))
         first = cluster_ns.wait(JOBS, "first", phase("Quiescing"))
+        deadline = time.monotonic() + 10
+        while not (a.requests and b.requests):  # the status comes first, then the agents are called
+            assert time.monotonic() < deadline, "the agents were never asked"
+            time.sleep(0.1)
         assert first["status"]["claimed"] is True and len(a.requests) == len(b.requests) == 1
         request = a.requests[0]
         assert request.coordinator.startswith("127.0.0.1:") and request.ranks[0].container == "main"
