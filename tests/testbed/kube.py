@@ -137,6 +137,18 @@ def _spawn(args: Sequence[str], log: Path) -> int:
     return proc.pid
 
 
+def _wait_for_socket(path: Path, pid: int, log: Path, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        if done or time.monotonic() > deadline:
+            tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+            raise RuntimeError(
+                f"testbed: {path.name} did not appear ({'exited' if done else 'timed out'})\n{tail}"
+            )
+        time.sleep(0.05)
+
+
 def _wait_ready(url: str, ca_file: Path, token: str, timeout: float, log: Path) -> None:
     ctx = ssl.create_default_context(cafile=str(ca_file))
     deadline = time.monotonic() + timeout
@@ -206,12 +218,12 @@ def start_control_plane(
     try:
         if kubelets is not None:
             maps = [f"--map={node}=127.0.0.1:{port}" for node, port in kubelets.items()]
+            # Run as a file: the child has neither pytest's sys.path nor its cwd.
+            egress = Path(__file__).with_name("egress.py")
             plane.pids.append(
-                _spawn(
-                    [sys.executable, "-m", "testbed.egress", f"--socket={egress_sock}", *maps],
-                    root / "egress.log",
-                )
+                _spawn([sys.executable, str(egress), f"--socket={egress_sock}", *maps], root / "egress.log")
             )
+            _wait_for_socket(egress_sock, plane.pids[-1], root / "egress.log")
         plane.pids.append(
             _spawn(
                 [
