@@ -2,12 +2,15 @@
 no clock (docs/drains.md).
 
     Idle ─▶ Holding ─▶ Checkpointing ─▶ Committed ─▶ Releasing ─▶ Restoring ─▶ Done
-      (PDB kept)  (CheckpointJob Stop       (sources      (PDB relaxed,   (RestoreJob or
-                   created, waits for        killed by     evictions      the workload's
-                   its pods)                 the job)      allowed)       controller)
+    Idle: the PDB (maxUnavailable 0) is kept. A drained node or an eviction of a member: Holding, a
+    CheckpointJob (mode Stop, every pod) is created. Checkpointing: it touches the ranks. Committed: the
+    manifest is written; the job publishes the Checkpoint and kills the sources by UID. Releasing: the PDB
+    is deleted, evictions of sources are allowed. Restoring: the workload's controller or a RestoreJob
+    brings the job back off the drained nodes.
     Holding, Checkpointing: deadline or failed checkpoint ─▶ onFailure:
       ProceedAndLose ─▶ Lost (cancel the job, relax the PDB: the drain evicts, running state is lost)
-      KeepHolding    ─▶ Held (429 with a loud message, a Warning and a new CheckpointJob every retry)
+      KeepHolding    ─▶ Held (429 with a loud message; a Warning and, if none runs, a new CheckpointJob
+                        every retry; its commit goes on to Committed)
     Holding, Checkpointing, Held: every drained node uncordoned ─▶ Idle (the CheckpointJob is cancelled)
     Restoring: restore failed ─▶ Failed (the checkpoint is good: the message names it)
 
@@ -133,6 +136,11 @@ class SourcesStopped(Event):
     """The CheckpointJob (Stop) ended: every source pod was killed by UID, or is gone."""
 
     job: str
+
+
+@dataclass(frozen=True)
+class PdbRelaxed(Event):
+    """The PDB is gone (deleted, or found absent): the release is done before any restore starts."""
 
 
 @dataclass(frozen=True)
@@ -268,8 +276,10 @@ class DrainMachine:
             return self._wake(state)
         if isinstance(event, SourcesStopped) and self._mine(state, event.job):
             if state.phase is DrainPhase.COMMITTED:
-                return self._release(state, now)
+                return self._release(state)
             return self._wake(state)
+        if isinstance(event, PdbRelaxed) and state.phase is DrainPhase.RELEASING:
+            return self._restore(state, now)
         if isinstance(event, (RestoreSucceeded, RestoreFailed)) and event.job == state.restore_job:
             if state.phase is DrainPhase.RESTORING:
                 return self._restored(state, event, now)
@@ -389,26 +399,21 @@ class DrainMachine:
 
     # After the commit.
 
-    def _release(self, state: DrainState, now: float) -> Transition[DrainState]:
+    def _release(self, state: DrainState) -> Transition[DrainState]:
+        state = replace(state, phase=DrainPhase.RELEASING)
+        text = f"{state.checkpoint} committed and the sources stopped: the drain may go on"
+        return Transition(state, (RelaxPdb(state.name), EmitEvent("Normal", "DrainReleased", text)))
+
+    def _restore(self, state: DrainState, now: float) -> Transition[DrainState]:
         checkpoint = state.checkpoint
         assert checkpoint is not None
-        actions: list[Action] = [
-            RelaxPdb(state.name),
-            EmitEvent(
-                "Normal",
-                "DrainReleased",
-                f"{state.checkpoint} committed and the sources stopped: the drain may go on",
-            ),
-        ]
         if not self.config.restore:
-            text = f"restore left to the user: RestoreJob with checkpointName {state.checkpoint}"
+            text = f"restore left to the user: a RestoreJob with checkpointName {checkpoint}"
             state = replace(state, phase=DrainPhase.DONE, reason="Migrated", message=text)
-            actions.append(RecordMigration("Migrated", now - (state.held_since or now)))
-            return Transition(state, tuple(actions))
+            return Transition(state, (RecordMigration("Migrated", now - (state.held_since or now)),))
         job = f"{state.name}-restore-{state.seq}"
-        state = replace(state, phase=DrainPhase.RESTORING, restore_job=job, reason=None, message=None)
-        actions.append(StartRestore(job, checkpoint, state.nodes))
-        return Transition(state, tuple(actions))
+        state = replace(state, phase=DrainPhase.RESTORING, restore_job=job)
+        return Transition(state, (StartRestore(job, checkpoint, state.nodes),))
 
     def _restored(
         self, state: DrainState, event: RestoreSucceeded | RestoreFailed, now: float
@@ -443,6 +448,8 @@ class DrainMachine:
             ]
         elif state.phase is DrainPhase.HELD:
             actions.append(EnsurePdb(state.name))
+        elif state.phase is DrainPhase.RELEASING:
+            actions.append(RelaxPdb(state.name))
         elif state.phase is DrainPhase.RESTORING:
             assert state.restore_job is not None and state.checkpoint is not None
             actions += [RelaxPdb(state.name), StartRestore(state.restore_job, state.checkpoint, state.nodes)]
