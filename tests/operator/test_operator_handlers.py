@@ -413,3 +413,32 @@ def test_restore_job_bad_input_and_the_unfinished_step(
     # Placed on node-a and admitted, then the step this operator does not do yet: nothing was touched.
     assert_failed(cluster_ns, back, "RestoreNotImplemented", "nothing was touched")
     assert back["status"]["failedFrom"] == "Downloading" and back["status"]["pods"][0]["node"] == "node-a"
+
+
+def test_checkpoint_storage_ready_condition(
+    cluster_ns: Cluster, s3_server: S3Server, bucket: str, agents: Agents, operator: Any
+) -> None:
+    creds(cluster_ns, s3_server)
+    creds(cluster_ns, s3_server, "wrong", secret_key="not-the-secret-key")
+
+    def storage_object(name: str, secret: str) -> dict[str, Any]:
+        return {"apiVersion": "ibckpt.io/v1alpha1", "kind": "CheckpointStorage", "metadata": {"name": name},
+                "spec": storage(s3_server, bucket, secret=secret)}  # fmt: skip
+
+    def ready(body: dict[str, Any]) -> str | None:
+        found = [c for c in (body.get("status") or {}).get("conditions") or () if c["type"] == "Ready"]
+        return found[0]["status"] if found else None
+
+    with operator():
+        cluster_ns.create("checkpointstorages", storage_object("good", "s3-creds"))
+        cluster_ns.create("checkpointstorages", storage_object("bad", "wrong"))
+        good = cluster_ns.wait("checkpointstorages", "good", lambda o: ready(o) is not None)
+        bad = cluster_ns.wait("checkpointstorages", "bad", lambda o: ready(o) is not None)
+        # A job naming the good storage by reference gets past the storage check (to NoPods).
+        body = job("viaref", {}, labels={"app": "none"})
+        body["spec"] = {"selector": body["spec"]["selector"], "storageRef": {"name": "good"}}
+        cluster_ns.create(JOBS, body)
+        assert cluster_ns.wait(JOBS, "viaref", phase("Failed"))["status"]["reason"] == "NoPods"
+    assert ready(good) == "True" and good["status"]["lastCheckedTime"]
+    assert ready(bad) == "False" and condition(bad, "Ready")["reason"] == "StorageCredentialsRejected"
+    assert "not-the-secret-key" not in str(bad)

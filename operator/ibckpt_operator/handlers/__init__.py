@@ -3,6 +3,6 @@
 `kopf run -m ibckpt_operator.handlers` (or `ibckpt-operator`) registers all of them.
 """
 
-from ibckpt_operator.handlers import checkpoint, checkpointjob, lifecycle, restorejob
+from ibckpt_operator.handlers import checkpoint, checkpointjob, lifecycle, restorejob, storage
 
-__all__ = ["checkpoint", "checkpointjob", "lifecycle", "restorejob"]
+__all__ = ["checkpoint", "checkpointjob", "lifecycle", "restorejob", "storage"]

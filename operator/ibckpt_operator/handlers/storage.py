@@ -1,0 +1,78 @@
+"""CheckpointStorage: its Ready condition says whether the bucket answered with these credentials,
+checked when it is created or changed and every few minutes (a rotated key shows up before a job fails)."""
+
+from __future__ import annotations
+
+import copy
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+import kopf
+
+from ibckpt.api import CheckpointStorageSpec, Condition, ConditionStatus, ConditionType, LocalObjectReference
+from ibckpt_operator import runtime, storage
+from ibckpt_operator.config import GROUP, VERSION
+from ibckpt_operator.machine.status import to_time
+
+PLURAL = "checkpointstorages"
+RECHECK_SECONDS = 300.0
+
+
+async def check_storage(body: dict[str, Any]) -> None:
+    rt = runtime.get()
+    meta = body["metadata"]
+    try:
+        CheckpointStorageSpec.from_wire(body.get("spec") or {})
+        await storage.check(rt.kube, meta["namespace"], LocalObjectReference(name=meta["name"]), None)
+        status, reason, message = (
+            ConditionStatus.TRUE,
+            "BucketAnswered",
+            "the bucket answered with these credentials",
+        )
+    except storage.StorageProblem as problem:
+        status, reason, message = ConditionStatus.FALSE, problem.reason, problem.message
+    except ValueError as error:
+        status, reason, message = ConditionStatus.FALSE, "InvalidStorage", str(error)
+    previous: dict[str, Any] = next(
+        (
+            c
+            for c in (body.get("status") or {}).get("conditions") or ()
+            if c.get("type") == ConditionType.READY
+        ),
+        {},
+    )
+    now = time.time()
+    changed = previous.get("status") != status
+    since = to_time(now) if changed or not previous.get("lastTransitionTime") else None
+    condition = Condition(
+        type=ConditionType.READY,
+        status=status,
+        reason=reason,
+        message=message,
+        observed_generation=meta.get("generation"),
+        last_transition_time=since,
+    ).to_wire()
+    if since is None:
+        condition["lastTransitionTime"] = previous["lastTransitionTime"]
+    patch = {
+        "observedGeneration": meta.get("generation"),
+        "conditions": [condition],
+        "lastCheckedTime": datetime.fromtimestamp(now, UTC).isoformat(),
+    }
+    await rt.kube.patch_status(PLURAL, meta["namespace"], meta["name"], patch)
+    if changed:
+        kind = "Normal" if status == ConditionStatus.TRUE else "Warning"
+        await rt.kube.post_event(body, kind, reason, message)
+
+
+@kopf.on.resume(GROUP, VERSION, PLURAL)
+@kopf.on.create(GROUP, VERSION, PLURAL)
+@kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
+async def checked(body: kopf.Body, **_: Any) -> None:
+    await check_storage(copy.deepcopy(dict(body)))
+
+
+@kopf.timer(GROUP, VERSION, PLURAL, interval=RECHECK_SECONDS, initial_delay=RECHECK_SECONDS)
+async def rechecked(body: kopf.Body, **_: Any) -> None:
+    await check_storage(copy.deepcopy(dict(body)))
