@@ -282,6 +282,8 @@ def test_eviction_answers_from_the_state() -> None:
     assert not answer_eviction(committed.state, "uid-0", T0 + 200, HOLD).allowed
     releasing = machine.handle(committed.state, SourcesStopped("ring-drain-1"), T0 + 210)
     assert answer_eviction(releasing.state, "uid-0", T0 + 210, HOLD).allowed
+    stranger = answer_eviction(releasing.state, "uid-new", T0 + 210, HOLD)
+    assert (stranger.allowed, stranger.code) == (False, 429) and "not one it released" in stranger.message
     restoring = machine.handle(releasing.state, PdbRelaxed(), T0 + 211)
     assert answer_eviction(restoring.state, "uid-1", T0 + 211, HOLD).allowed  # a source
     new_pod = answer_eviction(restoring.state, "uid-new", T0 + 211, HOLD)

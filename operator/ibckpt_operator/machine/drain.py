@@ -235,8 +235,9 @@ def answer_eviction(state: DrainState, pod_uid: str, now: float, config: DrainCo
             f"({state.phase.value}, {left:.0f}s left of the migration deadline)",
             10,
         )
-    # At rest: the handler feeds the request first, so this is a pod the migration did not pin.
-    return _deny(f"ibckpt: {state.name} is protected; a migration starts for it", 10)
+    if state.phase in AT_REST:  # the handler fed the request first: a migration starts for this pod
+        return _deny(f"ibckpt: {state.name} is protected; a migration starts for it", 10)
+    return _deny(f"ibckpt: {state.name} is migrating; this pod is not one it released", 10)
 
 
 def _deny(message: str, retry: int) -> EvictionAnswer:
