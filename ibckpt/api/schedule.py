@@ -95,7 +95,9 @@ class CheckpointScheduleSpec(ApiModel):
 class CheckpointScheduleStatus(ApiModel):
     last_checkpoint_time: datetime | None = None
     last_checkpoint_job: str | None = None
-    active_job: str | None = Field(default=None, description="The CheckpointJob of this schedule now running.")
+    active_job: str | None = Field(
+        default=None, description="The CheckpointJob of this schedule now running."
+    )
     next_checkpoint_time: datetime | None = None
     interval_seconds: float | None = Field(default=None, ge=0, description="The interval now in use.")
     cost_seconds: float | None = Field(default=None, ge=0, description="The measured cost it came from.")
