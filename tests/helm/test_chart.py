@@ -24,7 +24,9 @@ from testbed.guest import REPO, cache_dir
 from testbed.images import APPS_IMAGE, PRODUCT_IMAGE
 from testbed.kube import KUBERNETES_SERVICE_IP
 
-pytestmark = pytest.mark.cluster
+# The first test pays for the session's cluster (an image rebuild and two node boots: 10+ min on a
+# loaded 2-core machine) and the install.
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(2400)]
 
 RELEASE = "ibckpt-t"
 NAMESPACE = "ibckpt-helm"
