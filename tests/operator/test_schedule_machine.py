@@ -8,6 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from ibckpt.api.schedule import CheckpointScheduleSpec, OverlapPolicy
+from ibckpt.api.schema import apply_defaults, structural_schema
 from ibckpt_operator.machine.core import EmitEvent, OperatorRestarted, Tick
 from ibckpt_operator.machine.schedule import (
     CheckpointInfo,
@@ -65,6 +66,20 @@ def test_policy_from_the_spec() -> None:
     assert policy.mtbf_seconds == 86400 and policy.overlap is OverlapPolicy.QUEUE
     assert (policy.keep_last, policy.max_age_seconds, policy.min_keep) == (5, 600, 1)
     assert spec.periodic and spec.to_wire()["costWindow"] == 5
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"mtbfSeconds": 3600, "template": TEMPLATE},
+        {"drain": {}, "template": TEMPLATE},
+        {"intervalSeconds": 600, "retention": {"maxAgeSeconds": 60}, "template": TEMPLATE},
+    ],
+)
+def test_server_defaults_match_the_model(spec: dict[str, object]) -> None:
+    # What the apiserver's defaulting makes of the generated schema is what the operator reads.
+    schema = structural_schema(CheckpointScheduleSpec)
+    assert apply_defaults(spec, schema) == CheckpointScheduleSpec.from_wire(spec).to_wire()
 
 
 @pytest.mark.parametrize(
