@@ -304,3 +304,37 @@ def test_eviction_answer_after_proceed_and_lose_lets_sources_go() -> None:
     t = machine.handle(t.state, Tick(), T0 + 600)
     assert answer_eviction(t.state, "uid-0", T0 + 601, LOSE).allowed
     assert not answer_eviction(t.state, "uid-later", T0 + 601, LOSE).allowed  # a new pod is protected again
+
+
+def test_a_commit_that_beat_the_cancel_is_migrated() -> None:
+    # A CheckpointJob ignores a cancel that comes after its commit and kills the sources: follow it.
+    machine, t = held(LOSE)
+    t = machine.handle(t.state, Tick(), T0 + 600)
+    assert t.state.phase is DrainPhase.LOST and t.state.cancelled_job == "ring-drain-1"
+    t = machine.handle(t.state, CheckpointCommitted("ring-drain-1", "ring-drain-1"), T0 + 601)
+    assert t.state.phase is DrainPhase.COMMITTED and "migrating after all" in t.of_type(EmitEvent)[0].message
+    t = run(machine, t, (SourcesStopped("ring-drain-1"), T0 + 602), (PdbRelaxed(), T0 + 603))
+    assert t.of_type(StartRestore) == [StartRestore("ring-restore-1", "ring-drain-1", ("node-1",))]
+
+
+def test_a_late_commit_while_held_cancels_the_retry() -> None:
+    machine, t = held(HOLD)
+    t = run(machine, t, (Tick(), T0 + 600), (Tick(), T0 + 660))  # deadline, then retry ring-drain-1-2
+    t = machine.handle(t.state, CheckpointCommitted("ring-drain-1", "ring-drain-1"), T0 + 661)
+    assert t.state.phase is DrainPhase.COMMITTED and t.state.checkpoint_job == "ring-drain-1"
+    assert t.of_type(CancelCheckpointJob) == [CancelCheckpointJob("ring-drain-1-2")]
+    t = machine.handle(t.state, SourcesStopped("ring-drain-1"), T0 + 662)
+    assert t.state.phase is DrainPhase.RELEASING
+
+
+def test_a_late_commit_after_an_uncordon_is_migrated() -> None:
+    machine, t = held()
+    t = machine.handle(t.state, NodeUncordoned("node-1"), T0 + 1)
+    assert t.state.phase is DrainPhase.IDLE and t.state.cancelled_job == "ring-drain-1"
+    t = machine.handle(t.state, CheckpointCommitted("ring-drain-1", "ring-drain-1"), T0 + 2)
+    assert t.state.phase is DrainPhase.COMMITTED
+    # A failure or start of a job that is not the one running changes nothing.
+    machine2, h = held(HOLD)
+    h = machine2.handle(h.state, Tick(), T0 + 600)
+    stale = machine2.handle(h.state, CheckpointFailed("ring-drain-1", "Cancelled", "deleted"), T0 + 601)
+    assert stale.state == h.state and stale.actions == ()

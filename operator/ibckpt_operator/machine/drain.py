@@ -53,6 +53,8 @@ class DrainPhase(StrEnum):
 AT_REST = frozenset({DrainPhase.IDLE, DrainPhase.DONE, DrainPhase.LOST, DrainPhase.FAILED})
 # The checkpoint is not committed yet: the deadline and the failure policy apply, an uncordon cancels.
 BEFORE_COMMIT = frozenset({DrainPhase.HOLDING, DrainPhase.CHECKPOINTING, DrainPhase.HELD})
+# A cancelled CheckpointJob that commits anyway is followed from these.
+LATE_COMMIT = frozenset({DrainPhase.IDLE, DrainPhase.HELD, DrainPhase.LOST})
 # Evictions of source pods are answered 429.
 HOLDS = BEFORE_COMMIT | {DrainPhase.COMMITTED}
 
@@ -81,6 +83,9 @@ class DrainState:
     deadline: float | None = None
     next_retry: float | None = None
     checkpoint_job: str | None = None
+    # A CheckpointJob ignores a cancel after its commit and kills the sources: one we cancelled may still
+    # commit, and then the job must be restored.
+    cancelled_job: str | None = None
     checkpoint: str | None = None  # the Checkpoint the job writes (its name is chosen here, in advance)
     restore_job: str | None = None
     reason: str | None = None
@@ -263,13 +268,26 @@ class DrainMachine:
             if state.phase is DrainPhase.HOLDING:
                 state = replace(state, phase=DrainPhase.CHECKPOINTING)
             return self._wake(state)
-        if isinstance(event, CheckpointCommitted) and self._mine(state, event.job):
-            if state.phase in BEFORE_COMMIT:
+        if isinstance(event, CheckpointCommitted):
+            ours = self._mine(state, event.job) and state.phase in BEFORE_COMMIT
+            late = event.job == state.cancelled_job and state.phase in LATE_COMMIT
+            if ours or late:
+                actions: list[Action] = []
+                if late and state.checkpoint_job not in (None, event.job):
+                    actions.append(CancelCheckpointJob(str(state.checkpoint_job)))  # a retry: not needed now
                 state = replace(
-                    state, phase=DrainPhase.COMMITTED, checkpoint=event.checkpoint, reason=None, message=None
+                    state,
+                    phase=DrainPhase.COMMITTED,
+                    checkpoint_job=event.job,
+                    checkpoint=event.checkpoint,
+                    reason=None,
+                    message=None,
                 )
                 note = f"{event.checkpoint} committed; stopping the sources, then releasing the drain"
-                return Transition(state, (EmitEvent("Normal", "MigrationCommitted", note),))
+                if late:
+                    note = f"{event.checkpoint} committed before the cancel reached it; migrating after all"
+                actions.append(EmitEvent("Normal", "MigrationCommitted", note))
+                return Transition(state, tuple(actions))
             return self._wake(state)
         if isinstance(event, CheckpointFailed) and self._mine(state, event.job):
             if state.phase in BEFORE_COMMIT:
@@ -337,7 +355,15 @@ class DrainMachine:
         if state.checkpoint_job is not None:
             actions.insert(0, CancelCheckpointJob(state.checkpoint_job))
         actions.append(RecordMigration("Cancelled", now - (state.held_since or now)))
-        idle = DrainState(name=state.name, seq=state.seq, reason="DrainCancelled", message="node uncordoned")
+        idle = DrainState(
+            name=state.name,
+            seq=state.seq,
+            sources=state.sources,
+            held_since=state.held_since,
+            cancelled_job=state.checkpoint_job,
+            reason="DrainCancelled",
+            message="node uncordoned",
+        )
         return Transition(idle, tuple(actions))
 
     def _give_up(
@@ -347,6 +373,7 @@ class DrainMachine:
         actions: list[Action] = []
         if state.checkpoint_job is not None and not job_ended:
             actions.append(CancelCheckpointJob(state.checkpoint_job))
+            state = replace(state, cancelled_job=state.checkpoint_job)
         if self.config.on_failure is OnDrainFailure.PROCEED_AND_LOSE:
             text = (
                 f"{reason}: {message}; letting the drain proceed: the running state of {state.name} is lost"
