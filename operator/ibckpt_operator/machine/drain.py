@@ -13,6 +13,7 @@ no clock (docs/drains.md).
                         every retry; its commit goes on to Committed)
     Holding, Checkpointing, Held: every drained node uncordoned ─▶ Idle (the CheckpointJob is cancelled)
     Restoring: restore failed ─▶ Failed (the checkpoint is good: the message names it)
+    Idle, Held, Lost: a cancelled CheckpointJob that committed anyway ─▶ Committed (it kills the sources)
 
 An eviction is answered from the state (`answer_eviction`): a source pod may go only once its checkpoint is
 committed and the hold released; every other answer is 429 with a message saying why and for how long.
