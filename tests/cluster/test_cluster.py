@@ -64,7 +64,7 @@ def test_rdma_pingpong_between_pods_on_two_nodes(cluster: Cluster, ns: str) -> N
     )  # fmt: skip
     pods.apply(cluster, ns, server, client)
     for name in ("pp-server", "pp-client"):
-        pods.wait_pod(cluster, ns, name, {"Succeeded"}, timeout=300)
+        pods.wait_pod(cluster, ns, name, {"Succeeded"}, timeout=480)
     for name in ("pp-server", "pp-client"):
         out = cluster.kubectl("logs", "-n", ns, name).stdout
         assert f"{iters} iters in" in out, out
@@ -89,7 +89,7 @@ def test_product_image_runs_and_logs_reach_kubectl(cluster: Cluster, ns: str) ->
         },
     }
     pods.apply(cluster, ns, pod)
-    done = pods.wait_pod(cluster, ns, "version", {"Succeeded"}, timeout=300)
+    done = pods.wait_pod(cluster, ns, "version", {"Succeeded"}, timeout=480)
     assert done["spec"]["containers"][0]["image"] == PRODUCT_IMAGE
     out = cluster.kubectl("logs", "-n", ns, "version").stdout
     assert out.startswith("ibckpt "), out

@@ -59,7 +59,7 @@ def get(cluster: Cluster, namespace: str, kind: str, name: str | None = None, **
 
 
 def wait_pod(
-    cluster: Cluster, namespace: str, name: str, phases: set[str], timeout: float = 300.0
+    cluster: Cluster, namespace: str, name: str, phases: set[str], timeout: float = 480.0
 ) -> dict[str, Any]:
     """Wait until the pod's phase is one of phases; fail early if it ends in another."""
     deadline = time.monotonic() + timeout
