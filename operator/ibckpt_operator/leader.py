@@ -16,6 +16,7 @@ from ibckpt_operator import metrics
 from ibckpt_operator.kube import Kube
 
 log = logging.getLogger(__name__)
+RELEASE_ATTEMPTS = 5
 
 
 def _now() -> datetime:
@@ -117,13 +118,19 @@ class LeaderLease:
         """Give the Lease up at a clean exit so the next replica need not wait out the duration."""
         if not self.held:
             return
-        try:
-            lease = self.kube.coordination.read_namespaced_lease(self.name, self.namespace)
-            if lease.spec and lease.spec.holder_identity == self.identity:
-                lease.spec.holder_identity = None
-                lease.spec.renew_time = None
-                self.kube.coordination.replace_namespaced_lease(self.name, self.namespace, lease)
-        except ApiException as error:
-            log.warning("could not release Lease %s/%s: %s", self.namespace, self.name, error.reason)
+        # A renewal racing this read-modify-write makes the replace a 409: read again and retry.
+        for attempt in range(RELEASE_ATTEMPTS):
+            try:
+                lease = self.kube.coordination.read_namespaced_lease(self.name, self.namespace)
+                if lease.spec and lease.spec.holder_identity == self.identity:
+                    lease.spec.holder_identity = None
+                    lease.spec.renew_time = None
+                    self.kube.coordination.replace_namespaced_lease(self.name, self.namespace, lease)
+                break
+            except ApiException as error:
+                if error.status == 409 and attempt + 1 < RELEASE_ATTEMPTS:
+                    continue
+                log.warning("could not release Lease %s/%s: %s", self.namespace, self.name, error.reason)
+                break
         self.held = False
         metrics.LEADER.set(0)
