@@ -114,7 +114,12 @@ def main() -> None:
                 "spec": {
                     "nodeName": "node-1",
                     "containers": [
-                        {"name": "c", "image": APPS_IMAGE, "imagePullPolicy": "Never", "args": ["sleep", "9"]}
+                        {
+                            "name": "c",
+                            "image": APPS_IMAGE,
+                            "args": ["sleep", "99"],
+                            "imagePullPolicy": "Never",
+                        },
                     ],
                 },
             }
