@@ -60,6 +60,10 @@ for chain in OUTPUT PREROUTING; do
   iptables -t nat -A "$chain" -d "$CLUSTER_API_IP" -p tcp --dport 443 -j DNAT --to-destination "10.0.2.100:$API_PORT"
 done
 iptables -t nat -A POSTROUTING -d 10.0.2.100 -j MASQUERADE
+# The guest has no default route: a hostNetwork pod's connect to the Service IP needs a route
+# before OUTPUT's DNAT can rewrite it (pod-network pods are DNAT'd in PREROUTING already).
+user_nic=$(ip -o -4 addr show | awk '$4 == "10.0.2.15/24" {print $2; exit}')
+ip route add "$CLUSTER_API_IP/32" dev "$user_nic"
 
 # The images, unpacked once on the host (testbed/images.py, node_store): metadata is copied,
 # layers are bind-mounted and serve as the read-only lower dirs of every container's overlay.
