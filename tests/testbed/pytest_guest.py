@@ -30,7 +30,7 @@ REPORT_OPTION = "--guest-report"
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(REPORT_OPTION, default=None, help="(inside the guest) write outcomes to this JSON file")
-    parser.addoption("--guest-timeout", type=float, default=2400.0, help="bound on the whole in-guest run")
+    parser.addoption("--guest-timeout", type=float, default=3600.0, help="bound on the whole in-guest run")
 
 
 # ---- inside the guest: record outcomes -------------------------------------------------
