@@ -28,9 +28,11 @@ def test_chart_lints_strict() -> None:
 
 
 def test_rendered_chart_passes_server_dry_run(kube, kube_api: kubernetes.client.ApiClient) -> None:  # type: ignore[no-untyped-def]
-    kubernetes.client.CoreV1Api(kube_api).create_namespace({"metadata": {"name": "ibckpt-system"}})
+    # Its own namespace: the operator tests share this apiserver and create ibckpt-system themselves.
+    namespace = "ibckpt-smoke"
+    kubernetes.client.CoreV1Api(kube_api).create_namespace({"metadata": {"name": namespace}})
     rendered = subprocess.run(
-        [tool("helm"), "template", "ibckpt", str(CHART), "--namespace", "ibckpt-system", "--include-crds"],
+        [tool("helm"), "template", "ibckpt", str(CHART), "--namespace", namespace, "--include-crds"],
         capture_output=True,
         text=True,
         check=True,
@@ -45,4 +47,5 @@ def test_rendered_chart_passes_server_dry_run(kube, kube_api: kubernetes.client.
         text=True,
     )
     assert applied.returncode == 0, applied.stderr
-    assert "deployment.apps/ibckpt-ibckpt-operator created (server dry run)" in applied.stdout
+    assert "deployment.apps/ibckpt-operator created (server dry run)" in applied.stdout
+    assert "daemonset.apps/ibckpt-agent created (server dry run)" in applied.stdout
