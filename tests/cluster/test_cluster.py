@@ -70,6 +70,42 @@ def test_rdma_pingpong_between_pods_on_two_nodes(cluster: Cluster, ns: str) -> N
         assert f"{iters} iters in" in out, out
 
 
+SERVE_TWICE = """
+import socket
+server = socket.create_server(("", 7000))
+for _ in range(2):
+    conn, peer = server.accept()
+    conn.sendall(b"hello " + peer[0].encode())
+    conn.close()
+"""
+CALL = """
+import socket, sys, time
+for _ in range(60):
+    try:
+        print(socket.create_connection((sys.argv[1], 7000), 20).recv(64).decode())
+        break
+    except OSError:
+        time.sleep(1)
+"""
+
+
+def test_pods_and_host_network_reach_a_pod_on_the_other_node(cluster: Cluster, ns: str) -> None:
+    """The operator's coordinator runs in a pod: agents (hostNetwork) and pods on every node connect to it."""
+    serve = ["python3", "-c", SERVE_TWICE]
+    pods.apply(cluster, ns, pods.rdma_pod("listener", "node-1", serve, APPS_IMAGE, host_network=False))
+    ip = pods.wait_pod(cluster, ns, "listener", {"Running"})["status"]["podIP"]
+    assert ip.startswith("10.88.1."), ip
+    call = ["python3", "-c", CALL, ip]
+    pods.apply(cluster, ns, pods.rdma_pod("caller-pod", "node-2", call, APPS_IMAGE, host_network=False))
+    pods.wait_pod(cluster, ns, "caller-pod", {"Succeeded"}, timeout=300)
+    pod_ip = pods.get(cluster, ns, "pod", "caller-pod")["status"]["podIP"]
+    # pod to pod keeps the source address (no masquerade between pod subnets)
+    assert cluster.kubectl("logs", "-n", ns, "caller-pod").stdout.strip() == f"hello {pod_ip}"
+    pods.apply(cluster, ns, pods.rdma_pod("caller-host", "node-2", call, APPS_IMAGE, host_network=True))
+    pods.wait_pod(cluster, ns, "caller-host", {"Succeeded"}, timeout=300)
+    assert cluster.kubectl("logs", "-n", ns, "caller-host").stdout.strip() == f"hello {node_ip(2)}"
+
+
 def test_product_image_runs_and_logs_reach_kubectl(cluster: Cluster, ns: str) -> None:
     pod = {
         "apiVersion": "v1",

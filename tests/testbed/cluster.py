@@ -208,6 +208,10 @@ def _prepare_node(plane: ControlPlane, root: Path, index: int, store: Path, hand
         "PAUSE_IMAGE": image_builds.PAUSE_IMAGE,
         "POD_SUBNET": f"10.88.{index}.0/24",
         "CLUSTER_API_IP": KUBERNETES_SERVICE_IP,
+        # the other nodes' pod subnets, as a CNI's routes would give them: "subnet via node-ip" pairs
+        "POD_ROUTES": " ".join(
+            f"10.88.{i}.0/24,{node_ip(i)}" for i in range(1, len(NODE_NAMES) + 1) if i != index
+        ),
     }
     (node_dir / "node.env").write_text("".join(f"{k}='{v}'\n" for k, v in env.items()))
     return node_dir

@@ -54,6 +54,14 @@ cat >/etc/cni/net.d/10-ibckpt.conflist <<EOF
 }
 EOF
 
+# Pod to pod across nodes (and a hostNetwork agent to the operator's pod on another node), as a
+# cluster's CNI gives it: a route to each other node's pod subnet through that node's address.
+for route in $POD_ROUTES; do
+  ip route add "${route%,*}" via "${route#*,}"
+done
+# Traffic between pod subnets keeps its source address (the bridge plugin masquerades the rest).
+iptables -t nat -I POSTROUTING -s "$POD_SUBNET" -d 10.88.0.0/16 -j RETURN
+
 # The one Service a pod needs without kube-proxy: kubernetes.default, the apiserver on the
 # host, which the guest reaches through qemu's forward at 10.0.2.100.
 for chain in OUTPUT PREROUTING; do
