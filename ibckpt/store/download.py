@@ -65,10 +65,21 @@ def _check_key(context: StoreContext, manifest: Manifest) -> None:
         )
 
 
-def _placements(manifest: Manifest) -> dict[str, tuple[int, list[Placement]]]:
+def select_subtree(files: list[FileRecord], subtree: str | None) -> list[FileRecord]:
+    """The records under `subtree` (a directory in the checkpoint), their paths made relative to it."""
+    if not subtree:
+        return list(files)
+    prefix = subtree.strip("/") + "/"
+    chosen = [r.model_copy(update={"path": r.path[len(prefix) :]}) for r in files if r.path.startswith(prefix)]
+    if not chosen:
+        raise StoreError(f"the checkpoint has no files under {subtree!r}")
+    return chosen
+
+
+def _placements(files: list[FileRecord]) -> dict[str, tuple[int, list[Placement]]]:
     """chunk id -> (plain size, every place it goes). A chunk used twice is fetched once."""
     where: dict[str, tuple[int, list[Placement]]] = {}
-    for record in manifest.files:
+    for record in files:
         offset = 0
         for chunk in record.chunks:
             where.setdefault(chunk.id, (chunk.size, []))[1].append(Placement(record.path, offset))
@@ -117,8 +128,10 @@ def restore(
     destination: Path,
     *,
     progress: ProgressCallback | None = None,
+    subtree: str | None = None,
 ) -> TransferReport:
-    """Rebuild checkpoint `ref` at `destination`, which must not exist or be an empty directory."""
+    """Rebuild checkpoint `ref` at `destination`, which must not exist or be an empty directory.
+    `subtree`: only that directory of the checkpoint (a node's part of it), as the destination's root."""
     if destination.exists() and (not destination.is_dir() or any(destination.iterdir())):
         raise StoreError(f"restore destination {destination} exists and is not an empty directory")
     workers = context.connection.config.workers
@@ -129,10 +142,11 @@ def restore(
         manifest = context.load_manifest(ref)
         _check_key(context, manifest)
         staging = destination.parent / f".{destination.name}.partial-{secrets.token_hex(4)}"
+        files = select_subtree(manifest.files, subtree)
         staging.mkdir(parents=True)
         try:
-            _make_skeleton(staging, manifest.files)
-            placements = _placements(manifest)
+            _make_skeleton(staging, files)
+            placements = _placements(files)
 
             def fetch_and_write(cid: str) -> int:
                 size, places = placements[cid]
@@ -153,8 +167,8 @@ def restore(
                     for future in futures:
                         future.cancel()
                     raise
-            _finish_metadata(staging, manifest.files)
-            _make_symlinks(staging, manifest.files)
+            _finish_metadata(staging, files)
+            _make_symlinks(staging, files)
             if destination.exists():
                 destination.rmdir()
             staging.rename(destination)
@@ -225,7 +239,7 @@ def verify(
     with reader_lease(context, ref):
         manifest = context.load_manifest(ref)
         _check_key(context, manifest)
-        placements = _placements(manifest)
+        placements = _placements(manifest.files)
         stored_sizes = manifest.chunk_sizes()
 
         def check(cid: str) -> int:

@@ -104,9 +104,14 @@ class ImageStore:
 
     # -- reading ---------------------------------------------------------------------------------------
     def restore(
-        self, ref: CheckpointRef, destination: Path, *, progress: ProgressCallback | None = None
+        self,
+        ref: CheckpointRef,
+        destination: Path,
+        *,
+        progress: ProgressCallback | None = None,
+        subtree: str | None = None,
     ) -> download.TransferReport:
-        return download.restore(self.context, ref, destination, progress=progress)
+        return download.restore(self.context, ref, destination, progress=progress, subtree=subtree)
 
     def verify(
         self, ref: CheckpointRef, *, deep: bool = True, progress: ProgressCallback | None = None

@@ -96,6 +96,23 @@ def test_latest_and_listing(make_store: Any, tree_factory: Any, helpers: Any, tm
     assert (tmp_path / "out" / "a.img").read_bytes() == b"second"
 
 
+def test_restore_of_one_subtree(make_store: Any, tree_factory: Any, helpers: Any, tmp_path: Path) -> None:
+    """A node fetches only its part of a checkpoint (one container's tree), rooted at the destination."""
+    store = make_store()
+    source = mixed_tree(tree_factory, helpers)
+    manifest = store.upload_tree(source, "solver")
+    report = store.restore(manifest.ref, tmp_path / "part", subtree="sub")
+    assert sorted(str(p.relative_to(tmp_path / "part")) for p in (tmp_path / "part").rglob("*")) == [
+        "dir",
+        "dir/deep.img",
+    ]
+    assert (tmp_path / "part" / "dir" / "deep.img").read_bytes() == (source / "sub/dir/deep.img").read_bytes()
+    assert report.logical_bytes == 5000
+    with pytest.raises(StoreError, match="no files under 'nothing'"):
+        store.restore(manifest.ref, tmp_path / "none", subtree="nothing")
+    assert not (tmp_path / "none").exists()
+
+
 def test_restore_refuses_a_non_empty_destination(make_store: Any, tree_factory: Any, tmp_path: Path) -> None:
     store = make_store()
     manifest = store.upload_tree(tree_factory({"a.img": b"x"}), "solver")
