@@ -70,7 +70,8 @@ def select_subtree(files: list[FileRecord], subtree: str | None) -> list[FileRec
     if not subtree:
         return list(files)
     prefix = subtree.strip("/") + "/"
-    chosen = [r.model_copy(update={"path": r.path[len(prefix) :]}) for r in files if r.path.startswith(prefix)]
+    inside = [r for r in files if r.path.startswith(prefix)]
+    chosen = [r.model_copy(update={"path": r.path[len(prefix) :]}) for r in inside]
     if not chosen:
         raise StoreError(f"the checkpoint has no files under {subtree!r}")
     return chosen
