@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,7 @@ def stage(config: oci.NodeConfig, **over: str) -> Path:
 
 @pytest.fixture
 def config(tmp_path: Path) -> oci.NodeConfig:
-    return oci.NodeConfig(state_dir=str(tmp_path / "state"))
+    return oci.NodeConfig(state_dir=str(tmp_path / "state"), restore_wait_s=0.0)
 
 
 def restoring(value: str = "ml/ckpt-7", **ann: str) -> dict[str, Any]:
@@ -57,6 +58,23 @@ def test_another_namespaces_checkpoint_is_refused(config: oci.NodeConfig) -> Non
 def test_a_forged_annotation_with_nothing_staged_is_refused(config: oci.NodeConfig) -> None:
     with pytest.raises(oci.Refused, match="staged no images for it on this node"):
         restore.check(config, restoring())
+
+
+def test_a_create_waits_for_the_agent_to_stage(config: oci.NodeConfig) -> None:
+    import threading
+
+    config.restore_wait_s = 20.0
+    late = threading.Timer(1.0, stage, (config,))
+    late.start()
+    started = time.monotonic()
+    where, _ = restore.check(config, restoring())
+    assert where.endswith("/images") and 0.9 < time.monotonic() - started < 15
+    late.join()
+    config.restore_wait_s = 0.5
+    started = time.monotonic()
+    with pytest.raises(oci.Refused, match=r"staged no images for it on this node within 0.5s"):
+        restore.check(config, restoring("ml/ckpt-7", **{"io.kubernetes.cri.sandbox-uid": "0000-other"}))
+    assert time.monotonic() - started >= 0.5
 
 
 def test_images_staged_for_another_restore_are_refused(config: oci.NodeConfig) -> None:
@@ -99,7 +117,7 @@ def test_the_wrapper_turns_create_into_restore_and_answers_start(tmp_path: Path)
     fake.chmod(0o755)
     shim = tmp_path / "libibckpt.so"
     shim.write_bytes(b"\x7fELF")
-    node = {"runc": str(fake), "shim": str(shim), "state_dir": str(tmp_path / "state")}
+    node = {"runc": str(fake), "shim": str(shim), "state_dir": str(tmp_path / "state"), "restore_wait_s": 0}
     (tmp_path / "node.json").write_text(json.dumps(node))
     config = oci.load_config({"IBCKPT_NODE_CONFIG": str(tmp_path / "node.json")})
     where = stage(config)

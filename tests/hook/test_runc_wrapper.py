@@ -166,6 +166,9 @@ def test_create_of_an_rdma_container_edits_then_passes_through(
     st = ctl.stat()
     assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (1234, 4321, 0o700)
     assert (wrapper["state"] / "coord").is_dir()
+    # the agent checkpoints it later through the same runc and state root
+    record = json.loads((ctl.parent / "runtime.json").read_text())
+    assert record["root"] == runc.global_value(GLOBAL, "root") and record["bundle"] == str(bundle)
 
 
 def test_create_with_the_bundle_as_working_directory(wrapper: dict[str, Any], tmp_path: Path) -> None:

@@ -65,6 +65,7 @@ class NodeConfig:
         hook: str = "/usr/local/bin/ibckpt-hook",
         state_dir: str = "/run/ibckpt",
         registry_timeout_s: float = 1.0,
+        restore_wait_s: float = 90.0,
         config_file: str = "",  # the file these came from ("" = built-in defaults)
     ) -> None:
         self.runc = runc
@@ -72,6 +73,9 @@ class NodeConfig:
         self.hook = hook
         self.state_dir = state_dir
         self.registry_timeout_s = registry_timeout_s
+        # how long a restoring create waits for the agent to stage its images (it downloads them
+        # once the operator has created the pod); the kubelet retries a create that fails
+        self.restore_wait_s = restore_wait_s
         self.config_file = config_file
 
     @property
@@ -90,7 +94,14 @@ class NodeConfig:
         return os.path.join(self.state_dir, "restore", pod_uid, container)
 
 
-_FIELDS = {"runc": str, "shim": str, "hook": str, "state_dir": str, "registry_timeout_s": float}
+_FIELDS = {
+    "runc": str,
+    "shim": str,
+    "hook": str,
+    "state_dir": str,
+    "registry_timeout_s": float,
+    "restore_wait_s": float,
+}
 
 
 def load_config(env: dict[str, str] | None = None) -> NodeConfig:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import time
 
 from ibckpt_node.hook import oci
 from ibckpt_node.hook.oci import Refused
@@ -62,6 +63,10 @@ def check(config: oci.NodeConfig, spec: dict[str, Any]) -> tuple[str, str]:
     where = config.restore_dir(who.pod_uid, who.container)
     staged_file = os.path.join(where, "staged.json")
     images = os.path.join(where, "images")
+    # The operator creates the pod, then asks the agent to stage: the kubelet's create may come first.
+    deadline = time.monotonic() + config.restore_wait_s
+    while not os.path.exists(staged_file) and time.monotonic() < deadline:
+        time.sleep(0.2)
     try:
         _root_only(where, "restore dir")
         _root_only(staged_file, "staged restore")
@@ -72,7 +77,8 @@ def check(config: oci.NodeConfig, spec: dict[str, Any]) -> tuple[str, str]:
         raise Refused(
             f"refusing to restore pod {who.namespace}/{who.pod} (uid {who.pod_uid}) container "
             f"{who.container} from {value}: the node agent staged no images for it on this node "
-            "(a forged or stale restore annotation, or the agent has not staged them yet)"
+            f"within {config.restore_wait_s:g}s (a forged or stale restore annotation, or the agent has not "
+            "staged them yet: the kubelet retries)"
         ) from None
     except ValueError as exc:
         raise Refused(f"{staged_file}: {exc}") from None

@@ -112,9 +112,21 @@ def log_error(global_args: list[str], message: str) -> None:
         pass
 
 
-def prepare(config: oci.NodeConfig, args: CreateArgs) -> tuple[str, str] | None:
+def global_value(global_args: list[str], wanted: str) -> str | None:
+    for i, arg in enumerate(global_args):
+        name, value = _flag(arg)
+        if name == wanted:
+            return value if value is not None else (global_args[i + 1] if i + 1 < len(global_args) else None)
+    return None
+
+
+RUNTIME_RECORD = "runtime.json"
+
+
+def prepare(config: oci.NodeConfig, args: CreateArgs, runc_root: str | None = None) -> tuple[str, str] | None:
     """Edit the bundle for the shim if the container wants it. Returns (image dir, staged restore
-    options) when the create is to be a restore."""
+    options) when the create is to be a restore. Records the runtime's state root beside the
+    container's control dir: the agent checkpoints the container through the same runc and root."""
     import json
 
     from ibckpt_node.hook import oci
@@ -142,6 +154,9 @@ def prepare(config: oci.NodeConfig, args: CreateArgs) -> tuple[str, str] | None:
     os.makedirs(config.coord_dir, mode=0o755, exist_ok=True)
     uid, gid = oci.process_owner(spec)
     os.chown(ctl, uid, gid)  # the shim runs as the container's user and binds its socket here
+    record = {"runc": config.runc, "root": runc_root or "", "bundle": os.path.abspath(args.bundle)}
+    with open(os.path.join(cdir, RUNTIME_RECORD), "w", encoding="utf-8") as f:
+        json.dump(record, f)
     edited = oci.edit_spec(spec, config, container_id)
     tmp = path + ".ibckpt.tmp"
     with open(tmp, "w", encoding="utf-8") as f:
@@ -213,7 +228,7 @@ def _main(argv: list[str], at: int | None, command: str) -> int:
             return 0
         exec_runc(config, argv)
     try:
-        restore = prepare(config, args)
+        restore = prepare(config, args, global_value(global_args, "root"))
     except (Refused, ValueError, OSError) as exc:
         log_error(global_args, str(exc))
         return 1
