@@ -226,11 +226,18 @@ class RestoreRank(AgentModel):
     pod_uid: str = Field(min_length=1, max_length=64)
     container: str = Field(min_length=1, max_length=63)
     rank_key: str = Field(min_length=1, description="job/pod/container/process of the checkpointed rank.")
+    namespace: str = Field(default="", max_length=63, description="The new pod's namespace.")
+    pod: str = Field(default="", max_length=253, description="The new pod's name.")
 
 
 class RestoreRequest(SessionBase):
     job: str = Field(min_length=1, max_length=253)
     images: ImageSource
+    checkpoint: str = Field(
+        default="",
+        max_length=317,
+        description="The Checkpoint (NAMESPACE/NAME): the new pods' ibckpt.io/restore-from annotation.",
+    )
     ranks: list[RestoreRank] = Field(default_factory=list)
     rejoin: list[RankRef] = Field(
         default_factory=list, description="Ranks held on this node (Hold) that rebuild with the moved ones."

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import functools
 import ipaddress
 import json
 import logging
@@ -29,7 +30,7 @@ from ibckpt.coordination.client import (
 )
 from ibckpt.coordination.ranks import RankId
 from ibckpt_native.control import ControlError, ShimControl
-from ibckpt_node import criu, preflight, priority, stuck, tcp_remap
+from ibckpt_node import container_runtime, criu, preflight, priority, stuck, tcp_remap
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +164,8 @@ class ProcessTree:
 
     name: str
     root_pid: int
+    # A container's tree is dumped by its runtime (runc checkpoint), and restored by it.
+    container: container_runtime.RuntimeContainer | None = None
 
 
 def read_tree_manifest(images: Path) -> tuple[int, list[tuple[RankId, int, Path]]]:
@@ -472,14 +475,21 @@ class NodeDriver:
         members = self._tree_members()
         for t in self.trees:  # one CRIU at a time: each freezes and walks a whole tree
             images = images_root / t.name
-            await asyncio.to_thread(criu.dump, t.root_pid, images, options, self.timeouts.dump_s)
-            manifest = {
+            if t.container is not None:
+                dump = functools.partial(container_runtime.checkpoint, t.container)
+                await asyncio.to_thread(dump, images, options, self.timeouts.dump_s)
+            else:
+                await asyncio.to_thread(criu.dump, t.root_pid, images, options, self.timeouts.dump_s)
+            manifest: dict[str, Any] = {
                 "root_pid": t.root_pid,
                 "ranks": [
                     {"key": r.rank.key(), "pid": r.pid, "control": str(r.control_path)}
                     for r in members[t.name]
                 ],
             }
+            if t.container is not None:  # the runtime restores it, with matching options
+                manifest["runtime"] = "runc"
+                manifest["restore_args"] = container_runtime.restore_args(options)
             (images / TREE_MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
             for r in members[t.name]:
                 self.report.images[r.rank.key()] = images
@@ -518,6 +528,25 @@ class NodeDriver:
         self.report.outcome = "Aborted"
 
     # -- restore --------------------------------------------------------------------------
+
+    async def rebuild_restored(
+        self, restored: Callable[[], Awaitable[list[LocalRank]]], epoch: int
+    ) -> NodeReport:
+        """Ranks whose containers the runtime restores (runc restore, when containerd creates
+        them from staged images): wait for `restored` to find them, then rebuild and resume with
+        the peers. The barriers are those of restore(), so nodes of either kind meet."""
+        t = self.timeouts
+
+        async def arrive() -> None:
+            self.ranks.extend(await restored())
+            for r in self.ranks:
+                self.report.restored_pids[r.rank.key()] = r.pid
+
+        await self._phase("locked", lambda: asyncio.sleep(0), t.restore_s)
+        await self._phase("restored", arrive, t.restore_s)
+        await self._rebuild_and_resume(epoch)
+        self.report.outcome = "Succeeded"
+        return self.report
 
     async def restore(
         self,

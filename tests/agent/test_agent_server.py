@@ -148,9 +148,10 @@ def test_malformed_and_unsupported_requests(agent: Running) -> None:
             },
         }
     )
-    with pytest.raises(AgentError) as not_yet:
+    with pytest.raises(AgentError) as empty:
         agent.client().restore(restore)
-    assert not_yet.value.status == 501
+    assert empty.value.status == 422
+    assert "names no rank to restore" in empty.value.message
 
 
 def test_the_session_token_reaches_the_wire_but_not_repr_or_a_plain_dump() -> None:

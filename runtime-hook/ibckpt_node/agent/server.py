@@ -170,8 +170,9 @@ class AgentServer:
             self.metrics.running.set(len(self.sessions.running()))
             return ok(report, 202)
         if path == "/v1/sessions/restore" and method == "POST":
-            api.RestoreRequest.from_json(body)  # a malformed request still says what is wrong with it
-            return error(501, "restore through the node agent is not implemented yet; ibckpt-node restore is")
+            report = self.sessions.start_restore(api.RestoreRequest.from_json(body))
+            self.metrics.running.set(len(self.sessions.running()))
+            return ok(report, 202)
         match = SESSION_PATH.match(path)
         if match and match.group(1) not in ("checkpoint", "restore"):
             if match.group(2) and method == "POST":

@@ -23,7 +23,9 @@ from ibckpt.agentapi import models as api
 from ibckpt.coordination.client import CoordinationAborted, CoordinatorClient, CoordinatorError
 from ibckpt.coordination.ranks import RankId
 from ibckpt_node import driver
+from ibckpt_node.agent import restoring
 from ibckpt_node.agent.kubesecrets import SecretReader, StagingError
+from ibckpt_node.container_runtime import RuntimeContainer
 from ibckpt_node.coord_proxy import ShimCoordinatorProxy
 from ibckpt_node.criu import CriuError
 from ibckpt_node.registry import ContainerRegistry, RegisteredContainer
@@ -107,7 +109,7 @@ def tree_bytes(root: Path) -> int:
 
 @dataclass
 class Session:
-    request: api.CheckpointRequest
+    request: api.CheckpointRequest | api.RestoreRequest
     report: api.SessionReport
     ranks: list[driver.LocalRank]
     trees: list[driver.ProcessTree]
@@ -176,9 +178,18 @@ class Sessions:
             ranks += [(r, entry.pod_uid) for r in found]
             # the container's whole process tree is one image: its ranks' pipes and sockets go with it
             name = f"{entry.pod}.{entry.container}"
-            trees.append(driver.ProcessTree(name, entry.pid))
+            trees.append(driver.ProcessTree(name, entry.pid, self._runtime_container(entry)))
             tree_keys[name] = [r.rank.key() for r in found]
         return ranks, trees, tree_keys
+
+    @staticmethod
+    def _runtime_container(entry: RegisteredContainer) -> RuntimeContainer | None:
+        """The container as its runtime knows it, when the wrapper created it (else plain CRIU)."""
+        try:
+            return RuntimeContainer.recorded(entry.container_id, Path(entry.control_dir).parent)
+        except CriuError as exc:
+            log.warning("%s/%s: dumped with plain CRIU: %s", entry.pod, entry.container, exc)
+            return None
 
     def start_checkpoint(self, request: api.CheckpointRequest) -> api.SessionReport:
         if request.session_id in self.sessions:
@@ -208,6 +219,150 @@ class Sessions:
         self.sessions[request.session_id] = session
         session.task = asyncio.create_task(self._run(session), name=f"session {request.session_id}")
         return report
+
+    def start_restore(self, request: api.RestoreRequest) -> api.SessionReport:
+        if request.session_id in self.sessions:
+            raise SessionError(409, f"session {request.session_id!r} exists on {self.node}")
+        busy = self.running()
+        if busy:
+            raise SessionError(409, f"{self.node} is busy with session {busy[0]!r}")
+        if request.rejoin:
+            raise SessionError(422, "rejoining held ranks through the node agent is not supported yet")
+        if not request.ranks:
+            raise SessionError(422, "the restore request names no rank to restore on this node")
+        report = api.SessionReport(
+            session_id=request.session_id,
+            kind=api.SessionKind.RESTORE,
+            node=self.node,
+            phase=api.RankPhase.DOWNLOADING.value,
+            started_at=time.time(),
+            ranks=[
+                api.RankProgress(rank_key=r.rank_key, pod_uid=r.pod_uid, container=r.container)
+                for r in request.ranks
+            ],
+        )
+        session = Session(request, report, [], [], {})
+        session.by_key = {p.rank_key: p for p in report.ranks}
+        self.sessions[request.session_id] = session
+        session.task = asyncio.create_task(self._run_restore(session), name=f"session {request.session_id}")
+        return report
+
+    def _set_phase(self, session: Session, phase: api.RankPhase) -> None:
+        session.report.phase = phase.value
+        for progress in session.report.ranks:
+            progress.phase = phase
+            progress.seconds = round(time.time() - session.report.started_at, 3)
+
+    async def _run_restore(self, session: Session) -> None:
+        request = session.request
+        assert isinstance(request, api.RestoreRequest)
+        report = session.report
+        planned: list[restoring.ContainerRestore] = []
+        restore_dir = self.registry.config.restore_dir
+        try:
+            planned = await self._stage_restore(session, request)
+            host, _, port = request.coordinator.rpartition(":")
+            session.client = await CoordinatorClient.connect(
+                host, int(port), request.session_id, self.node, request.session_token.get_secret_value()
+            )
+            try:
+                async with ShimCoordinatorProxy(self.shim_socket, session.client) as proxy:
+                    session.engine = driver.NodeDriver(
+                        self.node,
+                        session.client,
+                        [],
+                        timeouts=driver_timeouts(request.timeouts),
+                        flush_records=proxy.published,
+                    )
+                    self._set_phase(session, api.RankPhase.RESTORING)
+
+                    async def restored() -> list[driver.LocalRank]:
+                        ranks = await restoring.wait_for_ranks(
+                            self.registry, planned, host_pid, request.timeouts.restore_seconds
+                        )
+                        for r in ranks:
+                            session.by_key[r.rank.key()].pid = r.pid
+                        self._set_phase(session, api.RankPhase.REBUILDING)
+                        return ranks
+
+                    result = await session.engine.rebuild_restored(restored, request.epoch)
+            finally:
+                await session.client.close()
+            report.phases = dict(result.phases)
+            self._set_phase(session, api.RankPhase.DONE)
+            report.state = api.SessionState.SUCCEEDED
+            report.phase = "Succeeded"
+            report.message = f"restored {len(planned)} containers on {self.node}"
+        except (StagingError, restoring.RestoreError) as exc:
+            self._finish_failed(session, api.SessionState.FAILED, str(exc))
+        except CoordinationAborted as exc:
+            self._finish_failed(session, api.SessionState.ABORTED, str(exc))
+        except (driver.CheckpointFailed, CoordinatorError, OSError) as exc:
+            state = api.SessionState.ABORTED if session.abort_reason else api.SessionState.FAILED
+            self._finish_failed(session, state, str(exc))
+        except asyncio.CancelledError:
+            self._finish_failed(session, api.SessionState.ABORTED, session.abort_reason or "cancelled")
+        except Exception as exc:
+            log.exception("session %s", request.session_id)
+            self._finish_failed(session, api.SessionState.FAILED, f"agent error: {exc}")
+        finally:
+            # staged images are used once (the restored container has read them) or not at all
+            restoring.unstage(planned, restore_dir)
+            report.finished_at = time.time()
+            log.info(
+                "session %s: %s (%s) %s", request.session_id, report.state.value, report.phase, report.message
+            )
+            self.on_finished(report)
+
+    async def _stage_restore(
+        self, session: Session, request: api.RestoreRequest
+    ) -> list[restoring.ContainerRestore]:
+        from ibckpt.store import ImageStore, StoreError  # boto3: only when staging
+        from ibckpt.store.layout import CheckpointRef
+        from ibckpt_node.agent.staging import store_config
+
+        if self.secrets is None:
+            raise StagingError("this agent has no way to read Secrets")
+        source = request.images
+        data = await self.secrets(source.credentials.namespace, source.credentials.name)
+        config = store_config(source.location, source.credentials, data)
+        ref = CheckpointRef(source.job, source.checkpoint_id)
+
+        def read_manifest():  # type: ignore[no-untyped-def]
+            try:
+                return ImageStore.open(config).manifest(ref)
+            except StoreError as exc:
+                raise StagingError(f"reading {ref} from {config.where()}: {exc}") from exc
+
+        manifest = await asyncio.to_thread(read_manifest)
+        planned = restoring.plan(request, manifest)
+        fetched = 0
+
+        def count(size: int) -> None:  # runs on the download's threads
+            nonlocal fetched
+            fetched += size
+
+        started = time.monotonic()
+        download = asyncio.to_thread(
+            restoring.stage,
+            config,
+            source,
+            request.checkpoint,
+            planned,
+            self.registry.config.restore_dir,
+            count,
+        )
+        try:
+            session.report.bytes = await asyncio.wait_for(download, request.timeouts.download_seconds)
+        except TimeoutError:
+            raise StagingError(
+                f"download did not finish within {request.timeouts.download_seconds:g}s"
+            ) from None
+        for item in planned:
+            for key in item.rank_keys:
+                session.by_key[key].bytes = session.report.bytes // max(1, len(session.report.ranks))
+        session.report.phases["downloaded"] = round(time.monotonic() - started, 3)
+        return planned
 
     async def abort(self, session_id: str, reason: str) -> api.SessionReport:
         session = self.sessions.get(session_id)
@@ -240,6 +395,7 @@ class Sessions:
 
     async def _run(self, session: Session) -> None:
         request = session.request
+        assert isinstance(request, api.CheckpointRequest)
         report = session.report
         started = time.time()
         images = self.work_dir / "sessions" / request.session_id / "images"
@@ -322,6 +478,7 @@ class Sessions:
         """Upload this node's images as its part of the checkpoint (the operator commits the parts)."""
         from ibckpt_node.agent.staging import stage_trees, store_config  # boto3: only when staging
 
+        assert isinstance(session.request, api.CheckpointRequest)
         destination = session.request.images
         assert destination is not None
         report = session.report

@@ -1,0 +1,190 @@
+"""This node's part of a restore, in three steps:
+
+1. stage: fetch each restored container's tree from the store (only this node's part of the
+   checkpoint) into STATE_DIR/restore/POD_UID/CONTAINER/images, then write staged.json last, so
+   the runtime wrapper (hook/restore.py) finds either nothing or complete images;
+2. the runtime restores: containerd creates the pod's container, the wrapper turns the create
+   into `runc restore` from those images, and the hook registers the restored container;
+3. rebuild: the agent finds each rank's control socket in the registered container and the
+   driver rebuilds and resumes them with the peers (NodeDriver.rebuild_restored).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ibckpt.agentapi import models as api
+from ibckpt.coordination.ranks import RankId
+from ibckpt_node import driver
+from ibckpt_node.agent.kubesecrets import StagingError
+from ibckpt_node.registry import ContainerRegistry, RegisteredContainer
+
+if TYPE_CHECKING:  # the store (boto3) is imported only when a restore stages
+    from ibckpt.store import StoreConfig
+    from ibckpt.store.manifest import Manifest
+
+POLL_S = 0.25
+
+
+class RestoreError(Exception):
+    """This node cannot restore what it was asked to; the message says why."""
+
+
+@dataclass(frozen=True)
+class ContainerRestore:
+    """One container to restore here: the new pod's, and the tree of the checkpointed one."""
+
+    pod_uid: str
+    namespace: str
+    pod: str
+    container: str
+    tree_root: str  # the container's directory in the checkpoint, e.g. node-1/job-0.main
+    rank_keys: tuple[str, ...]
+
+
+def plan(request: api.RestoreRequest, manifest: Manifest) -> list[ContainerRestore]:
+    """Which checkpointed tree each requested container is restored from."""
+    if not request.checkpoint:
+        raise RestoreError("the restore request names no checkpoint (the new pods' restore annotation)")
+    grouped: dict[tuple[str, str], list[api.RestoreRank]] = {}
+    for rank in request.ranks:
+        if not rank.namespace or not rank.pod:
+            raise RestoreError(f"rank {rank.rank_key}: the request does not name its new pod")
+        grouped.setdefault((rank.pod_uid, rank.container), []).append(rank)
+    roots = {r.root for r in manifest.ranks if r.root}
+    planned = []
+    for (pod_uid, container), ranks in grouped.items():
+        source = RankId.parse(ranks[0].rank_key)
+        # a checkpointed container's tree is <its node>/<pod>.<container> (sessions.py names it)
+        wanted = f"{source.pod}.{source.container}"
+        found = sorted(root for root in roots if root.rsplit("/", 1)[-1] == wanted)
+        if len(found) != 1:
+            raise RestoreError(
+                f"checkpoint {request.checkpoint} has {len(found)} trees for {source.pod} container "
+                f"{source.container} ({', '.join(found) or 'none'}); expected one"
+            )
+        planned.append(
+            ContainerRestore(
+                pod_uid,
+                ranks[0].namespace,
+                ranks[0].pod,
+                container,
+                found[0],
+                tuple(r.rank_key for r in ranks),
+            )
+        )
+    return planned
+
+
+def _private_dir(path: Path) -> None:
+    """Root's alone (the agent runs as root): the wrapper refuses anything else."""
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    path.chmod(0o700)
+
+
+def stage(
+    config: StoreConfig,
+    source: api.ImageSource,
+    checkpoint: str,
+    planned: Sequence[ContainerRestore],
+    restore_dir: Callable[[str, str], str],
+    progress: Callable[[int], None],
+) -> int:
+    """Fetch and stage every planned container's images; returns the bytes fetched."""
+    from ibckpt.store import ImageStore
+    from ibckpt.store.errors import StoreError
+    from ibckpt.store.layout import CheckpointRef
+
+    ref = CheckpointRef(source.job, source.checkpoint_id)
+    total = 0
+    try:
+        store = ImageStore.open(config)
+        for item in planned:
+            where = Path(restore_dir(item.pod_uid, item.container))
+            if where.exists():
+                shutil.rmtree(where)  # a retried session: start from nothing
+            _private_dir(where.parent.parent)
+            _private_dir(where.parent)
+            _private_dir(where)
+            report = store.restore(ref, where / "images", progress=progress, subtree=item.tree_root)
+            total += report.logical_bytes
+            (where / "images").chmod(0o700)
+            restore_args = _restore_args(where / "images")
+            staged = {
+                "checkpoint": checkpoint,
+                "namespace": item.namespace,
+                "pod": item.pod,
+                "pod_uid": item.pod_uid,
+                "container": item.container,
+                "restore_args": restore_args,
+            }
+            partial = where / "staged.json.partial"
+            partial.write_text(json.dumps(staged) + "\n")
+            partial.chmod(0o600)
+            partial.rename(where / "staged.json")  # last: the wrapper waits for this file
+    except StoreError as exc:
+        raise StagingError(f"fetching {ref} from {config.where()}: {exc}") from exc
+    return total
+
+
+def _restore_args(images: Path) -> str:
+    try:
+        manifest = json.loads((images / driver.TREE_MANIFEST).read_text())
+    except (OSError, ValueError) as exc:
+        raise RestoreError(f"{images}: no tree manifest ({exc}): not a container checkpoint") from None
+    if manifest.get("runtime") != "runc":
+        raise RestoreError(f"{images}: dumped without the container runtime: the runtime cannot restore it")
+    return str(manifest.get("restore_args", ""))
+
+
+def unstage(planned: Sequence[ContainerRestore], restore_dir: Callable[[str, str], str]) -> None:
+    for item in planned:
+        shutil.rmtree(restore_dir(item.pod_uid, item.container), ignore_errors=True)
+
+
+def _restored_entry(registry: ContainerRegistry, item: ContainerRestore) -> RegisteredContainer | None:
+    for entry in registry.entries():
+        if (entry.pod_uid, entry.container) == (item.pod_uid, item.container) and entry.shim:
+            return entry
+    return None
+
+
+async def wait_for_ranks(
+    registry: ContainerRegistry,
+    planned: Sequence[ContainerRestore],
+    host_pid: Callable[[int, int], int],
+    timeout_s: float,
+) -> list[driver.LocalRank]:
+    """The restored ranks, once the runtime has restored every planned container and each rank's
+    control socket is back; RestoreError naming what is missing when `timeout_s` passes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ranks: list[driver.LocalRank] = []
+        missing: list[str] = []
+        for item in planned:
+            entry = _restored_entry(registry, item)
+            if entry is None:
+                missing.append(f"{item.namespace}/{item.pod} container {item.container} (not restored yet)")
+                continue
+            sockets = {Path(p).name: p for p in entry.sockets()}
+            for key in item.rank_keys:
+                process = RankId.parse(key).process
+                path = sockets.get(f"{process}.sock")
+                if path is None:
+                    missing.append(f"{key} (no control socket in the restored container)")
+                    continue
+                first = Path(entry.control_socket).name == f"{process}.sock"
+                pid = entry.pid if first else host_pid(entry.pid, int(process))
+                ranks.append(driver.LocalRank(RankId.parse(key), pid, Path(path)))
+        if not missing:
+            return ranks
+        if time.monotonic() >= deadline:
+            raise RestoreError(f"not restored within {timeout_s:g}s: {'; '.join(missing)}")
+        await asyncio.sleep(POLL_S)

@@ -1,0 +1,118 @@
+"""The one place that checkpoints a container through its OCI runtime: `runc checkpoint`.
+
+runc drives CRIU with what it knows of the container (its namespaces, its bind mounts as external
+mounts, its cgroups), which a plain CRIU dump of the container's processes would not know. The runc
+binary, its state root and the bundle are the ones the runtime wrapper recorded when containerd
+created the container (hook/runc.py, `runtime.json`). They are the node's: the agent runs in a
+container of its own, so runc runs in the node's mount namespace (pid 1's), as containerd would run
+it. The image directory is a path the agent and the node share (the agent's host dir).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ibckpt_node.criu import CriuError, DumpOptions, DumpResult
+
+RUNTIME_RECORD = "runtime.json"  # written by hook/runc.py beside the container's control dir
+LOG_TAIL_CHARS = 4000
+
+
+@dataclass(frozen=True)
+class RuntimeContainer:
+    """A container as its runtime knows it."""
+
+    container_id: str
+    runc: str
+    root: str  # runc's --root (containerd: /run/containerd/runc/<namespace>)
+
+    @classmethod
+    def recorded(cls, container_id: str, container_dir: Path) -> RuntimeContainer:
+        """What the wrapper recorded at create; CriuError if it did not (not created through it)."""
+        path = container_dir / RUNTIME_RECORD
+        try:
+            data = json.loads(path.read_text())
+            return cls(container_id, str(data["runc"]), str(data["root"]))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise CriuError(
+                "checkpoint",
+                container_id,
+                f"no runtime record at {path} ({exc}): was the container created through ibckpt-runc?",
+                "",
+            ) from None
+
+
+def in_node_mount_namespace() -> list[str]:
+    """The prefix that runs a command in the node's mount namespace ([] when this is it)."""
+    try:
+        if os.readlink("/proc/self/ns/mnt") == os.readlink("/proc/1/ns/mnt"):
+            return []
+    except OSError:
+        return []
+    return ["nsenter", "--target", "1", "--mount", "--"]
+
+
+def _tail(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")[-LOG_TAIL_CHARS:]
+    except OSError:
+        return f"(no log at {path})"
+
+
+def checkpoint(
+    container: RuntimeContainer, images: Path, options: DumpOptions, timeout_s: float
+) -> DumpResult:
+    """`runc checkpoint` of the container into `images` (created, must be empty)."""
+    images.mkdir(parents=True, exist_ok=True)
+    if any(images.iterdir()):
+        raise CriuError("checkpoint", container.container_id, f"image dir {images} is not empty", "")
+    args = [
+        *in_node_mount_namespace(), container.runc, *(["--root", container.root] if container.root else []),
+        "checkpoint", "--image-path", str(images), "--work-path", str(images),
+    ]  # fmt: skip
+    if options.leave_running:
+        args.append("--leave-running")
+    if options.tcp_established:
+        args.append("--tcp-established")
+    if options.shell_job:
+        args.append("--shell-job")
+    if options.file_locks:
+        args.append("--file-locks")
+    if options.ext_unix_sk:
+        args.append("--ext-unix-sk")
+    args.append(container.container_id)
+    started = time.monotonic()
+    try:
+        proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise CriuError(
+            "checkpoint",
+            container.container_id,
+            f"runc checkpoint timed out after {timeout_s:g}s (it was killed)",
+            _tail(images / "dump.log"),
+        ) from None
+    if proc.returncode != 0:
+        detail = f"runc checkpoint exit status {proc.returncode}"
+        if proc.stderr.strip():
+            detail += f": {proc.stderr.strip()[-500:]}"
+        raise CriuError("checkpoint", container.container_id, detail, _tail(images / "dump.log"))
+    return DumpResult(images, time.monotonic() - started)
+
+
+def restore_args(options: DumpOptions) -> str:
+    """The runc restore options that match a checkpoint taken with `options` (staged.json's)."""
+    flags = []
+    if options.tcp_established:
+        flags.append("--tcp-established")
+    if options.ext_unix_sk:
+        flags.append("--ext-unix-sk")
+    if options.file_locks:
+        flags.append("--file-locks")
+    if options.shell_job:
+        flags.append("--shell-job")
+    return " ".join(flags)
