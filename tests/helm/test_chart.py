@@ -8,129 +8,30 @@ do. Tokens are the service accounts' token Secrets (Kubernetes 1.20 has no Token
 
 from __future__ import annotations
 
-import base64
 import json
-import subprocess
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any
 
 import pytest
+from helm.conftest import (
+    AGENT_PORT,
+    AGENT_SA,
+    METRICS_PORT,
+    NAMESPACE,
+    OPERATOR_SA,
+    RELEASE,
+    STORAGE_SECRET,
+    Installed,
+    rollout,
+    sa_token,
+)
 
 from testbed import pods
 from testbed.cluster import NODE_NAMES, Cluster, node_ip
-from testbed.guest import REPO, cache_dir
-from testbed.images import APPS_IMAGE, PRODUCT_IMAGE
-from testbed.kube import KUBERNETES_SERVICE_IP
+from testbed.images import PRODUCT_IMAGE
 
 # The first test pays for the session's cluster (an image rebuild and two node boots: 10+ min on a
 # loaded 2-core machine) and the install.
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(2400)]
-
-RELEASE = "ibckpt-t"
-NAMESPACE = "ibckpt-helm"
-OPERATOR_SA = f"{RELEASE}-operator"
-AGENT_SA = f"{RELEASE}-agent"
-STORAGE_SECRET = "s3-credentials"
-AGENT_PORT = 9478
-METRICS_PORT = 9479
-CHART = REPO / "charts" / "ibckpt"
-
-
-@dataclass
-class Installed:
-    cluster: Cluster
-    namespace: str
-    notes: str
-
-    def agent_pods(self) -> list[dict[str, Any]]:
-        found = pods.get(self.cluster, self.namespace, "pods", **{"app.kubernetes.io/component": "agent"})
-        return list(found["items"])
-
-
-def helm(cluster: Cluster, *args: str, timeout: float = 600.0) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(
-        [str(cache_dir() / "helm" / "helm"), f"--kubeconfig={cluster.kubeconfig}", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    if proc.returncode != 0:
-        raise AssertionError(f"helm {' '.join(args)} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
-    return proc
-
-
-def sa_token(cluster: Cluster, namespace: str, account: str) -> str:
-    """The token the serviceaccount-token controller stored for account (v1.20)."""
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        secrets = json.loads(cluster.kubectl("get", "secrets", "-n", namespace, "-o", "json").stdout)["items"]
-        for s in secrets:
-            annotations = s["metadata"].get("annotations", {})
-            if (
-                s["type"] == "kubernetes.io/service-account-token"
-                and annotations.get("kubernetes.io/service-account.name") == account
-                and s.get("data", {}).get("token")
-            ):
-                return base64.b64decode(s["data"]["token"]).decode()
-        time.sleep(1)
-    raise AssertionError(f"no token Secret for {namespace}/{account} after 120 s")
-
-
-def _rollout(cluster: Cluster, what: str) -> None:
-    proc = cluster.kubectl(
-        "rollout", "status", "-n", NAMESPACE, what, "--timeout=600s", timeout=620, check=False
-    )
-    if proc.returncode != 0:
-        described = cluster.kubectl("describe", "pods", "-n", NAMESPACE, check=False).stdout
-        logs = cluster.kubectl(
-            "logs", "-n", NAMESPACE, "-l", f"app.kubernetes.io/instance={RELEASE}", "--tail=30", check=False
-        )
-        raise AssertionError(
-            f"{what} not rolled out:\n{proc.stdout}{proc.stderr}\n{described[-5000:]}\n"
-            f"{logs.stdout[-3000:]}{cluster.diagnose()}"
-        )
-
-
-def route_host_network_to_the_api_service(cluster: Cluster) -> None:
-    """The testbed's nodes DNAT the kubernetes Service IP (kube-proxy's job) but have no route to it for
-    the node's own processes (no default route in the guests), so a hostNetwork pod such as the agent
-    gets ENETUNREACH. Until tests/testbed/node-init.sh adds the route, add it here; a no-op once it does."""
-    ip = KUBERNETES_SERVICE_IP
-    fix = f"ip route get {ip} >/dev/null 2>&1 || ip route add {ip}/32 dev eth0"
-    for node in NODE_NAMES:
-        pod = pods.rdma_pod(f"route-{node}", node, ["sh", "-c", fix], APPS_IMAGE)
-        pod["spec"]["volumes"] = []
-        pod["spec"]["containers"][0]["volumeMounts"] = []
-        pods.apply(cluster, NAMESPACE, pod)
-    for node in NODE_NAMES:
-        pods.wait_pod(cluster, NAMESPACE, f"route-{node}", {"Succeeded"})
-        cluster.kubectl("delete", "pod", "-n", NAMESPACE, f"route-{node}", "--wait=false")
-
-
-@pytest.fixture(scope="module")
-def installed(cluster: Cluster) -> Iterator[Installed]:
-    pods.namespace(cluster, NAMESPACE)
-    route_host_network_to_the_api_service(cluster)
-    # the agents' one readable Secret: fake keys, never used to reach anything here
-    cluster.kubectl(
-        "create", "secret", "generic", STORAGE_SECRET, "-n", NAMESPACE,
-        "--from-literal=AWS_ACCESS_KEY_ID=not-a-key", "--from-literal=AWS_SECRET_ACCESS_KEY=not-a-secret",
-    )  # fmt: skip
-    repository, tag = PRODUCT_IMAGE.rsplit(":", 1)
-    try:
-        out = helm(
-            cluster, "install", RELEASE, str(CHART), "--namespace", NAMESPACE,
-            "--set", f"image.repository={repository}", "--set", f"image.tag={tag}",
-            "--set", "image.pullPolicy=Never", "--set", f"storage.credentialsSecret={STORAGE_SECRET}",
-            "--set", "logLevel=debug",
-        )  # fmt: skip
-        _rollout(cluster, f"daemonset/{RELEASE}-agent")
-        yield Installed(cluster, NAMESPACE, out.stdout)
-    finally:
-        helm(cluster, "uninstall", RELEASE, "--namespace", NAMESPACE, "--wait", "--timeout=120s")
-        pods.delete_namespace(cluster, NAMESPACE)
 
 
 def test_agents_ready_on_both_nodes_and_the_operator_runs(installed: Installed) -> None:
@@ -144,7 +45,7 @@ def test_agents_ready_on_both_nodes_and_the_operator_runs(installed: Installed) 
         i = NODE_NAMES.index(p["spec"]["nodeName"]) + 1
         assert p["status"]["hostIP"] == p["status"]["podIP"] == node_ip(i)
         assert p["spec"]["containers"][0]["image"] == PRODUCT_IMAGE
-    _rollout(cluster, f"deployment/{RELEASE}-operator")
+    rollout(cluster, f"deployment/{RELEASE}-operator")
     [operator] = pods.get(cluster, NAMESPACE, "pods", **{"app.kubernetes.io/component": "operator"})["items"]
     time.sleep(10)  # a command that is missing or crashes at start would show by now
     operator = pods.get(cluster, NAMESPACE, "pod", operator["metadata"]["name"])

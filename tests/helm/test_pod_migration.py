@@ -1,0 +1,241 @@
+"""Into the pods, on the real cluster with the chart installed: an unmodified verbs program in a pod of the
+`ibckpt` RuntimeClass runs under the shim the runtime wrapper preloaded and the agent lists it; a plain pod
+of the same class is untouched; the pod is checkpointed through its node's agent (quiesce, drain,
+release, `runc checkpoint`, images staged to S3) and restored as a new pod of the same name on the other
+node (the agent stages its images, the wrapper turns containerd's create into `runc restore`, the agent
+rebuilds its queue pairs), where it finishes with every message delivered exactly once. A restore
+annotation naming another namespace's checkpoint is refused and the container does not start.
+
+The agent is driven the way the operator drives it (tests/helm/operator_stand_in.py, in a pod, with the
+operator's token and a coordinator on the pod network), never by calling agent internals.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helm.conftest import NAMESPACE, OPERATOR_SA, STORAGE_SECRET, Installed, sa_token
+
+from testbed import pods
+from testbed.cluster import Cluster, node_ip
+from testbed.images import APPS_IMAGE, PRODUCT_IMAGE
+from testbed.s3 import S3Server
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(2400)]
+
+APP_NS = "ring-app"
+BUCKET = "pod-migration"
+AGENT_PORT = 9478
+STAND_IN = Path(__file__).with_name("operator_stand_in.py")
+# Two ranks in one pod: an rc_seq server and client over rxe0, exchanging checked messages until
+# /tmp/stop appears; each prints its RESULT to the container's stdout.
+RING = (
+    "rc_seq -f /tmp/stop -p 18515 & sleep 2; rc_seq -c 127.0.0.1 -f /tmp/stop -p 18515; wait; echo ring-done"
+)
+
+
+def ring_pod(name: str, node: str, annotations: dict[str, str] | None = None) -> dict[str, Any]:
+    pod = pods.rdma_pod(name, node, ["sh", "-c", RING], APPS_IMAGE, host_network=False)
+    pod["spec"]["runtimeClassName"] = "ibckpt"
+    if annotations:
+        pod["metadata"]["annotations"] = annotations
+    return pod
+
+
+def results(log: str) -> list[dict[str, str]]:
+    found = []
+    for line in log.splitlines():
+        if line.startswith("RESULT "):
+            found.append(dict(field.split("=", 1) for field in line.split()[1:]))
+    return found
+
+
+def assert_exactly_once(log: str) -> None:
+    found = results(log)
+    assert len(found) == 2, log[-3000:]
+    a, b = found
+    assert a["bad"] == b["bad"] == "0", found
+    assert a["sent"] == b["received"] and b["sent"] == a["received"], found
+    assert a["send_sum"] == b["recv_sum"] and b["send_sum"] == a["recv_sum"], found
+    assert int(a["sent"]) > 0 and int(b["sent"]) > 0, found
+
+
+@pytest.fixture
+def app_ns(installed: Installed) -> Iterator[str]:
+    cluster = installed.cluster
+    pods.namespace(cluster, APP_NS)
+    try:
+        yield APP_NS
+    finally:
+        pods.delete_namespace(cluster, APP_NS)
+
+
+@pytest.fixture
+def stand_in(installed: Installed, s3_server: S3Server) -> Iterator[Any]:
+    """Runs operator_stand_in.py in a pod on the pod network; returns its RESULT."""
+    cluster = installed.cluster
+    s3_server.client().create_bucket(Bucket=BUCKET)
+    token = sa_token(cluster, NAMESPACE, OPERATOR_SA)
+    port = s3_server.endpoint.rsplit(":", 1)[1]
+    caller = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "stand-in"},
+        "spec": {
+            "nodeName": "node-1",
+            "restartPolicy": "Never",
+            "terminationGracePeriodSeconds": 1,
+            "automountServiceAccountToken": False,
+            "containers": [
+                {
+                    "name": "main",
+                    "image": PRODUCT_IMAGE,
+                    "imagePullPolicy": "Never",
+                    "command": ["sleep", "3600"],
+                }
+            ],
+        },
+    }
+    pods.apply(cluster, NAMESPACE, caller)
+    pods.wait_pod(cluster, NAMESPACE, "stand-in", {"Running"})
+
+    def run(action: str, node: int, **config: Any) -> dict[str, Any]:
+        config |= {
+            "action": action,
+            "node": f"node-{node}",
+            "agent": node_ip(node),
+            "port": AGENT_PORT,
+            "token": token,
+            "location": {
+                "endpoint": f"http://10.0.2.100:{port}",
+                "bucket": BUCKET,
+                "prefix": "ibckpt",
+                "credentialsSecretRef": {"name": STORAGE_SECRET},
+            },
+            "secret_namespace": NAMESPACE,
+            "secret_name": STORAGE_SECRET,
+            "secret_data": {
+                "AWS_ACCESS_KEY_ID": s3_server.access_key,
+                "AWS_SECRET_ACCESS_KEY": s3_server.secret_key,
+            },
+        }
+        script = f"CONFIG = {json.dumps(json.dumps(config))}\n{STAND_IN.read_text()}"
+        proc = cluster.kubectl(
+            "exec", "-i", "-n", NAMESPACE, "stand-in", "--", "python3", "-",
+            stdin=script, timeout=900, check=False,
+        )  # fmt: skip
+        if "RESULT " not in proc.stdout:
+            raise AssertionError(f"{action} on node-{node}: {proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+        return dict(json.loads(proc.stdout.split("RESULT ", 1)[1]))
+
+    try:
+        yield run
+    finally:
+        cluster.kubectl("delete", "pod", "-n", NAMESPACE, "stand-in", "--wait=false", check=False)
+
+
+def process_env(cluster: Cluster, ns: str, pod: str) -> str:
+    return cluster.kubectl("exec", "-n", ns, pod, "--", "sh", "-c", "tr '\\0' '\\n' </proc/1/environ").stdout
+
+
+def wait_registered(run: Any, node: int, pod_uid: str, ranks: int) -> dict[str, Any]:
+    deadline = time.monotonic() + 120
+    while True:
+        listed = run("containers", node)["containers"]
+        mine = [c for c in listed if c["podUid"] == pod_uid]
+        if mine and len(mine[0]["sockets"]) >= ranks:
+            return dict(mine[0])
+        if time.monotonic() > deadline:
+            raise AssertionError(f"pod {pod_uid} not registered with {ranks} ranks on node-{node}: {listed}")
+        time.sleep(2)
+
+
+def test_a_pod_moves_to_the_other_node_and_finishes_exactly_once(
+    installed: Installed, app_ns: str, stand_in: Any
+) -> None:
+    cluster = installed.cluster
+    plain = pods.rdma_pod("plain", "node-1", ["sleep", "600"], APPS_IMAGE, host_network=False)
+    plain["spec"]["runtimeClassName"] = "ibckpt"
+    plain["spec"]["containers"][0]["securityContext"] = {}
+    plain["spec"]["containers"][0]["volumeMounts"] = []
+    plain["spec"]["volumes"] = []
+    pods.apply(cluster, app_ns, ring_pod("ring", "node-1"), plain)
+    source = pods.wait_pod(cluster, app_ns, "ring", {"Running"})
+    pods.wait_pod(cluster, app_ns, "plain", {"Running"})
+
+    # the unmodified program runs under the shim; the plain pod of the same class does not
+    assert "LD_PRELOAD=/run/ibckpt/lib/libibckpt.so" in process_env(cluster, app_ns, "ring")
+    assert "LD_PRELOAD" not in process_env(cluster, app_ns, "plain")
+    entry = wait_registered(stand_in, 1, source["metadata"]["uid"], ranks=2)
+    assert (entry["namespace"], entry["pod"], entry["container"], entry["shim"]) == (
+        app_ns,
+        "ring",
+        "main",
+        True,
+    )
+    listed = stand_in("containers", 1)["containers"]
+    assert not [c for c in listed if c["pod"] == "plain"], listed
+    time.sleep(5)  # let the ring exchange messages before the cut
+
+    checkpoint = stand_in(
+        "checkpoint", 1,
+        job="ring", mode="Stop", pod_uid=source["metadata"]["uid"],
+        store_job=f"{app_ns}/ring", checkpoint_id="c1",
+    )  # fmt: skip
+    report = checkpoint["report"]
+    assert report["state"] == "Succeeded", report
+    assert report["phase"] == "Stopped" and len(report["ranks"]) == 2, report
+    assert checkpoint["committed"]["bytes"] > 0
+    rank_keys = sorted(r["rankKey"] for r in report["ranks"])
+    assert all(k.startswith("ring/ring/main/") for k in rank_keys), rank_keys
+    print(f"pod checkpoint: {checkpoint['seconds']:.1f}s, phases {report['phases']}, {report['bytes']} bytes")
+    assert not results(cluster.kubectl("logs", "-n", app_ns, "ring").stdout), "the ring ended before the cut"
+
+    # the source is gone (Stop); a new pod of the same name on the other node restores from the images
+    cluster.kubectl("delete", "pod", "-n", app_ns, "ring", "--timeout=120s", timeout=150)
+    restored = ring_pod("ring", "node-2", {"ibckpt.io/restore-from": f"{app_ns}/ring-c1"})
+    pods.apply(cluster, app_ns, restored)
+    uid = pods.get(cluster, app_ns, "pod", "ring")["metadata"]["uid"]
+    restore = stand_in(
+        "restore", 2,
+        job="ring", checkpoint=f"{app_ns}/ring-c1", pod_uid=uid, namespace=app_ns, pod="ring",
+        rank_keys=rank_keys, store_job=f"{app_ns}/ring", checkpoint_id="c1",
+    )  # fmt: skip
+    report = restore["report"]
+    assert report["state"] == "Succeeded", f"{report}{cluster.diagnose()}"
+    assert sorted(r["rankKey"] for r in report["ranks"]) == rank_keys
+    print(f"pod restore: {restore['seconds']:.1f}s, phases {report['phases']}, {report['bytes']} bytes")
+    moved = pods.wait_pod(cluster, app_ns, "ring", {"Running"})
+    assert moved["spec"]["nodeName"] == "node-2"
+    [state] = moved["status"]["containerStatuses"]
+    assert "running" in state["state"] and state["restartCount"] == 0, state
+    time.sleep(5)  # messages flow again on the rebuilt queue pairs
+    cluster.kubectl("exec", "-n", app_ns, "ring", "--", "touch", "/tmp/stop")
+    pods.wait_pod(cluster, app_ns, "ring", {"Succeeded"}, timeout=300)
+    log = cluster.kubectl("logs", "-n", app_ns, "ring").stdout
+    assert "ring-done" in log, log[-3000:]
+    assert_exactly_once(log)
+
+
+def test_a_restore_annotation_for_another_namespace_is_refused(installed: Installed, app_ns: str) -> None:
+    cluster = installed.cluster
+    forged = ring_pod("forged", "node-1", {"ibckpt.io/restore-from": "kube-system/someone-elses"})
+    pods.apply(cluster, app_ns, forged)
+    deadline = time.monotonic() + 300
+    message = ""
+    while time.monotonic() < deadline:
+        pod = pods.get(cluster, app_ns, "pod", "forged")
+        statuses = pod["status"].get("containerStatuses") or []
+        waiting = statuses[0]["state"].get("waiting", {}) if statuses else {}
+        message = waiting.get("message", "")
+        if "refusing to restore" in message:
+            break
+        assert "running" not in (statuses[0]["state"] if statuses else {}), statuses
+        time.sleep(2)
+    assert "belongs to namespace 'kube-system', the pod is in 'ring-app'" in message, message
+    assert pods.get(cluster, app_ns, "pod", "forged")["status"]["phase"] == "Pending"
