@@ -20,6 +20,7 @@ from pathlib import Path
 from ibckpt_node.criu import CriuError, DumpOptions, DumpResult
 
 RUNTIME_RECORD = "runtime.json"  # written by hook/runc.py beside the container's control dir
+ROOTFS_DIFF = "rootfs-diff.tar"  # what the container wrote to its own filesystem (hook/restore.py applies it)
 LOG_TAIL_CHARS = 4000
 
 
@@ -102,6 +103,37 @@ def checkpoint(
             detail += f": {proc.stderr.strip()[-500:]}"
         raise CriuError("checkpoint", container.container_id, detail, _tail(images / "dump.log"))
     return DumpResult(images, time.monotonic() - started)
+
+
+def upper_dir(pid: int) -> str | None:
+    """The host path of the overlay upper dir under the container's root (its writable layer), or
+    None when the root is not an overlay (then nothing it wrote travels: the note in the report says so)."""
+    with open(f"/proc/{pid}/mountinfo", encoding="utf-8") as f:
+        for line in f:
+            fields = line.split()
+            if fields[4] != "/":
+                continue
+            after = fields[fields.index("-") + 1 :]
+            if after[0] != "overlay":
+                return None
+            for option in after[2].split(","):
+                if option.startswith("upperdir="):
+                    return option.removeprefix("upperdir=")
+    return None
+
+
+def save_rootfs_diff(upper: str | None, images: Path) -> int:
+    """Archive the container's writable layer (`upper`: files it wrote, and whiteouts for files it
+    deleted) into the images; the restoring wrapper applies it to the new container's root."""
+    import tarfile
+
+    if upper is None:
+        return 0
+    node_root = "/proc/1/root" if in_node_mount_namespace() else ""
+    target = images / ROOTFS_DIFF
+    with tarfile.open(target, "w", format=tarfile.PAX_FORMAT) as tar:
+        tar.add(node_root + upper, arcname=".", recursive=True)
+    return target.stat().st_size
 
 
 def restore_args(options: DumpOptions) -> str:

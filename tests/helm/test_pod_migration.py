@@ -214,6 +214,10 @@ def test_a_pod_moves_to_the_other_node_and_finishes_exactly_once(
     assert moved["spec"]["nodeName"] == "node-2"
     [state] = moved["status"]["containerStatuses"]
     assert "running" in state["state"] and state["restartCount"] == 0, state
+    # what the container wrote to, and deleted from, its own filesystem came along
+    files = "cat /tmp/session/ready; test -e /etc/debian_version && echo still-there || echo deleted"
+    shown = cluster.kubectl("exec", "-n", app_ns, "ring", "--", "sh", "-c", files).stdout.split()
+    assert shown == ["written-before-the-cut", "deleted"], shown
     time.sleep(5)  # messages flow again on the rebuilt queue pairs
     cluster.kubectl("exec", "-n", app_ns, "ring", "--", "touch", "/tmp/stop")
     pods.wait_pod(cluster, app_ns, "ring", {"Succeeded"}, timeout=300)

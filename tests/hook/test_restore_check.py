@@ -166,3 +166,44 @@ def test_the_wrapper_turns_create_into_restore_and_answers_start(tmp_path: Path)
     assert "staged no images" in json.loads(log.read_text())["msg"]
     assert not (tmp_path / "argv").exists()
     assert runc.RESTORED_MARK == "restored"
+
+
+def test_the_rootfs_diff_is_applied_inside_the_new_root(tmp_path: Path) -> None:
+    """Files the container wrote come back, files it deleted (whiteouts) go, and no link in the archive
+    reaches outside the new root (it is unpacked chrooted)."""
+    import io
+    import tarfile
+
+    rootfs = tmp_path / "rootfs"
+    (rootfs / "etc").mkdir(parents=True)
+    (rootfs / "etc" / "debian_version").write_text("12\n")
+    (rootfs / "old").mkdir()
+    (rootfs / "old" / "inside").write_text("x")
+    images = tmp_path / "images"
+    images.mkdir()
+    escape = Path("/ibckpt-escape-test")  # where the link would lead without the chroot
+    with tarfile.open(images / restore.ROOTFS_DIFF, "w", format=tarfile.PAX_FORMAT) as tar:
+
+        def add(name: str, kind: bytes, data: bytes = b"", **fields: Any) -> None:
+            info = tarfile.TarInfo(name)
+            info.type = kind
+            info.size = len(data)
+            for key, value in fields.items():
+                setattr(info, key, value)
+            tar.addfile(info, io.BytesIO(data) if data else None)
+
+        add("./tmp", tarfile.DIRTYPE, mode=0o1777)
+        add("./tmp/session/ready", tarfile.REGTYPE, b"written before the cut", mode=0o640)
+        add("./etc/debian_version", tarfile.CHRTYPE, devmajor=0, devminor=0)
+        add("./old", tarfile.CHRTYPE, devmajor=0, devminor=0)
+        add("./evil", tarfile.SYMTYPE, linkname="/")
+        add("./evil/ibckpt-escape-test", tarfile.REGTYPE, b"must stay in the root")
+    restore.apply_rootfs_diff(str(images), str(rootfs))
+    assert (rootfs / "tmp" / "session" / "ready").read_text() == "written before the cut"
+    assert (rootfs / "tmp" / "session" / "ready").stat().st_mode & 0o777 == 0o640
+    assert not (rootfs / "etc" / "debian_version").exists() and (rootfs / "etc").is_dir()
+    assert not (rootfs / "old").exists()
+    assert not escape.exists(), "a link in the archive reached outside the new root"
+    assert (rootfs / "ibckpt-escape-test").read_text() == "must stay in the root"
+    # no archive (a checkpoint without a writable layer): nothing to do
+    restore.apply_rootfs_diff(str(tmp_path / "none"), str(rootfs))

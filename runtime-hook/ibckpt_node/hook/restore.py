@@ -103,3 +103,56 @@ def check(config: oci.NodeConfig, spec: dict[str, Any]) -> tuple[str, str]:
     if bad:
         raise Refused(f"{staged_file}: restore_args {bad} not allowed")
     return images, extra
+
+
+ROOTFS_DIFF = "rootfs-diff.tar"  # container_runtime.ROOTFS_DIFF (the agent's side)
+
+
+def apply_rootfs_diff(images: str, rootfs: str) -> None:
+    """Write what the checkpointed container had written to its own filesystem into the new
+    container's root, and delete what it had deleted (overlay whiteouts: 0/0 character devices).
+    The archive comes from a user's container: it is unpacked in a child chrooted into `rootfs`, so
+    no path or link in it can reach the node's files."""
+    archive = os.path.join(images, ROOTFS_DIFF)
+    if not os.path.exists(archive):
+        return
+    fd = os.open(archive, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover (the child)
+        code = 1
+        try:
+            os.chroot(rootfs)
+            os.chdir("/")
+            _unpack(os.fdopen(fd, "rb"))
+            code = 0
+        except BaseException as exc:
+            os.write(2, f"ibckpt-runc: applying the rootfs diff: {exc}\n".encode())
+        finally:
+            os._exit(code)
+    os.close(fd)
+    _, status = os.waitpid(pid, 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise Refused(f"could not apply the checkpointed container's file changes from {archive}")
+
+
+def _unpack(stream: Any) -> None:
+    import shutil
+    import tarfile
+
+    with tarfile.open(fileobj=stream, mode="r:") as tar:
+        for member in tar:
+            name = os.path.normpath("/" + member.name)
+            if name == "/":
+                continue
+            if member.ischr() and member.devmajor == 0 and member.devminor == 0:
+                if os.path.isdir(name) and not os.path.islink(name):
+                    shutil.rmtree(name)
+                elif os.path.lexists(name):
+                    os.unlink(name)
+                continue
+            if os.path.isdir(name) and not os.path.islink(name) and not member.isdir():
+                shutil.rmtree(name)
+            elif os.path.lexists(name) and not member.isdir():
+                os.unlink(name)
+            member.name = name.lstrip("/")
+            tar.extract(member, "/", set_attrs=True, numeric_owner=True)

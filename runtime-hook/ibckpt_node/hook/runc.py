@@ -166,6 +166,14 @@ def prepare(config: oci.NodeConfig, args: CreateArgs, runc_root: str | None = No
     return restore
 
 
+def rootfs_of(bundle: str) -> str:
+    import json
+
+    with open(os.path.join(bundle, "config.json"), encoding="utf-8") as f:
+        path = str(json.load(f).get("root", {}).get("path", "rootfs"))
+    return path if os.path.isabs(path) else os.path.join(bundle, path)
+
+
 def restore_argv(global_args: list[str], args: CreateArgs, images: str, extra: str) -> list[str]:
     argv = [*global_args, "restore", "--detach", "--image-path", images]
     for name, _, raw in args.options:
@@ -237,6 +245,13 @@ def _main(argv: list[str], at: int | None, command: str) -> int:
             log_error(global_args, f"{args.container_id}: a restore needs create/start, not {command}")
             return 1
         images, extra = restore
+        try:
+            from ibckpt_node.hook import restore as restore_mod
+
+            restore_mod.apply_rootfs_diff(images, rootfs_of(args.bundle))
+        except (Refused, ValueError, OSError) as exc:
+            log_error(global_args, str(exc))
+            return 1
         mark = os.path.join(config.container_dir(args.container_id), RESTORED_MARK)
         with open(mark, "w", encoding="utf-8") as f:
             f.write(images + "\n")
