@@ -13,6 +13,7 @@ from ibckpt.api.checkpoint import (
     CheckpointStatus,
     CheckpointTimings,
     JobReference,
+    PodTemplate,
     RequiredVersions,
 )
 from ibckpt.api.checkpointjob import (
@@ -101,6 +102,7 @@ __all__ = [
     "ObjectMeta",
     "OwnerReference",
     "PodRow",
+    "PodTemplate",
     "PrinterColumn",
     "RequiredVersions",
     "RestoreJob",

@@ -4,8 +4,9 @@ VolumeSnapshotContent. The operator creates it after the manifest commit; a Rest
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Annotated, Any
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, WithJsonSchema, model_validator
 
 from ibckpt.api.base import ApiModel, KindInfo, PrinterColumn
 from ibckpt.api.checkpointjob import CheckpointMode, WorkloadReference
@@ -20,12 +21,32 @@ class JobReference(ApiModel):
     uid: str | None = None
 
 
+# A pod spec as the apiserver returned it: kept whole (the apiserver validates it again when the restore
+# creates the pod), so the CRD does not copy the core API's schema.
+FreeFormObject = Annotated[
+    dict[str, Any], WithJsonSchema({"type": "object", "x-kubernetes-preserve-unknown-fields": True})
+]
+
+
+class PodTemplate(ApiModel):
+    """What a restore needs to create the pod again, sanitized (docs/crds.md): no node, status, uid,
+    owners or admission-added service-account token volume; no Secret's content, only references."""
+
+    labels: dict[str, str] | None = None
+    annotations: dict[str, str] | None = None
+    controller: WorkloadReference | None = Field(
+        default=None, description="The source pod's controller; the restored pod is not owned by it."
+    )
+    spec: FreeFormObject = Field(description="The pod's spec without nodeName and token volumes.")
+
+
 class CheckpointPod(ApiModel):
     name: str
     uid: str | None = None
     node: str | None = None
     ranks: list[str] | None = Field(default=None, description="Rank keys (job/pod/container/process).")
     bytes: int | None = Field(default=None, ge=0)
+    template: PodTemplate | None = Field(default=None, description="How to create the pod again.")
 
 
 class CheckpointSize(ApiModel):
