@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import UTC, datetime
+from typing import Any, Protocol
 
 from ibckpt.api import (
     CheckpointJobStatus,
@@ -102,6 +103,86 @@ def _step(kind: str | None, attempt: str | None, started: datetime | None) -> St
     return StepRecord(kind, attempt, from_time(started) or 0.0)
 
 
+class _Progress(Protocol):
+    """What both machines' states have (JobState, RestoreState)."""
+
+    @property
+    def phase(self) -> str: ...
+    @property
+    def run(self) -> str: ...
+    @property
+    def started_at(self) -> float: ...
+    @property
+    def phase_since(self) -> float: ...
+    @property
+    def step(self) -> StepRecord | None: ...
+    @property
+    def members(self) -> tuple[Member, ...]: ...
+    @property
+    def reason(self) -> str | None: ...
+    @property
+    def message(self) -> str | None: ...
+    @property
+    def finished_at(self) -> float | None: ...
+    @property
+    def attempt(self) -> str | None: ...
+
+
+def _status_fields(
+    state: _Progress,
+    *,
+    succeeded: str,
+    failed: str,
+    generation: int | None,
+    previous: Sequence[Condition] | None,
+    now: float,
+) -> dict[str, Any]:
+    """The status fields both kinds write the same way (by field name)."""
+    return {
+        "phase": state.phase,
+        "reason": state.reason,
+        "message": state.message,
+        "observed_generation": generation,
+        "conditions": conditions(
+            terminal=state.phase in (succeeded, failed),
+            succeeded=state.phase == succeeded,
+            phase=str(state.phase),
+            reason=state.reason,
+            message=state.message,
+            generation=generation,
+            previous=previous,
+            now=now,
+        ),
+        "attempt": state.attempt,
+        "step": state.step.kind if state.step else None,
+        "pods": _rows(state.members),
+        "start_time": to_time(state.started_at),
+        "phase_start_time": to_time(state.phase_since),
+        "step_start_time": to_time(state.step.started_at) if state.step else None,
+        "completion_time": to_time(state.finished_at),
+    }
+
+
+def _state_fields(status: CheckpointJobStatus | RestoreJobStatus, what: str) -> dict[str, Any]:
+    """The state fields both kinds read back the same way; the phase, attempt and start time must be
+    there (`what` names the kind's work in the error)."""
+    if status.phase is None or status.attempt is None or status.start_time is None:
+        raise ValueError(f"status has no phase, attempt or start time: the {what} never started")
+    run, seq = parse_attempt(status.attempt)
+    return {
+        "phase": status.phase,
+        "run": run,
+        "seq": seq,
+        "started_at": status.start_time.timestamp(),
+        "phase_since": from_time(status.phase_start_time) or status.start_time.timestamp(),
+        "step": _step(status.step, status.attempt, status.step_start_time),
+        "members": _members(status.pods),
+        "reason": status.reason,
+        "message": status.message,
+        "finished_at": from_time(status.completion_time),
+    }
+
+
 def job_status(
     state: JobState,
     *,
@@ -110,60 +191,30 @@ def job_status(
     previous: Sequence[Condition] | None = None,
     now: float,
 ) -> CheckpointJobStatus:
-    terminal = state.phase in (JobPhase.SUCCEEDED, JobPhase.FAILED)
     committed = state.manifest_key is not None
     return CheckpointJobStatus(
-        phase=state.phase,
-        reason=state.reason,
-        message=state.message,
-        observed_generation=generation,
-        conditions=conditions(
-            terminal=terminal,
-            succeeded=state.phase == JobPhase.SUCCEEDED,
-            phase=str(state.phase),
-            reason=state.reason,
-            message=state.message,
-            generation=generation,
-            previous=previous,
-            now=now,
+        **_status_fields(
+            state, succeeded=JobPhase.SUCCEEDED, failed=JobPhase.FAILED, generation=generation,
+            previous=previous, now=now,
         ),
-        attempt=state.attempt,
-        step=state.step.kind if state.step else None,
         aborted_from=state.aborted_from,
         waiting_for=state.waiting_for,
         pod_count=len(state.members),
-        pods=_rows(state.members),
         checkpoint_name=checkpoint_name if committed else None,
         manifest_key=state.manifest_key,
         bytes=sum(m.bytes or 0 for m in state.members) if committed else None,
-        start_time=to_time(state.started_at),
-        phase_start_time=to_time(state.phase_since),
-        step_start_time=to_time(state.step.started_at) if state.step else None,
-        completion_time=to_time(state.finished_at),
         claimed=state.claimed,
-    )
+    )  # fmt: skip
 
 
 def job_state(status: CheckpointJobStatus) -> JobState:
-    """The state a status was written from; the phase, attempt and start time must be there."""
-    if status.phase is None or status.attempt is None or status.start_time is None:
-        raise ValueError("status has no phase, attempt or start time: the job never started")
-    run, seq = parse_attempt(status.attempt)
+    """The state a status was written from."""
     return JobState(
-        phase=status.phase,
-        run=run,
-        seq=seq,
-        started_at=status.start_time.timestamp(),
-        phase_since=from_time(status.phase_start_time) or status.start_time.timestamp(),
-        step=_step(status.step, status.attempt, status.step_start_time),
-        members=_members(status.pods),
+        **_state_fields(status, "job"),
         claimed=bool(status.claimed),
-        reason=status.reason,
-        message=status.message,
         aborted_from=status.aborted_from,
         waiting_for=status.waiting_for,
         manifest_key=status.manifest_key,
-        finished_at=from_time(status.completion_time),
     )
 
 
@@ -174,47 +225,14 @@ def restore_status(
     previous: Sequence[Condition] | None = None,
     now: float,
 ) -> RestoreJobStatus:
-    terminal = state.phase in (RestorePhase.SUCCEEDED, RestorePhase.FAILED)
     return RestoreJobStatus(
-        phase=state.phase,
-        reason=state.reason,
-        message=state.message,
-        observed_generation=generation,
-        conditions=conditions(
-            terminal=terminal,
-            succeeded=state.phase == RestorePhase.SUCCEEDED,
-            phase=str(state.phase),
-            reason=state.reason,
-            message=state.message,
-            generation=generation,
-            previous=previous,
-            now=now,
+        **_status_fields(
+            state, succeeded=RestorePhase.SUCCEEDED, failed=RestorePhase.FAILED, generation=generation,
+            previous=previous, now=now,
         ),
-        attempt=state.attempt,
-        step=state.step.kind if state.step else None,
         failed_from=state.failed_from,
-        pods=_rows(state.members),
-        start_time=to_time(state.started_at),
-        phase_start_time=to_time(state.phase_since),
-        step_start_time=to_time(state.step.started_at) if state.step else None,
-        completion_time=to_time(state.finished_at),
-    )
+    )  # fmt: skip
 
 
 def restore_state(status: RestoreJobStatus) -> RestoreState:
-    if status.phase is None or status.attempt is None or status.start_time is None:
-        raise ValueError("status has no phase, attempt or start time: the restore never started")
-    run, seq = parse_attempt(status.attempt)
-    return RestoreState(
-        phase=status.phase,
-        run=run,
-        seq=seq,
-        started_at=status.start_time.timestamp(),
-        phase_since=from_time(status.phase_start_time) or status.start_time.timestamp(),
-        step=_step(status.step, status.attempt, status.step_start_time),
-        members=_members(status.pods),
-        reason=status.reason,
-        message=status.message,
-        failed_from=status.failed_from,
-        finished_at=from_time(status.completion_time),
-    )
+    return RestoreState(**_state_fields(status, "restore"), failed_from=status.failed_from)
