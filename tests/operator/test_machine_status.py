@@ -25,7 +25,7 @@ from ibckpt_operator.machine.core import (
     SessionOpened,
     StepFailed,
 )
-from ibckpt_operator.machine.restore import CheckpointResolved
+from ibckpt_operator.machine.restore import CheckpointResolved, PodCreated, PodsPlaced
 from ibckpt_operator.machine.status import job_state, job_status, restore_state, restore_status
 
 T0 = 1_800_000_000.25
@@ -124,3 +124,29 @@ def test_a_restore_state_survives_the_trip_through_status() -> None:
     back = restore_state(type(status).from_wire(status.to_wire()))
     assert back == t.state
     assert replace(back, seq=0) != t.state  # the comparison sees the attempt counter
+
+
+def test_a_restore_state_keeps_its_created_pods_uids_through_status() -> None:
+    """A restarted operator must know which pods it created: the rows carry the destination uids."""
+    machine = RestoreMachine(RestoreConfig.from_spec(RestoreJobSpec(checkpoint_name="ring-ckpt")))
+    t = machine.start("r9", T0)
+    sources = tuple(PodRef(p.name, "", p.node) for p in PODS)
+    for event in ("resolve", "place", "admit0", "admit1", "session", "created0"):
+        attempt = t.state.attempt
+        assert attempt is not None
+        e = {
+            "resolve": CheckpointResolved(attempt, sources),
+            "place": PodsPlaced(attempt, {"ring-0": "node-2", "ring-1": "node-1"}),
+            "admit0": PodAdmitted(attempt, "ring-0"),
+            "admit1": PodAdmitted(attempt, "ring-1"),
+            "session": SessionOpened(attempt),
+            "created0": PodCreated(attempt, "ring-0", "new-0"),
+        }[event]
+        t = machine.handle(t.state, e, T0 + 1)
+    status = restore_status(t.state, now=T0 + 2)
+    assert [(row.name, row.uid, row.node, row.phase) for row in status.pods or ()] == [
+        ("ring-0", "new-0", "node-2", "Created"),
+        ("ring-1", None, "node-1", "Admitted"),
+    ]
+    back = restore_state(type(status).from_wire(status.to_wire()))
+    assert back == t.state

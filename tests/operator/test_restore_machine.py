@@ -29,9 +29,10 @@ from ibckpt_operator.machine.restore import (
     CheckpointResolved,
     CleanUpRestore,
     CloseRestoreSession,
-    DiscardStaged,
+    CreatePods,
     DownloadImages,
     PlacePods,
+    PodCreated,
     PodsPlaced,
     RebuildRestored,
     RestoreRanks,
@@ -90,6 +91,9 @@ class Driver:
                 self.send(PodAdmitted(self.attempt, pod.name))
         elif step == RestoreStep.OPEN_SESSION:
             self.send(SessionOpened(self.attempt))
+        elif step == RestoreStep.CREATE_PODS:
+            for pod in SOURCE:
+                self.send(PodCreated(self.attempt, pod.name, f"new-{pod.name}"))
         else:
             for member in self.state.members:
                 if member.progress != "Lost":
@@ -118,11 +122,16 @@ def test_a_restore_goes_through_every_phase_in_order() -> None:
     ]
     names = [type(a).__name__ for a in job.actions if isinstance(a, StepAction)]
     assert names == [
-        "ResolveCheckpoint", "PlacePods", "AdmitNodes", "OpenRestoreSession", "DownloadImages",
+        "ResolveCheckpoint", "PlacePods", "AdmitNodes", "OpenRestoreSession", "CreatePods", "DownloadImages",
         "RestoreRanks", "RebuildRestored", "ResumeRestored",
     ]  # fmt: skip
+    (create,) = job.of_type(CreatePods)
+    assert {pod.name: pod.node for pod in create.pods} == SWAP  # the destinations, not the sources
     (restore,) = job.of_type(RestoreRanks)
-    assert {pod.name: pod.node for pod in restore.pods} == SWAP  # the destinations, not the sources
+    assert {pod.name: (pod.node, pod.uid) for pod in restore.pods} == {
+        "ring-0": ("node-2", "new-ring-0"),
+        "ring-1": ("node-1", "new-ring-1"),
+    }  # the created pods' uids, which the agents' requests name
     assert not job.of_type(CleanUpRestore)
     assert isinstance(job.actions[-1], CloseRestoreSession)
 
@@ -169,8 +178,8 @@ def test_a_good_placement_away_from_the_sources_is_taken() -> None:
     job.to_phase(RestorePhase.SUCCEEDED)
 
 
-@pytest.mark.parametrize("phase", [RestorePhase.PENDING, RestorePhase.ADMITTED, RestorePhase.DOWNLOADING])
-def test_a_deadline_before_anything_is_restored_just_fails(phase: RestorePhase) -> None:
+@pytest.mark.parametrize("phase", [RestorePhase.PENDING, RestorePhase.ADMITTED])
+def test_a_deadline_before_anything_is_created_just_fails(phase: RestorePhase) -> None:
     job = Driver()
     job.to_phase(phase)
     limit = job.machine.config.timeouts[phase]
@@ -179,8 +188,37 @@ def test_a_deadline_before_anything_is_restored_just_fails(phase: RestorePhase) 
     assert job.state.phase == phase
     job.send(Tick(), after=0.01)
     assert job.state.phase == RestorePhase.FAILED and job.state.reason == f"{phase}Timeout"
-    assert not job.of_type(CleanUpRestore)
-    assert (len(job.of_type(DiscardStaged)) == 1) == (phase == RestorePhase.DOWNLOADING)
+    assert not job.of_type(CleanUpRestore) and not job.of_type(CreatePods)
+
+
+def test_a_failure_while_creating_the_pods_removes_those_created() -> None:
+    job = Driver()
+    job.to_phase(RestorePhase.DOWNLOADING)
+    assert job.step == RestoreStep.CREATE_PODS  # the pods come first: the agents need their uids
+    job.send(PodCreated(job.attempt, "ring-0", "new-ring-0"))
+    job.send(PodStepDone(job.attempt, "ring-1"))  # not an answer to a create
+    assert not job.of_type(DownloadImages)
+    job.send(StepFailed(job.attempt, "PodExists", "pod ring-1 was created by someone else", pod="ring-1"))
+    assert job.state.phase == RestorePhase.CLEANING_UP and job.state.failed_from == RestorePhase.DOWNLOADING
+    (cleanup,) = job.of_type(CleanUpRestore)
+    assert {pod.name: pod.uid for pod in cleanup.pods} == {"ring-0": "new-ring-0", "ring-1": ""}
+    for pod in SOURCE:
+        job.send(PodStepDone(job.attempt, pod.name))
+    assert job.state.phase == RestorePhase.FAILED and job.state.reason == "PodExists"
+    assert job.state.message == "ring-1: pod ring-1 was created by someone else"
+
+
+def test_a_download_deadline_removes_the_created_pods() -> None:
+    job = Driver()
+    job.to_phase(RestorePhase.DOWNLOADING)
+    job.advance()  # created
+    assert job.step == RestoreStep.DOWNLOAD and job.state.phase == RestorePhase.DOWNLOADING
+    job.send(PodStepDone(job.attempt, "ring-0", bytes=10))
+    job.send(Tick(), after=job.machine.config.timeouts[RestorePhase.DOWNLOADING])
+    assert job.state.phase == RestorePhase.CLEANING_UP and job.state.reason == "DownloadingTimeout"
+    assert "(waiting for ring-1)" in (job.state.message or "")
+    (cleanup,) = job.of_type(CleanUpRestore)
+    assert [pod.uid for pod in cleanup.pods] == ["new-ring-0", "new-ring-1"]
 
 
 @pytest.mark.parametrize("phase", [RestorePhase.RESTORING, RestorePhase.REBUILDING, RestorePhase.RESUMING])
@@ -213,10 +251,16 @@ def test_a_clean_up_that_is_not_confirmed_in_time_still_ends() -> None:
 
 def test_the_overall_deadline_applies() -> None:
     job = Driver(activeDeadlineSeconds=50)
-    job.to_phase(RestorePhase.DOWNLOADING)
+    job.to_phase(RestorePhase.ADMITTED)
     job.now = T0 + 50
     job.send(Tick())
     assert job.state.phase == RestorePhase.FAILED and job.state.reason == "DeadlineExceeded"
+
+    late = Driver(activeDeadlineSeconds=50)
+    late.to_phase(RestorePhase.DOWNLOADING)  # a pod may exist: it is removed first
+    late.now = T0 + 50
+    late.send(Tick())
+    assert late.state.phase == RestorePhase.CLEANING_UP and late.state.reason == "DeadlineExceeded"
 
 
 def test_a_lost_pod_or_a_cancel_after_restoring_cleans_up() -> None:
@@ -241,7 +285,8 @@ def test_a_lost_pod_or_a_cancel_after_restoring_cleans_up() -> None:
         (RestoreStep.RESOLVE, "reissue"),
         (RestoreStep.PLACE, "reissue"),
         (RestoreStep.ADMIT, "reissue"),
-        (RestoreStep.DOWNLOAD, "reissue"),
+        (RestoreStep.CREATE_PODS, "clean-up"),
+        (RestoreStep.DOWNLOAD, "clean-up"),
         (RestoreStep.RESTORE, "clean-up"),
         (RestoreStep.REBUILD, "clean-up"),
         (RestoreStep.RESUME, "reissue"),

@@ -1,13 +1,16 @@
 """The RestoreJob state machine: (state, event, now) -> (state, actions). Pure: no I/O, no clock.
 
     Pending -> Admitted -> Downloading -> Restoring -> Rebuilding -> Resuming -> Succeeded
-    failure, deadline, lost pod or cancel in Pending, Admitted, Downloading -> Failed
-                                     in Restoring, Rebuilding, Resuming     -> CleaningUp -> Failed
+    failure, deadline, lost pod or cancel in Pending, Admitted                          -> Failed
+                                     in Downloading, Restoring, Rebuilding, Resuming -> CleaningUp -> Failed
 
-No part of a job is left running by itself: once any rank may have been restored, a failure removes every
-restored rank (CleanUpRestore) before the job fails. The Checkpoint stays valid for another RestoreJob.
-Placement honours the spec: a pod is never placed on a node to avoid, nor back on its source node when
-avoidSourceNodes is set.
+Downloading starts by creating the destination pods (CreatePods: the agents need their UIDs), then the
+agents download and stage the images. No part of a job is left running by itself: once a destination
+pod may exist, a failure removes every restored rank and created pod (CleanUpRestore) before the job
+fails. The Checkpoint stays valid for another RestoreJob. Placement honours the spec: a pod is never
+placed on a node to avoid, nor back on its source node when avoidSourceNodes is set.
+
+Members are keyed by pod name: a member's uid is its destination pod's, once created.
 """
 
 from __future__ import annotations
@@ -41,11 +44,20 @@ from ibckpt_operator.machine.core import (
 )
 
 
+def _with_progress(
+    members: tuple[Member, ...], name: str, progress: str, **facts: object
+) -> tuple[Member, ...]:
+    """core.with_progress by pod name (a restore's key: the uid is the destination's, set on creation)."""
+    key = next((m.key for m in members if m.pod.name == name), None)
+    return members if key is None else with_progress(members, key, progress, **facts)  # type: ignore[arg-type]
+
+
 class RestoreStep(StrEnum):
     RESOLVE = "resolve"
     PLACE = "place"
     ADMIT = "admit"
     OPEN_SESSION = "open-session"
+    CREATE_PODS = "create-pods"
     DOWNLOAD = "download"
     RESTORE = "restore"
     REBUILD = "rebuild"
@@ -58,6 +70,7 @@ STEP_LABEL: Mapping[RestoreStep, str | None] = {
     RestoreStep.PLACE: None,
     RestoreStep.ADMIT: "Admitted",
     RestoreStep.OPEN_SESSION: None,
+    RestoreStep.CREATE_PODS: "Created",
     RestoreStep.DOWNLOAD: "Downloaded",
     RestoreStep.RESTORE: "Restored",
     RestoreStep.REBUILD: "Rebuilt",
@@ -69,22 +82,26 @@ ON_UNKNOWN: Mapping[RestoreStep, Unknown] = {
     RestoreStep.PLACE: Unknown.REISSUE,
     RestoreStep.ADMIT: Unknown.REISSUE,
     RestoreStep.OPEN_SESSION: Unknown.REISSUE,
-    RestoreStep.DOWNLOAD: Unknown.REISSUE,  # chunks are verified by hash: downloading again is harmless
+    # The coordinator session lives in the operator: a new operator cannot carry on a session its agents
+    # joined, and a pod may exist that status does not name yet.
+    RestoreStep.CREATE_PODS: Unknown.ABORT,
+    RestoreStep.DOWNLOAD: Unknown.ABORT,
     RestoreStep.RESTORE: Unknown.ABORT,  # processes may or may not exist
     RestoreStep.REBUILD: Unknown.ABORT,  # rebuild publishes ids under an epoch; never twice blindly
-    RestoreStep.RESUME: Unknown.REISSUE,
+    RestoreStep.RESUME: Unknown.REISSUE,  # reads the agents' reports of the session: Succeeded or not
     RestoreStep.CLEAN_UP: Unknown.REISSUE,
 }
 NEXT_STEP: Mapping[RestoreStep, tuple[RestoreStep, RestorePhase] | None] = {
     RestoreStep.ADMIT: (RestoreStep.OPEN_SESSION, RestorePhase.ADMITTED),
+    RestoreStep.CREATE_PODS: (RestoreStep.DOWNLOAD, RestorePhase.DOWNLOADING),
     RestoreStep.DOWNLOAD: (RestoreStep.RESTORE, RestorePhase.RESTORING),
     RestoreStep.RESTORE: (RestoreStep.REBUILD, RestorePhase.REBUILDING),
     RestoreStep.REBUILD: (RestoreStep.RESUME, RestorePhase.RESUMING),
     RestoreStep.RESUME: None,  # done
 }
 TERMINAL = frozenset({RestorePhase.SUCCEEDED, RestorePhase.FAILED})
-# Phases before any rank can exist on a destination node: a failure just fails.
-NOTHING_RESTORED = frozenset({RestorePhase.PENDING, RestorePhase.ADMITTED, RestorePhase.DOWNLOADING})
+# Phases before any destination pod can exist: a failure just fails.
+NOTHING_RESTORED = frozenset({RestorePhase.PENDING, RestorePhase.ADMITTED})
 
 
 @dataclass(frozen=True)
@@ -101,6 +118,15 @@ class PodsPlaced(Event):
 
     attempt: str
     nodes: Mapping[str, str]
+
+
+@dataclass(frozen=True)
+class PodCreated(Event):
+    """The destination pod of member `pod` (its name) exists with this uid."""
+
+    attempt: str
+    pod: str
+    uid: str
 
 
 @dataclass(frozen=True)
@@ -132,13 +158,17 @@ class CloseRestoreSession(Action):
 
 
 @dataclass(frozen=True)
-class DownloadImages(StepAction):
+class CreatePods(StepAction):
+    """Create each destination pod (answer PodCreated with its uid, or StepFailed)."""
+
     checkpoint_name: str = ""
 
 
 @dataclass(frozen=True)
-class DiscardStaged(StepAction):
-    """Delete downloaded images on the destination nodes."""
+class DownloadImages(StepAction):
+    """Start the agents' restore sessions: each downloads and stages its pods' images."""
+
+    checkpoint_name: str = ""
 
 
 @dataclass(frozen=True)
@@ -166,6 +196,7 @@ _STEP_ACTION: Mapping[RestoreStep, type[StepAction]] = {
     RestoreStep.PLACE: PlacePods,
     RestoreStep.ADMIT: AdmitNodes,
     RestoreStep.OPEN_SESSION: OpenRestoreSession,
+    RestoreStep.CREATE_PODS: CreatePods,
     RestoreStep.DOWNLOAD: DownloadImages,
     RestoreStep.RESTORE: RestoreRanks,
     RestoreStep.REBUILD: RebuildRestored,
@@ -212,7 +243,7 @@ class RestoreState:
     started_at: float
     phase_since: float
     step: StepRecord | None = None
-    members: tuple[Member, ...] = ()  # keyed by pod name; node is the destination once placed
+    members: tuple[Member, ...] = ()  # keyed by pod name; node and uid are the destination's
     reason: str | None = None
     message: str | None = None
     failed_from: RestorePhase | None = None
@@ -247,9 +278,9 @@ class RestoreMachine:
         if isinstance(event, Cancelled):
             return self._abort(state, "Cancelled", "the RestoreJob was deleted", now)
         if isinstance(event, PodLost):
-            if all(member.key != event.pod for member in state.members):
+            if all(member.pod.name != event.pod for member in state.members):
                 return self._done(state, [])
-            members = with_progress(state.members, event.pod, "Lost", message=event.message)
+            members = _with_progress(state.members, event.pod, "Lost", message=event.message)
             state = replace(state, members=members)
             if state.phase == RestorePhase.CLEANING_UP:
                 return self._maybe_advance(state, now)
@@ -285,22 +316,34 @@ class RestoreMachine:
             state, actions = self._issue(replace(state, members=members), RestoreStep.ADMIT, now)
             return self._done(state, actions)
         if isinstance(event, PodRefused) and step == RestoreStep.ADMIT:
-            members = with_progress(state.members, event.pod, "Refused", message=event.message)
+            members = _with_progress(state.members, event.pod, "Refused", message=event.message)
             return self._fail(
                 replace(state, members=members), "AdmissionRefused", f"{event.pod}: {event.message}", now
             )
         if isinstance(event, SessionOpened) and step == RestoreStep.OPEN_SESSION:
-            state, actions = self._issue(state, RestoreStep.DOWNLOAD, now, RestorePhase.DOWNLOADING)
+            state, actions = self._issue(state, RestoreStep.CREATE_PODS, now, RestorePhase.DOWNLOADING)
             return self._done(state, actions)
-        if isinstance(event, (PodAdmitted, PodStepDone)) and STEP_LABEL[step] is not None:
-            if isinstance(event, PodAdmitted) != (step == RestoreStep.ADMIT):
+        if isinstance(event, PodCreated) and step == RestoreStep.CREATE_PODS:
+            if all(member.pod.name != event.pod for member in state.members):
                 return self._done(state, [])
-            if all(member.key != event.pod for member in state.members):
+            members = tuple(
+                replace(m, pod=replace(m.pod, uid=event.uid)) if m.pod.name == event.pod else m
+                for m in state.members
+            )
+            members = _with_progress(members, event.pod, STEP_LABEL[step] or "")
+            return self._maybe_advance(replace(state, members=members), now)
+        if isinstance(event, (PodAdmitted, PodStepDone)) and STEP_LABEL[step] is not None:
+            if (
+                isinstance(event, PodAdmitted) != (step == RestoreStep.ADMIT)
+                or step == RestoreStep.CREATE_PODS
+            ):
+                return self._done(state, [])
+            if all(member.pod.name != event.pod for member in state.members):
                 return self._done(state, [])
             size = event.bytes if isinstance(event, PodStepDone) else None
             seconds = event.seconds if isinstance(event, PodStepDone) else None
             label = STEP_LABEL[step] or ""
-            members = with_progress(state.members, event.pod, label, bytes=size, seconds=seconds)
+            members = _with_progress(state.members, event.pod, label, bytes=size, seconds=seconds)
             return self._maybe_advance(replace(state, members=members), now)
         return self._done(state, [])
 
@@ -374,8 +417,6 @@ class RestoreMachine:
         actions: list[Action] = [EmitEvent("Warning", reason, message)]
         if state.phase != RestorePhase.PENDING:
             actions.append(CloseRestoreSession())
-        if state.phase == RestorePhase.DOWNLOADING:
-            actions.append(DiscardStaged(state.attempt or "", self._pods(state)))
         failed_from = state.failed_from or state.phase
         state = replace(
             state,
@@ -412,6 +453,8 @@ class RestoreMachine:
         elif step == RestoreStep.PLACE:
             avoid = self.config.avoid_nodes
             action = PlacePods(attempt, pods, dict(self.config.node_selector), avoid)
+        elif step == RestoreStep.CREATE_PODS:
+            action = CreatePods(attempt, pods, self.config.checkpoint_name)
         elif step == RestoreStep.DOWNLOAD:
             action = DownloadImages(attempt, pods, self.config.checkpoint_name)
         else:

@@ -1,0 +1,111 @@
+"""A restore's decisions that need no cluster: which node each pod goes to, and whether a node can
+restore what the checkpoint requires. Pure functions over plain values (the driver reads the nodes and
+agents and hands their facts in)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from ibckpt.api import RequiredVersions
+
+
+@dataclass(frozen=True)
+class SourcePod:
+    name: str
+    node: str  # where it was checkpointed
+
+
+class NoNode(Exception):
+    """A pod that no allowed node can take; the message names it."""
+
+
+def place_pods(
+    pods: Sequence[SourcePod], candidates: Iterable[str], avoid_source_nodes: bool
+) -> dict[str, str]:
+    """A destination per pod name: its source node if allowed (its images and addresses stay local),
+    else the least loaded candidate (ties by name), counting the pods placed so far."""
+    load = dict.fromkeys(sorted(candidates), 0)
+    placed: dict[str, str] = {}
+    for pod in pods:
+        allowed = [node for node in load if not (avoid_source_nodes and node == pod.node)]
+        if not allowed:
+            raise NoNode(f"no Ready node with a ready ibckpt agent can take pod {pod.name}")
+        chosen = pod.node if pod.node in allowed else min(allowed, key=lambda node: (load[node], node))
+        placed[pod.name] = chosen
+        load[chosen] += 1
+    return placed
+
+
+def release(version: str) -> tuple[int, ...] | None:
+    """The leading numbers of a version (`6.1.0-13-amd64` -> (6, 1, 0)); None if it starts with none."""
+    match = re.match(r"^v?(\d+(?:\.\d+)*)", version.strip())
+    return tuple(int(part) for part in match.group(1).split(".")) if match else None
+
+
+def newest(versions: Iterable[str | None]) -> str | None:
+    """The highest of several nodes' versions (a destination must satisfy every source node)."""
+    known = [v for v in versions if v]
+    if not known:
+        return None
+    return max(known, key=lambda v: (release(v) or (), v))
+
+
+@dataclass(frozen=True)
+class NodeFacts:
+    """What is known of a destination node: the agent's ibckpt version (AgentInfo.version) and the
+    kernel (Node.status.nodeInfo.kernelVersion). rdma-core and CRIU are reported by neither."""
+
+    ibckpt: str | None = None
+    kernel: str | None = None
+
+
+def incompatibilities(required: RequiredVersions | None, node: NodeFacts) -> list[str]:
+    """Why this node cannot restore the checkpoint (empty: it can, as far as anything reports).
+
+    ibckpt: the images, the shim's state and the agent protocol may change between releases, so the
+    destination must run the same major.minor (while major is 0) or the same major and at least the
+    checkpoint's version. kernel: CRIU restores what the dumping kernel had, so the destination's
+    major.minor must be at least the checkpoint's. A version that does not parse must match exactly."""
+    if required is None:
+        return []
+    problems = []
+    if required.ibckpt and node.ibckpt and not _ibckpt_compatible(required.ibckpt, node.ibckpt):
+        problems.append(
+            f"its ibckpt agent is {node.ibckpt}, the checkpoint was taken with ibckpt {required.ibckpt}"
+        )
+    if required.kernel and node.kernel and not _kernel_compatible(required.kernel, node.kernel):
+        problems.append(f"its kernel is {node.kernel}, the checkpoint needs {required.kernel} or a newer one")
+    return problems
+
+
+def _ibckpt_compatible(required: str, found: str) -> bool:
+    want, have = release(required), release(found)
+    if want is None or have is None:
+        return required == found
+    if want[0] == 0:
+        return have[:2] == want[:2] and have >= want
+    return have[0] == want[0] and have >= want
+
+
+def _kernel_compatible(required: str, found: str) -> bool:
+    want, have = release(required), release(found)
+    if want is None or have is None:
+        return required == found
+    return have[:2] >= want[:2]
+
+
+def unchecked(required: RequiredVersions | None) -> list[str]:
+    """The required versions nothing on a node reports, so a restore cannot check them."""
+    if required is None:
+        return []
+    return [name for name, value in (("rdmaCore", required.rdma_core), ("criu", required.criu)) if value]
+
+
+def rank_parts(key: str) -> tuple[str, str, str, str]:
+    """job, pod, container, process of a rank key (the agents' RankId); ValueError if it is not one."""
+    parts = key.split("/")
+    if len(parts) != 4 or not all(parts):
+        raise ValueError(f"rank key {key!r} is not job/pod/container/process")
+    return parts[0], parts[1], parts[2], parts[3]
