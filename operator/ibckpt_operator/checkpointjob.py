@@ -32,14 +32,12 @@ from ibckpt.api import (
     CheckpointJobSpec,
     CheckpointJobStatus,
     CheckpointMode,
-    CheckpointPod,
     CheckpointSize,
     CheckpointSpec,
     JobPhase,
     JobReference,
     ObjectMeta,
 )
-from ibckpt.store import StoreError
 from ibckpt_operator import metrics, selection, storage
 from ibckpt_operator.agents import Agent, agents_by_node, no_agent_message
 from ibckpt_operator.config import current
@@ -84,6 +82,8 @@ from ibckpt_operator.machine.core import (
     Transition,
 )
 from ibckpt_operator.machine.status import job_state, job_status
+from ibckpt_operator.podtemplate import sanitize
+from ibckpt_operator.recording import RestoreRecord
 from ibckpt_operator.runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -140,6 +140,7 @@ class CheckpointJobDriver(Driver[JobState]):
         self.pod_bytes: dict[str, int] = {}
         self.reported: set[tuple[str, str]] = set()  # (attempt, pod UID) already told to the machine
         self.resolved: storage.ResolvedStorage | None = None
+        self.record = RestoreRecord()  # what a restore needs, written into the Checkpoint
 
     # -- names
 
@@ -151,6 +152,11 @@ class CheckpointJobDriver(Driver[JobState]):
         """The job's name in the store: the workload's, so its checkpoints are listed (and kept) together."""
         workload = self.spec.workload_ref.name if self.spec.workload_ref else self.name
         return f"{self.namespace}/{workload}"
+
+    @property
+    def rank_job(self) -> str:
+        """The job in rank keys (job/pod/container/process): one name, no namespace, so no slash."""
+        return self.spec.workload_ref.name if self.spec.workload_ref else self.name
 
     def session_id(self, run: str) -> str:
         return f"ckj-{run}"
@@ -208,20 +214,6 @@ class CheckpointJobDriver(Driver[JobState]):
             self.spawn(self.guarded(action))
         else:
             log.warning("%s: no effect for %s", self.key, type(action).__name__)
-
-    async def guarded(self, action: StepAction) -> None:
-        """A step's effect; any unexpected error fails the step with a reason, never silently."""
-        try:
-            await self.effect(action)
-        except asyncio.CancelledError:
-            raise
-        except storage.StorageProblem as problem:
-            self.emit(StepFailed(action.attempt, problem.reason, problem.message))
-        except StoreError as error:
-            self.emit(StepFailed(action.attempt, "StoreError", str(error)))
-        except Exception as error:
-            log.exception("%s: %s failed", self.key, type(action).__name__)
-            self.emit(StepFailed(action.attempt, "OperatorError", f"{type(action).__name__}: {error}"))
 
     async def effect(self, action: StepAction) -> None:
         if isinstance(action, SelectPods):
@@ -285,6 +277,7 @@ class CheckpointJobDriver(Driver[JobState]):
                     self.emit(PodRefused(action.attempt, pod.uid, message))
                     continue
                 registered[node] = {c.pod_uid for c in info.containers if c.shim}
+                self.record.agent_versions[node] = info.version
                 if not info.ready:
                     registered[node] = set()
             if pod.uid not in registered[node]:
@@ -294,6 +287,7 @@ class CheckpointJobDriver(Driver[JobState]):
                 )
                 self.emit(PodRefused(action.attempt, pod.uid, message))
                 continue
+            self.record.templates[pod.uid] = sanitize(body)
             self.emit(PodAdmitted(action.attempt, pod.uid))
 
     async def open_session(self, action: OpenSession) -> None:
@@ -386,7 +380,7 @@ class CheckpointJobDriver(Driver[JobState]):
                     rebuild_seconds=t.rebuild_seconds,
                     resume_seconds=t.resume_seconds,
                 ),
-                job=self.store_job,
+                job=self.rank_job,
                 mode=mode,
                 ranks=ranks,
                 images=ImageDestination(
@@ -446,6 +440,7 @@ class CheckpointJobDriver(Driver[JobState]):
         by_pod: dict[str, list[int]] = {}
         for rank in report.ranks:
             by_pod.setdefault(rank.pod_uid, []).append(_rank(RANK_MILESTONE.get(rank.phase)))
+            self.record.rank_keys.setdefault(rank.pod_uid, set()).add(rank.rank_key)
         if report.state == SessionState.SUCCEEDED:
             # Staged, and (LeaveRunning) rebuilt and resumed; held (Stop) ranks wait for the kill.
             final = "Uploaded" if self.spec.mode == CheckpointMode.STOP else "Resumed"
@@ -500,10 +495,9 @@ class CheckpointJobDriver(Driver[JobState]):
             storage=self.spec.storage,
             manifest_key=action.manifest_key,
             mode=self.spec.mode,
-            pods=[
-                CheckpointPod(name=m.pod.name, uid=m.pod.uid, node=m.pod.node or None, bytes=m.bytes)
-                for m in members
-            ],
+            pods=await self.record.pods(self.rt, self.namespace, members, self.session_id(self.state.run)),
+            rank_count=sum(len(keys) for keys in self.record.rank_keys.values()),
+            requires=await self.record.requires(self.rt, members),
             nodes=sorted({m.pod.node for m in members if m.pod.node}),
             size=CheckpointSize(bytes=total, human=_human(total)),
         )

@@ -10,10 +10,11 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Generic, TypeVar
 
 from ibckpt.api import ApiModel, Condition
-from ibckpt_operator import metrics
+from ibckpt.store import StoreError
+from ibckpt_operator import metrics, storage
 from ibckpt_operator.config import current
 from ibckpt_operator.kube import Body, is_status
-from ibckpt_operator.machine.core import Action, Cancelled, Event, Tick, Transition
+from ibckpt_operator.machine.core import Action, Cancelled, Event, StepAction, StepFailed, Tick, Transition
 from ibckpt_operator.runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -27,6 +28,16 @@ def status_body(status: ApiModel) -> Body:
     for name, info in type(status).model_fields.items():
         body.setdefault(info.alias or name, None)
     return body
+
+
+def step_failure(action: StepAction, error: Exception) -> StepFailed:
+    """A step's exception as the machine's StepFailed: the storage's own reason, the store's, or
+    OperatorError naming the step (never silently swallowed)."""
+    if isinstance(error, storage.StorageProblem):
+        return StepFailed(action.attempt, error.reason, error.message)
+    if isinstance(error, StoreError):
+        return StepFailed(action.attempt, "StoreError", str(error))
+    return StepFailed(action.attempt, "OperatorError", f"{type(action).__name__}: {error}")
 
 
 class Driver(Generic[S]):
@@ -62,6 +73,10 @@ class Driver(Generic[S]):
         raise NotImplementedError
 
     async def execute(self, action: Action) -> None:
+        raise NotImplementedError
+
+    async def effect(self, action: StepAction) -> None:
+        """A step's side effect; it answers by emitting events (run as a task by `guarded`)."""
         raise NotImplementedError
 
     def phase_of(self, state: S) -> str:
@@ -148,6 +163,17 @@ class Driver(Generic[S]):
                 log.info("%s is gone; its status was not written", self.key)
                 return
             raise
+
+    async def guarded(self, action: StepAction) -> None:
+        """A step's effect; any error fails the step with a reason (step_failure)."""
+        try:
+            await self.effect(action)
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:
+            if not isinstance(error, (storage.StorageProblem, StoreError)):
+                log.exception("%s: %s failed", self.key, type(action).__name__)
+            self.emit(step_failure(action, error))
 
     def emit(self, event: Event) -> None:
         self.events.put_nowait(event)

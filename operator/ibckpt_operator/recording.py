@@ -1,0 +1,62 @@
+"""What a CheckpointJob records for a restore, beside the images: each pod's sanitized template and
+rank keys, and the versions its nodes ran (Checkpoint.spec.pods[].template/ranks, spec.requires).
+
+The driver fills it as it goes (admission reads the pods and the agents, the agents' reports name the
+ranks); what this process did not see (a restart after the upload) is read again at publish time: the
+pods still exist until KillSources, and the agents keep their session reports.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+from ibckpt.agentapi import AgentError
+from ibckpt.api import CheckpointPod, PodTemplate, RequiredVersions
+from ibckpt_operator.agents import agents_by_node
+from ibckpt_operator.machine import Member
+from ibckpt_operator.podtemplate import sanitize
+from ibckpt_operator.restoreplan import newest
+from ibckpt_operator.runtime import Runtime
+
+
+@dataclass
+class RestoreRecord:
+    templates: dict[str, PodTemplate] = field(default_factory=dict)  # by pod UID
+    rank_keys: dict[str, set[str]] = field(default_factory=dict)  # by pod UID
+    agent_versions: dict[str, str] = field(default_factory=dict)  # by node
+
+    async def pods(
+        self, rt: Runtime, namespace: str, members: tuple[Member, ...], session_id: str
+    ) -> list[CheckpointPod]:
+        missing_ranks = {m.pod.node for m in members if m.pod.uid not in self.rank_keys}
+        if missing_ranks:
+            agents = await agents_by_node(rt.kube)
+            for node in sorted(missing_ranks & set(agents)):
+                with contextlib.suppress(AgentError):
+                    report = await rt.gateway.session(agents[node], session_id)
+                    for rank in report.ranks if report else ():
+                        self.rank_keys.setdefault(rank.pod_uid, set()).add(rank.rank_key)
+        pods = []
+        for m in members:
+            if m.pod.uid not in self.templates:
+                body = await rt.kube.get_pod(namespace, m.pod.name)
+                if body is not None and body["metadata"].get("uid") == m.pod.uid:
+                    self.templates[m.pod.uid] = sanitize(body)
+            keys = sorted(self.rank_keys.get(m.pod.uid, ()))
+            pods.append(
+                CheckpointPod(name=m.pod.name, uid=m.pod.uid, node=m.pod.node or None, bytes=m.bytes,
+                              ranks=keys or None, template=self.templates.get(m.pod.uid))
+            )  # fmt: skip
+        return pods
+
+    async def requires(self, rt: Runtime, members: tuple[Member, ...]) -> RequiredVersions:
+        """The newest agent version and kernel among the job's nodes: a restore node must satisfy each."""
+        nodes = {m.pod.node for m in members}
+        kernels = [
+            n.get("status", {}).get("nodeInfo", {}).get("kernelVersion")
+            for n in await rt.kube.list_nodes()
+            if n["metadata"]["name"] in nodes
+        ]
+        versions = [self.agent_versions.get(node) for node in nodes]
+        return RequiredVersions(ibckpt=newest(versions), kernel=newest(kernels))
