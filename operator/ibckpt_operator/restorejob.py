@@ -1,21 +1,41 @@
-"""One RestoreJob's driver: resolves the Checkpoint, checks its storage, places each pod on a node with a
-ready agent within the spec's constraints, admits the destinations and opens the coordinator session.
+"""One RestoreJob's driver: resolves the Checkpoint, checks its storage, places each pod, admits the
+destinations (ready agent, compatible versions, no pod of that name yet), opens the coordinator session,
+creates the destination pods and hands each node's agent its RestoreRequest, then follows the agents'
+session reports to Succeeded. A failure once a pod may exist aborts the agents' sessions and deletes
+the pods this restore created (CleanUpRestore), so no part of the job runs alone.
 
-Not yet: creating the destination pods and handing the agents their restore (RestoreRequest needs each
-rank's new pod UID). The job fails clearly at that step (reason RestoreNotImplemented), having touched
-nothing, rather than wait.
+The machine (machine/restore.py) decides; this observes and acts. Placement, templates and the
+compatibility rules are pure (restoreplan.py, podtemplate.py).
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 import secrets
+import time
 from collections.abc import Awaitable
+from dataclasses import dataclass
+from typing import Any
 
-from ibckpt.api import Checkpoint, RestoreJobSpec, RestoreJobStatus, RestorePhase
-from ibckpt.store import StoreError
+from kubernetes.client import ApiException
+
+from ibckpt.agentapi import (
+    AgentError,
+    ImageSource,
+    PhaseTimeouts,
+    RankPhase,
+    RestoreRank,
+    RestoreRequest,
+    SecretRef,
+    SessionReport,
+    SessionState,
+)
+from ibckpt.api import Checkpoint, CheckpointPod, RestoreJobSpec, RestoreJobStatus, RestorePhase
 from ibckpt_operator import storage
-from ibckpt_operator.agents import agents_by_node, no_agent_message
+from ibckpt_operator.agents import Agent, agents_by_node, no_agent_message
+from ibckpt_operator.config import GROUP, VERSION, current
 from ibckpt_operator.driver import Driver
 from ibckpt_operator.kube import Body
 from ibckpt_operator.machine import PodRef, RestoreConfig, RestoreMachine, RestoreState
@@ -25,6 +45,7 @@ from ibckpt_operator.machine.core import (
     Event,
     OperatorRestarted,
     PodAdmitted,
+    PodLost,
     PodRefused,
     PodStepDone,
     SessionOpened,
@@ -33,23 +54,52 @@ from ibckpt_operator.machine.core import (
     Transition,
 )
 from ibckpt_operator.machine.restore import (
+    STEP_LABEL,
     TERMINAL,
     AdmitNodes,
     CheckpointResolved,
     CleanUpRestore,
     CloseRestoreSession,
-    DiscardStaged,
+    CreatePods,
+    DownloadImages,
     OpenRestoreSession,
     PlacePods,
+    PodCreated,
     PodsPlaced,
     ResolveCheckpoint,
+    RestoreStep,
+    ResumeRestored,
 )
 from ibckpt_operator.machine.status import restore_state, restore_status
+from ibckpt_operator.podtemplate import RESTORED_BY, destination_pod
+from ibckpt_operator.restoreplan import (
+    NodeFacts,
+    NoNode,
+    SourcePod,
+    incompatibilities,
+    place_pods,
+    rank_parts,
+    unchecked,
+)
 from ibckpt_operator.runtime import Runtime
 
 log = logging.getLogger(__name__)
 PLURAL = "restorejobs"
 KIND = "RestoreJob"
+AGENT_UNREACHABLE_S = 15.0  # an agent that answers no poll for this long fails the step
+# How far a pod got, in the order the agents go; a rank in a phase has finished the milestone before it.
+MILESTONES = ("Downloaded", "Restored", "Rebuilt", "Resumed")
+RANK_MILESTONE = {
+    RankPhase.RESTORING: "Downloaded",
+    RankPhase.REBUILDING: "Restored",
+    RankPhase.RESUMING: "Rebuilt",
+}
+REPORT_REASON = {SessionState.ABORTED: "SessionAborted", SessionState.REFUSED: "AgentRefused"}
+LIVE_PHASES = (RestorePhase.RESTORING, RestorePhase.REBUILDING, RestorePhase.RESUMING)
+
+
+def _rank(milestone: str | None) -> int:
+    return MILESTONES.index(milestone) if milestone in MILESTONES else -1
 
 
 def _node_ready(node: Body) -> bool:
@@ -58,9 +108,18 @@ def _node_ready(node: Body) -> bool:
     return ready and not node.get("spec", {}).get("unschedulable")
 
 
-def _key(pod: PodRef) -> str:
-    """The machine's key of a member (machine.core.Member.key)."""
-    return pod.uid or pod.name
+def _api_message(error: ApiException) -> str:
+    try:
+        return str(json.loads(error.body or "{}").get("message") or error.reason)
+    except ValueError:
+        return str(error.reason)
+
+
+@dataclass
+class Session:
+    id: str
+    token: str
+    nodes: dict[str, Agent]
 
 
 class RestoreJobDriver(Driver[RestoreState]):
@@ -71,7 +130,28 @@ class RestoreJobDriver(Driver[RestoreState]):
         super().__init__(runtime, body)
         self.spec = RestoreJobSpec.from_wire(body.get("spec") or {})
         self.machine = RestoreMachine(RestoreConfig.from_spec(self.spec))
-        self.session_id: str | None = None
+        self.uid: str = body["metadata"].get("uid") or ""
+        self.checkpoint: Checkpoint | None = None
+        self.session: Session | None = None
+        self.polled: set[str] = set()  # nodes whose session report is being followed
+        self.progress: dict[str, int] = {}  # pod name -> index of its last milestone
+        self.pod_bytes: dict[str, int] = {}
+        self.reported: set[tuple[str, str]] = set()  # (attempt, pod name) already told to the machine
+
+    # -- names
+
+    def session_id(self, run: str) -> str:
+        return f"rsj-{run}"
+
+    def restored_by(self, run: str) -> str:
+        """The annotation value that marks the pods this restore created (found by name after a restart)."""
+        return f"{self.uid}/{run}"
+
+    @property
+    def checkpoint_ref(self) -> str:
+        return f"{self.namespace}/{self.spec.checkpoint_name}"
+
+    # -- the machine
 
     def begin(self, now: float) -> Transition[RestoreState]:
         status = self.body.get("status") or {}
@@ -92,57 +172,83 @@ class RestoreJobDriver(Driver[RestoreState]):
         return restore_status(state, generation=self.generation, previous=self.conditions, now=now)
 
     def background(self) -> list[Awaitable[None]]:
-        return []
+        return [self.watch_created()]
+
+    # -- actions
 
     async def execute(self, action: Action) -> None:
+        log.debug("%s: %s", self.key, type(action).__name__)
         if isinstance(action, EmitEvent):
+            log.info("%s: %s %s: %s", self.key, action.type, action.reason, action.message)
             await self.rt.kube.post_event(self.body, action.type, action.reason, action.message)
         elif isinstance(action, CloseRestoreSession):
-            if self.session_id is not None:
-                self.rt.coordinator.close_session(self.session_id)
-        elif isinstance(action, DiscardStaged):
-            pass  # nothing was downloaded by this operator
-        elif isinstance(action, OpenRestoreSession):
-            await self.open_session(action)
+            if self.session is not None:
+                self.rt.coordinator.close_session(self.session.id)
         elif isinstance(action, StepAction):
             self.spawn(self.guarded(action))
+        else:
+            log.warning("%s: no effect for %s", self.key, type(action).__name__)
 
-    async def guarded(self, action: StepAction) -> None:
-        try:
-            if isinstance(action, ResolveCheckpoint):
-                await self.resolve(action)
-            elif isinstance(action, PlacePods):
-                await self.place(action)
-            elif isinstance(action, AdmitNodes):
-                await self.admit(action)
-            elif isinstance(action, CleanUpRestore):
-                for pod in action.pods:  # no rank was started by this operator
-                    self.emit(PodStepDone(action.attempt, _key(pod)))
-            else:
-                message = (
-                    "this operator cannot yet create the destination pods and start the agents' restore; "
-                    "nothing was touched"
-                )
-                self.emit(StepFailed(action.attempt, "RestoreNotImplemented", message))
-        except storage.StorageProblem as problem:
-            self.emit(StepFailed(action.attempt, problem.reason, problem.message))
-        except StoreError as error:
-            self.emit(StepFailed(action.attempt, "StoreError", str(error)))
-        except Exception as error:
-            log.exception("%s: %s failed", self.key, type(action).__name__)
-            self.emit(StepFailed(action.attempt, "OperatorError", f"{type(action).__name__}: {error}"))
+    async def effect(self, action: StepAction) -> None:
+        if isinstance(action, ResolveCheckpoint):
+            await self.resolve(action)
+        elif isinstance(action, PlacePods):
+            await self.place(action)
+        elif isinstance(action, AdmitNodes):
+            await self.admit(action)
+        elif isinstance(action, OpenRestoreSession):
+            await self.open_session(action)
+        elif isinstance(action, CreatePods):
+            await self.create_pods(action)
+        elif isinstance(action, DownloadImages):
+            await self.start_agents(action)
+        elif isinstance(action, CleanUpRestore):
+            await self.clean_up(action)
+        else:  # Restore, Rebuild, Resume: the agents go on by themselves; after a restart, follow them again
+            if isinstance(action, ResumeRestored):
+                await self.follow_again()
+            self.report_progress()
+
+    async def load_checkpoint(self) -> Checkpoint | None:
+        if self.checkpoint is None:
+            body = await self.rt.kube.get_custom("checkpoints", self.namespace, self.spec.checkpoint_name)
+            self.checkpoint = None if body is None else Checkpoint.from_wire(body)
+        return self.checkpoint
+
+    def recorded(self, name: str) -> CheckpointPod:
+        assert self.checkpoint is not None
+        return next(p for p in self.checkpoint.spec.pods or () if p.name == name)
 
     async def resolve(self, action: ResolveCheckpoint) -> None:
-        body = await self.rt.kube.get_custom("checkpoints", self.namespace, action.checkpoint_name)
-        if body is None:
-            message = f"Checkpoint {self.namespace}/{action.checkpoint_name} does not exist"
+        checkpoint = await self.load_checkpoint()
+        if checkpoint is None:
+            message = f"Checkpoint {self.checkpoint_ref} does not exist"
             self.emit(StepFailed(action.attempt, "CheckpointNotFound", message))
             return
-        checkpoint = Checkpoint.from_wire(body)
-        await storage.check(
-            self.rt.kube, self.namespace, checkpoint.spec.storage_ref, checkpoint.spec.storage
+        spec = checkpoint.spec
+        await storage.check(self.rt.kube, self.namespace, spec.storage_ref, spec.storage)
+        problems = (
+            [] if spec.job_name and spec.checkpoint_id else ["it names no job or checkpoint id in the store"]
         )
-        pods = tuple(PodRef(p.name, p.uid or "", p.node or "") for p in checkpoint.spec.pods or ())
+        for pod in spec.pods or ():
+            if pod.template is None:
+                problems.append(f"it records no pod template for {pod.name}")
+            if not pod.ranks:
+                problems.append(f"it records no rank of {pod.name}")
+            for key in pod.ranks or ():
+                try:
+                    rank_parts(key)
+                except ValueError as error:
+                    problems.append(f"{pod.name}: {error}")
+        if problems:
+            message = (
+                f"Checkpoint {self.checkpoint_ref} cannot be restored by this operator: "
+                f"{'; '.join(problems)} (taken by an operator that did not record them?)"
+            )
+            self.emit(StepFailed(action.attempt, "CheckpointNotRestorable", message))
+            return
+        # Members are keyed by name: the uid a member gets is its destination pod's.
+        pods = tuple(PodRef(p.name, "", p.node or "") for p in spec.pods or ())
         self.emit(CheckpointResolved(action.attempt, pods))
 
     async def place(self, action: PlacePods) -> None:
@@ -158,36 +264,309 @@ class RestoreJobDriver(Driver[RestoreState]):
                 continue
             if name in agents and agents[name].ready:
                 candidates.append(name)
-        load = dict.fromkeys(candidates, 0)
-        placed: dict[str, str] = {}
-        for pod in action.pods:
-            allowed = [n for n in candidates if not (self.spec.avoid_source_nodes and n == pod.node)]
-            if not allowed:
-                message = f"no Ready node with a ready ibckpt agent can take pod {pod.name}"
-                self.emit(StepFailed(action.attempt, "NoNodeAvailable", message))
-                return
-            # The source node if allowed (images and addresses stay local), else the least loaded.
-            chosen = pod.node if pod.node in allowed else min(allowed, key=lambda n: (load[n], n))
-            placed[pod.name] = chosen
-            load[chosen] += 1
+        sources = [SourcePod(pod.name, pod.node) for pod in action.pods]
+        try:
+            placed = place_pods(sources, candidates, self.spec.avoid_source_nodes)
+        except NoNode as error:
+            self.emit(StepFailed(action.attempt, "NoNodeAvailable", str(error)))
+            return
         self.emit(PodsPlaced(action.attempt, placed))
 
     async def admit(self, action: AdmitNodes) -> None:
+        """Before anything is created: each destination has a ready agent and the versions the checkpoint
+        requires, and no pod holds the name the restored pod must have."""
+        checkpoint = await self.load_checkpoint()
+        assert checkpoint is not None
         agents = await agents_by_node(self.rt.kube)
+        kernels = {
+            n["metadata"]["name"]: n.get("status", {}).get("nodeInfo", {}).get("kernelVersion")
+            for n in await self.rt.kube.list_nodes()
+        }
+        blind = unchecked(checkpoint.spec.requires)
+        if blind:
+            message = f"the checkpoint requires {', '.join(blind)} versions that no node reports: not checked"
+            await self.rt.kube.post_event(self.body, "Normal", "VersionsNotChecked", message)
         for pod in action.pods:
+            existing = await self.rt.kube.get_pod(self.namespace, pod.name)
+            if existing is not None:
+                uid = existing["metadata"].get("uid")
+                message = (
+                    f"pod {pod.name} already exists in namespace {self.namespace} (uid {uid}): the restore "
+                    "creates it under its original name, so delete the source pod first (and stop its "
+                    "controller from creating it again)"
+                )
+                self.emit(StepFailed(action.attempt, "PodExists", message, pod=pod.name))
+                return
             agent = agents.get(pod.node)
             if agent is None or not agent.ready:
-                self.emit(PodRefused(action.attempt, _key(pod), no_agent_message(pod.name, pod.node, agent)))
-            else:
-                self.emit(PodAdmitted(action.attempt, _key(pod)))
+                self.emit(PodRefused(action.attempt, pod.name, no_agent_message(pod.name, pod.node, agent)))
+                return
+            try:
+                info = await self.rt.gateway.info(agent)
+            except AgentError as error:
+                message = (
+                    f"node {pod.node} for pod {pod.name} has an ibckpt agent that does not answer: {error}"
+                )
+                self.emit(PodRefused(action.attempt, pod.name, message))
+                return
+            facts = NodeFacts(ibckpt=info.version, kernel=kernels.get(pod.node))
+            problems = incompatibilities(checkpoint.spec.requires, facts)
+            if problems:
+                message = f"node {pod.node} cannot restore pod {pod.name}: {'; '.join(problems)}"
+                self.emit(StepFailed(action.attempt, "IncompatibleNode", message, pod=pod.name))
+                return
+            self.emit(PodAdmitted(action.attempt, pod.name))
 
     async def open_session(self, action: OpenRestoreSession) -> None:
         assert self.state is not None
-        nodes = {pod.node for pod in action.pods}
+        agents = await agents_by_node(self.rt.kube)
+        nodes = {pod.node: agents[pod.node] for pod in action.pods if pod.node in agents}
+        missing = sorted({pod.node for pod in action.pods} - set(nodes))
+        if missing:
+            self.emit(StepFailed(action.attempt, "NoAgent", f"no ready ibckpt agent on {', '.join(missing)}"))
+            return
         t = self.spec.timeouts
         deadline = float(t.download_seconds + t.restore_seconds + t.rebuild_seconds + t.resume_seconds)
-        self.session_id, _ = self.rt.coordinator.create_session(nodes, deadline, f"rsj-{self.state.run}")
+        sid, token = self.rt.coordinator.create_session(set(nodes), deadline, self.session_id(self.state.run))
+        self.session = Session(sid, token, nodes)
+        self.rt.coordinator.sessions[sid].abort_listeners.append(
+            lambda reason: self.fail_current("SessionAborted", reason)
+        )
         self.emit(SessionOpened(action.attempt))
+
+    async def create_pods(self, action: CreatePods) -> None:
+        assert self.state is not None and await self.load_checkpoint() is not None
+        marker = self.restored_by(self.state.run)
+        owner = {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "name": self.name, "uid": self.uid,
+                 "controller": True}  # fmt: skip
+        for pod in action.pods:
+            template = self.recorded(pod.name).template
+            assert template is not None  # resolve refused a checkpoint without one
+            body = destination_pod(
+                template,
+                name=pod.name,
+                namespace=self.namespace,
+                node=pod.node,
+                checkpoint=self.checkpoint_ref,
+                restored_by=marker,
+                owner=owner,
+            )
+            try:
+                uid = await self.create_pod(body)
+            except ApiException as error:
+                if error.status != 409:
+                    message = f"creating pod {pod.name} on {pod.node}: {_api_message(error)}"
+                    self.emit(StepFailed(action.attempt, "PodCreateFailed", message, pod=pod.name))
+                    return
+                existing = await self.rt.kube.get_pod(self.namespace, pod.name) or {}
+                meta = existing.get("metadata", {})
+                if (meta.get("annotations") or {}).get(RESTORED_BY) != marker:
+                    message = f"pod {pod.name} was created by someone else meanwhile (uid {meta.get('uid')})"
+                    self.emit(StepFailed(action.attempt, "PodExists", message, pod=pod.name))
+                    return
+                uid = str(meta["uid"])  # ours, from this run's attempt before
+            log.info("%s: created pod %s (uid %s) on %s", self.key, pod.name, uid, pod.node)
+            self.emit(PodCreated(action.attempt, pod.name, uid))
+
+    async def create_pod(self, body: Body) -> str:
+        """The created pod's uid (kube.py has no create: this is the one pod the operator makes)."""
+        create: Any = self.rt.kube.core.create_namespaced_pod
+        response = await asyncio.to_thread(create, self.namespace, body, _preload_content=False)
+        return str(json.loads(response.data)["metadata"]["uid"])
+
+    async def start_agents(self, action: DownloadImages) -> None:
+        assert self.session is not None and self.state is not None
+        checkpoint = await self.load_checkpoint()
+        assert checkpoint is not None and checkpoint.spec.job_name and checkpoint.spec.checkpoint_id
+        resolved = await storage.check(
+            self.rt.kube, self.namespace, checkpoint.spec.storage_ref, checkpoint.spec.storage
+        )
+        secret = resolved.location.credentials_secret_ref
+        t = self.spec.timeouts
+        for node, agent in sorted(self.session.nodes.items()):
+            ranks = []
+            for pod in action.pods:
+                if pod.node != node:
+                    continue
+                for key in self.recorded(pod.name).ranks or ():
+                    _, _, container, _ = rank_parts(key)
+                    ranks.append(RestoreRank(pod_uid=pod.uid, container=container, rank_key=key,
+                                             namespace=self.namespace, pod=pod.name))  # fmt: skip
+            request = RestoreRequest(
+                session_id=self.session.id,
+                coordinator=self.rt.coordinator_address(),
+                session_token=self.session.token,  # type: ignore[arg-type]
+                # New for every restore: the shim's rebuild records are per epoch, and an image may hold
+                # the epoch of an earlier rebuild (a LeaveRunning checkpoint's is 1).
+                epoch=max(2, int(time.time())),
+                timeouts=PhaseTimeouts(
+                    download_seconds=t.download_seconds,
+                    restore_seconds=t.restore_seconds,
+                    rebuild_seconds=t.rebuild_seconds,
+                    resume_seconds=t.resume_seconds,
+                ),
+                job=rank_parts(ranks[0].rank_key)[0],
+                images=ImageSource(
+                    location=resolved.location,
+                    credentials=SecretRef(namespace=self.namespace, name=secret.name),
+                    job=checkpoint.spec.job_name,
+                    checkpoint_id=checkpoint.spec.checkpoint_id,
+                ),
+                checkpoint=self.checkpoint_ref,
+                ranks=ranks,
+            )
+            try:
+                await self.rt.gateway.restore(agent, request)
+            except AgentError as error:
+                self.emit(StepFailed(action.attempt, "AgentFailed", f"node {node}: {error}"))
+                return
+        for node, agent in self.session.nodes.items():
+            self.follow(node, agent, self.session.id)
+
+    # -- the agents' reports
+
+    def follow(self, node: str, agent: Agent, session_id: str) -> None:
+        if node not in self.polled:
+            self.polled.add(node)
+            self.spawn(self.poll(node, agent, session_id))
+
+    async def follow_again(self) -> None:
+        """After a restart in Resuming: the agents' sessions may have ended meanwhile; read their reports."""
+        assert self.state is not None
+        agents = await agents_by_node(self.rt.kube)
+        for node in sorted({m.pod.node for m in self.state.members}):
+            agent = agents.get(node)
+            if agent is None:
+                self.fail_current("AgentUnreachable", f"no ibckpt agent on node {node} to report the restore")
+                return
+            self.follow(node, agent, self.session_id(self.state.run))
+
+    async def poll(self, node: str, agent: Agent, session_id: str) -> None:
+        last_answer = time.monotonic()
+        while True:
+            await asyncio.sleep(current().poll_seconds)
+            try:
+                report = await self.rt.gateway.session(agent, session_id)
+            except AgentError as error:
+                if time.monotonic() - last_answer > AGENT_UNREACHABLE_S:
+                    self.fail_current("AgentUnreachable", f"node {node}: {error}")
+                    return
+                continue
+            last_answer = time.monotonic()
+            if report is None:
+                self.fail_current(
+                    "AgentLostSession", f"node {node}: the agent no longer knows session {session_id}"
+                )
+                return
+            if report.state in (SessionState.RUNNING, SessionState.SUCCEEDED):
+                self.absorb(report)
+            if report.state.finished:
+                if report.state != SessionState.SUCCEEDED:
+                    reason = REPORT_REASON.get(report.state, "AgentFailed")
+                    self.fail_current(reason, f"node {node}: {report.message or report.state}")
+                return
+
+    def absorb(self, report: SessionReport) -> None:
+        assert self.state is not None
+        names = {m.pod.uid: m.pod.name for m in self.state.members if m.pod.uid}
+        by_pod: dict[str, list[int]] = {}
+        sizes: dict[str, int] = {}
+        for rank in report.ranks:
+            name = names.get(rank.pod_uid)
+            if name is None:
+                continue
+            done = "Resumed" if report.state == SessionState.SUCCEEDED else RANK_MILESTONE.get(rank.phase)
+            by_pod.setdefault(name, []).append(_rank(done))
+            sizes[name] = sizes.get(name, 0) + rank.bytes
+        for name, ranks in by_pod.items():
+            self.progress[name] = max(self.progress.get(name, -1), min(ranks))
+            if sizes[name]:
+                self.pod_bytes[name] = sizes[name]
+        self.report_progress()
+
+    def report_progress(self) -> None:
+        """One PodStepDone per pod that has reached the step in flight's milestone (once per attempt)."""
+        state = self.state
+        if state is None or state.step is None or state.phase not in (RestorePhase.DOWNLOADING, *LIVE_PHASES):
+            return
+        wanted = _rank(STEP_LABEL[RestoreStep(state.step.kind)])
+        if wanted < 0:
+            return
+        for member in state.members:
+            name = member.pod.name
+            if self.progress.get(name, -1) >= wanted and (state.step.attempt, name) not in self.reported:
+                self.reported.add((state.step.attempt, name))
+                self.emit(PodStepDone(state.step.attempt, name, bytes=self.pod_bytes.get(name)))
+
+    def fail_current(self, reason: str, message: str) -> None:
+        state = self.state
+        if state is not None and state.attempt and state.phase not in (RestorePhase.CLEANING_UP, *TERMINAL):
+            self.emit(StepFailed(state.attempt, reason, message))
+
+    # -- undo
+
+    async def clean_up(self, action: CleanUpRestore) -> None:
+        """Abort the agents' sessions (each unstages its images), then delete every pod this restore
+        created: by uid when status has it, else by name if the pod carries this run's marker."""
+        assert self.state is not None
+        run = self.state.run
+        session_id = self.session.id if self.session else self.session_id(run)
+        if session_id in self.rt.coordinator.sessions:
+            self.rt.coordinator.sessions[session_id].abort(
+                f"operator: {self.state.reason or 'restore failed'}"
+            )
+        agents = await agents_by_node(self.rt.kube)
+        reason = (self.state.message or "the restore failed")[:1000]
+        for node in sorted({pod.node for pod in action.pods}):
+            agent = agents.get(node)
+            if agent is None:
+                continue
+            try:
+                await self.rt.gateway.abort(agent, session_id, reason)
+            except AgentError as error:  # the pods go anyway: deleting them kills what was restored
+                log.warning("%s: could not abort session %s on %s: %s", self.key, session_id, node, error)
+        for pod in action.pods:
+            uid = pod.uid
+            if not uid:
+                body = await self.rt.kube.get_pod(self.namespace, pod.name) or {}
+                meta = body.get("metadata", {})
+                ours = (meta.get("annotations") or {}).get(RESTORED_BY) == self.restored_by(run)
+                uid = meta.get("uid", "") if ours else ""
+            if uid:
+                await self.rt.kube.delete_pod(self.namespace, pod.name, uid)
+                log.info("%s: deleted pod %s (uid %s)", self.key, pod.name, uid)
+            self.emit(PodStepDone(action.attempt, pod.name))
+
+    async def watch_created(self) -> None:
+        """A created pod that is deleted, replaced or fails before the restore ends is lost."""
+        lost: set[str] = set()
+        while True:
+            await asyncio.sleep(2.0)
+            state = self.state
+            if state is None or state.phase in TERMINAL:
+                return
+            if state.phase not in (RestorePhase.DOWNLOADING, *LIVE_PHASES):
+                continue
+            for member in state.members:
+                if not member.pod.uid or member.pod.name in lost:
+                    continue
+                body = await self.rt.kube.get_pod(self.namespace, member.pod.name)
+                why = _lost(body, member.pod)
+                if why is not None:
+                    lost.add(member.pod.name)
+                    self.emit(PodLost(member.pod.name, why))
+
+
+def _lost(body: Body | None, pod: PodRef) -> str | None:
+    meta: dict[str, Any] = (body or {}).get("metadata", {})
+    if body is None or meta.get("uid") != pod.uid:
+        return f"the restored pod {pod.name} was deleted"
+    if meta.get("deletionTimestamp"):
+        return f"the restored pod {pod.name} is being deleted"
+    status = body.get("status", {})
+    if status.get("phase") == "Failed":
+        return f"the restored pod {pod.name} failed: {status.get('message') or status.get('reason')}"
+    return None
 
 
 __all__ = ["PLURAL", "RestoreJobDriver", "RestorePhase"]
