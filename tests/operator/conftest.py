@@ -31,11 +31,12 @@ from ibckpt.agentapi import (
     RankPhase,
     RankProgress,
     RegisteredContainer,
+    RestoreRequest,
     SessionKind,
     SessionReport,
     SessionState,
 )
-from ibckpt.store import Credentials, ImageStore, RankInfo, StoreConfig
+from ibckpt.store import CheckpointRef, Credentials, ImageStore, RankInfo, StoreConfig
 from testbed.kube import ControlPlane
 from testbed.ports import free_port
 from testbed.s3 import S3Server
@@ -234,7 +235,9 @@ def _store_config(s3: S3Server, bucket: str, prefix: str = "ibckpt") -> StoreCon
 @dataclass
 class FakeAgent:
     """One node's agent API. `behaviour`: "hang" keeps every rank quiescing; "complete" walks the ranks
-    through every phase and stages this node's part in the real S3 (so the operator's commit is real)."""
+    through every phase and stages this node's part in the real S3 (so the operator's commit is real).
+    A restore session reads the checkpoint's manifest from the real S3 (as the real agent does first),
+    then walks its ranks to Done, or with `restore_failure` set fails with that message while restoring."""
 
     node: str
     host: str
@@ -246,6 +249,9 @@ class FakeAgent:
     aborts: list[tuple[str, str]] = field(default_factory=list)
     reports: dict[str, SessionReport] = field(default_factory=dict)
     server: ThreadingHTTPServer | None = None
+    restores: list[RestoreRequest] = field(default_factory=list)
+    restore_failure: str | None = None
+    version: str = "test"
 
     def register(self, pod: dict[str, Any], namespace: str, container: str = "main") -> None:
         self.containers.append(
@@ -288,9 +294,9 @@ class FakeAgent:
                 if not self.authorized():
                     return
                 if self.path == "/v1/info":
-                    info = AgentInfo(node=agent.node, version="test", ready=True, address=f"{agent.host}:1",
-                                     shim_path="/opt/ibckpt/libibckpt.so", shim_present=True,
-                                     containers=agent.containers)  # fmt: skip
+                    info = AgentInfo(node=agent.node, version=agent.version, ready=True,
+                                     address=f"{agent.host}:1", shim_path="/opt/ibckpt/libibckpt.so",
+                                     shim_present=True, containers=agent.containers)  # fmt: skip
                     self.reply(200, info.to_json())
                 elif self.path == "/v1/containers":
                     self.reply(200, ContainerList(node=agent.node, containers=agent.containers).to_json())
@@ -316,6 +322,12 @@ class FakeAgent:
                         threading.Thread(target=agent.complete, args=(request,), daemon=True).start()
                     elif agent.behaviour == "refuse":
                         agent.refuse(request)
+                elif self.path == "/v1/sessions/restore":
+                    restore = RestoreRequest.from_json(body)
+                    agent.restores.append(restore)
+                    report = agent.new_restore_report(restore)
+                    self.reply(202, report.to_json())
+                    threading.Thread(target=agent.restore, args=(restore,), daemon=True).start()
                 elif self.path.endswith("/abort"):
                     session = self.path.split("/")[3]
                     agent.aborts.append((session, json.loads(body)["reason"]))
@@ -349,6 +361,41 @@ class FakeAgent:
                                phase="quiesce", ranks=ranks, started_at=time.time())  # fmt: skip
         self.reports[request.session_id] = report
         return report
+
+    def new_restore_report(self, request: RestoreRequest) -> SessionReport:
+        ranks = [
+            RankProgress(
+                rank_key=r.rank_key, pod_uid=r.pod_uid, container=r.container, phase=RankPhase.DOWNLOADING
+            )
+            for r in request.ranks
+        ]
+        report = SessionReport(session_id=request.session_id, kind=SessionKind.RESTORE, node=self.node,
+                               phase="Downloading", ranks=ranks, started_at=time.time())  # fmt: skip
+        self.reports[request.session_id] = report
+        return report
+
+    def restore(self, request: RestoreRequest) -> None:
+        session = request.session_id
+        try:
+            assert self.store is not None
+            ImageStore.open(self.store).manifest(
+                CheckpointRef(request.images.job, request.images.checkpoint_id)
+            )
+        except Exception as error:
+            self.set_phase(session, RankPhase.FAILED, state=SessionState.FAILED, finished_at=time.time(),
+                           message=f"{self.node}: reading the manifest: {error}")  # fmt: skip
+            return
+        for phase in (RankPhase.RESTORING, RankPhase.REBUILDING, RankPhase.RESUMING):
+            time.sleep(0.2)
+            if self.reports[session].state.finished:  # aborted meanwhile
+                return
+            if self.restore_failure and phase == RankPhase.REBUILDING:
+                self.set_phase(session, RankPhase.FAILED, state=SessionState.FAILED, finished_at=time.time(),
+                               message=self.restore_failure)  # fmt: skip
+                return
+            self.set_phase(session, phase, bytes=1000)
+        time.sleep(0.2)
+        self.set_phase(session, RankPhase.DONE, state=SessionState.SUCCEEDED, finished_at=time.time())
 
     def set_phase(self, session: str, phase: RankPhase, **changes: Any) -> None:
         report = self.reports[session]

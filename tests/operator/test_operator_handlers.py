@@ -383,38 +383,6 @@ def test_stop_mode_deletes_the_sources_only_after_the_commit(
     assert body["status"]["manifestKey"] in keys
 
 
-def test_restore_job_bad_input_and_the_unfinished_step(
-    cluster_ns: Cluster, s3_server: S3Server, bucket: str, agents: Agents, operator: Any
-) -> None:
-    agents.add(cluster_ns, "node-a", 1)
-    creds(cluster_ns, s3_server)
-    checkpoint = {
-        "apiVersion": "ibckpt.io/v1alpha1",
-        "kind": "Checkpoint",
-        "metadata": {"name": "old", "annotations": {"ibckpt.io/retain-images": "true"}},
-        "spec": {"manifestKey": "ibckpt/v1/manifests/x/ring/old.json", "storage": storage(s3_server, bucket),
-                 "pods": [{"name": "ring-0", "uid": "u0", "node": "node-a"}]},
-    }  # fmt: skip
-    cluster_ns.create("checkpoints", checkpoint)
-
-    def restore(name: str, **spec: Any) -> dict[str, Any]:
-        return {"apiVersion": "ibckpt.io/v1alpha1", "kind": "RestoreJob", "metadata": {"name": name},
-                "spec": spec}  # fmt: skip
-
-    with operator():
-        cluster_ns.create("restorejobs", restore("missing", checkpointName="nope"))
-        cluster_ns.create("restorejobs", restore("offnode", checkpointName="old", avoidSourceNodes=True))
-        cluster_ns.create("restorejobs", restore("back", checkpointName="old"))
-        missing = cluster_ns.wait("restorejobs", "missing", phase("Failed"))
-        offnode = cluster_ns.wait("restorejobs", "offnode", phase("Failed"))
-        back = cluster_ns.wait("restorejobs", "back", phase("Failed"))
-    assert_failed(cluster_ns, missing, "CheckpointNotFound", "nope")
-    assert_failed(cluster_ns, offnode, "NoNodeAvailable", "ring-0")
-    # Placed on node-a and admitted, then the step this operator does not do yet: nothing was touched.
-    assert_failed(cluster_ns, back, "RestoreNotImplemented", "nothing was touched")
-    assert back["status"]["failedFrom"] == "Downloading" and back["status"]["pods"][0]["node"] == "node-a"
-
-
 def test_checkpoint_storage_ready_condition(
     cluster_ns: Cluster, s3_server: S3Server, bucket: str, agents: Agents, operator: Any
 ) -> None:

@@ -1,0 +1,306 @@
+"""RestoreJob against the real apiserver and the real S3, with fake node agents (conftest.py): a Stop
+checkpoint restored as new pods of the same names on the swapped nodes; a failed agent undoes the
+restore; an existing pod or an incompatible node fails it before anything is created; bad input."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from pathlib import Path
+from typing import Any
+
+import kubernetes
+import pytest
+
+from ibckpt.store import ImageStore, RankInfo, StoreConfig
+from testbed.s3 import S3Server
+
+Agents = Cluster = Any  # conftest.py's fixtures
+pytestmark = [pytest.mark.kube, pytest.mark.s3]
+RESTORES = "restorejobs"
+API = "ibckpt.io/v1alpha1"
+
+
+@pytest.fixture(autouse=True)
+def runtime_class(crds: kubernetes.client.ApiClient) -> None:
+    """The chart's RuntimeClass: the apiserver refuses a pod that names a class it does not know."""
+    node = kubernetes.client.NodeV1Api(crds)
+    try:
+        node.create_runtime_class({"metadata": {"name": "ibckpt"}, "handler": "ibckpt"})
+    except kubernetes.client.ApiException as exc:
+        if exc.status != 409:
+            raise
+
+
+def storage(s3: S3Server, bucket: str) -> dict[str, Any]:
+    return {"endpoint": s3.endpoint, "region": s3.region, "bucket": bucket,
+            "credentialsSecretRef": {"name": "s3-creds"}}  # fmt: skip
+
+
+def creds(cluster: Cluster, s3: S3Server) -> None:
+    cluster.secret("s3-creds", {"AWS_ACCESS_KEY_ID": s3.access_key, "AWS_SECRET_ACCESS_KEY": s3.secret_key})
+
+
+def phase(wanted: str) -> Any:
+    return lambda body: (body.get("status") or {}).get("phase") == wanted
+
+
+def restore_job(name: str, **spec: Any) -> dict[str, Any]:
+    return {"apiVersion": API, "kind": "RestoreJob", "metadata": {"name": name}, "spec": spec}
+
+
+def warning(cluster: Cluster, name: str, reason: str) -> str:
+    """The Warning Event's message (posted right after the status that names the failure)."""
+    deadline = time.monotonic() + 10
+    while True:
+        found = [e for e in cluster.events(name) if e.type == "Warning" and e.reason == reason]
+        if found:
+            return str(found[0].message)
+        assert time.monotonic() < deadline, f"no Warning Event {reason} on {name}"
+        time.sleep(0.2)
+
+
+def assert_failed(cluster: Cluster, body: dict[str, Any], reason: str, *words: str) -> None:
+    status = body["status"]
+    assert status["phase"] == "Failed" and status["reason"] == reason, status
+    failed = next(c for c in status["conditions"] if c["type"] == "Failed")
+    assert failed["status"] == "True" and failed["reason"] == reason
+    event = warning(cluster, body["metadata"]["name"], reason)
+    for word in words:
+        assert word in status["message"], status["message"]
+        assert word in event, event
+
+
+def source_pod(cluster: Cluster, name: str, node: str) -> dict[str, Any]:
+    """A job's pod as a user (or an MPI launcher) writes it: hostname and subdomain are its identity."""
+    body = {
+        "metadata": {"name": name, "labels": {"app": "ring", "rank": name[-1]},
+                     "annotations": {"team": "solver"}},
+        "spec": {
+            "nodeName": node, "hostname": name, "subdomain": "ring", "runtimeClassName": "ibckpt",
+            "restartPolicy": "Never",
+            "containers": [{"name": "main", "image": "ring:test",
+                            "volumeMounts": [{"name": "scratch", "mountPath": "/scratch"}]}],
+            "volumes": [{"name": "scratch", "emptyDir": {}}],
+        },
+    }  # fmt: skip
+    created = cluster.core.create_namespaced_pod(cluster.namespace, body)
+    status = {"phase": "Running", "podIP": "10.1.0.9", "conditions": [{"type": "Ready", "status": "True"}]}
+    cluster.core.patch_namespaced_pod_status(name, cluster.namespace, {"status": status})
+    return {"name": name, "uid": created.metadata.uid, "node": node}
+
+
+def commit_checkpoint(config: StoreConfig, job: str, checkpoint_id: str, nodes: list[str]) -> str:
+    """A committed checkpoint in the real S3 (each node's part staged as the agents stage theirs)."""
+    store = ImageStore.open(config)
+    for index, node in enumerate(nodes):
+        images = Path(f"/tmp/ibckpt-restore-test-{secrets.token_hex(3)}")
+        images.mkdir()
+        (images / "pages-1.img").write_bytes(os.urandom(10_000))
+        with store.writer(job, checkpoint_id) as writer:
+            writer.add_tree(images, under=node)
+            writer.stage(node, ranks=[RankInfo(rank=index, pod=node, node=node, root=node)])
+    manifest = store.commit_parts(job, checkpoint_id, nodes)
+    return store.context.layout.manifest_key(manifest.ref)
+
+
+def checkpoint(
+    name: str, location: dict[str, Any], pods: list[tuple[str, str]], requires: dict[str, str] | None = None,
+    manifest_key: str = "ibckpt/v1/manifests/x/ring/c1.json", job: str = "ns/ring", checkpoint_id: str = "c1",
+) -> dict[str, Any]:  # fmt: skip
+    """A Checkpoint as the operator publishes it (templates and rank keys recorded)."""
+    recorded = [
+        {"name": pod, "uid": f"old-{pod}", "node": node, "ranks": [f"ring/{pod}/main/1"],
+         "template": {"labels": {"app": "ring"}, "spec": {"hostname": pod, "subdomain": "ring",
+                      "restartPolicy": "Never", "containers": [{"name": "main", "image": "ring:test"}]}}}
+        for pod, node in pods
+    ]  # fmt: skip
+    spec = {"manifestKey": manifest_key, "storage": location, "jobName": job, "checkpointId": checkpoint_id,
+            "mode": "Stop", "pods": recorded}  # fmt: skip
+    if requires:
+        spec["requires"] = requires
+    return {"apiVersion": API, "kind": "Checkpoint", "metadata": {"name": name,
+            "annotations": {"ibckpt.io/retain-images": "true"}}, "spec": spec}  # fmt: skip
+
+
+def pods_of(cluster: Cluster) -> dict[str, Any]:
+    return {p.metadata.name: p for p in cluster.core.list_namespaced_pod(cluster.namespace).items}
+
+
+def test_a_stop_checkpoint_is_restored_as_the_same_pods_on_the_swapped_nodes(
+    cluster_ns: Cluster, s3_server: S3Server, bucket: str, agents: Agents, operator: Any, store_config: Any
+) -> None:
+    config = store_config(bucket)
+    a = agents.add(cluster_ns, "node-a", 1, "complete", config)
+    b = agents.add(cluster_ns, "node-b", 2, "complete", config)
+    sources = {"ring-0": source_pod(cluster_ns, "ring-0", "node-a"),
+               "ring-1": source_pod(cluster_ns, "ring-1", "node-b")}  # fmt: skip
+    a.register(sources["ring-0"], cluster_ns.namespace)
+    b.register(sources["ring-1"], cluster_ns.namespace)
+    creds(cluster_ns, s3_server)
+    ns = cluster_ns.namespace
+    move = {"apiVersion": API, "kind": "CheckpointJob", "metadata": {"name": "move"},
+            "spec": {"selector": {"matchLabels": {"app": "ring"}}, "storage": storage(s3_server, bucket),
+                     "mode": "Stop", "checkpointName": "ring-c1"}}  # fmt: skip
+    with operator():
+        cluster_ns.create("checkpointjobs", move)
+        cluster_ns.wait("checkpointjobs", "move", phase("Succeeded"), timeout=90)
+        recorded = cluster_ns.get("checkpoints", "ring-c1")
+        assert recorded is not None
+        spec = recorded["spec"]
+        by_name = {p["name"]: p for p in spec["pods"]}
+        # What the restore needs was recorded: the rank keys the agents reported, each pod's template.
+        assert by_name["ring-0"]["ranks"] == [f"move/{sources['ring-0']['uid']}/main/0"]
+        template = by_name["ring-1"]["template"]
+        assert template["spec"]["hostname"] == "ring-1" and template["spec"]["subdomain"] == "ring"
+        assert "nodeName" not in template["spec"] and template["annotations"] == {"team": "solver"}
+        assert spec["requires"] == {"ibckpt": "test"} and spec["rankCount"] == 2
+
+        # The sources were deleted by the Stop job (Terminating: no kubelet here); play the kubelet.
+        for name in sources:
+            cluster_ns.core.delete_namespaced_pod(name, ns, grace_period_seconds=0)
+        deadline = time.monotonic() + 30
+        while pods_of(cluster_ns):
+            assert time.monotonic() < deadline, "the sources never went"
+            time.sleep(0.2)
+
+        cluster_ns.create(RESTORES, restore_job("back", checkpointName="ring-c1", avoidSourceNodes=True))
+        body = cluster_ns.wait(RESTORES, "back", phase("Succeeded"), timeout=90)
+
+    status = body["status"]
+    created = pods_of(cluster_ns)
+    assert sorted(created) == ["ring-0", "ring-1"]
+    swapped = {"ring-0": "node-b", "ring-1": "node-a"}
+    for name, pod in created.items():
+        assert pod.metadata.uid != sources[name]["uid"]
+        assert pod.spec.node_name == swapped[name] and pod.spec.runtime_class_name == "ibckpt"
+        assert (pod.spec.hostname, pod.spec.subdomain) == (name, "ring")
+        assert pod.metadata.annotations["ibckpt.io/restore-from"] == f"{ns}/ring-c1"
+        assert pod.metadata.annotations["team"] == "solver"
+        assert pod.metadata.labels == {"app": "ring", "rank": name[-1]}
+        assert [v.name for v in pod.spec.volumes or []][:1] == ["scratch"]
+        # A bare source pod: the restored one belongs to the RestoreJob (docs/operator.md).
+        [owner] = pod.metadata.owner_references
+        assert (owner.kind, owner.name, owner.uid) == ("RestoreJob", "back", body["metadata"]["uid"])
+    rows = {row["name"]: row for row in status["pods"]}
+    for name, pod in created.items():
+        assert rows[name]["uid"] == pod.metadata.uid and rows[name]["node"] == swapped[name]
+        assert rows[name]["phase"] == "Resumed"
+    run = status["attempt"].rpartition("-")[0]
+    for agent, pod in ((a, "ring-1"), (b, "ring-0")):  # each node restores the pod placed on it
+        [request] = agent.restores
+        assert request.session_id == f"rsj-{run}" and request.coordinator.startswith("127.0.0.1:")
+        assert request.checkpoint == f"{ns}/ring-c1" and request.job == "move"
+        assert (request.images.job, request.images.checkpoint_id) == (spec["jobName"], spec["checkpointId"])
+        assert request.images.credentials.name == "s3-creds"
+        [rank] = request.ranks
+        assert rank.pod_uid == created[pod].metadata.uid and rank.container == "main"
+        assert rank.rank_key == by_name[pod]["ranks"][0] and (rank.namespace, rank.pod) == (ns, pod)
+        assert request.session_token.get_secret_value() not in str(body)
+    reasons = [e.reason for e in cluster_ns.events("back")]
+    for expected in ("Downloading", "Restoring", "Rebuilding", "Resuming", "Succeeded"):
+        assert expected in reasons, reasons
+    assert next(c for c in status["conditions"] if c["type"] == "Ready")["status"] == "True"
+
+
+def test_a_failed_agent_fails_the_restore_and_deletes_the_pods_it_created(
+    cluster_ns: Cluster, s3_server: S3Server, bucket: str, agents: Agents, operator: Any, store_config: Any
+) -> None:
+    config = store_config(bucket)
+    a = agents.add(cluster_ns, "node-a", 1, store=config)
+    b = agents.add(cluster_ns, "node-b", 2, store=config)
+    b.restore_failure = "node-b: criu restore of ring/ring-1/main/1: pid 4242 is in use"
+    creds(cluster_ns, s3_server)
+    key = commit_checkpoint(config, f"{cluster_ns.namespace}/ring", "c1", ["node-a", "node-b"])
+    location = storage(s3_server, bucket)
+    pods = [("ring-0", "node-a"), ("ring-1", "node-b")]
+    body = checkpoint("ring-c1", location, pods, manifest_key=key, job=f"{cluster_ns.namespace}/ring")
+    cluster_ns.create("checkpoints", body)
+    with operator():
+        cluster_ns.create(RESTORES, restore_job("back", checkpointName="ring-c1"))
+        body = cluster_ns.wait(RESTORES, "back", phase("Failed"), timeout=90)
+    assert_failed(cluster_ns, body, "AgentFailed", "pid 4242 is in use")
+    status = body["status"]
+    assert status["failedFrom"] in ("Downloading", "Restoring")
+    assert [row["phase"] for row in status["pods"]] == ["Removed", "Removed"]
+    # No half-restored job: both created pods are deleted (Terminating here: no kubelet), by uid.
+    created = pods_of(cluster_ns)
+    assert sorted(created) == ["ring-0", "ring-1"]
+    for pod in created.values():
+        assert pod.metadata.deletion_timestamp is not None
+        assert pod.metadata.uid in {row["uid"] for row in status["pods"]}
+    session = a.restores[0].session_id
+    assert session in [s for s, _ in a.aborts]  # the node that was doing fine was told to stop
+    assert "pid 4242 is in use" in a.aborts[0][1]
+
+
+def test_an_existing_pod_of_the_same_name_fails_before_anything_is_created(
+    cluster_ns: Cluster, s3_server: S3Server, bucket: str, agents: Agents, operator: Any
+) -> None:
+    a = agents.add(cluster_ns, "node-a", 1)
+    agents.add(cluster_ns, "node-b", 2)
+    source = source_pod(cluster_ns, "ring-0", "node-a")  # never deleted
+    before = cluster_ns.core.read_namespaced_pod("ring-0", cluster_ns.namespace).metadata.resource_version
+    creds(cluster_ns, s3_server)
+    location = storage(s3_server, bucket)
+    cluster_ns.create(
+        "checkpoints", checkpoint("ring-c1", location, [("ring-1", "node-b"), ("ring-0", "node-a")])
+    )
+    with operator():
+        cluster_ns.create(RESTORES, restore_job("back", checkpointName="ring-c1"))
+        body = cluster_ns.wait(RESTORES, "back", phase("Failed"))
+    assert_failed(cluster_ns, body, "PodExists", "pod ring-0 already exists", "delete the source pod first")
+    assert body["status"]["failedFrom"] == "Pending"
+    pods = pods_of(cluster_ns)
+    assert list(pods) == ["ring-0"]  # ring-1, admitted first, was not created either
+    assert pods["ring-0"].metadata.uid == source["uid"]
+    assert pods["ring-0"].metadata.resource_version == before
+    assert not a.restores and not any(agent.restores for agent in agents.by_node.values())
+
+
+def test_an_incompatible_node_fails_before_anything_is_created(
+    cluster_ns: Cluster, s3_server: S3Server, bucket: str, agents: Agents, operator: Any
+) -> None:
+    old = agents.add(cluster_ns, "node-old", 5)
+    old.version = "0.2.0"
+    cluster_ns.core.patch_node_status(
+        "node-old", {"status": {"nodeInfo": {"kernelVersion": "5.10.0-28-amd64"}}}
+    )
+    creds(cluster_ns, s3_server)
+    required = {"ibckpt": "0.1.0", "kernel": "6.1.0-13-amd64", "criu": "4.1"}
+    location = storage(s3_server, bucket)
+    cluster_ns.create("checkpoints", checkpoint("ring-c1", location, [("ring-0", "node-old")], required))
+    with operator():
+        cluster_ns.create(RESTORES, restore_job("back", checkpointName="ring-c1"))
+        body = cluster_ns.wait(RESTORES, "back", phase("Failed"))
+    assert_failed(
+        cluster_ns, body, "IncompatibleNode", "node node-old cannot restore pod ring-0",
+        "its ibckpt agent is 0.2.0, the checkpoint was taken with ibckpt 0.1.0",
+        "its kernel is 5.10.0-28-amd64, the checkpoint needs 6.1.0-13-amd64",
+    )  # fmt: skip
+    assert not pods_of(cluster_ns) and not old.restores
+    assert any(e.reason == "VersionsNotChecked" and "criu" in e.message for e in cluster_ns.events("back"))
+
+
+def test_restore_job_bad_input(
+    cluster_ns: Cluster, s3_server: S3Server, bucket: str, agents: Agents, operator: Any
+) -> None:
+    agents.add(cluster_ns, "node-a", 1)
+    creds(cluster_ns, s3_server)
+    location = storage(s3_server, bucket)
+    cluster_ns.create("checkpoints", checkpoint("old", location, [("ring-0", "node-a")]))
+    unrecorded = checkpoint("older", location, [("ring-0", "node-a")])
+    del unrecorded["spec"]["pods"][0]["template"]
+    cluster_ns.create("checkpoints", unrecorded)
+    with operator():
+        cluster_ns.create(RESTORES, restore_job("missing", checkpointName="nope"))
+        cluster_ns.create(RESTORES, restore_job("offnode", checkpointName="old", avoidSourceNodes=True))
+        cluster_ns.create(RESTORES, restore_job("notemplate", checkpointName="older"))
+        missing = cluster_ns.wait(RESTORES, "missing", phase("Failed"))
+        offnode = cluster_ns.wait(RESTORES, "offnode", phase("Failed"))
+        notemplate = cluster_ns.wait(RESTORES, "notemplate", phase("Failed"))
+    assert_failed(cluster_ns, missing, "CheckpointNotFound", "nope")
+    assert_failed(cluster_ns, offnode, "NoNodeAvailable", "ring-0")
+    assert_failed(cluster_ns, notemplate, "CheckpointNotRestorable", "no pod template for ring-0")
+    assert not pods_of(cluster_ns)
