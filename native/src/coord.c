@@ -342,6 +342,26 @@ int ibk_peers_reverse_qpn(uint32_t rqpn, uint32_t *vqpn)
 	return rc;
 }
 
+/* A peer's virtual GID from the real one its packets carry; the peer
+ * that also has this virtual QPN first (processes on one node share a
+ * real GID but may have brought different virtual ones). */
+int ibk_peers_reverse_gid(const union ibv_gid *rgid, uint32_t vqpn, union ibv_gid *vgid)
+{
+	size_t i;
+	int rc = -ENOENT;
+
+	pthread_mutex_lock(&peers_lock);
+	for (i = 0; i < npeers; i++)
+		if (!memcmp(&peers[i].rgid, rgid, sizeof(*rgid)) && (rc || peers[i].vqpn == vqpn)) {
+			*vgid = peers[i].vgid;
+			rc = 0;
+			if (peers[i].vqpn == vqpn)
+				break;
+		}
+	pthread_mutex_unlock(&peers_lock);
+	return rc;
+}
+
 int ibk_peers_fetch(const union ibv_gid *vgid, uint32_t vqpn, int timeout_ms)
 {
 	char key[128], val[256];

@@ -312,8 +312,9 @@ IBK_EXPORT int ibv_destroy_qp(struct ibv_qp *q)
 	return 0;
 }
 
-/* ECE goes to the real QP (librdmacm asks for it at every connect); a
- * rebuilt QP does not get it again. */
+/* ECE goes to the real QP (librdmacm asks for it at every connect).  A
+ * rebuilt QP does not get it again, so a QP whose ECE was set is listed
+ * in status for the preflight (rxe has no ECE: it always fails there). */
 IBK_EXPORT int ibv_query_ece(struct ibv_qp *q, struct ibv_ece *ece)
 {
 	struct ibk_qp *qp = (struct ibk_qp *)q;
@@ -336,6 +337,8 @@ IBK_EXPORT int ibv_set_ece(struct ibv_qp *q, struct ibv_ece *ece)
 		return EOPNOTSUPP;
 	ibk_enter();
 	rc = qp->real ? ibk_real.set_ece(qp->real, ece) : EOPNOTSUPP;
+	if (!rc)
+		qp->ece_set = 1;
 	ibk_leave();
 	return rc;
 }

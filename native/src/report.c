@@ -141,6 +141,18 @@ void ibk_report_identity(char *out, size_t len)
 	n = ibk_refused_verbs(verbs, IBK_MAX_REFUSED);
 	for (i = 0; i < n; i++)
 		ibk_jcat(out, len, "%s\"%s\"", i ? "," : "", verbs[i]);
+	/* State the process holds that a rebuild would not recreate: the
+	 * preflight refuses the checkpoint before anything is touched. */
+	FOR_EACH_CTX(ctx)
+	FOR_EACH_QP(ctx, o, qp)
+	{
+		if (qp->mods_overflow)
+			ibk_jcat(out, len, "%s\"ibv_modify_qp (QP %u: more than %d calls since RESET, not replayable)\"",
+			     n++ ? "," : "", qp->vqpn, IBK_MAX_MODS);
+		if (qp->ece_set)
+			ibk_jcat(out, len, "%s\"ibv_set_ece (QP %u: ECE is not set again on a rebuilt QP)\"",
+			     n++ ? "," : "", qp->vqpn);
+	}
 	/* librdmacm's connection ids live in the kernel behind this fd: the
 	 * shim does not rebuild them, and release could not close it */
 	if (rdma_cm_fds())

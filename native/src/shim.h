@@ -326,6 +326,7 @@ struct ibk_qp {
 	struct ibv_qp_cap real_cap;
 	int mods_overflow;
 	int mods_done; /* replayed before the peers were known */
+	int ece_set;   /* ibv_set_ece succeeded: a rebuilt QP would not get it */
 };
 
 struct ibk_ah {
@@ -364,6 +365,7 @@ struct ibk_peer_map {
 int ibk_peers_lookup(const union ibv_gid *vgid, uint32_t vqpn, struct ibk_peer_map *out);
 int ibk_peers_lookup_gid(const union ibv_gid *vgid, union ibv_gid *rgid);
 int ibk_peers_reverse_qpn(uint32_t rqpn, uint32_t *vqpn);
+int ibk_peers_reverse_gid(const union ibv_gid *rgid, uint32_t vqpn, union ibv_gid *vgid);
 void ibk_peers_put(const struct ibk_peer_map *p);
 /* After a rebuild: take every cached peer not yet learnt in this epoch from
  * its new record; a peer that publishes none in time is forgotten. */
