@@ -30,10 +30,19 @@ def status_body(status: ApiModel) -> Body:
     return body
 
 
+class StepProblem(Exception):
+    """A step cannot go on for a reason the user can act on: `reason` is one CamelCase word."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
 def step_failure(action: StepAction, error: Exception) -> StepFailed:
-    """A step's exception as the machine's StepFailed: the storage's own reason, the store's, or
-    OperatorError naming the step (never silently swallowed)."""
-    if isinstance(error, storage.StorageProblem):
+    """A step's exception as the machine's StepFailed: its own reason (StepProblem, the storage's), the
+    store's, or OperatorError naming the step (never silently swallowed)."""
+    if isinstance(error, (StepProblem, storage.StorageProblem)):
         return StepFailed(action.attempt, error.reason, error.message)
     if isinstance(error, StoreError):
         return StepFailed(action.attempt, "StoreError", str(error))
@@ -171,7 +180,7 @@ class Driver(Generic[S]):
         except asyncio.CancelledError:
             raise
         except Exception as error:
-            if not isinstance(error, (storage.StorageProblem, StoreError)):
+            if not isinstance(error, (StepProblem, storage.StorageProblem, StoreError)):
                 log.exception("%s: %s failed", self.key, type(action).__name__)
             self.emit(step_failure(action, error))
 

@@ -13,6 +13,7 @@ import copy
 from typing import Any
 
 from ibckpt.api import PodTemplate, WorkloadReference
+from ibckpt_operator.restoreplan import placement_selector
 
 RESTORE_FROM = "ibckpt.io/restore-from"  # the runtime wrapper restores a container of a pod with this
 RESTORED_BY = "ibckpt.io/restored-by"  # RestoreJob uid/run: the pods a restore created, found by name
@@ -100,6 +101,10 @@ def destination_pod(
     `owner` (an ownerReference) only when the source had no controller: see docs/operator.md."""
     spec = copy.deepcopy(template.spec)
     spec["nodeName"] = node
+    if spec.get("nodeSelector"):  # a pin to the source's hostname would make the kubelet refuse the pod
+        spec["nodeSelector"] = placement_selector(spec["nodeSelector"])
+        if not spec["nodeSelector"]:
+            del spec["nodeSelector"]
     spec["runtimeClassName"] = RUNTIME_CLASS
     annotations = {**(template.annotations or {}), RESTORE_FROM: checkpoint, RESTORED_BY: restored_by}
     metadata: dict[str, Any] = {"name": name, "namespace": namespace, "annotations": annotations}

@@ -36,7 +36,7 @@ from ibckpt.api import Checkpoint, CheckpointPod, RestoreJobSpec, RestoreJobStat
 from ibckpt_operator import storage
 from ibckpt_operator.agents import Agent, agents_by_node, no_agent_message
 from ibckpt_operator.config import GROUP, VERSION, current
-from ibckpt_operator.driver import Driver
+from ibckpt_operator.driver import Driver, StepProblem
 from ibckpt_operator.kube import Body
 from ibckpt_operator.machine import PodRef, RestoreConfig, RestoreMachine, RestoreState
 from ibckpt_operator.machine.core import (
@@ -215,6 +215,13 @@ class RestoreJobDriver(Driver[RestoreState]):
             self.checkpoint = None if body is None else Checkpoint.from_wire(body)
         return self.checkpoint
 
+    async def require_checkpoint(self) -> Checkpoint:
+        """The Checkpoint a later step needs (read again after a restart); gone: the step fails."""
+        checkpoint = await self.load_checkpoint()
+        if checkpoint is None:
+            raise StepProblem("CheckpointNotFound", f"Checkpoint {self.checkpoint_ref} does not exist")
+        return checkpoint
+
     def recorded(self, name: str) -> CheckpointPod:
         assert self.checkpoint is not None
         return next(p for p in self.checkpoint.spec.pods or () if p.name == name)
@@ -252,9 +259,10 @@ class RestoreJobDriver(Driver[RestoreState]):
         self.emit(CheckpointResolved(action.attempt, pods))
 
     async def place(self, action: PlacePods) -> None:
+        checkpoint = await self.require_checkpoint()
         agents = await agents_by_node(self.rt.kube)
         wanted = dict(action.node_selector)
-        candidates = []
+        candidates: dict[str, dict[str, str]] = {}
         for node in await self.rt.kube.list_nodes():
             name = node["metadata"]["name"]
             labels = node["metadata"].get("labels") or {}
@@ -263,8 +271,16 @@ class RestoreJobDriver(Driver[RestoreState]):
             if any(labels.get(key) != value for key, value in wanted.items()):
                 continue
             if name in agents and agents[name].ready:
-                candidates.append(name)
-        sources = [SourcePod(pod.name, pod.node) for pod in action.pods]
+                candidates[name] = labels
+        templates = {p.name: p.template for p in checkpoint.spec.pods or ()}
+        sources = [
+            SourcePod(
+                pod.name,
+                pod.node,
+                (t.spec.get("nodeSelector") or {}) if (t := templates.get(pod.name)) else {},
+            )
+            for pod in action.pods
+        ]
         try:
             placed = place_pods(sources, candidates, self.spec.avoid_source_nodes)
         except NoNode as error:
@@ -275,8 +291,7 @@ class RestoreJobDriver(Driver[RestoreState]):
     async def admit(self, action: AdmitNodes) -> None:
         """Before anything is created: each destination has a ready agent and the versions the checkpoint
         requires, and no pod holds the name the restored pod must have."""
-        checkpoint = await self.load_checkpoint()
-        assert checkpoint is not None
+        checkpoint = await self.require_checkpoint()
         agents = await agents_by_node(self.rt.kube)
         kernels = {
             n["metadata"]["name"]: n.get("status", {}).get("nodeInfo", {}).get("kernelVersion")
@@ -335,7 +350,8 @@ class RestoreJobDriver(Driver[RestoreState]):
         self.emit(SessionOpened(action.attempt))
 
     async def create_pods(self, action: CreatePods) -> None:
-        assert self.state is not None and await self.load_checkpoint() is not None
+        assert self.state is not None
+        await self.require_checkpoint()
         marker = self.restored_by(self.state.run)
         owner = {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "name": self.name, "uid": self.uid,
                  "controller": True}  # fmt: skip
@@ -376,8 +392,8 @@ class RestoreJobDriver(Driver[RestoreState]):
 
     async def start_agents(self, action: DownloadImages) -> None:
         assert self.session is not None and self.state is not None
-        checkpoint = await self.load_checkpoint()
-        assert checkpoint is not None and checkpoint.spec.job_name and checkpoint.spec.checkpoint_id
+        checkpoint = await self.require_checkpoint()
+        assert checkpoint.spec.job_name and checkpoint.spec.checkpoint_id  # resolve refused one without
         resolved = await storage.check(
             self.rt.kube, self.namespace, checkpoint.spec.storage_ref, checkpoint.spec.storage
         )

@@ -5,33 +5,50 @@ agents and hands their facts in)."""
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from ibckpt.api import RequiredVersions
+
+HOSTNAME_LABEL = "kubernetes.io/hostname"
 
 
 @dataclass(frozen=True)
 class SourcePod:
     name: str
     node: str  # where it was checkpointed
+    node_selector: Mapping[str, str] = field(default_factory=dict)  # its template's, if any
 
 
 class NoNode(Exception):
     """A pod that no allowed node can take; the message names it."""
 
 
+def placement_selector(node_selector: Mapping[str, str] | None) -> dict[str, str]:
+    """The labels a destination must have for a pod: its own nodeSelector without the hostname pin (a
+    restore chooses the node; the destination pod drops that pin too)."""
+    return {k: v for k, v in (node_selector or {}).items() if k != HOSTNAME_LABEL}
+
+
 def place_pods(
-    pods: Sequence[SourcePod], candidates: Iterable[str], avoid_source_nodes: bool
+    pods: Sequence[SourcePod], candidates: Mapping[str, Mapping[str, str]], avoid_source_nodes: bool
 ) -> dict[str, str]:
-    """A destination per pod name: its source node if allowed (its images and addresses stay local),
-    else the least loaded candidate (ties by name), counting the pods placed so far."""
+    """A destination per pod name among `candidates` (node -> its labels): its source node if allowed
+    (its images and addresses stay local), else the least loaded node (ties by name) whose labels match
+    the pod's nodeSelector, counting the pods placed so far."""
     load = dict.fromkeys(sorted(candidates), 0)
     placed: dict[str, str] = {}
     for pod in pods:
-        allowed = [node for node in load if not (avoid_source_nodes and node == pod.node)]
+        wanted = placement_selector(pod.node_selector)
+        allowed = [
+            node
+            for node in load
+            if not (avoid_source_nodes and node == pod.node)
+            and all(candidates[node].get(k) == v for k, v in wanted.items())
+        ]
         if not allowed:
-            raise NoNode(f"no Ready node with a ready ibckpt agent can take pod {pod.name}")
+            needs = f" with {', '.join(f'{k}={v}' for k, v in sorted(wanted.items()))}" if wanted else ""
+            raise NoNode(f"no Ready node{needs} with a ready ibckpt agent can take pod {pod.name}")
         chosen = pod.node if pod.node in allowed else min(allowed, key=lambda node: (load[node], node))
         placed[pod.name] = chosen
         load[chosen] += 1

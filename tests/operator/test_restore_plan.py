@@ -10,6 +10,7 @@ import pytest
 from ibckpt.api import CheckpointPod, PodTemplate, RequiredVersions
 from ibckpt_operator.podtemplate import RESTORE_FROM, RESTORED_BY, destination_pod, sanitize
 from ibckpt_operator.restoreplan import (
+    HOSTNAME_LABEL,
     NodeFacts,
     NoNode,
     SourcePod,
@@ -159,17 +160,33 @@ def test_a_bare_source_pod_is_owned_by_the_restore() -> None:
 
 def test_placement_keeps_the_source_node_or_spreads_by_load() -> None:
     pods = [SourcePod("ring-0", "node-1"), SourcePod("ring-1", "node-2"), SourcePod("ring-2", "node-9")]
-    assert place_pods(pods, ["node-1", "node-2", "node-3"], avoid_source_nodes=False) == {
+    three = {"node-1": {}, "node-2": {}, "node-3": {}}
+    assert place_pods(pods, three, avoid_source_nodes=False) == {
         "ring-0": "node-1",
         "ring-1": "node-2",
         "ring-2": "node-3",  # its node is gone: the least loaded
     }
-    swapped = place_pods(pods[:2], ["node-1", "node-2"], avoid_source_nodes=True)
+    swapped = place_pods(pods[:2], {"node-1": {}, "node-2": {}}, avoid_source_nodes=True)
     assert swapped == {"ring-0": "node-2", "ring-1": "node-1"}
     with pytest.raises(NoNode, match="can take pod ring-0"):
-        place_pods(pods[:1], ["node-1"], avoid_source_nodes=True)
+        place_pods(pods[:1], {"node-1": {}}, avoid_source_nodes=True)
     with pytest.raises(NoNode):
-        place_pods(pods[:1], [], avoid_source_nodes=False)
+        place_pods(pods[:1], {}, avoid_source_nodes=False)
+
+
+def test_placement_honours_the_pods_own_node_selector_but_not_its_hostname_pin() -> None:
+    labels = {"node-1": {"rdma": "rxe", HOSTNAME_LABEL: "node-1"}, "node-2": {HOSTNAME_LABEL: "node-2"},
+              "node-3": {"rdma": "rxe", HOSTNAME_LABEL: "node-3"}}  # fmt: skip
+    pinned = SourcePod("ring-0", "node-1", {"rdma": "rxe", HOSTNAME_LABEL: "node-1"})
+    assert place_pods([pinned], labels, avoid_source_nodes=True) == {"ring-0": "node-3"}  # not node-2
+    with pytest.raises(NoNode, match="no Ready node with rdma=rxe"):
+        place_pods(
+            [pinned], {"node-1": labels["node-1"], "node-2": labels["node-2"]}, avoid_source_nodes=True
+        )
+    template = PodTemplate(spec={"nodeSelector": {HOSTNAME_LABEL: "node-1"}, "containers": []})
+    pod = destination_pod(template, name="ring-0", namespace="hpc", node="node-3", checkpoint="hpc/c",
+                          restored_by="u/r", owner=None)  # fmt: skip
+    assert "nodeSelector" not in pod["spec"] and pod["spec"]["nodeName"] == "node-3"
 
 
 @pytest.mark.parametrize(
