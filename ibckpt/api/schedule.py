@@ -92,6 +92,31 @@ class CheckpointScheduleSpec(ApiModel):
         return not self.suspend and (self.interval_seconds is not None or self.mtbf_seconds is not None)
 
 
+class MigrationSource(ApiModel):
+    """A member pod when a drain's hold began, pinned by UID: exactly these may be evicted after the
+    release."""
+
+    name: str
+    uid: str | None = None
+    node: str | None = None
+
+
+class MigrationStatus(ApiModel):
+    """The drain machine's bookkeeping (operator/ibckpt_operator/machine/drain.py DrainState), kept so a
+    restarted operator carries on the migration it was in."""
+
+    seq: int = Field(default=0, ge=0, description="Migrations started.")
+    tries: int = Field(default=0, ge=0, description="Checkpoint attempts of the current migration.")
+    sources: list[MigrationSource] | None = None
+    held_since: datetime | None = None
+    deadline: datetime | None = None
+    next_retry: datetime | None = None
+    checkpoint_job: str | None = None
+    cancelled_job: str | None = None
+    checkpoint: str | None = None
+    restore_job: str | None = None
+
+
 class CheckpointScheduleStatus(ApiModel):
     last_checkpoint_time: datetime | None = None
     last_checkpoint_job: str | None = None
@@ -101,10 +126,30 @@ class CheckpointScheduleStatus(ApiModel):
     next_checkpoint_time: datetime | None = None
     interval_seconds: float | None = Field(default=None, ge=0, description="The interval now in use.")
     cost_seconds: float | None = Field(default=None, ge=0, description="The measured cost it came from.")
+    interval_source: str | None = Field(
+        default=None, description="How the interval was chosen: Fixed, YoungDaly, Unmeasured (min clamp)."
+    )
+    last_fire_time: datetime | None = Field(
+        default=None, description="The last fire (started, skipped or queued): the next is one interval on."
+    )
+    seq: int | None = Field(default=None, ge=0, description="Fires so far: the next job is <name>-<seq+1>.")
+    queued: bool | None = Field(default=None, description="A fire waits for the running job (Queue).")
+    active_since: datetime | None = None
+    recent_costs: list[float] | None = Field(
+        default=None, description="The measured seconds of the last costWindow successful checkpoints."
+    )
+    kept_count: int | None = Field(default=None, ge=0, description="Checkpoints kept by the last prune.")
+    pruned_count: int | None = Field(default=None, ge=0, description="Checkpoints pruned so far.")
+    last_prune_time: datetime | None = None
     drain_phase: str | None = Field(default=None, description="Where a drain migration is (Idle: none).")
     drain_reason: str | None = None
     drain_message: str | None = None
     drain_nodes: list[str] | None = Field(default=None, description="The drained nodes being moved off.")
+    protected_by: str | None = Field(
+        default=None,
+        description="The PodDisruptionBudget kept over the workload's pods (policy/VERSION/NAME).",
+    )
+    migration: MigrationStatus | None = None
     message: str | None = None
     observed_generation: int | None = Field(default=None, ge=0)
     conditions: list[Condition] | None = Field(default=None, json_schema_extra=CONDITIONS_SCHEMA_EXTRA)
