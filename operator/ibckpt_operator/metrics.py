@@ -42,3 +42,40 @@ def ended(kind: str, phase: str, reason: str | None) -> None:
     OPERATIONS.labels(kind, phase).inc()
     if phase == "Failed":
         FAILURES.labels(kind, reason or "Unknown").inc()
+
+
+# CheckpointSchedules (docs/schedules.md) and drain migrations (docs/drains.md), by schedule
+# (<namespace>/<name>).
+SCHEDULE_INTERVAL = Gauge(
+    "ibckpt_schedule_interval_seconds", "The interval a schedule uses now (fixed or Young/Daly)", ["schedule"]
+)
+SCHEDULE_COST = Gauge(
+    "ibckpt_schedule_cost_seconds", "The measured checkpoint cost the interval came from", ["schedule"]
+)
+SCHEDULE_SKIPPED = Counter(
+    "ibckpt_schedule_skipped_total", "Fires skipped because the previous job still ran", ["schedule"]
+)
+SCHEDULE_PRUNED = Counter("ibckpt_schedule_pruned_total", "Checkpoints deleted by retention", ["schedule"])
+DRAIN_HELD = Gauge("ibckpt_drain_held", "1 while a drain of a protected workload is held", ["schedule"])
+DRAIN_HOLD_SECONDS = Histogram(
+    "ibckpt_drain_hold_seconds",
+    "From the first hold to the end of a migration",
+    ["schedule", "outcome"],
+    buckets=(1, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600),
+)
+DRAIN_MIGRATIONS = Counter(
+    "ibckpt_drain_migrations_total", "Drain migrations that ended, by outcome", ["schedule", "outcome"]
+)
+
+
+def record_schedule(schedule: str, interval: float | None, cost: float | None) -> None:
+    if interval is not None:
+        SCHEDULE_INTERVAL.labels(schedule).set(interval)
+    if cost is not None:
+        SCHEDULE_COST.labels(schedule).set(cost)
+
+
+def record_migration(schedule: str, outcome: str, seconds: float) -> None:
+    """outcome: Migrated, Lost, Failed, Cancelled."""
+    DRAIN_MIGRATIONS.labels(schedule, outcome).inc()
+    DRAIN_HOLD_SECONDS.labels(schedule, outcome).observe(max(0.0, seconds))

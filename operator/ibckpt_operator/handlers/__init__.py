@@ -3,6 +3,14 @@
 `kopf run -m ibckpt_operator.handlers` (or `ibckpt-operator`) registers all of them.
 """
 
-from ibckpt_operator.handlers import checkpoint, checkpointjob, lifecycle, restorejob, storage
+from ibckpt_operator.handlers import (
+    checkpoint,
+    checkpointjob,
+    drain,
+    lifecycle,
+    restorejob,
+    schedule,
+    storage,
+)
 
-__all__ = ["checkpoint", "checkpointjob", "lifecycle", "restorejob", "storage"]
+__all__ = ["checkpoint", "checkpointjob", "drain", "lifecycle", "restorejob", "schedule", "storage"]

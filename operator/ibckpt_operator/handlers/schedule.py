@@ -1,0 +1,39 @@
+"""CheckpointSchedule: one daemon per schedule runs its controller (schedule_controller.py); the watches
+on its CheckpointJobs and RestoreJobs poke it, so a job that ends is seen at once, not at the next tick."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import kopf
+
+from ibckpt_operator import runtime
+from ibckpt_operator.config import GROUP, VERSION
+from ibckpt_operator.handlers.checkpointjob import stop_waiter
+from ibckpt_operator.schedule_controller import CONTROLLERS, ScheduleController
+from ibckpt_operator.schedules import PLURAL, SCHEDULE_LABEL
+
+
+# An exiting operator or a deleted schedule stops the loop after the pass in flight; the state is in
+# status and the PDB is owned by the schedule (the garbage collector removes it with the schedule).
+@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_backoff=2.0, cancellation_timeout=60.0)
+async def run_schedule(body: kopf.Body, stopped: kopf.DaemonStopped, **_: Any) -> None:
+    rt = runtime.get()
+    await ScheduleController(rt, body).run(stop_waiter(stopped, rt))
+
+
+def poke_owner(body: kopf.Body) -> None:
+    meta = body.get("metadata") or {}
+    controller = CONTROLLERS.get(f"{meta.get('namespace')}/{(meta.get('labels') or {}).get(SCHEDULE_LABEL)}")
+    if controller is not None:
+        controller.poke()
+
+
+@kopf.on.event(GROUP, VERSION, "checkpointjobs", labels={SCHEDULE_LABEL: kopf.PRESENT})
+async def checkpoint_job_changed(body: kopf.Body, **_: Any) -> None:
+    poke_owner(body)
+
+
+@kopf.on.event(GROUP, VERSION, "restorejobs", labels={SCHEDULE_LABEL: kopf.PRESENT})
+async def restore_job_changed(body: kopf.Body, **_: Any) -> None:
+    poke_owner(body)
