@@ -1,0 +1,239 @@
+"""A CheckpointSchedule against the real apiserver and the real S3: it fires (once, after an operator that
+was down past its due time), measures the cost of the real CheckpointJob it made, computes its Young/Daly
+interval from that cost, and prunes the schedule's Checkpoints to its retention: a pinned one survives,
+the pruned one is gone from the apiserver and its manifest from S3. Node agents are fakes (conftest.py)."""
+
+from __future__ import annotations
+
+import math
+import time
+import urllib.request
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import kubernetes
+import pytest
+
+from testbed.s3 import S3Server
+
+Agents = Cluster = Any  # conftest.py's fixtures
+pytestmark = [pytest.mark.kube, pytest.mark.s3]
+SCHEDULES, JOBS, CHECKPOINTS = "checkpointschedules", "checkpointjobs", "checkpoints"
+GROUP, VERSION = "ibckpt.io", "v1alpha1"
+
+
+def location(s3: S3Server, bucket: str) -> dict[str, Any]:
+    return {
+        "endpoint": s3.endpoint,
+        "region": s3.region,
+        "bucket": bucket,
+        "credentialsSecretRef": {"name": "s3-creds"},
+    }
+
+
+def schedule_body(name: str, template: dict[str, Any], **spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "CheckpointSchedule",
+        "metadata": {"name": name},
+        "spec": {"template": template, **spec},
+    }
+
+
+def events(cluster: Cluster, name: str, reason: str) -> list[Any]:
+    return [e for e in cluster.events(name) if e.reason == reason]
+
+
+def wait_events(cluster: Cluster, name: str, reason: str, count: int = 1, timeout: float = 30) -> list[Any]:
+    deadline = time.monotonic() + timeout
+    while len(found := events(cluster, name, reason)) < count:
+        assert time.monotonic() < deadline, (
+            f"no {reason} Event on {name}: {[e.reason for e in cluster.events(name)]}"
+        )
+        time.sleep(0.2)
+    return found
+
+
+@pytest.fixture
+def schedules_removed(cluster_ns: Cluster) -> Any:
+    """No schedule of this test may run under the next test's operator."""
+    yield
+    custom = cluster_ns.custom
+    for item in custom.list_namespaced_custom_object(GROUP, VERSION, cluster_ns.namespace, SCHEDULES)[
+        "items"
+    ]:
+        name = item["metadata"]["name"]
+        try:
+            custom.patch_namespaced_custom_object(
+                GROUP, VERSION, cluster_ns.namespace, SCHEDULES, name, {"metadata": {"finalizers": None}}
+            )
+            custom.delete_namespaced_custom_object(GROUP, VERSION, cluster_ns.namespace, SCHEDULES, name)
+        except kubernetes.client.ApiException as exc:
+            if exc.status != 404:
+                raise
+
+
+def s3_keys(s3: S3Server, bucket: str) -> list[str]:
+    return [o["Key"] for o in s3.client().list_objects_v2(Bucket=bucket).get("Contents", [])]
+
+
+def test_schedule_fires_measures_its_cost_and_prunes(
+    cluster_ns: Cluster,
+    s3_server: S3Server,
+    bucket: str,
+    agents: Agents,
+    operator: Any,
+    store_config: Any,
+    schedules_removed: Any,
+) -> None:
+    config = store_config(bucket)
+    agent = agents.add(cluster_ns, "node-a", 1, "complete", config)
+    agent.register(cluster_ns.pod("ring-0", "node-a", {"app": "ring"}), cluster_ns.namespace)
+    cluster_ns.secret(
+        "s3-creds", {"AWS_ACCESS_KEY_ID": s3_server.access_key, "AWS_SECRET_ACCESS_KEY": s3_server.secret_key}
+    )
+    template = {"selector": {"matchLabels": {"app": "ring"}}, "storage": location(s3_server, bucket)}
+    mtbf = 86400
+
+    # Three older checkpoints of the workload, made by real jobs labelled as the schedule's: the first
+    # pinned, the second will be pruned (keepLast 2 counts the schedule's own new one and the third).
+    with operator():
+        for index in (1, 2, 3):
+            job = {
+                "apiVersion": f"{GROUP}/{VERSION}",
+                "kind": "CheckpointJob",
+                "metadata": {"name": f"old-{index}", "labels": {"ibckpt.io/schedule": "ring"}},
+                "spec": {**template, "checkpointName": f"old-{index}", "copyLabels": ["ibckpt.io/schedule"]},
+            }
+            cluster_ns.create(JOBS, job)
+            cluster_ns.wait(
+                JOBS,
+                f"old-{index}",
+                lambda b: (b.get("status") or {}).get("phase") == "Succeeded",
+                timeout=90,
+            )
+            cluster_ns.wait(
+                CHECKPOINTS, f"old-{index}", lambda b: bool((b.get("status") or {}).get("readyToRestore"))
+            )
+            time.sleep(1.1)  # creation timestamps have whole seconds: retention orders by them
+    cluster_ns.custom.patch_namespaced_custom_object(
+        GROUP,
+        VERSION,
+        cluster_ns.namespace,
+        CHECKPOINTS,
+        "old-1",
+        {"metadata": {"labels": {"ibckpt.io/pinned": "true"}}},
+    )
+    pruned_manifest = cluster_ns.get(CHECKPOINTS, "old-2")["spec"]["manifestKey"]  # type: ignore[index]
+    assert pruned_manifest in s3_keys(s3_server, bucket)
+
+    # The schedule, as an operator that was down for two hours left it: due long ago, never fired.
+    cluster_ns.create(
+        SCHEDULES,
+        schedule_body("ring", template, mtbfSeconds=mtbf, minIntervalSeconds=60, retention={"keepLast": 2}),
+    )
+    overdue = (datetime.now(UTC) - timedelta(hours=2)).isoformat()
+    cluster_ns.custom.patch_namespaced_custom_object_status(
+        GROUP,
+        VERSION,
+        cluster_ns.namespace,
+        SCHEDULES,
+        "ring",
+        {"status": {"lastFireTime": overdue, "seq": 0}},
+    )
+    with operator() as handle:
+        body = cluster_ns.wait(
+            SCHEDULES, "ring", lambda b: (b.get("status") or {}).get("costSeconds") is not None, timeout=120
+        )
+        status = body["status"]
+        # One fire for the missed intervals, named after the schedule and its sequence.
+        assert status["lastCheckpointJob"] == "ring-1" and status["seq"] == 1 and not status.get("activeJob")
+        job = cluster_ns.get(JOBS, "ring-1")
+        assert job is not None and job["status"]["phase"] == "Succeeded"
+        assert job["metadata"]["ownerReferences"][0]["uid"] == body["metadata"]["uid"]
+        assert job["metadata"]["labels"]["ibckpt.io/schedule"] == "ring"
+        # The cost is the job's measured duration; the interval is Young/Daly's from it.
+        started = datetime.fromisoformat(job["status"]["startTime"].replace("Z", "+00:00"))
+        ended = datetime.fromisoformat(job["status"]["completionTime"].replace("Z", "+00:00"))
+        assert status["costSeconds"] == pytest.approx((ended - started).total_seconds(), abs=1e-3)
+        assert status["recentCosts"] == [status["costSeconds"]]
+        expected = math.sqrt(2 * status["costSeconds"] * mtbf)
+        assert 60 < expected < 86400
+        assert (
+            status["intervalSeconds"] == pytest.approx(expected) and status["intervalSource"] == "YoungDaly"
+        )
+        fired = datetime.fromisoformat(status["lastFireTime"].replace("Z", "+00:00"))
+        following = datetime.fromisoformat(status["nextCheckpointTime"].replace("Z", "+00:00"))
+        assert (following - fired).total_seconds() == pytest.approx(expected, abs=1e-3)
+        assert fired > datetime.now(UTC) - timedelta(minutes=5)  # fired now, not back then
+
+        # Retention: old-2 is pruned (not among the 2 newest complete); old-1 is pinned; the Checkpoint's
+        # finalizer deletes its manifest from S3.
+        deadline = time.monotonic() + 60
+        while cluster_ns.get(CHECKPOINTS, "old-2") is not None:
+            assert time.monotonic() < deadline, "old-2 was never pruned"
+            time.sleep(0.3)
+        new_checkpoint = job["status"]["checkpointName"]
+        for kept in ("old-1", "old-3", new_checkpoint):
+            assert cluster_ns.get(CHECKPOINTS, kept) is not None, kept
+        assert pruned_manifest not in s3_keys(s3_server, bucket)
+        body = cluster_ns.wait(SCHEDULES, "ring", lambda b: (b.get("status") or {}).get("prunedCount") == 1)
+        assert body["status"]["keptCount"] == 3
+        pruned = wait_events(cluster_ns, "ring", "CheckpointPruned")
+        assert "old-2" in pruned[0].message and "not among the 2 newest" in pruned[0].message
+        assert wait_events(cluster_ns, "ring", "CheckpointStarted")[0].message == "ring-1"
+        assert "interval now" in wait_events(cluster_ns, "ring", "CheckpointSucceeded")[0].message
+        ready = {c["type"]: c for c in body["status"]["conditions"]}
+        assert ready["Ready"]["status"] == "True" and ready["Progressing"]["status"] == "False"
+        text = (
+            urllib.request.urlopen(f"http://127.0.0.1:{handle.metrics_port}/metrics", timeout=10)
+            .read()
+            .decode()
+        )
+    key = f'schedule="{cluster_ns.namespace}/ring"'
+    assert f"ibckpt_schedule_interval_seconds{{{key}}} {expected}" in text
+    assert f"ibckpt_schedule_pruned_total{{{key}}} 1.0" in text
+
+
+def test_a_fire_while_the_job_runs_is_skipped(
+    cluster_ns: Cluster,
+    s3_server: S3Server,
+    bucket: str,
+    agents: Agents,
+    operator: Any,
+    schedules_removed: Any,
+) -> None:
+    """Skip: the previous job still runs (its agent never finishes), so the due fire starts nothing."""
+    agent = agents.add(cluster_ns, "node-a", 1)  # "hang": the job stays Quiescing
+    agent.register(cluster_ns.pod("ring-0", "node-a", {"app": "ring"}), cluster_ns.namespace)
+    cluster_ns.secret(
+        "s3-creds", {"AWS_ACCESS_KEY_ID": s3_server.access_key, "AWS_SECRET_ACCESS_KEY": s3_server.secret_key}
+    )
+    template = {"selector": {"matchLabels": {"app": "ring"}}, "storage": location(s3_server, bucket)}
+    cluster_ns.create(SCHEDULES, schedule_body("ring", template, intervalSeconds=60))
+    overdue = (datetime.now(UTC) - timedelta(minutes=5)).isoformat()
+    long_ago = (datetime.now(UTC) - timedelta(minutes=10)).isoformat()
+    cluster_ns.custom.patch_namespaced_custom_object_status(
+        GROUP,
+        VERSION,
+        cluster_ns.namespace,
+        SCHEDULES,
+        "ring",
+        {"status": {"lastFireTime": overdue, "seq": 1, "activeJob": "ring-1", "activeSince": long_ago}},
+    )
+    job = {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "CheckpointJob",
+        "metadata": {"name": "ring-1", "labels": {"ibckpt.io/schedule": "ring"}},
+        "spec": template,
+    }
+    cluster_ns.create(JOBS, job)
+    with operator():
+        skipped = wait_events(cluster_ns, "ring", "CheckpointSkipped", timeout=60)
+        assert "ring-1 still runs" in skipped[0].message
+        body = cluster_ns.get(SCHEDULES, "ring")
+        assert body is not None and body["status"]["activeJob"] == "ring-1" and body["status"]["seq"] == 1
+        assert body["status"]["intervalSource"] == "Fixed" and body["status"]["intervalSeconds"] == 60
+        assert cluster_ns.get(JOBS, "ring-2") is None
+        progressing = {c["type"]: c for c in body["status"]["conditions"]}["Progressing"]
+        assert progressing["status"] == "True" and progressing["reason"] == "CheckpointRunning"
