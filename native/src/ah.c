@@ -62,20 +62,57 @@ IBK_EXPORT int ibv_destroy_ah(struct ibv_ah *a)
 	return 0;
 }
 
-/* libibverbs builds the attributes from the WC and GRH with the exported
- * GID queries and then calls ibv_create_ah: all of them land in the shim
- * with shadow objects.  (After a rebuild the GRH holds real GIDs; see the
- * limits in docs/native-shim.md.) */
+/* The sender's GID as the app knows it.  After a rebuild the GRH holds
+ * real GIDs: a peer's map back through the records learnt from the
+ * coordinator (the one with the sender's QPN first), our own by index; a
+ * sender never rebuilt keeps its GID (its real one is its virtual one). */
+static void ah_gid_to_virtual(struct ibk_ctx *ctx, uint32_t src_qp, union ibv_gid *gid)
+{
+	union ibv_gid v;
+	int i;
+
+	if (src_qp && !ibk_peers_reverse_gid(gid, src_qp, &v)) {
+		*gid = v;
+		return;
+	}
+	for (i = 0; i < 4; i++)
+		if ((ctx->port_gid_valid & (1u << i)) && !memcmp(&ctx->rgid[i], gid, sizeof(*gid))) {
+			*gid = ctx->vgid[i];
+			return;
+		}
+	if (!ibk_peers_reverse_gid(gid, 0, &v))
+		*gid = v;
+}
+
+/* libibverbs' own code reads the real GRH against the real GID table,
+ * where it matches; only the result is turned into virtual ids. */
 IBK_EXPORT int ibv_init_ah_from_wc(struct ibv_context *c, uint8_t port, struct ibv_wc *wc, struct ibv_grh *grh,
 				   struct ibv_ah_attr *attr)
 {
-	return ibk_real.init_ah_from_wc(c, port, wc, grh, attr);
+	struct ibk_ctx *ctx;
+	int rc;
+
+	if (!ibk_is_shadow(c))
+		return ibk_real.init_ah_from_wc(c, port, wc, grh, attr);
+	ctx = ibk_ctx_of(c);
+	ibk_enter();
+	rc = ibk_real.init_ah_from_wc(ctx->real, port, wc, grh, attr);
+	if (!rc && attr->is_global && atomic_load(&ibk_translating))
+		ah_gid_to_virtual(ctx, wc->src_qp, &attr->grh.dgid);
+	ibk_leave();
+	return rc;
 }
 
 IBK_EXPORT struct ibv_ah *ibv_create_ah_from_wc(struct ibv_pd *pd, struct ibv_wc *wc, struct ibv_grh *grh,
 						uint8_t port)
 {
-	return ibk_real.create_ah_from_wc(pd, wc, grh, port);
+	struct ibv_ah_attr attr;
+
+	if (!ibk_is_shadow(pd->context))
+		return ibk_real.create_ah_from_wc(pd, wc, grh, port);
+	if (ibv_init_ah_from_wc(pd->context, port, wc, grh, &attr))
+		return NULL;
+	return ibv_create_ah(pd, &attr);
 }
 
 /* Neighbour resolution for a destination the app names by its virtual GID:

@@ -1,0 +1,144 @@
+"""pyverbs programs for test_preflight_guest.py (run under the shim, not collected by pytest).
+
+refusals STOP: connects an RC pair, then tries what the shim cannot carry through a checkpoint
+(a memory window, a raw packet QP) and modifies one QP more often than a rebuild can replay.
+Prints `READY <qpn a> <qpn b> mw=<errno> raw=<errno>` and waits for the stop file.
+
+ud_reply STOP GID_INDEX: two UD QPs; A sends a numbered request to B over GID_INDEX, B answers
+through an address handle made from the request's completion and GRH (ibv_create_ah_from_wc), a
+new one each round, and every other round through the one it made first. A checks each answer.
+Prints READY, then `RESULT rounds=<n> bad=<n>` once the stop file appears.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import sys
+
+import pyverbs.enums as e
+from pyverbs.addr import AH, AHAttr, GlobalRoute
+from pyverbs.cq import CQ
+from pyverbs.device import Context
+from pyverbs.mr import MR, MW
+from pyverbs.pd import PD
+from pyverbs.pyverbs_error import PyverbsError, PyverbsRDMAError
+from pyverbs.qp import QP, QPAttr, QPCap, QPInitAttr
+from pyverbs.wr import SGE, RecvWR, SendWR
+
+QKEY = 0x11111111
+GRH = 40
+
+
+def rc_qp(pd: PD, cq: CQ) -> QP:
+    init = QPInitAttr(qp_type=e.IBV_QPT_RC, scq=cq, rcq=cq, cap=QPCap(max_send_wr=4, max_recv_wr=4))
+    return QP(pd, init, QPAttr(port_num=1))
+
+
+def connect(ctx: Context, qp: QP, peer_qpn: int) -> None:
+    attr = QPAttr(port_num=1)
+    attr.path_mtu = e.IBV_MTU_1024
+    attr.max_dest_rd_atomic = attr.max_rd_atomic = 1
+    attr.min_rnr_timer, attr.timeout, attr.retry_cnt, attr.rnr_retry = 12, 14, 7, 7
+    attr.ah_attr = AHAttr(port_num=1, is_global=1, gr=GlobalRoute(dgid=ctx.query_gid(1, 1), sgid_index=1))
+    attr.dest_qp_num = peer_qpn
+    qp.to_rts(attr)
+
+
+def refused(fn: object) -> int:
+    try:
+        fn()  # type: ignore[operator]
+    except PyverbsRDMAError as ex:
+        return int(ex.error_code)
+    except PyverbsError:
+        return -1
+    return 0
+
+
+def wait_stop(stop: str) -> None:
+    while not os.path.exists(stop):
+        os.sched_yield()
+
+
+def refusals(stop: str) -> int:
+    ctx = Context(name="rxe0")
+    pd = PD(ctx)
+    cq = CQ(ctx, 16)
+    a, b = rc_qp(pd, cq), rc_qp(pd, cq)
+    connect(ctx, a, b.qp_num)
+    connect(ctx, b, a.qp_num)
+    mw = refused(lambda: MW(pd, e.IBV_MW_TYPE_2))
+    cap = QPCap(max_send_wr=4, max_recv_wr=4)
+    raw = refused(lambda: QP(pd, QPInitAttr(qp_type=e.IBV_QPT_RAW_PACKET, scq=cq, rcq=cq, cap=cap)))
+    # RTS to RTS, ten times: more modify_qp calls since RESET than a rebuild replays
+    for timer in range(10):
+        attr = QPAttr()
+        attr.min_rnr_timer = 10 + timer
+        b.modify(attr, e.IBV_QP_MIN_RNR_TIMER)
+    print(f"READY {a.qp_num} {b.qp_num} mw={mw} raw={raw}", flush=True)
+    wait_stop(stop)
+    return 0
+
+
+def poll_for(cq: CQ, want: set[int], spins: int = 20_000_000) -> dict[int, object]:
+    """The completions whose wr_id is in want, by wr_id."""
+    got: dict[int, object] = {}
+    for _ in range(spins):
+        n, wcs = cq.poll(1)
+        if n:
+            wc = wcs[0]
+            if wc.status != e.IBV_WC_SUCCESS:
+                raise RuntimeError(f"completion {wc.wr_id} status {wc.status}")
+            got[wc.wr_id] = wc
+            if set(got) >= want:
+                return got
+    raise RuntimeError(f"waited for {sorted(want)}, got {sorted(got)}")
+
+
+def ud_reply(stop: str, gid_index: int) -> int:
+    ctx = Context(name="rxe0")
+    pd = PD(ctx)
+    cq = CQ(ctx, 32)
+    cap = QPCap(max_send_wr=8, max_recv_wr=8)
+    attr = QPAttr(port_num=1)
+    attr.qkey = QKEY
+    a = QP(pd, QPInitAttr(qp_type=e.IBV_QPT_UD, scq=cq, rcq=cq, cap=cap), attr)
+    b = QP(pd, QPInitAttr(qp_type=e.IBV_QPT_UD, scq=cq, rcq=cq, cap=cap), attr)
+    mr = MR(pd, 1024, e.IBV_ACCESS_LOCAL_WRITE)
+    a_in, b_in, a_out, b_out = 0, 256, 512, 640  # receive buffers hold the GRH first
+    gr = GlobalRoute(dgid=ctx.query_gid(1, gid_index), sgid_index=gid_index)
+    to_b = AH(pd, attr=AHAttr(port_num=1, is_global=1, gr=gr))
+    first: AH | None = None
+    rounds = bad = 0
+    print("READY", flush=True)
+    while not os.path.exists(stop):
+        b.post_recv(RecvWR(wr_id=1, num_sge=1, sg=[SGE(mr.buf + b_in, GRH + 64, mr.lkey)]))
+        a.post_recv(RecvWR(wr_id=2, num_sge=1, sg=[SGE(mr.buf + a_in, GRH + 64, mr.lkey)]))
+        mr.write(struct.pack("<QQ", rounds, 0xA), 16, a_out)
+        wr = SendWR(wr_id=3, num_sge=1, sg=[SGE(mr.buf + a_out, 16, mr.lkey)], send_flags=e.IBV_SEND_SIGNALED)
+        wr.set_wr_ud(to_b, b.qp_num, QKEY)
+        a.post_send(wr)
+        rwc = poll_for(cq, {1, 3})[1]
+        if mr.read(16, b_in + GRH) != struct.pack("<QQ", rounds, 0xA):
+            bad += 1
+        # the GRH as the receive wrote it into the buffer, as a C program passes it
+        ah = AH(pd, wc=rwc, grh=mr.buf + b_in, port_num=1)
+        if first is None:
+            first = AH(pd, wc=rwc, grh=mr.buf + b_in, port_num=1)
+        mr.write(struct.pack("<QQ", rounds, 0xB), 16, b_out)
+        wr = SendWR(wr_id=4, num_sge=1, sg=[SGE(mr.buf + b_out, 16, mr.lkey)], send_flags=e.IBV_SEND_SIGNALED)
+        wr.set_wr_ud(ah if rounds % 2 == 0 else first, rwc.src_qp, QKEY)  # type: ignore[attr-defined]
+        b.post_send(wr)
+        poll_for(cq, {2, 4})
+        if mr.read(16, a_in + GRH) != struct.pack("<QQ", rounds, 0xB):
+            bad += 1
+        ah.close()
+        rounds += 1
+    print(f"RESULT rounds={rounds} bad={bad}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "refusals":
+        sys.exit(refusals(sys.argv[2]))
+    sys.exit(ud_reply(sys.argv[2], int(sys.argv[3])))
