@@ -304,6 +304,15 @@ def test_eviction_answer_after_proceed_and_lose_lets_sources_go() -> None:
     t = machine.handle(t.state, Tick(), T0 + 600)
     assert answer_eviction(t.state, "uid-0", T0 + 601, LOSE).allowed
     assert not answer_eviction(t.state, "uid-later", T0 + 601, LOSE).allowed  # a new pod is protected again
+    # The webhook feeds the eviction first: a source's is what the policy allowed, not a new drain.
+    after = machine.handle(t.state, EvictionRequested(PODS[0], PODS), T0 + 601)
+    assert after.state == t.state and after.actions == ()
+    assert answer_eviction(after.state, "uid-0", T0 + 601, LOSE).allowed
+    later = PodRef("ring-0", "uid-later", "node-1")
+    assert (
+        machine.handle(t.state, EvictionRequested(later, (later,)), T0 + 602).state.phase
+        is DrainPhase.HOLDING
+    )
 
 
 def test_a_commit_that_beat_the_cancel_is_migrated() -> None:
