@@ -27,7 +27,7 @@ def pdb_name(schedule: str) -> str:
 
 async def pdb_api_version(kube: Kube) -> str:
     """policy/v1 when discovery lists PodDisruptionBudget there (1.21+), else policy/v1beta1."""
-    if await kube.plural_of("policy/v1", "PodDisruptionBudget") is not None:
+    if await discovered(kube, "policy/v1", "PodDisruptionBudget") is not None:
         return "policy/v1"
     return "policy/v1beta1"
 
@@ -35,26 +35,39 @@ async def pdb_api_version(kube: Kube) -> str:
 async def call(
     kube: Kube, method: str, path: str, body: Any = None, content_type: str = "application/json"
 ) -> Body | None:
-    """One request on the raw API; None for 404 (404 and 409 are answers here, not failures)."""
+    """One request on the raw API; None for 404. Written against the client's request layer
+    (param_serialize + call_api): ApiClient.call_api's old keywords are gone in recent clients."""
     headers = {"Accept": "application/json", "Content-Type": content_type}
-    request: Any = kube.api.call_api  # the client's stubs do not know call_api's keywords
-    try:
-        result = await asyncio.to_thread(
-            request,
-            path,
-            method,
-            header_params=headers,
-            body=body,
-            auth_settings=["BearerToken"],
-            _preload_content=False,
-            response_type="object",
-        )
-    except ApiException as error:
-        if error.status == 404:
-            return None
-        raise
-    data = result[0].data
+    serialize: Any = kube.api.param_serialize
+    verb, url, headers, payload, _ = serialize(
+        method, path, header_params=headers, body=body, auth_settings=["BearerToken"]
+    )
+    request: Any = kube.api.call_api
+    response = await asyncio.to_thread(request, verb, url, header_params=headers, body=payload)
+    data = response.read()
+    if response.status == 404:
+        return None
+    if not 200 <= response.status <= 299:
+        raise ApiException(http_resp=response)
     return dict(json.loads(data)) if data else {}
+
+
+_PLURALS: dict[tuple[str, str], str] = {}
+
+
+async def discovered(kube: Kube, api_version: str, kind: str) -> str | None:
+    """The resource name of a kind, from the apiserver's discovery; None if it is not served."""
+    key = (api_version, kind)
+    if key not in _PLURALS:
+        found = await call(kube, "GET", _api_base(api_version))
+        for resource in (found or {}).get("resources", []):
+            if resource.get("kind") == kind and "/" not in resource.get("name", ""):
+                _PLURALS[key] = resource["name"]
+    return _PLURALS.get(key)
+
+
+def _api_base(api_version: str) -> str:
+    return f"/apis/{api_version}" if "/" in api_version else f"/api/{api_version}"
 
 
 def _pdb_path(api_version: str, namespace: str, name: str | None = None) -> str:
@@ -71,9 +84,12 @@ async def pod_selector(
         return template.selector.to_wire()
     workload = template.workload_ref
     assert workload is not None
-    owner = await kube.get_object(
-        workload.api_version or _default_api(workload.kind), workload.kind, namespace, workload.name
-    )
+    api_version = workload.api_version or _default_api(workload.kind)
+    plural = await discovered(kube, api_version, workload.kind)
+    owner = None
+    if plural is not None:
+        path = f"{_api_base(api_version)}/namespaces/{namespace}/{plural}/{workload.name}"
+        owner = await call(kube, "GET", path)
     selector = ((owner or {}).get("spec") or {}).get("selector")
     if isinstance(selector, dict) and (selector.get("matchLabels") or selector.get("matchExpressions")):
         return {key: selector[key] for key in ("matchLabels", "matchExpressions") if selector.get(key)}
