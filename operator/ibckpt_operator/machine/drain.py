@@ -314,8 +314,8 @@ class DrainMachine:
         self, state: DrainState, event: NodeDraining | EvictionRequested, now: float
     ) -> Transition[DrainState]:
         node = event.node if isinstance(event, NodeDraining) else event.pod.node
-        lost_source = isinstance(event, EvictionRequested) and state.phase is DrainPhase.LOST
-        if lost_source and any(pod.uid == event.pod.uid for pod in state.sources):
+        evicted = event.pod.uid if isinstance(event, EvictionRequested) else None
+        if state.phase is DrainPhase.LOST and any(pod.uid == evicted for pod in state.sources):
             # The policy let this drain proceed: its sources' evictions are what it allowed, not a drain.
             return self._wake(state)
         if state.phase in AT_REST:
