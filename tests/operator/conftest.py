@@ -251,6 +251,7 @@ class FakeAgent:
     server: ThreadingHTTPServer | None = None
     restores: list[RestoreRequest] = field(default_factory=list)
     restore_failure: str | None = None
+    restore_hang: bool = False  # stay Restoring (the runtime never restored the container)
     version: str = "test"
 
     def register(self, pod: dict[str, Any], namespace: str, container: str = "main") -> None:
@@ -394,6 +395,8 @@ class FakeAgent:
                                message=self.restore_failure)  # fmt: skip
                 return
             self.set_phase(session, phase, bytes=1000)
+            if self.restore_hang:
+                return
         time.sleep(0.2)
         self.set_phase(session, RankPhase.DONE, state=SessionState.SUCCEEDED, finished_at=time.time())
 

@@ -235,6 +235,34 @@ def test_a_failed_agent_fails_the_restore_and_deletes_the_pods_it_created(
     assert "pid 4242 is in use" in a.aborts[0][1]
 
 
+def test_an_operator_restart_while_restoring_removes_the_pods_it_created(
+    cluster_ns: Cluster, s3_server: S3Server, bucket: str, agents: Agents, operator: Any, store_config: Any
+) -> None:
+    """The agents joined a coordinator session that died with the operator: the new one cannot carry it
+    on, so it aborts the agents' session and deletes the pods by the uids status recorded."""
+    config = store_config(bucket)
+    a = agents.add(cluster_ns, "node-a", 1, store=config)
+    a.restore_hang = True
+    creds(cluster_ns, s3_server)
+    key = commit_checkpoint(config, f"{cluster_ns.namespace}/ring", "c1", ["node-a"])
+    body = checkpoint("ring-c1", storage(s3_server, bucket), [("ring-0", "node-a")], manifest_key=key,
+                      job=f"{cluster_ns.namespace}/ring")  # fmt: skip
+    cluster_ns.create("checkpoints", body)
+    with operator():
+        cluster_ns.create(RESTORES, restore_job("back", checkpointName="ring-c1"))
+        before = cluster_ns.wait(RESTORES, "back", phase("Restoring"), timeout=60)
+    [row] = before["status"]["pods"]
+    assert row["uid"] == pods_of(cluster_ns)["ring-0"].metadata.uid  # in status before the operator left
+    with operator():
+        after = cluster_ns.wait(RESTORES, "back", phase("Failed"), timeout=60)
+    assert_failed(cluster_ns, after, "OperatorRestarted", "outcome is unknown")
+    assert after["status"]["failedFrom"] == "Restoring"
+    pod = pods_of(cluster_ns)["ring-0"]
+    assert pod.metadata.uid == row["uid"] and pod.metadata.deletion_timestamp is not None
+    run = before["status"]["attempt"].rpartition("-")[0]
+    assert [s for s, _ in a.aborts] == [f"rsj-{run}"] and len(a.restores) == 1  # never sent again
+
+
 def test_an_existing_pod_of_the_same_name_fails_before_anything_is_created(
     cluster_ns: Cluster, s3_server: S3Server, bucket: str, agents: Agents, operator: Any
 ) -> None:
