@@ -14,6 +14,13 @@ from testbed.s3 import S3Server, start_s3, stop_s3
 pytest_plugins = ["testbed.pytest_guest"]
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The cluster's tests run last: its two node guests live from its first test to the session's end,
+    and would slow every other guest test down while they run."""
+    items.sort(key=lambda item: item.get_closest_marker("cluster") is not None)
+
+
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
     """A real SeaweedFS S3 gateway on 127.0.0.1 that enforces SigV4."""
