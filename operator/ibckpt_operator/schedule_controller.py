@@ -70,6 +70,7 @@ class ScheduleController:
         self.schedule: ScheduleState | None = None
         self.drain: DrainState | None = None
         self.members: tuple[PodRef, ...] = ()
+        self.seen_draining: set[str] = set()
         self.protected_by: str | None = None
         self.kept: int | None = None
         self.pruned = 0
@@ -246,9 +247,14 @@ class ScheduleController:
         draining = drains.draining_nodes()
         for node in sorted({pod.node for pod in self.members if pod.node in draining}):
             if node not in self.drain.nodes:
+                self.seen_draining.add(node)
                 events.append(NodeDraining(node, self.members))
+        # Only a node seen drained can be uncordoned: a migration an eviction started (its pod's node was
+        # never cordoned) is not cancelled by the node staying schedulable.
+        self.seen_draining |= set(self.drain.nodes) & draining
         for node in self.drain.nodes:
-            if node not in draining:
+            if node not in draining and node in self.seen_draining:
+                self.seen_draining.discard(node)
                 events.append(NodeUncordoned(node))
         wake_at = None
         for event in [*events, *await self._migration_events(), Tick()]:
