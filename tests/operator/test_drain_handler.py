@@ -388,3 +388,49 @@ def test_an_eviction_alone_holds_and_only_an_uncordon_cancels(
             assert time.monotonic() < deadline, "the migration's job was never cancelled"
             time.sleep(0.3)
         assert [session for session, _ in agent.aborts] == [agent.requests[0].session_id]
+
+
+def test_a_restarted_operator_carries_the_migration_on_and_a_retry_commits(
+    cluster_ns: Cluster,
+    s3_server: S3Server,
+    bucket: str,
+    agents: Agents,
+    operator: Any,
+    store_config: Any,
+    cleanup: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("IBCKPT_WEBHOOK", "off")
+    agent = agents.add(cluster_ns, "node-a", 1, "hang", store_config(bucket))
+    agents.add(cluster_ns, "node-b", 2)
+    agent.register(cluster_ns.pod("ring-0", "node-a", {"app": "ring"}), cluster_ns.namespace)
+    cluster_ns.secret(
+        "s3-creds", {"AWS_ACCESS_KEY_ID": s3_server.access_key, "AWS_SECRET_ACCESS_KEY": s3_server.secret_key}
+    )
+    schedule = protect("ring", {"app": "ring"}, location(s3_server, bucket), retrySeconds=10)
+    with operator():
+        cluster_ns.create(SCHEDULES, schedule)
+        cluster_ns.wait(SCHEDULES, "ring", lambda o: (o.get("status") or {}).get("protectedBy") is not None)
+        cluster_ns.core.patch_node("node-a", {"spec": {"unschedulable": True}})
+        wait_requests(agent)
+        before = cluster_ns.wait(SCHEDULES, "ring", drain_phase("Checkpointing"))["status"]
+    # The new operator reads the migration back from status. The job it was running aborts (its own
+    # restart rule), so the hold goes on under KeepHolding and a retry commits.
+    with operator():
+        held = cluster_ns.wait(SCHEDULES, "ring", drain_phase("Held"), timeout=60)["status"]
+        assert (
+            held["migration"]["seq"] == 1
+            and held["migration"]["heldSince"] == before["migration"]["heldSince"]
+        )
+        assert held["drainReason"] == cluster_ns.get(JOBS, "ring-drain-1")["status"]["reason"]  # type: ignore[index]
+        deadline = time.monotonic() + 60
+        while len(agent.requests) < 2:
+            assert time.monotonic() < deadline, "no retry reached the agent"
+            time.sleep(0.2)
+        assert agent.requests[1].images.checkpoint_id == "ring-drain-1-2"
+        threading.Thread(target=agent.complete, args=(agent.requests[1],), daemon=True).start()
+        body = cluster_ns.wait(SCHEDULES, "ring", drain_phase("Restoring", "Done", "Failed"), timeout=120)
+        assert body["status"]["migration"]["checkpoint"] == "ring-drain-1-2"
+        restore = cluster_ns.get("restorejobs", "ring-restore-1")
+        assert restore is not None and restore["spec"]["checkpointName"] == "ring-drain-1-2"
+        assert cluster_ns.get(JOBS, "ring-drain-2") is None  # the same migration, not a new one
