@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ibckpt_native import NATIVE_DIR
+from ibckpt_native import NATIVE_DIR, SHIM, SHIM_ASAN, SHIM_UBSAN
 from ibckpt_native.coordinator import Coordinator
 from ibckpt_native.harness import ShimProc, checkpoint, device_state, parse_fields
 from ibckpt_node.preflight import ShimIdentity, shim_problems
@@ -28,15 +28,21 @@ def built() -> None:
     subprocess.run(["make", "-s", "-C", str(NATIVE_DIR)], check=True)
 
 
-def _proc(tmp_path: Path, name: str, argv: list[str], env: dict[str, str] | None = None) -> ShimProc:
-    return ShimProc(
-        name, ["/usr/bin/python3", str(CASES), *argv], tmp_path, {"PATH": "/usr/bin:/bin", **(env or {})}
-    )
+def _proc(
+    tmp_path: Path, name: str, argv: list[str], shim: Path, env: dict[str, str] | None = None
+) -> ShimProc:
+    env = {"PATH": "/usr/bin:/bin", **(env or {})}
+    return ShimProc(name, ["/usr/bin/python3", str(CASES), *argv], tmp_path, env, shim=shim)
 
 
-def test_status_lists_what_a_checkpoint_cannot_carry(tmp_path: Path) -> None:
+# the shim as shipped, and under ASan and UBSan (the new status and AH paths run in all three)
+SHIMS = pytest.mark.parametrize("shim", [SHIM, SHIM_ASAN, SHIM_UBSAN], ids=["plain", "asan", "ubsan"])
+
+
+@SHIMS
+def test_status_lists_what_a_checkpoint_cannot_carry(tmp_path: Path, shim: Path) -> None:
     stop = tmp_path / "stop"
-    prog = _proc(tmp_path, "refusals", ["refusals", str(stop)])
+    prog = _proc(tmp_path, "refusals", ["refusals", str(stop)], shim)
     prog.start()
     try:
         m = prog.wait_for_output(r"READY (\d+) (\d+) mw=(-?\d+) raw=(-?\d+)", 120)
@@ -98,7 +104,8 @@ def _wait_traffic(prog: ShimProc, more: int, timeout: float = 180) -> None:
         time.sleep(0.2)
 
 
-def test_ah_from_wc_after_a_rebuild_that_changed_the_gid(tmp_path: Path) -> None:
+@SHIMS
+def test_ah_from_wc_after_a_rebuild_that_changed_the_gid(tmp_path: Path, shim: Path) -> None:
     """UD requests and answers over the GID of OLD; between release and rebuild that address is
     replaced by NEW, so the rebuilt QPs' real GID differs from the virtual one and every GRH
     carries NEW. The answers keep flowing through AHs made from those completions, and every AH
@@ -110,7 +117,7 @@ def test_ah_from_wc_after_a_rebuild_that_changed_the_gid(tmp_path: Path) -> None
         assert index < 4, index  # the shim virtualizes the first four GIDs
         with Coordinator(tmp_path / "coord.sock") as coord:
             stop = tmp_path / "stop"
-            prog = _proc(tmp_path, "udreply", ["ud_reply", str(stop), str(index)], coord.env)
+            prog = _proc(tmp_path, "udreply", ["ud_reply", str(stop), str(index)], shim, coord.env)
             prog.start()
             try:
                 prog.wait_for_output("READY", 120)
