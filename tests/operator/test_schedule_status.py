@@ -1,0 +1,74 @@
+"""The schedule's cluster side, without a cluster: the CheckpointJob a fire creates from the template, the
+measured cost of a finished job, how the interval was chosen, and the ScheduleState through status."""
+
+from __future__ import annotations
+
+from ibckpt.api import CheckpointScheduleSpec, CheckpointScheduleStatus
+from ibckpt_operator import schedules
+from ibckpt_operator.machine.core import Tick
+from ibckpt_operator.machine.schedule import JobFinished, ScheduleMachine, SchedulePolicy
+
+OWNER = {
+    "apiVersion": "ibckpt.io/v1alpha1",
+    "kind": "CheckpointSchedule",
+    "metadata": {"name": "ring", "namespace": "hpc", "uid": "u-1"},
+}
+TEMPLATE = {
+    "selector": {"matchLabels": {"app": "ring"}},
+    "storageRef": {"name": "s3"},
+    "checkpointName": "fixed",
+    "copyLabels": ["team"],
+}
+
+
+def spec(**fields: object) -> CheckpointScheduleSpec:
+    return CheckpointScheduleSpec.from_wire({"template": TEMPLATE, **fields})
+
+
+def test_a_fire_makes_a_labelled_owned_job_from_the_template() -> None:
+    body = schedules.checkpoint_job_body(OWNER, spec(intervalSeconds=600), "ring-3")
+    assert body["metadata"]["name"] == "ring-3"
+    assert body["metadata"]["labels"] == {"ibckpt.io/schedule": "ring"}
+    owner = body["metadata"]["ownerReferences"][0]
+    assert owner["uid"] == "u-1" and owner["kind"] == "CheckpointSchedule" and owner["controller"] is True
+    assert body["spec"]["copyLabels"] == ["team", "ibckpt.io/schedule"]  # its Checkpoint carries the label
+    assert "checkpointName" not in body["spec"]  # one fixed name would collide on the second fire
+    assert (
+        body["spec"]["selector"] == {"matchLabels": {"app": "ring"}}
+        and body["spec"]["mode"] == "LeaveRunning"
+    )
+
+
+def test_a_migration_job_is_stop_and_names_its_checkpoint() -> None:
+    body = schedules.checkpoint_job_body(OWNER, spec(drain={}), "ring-drain-1", stop_into="ring-drain-1")
+    assert body["spec"]["mode"] == "Stop" and body["spec"]["checkpointName"] == "ring-drain-1"
+
+
+def test_the_measured_cost() -> None:
+    job = {"status": {"startTime": "2026-01-01T00:00:00Z", "completionTime": "2026-01-01T00:00:42.5Z"}}
+    assert schedules.measured_seconds(job, None) == 42.5
+    assert schedules.measured_seconds(job, {"spec": {"timings": {"totalSeconds": 30}}}) == 30.0
+    timings = {"pauseSeconds": 4.0, "totalSeconds": 30}
+    assert schedules.measured_seconds(job, {"spec": {"timings": timings}}) == 4.0
+    assert schedules.measured_seconds({"status": {}}, None) is None
+
+
+def test_how_the_interval_was_chosen_and_the_state_through_status() -> None:
+    young_daly = spec(mtbfSeconds=3600, minIntervalSeconds=60)
+    machine = ScheduleMachine(SchedulePolicy.from_spec(young_daly))
+    state = machine.start("ring", 1_700_000_000.25).state
+    assert schedules.interval_source(young_daly, state) == "Unmeasured" and state.interval == 60
+    state = machine.handle(state, Tick(), 1_700_000_061).state
+    assert state.active_job == "ring-1"
+    state = machine.handle(state, JobFinished("ring-1", True, 50.0), 1_700_000_100).state
+    assert schedules.interval_source(young_daly, state) == "YoungDaly" and state.cost == 50.0
+    assert state.interval == (2 * 50.0 * 3600) ** 0.5
+    fixed = spec(intervalSeconds=600)
+    assert (
+        schedules.interval_source(fixed, ScheduleMachine(SchedulePolicy.from_spec(fixed)).start("r", 0).state)
+        == "Fixed"
+    )
+    wire = CheckpointScheduleStatus(**schedules.schedule_status(young_daly, state)).to_wire()
+    back = schedules.schedule_state("ring", CheckpointScheduleStatus.from_wire(wire))
+    assert back == state
+    assert schedules.schedule_state("ring", CheckpointScheduleStatus()) is None
