@@ -355,6 +355,10 @@ class ScheduleController:
                 await kube.create_custom("restorejobs", self.namespace, body)
             elif isinstance(action, RecordMigration):
                 metrics.record_migration(self.key, action.outcome, action.seconds)
+                message = self.drain.message if self.drain is not None else ""
+                log.info(
+                    "%s: migration %s after %.0fs: %s", self.key, action.outcome, action.seconds, message
+                )
             else:
                 log.warning("%s: no side effect for %r", self.key, action)
 
