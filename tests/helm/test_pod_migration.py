@@ -13,6 +13,7 @@ operator's token and a coordinator on the pod network), never by calling agent i
 from __future__ import annotations
 
 import json
+import secrets
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -79,7 +80,8 @@ def app_ns(installed: Installed) -> Iterator[str]:
 def stand_in(installed: Installed, s3_server: S3Server) -> Iterator[Any]:
     """Runs operator_stand_in.py in a pod on the pod network; returns its RESULT."""
     cluster = installed.cluster
-    s3_server.client().create_bucket(Bucket=BUCKET)
+    bucket = f"{BUCKET}-{secrets.token_hex(3)}"
+    s3_server.client().create_bucket(Bucket=bucket)
     token = sa_token(cluster, NAMESPACE, OPERATOR_SA)
     port = s3_server.endpoint.rsplit(":", 1)[1]
     caller = {
@@ -113,7 +115,7 @@ def stand_in(installed: Installed, s3_server: S3Server) -> Iterator[Any]:
             "token": token,
             "location": {
                 "endpoint": f"http://10.0.2.100:{port}",
-                "bucket": BUCKET,
+                "bucket": bucket,
                 "prefix": "ibckpt",
                 "credentialsSecretRef": {"name": STORAGE_SECRET},
             },
