@@ -101,8 +101,10 @@ def test_each_component_may_do_what_it_needs_and_no_more(installed: Installed) -
     assert _can(cluster, agent, "create", "tokenreviews.authentication.k8s.io")
     assert _can(cluster, agent, "list", "pods", "--all-namespaces")
     assert _can(cluster, agent, "get", f"secrets/{STORAGE_SECRET}", "-n", NAMESPACE)
+    assert _can(cluster, agent, "get", f"secrets/{STORAGE_SECRET}", "-n", "team-a")  # a team's storage
     assert not _can(cluster, agent, "get", "secrets/other", "-n", NAMESPACE)
     assert not _can(cluster, agent, "list", "secrets", "-n", NAMESPACE)
+    assert not _can(cluster, agent, "get", "secrets/other", "-n", "team-a")
     assert not _can(cluster, agent, "create", "pods", "-n", NAMESPACE)
     assert not _can(cluster, agent, "get", "checkpointjobs.ibckpt.io", "-n", "team-a")
     assert not _can(cluster, agent, "patch", "nodes")
