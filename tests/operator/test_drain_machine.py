@@ -115,6 +115,8 @@ def test_an_eviction_starts_the_hold_and_more_nodes_join() -> None:
     assert t.state.phase is DrainPhase.HOLDING and t.state.nodes == ("node-2",)
     again = machine.handle(t.state, EvictionRequested(PODS[1], PODS), T0 + 1)
     assert again.actions == () and again.state.seq == 1  # one migration, not two
+    elsewhere = machine.handle(again.state, EvictionRequested(PODS[0], PODS), T0 + 1)
+    assert elsewhere.state.nodes == ("node-2",)  # an eviction on node-1 is not a drain of node-1
     t = machine.handle(again.state, NodeDraining("node-1", PODS), T0 + 2)
     assert t.state.nodes == ("node-2", "node-1") and t.actions == ()
 

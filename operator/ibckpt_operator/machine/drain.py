@@ -343,7 +343,9 @@ class DrainMachine:
                 ),
             )
             return Transition(state, actions, state.deadline)
-        if node and node not in state.nodes:
+        # A running migration grows by drained nodes only: an eviction of a member elsewhere does not make
+        # its node one to move off (kubectl drain cordons first; the cordon is what joins).
+        if isinstance(event, NodeDraining) and node not in state.nodes:
             state = replace(state, nodes=(*state.nodes, node))
         return self._wake(state)
 
