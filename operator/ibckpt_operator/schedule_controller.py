@@ -243,6 +243,11 @@ class ScheduleController:
         elif self.drain.phase in (DrainPhase.IDLE, DrainPhase.DONE, DrainPhase.FAILED):
             # The members change (a restore, a controller's new pod): keep the PDB over them.
             self.protected_by = await self._ensure_pdb(spec)
+        elif self.drain.phase is DrainPhase.LOST and self.members:
+            # The drain took the sources; the pods started again from scratch are protected again.
+            sources = {pod.uid for pod in self.drain.sources}
+            if not any(pod.uid in sources for pod in self.members):
+                self.protected_by = await self._ensure_pdb(spec)
         assert self.drain is not None
         draining = drains.draining_nodes()
         for node in sorted({pod.node for pod in self.members if pod.node in draining}):
