@@ -27,10 +27,6 @@ from ibckpt.agentapi import (
     RestoreRequest,
     SecretRef,
 )
-from ibckpt.api.storage import S3Location
-from ibckpt.store import ImageStore
-from ibckpt_node.agent.staging import store_config
-from ibckpt_operator.coordinator.server import CoordinatorServer
 
 cfg: Any = json.loads(globals()["CONFIG"])  # the first line the test sends
 
@@ -45,6 +41,12 @@ async def main() -> dict[str, Any]:
     agent = AgentClient(cfg["agent"], cfg["port"], token=cfg["token"], timeout_s=60)
     if cfg["action"] == "containers":
         return (await asyncio.to_thread(agent.containers)).to_wire()
+    # imported only here: each import costs seconds in an emulated node
+    from ibckpt.api.storage import S3Location
+    from ibckpt.store import ImageStore
+    from ibckpt_node.agent.staging import store_config
+    from ibckpt_operator.coordinator.server import CoordinatorServer
+
     server = CoordinatorServer(pod_ip(), 0)
     await server.start()
     session_id, token = server.create_session({cfg["node"]}, 900)
