@@ -71,6 +71,7 @@ class ScheduleController:
         self.drain: DrainState | None = None
         self.members: tuple[PodRef, ...] = ()
         self.seen_draining: set[str] = set()
+        self.waiting_for: list[str] = []  # source pods a restore waits for
         self.protected_by: str | None = None
         self.kept: int | None = None
         self.pruned = 0
@@ -291,6 +292,10 @@ class ScheduleController:
             events += drains.checkpoint_job_events(job, body)
         if self.drain.restore_job is not None:
             body = await kube.get_custom("restorejobs", self.namespace, self.drain.restore_job)
+            if body is None and self.drain.phase is DrainPhase.RESTORING and self.drain.checkpoint:
+                await self._start_restore(
+                    StartRestore(self.drain.restore_job, self.drain.checkpoint, self.drain.nodes)
+                )
             events += drains.restore_job_events(self.drain.restore_job, body)
         return events
 
@@ -352,12 +357,7 @@ class ScheduleController:
             elif isinstance(action, CancelCheckpointJob):
                 await schedules.delete_custom(kube, "checkpointjobs", self.namespace, action.job)
             elif isinstance(action, StartRestore):
-                # Through a RestoreJob for every workload kind: the controller path (restore annotation on
-                # the controller's new pods) is not built (docs/drains.md).
-                body = schedules.restore_job_body(
-                    self.body(), action.job, action.checkpoint, action.avoid_nodes
-                )
-                await kube.create_custom("restorejobs", self.namespace, body)
+                await self._start_restore(action)
             elif isinstance(action, RecordMigration):
                 metrics.record_migration(self.key, action.outcome, action.seconds)
                 message = self.drain.message if self.drain is not None else ""
@@ -366,6 +366,27 @@ class ScheduleController:
                 )
             else:
                 log.warning("%s: no side effect for %r", self.key, action)
+
+    async def _start_restore(self, action: StartRestore) -> None:
+        """A RestoreJob for every workload kind (the controller path, a restore annotation on the
+        controller's new pods, is not built: docs/drains.md). It recreates the pods under their names, so
+        it is created only once no source pod is left (a killed pod may take its grace period to go);
+        until then every pass tries again (create-if-absent by name)."""
+        assert self.drain is not None
+        left = []
+        for pod in self.drain.sources:
+            found = await self.rt.kube.get_pod(self.namespace, pod.name)
+            if (found or {}).get("metadata", {}).get("uid") == pod.uid:
+                left.append(pod.name)
+        if left:
+            if self.waiting_for != left:
+                self.waiting_for = left
+                await self._event(
+                    "Normal", "WaitingForSources", f"restore starts once {', '.join(left)} are gone"
+                )
+            return
+        body = schedules.restore_job_body(self.body(), action.job, action.checkpoint, action.avoid_nodes)
+        await self.rt.kube.create_custom("restorejobs", self.namespace, body)
 
     async def _event(self, type_: str, reason: str, message: str) -> None:
         await self.rt.kube.post_event(self.body(), type_, reason, message)

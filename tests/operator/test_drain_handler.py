@@ -97,6 +97,16 @@ def wait_requests(*agents: Any, timeout: float = 60) -> None:
         time.sleep(0.2)
 
 
+def finish_deletion(cluster: Cluster, *pods: str) -> None:
+    """What the kubelet does for a killed pod: once it is Terminating, remove it."""
+    for name in pods:
+        deadline = time.monotonic() + 60
+        while cluster.core.read_namespaced_pod(name, cluster.namespace).metadata.deletion_timestamp is None:
+            assert time.monotonic() < deadline, f"{name} was never killed"
+            time.sleep(0.2)
+        cluster.core.delete_namespaced_pod(name, cluster.namespace, grace_period_seconds=0)
+
+
 def metrics_text(port: int) -> str:
     return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
 
@@ -223,7 +233,12 @@ def test_cordon_migrates_the_whole_job_while_the_webhook_holds_evictions(
         wait_gone(cluster_ns, "ibckpt-ring")  # released: the drain's evictions may go on
         for reason in ("MigrationCommitted", "DrainReleased"):
             wait_event(cluster_ns, "ring", reason)
-        restore = cluster_ns.get("restorejobs", "ring-restore-1")
+        # The restore recreates the pods under their names: it waits until the killed sources are gone
+        # (no kubelet here finishes their deletion: the test does).
+        assert "ring-0, ring-1 are gone" in wait_event(cluster_ns, "ring", "WaitingForSources").message
+        assert cluster_ns.get("restorejobs", "ring-restore-1") is None
+        finish_deletion(cluster_ns, "ring-0", "ring-1")
+        restore = cluster_ns.wait("restorejobs", "ring-restore-1", lambda o: True)
         assert restore is not None
         assert restore["spec"]["checkpointName"] == "ring-drain-1" and restore["spec"]["avoidNodes"] == [
             "node-a"
@@ -329,6 +344,13 @@ def test_a_failed_checkpoint_follows_each_policy_visibly(
         wait_gone(cluster_ns, "ibckpt-lose")
         status, message = evict(cluster_ns, "web-0")
         assert status == 201, message
+        # The job started again from scratch (a new pod, elsewhere) is protected again.
+        cluster_ns.node("node-b")
+        cluster_ns.pod("web-1", "node-b", {"app": "web"})
+        deadline = time.monotonic() + 60
+        while pdb(cluster_ns, "ibckpt-lose") is None:
+            assert time.monotonic() < deadline, "the PDB never came back over the new pod"
+            time.sleep(0.3)
 
         # KeepHolding: the drain stays held, loudly, and a new checkpoint is tried every retrySeconds.
         held = cluster_ns.wait(SCHEDULES, "hold", drain_phase("Held"), timeout=90)
@@ -425,12 +447,15 @@ def test_a_restarted_operator_carries_the_migration_on_and_a_retry_commits(
         assert held["drainReason"] == cluster_ns.get(JOBS, "ring-drain-1")["status"]["reason"]  # type: ignore[index]
         deadline = time.monotonic() + 60
         while len(agent.requests) < 2:
-            assert time.monotonic() < deadline, "no retry reached the agent"
+            jobs = cluster_ns.custom.list_namespaced_custom_object(GROUP, VERSION, cluster_ns.namespace, JOBS)
+            seen = {j["metadata"]["name"]: (j.get("status") or {}).get("phase") for j in jobs["items"]}
+            assert time.monotonic() < deadline, f"no retry reached the agent: {len(agent.requests)}, {seen}"
             time.sleep(0.2)
         assert agent.requests[1].images.checkpoint_id == "ring-drain-1-2"
         threading.Thread(target=agent.complete, args=(agent.requests[1],), daemon=True).start()
         body = cluster_ns.wait(SCHEDULES, "ring", drain_phase("Restoring", "Done", "Failed"), timeout=120)
         assert body["status"]["migration"]["checkpoint"] == "ring-drain-1-2"
-        restore = cluster_ns.get("restorejobs", "ring-restore-1")
+        finish_deletion(cluster_ns, "ring-0")
+        restore = cluster_ns.wait("restorejobs", "ring-restore-1", lambda o: True)
         assert restore is not None and restore["spec"]["checkpointName"] == "ring-drain-1-2"
         assert cluster_ns.get(JOBS, "ring-drain-2") is None  # the same migration, not a new one
