@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
 
 import kopf
 
+from ibckpt import logsetup
 from ibckpt_operator import config as settings
 
 
@@ -35,9 +35,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logsetup.configure(args.log_level)
     settings.configure(
         settings.current().with_(
             namespace=args.namespace,

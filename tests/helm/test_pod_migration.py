@@ -12,6 +12,7 @@ operator's token and a coordinator on the pod network), never by calling agent i
 
 from __future__ import annotations
 
+import base64
 import json
 import secrets
 import time
@@ -121,9 +122,9 @@ def stand_in(installed: Installed, s3_server: S3Server) -> Iterator[Any]:
             },
             "secret_namespace": NAMESPACE,
             "secret_name": STORAGE_SECRET,
-            "secret_data": {
-                "AWS_ACCESS_KEY_ID": s3_server.access_key,
-                "AWS_SECRET_ACCESS_KEY": s3_server.secret_key,
+            "secret_data": {  # as Secret.data holds them
+                "AWS_ACCESS_KEY_ID": base64.b64encode(s3_server.access_key.encode()).decode(),
+                "AWS_SECRET_ACCESS_KEY": base64.b64encode(s3_server.secret_key.encode()).decode(),
             },
         }
         script = f"CONFIG = {json.dumps(json.dumps(config))}\n{STAND_IN.read_text()}"

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry, start_http_server
 
+from ibckpt import logsetup
 from ibckpt.agentapi.models import DEFAULT_PORT
 from ibckpt_node.agent.auth import Authenticator, TokenReviewer
 from ibckpt_node.agent.kubesecrets import KubeSecrets
@@ -120,7 +121,7 @@ async def serve(args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logsetup.configure(args.log_level, "%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.install:
         config = node_config(args.prefix, args.host_dir, args.runc)
         install.install(
