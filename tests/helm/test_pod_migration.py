@@ -159,7 +159,7 @@ def wait_registered(run: Any, node: int, pod_uid: str, ranks: int) -> dict[str, 
 
 
 def test_a_pod_moves_to_the_other_node_and_finishes_exactly_once(
-    installed: Installed, app_ns: str, stand_in: Any
+    installed: Installed, app_ns: str, stand_in: Any, s3_server: S3Server
 ) -> None:
     cluster = installed.cluster
     plain = pods.rdma_pod("plain", "node-1", ["sleep", "600"], APPS_IMAGE, host_network=False)
@@ -227,6 +227,8 @@ def test_a_pod_moves_to_the_other_node_and_finishes_exactly_once(
     log = cluster.kubectl("logs", "-n", app_ns, "ring").stdout
     assert "ring-done" in log, log[-3000:]
     assert_exactly_once(log)
+    agents = cluster.kubectl("logs", "-n", NAMESPACE, "-l", "app.kubernetes.io/component=agent", "--tail=-1")
+    assert "staged" in agents.stdout and s3_server.access_key not in agents.stdout
 
 
 def test_a_restore_annotation_for_another_namespace_is_refused(installed: Installed, app_ns: str) -> None:
