@@ -20,8 +20,7 @@ from helm.conftest import (
     OPERATOR_SA,
     RELEASE,
     STORAGE_SECRET,
-    Installed,
-    rollout,
+    Release,
     sa_token,
 )
 
@@ -34,7 +33,7 @@ from testbed.images import PRODUCT_IMAGE
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(2400)]
 
 
-def test_agents_ready_on_both_nodes_and_the_operator_runs(installed: Installed) -> None:
+def test_agents_ready_on_both_nodes_and_the_operator_runs(installed: Release) -> None:
     cluster = installed.cluster
     assert f"{OPERATOR_SA}" in installed.notes and "ibckpt-runc" in installed.notes, installed.notes
     ds = pods.get(cluster, NAMESPACE, "daemonset", f"{RELEASE}-agent")
@@ -45,7 +44,7 @@ def test_agents_ready_on_both_nodes_and_the_operator_runs(installed: Installed) 
         i = NODE_NAMES.index(p["spec"]["nodeName"]) + 1
         assert p["status"]["hostIP"] == p["status"]["podIP"] == node_ip(i)
         assert p["spec"]["containers"][0]["image"] == PRODUCT_IMAGE
-    rollout(cluster, f"deployment/{RELEASE}-operator")
+    installed.rollout(f"deployment/{RELEASE}-operator")
     [operator] = pods.get(cluster, NAMESPACE, "pods", **{"app.kubernetes.io/component": "operator"})["items"]
     time.sleep(10)  # a command that is missing or crashes at start would show by now
     operator = pods.get(cluster, NAMESPACE, "pod", operator["metadata"]["name"])
@@ -53,7 +52,7 @@ def test_agents_ready_on_both_nodes_and_the_operator_runs(installed: Installed) 
     assert "running" in state["state"] and state["restartCount"] == 0, json.dumps(state, indent=1)
 
 
-def test_the_agent_installed_the_node_pieces(installed: Installed) -> None:
+def test_the_agent_installed_the_node_pieces(installed: Release) -> None:
     for p in installed.agent_pods():
         name = p["metadata"]["name"]
         script = (
@@ -83,7 +82,7 @@ def _can(cluster: Cluster, account: str, *args: str) -> bool:
     return answer == "yes"
 
 
-def test_each_component_may_do_what_it_needs_and_no_more(installed: Installed) -> None:
+def test_each_component_may_do_what_it_needs_and_no_more(installed: Release) -> None:
     cluster = installed.cluster
     op, agent = OPERATOR_SA, AGENT_SA
     assert _can(cluster, op, "patch", "checkpointjobs.ibckpt.io", "--subresource=status", "-n", "team-a")
@@ -137,7 +136,7 @@ print("RESULT " + json.dumps(out))
 """
 
 
-def test_the_agent_api_answers_only_the_operator(installed: Installed) -> None:
+def test_the_agent_api_answers_only_the_operator(installed: Release) -> None:
     cluster = installed.cluster
     tokens = {
         "operator": sa_token(cluster, NAMESPACE, OPERATOR_SA),

@@ -14,12 +14,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from helm.conftest import STORAGE_SECRET, Installed
+from helm.conftest import STORAGE_SECRET, Release
 from helm.test_pod_migration import assert_exactly_once, results
 
 from testbed import pods
 from testbed.cluster import Cluster
 from testbed.images import APPS_IMAGE
+from testbed.release import storage_secret
 from testbed.s3 import S3Server
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(2400)]
@@ -59,17 +60,13 @@ def wait_phase(cluster: Cluster, kind: str, name: str, want: str, timeout: float
 
 
 @pytest.fixture
-def job_ns(installed: Installed, s3_server: S3Server) -> Iterator[str]:
+def job_ns(installed: Release, s3_server: S3Server) -> Iterator[str]:
     """A team's namespace with its storage: a CheckpointStorage and its credentials Secret."""
     cluster = installed.cluster
     pods.namespace(cluster, JOB_NS)
     bucket = f"ring-job-{secrets.token_hex(3)}"
     s3_server.client().create_bucket(Bucket=bucket)
-    cluster.kubectl(
-        "create", "secret", "generic", STORAGE_SECRET, "-n", JOB_NS,
-        f"--from-literal=AWS_ACCESS_KEY_ID={s3_server.access_key}",
-        f"--from-literal=AWS_SECRET_ACCESS_KEY={s3_server.secret_key}",
-    )  # fmt: skip
+    storage_secret(cluster, JOB_NS, s3_server.access_key, s3_server.secret_key)
     port = s3_server.endpoint.rsplit(":", 1)[1]
     storage = {
         "apiVersion": "ibckpt.io/v1alpha1",
@@ -89,7 +86,7 @@ def job_ns(installed: Installed, s3_server: S3Server) -> Iterator[str]:
 
 
 def test_checkpoint_job_then_restore_job_swaps_the_nodes_exactly_once(
-    installed: Installed, job_ns: str
+    installed: Release, job_ns: str
 ) -> None:
     cluster = installed.cluster
     pods.apply(cluster, job_ns, ring_member("ring-0", "node-1", SERVER))

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helm.conftest import NAMESPACE, OPERATOR_SA, STORAGE_SECRET, Installed, sa_token
+from helm.conftest import NAMESPACE, OPERATOR_SA, STORAGE_SECRET, Release, sa_token
 
 from testbed import pods
 from testbed.cluster import Cluster, node_ip
@@ -68,7 +68,7 @@ def assert_exactly_once(log: str) -> None:
 
 
 @pytest.fixture
-def app_ns(installed: Installed) -> Iterator[str]:
+def app_ns(installed: Release) -> Iterator[str]:
     cluster = installed.cluster
     pods.namespace(cluster, APP_NS)
     try:
@@ -78,7 +78,7 @@ def app_ns(installed: Installed) -> Iterator[str]:
 
 
 @pytest.fixture
-def stand_in(installed: Installed, s3_server: S3Server) -> Iterator[Any]:
+def stand_in(installed: Release, s3_server: S3Server) -> Iterator[Any]:
     """Runs operator_stand_in.py in a pod on the pod network; returns its RESULT."""
     cluster = installed.cluster
     bucket = f"{BUCKET}-{secrets.token_hex(3)}"
@@ -159,7 +159,7 @@ def wait_registered(run: Any, node: int, pod_uid: str, ranks: int) -> dict[str, 
 
 
 def test_a_pod_moves_to_the_other_node_and_finishes_exactly_once(
-    installed: Installed, app_ns: str, stand_in: Any, s3_server: S3Server
+    installed: Release, app_ns: str, stand_in: Any, s3_server: S3Server
 ) -> None:
     cluster = installed.cluster
     plain = pods.rdma_pod("plain", "node-1", ["sleep", "600"], APPS_IMAGE, host_network=False)
@@ -231,7 +231,7 @@ def test_a_pod_moves_to_the_other_node_and_finishes_exactly_once(
     assert "staged" in agents.stdout and s3_server.access_key not in agents.stdout
 
 
-def test_a_restore_annotation_for_another_namespace_is_refused(installed: Installed, app_ns: str) -> None:
+def test_a_restore_annotation_for_another_namespace_is_refused(installed: Release, app_ns: str) -> None:
     cluster = installed.cluster
     forged = ring_pod("forged", "node-1", {"ibckpt.io/restore-from": "kube-system/someone-elses"})
     pods.apply(cluster, app_ns, forged)

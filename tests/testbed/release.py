@@ -1,0 +1,113 @@
+"""The chart installed into the testbed cluster with Helm, as a user installs it: used by tests/helm and
+`make demo`. The testbed's images are local (pullPolicy Never) and its nodes carry `ibckpt.io/rdma=rxe`."""
+
+from __future__ import annotations
+
+import base64
+import json
+import subprocess
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from testbed import pods
+from testbed.cluster import Cluster
+from testbed.guest import REPO, cache_dir
+from testbed.images import PRODUCT_IMAGE
+
+CHART = REPO / "charts" / "ibckpt"
+STORAGE_SECRET = "s3-credentials"  # the chart's storage.credentialsSecret: each team's Secret has this name
+
+
+@dataclass
+class Release:
+    cluster: Cluster
+    name: str
+    namespace: str
+    notes: str
+
+    def agent_pods(self) -> list[dict[str, Any]]:
+        found = pods.get(self.cluster, self.namespace, "pods", **{"app.kubernetes.io/component": "agent"})
+        return list(found["items"])
+
+    def logs(self, component: str, tail: int = -1) -> str:
+        selector = f"app.kubernetes.io/instance={self.name},app.kubernetes.io/component={component}"
+        proc = self.cluster.kubectl(
+            "logs",
+            "-n",
+            self.namespace,
+            "-l",
+            selector,
+            f"--tail={tail}",
+            "--max-log-requests=10",
+            check=False,
+        )
+        return proc.stdout + proc.stderr
+
+    def rollout(self, what: str) -> None:
+        proc = self.cluster.kubectl(
+            "rollout", "status", "-n", self.namespace, what, "--timeout=600s", timeout=620, check=False
+        )
+        if proc.returncode != 0:
+            described = self.cluster.kubectl("describe", "pods", "-n", self.namespace, check=False).stdout
+            raise AssertionError(
+                f"{what} not rolled out:\n{proc.stdout}{proc.stderr}\n{described[-5000:]}\n"
+                f"{self.logs('agent', 30)[-3000:]}{self.cluster.diagnose()}"
+            )
+
+    def uninstall(self) -> None:
+        helm(self.cluster, "uninstall", self.name, "--namespace", self.namespace, "--wait", "--timeout=120s")
+        pods.delete_namespace(self.cluster, self.namespace)
+
+
+def helm(cluster: Cluster, *args: str, timeout: float = 600.0) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(
+        [str(cache_dir() / "helm" / "helm"), f"--kubeconfig={cluster.kubeconfig}", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if proc.returncode != 0:
+        raise AssertionError(f"helm {' '.join(args)} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+    return proc
+
+
+def storage_secret(cluster: Cluster, namespace: str, access_key: str, secret_key: str) -> None:
+    """A team's S3 credentials Secret, under the name the agents may read."""
+    cluster.kubectl(
+        "create", "secret", "generic", STORAGE_SECRET, "-n", namespace,
+        f"--from-literal=AWS_ACCESS_KEY_ID={access_key}",
+        f"--from-literal=AWS_SECRET_ACCESS_KEY={secret_key}",
+    )  # fmt: skip
+
+
+def install(cluster: Cluster, name: str, namespace: str, log_level: str = "info") -> Release:
+    """helm install the chart from the repository into `namespace` (it exists), and wait until every
+    node's agent is ready."""
+    repository, tag = PRODUCT_IMAGE.rsplit(":", 1)
+    out = helm(
+        cluster, "install", name, str(CHART), "--namespace", namespace,
+        "--set", f"image.repository={repository}", "--set", f"image.tag={tag}",
+        "--set", "image.pullPolicy=Never", "--set", f"storage.credentialsSecret={STORAGE_SECRET}",
+        "--set", f"logLevel={log_level}", "--set", "runtimeClass.nodeLabelValue=rxe",
+    )  # fmt: skip
+    release = Release(cluster, name, namespace, out.stdout)
+    release.rollout(f"daemonset/{name}-agent")
+    return release
+
+
+def sa_token(cluster: Cluster, namespace: str, account: str) -> str:
+    """The token the serviceaccount-token controller stored for account (v1.20)."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        secrets = json.loads(cluster.kubectl("get", "secrets", "-n", namespace, "-o", "json").stdout)["items"]
+        for s in secrets:
+            annotations = s["metadata"].get("annotations", {})
+            if (
+                s["type"] == "kubernetes.io/service-account-token"
+                and annotations.get("kubernetes.io/service-account.name") == account
+                and s.get("data", {}).get("token")
+            ):
+                return base64.b64decode(s["data"]["token"]).decode()
+        time.sleep(1)
+    raise AssertionError(f"no token Secret for {namespace}/{account} after 120 s")
