@@ -165,6 +165,21 @@ def test_the_wrapper_turns_create_into_restore_and_answers_start(tmp_path: Path)
     assert done.returncode == 1
     assert "staged no images" in json.loads(log.read_text())["msg"]
     assert not (tmp_path / "argv").exists()
+
+    # the pod's sandbox carries the same annotation (containerd passes pod annotations to it): untouched
+    sandbox = containerd_spec(**{oci.ANN_RESTORE: "ml/ckpt-7", "io.kubernetes.cri.container-type": "sandbox"})
+    (bundle / "config.json").write_text(json.dumps(sandbox))
+    done = wrap("--root", "/r", "create", "--bundle", str(bundle), "pause1")
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "argv").read_text().splitlines() == [
+        "--root",
+        "/r",
+        "create",
+        "--bundle",
+        str(bundle),
+        "pause1",
+    ]
+    assert json.loads((bundle / "config.json").read_text()) == sandbox
     assert runc.RESTORED_MARK == "restored"
 
 

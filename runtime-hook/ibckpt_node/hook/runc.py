@@ -137,7 +137,8 @@ def prepare(config: oci.NodeConfig, args: CreateArgs, runc_root: str | None = No
         spec = json.load(f)
     restore: tuple[str, str] | None = None
     reason = oci.wants_shim(spec)
-    if oci.ANN_RESTORE in oci.annotations_of(spec):
+    # the pod's sandbox (pause) carries the pod's annotations too: it is created, never restored
+    if oci.ANN_RESTORE in oci.annotations_of(spec) and not oci.identity(spec).sandbox:
         from ibckpt_node.hook import restore as restore_mod
 
         restore = restore_mod.check(config, spec)
