@@ -37,6 +37,7 @@ STAND_IN = Path(__file__).with_name("operator_stand_in.py")
 # Two ranks in one pod: an rc_seq server and client over rxe0, exchanging checked messages until
 # /tmp/stop appears; each prints its RESULT to the container's stdout.
 RING = (
+    "mkdir -p /tmp/session && echo written-before-the-cut >/tmp/session/ready && rm /etc/debian_version; "
     "rc_seq -f /tmp/stop -p 18515 & sleep 2; rc_seq -c 127.0.0.1 -f /tmp/stop -p 18515; wait; echo ring-done"
 )
 
