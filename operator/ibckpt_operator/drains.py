@@ -34,6 +34,9 @@ DRAIN_TAINTS = frozenset(
 
 # Node name -> draining, as the Node watch last saw it.
 DRAINING: dict[str, bool] = {}
+# Node name -> when the Node watch last saw it start draining (a cordon and an uncordon between two passes
+# of a controller are both seen).
+DRAINED_AT: dict[str, float] = {}
 
 # CheckpointJob phases in which the job has touched the ranks (admitted, session open).
 TOUCHING = frozenset(

@@ -257,7 +257,9 @@ class ScheduleController:
                 events.append(NodeDraining(node, self.members))
         # Only a node seen drained can be uncordoned: a migration an eviction started (its pod's node was
         # never cordoned) is not cancelled by the node staying schedulable.
+        since = self.drain.held_since or now
         self.seen_draining |= set(self.drain.nodes) & draining
+        self.seen_draining |= {n for n in self.drain.nodes if drains.DRAINED_AT.get(n, 0.0) >= since}
         for node in self.drain.nodes:
             if node not in draining and node in self.seen_draining:
                 self.seen_draining.discard(node)

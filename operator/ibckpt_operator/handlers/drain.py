@@ -21,6 +21,7 @@ import ipaddress
 import logging
 import os
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,7 @@ async def node_changed(body: kopf.Body, type: str | None, **_: Any) -> None:
         return
     drains.DRAINING[name] = draining
     if draining:
+        drains.DRAINED_AT[name] = time.time()
         log.info("node %s is being drained", name)
     for controller in list(CONTROLLERS.values()):
         if controller.drain is not None:
