@@ -99,7 +99,6 @@ async def resolve(kube: Kube, namespace: str, location: S3Location) -> ResolvedS
         encryption = EncryptionConfig.model_validate(
             {"mode": mode, "kms_key_id": location.encryption.kms_key_id, "client_key": client_key}
         )
-    settings = current()
     try:
         config = StoreConfig(
             bucket=location.bucket,
@@ -109,9 +108,6 @@ async def resolve(kube: Kube, namespace: str, location: S3Location) -> ResolvedS
             addressing_style=location.addressing_style,
             credentials=credentials,
             encryption=encryption,
-            max_attempts=settings.s3_check_attempts,
-            connect_timeout=settings.s3_check_timeout,
-            read_timeout=max(settings.s3_check_timeout, 30.0),
         )
     except ValueError as error:
         raise StorageProblem("InvalidStorage", f"storage settings: {error}") from None
@@ -152,5 +148,15 @@ async def check(
 ) -> ResolvedStorage:
     """Resolve the location and its Secret, then one HEAD on the bucket: a clear reason if any fails."""
     resolved = await resolve(kube, namespace, await location_of(kube, namespace, ref, inline))
-    await asyncio.to_thread(open_store, resolved.config)
+    # the check is quick to give up; the commit, verify and delete that use `resolved` keep the
+    # store's own retries and timeouts (a commit through a slow path failed on the check's)
+    settings = current()
+    quick = resolved.config.model_copy(
+        update={
+            "max_attempts": settings.s3_check_attempts,
+            "connect_timeout": settings.s3_check_timeout,
+            "read_timeout": max(settings.s3_check_timeout, 30.0),
+        }
+    )
+    await asyncio.to_thread(open_store, quick)
     return resolved
