@@ -161,6 +161,9 @@ class ImageDestination(AgentModel):
     credentials: SecretRef = Field(description="The Secret behind location.credentialsSecretRef.")
     job: str = Field(min_length=1, max_length=253)
     checkpoint_id: str = Field(min_length=1, max_length=128)
+    first_rank: int = Field(
+        default=0, ge=0, description="The checkpoint's rank number of this node's first container tree."
+    )
 
 
 class ImageSource(AgentModel):

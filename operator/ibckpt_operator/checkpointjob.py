@@ -354,6 +354,7 @@ class CheckpointJobDriver(Driver[JobState]):
         t = self.spec.timeouts
         # Stop: the agents dump and hold the ranks released; the pods are deleted only after the commit.
         mode = Mode.HOLD if self.spec.mode == CheckpointMode.STOP else Mode.LEAVE_RUNNING
+        first_rank = 0  # each node's container trees take the next numbers in the checkpoint
         for node, agent in self.session.nodes.items():
             try:
                 info = await self.rt.gateway.info(agent)
@@ -388,9 +389,11 @@ class CheckpointJobDriver(Driver[JobState]):
                     credentials=SecretRef(namespace=self.namespace, name=secret.name),
                     job=self.store_job,
                     checkpoint_id=self.machine_checkpoint_name(),
+                    first_rank=first_rank,
                 ),
                 job_addresses=sorted({a.host for a in self.session.nodes.values() if a.host}),
             )
+            first_rank += len(ranks)
             try:
                 await self.rt.gateway.checkpoint(agent, request)
             except AgentError as error:

@@ -85,6 +85,27 @@ def test_a_nodes_trees_are_staged_as_its_part_and_commit_restores_them(
         assert (back / "node-1" / name).read_bytes() == data
 
 
+def test_two_nodes_parts_number_their_ranks_apart_and_commit_together(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    """Each node numbers its trees from the operator's first_rank: the commit merges the parts (it refuses
+    two parts that claim one rank number, which is what happened when every node started at 0)."""
+    bucket = "agent-" + secrets.token_hex(6)
+    s3_server.client().create_bucket(Bucket=bucket)
+    config = None
+    for first_rank, node, pod in ((0, "node-1", "ring-0"), (1, "node-2", "ring-1")):
+        images = tmp_path / node
+        (images / f"{pod}.main").mkdir(parents=True)
+        (images / f"{pod}.main" / "pages-1.img").write_bytes(os.urandom(5000))
+        destination = _destination(s3_server, bucket).model_copy(update={"first_rank": first_rank})
+        config = store_config(destination.location, destination.credentials, _secret(s3_server))
+        stage_trees(config, destination, node, images, [(f"{pod}.main", pod)], lambda size: None)
+    assert config is not None
+    manifest = ImageStore.open(config).commit_parts("ring", "ckpt-1", ["node-1", "node-2"])
+    ranks = [(r.rank, r.pod, r.node) for r in manifest.ranks]
+    assert ranks == [(0, "ring-0", "node-1"), (1, "ring-1", "node-2")]
+
+
 def test_what_the_agent_cannot_do_is_refused_and_no_secret_value_is_shown(s3_server: S3Server) -> None:
     wrong = {"username": base64.b64encode(b"very-secret-value").decode()}
     destination = _destination(s3_server, "any-bucket")

@@ -56,7 +56,8 @@ def stage_trees(
                 root = f"{node}/{name}"
                 records = writer.add_tree(images_root / name, under=root)
                 total += sum(r.size for r in records)
-                ranks.append(RankInfo(rank=index, pod=pod, node=node, root=root))
+                # numbered across the job: the commit refuses two parts that claim one number
+                ranks.append(RankInfo(rank=destination.first_rank + index, pod=pod, node=node, root=root))
             writer.stage(node, ranks)
         return total
     except StoreError as exc:
