@@ -108,6 +108,8 @@ def test_checkpoint_job_then_restore_job_swaps_the_nodes_exactly_once(
             "selector": {"matchLabels": {"app": "ring"}},
             "mode": "Stop",
             "storageRef": {"name": "store"},
+            # the testbed's emulated nodes are ~20x slower than real ones: admission took 32 to 60+ s
+            "timeouts": {"admitSeconds": 300},
         },
     }
     pods.apply(cluster, job_ns, checkpoint_job)
@@ -131,7 +133,11 @@ def test_checkpoint_job_then_restore_job_swaps_the_nodes_exactly_once(
         "apiVersion": "ibckpt.io/v1alpha1",
         "kind": "RestoreJob",
         "metadata": {"name": "back"},
-        "spec": {"checkpointName": checkpoint_name, "avoidSourceNodes": True},
+        "spec": {
+            "checkpointName": checkpoint_name,
+            "avoidSourceNodes": True,
+            "timeouts": {"admitSeconds": 300},
+        },
     }
     pods.apply(cluster, job_ns, restore_job)
     restored = wait_phase(cluster, "restorejob", "back", "Succeeded")
