@@ -76,17 +76,7 @@ def checkpoint(
         *in_node_mount_namespace(), container.runc, *(["--root", container.root] if container.root else []),
         "checkpoint", "--image-path", str(images), "--work-path", str(images),
     ]  # fmt: skip
-    if options.leave_running:
-        args.append("--leave-running")
-    if options.tcp_established:
-        args.append("--tcp-established")
-    if options.shell_job:
-        args.append("--shell-job")
-    if options.file_locks:
-        args.append("--file-locks")
-    if options.ext_unix_sk:
-        args.append("--ext-unix-sk")
-    args.append(container.container_id)
+    args += [*options.dump_flags(), container.container_id]
     started = time.monotonic()
     try:
         proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout_s)
@@ -138,13 +128,4 @@ def save_rootfs_diff(upper: str | None, images: Path) -> int:
 
 def restore_args(options: DumpOptions) -> str:
     """The runc restore options that match a checkpoint taken with `options` (staged.json's)."""
-    flags = []
-    if options.tcp_established:
-        flags.append("--tcp-established")
-    if options.ext_unix_sk:
-        flags.append("--ext-unix-sk")
-    if options.file_locks:
-        flags.append("--file-locks")
-    if options.shell_job:
-        flags.append("--shell-job")
-    return " ".join(flags)
+    return " ".join(options.restore_flags())

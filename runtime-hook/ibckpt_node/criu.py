@@ -38,6 +38,19 @@ class DumpOptions:
     file_locks: bool = True
     ext_unix_sk: bool = True
 
+    def restore_flags(self) -> list[str]:
+        """What a restore of such a dump must be told too (CRIU's flags; runc's have the same names)."""
+        chosen = {
+            "--tcp-established": self.tcp_established,
+            "--shell-job": self.shell_job,
+            "--file-locks": self.file_locks,
+            "--ext-unix-sk": self.ext_unix_sk,
+        }
+        return [flag for flag, on in chosen.items() if on]
+
+    def dump_flags(self) -> list[str]:
+        return ["--leave-running"] * self.leave_running + self.restore_flags()
+
 
 @dataclass(frozen=True)
 class DumpResult:
@@ -85,16 +98,7 @@ def dump(pid: int, images: Path, options: DumpOptions, timeout_s: float) -> Dump
     if any(images.iterdir()):
         raise CriuError("dump", str(pid), f"image dir {images} is not empty", "")
     args = [criu_binary(), "dump", "-t", str(pid), "-D", str(images), "-o", "dump.log", "-v4"]
-    if options.leave_running:
-        args.append("--leave-running")
-    if options.tcp_established:
-        args.append("--tcp-established")
-    if options.shell_job:
-        args.append("--shell-job")
-    if options.file_locks:
-        args.append("--file-locks")
-    if options.ext_unix_sk:
-        args.append("--ext-unix-sk")
+    args += options.dump_flags()
     started = time.monotonic()
     _run("dump", f"pid {pid}", args, images / "dump.log", timeout_s)
     return DumpResult(images, time.monotonic() - started)
