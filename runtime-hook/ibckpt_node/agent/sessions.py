@@ -182,6 +182,18 @@ class Sessions:
             tree_keys[name] = [r.rank.key() for r in found]
         return ranks, trees, tree_keys
 
+    def _check_free(self, session_id: str) -> None:
+        if session_id in self.sessions:
+            raise SessionError(409, f"session {session_id!r} exists on {self.node}")
+        busy = self.running()
+        if busy:
+            raise SessionError(409, f"{self.node} is busy with session {busy[0]!r}")
+
+    async def _connect(self, request: api.CheckpointRequest | api.RestoreRequest) -> CoordinatorClient:
+        host, _, port = request.coordinator.rpartition(":")
+        token = request.session_token.get_secret_value()
+        return await CoordinatorClient.connect(host, int(port), request.session_id, self.node, token)
+
     @staticmethod
     def _runtime_container(entry: RegisteredContainer) -> RuntimeContainer | None:
         """The container as its runtime knows it, when the wrapper created it (else plain CRIU)."""
@@ -192,11 +204,7 @@ class Sessions:
             return None
 
     def start_checkpoint(self, request: api.CheckpointRequest) -> api.SessionReport:
-        if request.session_id in self.sessions:
-            raise SessionError(409, f"session {request.session_id!r} exists on {self.node}")
-        busy = self.running()
-        if busy:
-            raise SessionError(409, f"{self.node} is busy with session {busy[0]!r}")
+        self._check_free(request.session_id)
         ranks, trees, tree_keys = self._resolve(request)
         report = api.SessionReport(
             session_id=request.session_id,
@@ -221,11 +229,7 @@ class Sessions:
         return report
 
     def start_restore(self, request: api.RestoreRequest) -> api.SessionReport:
-        if request.session_id in self.sessions:
-            raise SessionError(409, f"session {request.session_id!r} exists on {self.node}")
-        busy = self.running()
-        if busy:
-            raise SessionError(409, f"{self.node} is busy with session {busy[0]!r}")
+        self._check_free(request.session_id)
         if request.rejoin:
             raise SessionError(422, "rejoining held ranks through the node agent is not supported yet")
         if not request.ranks:
@@ -261,10 +265,7 @@ class Sessions:
         restore_dir = self.registry.config.restore_dir
         try:
             planned = await self._stage_restore(session, request)
-            host, _, port = request.coordinator.rpartition(":")
-            session.client = await CoordinatorClient.connect(
-                host, int(port), request.session_id, self.node, request.session_token.get_secret_value()
-            )
+            session.client = await self._connect(request)
             try:
                 async with ShimCoordinatorProxy(self.shim_socket, session.client) as proxy:
                     session.engine = driver.NodeDriver(
@@ -401,10 +402,7 @@ class Sessions:
         images = self.work_dir / "sessions" / request.session_id / "images"
         follower: asyncio.Task[None] | None = None
         try:
-            host, _, port = request.coordinator.rpartition(":")
-            session.client = await CoordinatorClient.connect(
-                host, int(port), request.session_id, self.node, request.session_token.get_secret_value()
-            )
+            session.client = await self._connect(request)
             try:
                 async with ShimCoordinatorProxy(self.shim_socket, session.client) as proxy:
                     session.engine = driver.NodeDriver(
