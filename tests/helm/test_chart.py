@@ -156,25 +156,7 @@ def test_the_agent_api_answers_only_the_operator(installed: Release) -> None:
         "default": sa_token(cluster, NAMESPACE, "default"),
         "forged": "eyJhbGciOiJSUzI1NiJ9.e30.forged",
     }
-    caller = {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": "caller"},
-        "spec": {
-            "nodeName": "node-2",
-            "restartPolicy": "Never",
-            "terminationGracePeriodSeconds": 1,
-            "automountServiceAccountToken": False,
-            "containers": [
-                {
-                    "name": "main",
-                    "image": PRODUCT_IMAGE,
-                    "imagePullPolicy": "Never",
-                    "command": ["sleep", "3600"],
-                }
-            ],
-        },
-    }
+    caller = pods.product_pod("caller", "node-2", PRODUCT_IMAGE)
     pods.apply(cluster, NAMESPACE, caller)
     try:
         pods.wait_pod(cluster, NAMESPACE, "caller", {"Running"})

@@ -86,25 +86,7 @@ def stand_in(installed: Release, s3_server: S3Server) -> Iterator[Any]:
     s3_server.client().create_bucket(Bucket=bucket)
     token = sa_token(cluster, NAMESPACE, OPERATOR_SA)
     port = s3_server.endpoint.rsplit(":", 1)[1]
-    caller = {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": "stand-in"},
-        "spec": {
-            "nodeName": "node-1",
-            "restartPolicy": "Never",
-            "terminationGracePeriodSeconds": 1,
-            "automountServiceAccountToken": False,
-            "containers": [
-                {
-                    "name": "main",
-                    "image": PRODUCT_IMAGE,
-                    "imagePullPolicy": "Never",
-                    "command": ["sleep", "3600"],
-                }
-            ],
-        },
-    }
+    caller = pods.product_pod("stand-in", "node-1", PRODUCT_IMAGE)
     pods.apply(cluster, NAMESPACE, caller)
     pods.wait_pod(cluster, NAMESPACE, "stand-in", {"Running"})
 

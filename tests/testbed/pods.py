@@ -44,6 +44,25 @@ def rdma_pod(
     }
 
 
+def product_pod(name: str, node: str, image: str) -> dict[str, Any]:
+    """A pod that idles in `image` on `node`, for running the product's own clients with `kubectl exec`;
+    it gets no service-account token (a test hands it the token it should use)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name},
+        "spec": {
+            "nodeName": node,
+            "restartPolicy": "Never",
+            "terminationGracePeriodSeconds": 1,
+            "automountServiceAccountToken": False,
+            "containers": [
+                {"name": "main", "image": image, "imagePullPolicy": "Never", "command": ["sleep", "3600"]}
+            ],
+        },
+    }
+
+
 def apply(cluster: Cluster, namespace: str, *objects: dict[str, Any]) -> None:
     doc = {"apiVersion": "v1", "kind": "List", "items": list(objects)}
     cluster.kubectl("apply", "-n", namespace, "-f", "-", stdin=json.dumps(doc))
