@@ -5,6 +5,8 @@ calls to it through ibckpt.agentapi's client, off the event loop.
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +17,7 @@ from ibckpt.agentapi import (
     CheckpointRequest,
     RestoreRequest,
     SessionReport,
+    SessionState,
 )
 from ibckpt_operator.config import current
 from ibckpt_operator.kube import Body, Kube
@@ -99,3 +102,51 @@ class AgentGateway:
             if error.status == 404:
                 return None
             raise
+
+
+@dataclass(frozen=True)
+class SessionEnd:
+    """How following a node's session ended: `reason` is empty when the session succeeded."""
+
+    report: SessionReport | None
+    reason: str = ""
+    message: str = ""
+
+
+async def follow_session(
+    gateway: AgentGateway,
+    agent: Agent,
+    session_id: str,
+    absorb: Callable[[SessionReport], None],
+    refused_reason: str = "PreflightRefused",
+) -> SessionEnd:
+    """Read a node's session report until it ends, handing each running or successful one to `absorb`
+    (a failed session's rank phases say nothing of success). Unanswered polls are retried: an agent
+    that is busy staging images may answer late; only silence for agent_unreachable_seconds fails."""
+    node = agent.node
+    last_answer = time.monotonic()
+    while True:
+        await asyncio.sleep(current().poll_seconds)
+        try:
+            report = await gateway.session(agent, session_id)
+        except AgentError as error:
+            silent = time.monotonic() - last_answer
+            if silent > current().agent_unreachable_seconds:
+                return SessionEnd(
+                    None, "AgentUnreachable", f"node {node}: no answer for {silent:.0f}s ({error})"
+                )
+            continue
+        last_answer = time.monotonic()
+        if report is None:
+            return SessionEnd(
+                None, "AgentLostSession", f"node {node}: the agent no longer knows session {session_id}"
+            )
+        if report.state in (SessionState.RUNNING, SessionState.SUCCEEDED):
+            absorb(report)
+        if report.state.finished:
+            if report.state == SessionState.SUCCEEDED:
+                return SessionEnd(report)
+            reason = {SessionState.REFUSED: refused_reason, SessionState.ABORTED: "SessionAborted"}.get(
+                report.state, "AgentFailed"
+            )
+            return SessionEnd(report, reason, f"node {node}: {report.message or report.state.value}")

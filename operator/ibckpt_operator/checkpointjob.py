@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import logging
 import secrets
-import time
 from collections.abc import Awaitable
 from dataclasses import dataclass
 
@@ -39,8 +38,7 @@ from ibckpt.api import (
     ObjectMeta,
 )
 from ibckpt_operator import metrics, selection, storage
-from ibckpt_operator.agents import Agent, agents_by_node, no_agent_message
-from ibckpt_operator.config import current
+from ibckpt_operator.agents import Agent, agents_by_node, follow_session, no_agent_message
 from ibckpt_operator.driver import Driver
 from ibckpt_operator.kube import Body
 from ibckpt_operator.machine import CheckpointMachine, JobConfig, JobState, PodRef
@@ -109,7 +107,6 @@ RANK_MILESTONE = {
     RankPhase.REBUILDING: "Dumped",
     RankPhase.RESUMING: "Dumped",
 }
-AGENT_UNREACHABLE_S = 15.0  # an agent that answers no poll for this long fails the step
 
 
 def _rank(milestone: str | None) -> int:
@@ -407,32 +404,11 @@ class CheckpointJobDriver(Driver[JobState]):
         return self.machine.config.checkpoint_name
 
     async def poll(self, node: str, agent: Agent, attempt: str) -> None:
-        """Read the node's session report until it ends: rank progress, bytes, and failures."""
+        """Follow the node's session report until it ends: rank progress, bytes, and failures."""
         assert self.session is not None
-        last_answer = time.monotonic()
-        while True:
-            await asyncio.sleep(current().poll_seconds)
-            try:
-                report = await self.rt.gateway.session(agent, self.session.id)
-            except AgentError as error:
-                if time.monotonic() - last_answer > AGENT_UNREACHABLE_S:
-                    self.fail_current("AgentUnreachable", f"node {node}: {error}")
-                    return
-                continue
-            last_answer = time.monotonic()
-            if report is None:
-                self.fail_current("AgentLostSession", f"node {node}: the agent no longer knows the session")
-                return
-            if report.state in (SessionState.RUNNING, SessionState.SUCCEEDED):
-                self.absorb(report)  # a failed session's rank phases say nothing of success
-            if report.state.finished:
-                if report.state != SessionState.SUCCEEDED:
-                    reason = {
-                        SessionState.REFUSED: "PreflightRefused",
-                        SessionState.ABORTED: "SessionAborted",
-                    }.get(report.state, "AgentFailed")
-                    self.fail_current(reason, report.message or f"node {node}: {report.state}")
-                return
+        end = await follow_session(self.rt.gateway, agent, self.session.id, self.absorb)
+        if end.reason:
+            self.fail_current(end.reason, end.message)
 
     def fail_current(self, reason: str, message: str) -> None:
         state = self.state
@@ -552,15 +528,19 @@ class CheckpointJobDriver(Driver[JobState]):
         reason = (self.state.message if self.state else None) or "aborted by the operator"
         try:
             report = await self.rt.gateway.abort(agent, session_id, reason[:1000])
-            while report is not None and not report.state.finished:
-                await asyncio.sleep(current().poll_seconds)
-                report = await self.rt.gateway.session(agent, session_id)
         except AgentError as error:
             for pod in pods:
                 self.emit(
                     StepFailed(action.attempt, "AgentUnreachable", f"node {node}: {error}", pod=pod.uid)
                 )
             return
+        if report is not None and not report.state.finished:
+            end = await follow_session(self.rt.gateway, agent, session_id, lambda _: None)
+            if end.report is None:
+                for pod in pods:
+                    self.emit(StepFailed(action.attempt, end.reason, end.message, pod=pod.uid))
+                return
+            report = end.report
         broken = {r.pod_uid for r in (report.ranks if report else []) if r.phase == RankPhase.FAILED}
         for pod in pods:
             if pod.uid in broken:

@@ -32,6 +32,8 @@ class OperatorConfig:
     agent_token_file: str = str(SERVICE_ACCOUNT_TOKEN)  # the operator's service-account token
     agent_timeout: float = 10.0
     poll_seconds: float = 1.0  # how often a running agent session's report is read
+    # An agent busy staging images may answer late; silence this long fails the step (AgentUnreachable).
+    agent_unreachable_seconds: float = 120.0
     # A Checkpoint's deletion sweeps chunks no other checkpoint references once older than this.
     gc_grace_seconds: float = 3600.0
     # The cheap S3 check before any pod is touched: short bounds, an unreachable endpoint fails fast.

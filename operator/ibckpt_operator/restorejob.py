@@ -34,8 +34,8 @@ from ibckpt.agentapi import (
 )
 from ibckpt.api import Checkpoint, CheckpointPod, RestoreJobSpec, RestoreJobStatus, RestorePhase
 from ibckpt_operator import storage
-from ibckpt_operator.agents import Agent, agents_by_node, no_agent_message
-from ibckpt_operator.config import GROUP, VERSION, current
+from ibckpt_operator.agents import Agent, agents_by_node, follow_session, no_agent_message
+from ibckpt_operator.config import GROUP, VERSION
 from ibckpt_operator.driver import Driver, StepProblem
 from ibckpt_operator.kube import Body
 from ibckpt_operator.machine import PodRef, RestoreConfig, RestoreMachine, RestoreState
@@ -86,7 +86,6 @@ from ibckpt_operator.runtime import Runtime
 log = logging.getLogger(__name__)
 PLURAL = "restorejobs"
 KIND = "RestoreJob"
-AGENT_UNREACHABLE_S = 15.0  # an agent that answers no poll for this long fails the step
 # How far a pod got, in the order the agents go; a rank in a phase has finished the milestone before it.
 MILESTONES = ("Downloaded", "Restored", "Rebuilt", "Resumed")
 RANK_MILESTONE = {
@@ -94,7 +93,6 @@ RANK_MILESTONE = {
     RankPhase.REBUILDING: "Restored",
     RankPhase.RESUMING: "Rebuilt",
 }
-REPORT_REASON = {SessionState.ABORTED: "SessionAborted", SessionState.REFUSED: "AgentRefused"}
 LIVE_PHASES = (RestorePhase.RESTORING, RestorePhase.REBUILDING, RestorePhase.RESUMING)
 
 
@@ -458,29 +456,9 @@ class RestoreJobDriver(Driver[RestoreState]):
             self.follow(node, agent, self.session_id(self.state.run))
 
     async def poll(self, node: str, agent: Agent, session_id: str) -> None:
-        last_answer = time.monotonic()
-        while True:
-            await asyncio.sleep(current().poll_seconds)
-            try:
-                report = await self.rt.gateway.session(agent, session_id)
-            except AgentError as error:
-                if time.monotonic() - last_answer > AGENT_UNREACHABLE_S:
-                    self.fail_current("AgentUnreachable", f"node {node}: {error}")
-                    return
-                continue
-            last_answer = time.monotonic()
-            if report is None:
-                self.fail_current(
-                    "AgentLostSession", f"node {node}: the agent no longer knows session {session_id}"
-                )
-                return
-            if report.state in (SessionState.RUNNING, SessionState.SUCCEEDED):
-                self.absorb(report)
-            if report.state.finished:
-                if report.state != SessionState.SUCCEEDED:
-                    reason = REPORT_REASON.get(report.state, "AgentFailed")
-                    self.fail_current(reason, f"node {node}: {report.message or report.state}")
-                return
+        end = await follow_session(self.rt.gateway, agent, session_id, self.absorb, "AgentRefused")
+        if end.reason:
+            self.fail_current(end.reason, end.message)
 
     def absorb(self, report: SessionReport) -> None:
         assert self.state is not None

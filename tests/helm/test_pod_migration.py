@@ -129,6 +129,16 @@ def process_env(cluster: Cluster, ns: str, pod: str) -> str:
     return cluster.kubectl("exec", "-n", ns, pod, "--", "sh", "-c", "tr '\\0' '\\n' </proc/1/environ").stdout
 
 
+def agent_logs(cluster: Cluster, node: int) -> str:
+    """The last lines of the node agent's log on node-N: what a failing session shows first."""
+    listed = cluster.kubectl(
+        "get", "pods", "-n", NAMESPACE, "-l", "app.kubernetes.io/component=agent",
+        "--field-selector", f"spec.nodeName=node-{node}", "-o", "name", check=False,
+    ).stdout.split()  # fmt: skip
+    logs = [cluster.kubectl("logs", "-n", NAMESPACE, p, "--tail=60", check=False).stdout for p in listed]
+    return f"\n--- agent on node-{node} (tail)\n" + "\n".join(logs)
+
+
 def wait_registered(run: Any, node: int, pod_uid: str, ranks: int) -> dict[str, Any]:
     deadline = time.monotonic() + 120
     while True:
@@ -174,7 +184,7 @@ def test_a_pod_moves_to_the_other_node_and_finishes_exactly_once(
         store_job=f"{app_ns}/ring", checkpoint_id="c1",
     )  # fmt: skip
     report = checkpoint["report"]
-    assert report["state"] == "Succeeded", report
+    assert report["state"] == "Succeeded", f"{json.dumps(report, indent=1)}{agent_logs(cluster, 1)}"
     assert report["phase"] == "Stopped" and len(report["ranks"]) == 2, report
     assert checkpoint["committed"]["bytes"] > 0
     rank_keys = sorted(r["rankKey"] for r in report["ranks"])
@@ -193,7 +203,9 @@ def test_a_pod_moves_to_the_other_node_and_finishes_exactly_once(
         rank_keys=rank_keys, store_job=f"{app_ns}/ring", checkpoint_id="c1",
     )  # fmt: skip
     report = restore["report"]
-    assert report["state"] == "Succeeded", f"{report}{cluster.diagnose()}"
+    assert report["state"] == "Succeeded", (
+        f"{json.dumps(report, indent=1)}{agent_logs(cluster, 2)}{cluster.diagnose()}"
+    )
     assert sorted(r["rankKey"] for r in report["ranks"]) == rank_keys
     print(f"pod restore: {restore['seconds']:.1f}s, phases {report['phases']}, {report['bytes']} bytes")
     moved = pods.wait_pod(cluster, app_ns, "ring", {"Running"})

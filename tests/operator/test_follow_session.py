@@ -1,0 +1,95 @@
+"""How the operator follows a node's session: late answers are waited for, silence past the bound fails
+the step, and a finished session ends the follow with the right reason (pure logic, a scripted agent)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+
+from ibckpt.agentapi import AgentError, SessionReport, SessionState
+from ibckpt_operator import config as settings
+from ibckpt_operator.agents import Agent, AgentGateway, follow_session
+
+AGENT = Agent("node-a", "ibckpt-agent-x", "127.0.0.1", True)
+
+
+def report(state: SessionState, message: str = "") -> SessionReport:
+    return SessionReport(
+        session_id="s1",
+        kind="Checkpoint",
+        node="node-a",
+        state=state,
+        message=message,
+        started_at=time.time(),
+    )
+
+
+class ScriptedGateway(AgentGateway):
+    """Answers each poll with the next entry: a report, None (unknown session) or an AgentError."""
+
+    def __init__(self, answers: list[Any]) -> None:
+        super().__init__(token="t")
+        self.answers = answers
+        self.polls = 0
+
+    async def session(self, agent: Agent, session_id: str) -> SessionReport | None:
+        self.polls += 1
+        answer = self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+        if isinstance(answer, AgentError):
+            raise answer
+        return answer  # type: ignore[no-any-return]
+
+
+@pytest.fixture(autouse=True)
+def fast_polls() -> Any:
+    saved = settings.current()
+    settings.configure(saved.with_(poll_seconds=0.01, agent_unreachable_seconds=0.3))
+    yield
+    settings.configure(saved)
+
+
+def follow(answers: list[Any]) -> tuple[Any, list[SessionState], ScriptedGateway]:
+    seen: list[SessionState] = []
+    gateway = ScriptedGateway(answers)
+    end = asyncio.run(follow_session(gateway, AGENT, "s1", lambda r: seen.append(r.state)))
+    return end, seen, gateway
+
+
+def test_an_agent_that_answers_late_is_waited_for() -> None:
+    late = AgentError(0, "timed out")
+    end, seen, gateway = follow(
+        [report(SessionState.RUNNING), late, late, late, report(SessionState.SUCCEEDED)]
+    )
+    assert end.reason == "" and end.report is not None and end.report.state == SessionState.SUCCEEDED
+    assert seen == [SessionState.RUNNING, SessionState.SUCCEEDED]
+    assert gateway.polls == 5
+
+
+def test_an_agent_silent_past_the_bound_fails_the_step() -> None:
+    end, seen, _ = follow([report(SessionState.RUNNING), AgentError(0, "timed out")])
+    assert end.reason == "AgentUnreachable" and end.report is None
+    assert "node node-a: no answer for" in end.message and "timed out" in end.message
+    assert seen == [SessionState.RUNNING]
+
+
+def test_a_forgotten_session_is_lost() -> None:
+    end, _, _ = follow([None])
+    assert end.reason == "AgentLostSession" and "s1" in end.message
+
+
+@pytest.mark.parametrize(
+    ("state", "reason"),
+    [
+        (SessionState.REFUSED, "PreflightRefused"),
+        (SessionState.ABORTED, "SessionAborted"),
+        (SessionState.FAILED, "AgentFailed"),
+    ],
+)
+def test_a_session_that_did_not_succeed_names_why(state: SessionState, reason: str) -> None:
+    end, seen, _ = follow([report(state, "rank 3: ibv_alloc_dm is not supported")])
+    assert end.reason == reason
+    assert end.message == "node node-a: rank 3: ibv_alloc_dm is not supported"
+    assert seen == []  # a failed session's rank phases are not progress
