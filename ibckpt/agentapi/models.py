@@ -224,9 +224,13 @@ class CheckpointRequest(SessionBase):
 
 
 class RestoreRank(AgentModel):
-    """A rank to restore here: the pod the operator created for it, and the rank's key in the images."""
+    """A rank to restore here: the new pod (by namespace and name) and the rank's key in the images.
 
-    pod_uid: str = Field(min_length=1, max_length=64)
+    The operator asks before it creates the pods, so that the images are staged when the runtime
+    creates the containers: pod_uid is then empty and the pod of that name created afterwards is the
+    one restored. A request for pods that exist already names their uid."""
+
+    pod_uid: str = Field(default="", max_length=64)
     container: str = Field(min_length=1, max_length=63)
     rank_key: str = Field(min_length=1, description="job/pod/container/process of the checkpointed rank.")
     namespace: str = Field(default="", max_length=63, description="The new pod's namespace.")

@@ -3,14 +3,19 @@
 The tests feed this file to `python3 -` in a pod on the pod network, with a CONFIG line first (the
 tokens and keys travel on stdin, never on a command line). It hosts the job's coordinator on the pod's
 address, drives one node agent through its API with the operator's token (ibckpt.agentapi, as the
-operator does), and for a checkpoint commits the node's staged part in the store. It prints one line,
-`RESULT <json>`, with the agent's final report.
+operator does), and for a checkpoint commits the node's staged part in the store. A restore, as the
+operator's, asks the agent first and creates the new pod (with the operator's token) once the agent
+has staged its images. It prints one line, `RESULT <json>`, with the agent's final report.
 """
 
 import asyncio
 import json
+import os
 import socket
+import ssl
+import tempfile
 import time
+import urllib.request
 from typing import Any
 
 from pydantic import SecretStr
@@ -35,6 +40,24 @@ def pod_ip() -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect((cfg["agent"], 9))
         return str(s.getsockname()[0])
+
+
+def create_pod(manifest: dict[str, Any]) -> str:
+    """POST the pod to the apiserver (in-cluster address, the operator's token); its uid."""
+    host, port = os.environ["KUBERNETES_SERVICE_HOST"], os.environ["KUBERNETES_SERVICE_PORT"]
+    namespace = manifest["metadata"]["namespace"]
+    with tempfile.NamedTemporaryFile("w", suffix=".crt") as ca:
+        ca.write(cfg["api_ca"])
+        ca.flush()
+        context = ssl.create_default_context(cafile=ca.name)
+    request = urllib.request.Request(
+        f"https://{host}:{port}/api/v1/namespaces/{namespace}/pods",
+        data=json.dumps(manifest).encode(),
+        method="POST",
+        headers={"Authorization": f"Bearer {cfg['token']}", "Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=60, context=context) as reply:
+        return str(json.load(reply)["metadata"]["uid"])
 
 
 async def main() -> dict[str, Any]:
@@ -83,7 +106,6 @@ async def main() -> dict[str, Any]:
             ),
             ranks=[
                 RestoreRank(
-                    pod_uid=cfg["pod_uid"],
                     container="main",
                     rank_key=key,
                     namespace=cfg["namespace"],
@@ -93,10 +115,14 @@ async def main() -> dict[str, Any]:
             ],
         )
         await asyncio.to_thread(agent.restore, restore)
+    created = None
     while True:
         report = await asyncio.to_thread(agent.session, session_id)
         if report.state.finished:
             break
+        staged = report.ranks and all(r.phase.value not in ("Pending", "Downloading") for r in report.ranks)
+        if cfg["action"] == "restore" and created is None and staged:
+            created = await asyncio.to_thread(create_pod, cfg["create"])
         await asyncio.sleep(0.5)
     seconds = time.monotonic() - started
     committed = None
@@ -105,7 +131,7 @@ async def main() -> dict[str, Any]:
         manifest = await asyncio.to_thread(store.commit_parts, store_job, checkpoint_id, [cfg["node"]])
         committed = {"id": manifest.ref.checkpoint_id, "bytes": manifest.stats.logical_bytes}
     await server.stop()
-    return {"report": report.to_wire(), "seconds": seconds, "committed": committed}
+    return {"report": report.to_wire(), "seconds": seconds, "committed": committed, "created": created}
 
 
 print("RESULT " + json.dumps(asyncio.run(main())), flush=True)

@@ -194,13 +194,14 @@ def test_a_pod_moves_to_the_other_node_and_finishes_exactly_once(
 
     # the source is gone (Stop); a new pod of the same name on the other node restores from the images
     cluster.kubectl("delete", "pod", "-n", app_ns, "ring", "--timeout=120s", timeout=150)
+    # as the operator does: the agent stages the images first, then the pod is created (by the stand-in)
     restored = ring_pod("ring", "node-2", {"ibckpt.io/restore-from": f"{app_ns}/ring-c1"})
-    pods.apply(cluster, app_ns, restored)
-    uid = pods.get(cluster, app_ns, "pod", "ring")["metadata"]["uid"]
+    restored["metadata"]["namespace"] = app_ns
     restore = stand_in(
         "restore", 2,
-        job="ring", checkpoint=f"{app_ns}/ring-c1", pod_uid=uid, namespace=app_ns, pod="ring",
-        rank_keys=rank_keys, store_job=f"{app_ns}/ring", checkpoint_id="c1",
+        job="ring", checkpoint=f"{app_ns}/ring-c1", namespace=app_ns, pod="ring", create=restored,
+        api_ca=cluster.plane.ca_file.read_text(), rank_keys=rank_keys, store_job=f"{app_ns}/ring",
+        checkpoint_id="c1",
     )  # fmt: skip
     report = restore["report"]
     assert report["state"] == "Succeeded", (
@@ -209,7 +210,8 @@ def test_a_pod_moves_to_the_other_node_and_finishes_exactly_once(
     assert sorted(r["rankKey"] for r in report["ranks"]) == rank_keys
     print(f"pod restore: {restore['seconds']:.1f}s, phases {report['phases']}, {report['bytes']} bytes")
     moved = pods.wait_pod(cluster, app_ns, "ring", {"Running"})
-    assert moved["spec"]["nodeName"] == "node-2"
+    assert moved["spec"]["nodeName"] == "node-2" and moved["metadata"]["uid"] == restore["created"]
+    assert {r["podUid"] for r in report["ranks"]} == {restore["created"]}  # the agent bound them
     [state] = moved["status"]["containerStatuses"]
     assert "running" in state["state"] and state["restartCount"] == 0, state
     # what the container wrote to, and deleted from, its own filesystem came along

@@ -19,7 +19,7 @@ UID = "0b9e2d1c-1111-4222-8333-444455556666"
 
 def stage(config: oci.NodeConfig, **over: str) -> Path:
     """What the agent leaves for ml/job-0's container `trainer` (root's, as the agent is)."""
-    where = Path(config.restore_dir(UID, "trainer"))
+    where = Path(config.restore_dir("ml", "job-0", "trainer"))
     (where / "images").mkdir(parents=True)
     staged = {
         "checkpoint": "ml/ckpt-7",
@@ -30,7 +30,7 @@ def stage(config: oci.NodeConfig, **over: str) -> Path:
     }
     staged.update(over)
     (where / "staged.json").write_text(json.dumps(staged))
-    for p in (where.parent.parent, where.parent, where, where / "images"):
+    for p in (where.parents[2], where.parents[1], where.parent, where, where / "images"):
         p.chmod(0o700)
     return where
 
@@ -73,8 +73,26 @@ def test_a_create_waits_for_the_agent_to_stage(config: oci.NodeConfig) -> None:
     config.restore_wait_s = 0.5
     started = time.monotonic()
     with pytest.raises(oci.Refused, match=r"staged no images for it on this node within 0.5s"):
-        restore.check(config, restoring("ml/ckpt-7", **{"io.kubernetes.cri.sandbox-uid": "0000-other"}))
+        restore.check(config, restoring("ml/ckpt-7", **{"io.kubernetes.cri.sandbox-name": "job-1"}))
     assert time.monotonic() - started >= 0.5
+
+
+def test_images_staged_before_the_pod_existed_serve_the_pod_of_that_name(config: oci.NodeConfig) -> None:
+    """The operator has the images staged, then creates the pods: any uid, but only that name."""
+    where = stage(config, pod_uid="")
+    other_uid = {"io.kubernetes.cri.sandbox-uid": "99999999-0000-4000-8000-000000000000"}
+    assert restore.check(config, restoring(**other_uid)) == (str(where / "images"), "")
+    with pytest.raises(oci.Refused, match="staged no images for it"):
+        restore.check(config, restoring(**{"io.kubernetes.cri.sandbox-name": "job-1"}))
+    with pytest.raises(oci.Refused, match="bad container id"):
+        restore.check(config, restoring(**{"io.kubernetes.cri.sandbox-name": ".."}))
+
+
+def test_images_staged_for_another_pod_uid_are_refused(config: oci.NodeConfig) -> None:
+    stage(config)  # staged for UID: the pod existed when the agent was asked
+    other_uid = {"io.kubernetes.cri.sandbox-uid": "99999999-0000-4000-8000-000000000000"}
+    with pytest.raises(oci.Refused, match="staged images are for another restore .pod_uid="):
+        restore.check(config, restoring(**other_uid))
 
 
 def test_images_staged_for_another_restore_are_refused(config: oci.NodeConfig) -> None:
@@ -163,7 +181,7 @@ def test_the_wrapper_turns_create_into_restore_and_answers_start(tmp_path: Path)
     log = tmp_path / "log.json"
     done = wrap("--log", str(log), "--log-format", "json", "create", "--bundle", str(bundle), "c10")
     assert done.returncode == 1
-    assert "staged no images" in json.loads(log.read_text())["msg"]
+    assert "staged images are for another restore" in json.loads(log.read_text())["msg"]
     assert not (tmp_path / "argv").exists()
 
     # the pod's sandbox carries the same annotation (containerd passes pod annotations to it): untouched

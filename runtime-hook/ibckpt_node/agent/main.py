@@ -89,6 +89,15 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+def warm_store_imports() -> None:
+    """Import the store (boto3) once the agent serves: on a slow node the first import took tens of
+    seconds, which the first checkpoint's upload or restore's download would otherwise pay."""
+    try:
+        import ibckpt.store  # noqa: F401
+    except ImportError as exc:  # the session that needs it reports the error
+        log.warning("the image store cannot be imported: %s", exc)
+
+
 async def serve(args: argparse.Namespace) -> None:
     host_dir = Path(args.host_dir)
     shim = str(node_config(args.prefix, args.host_dir, args.runc)["shim"])
@@ -112,11 +121,13 @@ async def serve(args: argparse.Namespace) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await server.start()
+    warm = asyncio.create_task(asyncio.to_thread(warm_store_imports), name="warm imports")
     try:
         await stop.wait()
     finally:
         log.info("stopping")
         await server.close()
+        await warm
 
 
 def main(argv: Sequence[str] | None = None) -> int:

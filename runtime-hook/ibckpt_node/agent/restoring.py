@@ -1,8 +1,9 @@
 """This node's part of a restore, in three steps:
 
 1. stage: fetch each restored container's tree from the store (only this node's part of the
-   checkpoint) into STATE_DIR/restore/POD_UID/CONTAINER/images, then write staged.json last, so
-   the runtime wrapper (hook/restore.py) finds either nothing or complete images;
+   checkpoint) into STATE_DIR/restore/NAMESPACE/POD/CONTAINER/images, then write staged.json last,
+   so the runtime wrapper (hook/restore.py) finds either nothing or complete images. The operator
+   creates the new pods only after this step (their uid is unknown until then);
 2. the runtime restores: containerd creates the pod's container, the wrapper turns the create
    into `runc restore` from those images, and the hook registers the restored container;
 3. rebuild: the agent finds each rank's control socket in the registered container and the
@@ -24,6 +25,7 @@ from ibckpt.agentapi import models as api
 from ibckpt.coordination.ranks import RankId
 from ibckpt_node import driver
 from ibckpt_node.agent.kubesecrets import StagingError
+from ibckpt_node.hook import oci
 from ibckpt_node.registry import ContainerRegistry, RegisteredContainer
 
 if TYPE_CHECKING:  # the store (boto3) is imported only when a restore stages
@@ -41,7 +43,7 @@ class RestoreError(Exception):
 class ContainerRestore:
     """One container to restore here: the new pod's, and the tree of the checkpointed one."""
 
-    pod_uid: str
+    pod_uid: str  # empty: the pod does not exist yet (the one of this name created after staging)
     namespace: str
     pod: str
     container: str
@@ -53,14 +55,19 @@ def plan(request: api.RestoreRequest, manifest: Manifest) -> list[ContainerResto
     """Which checkpointed tree each requested container is restored from."""
     if not request.checkpoint:
         raise RestoreError("the restore request names no checkpoint (the new pods' restore annotation)")
-    grouped: dict[tuple[str, str], list[api.RestoreRank]] = {}
+    grouped: dict[tuple[str, str, str], list[api.RestoreRank]] = {}
     for rank in request.ranks:
         if not rank.namespace or not rank.pod:
             raise RestoreError(f"rank {rank.rank_key}: the request does not name its new pod")
-        grouped.setdefault((rank.pod_uid, rank.container), []).append(rank)
+        try:  # they name the staging directory
+            for name in (rank.namespace, rank.pod, rank.container):
+                oci.checked_id(name)
+        except ValueError as exc:
+            raise RestoreError(f"rank {rank.rank_key}: {exc}") from None
+        grouped.setdefault((rank.namespace, rank.pod, rank.container), []).append(rank)
     roots = {r.root for r in manifest.ranks if r.root}
     planned = []
-    for (pod_uid, container), ranks in grouped.items():
+    for (_, _, container), ranks in grouped.items():
         source = RankId.parse(ranks[0].rank_key)
         # a checkpointed container's tree is <its node>/<pod>.<container> (sessions.py names it)
         wanted = f"{source.pod}.{source.container}"
@@ -72,7 +79,7 @@ def plan(request: api.RestoreRequest, manifest: Manifest) -> list[ContainerResto
             )
         planned.append(
             ContainerRestore(
-                pod_uid,
+                ranks[0].pod_uid,
                 ranks[0].namespace,
                 ranks[0].pod,
                 container,
@@ -94,7 +101,7 @@ def stage(
     source: api.ImageSource,
     checkpoint: str,
     planned: Sequence[ContainerRestore],
-    restore_dir: Callable[[str, str], str],
+    restore_dir: Callable[[str, str, str], str],
     progress: Callable[[int], None],
 ) -> int:
     """Fetch and stage every planned container's images; returns the bytes fetched."""
@@ -107,12 +114,11 @@ def stage(
     try:
         store = ImageStore.open(config)
         for item in planned:
-            where = Path(restore_dir(item.pod_uid, item.container))
+            where = Path(restore_dir(item.namespace, item.pod, item.container))
             if where.exists():
                 shutil.rmtree(where)  # a retried session: start from nothing
-            _private_dir(where.parent.parent)
-            _private_dir(where.parent)
-            _private_dir(where)
+            for level in (where.parents[2], where.parents[1], where.parent, where):
+                _private_dir(level)
             report = store.restore(ref, where / "images", progress=progress, subtree=item.tree_root)
             total += report.logical_bytes
             (where / "images").chmod(0o700)
@@ -144,14 +150,29 @@ def _restore_args(images: Path) -> str:
     return str(manifest.get("restore_args", ""))
 
 
-def unstage(planned: Sequence[ContainerRestore], restore_dir: Callable[[str, str], str]) -> None:
+def unstage(planned: Sequence[ContainerRestore], restore_dir: Callable[[str, str, str], str]) -> None:
     for item in planned:
-        shutil.rmtree(restore_dir(item.pod_uid, item.container), ignore_errors=True)
+        where = Path(restore_dir(item.namespace, item.pod, item.container))
+        shutil.rmtree(where, ignore_errors=True)
+        for parent in (where.parent, where.parents[1]):  # the pod's and namespace's, once empty
+            try:
+                parent.rmdir()
+            except OSError:
+                break
 
 
-def _restored_entry(registry: ContainerRegistry, item: ContainerRestore) -> RegisteredContainer | None:
+def _restored_entry(
+    registry: ContainerRegistry, item: ContainerRestore, staged_at: float
+) -> RegisteredContainer | None:
+    """The container the runtime restored for `item`: by uid when the request named one, else the
+    one of that pod name registered after its images were staged (an older one is not ours)."""
     for entry in registry.entries():
-        if (entry.pod_uid, entry.container) == (item.pod_uid, item.container) and entry.shim:
+        if not entry.shim or entry.container != item.container:
+            continue
+        if item.pod_uid:
+            if entry.pod_uid == item.pod_uid:
+                return entry
+        elif (entry.namespace, entry.pod) == (item.namespace, item.pod) and entry.registered_at >= staged_at:
             return entry
     return None
 
@@ -161,18 +182,23 @@ async def wait_for_ranks(
     planned: Sequence[ContainerRestore],
     host_pid: Callable[[int, int], int],
     timeout_s: float,
+    staged_at: float = 0.0,
+    pod_uids: dict[str, str] | None = None,
 ) -> list[driver.LocalRank]:
     """The restored ranks, once the runtime has restored every planned container and each rank's
-    control socket is back; RestoreError naming what is missing when `timeout_s` passes."""
+    control socket is back; RestoreError naming what is missing when `timeout_s` passes. Each rank's
+    pod uid goes into `pod_uids` (rank key -> uid) as its container is found."""
     deadline = time.monotonic() + timeout_s
     while True:
         ranks: list[driver.LocalRank] = []
         missing: list[str] = []
         for item in planned:
-            entry = _restored_entry(registry, item)
+            entry = _restored_entry(registry, item, staged_at)
             if entry is None:
                 missing.append(f"{item.namespace}/{item.pod} container {item.container} (not restored yet)")
                 continue
+            if pod_uids is not None:
+                pod_uids.update(dict.fromkeys(item.rank_keys, entry.pod_uid))
             sockets = {Path(p).name: p for p in entry.sockets()}
             for key in item.rank_keys:
                 process = RankId.parse(key).process

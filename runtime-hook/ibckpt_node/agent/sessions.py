@@ -241,7 +241,12 @@ class Sessions:
             phase=api.RankPhase.DOWNLOADING.value,
             started_at=time.time(),
             ranks=[
-                api.RankProgress(rank_key=r.rank_key, pod_uid=r.pod_uid, container=r.container)
+                api.RankProgress(
+                    rank_key=r.rank_key,
+                    pod_uid=r.pod_uid,
+                    container=r.container,
+                    phase=api.RankPhase.DOWNLOADING,
+                )
                 for r in request.ranks
             ],
         )
@@ -265,6 +270,7 @@ class Sessions:
         restore_dir = self.registry.config.restore_dir
         try:
             planned = await self._stage_restore(session, request)
+            staged_at = time.time()  # a container of these pods registered before is not the restored one
             session.client = await self._connect(request)
             try:
                 async with ShimCoordinatorProxy(self.shim_socket, session.client) as proxy:
@@ -278,11 +284,19 @@ class Sessions:
                     self._set_phase(session, api.RankPhase.RESTORING)
 
                     async def restored() -> list[driver.LocalRank]:
+                        uids: dict[str, str] = {}
                         ranks = await restoring.wait_for_ranks(
-                            self.registry, planned, host_pid, request.timeouts.restore_seconds
+                            self.registry,
+                            planned,
+                            host_pid,
+                            request.timeouts.restore_seconds,
+                            staged_at,
+                            uids,
                         )
                         for r in ranks:
-                            session.by_key[r.rank.key()].pid = r.pid
+                            progress = session.by_key[r.rank.key()]
+                            progress.pid = r.pid
+                            progress.pod_uid = uids.get(progress.rank_key, progress.pod_uid)
                         self._set_phase(session, api.RankPhase.REBUILDING)
                         return ranks
 

@@ -90,8 +90,9 @@ class NodeConfig:
     def container_dir(self, container_id: str) -> str:
         return os.path.join(self.state_dir, "containers", container_id)
 
-    def restore_dir(self, pod_uid: str, container: str) -> str:
-        return os.path.join(self.state_dir, "restore", pod_uid, container)
+    def restore_dir(self, namespace: str, pod: str, container: str) -> str:
+        """Where the agent stages a container's images (names checked with checked_id first)."""
+        return os.path.join(self.state_dir, "restore", namespace, pod, container)
 
 
 _FIELDS = {

@@ -3,14 +3,17 @@
 A pod annotation alone proves nothing: anybody who can create a pod can write one. A restore is
 honoured only when the node agent (root) staged images for exactly this container:
 
-    STATE_DIR/restore/POD_UID/CONTAINER/staged.json   {"checkpoint": "NS/NAME", "namespace": NS,
-                                                        "pod": POD, "pod_uid": UID,
-                                                        "container": NAME, "restore_args": "..."}
-    STATE_DIR/restore/POD_UID/CONTAINER/images/       what `runc checkpoint` wrote
+    STATE_DIR/restore/NS/POD/CONTAINER/staged.json   {"checkpoint": "NS/NAME", "namespace": NS,
+                                                       "pod": POD, "pod_uid": UID or "",
+                                                       "container": NAME, "restore_args": "..."}
+    STATE_DIR/restore/NS/POD/CONTAINER/images/       what `runc checkpoint` wrote
 
 and both are root's and writable by nobody else. The agent stages only for a RestoreJob the
-operator admitted, and the pod's uid is given by the API server when the pod is created, so an
-annotation copied onto another pod, or naming another namespace's checkpoint, finds nothing.
+operator admitted, so an annotation copied onto a pod of another name, or naming another
+namespace's checkpoint, finds nothing. The operator has the images staged before it creates the
+pods (their uid does not exist yet: staged.json's pod_uid is then empty); when the agent was asked
+for pods that already existed, their uid must match too. The agent removes the staging when its
+session ends, so it serves one restore.
 """
 
 from __future__ import annotations
@@ -56,14 +59,14 @@ def check(config: oci.NodeConfig, spec: dict[str, Any]) -> tuple[str, str]:
             f"it belongs to namespace {namespace!r}, the pod is in {who.namespace!r}"
         )
     try:
-        oci.checked_id(who.pod_uid)
-        oci.checked_id(who.container)
+        for name in (who.namespace, who.pod, who.pod_uid, who.container):
+            oci.checked_id(name)
     except ValueError as exc:
         raise Refused(str(exc)) from None
-    where = config.restore_dir(who.pod_uid, who.container)
+    where = config.restore_dir(who.namespace, who.pod, who.container)
     staged_file = os.path.join(where, "staged.json")
     images = os.path.join(where, "images")
-    # The operator creates the pod, then asks the agent to stage: the kubelet's create may come first.
+    # Normally staged before the pod exists; a restore asked for existing pods may still be staging.
     deadline = time.monotonic() + config.restore_wait_s
     while not os.path.exists(staged_file) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -91,6 +94,8 @@ def check(config: oci.NodeConfig, spec: dict[str, Any]) -> tuple[str, str]:
     }
     if not isinstance(staged, dict):
         raise Refused(f"{staged_file}: not an object")
+    if staged.get("pod_uid") == "":
+        del want["pod_uid"]  # staged before the pod existed: the pod of this name created since
     wrong = sorted(k for k, v in want.items() if staged.get(k) != v)
     if wrong:
         theirs = ", ".join(f"{k}={staged.get(k)!r}" for k in wrong)
