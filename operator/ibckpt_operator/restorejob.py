@@ -1,8 +1,11 @@
 """One RestoreJob's driver: resolves the Checkpoint, checks its storage, places each pod, admits the
 destinations (ready agent, compatible versions, no pod of that name yet), opens the coordinator session,
-creates the destination pods and hands each node's agent its RestoreRequest, then follows the agents'
-session reports to Succeeded. A failure once a pod may exist aborts the agents' sessions and deletes
-the pods this restore created (CleanUpRestore), so no part of the job runs alone.
+hands each node's agent its RestoreRequest (the pods by namespace and name: they do not exist yet), and
+once every pod's images are staged creates the destination pods, then follows the agents' session
+reports to Succeeded. The images are staged first because the node's runtime wrapper holds a restored
+container's create only briefly while it waits for them. A failure once an agent session may exist
+aborts the agents' sessions and deletes the pods this restore created (CleanUpRestore), so no part of
+the job runs alone.
 
 The machine (machine/restore.py) decides; this observes and acts. Placement, templates and the
 compatibility rules are pure (restoreplan.py, podtemplate.py).
@@ -196,10 +199,10 @@ class RestoreJobDriver(Driver[RestoreState]):
             await self.admit(action)
         elif isinstance(action, OpenRestoreSession):
             await self.open_session(action)
-        elif isinstance(action, CreatePods):
-            await self.create_pods(action)
         elif isinstance(action, DownloadImages):
             await self.start_agents(action)
+        elif isinstance(action, CreatePods):
+            await self.create_pods(action)
         elif isinstance(action, CleanUpRestore):
             await self.clean_up(action)
         else:  # Restore, Rebuild, Resume: the agents go on by themselves; after a restart, follow them again
@@ -348,6 +351,9 @@ class RestoreJobDriver(Driver[RestoreState]):
         self.emit(SessionOpened(action.attempt))
 
     async def create_pods(self, action: CreatePods) -> None:
+        """Create the destination pods, once their images are staged on their nodes (DownloadImages is
+        done): the runtime wrapper then finds them at once, and the agents restore the pods of these
+        names."""
         assert self.state is not None
         await self.require_checkpoint()
         marker = self.restored_by(self.state.run)
@@ -404,7 +410,9 @@ class RestoreJobDriver(Driver[RestoreState]):
                     continue
                 for key in self.recorded(pod.name).ranks or ():
                     _, _, container, _ = rank_parts(key)
-                    ranks.append(RestoreRank(pod_uid=pod.uid, container=container, rank_key=key,
+                    # No uid: the pod is created once the images are staged; the agent restores the
+                    # pod of this namespace and name.
+                    ranks.append(RestoreRank(pod_uid="", container=container, rank_key=key,
                                              namespace=self.namespace, pod=pod.name))  # fmt: skip
             request = RestoreRequest(
                 session_id=self.session.id,
@@ -447,6 +455,7 @@ class RestoreJobDriver(Driver[RestoreState]):
     async def follow_again(self) -> None:
         """After a restart in Resuming: the agents' sessions may have ended meanwhile; read their reports."""
         assert self.state is not None
+        await self.load_checkpoint()  # its rank keys name the pods of the ranks (absorb)
         agents = await agents_by_node(self.rt.kube)
         for node in sorted({m.pod.node for m in self.state.members}):
             agent = agents.get(node)
@@ -460,13 +469,22 @@ class RestoreJobDriver(Driver[RestoreState]):
         if end.reason:
             self.fail_current(end.reason, end.message)
 
+    def pods_of_ranks(self) -> dict[str, str]:
+        """Rank key -> member (pod name), from the Checkpoint's record: a rank's pod uid is reported
+        only once the runtime has restored its pod, and the pods do not exist while the images stage."""
+        assert self.state is not None
+        members = {m.pod.name for m in self.state.members}
+        recorded = (self.checkpoint.spec.pods or ()) if self.checkpoint is not None else ()
+        return {key: pod.name for pod in recorded if pod.name in members for key in pod.ranks or ()}
+
     def absorb(self, report: SessionReport) -> None:
         assert self.state is not None
-        names = {m.pod.uid: m.pod.name for m in self.state.members if m.pod.uid}
+        by_key = self.pods_of_ranks()
+        by_uid = {m.pod.uid: m.pod.name for m in self.state.members if m.pod.uid}
         by_pod: dict[str, list[int]] = {}
         sizes: dict[str, int] = {}
         for rank in report.ranks:
-            name = names.get(rank.pod_uid)
+            name = by_key.get(rank.rank_key) or by_uid.get(rank.pod_uid)
             if name is None:
                 continue
             done = "Resumed" if report.state == SessionState.SUCCEEDED else RANK_MILESTONE.get(rank.phase)
@@ -479,7 +497,9 @@ class RestoreJobDriver(Driver[RestoreState]):
         self.report_progress()
 
     def report_progress(self) -> None:
-        """One PodStepDone per pod that has reached the step in flight's milestone (once per attempt)."""
+        """One PodStepDone per pod that has reached the step in flight's milestone (once per attempt).
+        Progress seen meanwhile is kept (self.progress): a pod restored while the others were still being
+        created counts for RestoreRanks as soon as that step is issued (its effect calls this)."""
         state = self.state
         if state is None or state.step is None or state.phase not in (RestorePhase.DOWNLOADING, *LIVE_PHASES):
             return

@@ -173,6 +173,16 @@ class Cluster:
         items = self.core.list_namespaced_event(self.namespace).items
         return [e for e in items if e.involved_object.name == name]
 
+    def pod_uid_and_origin(self, namespace: str, name: str) -> tuple[str, str] | None:
+        """The pod's uid and its ibckpt.io/restore-from annotation (what a node's runtime sees), or None."""
+        try:
+            pod = self.core.read_namespaced_pod(name, namespace)
+        except kubernetes.client.ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return pod.metadata.uid, (pod.metadata.annotations or {}).get("ibckpt.io/restore-from", "")
+
     def pod_names(self) -> list[str]:
         return sorted(p.metadata.name for p in self.core.list_namespaced_pod(self.namespace).items)
 
@@ -236,8 +246,10 @@ def _store_config(s3: S3Server, bucket: str, prefix: str = "ibckpt") -> StoreCon
 class FakeAgent:
     """One node's agent API. `behaviour`: "hang" keeps every rank quiescing; "complete" walks the ranks
     through every phase and stages this node's part in the real S3 (so the operator's commit is real).
-    A restore session reads the checkpoint's manifest from the real S3 (as the real agent does first),
-    then walks its ranks to Done, or with `restore_failure` set fails with that message while restoring."""
+    A restore session goes in the real agent's order: it reads the checkpoint's manifest from the real S3,
+    "stages" (ranks Restoring), then waits for the operator to create the pods of the requested names
+    (with the restore annotation) and takes their uids, and walks the ranks to Done; `download_failure`
+    fails it while downloading, `restore_failure` once the pods exist, `restore_hang` waits there."""
 
     node: str
     host: str
@@ -252,6 +264,10 @@ class FakeAgent:
     restores: list[RestoreRequest] = field(default_factory=list)
     restore_failure: str | None = None
     restore_hang: bool = False  # stay Restoring (the runtime never restored the container)
+    download_failure: str | None = None
+    # namespace, pod name -> (uid, restore-from annotation) of the pod of that name, or None
+    pod_lookup: Callable[[str, str], tuple[str, str] | None] | None = None
+    pods_at_request: list[list[str]] = field(default_factory=list)  # per restore: its pods that existed
     version: str = "test"
 
     def register(self, pod: dict[str, Any], namespace: str, container: str = "main") -> None:
@@ -326,6 +342,9 @@ class FakeAgent:
                 elif self.path == "/v1/sessions/restore":
                     restore = RestoreRequest.from_json(body)
                     agent.restores.append(restore)
+                    agent.pods_at_request.append(
+                        sorted({r.pod for r in restore.ranks if agent.find_pod(r.namespace, r.pod)})
+                    )
                     report = agent.new_restore_report(restore)
                     self.reply(202, report.to_json())
                     threading.Thread(target=agent.restore, args=(restore,), daemon=True).start()
@@ -386,7 +405,19 @@ class FakeAgent:
             self.set_phase(session, RankPhase.FAILED, state=SessionState.FAILED, finished_at=time.time(),
                            message=f"{self.node}: reading the manifest: {error}")  # fmt: skip
             return
-        for phase in (RankPhase.RESTORING, RankPhase.REBUILDING, RankPhase.RESUMING):
+        time.sleep(0.2)
+        if self.reports[session].state.finished:  # aborted meanwhile
+            return
+        if self.download_failure:
+            self.set_phase(session, RankPhase.FAILED, state=SessionState.FAILED, finished_at=time.time(),
+                           message=self.download_failure)  # fmt: skip
+            return
+        self.set_phase(session, RankPhase.RESTORING, bytes=1000)  # staged: the operator creates the pods
+        if not self.wait_for_pods(request):
+            return
+        if self.restore_hang:
+            return
+        for phase in (RankPhase.REBUILDING, RankPhase.RESUMING):
             time.sleep(0.2)
             if self.reports[session].state.finished:  # aborted meanwhile
                 return
@@ -394,11 +425,36 @@ class FakeAgent:
                 self.set_phase(session, RankPhase.FAILED, state=SessionState.FAILED, finished_at=time.time(),
                                message=self.restore_failure)  # fmt: skip
                 return
-            self.set_phase(session, phase, bytes=1000)
-            if self.restore_hang:
-                return
+            self.set_phase(session, phase)
         time.sleep(0.2)
         self.set_phase(session, RankPhase.DONE, state=SessionState.SUCCEEDED, finished_at=time.time())
+
+    def find_pod(self, namespace: str, name: str) -> tuple[str, str] | None:
+        return self.pod_lookup(namespace, name) if self.pod_lookup is not None else None
+
+    def wait_for_pods(self, request: RestoreRequest) -> bool:
+        """As the real agent: the pods of the requested names, created with the restore annotation after
+        staging; their uids go into the report. False if aborted meanwhile or never created."""
+        session = request.session_id
+        deadline = time.monotonic() + min(request.timeouts.restore_seconds, 60)
+        while True:
+            report = self.reports[session]
+            if report.state.finished:
+                return False
+            found = {(r.namespace, r.pod): self.find_pod(r.namespace, r.pod) for r in request.ranks}
+            uids = {key: pod[0] for key, pod in found.items() if pod and pod[1] == request.checkpoint}
+            if len(uids) == len(found):
+                by_key = {r.rank_key: uids[(r.namespace, r.pod)] for r in request.ranks}
+                ranks = [r.model_copy(update={"pod_uid": by_key.get(r.rank_key, r.pod_uid)})
+                         for r in report.ranks]  # fmt: skip
+                self.reports[session] = report.model_copy(update={"ranks": ranks})
+                return True
+            if time.monotonic() > deadline:
+                missing = ", ".join(sorted(f"{ns}/{pod}" for (ns, pod) in set(found) - set(uids)))
+                self.set_phase(session, RankPhase.FAILED, state=SessionState.FAILED, finished_at=time.time(),
+                               message=f"{self.node}: pods never created: {missing}")  # fmt: skip
+                return False
+            time.sleep(0.2)
 
     def set_phase(self, session: str, phase: RankPhase, **changes: Any) -> None:
         report = self.reports[session]
@@ -452,6 +508,7 @@ class Agents:
         cluster.node(node)
         cluster.agent_pod(node, host, ready=ready)
         agent = FakeAgent(node, host, self.port, behaviour, store)
+        agent.pod_lookup = cluster.pod_uid_and_origin
         agent.start()
         self.by_node[node] = agent
         return agent

@@ -131,7 +131,7 @@ def test_a_restore_state_keeps_its_created_pods_uids_through_status() -> None:
     machine = RestoreMachine(RestoreConfig.from_spec(RestoreJobSpec(checkpoint_name="ring-ckpt")))
     t = machine.start("r9", T0)
     sources = tuple(PodRef(p.name, "", p.node) for p in PODS)
-    for event in ("resolve", "place", "admit0", "admit1", "session", "created0"):
+    for event in ("resolve", "place", "admit0", "admit1", "session", "staged0", "staged1", "created0"):
         attempt = t.state.attempt
         assert attempt is not None
         e = {
@@ -140,13 +140,15 @@ def test_a_restore_state_keeps_its_created_pods_uids_through_status() -> None:
             "admit0": PodAdmitted(attempt, "ring-0"),
             "admit1": PodAdmitted(attempt, "ring-1"),
             "session": SessionOpened(attempt),
+            "staged0": PodStepDone(attempt, "ring-0"),  # the images first, then the pods
+            "staged1": PodStepDone(attempt, "ring-1"),
             "created0": PodCreated(attempt, "ring-0", "new-0"),
         }[event]
         t = machine.handle(t.state, e, T0 + 1)
     status = restore_status(t.state, now=T0 + 2)
     assert [(row.name, row.uid, row.node, row.phase) for row in status.pods or ()] == [
         ("ring-0", "new-0", "node-2", "Created"),
-        ("ring-1", None, "node-1", "Admitted"),
+        ("ring-1", None, "node-1", "Downloaded"),
     ]
     back = restore_state(type(status).from_wire(status.to_wire()))
     assert back == t.state

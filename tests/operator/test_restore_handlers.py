@@ -1,6 +1,7 @@
 """RestoreJob against the real apiserver and the real S3, with fake node agents (conftest.py): a Stop
-checkpoint restored as new pods of the same names on the swapped nodes; a failed agent undoes the
-restore; an existing pod or an incompatible node fails it before anything is created; bad input."""
+checkpoint restored as new pods of the same names on the swapped nodes, the images staged before the
+pods are created; a failed agent undoes the restore (a failed download creates no pod); an existing
+pod or an incompatible node fails it before anything is created; bad input."""
 
 from __future__ import annotations
 
@@ -195,9 +196,13 @@ def test_a_stop_checkpoint_is_restored_as_the_same_pods_on_the_swapped_nodes(
         assert (request.images.job, request.images.checkpoint_id) == (spec["jobName"], spec["checkpointId"])
         assert request.images.credentials.name == "s3-creds"
         [rank] = request.ranks
-        assert rank.pod_uid == created[pod].metadata.uid and rank.container == "main"
+        # Asked before the pod existed (the images are staged first): by namespace and name, no uid.
+        assert agent.pods_at_request == [[]]
+        assert rank.pod_uid == "" and rank.container == "main"
         assert rank.rank_key == by_name[pod]["ranks"][0] and (rank.namespace, rank.pod) == (ns, pod)
         assert request.session_token.get_secret_value() not in str(body)
+        [reported] = agent.reports[request.session_id].ranks  # the agent found the pod created after
+        assert reported.pod_uid == created[pod].metadata.uid
     reasons = [e.reason for e in cluster_ns.events("back")]
     for expected in ("Downloading", "Restoring", "Rebuilding", "Resuming", "Succeeded"):
         assert expected in reasons, reasons
@@ -222,7 +227,7 @@ def test_a_failed_agent_fails_the_restore_and_deletes_the_pods_it_created(
         body = cluster_ns.wait(RESTORES, "back", phase("Failed"), timeout=90)
     assert_failed(cluster_ns, body, "AgentFailed", "pid 4242 is in use")
     status = body["status"]
-    assert status["failedFrom"] in ("Downloading", "Restoring")
+    assert status["failedFrom"] == "Restoring"  # the pods existed: node-b failed restoring its own
     assert [row["phase"] for row in status["pods"]] == ["Removed", "Removed"]
     # No half-restored job: both created pods are deleted (Terminating here: no kubelet), by uid.
     created = pods_of(cluster_ns)
@@ -250,7 +255,12 @@ def test_an_operator_restart_while_restoring_removes_the_pods_it_created(
     cluster_ns.create("checkpoints", body)
     with operator():
         cluster_ns.create(RESTORES, restore_job("back", checkpointName="ring-c1"))
-        before = cluster_ns.wait(RESTORES, "back", phase("Restoring"), timeout=60)
+        before = cluster_ns.wait(
+            RESTORES,
+            "back",
+            lambda o: phase("Restoring")(o) and o["status"]["pods"][0].get("uid"),
+            timeout=60,
+        )  # the images staged, the pod created: the agent waits for the runtime to restore it
     [row] = before["status"]["pods"]
     assert row["uid"] == pods_of(cluster_ns)["ring-0"].metadata.uid  # in status before the operator left
     with operator():
@@ -261,6 +271,31 @@ def test_an_operator_restart_while_restoring_removes_the_pods_it_created(
     assert pod.metadata.uid == row["uid"] and pod.metadata.deletion_timestamp is not None
     run = before["status"]["attempt"].rpartition("-")[0]
     assert [s for s, _ in a.aborts] == [f"rsj-{run}"] and len(a.restores) == 1  # never sent again
+
+
+def test_a_failed_download_fails_the_restore_before_any_pod_is_created(
+    cluster_ns: Cluster, s3_server: S3Server, bucket: str, agents: Agents, operator: Any, store_config: Any
+) -> None:
+    config = store_config(bucket)
+    a = agents.add(cluster_ns, "node-a", 1, store=config)
+    b = agents.add(cluster_ns, "node-b", 2, store=config)
+    b.download_failure = "node-b: fetching ring/node-b/pages-1.img: SlowDown"
+    creds(cluster_ns, s3_server)
+    key = commit_checkpoint(config, f"{cluster_ns.namespace}/ring", "c1", ["node-a", "node-b"])
+    pods = [("ring-0", "node-a"), ("ring-1", "node-b")]
+    body = checkpoint("ring-c1", storage(s3_server, bucket), pods, manifest_key=key,
+                      job=f"{cluster_ns.namespace}/ring")  # fmt: skip
+    cluster_ns.create("checkpoints", body)
+    with operator():
+        cluster_ns.create(RESTORES, restore_job("back", checkpointName="ring-c1"))
+        body = cluster_ns.wait(RESTORES, "back", phase("Failed"), timeout=90)
+    assert_failed(cluster_ns, body, "AgentFailed", "SlowDown")
+    status = body["status"]
+    assert status["failedFrom"] == "Downloading"
+    assert [(row["phase"], row.get("uid")) for row in status["pods"]] == [("Removed", None)] * 2
+    assert not pods_of(cluster_ns)  # nothing was created: the pods come only once the images are staged
+    assert [s for s, _ in a.aborts] == [a.restores[0].session_id]  # node-a unstages what it staged
+    assert "SlowDown" in a.aborts[0][1]
 
 
 def test_an_existing_pod_of_the_same_name_fails_before_anything_is_created(

@@ -122,16 +122,21 @@ def test_a_restore_goes_through_every_phase_in_order() -> None:
     ]
     names = [type(a).__name__ for a in job.actions if isinstance(a, StepAction)]
     assert names == [
-        "ResolveCheckpoint", "PlacePods", "AdmitNodes", "OpenRestoreSession", "CreatePods", "DownloadImages",
+        "ResolveCheckpoint", "PlacePods", "AdmitNodes", "OpenRestoreSession", "DownloadImages", "CreatePods",
         "RestoreRanks", "RebuildRestored", "ResumeRestored",
     ]  # fmt: skip
+    # The images are staged before the pods exist: the agents are told the pods by name, no uid yet.
+    (download,) = job.of_type(DownloadImages)
+    assert {pod.name: (pod.node, pod.uid) for pod in download.pods} == {"ring-0": ("node-2", ""),
+                                                                        "ring-1": ("node-1", "")}  # fmt: skip
     (create,) = job.of_type(CreatePods)
     assert {pod.name: pod.node for pod in create.pods} == SWAP  # the destinations, not the sources
     (restore,) = job.of_type(RestoreRanks)
     assert {pod.name: (pod.node, pod.uid) for pod in restore.pods} == {
         "ring-0": ("node-2", "new-ring-0"),
         "ring-1": ("node-1", "new-ring-1"),
-    }  # the created pods' uids, which the agents' requests name
+    }  # the created pods' uids, which the agents find the restored containers by
+    assert [m.progress for m in job.state.members] == ["Resumed", "Resumed"]
     assert not job.of_type(CleanUpRestore)
     assert isinstance(job.actions[-1], CloseRestoreSession)
 
@@ -191,15 +196,29 @@ def test_a_deadline_before_anything_is_created_just_fails(phase: RestorePhase) -
     assert not job.of_type(CleanUpRestore) and not job.of_type(CreatePods)
 
 
-def test_a_failure_while_creating_the_pods_removes_those_created() -> None:
+def test_the_pods_are_created_only_once_every_pods_images_are_staged() -> None:
     job = Driver()
     job.to_phase(RestorePhase.DOWNLOADING)
-    assert job.step == RestoreStep.CREATE_PODS  # the pods come first: the agents need their uids
+    assert job.step == RestoreStep.DOWNLOAD and not job.of_type(CreatePods)
+    job.send(PodCreated(job.attempt, "ring-0", "new-ring-0"))  # not an answer to a download
+    job.send(PodStepDone(job.attempt, "ring-0", bytes=10))
+    assert job.step == RestoreStep.DOWNLOAD and not job.of_type(CreatePods)
+    assert [(m.pod.uid, m.progress) for m in job.state.members] == [("", "Downloaded"), ("", "Admitted")]
+    job.send(PodStepDone(job.attempt, "ring-1", bytes=10))
+    assert job.step == RestoreStep.CREATE_PODS and job.state.phase == RestorePhase.RESTORING
+    (create,) = job.of_type(CreatePods)
+    assert [pod.name for pod in create.pods] == ["ring-0", "ring-1"]
+
+
+def test_a_failure_while_creating_the_pods_removes_those_created() -> None:
+    job = Driver()
+    job.to_phase(RestorePhase.RESTORING)
+    assert job.step == RestoreStep.CREATE_PODS  # the images are staged, the pods come next
     job.send(PodCreated(job.attempt, "ring-0", "new-ring-0"))
     job.send(PodStepDone(job.attempt, "ring-1"))  # not an answer to a create
-    assert not job.of_type(DownloadImages)
+    assert not job.of_type(RestoreRanks)
     job.send(StepFailed(job.attempt, "PodExists", "pod ring-1 was created by someone else", pod="ring-1"))
-    assert job.state.phase == RestorePhase.CLEANING_UP and job.state.failed_from == RestorePhase.DOWNLOADING
+    assert job.state.phase == RestorePhase.CLEANING_UP and job.state.failed_from == RestorePhase.RESTORING
     (cleanup,) = job.of_type(CleanUpRestore)
     assert {pod.name: pod.uid for pod in cleanup.pods} == {"ring-0": "new-ring-0", "ring-1": ""}
     for pod in SOURCE:
@@ -208,23 +227,39 @@ def test_a_failure_while_creating_the_pods_removes_those_created() -> None:
     assert job.state.message == "ring-1: pod ring-1 was created by someone else"
 
 
-def test_a_download_deadline_removes_the_created_pods() -> None:
+def test_a_download_deadline_aborts_the_agents_sessions_before_any_pod_exists() -> None:
     job = Driver()
     job.to_phase(RestorePhase.DOWNLOADING)
-    job.advance()  # created
-    assert job.step == RestoreStep.DOWNLOAD and job.state.phase == RestorePhase.DOWNLOADING
+    assert job.step == RestoreStep.DOWNLOAD
     job.send(PodStepDone(job.attempt, "ring-0", bytes=10))
     job.send(Tick(), after=job.machine.config.timeouts[RestorePhase.DOWNLOADING])
     assert job.state.phase == RestorePhase.CLEANING_UP and job.state.reason == "DownloadingTimeout"
     assert "(waiting for ring-1)" in (job.state.message or "")
+    assert not job.of_type(CreatePods)
+    (cleanup,) = job.of_type(CleanUpRestore)  # the agents unstage; no uid: no pod was created
+    assert [(pod.name, pod.uid) for pod in cleanup.pods] == [("ring-0", ""), ("ring-1", "")]
+
+
+def test_the_restore_deadline_covers_the_creation_of_the_pods() -> None:
+    job = Driver()
+    job.to_phase(RestorePhase.RESTORING)
+    assert job.step == RestoreStep.CREATE_PODS
+    limit = job.machine.config.timeouts[RestorePhase.RESTORING]
+    assert job.last.wake_at == job.state.phase_since + limit
+    job.send(PodCreated(job.attempt, "ring-0", "new-ring-0"))
+    job.send(Tick(), after=limit)
+    assert job.state.phase == RestorePhase.CLEANING_UP and job.state.reason == "RestoringTimeout"
+    assert "(waiting for ring-1)" in (job.state.message or "")
     (cleanup,) = job.of_type(CleanUpRestore)
-    assert [pod.uid for pod in cleanup.pods] == ["new-ring-0", "new-ring-1"]
+    assert [(pod.name, pod.uid) for pod in cleanup.pods] == [("ring-0", "new-ring-0"), ("ring-1", "")]
 
 
 @pytest.mark.parametrize("phase", [RestorePhase.RESTORING, RestorePhase.REBUILDING, RestorePhase.RESUMING])
 def test_a_deadline_once_ranks_may_exist_removes_every_restored_rank(phase: RestorePhase) -> None:
     job = Driver()
     job.to_phase(phase)
+    if job.step == RestoreStep.CREATE_PODS:  # Restoring starts by creating the pods
+        job.advance()
     job.send(PodStepDone(job.attempt, "ring-0"))
     job.send(Tick(), after=job.machine.config.timeouts[phase])
     assert job.state.phase == RestorePhase.CLEANING_UP and job.state.failed_from == phase
@@ -257,7 +292,7 @@ def test_the_overall_deadline_applies() -> None:
     assert job.state.phase == RestorePhase.FAILED and job.state.reason == "DeadlineExceeded"
 
     late = Driver(activeDeadlineSeconds=50)
-    late.to_phase(RestorePhase.DOWNLOADING)  # a pod may exist: it is removed first
+    late.to_phase(RestorePhase.DOWNLOADING)  # the agents are staging: their sessions are aborted first
     late.now = T0 + 50
     late.send(Tick())
     assert late.state.phase == RestorePhase.CLEANING_UP and late.state.reason == "DeadlineExceeded"
@@ -285,8 +320,8 @@ def test_a_lost_pod_or_a_cancel_after_restoring_cleans_up() -> None:
         (RestoreStep.RESOLVE, "reissue"),
         (RestoreStep.PLACE, "reissue"),
         (RestoreStep.ADMIT, "reissue"),
-        (RestoreStep.CREATE_PODS, "clean-up"),
         (RestoreStep.DOWNLOAD, "clean-up"),
+        (RestoreStep.CREATE_PODS, "clean-up"),
         (RestoreStep.RESTORE, "clean-up"),
         (RestoreStep.REBUILD, "clean-up"),
         (RestoreStep.RESUME, "reissue"),
@@ -312,6 +347,10 @@ def test_a_restart_reissues_safe_steps_and_undoes_the_others(step: RestoreStep, 
     else:
         assert len(job.of_type(kind)) == count  # never replayed
         assert job.state.phase == RestorePhase.CLEANING_UP and job.state.reason == "OperatorRestarted"
+        (cleanup,) = job.of_type(CleanUpRestore)  # every member: a pod status does not name is found by name
+        assert [pod.name for pod in cleanup.pods] == ["ring-0", "ring-1"]
+        if step == RestoreStep.DOWNLOAD:
+            assert job.state.failed_from == RestorePhase.DOWNLOADING and not job.of_type(CreatePods)
 
 
 def test_stale_and_foreign_results_are_ignored() -> None:

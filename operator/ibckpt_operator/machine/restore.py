@@ -4,11 +4,14 @@
     failure, deadline, lost pod or cancel in Pending, Admitted                          -> Failed
                                      in Downloading, Restoring, Rebuilding, Resuming -> CleaningUp -> Failed
 
-Downloading starts by creating the destination pods (CreatePods: the agents need their UIDs), then the
-agents download and stage the images. No part of a job is left running by itself: once a destination
-pod may exist, a failure removes every restored rank and created pod (CleanUpRestore) before the job
-fails. The Checkpoint stays valid for another RestoreJob. Placement honours the spec: a pod is never
-placed on a node to avoid, nor back on its source node when avoidSourceNodes is set.
+Downloading asks the agents to download and stage the images (DownloadImages) before any destination
+pod exists: the node's runtime wrapper holds a restored container's create only briefly while it waits
+for staged images, so the pods are created (CreatePods, in Restoring) only once every pod's images are
+staged; the agents, told each pod's namespace and name, then restore the pod of that name. No part of a
+job is left running by itself: once an agent session or a destination pod may exist, a failure aborts
+the sessions and removes every restored rank and created pod (CleanUpRestore) before the job fails.
+The Checkpoint stays valid for another RestoreJob. Placement honours the spec: a pod is never placed on
+a node to avoid, nor back on its source node when avoidSourceNodes is set.
 
 Members are keyed by pod name: a member's uid is its destination pod's, once created.
 """
@@ -57,8 +60,8 @@ class RestoreStep(StrEnum):
     PLACE = "place"
     ADMIT = "admit"
     OPEN_SESSION = "open-session"
-    CREATE_PODS = "create-pods"
     DOWNLOAD = "download"
+    CREATE_PODS = "create-pods"
     RESTORE = "restore"
     REBUILD = "rebuild"
     RESUME = "resume"
@@ -70,8 +73,8 @@ STEP_LABEL: Mapping[RestoreStep, str | None] = {
     RestoreStep.PLACE: None,
     RestoreStep.ADMIT: "Admitted",
     RestoreStep.OPEN_SESSION: None,
-    RestoreStep.CREATE_PODS: "Created",
     RestoreStep.DOWNLOAD: "Downloaded",
+    RestoreStep.CREATE_PODS: "Created",
     RestoreStep.RESTORE: "Restored",
     RestoreStep.REBUILD: "Rebuilt",
     RestoreStep.RESUME: "Resumed",
@@ -83,9 +86,10 @@ ON_UNKNOWN: Mapping[RestoreStep, Unknown] = {
     RestoreStep.ADMIT: Unknown.REISSUE,
     RestoreStep.OPEN_SESSION: Unknown.REISSUE,
     # The coordinator session lives in the operator: a new operator cannot carry on a session its agents
-    # joined, and a pod may exist that status does not name yet.
-    RestoreStep.CREATE_PODS: Unknown.ABORT,
+    # joined (they are staging images from Downloading on), and during the creation a pod may exist that
+    # status does not name yet (the clean-up finds it by this run's marker).
     RestoreStep.DOWNLOAD: Unknown.ABORT,
+    RestoreStep.CREATE_PODS: Unknown.ABORT,
     RestoreStep.RESTORE: Unknown.ABORT,  # processes may or may not exist
     RestoreStep.REBUILD: Unknown.ABORT,  # rebuild publishes ids under an epoch; never twice blindly
     RestoreStep.RESUME: Unknown.REISSUE,  # reads the agents' reports of the session: Succeeded or not
@@ -93,14 +97,15 @@ ON_UNKNOWN: Mapping[RestoreStep, Unknown] = {
 }
 NEXT_STEP: Mapping[RestoreStep, tuple[RestoreStep, RestorePhase] | None] = {
     RestoreStep.ADMIT: (RestoreStep.OPEN_SESSION, RestorePhase.ADMITTED),
-    RestoreStep.CREATE_PODS: (RestoreStep.DOWNLOAD, RestorePhase.DOWNLOADING),
-    RestoreStep.DOWNLOAD: (RestoreStep.RESTORE, RestorePhase.RESTORING),
+    # The pods are created once every pod's images are staged; creating them starts the restore.
+    RestoreStep.DOWNLOAD: (RestoreStep.CREATE_PODS, RestorePhase.RESTORING),
+    RestoreStep.CREATE_PODS: (RestoreStep.RESTORE, RestorePhase.RESTORING),
     RestoreStep.RESTORE: (RestoreStep.REBUILD, RestorePhase.REBUILDING),
     RestoreStep.REBUILD: (RestoreStep.RESUME, RestorePhase.RESUMING),
     RestoreStep.RESUME: None,  # done
 }
 TERMINAL = frozenset({RestorePhase.SUCCEEDED, RestorePhase.FAILED})
-# Phases before any destination pod can exist: a failure just fails.
+# Phases before any agent session or destination pod can exist: a failure just fails.
 NOTHING_RESTORED = frozenset({RestorePhase.PENDING, RestorePhase.ADMITTED})
 
 
@@ -159,14 +164,16 @@ class CloseRestoreSession(Action):
 
 @dataclass(frozen=True)
 class CreatePods(StepAction):
-    """Create each destination pod (answer PodCreated with its uid, or StepFailed)."""
+    """Create each destination pod, its images staged on its node (answer PodCreated with its uid, or
+    StepFailed)."""
 
     checkpoint_name: str = ""
 
 
 @dataclass(frozen=True)
 class DownloadImages(StepAction):
-    """Start the agents' restore sessions: each downloads and stages its pods' images."""
+    """Start the agents' restore sessions before the pods exist: each downloads and stages its pods'
+    images (by namespace and pod name), then waits for the pod of that name to be created and restored."""
 
     checkpoint_name: str = ""
 
@@ -196,8 +203,8 @@ _STEP_ACTION: Mapping[RestoreStep, type[StepAction]] = {
     RestoreStep.PLACE: PlacePods,
     RestoreStep.ADMIT: AdmitNodes,
     RestoreStep.OPEN_SESSION: OpenRestoreSession,
-    RestoreStep.CREATE_PODS: CreatePods,
     RestoreStep.DOWNLOAD: DownloadImages,
+    RestoreStep.CREATE_PODS: CreatePods,
     RestoreStep.RESTORE: RestoreRanks,
     RestoreStep.REBUILD: RebuildRestored,
     RestoreStep.RESUME: ResumeRestored,
@@ -321,7 +328,7 @@ class RestoreMachine:
                 replace(state, members=members), "AdmissionRefused", f"{event.pod}: {event.message}", now
             )
         if isinstance(event, SessionOpened) and step == RestoreStep.OPEN_SESSION:
-            state, actions = self._issue(state, RestoreStep.CREATE_PODS, now, RestorePhase.DOWNLOADING)
+            state, actions = self._issue(state, RestoreStep.DOWNLOAD, now, RestorePhase.DOWNLOADING)
             return self._done(state, actions)
         if isinstance(event, PodCreated) and step == RestoreStep.CREATE_PODS:
             if all(member.pod.name != event.pod for member in state.members):
@@ -453,10 +460,10 @@ class RestoreMachine:
         elif step == RestoreStep.PLACE:
             avoid = self.config.avoid_nodes
             action = PlacePods(attempt, pods, dict(self.config.node_selector), avoid)
-        elif step == RestoreStep.CREATE_PODS:
-            action = CreatePods(attempt, pods, self.config.checkpoint_name)
         elif step == RestoreStep.DOWNLOAD:
             action = DownloadImages(attempt, pods, self.config.checkpoint_name)
+        elif step == RestoreStep.CREATE_PODS:
+            action = CreatePods(attempt, pods, self.config.checkpoint_name)
         else:
             action = _STEP_ACTION[step](attempt, pods)
         actions.append(action)
