@@ -380,6 +380,29 @@ void ibk_install_ops(struct ibk_ctx *ctx)
 	v->context.abi_compat = __VERBS_ABI_IS_EXTENDED;
 }
 
+/* Before a rebuild reads the port again: its current real GIDs go to the
+ * front of ctx->past (a GID already there at that index moves to the front). */
+void ibk_ctx_remember_gids(struct ibk_ctx *ctx)
+{
+	int i, j, n;
+
+	for (i = 3; i >= 0; i--) {
+		if (!(ctx->port_gid_valid & (1u << i)))
+			continue;
+		n = ctx->npast;
+		for (j = 0; j < n; j++)
+			if (ctx->past[j].index == i && !memcmp(&ctx->past[j].gid, &ctx->rgid[i], sizeof(ctx->rgid[i])))
+				break;
+		if (j == n && n < IBK_PAST_GIDS)
+			ctx->npast = (uint8_t)++n;
+		if (j == n)
+			j = n - 1; /* full: the oldest goes */
+		memmove(&ctx->past[1], &ctx->past[0], (size_t)j * sizeof(ctx->past[0]));
+		ctx->past[0].gid = ctx->rgid[i];
+		ctx->past[0].index = (uint8_t)i;
+	}
+}
+
 /* Read the port's current LID and first GIDs into the real-id slots. */
 int ibk_ctx_read_port(struct ibk_ctx *ctx)
 {

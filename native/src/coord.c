@@ -257,12 +257,18 @@ static size_t npeers, cap_peers;
 
 void ibk_peers_put(const struct ibk_peer_map *p)
 {
+	static const union ibv_gid zero;
+	union ibv_gid prev = zero;
 	size_t i;
 
 	pthread_mutex_lock(&peers_lock);
 	for (i = 0; i < npeers; i++)
 		if (peers[i].vqpn == p->vqpn && !memcmp(&peers[i].vgid, &p->vgid, sizeof(p->vgid)))
 			break;
+	if (i < npeers)
+		prev = memcmp(&peers[i].rgid, &p->rgid, sizeof(prev)) && memcmp(&peers[i].rgid, &zero, sizeof(prev))
+			       ? peers[i].rgid
+			       : peers[i].prev_rgid;
 	if (i == npeers) {
 		if (npeers == cap_peers) {
 			size_t nc = cap_peers ? cap_peers * 2 : 16;
@@ -278,6 +284,7 @@ void ibk_peers_put(const struct ibk_peer_map *p)
 		npeers++;
 	}
 	peers[i] = *p;
+	peers[i].prev_rgid = prev;
 	pthread_mutex_unlock(&peers_lock);
 }
 
@@ -345,14 +352,15 @@ int ibk_peers_reverse_qpn(uint32_t rqpn, uint32_t *vqpn)
 /* A peer's virtual GID from the real one its packets carry; the peer
  * that also has this virtual QPN first (processes on one node share a
  * real GID but may have brought different virtual ones). */
-int ibk_peers_reverse_gid(const union ibv_gid *rgid, uint32_t vqpn, union ibv_gid *vgid)
+int ibk_peers_reverse_gid(const union ibv_gid *rgid, uint32_t vqpn, int past, union ibv_gid *vgid)
 {
 	size_t i;
 	int rc = -ENOENT;
 
 	pthread_mutex_lock(&peers_lock);
 	for (i = 0; i < npeers; i++)
-		if (!memcmp(&peers[i].rgid, rgid, sizeof(*rgid)) && (rc || peers[i].vqpn == vqpn)) {
+		if (!memcmp(past ? &peers[i].prev_rgid : &peers[i].rgid, rgid, sizeof(*rgid)) &&
+		    (rc || peers[i].vqpn == vqpn)) {
 			*vgid = peers[i].vgid;
 			rc = 0;
 			if (peers[i].vqpn == vqpn)

@@ -26,6 +26,7 @@ static int rebuild_open(struct ibk_ctx *ctx)
 	ibk_real.free_device_list(list);
 	if (!ctx->real)
 		return -ENODEV;
+	ibk_ctx_remember_gids(ctx);
 	ctx->port_gid_valid = 0;
 	return ibk_ctx_read_port(ctx);
 }

@@ -163,6 +163,8 @@ struct ibk_obj {
 	struct ibk_ctx *ctx;
 };
 
+#define IBK_PAST_GIDS 8
+
 struct ibk_ctx {
 	struct verbs_context vctx; /* the app holds &vctx.context */
 	struct ibv_context *real;
@@ -180,6 +182,13 @@ struct ibk_ctx {
 	uint8_t port_gid_valid;
 	union ibv_gid vgid[4];  /* virtual GID per index (port 1), fixed at open */
 	union ibv_gid rgid[4];  /* current real GID per index */
+	/* Real GIDs of earlier incarnations and their index, newest first: a
+	 * datagram received before a rebuild names them in its GRH. */
+	struct {
+		union ibv_gid gid;
+		uint8_t index;
+	} past[IBK_PAST_GIDS];
+	uint8_t npast;
 	uint16_t vlid, rlid;
 	struct ibk_ctx *next_ctx;
 };
@@ -353,11 +362,13 @@ void ibk_obj_add(struct ibk_ctx *ctx, struct ibk_obj *o, enum ibk_kind kind);
 void ibk_obj_del(struct ibk_ctx *ctx, struct ibk_obj *o);
 void ibk_install_ops(struct ibk_ctx *ctx);
 int ibk_ctx_read_port(struct ibk_ctx *ctx);
+void ibk_ctx_remember_gids(struct ibk_ctx *ctx);
 #define IBK_MAX_QPS 4096
 
 /* Peers known by their virtual ids, learnt from the coordinator. */
 struct ibk_peer_map {
 	union ibv_gid vgid, rgid;
+	union ibv_gid prev_rgid; /* its real GID in the record before (ibk_peers_put keeps it) */
 	uint32_t vqpn, rqpn;
 	uint16_t vlid, rlid;
 	uint64_t epoch; /* the rebuild whose record this is */
@@ -365,7 +376,8 @@ struct ibk_peer_map {
 int ibk_peers_lookup(const union ibv_gid *vgid, uint32_t vqpn, struct ibk_peer_map *out);
 int ibk_peers_lookup_gid(const union ibv_gid *vgid, union ibv_gid *rgid);
 int ibk_peers_reverse_qpn(uint32_t rqpn, uint32_t *vqpn);
-int ibk_peers_reverse_gid(const union ibv_gid *rgid, uint32_t vqpn, union ibv_gid *vgid);
+/* past: match the real GID a peer had before its latest record instead */
+int ibk_peers_reverse_gid(const union ibv_gid *rgid, uint32_t vqpn, int past, union ibv_gid *vgid);
 void ibk_peers_put(const struct ibk_peer_map *p);
 /* After a rebuild: take every cached peer not yet learnt in this epoch from
  * its new record; a peer that publishes none in time is forgotten. */

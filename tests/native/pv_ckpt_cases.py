@@ -4,10 +4,12 @@ refusals STOP: connects an RC pair, then tries what the shim cannot carry throug
 (a memory window, a raw packet QP) and modifies one QP more often than a rebuild can replay.
 Prints `READY <qpn a> <qpn b> mw=<errno> raw=<errno>` and waits for the stop file.
 
-ud_reply STOP GID_INDEX: two UD QPs; A sends a numbered request to B over GID_INDEX, B answers
-through an address handle made from the request's completion and GRH (ibv_create_ah_from_wc), a
-new one each round, and every other round through the one it made first. A checks each answer.
-Prints READY, then `RESULT rounds=<n> bad=<n>` once the stop file appears.
+ud_reply STOP GID_INDEX [HOLD]: two UD QPs; A sends a numbered request to B over GID_INDEX, B
+answers through an address handle made from the request's completion and GRH
+(ibv_create_ah_from_wc), a new one each round, and every other round through the one it made first.
+A checks each answer. When the file HOLD exists after B got a request, prints HELD and makes the AH
+only once HOLD is gone (a checkpoint in between leaves a completion from before it). Prints READY,
+then `RESULT rounds=<n> bad=<n>` once the stop file appears.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import os
 import struct
 import sys
+import time
 
 import pyverbs.enums as e
 from pyverbs.addr import AH, AHAttr, GlobalRoute
@@ -95,7 +98,7 @@ def poll_for(cq: CQ, want: set[int], spins: int = 20_000_000) -> dict[int, objec
     raise RuntimeError(f"waited for {sorted(want)}, got {sorted(got)}")
 
 
-def ud_reply(stop: str, gid_index: int) -> int:
+def ud_reply(stop: str, gid_index: int, hold: str | None = None) -> int:
     ctx = Context(name="rxe0")
     pd = PD(ctx)
     cq = CQ(ctx, 32)
@@ -121,6 +124,10 @@ def ud_reply(stop: str, gid_index: int) -> int:
         rwc = poll_for(cq, {1, 3})[1]
         if mr.read(16, b_in + GRH) != struct.pack("<QQ", rounds, 0xA):
             bad += 1
+        if hold and os.path.exists(hold):
+            print("HELD", flush=True)
+            while os.path.exists(hold):
+                time.sleep(0.01)
         # the GRH as the receive wrote it into the buffer, as a C program passes it
         ah = AH(pd, wc=rwc, grh=mr.buf + b_in, port_num=1)
         if first is None:
@@ -141,4 +148,4 @@ def ud_reply(stop: str, gid_index: int) -> int:
 if __name__ == "__main__":
     if sys.argv[1] == "refusals":
         sys.exit(refusals(sys.argv[2]))
-    sys.exit(ud_reply(sys.argv[2], int(sys.argv[3])))
+    sys.exit(ud_reply(sys.argv[2], int(sys.argv[3]), *sys.argv[4:5]))

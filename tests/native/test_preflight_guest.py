@@ -31,7 +31,8 @@ def built() -> None:
 def _proc(
     tmp_path: Path, name: str, argv: list[str], shim: Path, env: dict[str, str] | None = None
 ) -> ShimProc:
-    env = {"PATH": "/usr/bin:/bin", **(env or {})}
+    # a crash in the shim leaves the Python stack on stderr
+    env = {"PATH": "/usr/bin:/bin", "PYTHONFAULTHANDLER": "1", **(env or {})}
     return ShimProc(name, ["/usr/bin/python3", str(CASES), *argv], tmp_path, env, shim=shim)
 
 
@@ -66,6 +67,13 @@ def test_status_lists_what_a_checkpoint_cannot_carry(tmp_path: Path, shim: Path)
     # and asking touched nothing: the process runs, its QPs are connected, its device is open
     assert status["state"] == "running" and status["gate_closed"] == 0, status
     assert [q["state"] for q in status["qps"]] == [3, 3], status["qps"]
+
+
+def _gone(prog: ShimProc, exc: Exception) -> AssertionError:
+    """The failure to report when the program's control socket stopped answering: how the program
+    ended and what it printed."""
+    code = None if prog.popen is None else prog.popen.poll()
+    return AssertionError(f"{prog.name}: {exc!r}; exit code {code}; {prog.outputs()}")
 
 
 def _sh(*argv: str) -> None:
@@ -109,7 +117,10 @@ def test_ah_from_wc_after_a_rebuild_that_changed_the_gid(tmp_path: Path, shim: P
     """UD requests and answers over the GID of OLD; between release and rebuild that address is
     replaced by NEW, so the rebuilt QPs' real GID differs from the virtual one and every GRH
     carries NEW. The answers keep flowing through AHs made from those completions, and every AH
-    the process holds names OLD (the preflight would refuse a GID no rank holds)."""
+    the process holds names OLD (the preflight would refuse a GID no rank holds). That checkpoint
+    comes while the program holds a request it received before it, whose GRH names OLD, a GID the
+    device no longer has; its AH is made after the rebuild (the AH from such a completion failed
+    with EINVAL, and the program died, when a checkpoint happened to cut a round there)."""
     netdev = (PORT / "gid_attrs" / "ndevs" / "1").read_text().strip()
     _sh("ip", "addr", "add", f"{OLD}/32", "dev", netdev)
     try:
@@ -117,14 +128,18 @@ def test_ah_from_wc_after_a_rebuild_that_changed_the_gid(tmp_path: Path, shim: P
         assert index < 4, index  # the shim virtualizes the first four GIDs
         with Coordinator(tmp_path / "coord.sock") as coord:
             stop = tmp_path / "stop"
-            prog = _proc(tmp_path, "udreply", ["ud_reply", str(stop), str(index)], shim, coord.env)
+            hold = tmp_path / "hold"
+            prog = _proc(tmp_path, "udreply", ["ud_reply", str(stop), str(index), str(hold)], shim, coord.env)
             prog.start()
             try:
                 prog.wait_for_output("READY", 120)
                 _wait_traffic(prog, 10)
                 first = checkpoint([prog], 1)
                 _wait_traffic(prog, 10)
-                # the second checkpoint by hand: the GID changes while the device is released
+                # the second checkpoint by hand, with a request received before it: the GID
+                # changes while the device is released
+                hold.touch()
+                prog.wait_for_output("HELD", 120)
                 prog.ctl.quiesce(20000)
                 prog.ctl.drain(3000)
                 prog.ctl.release(10000)
@@ -134,10 +149,13 @@ def test_ah_from_wc_after_a_rebuild_that_changed_the_gid(tmp_path: Path, shim: P
                 assert _gid_index(NEW) == index  # the new address took the old one's slot
                 rebuilt = prog.ctl.rebuild(2, 60000)
                 prog.ctl.resume()
+                hold.unlink()
                 _wait_traffic(prog, 20)
                 ah_gids = set(prog.ctl.status()["ah_gids"])
                 stop.touch()
                 code = prog.wait(120)
+            except OSError as exc:  # the control socket is gone: say why the program ended
+                raise _gone(prog, exc) from exc
             finally:
                 prog.kill()
     finally:
