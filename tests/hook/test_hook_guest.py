@@ -366,10 +366,12 @@ def test_a_staged_restore_runs_through_the_wrapper_and_a_forged_one_is_refused(n
     time.sleep(1)
     assert count() == dumped, "the checkpointed container must be gone"
 
-    # the agent's staging: root's, for this pod's uid and container
+    # the agent's staging: root's, for this pod (namespace, name, uid) and container
     uid = CRI_ANNOTATIONS["io.kubernetes.cri.sandbox-uid"]
-    staged = STATE / "restore" / uid / "trainer"
+    staged = STATE / "restore" / "ml" / "job-0" / "trainer"
     staged.mkdir(parents=True, mode=0o700)
+    for level in (staged.parents[1], staged.parent):
+        level.chmod(0o700)
     shutil.move(images, staged / "images")
     (staged / "images").chmod(0o700)
     (staged / "staged.json").write_text(

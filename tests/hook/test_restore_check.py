@@ -91,7 +91,7 @@ def test_images_staged_before_the_pod_existed_serve_the_pod_of_that_name(config:
 def test_images_staged_for_another_pod_uid_are_refused(config: oci.NodeConfig) -> None:
     stage(config)  # staged for UID: the pod existed when the agent was asked
     other_uid = {"io.kubernetes.cri.sandbox-uid": "99999999-0000-4000-8000-000000000000"}
-    with pytest.raises(oci.Refused, match="staged images are for another restore .pod_uid="):
+    with pytest.raises(oci.Refused, match=r"staged images are for another restore \(pod_uid="):
         restore.check(config, restoring(**other_uid))
 
 
@@ -107,6 +107,10 @@ def test_images_someone_else_can_write_are_refused(config: oci.NodeConfig) -> No
     with pytest.raises(oci.Refused, match="not root's alone"):
         restore.check(config, restoring())
     (where / "staged.json").chmod(0o600)
+    where.parent.chmod(0o777)  # the pod's directory: whoever writes it could swap the container's
+    with pytest.raises(oci.Refused, match="not root's alone"):
+        restore.check(config, restoring())
+    where.parent.chmod(0o700)
     os.chown(where / "images", 1000, 1000)
     with pytest.raises(oci.Refused, match="not root's alone"):
         restore.check(config, restoring())

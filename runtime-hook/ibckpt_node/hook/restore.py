@@ -71,7 +71,8 @@ def check(config: oci.NodeConfig, spec: dict[str, Any]) -> tuple[str, str]:
     while not os.path.exists(staged_file) and time.monotonic() < deadline:
         time.sleep(0.2)
     try:
-        _root_only(where, "restore dir")
+        for level in (os.path.dirname(os.path.dirname(where)), os.path.dirname(where), where):
+            _root_only(level, "restore dir")  # a writable parent would let someone swap the dir
         _root_only(staged_file, "staged restore")
         _root_only(images, "image dir")
         with open(staged_file, encoding="utf-8") as f:
