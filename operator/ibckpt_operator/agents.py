@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from ibckpt.agentapi import (
     AgentClient,
@@ -102,6 +103,19 @@ class AgentGateway:
             if error.status == 404:
                 return None
             raise
+
+
+T = TypeVar("T")
+
+
+async def each_agent(calls: Sequence[Awaitable[T]]) -> list[T | AgentError]:
+    """The calls at once (at 128 agents, one after another would hold a cut back); an agent's failure
+    comes back in its call's place, anything else is raised."""
+    outcomes = await asyncio.gather(*calls, return_exceptions=True)
+    for outcome in outcomes:
+        if isinstance(outcome, BaseException) and not isinstance(outcome, AgentError):
+            raise outcome
+    return [o for o in outcomes if not isinstance(o, BaseException) or isinstance(o, AgentError)]
 
 
 @dataclass(frozen=True)

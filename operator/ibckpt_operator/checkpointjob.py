@@ -38,7 +38,7 @@ from ibckpt.api import (
     ObjectMeta,
 )
 from ibckpt_operator import metrics, selection, storage
-from ibckpt_operator.agents import Agent, agents_by_node, follow_session, no_agent_message
+from ibckpt_operator.agents import Agent, agents_by_node, each_agent, follow_session, no_agent_message
 from ibckpt_operator.driver import Driver
 from ibckpt_operator.kube import Body
 from ibckpt_operator.machine import CheckpointMachine, JobConfig, JobState, PodRef
@@ -352,11 +352,12 @@ class CheckpointJobDriver(Driver[JobState]):
         # Stop: the agents dump and hold the ranks released; the pods are deleted only after the commit.
         mode = Mode.HOLD if self.spec.mode == CheckpointMode.STOP else Mode.LEAVE_RUNNING
         first_rank = 0  # each node's container trees take the next numbers in the checkpoint
-        for node, agent in self.session.nodes.items():
-            try:
-                info = await self.rt.gateway.info(agent)
-            except AgentError as error:
-                self.emit(StepFailed(action.attempt, "AgentUnreachable", f"node {node}: {error}"))
+        nodes = list(self.session.nodes.items())
+        infos = await each_agent([self.rt.gateway.info(agent) for _, agent in nodes])
+        requests: list[tuple[str, Agent, CheckpointRequest]] = []
+        for (node, agent), info in zip(nodes, infos, strict=True):
+            if isinstance(info, AgentError):
+                self.emit(StepFailed(action.attempt, "AgentUnreachable", f"node {node}: {info}"))
                 return
             uids = {pod.uid for pod in self.pods_on(node)}
             ranks = [
@@ -391,10 +392,14 @@ class CheckpointJobDriver(Driver[JobState]):
                 job_addresses=sorted({a.host for a in self.session.nodes.values() if a.host}),
             )
             first_rank += len(ranks)
-            try:
-                await self.rt.gateway.checkpoint(agent, request)
-            except AgentError as error:
-                self.emit(StepFailed(action.attempt, "AgentFailed", f"node {node}: {error}"))
+            requests.append((node, agent, request))
+        # all nodes at once: at 128 agents one call after another would hold the cut back
+        sent = await each_agent(
+            [self.rt.gateway.checkpoint(agent, request) for _, agent, request in requests]
+        )
+        for (node, _, _), outcome in zip(requests, sent, strict=True):
+            if isinstance(outcome, AgentError):
+                self.emit(StepFailed(action.attempt, "AgentFailed", f"node {node}: {outcome}"))
                 return
         for node, agent in self.session.nodes.items():
             self.spawn(self.poll(node, agent, action.attempt))

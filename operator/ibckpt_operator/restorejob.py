@@ -37,7 +37,7 @@ from ibckpt.agentapi import (
 )
 from ibckpt.api import Checkpoint, CheckpointPod, RestoreJobSpec, RestoreJobStatus, RestorePhase
 from ibckpt_operator import storage
-from ibckpt_operator.agents import Agent, agents_by_node, follow_session, no_agent_message
+from ibckpt_operator.agents import Agent, agents_by_node, each_agent, follow_session, no_agent_message
 from ibckpt_operator.config import GROUP, VERSION
 from ibckpt_operator.driver import Driver, StepProblem
 from ibckpt_operator.kube import Body
@@ -403,6 +403,10 @@ class RestoreJobDriver(Driver[RestoreState]):
         )
         secret = resolved.location.credentials_secret_ref
         t = self.spec.timeouts
+        # New for every restore and one for all nodes: the shim's rebuild records are per epoch, and an
+        # image may hold the epoch of an earlier rebuild (a LeaveRunning checkpoint's is 1).
+        epoch = max(2, int(time.time()))
+        requests: list[tuple[str, Agent, RestoreRequest]] = []
         for node, agent in sorted(self.session.nodes.items()):
             ranks = []
             for pod in action.pods:
@@ -418,9 +422,7 @@ class RestoreJobDriver(Driver[RestoreState]):
                 session_id=self.session.id,
                 coordinator=self.rt.coordinator_address(),
                 session_token=self.session.token,  # type: ignore[arg-type]
-                # New for every restore: the shim's rebuild records are per epoch, and an image may hold
-                # the epoch of an earlier rebuild (a LeaveRunning checkpoint's is 1).
-                epoch=max(2, int(time.time())),
+                epoch=epoch,
                 timeouts=PhaseTimeouts(
                     download_seconds=t.download_seconds,
                     restore_seconds=t.restore_seconds,
@@ -437,10 +439,11 @@ class RestoreJobDriver(Driver[RestoreState]):
                 checkpoint=self.checkpoint_ref,
                 ranks=ranks,
             )
-            try:
-                await self.rt.gateway.restore(agent, request)
-            except AgentError as error:
-                self.emit(StepFailed(action.attempt, "AgentFailed", f"node {node}: {error}"))
+            requests.append((node, agent, request))
+        sent = await each_agent([self.rt.gateway.restore(agent, request) for _, agent, request in requests])
+        for (node, _, _), outcome in zip(requests, sent, strict=True):
+            if isinstance(outcome, AgentError):
+                self.emit(StepFailed(action.attempt, "AgentFailed", f"node {node}: {outcome}"))
                 return
         for node, agent in self.session.nodes.items():
             self.follow(node, agent, self.session.id)

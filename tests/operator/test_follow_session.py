@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from ibckpt.agentapi import AgentError, SessionReport, SessionState
+from ibckpt.agentapi import AgentError, SessionKind, SessionReport, SessionState
 from ibckpt_operator import config as settings
-from ibckpt_operator.agents import Agent, AgentGateway, follow_session
+from ibckpt_operator.agents import Agent, AgentGateway, each_agent, follow_session
 
 AGENT = Agent("node-a", "ibckpt-agent-x", "127.0.0.1", True)
 
@@ -19,7 +19,7 @@ AGENT = Agent("node-a", "ibckpt-agent-x", "127.0.0.1", True)
 def report(state: SessionState, message: str = "") -> SessionReport:
     return SessionReport(
         session_id="s1",
-        kind="Checkpoint",
+        kind=SessionKind.CHECKPOINT,
         node="node-a",
         state=state,
         message=message,
@@ -93,3 +93,29 @@ def test_a_session_that_did_not_succeed_names_why(state: SessionState, reason: s
     assert end.reason == reason
     assert end.message == "node node-a: rank 3: ibv_alloc_dm is not supported"
     assert seen == []  # a failed session's rank phases are not progress
+
+
+def test_each_agent_calls_all_at_once_and_returns_failures_in_place() -> None:
+    started: list[str] = []
+
+    async def call(node: str, fail: bool) -> str:
+        started.append(node)
+        await asyncio.sleep(0.05)
+        if fail:
+            raise AgentError(0, f"{node} timed out")
+        return node
+
+    async def run() -> tuple[list[Any], float]:
+        begin = time.monotonic()
+        outcomes = await each_agent([call(f"n{i}", i == 1) for i in range(20)])
+        return outcomes, time.monotonic() - begin
+
+    outcomes, seconds = asyncio.run(run())
+    assert seconds < 0.5, seconds  # one after another would take 1 s
+    assert outcomes[0] == "n0" and isinstance(outcomes[1], AgentError) and outcomes[19] == "n19"
+
+    async def broken() -> str:
+        raise RuntimeError("a bug, not an agent's failure")
+
+    with pytest.raises(RuntimeError, match="a bug"):
+        asyncio.run(each_agent([broken()]))
