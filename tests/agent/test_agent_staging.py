@@ -50,7 +50,7 @@ def test_a_nodes_trees_are_staged_as_its_part_and_commit_restores_them(
     s3_server: S3Server, tmp_path: Path
 ) -> None:
     bucket = "agent-" + secrets.token_hex(6)
-    s3_server.client().create_bucket(Bucket=bucket)
+    s3_server.create_bucket(bucket)
     images = tmp_path / "images"
     files = {
         "pod-a.main/pages-1.img": os.urandom(3 * 1024 * 1024 + 17),
@@ -91,7 +91,7 @@ def test_two_nodes_parts_number_their_ranks_apart_and_commit_together(
     """Each node numbers its trees from the operator's first_rank: the commit merges the parts (it refuses
     two parts that claim one rank number, which is what happened when every node started at 0)."""
     bucket = "agent-" + secrets.token_hex(6)
-    s3_server.client().create_bucket(Bucket=bucket)
+    s3_server.create_bucket(bucket)
     config = None
     for first_rank, node, pod in ((0, "node-1", "ring-0"), (1, "node-2", "ring-1")):
         images = tmp_path / node

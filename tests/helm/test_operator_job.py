@@ -91,7 +91,7 @@ def job_ns(installed: Release, s3_server: S3Server) -> Iterator[str]:
     cluster = installed.cluster
     pods.namespace(cluster, JOB_NS)
     bucket = f"ring-job-{secrets.token_hex(3)}"
-    s3_server.client().create_bucket(Bucket=bucket)
+    s3_server.create_bucket(bucket)
     storage_secret(cluster, JOB_NS, s3_server.access_key, s3_server.secret_key)
     port = s3_server.endpoint.rsplit(":", 1)[1]
     storage = {

@@ -83,7 +83,7 @@ def stand_in(installed: Release, s3_server: S3Server) -> Iterator[Any]:
     """Runs operator_stand_in.py in a pod on the pod network; returns its RESULT."""
     cluster = installed.cluster
     bucket = f"{BUCKET}-{secrets.token_hex(3)}"
-    s3_server.client().create_bucket(Bucket=bucket)
+    s3_server.create_bucket(bucket)
     token = sa_token(cluster, NAMESPACE, OPERATOR_SA)
     port = s3_server.endpoint.rsplit(":", 1)[1]
     caller = pods.product_pod("stand-in", "node-1", PRODUCT_IMAGE)

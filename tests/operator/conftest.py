@@ -213,7 +213,7 @@ def cluster_ns(crds: kubernetes.client.ApiClient) -> Iterator[Cluster]:
 @pytest.fixture
 def bucket(s3_server: S3Server) -> str:
     name = "ops-" + secrets.token_hex(5)
-    s3_server.client().create_bucket(Bucket=name)
+    s3_server.create_bucket(name)
     return name
 
 

@@ -154,7 +154,7 @@ def run(console: Console, work: Path) -> bool:
         names = [str(c.metadata and c.metadata.name) for c in ext.list_custom_resource_definition().items]
         console.print(f"CRDs installed: {', '.join(sorted(names))}")
         console.print(f"job coordinator: 127.0.0.1:{coordinator.port}")
-        s3.client().create_bucket(Bucket=BUCKET)
+        s3.create_bucket(BUCKET)
 
         console.rule("checkpoint: rank 0 on node-1, rank 1 on node-2")
         started = time.monotonic()

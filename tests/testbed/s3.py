@@ -44,6 +44,25 @@ class S3Server:
             config=Config(signature_version="s3v4", s3={"addressing_style": "path"}),
         )
 
+    def create_bucket(self, name: str, timeout: float = 120.0) -> None:
+        """Create a bucket and write to it once. SeaweedFS grows a bucket's volumes at its first write,
+        and under load that write failed with InternalError for seconds (a checkpoint's lease in CI);
+        a real S3 has no such cold start, so the testbed pays it here, before the product writes."""
+        import botocore.exceptions
+
+        client = self.client()
+        client.create_bucket(Bucket=name)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                client.put_object(Bucket=name, Key="testbed-warm-up", Body=b"")
+                client.delete_object(Bucket=name, Key="testbed-warm-up")
+                return
+            except botocore.exceptions.ClientError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(1)
+
 
 def weed_binary() -> str:
     here = Path(sys.executable).parent / "weed"
