@@ -103,6 +103,10 @@ def start_s3(workdir: Path | None = None, timeout: float = 30.0) -> S3Server:
         f"-master.port={free_port()}",
         f"-volume.port={free_port()}",
         f"-filer.port={free_port()}",
+        # Each bucket takes volumes of its own; left to itself the server allows free disk / 1 GiB of
+        # them, and a whole test session ran out ("No writable volumes and no free volumes left").
+        # Volumes are sparse files: a high bound costs nothing.
+        "-volume.max=2000",
         "-webdav=false",
         "-admin.ui=false",
         "-s3.port.iceberg=0",
