@@ -209,22 +209,36 @@ def test_a_stop_checkpoint_is_restored_as_the_same_pods_on_the_swapped_nodes(
     assert next(c for c in status["conditions"] if c["type"] == "Ready")["status"] == "True"
 
 
-def test_a_failed_agent_fails_the_restore_and_deletes_the_pods_it_created(
-    cluster_ns: Cluster, s3_server: S3Server, bucket: str, agents: Agents, operator: Any, store_config: Any
-) -> None:
+def two_agents_and_a_checkpoint(
+    cluster_ns: Cluster, s3_server: S3Server, bucket: str, agents: Agents, store_config: Any
+) -> tuple[Any, Any]:
+    """Agents on node-a and node-b, and a committed two-pod Checkpoint `ring-c1` (ring-0 on node-a,
+    ring-1 on node-b) in S3 and in the API."""
     config = store_config(bucket)
     a = agents.add(cluster_ns, "node-a", 1, store=config)
     b = agents.add(cluster_ns, "node-b", 2, store=config)
-    b.restore_failure = "node-b: criu restore of ring/ring-1/main/1: pid 4242 is in use"
     creds(cluster_ns, s3_server)
     key = commit_checkpoint(config, f"{cluster_ns.namespace}/ring", "c1", ["node-a", "node-b"])
-    location = storage(s3_server, bucket)
     pods = [("ring-0", "node-a"), ("ring-1", "node-b")]
-    body = checkpoint("ring-c1", location, pods, manifest_key=key, job=f"{cluster_ns.namespace}/ring")
+    body = checkpoint("ring-c1", storage(s3_server, bucket), pods, manifest_key=key,
+                      job=f"{cluster_ns.namespace}/ring")  # fmt: skip
     cluster_ns.create("checkpoints", body)
+    return a, b
+
+
+def failed_restore(cluster_ns: Cluster, operator: Any) -> Any:
+    """Restore ring-c1 as RestoreJob `back` and wait for it to fail."""
     with operator():
         cluster_ns.create(RESTORES, restore_job("back", checkpointName="ring-c1"))
-        body = cluster_ns.wait(RESTORES, "back", phase("Failed"), timeout=90)
+        return cluster_ns.wait(RESTORES, "back", phase("Failed"), timeout=90)
+
+
+def test_a_failed_agent_fails_the_restore_and_deletes_the_pods_it_created(
+    cluster_ns: Cluster, s3_server: S3Server, bucket: str, agents: Agents, operator: Any, store_config: Any
+) -> None:
+    a, b = two_agents_and_a_checkpoint(cluster_ns, s3_server, bucket, agents, store_config)
+    b.restore_failure = "node-b: criu restore of ring/ring-1/main/1: pid 4242 is in use"
+    body = failed_restore(cluster_ns, operator)
     assert_failed(cluster_ns, body, "AgentFailed", "pid 4242 is in use")
     status = body["status"]
     assert status["failedFrom"] == "Restoring"  # the pods existed: node-b failed restoring its own
@@ -276,19 +290,9 @@ def test_an_operator_restart_while_restoring_removes_the_pods_it_created(
 def test_a_failed_download_fails_the_restore_before_any_pod_is_created(
     cluster_ns: Cluster, s3_server: S3Server, bucket: str, agents: Agents, operator: Any, store_config: Any
 ) -> None:
-    config = store_config(bucket)
-    a = agents.add(cluster_ns, "node-a", 1, store=config)
-    b = agents.add(cluster_ns, "node-b", 2, store=config)
+    a, b = two_agents_and_a_checkpoint(cluster_ns, s3_server, bucket, agents, store_config)
     b.download_failure = "node-b: fetching ring/node-b/pages-1.img: SlowDown"
-    creds(cluster_ns, s3_server)
-    key = commit_checkpoint(config, f"{cluster_ns.namespace}/ring", "c1", ["node-a", "node-b"])
-    pods = [("ring-0", "node-a"), ("ring-1", "node-b")]
-    body = checkpoint("ring-c1", storage(s3_server, bucket), pods, manifest_key=key,
-                      job=f"{cluster_ns.namespace}/ring")  # fmt: skip
-    cluster_ns.create("checkpoints", body)
-    with operator():
-        cluster_ns.create(RESTORES, restore_job("back", checkpointName="ring-c1"))
-        body = cluster_ns.wait(RESTORES, "back", phase("Failed"), timeout=90)
+    body = failed_restore(cluster_ns, operator)
     assert_failed(cluster_ns, body, "AgentFailed", "SlowDown")
     status = body["status"]
     assert status["failedFrom"] == "Downloading"
