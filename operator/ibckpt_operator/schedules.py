@@ -62,7 +62,17 @@ def checkpoint_job_body(
     }
 
 
+# The phases a restore shares with a checkpoint: a drain's RestoreJob bounds them as the template does (a
+# cluster slow to admit a checkpoint is as slow to admit its restore).
+SHARED_TIMEOUTS = ("admitSeconds", "rebuildSeconds", "resumeSeconds")
+
+
 def restore_job_body(schedule: Body, name: str, checkpoint: str, avoid_nodes: tuple[str, ...]) -> Body:
+    timeouts = ((schedule.get("spec") or {}).get("template") or {}).get("timeouts") or {}
+    spec: dict[str, Any] = {"checkpointName": checkpoint, "avoidNodes": list(avoid_nodes)}
+    shared = {key: timeouts[key] for key in SHARED_TIMEOUTS if key in timeouts}
+    if shared:
+        spec["timeouts"] = shared
     return {
         "apiVersion": f"{GROUP}/{VERSION}",
         "kind": "RestoreJob",
@@ -71,7 +81,7 @@ def restore_job_body(schedule: Body, name: str, checkpoint: str, avoid_nodes: tu
             "labels": {SCHEDULE_LABEL: schedule["metadata"]["name"]},
             "ownerReferences": [owner_reference(schedule)],
         },
-        "spec": {"checkpointName": checkpoint, "avoidNodes": list(avoid_nodes)},
+        "spec": spec,
     }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Iterator
 
 import pytest
@@ -19,6 +20,7 @@ OPERATOR_SA = f"{RELEASE}-operator"
 AGENT_SA = f"{RELEASE}-agent"
 AGENT_PORT = 9478
 METRICS_PORT = 9479
+JOB_NS = "team-ring"
 
 
 @pytest.fixture(scope="session")
@@ -27,8 +29,36 @@ def installed(cluster: Cluster, s3_server: S3Server) -> Iterator[Release]:
     storage Secret's name (the agents stage images with them)."""
     pods.namespace(cluster, NAMESPACE)
     storage_secret(cluster, NAMESPACE, s3_server.access_key, s3_server.secret_key)
-    release = install(cluster, RELEASE, NAMESPACE, log_level="debug")
+    # The operator stays on node-2: the drain test drains node-1 (docs/drains.md: keep the operator off the
+    # nodes it migrates; a drain of its own node restarts it elsewhere mid-migration, which is not tested).
+    release = install(cluster, RELEASE, NAMESPACE, log_level="debug", operator_node="node-2")
     try:
         yield release
     finally:
         release.uninstall()
+
+
+@pytest.fixture
+def job_ns(installed: Release, s3_server: S3Server) -> Iterator[str]:
+    """A team's namespace with its storage: a CheckpointStorage `store` and its credentials Secret."""
+    cluster = installed.cluster
+    pods.namespace(cluster, JOB_NS)
+    bucket = f"ring-job-{secrets.token_hex(3)}"
+    s3_server.create_bucket(bucket)
+    storage_secret(cluster, JOB_NS, s3_server.access_key, s3_server.secret_key)
+    port = s3_server.endpoint.rsplit(":", 1)[1]
+    storage = {
+        "apiVersion": "ibckpt.io/v1alpha1",
+        "kind": "CheckpointStorage",
+        "metadata": {"name": "store"},
+        "spec": {
+            "endpoint": f"http://10.0.2.100:{port}",
+            "bucket": bucket,
+            "credentialsSecretRef": {"name": STORAGE_SECRET},
+        },
+    }
+    pods.apply(cluster, JOB_NS, storage)
+    try:
+        yield JOB_NS
+    finally:
+        pods.delete_namespace(cluster, JOB_NS)

@@ -44,6 +44,15 @@ def test_a_migration_job_is_stop_and_names_its_checkpoint() -> None:
     assert body["spec"]["mode"] == "Stop" and body["spec"]["checkpointName"] == "ring-drain-1"
 
 
+def test_a_migration_restore_is_bounded_like_its_checkpoint() -> None:
+    timeouts = {"admitSeconds": 300, "dumpSeconds": 900, "resumeSeconds": 45}
+    owner = {**OWNER, "spec": {"drain": {}, "template": {**TEMPLATE, "timeouts": timeouts}}}
+    body = schedules.restore_job_body(owner, "ring-restore-1", "ring-drain-1", ("node-1",))
+    assert body["spec"]["checkpointName"] == "ring-drain-1" and body["spec"]["avoidNodes"] == ["node-1"]
+    assert body["spec"]["timeouts"] == {"admitSeconds": 300, "resumeSeconds": 45}  # restores have no dump
+    assert "timeouts" not in schedules.restore_job_body(OWNER, "r", "c", ())["spec"]
+
+
 def test_the_measured_cost() -> None:
     job = {"status": {"startTime": "2026-01-01T00:00:00Z", "completionTime": "2026-01-01T00:00:42.5Z"}}
     assert schedules.measured_seconds(job, None) == 42.5

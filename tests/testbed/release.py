@@ -81,15 +81,20 @@ def storage_secret(cluster: Cluster, namespace: str, access_key: str, secret_key
     )  # fmt: skip
 
 
-def install(cluster: Cluster, name: str, namespace: str, log_level: str = "info") -> Release:
+def install(
+    cluster: Cluster, name: str, namespace: str, log_level: str = "info", operator_node: str | None = None
+) -> Release:
     """helm install the chart from the repository into `namespace` (it exists), and wait until every
-    node's agent is ready."""
+    node's agent is ready. `operator_node`: the node the operator must run on."""
     repository, tag = PRODUCT_IMAGE.rsplit(":", 1)
+    pin = ["--set", f"operator.nodeSelector.kubernetes\\.io/hostname={operator_node}"]
+    if not operator_node:
+        pin = []
     out = helm(
         cluster, "install", name, str(CHART), "--namespace", namespace,
         "--set", f"image.repository={repository}", "--set", f"image.tag={tag}",
         "--set", "image.pullPolicy=Never", "--set", f"storage.credentialsSecret={STORAGE_SECRET}",
-        "--set", f"logLevel={log_level}", "--set", "runtimeClass.nodeLabelValue=rxe",
+        "--set", f"logLevel={log_level}", "--set", "runtimeClass.nodeLabelValue=rxe", *pin,
     )  # fmt: skip
     release = Release(cluster, name, namespace, out.stdout)
     release.rollout(f"daemonset/{name}-agent")

@@ -1,0 +1,130 @@
+"""The two-pod RDMA job the operator tests checkpoint, restore and migrate: an unmodified `rc_seq` server in
+`ring-0` on node-1 and its client in `ring-1` on node-2, on the pod network, under the `ibckpt` RuntimeClass,
+exchanging checked messages until /tmp/stop appears. Started, watched and finished through kubectl."""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import datetime
+from typing import Any
+
+from helm.conftest import NAMESPACE
+from helm.test_pod_migration import assert_exactly_once, results
+
+from testbed import pods
+from testbed.cluster import Cluster
+from testbed.images import APPS_IMAGE
+
+SERVER = "rc_seq -f /tmp/stop -p 18515; echo ring-done"
+MEMBERS = ("ring-0", "ring-1")
+LABELS = {"app": "ring"}
+
+
+def member(name: str, node: str, command: str) -> dict[str, Any]:
+    pod = pods.rdma_pod(name, node, ["sh", "-c", command], APPS_IMAGE, host_network=False, labels=LABELS)
+    pod["spec"]["runtimeClassName"] = "ibckpt"
+    return pod
+
+
+def start(cluster: Cluster, namespace: str) -> None:
+    """ring-0 on node-1, ring-1 on node-2; returns once they exchange messages."""
+    pods.apply(cluster, namespace, member("ring-0", "node-1", SERVER))
+    server_ip = pods.wait_pod(cluster, namespace, "ring-0", {"Running"})["status"]["podIP"]
+    client = f"sleep 3; rc_seq -c {server_ip} -f /tmp/stop -p 18515; echo ring-done"
+    pods.apply(cluster, namespace, member("ring-1", "node-2", client))
+    pods.wait_pod(cluster, namespace, "ring-1", {"Running"})
+    deadline = time.monotonic() + 180
+    while "READY" not in cluster.kubectl("logs", "-n", namespace, "ring-1").stdout:
+        assert time.monotonic() < deadline, "the ring did not connect"
+        time.sleep(3)
+    time.sleep(5)
+
+
+def running(cluster: Cluster, namespace: str) -> None:
+    """Both members still run where they were and the ring has not ended."""
+    for name in MEMBERS:
+        pod = pods.get(cluster, namespace, "pod", name)
+        assert pod["status"]["phase"] == "Running", pod["status"]
+        assert pod["status"]["containerStatuses"][0]["restartCount"] == 0
+        assert not results(cluster.kubectl("logs", "-n", namespace, name).stdout), "the ring ended"
+
+
+def placement(cluster: Cluster, namespace: str) -> dict[str, str]:
+    found = pods.get(cluster, namespace, "pods")["items"]
+    return {p["metadata"]["name"]: p["spec"]["nodeName"] for p in found}
+
+
+def finish(cluster: Cluster, namespace: str) -> None:
+    """Let the messages flow on the rebuilt queue pairs, stop both, and check every message arrived once."""
+    time.sleep(5)
+    for name in MEMBERS:
+        cluster.kubectl("exec", "-n", namespace, name, "--", "touch", "/tmp/stop")
+    for name in MEMBERS:
+        pods.wait_pod(cluster, namespace, name, {"Succeeded"}, timeout=300)
+    log = "".join(cluster.kubectl("logs", "-n", namespace, name).stdout for name in MEMBERS)
+    assert log.count("ring-done") == 2, log[-3000:]
+    assert_exactly_once(log)
+
+
+def checkpoint_job(name: str, mode: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "ibckpt.io/v1alpha1",
+        "kind": "CheckpointJob",
+        "metadata": {"name": name},
+        "spec": job_template(mode),
+    }
+
+
+def job_template(mode: str = "LeaveRunning") -> dict[str, Any]:
+    return {
+        "selector": {"matchLabels": LABELS},
+        "mode": mode,
+        "storageRef": {"name": "store"},
+        # the testbed's emulated nodes are ~20x slower than real ones: admission took 32 to 60+ s
+        "timeouts": {"admitSeconds": 300},
+    }
+
+
+def diagnose(cluster: Cluster, namespace: str) -> str:
+    """The namespace's Events and the product's recent logs, for a failure message."""
+    events = cluster.kubectl("get", "events", "-n", namespace, "--sort-by=.lastTimestamp", check=False).stdout
+    logs = cluster.kubectl(
+        "logs", "-n", NAMESPACE, "-l", "app.kubernetes.io/component in (operator,agent)", "--tail=40",
+        check=False,
+    ).stdout  # fmt: skip
+    return f"{events[-3000:]}\n{logs[-6000:]}"
+
+
+def wait_phase(
+    cluster: Cluster,
+    namespace: str,
+    kind: str,
+    name: str,
+    want: str,
+    timeout: float = 900,
+    field: str = "phase",
+) -> dict[str, Any]:
+    """Wait until the object's status.<field> is `want`; fail early on Failed (or an unwanted Succeeded)."""
+    deadline = time.monotonic() + timeout
+    obj: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        found = cluster.kubectl("get", kind, name, "-n", namespace, "-o", "json", check=False)
+        obj = json.loads(found.stdout) if found.returncode == 0 else {}
+        value = obj.get("status", {}).get(field)
+        if value == want:
+            return obj
+        if value in ("Failed", "Succeeded"):
+            break
+        time.sleep(3)
+    raise AssertionError(
+        f"{kind} {name}: status.{field} is {obj.get('status', {}).get(field)!r}, wanted {want}:\n"
+        f"{json.dumps(obj.get('status', {}), indent=1)[-4000:]}\n{diagnose(cluster, namespace)}"
+    )
+
+
+def seconds(obj: dict[str, Any], start: str = "startTime", end: str = "completionTime") -> float:
+    """From one status timestamp to another of a finished job."""
+    status = obj["status"]
+    first, last = (datetime.fromisoformat(status[k].replace("Z", "+00:00")) for k in (start, end))
+    return (last - first).total_seconds()

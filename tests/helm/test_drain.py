@@ -1,0 +1,97 @@
+"""Node drain, as an administrator runs it, on the real cluster with the chart installed: a two-pod RDMA job
+(ring-0 on node-1, ring-1 on node-2) protected by a CheckpointSchedule's `drain`; `kubectl drain node-1`
+is held (its evictions are refused while the operator checkpoints the whole job with Stop), completes by
+itself once the checkpoint is committed, and the operator restores the job on node-2, where it finishes
+with every message delivered exactly once. The test only runs kubectl: cordon, eviction, hold, checkpoint,
+release and restore are the product's and the cluster's.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import datetime
+
+import pytest
+from helm import ring
+from helm.conftest import Release
+
+from testbed import pods
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(2400)]
+
+SCHEDULE = "ring"
+
+
+def stamp(value: str) -> float:
+    return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+
+
+def test_kubectl_drain_is_held_then_the_job_runs_on_the_other_node_exactly_once(
+    installed: Release, job_ns: str
+) -> None:
+    cluster = installed.cluster
+    ring.start(cluster, job_ns)
+    schedule = {
+        "apiVersion": "ibckpt.io/v1alpha1",
+        "kind": "CheckpointSchedule",
+        "metadata": {"name": SCHEDULE},
+        "spec": {
+            "drain": {"deadlineSeconds": 1500, "onFailure": "KeepHolding"},
+            "template": ring.job_template(),
+        },
+    }
+    pods.apply(cluster, job_ns, schedule)
+    pdb_name = f"policy/v1beta1/ibckpt-{SCHEDULE}"
+    protected = ring.wait_phase(cluster, job_ns, "checkpointschedule", SCHEDULE, pdb_name, 300, "protectedBy")
+    pdb = pods.get(cluster, job_ns, "pdb", f"ibckpt-{SCHEDULE}")
+    assert pdb["spec"]["maxUnavailable"] == 0 and pdb["spec"]["selector"] == {"matchLabels": ring.LABELS}
+    assert protected["status"].get("drainPhase") in (None, "Idle"), protected["status"]
+
+    try:
+        began = time.time()
+        drain = cluster.kubectl(
+            "drain", "node-1", "--ignore-daemonsets", "--delete-emptydir-data", "--force", "--timeout=1500s",
+            timeout=1560, check=False,
+        )  # fmt: skip
+        drained = time.time()
+        said = drain.stdout + drain.stderr
+        failed = f"kubectl drain failed:\n{said[-4000:]}\n{ring.diagnose(cluster, job_ns)}"
+        assert drain.returncode == 0, failed
+        # held: the eviction of ring-0 was refused (and retried) while the job was checkpointed
+        assert "ring-0" in said and "will retry" in said, said[-4000:]
+        done = ring.wait_phase(cluster, job_ns, "checkpointschedule", SCHEDULE, "Done", 900, "drainPhase")
+        settled = time.time()
+    finally:
+        cluster.kubectl("uncordon", "node-1", check=False)
+
+    migration = done["status"]["migration"]
+    assert done["status"]["drainNodes"] == ["node-1"], done["status"]
+    assert {s["name"] for s in migration["sources"]} == set(ring.MEMBERS), migration
+    job = pods.get(cluster, job_ns, "checkpointjob", migration["checkpointJob"])
+    assert job["status"]["phase"] == "Succeeded" and job["spec"]["mode"] == "Stop", job["status"]
+    checkpoint = pods.get(cluster, job_ns, "checkpoint", migration["checkpoint"])
+    recorded = {p["name"]: p["node"] for p in checkpoint["spec"]["pods"]}
+    assert recorded == {"ring-0": "node-1", "ring-1": "node-2"}, recorded
+    restore = pods.get(cluster, job_ns, "restorejob", migration["restoreJob"])
+    assert restore["status"]["phase"] == "Succeeded" and restore["spec"]["avoidNodes"] == ["node-1"]
+    events = pods.get(cluster, job_ns, "events")["items"]
+    reasons = {e["reason"] for e in events if e["involvedObject"].get("name") == SCHEDULE}
+    assert {"DrainHeld", "MigrationCommitted", "DrainReleased", "Migrated"} <= reasons, reasons
+    # a new PDB protects the restored pods
+    assert pods.get(cluster, job_ns, "pdb", f"ibckpt-{SCHEDULE}")["spec"]["maxUnavailable"] == 0
+
+    assert ring.placement(cluster, job_ns) == {"ring-0": "node-2", "ring-1": "node-2"}
+    ring.finish(cluster, job_ns)
+
+    hold = stamp(job["metadata"]["creationTimestamp"]) - began
+    print(
+        "drain to running elsewhere: "
+        f"{settled - began:.1f}s = hold {hold:.1f}s (cordon to CheckpointJob) "
+        f"+ checkpoint {ring.seconds(job):.1f}s (Stop job: dump, upload, commit, kill) "
+        f"+ drain done at {drained - began:.1f}s "
+        f"+ restore {ring.seconds(restore):.1f}s (RestoreJob, created at "
+        f"{stamp(restore['metadata']['creationTimestamp']) - began:.1f}s)"
+    )
+    print(f"drain job: {json.dumps(job['status'].get('pods'))[:1500]}")
+    print(f"drain restore: {json.dumps(restore['status'].get('pods'))[:1500]}")
