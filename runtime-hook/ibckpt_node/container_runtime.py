@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ibckpt_node.criu import CriuError, DumpOptions, DumpResult
+from ibckpt_node.hook import oci
 
 RUNTIME_RECORD = "runtime.json"  # written by hook/runc.py beside the container's control dir
 ROOTFS_DIFF = "rootfs-diff.tar"  # what the container wrote to its own filesystem (hook/restore.py applies it)
@@ -31,6 +32,7 @@ class RuntimeContainer:
     container_id: str
     runc: str
     root: str  # runc's --root (containerd: /run/containerd/runc/<namespace>)
+    bundle: str = ""  # the OCI bundle containerd gave runc (its config.json is the container's spec)
 
     @classmethod
     def recorded(cls, container_id: str, container_dir: Path) -> RuntimeContainer:
@@ -38,7 +40,7 @@ class RuntimeContainer:
         path = container_dir / RUNTIME_RECORD
         try:
             data = json.loads(path.read_text())
-            return cls(container_id, str(data["runc"]), str(data["root"]))
+            return cls(container_id, str(data["runc"]), str(data["root"]), str(data.get("bundle") or ""))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise CriuError(
                 "checkpoint",
@@ -123,6 +125,38 @@ def save_rootfs_diff(upper: str | None, images: Path) -> int:
     target = images / ROOTFS_DIFF
     with tarfile.open(target, "w", format=tarfile.PAX_FORMAT) as tar:
         tar.add(node_root + upper, arcname=".", recursive=True)
+    return target.stat().st_size
+
+
+def shm_dir(container: RuntimeContainer) -> str | None:
+    """The node directory behind the container's /dev/shm (oci.shm_source), read from its bundle before
+    the dump; None when there is none to carry."""
+    if not container.bundle:
+        return None
+    node_root = "/proc/1/root" if in_node_mount_namespace() else ""
+    try:
+        spec = json.loads(Path(node_root + container.bundle, "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return oci.shm_source(spec) if isinstance(spec, dict) else None
+
+
+def save_shm(source: str | None, images: Path) -> int:
+    """Archive the files of the container's /dev/shm into the images (the wrapper puts them into the new
+    sandbox's before `runc restore`). Links are archived as links, never followed."""
+    import tarfile
+
+    if source is None:
+        return 0
+    path = ("/proc/1/root" if in_node_mount_namespace() else "") + source
+    try:
+        if not os.listdir(path):
+            return 0
+    except OSError:
+        return 0
+    target = images / oci.SHM_ARCHIVE
+    with tarfile.open(target, "w", format=tarfile.PAX_FORMAT) as tar:
+        tar.add(path, arcname=".", recursive=True)
     return target.stat().st_size
 
 

@@ -477,10 +477,12 @@ class NodeDriver:
             images = images_root / t.name
             if t.container is not None:
                 upper = container_runtime.upper_dir(t.root_pid)  # before Stop's dump ends the container
+                shm = container_runtime.shm_dir(t.container)
                 dump = functools.partial(container_runtime.checkpoint, t.container)
                 await asyncio.to_thread(dump, images, options, self.timeouts.dump_s)
                 # after the dump: with Stop nothing writes any more (LeaveRunning: see docs/node-agent.md)
                 await asyncio.to_thread(container_runtime.save_rootfs_diff, upper, images)
+                await asyncio.to_thread(container_runtime.save_shm, shm, images)
             else:
                 await asyncio.to_thread(criu.dump, t.root_pid, images, options, self.timeouts.dump_s)
             manifest: dict[str, Any] = {

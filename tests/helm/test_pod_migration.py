@@ -35,10 +35,13 @@ BUCKET = "pod-migration"
 AGENT_PORT = 9478
 STAND_IN = Path(__file__).with_name("operator_stand_in.py")
 # Two ranks in one pod: an rc_seq server and client over rxe0, exchanging checked messages until
-# /tmp/stop appears; each prints its RESULT to the container's stdout.
+# /tmp/stop appears; each prints its RESULT to the container's stdout. The shell keeps a file of the
+# pod's /dev/shm open (fd 3), as a shared-memory transport keeps its segment: its restore needs the file.
 RING = (
     "mkdir -p /tmp/session && echo written-before-the-cut >/tmp/session/ready && rm /etc/debian_version; "
-    "rc_seq -f /tmp/stop -p 18515 & sleep 2; rc_seq -c 127.0.0.1 -f /tmp/stop -p 18515; wait; echo ring-done"
+    "echo shm-before-the-cut >/dev/shm/probe && exec 3</dev/shm/probe; "
+    "rc_seq -f /tmp/stop -p 18515 & sleep 2; rc_seq -c 127.0.0.1 -f /tmp/stop -p 18515; wait; "
+    "cat <&3; echo ring-done"
 )
 
 
@@ -214,15 +217,19 @@ def test_a_pod_moves_to_the_other_node_and_finishes_exactly_once(
     assert {r["podUid"] for r in report["ranks"]} == {restore["created"]}  # the agent bound them
     [state] = moved["status"]["containerStatuses"]
     assert "running" in state["state"] and state["restartCount"] == 0, state
-    # what the container wrote to, and deleted from, its own filesystem came along
-    files = "cat /tmp/session/ready; test -e /etc/debian_version && echo still-there || echo deleted"
+    # what the container wrote to, and deleted from, its own filesystem came along, and its /dev/shm
+    files = (
+        "cat /tmp/session/ready; test -e /etc/debian_version && echo still-there || echo deleted; "
+        "cat /dev/shm/probe"
+    )
     shown = cluster.kubectl("exec", "-n", app_ns, "ring", "--", "sh", "-c", files).stdout.split()
-    assert shown == ["written-before-the-cut", "deleted"], shown
+    assert shown == ["written-before-the-cut", "deleted", "shm-before-the-cut"], shown
     time.sleep(5)  # messages flow again on the rebuilt queue pairs
     cluster.kubectl("exec", "-n", app_ns, "ring", "--", "touch", "/tmp/stop")
     pods.wait_pod(cluster, app_ns, "ring", {"Succeeded"}, timeout=300)
     log = cluster.kubectl("logs", "-n", app_ns, "ring").stdout
     assert "ring-done" in log, log[-3000:]
+    assert "shm-before-the-cut" in log, log[-3000:]  # read through the restored descriptor
     assert_exactly_once(log)
     agents = cluster.kubectl("logs", "-n", NAMESPACE, "-l", "app.kubernetes.io/component=agent", "--tail=-1")
     assert "staged" in agents.stdout and s3_server.access_key not in agents.stdout

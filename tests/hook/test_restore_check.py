@@ -244,3 +244,47 @@ def test_the_rootfs_diff_is_applied_inside_the_new_root(tmp_path: Path) -> None:
     assert (rootfs / "ibckpt-escape-test").read_text() == "must stay in the root"
     # no archive (a checkpoint without a writable layer): nothing to do
     restore.apply_rootfs_diff(str(tmp_path / "none"), str(rootfs))
+
+
+def shm_spec(source: str, kind: str = "bind") -> dict[str, Any]:
+    mount = {"destination": "/dev/shm", "type": kind, "source": source, "options": ["rbind", "rw"]}
+    return {"mounts": [mount]}
+
+
+def test_where_a_containers_dev_shm_comes_from() -> None:
+    sandbox = "/run/containerd/io.containerd.grpc.v1.cri/sandboxes/abc/shm"
+    assert oci.shm_source(shm_spec(sandbox)) == sandbox
+    assert oci.shm_source(shm_spec("/dev/shm")) is None  # hostIPC: the node's own, never carried
+    assert oci.shm_source(shm_spec("shm", "tmpfs")) is None  # a tmpfs of its own: in the process image
+    assert oci.shm_source({"mounts": [{"destination": "/tmp", "type": "bind", "source": "/x"}]}) is None
+
+
+def test_dev_shm_files_travel_from_the_old_sandbox_into_the_new_one(tmp_path: Path) -> None:
+    """The agent archives the sandbox's /dev/shm after the dump; the wrapper unpacks it, chrooted, into
+    the new sandbox's before `runc restore` (a link in it is archived as a link and stays inside)."""
+    from ibckpt_node import container_runtime
+
+    old, new, images = tmp_path / "old-shm", tmp_path / "new-shm", tmp_path / "images"
+    for d in (old, new, images):
+        d.mkdir()
+    (old / "ompi.seg").write_bytes(b"\x01" * 4096)
+    (old / "ompi.seg").chmod(0o600)
+    (old / "escape").symlink_to("/")
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    (bundle / "config.json").write_text(json.dumps(shm_spec(str(old))))
+    container = container_runtime.RuntimeContainer("c1", "runc", "", str(bundle))
+    assert container_runtime.shm_dir(container) == str(old)
+    assert container_runtime.save_shm(str(old), images) > 4096
+    restore.apply_shm(str(images), shm_spec(str(new)))
+    assert (new / "ompi.seg").read_bytes() == b"\x01" * 4096
+    assert (new / "ompi.seg").stat().st_mode & 0o777 == 0o600
+    assert os.readlink(new / "escape") == "/"
+    # an empty /dev/shm leaves nothing in the images, and nothing is applied
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert container_runtime.save_shm(str(empty), tmp_path) == 0
+    assert not (tmp_path / oci.SHM_ARCHIVE).exists()
+    # files to carry and no /dev/shm of its own to put them in: refused, with the reason
+    with pytest.raises(oci.Refused, match="no /dev/shm of its own"):
+        restore.apply_shm(str(images), shm_spec("/dev/shm"))

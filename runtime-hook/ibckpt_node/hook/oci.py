@@ -185,6 +185,26 @@ def identity(spec: Spec) -> Identity:
     )
 
 
+SHM = "/dev/shm"
+SHM_ARCHIVE = "dev-shm.tar"  # in the images: the files of the container's /dev/shm
+
+
+def shm_source(spec: Spec) -> str | None:
+    """The node directory bound at the container's /dev/shm: the pod sandbox's tmpfs (containerd, CRI-O)
+    or a memory emptyDir mounted there. None without such a bind mount, and for a pod that shares the
+    node's IPC namespace (its /dev/shm is the node's own: never archived, never written into)."""
+    for mount in spec.get("mounts") or ():
+        if not isinstance(mount, dict) or os.path.normpath(str(mount.get("destination", ""))) != SHM:
+            continue
+        options = mount.get("options") or []
+        source = str(mount.get("source") or "")
+        bind = mount.get("type") == "bind" or "bind" in options or "rbind" in options
+        if bind and os.path.isabs(source) and os.path.normpath(source) != SHM:
+            return source
+        return None
+    return None
+
+
 def rdma_paths(spec: Spec) -> list[str]:
     """The RDMA device paths the container gets: as devices, or bind-mounted (hostPath)."""
     found: list[str] = []

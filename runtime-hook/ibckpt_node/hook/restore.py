@@ -116,10 +116,29 @@ ROOTFS_DIFF = "rootfs-diff.tar"  # container_runtime.ROOTFS_DIFF (the agent's si
 
 def apply_rootfs_diff(images: str, rootfs: str) -> None:
     """Write what the checkpointed container had written to its own filesystem into the new
-    container's root, and delete what it had deleted (overlay whiteouts: 0/0 character devices).
-    The archive comes from a user's container: it is unpacked in a child chrooted into `rootfs`, so
-    no path or link in it can reach the node's files."""
-    archive = os.path.join(images, ROOTFS_DIFF)
+    container's root, and delete what it had deleted (overlay whiteouts: 0/0 character devices)."""
+    _unpack_into(os.path.join(images, ROOTFS_DIFF), rootfs, "the checkpointed container's file changes")
+
+
+def apply_shm(images: str, spec: dict[str, Any]) -> None:
+    """Put the files the checkpointed container had in /dev/shm into the new container's /dev/shm (the
+    new sandbox's tmpfs, outside the container: runc restores the mount as external, and a process
+    whose open or mapped file there is missing cannot be restored)."""
+    archive = os.path.join(images, oci.SHM_ARCHIVE)
+    if not os.path.exists(archive):
+        return
+    target = oci.shm_source(spec)
+    if target is None:
+        raise Refused(
+            f"the checkpointed container had files in {oci.SHM}, and the new one has no {oci.SHM} of its "
+            "own to put them in (a pod sharing the node's IPC namespace?)"
+        )
+    _unpack_into(archive, target, f"the checkpointed container's {oci.SHM} files")
+
+
+def _unpack_into(archive: str, root: str, what: str) -> None:
+    """The archive comes from a user's container: it is unpacked in a child chrooted into `root`, so no
+    path or link in it can reach the node's files."""
     if not os.path.exists(archive):
         return
     fd = os.open(archive, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -127,18 +146,18 @@ def apply_rootfs_diff(images: str, rootfs: str) -> None:
     if pid == 0:  # pragma: no cover (the child)
         code = 1
         try:
-            os.chroot(rootfs)
+            os.chroot(root)
             os.chdir("/")
             _unpack(os.fdopen(fd, "rb"))
             code = 0
         except BaseException as exc:
-            os.write(2, f"ibckpt-runc: applying the rootfs diff: {exc}\n".encode())
+            os.write(2, f"ibckpt-runc: applying {what}: {exc}\n".encode())
         finally:
             os._exit(code)
     os.close(fd)
     _, status = os.waitpid(pid, 0)
     if os.waitstatus_to_exitcode(status) != 0:
-        raise Refused(f"could not apply the checkpointed container's file changes from {archive}")
+        raise Refused(f"could not apply {what} from {archive}")
 
 
 def _unpack(stream: Any) -> None:

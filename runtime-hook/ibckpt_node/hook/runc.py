@@ -19,7 +19,7 @@ import sys
 # Passing through (most calls) needs neither json nor the spec code: they are imported on create.
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from typing import NoReturn
+    from typing import Any, NoReturn
 
     from ibckpt_node.hook import oci
 
@@ -167,11 +167,16 @@ def prepare(config: oci.NodeConfig, args: CreateArgs, runc_root: str | None = No
     return restore
 
 
-def rootfs_of(bundle: str) -> str:
+def bundle_spec(bundle: str) -> dict[str, Any]:
     import json
 
     with open(os.path.join(bundle, "config.json"), encoding="utf-8") as f:
-        path = str(json.load(f).get("root", {}).get("path", "rootfs"))
+        spec: dict[str, Any] = json.load(f)
+    return spec
+
+
+def rootfs_of(bundle: str, spec: dict[str, Any]) -> str:
+    path = str(spec.get("root", {}).get("path", "rootfs"))
     return path if os.path.isabs(path) else os.path.join(bundle, path)
 
 
@@ -249,7 +254,9 @@ def _main(argv: list[str], at: int | None, command: str) -> int:
         try:
             from ibckpt_node.hook import restore as restore_mod
 
-            restore_mod.apply_rootfs_diff(images, rootfs_of(args.bundle))
+            spec = bundle_spec(args.bundle)
+            restore_mod.apply_rootfs_diff(images, rootfs_of(args.bundle, spec))
+            restore_mod.apply_shm(images, spec)
         except (Refused, ValueError, OSError) as exc:
             log_error(global_args, str(exc))
             return 1
