@@ -57,6 +57,9 @@ StopWaiter = Callable[[], Awaitable[str | None]]
 CONTROLLERS: dict[str, ScheduleController] = {}
 
 
+SOURCES_POLL_SECONDS = 3.0  # while a drain's restore waits for the killed source pods to go
+
+
 class ScheduleController:
     def __init__(self, rt: Runtime, live: Any) -> None:
         self.rt = rt
@@ -131,6 +134,8 @@ class ScheduleController:
 
     async def _wait(self, wake_at: float | None, stop: StopWaiter) -> str | None:
         timeout = current().tick_seconds
+        if self.waiting_for:  # no pod watch: look again soon, the restore starts once they are gone
+            timeout = min(timeout, SOURCES_POLL_SECONDS)
         if wake_at is not None:
             timeout = min(timeout, max(0.0, wake_at - time.time()) + 0.05)
         poked = asyncio.ensure_future(self.poked.wait())
@@ -387,6 +392,7 @@ class ScheduleController:
                     "Normal", "WaitingForSources", f"restore starts once {', '.join(left)} are gone"
                 )
             return
+        self.waiting_for = []
         body = schedules.restore_job_body(self.body(), action.job, action.checkpoint, action.avoid_nodes)
         await self.rt.kube.create_custom("restorejobs", self.namespace, body)
 
