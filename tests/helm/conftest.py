@@ -10,12 +10,13 @@ import pytest
 from testbed import pods
 from testbed.cluster import Cluster
 from testbed.release import STORAGE_SECRET, Release, install, sa_token, storage_secret
+from testbed.ring import PRODUCT_NS
 from testbed.s3 import S3Server
 
 __all__ = ["STORAGE_SECRET", "Release", "sa_token"]
 
 RELEASE = "ibckpt-t"
-NAMESPACE = "ibckpt-helm"
+NAMESPACE = PRODUCT_NS
 OPERATOR_SA = f"{RELEASE}-operator"
 AGENT_SA = f"{RELEASE}-agent"
 AGENT_PORT = 9478

@@ -13,10 +13,9 @@ import time
 from datetime import datetime
 
 import pytest
-from helm import ring
 from helm.conftest import Release
 
-from testbed import pods
+from testbed import pods, ring
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(2400)]
 

@@ -11,11 +11,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from helm import ring
 from helm.conftest import Release
-from helm.test_pod_migration import results
 
-from testbed import pods
+from testbed import pods, ring
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(2400)]
 
@@ -44,7 +42,7 @@ def test_checkpoint_job_then_restore_job_swaps_the_nodes_exactly_once(
     print(f"Stop job: {ring.seconds(done):.1f}s, {json.dumps(done['status'].get('pods'))[:1500]}")
     for name in ring.MEMBERS:
         log = cluster.kubectl("logs", "-n", job_ns, name).stdout
-        assert not results(log), "the ring ended before the cut"
+        assert not ring.results(log), "the ring ended before the cut"
 
     # Stop: the sources ended after the commit; delete them, then bring the job back swapped
     cluster.kubectl("delete", "pod", "-n", job_ns, *ring.MEMBERS, "--timeout=120s", timeout=150)

@@ -26,6 +26,7 @@ from helm.conftest import NAMESPACE, OPERATOR_SA, STORAGE_SECRET, Release, sa_to
 from testbed import pods
 from testbed.cluster import Cluster, node_ip
 from testbed.images import APPS_IMAGE, PRODUCT_IMAGE
+from testbed.ring import assert_exactly_once, results
 from testbed.s3 import S3Server
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(2400)]
@@ -51,24 +52,6 @@ def ring_pod(name: str, node: str, annotations: dict[str, str] | None = None) ->
     if annotations:
         pod["metadata"]["annotations"] = annotations
     return pod
-
-
-def results(log: str) -> list[dict[str, str]]:
-    found = []
-    for line in log.splitlines():
-        if line.startswith("RESULT "):
-            found.append(dict(field.split("=", 1) for field in line.split()[1:]))
-    return found
-
-
-def assert_exactly_once(log: str) -> None:
-    found = results(log)
-    assert len(found) == 2, log[-3000:]
-    a, b = found
-    assert a["bad"] == b["bad"] == "0", found
-    assert a["sent"] == b["received"] and b["sent"] == a["received"], found
-    assert a["send_sum"] == b["recv_sum"] and b["send_sum"] == a["recv_sum"], found
-    assert int(a["sent"]) > 0 and int(b["sent"]) > 0, found
 
 
 @pytest.fixture

@@ -1,6 +1,7 @@
 """The two-pod RDMA job the operator tests checkpoint, restore and migrate: an unmodified `rc_seq` server in
 `ring-0` on node-1 and its client in `ring-1` on node-2, on the pod network, under the `ibckpt` RuntimeClass,
-exchanging checked messages until /tmp/stop appears. Started, watched and finished through kubectl."""
+exchanging checked messages until /tmp/stop appears. Started, watched and finished through kubectl, by
+tests/helm and `make demo`."""
 
 from __future__ import annotations
 
@@ -9,9 +10,6 @@ import time
 from datetime import datetime
 from typing import Any
 
-from helm.conftest import NAMESPACE
-from helm.test_pod_migration import assert_exactly_once, results
-
 from testbed import pods
 from testbed.cluster import Cluster
 from testbed.images import APPS_IMAGE
@@ -19,6 +17,27 @@ from testbed.images import APPS_IMAGE
 SERVER = "rc_seq -f /tmp/stop -p 18515; echo ring-done"
 MEMBERS = ("ring-0", "ring-1")
 LABELS = {"app": "ring"}
+PRODUCT_NS = "ibckpt-helm"  # where tests/helm (and the demo) install the chart
+
+
+def results(log: str) -> list[dict[str, str]]:
+    """rc_seq's RESULT lines: sent, received, their checksums, bad messages."""
+    found = []
+    for line in log.splitlines():
+        if line.startswith("RESULT "):
+            found.append(dict(field.split("=", 1) for field in line.split()[1:]))
+    return found
+
+
+def assert_exactly_once(log: str) -> None:
+    """Both ends' RESULTs agree: every message sent was received once, none bad."""
+    found = results(log)
+    assert len(found) == 2, log[-3000:]
+    a, b = found
+    assert a["bad"] == b["bad"] == "0", found
+    assert a["sent"] == b["received"] and b["sent"] == a["received"], found
+    assert a["send_sum"] == b["recv_sum"] and b["send_sum"] == a["recv_sum"], found
+    assert int(a["sent"]) > 0 and int(b["sent"]) > 0, found
 
 
 def member(name: str, node: str, command: str) -> dict[str, Any]:
@@ -55,8 +74,9 @@ def placement(cluster: Cluster, namespace: str) -> dict[str, str]:
     return {p["metadata"]["name"]: p["spec"]["nodeName"] for p in found}
 
 
-def finish(cluster: Cluster, namespace: str) -> None:
-    """Let the messages flow on the rebuilt queue pairs, stop both, and check every message arrived once."""
+def finish(cluster: Cluster, namespace: str) -> list[dict[str, str]]:
+    """Let the messages flow on the rebuilt queue pairs, stop both, and check every message arrived once;
+    returns both ends' RESULTs."""
     time.sleep(5)
     for name in MEMBERS:
         cluster.kubectl("exec", "-n", namespace, name, "--", "touch", "/tmp/stop")
@@ -65,6 +85,7 @@ def finish(cluster: Cluster, namespace: str) -> None:
     log = "".join(cluster.kubectl("logs", "-n", namespace, name).stdout for name in MEMBERS)
     assert log.count("ring-done") == 2, log[-3000:]
     assert_exactly_once(log)
+    return results(log)
 
 
 def checkpoint_job(name: str, mode: str) -> dict[str, Any]:
@@ -86,11 +107,11 @@ def job_template(mode: str = "LeaveRunning") -> dict[str, Any]:
     }
 
 
-def diagnose(cluster: Cluster, namespace: str) -> str:
+def diagnose(cluster: Cluster, namespace: str, product_ns: str = PRODUCT_NS) -> str:
     """The namespace's Events and the product's recent logs, for a failure message."""
     events = cluster.kubectl("get", "events", "-n", namespace, "--sort-by=.lastTimestamp", check=False).stdout
     logs = cluster.kubectl(
-        "logs", "-n", NAMESPACE, "-l", "app.kubernetes.io/component in (operator,agent)", "--tail=40",
+        "logs", "-n", product_ns, "-l", "app.kubernetes.io/component in (operator,agent)", "--tail=40",
         check=False,
     ).stdout  # fmt: skip
     return f"{events[-3000:]}\n{logs[-6000:]}"
