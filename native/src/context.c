@@ -13,27 +13,6 @@
 
 /* ---- loud stubs for everything reachable through ops we do not support --- */
 
-static struct ibv_mw *stub_alloc_mw(struct ibv_pd *pd, enum ibv_mw_type t)
-{
-	(void)pd, (void)t;
-	ibk_unsupported("ibv_alloc_mw");
-	return NULL;
-}
-
-static int stub_bind_mw(struct ibv_qp *qp, struct ibv_mw *mw, struct ibv_mw_bind *b)
-{
-	(void)qp, (void)mw, (void)b;
-	ibk_unsupported("ibv_bind_mw");
-	return EOPNOTSUPP;
-}
-
-static int stub_dealloc_mw(struct ibv_mw *mw)
-{
-	(void)mw;
-	ibk_unsupported("ibv_dealloc_mw");
-	return EOPNOTSUPP;
-}
-
 static int stub_advise_mr(struct ibv_pd *pd, enum ibv_advise_mr_advice a, uint32_t f, struct ibv_sge *s,
 			  uint32_t n)
 {
@@ -344,9 +323,9 @@ void ibk_install_ops(struct ibk_ctx *ctx)
 	struct verbs_context *v = &ctx->vctx;
 	struct ibv_context_ops *o = &v->context.ops;
 
-	o->alloc_mw = stub_alloc_mw;
-	o->bind_mw = stub_bind_mw;
-	o->dealloc_mw = stub_dealloc_mw;
+	o->alloc_mw = ibk_alloc_mw;
+	o->bind_mw = ibk_bind_mw;
+	o->dealloc_mw = ibk_dealloc_mw;
 	o->poll_cq = ibk_poll_cq;
 	o->req_notify_cq = ibk_req_notify_cq;
 	o->post_srq_recv = ibk_post_srq_recv;

@@ -59,6 +59,7 @@ enum ibk_swr_flags {
 	IBK_SWR_FLAG_WR = 1u << 2,  /* the shim's own zero-length probe */
 	IBK_SWR_ATOMIC = 1u << 3,
 	IBK_SWR_RDMA = 1u << 4,
+	IBK_SWR_BIND = 1u << 5, /* an ibv_bind_mw (type 1): local, in order with the sends */
 };
 
 /* One logged send work request.  `kind` comes first: the real wr_id is a

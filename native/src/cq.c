@@ -19,6 +19,8 @@ static enum ibv_wc_opcode wc_opcode_of(enum ibv_wr_opcode op)
 		return IBV_WC_COMP_SWAP;
 	case IBV_WR_ATOMIC_FETCH_AND_ADD:
 		return IBV_WC_FETCH_ADD;
+	case IBV_WR_BIND_MW:
+		return IBV_WC_BIND_MW;
 	default:
 		return IBV_WC_SEND;
 	}
@@ -62,6 +64,8 @@ static __attribute__((noinline)) int wc_translate_send_slow(struct ibk_qp *qp, s
 	int show = 1;
 
 	wc->wr_id = e->app_wr_id;
+	if (e->flags & IBK_SWR_BIND) /* replayed as a zero-length write (post.c) */
+		wc->opcode = IBV_WC_BIND_MW;
 	if (e->flags & IBK_SWR_FLAG_WR) {
 		qp->flag_outstanding = 0;
 		show = 0;
@@ -179,7 +183,7 @@ static inline __attribute__((always_inline)) int wc_translate(struct ibk_ctx *ct
 		if (__builtin_expect(!ibk_trylock(&qp->lock), 0))
 			return wc_translate_other(ctx, wc);
 		/* A successful app WR, the oldest in the log. */
-		if (__builtin_expect(e->seq == qp->slog.head && !(f & IBK_SWR_FLAG_WR) &&
+		if (__builtin_expect(e->seq == qp->slog.head && !(f & (IBK_SWR_FLAG_WR | IBK_SWR_BIND)) &&
 					     wc->status == IBV_WC_SUCCESS, 1)) {
 			/* read the entry before the unlock frees its slot */
 			wc->wr_id = e->app_wr_id;

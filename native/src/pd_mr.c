@@ -122,6 +122,7 @@ IBK_EXPORT int ibv_dereg_mr(struct ibv_mr *m)
 {
 	struct ibk_mr *mr = (struct ibk_mr *)m;
 	struct ibk_ctx *ctx = mr->obj.ctx;
+	struct ibk_obj *o;
 	int rc;
 
 	ibk_enter();
@@ -133,6 +134,11 @@ IBK_EXPORT int ibv_dereg_mr(struct ibv_mr *m)
 	pthread_mutex_lock(&ctx->lock);
 	ibk_idmap_del(&ctx->lkeys, mr->pub.lkey);
 	ibk_idmap_del(&ctx->rkeys, mr->pub.rkey);
+	/* a window still bound to it (if the provider let the MR go) is not
+	 * bound again at rebuild */
+	for (o = ctx->head.next; o != &ctx->head; o = o->next)
+		if (o->kind == IBK_MW && IBK_OBJ(o, ibk_mw)->mr == mr)
+			IBK_OBJ(o, ibk_mw)->mr = NULL;
 	pthread_mutex_unlock(&ctx->lock);
 	ibk_obj_del(ctx, &mr->obj);
 	ibk_leave();

@@ -60,6 +60,17 @@ int ibk_qp_post_logged_send(struct ibk_qp *qp, struct ibk_swr *e)
 	case IBV_WR_ATOMIC_FETCH_AND_ADD:
 		w.wr.atomic.rkey = rkey_real(qp, e->wr.wr.atomic.rkey);
 		break;
+	case IBV_WR_BIND_MW:
+		if (e->flags & IBK_SWR_BIND) {
+			/* An ibv_bind_mw replayed after a rebuild: the window is
+			 * already bound again as the app last asked (mw.c), so a
+			 * zero-length write keeps the entry's place and completion. */
+			w.opcode = IBV_WR_RDMA_WRITE;
+			w.num_sge = 0;
+			w.send_flags &= ~(unsigned int)IBV_SEND_INLINE;
+			memset(&w.wr, 0, sizeof(w.wr));
+		}
+		break;
 	default:
 		break;
 	}

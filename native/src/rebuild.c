@@ -133,13 +133,16 @@ static int rebuild_objects(struct ibk_ctx *ctx)
 		}
 		case IBK_AH:
 			break; /* after the peers are known */
+		case IBK_MW:
+			break; /* below, once every MR has its new key */
 		}
 		if (rc) {
 			ibk_log("rebuild: kind-%d object failed: %d", o->kind, rc);
 			return rc;
 		}
 	}
-	return 0;
+	/* windows are bound again before the records carry their rkeys */
+	return ibk_mw_rebuild_all(ctx);
 }
 
 static int publish_qps(struct ibk_ctx *ctx, uint64_t epoch, int timeout_ms)

@@ -186,6 +186,17 @@ static int release_destroy(struct ibk_ctx *ctx)
 	struct ibk_obj *o, *p;
 	int errs = release_destroy_qps(ctx);
 
+	/* windows first: a window bound to an MR keeps the MR from going */
+	FOR_EACH_OBJ(ctx, o)
+	if (o->kind == IBK_MW && IBK_OBJ(o, ibk_mw)->real) {
+		struct ibv_mw *real = IBK_OBJ(o, ibk_mw)->real;
+
+		if (real->context->ops.dealloc_mw(real)) {
+			ibk_log("release: deallocating a memory window failed");
+			errs++;
+		}
+		IBK_OBJ(o, ibk_mw)->real = NULL;
+	}
 	FOR_EACH_OBJ_REV(ctx, o, p)
 	{
 		int rc = 0;
@@ -221,6 +232,8 @@ static int release_destroy(struct ibk_ctx *ctx)
 			rc = ibk_real.dealloc_pd(IBK_OBJ(o, ibk_pd)->real);
 			IBK_OBJ(o, ibk_pd)->real = NULL;
 			break;
+		case IBK_MW:
+			break; /* above */
 		}
 		if (rc) {
 			ibk_log("release: destroying a kind-%d object failed: %d", o->kind, rc);

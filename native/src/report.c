@@ -137,6 +137,18 @@ void ibk_report_identity(char *out, size_t len)
 		ibk_jcat(out, len, "%s\"%s\"", first ? "" : ",", hex);
 		first = 0;
 	}
+	/* memory windows: the app's (virtual) rkey, the real one, bound or not */
+	ibk_jcat(out, len, "],\"mws\":[");
+	first = 1;
+	FOR_EACH_CTX(ctx)
+	FOR_EACH_OBJ(ctx, o)
+	if (o->kind == IBK_MW) {
+		struct ibk_mw *mw = IBK_OBJ(o, ibk_mw);
+
+		ibk_jcat(out, len, "%s{\"rkey\":%u,\"real_rkey\":%u,\"bound\":%d}", first ? "" : ",", mw->pub.rkey,
+		     mw->real ? mw->real->rkey : 0, mw->mr != NULL);
+		first = 0;
+	}
 	ibk_jcat(out, len, "],\"unsupported\":[");
 	n = ibk_refused_verbs(verbs, IBK_MAX_REFUSED);
 	for (i = 0; i < n; i++)

@@ -151,7 +151,7 @@ static inline void ibk_leave(void)
 
 /* ---- shadow objects ------------------------------------------------------ */
 
-enum ibk_kind { IBK_PD = 1, IBK_MR, IBK_CHAN, IBK_CQ, IBK_SRQ, IBK_QP, IBK_AH };
+enum ibk_kind { IBK_PD = 1, IBK_MR, IBK_CHAN, IBK_CQ, IBK_SRQ, IBK_QP, IBK_AH, IBK_MW };
 
 /* Every shadow object sits on its context's list in creation order: rebuild
  * walks it forwards (PD before MR, CQ before QP), release backwards.  An
@@ -207,6 +207,23 @@ struct ibk_mr {
 	uint64_t iova;
 	unsigned int access;
 };
+
+/* A memory window of type 1 and its binding as the app last asked for it
+ * (mw.c): rebuild allocates it again and binds it to the same range. */
+struct ibk_mw {
+	struct ibv_mw pub;
+	struct ibk_obj obj;
+	struct ibv_mw *real;
+	struct ibk_pd *pd;
+	struct ibk_mr *mr; /* bound to; NULL while unbound */
+	uint64_t addr, length;
+	unsigned int access;
+};
+struct ibv_mw *ibk_alloc_mw(struct ibv_pd *pd, enum ibv_mw_type type);
+int ibk_bind_mw(struct ibv_qp *qp, struct ibv_mw *mw, struct ibv_mw_bind *bind);
+int ibk_dealloc_mw(struct ibv_mw *mw);
+/* rebuild: every window of ctx again, bound as before, its rkey mapped */
+int ibk_mw_rebuild_all(struct ibk_ctx *ctx);
 
 /* Pending completion events of one channel: shadow CQs in arrival order. */
 struct ibk_chan {

@@ -19,7 +19,7 @@ import pyverbs.enums as e
 from pyverbs.addr import AH, AHAttr, GlobalRoute
 from pyverbs.cq import CQ, CQEX, CompChannel, CqInitAttrEx, PollCqAttr
 from pyverbs.device import Context
-from pyverbs.mr import MR, MW
+from pyverbs.mr import MR, MW, MWBind, MWBindInfo
 from pyverbs.pd import PD
 from pyverbs.pyverbs_error import PyverbsError, PyverbsRDMAError
 from pyverbs.qp import QP, QPAttr, QPCap, QPEx, QPInitAttr, QPInitAttrEx
@@ -329,6 +329,28 @@ def case_mw(ctx: Context) -> None:
             mw.close()
         except PyverbsRDMAError as ex:
             out("mw", t, "error", ex.error_code)
+    # a type 1 window bound to part of an MR, and an RDMA write through its rkey
+    cq = CQ(ctx, 16)
+    a, b = rc_pair(ctx, pd, cq)
+    mr = MR(pd, 4096, RC_ACCESS | e.IBV_ACCESS_MW_BIND)
+    mw = MW(pd, e.IBV_MW_TYPE_1)
+    info = MWBindInfo(mr, mr.buf + 1024, 1024, e.IBV_ACCESS_REMOTE_WRITE | e.IBV_ACCESS_REMOTE_READ)
+    a.bind_mw(mw, MWBind(info, e.IBV_SEND_SIGNALED, wr_id=9))
+    bind = ok(poll(cq))
+    src = MR(pd, 64, e.IBV_ACCESS_LOCAL_WRITE)
+    src.write(b"W" * 64, 64, 0)
+    wr = SendWR(
+        wr_id=10,
+        opcode=e.IBV_WR_RDMA_WRITE,
+        num_sge=1,
+        sg=[SGE(src.buf, 64, src.lkey)],
+        send_flags=e.IBV_SEND_SIGNALED,
+    )
+    wr.set_wr_rdma(mw.rkey, mr.buf + 1024)
+    b.post_send(wr)
+    wrote = ok(poll(cq))
+    out("mw_bind", [(w.wr_id, w.opcode) for w in bind + wrote], mr.read(64, 1024) == b"W" * 64)
+    mw.close()
 
 
 def case_qp_data_in_order(ctx: Context) -> None:

@@ -4,6 +4,14 @@ refusals STOP: connects an RC pair, then tries what the shim cannot carry throug
 (a memory window, a raw packet QP) and modifies one QP more often than a rebuild can replay.
 Prints `READY <qpn a> <qpn b> mw=<errno> raw=<errno>` and waits for the stop file.
 
+mw STOP: an RC pair; B's MR holds a memory window of type 1, bound (ibv_bind_mw) to 1 KiB in its
+middle with remote write and read. A writes a numbered record through the window's rkey and reads
+it back, round after round, always with the rkey it read once after the bind. Prints
+`READY rkey=<rkey> bind=<opcode>`, then once the stop file appears it tries a fetch-and-add through
+the window, which the MR and the QPs allow but the window does not, and prints
+`RESULT rounds=<n> bad=<n> outside=<completion status>` (the window's rights kept; rxe checks an
+access through a window against the MR's range, not the window's, so the range cannot show).
+
 ud_reply STOP GID_INDEX [HOLD]: two UD QPs; A sends a numbered request to B over GID_INDEX, B
 answers through an address handle made from the request's completion and GRH
 (ibv_create_ah_from_wc), a new one each round, and every other round through the one it made first.
@@ -23,7 +31,7 @@ import pyverbs.enums as e
 from pyverbs.addr import AH, AHAttr, GlobalRoute
 from pyverbs.cq import CQ
 from pyverbs.device import Context
-from pyverbs.mr import MR, MW
+from pyverbs.mr import MR, MW, MWBind, MWBindInfo
 from pyverbs.pd import PD
 from pyverbs.pyverbs_error import PyverbsError, PyverbsRDMAError
 from pyverbs.qp import QP, QPAttr, QPCap, QPInitAttr
@@ -80,6 +88,69 @@ def refusals(stop: str) -> int:
         b.modify(attr, e.IBV_QP_MIN_RNR_TIMER)
     print(f"READY {a.qp_num} {b.qp_num} mw={mw} raw={raw}", flush=True)
     wait_stop(stop)
+    return 0
+
+
+MW_OFF, MW_LEN = 1024, 1024  # the window inside B's 4 KiB MR
+
+
+def mw_rdma(stop: str) -> int:
+    ctx = Context(name="rxe0")
+    pd = PD(ctx)
+    cq = CQ(ctx, 16)
+    rights = (
+        e.IBV_ACCESS_LOCAL_WRITE
+        | e.IBV_ACCESS_REMOTE_WRITE
+        | e.IBV_ACCESS_REMOTE_READ
+        | e.IBV_ACCESS_REMOTE_ATOMIC
+    )
+    qps = []
+    for _ in range(2):
+        attr = QPAttr(port_num=1)
+        attr.qp_access_flags = rights | e.IBV_ACCESS_MW_BIND
+        init = QPInitAttr(qp_type=e.IBV_QPT_RC, scq=cq, rcq=cq, cap=QPCap(max_send_wr=4, max_recv_wr=4))
+        qps.append(QP(pd, init, attr))
+    a, b = qps
+    connect(ctx, a, b.qp_num)
+    connect(ctx, b, a.qp_num)
+    local = MR(pd, 4096, e.IBV_ACCESS_LOCAL_WRITE)  # A's source and destination buffers
+    mr = MR(pd, 4096, rights | e.IBV_ACCESS_MW_BIND)
+    mw = MW(pd, e.IBV_MW_TYPE_1)
+    info = MWBindInfo(mr, mr.buf + MW_OFF, MW_LEN, e.IBV_ACCESS_REMOTE_WRITE | e.IBV_ACCESS_REMOTE_READ)
+    b.bind_mw(mw, MWBind(info, e.IBV_SEND_SIGNALED, wr_id=77))
+    bind = poll_for(cq, {77})[77]
+    rkey = mw.rkey
+    print(f"READY rkey={rkey} bind={bind.opcode}", flush=True)  # type: ignore[attr-defined]
+    rounds = bad = 0
+    while not os.path.exists(stop):
+        off = MW_OFF + (rounds % (MW_LEN // 16)) * 16
+        record = struct.pack("<QQ", rounds, 0xC0FFEE)
+        local.write(record, 16, 0)
+        wr = SendWR(wr_id=5, opcode=e.IBV_WR_RDMA_WRITE, num_sge=1, sg=[SGE(local.buf, 16, local.lkey)])
+        wr.send_flags = e.IBV_SEND_SIGNALED
+        wr.set_wr_rdma(rkey, mr.buf + off)
+        a.post_send(wr)
+        poll_for(cq, {5})
+        wr = SendWR(wr_id=6, opcode=e.IBV_WR_RDMA_READ, num_sge=1, sg=[SGE(local.buf + 512, 16, local.lkey)])
+        wr.send_flags = e.IBV_SEND_SIGNALED
+        wr.set_wr_rdma(rkey, mr.buf + off)
+        a.post_send(wr)
+        poll_for(cq, {6})
+        if mr.read(16, off) != record or local.read(16, 512) != record:
+            bad += 1
+        rounds += 1
+    # an atomic: the MR and the QPs allow it, the window does not
+    wr = SendWR(wr_id=7, opcode=e.IBV_WR_ATOMIC_FETCH_AND_ADD, num_sge=1, sg=[SGE(local.buf, 8, local.lkey)])
+    wr.send_flags = e.IBV_SEND_SIGNALED
+    wr.set_wr_atomic(rkey, mr.buf + MW_OFF, 1, 0)
+    a.post_send(wr)
+    outside = -1
+    for _ in range(20_000_000):
+        n, wcs = cq.poll(1)
+        if n and wcs[0].wr_id == 7:
+            outside = wcs[0].status
+            break
+    print(f"RESULT rounds={rounds} bad={bad} outside={outside}", flush=True)
     return 0
 
 
@@ -148,4 +219,6 @@ def ud_reply(stop: str, gid_index: int, hold: str | None = None) -> int:
 if __name__ == "__main__":
     if sys.argv[1] == "refusals":
         sys.exit(refusals(sys.argv[2]))
+    if sys.argv[1] == "mw":
+        sys.exit(mw_rdma(sys.argv[2]))
     sys.exit(ud_reply(sys.argv[2], int(sys.argv[3]), *sys.argv[4:5]))
