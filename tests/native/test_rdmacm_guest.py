@@ -1,7 +1,8 @@
 """rdma_cm programs under the shim (issue 16): Debian's rping and ucmatose connect with
 rdma_create_id, resolve_addr/route, connect/accept and rdma_create_qp, exchange their data, and
 give the same results with and without the shim. Their connection ids live in the kernel behind
-/dev/infiniband/rdma_cm, which the shim does not rebuild: status says so for the preflight."""
+/dev/infiniband/rdma_cm, which the shim does not rebuild: status says so, and the agent's preflight
+refuses to checkpoint a rank that holds a connected rdma_cm QP."""
 
 from __future__ import annotations
 
@@ -9,11 +10,13 @@ import os
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from ibckpt_native import NATIVE_DIR, SHIM
 from ibckpt_native.control import ShimControl
+from ibckpt_node.preflight import ShimIdentity, shim_problems
 
 pytestmark = pytest.mark.guest
 
@@ -72,3 +75,53 @@ def test_ucmatose_same_with_and_without_the_shim() -> None:
     srv, cli, _ = _pair(server, client, shim=True)
     assert "return status 0" in plain_cli and "return status 0" in plain_srv
     assert cli == plain_cli and srv == plain_srv
+
+
+def _connected_status(ctl: Path, proc: subprocess.Popen[str], timeout: float = 120) -> dict[str, Any]:
+    """The status of a program under the shim once its QPs are all in RTS."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        if ctl.exists():
+            status = ShimControl(str(ctl)).status()
+            qps = status["qps"]
+            if qps and all(q["state"] == 3 for q in qps):
+                return status
+        time.sleep(0.2)
+    raise AssertionError("the rdma_cm QP never reached RTS")
+
+
+def test_connected_rdma_cm_qp_is_refused_by_the_preflight(tmp_path: Path) -> None:
+    """rping pinging for ever: while its rdma_cm QP is connected, both ends' status lists the
+    connection ids under unsupported, the agent's preflight turns that into a refusal, and asking
+    touched nothing (the gate stays open, the pings go on)."""
+    server = ["rping", "-s", "-a", ADDR, "-p", "7176"]
+    client = ["rping", "-c", "-a", ADDR, "-p", "7176"]
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        for argv, name in ((server, "srv"), (client, "cli")):
+            procs.append(
+                subprocess.Popen(
+                    argv,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    text=True,
+                    env=_env(True, tmp_path / f"{name}.ctl"),
+                )
+            )
+            time.sleep(3)  # the server is listening before the client connects
+        for name, proc in zip(("srv", "cli"), procs, strict=True):
+            status = _connected_status(tmp_path / f"{name}.ctl", proc)
+            assert "rdma_cm (librdmacm connection ids)" in status["unsupported"], status["unsupported"]
+            problems = shim_problems(ShimIdentity.from_status(status))
+            assert any("rdma_cm" in p for p in problems), problems
+            assert status["state"] == "running" and status["gate_closed"] == 0, status
+            before = sum(int(q["sends_completed"]) for q in status["qps"])
+            time.sleep(1)
+            after = ShimControl(str(tmp_path / f"{name}.ctl")).status()["qps"]
+            assert sum(int(q["sends_completed"]) for q in after) > before, after
+        assert all(p.poll() is None for p in procs)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
