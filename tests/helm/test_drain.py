@@ -1,8 +1,8 @@
 """Node drain, as an administrator runs it, on the real cluster with the chart installed: a two-pod RDMA job
 (ring-0 on node-1, ring-1 on node-2) protected by a CheckpointSchedule's `drain`; `kubectl drain node-1`
-is held (its evictions are refused while the operator checkpoints the whole job with Stop), completes by
-itself once the checkpoint is committed, and the operator restores the job on node-2, where it finishes
-with every message delivered exactly once. The test only runs kubectl: cordon, eviction, hold, checkpoint,
+is held (the operator's eviction webhook refuses its evictions, saying why, while it checkpoints the whole
+job with Stop; the PDB is the backstop), completes by itself once the checkpoint is committed, and the
+operator restores the job on node-2, where it finishes with every message delivered exactly once. The test only runs kubectl: cordon, eviction, hold, checkpoint,
 release and restore are the product's and the cluster's.
 """
 
@@ -57,8 +57,10 @@ def test_kubectl_drain_is_held_then_the_job_runs_on_the_other_node_exactly_once(
         said = drain.stdout + drain.stderr
         failed = f"kubectl drain failed:\n{said[-4000:]}\n{ring.diagnose(cluster, job_ns)}"
         assert drain.returncode == 0, failed
-        # held: the eviction of ring-0 was refused (and retried) while the job was checkpointed
+        # held: the eviction of ring-0 was refused (and retried) while the job was checkpointed, and the
+        # operator's webhook said why (the apiserver reaches it through the testbed's forward to node-2)
         assert "ring-0" in said and "will retry" in said, said[-4000:]
+        assert f"checkpointing {SCHEDULE} before it leaves node-1" in said, said[-4000:]
         done = ring.wait_phase(cluster, job_ns, "checkpointschedule", SCHEDULE, "Done", 900, "drainPhase")
         settled = time.time()
     finally:

@@ -38,6 +38,7 @@ from testbed.kube import (
 from testbed.ports import free_port
 
 NODE_NAMES = ("node-1", "node-2")
+WEBHOOK_NODE = "node-2"
 # The one step a cluster admin takes by hand on each RDMA node (docs/runtime-hook.md): a
 # containerd runtime handler for the `ibckpt` RuntimeClass. The agent installs the wrapper
 # it names; until then pods of that class fail to start with the reason, others are untouched.
@@ -67,6 +68,9 @@ class Cluster:
     images: dict[str, image_builds.Image]
     started: float = field(default_factory=time.monotonic)
     timings: dict[str, float] = field(default_factory=dict)
+    # 127.0.0.1:<port> reaches that port on WEBHOOK_NODE (the apiserver cannot reach pod IPs in the
+    # guests): a pod there publishing it as a hostPort serves the apiserver's webhook calls.
+    webhook_port: int = 0
 
     @property
     def kubeconfig(self) -> Path:
@@ -234,6 +238,7 @@ def start_cluster(
     built = image_builds.build()
     store = image_builds.node_store(built)
     kubelet_ports = {name: free_port() for name in NODE_NAMES}
+    webhook_port = free_port()
     started = time.monotonic()
     plane = start_control_plane(
         root / "control-plane",
@@ -252,11 +257,15 @@ def start_cluster(
                 memory_mb=memory_mb,
                 writable=[node_dirs[n]],
                 forward_ports=[api_port, *forward_ports],
-                host_forwards=[(kubelet_ports[n], KUBELET_PORT)],
+                host_forwards=[
+                    (kubelet_ports[n], KUBELET_PORT),
+                    *([(webhook_port, webhook_port)] if n == WEBHOOK_NODE else []),
+                ],
             )
             for n in NODE_NAMES
         ]
-        cluster = Cluster(plane, GuestPair(specs[0], specs[1], echo=echo), node_dirs, built, started)
+        guests = GuestPair(specs[0], specs[1], echo=echo)
+        cluster = Cluster(plane, guests, node_dirs, built, started, webhook_port=webhook_port)
     except BaseException:
         plane.stop()
         raise

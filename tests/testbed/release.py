@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from testbed import pods
-from testbed.cluster import Cluster
+from testbed.cluster import WEBHOOK_NODE, Cluster
 from testbed.guest import REPO, cache_dir
 from testbed.images import PRODUCT_IMAGE
 
@@ -85,11 +85,18 @@ def install(
     cluster: Cluster, name: str, namespace: str, log_level: str = "info", operator_node: str | None = None
 ) -> Release:
     """helm install the chart from the repository into `namespace` (it exists), and wait until every
-    node's agent is ready. `operator_node`: the node the operator must run on."""
+    node's agent is ready. `operator_node`: the node the operator must run on; on the testbed's
+    WEBHOOK_NODE its eviction webhook is published on the port the host forwards there, which is how
+    the apiserver reaches it."""
     repository, tag = PRODUCT_IMAGE.rsplit(":", 1)
-    pin = ["--set", f"operator.nodeSelector.kubernetes\\.io/hostname={operator_node}"]
-    if not operator_node:
-        pin = []
+    pin = []
+    if operator_node:
+        pin += ["--set", f"operator.nodeSelector.kubernetes\\.io/hostname={operator_node}"]
+    if operator_node == WEBHOOK_NODE:
+        pin += [
+            "--set", f"operator.webhook.port={cluster.webhook_port}",
+            "--set", "operator.webhook.hostPort=true", "--set", "operator.webhook.host=127.0.0.1",
+        ]  # fmt: skip
     out = helm(
         cluster, "install", name, str(CHART), "--namespace", namespace,
         "--set", f"image.repository={repository}", "--set", f"image.tag={tag}",
