@@ -2,8 +2,9 @@
 (ring-0 on node-1, ring-1 on node-2) protected by a CheckpointSchedule's `drain`; `kubectl drain node-1`
 is held (the operator's eviction webhook refuses its evictions, saying why, while it checkpoints the whole
 job with Stop; the PDB is the backstop), completes by itself once the checkpoint is committed, and the
-operator restores the job on node-2, where it finishes with every message delivered exactly once. The test only runs kubectl: cordon, eviction, hold, checkpoint,
-release and restore are the product's and the cluster's.
+operator restores the job on node-2, where it finishes with every message delivered exactly once. The test
+only runs kubectl: cordon, eviction, hold, checkpoint, release and restore are the product's and the
+cluster's.
 """
 
 from __future__ import annotations
