@@ -4,13 +4,15 @@ refusals STOP: connects an RC pair, then tries what the shim cannot carry throug
 (a memory window, a raw packet QP) and modifies one QP more often than a rebuild can replay.
 Prints `READY <qpn a> <qpn b> mw=<errno> raw=<errno>` and waits for the stop file.
 
-mw STOP: an RC pair; B's MR holds a memory window of type 1, bound (ibv_bind_mw) to 1 KiB in its
-middle with remote write and read. A writes a numbered record through the window's rkey and reads
-it back, round after round, always with the rkey it read once after the bind. Prints
-`READY rkey=<rkey> bind=<opcode>`, then once the stop file appears it tries a fetch-and-add through
-the window, which the MR and the QPs allow but the window does not, and prints
-`RESULT rounds=<n> bad=<n> outside=<completion status>` (the window's rights kept; rxe checks an
-access through a window against the MR's range, not the window's, so the range cannot show).
+mw STOP [REBIND_EVERY]: an RC pair; B's MR holds a memory window of type 1, bound (ibv_bind_mw)
+to 1 KiB in its middle with remote write and read. A writes a numbered record through the
+window's rkey and reads it back, round after round, always with the rkey it read after the last
+bind. Prints `READY rkey=<rkey> bind=<opcode>`, then once the stop file appears it tries a
+fetch-and-add through the window, which the MR and the QPs allow but the window does not, and prints
+`RESULT rounds=<n> bad=<n> outside=<completion status> rebinds=<n>` (the window's rights kept; rxe
+checks an access through a window against the MR's range, not the window's, so the range cannot
+show). With REBIND_EVERY, B binds the window again every that many rounds, and A goes on with the
+new rkey.
 
 ud_reply STOP GID_INDEX [HOLD]: two UD QPs; A sends a numbered request to B over GID_INDEX, B
 answers through an address handle made from the request's completion and GRH
@@ -94,7 +96,7 @@ def refusals(stop: str) -> int:
 MW_OFF, MW_LEN = 1024, 1024  # the window inside B's 4 KiB MR
 
 
-def mw_rdma(stop: str) -> int:
+def mw_rdma(stop: str, rebind_every: int = 0) -> int:
     ctx = Context(name="rxe0")
     pd = PD(ctx)
     cq = CQ(ctx, 16)
@@ -121,7 +123,7 @@ def mw_rdma(stop: str) -> int:
     bind = poll_for(cq, {77})[77]
     rkey = mw.rkey
     print(f"READY rkey={rkey} bind={bind.opcode}", flush=True)  # type: ignore[attr-defined]
-    rounds = bad = 0
+    rounds = bad = rebinds = 0
     while not os.path.exists(stop):
         off = MW_OFF + (rounds % (MW_LEN // 16)) * 16
         record = struct.pack("<QQ", rounds, 0xC0FFEE)
@@ -139,6 +141,12 @@ def mw_rdma(stop: str) -> int:
         if mr.read(16, off) != record or local.read(16, 512) != record:
             bad += 1
         rounds += 1
+        if rebind_every and rounds % rebind_every == 0:
+            # bound again to the same range: a new rkey, which A uses from now on
+            b.bind_mw(mw, MWBind(info, e.IBV_SEND_SIGNALED, wr_id=78))
+            poll_for(cq, {78})
+            rkey = mw.rkey
+            rebinds += 1
     # an atomic: the MR and the QPs allow it, the window does not
     wr = SendWR(wr_id=7, opcode=e.IBV_WR_ATOMIC_FETCH_AND_ADD, num_sge=1, sg=[SGE(local.buf, 8, local.lkey)])
     wr.send_flags = e.IBV_SEND_SIGNALED
@@ -150,7 +158,7 @@ def mw_rdma(stop: str) -> int:
         if n and wcs[0].wr_id == 7:
             outside = wcs[0].status
             break
-    print(f"RESULT rounds={rounds} bad={bad} outside={outside}", flush=True)
+    print(f"RESULT rounds={rounds} bad={bad} outside={outside} rebinds={rebinds}", flush=True)
     return 0
 
 
@@ -220,5 +228,5 @@ if __name__ == "__main__":
     if sys.argv[1] == "refusals":
         sys.exit(refusals(sys.argv[2]))
     if sys.argv[1] == "mw":
-        sys.exit(mw_rdma(sys.argv[2]))
+        sys.exit(mw_rdma(sys.argv[2], *(int(a) for a in sys.argv[3:4])))
     sys.exit(ud_reply(sys.argv[2], int(sys.argv[3]), *sys.argv[4:5]))

@@ -109,3 +109,27 @@ def test_mw_rkey_survives_checkpoints(tmp_path: Path, shim: Path) -> None:
     fields = _result(prog.out.read_text())
     assert fields["outside"] == str(IBV_WC_REM_ACCESS_ERR), fields
     assert "libibckpt" not in prog.err.read_text(), prog.outputs()
+
+
+def test_mw_bound_again_between_checkpoints(tmp_path: Path) -> None:
+    """The program binds its window again every 5 rounds (each bind a new rkey), before and after
+    rebuilds: every bind completes, and every access through the newest rkey lands."""
+    with Coordinator(tmp_path / "coord.sock") as coord:
+        stop = tmp_path / "stop"
+        argv = ["/usr/bin/python3", str(CASES), "mw", str(stop), "5"]
+        prog = ShimProc("mw", argv, tmp_path, {**ENV, **coord.env}, SHIM)
+        prog.start()
+        try:
+            prog.wait_for_output(READY, 120)
+            _wait_traffic(prog, 30)
+            for epoch in (1, 2):
+                assert checkpoint([prog], epoch).reports["rebuild"]["mw"]["ok"]
+                _wait_traffic(prog, 30)
+            stop.touch()
+            code = prog.wait(120)
+        finally:
+            prog.kill()
+    assert code == 0, prog.outputs()
+    fields = _result(prog.out.read_text())
+    assert int(fields["rebinds"]) >= 6 and fields["outside"] == str(IBV_WC_REM_ACCESS_ERR), fields
+    assert "libibckpt" not in prog.err.read_text(), prog.outputs()
