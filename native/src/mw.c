@@ -244,6 +244,11 @@ static int mw_rebuild_pd(struct ibk_ctx *ctx, struct ibk_pd *pd)
 		if (o->kind != IBK_MW || IBK_OBJ(o, ibk_mw)->pd != pd)
 			continue;
 		mw = IBK_OBJ(o, ibk_mw);
+		if (!ctx->real->ops.alloc_mw) { /* IBCKPT_DEVICE named a device without windows */
+			rc = -EOPNOTSUPP;
+			break;
+		}
+		errno = 0;
 		mw->real = ctx->real->ops.alloc_mw(pd->real, IBV_MW_TYPE_1);
 		if (!mw->real) {
 			rc = errno ? -errno : -ENOMEM;
