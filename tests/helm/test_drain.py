@@ -77,11 +77,18 @@ def test_kubectl_drain_is_held_then_the_job_runs_on_the_other_node_exactly_once(
     assert recorded == {"ring-0": "node-1", "ring-1": "node-2"}, recorded
     restore = pods.get(cluster, job_ns, "restorejob", migration["restoreJob"])
     assert restore["status"]["phase"] == "Succeeded" and restore["spec"]["avoidNodes"] == ["node-1"]
-    events = pods.get(cluster, job_ns, "events")["items"]
-    reasons = {e["reason"] for e in events if e["involvedObject"].get("name") == SCHEDULE}
-    assert {"DrainHeld", "MigrationCommitted", "DrainReleased", "Migrated"} <= reasons, reasons
-    # a new PDB protects the restored pods
-    assert pods.get(cluster, job_ns, "pdb", f"ibckpt-{SCHEDULE}")["spec"]["maxUnavailable"] == 0
+    # Done is written before its actions run (status first): the Event and the new PDB follow it
+    wanted = {"DrainHeld", "MigrationCommitted", "DrainReleased", "Migrated"}
+    deadline, protected_again = time.monotonic() + 120, False
+    reasons: set[str] = set()
+    while time.monotonic() < deadline and not (wanted <= reasons and protected_again):
+        time.sleep(3)
+        events = pods.get(cluster, job_ns, "events")["items"]
+        reasons = {e["reason"] for e in events if e["involvedObject"].get("name") == SCHEDULE}
+        found = cluster.kubectl("get", "pdb", f"ibckpt-{SCHEDULE}", "-n", job_ns, "-o", "json", check=False)
+        protected_again = found.returncode == 0 and json.loads(found.stdout)["spec"]["maxUnavailable"] == 0
+    assert wanted <= reasons, reasons
+    assert protected_again, "no PDB protects the restored pods"
 
     assert ring.placement(cluster, job_ns) == {"ring-0": "node-2", "ring-1": "node-2"}
     ring.finish(cluster, job_ns)
