@@ -162,6 +162,58 @@ def mw_rdma(stop: str, rebind_every: int = 0) -> int:
     return 0
 
 
+def mw_queued(go: str) -> int:
+    """A bind queued behind a send the peer cannot take yet (no receive posted: RNR), so a
+    checkpoint finds both in A's send log. Once the file GO exists, B posts the receive; prints
+    `RESULT send=<status> bind=<status>/<opcode> through=<bool>`: both completions, and an RDMA
+    write by B through the window's rkey."""
+    ctx = Context(name="rxe0")
+    pd = PD(ctx)
+    cq = CQ(ctx, 16)
+    rights = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE | e.IBV_ACCESS_REMOTE_READ
+    qps = []
+    for _ in range(2):
+        attr = QPAttr(port_num=1)
+        attr.qp_access_flags = rights | e.IBV_ACCESS_MW_BIND
+        init = QPInitAttr(qp_type=e.IBV_QPT_RC, scq=cq, rcq=cq, cap=QPCap(max_send_wr=4, max_recv_wr=4))
+        qps.append(QP(pd, init, attr))
+    a, b = qps
+    connect(ctx, a, b.qp_num)
+    connect(ctx, b, a.qp_num)
+    mr = MR(pd, 4096, rights | e.IBV_ACCESS_MW_BIND)
+    mw = MW(pd, e.IBV_MW_TYPE_1)
+    mr.write(b"S" * 16, 16, 0)
+    wr = SendWR(wr_id=1, opcode=e.IBV_WR_SEND, num_sge=1, sg=[SGE(mr.buf, 16, mr.lkey)])
+    wr.send_flags = e.IBV_SEND_SIGNALED
+    a.post_send(wr)
+    info = MWBindInfo(mr, mr.buf + MW_OFF, MW_LEN, e.IBV_ACCESS_REMOTE_WRITE)
+    a.bind_mw(mw, MWBind(info, e.IBV_SEND_SIGNALED, wr_id=2))
+    print(f"READY rkey={mw.rkey}", flush=True)
+    while not os.path.exists(go):
+        time.sleep(0.01)
+    b.post_recv(RecvWR(wr_id=3, num_sge=1, sg=[SGE(mr.buf + 512, 16, mr.lkey)]))
+    got: dict[int, object] = {}
+    for _ in range(20_000_000):
+        n, wcs = cq.poll(1)
+        if n:
+            got[wcs[0].wr_id] = wcs[0]
+            if {1, 2, 3} <= set(got):
+                break
+    send, bind = got.get(1), got.get(2)
+    mr.write(b"T" * 16, 16, 1024 + 2048)  # B's source, outside the window
+    wr = SendWR(wr_id=4, opcode=e.IBV_WR_RDMA_WRITE, num_sge=1, sg=[SGE(mr.buf + 3072, 16, mr.lkey)])
+    wr.send_flags = e.IBV_SEND_SIGNALED
+    wr.set_wr_rdma(mw.rkey, mr.buf + MW_OFF)
+    b.post_send(wr)
+    through = poll_for(cq, {4}) and mr.read(16, MW_OFF) == b"T" * 16
+    print(
+        f"RESULT send={getattr(send, 'status', None)} "
+        f"bind={getattr(bind, 'status', None)}/{getattr(bind, 'opcode', None)} through={through}",
+        flush=True,
+    )
+    return 0
+
+
 def poll_for(cq: CQ, want: set[int], spins: int = 20_000_000) -> dict[int, object]:
     """The completions whose wr_id is in want, by wr_id."""
     got: dict[int, object] = {}
@@ -227,6 +279,8 @@ def ud_reply(stop: str, gid_index: int, hold: str | None = None) -> int:
 if __name__ == "__main__":
     if sys.argv[1] == "refusals":
         sys.exit(refusals(sys.argv[2]))
+    if sys.argv[1] == "mw_queued":
+        sys.exit(mw_queued(sys.argv[2]))
     if sys.argv[1] == "mw":
         sys.exit(mw_rdma(sys.argv[2], *(int(a) for a in sys.argv[3:4])))
     sys.exit(ud_reply(sys.argv[2], int(sys.argv[3]), *sys.argv[4:5]))

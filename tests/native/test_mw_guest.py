@@ -133,3 +133,29 @@ def test_mw_bound_again_between_checkpoints(tmp_path: Path) -> None:
     fields = _result(prog.out.read_text())
     assert int(fields["rebinds"]) >= 6 and fields["outside"] == str(IBV_WC_REM_ACCESS_ERR), fields
     assert "libibckpt" not in prog.err.read_text(), prog.outputs()
+
+
+def test_mw_bind_queued_behind_an_undelivered_send(tmp_path: Path) -> None:
+    """A checkpoint finds a bind in the send log behind a send the peer has not taken (RNR): the
+    rebuild posts the send again and, in the bind's place, a zero-length write (the window is
+    bound again by the rebuild itself); the program sees both complete, the bind as
+    IBV_WC_BIND_MW, and its peer writes through the window."""
+    with Coordinator(tmp_path / "coord.sock") as coord:
+        go = tmp_path / "go"
+        argv = ["/usr/bin/python3", str(CASES), "mw_queued", str(go)]
+        prog = ShimProc("mwq", argv, tmp_path, {**ENV, **coord.env}, SHIM)
+        prog.start()
+        try:
+            prog.wait_for_output(r"READY rkey=\d+", 120)
+            result = checkpoint([prog], 1)
+            reposted = sorted(int(q["reposted"]) for q in prog.ctl.status()["qps"])
+            go.touch()
+            code = prog.wait(120)
+        finally:
+            prog.kill()
+    assert code == 0, prog.outputs()
+    assert result.reports["rebuild"]["mwq"]["ok"], result.reports
+    assert reposted == [0, 2], reposted  # A's send and, in the bind's place, the zero-length write
+    fields = parse_fields(prog.out.read_text())
+    assert fields == {"send": "0", "bind": f"0/{IBV_WC_BIND_MW}", "through": "True"}, prog.outputs()
+    assert "libibckpt" not in prog.err.read_text(), prog.outputs()
