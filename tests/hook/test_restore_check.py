@@ -288,3 +288,31 @@ def test_dev_shm_files_travel_from_the_old_sandbox_into_the_new_one(tmp_path: Pa
     # files to carry and no /dev/shm of its own to put them in: refused, with the reason
     with pytest.raises(oci.Refused, match="no /dev/shm of its own"):
         restore.apply_shm(str(images), shm_spec("/dev/shm"))
+
+
+def test_the_unpack_needs_nothing_from_the_root_it_is_chrooted_into(tmp_path: Path) -> None:
+    """The wrapper is a fresh interpreter: whatever the chrooted child imports would come from the
+    container's files (or fail in a bare /dev/shm), so it must import nothing there."""
+    import subprocess
+    import tarfile
+
+    images, target = tmp_path / "images", tmp_path / "bare"  # no Python, no libraries inside
+    images.mkdir()
+    target.mkdir()
+    with tarfile.open(images / oci.SHM_ARCHIVE, "w") as tar:
+        info = tarfile.TarInfo("./seg")
+        info.size = 2
+        tar.addfile(info, __import__("io").BytesIO(b"ok"))
+    code = (
+        "import sys, json\n"
+        "from ibckpt_node.hook import restore\n"
+        "restore.apply_shm(sys.argv[1], json.loads(sys.argv[2]))\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code, str(images), json.dumps(shm_spec(str(target)))],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 0, run.stderr
+    assert (target / "seg").read_bytes() == b"ok"

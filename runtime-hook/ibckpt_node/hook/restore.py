@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
+import tarfile  # here, not in the chrooted child: there an import would read the container's files
 import time
 
 from ibckpt_node.hook import oci
@@ -161,9 +163,6 @@ def _unpack_into(archive: str, root: str, what: str) -> None:
 
 
 def _unpack(stream: Any) -> None:
-    import shutil
-    import tarfile
-
     with tarfile.open(fileobj=stream, mode="r:") as tar:
         for member in tar:
             name = os.path.normpath("/" + member.name)
