@@ -102,6 +102,8 @@ def test_kubectl_drain_is_held_then_the_job_runs_on_the_other_node_exactly_once(
         f"+ restore {ring.seconds(restore):.1f}s (RestoreJob, created at "
         f"{stamp(restore['metadata']['creationTimestamp']) - began:.1f}s)"
     )
+    jobs = ring.seconds(job) + ring.seconds(restore)
+    print(f"drain to running elsewhere / (its CheckpointJob + RestoreJob): {(settled - began) / jobs:.2f}")
     print(f"kubectl drain said:\n{said[-2500:]}")
     print(f"drain job: {json.dumps(job['status'].get('pods'))[:1500]}")
     print(f"drain restore: {json.dumps(restore['status'].get('pods'))[:1500]}")
