@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import stat
-import tarfile  # here, not in the chrooted child: there an import would read the container's files
 import time
 
 from ibckpt_node.hook import oci
@@ -143,6 +141,11 @@ def _unpack_into(archive: str, root: str, what: str) -> None:
     path or link in it can reach the node's files."""
     if not os.path.exists(archive):
         return
+    # Imported here, in the parent, never in the chrooted child: there an import would read the
+    # container's files. (Not at module level either: every container create imports this module.)
+    import shutil
+    import tarfile
+
     fd = os.open(archive, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     pid = os.fork()
     if pid == 0:  # pragma: no cover (the child)
@@ -150,7 +153,7 @@ def _unpack_into(archive: str, root: str, what: str) -> None:
         try:
             os.chroot(root)
             os.chdir("/")
-            _unpack(os.fdopen(fd, "rb"))
+            _unpack(os.fdopen(fd, "rb"), tarfile, shutil)
             code = 0
         except BaseException as exc:
             os.write(2, f"ibckpt-runc: applying {what}: {exc}\n".encode())
@@ -162,7 +165,7 @@ def _unpack_into(archive: str, root: str, what: str) -> None:
         raise Refused(f"could not apply {what} from {archive}")
 
 
-def _unpack(stream: Any) -> None:
+def _unpack(stream: Any, tarfile: Any, shutil: Any) -> None:
     with tarfile.open(fileobj=stream, mode="r:") as tar:
         for member in tar:
             name = os.path.normpath("/" + member.name)
