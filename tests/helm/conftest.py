@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from testbed import pods
+from testbed import pods, ring
 from testbed.cluster import Cluster
 from testbed.release import STORAGE_SECRET, Release, install, sa_token, storage_secret
 from testbed.ring import PRODUCT_NS
@@ -47,18 +47,7 @@ def job_ns(installed: Release, s3_server: S3Server) -> Iterator[str]:
     bucket = f"ring-job-{secrets.token_hex(3)}"
     s3_server.create_bucket(bucket)
     storage_secret(cluster, JOB_NS, s3_server.access_key, s3_server.secret_key)
-    port = s3_server.endpoint.rsplit(":", 1)[1]
-    storage = {
-        "apiVersion": "ibckpt.io/v1alpha1",
-        "kind": "CheckpointStorage",
-        "metadata": {"name": "store"},
-        "spec": {
-            "endpoint": f"http://10.0.2.100:{port}",
-            "bucket": bucket,
-            "credentialsSecretRef": {"name": STORAGE_SECRET},
-        },
-    }
-    pods.apply(cluster, JOB_NS, storage)
+    pods.apply(cluster, JOB_NS, ring.storage(s3_server.endpoint, bucket))
     try:
         yield JOB_NS
     finally:

@@ -46,17 +46,7 @@ def test_checkpoint_job_then_restore_job_swaps_the_nodes_exactly_once(
 
     # Stop: the sources ended after the commit; delete them, then bring the job back swapped
     cluster.kubectl("delete", "pod", "-n", job_ns, *ring.MEMBERS, "--timeout=120s", timeout=150)
-    restore_job = {
-        "apiVersion": "ibckpt.io/v1alpha1",
-        "kind": "RestoreJob",
-        "metadata": {"name": "back"},
-        "spec": {
-            "checkpointName": checkpoint_name,
-            "avoidSourceNodes": True,
-            "timeouts": {"admitSeconds": 300},
-        },
-    }
-    pods.apply(cluster, job_ns, restore_job)
+    pods.apply(cluster, job_ns, ring.restore_job("back", checkpoint_name))
     restored = ring.wait_phase(cluster, job_ns, "restorejob", "back", "Succeeded")
     print(f"restore job: {ring.seconds(restored):.1f}s, {json.dumps(restored['status'].get('pods'))[:1500]}")
     assert ring.placement(cluster, job_ns) == {"ring-0": "node-2", "ring-1": "node-1"}

@@ -26,26 +26,12 @@ from rich.table import Table
 
 from testbed import pods, ring
 from testbed.cluster import Cluster, start_cluster
-from testbed.release import STORAGE_SECRET, install, storage_secret
+from testbed.release import install, storage_secret
 from testbed.s3 import S3Server, start_s3, stop_s3
 
 BUCKET = "ibckpt-demo"
 JOB_NS = "demo"
 FINISHED = ("Succeeded", "Failed")
-
-
-def storage(s3: S3Server) -> dict[str, Any]:
-    port = s3.endpoint.rsplit(":", 1)[1]
-    return {
-        "apiVersion": "ibckpt.io/v1alpha1",
-        "kind": "CheckpointStorage",
-        "metadata": {"name": "store"},
-        "spec": {
-            "endpoint": f"http://10.0.2.100:{port}",
-            "bucket": BUCKET,
-            "credentialsSecretRef": {"name": STORAGE_SECRET},
-        },
-    }
 
 
 def follow(console: Console, cluster: Cluster, kind: str, name: str, timeout: float = 1200) -> dict[str, Any]:
@@ -94,7 +80,7 @@ def on_cluster(console: Console, cluster: Cluster, s3: S3Server) -> bool:
         console.print(f"  {meta['name']} on {where}: {pod['status']['phase']}")
     pods.namespace(cluster, JOB_NS)
     storage_secret(cluster, JOB_NS, s3.access_key, s3.secret_key)
-    pods.apply(cluster, JOB_NS, storage(s3))
+    pods.apply(cluster, JOB_NS, ring.storage(s3.endpoint, BUCKET))
 
     console.rule("the job: rc_seq in ring-0 (node-1) and ring-1 (node-2), RuntimeClass ibckpt")
     ring.start(cluster, JOB_NS)
@@ -116,16 +102,7 @@ def on_cluster(console: Console, cluster: Cluster, s3: S3Server) -> bool:
 
     console.rule("kubectl apply: RestoreJob back (avoidSourceNodes)")
     cluster.kubectl("delete", "pod", "-n", JOB_NS, *ring.MEMBERS, "--timeout=120s", timeout=150)
-    restore = {
-        "apiVersion": "ibckpt.io/v1alpha1",
-        "kind": "RestoreJob",
-        "metadata": {"name": "back"},
-        "spec": {
-            "checkpointName": checkpoint["metadata"]["name"],
-            "avoidSourceNodes": True,
-            "timeouts": {"admitSeconds": 300},
-        },
-    }
+    restore = ring.restore_job("back", checkpoint["metadata"]["name"])
     pods.apply(cluster, JOB_NS, restore)
     restored = follow(console, cluster, "restorejob", "back")
     if restored["status"]["phase"] != "Succeeded":

@@ -13,6 +13,7 @@ from typing import Any
 from testbed import pods
 from testbed.cluster import Cluster
 from testbed.images import APPS_IMAGE
+from testbed.release import STORAGE_SECRET
 
 SERVER = "rc_seq -f /tmp/stop -p 18515; echo ring-done"
 MEMBERS = ("ring-0", "ring-1")
@@ -94,6 +95,31 @@ def checkpoint_job(name: str, mode: str) -> dict[str, Any]:
         "kind": "CheckpointJob",
         "metadata": {"name": name},
         "spec": job_template(mode),
+    }
+
+
+def storage(s3_endpoint: str, bucket: str) -> dict[str, Any]:
+    """The team's CheckpointStorage `store`: the host's S3 as pods reach it, its credentials Secret."""
+    port = s3_endpoint.rsplit(":", 1)[1]
+    return {
+        "apiVersion": "ibckpt.io/v1alpha1",
+        "kind": "CheckpointStorage",
+        "metadata": {"name": "store"},
+        "spec": {
+            "endpoint": f"http://10.0.2.100:{port}",
+            "bucket": bucket,
+            "credentialsSecretRef": {"name": STORAGE_SECRET},
+        },
+    }
+
+
+def restore_job(name: str, checkpoint: str) -> dict[str, Any]:
+    """A RestoreJob that brings the ring back with each pod off the node it was checkpointed on."""
+    return {
+        "apiVersion": "ibckpt.io/v1alpha1",
+        "kind": "RestoreJob",
+        "metadata": {"name": name},
+        "spec": {"checkpointName": checkpoint, "avoidSourceNodes": True, "timeouts": {"admitSeconds": 300}},
     }
 
 
