@@ -46,7 +46,14 @@ from ibckpt.api.objects import (
     OwnerReference,
     RestoreJob,
 )
-from ibckpt.api.restorejob import RESTORE_JOB, RestoreJobSpec, RestoreJobStatus, RestorePhase, RestoreTimeouts
+from ibckpt.api.restorejob import (
+    RESTORE_JOB,
+    PodCreator,
+    RestoreJobSpec,
+    RestoreJobStatus,
+    RestorePhase,
+    RestoreTimeouts,
+)
 from ibckpt.api.schedule import CHECKPOINT_SCHEDULE, CheckpointScheduleSpec, CheckpointScheduleStatus
 from ibckpt.api.storage import (
     CHECKPOINT_STORAGE,
@@ -101,6 +108,7 @@ __all__ = [
     "LocalObjectReference",
     "ObjectMeta",
     "OwnerReference",
+    "PodCreator",
     "PodRow",
     "PodTemplate",
     "PrinterColumn",

@@ -26,6 +26,16 @@ class RestorePhase(StrEnum):
     FAILED = "Failed"
 
 
+class PodCreator(StrEnum):
+    """Who creates the restored pods. RestoreJob: the restore creates them from the recorded templates.
+    Controller: the pods' own controller (a StatefulSet, which keeps pod names) creates them again, and
+    the operator's admission webhook binds each new pod of a checkpointed name to the node its images
+    were staged on (docs/drains.md)."""
+
+    RESTORE_JOB = "RestoreJob"
+    CONTROLLER = "Controller"
+
+
 class RestoreTimeouts(ApiModel):
     """The bound on each phase, in seconds. One that runs out fails the restore and removes what it
     restored; the Checkpoint stays valid for another try."""
@@ -48,6 +58,11 @@ class RestoreJobSpec(ApiModel):
     avoid_nodes: list[str] | None = Field(default=None, description="Nodes that must not receive a pod.")
     avoid_source_nodes: bool = Field(
         default=False, description="Keep every pod off the nodes it was checkpointed on (moving off a drain)."
+    )
+    pods_created_by: PodCreator = Field(
+        default=PodCreator.RESTORE_JOB,
+        description="RestoreJob: the restore creates the pods. Controller: their StatefulSet creates them "
+        "again under the same names, and the operator binds them to the staged nodes.",
     )
     timeouts: RestoreTimeouts = RestoreTimeouts()
     active_deadline_seconds: int = Field(default=3600, ge=1, description="Bound on the whole restore.")

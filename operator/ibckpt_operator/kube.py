@@ -130,6 +130,31 @@ class Kube:
         base = f"/apis/{api_version}" if "/" in api_version else f"/api/{api_version}"
         return await self._get_path(f"{base}/namespaces/{namespace}/{plural}/{name}")
 
+    async def annotate(
+        self, api_version: str, kind: str, namespace: str, name: str, annotations: dict[str, str]
+    ) -> bool:
+        """Set annotations on any namespaced object (a merge patch); False if it is absent or unknown."""
+        plural = await self.plural_of(api_version, kind)
+        if plural is None:
+            return False
+        base = f"/apis/{api_version}" if "/" in api_version else f"/api/{api_version}"
+        try:
+            await self._run(
+                self.api.call_api,
+                f"{base}/namespaces/{namespace}/{plural}/{name}",
+                "PATCH",
+                header_params={"Content-Type": "application/merge-patch+json", "Accept": "application/json"},
+                body={"metadata": {"annotations": annotations}},
+                auth_settings=["BearerToken"],
+                _preload_content=False,
+                response_type="object",
+            )
+        except ApiException as error:
+            if error.status == 404:
+                return False
+            raise
+        return True
+
     # -- our own kinds
 
     async def get_custom(self, plural: str, namespace: str, name: str) -> Body | None:

@@ -35,8 +35,15 @@ from ibckpt.agentapi import (
     SessionReport,
     SessionState,
 )
-from ibckpt.api import Checkpoint, CheckpointPod, RestoreJobSpec, RestoreJobStatus, RestorePhase
-from ibckpt_operator import storage
+from ibckpt.api import (
+    Checkpoint,
+    CheckpointPod,
+    PodCreator,
+    RestoreJobSpec,
+    RestoreJobStatus,
+    RestorePhase,
+)
+from ibckpt_operator import bindings, storage
 from ibckpt_operator.agents import Agent, agents_by_node, each_agent, follow_session, no_agent_message
 from ibckpt_operator.config import GROUP, VERSION
 from ibckpt_operator.driver import Driver, StepProblem
@@ -138,6 +145,9 @@ class RestoreJobDriver(Driver[RestoreState]):
         self.progress: dict[str, int] = {}  # pod name -> index of its last milestone
         self.pod_bytes: dict[str, int] = {}
         self.reported: set[tuple[str, str]] = set()  # (attempt, pod name) already told to the machine
+        self.by_controller = self.spec.pods_created_by == PodCreator.CONTROLLER
+        if self.by_controller:
+            bindings.register(self)
 
     # -- names
 
@@ -151,6 +161,31 @@ class RestoreJobDriver(Driver[RestoreState]):
     @property
     def checkpoint_ref(self) -> str:
         return f"{self.namespace}/{self.spec.checkpoint_name}"
+
+    def claim(self, namespace: str, name: str) -> bindings.Claim | None:
+        """Controller mode: a new pod of a member's name is refused until its images are staged, then
+        bound to its node (once: a member whose pod exists is not bound again)."""
+        state = self.state
+        if (
+            namespace != self.namespace
+            or state is None
+            or state.phase in (*TERMINAL, RestorePhase.CLEANING_UP)
+        ):
+            return None
+        member = next((m for m in state.members if m.pod.name == name), None)
+        if member is None:
+            return None
+        creating = state.step is not None and state.step.kind == RestoreStep.CREATE_PODS
+        if member.pod.node and not member.pod.uid and (creating or state.phase in LIVE_PHASES):
+            return bindings.Binding(member.pod.node, self.checkpoint_ref, self.restored_by(state.run))
+        if member.pod.uid:
+            why = "its restored pod is being replaced"
+        else:
+            why = f"its images are not staged yet ({state.phase})"
+        return bindings.Waiting(
+            f"ibckpt: pod {name} is being restored from Checkpoint {self.checkpoint_ref} by RestoreJob "
+            f"{self.name}, and {why}; its controller will create it again"
+        )
 
     # -- the machine
 
@@ -304,13 +339,9 @@ class RestoreJobDriver(Driver[RestoreState]):
             await self.rt.kube.post_event(self.body, "Normal", "VersionsNotChecked", message)
         for pod in action.pods:
             existing = await self.rt.kube.get_pod(self.namespace, pod.name)
-            if existing is not None:
+            if existing is not None and not self.replaceable(existing):
                 uid = existing["metadata"].get("uid")
-                message = (
-                    f"pod {pod.name} already exists in namespace {self.namespace} (uid {uid}): the restore "
-                    "creates it under its original name, so delete the source pod first (and stop its "
-                    "controller from creating it again)"
-                )
+                message = self.exists_message(pod.name, uid)
                 self.emit(StepFailed(action.attempt, "PodExists", message, pod=pod.name))
                 return
             agent = agents.get(pod.node)
@@ -332,6 +363,32 @@ class RestoreJobDriver(Driver[RestoreState]):
                 self.emit(StepFailed(action.attempt, "IncompatibleNode", message, pod=pod.name))
                 return
             self.emit(PodAdmitted(action.attempt, pod.name))
+
+    def replaceable(self, pod: Body) -> bool:
+        """Controller mode: a source pod on its way out (its controller creates it again, bound here) or
+        one this run bound already."""
+        if not self.by_controller or self.state is None:
+            return False
+        meta = pod.get("metadata", {})
+        if (meta.get("annotations") or {}).get(RESTORED_BY) == self.restored_by(self.state.run):
+            return True
+        recorded = self.checkpoint.spec.pods if self.checkpoint is not None else None
+        sources = {p.name: p.uid for p in recorded or ()}
+        return bool(meta.get("uid")) and sources.get(meta.get("name", "")) == meta.get("uid")
+
+    def exists_message(self, name: str, uid: str | None) -> str:
+        if not self.by_controller:
+            return (
+                f"pod {name} already exists in namespace {self.namespace} (uid {uid}): the restore creates "
+                "it under its original name, so delete the source pod first (and stop its controller from "
+                "creating it again, or restore with podsCreatedBy: Controller)"
+            )
+        return (
+            f"pod {name} (uid {uid}) is running in namespace {self.namespace} and is neither the "
+            "checkpointed pod nor restored: its controller started it from scratch before this restore "
+            "could bind it (was the operator's webhook unreachable?); delete it and its controller creates "
+            "it again, restored"
+        )
 
     async def open_session(self, action: OpenRestoreSession) -> None:
         assert self.state is not None
@@ -357,6 +414,9 @@ class RestoreJobDriver(Driver[RestoreState]):
         assert self.state is not None
         await self.require_checkpoint()
         marker = self.restored_by(self.state.run)
+        if self.by_controller:
+            await self.adopt_pods(action, marker)
+            return
         owner = {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "name": self.name, "uid": self.uid,
                  "controller": True}  # fmt: skip
         for pod in action.pods:
@@ -387,6 +447,47 @@ class RestoreJobDriver(Driver[RestoreState]):
                 uid = str(meta["uid"])  # ours, from this run's attempt before
             log.info("%s: created pod %s (uid %s) on %s", self.key, pod.name, uid, pod.node)
             self.emit(PodCreated(action.attempt, pod.name, uid))
+
+    async def adopt_pods(self, action: CreatePods, marker: str) -> None:
+        """Controller mode: the images are staged, so the webhook now binds each member's new pod (claim);
+        wake the controllers (they back off after the refusals) and wait for the pods they create."""
+        workloads = {
+            (t.controller.api_version or "", t.controller.kind, t.controller.name)
+            for pod in action.pods
+            if (t := self.recorded(pod.name).template) is not None and t.controller is not None
+        }
+        for api_version, kind, name in sorted(workloads):
+            try:
+                await self.rt.kube.annotate(
+                    api_version, kind, self.namespace, name, {bindings.RESTORING: self.name}
+                )
+            except ApiException as error:  # a hint only: the controller retries by itself
+                log.warning("%s: could not wake %s %s: %s", self.key, kind, name, _api_message(error))
+        waiting = {pod.name: pod for pod in action.pods}
+        while waiting:
+            for name, pod in list(waiting.items()):
+                body = await self.rt.kube.get_pod(self.namespace, name) or {}
+                meta = body.get("metadata", {})
+                if (meta.get("annotations") or {}).get(RESTORED_BY) == marker:
+                    del waiting[name]
+                    log.info(
+                        "%s: %s created pod %s (uid %s) on %s",
+                        self.key,
+                        "its controller",
+                        name,
+                        meta["uid"],
+                        pod.node,
+                    )
+                    self.emit(PodCreated(action.attempt, name, str(meta["uid"])))
+                elif meta.get("uid") and not self.replaceable(body):
+                    self.emit(
+                        StepFailed(
+                            action.attempt, "PodExists", self.exists_message(name, meta["uid"]), pod=name
+                        )
+                    )
+                    return
+            if waiting:
+                await asyncio.sleep(1.0)
 
     async def create_pod(self, body: Body) -> str:
         """The created pod's uid (kube.py has no create: this is the one pod the operator makes)."""

@@ -17,7 +17,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from ibckpt.api import CheckpointScheduleSpec, CheckpointScheduleStatus, Condition, ConditionStatus
-from ibckpt_operator import drains, metrics, protection, schedules
+from ibckpt_operator import bindings, drains, metrics, protection, schedules
 from ibckpt_operator.config import current
 from ibckpt_operator.kube import Body
 from ibckpt_operator.machine.core import Action, EmitEvent, Event, OperatorRestarted, PodRef, Tick
@@ -57,6 +57,8 @@ StopWaiter = Callable[[], Awaitable[str | None]]
 CONTROLLERS: dict[str, ScheduleController] = {}
 
 
+# From the commit to the restore a source's name is reserved for its restored pod (bindings.py).
+CLAIMING = frozenset({DrainPhase.COMMITTED, DrainPhase.RELEASING, DrainPhase.RESTORING})
 SOURCES_POLL_SECONDS = 3.0  # while a drain's restore waits for the killed source pods to go
 
 
@@ -99,6 +101,20 @@ class ScheduleController:
     def spec(self) -> CheckpointScheduleSpec:
         return CheckpointScheduleSpec.from_wire(dict(self.live.get("spec") or {}))
 
+    def claim(self, namespace: str, name: str) -> bindings.Claim | None:
+        """While a migration is between its commit and its restore, a new pod named as a source is
+        refused: it is restored once its images are staged (the RestoreJob binds it then)."""
+        drain = self.drain
+        if namespace != self.namespace or drain is None or drain.phase not in CLAIMING:
+            return None
+        if not any(pod.name == name for pod in drain.sources):
+            return None
+        return bindings.Waiting(
+            f"ibckpt: pod {name} is being migrated by CheckpointSchedule {self.name} ({drain.phase}) and is "
+            f"restored from Checkpoint {drain.checkpoint} once its images are staged; its controller will "
+            "create it again"
+        )
+
     def protects(self, pod_uid: str) -> bool:
         return self.drain is not None and any(pod.uid == pod_uid for pod in self.members)
 
@@ -121,6 +137,7 @@ class ScheduleController:
 
     async def run(self, stop: StopWaiter) -> None:
         CONTROLLERS[self.key] = self
+        bindings.register(self)
         try:
             while True:
                 async with self.lock:
@@ -375,13 +392,16 @@ class ScheduleController:
                 log.warning("%s: no side effect for %r", self.key, action)
 
     async def _start_restore(self, action: StartRestore) -> None:
-        """A RestoreJob for every workload kind (the controller path, a restore annotation on the
-        controller's new pods, is not built: docs/drains.md). It recreates the pods under their names, so
-        it is created only once no source pod is left (a killed pod may take its grace period to go);
-        until then every pass tries again (create-if-absent by name)."""
+        """The RestoreJob that brings the job back. Pods a StatefulSet owns are created again by it under
+        their names: the RestoreJob (podsCreatedBy: Controller) stages their images at once, and the
+        webhook binds the controller's new pods (bindings.py). Other pods are created by the RestoreJob
+        under their names, so it is created only once no source pod is left (a killed pod may take its
+        grace period to go); until then every pass tries again (create-if-absent by name)."""
         assert self.drain is not None
+        checkpoint = await self.rt.kube.get_custom("checkpoints", self.namespace, action.checkpoint)
+        by_controller = schedules.restored_by_controller(checkpoint)
         left = []
-        for pod in self.drain.sources:
+        for pod in () if by_controller else self.drain.sources:
             found = await self.rt.kube.get_pod(self.namespace, pod.name)
             if (found or {}).get("metadata", {}).get("uid") == pod.uid:
                 left.append(pod.name)
@@ -393,7 +413,9 @@ class ScheduleController:
                 )
             return
         self.waiting_for = []
-        body = schedules.restore_job_body(self.body(), action.job, action.checkpoint, action.avoid_nodes)
+        body = schedules.restore_job_body(
+            self.body(), action.job, action.checkpoint, action.avoid_nodes, by_controller=by_controller
+        )
         await self.rt.kube.create_custom("restorejobs", self.namespace, body)
 
     async def _event(self, type_: str, reason: str, message: str) -> None:

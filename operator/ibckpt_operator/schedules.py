@@ -12,8 +12,9 @@ from typing import Any
 
 from kubernetes.client import ApiException
 
-from ibckpt.api import CheckpointScheduleSpec, CheckpointScheduleStatus, JobPhase, RestorePhase
+from ibckpt.api import CheckpointScheduleSpec, CheckpointScheduleStatus, JobPhase, PodCreator, RestorePhase
 from ibckpt.api.schedule import PIN_LABEL
+from ibckpt_operator.bindings import NAME_KEEPING_KINDS
 from ibckpt_operator.config import GROUP, VERSION
 from ibckpt_operator.kube import Body, Kube
 from ibckpt_operator.machine.schedule import CheckpointInfo, JobFinished, ScheduleState
@@ -67,9 +68,21 @@ def checkpoint_job_body(
 SHARED_TIMEOUTS = ("admitSeconds", "rebuildSeconds", "resumeSeconds")
 
 
-def restore_job_body(schedule: Body, name: str, checkpoint: str, avoid_nodes: tuple[str, ...]) -> Body:
+def restored_by_controller(checkpoint: Mapping[str, Any] | None) -> bool:
+    """Whether every pod of a Checkpoint belongs to a controller that creates it again under its name
+    (a StatefulSet): then that controller creates the restored pods (podsCreatedBy: Controller)."""
+    pods = ((checkpoint or {}).get("spec") or {}).get("pods") or ()
+    kinds = [((pod.get("template") or {}).get("controller") or {}).get("kind") for pod in pods]
+    return bool(kinds) and all(kind in NAME_KEEPING_KINDS for kind in kinds)
+
+
+def restore_job_body(
+    schedule: Body, name: str, checkpoint: str, avoid_nodes: tuple[str, ...], by_controller: bool = False
+) -> Body:
     timeouts = ((schedule.get("spec") or {}).get("template") or {}).get("timeouts") or {}
     spec: dict[str, Any] = {"checkpointName": checkpoint, "avoidNodes": list(avoid_nodes)}
+    if by_controller:
+        spec["podsCreatedBy"] = PodCreator.CONTROLLER.value
     shared = {key: timeouts[key] for key in SHARED_TIMEOUTS if key in timeouts}
     if shared:
         spec["timeouts"] = shared

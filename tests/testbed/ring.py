@@ -54,11 +54,7 @@ def start(cluster: Cluster, namespace: str) -> None:
     client = f"sleep 3; rc_seq -c {server_ip} -f /tmp/stop -p 18515; echo ring-done"
     pods.apply(cluster, namespace, member("ring-1", "node-2", client))
     pods.wait_pod(cluster, namespace, "ring-1", {"Running"})
-    deadline = time.monotonic() + 180
-    while "READY" not in cluster.kubectl("logs", "-n", namespace, "ring-1").stdout:
-        assert time.monotonic() < deadline, "the ring did not connect"
-        time.sleep(3)
-    time.sleep(5)
+    connected(cluster, namespace)
 
 
 def running(cluster: Cluster, namespace: str) -> None:
@@ -85,6 +81,77 @@ def finish(cluster: Cluster, namespace: str) -> list[dict[str, str]]:
         pods.wait_pod(cluster, namespace, name, {"Succeeded"}, timeout=300)
     log = "".join(cluster.kubectl("logs", "-n", namespace, name).stdout for name in MEMBERS)
     assert log.count("ring-done") == 2, log[-3000:]
+    assert_exactly_once(log)
+    return results(log)
+
+
+# The same ring as a StatefulSet `ring`: one template, so each pod's role comes from its hostname; the
+# testbed has no cluster DNS, so the client waits for the test to write the server's address in /tmp.
+# The container stays up after the ring (a StatefulSet restarts a container that exits).
+STATEFUL_COMMAND = (
+    'if [ "$(hostname)" = ring-0 ]; then rc_seq -f /tmp/stop -p 18515; '
+    "else while [ ! -s /tmp/server ]; do sleep 1; done; "
+    'rc_seq -c "$(cat /tmp/server)" -f /tmp/stop -p 18515; fi; echo ring-done; exec sleep 1000000'
+)
+
+
+def statefulset() -> dict[str, Any]:
+    """Two replicas created together, spread over the nodes (preferred: both may end up on one node)."""
+    template = member("ring", "", STATEFUL_COMMAND)
+    del template["spec"]["nodeName"]
+    template["spec"]["restartPolicy"] = "Always"
+    spread = {"labelSelector": {"matchLabels": LABELS}, "topologyKey": "kubernetes.io/hostname"}
+    template["spec"]["affinity"] = {
+        "podAntiAffinity": {
+            "preferredDuringSchedulingIgnoredDuringExecution": [{"weight": 100, "podAffinityTerm": spread}]
+        }
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": {"name": "ring"},
+        "spec": {
+            "serviceName": "ring",
+            "replicas": 2,
+            "podManagementPolicy": "Parallel",
+            "selector": {"matchLabels": LABELS},
+            "template": {"metadata": {"labels": LABELS}, "spec": template["spec"]},
+        },
+    }
+
+
+def start_statefulset(cluster: Cluster, namespace: str) -> None:
+    """The StatefulSet's ring, connected; returns once they exchange messages."""
+    pods.apply(cluster, namespace, statefulset())
+    server_ip = pods.wait_pod(cluster, namespace, "ring-0", {"Running"})["status"]["podIP"]
+    pods.wait_pod(cluster, namespace, "ring-1", {"Running"})
+    cluster.kubectl("exec", "-n", namespace, "ring-1", "--", "sh", "-c", f"echo {server_ip} > /tmp/server")
+    connected(cluster, namespace)
+
+
+def connected(cluster: Cluster, namespace: str) -> None:
+    deadline = time.monotonic() + 180
+    while "READY" not in cluster.kubectl("logs", "-n", namespace, "ring-1").stdout:
+        assert time.monotonic() < deadline, "the ring did not connect"
+        time.sleep(3)
+    time.sleep(5)
+
+
+def finish_statefulset(cluster: Cluster, namespace: str) -> list[dict[str, str]]:
+    """finish() for the StatefulSet's ring, whose containers stay up: each says ring-done, none restarted."""
+    time.sleep(5)
+    for name in MEMBERS:
+        cluster.kubectl("exec", "-n", namespace, name, "--", "touch", "/tmp/stop")
+    deadline = time.monotonic() + 300
+    while True:
+        log = "".join(cluster.kubectl("logs", "-n", namespace, name).stdout for name in MEMBERS)
+        if log.count("ring-done") == 2 or time.monotonic() > deadline:
+            break
+        time.sleep(3)
+    assert log.count("ring-done") == 2, log[-3000:]
+    for name in MEMBERS:
+        pod = pods.get(cluster, namespace, "pod", name)
+        assert pod["status"]["containerStatuses"][0]["restartCount"] == 0, pod["status"]
     assert_exactly_once(log)
     return results(log)
 

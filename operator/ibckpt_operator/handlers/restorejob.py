@@ -1,4 +1,5 @@
-"""RestoreJob: one daemon per job drives it (restorejob.RestoreJobDriver) from its status."""
+"""RestoreJob: one daemon per job drives it (restorejob.RestoreJobDriver) from its status; and the
+mutating webhook that binds a controller's new pod to the node its restore staged (bindings.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 import kopf
 
 from ibckpt.api import RestorePhase
-from ibckpt_operator import runtime
+from ibckpt_operator import bindings, runtime
 from ibckpt_operator.config import GROUP, VERSION
 from ibckpt_operator.handlers.checkpointjob import fail_invalid, stop_waiter
 from ibckpt_operator.restorejob import PLURAL, RestoreJobDriver
@@ -28,3 +29,15 @@ async def drive(body: kopf.Body, stopped: kopf.DaemonStopped, **_: Any) -> None:
         await fail_invalid(rt, raw, PLURAL, f"invalid spec: {error}")
         return
     await driver.run(stop_waiter(stopped, rt))
+
+
+# failurePolicy Ignore: a dead operator must not block every pod creation in the cluster (a pod it
+# would have bound then starts from scratch; the Checkpoint stays restorable).
+@kopf.on.mutate("v1", "pods", operations=["CREATE"], ignore_failures=True, id="restore-binding")
+async def bind_restored_pod(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
+    claim = bindings.answer(dict(body))
+    if isinstance(claim, bindings.Waiting):
+        raise kopf.AdmissionError(claim.message, code=429)
+    if isinstance(claim, bindings.Binding):
+        for section, fields in bindings.merge_patch(claim).items():
+            patch.setdefault(section, {}).update(fields)
