@@ -11,7 +11,8 @@ the environment overrides it:
   (cert-manager); without them a self-signed one is made at start-up and its CA goes in the caBundle.
 
 kopf manages the ValidatingWebhookConfiguration `ibckpt.io` (failurePolicy Ignore: a dead operator must
-not block every eviction in the cluster; the PDB is the backstop).
+not block every eviction in the cluster; the PDB is the backstop) and the MutatingWebhookConfiguration of
+the same name (the restore binding, handlers/restorejob.py).
 """
 
 from __future__ import annotations
