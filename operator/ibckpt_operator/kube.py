@@ -95,59 +95,59 @@ class Kube:
             raise
         return dict(secret.get("data") or {})
 
-    async def _get_path(self, path: str) -> Body | None:
-        try:
-            result = await self._run(
-                self.api.call_api,
-                path,
-                "GET",
-                auth_settings=["BearerToken"],
-                _preload_content=False,
-                response_type="object",
-            )
-        except ApiException as error:
-            if error.status == 404:
-                return None
-            raise
-        return _json(result[0])
+    # Any kind of a named API group, through the custom-objects client (its paths are /apis/<group>/...):
+    # apps, batch, jobset.x-k8s.io, kubeflow.org, ... The core group ("v1") is not walked: of its kinds
+    # only a ReplicationController owns pods.
 
     async def plural_of(self, api_version: str, kind: str) -> str | None:
-        """The resource name of a kind, from the apiserver's discovery (cached)."""
+        """The resource name of a kind in a named group, from the apiserver's discovery (cached)."""
         key = (api_version, kind)
-        if key not in self._plurals:
-            base = f"/apis/{api_version}" if "/" in api_version else f"/api/{api_version}"
-            found = await self._get_path(base)
-            for resource in (found or {}).get("resources", []):
+        if key not in self._plurals and "/" in api_version:
+            group, version = api_version.split("/", 1)
+            try:
+                found = _json(
+                    await self._run(self.custom.get_api_resources, group, version, _preload_content=False)
+                )
+            except ApiException as error:
+                if error.status == 404:
+                    return None
+                raise
+            for resource in found.get("resources", []):
                 if "/" not in resource.get("name", ""):
                     self._plurals[(api_version, resource.get("kind", ""))] = resource["name"]
         return self._plurals.get(key)
 
     async def get_object(self, api_version: str, kind: str, namespace: str, name: str) -> Body | None:
-        """Any namespaced object by apiVersion and kind (owner walks); None if absent or unknown."""
+        """Any namespaced object of a named group by apiVersion and kind (owner walks); None if absent or
+        unknown."""
         plural = await self.plural_of(api_version, kind)
         if plural is None:
             return None
-        base = f"/apis/{api_version}" if "/" in api_version else f"/api/{api_version}"
-        return await self._get_path(f"{base}/namespaces/{namespace}/{plural}/{name}")
+        group, version = api_version.split("/", 1)
+        try:
+            return dict(
+                await self._run(
+                    self.custom.get_namespaced_custom_object, group, version, namespace, plural, name
+                )
+            )
+        except ApiException as error:
+            if error.status == 404:
+                return None
+            raise
 
     async def annotate(
         self, api_version: str, kind: str, namespace: str, name: str, annotations: dict[str, str]
     ) -> bool:
-        """Set annotations on any namespaced object (a merge patch); False if it is absent or unknown."""
+        """Set annotations on any namespaced object of a named group (a merge patch); False if it is
+        absent or unknown."""
         plural = await self.plural_of(api_version, kind)
         if plural is None:
             return False
-        base = f"/apis/{api_version}" if "/" in api_version else f"/api/{api_version}"
+        group, version = api_version.split("/", 1)
+        body = {"metadata": {"annotations": annotations}}
         try:
             await self._run(
-                self.api.call_api,
-                f"{base}/namespaces/{namespace}/{plural}/{name}",
-                "PATCH",
-                header_params={"Content-Type": "application/merge-patch+json", "Accept": "application/json"},
-                body={"metadata": {"annotations": annotations}},
-                auth_settings=["BearerToken"],
-                _preload_content=False,
-                response_type="object",
+                self.custom.patch_namespaced_custom_object, group, version, namespace, plural, name, body
             )
         except ApiException as error:
             if error.status == 404:
