@@ -57,14 +57,16 @@ def test_a_schedule_fires_at_its_young_daly_interval_and_prunes_to_its_retention
     checkpoint = pods.get(cluster, job_ns, "checkpoint", first["status"]["checkpointName"])
     manifest = checkpoint["spec"]["manifestKey"]
     assert manifest in s3_keys(s3_server, bucket)
-    cost = checkpoint["spec"]["timings"]["pauseSeconds"]
+    # the cost of a checkpoint: the Checkpoint's pause when it records one, else its job's duration
+    timings = checkpoint["spec"].get("timings") or {}
+    cost = timings.get("pauseSeconds") or timings.get("totalSeconds") or ring.seconds(first)
     deadline = time.monotonic() + 120
     status: dict[str, Any] = {}
     while time.monotonic() < deadline and status.get("costSeconds") is None:
         time.sleep(3)
         status = pods.get(cluster, job_ns, "checkpointschedule", SCHEDULE).get("status") or {}
     # the interval in use is Young/Daly's from the measured cost, within the clamp
-    assert status.get("costSeconds") == pytest.approx(cost, abs=0.01), status
+    assert status.get("costSeconds") == pytest.approx(cost, abs=1.0), status
     wanted = min(max(math.sqrt(2 * cost * MTBF), MIN_INTERVAL), MAX_INTERVAL)
     assert status["intervalSeconds"] == pytest.approx(wanted, abs=1.0), status
 
@@ -90,6 +92,6 @@ def test_a_schedule_fires_at_its_young_daly_interval_and_prunes_to_its_retention
     ring.running(cluster, job_ns)
     ring.finish(cluster, job_ns)
     print(
-        f"schedule: cost {cost:.1f}s (pause), MTBF {MTBF}s -> interval {status['intervalSeconds']:.0f}s "
+        f"schedule: cost {cost:.1f}s, MTBF {MTBF}s -> interval {status['intervalSeconds']:.0f}s "
         f"(sqrt(2*cost*MTBF) = {math.sqrt(2 * cost * MTBF):.0f}s); fires {fired_apart:.0f}s apart"
     )
