@@ -39,7 +39,7 @@ static const struct {
 } verbs[] = {
 	{"hello", IBK_CMD_HELLO},	{"status", IBK_CMD_STATUS},   {"quiesce", IBK_CMD_QUIESCE},
 	{"drain", IBK_CMD_DRAIN},	{"release", IBK_CMD_RELEASE}, {"rebuild", IBK_CMD_REBUILD},
-	{"resume", IBK_CMD_RESUME}, {"abort", IBK_CMD_ABORT},
+	{"resume", IBK_CMD_RESUME}, {"abort", IBK_CMD_ABORT},	      {"lease", IBK_CMD_LEASE},
 };
 
 int ibk_command_parse(const char *line, struct ibk_cmd *c)
@@ -65,6 +65,10 @@ int ibk_command_parse(const char *line, struct ibk_cmd *c)
 	}
 	if (c->verb == IBK_CMD_REBUILD && c->nargs < 1) {
 		c->error = "rebuild needs an epoch";
+		return -1;
+	}
+	if (c->verb == IBK_CMD_LEASE && c->nargs < 1) {
+		c->error = "lease needs ms";
 		return -1;
 	}
 	return 0;

@@ -1,7 +1,7 @@
 /* The control commands: one line in, one JSON report out, whether they come
  * over the control socket or through ibckpt_control().  One at a time.
  *   hello | status | quiesce [ms] | drain [ms [stall_ms]] | release [ms] [quiet]
- *   rebuild <epoch> [ms] | resume | abort                                   */
+ *   rebuild <epoch> [ms] | resume | abort | lease <ms>                      */
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -10,25 +10,29 @@
 
 #include "cmdline.h"
 #include "ibckpt.h"
-#include "shim.h"
+#include "phases.h"
 
 /* A report is a few hundred bytes per object: the reply buffer is sized
  * for the objects there are, so 2,048 QPs per rank fit (docs/wire-formats.md). */
 #define REPLY_BASE (64 * 1024)
 #define REPLY_PER_OBJ 1024
 
-static pthread_mutex_t cmd_lock = PTHREAD_MUTEX_INITIALIZER;
+pthread_mutex_t ibk_cmd_lock = PTHREAD_MUTEX_INITIALIZER;
 
 static int run_command(const char *line, char *out, size_t len)
 {
 	struct ibk_cmd c;
+	enum ibk_phase before;
+	long t0;
 	int rc;
 
 	if (ibk_command_parse(line, &c)) {
 		snprintf(out, len, "{\"error\":\"%s\"}", c.error);
 		return -EINVAL;
 	}
-	pthread_mutex_lock(&cmd_lock);
+	pthread_mutex_lock(&ibk_cmd_lock);
+	t0 = ibk_ms_now();
+	before = ibk_phase_now();
 	switch (c.verb) {
 	case IBK_CMD_HELLO:
 		snprintf(out, len, "{\"proto\":%d,\"api\":%d,\"pid\":%d}", IBCKPT_PROTO_VERSION, IBCKPT_API_VERSION,
@@ -40,6 +44,8 @@ static int run_command(const char *line, char *out, size_t len)
 		break;
 	case IBK_CMD_QUIESCE:
 		rc = ibk_do_quiesce(c.nargs >= 1 ? (int)c.a : 10000, out, len);
+		if (!rc) /* an agent that dies right after this cannot hold the app for ever */
+			ibk_lease_quiesced();
 		break;
 	case IBK_CMD_DRAIN:
 		rc = ibk_do_drain(c.nargs >= 1 ? (int)c.a : 10000, c.nargs >= 2 ? (int)c.b : IBK_DRAIN_STALL_MS, out,
@@ -54,12 +60,16 @@ static int run_command(const char *line, char *out, size_t len)
 	case IBK_CMD_RESUME:
 		rc = ibk_do_resume(out, len);
 		break;
+	case IBK_CMD_LEASE:
+		rc = ibk_do_lease(c.a > 86400000ULL ? -1 : (long)c.a, out, len);
+		break;
 	case IBK_CMD_ABORT:
 	default:
 		rc = ibk_do_abort(out, len);
 		break;
 	}
-	pthread_mutex_unlock(&cmd_lock);
+	ibk_lease_after_command(t0, before);
+	pthread_mutex_unlock(&ibk_cmd_lock);
 	return rc;
 }
 

@@ -189,6 +189,7 @@ int ibk_do_status(char *out, size_t len)
 	     IBCKPT_PROTO_VERSION, (int)getpid(), ibk_phase_name(ibk_phase_cur), (unsigned long long)ibk_last_epoch,
 	     ibk_checkpoints_done, ibk_gate_is_closed(), ibk_gate_inside(),
 	     ibk_devthread_writes());
+	ibk_lease_report(out, len);
 	ibk_report_qps(out, len);
 	ibk_report_identity(out, len);
 	ibk_jcat(out, len, "}");

@@ -102,6 +102,7 @@ void ibk_unsupported(const char *verb);
 #define IBK_CONTROL_THREAD_NAME "ibk-control"
 #define IBK_DEVICE_THREAD_NAME "ibk-device"
 #define IBK_RELEASE_THREAD_NAME "ibk-release"
+#define IBK_LEASE_THREAD_NAME "ibk-lease"
 /* drain: no completion for this long with only settleable sends left ends
  * it (the control protocol's drain takes another value) */
 #define IBK_DRAIN_STALL_MS 20
@@ -477,6 +478,17 @@ int ibk_do_rebuild(uint64_t epoch, int timeout_ms, char *out, size_t len);
 int ibk_do_resume(char *out, size_t len);
 int ibk_do_abort(char *out, size_t len);
 int ibk_do_status(char *out, size_t len);
+
+/* ---- the lease (lease.c), all under ibk_cmd_lock ------------------------- */
+
+/* held by each command (commands.c) and by the lease watchdog */
+extern pthread_mutex_t ibk_cmd_lock;
+int ibk_do_lease(long ms, char *out, size_t len);
+/* quiesce succeeded: the default lease (IBCKPT_LEASE_MS, else 60 s) starts */
+void ibk_lease_quiesced(void);
+void ibk_lease_after_command(long t0, enum ibk_phase before);
+/* "lease_ms":N,"lease_left_ms":N, for status */
+void ibk_lease_report(char *out, size_t len);
 
 /* ---- coordinator client -------------------------------------------------- */
 

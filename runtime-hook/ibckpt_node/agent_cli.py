@@ -106,7 +106,10 @@ async def _run(args: argparse.Namespace, drivers: list[NodeDriver]) -> NodeRepor
                     flush_records=proxy.published,
                 )
                 drivers.append(driver)
-                return await driver.checkpoint(Mode(args.mode), Path(args.images), args.epoch)
+                try:
+                    return await driver.checkpoint(Mode(args.mode), Path(args.images), args.epoch)
+                finally:
+                    await driver.end_leases()  # a Hold leaves its ranks held, with no lease
             driver = NodeDriver(args.node, client, [], boost_nice=boost, flush_records=proxy.published)
             drivers.append(driver)
             images = {rank.key(): Path(where) for rank, where, _ in ranks}

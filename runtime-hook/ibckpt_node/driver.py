@@ -64,6 +64,11 @@ class PhaseTimeouts:
     # Preflight asks whether a key was published once every node has published its own (after
     # a barrier): a key that is not there by then never comes, so the wait can be short.
     preflight_lookup_s: float = 1.0
+    # The shim's lease (docs/native-shim.md, "Lease"): while the agent holds a rank out of
+    # running it renews it this often, for this long; a rank whose agent died resumes on its
+    # own (or, released, says it waits). Renewals go on through a dump of any length.
+    lease_s: float = 30.0
+    lease_renew_s: float = 5.0
 
 
 @dataclass(frozen=True)
@@ -209,6 +214,7 @@ class NodeDriver:
         self.flush_records = flush_records
         self.job_addrs = None if job_addrs is None else [ipaddress.ip_address(a) for a in job_addrs]
         self.report = NodeReport(node)
+        self._leases: asyncio.Task[None] | None = None
 
     # -- helpers --------------------------------------------------------------------------
 
@@ -307,6 +313,60 @@ class NodeDriver:
     def _ms(seconds: float) -> int:
         return max(1, int(seconds * 1000))
 
+    # -- the shims' leases ----------------------------------------------------------------
+
+    def _start_leases(self) -> None:
+        """Renew every held rank's lease until _stop_leases; ranks added later (a restore) too."""
+        if self._leases is None or self._leases.done():
+            self._leases = asyncio.create_task(self._renew_leases(), name=f"{self.node} leases")
+
+    async def _renew_leases(self) -> None:
+        t = self.timeouts
+        line = f"lease {self._ms(t.lease_s)}"
+        # one renewal in flight per rank: a rank busy with a long command (its rebuild) delays
+        # only its own, and the shim does not count a command's time against the lease
+        inflight: dict[str, asyncio.Task[None]] = {}
+
+        async def renew(r: LocalRank) -> None:
+            try:
+                await r.command(line, t.lease_s)
+            except (ControlError, OSError, TimeoutError, ValueError) as exc:
+                log.warning("%s: lease renewal of %s (pid %d): %s", self.node, r.rank.key(), r.pid, exc)
+
+        try:
+            while True:
+                await asyncio.sleep(t.lease_renew_s)
+                for r in list(self.ranks):
+                    task = inflight.get(r.rank.key())
+                    if task is None or task.done():
+                        inflight[r.rank.key()] = asyncio.create_task(renew(r))
+        finally:
+            for task in inflight.values():
+                task.cancel()
+
+    async def _stop_leases(self) -> None:
+        task, self._leases = self._leases, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def end_leases(self) -> None:
+        """The session ends: stop renewing. Ranks left held (a Hold checkpoint) are handed over
+        with `lease 0`: they wait, with no bound, for a restore session or a kill."""
+        held = self._leases is not None
+        await self._stop_leases()
+        if not held:
+            return
+
+        async def hand_over(r: LocalRank) -> None:
+            try:
+                await r.command("lease 0", self.timeouts.lease_s)
+            except (ControlError, OSError, TimeoutError, ValueError) as exc:
+                log.warning("%s: could not end the lease of %s: %s", self.node, r.rank.key(), exc)
+
+        await self._on_all(hand_over)
+
     # -- checkpoint -----------------------------------------------------------------------
 
     async def checkpoint(self, mode: Mode, images_root: Path, epoch: int) -> NodeReport:
@@ -322,6 +382,7 @@ class NodeDriver:
             with self._boosted("cut"):
                 await self._preflight()
                 touched = True
+                self._start_leases()  # from the first quiesce until resume, abort or the kill
                 await self._cut()
             self._check_released()
             await self._phase("dumped", lambda: self._dump_all(mode, images_root), t.dump_s)
@@ -330,6 +391,7 @@ class NodeDriver:
                 self.report.outcome = "Stopped"
                 return self.report
             if mode is Mode.HOLD:
+                # still held: the renewals go on until the session ends (end_leases)
                 self.report.outcome = "Held"
                 return self.report
             await self._rebuild_and_resume(epoch)
@@ -343,6 +405,9 @@ class NodeDriver:
             if not committed:
                 await self._abort_and_recover(exc, epoch)
             raise CheckpointFailed(str(exc)) from exc
+        finally:
+            if self.report.outcome != "Held":
+                await self._stop_leases()
 
     async def _cut(self) -> None:
         """Quiesce, drain and release every local rank, with a barrier after drain and release."""
@@ -547,9 +612,13 @@ class NodeDriver:
             for r in self.ranks:
                 self.report.restored_pids[r.rank.key()] = r.pid
 
-        await self._phase("locked", lambda: asyncio.sleep(0), t.restore_s)
-        await self._phase("restored", arrive, t.restore_s)
-        await self._rebuild_and_resume(epoch)
+        self._start_leases()  # restored ranks come back released
+        try:
+            await self._phase("locked", lambda: asyncio.sleep(0), t.restore_s)
+            await self._phase("restored", arrive, t.restore_s)
+            await self._rebuild_and_resume(epoch)
+        finally:
+            await self._stop_leases()
         self.report.outcome = "Succeeded"
         return self.report
 
@@ -610,12 +679,16 @@ class NodeDriver:
                     self.report.restored_pids[rank.key()] = pid
                     self.ranks.append(LocalRank(rank, pid, control))
 
+        self._start_leases()  # the rejoining ranks and, once restored, the others (released)
         try:
-            await self._phase("locked", prepare_all, t.restore_s)
-            await self._phase("restored", restore_all, t.restore_s)
+            try:
+                await self._phase("locked", prepare_all, t.restore_s)
+                await self._phase("restored", restore_all, t.restore_s)
+            finally:
+                for error in await asyncio.to_thread(lock.unlock):
+                    log.error("%s: %s", self.node, error)
+            await self._rebuild_and_resume(epoch)
         finally:
-            for error in await asyncio.to_thread(lock.unlock):
-                log.error("%s: %s", self.node, error)
-        await self._rebuild_and_resume(epoch)
+            await self._stop_leases()
         self.report.outcome = "Succeeded"
         return self.report

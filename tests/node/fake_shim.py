@@ -19,6 +19,7 @@ class FakeShimSocket:
         self.state = "running"
         self.commands: list[str] = []
         self.lines: list[str] = []  # the whole request lines, arguments included
+        self.leases: list[str] = []  # `lease` lines, which come on a timer
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.bind(str(path))
         self.sock.listen(8)
@@ -42,6 +43,12 @@ class FakeShimSocket:
         with conn:
             line = conn.makefile().readline().strip()
             verb = line.split()[0]
+            if verb == "lease":  # renewals come on a timer: kept apart from the phases
+                self.leases.append(line)
+                ok, reply = True, {"phase": "lease", "ok": True, "ms": 0, "state": self.state}
+                with contextlib.suppress(BrokenPipeError):
+                    conn.sendall(f"ok {json.dumps(reply)}\n".encode())
+                return
             self.lines.append(line)
             self.commands.append(verb)
             ok, reply = self.answer(verb)

@@ -118,6 +118,47 @@ async def test_failed_dump_aborts_and_rebuilds_every_released_rank(
         assert s.state == "running"
 
 
+class SlowRelease(FakeShim):
+    """A rank whose release takes a while, as a big one does: the renewals must go on meanwhile."""
+
+    def answer(self, verb: str) -> tuple[bool, dict[str, object]]:
+        if verb == "release":
+            threading.Event().wait(0.6)
+        return super().answer(verb)
+
+
+async def test_leases_are_renewed_while_the_ranks_are_held_and_stop_after(
+    coordinator: ThreadedCoordinator, tmp_path: Path, sleeper: int
+) -> None:
+    everyone = threading.Barrier(RANKS)
+    shims = [SlowRelease(tmp_path / f"r{i}.ctl", everyone) for i in range(RANKS)]
+    ranks = [LocalRank(RankId.parse(f"job/rank-{i}/main/0"), sleeper, s.path) for i, s in enumerate(shims)]
+    session, token = coordinator.create_session({"node-1"})
+    client = await CoordinatorClient.connect("127.0.0.1", coordinator.port, session, "node-1", token)
+    timeouts = PhaseTimeouts(rebuild_s=20, lease_s=2.0, lease_renew_s=0.1)
+    driver = NodeDriver("node-1", client, ranks, timeouts)
+    try:
+        with pytest.raises(CheckpointFailed, match="not empty"):
+            await asyncio.wait_for(driver.checkpoint(Mode.STOP, _unwritable_images(tmp_path, ranks), 2), 30)
+        assert driver.report.outcome == "Aborted"
+        renewed = [len(s.leases) for s in shims]
+        # every rank, during its slow release, with the driver's lease
+        assert all(n >= 2 for n in renewed), renewed
+        assert {line for s in shims for line in s.leases} == {"lease 2000"}
+        await asyncio.sleep(0.5)
+        assert [len(s.leases) for s in shims] == renewed, "renewals after the ranks were resumed"
+        # a session that ends with its ranks held (Hold) hands them over: lease 0, then nothing
+        driver._start_leases()
+        await asyncio.sleep(0.35)
+        await driver.end_leases()
+        assert all(s.leases[-1] == "lease 0" for s in shims), [s.leases[-3:] for s in shims]
+        handed = [len(s.leases) for s in shims]
+        await asyncio.sleep(0.3)
+        assert [len(s.leases) for s in shims] == handed
+    finally:
+        await client.close()
+
+
 class FailingQuiesce(FakeShim):
     """A rank whose quiesce times out (an app thread never leaves verbs)."""
 

@@ -480,6 +480,9 @@ class Sessions:
         finally:
             if follower is not None:
                 follower.cancel()
+            if session.engine is not None:
+                # the renewals went on through the upload; a Held rank is handed over with no lease
+                await session.engine.end_leases()
             report.finished_at = time.time()
             log.info(
                 "session %s: %s (%s) %s", request.session_id, report.state.value, report.phase, report.message

@@ -1,0 +1,202 @@
+"""The shim's lease in the Soft-RoCE guest: an rc_seq pair under traffic is quiesced (and drained)
+and nobody renews its lease, as when the agent dies: each rank resumes on its own within a bound,
+says so on stderr, and every message still arrives exactly once. A renewed lease holds the ranks
+past the first deadline; a released rank whose lease expired waits (loudly) for its rebuild."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ibckpt.coordination.client import CoordinatorClient, CoordinatorError
+from ibckpt_native import NATIVE_DIR, TESTS_DIR
+from ibckpt_native.coordinator import Coordinator
+from ibckpt_native.harness import ShimProc, _each, checkpoint, parse_result
+
+pytestmark = pytest.mark.guest
+
+LEASE_MS = 1500
+# the watchdog acts within 250 ms of the deadline; the rest is a loaded TCG guest
+BOUND_S = LEASE_MS / 1000 + 5.0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built() -> None:
+    subprocess.run(["make", "-s", "-C", str(NATIVE_DIR)], check=True)
+
+
+@pytest.fixture
+def coord(tmp_path: Path) -> Iterator[Coordinator]:
+    with Coordinator(tmp_path / "coord.sock") as c:
+        yield c
+
+
+def _states(procs: list[ShimProc]) -> dict[str, str]:
+    return {p.name: str(p.ctl.status()["state"]) for p in procs}
+
+
+def _until_running(procs: list[ShimProc], since: float) -> float:
+    """Seconds from `since` until every rank is running again on its own."""
+    while time.monotonic() - since < BOUND_S * 3:
+        if set(_states(procs).values()) == {"running"}:
+            return time.monotonic() - since
+        time.sleep(0.05)
+    raise AssertionError(f"still held {time.monotonic() - since:.1f} s after the cut: {_states(procs)}")
+
+
+def test_unrenewed_lease_resumes_under_traffic(tmp_path: Path, coord: Coordinator) -> None:
+    stop = tmp_path / "stop"
+    env = {**coord.env, "IBCKPT_LEASE_MS": str(LEASE_MS)}
+    argv = [str(TESTS_DIR / "rc_seq"), "-f", str(stop), "-u", "2", "-p", "18631"]
+    server = ShimProc("server", argv, tmp_path, env)
+    client = ShimProc("client", [*argv, "-c", "127.0.0.1"], tmp_path, env)
+    procs = [server, client]
+    server.start()
+    deadline = time.monotonic() + 60
+    while not server.ctl_path.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)
+    client.start()
+    try:
+        for p in procs:
+            p.wait_for_output("READY", 120)
+
+        def sent() -> int:
+            return sum(int(p.ctl.status()["qps"][0]["sends_posted"]) for p in procs)
+
+        # 1. quiesced, the agent gone: the default lease of the quiesce (IBCKPT_LEASE_MS) runs out
+        t0 = time.monotonic()
+        _each(procs, lambda p: p.ctl.quiesce(20000))
+        took = _until_running(procs, t0)
+        assert LEASE_MS / 1000 - 0.1 <= took < BOUND_S, took
+        for p in procs:
+            assert "while quiesced: resuming on my own" in p.err.read_text(), p.outputs()
+        before = sent()
+        time.sleep(0.5)
+        assert sent() > before, "no traffic after resuming on its own"
+
+        # 2. drained, a shorter lease from the agent, then nothing
+        t0 = time.monotonic()
+        _each(procs, lambda p: p.ctl.quiesce(20000))
+        _each(procs, lambda p: p.ctl.drain(3000))
+        _each(procs, lambda p: p.ctl.command("lease 1000"))
+        took = _until_running(procs, t0)
+        assert 0.9 <= took < BOUND_S, took
+        for p in procs:
+            line = "lease expired (no renewal from the agent for 1000 ms) while drained: resuming on my own"
+            assert line in p.err.read_text(), p.outputs()
+
+        # 3. renewed: held well past the first deadline, then let go
+        _each(procs, lambda p: p.ctl.quiesce(20000))
+        _each(procs, lambda p: p.ctl.drain(3000))
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 3 * LEASE_MS / 1000:
+            _each(procs, lambda p: p.ctl.command(f"lease {LEASE_MS}"))
+            time.sleep(0.3)
+        assert set(_states(procs).values()) == {"drained"}
+        left = [int(p.ctl.status()["lease_left_ms"]) for p in procs]
+        assert all(0 < n <= LEASE_MS for n in left), left
+        took = _until_running(procs, time.monotonic())
+        assert took < BOUND_S, took
+
+        # 4. released: the QPs are gone, so the shim waits for its rebuild and says so
+        _each(procs, lambda p: p.ctl.quiesce(20000))
+        _each(procs, lambda p: p.ctl.drain(3000))
+        _each(procs, lambda p: p.ctl.release(10000))
+        time.sleep(LEASE_MS / 1000 + 1.5)
+        assert set(_states(procs).values()) == {"released"}
+        for p in procs:
+            err = p.err.read_text()
+            assert err.count("while released: the QPs are gone") == 1, err[-2000:]
+        _each(procs, lambda p: p.ctl.rebuild(1, 60000))
+        _each(procs, lambda p: p.ctl.resume())
+
+        # 5. a whole checkpoint with the lease running: rebuild and resume end it quietly
+        checkpoint(procs, 2)
+        time.sleep(LEASE_MS / 1000 + 1.0)
+        for p in procs:
+            err = p.err.read_text()
+            assert err.count("lease expired") == 4, err[-2000:]  # 1-4 above, none since
+            assert p.ctl.status()["lease_ms"] == 0
+        stop.touch()
+        codes = [p.wait(300) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert codes == [0, 0], [p.outputs() for p in procs]
+    srv, cli = (parse_result(p.out.read_text()) for p in procs)
+    assert srv["bad"] == 0 and cli["bad"] == 0
+    # every message exactly once, identical data, both ways
+    assert srv["sent"] == cli["received"] and cli["sent"] == srv["received"]
+    assert srv["send_sum"] == cli["recv_sum"] and cli["send_sum"] == srv["recv_sum"]
+
+
+async def test_an_agent_killed_after_its_cut_leaves_no_rank_gated(coordinator, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The real node agent (ibckpt_node.agent_cli) quiesces and drains an rc_seq pair, then waits
+    at its barrier for a second node, which is this test and never comes; the agent is killed
+    there (SIGKILL). Both ranks resume on their own: after the quiesce's lease (IBCKPT_LEASE_MS)
+    if the agent died before its first renewal, else after the agent's 30 s lease."""
+    stop = tmp_path / "stop"
+    env = {"IBCKPT_LEASE_MS": "3000"}
+    argv = [str(TESTS_DIR / "rc_seq"), "-f", str(stop), "-u", "2", "-p", "18632"]
+    server = ShimProc("server", argv, tmp_path, env)
+    client = ShimProc("client", [*argv, "-c", "127.0.0.1"], tmp_path, env)
+    procs = [server, client]
+    session, token = coordinator.create_session({"node-1", "node-2"})
+    node2 = await CoordinatorClient.connect("127.0.0.1", coordinator.port, session, "node-2", token)
+    agent: subprocess.Popen[bytes] | None = None
+    agent_log = (tmp_path / "agent.log").open("wb")
+    try:
+        server.start()
+        await asyncio.sleep(1.0)
+        client.start()
+        for p in procs:
+            await asyncio.to_thread(p.wait_for_output, "READY", 120)
+        ranks = [f"--rank=ring/rank-{i}/main/0={p.pid}:{p.ctl_path}" for i, p in enumerate(procs)]
+        where = ["--coordinator", f"127.0.0.1:{coordinator.port}", "--session", session, "--node", "node-1"]
+        agent = subprocess.Popen(
+            [sys.executable, "-m", "ibckpt_node.agent_cli", "checkpoint", *ranks, *where,
+             "--shim-socket", str(tmp_path / "coord.sock"), "--images", str(tmp_path / "img")],
+            env={**os.environ, "IBCKPT_SESSION_TOKEN": token}, stdout=agent_log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        # node-2 joins the preflight, never the cut: node-1's agent waits with its ranks drained
+        await node2.barrier("joined", 120)
+        await node2.barrier("preflight", 120)
+        t0 = time.monotonic()
+        while set((await asyncio.to_thread(_states, procs)).values()) != {"drained"}:
+            said = (tmp_path / "agent.log").read_text(errors="replace")[-3000:]
+            assert time.monotonic() - t0 < 60 and agent.poll() is None, (_states(procs), said)
+            await asyncio.sleep(0.05)
+        agent.kill()
+        agent.wait()
+        killed = time.monotonic()
+        while set((await asyncio.to_thread(_states, procs)).values()) != {"running"}:
+            assert time.monotonic() - killed < 30 + BOUND_S, _states(procs)
+            await asyncio.sleep(0.1)
+        for p in procs:
+            assert "while drained: resuming on my own" in p.err.read_text(), p.outputs()
+        await asyncio.sleep(1.0)
+        stop.touch()
+        codes = [await asyncio.to_thread(p.wait, 300) for p in procs]
+    finally:
+        if agent is not None and agent.poll() is None:
+            agent.kill()
+        agent_log.close()
+        for p in procs:
+            p.kill()
+        with contextlib.suppress(CoordinatorError):
+            await node2.abort("test over")
+        await node2.close()
+    assert codes == [0, 0], [p.outputs() for p in procs]
+    srv, cli = (parse_result(p.out.read_text()) for p in procs)
+    assert srv["bad"] == 0 and cli["bad"] == 0
+    assert srv["sent"] == cli["received"] and cli["sent"] == srv["received"]
+    assert srv["send_sum"] == cli["recv_sum"] and cli["send_sum"] == srv["recv_sum"]
