@@ -123,6 +123,12 @@ def statefulset() -> dict[str, Any]:
 def start_statefulset(cluster: Cluster, namespace: str) -> None:
     """The StatefulSet's ring, connected; returns once they exchange messages."""
     pods.apply(cluster, namespace, statefulset())
+    deadline = time.monotonic() + 120  # the StatefulSet's controller creates the pods a moment later
+    while any(
+        cluster.kubectl("get", "pod", name, "-n", namespace, check=False).returncode for name in MEMBERS
+    ):
+        assert time.monotonic() < deadline, "the StatefulSet created no pods in 120 s"
+        time.sleep(1)
     server_ip = pods.wait_pod(cluster, namespace, "ring-0", {"Running"})["status"]["podIP"]
     pods.wait_pod(cluster, namespace, "ring-1", {"Running"})
     cluster.kubectl("exec", "-n", namespace, "ring-1", "--", "sh", "-c", f"echo {server_ip} > /tmp/server")
