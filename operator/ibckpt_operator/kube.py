@@ -124,16 +124,7 @@ class Kube:
         if plural is None:
             return None
         group, version = api_version.split("/", 1)
-        try:
-            return dict(
-                await self._run(
-                    self.custom.get_namespaced_custom_object, group, version, namespace, plural, name
-                )
-            )
-        except ApiException as error:
-            if error.status == 404:
-                return None
-            raise
+        return await self._get_namespaced(group, version, plural, namespace, name)
 
     async def annotate(
         self, api_version: str, kind: str, namespace: str, name: str, annotations: dict[str, str]
@@ -158,10 +149,15 @@ class Kube:
     # -- our own kinds
 
     async def get_custom(self, plural: str, namespace: str, name: str) -> Body | None:
+        return await self._get_namespaced(GROUP, VERSION, plural, namespace, name)
+
+    async def _get_namespaced(
+        self, group: str, version: str, plural: str, namespace: str, name: str
+    ) -> Body | None:
         try:
             return dict(
                 await self._run(
-                    self.custom.get_namespaced_custom_object, GROUP, VERSION, namespace, plural, name
+                    self.custom.get_namespaced_custom_object, group, version, namespace, plural, name
                 )
             )
         except ApiException as error:
