@@ -44,6 +44,12 @@ class CheckpointPod(ApiModel):
     name: str
     uid: str | None = None
     node: str | None = None
+    host_ip: str | None = Field(
+        default=None,
+        alias="hostIP",  # the pod status field's own spelling
+        description="The pod's node address (status.hostIP) at the checkpoint: a hostNetwork pod's TCP "
+        "connections were made from it, and a restore remaps it to the new node's.",
+    )
     ranks: list[str] | None = Field(default=None, description="Rank keys (job/pod/container/process).")
     bytes: int | None = Field(default=None, ge=0)
     template: PodTemplate | None = Field(default=None, description="How to create the pod again.")

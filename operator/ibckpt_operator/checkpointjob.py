@@ -80,7 +80,6 @@ from ibckpt_operator.machine.core import (
     Transition,
 )
 from ibckpt_operator.machine.status import job_state, job_status
-from ibckpt_operator.podtemplate import sanitize
 from ibckpt_operator.recording import RestoreRecord
 from ibckpt_operator.runtime import Runtime
 
@@ -284,7 +283,7 @@ class CheckpointJobDriver(Driver[JobState]):
                 )
                 self.emit(PodRefused(action.attempt, pod.uid, message))
                 continue
-            self.record.templates[pod.uid] = sanitize(body)
+            self.record.saw(body)
             self.emit(PodAdmitted(action.attempt, pod.uid))
 
     async def open_session(self, action: OpenSession) -> None:

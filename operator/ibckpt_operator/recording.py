@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
+from typing import Any
 
 from ibckpt.agentapi import AgentError
 from ibckpt.api import CheckpointPod, PodTemplate, RequiredVersions
@@ -25,6 +26,15 @@ class RestoreRecord:
     templates: dict[str, PodTemplate] = field(default_factory=dict)  # by pod UID
     rank_keys: dict[str, set[str]] = field(default_factory=dict)  # by pod UID
     agent_versions: dict[str, str] = field(default_factory=dict)  # by node
+    host_ips: dict[str, str] = field(default_factory=dict)  # by pod UID: status.hostIP
+
+    def saw(self, body: dict[str, Any]) -> None:
+        """Record a member pod's template and node address from its body."""
+        uid = body["metadata"]["uid"]
+        self.templates[uid] = sanitize(body)
+        host_ip = (body.get("status") or {}).get("hostIP")
+        if host_ip:
+            self.host_ips[uid] = str(host_ip)
 
     async def pods(
         self, rt: Runtime, namespace: str, members: tuple[Member, ...], session_id: str
@@ -42,11 +52,12 @@ class RestoreRecord:
             if m.pod.uid not in self.templates:
                 body = await rt.kube.get_pod(namespace, m.pod.name)
                 if body is not None and body["metadata"].get("uid") == m.pod.uid:
-                    self.templates[m.pod.uid] = sanitize(body)
+                    self.saw(body)
             keys = sorted(self.rank_keys.get(m.pod.uid, ()))
             pods.append(
                 CheckpointPod(name=m.pod.name, uid=m.pod.uid, node=m.pod.node or None, bytes=m.bytes,
-                              ranks=keys or None, template=self.templates.get(m.pod.uid))
+                              hostIP=self.host_ips.get(m.pod.uid), ranks=keys or None,
+                              template=self.templates.get(m.pod.uid))
             )  # fmt: skip
         return pods
 

@@ -18,7 +18,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,9 +83,12 @@ from ibckpt_operator.machine.restore import (
 from ibckpt_operator.machine.status import restore_state, restore_status
 from ibckpt_operator.podtemplate import RESTORED_BY, destination_pod
 from ibckpt_operator.restoreplan import (
+    AddressConflict,
+    AddressMove,
     NodeFacts,
     NoNode,
     SourcePod,
+    address_map,
     incompatibilities,
     place_pods,
     rank_parts,
@@ -495,6 +498,18 @@ class RestoreJobDriver(Driver[RestoreState]):
         response = await asyncio.to_thread(create, self.namespace, body, _preload_content=False)
         return str(json.loads(response.data)["metadata"]["uid"])
 
+    def address_moves(self, pods: Iterable[PodRef]) -> list[AddressMove]:
+        """Each hostNetwork pod's node address then and now (its destination's agent serves on it)."""
+        assert self.session is not None
+        moves = []
+        for pod in pods:
+            recorded = self.recorded(pod.name)
+            spec = recorded.template.spec if recorded.template else {}
+            agent = self.session.nodes.get(pod.node)
+            if spec.get("hostNetwork") and recorded.host_ip and agent is not None:
+                moves.append(AddressMove(pod.name, recorded.host_ip, agent.host))
+        return moves
+
     async def start_agents(self, action: DownloadImages) -> None:
         assert self.session is not None and self.state is not None
         checkpoint = await self.require_checkpoint()
@@ -507,6 +522,11 @@ class RestoreJobDriver(Driver[RestoreState]):
         # New for every restore and one for all nodes: the shim's rebuild records are per epoch, and an
         # image may hold the epoch of an earlier rebuild (a LeaveRunning checkpoint's is 1).
         epoch = max(2, int(time.time()))
+        try:
+            remap = address_map(self.address_moves(action.pods))
+        except AddressConflict as conflict:
+            self.emit(StepFailed(action.attempt, "AddressConflict", str(conflict)))
+            return
         requests: list[tuple[str, Agent, RestoreRequest]] = []
         for node, agent in sorted(self.session.nodes.items()):
             ranks = []
@@ -539,6 +559,7 @@ class RestoreJobDriver(Driver[RestoreState]):
                 ),
                 checkpoint=self.checkpoint_ref,
                 ranks=ranks,
+                remap_ip=remap,
             )
             requests.append((node, agent, request))
         sent = await each_agent([self.rt.gateway.restore(agent, request) for _, agent, request in requests])

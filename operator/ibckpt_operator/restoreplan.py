@@ -126,3 +126,35 @@ def rank_parts(key: str) -> tuple[str, str, str, str]:
     if len(parts) != 4 or not all(parts):
         raise ValueError(f"rank key {key!r} is not job/pod/container/process")
     return parts[0], parts[1], parts[2], parts[3]
+
+
+@dataclass(frozen=True)
+class AddressMove:
+    """A hostNetwork pod's node address at the checkpoint and on the node it is restored to."""
+
+    pod: str
+    old: str
+    new: str
+
+
+class AddressConflict(Exception):
+    """Two hostNetwork pods of one old node go to nodes with different addresses; the message names them."""
+
+
+def address_map(moves: Iterable[AddressMove]) -> dict[str, str]:
+    """The one {old: new} node address map every agent rewrites its images' TCP sockets with, so that a
+    hostNetwork pod's connections follow it (and both ends agree again). A pod-network pod has no entry:
+    its address is its own and changes anyway, and the agents' preflight refuses its connections to other
+    pods. The map must be a function: pods that shared an address must share the new one."""
+    found: dict[str, tuple[str, str]] = {}  # old -> (new, the pod that set it)
+    for move in moves:
+        if not move.old or not move.new:
+            continue
+        seen = found.setdefault(move.old, (move.new, move.pod))
+        if seen[0] != move.new:
+            raise AddressConflict(
+                f"hostNetwork pods {seen[1]} and {move.pod} both ran on address {move.old} but are restored "
+                f"to nodes with different addresses ({seen[0]} and {move.new}), so their TCP "
+                "connections cannot follow both: place them on one node (nodeSelector) or avoid fewer nodes"
+            )
+    return {old: new for old, (new, _) in sorted(found.items()) if old != new}

@@ -600,11 +600,15 @@ class NodeDriver:
     # -- restore --------------------------------------------------------------------------
 
     async def rebuild_restored(
-        self, restored: Callable[[], Awaitable[list[LocalRank]]], epoch: int
+        self,
+        restored: Callable[[], Awaitable[list[LocalRank]]],
+        epoch: int,
+        lock: tcp_remap.ConnectionLock | None = None,
     ) -> NodeReport:
         """Ranks whose containers the runtime restores (runc restore, when containerd creates
         them from staged images): wait for `restored` to find them, then rebuild and resume with
-        the peers. The barriers are those of restore(), so nodes of either kind meet."""
+        the peers. The barriers are those of restore(), so nodes of either kind meet. `lock` holds
+        the restored TCP connections (installed at staging); it is let go once every node restored."""
         t = self.timeouts
 
         async def arrive() -> None:
@@ -612,10 +616,16 @@ class NodeDriver:
             for r in self.ranks:
                 self.report.restored_pids[r.rank.key()] = r.pid
 
+        if lock is not None:
+            self.report.locked = [c.describe() for c in lock.connections]
         self._start_leases()  # restored ranks come back released
         try:
             await self._phase("locked", lambda: asyncio.sleep(0), t.restore_s)
-            await self._phase("restored", arrive, t.restore_s)
+            try:
+                await self._phase("restored", arrive, t.restore_s)
+            finally:
+                for error in await asyncio.to_thread(lock.unlock) if lock is not None else ():
+                    log.error("%s: %s", self.node, error)
             await self._rebuild_and_resume(epoch)
         finally:
             await self._stop_leases()

@@ -238,6 +238,15 @@ class ConnectionLock:
                 _run([("-I" if a == "{op}" else a) for a in rule])
                 self.installed.append(rule)
 
+    def extend(self, connections: Sequence[Connection]) -> None:
+        """Lock these connections too (those already held are not locked twice)."""
+        new = [c for c in dict.fromkeys(connections) if c not in self.connections]
+        self.connections += new
+        for c in new:
+            for rule in self._rules(c):
+                _run([("-I" if a == "{op}" else a) for a in rule])
+                self.installed.append(rule)
+
     def unlock(self) -> list[str]:
         """Remove every installed rule; returns the errors (a rule that could not be removed)."""
         errors = []

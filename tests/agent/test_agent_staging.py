@@ -5,17 +5,25 @@ gives back the same bytes."""
 from __future__ import annotations
 
 import base64
+import json
 import os
 import secrets
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+from node.test_tcp_remap import _addresses as addresses
+from node.test_tcp_remap import _files_img as files_img
+from node.test_tcp_remap import _isk as isk
 
-from ibckpt.agentapi import ImageDestination, SecretRef
+from ibckpt.agentapi import ImageDestination, ImageSource, SecretRef
 from ibckpt.api.storage import S3Location
 from ibckpt.store import CheckpointRef, ImageStore
+from ibckpt_node import tcp_remap
+from ibckpt_node.agent import restoring
 from ibckpt_node.agent.kubesecrets import StagingError
 from ibckpt_node.agent.staging import stage_trees, store_config
+from ibckpt_node.driver import TREE_MANIFEST
 from testbed.s3 import S3Server
 
 SECRET = SecretRef(namespace="ibckpt", name="s3-credentials")
@@ -118,3 +126,51 @@ def test_what_the_agent_cannot_do_is_refused_and_no_secret_value_is_shown(s3_ser
     )
     with pytest.raises(StagingError, match="encrypted storage is not supported"):
         store_config(encrypted.location, encrypted.credentials, _secret(s3_server))
+
+
+class _RecordedLock(tcp_remap.ConnectionLock):
+    """The lock without iptables (the host test may not own the node's firewall): what it would hold."""
+
+    def extend(self, connections: Sequence[tcp_remap.Connection]) -> None:
+        self.connections += [c for c in dict.fromkeys(connections) if c not in self.connections]
+
+
+def test_a_hostnetwork_containers_connections_follow_the_address_map_before_it_is_staged(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    """A container that held a TCP connection from node-1's address to node-2's is restored on node-2 with
+    the map the operator computed ({node-1: node-2}): its staged images already name the new address when
+    staged.json appears (the wrapper restores as soon as it does), and the connection, as it will be
+    restored, is held until every node has restored."""
+    a, b = "10.77.0.1", "10.77.0.2"
+    bucket = "agent-" + secrets.token_hex(6)
+    s3_server.create_bucket(bucket)
+    tree = tmp_path / "dump" / "ring-0.main"
+    files_img(tree, [isk(11, 2, a, b, 40000, 18600, 1), isk(12, 2, a, "0.0.0.0", 18600, 0, 10)])
+    (tree / "in.json").unlink()
+    (tree / "tcp-stream-11.img").write_bytes(b"stream")
+    (tree / TREE_MANIFEST).write_text(json.dumps({"runtime": "runc", "restore_args": "--tcp-established"}))
+    destination = _destination(s3_server, bucket)
+    config = store_config(destination.location, destination.credentials, _secret(s3_server))
+    stage_trees(config, destination, "node-1", tmp_path / "dump", [("ring-0.main", "ring-0")], lambda n: None)
+    ImageStore.open(config).commit_parts("ring", "ckpt-1", ["node-1"])
+
+    source = ImageSource(
+        location=destination.location, credentials=SECRET, job="ring", checkpoint_id="ckpt-1"
+    )
+    planned = [restoring.ContainerRestore("", "team", "ring-0", "main", "node-1/ring-0.main", ("k",))]
+    root = tmp_path / "restore"
+    lock = _RecordedLock([])
+    restoring.stage(
+        config, source, "team/ckpt", planned, lambda ns, pod, c: str(root / ns / pod / c), lambda n: None,
+        tcp_remap.parse_map([f"{a}={b}"]), lock,
+    )  # fmt: skip
+    staged = root / "team" / "ring-0" / "main"
+    assert json.loads((staged / "staged.json").read_text())["restore_args"] == "--tcp-established"
+    assert addresses(staged / "images") == {11: (b, b), 12: (b, "0.0.0.0")}
+    assert [c.describe() for c in lock.connections] == [f"{b}:40000 -> {b}:18600"]
+
+
+def test_an_address_map_that_is_not_one_is_refused_before_anything_is_staged() -> None:
+    with pytest.raises(ValueError, match="mapped twice"):
+        tcp_remap.parse_map(["10.0.0.1=10.0.0.2", "10.0.0.1=10.0.0.3"])

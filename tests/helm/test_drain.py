@@ -6,6 +6,11 @@ the apiserver then admits the eviction), so the PodDisruptionBudget the operator
 cordon, checkpoints the whole job with Stop, commits, relaxes the PDB, and the drain completes by itself;
 the RestoreJob brings the job back on node-2, where it finishes with every message delivered exactly once.
 The test only runs kubectl. (tests/helm/test_drain_statefulset.py drains with the webhook up.)
+
+The two pods share their nodes' network (hostNetwork, as MPI jobs on RoCE often run) and ring-1 keeps one
+TCP connection to ring-0 open through the whole migration, as an MPI launcher keeps one to each worker's
+daemon: the RestoreJob maps node-1's address to node-2's in both pods' images, the agent holds the
+connection until both are restored, and the same connection carries a last exchange at the end.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import pytest
 from helm.conftest import Release
 
 from testbed import pods, ring
+from testbed.cluster import node_ip
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(2400)]
 
@@ -33,7 +39,7 @@ def test_with_the_webhook_down_the_pdb_holds_kubectl_drain_and_the_job_runs_on_t
     installed: Release, job_ns: str
 ) -> None:
     cluster = installed.cluster
-    ring.start(cluster, job_ns)
+    ring.start(cluster, job_ns, host_network=True)
     schedule = {
         "apiVersion": "ibckpt.io/v1alpha1",
         "kind": "CheckpointSchedule",
@@ -85,6 +91,8 @@ def test_with_the_webhook_down_the_pdb_holds_kubectl_drain_and_the_job_runs_on_t
     checkpoint = pods.get(cluster, job_ns, "checkpoint", migration["checkpoint"])
     recorded = {p["name"]: p["node"] for p in checkpoint["spec"]["pods"]}
     assert recorded == {"ring-0": "node-1", "ring-1": "node-2"}, recorded
+    addresses = {p["name"]: p["hostIP"] for p in checkpoint["spec"]["pods"]}
+    assert addresses == {"ring-0": node_ip(1), "ring-1": node_ip(2)}, addresses
     restore = pods.get(cluster, job_ns, "restorejob", migration["restoreJob"])
     assert restore["status"]["phase"] == "Succeeded" and restore["spec"]["avoidNodes"] == ["node-1"]
     # Done is written before its actions run (status first): the Event and the new PDB follow it
@@ -102,6 +110,10 @@ def test_with_the_webhook_down_the_pdb_holds_kubectl_drain_and_the_job_runs_on_t
 
     assert ring.placement(cluster, job_ns) == {"ring-0": "node-2", "ring-1": "node-2"}
     ring.finish(cluster, job_ns)
+    # the connection opened on node-1's address before the drain carried the last exchange on node-2
+    kept = cluster.kubectl("logs", "-n", job_ns, "ring-1").stdout
+    assert "keeper-connected before" in kept and "tcp-kept after" in kept, kept[-3000:]
+    assert "keeper-served" in cluster.kubectl("logs", "-n", job_ns, "ring-0").stdout
 
     hold = stamp(job["metadata"]["creationTimestamp"]) - began
     print(

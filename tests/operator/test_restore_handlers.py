@@ -73,7 +73,9 @@ def assert_failed(cluster: Cluster, body: dict[str, Any], reason: str, *words: s
         assert word in event, event
 
 
-def source_pod(cluster: Cluster, name: str, node: str) -> dict[str, Any]:
+def source_pod(
+    cluster: Cluster, name: str, node: str, host_ip: str = "", host_network: bool = False
+) -> dict[str, Any]:
     """A job's pod as a user (or an MPI launcher) writes it: hostname and subdomain are its identity."""
     body = {
         "metadata": {"name": name, "labels": {"app": "ring", "rank": name[-1]},
@@ -86,8 +88,11 @@ def source_pod(cluster: Cluster, name: str, node: str) -> dict[str, Any]:
             "volumes": [{"name": "scratch", "emptyDir": {}}],
         },
     }  # fmt: skip
+    if host_network:
+        body["spec"]["hostNetwork"] = True
     created = cluster.core.create_namespaced_pod(cluster.namespace, body)
-    status = {"phase": "Running", "podIP": "10.1.0.9", "conditions": [{"type": "Ready", "status": "True"}]}
+    status = {"phase": "Running", "podIP": host_ip if host_network else "10.1.0.9", "hostIP": host_ip or None,
+              "conditions": [{"type": "Ready", "status": "True"}]}  # fmt: skip
     cluster.core.patch_namespaced_pod_status(name, cluster.namespace, {"status": status})
     return {"name": name, "uid": created.metadata.uid, "node": node}
 
@@ -135,8 +140,10 @@ def test_a_stop_checkpoint_is_restored_as_the_same_pods_on_the_swapped_nodes(
     config = store_config(bucket)
     a = agents.add(cluster_ns, "node-a", 1, "complete", config)
     b = agents.add(cluster_ns, "node-b", 2, "complete", config)
-    sources = {"ring-0": source_pod(cluster_ns, "ring-0", "node-a"),
-               "ring-1": source_pod(cluster_ns, "ring-1", "node-b")}  # fmt: skip
+    # ring-0 shares its node's network (as MPI jobs on RoCE often do): its TCP connections name node-a's
+    # address, which the restore on node-b must map to node-b's; ring-1's pod IP is its own
+    sources = {"ring-0": source_pod(cluster_ns, "ring-0", "node-a", a.host, host_network=True),
+               "ring-1": source_pod(cluster_ns, "ring-1", "node-b", b.host)}  # fmt: skip
     a.register(sources["ring-0"], cluster_ns.namespace)
     b.register(sources["ring-1"], cluster_ns.namespace)
     creds(cluster_ns, s3_server)
@@ -157,6 +164,7 @@ def test_a_stop_checkpoint_is_restored_as_the_same_pods_on_the_swapped_nodes(
         assert template["spec"]["hostname"] == "ring-1" and template["spec"]["subdomain"] == "ring"
         assert "nodeName" not in template["spec"] and template["annotations"] == {"team": "solver"}
         assert spec["requires"] == {"ibckpt": "test"} and spec["rankCount"] == 2
+        assert (by_name["ring-0"]["hostIP"], by_name["ring-1"]["hostIP"]) == (a.host, b.host)
 
         # The sources were deleted by the Stop job (Terminating: no kubelet here); play the kubelet.
         for name in sources:
@@ -195,6 +203,7 @@ def test_a_stop_checkpoint_is_restored_as_the_same_pods_on_the_swapped_nodes(
         assert request.checkpoint == f"{ns}/ring-c1" and request.job == "move"
         assert (request.images.job, request.images.checkpoint_id) == (spec["jobName"], spec["checkpointId"])
         assert request.images.credentials.name == "s3-creds"
+        assert request.remap_ip == {a.host: b.host}  # one map for all: ring-0's node address moved
         [rank] = request.ranks
         # Asked before the pod existed (the images are staged first): by namespace and name, no uid.
         assert agent.pods_at_request == [[]]

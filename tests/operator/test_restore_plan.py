@@ -11,9 +11,12 @@ from ibckpt.api import CheckpointPod, PodTemplate, RequiredVersions
 from ibckpt_operator.podtemplate import RESTORE_FROM, RESTORED_BY, destination_pod, sanitize
 from ibckpt_operator.restoreplan import (
     HOSTNAME_LABEL,
+    AddressConflict,
+    AddressMove,
     NodeFacts,
     NoNode,
     SourcePod,
+    address_map,
     incompatibilities,
     newest,
     place_pods,
@@ -224,3 +227,28 @@ def test_rank_keys_have_four_parts() -> None:
     assert rank_parts("ring/ring-0/main/7") == ("ring", "ring-0", "main", "7")
     with pytest.raises(ValueError, match="not job/pod/container/process"):
         rank_parts("hpc/ring/ring-0/main/7")  # a namespaced job name cannot be told apart
+
+
+def test_hostnetwork_pods_drained_onto_one_node_map_their_old_address_to_it() -> None:
+    # ring-0 leaves node-1 for node-2, ring-1 stays on node-2: only node-1's address changes
+    moves = [AddressMove("ring-0", "10.77.0.1", "10.77.0.2"), AddressMove("ring-1", "10.77.0.2", "10.77.0.2")]
+    assert address_map(moves) == {"10.77.0.1": "10.77.0.2"}
+
+
+def test_swapped_hostnetwork_pods_swap_addresses_and_unknown_addresses_are_left_out() -> None:
+    moves = [
+        AddressMove("a", "10.77.0.1", "10.77.0.2"),
+        AddressMove("b", "10.77.0.2", "10.77.0.1"),
+        AddressMove("c", "", "10.77.0.1"),  # recorded before the Checkpoint kept node addresses
+    ]
+    assert address_map(moves) == {"10.77.0.1": "10.77.0.2", "10.77.0.2": "10.77.0.1"}
+    assert address_map([]) == {}
+
+
+def test_hostnetwork_pods_of_one_node_split_over_two_is_refused_naming_both() -> None:
+    moves = [
+        AddressMove("launcher", "10.77.0.1", "10.77.0.2"),
+        AddressMove("worker", "10.77.0.1", "10.77.0.3"),
+    ]
+    with pytest.raises(AddressConflict, match=r"launcher and worker both ran on address 10\.77\.0\.1"):
+        address_map(moves)

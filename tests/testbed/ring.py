@@ -5,6 +5,7 @@ tests/helm and `make demo`."""
 
 from __future__ import annotations
 
+import base64
 import json
 import time
 from datetime import datetime
@@ -41,18 +42,63 @@ def assert_exactly_once(log: str) -> None:
     assert int(a["sent"]) > 0 and int(b["sent"]) > 0, found
 
 
-def member(name: str, node: str, command: str) -> dict[str, Any]:
-    pod = pods.rdma_pod(name, node, ["sh", "-c", command], APPS_IMAGE, host_network=False, labels=LABELS)
+# A TCP connection the job keeps open for its whole run, as an MPI launcher keeps one to each worker's daemon:
+# ring-1 connects to ring-0's port 18600 at the start and says `before`; once /tmp/stop appears it says
+# `after` on the same connection and prints `tcp-kept after` when ring-0 echoes it. Anything else (a reset,
+# a close, a timeout) ends it with a traceback and no `tcp-kept`.
+KEEPER = """
+import os, socket, sys, time
+if sys.argv[1] == "serve":
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("0.0.0.0", 18600))
+    listener.listen(1)
+    conn, _ = listener.accept()
+    for line in conn.makefile("rb"):
+        conn.sendall(line)
+    print("keeper-served", flush=True)
+else:
+    for attempt in range(60):
+        try:
+            conn = socket.create_connection((sys.argv[2], 18600), timeout=60)
+            break
+        except ConnectionRefusedError:
+            time.sleep(1)
+    def ask(word):
+        conn.sendall(word.encode() + b"\\n")
+        got = b""
+        while not got.endswith(b"\\n"):
+            chunk = conn.recv(64)
+            if not chunk:
+                sys.exit("tcp-lost: the connection closed")
+            got += chunk
+        return got.decode().strip()
+    print("keeper-connected", ask("before"), flush=True)
+    while not os.path.exists("/tmp/stop"):
+        time.sleep(1)
+    print("tcp-kept", ask("after"), flush=True)
+"""
+WRITE_KEEPER = f"echo {base64.b64encode(KEEPER.encode()).decode()} | base64 -d > /tmp/keeper.py"
+
+
+def member(name: str, node: str, command: str, host_network: bool = False) -> dict[str, Any]:
+    pod = pods.rdma_pod(
+        name, node, ["sh", "-c", command], APPS_IMAGE, host_network=host_network, labels=LABELS
+    )
     pod["spec"]["runtimeClassName"] = "ibckpt"
     return pod
 
 
-def start(cluster: Cluster, namespace: str) -> None:
-    """ring-0 on node-1, ring-1 on node-2; returns once they exchange messages."""
-    pods.apply(cluster, namespace, member("ring-0", "node-1", SERVER))
+def start(cluster: Cluster, namespace: str, host_network: bool = False) -> None:
+    """ring-0 on node-1, ring-1 on node-2; returns once they exchange messages. With `host_network` the pods
+    share their nodes' network and ring-1 also keeps a TCP connection to ring-0 (KEEPER) for the whole run."""
+    server = f"{WRITE_KEEPER}; python3 /tmp/keeper.py serve & {SERVER}; wait" if host_network else SERVER
+    pods.apply(cluster, namespace, member("ring-0", "node-1", server, host_network))
     server_ip = pods.wait_pod(cluster, namespace, "ring-0", {"Running"})["status"]["podIP"]
     client = f"sleep 3; rc_seq -c {server_ip} -f /tmp/stop -p 18515; echo ring-done"
-    pods.apply(cluster, namespace, member("ring-1", "node-2", client))
+    if host_network:
+        client = f"{WRITE_KEEPER}; sleep 3; python3 /tmp/keeper.py ask {server_ip} & {client}; wait"
+    pods.apply(cluster, namespace, member("ring-1", "node-2", client, host_network))
     pods.wait_pod(cluster, namespace, "ring-1", {"Running"})
     connected(cluster, namespace)
 

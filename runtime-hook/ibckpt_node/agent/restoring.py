@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from ibckpt.agentapi import models as api
 from ibckpt.coordination.ranks import RankId
-from ibckpt_node import driver
+from ibckpt_node import driver, tcp_remap
 from ibckpt_node.agent.kubesecrets import StagingError
 from ibckpt_node.hook import oci
 from ibckpt_node.registry import ContainerRegistry, RegisteredContainer
@@ -103,8 +103,15 @@ def stage(
     planned: Sequence[ContainerRestore],
     restore_dir: Callable[[str, str, str], str],
     progress: Callable[[int], None],
+    remap: tcp_remap.AddressMap | None = None,
+    lock: tcp_remap.ConnectionLock | None = None,
 ) -> int:
-    """Fetch and stage every planned container's images; returns the bytes fetched."""
+    """Fetch and stage every planned container's images; returns the bytes fetched.
+
+    Before a container's staged.json is written, its images' TCP sockets are rewritten by `remap` (a
+    hostNetwork pod's node addresses, old -> new, the same map on every node) and its established
+    connections are added to `lock`: their packets are dropped until every node has restored (see
+    tcp_remap.py), so a restored end does not meet a peer node that answers with a reset."""
     from ibckpt.store import ImageStore
     from ibckpt.store.errors import StoreError
     from ibckpt.store.layout import CheckpointRef
@@ -123,6 +130,9 @@ def stage(
             total += report.logical_bytes
             (where / "images").chmod(0o700)
             restore_args = _restore_args(where / "images")
+            prepared = tcp_remap.prepare_images(where / "images", remap or {})
+            if lock is not None:
+                lock.extend(prepared.connections)
             staged = {
                 "checkpoint": checkpoint,
                 "namespace": item.namespace,
@@ -137,6 +147,8 @@ def stage(
             partial.rename(where / "staged.json")  # last: the wrapper waits for this file
     except StoreError as exc:
         raise StagingError(f"fetching {ref} from {config.where()}: {exc}") from exc
+    except tcp_remap.RemapError as exc:
+        raise RestoreError(f"moving the TCP connections in the images of {checkpoint}: {exc}") from exc
     return total
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from ibckpt.agentapi import models as api
 from ibckpt.coordination.client import CoordinationAborted, CoordinatorClient, CoordinatorError
 from ibckpt.coordination.ranks import RankId
-from ibckpt_node import driver
+from ibckpt_node import driver, tcp_remap
 from ibckpt_node.agent import restoring
 from ibckpt_node.agent.kubesecrets import SecretReader, StagingError
 from ibckpt_node.container_runtime import RuntimeContainer
@@ -268,8 +268,9 @@ class Sessions:
         report = session.report
         planned: list[restoring.ContainerRestore] = []
         restore_dir = self.registry.config.restore_dir
+        lock = tcp_remap.ConnectionLock([])  # the restored TCP connections, held until every node restored
         try:
-            planned = await self._stage_restore(session, request)
+            planned = await self._stage_restore(session, request, lock)
             staged_at = time.time()  # a container of these pods registered before is not the restored one
             session.client = await self._connect(request)
             try:
@@ -300,7 +301,7 @@ class Sessions:
                         self._set_phase(session, api.RankPhase.REBUILDING)
                         return ranks
 
-                    result = await session.engine.rebuild_restored(restored, request.epoch)
+                    result = await session.engine.rebuild_restored(restored, request.epoch, lock)
             finally:
                 await session.client.close()
             report.phases = dict(result.phases)
@@ -321,6 +322,8 @@ class Sessions:
             log.exception("session %s", request.session_id)
             self._finish_failed(session, api.SessionState.FAILED, f"agent error: {exc}")
         finally:
+            for error in await asyncio.to_thread(lock.unlock):  # a failed restore lets them go too
+                log.error("session %s: %s", request.session_id, error)
             # staged images are used once (the restored container has read them) or not at all
             restoring.unstage(planned, restore_dir)
             report.finished_at = time.time()
@@ -330,7 +333,7 @@ class Sessions:
             self.on_finished(report)
 
     async def _stage_restore(
-        self, session: Session, request: api.RestoreRequest
+        self, session: Session, request: api.RestoreRequest, lock: tcp_remap.ConnectionLock
     ) -> list[restoring.ContainerRestore]:
         from ibckpt.store import ImageStore, StoreError  # boto3: only when staging
         from ibckpt.store.layout import CheckpointRef
@@ -349,6 +352,10 @@ class Sessions:
             except StoreError as exc:
                 raise StagingError(f"reading {ref} from {config.where()}: {exc}") from exc
 
+        try:
+            remap = tcp_remap.parse_map([f"{old}={new}" for old, new in request.remap_ip.items()])
+        except ValueError as exc:
+            raise restoring.RestoreError(f"the restore request's address map: {exc}") from None
         manifest = await asyncio.to_thread(read_manifest)
         planned = restoring.plan(request, manifest)
         fetched = 0
@@ -366,6 +373,8 @@ class Sessions:
             planned,
             self.registry.config.restore_dir,
             count,
+            remap,
+            lock,
         )
         try:
             session.report.bytes = await asyncio.wait_for(download, request.timeouts.download_seconds)
@@ -377,6 +386,13 @@ class Sessions:
             for key in item.rank_keys:
                 session.by_key[key].bytes = session.report.bytes // max(1, len(session.report.ranks))
         session.report.phases["downloaded"] = round(time.monotonic() - started, 3)
+        if remap or lock.connections:
+            log.info(
+                "session %s: addresses remapped %s; TCP connections held until every node restored: %s",
+                request.session_id,
+                ", ".join(f"{a}={b}" for a, b in remap.items()) or "none",
+                ", ".join(c.describe() for c in lock.connections) or "none",
+            )
         return planned
 
     async def abort(self, session_id: str, reason: str) -> api.SessionReport:
