@@ -174,3 +174,20 @@ def test_a_hostnetwork_containers_connections_follow_the_address_map_before_it_i
 def test_an_address_map_that_is_not_one_is_refused_before_anything_is_staged() -> None:
     with pytest.raises(ValueError, match="mapped twice"):
         tcp_remap.parse_map(["10.0.0.1=10.0.0.2", "10.0.0.1=10.0.0.3"])
+
+
+def test_a_failed_runc_restore_is_explained_by_the_error_lines_of_its_criu_log(tmp_path: Path) -> None:
+    planned = [
+        restoring.ContainerRestore("", "team", "ring-0", "main", "node-1/ring-0.main", ("k",)),
+        restoring.ContainerRestore("", "team", "ring-1", "main", "node-2/ring-1.main", ("k",)),
+    ]
+    where = tmp_path / "team" / "ring-0" / "main" / "images"
+    where.mkdir(parents=True)
+    (where / "restore.log").write_text(
+        "(00.001) Restoring\n(00.420) Error (criu/sk-inet.c:1111): Can't bind inet socket (id 7): "
+        "Address already in use\n(00.421) Error (criu/cr-restore.c:2397): Restoring FAILED.\n"
+    )
+    found = restoring.restore_errors(planned, lambda ns, pod, c: str(tmp_path / ns / pod / c))
+    # ring-1 has no log (it was never restored): only ring-0 is named, with CRIU's own words
+    assert len(found) == 1 and found[0].startswith("runc restore of ring-0/main: "), found
+    assert "Address already in use" in found[0] and "Restoring FAILED" in found[0], found

@@ -162,6 +162,27 @@ def _restore_args(images: Path) -> str:
     return str(manifest.get("restore_args", ""))
 
 
+RESTORE_LOG = "restore.log"  # runc restore's CRIU log, in the image dir (its default work path)
+
+
+def restore_errors(
+    planned: Sequence[ContainerRestore], restore_dir: Callable[[str, str, str], str], lines: int = 6
+) -> list[str]:
+    """The last error lines of each planned container's failed `runc restore` (what containerd reports
+    is only "criu failed: type NOTIFY"), read before the staging is removed."""
+    found = []
+    for item in planned:
+        log_file = Path(restore_dir(item.namespace, item.pod, item.container), "images", RESTORE_LOG)
+        try:
+            text = log_file.read_text(errors="replace")
+        except OSError:
+            continue
+        errors = [line.strip() for line in text.splitlines() if "Error" in line or "error" in line]
+        if errors:
+            found.append(f"runc restore of {item.pod}/{item.container}: {' | '.join(errors[-lines:])}")
+    return found
+
+
 def unstage(planned: Sequence[ContainerRestore], restore_dir: Callable[[str, str, str], str]) -> None:
     for item in planned:
         where = Path(restore_dir(item.namespace, item.pod, item.container))

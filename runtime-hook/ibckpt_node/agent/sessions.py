@@ -324,6 +324,12 @@ class Sessions:
         finally:
             for error in await asyncio.to_thread(lock.unlock):  # a failed restore lets them go too
                 log.error("session %s: %s", request.session_id, error)
+            if report.state is not api.SessionState.SUCCEEDED:
+                failed = restoring.restore_errors(planned, restore_dir)
+                for line in failed:
+                    log.error("session %s: %s", request.session_id, line)
+                if failed:
+                    report.message = f"{report.message}; {'; '.join(failed)}"[:4000]
             # staged images are used once (the restored container has read them) or not at all
             restoring.unstage(planned, restore_dir)
             report.finished_at = time.time()
