@@ -704,8 +704,22 @@ def _lost(body: Body | None, pod: PodRef) -> str | None:
         return f"the restored pod {pod.name} is being deleted"
     status = body.get("status", {})
     if status.get("phase") == "Failed":
-        return f"the restored pod {pod.name} failed: {status.get('message') or status.get('reason')}"
+        return f"the restored pod {pod.name} failed: {_failure(status)}"
     return None
+
+
+def _failure(status: dict[str, Any]) -> str:
+    """Why a pod failed, in the runtime's words: a container that could not be restored has no pod-level
+    message, only its own terminated (or waiting) state, e.g. StartError: ... criu failed ..."""
+    if status.get("message") or status.get("reason"):
+        return str(status.get("message") or status.get("reason"))
+    for container in status.get("containerStatuses") or ():
+        for state in ("terminated", "waiting"):
+            found = (container.get("state") or {}).get(state) or {}
+            if found.get("reason") or found.get("message"):
+                said = ": ".join(str(found[k]) for k in ("reason", "message") if found.get(k))
+                return f"container {container.get('name')}: {said}"
+    return "no reason given by the kubelet"
 
 
 __all__ = ["PLURAL", "RestoreJobDriver", "RestorePhase"]
