@@ -1,5 +1,5 @@
 """cffi (ABI mode) binding of libibckpt's pure core: id tables, the private completion
-queue and the exactly-once re-post planner. Loads build/libibckpt_core.so, which has no
+queue, the exactly-once re-post planner and the rdma_cm id states. Loads build/libibckpt_core.so, which has no
 libibverbs dependency, so it works on hosts without RDMA."""
 
 from __future__ import annotations
@@ -39,6 +39,16 @@ uint32_t ibk_wcq_count(const struct ibk_wcq *q);
 
 int ibk_plan_resend(const uint32_t *flags, size_t n, uint64_t peer_recvs, uint64_t done_consumers,
                     uint8_t *verdict);
+
+struct ibk_cm_id { uint64_t uid; uint32_t handle; uint32_t reported; uint8_t state; uint8_t disc_out; };
+struct ibk_cm_ids { struct ibk_cm_id *v; uint32_t n, cap; };
+struct ibk_cm_id *ibk_cm_find(struct ibk_cm_ids *ids, uint32_t handle);
+int ibk_cm_on_cmd(struct ibk_cm_ids *ids, uint32_t cmd, const void *body, size_t blen, uint32_t new_handle);
+int ibk_cm_on_event(struct ibk_cm_ids *ids, const void *resp, size_t rlen);
+long ibk_cm_forget(struct ibk_cm_ids *ids, uint32_t handle);
+int ibk_cm_carried(int state);
+const char *ibk_cm_state_name(int state);
+void ibk_cm_ids_fini(struct ibk_cm_ids *ids);
 """
 
 # Flags and verdicts, as in src/core.h.
@@ -103,3 +113,38 @@ def plan_resend(
     verdict = ffi.new("uint8_t[]", max(n, 1))
     rc = int(lib.ibk_plan_resend(cflags, n, peer_recvs, done_consumers, verdict))
     return rc, [int(verdict[i]) for i in range(n)]
+
+
+class CmIds:
+    """The rdma_cm ids of one event channel, as the shim follows them (src/cmstate.c)."""
+
+    def __init__(self, lib: Any) -> None:
+        self.lib = lib
+        self.ids = ffi.new("struct ibk_cm_ids *")
+
+    def cmd(self, cmd: int, body: bytes, new_handle: int = 0) -> None:
+        buf = ffi.from_buffer(body)
+        if self.lib.ibk_cm_on_cmd(self.ids, cmd, buf, len(body), new_handle):
+            raise MemoryError
+
+    def event(self, resp: bytes) -> None:
+        if self.lib.ibk_cm_on_event(self.ids, ffi.from_buffer(resp), len(resp)):
+            raise MemoryError
+
+    def forget(self, handle: int) -> int:
+        return int(self.lib.ibk_cm_forget(self.ids, handle))
+
+    def get(self, handle: int) -> tuple[str, int, int, bool] | None:
+        """(state, uid, events reported, a DISCONNECTED went out) of a handle."""
+        p = self.lib.ibk_cm_find(self.ids, handle)
+        if p == ffi.NULL:
+            return None
+        state = ffi.string(self.lib.ibk_cm_state_name(p.state)).decode()
+        return state, int(p.uid), int(p.reported), bool(p.disc_out)
+
+    def carried(self, handle: int) -> bool:
+        p = self.lib.ibk_cm_find(self.ids, handle)
+        return bool(self.lib.ibk_cm_carried(p.state))
+
+    def close(self) -> None:
+        self.lib.ibk_cm_ids_fini(self.ids)
