@@ -273,4 +273,5 @@ void ibk_chan_wake_all(int on)
 		}
 	}
 	pthread_mutex_unlock(&ibk_ctx_lock);
+	ibk_cm_wake_all(on); /* and threads waiting for an rdma_cm event */
 }

@@ -219,14 +219,24 @@ static __attribute__((noinline)) ssize_t write_failed(int fd, const void *buf, s
 	return w.rc;
 }
 
-/* The rest of write(): before any rebuild, or when the real call fails. */
-static __attribute__((noinline)) ssize_t write_slow(int fd, const void *buf, size_t n)
+ssize_t ibk_write_real(int fd, const void *buf, size_t n)
 {
 	ssize_t rc = resolve_write()(fd, buf, n);
 
 	if (__builtin_expect(rc >= 0, 1))
 		return rc;
 	return write_failed(fd, buf, n, rc);
+}
+
+/* The rest of write(): after a rebuild, in an rdma_cm program, or before
+ * the real write() is resolved. */
+static __attribute__((noinline)) ssize_t write_slow(int fd, const void *buf, size_t n)
+{
+	ssize_t rc;
+
+	if (atomic_load_explicit(&ibk_cm_active, memory_order_relaxed) && ibk_cm_write(fd, buf, n, &rc))
+		return rc;
+	return ibk_write_real(fd, buf, n);
 }
 
 /* Every write() of the process passes here (Soft-RoCE's doorbell among
@@ -237,7 +247,9 @@ IBK_EXPORT ssize_t write(int fd, const void *buf, size_t n)
 {
 	write_fn real = atomic_load_explicit(&real_write, memory_order_relaxed);
 
-	if (__builtin_expect(real && atomic_load_explicit(&devfds_ready, memory_order_relaxed) != 2, 1))
+	if (__builtin_expect(real && atomic_load_explicit(&devfds_ready, memory_order_relaxed) != 2 &&
+				     !atomic_load_explicit(&ibk_cm_active, memory_order_relaxed),
+			     1))
 		return real(fd, buf, n);
 	return write_slow(fd, buf, n);
 }

@@ -108,7 +108,7 @@ static int pending_settleable(void)
 int ibk_do_drain(int timeout_ms, int stall_ms, char *out, size_t len)
 {
 	long t0 = ibk_ms_now(), last_move = t0;
-	int flags, moved = 0, stalled = 0;
+	int flags, moved = 0, stalled = 0, cm_events;
 	useconds_t nap = 100;
 	uint32_t pending;
 
@@ -139,11 +139,12 @@ int ibk_do_drain(int timeout_ms, int stall_ms, char *out, size_t len)
 		usleep(nap);
 		nap = nap < 2000 ? nap * 2 : 2000;
 	}
+	cm_events = ibk_cm_drain(); /* every rank is quiesced and none released yet */
 	ibk_phase_cur = IBK_DRAINED;
 	ibk_report_begin(out, len, "drain", 1, t0);
 	/* Sends still pending are settled at rebuild by the peers' counters. */
-	ibk_jcat(out, len, ",\"flag_wrs\":%d,\"moved\":%d,\"pending_sends\":%u,\"stalled\":%s,", flags, moved,
-	     pending, stalled ? "true" : "false");
+	ibk_jcat(out, len, ",\"flag_wrs\":%d,\"moved\":%d,\"pending_sends\":%u,\"stalled\":%s,\"cm_events\":%d,",
+	     flags, moved, pending, stalled ? "true" : "false", cm_events);
 	ibk_report_qps(out, len);
 	ibk_jcat(out, len, "}");
 	pthread_mutex_unlock(&ibk_ctx_lock);

@@ -263,7 +263,7 @@ int ibk_do_release(int timeout_ms, int quiet_only, char *out, size_t len)
 {
 	long t0 = ibk_ms_now(), quiet_since, t_flushed, t_destroyed;
 	struct ibk_ctx *ctx;
-	int errs = 0, fds, maps, late = 0, unflushed = 0, settled = 0;
+	int errs = 0, fds, maps, late = 0, unflushed = 0, settled = 0, cm_detached;
 
 	if (ibk_phase_cur != IBK_DRAINED) {
 		ibk_report_begin(out, len, "release", 0, t0);
@@ -305,14 +305,15 @@ int ibk_do_release(int timeout_ms, int quiet_only, char *out, size_t len)
 	FOR_EACH_CTX(ctx)
 	errs += release_destroy(ctx);
 	pthread_mutex_unlock(&ibk_ctx_lock);
+	cm_detached = ibk_cm_release();
 	t_destroyed = ibk_ms_now();
 	fds = count_device_fds(&maps);
 	ibk_phase_cur = IBK_RELEASED;
 	ibk_report_begin(out, len, "release", errs == 0 && fds == 0 && maps == 0, t0);
 	ibk_jcat(out, len,
 	     ",\"late_completions\":%d,\"settled\":%s,\"flush_ms\":%ld,\"destroy_ms\":%ld,\"errors\":%d,"
-	     "\"device_fds\":%d,\"device_maps\":%d,",
-	     late, settled ? "true" : "false", t_flushed - t0, t_destroyed - t_flushed, errs, fds, maps);
+	     "\"device_fds\":%d,\"device_maps\":%d,\"cm_detached\":%d,",
+	     late, settled ? "true" : "false", t_flushed - t0, t_destroyed - t_flushed, errs, fds, maps, cm_detached);
 	pthread_mutex_lock(&ibk_ctx_lock);
 	ibk_report_qps(out, len);
 	pthread_mutex_unlock(&ibk_ctx_lock);

@@ -1,6 +1,5 @@
 /* The phases' one-line JSON reports: per-QP counters, this rank's identity
  * for the agent's preflight, and the status command. */
-#include <dirent.h>
 #include <errno.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -63,29 +62,6 @@ void ibk_report_qps(char *out, size_t len)
 		first = 0;
 	}
 	ibk_jcat(out, len, "]");
-}
-
-/* Open fds on the RDMA connection manager's device. */
-static int rdma_cm_fds(void)
-{
-	char path[300], link[64];
-	DIR *d = opendir("/proc/self/fd");
-	struct dirent *de;
-	int n = 0;
-
-	while (d && (de = readdir(d))) {
-		ssize_t l;
-
-		snprintf(path, sizeof(path), "/proc/self/fd/%s", de->d_name);
-		l = readlink(path, link, sizeof(link) - 1);
-		if (l > 0) {
-			link[l] = 0;
-			n += !strcmp(link, "/dev/infiniband/rdma_cm");
-		}
-	}
-	if (d)
-		closedir(d);
-	return n;
 }
 
 /* For the agent's preflight: this rank's own GIDs, every connected QP's peer as the app
@@ -165,10 +141,8 @@ void ibk_report_identity(char *out, size_t len)
 			ibk_jcat(out, len, "%s\"ibv_set_ece (QP %u: ECE is not set again on a rebuilt QP)\"",
 			     n++ ? "," : "", qp->vqpn);
 	}
-	/* librdmacm's connection ids live in the kernel behind this fd: the
-	 * shim does not rebuild them, and release could not close it */
-	if (rdma_cm_fds())
-		ibk_jcat(out, len, "%s\"rdma_cm (librdmacm connection ids)\"", n ? "," : "");
+	/* librdmacm's ids that a checkpoint would not carry (rdmacm.c) */
+	ibk_cm_report_problems(out, len, &n);
 	ibk_jcat(out, len, "]");
 }
 
@@ -192,6 +166,7 @@ int ibk_do_status(char *out, size_t len)
 	ibk_lease_report(out, len);
 	ibk_report_qps(out, len);
 	ibk_report_identity(out, len);
+	ibk_cm_report(out, len);
 	ibk_jcat(out, len, "}");
 	pthread_mutex_unlock(&ibk_ctx_lock);
 	return 0;

@@ -36,6 +36,22 @@ void ibk_devfd_forget(int fd);
 /* Writes other threads handed to the device thread (after a CRIU restore). */
 unsigned long ibk_devthread_writes(void);
 
+/* write() as libc does it, with the device thread's hand-over after a
+ * restore; the shim's write() adds the rdma_cm routing (rdmacm.c) on top. */
+ssize_t ibk_write_real(int fd, const void *buf, size_t n);
+
+/* ---- librdmacm's event channels (rdmacm.c) ------------------------------ */
+
+/* Set once a channel is followed: from then on write() asks ibk_cm_write. */
+extern atomic_int ibk_cm_active;
+/* A write on an app's event channel fd: 1 and *rc when it was one. */
+int ibk_cm_write(int fd, const void *buf, size_t n, ssize_t *rc);
+void ibk_cm_wake_all(int on);
+int ibk_cm_drain(void);
+int ibk_cm_release(void);
+void ibk_cm_report(char *out, size_t len);
+void ibk_cm_report_problems(char *out, size_t len, int *n);
+
 /* ---- the real libibverbs, resolved once with dlvsym(RTLD_NEXT) --------- */
 
 struct ibk_real {

@@ -110,3 +110,40 @@ def test_every_inline_function_pointer_has_a_decision(struct: str) -> None:
         # a pointer the table says the shim sets is assigned in the source, and only those
         assigned = re.search(rf"(->|\.){member} = ", src) is not None
         assert assigned == (decision != "unset"), (struct, member, decision)
+
+
+# ---- librdmacm ---------------------------------------------------------------------------------
+
+CM_DECISIONS = {"interposed", "followed", "library", "refused", "rsocket"}
+
+
+def _librdmacm() -> Path:
+    out = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, check=True).stdout
+    m = re.search(r"librdmacm\.so\.1 \(libc6,x86-64\) => (\S+)", out)
+    assert m, "librdmacm.so.1 is not installed"
+    return Path(m.group(1))
+
+
+def _cm_table() -> dict[str, tuple[set[str], str]]:
+    rows = _rows("### Exported functions of librdmacm")
+    return {r[0]: (set(r[1].split(",")), r[2]) for r in rows}
+
+
+def test_every_librdmacm_function_has_a_decision() -> None:
+    installed = {n: v for n, v in _dynsyms(_librdmacm()).items() if not n.startswith("RDMACM_")}
+    table = _cm_table()
+    assert sorted(set(installed) - set(table)) == [], "librdmacm functions with no decision"
+    assert sorted(set(table) - set(installed)) == [], "rows for functions librdmacm no longer exports"
+    for name, (versions, decision) in table.items():
+        assert versions == installed[name], name
+        assert decision in CM_DECISIONS, (name, decision)
+
+
+def test_the_shim_exports_the_librdmacm_functions_it_interposes(shim_exports: set[str]) -> None:
+    table = _cm_table()
+    interposed = {n for n, (_, d) in table.items() if d == "interposed"}
+    assert {n for n in shim_exports if n.startswith("rdma_")} == interposed
+    src = (NATIVE_DIR / "src" / "rdmacm.c").read_text()
+    for name, (_, decision) in table.items():
+        if decision == "refused":
+            assert re.search(rf'ibk_unsupported\("{name}"\)', src), name

@@ -1,0 +1,560 @@
+/* librdmacm's event channels, carried through a checkpoint.
+ *
+ * librdmacm talks to the kernel's connection manager by write()s of
+ * commands (rdma/rdma_user_cm.h) on an event channel's fd, an open
+ * /dev/infiniband/rdma_cm that CRIU cannot dump.  The shim owns that file:
+ * rdma_create_event_channel hands the app (and librdmacm) an epoll fd that
+ * holds the kernel fd and a "pending" eventfd, as for completion channels,
+ * and the shim's write() routes every command written to the app's fd to
+ * the kernel fd, following the ids' states (cmstate.c) on the way.
+ *
+ * GET_EVENT never blocks in the kernel: the kernel fd is non-blocking and a
+ * waiting thread sleeps in poll() outside the gate, so a checkpoint can park
+ * it.  drain moves the events the kernel holds into the shim's queue; release
+ * closes the kernel fd ("detaches" the channel: the kernel forgets its ids).
+ * On a detached channel the shim answers the commands itself: GET_EVENT
+ * hands out queued events, DISCONNECT queues the DISCONNECTED the kernel
+ * would have sent, DESTROY_ID answers with the events handed out; anything
+ * else fails with EOPNOTSUPP.  The QPs of the ids are the shim's shadow QPs
+ * and are rebuilt with every other QP. */
+#include <dirent.h>
+#include <dlfcn.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <rdma/rdma_user_cm.h>
+
+#include "cmstate.h"
+#include "phases.h"
+
+#define IBK_CM_MAXFD 4096
+
+/* librdmacm's public channel (rdma/rdma_cma.h, whose enums clash with the
+ * kernel ABI header's) */
+struct rdma_event_channel {
+	int fd;
+};
+
+struct cm_chan {
+	struct rdma_event_channel *pub;
+	int app_fd;     /* epoll fd: pub->fd */
+	int real_fd;    /* the kernel's rdma_cm file; -1 once detached */
+	int pending_fd; /* in app_fd: readable while events are queued */
+	int wake_fd;    /* readable while a checkpoint closes the gate */
+	int pending_on;
+	pthread_mutex_t lock; /* ids, queue, and the one reader of real_fd */
+	struct ibk_cm_ids ids;
+	struct rdma_ucm_event_resp *q;
+	uint32_t qhead, qtail, qcap;
+	struct cm_chan *next;
+};
+
+atomic_int ibk_cm_active; /* a channel was ever tracked: write() looks here */
+static _Atomic unsigned char cm_fd_on[IBK_CM_MAXFD];
+static pthread_mutex_t chans_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct cm_chan *chans;
+
+static struct cm_chan *chan_of_fd(int fd)
+{
+	struct cm_chan *ch;
+
+	pthread_mutex_lock(&chans_lock);
+	for (ch = chans; ch && ch->app_fd != fd; ch = ch->next)
+		;
+	pthread_mutex_unlock(&chans_lock);
+	return ch;
+}
+
+/* ---- the queue of events for the app (under ch->lock) -------------------- */
+
+static int q_push(struct cm_chan *ch, const struct rdma_ucm_event_resp *ev)
+{
+	uint64_t one = 1;
+
+	if (ch->qtail - ch->qhead == ch->qcap) {
+		uint32_t cap = ch->qcap ? ch->qcap * 2 : 8, i, n = ch->qtail - ch->qhead;
+		struct rdma_ucm_event_resp *q = calloc(cap, sizeof(*q));
+
+		if (!q)
+			return -ENOMEM;
+		for (i = 0; i < n; i++)
+			q[i] = ch->q[(ch->qhead + i) % ch->qcap];
+		free(ch->q);
+		ch->q = q;
+		ch->qcap = cap;
+		ch->qhead = 0;
+		ch->qtail = n;
+	}
+	ch->q[ch->qtail++ % ch->qcap] = *ev;
+	if (!ch->pending_on)
+		ch->pending_on = write(ch->pending_fd, &one, sizeof(one)) == sizeof(one);
+	return 0;
+}
+
+static void q_settle(struct cm_chan *ch)
+{
+	uint64_t v;
+
+	if (ch->pending_on && ch->qhead == ch->qtail)
+		ch->pending_on = !(read(ch->pending_fd, &v, sizeof(v)) == sizeof(v));
+}
+
+/* Drop the queued events of a destroyed id (the kernel drops unreported
+ * ones too); how many. */
+static uint32_t q_drop(struct cm_chan *ch, uint32_t handle)
+{
+	uint32_t i, kept = ch->qhead, n = 0;
+
+	for (i = ch->qhead; i != ch->qtail; i++) {
+		struct rdma_ucm_event_resp *ev = &ch->q[i % ch->qcap];
+
+		if (ev->id == handle && ev->event != EV_CONNECT_REQUEST)
+			n++;
+		else
+			ch->q[kept++ % ch->qcap] = *ev;
+	}
+	ch->qtail = kept;
+	q_settle(ch);
+	return n;
+}
+
+static void queue_disconnected(struct cm_chan *ch, struct ibk_cm_id *id)
+{
+	struct rdma_ucm_event_resp ev;
+
+	memset(&ev, 0, sizeof(ev));
+	ev.uid = id->uid;
+	ev.id = id->handle;
+	ev.event = EV_DISCONNECTED;
+	if (!q_push(ch, &ev))
+		id->disc_out = 1;
+}
+
+/* ---- commands ---------------------------------------------------------------- */
+
+static ssize_t fail(int err)
+{
+	errno = err;
+	return -1;
+}
+
+/* A command on a detached channel: the shim plays the kernel's part. */
+static ssize_t detached_cmd(struct cm_chan *ch, uint32_t cmd, const void *body, size_t blen, size_t n)
+{
+	struct ibk_cm_id *id;
+
+	if (cmd == RDMA_USER_CM_CMD_DESTROY_ID) {
+		struct rdma_ucm_destroy_id d;
+		struct rdma_ucm_destroy_id_resp r;
+		long reported;
+
+		if (blen < sizeof(d))
+			return fail(EINVAL);
+		memcpy(&d, body, sizeof(d));
+		q_drop(ch, d.id);
+		reported = ibk_cm_forget(&ch->ids, d.id);
+		if (reported < 0)
+			return fail(EINVAL);
+		r.events_reported = (uint32_t)reported;
+		memcpy((void *)(uintptr_t)d.response, &r, sizeof(r));
+		return (ssize_t)n;
+	}
+	if (cmd == RDMA_USER_CM_CMD_DISCONNECT) {
+		struct rdma_ucm_disconnect d;
+
+		if (blen < sizeof(d))
+			return fail(EINVAL);
+		memcpy(&d, body, sizeof(d));
+		id = ibk_cm_find(&ch->ids, d.id);
+		if (!id)
+			return fail(EINVAL);
+		if (id->state == IBK_CM_CONNECTED && !id->disc_out)
+			queue_disconnected(ch, id);
+		ibk_cm_on_cmd(&ch->ids, cmd, body, blen, 0);
+		return (ssize_t)n;
+	}
+	ibk_log("rdma_cm command %u on an event channel detached by a checkpoint: not supported", cmd);
+	return fail(EOPNOTSUPP);
+}
+
+/* A command on a live channel goes to the kernel; the ids follow. */
+static ssize_t live_cmd(struct cm_chan *ch, uint32_t cmd, const void *buf, size_t n)
+{
+	const char *body = (const char *)buf + sizeof(struct rdma_ucm_cmd_hdr);
+	size_t blen = n - sizeof(struct rdma_ucm_cmd_hdr);
+	uint32_t handle = 0;
+	ssize_t rc;
+
+	if (cmd == RDMA_USER_CM_CMD_MIGRATE_ID) {
+		/* it names the target channel by its kernel fd, which the app
+		 * does not have */
+		ibk_unsupported("rdma_migrate_id");
+		return fail(EOPNOTSUPP);
+	}
+	rc = ibk_write_real(ch->real_fd, buf, n);
+	if (rc != (ssize_t)n)
+		return rc;
+	if (cmd == RDMA_USER_CM_CMD_CREATE_ID && blen >= sizeof(struct rdma_ucm_create_id)) {
+		struct rdma_ucm_create_id c;
+		struct rdma_ucm_create_id_resp r;
+
+		memcpy(&c, body, sizeof(c));
+		memcpy(&r, (void *)(uintptr_t)c.response, sizeof(r));
+		handle = r.id;
+	} else if (cmd == RDMA_USER_CM_CMD_DESTROY_ID && blen >= sizeof(struct rdma_ucm_destroy_id)) {
+		struct rdma_ucm_destroy_id d;
+		struct rdma_ucm_destroy_id_resp r;
+
+		/* events a drain took from the kernel and the app never saw */
+		memcpy(&d, body, sizeof(d));
+		memcpy(&r, (void *)(uintptr_t)d.response, sizeof(r));
+		r.events_reported -= q_drop(ch, d.id);
+		memcpy((void *)(uintptr_t)d.response, &r, sizeof(r));
+	}
+	if (ibk_cm_on_cmd(&ch->ids, cmd, body, blen, handle))
+		ibk_log("rdma_cm: no memory to follow a new id");
+	return rc;
+}
+
+/* Read one event from the kernel without blocking, into ev. */
+static int read_kernel_event(struct cm_chan *ch, struct rdma_ucm_event_resp *ev)
+{
+	struct {
+		struct rdma_ucm_cmd_hdr hdr;
+		struct rdma_ucm_get_event get;
+	} c;
+
+	if (ch->real_fd < 0)
+		return 0;
+	memset(ev, 0, sizeof(*ev));
+	c.hdr = (struct rdma_ucm_cmd_hdr){ .cmd = RDMA_USER_CM_CMD_GET_EVENT,
+					   .in = sizeof(c.get),
+					   .out = sizeof(*ev) };
+	c.get.response = (uintptr_t)ev;
+	return ibk_write_real(ch->real_fd, &c, sizeof(c)) == (ssize_t)sizeof(c);
+}
+
+/* GET_EVENT: queued events first, then the kernel's; a blocking wait
+ * happens in poll(), outside the gate. */
+static ssize_t get_event(struct cm_chan *ch, const void *buf, size_t n, uint16_t out)
+{
+	struct rdma_ucm_get_event g;
+	struct rdma_ucm_event_resp ev;
+	size_t len = out < sizeof(ev) ? out : sizeof(ev);
+
+	if (n < sizeof(struct rdma_ucm_cmd_hdr) + sizeof(g) || len < offsetof(struct rdma_ucm_event_resp, param))
+		return fail(EINVAL);
+	memcpy(&g, (const char *)buf + sizeof(struct rdma_ucm_cmd_hdr), sizeof(g));
+	for (;;) {
+		struct pollfd p[2];
+		int got = 0;
+
+		ibk_enter();
+		pthread_mutex_lock(&ch->lock);
+		if (ch->qhead != ch->qtail) {
+			ev = ch->q[ch->qhead++ % ch->qcap];
+			q_settle(ch);
+			got = 1;
+		} else {
+			got = read_kernel_event(ch, &ev);
+		}
+		if (got) {
+			memcpy((void *)(uintptr_t)g.response, &ev, len);
+			ibk_cm_on_event(&ch->ids, &ev, len);
+		}
+		pthread_mutex_unlock(&ch->lock);
+		ibk_leave();
+		if (got)
+			return (ssize_t)n;
+		if (fcntl(ch->app_fd, F_GETFL) & O_NONBLOCK)
+			return fail(EAGAIN);
+		p[0] = (struct pollfd){ .fd = ch->app_fd, .events = POLLIN };
+		p[1] = (struct pollfd){ .fd = ch->wake_fd, .events = POLLIN };
+		if (poll(p, 2, -1) < 0 && errno != EINTR)
+			return -1;
+		if (p[1].revents & POLLIN)
+			usleep(1000); /* a checkpoint closes the gate: park there */
+	}
+}
+
+int ibk_cm_write(int fd, const void *buf, size_t n, ssize_t *rc)
+{
+	struct rdma_ucm_cmd_hdr hdr;
+	struct cm_chan *ch;
+
+	if (fd < 0 || fd >= IBK_CM_MAXFD || !atomic_load_explicit(&cm_fd_on[fd], memory_order_relaxed) ||
+	    !(ch = chan_of_fd(fd)))
+		return 0;
+	if (n < sizeof(hdr)) {
+		*rc = fail(EINVAL);
+		return 1;
+	}
+	memcpy(&hdr, buf, sizeof(hdr));
+	if (hdr.cmd == RDMA_USER_CM_CMD_GET_EVENT) {
+		*rc = get_event(ch, buf, n, hdr.out);
+		return 1;
+	}
+	ibk_enter(); /* no command reaches the kernel during a checkpoint */
+	pthread_mutex_lock(&ch->lock);
+	if (ch->real_fd >= 0)
+		*rc = live_cmd(ch, hdr.cmd, buf, n);
+	else
+		*rc = detached_cmd(ch, hdr.cmd, (const char *)buf + sizeof(hdr), n - sizeof(hdr), n);
+	pthread_mutex_unlock(&ch->lock);
+	ibk_leave();
+	return 1;
+}
+
+/* ---- the channels ------------------------------------------------------------- */
+
+typedef struct rdma_event_channel *(*create_fn)(void);
+typedef void (*destroy_fn)(struct rdma_event_channel *);
+
+static void chan_free(struct cm_chan *ch)
+{
+	if (ch->real_fd >= 0)
+		close(ch->real_fd);
+	if (ch->pending_fd >= 0)
+		close(ch->pending_fd);
+	if (ch->wake_fd >= 0)
+		close(ch->wake_fd);
+	ibk_cm_ids_fini(&ch->ids);
+	free(ch->q);
+	pthread_mutex_destroy(&ch->lock);
+	free(ch);
+}
+
+/* The app's fd becomes an epoll fd of the shim holding the kernel's. */
+static int chan_track(struct cm_chan *ch, struct rdma_event_channel *pub)
+{
+	struct epoll_event ev = { .events = EPOLLIN };
+	int fl = fcntl(pub->fd, F_GETFL);
+
+	ch->pub = pub;
+	ch->real_fd = pub->fd;
+	ch->pending_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+	ch->wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+	ch->app_fd = epoll_create1(EPOLL_CLOEXEC); /* librdmacm opens its fd close-on-exec */
+	pthread_mutex_init(&ch->lock, NULL);
+	if (ch->pending_fd < 0 || ch->wake_fd < 0 || ch->app_fd < 0 || ch->app_fd >= IBK_CM_MAXFD || fl < 0 ||
+	    fcntl(ch->real_fd, F_SETFL, fl | O_NONBLOCK))
+		return -1;
+	ev.data.fd = ch->pending_fd;
+	if (epoll_ctl(ch->app_fd, EPOLL_CTL_ADD, ch->pending_fd, &ev))
+		return -1;
+	ev.data.fd = ch->real_fd;
+	if (epoll_ctl(ch->app_fd, EPOLL_CTL_ADD, ch->real_fd, &ev))
+		return -1;
+	pub->fd = ch->app_fd;
+	return 0;
+}
+
+IBK_EXPORT struct rdma_event_channel *rdma_create_event_channel(void)
+{
+	create_fn real = (create_fn)dlsym(RTLD_NEXT, "rdma_create_event_channel");
+	struct rdma_event_channel *pub = real ? real() : NULL;
+	struct cm_chan *ch;
+
+	if (!pub)
+		return NULL;
+	ch = calloc(1, sizeof(*ch));
+	if (!ch || chan_track(ch, pub)) {
+		/* left to librdmacm alone: status lists its fd, a checkpoint is refused */
+		ibk_log("rdma_create_event_channel: cannot follow the channel (fd %d)", pub->fd);
+		if (ch) {
+			if (ch->app_fd >= 0)
+				close(ch->app_fd);
+			ch->real_fd = -1;
+			chan_free(ch);
+		}
+		return pub;
+	}
+	pthread_mutex_lock(&chans_lock);
+	ch->next = chans;
+	chans = ch;
+	atomic_store(&cm_fd_on[ch->app_fd], 1);
+	atomic_store(&ibk_cm_active, 1);
+	pthread_mutex_unlock(&chans_lock);
+	IBK_DBG("rdma_cm channel: app fd %d, kernel fd %d", ch->app_fd, ch->real_fd);
+	return pub;
+}
+
+IBK_EXPORT void rdma_destroy_event_channel(struct rdma_event_channel *pub)
+{
+	destroy_fn real = (destroy_fn)dlsym(RTLD_NEXT, "rdma_destroy_event_channel");
+	struct cm_chan *ch, **pp;
+
+	ibk_enter();
+	pthread_mutex_lock(&chans_lock);
+	for (pp = &chans; *pp && (*pp)->pub != pub; pp = &(*pp)->next)
+		;
+	ch = *pp;
+	if (ch) {
+		*pp = ch->next;
+		atomic_store(&cm_fd_on[ch->app_fd], 0);
+	}
+	pthread_mutex_unlock(&chans_lock);
+	ibk_leave();
+	if (ch)
+		chan_free(ch); /* the kernel fd; librdmacm closes the app's */
+	if (real)
+		real(pub);
+}
+
+/* ---- the phases ------------------------------------------------------------------ */
+
+void ibk_cm_wake_all(int on)
+{
+	struct cm_chan *ch;
+	uint64_t v = 1;
+
+	pthread_mutex_lock(&chans_lock);
+	for (ch = chans; ch; ch = ch->next) {
+		if (on) {
+			if (write(ch->wake_fd, &v, sizeof(v)) < 0)
+				ibk_log("wake rdma_cm channel: %s", strerror(errno));
+		} else if (read(ch->wake_fd, &v, sizeof(v)) < 0 && errno != EAGAIN) {
+			ibk_log("unwake rdma_cm channel: %s", strerror(errno));
+		}
+	}
+	pthread_mutex_unlock(&chans_lock);
+}
+
+/* drain (every rank quiesced, none released): the events the kernel holds
+ * now are the app's; move them into the queues.  Events that come after
+ * are the peers' releases tearing their ids down, and die with the file. */
+int ibk_cm_drain(void)
+{
+	struct rdma_ucm_event_resp ev;
+	struct cm_chan *ch;
+	int n = 0;
+
+	pthread_mutex_lock(&chans_lock);
+	for (ch = chans; ch; ch = ch->next) {
+		pthread_mutex_lock(&ch->lock);
+		while (read_kernel_event(ch, &ev) && !q_push(ch, &ev))
+			n++;
+		pthread_mutex_unlock(&ch->lock);
+	}
+	pthread_mutex_unlock(&chans_lock);
+	return n;
+}
+
+/* release: close every kernel fd.  An id the app was disconnecting gets
+ * the DISCONNECTED the kernel would have sent. */
+int ibk_cm_release(void)
+{
+	struct cm_chan *ch;
+	uint32_t i;
+	int n = 0;
+
+	pthread_mutex_lock(&chans_lock);
+	for (ch = chans; ch; ch = ch->next) {
+		pthread_mutex_lock(&ch->lock);
+		if (ch->real_fd >= 0) {
+			for (i = 0; i < ch->ids.n; i++)
+				if (ch->ids.v[i].state == IBK_CM_DISCONNECTING && !ch->ids.v[i].disc_out)
+					queue_disconnected(ch, &ch->ids.v[i]);
+			epoll_ctl(ch->app_fd, EPOLL_CTL_DEL, ch->real_fd, NULL);
+			close(ch->real_fd);
+			ch->real_fd = -1;
+			n++;
+		}
+		pthread_mutex_unlock(&ch->lock);
+	}
+	pthread_mutex_unlock(&chans_lock);
+	return n;
+}
+
+/* ---- status ------------------------------------------------------------------------ */
+
+/* Open fds on the connection manager's device, from /proc. */
+static int proc_rdma_cm_fds(void)
+{
+	char path[300], link[64];
+	DIR *d = opendir("/proc/self/fd");
+	struct dirent *de;
+	int n = 0;
+
+	while (d && (de = readdir(d))) {
+		ssize_t l;
+
+		snprintf(path, sizeof(path), "/proc/self/fd/%s", de->d_name);
+		l = readlink(path, link, sizeof(link) - 1);
+		if (l > 0) {
+			link[l] = 0;
+			n += !strcmp(link, "/dev/infiniband/rdma_cm");
+		}
+	}
+	if (d)
+		closedir(d);
+	return n;
+}
+
+/* "rdma_cm":{"channels":N,"detached":N,"ids":[{"handle":H,"state":"..."}]} */
+void ibk_cm_report(char *out, size_t len)
+{
+	struct cm_chan *ch;
+	int nch = 0, ndet = 0, first = 1;
+	uint32_t i;
+
+	ibk_jcat(out, len, ",\"rdma_cm\":{\"ids\":[");
+	pthread_mutex_lock(&chans_lock);
+	for (ch = chans; ch; ch = ch->next) {
+		nch++;
+		pthread_mutex_lock(&ch->lock);
+		ndet += ch->real_fd < 0;
+		for (i = 0; i < ch->ids.n; i++, first = 0)
+			ibk_jcat(out, len, "%s{\"channel\":%d,\"handle\":%u,\"state\":\"%s\",\"events\":%u}",
+				 first ? "" : ",", ch->app_fd, ch->ids.v[i].handle,
+				 ibk_cm_state_name(ch->ids.v[i].state), ch->ids.v[i].reported);
+		pthread_mutex_unlock(&ch->lock);
+	}
+	pthread_mutex_unlock(&chans_lock);
+	ibk_jcat(out, len, "],\"channels\":%d,\"detached\":%d}", nch, ndet);
+}
+
+/* For the preflight: what a checkpoint could not carry, one entry per
+ * kind, appended to the unsupported list (*n entries so far). */
+void ibk_cm_report_problems(char *out, size_t len, int *n)
+{
+	static const char *const why[] = {
+		[IBK_CM_IDLE] = "rdma_cm id not connected (address, route or connection setup is not carried)",
+		[IBK_CM_LISTEN] = "rdma_cm listening id (after a restore no connection request could reach it)",
+		[IBK_CM_CONNECTING] = "rdma_cm id not connected (address, route or connection setup is not carried)",
+		[IBK_CM_RESPONDED] = "rdma_cm id not connected (address, route or connection setup is not carried)",
+		[IBK_CM_MCAST] = "rdma_cm multicast (joined groups are not rebuilt)",
+	};
+	const char *seen[4];
+	int nseen = 0, live = 0, j;
+	struct cm_chan *ch;
+	uint32_t i;
+
+	pthread_mutex_lock(&chans_lock);
+	for (ch = chans; ch; ch = ch->next) {
+		pthread_mutex_lock(&ch->lock);
+		live += ch->real_fd >= 0;
+		for (i = 0; i < ch->ids.n; i++) {
+			int st = ch->ids.v[i].state;
+			const char *w = st > 0 && st <= IBK_CM_MCAST && !ibk_cm_carried(st) ? why[st] : NULL;
+
+			for (j = 0; w && j < nseen; j++)
+				if (seen[j] == w)
+					w = NULL;
+			if (w && nseen < 4) {
+				seen[nseen++] = w;
+				ibk_jcat(out, len, "%s\"%s\"", (*n)++ ? "," : "", w);
+			}
+		}
+		pthread_mutex_unlock(&ch->lock);
+	}
+	pthread_mutex_unlock(&chans_lock);
+	if (proc_rdma_cm_fds() > live)
+		ibk_jcat(out, len, "%s\"rdma_cm (an event channel the shim does not follow)\"", (*n)++ ? "," : "");
+}
