@@ -316,3 +316,35 @@ def test_the_unpack_needs_nothing_from_the_root_it_is_chrooted_into(tmp_path: Pa
     )
     assert run.returncode == 0, run.stderr
     assert (target / "seg").read_bytes() == b"ok"
+
+
+def test_a_failed_restore_reports_criu_s_own_error_where_containerd_reads_it(tmp_path: Path) -> None:
+    import subprocess
+
+    # runc restore fails as it does: its own words are "criu failed: type NOTIFY", CRIU's are in restore.log
+    fake = tmp_path / "runc"
+    fake.write_text(
+        '#!/bin/sh\nwhile [ "$1" != --image-path ]; do shift; done\n'
+        'echo "(00.4) 1: Error (criu/sk-inet.c:1111): Can\'t connect inet socket back" >"$2/restore.log"\n'
+        'echo "(00.5) Error (criu/cr-restore.c:2397): Restoring FAILED." >>"$2/restore.log"\n'
+        'echo "criu failed: type NOTIFY errno 0" >&2; exit 1\n'
+    )
+    fake.chmod(0o755)
+    shim = tmp_path / "libibckpt.so"
+    shim.write_bytes(b"\x7fELF")
+    node = {"runc": str(fake), "shim": str(shim), "state_dir": str(tmp_path / "state"), "restore_wait_s": 0}
+    (tmp_path / "node.json").write_text(json.dumps(node))
+    config = oci.load_config({"IBCKPT_NODE_CONFIG": str(tmp_path / "node.json")})
+    stage(config)
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    (bundle / "config.json").write_text(json.dumps(restoring()))
+    log = tmp_path / "log.json"
+    env = {"PATH": os.environ["PATH"], "IBCKPT_NODE_CONFIG": str(tmp_path / "node.json")}
+    argv = ["--log", str(log), "--log-format", "json", "create", "--bundle", str(bundle), "c11"]
+    command = [sys.executable, "-m", "ibckpt_node.hook.runc", *argv]
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    assert done.returncode == 1
+    last = json.loads(log.read_text().splitlines()[-1])["msg"]
+    assert "runc restore failed (status 1)" in last, last
+    assert "Can't connect inet socket back" in last and "Restoring FAILED" in last, last

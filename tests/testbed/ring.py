@@ -259,7 +259,11 @@ def diagnose(cluster: Cluster, namespace: str, product_ns: str = PRODUCT_NS) -> 
         "logs", "-n", product_ns, "-l", "app.kubernetes.io/component in (operator,agent)", "--tail=40",
         check=False,
     ).stdout  # fmt: skip
-    return f"{events[-3000:]}\n{logs[-6000:]}"
+    agents = cluster.kubectl(
+        "logs", "-n", product_ns, "-l", "app.kubernetes.io/component=agent", "--tail=1000", check=False
+    ).stdout
+    errors = "\n".join(line for line in agents.splitlines() if " ERROR " in line)
+    return f"{events[-3000:]}\n{logs[-6000:]}\nagents' errors:\n{errors[-4000:]}"
 
 
 def wait_phase(

@@ -26,6 +26,7 @@ from ibckpt.coordination.ranks import RankId
 from ibckpt_node import driver, tcp_remap
 from ibckpt_node.agent.kubesecrets import StagingError
 from ibckpt_node.hook import oci
+from ibckpt_node.hook.restore import criu_errors
 from ibckpt_node.registry import ContainerRegistry, RegisteredContainer
 
 if TYPE_CHECKING:  # the store (boto3) is imported only when a restore stages
@@ -162,24 +163,16 @@ def _restore_args(images: Path) -> str:
     return str(manifest.get("restore_args", ""))
 
 
-RESTORE_LOG = "restore.log"  # runc restore's CRIU log, in the image dir (its default work path)
-
-
 def restore_errors(
-    planned: Sequence[ContainerRestore], restore_dir: Callable[[str, str, str], str], lines: int = 6
+    planned: Sequence[ContainerRestore], restore_dir: Callable[[str, str, str], str]
 ) -> list[str]:
-    """The last error lines of each planned container's failed `runc restore` (what containerd reports
-    is only "criu failed: type NOTIFY"), read before the staging is removed."""
+    """What CRIU said of each planned container's failed `runc restore`, read before the staging is
+    removed (the wrapper reports the same to containerd)."""
     found = []
     for item in planned:
-        log_file = Path(restore_dir(item.namespace, item.pod, item.container), "images", RESTORE_LOG)
-        try:
-            text = log_file.read_text(errors="replace")
-        except OSError:
-            continue
-        errors = [line.strip() for line in text.splitlines() if "Error" in line or "error" in line]
-        if errors:
-            found.append(f"runc restore of {item.pod}/{item.container}: {' | '.join(errors[-lines:])}")
+        said = criu_errors(str(Path(restore_dir(item.namespace, item.pod, item.container), "images")))
+        if said:
+            found.append(f"runc restore of {item.pod}/{item.container}: {said}")
     return found
 
 

@@ -114,6 +114,21 @@ def check(config: oci.NodeConfig, spec: dict[str, Any]) -> tuple[str, str]:
 ROOTFS_DIFF = "rootfs-diff.tar"  # container_runtime.ROOTFS_DIFF (the agent's side)
 
 
+RESTORE_LOG = "restore.log"  # runc restore's CRIU log, in the image dir (its default work path)
+
+
+def criu_errors(images: str, lines: int = 6) -> str:
+    """The last error lines of CRIU's restore log in `images` ("" if none): what explains a failed
+    `runc restore`, which runc itself reports only as "criu failed: type NOTIFY errno 0"."""
+    try:
+        with open(os.path.join(images, RESTORE_LOG), encoding="utf-8", errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return ""
+    errors = [line.strip() for line in text.splitlines() if "Error" in line or "error" in line]
+    return " | ".join(errors[-lines:])
+
+
 def apply_rootfs_diff(images: str, rootfs: str) -> None:
     """Write what the checkpointed container had written to its own filesystem into the new
     container's root, and delete what it had deleted (overlay whiteouts: 0/0 character devices)."""

@@ -189,6 +189,21 @@ def restore_argv(global_args: list[str], args: CreateArgs, images: str, extra: s
     return [*argv, args.container_id]
 
 
+def run_restore(config: oci.NodeConfig, global_args: list[str], argv: list[str], images: str) -> int:
+    """`runc restore --detach` as a child, not an exec: when it fails, CRIU's own error lines from its
+    restore log go into runc's --log file after runc's, where containerd (and so `kubectl describe
+    pod`) reads the reason. The restored process is reparented to containerd's shim (a subreaper)."""
+    import subprocess
+
+    status = subprocess.run([config.runc, *argv], check=False).returncode
+    if status != 0:
+        from ibckpt_node.hook import restore as restore_mod
+
+        said = restore_mod.criu_errors(images)
+        log_error(global_args, f"runc restore failed (status {status}); CRIU: {said or 'no error logged'}")
+    return status
+
+
 def exec_runc(config: oci.NodeConfig, argv: list[str]) -> NoReturn:
     os.execv(config.runc, [config.runc, *argv])
 
@@ -263,7 +278,7 @@ def _main(argv: list[str], at: int | None, command: str) -> int:
         mark = os.path.join(config.container_dir(args.container_id), RESTORED_MARK)
         with open(mark, "w", encoding="utf-8") as f:
             f.write(images + "\n")
-        exec_runc(config, restore_argv(global_args, args, images, extra))
+        return run_restore(config, global_args, restore_argv(global_args, args, images, extra), images)
     exec_runc(config, argv)
 
 
