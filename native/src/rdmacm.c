@@ -222,9 +222,12 @@ static ssize_t live_cmd(struct cm_chan *ch, uint32_t cmd, const void *buf, size_
 	return rc;
 }
 
-/* Read one event from the kernel without blocking, into ev. */
+/* Read one event from the kernel without blocking, into ev: 1, 0 when it
+ * has none (or the channel is detached), -1 on another error (errno). */
 static int read_kernel_event(struct cm_chan *ch, struct rdma_ucm_event_resp *ev)
 {
+	ssize_t rc;
+
 	struct {
 		struct rdma_ucm_cmd_hdr hdr;
 		struct rdma_ucm_get_event get;
@@ -237,7 +240,12 @@ static int read_kernel_event(struct cm_chan *ch, struct rdma_ucm_event_resp *ev)
 					   .in = sizeof(c.get),
 					   .out = sizeof(*ev) };
 	c.get.response = (uintptr_t)ev;
-	return ibk_write_real(ch->real_fd, &c, sizeof(c)) == (ssize_t)sizeof(c);
+	rc = ibk_write_real(ch->real_fd, &c, sizeof(c));
+	if (rc == (ssize_t)sizeof(c))
+		return 1;
+	if (rc >= 0)
+		errno = ENODATA;
+	return errno == EAGAIN ? 0 : -1;
 }
 
 /* GET_EVENT: queued events first, then the kernel's; a blocking wait
@@ -253,7 +261,7 @@ static ssize_t get_event(struct cm_chan *ch, const void *buf, size_t n, uint16_t
 	memcpy(&g, (const char *)buf + sizeof(struct rdma_ucm_cmd_hdr), sizeof(g));
 	for (;;) {
 		struct pollfd p[2];
-		int got = 0;
+		int got = 0, err = 0;
 
 		ibk_enter();
 		pthread_mutex_lock(&ch->lock);
@@ -263,15 +271,18 @@ static ssize_t get_event(struct cm_chan *ch, const void *buf, size_t n, uint16_t
 			got = 1;
 		} else {
 			got = read_kernel_event(ch, &ev);
+			err = errno;
 		}
-		if (got) {
+		if (got > 0) {
 			memcpy((void *)(uintptr_t)g.response, &ev, len);
 			ibk_cm_on_event(&ch->ids, &ev, len);
 		}
 		pthread_mutex_unlock(&ch->lock);
 		ibk_leave();
-		if (got)
+		if (got > 0)
 			return (ssize_t)n;
+		if (got < 0) /* the kernel refused: the app hears it, no spinning */
+			return fail(err);
 		if (fcntl(ch->app_fd, F_GETFL) & O_NONBLOCK)
 			return fail(EAGAIN);
 		p[0] = (struct pollfd){ .fd = ch->app_fd, .events = POLLIN };
@@ -316,10 +327,18 @@ int ibk_cm_write(int fd, const void *buf, size_t n, ssize_t *rc)
 typedef struct rdma_event_channel *(*create_fn)(void);
 typedef void (*destroy_fn)(struct rdma_event_channel *);
 
+/* Close the kernel's fd (the channel is detached). */
+static void close_real(struct cm_chan *ch)
+{
+	ibk_devfd_forget(ch->real_fd);
+	close(ch->real_fd);
+	ch->real_fd = -1;
+}
+
 static void chan_free(struct cm_chan *ch)
 {
 	if (ch->real_fd >= 0)
-		close(ch->real_fd);
+		close_real(ch);
 	if (ch->pending_fd >= 0)
 		close(ch->pending_fd);
 	if (ch->wake_fd >= 0)
@@ -355,14 +374,32 @@ static int chan_track(struct cm_chan *ch, struct rdma_event_channel *pub)
 	return 0;
 }
 
+struct create_call {
+	create_fn real;
+};
+
+static void *create_on_device_thread(void *arg)
+{
+	return ((struct create_call *)arg)->real();
+}
+
 IBK_EXPORT struct rdma_event_channel *rdma_create_event_channel(void)
 {
-	create_fn real = (create_fn)dlsym(RTLD_NEXT, "rdma_create_event_channel");
-	struct rdma_event_channel *pub = real ? real() : NULL;
+	struct create_call call = { (create_fn)dlsym(RTLD_NEXT, "rdma_create_event_channel") };
+	struct rdma_event_channel *pub = NULL;
 	struct cm_chan *ch;
+	int on_devthread = ibk_last_epoch != 0;
 
+	/* After a rebuild (so after a CRIU restore, maybe) each thread holds a
+	 * cred of its own, and the kernel refuses writes to the file from any
+	 * thread but its opener's: open it on the device thread, which then
+	 * takes the writes the kernel refuses to the others (devthread.c). */
+	if (call.real)
+		pub = on_devthread ? ibk_devthread_call(create_on_device_thread, &call) : call.real();
 	if (!pub)
 		return NULL;
+	if (on_devthread)
+		ibk_devfd_track(pub->fd);
 	ch = calloc(1, sizeof(*ch));
 	if (!ch || chan_track(ch, pub)) {
 		/* left to librdmacm alone: status lists its fd, a checkpoint is refused */
@@ -438,7 +475,7 @@ int ibk_cm_drain(void)
 	pthread_mutex_lock(&chans_lock);
 	for (ch = chans; ch; ch = ch->next) {
 		pthread_mutex_lock(&ch->lock);
-		while (read_kernel_event(ch, &ev) && !q_push(ch, &ev))
+		while (read_kernel_event(ch, &ev) > 0 && !q_push(ch, &ev))
 			n++;
 		pthread_mutex_unlock(&ch->lock);
 	}
@@ -462,8 +499,7 @@ int ibk_cm_release(void)
 				if (ch->ids.v[i].state == IBK_CM_DISCONNECTING && !ch->ids.v[i].disc_out)
 					queue_disconnected(ch, &ch->ids.v[i]);
 			epoll_ctl(ch->app_fd, EPOLL_CTL_DEL, ch->real_fd, NULL);
-			close(ch->real_fd);
-			ch->real_fd = -1;
+			close_real(ch);
 			n++;
 		}
 		pthread_mutex_unlock(&ch->lock);

@@ -18,6 +18,9 @@
  *   -T       a thread blocks in rdma_get_cm_event from the connection on,
  *            waiting for DISCONNECTED (as rping's cm thread does)
  *   -P       wait for events with poll() on a non-blocking channel fd
+ *   -A       then connect again, on a new event channel at PORT+1, and
+ *            exchange 50 messages more (prints READY-AGAIN and AGAIN ...);
+ *            with -T, that connection's cm thread is one made at the start
  *
  * Prints READY once connected and
  *   RESULT sent= received= send_sum= recv_sum= events= bad=
@@ -37,6 +40,7 @@
 #define RECVS 64    /* receives posted */
 #define RING 256    /* slots of the ring each side writes into */
 #define BATCH 16
+#define AGAIN_COUNT 50 /* messages of the -A connection */
 
 struct ring_info {
 	uint64_t addr;
@@ -45,9 +49,10 @@ struct ring_info {
 };
 
 static struct {
-	int server, keep_listen, thread, use_poll;
+	int server, keep_listen, thread, use_poll, again;
 	const char *addr, *port, *stop;
 	long count;
+	char port_again[16];
 } o = { .port = "7471", .count = -1 };
 
 static struct rdma_event_channel *ch;
@@ -59,6 +64,7 @@ static struct msg *sendbuf, *recvbuf, *ring; /* one MR: WINDOW + RECVS + RING */
 static struct ring_info peer;
 static atomic_long events;
 static atomic_int disconnected;
+static pthread_t late; /* -T -A: the second connection's cm thread */
 
 static const char *event_name(enum rdma_cm_event_type e)
 {
@@ -216,7 +222,7 @@ static void connect_client(void)
 		ev = next_event();
 		if (ev->event == RDMA_CM_EVENT_ESTABLISHED && !ev->status)
 			break;
-		if (ev->event != RDMA_CM_EVENT_REJECTED || tries > 100)
+		if (ev->event != RDMA_CM_EVENT_REJECTED || tries > 300)
 			DIE("connect: %s (status %d)", event_name(ev->event), ev->status);
 		rdma_ack_cm_event(ev);
 		rdma_destroy_qp(id);
@@ -245,6 +251,22 @@ static void *cm_thread(void *arg)
 	return NULL;
 }
 
+/* -T -A: the cm thread of the second connection is made at the start and
+ * waits for it, so it runs before any checkpoint, and a restore gives it a
+ * cred of its own (the channel is made by the main thread, later). */
+static pthread_mutex_t late_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t late_cond = PTHREAD_COND_INITIALIZER;
+static int late_go;
+
+static void *late_cm_thread(void *arg)
+{
+	pthread_mutex_lock(&late_lock);
+	while (!late_go)
+		pthread_cond_wait(&late_cond, &late_lock);
+	pthread_mutex_unlock(&late_lock);
+	return cm_thread(arg);
+}
+
 static void post_message(uint64_t seq, uint64_t kind, uint64_t value, uint64_t sum)
 {
 	struct msg *m = &sendbuf[seq % WINDOW];
@@ -270,30 +292,17 @@ static long now_ms(void)
 	return ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
-int main(int argc, char **argv)
+/* One connection: connect, exchange messages until stop/count, END both
+ * ways, disconnect, free everything; prints its result line under label. */
+static int session(const char *label, const char *stop, long count)
 {
 	uint64_t sent = 0, received = 0, send_sum = 0, recv_sum = 0;
-	int c, outstanding = 0, stopping = 0, end_sent = 0, got_end = 0, bad = 0;
+	int outstanding = 0, stopping = 0, end_sent = 0, got_end = 0, bad = 0;
 	long last_check = 0;
 	pthread_t thr;
 	struct stat st;
 
-	while ((c = getopt(argc, argv, "s:c:p:f:n:LTP")) != -1) {
-		switch (c) {
-		case 's': o.server = 1; o.addr = optarg; break;
-		case 'c': o.addr = optarg; break;
-		case 'p': o.port = optarg; break;
-		case 'f': o.stop = optarg; break;
-		case 'n': o.count = atol(optarg); break;
-		case 'L': o.keep_listen = 1; break;
-		case 'T': o.thread = 1; break;
-		case 'P': o.use_poll = 1; break;
-		default: DIE("usage: cm_seq -s|-c ADDR [-p PORT] [-f STOPFILE] [-n COUNT] [-L] [-T] [-P]");
-		}
-	}
-	if (!o.addr || (!o.stop && o.count < 0))
-		DIE("usage: cm_seq -s|-c ADDR [-p PORT] (-f STOPFILE | -n COUNT) [-L] [-T] [-P]");
-	setvbuf(stdout, NULL, _IOLBF, 0);
+	atomic_store(&events, 0);
 	ch = rdma_create_event_channel();
 	if (!ch)
 		DIE("rdma_create_event_channel");
@@ -303,23 +312,30 @@ int main(int argc, char **argv)
 		connect_server();
 	else
 		connect_client();
-	printf("READY qpn=%u peer_ring=%u\n", id->qp->qp_num, peer.slots);
-	if (o.thread && pthread_create(&thr, NULL, cm_thread, NULL))
+	printf("%s qpn=%u peer_ring=%u\n", stop ? "READY" : "READY-AGAIN", id->qp->qp_num, peer.slots);
+	if (o.thread && !stop && o.again) {
+		thr = late;
+		pthread_mutex_lock(&late_lock);
+		late_go = 1;
+		pthread_cond_signal(&late_cond);
+		pthread_mutex_unlock(&late_lock);
+	} else if (o.thread && pthread_create(&thr, NULL, cm_thread, NULL)) {
 		DIE("pthread_create");
+	}
 
 	while (!(end_sent && !outstanding && got_end)) {
 		struct ibv_wc wc[BATCH];
 		int n, i;
 
 		if (!stopping) {
-			if (o.count >= 0)
-				stopping = (long)sent >= o.count;
+			if (count >= 0)
+				stopping = (long)sent >= count;
 			else if (now_ms() - last_check > 20) {
 				last_check = now_ms();
-				stopping = !stat(o.stop, &st);
+				stopping = !stat(stop, &st);
 			}
 		}
-		while (!stopping && outstanding < WINDOW && (o.count < 0 || (long)sent < o.count)) {
+		while (!stopping && outstanding < WINDOW && (count < 0 || (long)sent < count)) {
 			struct msg m;
 
 			msg_fill(&m, sent, MSG_DATA, 0, 0);
@@ -383,8 +399,42 @@ int main(int argc, char **argv)
 		DIE("rdma_destroy_id (listener)");
 	rdma_destroy_event_channel(ch);
 	free(sendbuf);
-	printf("RESULT sent=%llu received=%llu send_sum=%016llx recv_sum=%016llx events=%ld bad=%d\n",
+	printf("%s sent=%llu received=%llu send_sum=%016llx recv_sum=%016llx events=%ld bad=%d\n", label,
 	       (unsigned long long)sent, (unsigned long long)received, (unsigned long long)send_sum,
 	       (unsigned long long)recv_sum, atomic_load(&events), bad);
+	listen_id = NULL;
+	return bad;
+}
+
+int main(int argc, char **argv)
+{
+	int c, bad;
+
+	while ((c = getopt(argc, argv, "s:c:p:f:n:LTPA")) != -1) {
+		switch (c) {
+		case 's': o.server = 1; o.addr = optarg; break;
+		case 'c': o.addr = optarg; break;
+		case 'p': o.port = optarg; break;
+		case 'f': o.stop = optarg; break;
+		case 'n': o.count = atol(optarg); break;
+		case 'L': o.keep_listen = 1; break;
+		case 'T': o.thread = 1; break;
+		case 'P': o.use_poll = 1; break;
+		case 'A': o.again = 1; break;
+		default: DIE("usage: cm_seq -s|-c ADDR [-p PORT] [-f STOPFILE] [-n COUNT] [-L] [-T] [-P] [-A]");
+		}
+	}
+	if (!o.addr || (!o.stop && o.count < 0))
+		DIE("usage: cm_seq -s|-c ADDR [-p PORT] (-f STOPFILE | -n COUNT) [-L] [-T] [-P] [-A]");
+	setvbuf(stdout, NULL, _IOLBF, 0);
+	if (o.thread && o.again && pthread_create(&late, NULL, late_cm_thread, NULL))
+		DIE("pthread_create");
+	bad = session("RESULT", o.stop ? o.stop : "", o.count);
+	if (o.again) {
+		/* a second connection on a new channel, at the next port */
+		snprintf(o.port_again, sizeof(o.port_again), "%d", atoi(o.port) + 1);
+		o.port = o.port_again;
+		bad += session("AGAIN", NULL, AGAIN_COUNT);
+	}
 	return bad ? 1 : 0;
 }

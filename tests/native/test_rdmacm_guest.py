@@ -252,15 +252,26 @@ def _finish(procs: list[ShimProc], stop: Path) -> tuple[dict[str, int | str], di
     assert server["bad"] == 0 and client["bad"] == 0, (server, client)
     assert server["sent"] == client["received"] and client["sent"] == server["received"]
     assert server["send_sum"] == client["recv_sum"] and client["send_sum"] == server["recv_sum"]
+    for p in procs:
+        if "-A" in p.argv:
+            _assert_again(p.out.read_text())
     return server, client
+
+
+def _assert_again(text: str) -> None:
+    """-A: the second connection, on a channel made after the checkpoints, did its 50 messages."""
+    again = [line for line in text.splitlines() if line.startswith("AGAIN ")]
+    assert len(again) == 1, text
+    fields = dict(f.split("=", 1) for f in again[0].split()[1:])
+    assert fields["sent"] == fields["received"] == "50" and fields["bad"] == "0", again
 
 
 CKPT_CASES = {
     "plain-blocking": (SHIM, []),
-    "plain-thread": (SHIM, ["-T"]),
+    "plain-thread": (SHIM, ["-T", "-A"]),
     "plain-poll": (SHIM, ["-P"]),
-    "asan-thread": (SHIM_ASAN, ["-T"]),
-    "ubsan-thread": (SHIM_UBSAN, ["-T"]),
+    "asan-thread": (SHIM_ASAN, ["-T", "-A"]),
+    "ubsan-thread": (SHIM_UBSAN, ["-T", "-A"]),
 }
 
 
@@ -272,7 +283,7 @@ def test_cm_seq_checkpointed_under_traffic(tmp_path: Path, case: str) -> None:
     ids being gone), destroy everything and exit 0, every message exactly once. In -T a thread sits
     in rdma_get_cm_event across the checkpoints; in -P the program polls a non-blocking channel fd."""
     shim, extra = CKPT_CASES[case]
-    port = 7190 + list(CKPT_CASES).index(case)
+    port = 7200 + 2 * list(CKPT_CASES).index(case)  # -A connects again at port + 1
     with Coordinator(tmp_path / "coord.sock") as coord:
         procs = _start_cm_pair(tmp_path, _cm_env(coord.env), shim, extra, port)
         try:
@@ -316,7 +327,11 @@ def test_cm_seq_stopped_and_restored_by_the_agent(coordinator, tmp_path: Path) -
     """The node agent checkpoints a cm_seq pair under traffic in Stop mode (its preflight finds
     nothing to refuse: both ranks hold only a connected rdma_cm id), CRIU kills them, and a restore
     session brings both back from their images and rebuilds them. Their rdma_cm channels are
-    detached; the pair goes on, disconnects and exits 0, every message exactly once."""
+    detached; the pair goes on, disconnects, every message exactly once. Then (-A) each side makes
+    a new channel and connects again, 50 messages more, and both exit. That connection's cm thread
+    was made before the checkpoint: restored, it holds a cred of its own, and the kernel refuses its
+    writes to a channel the main thread made after the restore; the shim opened that channel's
+    kernel fd on its device thread, which takes them."""
     run = Path("/run/ibckpt")
     run.mkdir(parents=True, exist_ok=True)
     ranks = {"cm/rank-0/main/0": "srv", "cm/rank-1/main/0": "cli"}
@@ -327,8 +342,9 @@ def test_cm_seq_stopped_and_restored_by_the_agent(coordinator, tmp_path: Path) -
         (run / f"{name}.ctl").unlink(missing_ok=True)
     try:
         stop = tmp_path / "stop"
-        srv = ShimProc("srv", [str(CM_SEQ), "-s", ADDR, "-p", "7199", "-f", str(stop), "-T"], tmp_path, env)
-        cli = ShimProc("cli", [str(CM_SEQ), "-c", ADDR, "-p", "7199", "-f", str(stop), "-T"], tmp_path, env)
+        common = ["-p", "7220", "-f", str(stop), "-T", "-A"]
+        srv = ShimProc("srv", [str(CM_SEQ), "-s", ADDR, *common], tmp_path, env)
+        cli = ShimProc("cli", [str(CM_SEQ), "-c", ADDR, *common], tmp_path, env)
         procs = [srv, cli]
         for p in procs:
             p.ctl_path = run / f"{p.name}.ctl"
@@ -372,7 +388,7 @@ def test_cm_seq_stopped_and_restored_by_the_agent(coordinator, tmp_path: Path) -
             time.sleep(0.2)
         stop.touch()
         deadline = time.monotonic() + 180
-        while not all("RESULT" in p.out.read_text() for p in procs):
+        while not all("\nAGAIN " in p.out.read_text() for p in procs):
             assert time.monotonic() < deadline, [p.outputs() for p in procs]
             time.sleep(0.2)
     finally:
@@ -385,6 +401,8 @@ def test_cm_seq_stopped_and_restored_by_the_agent(coordinator, tmp_path: Path) -
     for p in procs:
         assert "DISCONNECTED" in p.out.read_text(), p.outputs()
         assert "libibckpt" not in p.err.read_text(), p.outputs()
+        # a new channel and connection after the restore, its events read by another thread
+        _assert_again(p.out.read_text())
     assert server["bad"] == 0 and client["bad"] == 0, (server, client)
     assert server["sent"] == client["received"] and client["sent"] == server["received"]
     assert server["send_sum"] == client["recv_sum"] and client["send_sum"] == server["recv_sum"]
