@@ -1,6 +1,7 @@
-"""libFuzzer runs of the shim's two parsers, bounded in time (issue 16): the rebuild records a
-rank reads from the coordinator, and the control protocol's input side (line framing and command
-parsing). Built with clang, ASan and UBSan; a finding fails the test with its reproducer."""
+"""libFuzzer runs of the shim's parsers, bounded in time (issue 16): the rebuild records a rank
+reads from the coordinator, the control protocol's input side (line framing and command parsing),
+and the follower of librdmacm's ids (the commands and events of rdma/rdma_user_cm.h). Built with
+clang, ASan and UBSan; a finding fails the test with its reproducer."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from ibckpt_native import BUILD_DIR, NATIVE_DIR
 SECONDS = 20
 
 
-@pytest.mark.parametrize("target", ["records", "control"])
+@pytest.mark.parametrize("target", ["records", "control", "cmstate"])
 def test_fuzz_parser(tmp_path: Path, target: str) -> None:
     subprocess.run(["make", "-s", "-C", str(NATIVE_DIR), "fuzz"], check=True)
     corpus = tmp_path / "corpus"

@@ -52,3 +52,5 @@ def test_refused_verbs_are_listed_once_and_refuse_the_checkpoint() -> None:
     ]
     # nothing was touched: no verbs object, the gate open
     assert status["state"] == "running" and status["gate_closed"] == 0 and status["qps"] == []
+    # no rdma_cm channel: nothing of librdmacm's to carry or refuse
+    assert status["rdma_cm"] == {"ids": [], "channels": 0, "detached": 0}, status
