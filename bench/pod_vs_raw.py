@@ -96,7 +96,8 @@ json.dump(spec, open(work + "/bundle/config.json", "w"))
 t = time.monotonic()
 subprocess.run(runc + ["restore", "--detach", *p["flags"], "--image-path", work + "/img",
                        "--work-path", work + "/img", "--bundle", work + "/bundle", p["id"] + "-raw"],
-               check=True, capture_output=True, stdin=subprocess.DEVNULL)
+               check=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+# (no pipes: the restored process keeps its stdio open, and a pipe would never see EOF)
 out["restore"] = time.monotonic() - t
 subprocess.run(runc + ["delete", "--force", p["id"] + "-raw"], capture_output=True)
 shutil.rmtree(work, ignore_errors=True)
