@@ -2,8 +2,9 @@
 and `runc restore` of a container on the same node, plus an upload and a download of the same number of
 bytes to the same S3 through the same path (issues 14 and 15).
 
-Run from the repo root:  .venv/bin/python bench/pod_vs_raw.py   (boots S3, the control plane and the two
-Soft-RoCE nodes, installs the chart: about 15 minutes under TCG; read the ratios, not the seconds)
+Run from the repo root:  .venv/bin/python bench/pod_vs_raw.py [--raw-only BYTES]   (boots S3, the control
+plane and the two Soft-RoCE nodes, installs the chart: about 20 minutes under TCG; read the ratios, not the
+seconds; --raw-only measures the raw side alone, for BYTES, and prints it as JSON)
 
 ibckpt: the two-pod ring of tests/testbed/ring.py (rc_seq under the shim, ring-0 on node-1, ring-1 on
 node-2), a CheckpointJob in mode Stop, then a RestoreJob onto the swapped nodes. Each stage is the time the
@@ -154,13 +155,16 @@ def raw_run(cluster: Cluster, release: Release, s3: S3Server, payload: int) -> d
     return result
 
 
-def run(cluster: Cluster, s3: S3Server) -> None:
+def run(cluster: Cluster, s3: S3Server, raw_only: int | None = None) -> None:
     pods.namespace(cluster, ring.PRODUCT_NS)
     storage_secret(cluster, ring.PRODUCT_NS, s3.access_key, s3.secret_key)
     release = install(cluster, "ibckpt", ring.PRODUCT_NS)
     pods.namespace(cluster, NS)
     storage_secret(cluster, NS, s3.access_key, s3.secret_key)
     pods.apply(cluster, NS, ring.storage(s3.endpoint, BUCKET))
+    if raw_only is not None:  # the raw side alone, for as many bytes as an earlier run's ring-0 stored
+        print(json.dumps(raw_run(cluster, release, s3, raw_only)))
+        return
     ring.start(cluster, NS)
 
     pods.apply(cluster, NS, ring.checkpoint_job("move", "Stop"))
@@ -200,6 +204,7 @@ def run(cluster: Cluster, s3: S3Server) -> None:
 
 
 def main() -> int:
+    raw_only = int(sys.argv[sys.argv.index("--raw-only") + 1]) if "--raw-only" in sys.argv else None
     with tempfile.TemporaryDirectory(prefix="ibckpt-bench-") as tmp:
         work = Path(tmp)
         s3 = start_s3(work / "s3")
@@ -207,7 +212,7 @@ def main() -> int:
             s3.create_bucket(BUCKET)
             cluster = start_cluster(work / "cluster", forward_ports=[int(s3.endpoint.rsplit(":", 1)[1])])
             try:
-                run(cluster, s3)
+                run(cluster, s3, raw_only)
             finally:
                 cluster.stop()
         finally:
