@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.twoguests
+# the demo boots its own cluster and builds the images first: pytest's default 900 s is not its bound
+pytestmark = [pytest.mark.twoguests, pytest.mark.timeout(2400)]
 
 TESTS = Path(__file__).resolve().parent
 
