@@ -4,6 +4,7 @@ and every botocore failure turned into a StoreError that names the endpoint and 
 from __future__ import annotations
 
 import email.utils
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -63,18 +64,41 @@ class Connection:
         return self.config.where()
 
 
+# One boto3 session for every client given explicit credentials (the operator's and the agents': from
+# Secrets). A session loads botocore's endpoint and service models once; a new session per client loaded
+# them again each time, which took 13 s per storage check on the testbed's emulated nodes. Credentials go
+# to each client, never into the shared session. Creating clients from one session is not thread-safe.
+_SHARED_LOCK = threading.Lock()
+_shared: boto3.session.Session | None = None
+
+
+def _client_with(config: StoreConfig, boto_config: BotoConfig, verify: str | bool) -> S3Client:
+    global _shared
+    creds = config.credentials
+    assert creds is not None
+    with _SHARED_LOCK:
+        if _shared is None:
+            _shared = boto3.session.Session()
+        return _shared.client(
+            "s3",
+            region_name=config.region,
+            endpoint_url=config.endpoint_url,
+            config=boto_config,
+            verify=verify,
+            aws_access_key_id=creds.access_key_id.get_secret_value(),
+            aws_secret_access_key=creds.secret_access_key.get_secret_value(),
+            aws_session_token=creds.session_token.get_secret_value() if creds.session_token else None,
+        )
+
+
 def connect(config: StoreConfig) -> Connection:
     """A client for the configured endpoint. Raises CredentialsError if the AWS chain finds nothing."""
     creds = config.credentials
-    session = boto3.session.Session(
-        aws_access_key_id=creds.access_key_id.get_secret_value() if creds else None,
-        aws_secret_access_key=creds.secret_access_key.get_secret_value() if creds else None,
-        aws_session_token=creds.session_token.get_secret_value() if creds and creds.session_token else None,
-        region_name=config.region,
-    )
+    session = None
     if creds is not None:
         source = creds.source
-    else:
+    else:  # the AWS chain (environment, profile...) as it is now: a session of its own
+        session = boto3.session.Session(region_name=config.region)
         resolved = session.get_credentials()
         if resolved is None:
             raise CredentialsError(
@@ -94,7 +118,10 @@ def connect(config: StoreConfig) -> Connection:
     )
     verify: str | bool = config.ca_bundle if config.ca_bundle else config.verify_tls
     try:
-        client = session.client("s3", endpoint_url=config.endpoint_url, config=boto_config, verify=verify)
+        if session is None:
+            client = _client_with(config, boto_config, verify)
+        else:
+            client = session.client("s3", endpoint_url=config.endpoint_url, config=boto_config, verify=verify)
     except ValueError as error:  # e.g. a malformed endpoint URL
         raise StoreError(f"cannot use S3 endpoint {config.endpoint_url!r}: {error}") from None
     return Connection(client, config, source)

@@ -256,3 +256,28 @@ def test_create_fast_path_skips_only_plain_bundles(tmp_path: Path) -> None:
         assert done.returncode == 0, done.stderr
         assert (tmp_path / "argv").read_text().splitlines() == argv
         assert ("LD_PRELOAD" in (bundle / "config.json").read_text()) is edited
+
+
+def test_restores_in_one_network_namespace_take_turns(tmp_path: Path) -> None:
+    """hostNetwork pods on one node (and the containers of one pod) share a network namespace, where two
+    concurrent CRIU restores collide (their fd-transport sockets are named after pid 1, and both lock the
+    namespace's iptables): the wrapper holds a lock per namespace around `runc restore`."""
+    from ibckpt_node.hook import oci
+
+    config = oci.NodeConfig(runc="/bin/true", shim="/x.so", state_dir=str(tmp_path / "state"))
+    host = {"linux": {"namespaces": [{"type": "pid"}, {"type": "mount"}]}}
+    pod = {"linux": {"namespaces": [{"type": "pid"}, {"type": "network", "path": "/var/run/netns/cni-1"}]}}
+    own = {"linux": {"namespaces": [{"type": "network"}]}}
+    assert [runc.network_of(s) for s in (host, pod, own)] == ["host", "/var/run/netns/cni-1", "own"]
+    first = runc.hold_restore_lock(config, "host")
+    try:
+        with pytest.raises(oci.Refused, match="another restore in network namespace host held"):
+            runc.hold_restore_lock(config, "host", wait_s=0.3)
+        other = runc.hold_restore_lock(config, "/var/run/netns/cni-1", wait_s=0.3)  # another namespace
+        os.close(other)
+        assert runc.hold_restore_lock(config, "own") == -1  # its own namespace: nothing to share
+    finally:
+        os.close(first)
+    again = runc.hold_restore_lock(config, "host", wait_s=0.3)  # released with the first's fd
+    os.close(again)
+    assert oct(os.stat(os.path.dirname(runc.restore_lock_path(config, "host"))).st_mode & 0o777) == "0o700"

@@ -129,3 +129,16 @@ def test_cli_prints_the_message_and_not_the_secret(
         result.returncode == 2
         and "bucket: Value error, required (--bucket or IBCKPT_S3_BUCKET)" in result.stderr
     )
+
+
+def test_clients_share_one_session_but_never_each_others_keys(make_store: Any, s3_server: S3Server) -> None:
+    """Stores given credentials share one boto3 session (its models load once: 13 s per client on the
+    testbed's emulated nodes otherwise); each client signs with its own keys, in either order."""
+    bad = Credentials(
+        access_key_id=SecretStr(s3_server.access_key), secret_access_key=SecretStr(WRONG_SECRET), source="env"
+    )
+    good = make_store()
+    with pytest.raises(CredentialsError):
+        make_store(credentials=bad)
+    make_store()  # the refused keys did not stick to the session
+    assert good.checkpoints() == []

@@ -189,13 +189,75 @@ def restore_argv(global_args: list[str], args: CreateArgs, images: str, extra: s
     return [*argv, args.container_id]
 
 
-def run_restore(config: oci.NodeConfig, global_args: list[str], argv: list[str], images: str) -> int:
-    """`runc restore --detach` as a child, not an exec: when it fails, CRIU's own error lines from its
-    restore log go into runc's --log file after runc's, where containerd (and so `kubectl describe
-    pod`) reads the reason. The restored process is reparented to containerd's shim (a subreaper)."""
+RESTORE_LOCK_WAIT_S = 300.0
+
+
+def network_of(spec: dict[str, Any]) -> str:
+    """The network namespace the container runs in: its path, or "host" (hostNetwork: no namespace)."""
+    for ns in spec.get("linux", {}).get("namespaces") or ():
+        if ns.get("type") == "network":
+            return str(ns.get("path") or "own")
+    return "host"
+
+
+def restore_lock_path(config: oci.NodeConfig, network: str) -> str:
+    import hashlib
+
+    digest = hashlib.sha256(network.encode()).hexdigest()[:16]
+    return os.path.join(config.state_dir, "locks", f"restore-{digest}")
+
+
+def hold_restore_lock(config: oci.NodeConfig, network: str, wait_s: float = RESTORE_LOCK_WAIT_S) -> int:
+    """One CRIU restore at a time per network namespace, as a held flock (the fd; closing it releases).
+    Two restores in one namespace collide: CRIU names its fd-transport sockets after the restored pid
+    (abstract unix sockets, scoped by network namespace; every container's first task is pid 1), and both
+    lock the same namespace's iptables. hostNetwork pods on one node, and the containers of one pod, share
+    a namespace; containerd creates them in parallel."""
+    import fcntl
+    import time
+
+    from ibckpt_node.hook.oci import Refused
+
+    if network == "own":  # a namespace of its own, nobody else's restore can be in it
+        return -1
+    path = restore_lock_path(config, network)
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                os.close(fd)
+                raise Refused(
+                    f"another restore in network namespace {network} held {path} for {wait_s:g}s"
+                ) from None
+            time.sleep(0.2)
+
+
+def run_restore(
+    config: oci.NodeConfig, global_args: list[str], argv: list[str], images: str, network: str
+) -> int:
+    """`runc restore --detach` as a child, not an exec, under the network namespace's restore lock: when it
+    fails, CRIU's own error lines from its restore log go into runc's --log file after runc's, where
+    containerd (and so `kubectl describe pod`) reads the reason. The restored process is reparented to
+    containerd's shim (a subreaper)."""
     import subprocess
 
-    status = subprocess.run([config.runc, *argv], check=False).returncode
+    from ibckpt_node.hook.oci import Refused
+
+    try:
+        lock = hold_restore_lock(config, network)
+    except Refused as exc:
+        log_error(global_args, str(exc))
+        return 1
+    try:
+        status = subprocess.run([config.runc, *argv], check=False).returncode
+    finally:
+        if lock >= 0:
+            os.close(lock)
     if status != 0:
         from ibckpt_node.hook import restore as restore_mod
 
@@ -278,7 +340,8 @@ def _main(argv: list[str], at: int | None, command: str) -> int:
         mark = os.path.join(config.container_dir(args.container_id), RESTORED_MARK)
         with open(mark, "w", encoding="utf-8") as f:
             f.write(images + "\n")
-        return run_restore(config, global_args, restore_argv(global_args, args, images, extra), images)
+        argv = restore_argv(global_args, args, images, extra)
+        return run_restore(config, global_args, argv, images, network_of(spec))
     exec_runc(config, argv)
 
 
