@@ -265,19 +265,25 @@ def test_restores_in_one_network_namespace_take_turns(tmp_path: Path) -> None:
     from ibckpt_node.hook import oci
 
     config = oci.NodeConfig(runc="/bin/true", shim="/x.so", state_dir=str(tmp_path / "state"))
+    # containerd joins each pod's containers to its pause process's namespace: hostNetwork pods have
+    # different paths to the one node namespace (here: this process's), which must be one key
+    mine = {"linux": {"namespaces": [{"type": "pid"}, {"type": "network", "path": "/proc/self/ns/net"}]}}
+    via_pid = {"linux": {"namespaces": [{"type": "network", "path": f"/proc/{os.getpid()}/ns/net"}]}}
     host = {"linux": {"namespaces": [{"type": "pid"}, {"type": "mount"}]}}
-    pod = {"linux": {"namespaces": [{"type": "pid"}, {"type": "network", "path": "/var/run/netns/cni-1"}]}}
     own = {"linux": {"namespaces": [{"type": "network"}]}}
-    assert [runc.network_of(s) for s in (host, pod, own)] == ["host", "/var/run/netns/cni-1", "own"]
-    first = runc.hold_restore_lock(config, "host")
+    gone = {"linux": {"namespaces": [{"type": "network", "path": "/var/run/netns/cni-gone"}]}}
+    node = runc.network_of(host)
+    assert node.startswith("netns:") and runc.network_of(mine) == runc.network_of(via_pid) == node
+    assert runc.network_of(own) == "own" and runc.network_of(gone) == "/var/run/netns/cni-gone"
+    first = runc.hold_restore_lock(config, node)
     try:
-        with pytest.raises(oci.Refused, match="another restore in network namespace host held"):
-            runc.hold_restore_lock(config, "host", wait_s=0.3)
-        other = runc.hold_restore_lock(config, "/var/run/netns/cni-1", wait_s=0.3)  # another namespace
+        with pytest.raises(oci.Refused, match=f"another restore in network namespace {node} held"):
+            runc.hold_restore_lock(config, runc.network_of(via_pid), wait_s=0.3)
+        other = runc.hold_restore_lock(config, "/var/run/netns/cni-gone", wait_s=0.3)  # another namespace
         os.close(other)
         assert runc.hold_restore_lock(config, "own") == -1  # its own namespace: nothing to share
     finally:
         os.close(first)
-    again = runc.hold_restore_lock(config, "host", wait_s=0.3)  # released with the first's fd
+    again = runc.hold_restore_lock(config, node, wait_s=0.3)  # released with the first's fd
     os.close(again)
-    assert oct(os.stat(os.path.dirname(runc.restore_lock_path(config, "host"))).st_mode & 0o777) == "0o700"
+    assert oct(os.stat(os.path.dirname(runc.restore_lock_path(config, node))).st_mode & 0o777) == "0o700"

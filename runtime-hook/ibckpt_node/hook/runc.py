@@ -193,11 +193,21 @@ RESTORE_LOCK_WAIT_S = 300.0
 
 
 def network_of(spec: dict[str, Any]) -> str:
-    """The network namespace the container runs in: its path, or "host" (hostNetwork: no namespace)."""
+    """The network namespace the container runs in, as the identity of the namespace itself: containerd
+    joins a pod's containers to `/proc/<its pause pid>/ns/net`, a different path for every pod even when
+    all are the node's namespace (hostNetwork), so the path names nothing; its inode does. "own" for a
+    namespace the container creates."""
+    path = "/proc/self/ns/net"  # no network namespace in the spec: the runtime's, the node's
     for ns in spec.get("linux", {}).get("namespaces") or ():
         if ns.get("type") == "network":
-            return str(ns.get("path") or "own")
-    return "host"
+            if not ns.get("path"):
+                return "own"
+            path = str(ns["path"])
+    try:
+        st = os.stat(path)
+    except OSError:
+        return path
+    return f"netns:{st.st_dev}:{st.st_ino}"
 
 
 def restore_lock_path(config: oci.NodeConfig, network: str) -> str:
