@@ -131,22 +131,27 @@ def test_malformed_and_anonymous_are_refused(config: oci.NodeConfig) -> None:
         restore.check(config, anonymous)
 
 
-def test_the_wrapper_turns_create_into_restore_and_answers_start(tmp_path: Path) -> None:
-    import subprocess
-
+def staged_wrapper(tmp_path: Path, runc_script: str) -> tuple[Path, Path, dict[str, str]]:
+    """A node config whose runc is `runc_script` (sh), images staged for restoring()'s container, and its
+    bundle: (staged dir, bundle, the wrapper's environment)."""
     fake = tmp_path / "runc"
-    fake.write_text('#!/bin/sh\nfor a in "$@"; do printf "%s\\n" "$a"; done > "$RECORD"\n')
+    fake.write_text(f"#!/bin/sh\n{runc_script}\n")
     fake.chmod(0o755)
     shim = tmp_path / "libibckpt.so"
     shim.write_bytes(b"\x7fELF")
     node = {"runc": str(fake), "shim": str(shim), "state_dir": str(tmp_path / "state"), "restore_wait_s": 0}
     (tmp_path / "node.json").write_text(json.dumps(node))
-    config = oci.load_config({"IBCKPT_NODE_CONFIG": str(tmp_path / "node.json")})
-    where = stage(config)
+    where = stage(oci.load_config({"IBCKPT_NODE_CONFIG": str(tmp_path / "node.json")}))
     bundle = tmp_path / "bundle"
     bundle.mkdir()
     (bundle / "config.json").write_text(json.dumps(restoring()))
-    env = {"PATH": os.environ["PATH"], "IBCKPT_NODE_CONFIG": str(tmp_path / "node.json")}
+    return where, bundle, {"PATH": os.environ["PATH"], "IBCKPT_NODE_CONFIG": str(tmp_path / "node.json")}
+
+
+def test_the_wrapper_turns_create_into_restore_and_answers_start(tmp_path: Path) -> None:
+    import subprocess
+
+    where, bundle, env = staged_wrapper(tmp_path, 'for a in "$@"; do printf "%s\\n" "$a"; done > "$RECORD"')
     env["RECORD"] = str(tmp_path / "argv")
 
     def wrap(*argv: str) -> subprocess.CompletedProcess[str]:
@@ -322,25 +327,14 @@ def test_a_failed_restore_reports_criu_s_own_error_where_containerd_reads_it(tmp
     import subprocess
 
     # runc restore fails as it does: its own words are "criu failed: type NOTIFY", CRIU's are in restore.log
-    fake = tmp_path / "runc"
-    fake.write_text(
-        '#!/bin/sh\nwhile [ "$1" != --image-path ]; do shift; done\n'
+    _, bundle, env = staged_wrapper(
+        tmp_path,
+        'while [ "$1" != --image-path ]; do shift; done\n'
         'echo "(00.4) 1: Error (criu/sk-inet.c:1111): Can\'t connect inet socket back" >"$2/restore.log"\n'
         'echo "(00.5) Error (criu/cr-restore.c:2397): Restoring FAILED." >>"$2/restore.log"\n'
-        'echo "criu failed: type NOTIFY errno 0" >&2; exit 1\n'
+        'echo "criu failed: type NOTIFY errno 0" >&2; exit 1',
     )
-    fake.chmod(0o755)
-    shim = tmp_path / "libibckpt.so"
-    shim.write_bytes(b"\x7fELF")
-    node = {"runc": str(fake), "shim": str(shim), "state_dir": str(tmp_path / "state"), "restore_wait_s": 0}
-    (tmp_path / "node.json").write_text(json.dumps(node))
-    config = oci.load_config({"IBCKPT_NODE_CONFIG": str(tmp_path / "node.json")})
-    stage(config)
-    bundle = tmp_path / "bundle"
-    bundle.mkdir()
-    (bundle / "config.json").write_text(json.dumps(restoring()))
     log = tmp_path / "log.json"
-    env = {"PATH": os.environ["PATH"], "IBCKPT_NODE_CONFIG": str(tmp_path / "node.json")}
     argv = ["--log", str(log), "--log-format", "json", "create", "--bundle", str(bundle), "c11"]
     command = [sys.executable, "-m", "ibckpt_node.hook.runc", *argv]
     done = subprocess.run(command, env=env, capture_output=True, text=True)
