@@ -30,10 +30,30 @@ from ibckpt.store.s3 import is_not_found, s3_errors
 
 @dataclass(frozen=True)
 class Placement:
-    """Where one chunk's bytes go: file path (relative) and offset."""
+    """Where bytes of one chunk go: `length` bytes from `start` in the chunk's plain bytes (all of them, or
+    one file's slice of a pack) to `offset` in the file at `path` (relative)."""
 
     path: str
     offset: int
+    start: int
+    length: int
+    whole: bool = False  # the file's only piece: the write creates it (one open instead of two)
+
+
+@dataclass
+class ChunkUse:
+    """Every place one chunk's bytes go; a chunk is fetched once however many files share it."""
+
+    places: list[Placement] = field(default_factory=list)
+
+    @property
+    def extent(self) -> int:
+        """The plain bytes the chunk must have at least."""
+        return max(place.start + place.length for place in self.places)
+
+    @property
+    def written(self) -> int:
+        return sum(place.length for place in self.places)
 
 
 @dataclass
@@ -77,19 +97,22 @@ def select_subtree(files: list[FileRecord], subtree: str | None) -> list[FileRec
     return chosen
 
 
-def _placements(files: list[FileRecord]) -> dict[str, tuple[int, list[Placement]]]:
-    """chunk id -> (plain size, every place it goes). A chunk used twice is fetched once."""
-    where: dict[str, tuple[int, list[Placement]]] = {}
+def _placements(files: list[FileRecord]) -> dict[str, ChunkUse]:
+    """chunk id -> every place its bytes go."""
+    where: dict[str, ChunkUse] = {}
     for record in files:
         offset = 0
+        whole = len(record.chunks) == 1
         for chunk in record.chunks:
-            where.setdefault(chunk.id, (chunk.size, []))[1].append(Placement(record.path, offset))
+            place = Placement(record.path, offset, chunk.offset, chunk.size, whole)
+            where.setdefault(chunk.id, ChunkUse()).places.append(place)
             offset += chunk.size
     return where
 
 
 def fetch_chunk(context: StoreContext, ref: CheckpointRef, cid: str, size: int, times: StageTimes) -> bytes:
-    """One chunk's plain bytes, verified against its id; ChunkError names the chunk and the checkpoint."""
+    """One chunk's plain bytes, verified against its id and at least `size` long; ChunkError names the chunk
+    and the checkpoint."""
     key = context.layout.chunk_key(cid)
     with times.timed("get"), s3_errors(context.connection, f"fetching chunk {cid} of {ref}"):
         try:
@@ -113,10 +136,10 @@ def fetch_chunk(context: StoreContext, ref: CheckpointRef, cid: str, size: int, 
         ) from None
     with times.timed("hash"):
         actual = codec.chunk_id(hashlib.sha256(plain).digest(), context.keys)
-    if actual != cid or len(plain) != size:
+    if actual != cid or len(plain) < size:
         raise ChunkCorruptError(
             f"chunk {cid} of checkpoint {ref} is corrupt: its content hashes to {actual} "
-            f"({len(plain)} bytes, {size} expected) (key {key})",
+            f"({len(plain)} bytes, {size} needed) (key {key})",
             chunk_id=cid,
             checkpoint=str(ref),
         )
@@ -150,14 +173,16 @@ def restore(
             placements = _placements(files)
 
             def fetch_and_write(cid: str) -> int:
-                size, places = placements[cid]
-                plain = fetch_chunk(context, ref, cid, size, times)
+                use = placements[cid]
+                plain = memoryview(fetch_chunk(context, ref, cid, use.extent, times))
                 with times.timed("write"):
-                    for place in places:
-                        _write_at(staging / place.path, place.offset, plain)
+                    for place in use.places:
+                        piece = plain[place.start : place.start + place.length]
+                        path = os.path.join(staging, place.path)
+                        _write_at(path, place.offset, piece, create=place.whole)
                 if progress is not None:
-                    progress(size * len(places))
-                return size * len(places)
+                    progress(use.written)
+                return use.written
 
             with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="ibckpt-down") as pool:
                 futures = [pool.submit(fetch_and_write, cid) for cid in placements]
@@ -183,18 +208,24 @@ def restore(
 
 
 def _make_skeleton(root: Path, records: list[FileRecord]) -> None:
-    """Directories and empty files of the right size; contents come later, symlinks last."""
+    """Directories, and empty files of the right size for the files written in several pieces (or none);
+    contents come later, symlinks last. A file in one piece is made by the write of that piece."""
+    made = {root}
     for record in records:
         target = root / record.path
-        if record.kind == "dir":
+        if record.kind == "dir" and target not in made:
             target.mkdir(parents=True, exist_ok=True)
+            made.add(target)
         elif record.kind == "file":
-            target.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-            try:
-                os.ftruncate(fd, record.size)
-            finally:
-                os.close(fd)
+            if target.parent not in made:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                made.add(target.parent)
+            if len(record.chunks) != 1:
+                fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+                try:
+                    os.ftruncate(fd, record.size)
+                finally:
+                    os.close(fd)
 
 
 def _make_symlinks(root: Path, records: list[FileRecord]) -> None:
@@ -206,8 +237,9 @@ def _make_symlinks(root: Path, records: list[FileRecord]) -> None:
             os.symlink(record.target or "", target)
 
 
-def _write_at(path: Path, offset: int, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+def _write_at(path: str, offset: int, data: bytes | memoryview, *, create: bool) -> None:
+    flags = os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_CREAT | os.O_EXCL if create else 0)
+    fd = os.open(path, flags, 0o600)
     try:
         view = memoryview(data)
         while view:
@@ -223,7 +255,7 @@ def _finish_metadata(root: Path, records: list[FileRecord]) -> None:
     for record in sorted(records, key=lambda record: record.path.count("/"), reverse=True):
         if record.kind == "symlink":
             continue
-        target = root / record.path
+        target = os.path.join(root, record.path)
         os.chmod(target, record.mode)
         if record.mtime_ns:
             os.utime(target, ns=(record.mtime_ns, record.mtime_ns))
@@ -244,17 +276,17 @@ def verify(
         stored_sizes = manifest.chunk_sizes()
 
         def check(cid: str) -> int:
-            size, places = placements[cid]
+            use = placements[cid]
             try:
                 if deep:
-                    fetch_chunk(context, ref, cid, size, times)
+                    fetch_chunk(context, ref, cid, use.extent, times)
                 else:
                     _check_exists(context, ref, cid, stored_sizes[cid])
             except ChunkError as problem:
                 report.problems.append(problem)
             if progress is not None:
-                progress(size * len(places))
-            return size * len(places)
+                progress(use.written)
+            return use.written
 
         with concurrent.futures.ThreadPoolExecutor(
             context.connection.config.workers, thread_name_prefix="ibckpt-verify"

@@ -16,8 +16,10 @@ from ibckpt.store.chunking import EntryKind, check_relative
 from ibckpt.store.errors import ManifestError
 from ibckpt.store.layout import CheckpointRef, check_checkpoint_id, check_job
 
-SCHEMA_VERSION = 1
-SUPPORTED_SCHEMAS = frozenset({1})
+# 2: a chunk may be a pack of several files' bytes; ChunkRef.offset says where a file's slice starts.
+# Writers that made no pack write 1, which readers of schema 1 still read.
+SCHEMA_VERSION = 2
+SUPPORTED_SCHEMAS = frozenset({1, 2})
 ManifestKind = Literal["ibckpt.dev/CheckpointManifest", "ibckpt.dev/CheckpointPart"]
 MANIFEST_KIND: ManifestKind = "ibckpt.dev/CheckpointManifest"
 # A part is what one node wrote of a multi-node checkpoint, staged until the manifest merges all parts.
@@ -29,11 +31,13 @@ class _Model(BaseModel):
 
 
 class ChunkRef(_Model):
-    """One chunk of a file, in file order. `id` is the hash (see codec.chunk_id) that restore re-computes."""
+    """One piece of a file, in file order: bytes [offset, offset + size) of the chunk's plain bytes (the
+    whole chunk, or a file's slice of a pack). `id` is the hash (see codec.chunk_id) restore re-computes."""
 
     id: str = Field(pattern=r"^[0-9a-f]{64}$")
-    size: int = Field(ge=0, description="plain bytes")
+    size: int = Field(ge=0, description="plain bytes of this file in the chunk")
     stored_size: int = Field(ge=0, description="bytes in the bucket, after compression and encryption")
+    offset: int = Field(default=0, ge=0, description="where this file's bytes start in the chunk (schema 2)")
 
 
 class FileRecord(_Model):
@@ -135,17 +139,25 @@ class Manifest(_Model):
         paths = [record.path for record in self.files]
         if len(paths) != len(set(paths)):
             raise ValueError("duplicate paths in files")
+        if self.schema_version == 1 and any(chunk.offset for chunk in self.chunk_refs()):
+            raise ValueError("schema_version 1 has no chunk offsets")
         return self
 
     @property
     def ref(self) -> CheckpointRef:
         return CheckpointRef(self.job, self.checkpoint_id)
 
+    def chunk_refs(self) -> list[ChunkRef]:
+        return [chunk for record in self.files for chunk in record.chunks]
+
     def chunk_sizes(self) -> dict[str, int]:
         """Distinct chunk id -> stored size."""
-        return {chunk.id: chunk.stored_size for record in self.files for chunk in record.chunks}
+        return {chunk.id: chunk.stored_size for chunk in self.chunk_refs()}
 
     def to_json(self) -> bytes:
+        if self.schema_version == 1:  # as readers of schema 1 expect it: no offset field at all
+            no_offsets = {"files": {"__all__": {"chunks": {"__all__": {"offset"}}}}}
+            return self.model_dump_json(indent=1, exclude=no_offsets).encode()
         return self.model_dump_json(indent=1).encode()
 
 

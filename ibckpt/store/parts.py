@@ -38,6 +38,22 @@ def read_parts(context: StoreContext, ref: CheckpointRef) -> dict[str, Manifest]
     return {part_name(item.key): _load(context, item) for item in listed if item.key.endswith(".json")}
 
 
+def _delete_keys(context: StoreContext, ref: CheckpointRef, keys: list[str]) -> None:
+    # One DeleteObjects request for up to 1000 parts, not one request per node.
+    for start in range(0, len(keys), 1000):
+        batch = [{"Key": key} for key in keys[start : start + 1000]]
+        with s3_errors(context.connection, f"deleting parts of {ref}"):
+            response = context.client.delete_objects(
+                Bucket=context.bucket, Delete={"Objects": batch, "Quiet": True}
+            )
+        errors = response.get("Errors", [])
+        if errors:
+            raise StoreError(
+                f"could not delete {len(errors)} part(s) of {ref} ({context.connection.where()}), "
+                f"e.g. {errors[0].get('Key')}: {errors[0].get('Code')}"
+            )
+
+
 def _load(context: StoreContext, item: ListedObject) -> Manifest:
     with s3_errors(context.connection, f"reading part {item.key}"):
         data = context.client.get_object(Bucket=context.bucket, Key=item.key)["Body"].read()
@@ -87,6 +103,7 @@ def merge_parts(
         raise StoreError(f"parts of {first.ref} claim the same rank twice")
     return first.model_copy(
         update={
+            "schema_version": max(part.schema_version for part in ordered),
             "kind": MANIFEST_KIND,
             "created_at": created,
             "started_at": started,
@@ -140,7 +157,8 @@ def commit_parts(
                 ContentType="application/json",
                 **context.put_args,
             )
-        delete_parts(context, ref)
+        # The parts just merged: listing them again would cost a request and find the same ones.
+        _delete_keys(context, ref, [context.layout.part_key(ref, name) for name in parts])
     return manifest
 
 
@@ -149,7 +167,5 @@ def delete_parts(context: StoreContext, ref: CheckpointRef) -> int:
     listed, _ = list_objects(
         context.connection, context.layout.checkpoint_parts(ref), f"listing parts of {ref}"
     )
-    with s3_errors(context.connection, f"deleting parts of {ref}"):
-        for item in listed:
-            context.client.delete_object(Bucket=context.bucket, Key=item.key)
+    _delete_keys(context, ref, [item.key for item in listed])
     return len(listed)

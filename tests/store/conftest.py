@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import filecmp
 import io
 import json
 import os
 import secrets
+import stat
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -96,6 +98,42 @@ def compressible(size: int, seed: int = 0) -> bytes:
     return text[:size]
 
 
+def assert_same_tree(left: Path, right: Path) -> None:
+    """Same names, kinds, link targets, modes, contents and file mtimes."""
+    names_left = sorted(str(p.relative_to(left)) for p in left.rglob("*"))
+    names_right = sorted(str(p.relative_to(right)) for p in right.rglob("*"))
+    assert names_left == names_right
+    for name in names_left:
+        a, b = left / name, right / name
+        sa, sb = os.lstat(a), os.lstat(b)
+        assert stat.S_IFMT(sa.st_mode) == stat.S_IFMT(sb.st_mode), name
+        if stat.S_ISLNK(sa.st_mode):
+            assert os.readlink(a) == os.readlink(b), name
+            continue
+        assert stat.S_IMODE(sa.st_mode) == stat.S_IMODE(sb.st_mode), name
+        if stat.S_ISREG(sa.st_mode):
+            assert filecmp.cmp(a, b, shallow=False), name
+            assert sa.st_mtime_ns == sb.st_mtime_ns, name
+
+
+class Requests:
+    """The S3 operations a client sends, with their keys (botocore event hooks)."""
+
+    def __init__(self, client: Any) -> None:
+        self.sent: list[tuple[str, str]] = []
+        client.meta.events.register("before-parameter-build.s3", self._seen)
+
+    def _seen(self, params: dict[str, Any], model: Any, **_: Any) -> None:
+        self.sent.append((model.name, str(params.get("Key", params.get("Prefix", "")))))
+
+    def named(self, operation: str, area: str = "") -> list[str]:
+        """Keys of the `operation` requests, under `area` (chunks, manifests, leases...) if given."""
+        return [key for name, key in self.sent if name == operation and f"/v1/{area}" in key]
+
+    def count(self) -> int:
+        return len(self.sent)
+
+
 @pytest.fixture
 def tree_factory(tmp_path: Path) -> Iterator[Callable[..., Path]]:
     counter = iter(range(1_000_000))
@@ -168,5 +206,7 @@ def helpers() -> Any:
     class Helpers:
         write_tree = staticmethod(write_tree)
         compressible = staticmethod(compressible)
+        assert_same_tree = staticmethod(assert_same_tree)
+        Requests = Requests
 
     return Helpers

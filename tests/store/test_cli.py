@@ -38,7 +38,8 @@ def test_upload_inspect_verify_download_remove(
         "k=v",
     )
     assert uploaded["checkpoint"] == "ns/solver/ckpt-1"
-    assert uploaded["stats"]["logical_bytes"] == 700_400 and uploaded["stats"]["uploaded_chunks"] == 4
+    # two full chunks of pages-1.img, and one pack: its tail and core-1.img
+    assert uploaded["stats"]["logical_bytes"] == 700_400 and uploaded["stats"]["uploaded_chunks"] == 3
 
     listed = ibckpt_json(s3_env, "ls")
     assert [(row["job"], row["checkpoint_id"], row["logical_bytes"]) for row in listed] == [
@@ -48,12 +49,12 @@ def test_upload_inspect_verify_download_remove(
     assert "ns/solver" in text and "ckpt-1" in text
 
     manifest = ibckpt_json(s3_env, "show", "ns/solver/latest")
-    assert manifest["schema_version"] == 1 and manifest["labels"] == {"k": "v"}
+    assert manifest["schema_version"] == 2 and manifest["labels"] == {"k": "v"}
     assert manifest["ranks"] == [{"rank": 0, "pod": None, "node": "node-a", "root": ""}]
     assert "checkpoint   ns/solver/ckpt-1" in ibckpt(s3_env, "show", "ns/solver/ckpt-1", "--files").stdout
 
     verified = ibckpt_json(s3_env, "verify", "ns/solver/ckpt-1")
-    assert verified["ok"] and verified["chunks"] == 4 and verified["problems"] == []
+    assert verified["ok"] and verified["chunks"] == 3 and verified["problems"] == []
 
     out = tmp_path / "restored"
     downloaded = ibckpt_json(s3_env, "download", "ns/solver/ckpt-1", str(out))
@@ -66,7 +67,7 @@ def test_upload_inspect_verify_download_remove(
     missing = ibckpt(s3_env, "show", "ns/solver/ckpt-1", check=False)
     assert missing.returncode == 1 and "checkpoint ns/solver/ckpt-1 does not exist" in missing.stderr
     gc = ibckpt_json(s3_env, "gc", "--grace", "0")
-    assert gc["swept"] and gc["chunks_deleted"] == 4
+    assert gc["swept"] and gc["chunks_deleted"] == 3
 
 
 def test_verify_exit_code_names_the_bad_chunk(

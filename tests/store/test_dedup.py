@@ -34,8 +34,12 @@ def hundred_files(root: Path, changed: int | None = None) -> Path:
     return root
 
 
+# The one-chunk-per-file layout, with a HEAD before every PUT (packing has its own tests in test_packs.py).
+OLD_LAYOUT = {"pack_below": 0, "blind_put_below": 0}
+
+
 def test_second_upload_sends_only_the_changed_chunk(make_store: Any, tmp_path: Path) -> None:
-    store = make_store()
+    store = make_store(**OLD_LAYOUT)
     first_tree = hundred_files(tmp_path / "first")
     puts = PutCounter(store.client)
     first = store.upload_tree(first_tree, "solver")
@@ -56,7 +60,7 @@ def test_second_upload_sends_only_the_changed_chunk(make_store: Any, tmp_path: P
 
 def test_chunks_of_other_jobs_are_found_by_lookup(make_store: Any, tree_factory: Any) -> None:
     # No previous checkpoint of this job: the existence check (HEAD) still avoids re-sending shared chunks.
-    store = make_store()
+    store = make_store(**OLD_LAYOUT)
     data = {"a.img": os.urandom(300_000), "b.img": os.urandom(10_000)}
     store.upload_tree(tree_factory(data), "job-one")
     puts = PutCounter(store.client)

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import filecmp
 import os
 import re
-import stat
 from pathlib import Path
 from typing import Any
 
@@ -40,23 +38,6 @@ def mixed_tree(tree_factory: Any, helpers: Any) -> Path:
     return root
 
 
-def assert_same_tree(left: Path, right: Path) -> None:
-    names_left = sorted(str(p.relative_to(left)) for p in left.rglob("*"))
-    names_right = sorted(str(p.relative_to(right)) for p in right.rglob("*"))
-    assert names_left == names_right
-    for name in names_left:
-        a, b = left / name, right / name
-        sa, sb = os.lstat(a), os.lstat(b)
-        assert stat.S_IFMT(sa.st_mode) == stat.S_IFMT(sb.st_mode), name
-        if stat.S_ISLNK(sa.st_mode):
-            assert os.readlink(a) == os.readlink(b), name
-            continue
-        assert stat.S_IMODE(sa.st_mode) == stat.S_IMODE(sb.st_mode), name
-        if stat.S_ISREG(sa.st_mode):
-            assert filecmp.cmp(a, b, shallow=False), name
-            assert sa.st_mtime_ns == sb.st_mtime_ns, name
-
-
 def test_round_trip_is_byte_identical(
     make_store: Any, tree_factory: Any, helpers: Any, tmp_path: Path
 ) -> None:
@@ -80,7 +61,7 @@ def test_round_trip_is_byte_identical(
     restored = tmp_path / "restored"
     report = store.restore(manifest.ref, restored)
     assert report.logical_bytes == manifest.stats.logical_bytes
-    assert_same_tree(source, restored)
+    helpers.assert_same_tree(source, restored)
     assert not any(path.name.startswith(".restored.partial") for path in tmp_path.iterdir())
 
 
