@@ -8,6 +8,7 @@ import pytest
 
 from testbed.cluster import Cluster, start_cluster
 from testbed.coordinator import ThreadedCoordinator
+from testbed.gate import Gate
 from testbed.kube import ControlPlane, start_control_plane
 from testbed.s3 import S3Server, start_s3, stop_s3
 
@@ -29,6 +30,16 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
         yield server
     finally:
         stop_s3(server)
+
+
+@pytest.fixture(scope="session")
+def s3_gate(s3_server: S3Server) -> Iterator[Gate]:
+    """The session's S3 through a relay on 127.0.0.1 that a test can cut (an S3 outage) and mend."""
+    gate = Gate(int(s3_server.endpoint.rsplit(":", 1)[1]))
+    try:
+        yield gate
+    finally:
+        gate.close()
 
 
 @pytest.fixture(scope="session")
@@ -54,13 +65,16 @@ def kube_api(kube: ControlPlane):  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture(scope="session")
-def cluster(tmp_path_factory: pytest.TempPathFactory, s3_server: S3Server) -> Iterator[Cluster]:
+def cluster(
+    tmp_path_factory: pytest.TempPathFactory, s3_server: S3Server, s3_gate: Gate
+) -> Iterator[Cluster]:
     """A real two-node cluster (kubelet + containerd + runc in each Soft-RoCE guest), shared by the session.
 
-    Pods reach the session's S3 at 10.0.2.100:<its port>. Tests leave no pods behind them.
+    Pods reach the session's S3 at 10.0.2.100:<its port>, and through the gate at 10.0.2.100:<gate port>.
+    Tests leave no pods behind them.
     """
     s3_port = int(s3_server.endpoint.rsplit(":", 1)[1])
-    cluster = start_cluster(tmp_path_factory.mktemp("cluster"), forward_ports=[s3_port])
+    cluster = start_cluster(tmp_path_factory.mktemp("cluster"), forward_ports=[s3_port, s3_gate.port])
     try:
         yield cluster
     finally:

@@ -100,7 +100,10 @@ def wait_pod(
 
 
 def namespace(cluster: Cluster, name: str) -> str:
-    """A fresh namespace whose default service account exists (pods need it for their token)."""
+    """A fresh namespace whose default service account exists (pods need it for their token). A namespace
+    of the same name that an earlier test deleted may still be terminating (its pods' teardown, a
+    Checkpoint's finalizer): it is waited for."""
+    cluster.kubectl("wait", "--for=delete", f"namespace/{name}", "--timeout=300s", check=False, timeout=320)
     cluster.kubectl("create", "namespace", name)
     deadline = time.monotonic() + 60
     while cluster.kubectl("get", "serviceaccount", "default", "-n", name, check=False).returncode != 0:
