@@ -24,6 +24,13 @@ CONNECT_TIMEOUT_S = 10.0
 # Replies may trail the server-side bound a little; this slack keeps the client from
 # giving up first and hiding the server's (more precise) message.
 REPLY_SLACK_S = 5.0
+# A coordinator whose host or pod vanished sends no FIN: keepalive probes find it gone within
+# about IDLE + INTERVAL * COUNT seconds, and unacknowledged data within USER_TIMEOUT, instead of
+# a request waiting out its whole bound (a dump's barrier waits up to 10 minutes).
+KEEPALIVE_IDLE_S = 10
+KEEPALIVE_INTERVAL_S = 5
+KEEPALIVE_COUNT = 3
+USER_TIMEOUT_MS = 30_000
 
 
 class CoordinatorError(Exception):
@@ -59,8 +66,21 @@ async def _open(host: str, port: int) -> socket.socket:
             sock.close()
             raise
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        _keep_alive(sock)
         return sock
     raise error
+
+
+def _keep_alive(sock: socket.socket) -> None:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in (
+        ("TCP_KEEPIDLE", KEEPALIVE_IDLE_S),
+        ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+        ("TCP_KEEPCNT", KEEPALIVE_COUNT),
+        ("TCP_USER_TIMEOUT", USER_TIMEOUT_MS),
+    ):
+        if hasattr(socket, option):  # Linux; elsewhere the system's defaults apply
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
 
 
 class CoordinatorClient:
@@ -76,6 +96,7 @@ class CoordinatorClient:
         self._write_lock = asyncio.Lock()
         self.abort_reason: str | None = None
         self.aborted = asyncio.Event()
+        self.lost_reason: str | None = None  # why the connection is gone, once it is
         self._reader_task: asyncio.Task[None] | None = None
 
     @classmethod
@@ -119,6 +140,27 @@ class CoordinatorClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
+    @property
+    def lost(self) -> bool:
+        """The connection is gone: closed or reset by the coordinator's side, or given up (lose())."""
+        return self.lost_reason is not None
+
+    def lose(self, reason: str) -> None:
+        """Give the connection up (the operator says its coordinator is gone): every request waiting on
+        it fails now with CoordinationAborted instead of waiting out its bound."""
+        self._mark_aborted(reason)
+        self._fail_pending(CoordinationAborted(reason), reason)
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+
+    def _fail_pending(self, error: CoordinatorError, why: str) -> None:
+        if self.lost_reason is None:
+            self.lost_reason = why
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(error)
+        self._pending.clear()
+
     def _mark_aborted(self, reason: str) -> None:
         if self.abort_reason is None:
             self.abort_reason = reason
@@ -138,10 +180,7 @@ class CoordinatorClient:
         except (asyncio.IncompleteReadError, OSError, ProtocolError) as exc:
             error = exc
         finally:
-            for future in self._pending.values():
-                if not future.done():
-                    future.set_exception(CoordinatorError(f"lost the coordinator: {error!r}"))
-            self._pending.clear()
+            self._fail_pending(CoordinatorError(f"lost the coordinator: {error!r}"), repr(error))
 
     async def _request(
         self,
@@ -151,6 +190,8 @@ class CoordinatorClient:
         timeout: float = 60.0,
         parts: tuple[bytes, ...] = (),
     ) -> Frame:
+        if self.lost_reason is not None:
+            raise CoordinatorError(f"lost the coordinator: {self.lost_reason}")
         request_id = next(self._ids)
         future: asyncio.Future[Frame] = asyncio.get_running_loop().create_future()
         self._pending[request_id] = future

@@ -110,6 +110,41 @@ async def test_abort_reaches_every_participant(server: CoordinatorServer) -> Non
         await cl.close()
 
 
+async def test_a_connection_given_up_fails_its_waiting_request_at_once(server: CoordinatorServer) -> None:
+    """What an agent does when the operator says the coordinator is gone: a barrier that waits for a
+    peer (here one that never comes) fails now, not when its bound runs out, and so does the next."""
+    session, token = server.create_session({"node-1", "node-2"}, deadline_s=600)
+    client = await CoordinatorClient.connect("127.0.0.1", server.port, session, "node-1", token)
+    try:
+        assert not client.lost
+        waiting = asyncio.ensure_future(client.barrier("dumped", timeout=600))
+        await asyncio.sleep(0.2)
+        client.lose("the operator restarted")
+        with pytest.raises(CoordinationAborted, match="the operator restarted"):
+            await asyncio.wait_for(waiting, 2)
+        assert client.lost
+        with pytest.raises(CoordinatorError, match="lost the coordinator"):
+            await client.put("k", b"v")
+    finally:
+        await client.close()
+
+
+async def test_a_coordinator_that_goes_away_is_noticed() -> None:
+    srv = CoordinatorServer()
+    await srv.start()
+    session, token = srv.create_session({"node-1", "node-2"}, deadline_s=600)
+    client = await CoordinatorClient.connect("127.0.0.1", srv.port, session, "node-1", token)
+    try:
+        waiting = asyncio.ensure_future(client.barrier("dumped", timeout=600))
+        await asyncio.sleep(0.2)
+        await srv.stop()
+        with pytest.raises(CoordinatorError):
+            await asyncio.wait_for(waiting, 5)
+        assert client.lost
+    finally:
+        await client.close()
+
+
 async def test_simulated_2048_ranks_on_128_nodes_all_to_all() -> None:
     """~4M QP records routed so each node gets exactly those addressed to its 16 ranks."""
     nodes, per_node = 128, 16

@@ -27,8 +27,10 @@ class ThreadedCoordinator:
     def port(self) -> int:
         return self.server.port
 
-    def create_session(self, participants: set[str], deadline_s: float = 600) -> tuple[str, str]:
+    def create_session(
+        self, participants: set[str], deadline_s: float = 600, session_id: str | None = None
+    ) -> tuple[str, str]:
         async def create() -> tuple[str, str]:
-            return self.server.create_session(participants, deadline_s)
+            return self.server.create_session(participants, deadline_s, session_id)
 
         return asyncio.run_coroutine_threadsafe(create(), self.loop).result(10)
