@@ -92,9 +92,13 @@ class AgentClient:
     def session(self, session_id: str) -> SessionReport:
         return self._get(f"{API_PREFIX}/sessions/{quote(session_id, safe='')}", SessionReport)
 
-    def abort(self, session_id: str, reason: str) -> SessionReport:
+    def abort(self, session_id: str, reason: str, rejoin: tuple[str, str] | None = None) -> SessionReport:
+        """`rejoin`: (host:port, token) of the coordinator replacing the session's lost one."""
         path = f"{API_PREFIX}/sessions/{quote(session_id, safe='')}/abort"
-        return self._post(path, AbortRequest(reason=reason), SessionReport)
+        request = AbortRequest(reason=reason)
+        if rejoin is not None:
+            request = AbortRequest(reason=reason, coordinator=rejoin[0], session_token=rejoin[1])  # type: ignore[arg-type]
+        return self._post(path, request, SessionReport)
 
     # -- plumbing ----------------------------------------------------------------------------------------
 

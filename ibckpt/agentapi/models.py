@@ -38,6 +38,12 @@ NAME_PATTERN = r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$"
 WIRE: Final = {"wire": True}
 
 
+def clear_on_the_wire(secret: SecretStr, info: SerializationInfo) -> str:
+    """Only a request body built for the wire carries a secret in clear."""
+    context = info.context
+    return secret.get_secret_value() if isinstance(context, dict) and context.get("wire") else str(secret)
+
+
 class AgentModel(BaseModel):
     """camelCase on the wire; unknown fields refused, so a typo or a newer peer fails loudly."""
 
@@ -103,6 +109,7 @@ class RankPhase(StrEnum):
     STOPPED = "Stopped"
     HELD = "Held"
     DONE = "Done"
+    RESUMED = "Resumed"  # the session failed or was aborted, and this rank runs again
     FAILED = "Failed"
 
 
@@ -208,9 +215,7 @@ class SessionBase(AgentModel):
 
     @field_serializer("session_token")
     def _token(self, token: SecretStr, info: SerializationInfo) -> str:
-        # only a request body built for the wire carries the token in clear
-        context = info.context
-        return token.get_secret_value() if isinstance(context, dict) and context.get("wire") else str(token)
+        return clear_on_the_wire(token, info)
 
 
 class CheckpointRequest(SessionBase):
@@ -254,6 +259,18 @@ class RestoreRequest(SessionBase):
 
 class AbortRequest(AgentModel):
     reason: str = Field(min_length=1, max_length=1024)
+    # After an operator restart the session's coordinator is gone with it: the next operator opens one
+    # for the recovery, and ranks left released rebuild with their peers through it.
+    coordinator: str | None = Field(
+        default=None,
+        pattern=r"^[^\s:]+:[0-9]{1,5}$",
+        description="host:port of the coordinator that replaces the session's lost one.",
+    )
+    session_token: SecretStr | None = Field(default=None, description="Its token for this session.")
+
+    @field_serializer("session_token")
+    def _token(self, token: SecretStr | None, info: SerializationInfo) -> str | None:
+        return None if token is None else clear_on_the_wire(token, info)
 
 
 class RankProgress(AgentModel):

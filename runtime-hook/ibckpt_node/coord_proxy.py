@@ -55,6 +55,12 @@ class ShimCoordinatorProxy:
         )
         os.chmod(self.path, 0o600)
 
+    def use(self, client: CoordinatorClient) -> None:
+        """Forward through `client` from now on: the coordinator that replaces a lost one. A failure
+        recorded so far was the lost one's."""
+        self.client = client
+        self.failed = None
+
     async def flush(self) -> None:
         """Wait until every background PUT has reached the coordinator (or failed)."""
         await self._puts.join()

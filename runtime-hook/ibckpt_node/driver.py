@@ -195,6 +195,7 @@ class NodeDriver:
         boost_nice: int | None = priority.DEFAULT_BOOST_NICE,
         cut: CutOptions | None = None,
         flush_records: Callable[[], Awaitable[None]] | None = None,
+        rejoin: Callable[[], Awaitable[CoordinatorClient | None]] | None = None,
     ) -> None:
         """`job_addrs`: the addresses of the job's nodes, which the ranks' TCP connections may
         lead to. None: every node of the session publishes its own interfaces' addresses.
@@ -203,8 +204,12 @@ class NodeDriver:
         threads while the agent waits on them (priority.py); None leaves priorities alone.
         `flush_records`: waits until every record the shims published has reached the
         coordinator (the proxy answers PUTs before forwarding them); called before the
-        rebuild barrier, after which peers may read them without waiting."""
+        rebuild barrier, after which peers may read them without waiting.
+        `rejoin`: when the coordinator is lost during an abort (the operator restarted), waits for the
+        coordinator the next operator opens for the recovery and returns a client of it (None: none
+        came); released ranks can only be rebuilt with their peers through one."""
         self.node = node
+        self.rejoin = rejoin
         self.boost_nice = boost_nice
         self.client = client
         self.ranks = list(ranks)
@@ -571,20 +576,30 @@ class NodeDriver:
     async def _abort_and_recover(self, cause: Exception, epoch: int) -> None:
         """Tell every node, then bring this node's ranks back to running from wherever they are."""
         log.warning("%s: aborting checkpoint: %s", self.node, cause)
-        if not isinstance(cause, CoordinationAborted):
+        if not isinstance(cause, CoordinationAborted) and not self.client.lost:
             # Already aborted by someone else, or the coordinator is gone: recover regardless.
             with contextlib.suppress(CoordinatorError):
                 await self.client.abort(str(cause))
 
-        async def recover(r: LocalRank) -> dict[str, Any] | None:
+        async def reopen(r: LocalRank) -> tuple[dict[str, Any] | None, bool]:
+            """The rank's abort reply, or whether it is released (it needs a rebuild with its peers)."""
             try:
-                return await r.command("abort")
+                return await r.command("abort"), False
             except (ControlError, OSError, TimeoutError) as exc:
-                if not isinstance(exc, ControlError) or exc.reply.get("state") != "released":
-                    log.error("%s: could not resume %s: %s", self.node, r.rank.key(), exc)
-                    return None
-            # Released already: the real resources are gone, rebuild with the peers (all of
-            # this node's ranks at once: they wait for each other's records).
+                if isinstance(exc, ControlError) and exc.reply.get("state") == "released":
+                    return None, True
+                log.error("%s: could not resume %s: %s", self.node, r.rank.key(), exc)
+                return None, False
+
+        first = await self._on_all(reopen)
+        replies = [reply for reply, _ in first]
+        released = [i for i, (_, is_released) in enumerate(first) if is_released]
+        if released and self.client.lost and not await self._rejoin_for([self.ranks[i] for i in released]):
+            released = []  # no coordinator to rebuild through: they wait, released, for a restore
+
+        async def rebuild(r: LocalRank) -> dict[str, Any] | None:
+            # The real resources are gone: rebuild with the peers (all of this node's released ranks
+            # at once: they wait for each other's records).
             try:
                 await r.command(f"rebuild {epoch} {self._ms(self.timeouts.rebuild_s)}")
                 return await r.command("resume")
@@ -592,10 +607,29 @@ class NodeDriver:
                 log.error("%s: could not rebuild %s: %s", self.node, r.rank.key(), exc)
                 return None
 
-        for r, reply in zip(self.ranks, await self._on_all(recover), strict=True):
+        rebuilt = await asyncio.gather(*(rebuild(self.ranks[i]) for i in released))
+        for i, reply in zip(released, rebuilt, strict=True):
+            replies[i] = reply
+        for r, reply in zip(self.ranks, replies, strict=True):
             if reply is not None:
                 self.report.shim.setdefault("abort", {})[r.rank.key()] = reply
         self.report.outcome = "Aborted"
+
+    async def _rejoin_for(self, released: list[LocalRank]) -> bool:
+        """The coordinator is gone and some ranks are released: wait for the one the next operator
+        opens for the recovery (their rebuild exchanges records through it). False: none came."""
+        keys = ", ".join(r.rank.key() for r in released)
+        if self.rejoin is None:
+            log.error("%s: %s released and the coordinator is gone: they wait for a rebuild", self.node, keys)
+            return False
+        log.warning("%s: the coordinator is gone; %s wait for the operator's recovery", self.node, keys)
+        client = await self.rejoin()
+        if client is None:
+            log.error("%s: no coordinator came for the recovery; %s stay released", self.node, keys)
+            return False
+        self.client = client
+        log.info("%s: rejoined the session through the operator's new coordinator", self.node)
+        return True
 
     # -- restore --------------------------------------------------------------------------
 

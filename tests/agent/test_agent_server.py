@@ -15,6 +15,7 @@ from agent.agent_harness import Running, register
 from pydantic import SecretStr
 
 from ibckpt.agentapi import (
+    AbortRequest,
     AgentError,
     CheckpointRequest,
     RankRef,
@@ -160,3 +161,18 @@ def test_the_session_token_reaches_the_wire_but_not_repr_or_a_plain_dump() -> No
     assert "session-secret" not in repr(request)
     assert "session-secret" not in request.model_dump_json()
     assert CheckpointRequest.from_json(request.to_json()).session_token.get_secret_value() == "session-secret"
+
+
+def test_an_aborts_replacement_coordinator_token_reaches_the_wire_but_not_repr() -> None:
+    # the token of the coordinator a restarted operator opens for the recovery (a first version sent
+    # the masked form, and the agents were refused by the new coordinator on the cluster)
+    abort = AbortRequest(
+        reason="operator restarted",
+        coordinator="10.0.0.1:7000",
+        session_token="recovery-secret",  # type: ignore[arg-type]
+    )
+    assert b"recovery-secret" in abort.to_json()
+    assert "recovery-secret" not in repr(abort) and "recovery-secret" not in abort.model_dump_json()
+    back = AbortRequest.from_json(abort.to_json())
+    assert back.session_token is not None and back.session_token.get_secret_value() == "recovery-secret"
+    assert b"sessionToken" not in AbortRequest(reason="no rejoin").to_json()

@@ -15,6 +15,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 from node.fake_shim import FakeShimSocket
@@ -57,6 +58,9 @@ class FakeShim(FakeShimSocket):
         return super().answer(verb)
 
 
+S = TypeVar("S", bound=FakeShim)
+
+
 @pytest.fixture
 def sleeper() -> Iterator[int]:
     """A real process with no device fds, standing in for every rank's pid."""
@@ -66,9 +70,9 @@ def sleeper() -> Iterator[int]:
     proc.wait()
 
 
-def _setup(tmp_path: Path, pid: int) -> tuple[list[FakeShim], list[LocalRank]]:
+def _setup(tmp_path: Path, pid: int, kind: type[S]) -> tuple[list[S], list[LocalRank]]:
     everyone = threading.Barrier(RANKS)
-    shims = [FakeShim(tmp_path / f"r{i}.ctl", everyone) for i in range(RANKS)]
+    shims = [kind(tmp_path / f"r{i}.ctl", everyone) for i in range(RANKS)]
     ranks = [LocalRank(RankId.parse(f"job/rank-{i}/main/0"), pid, s.path) for i, s in enumerate(shims)]
     return shims, ranks
 
@@ -82,7 +86,7 @@ async def _driver(coordinator: ThreadedCoordinator, ranks: list[LocalRank]) -> N
 async def test_restore_rebuilds_every_held_rank_at_once(
     coordinator: ThreadedCoordinator, tmp_path: Path, sleeper: int
 ) -> None:
-    shims, ranks = _setup(tmp_path, sleeper)
+    shims, ranks = _setup(tmp_path, sleeper, FakeShim)
     for s in shims:
         s.state = "released"
     driver = await _driver(coordinator, [])
@@ -98,7 +102,7 @@ async def test_restore_rebuilds_every_held_rank_at_once(
 async def test_failed_dump_aborts_and_rebuilds_every_released_rank(
     coordinator: ThreadedCoordinator, tmp_path: Path, sleeper: int
 ) -> None:
-    shims, ranks = _setup(tmp_path, sleeper)
+    shims, ranks = _setup(tmp_path, sleeper, FakeShim)
     images = tmp_path / "images"
     # An image dir that is not empty makes the dump fail before CRIU touches any process.
     (images / ranks[0].rank.key().replace("/", "_")).mkdir(parents=True)
@@ -130,9 +134,7 @@ class SlowRelease(FakeShim):
 async def test_leases_are_renewed_while_the_ranks_are_held_and_stop_after(
     coordinator: ThreadedCoordinator, tmp_path: Path, sleeper: int
 ) -> None:
-    everyone = threading.Barrier(RANKS)
-    shims = [SlowRelease(tmp_path / f"r{i}.ctl", everyone) for i in range(RANKS)]
-    ranks = [LocalRank(RankId.parse(f"job/rank-{i}/main/0"), sleeper, s.path) for i, s in enumerate(shims)]
+    shims, ranks = _setup(tmp_path, sleeper, SlowRelease)
     session, token = coordinator.create_session({"node-1"})
     client = await CoordinatorClient.connect("127.0.0.1", coordinator.port, session, "node-1", token)
     timeouts = PhaseTimeouts(rebuild_s=20, lease_s=2.0, lease_renew_s=0.1)
@@ -180,7 +182,7 @@ def _unwritable_images(tmp_path: Path, ranks: list[LocalRank]) -> Path:
 async def test_the_fast_cut_drains_each_rank_right_after_its_quiesce(
     coordinator: ThreadedCoordinator, tmp_path: Path, sleeper: int
 ) -> None:
-    shims, ranks = _setup(tmp_path, sleeper)
+    shims, ranks = _setup(tmp_path, sleeper, FakeShim)
     driver = await _driver(coordinator, ranks)
     try:
         with pytest.raises(CheckpointFailed, match="not empty"):
@@ -199,7 +201,7 @@ async def test_the_fast_cut_drains_each_rank_right_after_its_quiesce(
 async def test_the_old_cut_keeps_its_barrier_stall_window_and_quiet_release(
     coordinator: ThreadedCoordinator, tmp_path: Path, sleeper: int
 ) -> None:
-    shims, ranks = _setup(tmp_path, sleeper)
+    shims, ranks = _setup(tmp_path, sleeper, FakeShim)
     session, token = coordinator.create_session({"node-1"})
     client = await CoordinatorClient.connect("127.0.0.1", coordinator.port, session, "node-1", token)
     cut = CutOptions(quiesce_barrier=True, release_quiet=True)
@@ -218,7 +220,7 @@ async def test_the_old_cut_keeps_its_barrier_stall_window_and_quiet_release(
 async def test_a_failed_quiesce_in_the_fast_cut_brings_every_rank_back(
     coordinator: ThreadedCoordinator, tmp_path: Path, sleeper: int
 ) -> None:
-    shims, ranks = _setup(tmp_path, sleeper)
+    shims, ranks = _setup(tmp_path, sleeper, FakeShim)
     shims[0].sock.close()
     everyone = shims[1].everyone
     shims[0] = FailingQuiesce(tmp_path / "r0-failing.ctl", everyone)
@@ -250,7 +252,7 @@ async def test_a_release_that_times_out_says_where_each_control_thread_waits(
     coordinator: ThreadedCoordinator, tmp_path: Path, named_sleeper: tuple[int, int]
 ) -> None:
     pid, control_tid = named_sleeper
-    shims, ranks = _setup(tmp_path, pid)
+    shims, ranks = _setup(tmp_path, pid, FakeShim)
     shims[0].sock.close()
     shims[0] = HangingRelease(tmp_path / "r0-hanging.ctl", shims[1].everyone)
     ranks = [LocalRank(r.rank, pid, s.path) for r, s in zip(ranks, shims, strict=True)]
@@ -358,3 +360,63 @@ async def test_a_process_trees_own_connection_outside_the_job_is_refused(
         launcher.kill()
         launcher.wait()
         listener.close()
+
+
+class LostDuringRelease(FakeShim):
+    """The operator restarts while the ranks release: the agent is told the coordinator is gone."""
+
+    client: CoordinatorClient | None = None
+
+    def answer(self, verb: str) -> tuple[bool, dict[str, object]]:
+        if verb == "release" and self.client is not None:
+            self.client.lose("the operator restarted")  # what the agent's abort with a rejoin does
+        return super().answer(verb)
+
+
+async def test_released_ranks_rejoin_the_next_operators_coordinator_to_rebuild(
+    coordinator: ThreadedCoordinator, tmp_path: Path, sleeper: int
+) -> None:
+    shims, ranks = _setup(tmp_path, sleeper, LostDuringRelease)
+    session, token = coordinator.create_session({"node-1"})
+    first = await CoordinatorClient.connect("127.0.0.1", coordinator.port, session, "node-1", token)
+    shims[0].client = first
+    rejoined: list[CoordinatorClient] = []
+
+    async def rejoin() -> CoordinatorClient | None:
+        # the next operator opens a session of the same id in its own coordinator
+        again, new_token = coordinator.create_session({"node-1"}, session_id=session)
+        client = await CoordinatorClient.connect("127.0.0.1", coordinator.port, again, "node-1", new_token)
+        rejoined.append(client)
+        return client
+
+    driver = NodeDriver("node-1", first, ranks, PhaseTimeouts(rebuild_s=20), rejoin=rejoin)
+    try:
+        with pytest.raises(CheckpointFailed, match=r"operator restarted|lost the coordinator"):
+            await asyncio.wait_for(driver.checkpoint(Mode.LEAVE_RUNNING, tmp_path / "images", 2), 30)
+    finally:
+        await first.close()
+        for client in rejoined:
+            await client.close()
+    assert driver.report.outcome == "Aborted"
+    assert len(rejoined) == 1 and driver.client is rejoined[0]
+    for s in shims:
+        assert s.commands[-3:] == ["abort", "rebuild", "resume"], s.commands
+        assert s.state == "running"
+
+
+async def test_without_a_rejoin_released_ranks_are_left_for_a_rebuild_and_the_driver_ends(
+    coordinator: ThreadedCoordinator, tmp_path: Path, sleeper: int
+) -> None:
+    shims, ranks = _setup(tmp_path, sleeper, LostDuringRelease)
+    session, token = coordinator.create_session({"node-1"})
+    client = await CoordinatorClient.connect("127.0.0.1", coordinator.port, session, "node-1", token)
+    shims[0].client = client
+    driver = NodeDriver("node-1", client, ranks, PhaseTimeouts(rebuild_s=20))
+    try:
+        with pytest.raises(CheckpointFailed):
+            await asyncio.wait_for(driver.checkpoint(Mode.LEAVE_RUNNING, tmp_path / "images", 2), 30)
+    finally:
+        await client.close()
+    assert all(s.commands[-1] == "abort" and s.state == "released" for s in shims), [
+        s.commands[-2:] for s in shims
+    ]

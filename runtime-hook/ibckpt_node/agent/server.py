@@ -177,7 +177,7 @@ class AgentServer:
         if match and match.group(1) not in ("checkpoint", "restore"):
             if match.group(2) and method == "POST":
                 abort = api.AbortRequest.from_json(body)
-                return ok(await self.sessions.abort(match.group(1), abort.reason))
+                return ok(await self.sessions.abort(match.group(1), abort.reason, abort))
             if not match.group(2) and method == "GET":
                 return ok(self.sessions.get(match.group(1)))
         if path.startswith("/v1/"):

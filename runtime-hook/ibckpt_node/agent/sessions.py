@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -45,6 +46,9 @@ NEXT_PHASE = {
     "resumed": api.RankPhase.DONE,
 }
 POLL_S = 0.5
+# How long ranks left released by a lost coordinator wait for the next operator's recovery: its
+# Lease handover and start-up (2.5 minutes on the emulated testbed nodes), with room.
+REJOIN_WAIT_S = 600.0
 
 
 class SessionError(Exception):
@@ -119,6 +123,8 @@ class Session:
     engine: driver.NodeDriver | None = None
     abort_reason: str = ""
     by_key: dict[str, api.RankProgress] = field(default_factory=dict)
+    rejoin_to: api.AbortRequest | None = None  # the coordinator that replaces a lost one
+    rejoin_ready: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class Sessions:
@@ -401,13 +407,22 @@ class Sessions:
             )
         return planned
 
-    async def abort(self, session_id: str, reason: str) -> api.SessionReport:
+    async def abort(
+        self, session_id: str, reason: str, request: api.AbortRequest | None = None
+    ) -> api.SessionReport:
         session = self.sessions.get(session_id)
         if session is None:
             raise SessionError(404, f"no session {session_id!r} on {self.node}")
         if session.report.state.finished:
             return session.report
-        session.abort_reason = reason
+        session.abort_reason = session.abort_reason or reason
+        if request is not None and request.coordinator and session.client is not None:
+            # The operator restarted: the session's coordinator is gone with it. Give its connection
+            # up at once (a request may be waiting on it) and rejoin the recovery's coordinator.
+            session.rejoin_to = request
+            session.rejoin_ready.set()
+            session.client.lose(f"the operator restarted: {reason}")
+            return session.report
         if session.client is not None:
             # every node hears it; the driver brings its ranks back from wherever they are
             with contextlib.suppress(CoordinatorError):
@@ -415,6 +430,30 @@ class Sessions:
         elif session.task is not None:
             session.task.cancel()
         return session.report
+
+    async def _rejoin(self, session: Session, proxy: ShimCoordinatorProxy) -> CoordinatorClient | None:
+        """Wait (bounded) for an abort naming the coordinator that replaces the lost one; connect to it
+        and route the session and its shims' records through it."""
+        try:
+            await asyncio.wait_for(session.rejoin_ready.wait(), REJOIN_WAIT_S)
+        except TimeoutError:
+            return None
+        order = session.rejoin_to
+        assert order is not None and order.coordinator and order.session_token is not None
+        host, _, port = order.coordinator.rpartition(":")
+        token = order.session_token.get_secret_value()
+        try:
+            client = await CoordinatorClient.connect(
+                host, int(port), session.request.session_id, self.node, token
+            )
+        except CoordinatorError as exc:
+            log.error("session %s: cannot rejoin: %s", session.request.session_id, exc)
+            return None
+        old, session.client = session.client, client
+        proxy.use(client)
+        if old is not None:
+            await old.close()
+        return client
 
     def _follow(self, session: Session, started: float) -> None:
         engine = session.engine
@@ -449,6 +488,7 @@ class Sessions:
                         job_addrs=request.job_addresses or None,
                         trees=session.trees,
                         flush_records=proxy.published,
+                        rejoin=functools.partial(self._rejoin, session, proxy),
                     )
 
                     async def follow() -> None:
@@ -482,7 +522,7 @@ class Sessions:
             if request.images is None:
                 report.message = f"images in {images} on {self.node}"
         except StagingError as exc:
-            # the ranks are back (or, with Stop, gone): only the upload failed; the images stay here
+            # only the upload failed; the images stay here
             self._finish_failed(session, api.SessionState.FAILED, f"{exc} (images kept in {images})")
         except driver.CheckpointRefused as exc:
             self._finish_failed(session, api.SessionState.REFUSED, str(exc))
@@ -551,12 +591,18 @@ class Sessions:
 
     def _finish_failed(self, session: Session, state: api.SessionState, message: str) -> None:
         report = session.report
-        if session.engine is not None:
-            report.phases = dict(session.engine.report.phases)
+        engine = session.engine
+        if engine is not None:
+            report.phases = dict(engine.report.phases)
         report.state = state
         report.message = message
+        # Ranks that run again (LeaveRunning resumed them before a failed upload, or the driver's abort
+        # brought them back) say so: the operator counts the others as lost.
+        all_back = engine is not None and engine.report.outcome == "Succeeded"
+        recovered = engine.report.shim.get("abort", {}) if engine is not None else {}
         for progress in report.ranks:
-            progress.phase = api.RankPhase.FAILED
+            back = all_back or progress.rank_key in recovered
+            progress.phase = api.RankPhase.RESUMED if back else api.RankPhase.FAILED
             progress.error = message
 
     async def close(self) -> None:
