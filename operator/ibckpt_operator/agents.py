@@ -95,10 +95,13 @@ class AgentGateway:
                 return None
             raise
 
-    async def abort(self, agent: Agent, session_id: str, reason: str) -> SessionReport | None:
-        """None if the agent never heard of the session (nothing of it to bring back)."""
+    async def abort(
+        self, agent: Agent, session_id: str, reason: str, rejoin: tuple[str, str] | None = None
+    ) -> SessionReport | None:
+        """None if the agent never heard of the session (nothing of it to bring back). `rejoin`: the
+        coordinator (host:port, token) replacing the session's lost one."""
         try:
-            return await asyncio.to_thread(self.client(agent).abort, session_id, reason)
+            return await asyncio.to_thread(self.client(agent).abort, session_id, reason, rejoin)
         except AgentError as error:
             if error.status == 404:
                 return None

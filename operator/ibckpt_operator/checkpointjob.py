@@ -460,9 +460,23 @@ class CheckpointJobDriver(Driver[JobState]):
         self.emit(ManifestCommitted(action.attempt, image_store.context.layout.manifest_key(ref)))
 
     async def discard(self, action: DiscardUpload) -> None:
-        resolved = await self.store()
-        image_store = await asyncio.to_thread(storage.open_store, resolved.config)
-        dropped = await asyncio.to_thread(image_store.abort, self.store_job, action.checkpoint_name)
+        """Drop the aborted attempt's staged parts. It shares the resume's attempt but not its outcome: a
+        store that cannot be reached (often why the upload failed) must not end the abort before the
+        ranks are back, so a failure is told, never fed to the machine; nothing lists staged parts, and
+        the store's garbage collection removes abandoned ones."""
+        try:
+            resolved = await self.store()
+            image_store = await asyncio.to_thread(storage.open_store, resolved.config)
+            dropped = await asyncio.to_thread(image_store.abort, self.store_job, action.checkpoint_name)
+        except Exception as error:
+            message = (
+                f"the parts staged for checkpoint {action.checkpoint_name} were not discarded ({error}); "
+                "no Checkpoint lists them, and the store's garbage collection removes abandoned parts"
+            )
+            log.warning("%s: %s", self.key, message)
+            with contextlib.suppress(Exception):
+                await self.rt.kube.post_event(self.body, "Warning", "PartsNotDiscarded", message)
+            return
         log.info("%s: dropped %d staged part(s) of %s", self.key, dropped, action.checkpoint_name)
 
     async def publish(self, action: PublishCheckpoint) -> None:
@@ -514,15 +528,36 @@ class CheckpointJobDriver(Driver[JobState]):
         assert self.state is not None
         run = self.state.run
         session_id = self.session.id if self.session else self.session_id(run)
-        if self.session is not None and session_id in self.rt.coordinator.sessions:
-            self.rt.coordinator.sessions[session_id].abort(f"operator: {self.state.reason or 'aborted'}")
         agents = await agents_by_node(self.rt.kube)
         nodes = sorted({pod.node for pod in action.pods})
+        rejoin: tuple[str, str] | None = None
+        if self.session is None:
+            rejoin = self.open_recovery(session_id, nodes, agents)
+        elif session_id in self.rt.coordinator.sessions:
+            self.rt.coordinator.sessions[session_id].abort(f"operator: {self.state.reason or 'aborted'}")
         await asyncio.gather(
-            *(self.resume_node(node, agents.get(node), session_id, action) for node in nodes)
+            *(self.resume_node(node, agents.get(node), session_id, action, rejoin) for node in nodes)
         )
 
-    async def resume_node(self, node: str, agent: Agent | None, session_id: str, action: ResumeAll) -> None:
+    def open_recovery(self, session_id: str, nodes: list[str], agents: dict[str, Agent]) -> tuple[str, str]:
+        """After a restart the session's coordinator is gone with the last operator. Ranks it left
+        released can only be rebuilt with their peers through one, so the abort names a new one,
+        under the same session id, for the same nodes."""
+        t = self.spec.timeouts
+        bound = float(t.abort_seconds + t.rebuild_seconds + t.resume_seconds)
+        sid, token = self.rt.coordinator.create_session(set(nodes), bound, session_id)
+        self.session = Session(sid, token, {n: agents[n] for n in nodes if n in agents})
+        log.info("%s: opened a coordinator for the recovery of session %s", self.key, sid)
+        return self.rt.coordinator_address(), token
+
+    async def resume_node(
+        self,
+        node: str,
+        agent: Agent | None,
+        session_id: str,
+        action: ResumeAll,
+        rejoin: tuple[str, str] | None = None,
+    ) -> None:
         pods = [pod for pod in action.pods if pod.node == node]
         if agent is None:
             for pod in pods:
@@ -531,7 +566,7 @@ class CheckpointJobDriver(Driver[JobState]):
             return
         reason = (self.state.message if self.state else None) or "aborted by the operator"
         try:
-            report = await self.rt.gateway.abort(agent, session_id, reason[:1000])
+            report = await self.rt.gateway.abort(agent, session_id, reason[:1000], rejoin)
         except AgentError as error:
             for pod in pods:
                 self.emit(

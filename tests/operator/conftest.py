@@ -259,6 +259,7 @@ class FakeAgent:
     containers: list[RegisteredContainer] = field(default_factory=list)
     requests: list[CheckpointRequest] = field(default_factory=list)
     aborts: list[tuple[str, str]] = field(default_factory=list)
+    rejoins: list[str | None] = field(default_factory=list)  # each abort's replacement coordinator
     reports: dict[str, SessionReport] = field(default_factory=dict)
     server: ThreadingHTTPServer | None = None
     restores: list[RestoreRequest] = field(default_factory=list)
@@ -351,6 +352,7 @@ class FakeAgent:
                 elif self.path.endswith("/abort"):
                     session = self.path.split("/")[3]
                     agent.aborts.append((session, json.loads(body)["reason"]))
+                    agent.rejoins.append(json.loads(body).get("coordinator"))
                     report = agent.reports.get(session)
                     if report is None:
                         self.reply(404, b'{"error": "unknown session"}')

@@ -4,6 +4,7 @@ S3, the Checkpoint finalizer, the Lease, and /metrics. Node agents are fakes spe
 
 from __future__ import annotations
 
+import re
 import time
 import urllib.request
 from datetime import UTC, datetime, timedelta
@@ -242,6 +243,8 @@ def test_operator_restart_mid_phase_aborts_from_status(
     new_run, _, new_seq = after["status"]["attempt"].rpartition("-")
     assert new_run == run and int(new_seq) > int(seq)  # the same run, a new attempt: never a blind replay
     assert [s for s, _ in a.aborts] == [f"ckj-{run}"] and len(a.requests) == 1
+    # the first coordinator went with the first operator: the abort names the one opened to replace it
+    assert len(a.rejoins) == 1 and re.fullmatch(r"[^:\s]+:[0-9]+", a.rejoins[0] or ""), a.rejoins
 
 
 def test_leave_running_checkpoint_committed_then_deleted(

@@ -562,7 +562,9 @@ class CheckpointMachine:
             message += f"; checkpoint {self.config.checkpoint_name} is committed and restorable"
         if unconfirmed:
             message += (
-                f"; {note or 'resume failed'} for {', '.join(unconfirmed)} (their shim's lease resumes them)"
+                f"; {note or 'resume failed'} for {', '.join(unconfirmed)} (a quiesced or drained rank "
+                "resumes when its shim's lease runs out; a released one waits for a rebuild, and the last "
+                "checkpoint is still restorable)"
             )
         return self._fail(state, state.reason or "Aborted", message, now)
 
