@@ -93,7 +93,8 @@ class AgentClient:
         return self._get(f"{API_PREFIX}/sessions/{quote(session_id, safe='')}", SessionReport)
 
     def abort(self, session_id: str, reason: str, rejoin: tuple[str, str] | None = None) -> SessionReport:
-        """`rejoin`: (host:port, token) of the coordinator replacing the session's lost one."""
+        """`rejoin`: (host:port, token) of the coordinator to rebuild released ranks through (the session's
+        own, or the one replacing it after an operator restart)."""
         path = f"{API_PREFIX}/sessions/{quote(session_id, safe='')}/abort"
         request = AbortRequest(reason=reason)
         if rejoin is not None:

@@ -615,6 +615,17 @@ class NodeDriver:
                 self.report.shim.setdefault("abort", {})[r.rank.key()] = reply
         self.report.outcome = "Aborted"
 
+    async def recover(self, cause: str, epoch: int) -> NodeReport:
+        """The abort of a session whose checkpoint() is over or was never run here: its Stop or Hold
+        ranks wait released, or its agent died. Each rank comes back from wherever it is, released
+        ones rebuilt with their peers through this driver's coordinator."""
+        self._start_leases()
+        try:
+            await self._abort_and_recover(CheckpointFailed(cause), epoch)
+        finally:
+            await self._stop_leases()
+        return self.report
+
     async def _rejoin_for(self, released: list[LocalRank]) -> bool:
         """The coordinator is gone and some ranks are released: wait for the one the next operator
         opens for the recovery (their rebuild exchanges records through it). False: none came."""

@@ -66,6 +66,10 @@ class Running:
 
     def stop(self) -> None:
         asyncio.run_coroutine_threadsafe(self.server.close(), self.loop).result(30)
+        self.crash()
+
+    def crash(self) -> None:
+        """Stop dead, as a killed agent does: nothing is aborted, closed or cleaned up."""
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
 
@@ -99,4 +103,6 @@ def register_entry(state: Path, pid: int, cid: str, *, shim: bool = True) -> Non
         "reason": "" if shim else "no ibckpt-runc",
         "registered_at": time.time(),
     }
+    # as the hook: on disk for a registry that starts later (or again), and to the one serving
+    registry_client.write_json_atomic(str(ctl.parent / "registration.json"), entry)
     registry_client.register(str(state / "registry.sock"), entry, 5.0)

@@ -18,7 +18,16 @@ from agent.agent_harness import Running, register_entry
 from node.fake_shim import FakeShimSocket
 from pydantic import SecretStr
 
-from ibckpt.agentapi import CheckpointRequest, PhaseTimeouts, RankRef, SessionReport
+from ibckpt.agentapi import (
+    AgentClient,
+    AgentError,
+    CheckpointRequest,
+    Mode,
+    PhaseTimeouts,
+    RankRef,
+    SessionReport,
+)
+from ibckpt_node.agent import recovery
 from testbed.coordinator import ThreadedCoordinator
 
 
@@ -89,5 +98,121 @@ def test_a_checkpoint_whose_dump_fails_recovers_the_rank_and_reports_it(
         # the session token is in no report
         assert token not in report.to_json().decode()
     finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def fake_criu(tmp_path: Path) -> str:
+    """A PATH whose criu 'dumps' by exiting 0: the session gets past the dump without a real one."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    criu = bin_dir / "criu"
+    criu.write_text("#!/bin/sh\nexit 0\n")
+    criu.chmod(0o755)
+    return str(bin_dir)
+
+
+def wait_finished(client: AgentClient, session: str, timeout_s: float = 60) -> SessionReport:
+    deadline = time.monotonic() + timeout_s
+    report = client.session(session)
+    while not report.state.finished and time.monotonic() < deadline:
+        time.sleep(0.2)
+        report = client.session(session)
+    return report
+
+
+def stop_request(coordinator: ThreadedCoordinator, session: str, token: str) -> CheckpointRequest:
+    return CheckpointRequest(
+        session_id=session,
+        coordinator=f"127.0.0.1:{coordinator.port}",
+        session_token=SecretStr(token),
+        job="ring",
+        mode=Mode.STOP,
+        ranks=[RankRef(pod_uid="uid-c1", container="main")],
+        timeouts=PhaseTimeouts(rebuild_seconds=20),
+    )
+
+
+def test_an_abort_after_a_stop_dump_rebuilds_the_released_rank_and_resumes_it(
+    agent: Running,
+    tmp_path: Path,
+    coordinator: ThreadedCoordinator,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("PATH", fake_criu(tmp_path))
+    state = tmp_path / "state"
+    sleeper = subprocess.Popen(["/bin/sleep", "120"])
+    try:
+        ctl = state / "containers" / "c1" / "ctl"
+        ctl.mkdir(parents=True)
+        shim = Shim(ctl / "1.sock")
+        register_entry(state, sleeper.pid, "c1")
+        session, token = coordinator.create_session({"node-x"})
+        client = agent.client()
+        client.checkpoint(stop_request(coordinator, session, token))
+        stopped = wait_finished(client, session)
+        # dumped with Stop: the rank waits released for the kill that follows the commit
+        assert (stopped.state, stopped.phase) == ("Succeeded", "Stopped"), stopped
+        assert shim.state == "released"
+        record = recovery.record_path(state, session)
+        assert record.exists() and token not in record.read_text()
+
+        # the job aborts instead (another node's upload failed): the rank is rebuilt and runs again
+        aborting = client.abort(session, "node-y: upload failed", (f"127.0.0.1:{coordinator.port}", token))
+        assert aborting.state == "Running"
+        report = wait_finished(client, session)
+        assert report.state == "Aborted", report
+        assert "node-y: upload failed" in report.message and "1 of 1 rank(s) brought back" in report.message
+        [rank] = report.ranks
+        assert rank.phase == "Resumed", rank
+        assert shim.commands[-3:] == ["abort", "rebuild", "resume"], shim.commands
+        assert shim.state == "running"
+        assert not record.exists()  # nothing left for a next agent
+        assert "dumped" in report.phases  # the checkpoint's phases are kept
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_a_restarted_agent_brings_back_the_ranks_its_dead_predecessor_left_released(
+    tmp_path: Path,
+    coordinator: ThreadedCoordinator,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("PATH", fake_criu(tmp_path))
+    state = tmp_path / "state"
+    sleeper = subprocess.Popen(["/bin/sleep", "120"])
+    first = Running(state)
+    second: Running | None = None
+    try:
+        ctl = state / "containers" / "c1" / "ctl"
+        ctl.mkdir(parents=True)
+        shim = Shim(ctl / "1.sock")
+        register_entry(state, sleeper.pid, "c1")
+        session, token = coordinator.create_session({"node-x"})
+        first.client().checkpoint(stop_request(coordinator, session, token))
+        assert wait_finished(first.client(), session).phase == "Stopped"
+        first.crash()  # killed while its ranks wait released (an upload, say)
+
+        second = Running(state)
+        client = second.client()
+        # an abort naming no coordinator, or a session never recorded here: nothing to bring back
+        for sid, rejoin in ((session, None), ("ckj-other", (f"127.0.0.1:{coordinator.port}", token))):
+            with pytest.raises(AgentError) as refused:
+                client.abort(sid, "operator: aborted", rejoin)
+            assert refused.value.status == 404
+        assert shim.state == "released"
+
+        client.abort(session, "operator: AgentLostSession", (f"127.0.0.1:{coordinator.port}", token))
+        report = wait_finished(client, session)
+        assert report.state == "Aborted", report
+        [rank] = report.ranks
+        assert (rank.rank_key, rank.phase, rank.pid) == ("ring/pod-c1/main/1", "Resumed", sleeper.pid)
+        assert shim.commands[-3:] == ["abort", "rebuild", "resume"], shim.commands
+        assert shim.state == "running"
+        assert not recovery.record_path(state, session).exists()
+    finally:
+        if second is not None:
+            second.stop()
         sleeper.kill()
         sleeper.wait()

@@ -24,7 +24,7 @@ from ibckpt.agentapi import models as api
 from ibckpt.coordination.client import CoordinationAborted, CoordinatorClient, CoordinatorError
 from ibckpt.coordination.ranks import RankId
 from ibckpt_node import driver, tcp_remap
-from ibckpt_node.agent import restoring
+from ibckpt_node.agent import recovery, restoring
 from ibckpt_node.agent.kubesecrets import SecretReader, StagingError
 from ibckpt_node.container_runtime import RuntimeContainer
 from ibckpt_node.coord_proxy import ShimCoordinatorProxy
@@ -49,6 +49,8 @@ POLL_S = 0.5
 # How long ranks left released by a lost coordinator wait for the next operator's recovery: its
 # Lease handover and start-up (2.5 minutes on the emulated testbed nodes), with room.
 REJOIN_WAIT_S = 600.0
+# The driver's outcomes that leave the ranks released: until the kill (Stop) or a restore (Hold).
+HELD_OUTCOMES = ("Stopped", "Held")
 
 
 class SessionError(Exception):
@@ -125,6 +127,20 @@ class Session:
     by_key: dict[str, api.RankProgress] = field(default_factory=dict)
     rejoin_to: api.AbortRequest | None = None  # the coordinator that replaces a lost one
     rejoin_ready: asyncio.Event = field(default_factory=asyncio.Event)
+    recovering: bool = False  # an abort brings back ranks the driver left (recovery.py)
+
+    @property
+    def token(self) -> str:
+        """The token of the coordinator the session uses now."""
+        order = self.rejoin_to
+        if order is not None and order.session_token is not None:
+            return order.session_token.get_secret_value()
+        return self.request.session_token.get_secret_value()
+
+    @property
+    def held(self) -> bool:
+        """The driver is over and left its ranks released (a Stop or Hold dump)."""
+        return self.engine is not None and self.engine.report.outcome in HELD_OUTCOMES
 
 
 class Sessions:
@@ -212,6 +228,18 @@ class Sessions:
     def start_checkpoint(self, request: api.CheckpointRequest) -> api.SessionReport:
         self._check_free(request.session_id)
         ranks, trees, tree_keys = self._resolve(request)
+        recovery.save(self.work_dir, request)  # before any rank is touched: a next agent needs it
+        session = self._checkpoint_session(request, ranks, trees, tree_keys)
+        session.task = asyncio.create_task(self._run(session), name=f"session {request.session_id}")
+        return session.report
+
+    def _checkpoint_session(
+        self,
+        request: api.CheckpointRequest,
+        ranks: list[tuple[driver.LocalRank, str]],
+        trees: list[driver.ProcessTree],
+        tree_keys: dict[str, list[str]],
+    ) -> Session:
         report = api.SessionReport(
             session_id=request.session_id,
             kind=api.SessionKind.CHECKPOINT,
@@ -231,8 +259,7 @@ class Sessions:
         session = Session(request, report, [r for r, _ in ranks], trees, tree_keys)
         session.by_key = {p.rank_key: p for p in report.ranks}
         self.sessions[request.session_id] = session
-        session.task = asyncio.create_task(self._run(session), name=f"session {request.session_id}")
-        return report
+        return session
 
     def start_restore(self, request: api.RestoreRequest) -> api.SessionReport:
         self._check_free(request.session_id)
@@ -410,13 +437,29 @@ class Sessions:
     async def abort(
         self, session_id: str, reason: str, request: api.AbortRequest | None = None
     ) -> api.SessionReport:
+        """`request.coordinator`: the coordinator to rebuild released ranks through. A new one (a new
+        token) replaces a coordinator lost with a restarted operator."""
         session = self.sessions.get(session_id)
         if session is None:
-            raise SessionError(404, f"no session {session_id!r} on {self.node}")
+            session = self._adopt(session_id, request)  # a previous agent's session, or 404
+            self._start_recovery(session, reason, request)
+            return session.report
+        if session.recovering:
+            return session.report
+        if session.held:
+            # the driver is over and left the ranks released: they come back through a coordinator
+            self._start_recovery(session, reason, request)
+            return session.report
         if session.report.state.finished:
             return session.report
         session.abort_reason = session.abort_reason or reason
-        if request is not None and request.coordinator and session.client is not None:
+        engine = session.engine
+        if engine is not None and engine.report.outcome and session.task is not None:
+            # the ranks run again (LeaveRunning) and only the upload is left: it is not wanted now
+            session.task.cancel()
+            return session.report
+        token = request.session_token.get_secret_value() if request and request.session_token else None
+        if request is not None and request.coordinator and token != session.token and session.client:
             # The operator restarted: the session's coordinator is gone with it. Give its connection
             # up at once (a request may be waiting on it) and rejoin the recovery's coordinator.
             session.rejoin_to = request
@@ -430,6 +473,98 @@ class Sessions:
         elif session.task is not None:
             session.task.cancel()
         return session.report
+
+    def _adopt(self, session_id: str, order: api.AbortRequest | None) -> Session:
+        """A session this agent never ran: a previous agent's (it died), if its record is here. The
+        ranks of its containers that still run under the shim are brought back."""
+        missing = SessionError(404, f"no session {session_id!r} on {self.node}")
+        if order is None or not order.coordinator:
+            raise missing
+        request = recovery.load(self.work_dir, session_id, order)
+        if request is None:
+            raise missing
+        registered = {(e.pod_uid, e.container) for e in self.registry.entries() if e.shim}
+        alive = [ref for ref in request.ranks if (ref.pod_uid, ref.container) in registered]
+        if not alive:
+            log.warning("session %s: a previous agent's; none of its containers runs here now", session_id)
+            recovery.forget(self.work_dir, session_id)
+            raise missing
+        if self.running():
+            raise SessionError(409, f"{self.node} is busy with session {self.running()[0]!r}")
+        request = request.model_copy(update={"ranks": alive})
+        ranks, trees, tree_keys = self._resolve(request)
+        session = self._checkpoint_session(request, ranks, trees, tree_keys)
+        log.warning(
+            "session %s: left by a previous agent of this node; bringing its %d rank(s) back",
+            session_id,
+            len(ranks),
+        )
+        return session
+
+    def _start_recovery(self, session: Session, reason: str, order: api.AbortRequest | None) -> None:
+        if order is None or not order.coordinator or order.session_token is None:
+            # an operator that names no coordinator: nothing to rebuild through
+            log.error(
+                "session %s: its ranks are released and the abort names no coordinator to rebuild them "
+                "through; they wait for a restore or a kill",
+                session.report.session_id,
+            )
+            return
+        session.abort_reason = session.abort_reason or reason
+        session.recovering = True  # from now on the report says Running until the ranks are back
+        session.report.state = api.SessionState.RUNNING
+        session.report.phase = "Aborting"
+        previous = session.task
+        session.task = asyncio.create_task(
+            self._recover(session, order, previous), name=f"recovery {session.report.session_id}"
+        )
+
+    async def _recover(
+        self, session: Session, order: api.AbortRequest, previous: asyncio.Task[None] | None
+    ) -> None:
+        """Bring back the ranks a held (or a previous agent's) session left out of running."""
+        request = session.request
+        assert isinstance(request, api.CheckpointRequest)
+        assert order.coordinator and order.session_token is not None
+        report = session.report
+        if previous is not None and not previous.done():
+            previous.cancel()  # an upload still running: the checkpoint is aborted
+            await asyncio.wait([previous])
+        reason = session.abort_reason
+        phases = dict(report.phases)
+        host, _, port = order.coordinator.rpartition(":")
+        token = order.session_token.get_secret_value()
+        try:
+            client = await CoordinatorClient.connect(host, int(port), request.session_id, self.node, token)
+            try:
+                async with ShimCoordinatorProxy(self.shim_socket, client) as proxy:
+                    session.engine = driver.NodeDriver(
+                        self.node,
+                        client,
+                        session.ranks,
+                        timeouts=driver_timeouts(request.timeouts),
+                        flush_records=proxy.published,
+                    )
+                    await session.engine.recover(reason, request.epoch)
+            finally:
+                await client.close()
+            back = len(session.engine.report.shim.get("abort", {}))
+            message = f"aborted: {reason}; {back} of {len(session.ranks)} rank(s) brought back"
+            self._finish_failed(session, api.SessionState.ABORTED, message)
+        except (CoordinatorError, OSError) as exc:
+            message = f"aborted: {reason}; the released ranks could not be rebuilt: {exc}"
+            self._finish_failed(session, api.SessionState.ABORTED, message)
+        except Exception as exc:
+            log.exception("recovery of session %s", request.session_id)
+            self._finish_failed(session, api.SessionState.FAILED, f"agent error: {exc}")
+        finally:
+            session.recovering = False
+            report.phases = {**phases, **report.phases}
+            if all(p.phase is api.RankPhase.RESUMED for p in report.ranks):
+                recovery.forget(self.work_dir, request.session_id)
+            report.finished_at = time.time()
+            log.info("session %s: %s (recovery) %s", request.session_id, report.state.value, report.message)
+            self.on_finished(report)
 
     async def _rejoin(self, session: Session, proxy: ShimCoordinatorProxy) -> CoordinatorClient | None:
         """Wait (bounded) for an abort naming the coordinator that replaces the lost one; connect to it
@@ -535,7 +670,8 @@ class Sessions:
             state = api.SessionState.ABORTED if aborted and session.abort_reason else api.SessionState.FAILED
             self._finish_failed(session, state, str(exc))
         except asyncio.CancelledError:
-            self._finish_failed(session, api.SessionState.ABORTED, session.abort_reason or "cancelled")
+            if not session.recovering:  # a recovery reports for itself
+                self._finish_failed(session, api.SessionState.ABORTED, session.abort_reason or "cancelled")
         except Exception as exc:
             log.exception("session %s", request.session_id)
             self._finish_failed(session, api.SessionState.FAILED, f"agent error: {exc}")
@@ -545,11 +681,18 @@ class Sessions:
             if session.engine is not None:
                 # the renewals went on through the upload; a Held rank is handed over with no lease
                 await session.engine.end_leases()
-            report.finished_at = time.time()
-            log.info(
-                "session %s: %s (%s) %s", request.session_id, report.state.value, report.phase, report.message
-            )
-            self.on_finished(report)
+            if not session.held:  # every rank runs again: nothing for a next agent to bring back
+                recovery.forget(self.work_dir, request.session_id)
+            if not session.recovering:
+                report.finished_at = time.time()
+                log.info(
+                    "session %s: %s (%s) %s",
+                    request.session_id,
+                    report.state.value,
+                    report.phase,
+                    report.message,
+                )
+                self.on_finished(report)
 
     async def _stage(self, session: Session, images: Path) -> None:
         """Upload this node's images as its part of the checkpoint (the operator commits the parts)."""
