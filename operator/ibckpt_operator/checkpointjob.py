@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import secrets
+import time
 from collections.abc import Awaitable
 from dataclasses import dataclass
 
@@ -39,6 +40,7 @@ from ibckpt.api import (
 )
 from ibckpt_operator import metrics, selection, storage
 from ibckpt_operator.agents import Agent, agents_by_node, each_agent, follow_session, no_agent_message
+from ibckpt_operator.config import current
 from ibckpt_operator.driver import Driver
 from ibckpt_operator.kube import Body
 from ibckpt_operator.machine import CheckpointMachine, JobConfig, JobState, PodRef
@@ -530,11 +532,14 @@ class CheckpointJobDriver(Driver[JobState]):
         session_id = self.session.id if self.session else self.session_id(run)
         agents = await agents_by_node(self.rt.kube)
         nodes = sorted({pod.node for pod in action.pods})
-        rejoin: tuple[str, str] | None = None
-        if self.session is None:
+        # The abort names the coordinator to rebuild released ranks through: the session's own, or after
+        # a restart (it went with the last operator) a new one. Ranks a Stop or Hold dump left released,
+        # and those of an agent that died, are rebuilt through it by an agent whose driver is over.
+        if self.session is None or session_id not in self.rt.coordinator.sessions:
             rejoin = self.open_recovery(session_id, nodes, agents)
-        elif session_id in self.rt.coordinator.sessions:
+        else:
             self.rt.coordinator.sessions[session_id].abort(f"operator: {self.state.reason or 'aborted'}")
+            rejoin = self.rt.coordinator_address(), self.session.token
         await asyncio.gather(
             *(self.resume_node(node, agents.get(node), session_id, action, rejoin) for node in nodes)
         )
@@ -565,14 +570,20 @@ class CheckpointJobDriver(Driver[JobState]):
                 self.emit(StepFailed(action.attempt, "AgentUnreachable", message, pod=pod.uid))
             return
         reason = (self.state.message if self.state else None) or "aborted by the operator"
-        try:
-            report = await self.rt.gateway.abort(agent, session_id, reason[:1000], rejoin)
-        except AgentError as error:
-            for pod in pods:
-                self.emit(
-                    StepFailed(action.attempt, "AgentUnreachable", f"node {node}: {error}", pod=pod.uid)
-                )
-            return
+        asked = time.monotonic()
+        while True:
+            try:
+                report = await self.rt.gateway.abort(agent, session_id, reason[:1000], rejoin)
+                break
+            except AgentError as error:
+                # an agent that is restarting (it crashed mid-session) answers again soon, and brings
+                # back what its predecessor left; only silence for as long as a session's fails
+                if error.status or time.monotonic() - asked > current().agent_unreachable_seconds:
+                    for pod in pods:
+                        message = f"node {node}: {error}"
+                        self.emit(StepFailed(action.attempt, "AgentUnreachable", message, pod=pod.uid))
+                    return
+                await asyncio.sleep(current().poll_seconds)
         if report is not None and not report.state.finished:
             end = await follow_session(self.rt.gateway, agent, session_id, lambda _: None)
             if end.report is None:
