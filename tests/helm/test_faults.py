@@ -8,7 +8,11 @@ an Event. One ring (ring-0 on node-1, ring-1 on node-2, LeaveRunning jobs) lives
    job's coordinator with it: the next operator finds the job mid-step, never replays it blindly, and
    aborts through a coordinator it opens for the recovery; the agents rejoin it, rebuild the ranks
    with their peers, and they resume.
-3. Then a CheckpointJob with nothing in the way succeeds, and the ring finishes with every message
+3. A Stop job's ranks wait released while the images are uploaded (the relay stalls the upload), and
+   node-1's agent is killed (SIGKILL, as a crash or an OOM kill). Its restarted successor no longer
+   knows the session: the job aborts, the agent on node-2 rebuilds its ranks through the job's
+   coordinator, and the new one on node-1 finds its predecessor's session on disk and does the same.
+4. Then a CheckpointJob with nothing in the way succeeds, and the ring finishes with every message
    delivered exactly once: the faults lost and duplicated nothing.
 
 The test only uses kubectl, the S3 relay, and a listing of the bucket.
@@ -33,8 +37,22 @@ pytestmark = [pytest.mark.cluster, pytest.mark.timeout(2400)]
 CUT = ("Quiescing", "Draining", "Releasing", "Dumping", "Uploading")
 
 
-def job(name: str, storage: str) -> dict[str, Any]:
-    made = ring.checkpoint_job(name, "LeaveRunning")
+# Kills the node agent's process from a `kubectl exec` in its pod (hostPID: it sees the node's processes).
+KILL_AGENT = """
+import os, signal
+me = {os.getpid(), os.getppid()}
+for pid in [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) not in me]:
+    try:
+        argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\\0")
+    except OSError:
+        continue
+    if any(os.path.basename(a) == b"ibckpt-agent" for a in argv[:2]):
+        os.kill(pid, signal.SIGKILL)
+"""
+
+
+def job(name: str, storage: str, mode: str = "LeaveRunning") -> dict[str, Any]:
+    made = ring.checkpoint_job(name, mode)
     made["spec"]["storageRef"] = {"name": storage}
     return made
 
@@ -64,6 +82,31 @@ def warning_events(cluster: Cluster, namespace: str, name: str) -> list[str]:
         for e in found
         if e["involvedObject"].get("name") == name and e["type"] == "Warning"
     ]
+
+
+def agent_on(installed: Release, node: str) -> dict[str, Any]:
+    [agent] = [p for p in installed.agent_pods() if p["spec"]["nodeName"] == node]
+    return agent
+
+
+def restarts(pod: dict[str, Any]) -> int:
+    return int(pod["status"]["containerStatuses"][0]["restartCount"])
+
+
+def kill_agent(installed: Release, node: str) -> tuple[str, int]:
+    """SIGKILL the agent on `node`; its pod's name and restart count before."""
+    agent = agent_on(installed, node)
+    name = agent["metadata"]["name"]
+    before = restarts(agent)
+    # the exec may die with the container: whether the kill happened is read from the restart count
+    installed.cluster.kubectl(
+        "exec", "-n", installed.namespace, name, "--", "python3", "-c", KILL_AGENT, check=False
+    )
+    deadline = time.monotonic() + 120
+    while restarts(pods.get(installed.cluster, installed.namespace, "pod", name)) == before:
+        assert time.monotonic() < deadline, f"the agent {name} was not restarted after the kill"
+        time.sleep(1)
+    return name, before
 
 
 def assert_failed_cleanly(
@@ -125,7 +168,33 @@ def test_faults_mid_checkpoint_leave_the_ring_running_and_list_nothing(
     assert "resume failed" not in failed["message"] and "not confirmed" not in failed["message"], failed
     installed.rollout(f"deployment/{installed.name}-operator")
 
-    # 3. Nothing in the way: the job checkpoints, and the ring finishes exactly once
+    # 3. Stop: node-1's agent is killed while the ranks wait released for the upload to end
+    pods.apply(cluster, job_ns, job("agent-gone", "gated", "Stop"))
+    wait_for_phase(cluster, job_ns, "agent-gone", CUT)
+    s3_gate.stall()  # the uploads hang: the ranks stay released (dumped, held for the commit)
+    try:
+        wait_for_phase(cluster, job_ns, "agent-gone", ("Uploading",))
+        agent, _ = kill_agent(installed, "node-1")
+        failed = assert_failed_cleanly(cluster, job_ns, "agent-gone", s3_server, bucket)
+    finally:
+        s3_gate.mend()
+    print(f"agent {agent} killed in Uploading: {failed['reason']}: {failed['message'][:300]}")
+    # the new agent answers but knows nothing of the session (or, restarting, did not answer)
+    assert failed["reason"] in ("AgentLostSession", "AgentUnreachable"), failed
+    assert "resume failed" not in failed["message"] and "not confirmed" not in failed["message"], failed
+    rows = {row["name"]: row["phase"] for row in failed.get("pods", [])}
+    assert rows and set(rows.values()) == {"Resumed"}, failed  # both ranks rebuilt and running again
+    installed.cluster.kubectl(
+        "wait",
+        "-n",
+        installed.namespace,
+        "--for=condition=Ready",
+        f"pod/{agent}",
+        "--timeout=300s",
+        timeout=320,
+    )
+
+    # 4. Nothing in the way: the job checkpoints, and the ring finishes exactly once
     pods.apply(cluster, job_ns, job("after", "store"))
     done = ring.wait_phase(cluster, job_ns, "checkpointjob", "after", "Succeeded", 900)
     assert len(manifests(s3_server, bucket)) == 1, manifests(s3_server, bucket)

@@ -1,7 +1,8 @@
 """A TCP relay on 127.0.0.1 that a test can cut and mend: a network fault between the nodes and a host
 service (S3) at a moment the test picks. Cut, it resets every relayed connection and every new one at
-once, as a dead link or a crashed server would; its port stays the same, so a cluster booted with the
-port forwarded keeps reaching it."""
+once, as a dead link or a crashed server would; stalled, it holds every byte (connections stay open, as
+with a server that hangs), so a request in flight waits for as long as the test likes. Its port stays the
+same, so a cluster booted with the port forwarded keeps reaching it."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import selectors
 import socket
 import struct
 import threading
+import time
 
 
 def _reset(sock: socket.socket) -> None:
@@ -26,6 +28,7 @@ class Gate:
         self.port: int = self._listener.getsockname()[1]
         self._lock = threading.Lock()
         self._open = True
+        self._stalled = False
         self._live: set[socket.socket] = set()
         self.refused = 0  # connections reset while cut, for the test's report
         threading.Thread(target=self._accept, name=f"gate-{self.port}", daemon=True).start()
@@ -37,9 +40,14 @@ class Gate:
         for sock in live:
             _reset(sock)
 
+    def stall(self) -> None:
+        with self._lock:
+            self._stalled = True
+
     def mend(self) -> None:
         with self._lock:
             self._open = True
+            self._stalled = False
 
     def close(self) -> None:
         self.cut()
@@ -73,7 +81,9 @@ class Gate:
                 selector.register(sock, selectors.EVENT_READ)
             try:
                 while True:
-                    for key, _ in selector.select(timeout=1.0):
+                    if self._stalled:
+                        time.sleep(0.1)
+                    for key, _ in [] if self._stalled else selector.select(timeout=1.0):
                         data = key.fileobj.recv(65536)  # type: ignore[union-attr]
                         if not data:
                             return

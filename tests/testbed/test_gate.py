@@ -1,4 +1,5 @@
-"""The gate relays bytes both ways, resets every connection when cut, and relays again when mended."""
+"""The gate relays bytes both ways, resets every connection when cut, holds every byte when stalled, and
+relays again when mended."""
 
 from __future__ import annotations
 
@@ -58,5 +59,26 @@ def test_relays_then_resets_when_cut_then_relays_when_mended(echo_port: int) -> 
 
         gate.mend()
         assert ask(gate.port, b"five") == b"five"
+    finally:
+        gate.close()
+
+
+def test_a_stall_holds_the_bytes_of_every_connection_until_mended(echo_port: int) -> None:
+    gate = Gate(echo_port)
+    try:
+        held = socket.create_connection(("127.0.0.1", gate.port), timeout=5)
+        gate.stall()
+        held.sendall(b"one")
+        held.settimeout(1.0)
+        with pytest.raises(TimeoutError):
+            held.recv(100)  # neither forwarded nor reset
+        late = socket.create_connection(("127.0.0.1", gate.port), timeout=5)  # accepted, then held too
+        late.sendall(b"two")
+        gate.mend()
+        held.settimeout(5)
+        assert held.recv(100) == b"one"
+        assert late.recv(100) == b"two"
+        held.close()
+        late.close()
     finally:
         gate.close()
