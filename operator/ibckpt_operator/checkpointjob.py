@@ -208,6 +208,10 @@ class CheckpointJobDriver(Driver[JobState]):
             self.emit(PodsClaimed(action.attempt) if holder is None else PodsBusy(action.attempt, holder))
         elif isinstance(action, OpenSession):
             await self.open_session(action)
+        elif isinstance(action, DiscardUpload):
+            # the job may end (Failed) before a store that is down lets the discard give up: it must
+            # still get to say so
+            self.rt.detach(self.discard(action), f"discard {self.key}")
         elif isinstance(action, StepAction):
             self.spawn(self.guarded(action))
         else:
@@ -224,8 +228,6 @@ class CheckpointJobDriver(Driver[JobState]):
             await self.commit(action)
         elif isinstance(action, VerifyManifest):
             await self.verify(action)
-        elif isinstance(action, DiscardUpload):
-            await self.discard(action)
         elif isinstance(action, PublishCheckpoint):
             await self.publish(action)
         elif isinstance(action, KillSources):

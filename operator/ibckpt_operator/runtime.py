@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
 from ibckpt_operator.agents import AgentGateway
 from ibckpt_operator.config import current
@@ -24,10 +26,17 @@ class Runtime:
     claims: PodClaims = field(default_factory=PodClaims)
     lease: LeaderLease | None = None
     lost: asyncio.Event = field(default_factory=asyncio.Event)  # the Lease is gone: stop driving jobs
-    tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    tasks: set[asyncio.Task[None]] = field(default_factory=set)  # detached work, held until it ends
 
     def coordinator_address(self) -> str:
         return f"{advertised_host()}:{self.coordinator.port}"
+
+    def detach(self, work: Coroutine[Any, Any, None], name: str) -> None:
+        """Run `work` past the end of the job that started it (a job's own tasks end with its daemon):
+        for clean-up whose outcome the job does not wait for, only reports."""
+        task = asyncio.create_task(work, name=name)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
 
 
 def advertised_host() -> str:
