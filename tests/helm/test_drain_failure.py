@@ -82,7 +82,8 @@ def test_a_failing_checkpoint_keeps_holding_the_drain_loudly_then_proceeds_and_l
         assert warnings(cluster, job_ns, "DrainHeld"), pods.get(cluster, job_ns, "events")["items"][-5:]
         jobs = pods.get(cluster, job_ns, "checkpointjobs")["items"]
         phases = [(j.get("status") or {}).get("phase") for j in jobs]
-        assert phases and set(phases) <= {"Failed", "Pending"}, phases  # a retry may have just started
+        # none got past its storage check; a retry may have just started (no status written yet)
+        assert phases and set(phases) <= {"Failed", "Pending", None}, phases
         # nothing was lost: the job's pod still runs where it ran
         kept = pods.get(cluster, job_ns, "pod", "ring-0")
         assert kept["spec"]["nodeName"] == "node-1" and kept["status"]["phase"] == "Running", kept["status"]
