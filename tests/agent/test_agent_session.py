@@ -40,6 +40,15 @@ class Shim(FakeShimSocket):
         return super().answer(verb)
 
 
+def registered_shim(state: Path, pid: int) -> Shim:
+    """A fake shim's control socket in container c1 of `pid`, registered as the hook does."""
+    ctl = state / "containers" / "c1" / "ctl"
+    ctl.mkdir(parents=True)
+    shim = Shim(ctl / "1.sock")
+    register_entry(state, pid, "c1")
+    return shim
+
+
 @pytest.fixture
 def agent(tmp_path: Path) -> Iterator[Running]:
     running = Running(tmp_path / "state")
@@ -59,10 +68,7 @@ def test_a_checkpoint_whose_dump_fails_recovers_the_rank_and_reports_it(
     state = tmp_path / "state"
     sleeper = subprocess.Popen(["/bin/sleep", "120"])
     try:
-        ctl = state / "containers" / "c1" / "ctl"
-        ctl.mkdir(parents=True)
-        shim = Shim(ctl / "1.sock")
-        register_entry(state, sleeper.pid, "c1")
+        shim = registered_shim(state, sleeper.pid)
         session, token = coordinator.create_session({"node-x"})
         request = CheckpointRequest(
             session_id=session,
@@ -143,10 +149,7 @@ def test_an_abort_after_a_stop_dump_rebuilds_the_released_rank_and_resumes_it(
     state = tmp_path / "state"
     sleeper = subprocess.Popen(["/bin/sleep", "120"])
     try:
-        ctl = state / "containers" / "c1" / "ctl"
-        ctl.mkdir(parents=True)
-        shim = Shim(ctl / "1.sock")
-        register_entry(state, sleeper.pid, "c1")
+        shim = registered_shim(state, sleeper.pid)
         session, token = coordinator.create_session({"node-x"})
         client = agent.client()
         client.checkpoint(stop_request(coordinator, session, token))
@@ -185,10 +188,7 @@ def test_a_restarted_agent_brings_back_the_ranks_its_dead_predecessor_left_relea
     first = Running(state)
     second: Running | None = None
     try:
-        ctl = state / "containers" / "c1" / "ctl"
-        ctl.mkdir(parents=True)
-        shim = Shim(ctl / "1.sock")
-        register_entry(state, sleeper.pid, "c1")
+        shim = registered_shim(state, sleeper.pid)
         session, token = coordinator.create_session({"node-x"})
         first.client().checkpoint(stop_request(coordinator, session, token))
         assert wait_finished(first.client(), session).phase == "Stopped"

@@ -489,8 +489,7 @@ class Sessions:
             log.warning("session %s: a previous agent's; none of its containers runs here now", session_id)
             recovery.forget(self.work_dir, session_id)
             raise missing
-        if self.running():
-            raise SessionError(409, f"{self.node} is busy with session {self.running()[0]!r}")
+        self._check_free(session_id)  # the shims' coordinator socket is one per node
         request = request.model_copy(update={"ranks": alive})
         ranks, trees, tree_keys = self._resolve(request)
         session = self._checkpoint_session(request, ranks, trees, tree_keys)
