@@ -252,7 +252,10 @@ def _build(name: str, containerfile: Path, context: Path, mounts: list[str], log
 
 def apps(log: Path) -> Image:
     containerfile = IMAGES_DIR / "rdma-apps" / "Containerfile"
-    key = _hash_files([containerfile, *_tracked("native/tests", "native/include", "native/Makefile")])
+    inputs = _tracked(
+        "native/tests", "native/include", "native/Makefile", "tests/mpi/jacobi.c", "tests/mpi/rexec.py"
+    )
+    key = _hash_files([containerfile, *inputs])
     return _bud(APPS_IMAGE, containerfile, REPO, key, log)
 
 

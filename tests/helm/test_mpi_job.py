@@ -1,0 +1,84 @@
+"""An MPI job in pods, on the real cluster with the chart installed: Open MPI over UCX on rxe, a launcher pod
+(mpirun and rank 0) on node-1 and a worker pod (the exec server mpirun starts orted with, and rank 1) on
+node-2, both owned by an MPIJob as the MPI Operator creates them (tests/testbed/mpijob.py). A CheckpointJob
+names the MPIJob (workloadRef) and stops it mid-run; once the pods are deleted, a RestoreJob brings both
+back on the other nodes (the launcher on node-2, the worker on node-1): the processes restored through the
+runtime, node addresses mapped in their TCP connections (mpirun to orted, the exec server's), queue pairs
+rebuilt through the operator's coordinator. jacobi then finishes and prints exactly the RESULT of an
+uninterrupted run of the same binary. The test only uses kubectl.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from helm.conftest import Release
+
+from testbed import mpijob, pods, ring
+from testbed.cluster import node_ip
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(2400)]
+
+
+@pytest.fixture
+def mpi_crd(installed: Release) -> Iterator[None]:
+    mpijob.install_crd(installed.cluster)
+    try:
+        yield
+    finally:
+        installed.cluster.kubectl("delete", "crd", f"mpijobs.{mpijob.GROUP}", "--wait=false", check=False)
+
+
+def test_an_mpijob_checkpointed_by_owner_is_restored_on_the_other_nodes_with_the_uninterrupted_result(
+    installed: Release, job_ns: str, mpi_crd: None
+) -> None:
+    cluster = installed.cluster
+    expected = mpijob.uninterrupted(cluster, job_ns)
+    mpijob.start(cluster, job_ns)
+
+    job = {
+        "apiVersion": "ibckpt.io/v1alpha1",
+        "kind": "CheckpointJob",
+        "metadata": {"name": "jacobi-stop"},
+        "spec": {
+            "workloadRef": {"apiVersion": mpijob.GROUP, "kind": "MPIJob", "name": mpijob.NAME},
+            "mode": "Stop",
+            "storageRef": {"name": "store"},
+            "timeouts": {"admitSeconds": 300},
+        },
+    }
+    pods.apply(cluster, job_ns, job)
+    done = ring.wait_phase(cluster, job_ns, "checkpointjob", "jacobi-stop", "Succeeded", 900)
+    before = mpijob.log(cluster, job_ns)
+    cut_at = max(mpijob.steps(before))
+    assert mpijob.result(before) is None and cut_at < mpijob.STEPS - 50, before[-2000:]  # stopped mid-run
+    assert {p["name"] for p in done["status"]["pods"]} == set(mpijob.MEMBERS), done["status"]
+    checkpoint = pods.get(cluster, job_ns, "checkpoint", done["status"]["checkpointName"])
+    spec = checkpoint["spec"]
+    assert {p["name"]: p["node"] for p in spec["pods"]} == {
+        mpijob.LAUNCHER: "node-1",
+        mpijob.WORKER: "node-2",
+    }
+    assert spec["source"]["kind"] == "MPIJob" and spec["source"]["name"] == mpijob.NAME, spec["source"]
+    # rank 0 in the launcher, rank 1 under the worker's orted; mpirun, orted and the exec server are no ranks
+    ranks = {p["name"]: len(p.get("ranks") or ()) for p in spec["pods"]}
+    assert ranks == {mpijob.LAUNCHER: 1, mpijob.WORKER: 1} and spec["rankCount"] == 2, spec["pods"]
+
+    cluster.kubectl("delete", "pod", "-n", job_ns, *mpijob.MEMBERS, "--timeout=120s", timeout=150)
+    pods.apply(cluster, job_ns, ring.restore_job("jacobi-back", checkpoint["metadata"]["name"]))
+    restored = ring.wait_phase(cluster, job_ns, "restorejob", "jacobi-back", "Succeeded", 900)
+    placed = {p["metadata"]["name"]: p for p in pods.get(cluster, job_ns, "pods")["items"]}
+    assert placed[mpijob.LAUNCHER]["spec"]["nodeName"] == "node-2", restored["status"]
+    assert placed[mpijob.WORKER]["spec"]["nodeName"] == "node-1", restored["status"]
+    assert placed[mpijob.WORKER]["status"]["podIP"] == node_ip(1)
+
+    after = mpijob.finish(cluster, job_ns)
+    resumed = mpijob.steps(after)
+    assert resumed and min(resumed) > cut_at, f"cut at step {cut_at}; after the restore:\n{after[-3000:]}"
+    assert "mpirun-exit=0" in after, after[-3000:]
+    assert mpijob.result(after) == expected, f"{after[-3000:]}\nexpected {expected}"
+    print(
+        f"jacobi: cut at step {cut_at} of {mpijob.STEPS}; CheckpointJob {ring.seconds(done):.1f}s, "
+        f"RestoreJob {ring.seconds(restored):.1f}s; {expected}"
+    )
