@@ -154,6 +154,17 @@ def steps(text: str) -> list[int]:
     return [int(n) for n in _STEP.findall(text)]
 
 
+def progress(cluster: Cluster, namespace: str, beyond: int, timeout: float = 240) -> int:
+    """Wait until rank 0 reports a step past `beyond` (the job computes again); the last step reported."""
+    deadline = time.monotonic() + timeout
+    while True:
+        seen = steps(text := log(cluster, namespace))
+        if seen and max(seen) > beyond:
+            return max(seen)
+        assert time.monotonic() < deadline, f"no step past {beyond} in {timeout:g} s:\n{text[-3000:]}"
+        time.sleep(3)
+
+
 def result(text: str) -> str | None:
     found = _RESULT.findall(text)
     return found[-1] if found else None
