@@ -183,6 +183,13 @@ def read_tree_manifest(images: Path) -> tuple[int, list[tuple[RankId, int, Path]
         raise CheckpointFailed(f"{images}: not a dumped process tree ({TREE_MANIFEST}: {exc})") from exc
 
 
+def _unanswered(r: LocalRank, exc: BaseException) -> str:
+    """Why a rank's shim did not answer; a dead process says so (the application lost a rank)."""
+    if not Path(f"/proc/{r.pid}").exists():
+        return f"its process is gone ({exc})"
+    return str(exc)
+
+
 class NodeDriver:
     def __init__(
         self,
@@ -255,6 +262,11 @@ class NodeDriver:
                     return
                 try:
                     reply = await r.command(line)
+                except (ControlError, OSError) as exc:
+                    failed = True
+                    raise CheckpointFailed(
+                        f"{phase} of {r.rank.key()} (pid {r.pid}) failed: {_unanswered(r, exc)}"
+                    ) from exc
                 except BaseException:
                     failed = True
                     raise

@@ -239,6 +239,37 @@ async def test_a_failed_quiesce_in_the_fast_cut_brings_every_rank_back(
         assert s.state == "running"
 
 
+class DiesAtQuiesce(FakeShim):
+    """A rank whose process dies as it is told to quiesce: its connection closes with no answer."""
+
+    def answer(self, verb: str) -> tuple[bool, dict[str, object]]:
+        if verb == "quiesce":
+            self.sock.close()
+            raise ConnectionAbortedError("the rank's process died")
+        return super().answer(verb)
+
+
+async def test_a_rank_that_dies_mid_cut_is_named_and_every_other_rank_comes_back(
+    coordinator: ThreadedCoordinator, tmp_path: Path, sleeper: int
+) -> None:
+    shims, ranks = _setup(tmp_path, sleeper, FakeShim)
+    shims[0].sock.close()
+    shims[0] = DiesAtQuiesce(tmp_path / "r0-dies.ctl", shims[1].everyone)
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # its pid no longer exists, as a killed rank's
+    ranks[0] = LocalRank(ranks[0].rank, gone.pid, shims[0].path)
+    driver = await _driver(coordinator, ranks)
+    try:
+        with pytest.raises(CheckpointFailed, match=r"quiesce of job/rank-0/main/0 .*its process is gone"):
+            await asyncio.wait_for(driver.checkpoint(Mode.LEAVE_RUNNING, tmp_path / "images", epoch=2), 30)
+    finally:
+        await driver.client.close()
+    assert driver.report.outcome == "Aborted"
+    for s in shims[1:]:
+        assert "release" not in s.commands and s.commands[-1] == "abort", s.commands
+        assert s.state == "running"
+
+
 class HangingRelease(FakeShim):
     """A rank whose release never answers in time (a control thread stuck in the driver)."""
 
