@@ -91,6 +91,25 @@ def _client_with(config: StoreConfig, boto_config: BotoConfig, verify: str | boo
         )
 
 
+def warm() -> None:
+    """Load botocore's models into the shared session now, with a client that is never used: call it in a
+    background thread when a component starts. Otherwise the first storage check or upload loads them, and
+    on the testbed's emulated nodes that took 30 to 56 s of a first CheckpointJob after each operator
+    start. No request is made; the placeholder credentials reach nothing."""
+    global _shared
+    with _SHARED_LOCK:
+        if _shared is None:
+            _shared = boto3.session.Session()
+        _shared.client(
+            "s3",
+            region_name="us-east-1",
+            endpoint_url="http://127.0.0.1:9",
+            config=BotoConfig(signature_version="s3v4"),
+            aws_access_key_id="unused",
+            aws_secret_access_key="unused",
+        )
+
+
 def connect(config: StoreConfig) -> Connection:
     """A client for the configured endpoint. Raises CredentialsError if the AWS chain finds nothing."""
     creds = config.credentials

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from typing import Any
 
 import kopf
 
 from ibckpt.api import CheckpointJobStatus, JobPhase
+from ibckpt.store import s3
 from ibckpt_operator import metrics, runtime
 from ibckpt_operator.agents import AgentGateway
 from ibckpt_operator.checkpointjob import job_key
@@ -88,7 +90,16 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
         keeper = asyncio.ensure_future(lease.keep(rt.lost.set))
         rt.tasks.add(keeper)
     runtime.set_runtime(rt)
+    # botocore's models load in the background now, not in the first job's storage check (s3.warm)
+    threading.Thread(target=_warm_store, name="warm store", daemon=True).start()
     log.info("ibckpt operator started; coordinator on port %d", coordinator.port)
+
+
+def _warm_store() -> None:
+    try:
+        s3.warm()
+    except Exception as exc:  # the storage check that needs it reports its own error
+        log.warning("the image store could not be prepared: %s", exc)
 
 
 @kopf.on.cleanup()

@@ -90,12 +90,14 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def warm_store_imports() -> None:
-    """Import the store (boto3) once the agent serves: on a slow node the first import took tens of
-    seconds, which the first checkpoint's upload or restore's download would otherwise pay."""
+    """Import the store (boto3) and load botocore's models once the agent serves: on a slow node these took
+    tens of seconds, which the first checkpoint's upload or restore's download would otherwise pay."""
     try:
-        import ibckpt.store  # noqa: F401
-    except ImportError as exc:  # the session that needs it reports the error
-        log.warning("the image store cannot be imported: %s", exc)
+        from ibckpt.store import s3
+
+        s3.warm()
+    except Exception as exc:  # the session that needs the store reports its own error
+        log.warning("the image store could not be prepared: %s", exc)
 
 
 async def serve(args: argparse.Namespace) -> None:
