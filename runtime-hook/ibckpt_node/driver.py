@@ -561,7 +561,12 @@ class NodeDriver:
                 upper = container_runtime.upper_dir(t.root_pid)  # before Stop's dump ends the container
                 shm = container_runtime.shm_dir(t.container)
                 dump = functools.partial(container_runtime.checkpoint, t.container)
-                await asyncio.to_thread(dump, images, options, self.timeouts.dump_s)
+                try:
+                    await asyncio.to_thread(dump, images, options, self.timeouts.dump_s)
+                except criu.CriuError as exc:
+                    gone = [r.rank.key() for r in members[t.name] if not Path(f"/proc/{r.pid}").exists()]
+                    why = f" (the process of {', '.join(gone)} is gone)" if gone else ""
+                    raise CheckpointFailed(f"dump of container {t.name}{why} failed: {exc}") from exc
                 # after the dump: with Stop nothing writes any more (LeaveRunning: see docs/node-agent.md)
                 await asyncio.to_thread(container_runtime.save_rootfs_diff, upper, images)
                 await asyncio.to_thread(container_runtime.save_shm, shm, images)
