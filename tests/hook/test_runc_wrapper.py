@@ -287,3 +287,18 @@ def test_restores_in_one_network_namespace_take_turns(tmp_path: Path) -> None:
     again = runc.hold_restore_lock(config, node, wait_s=0.3)  # released with the first's fd
     os.close(again)
     assert oct(os.stat(os.path.dirname(runc.restore_lock_path(config, node))).st_mode & 0o777) == "0o700"
+
+
+def test_the_same_shim_keeps_its_file_and_a_new_one_replaces_it(tmp_path: Path) -> None:
+    """An agent restart must not put a new file under running containers' bind mounts (their processes
+    would map a deleted shim, which CRIU cannot restore); an upgrade does replace it."""
+    from ibckpt_node.hook import install
+
+    shim, dest = tmp_path / "built.so", tmp_path / "libibckpt.so"
+    shim.write_bytes(b"\x7fELF one build")
+    assert install.install_shim(shim, dest)
+    inode = dest.stat().st_ino
+    assert not install.install_shim(shim, dest) and dest.stat().st_ino == inode
+    shim.write_bytes(b"\x7fELF another build")
+    assert install.install_shim(shim, dest) and dest.stat().st_ino != inode
+    assert dest.read_bytes() == b"\x7fELF another build"

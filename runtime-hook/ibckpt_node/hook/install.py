@@ -13,6 +13,7 @@ user environment, about 10 ms faster than a console script in a virtualenv.
 from __future__ import annotations
 
 import argparse
+import filecmp
 import json
 import os
 import shutil
@@ -42,6 +43,23 @@ def _write(path: Path, text: str, mode: int) -> None:
     tmp.replace(path)  # atomic: a create running now sees the old file or the new one
 
 
+def install_shim(shim: Path, dest: Path) -> bool:
+    """Install the shim unless the same one is there; whether it was written.
+
+    The same shim keeps its file: each container of the RuntimeClass bind-mounts it, so a new file under
+    running containers leaves their processes mapping a deleted one, and CRIU cannot restore such a
+    mapping where the new file now is ("Can't re-create deleted file"). Every agent restart did that
+    before. A different shim (an upgrade) is a new file, swapped in atomically; containers started before
+    keep the old one: docs/runtime-hook.md, "Upgrading the shim"."""
+    if dest.exists() and filecmp.cmp(shim, dest, shallow=False):
+        return False
+    tmp = dest.with_name(dest.name + ".tmp")
+    shutil.copyfile(shim, tmp)
+    tmp.chmod(0o644)
+    tmp.replace(dest)
+    return True
+
+
 def install(
     root: Path, prefix: str, python: str, shim: Path | None, config: dict[str, object] | None
 ) -> None:
@@ -59,12 +77,7 @@ def install(
         main_args = f"default_runc={runc!r}" if name == "ibckpt-runc" else ""
         _write(top / "bin" / name, launcher(python, libdir, module, main_args), 0o755)
     if shim is not None:
-        dest = top / "lib" / "ibckpt" / "libibckpt.so"
-        tmp = dest.with_name(dest.name + ".tmp")
-        shutil.copyfile(shim, tmp)
-        tmp.chmod(0o644)
-        # a new inode: running containers keep the shim they mapped (CRIU finds it by build-id)
-        tmp.replace(dest)
+        install_shim(shim, top / "lib" / "ibckpt" / "libibckpt.so")
     if config is not None:
         etc = root / "etc" / "ibckpt"
         etc.mkdir(parents=True, exist_ok=True)
