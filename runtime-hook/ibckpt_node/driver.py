@@ -17,7 +17,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 REPLY_LIMIT = 64 * 1024 * 1024  # a status or rebuild reply lists every QP of the rank
+SHIM_CLOSES_S = 0.2  # after a renewal's reply, time for the shim's control thread to close its end
 
 
 class Mode(enum.Enum):
@@ -227,6 +228,8 @@ class NodeDriver:
         self.job_addrs = None if job_addrs is None else [ipaddress.ip_address(a) for a in job_addrs]
         self.report = NodeReport(node)
         self._leases: asyncio.Task[None] | None = None
+        self._renewals: dict[str, asyncio.Task[None]] = {}  # rank key -> its renewal in flight
+        self._unrenewed: set[str] = set()  # rank keys CRIU is dumping: no renewal reaches them
 
     # -- helpers --------------------------------------------------------------------------
 
@@ -342,7 +345,7 @@ class NodeDriver:
         line = f"lease {self._ms(t.lease_s)}"
         # one renewal in flight per rank: a rank busy with a long command (its rebuild) delays
         # only its own, and the shim does not count a command's time against the lease
-        inflight: dict[str, asyncio.Task[None]] = {}
+        inflight = self._renewals
 
         async def renew(r: LocalRank) -> None:
             try:
@@ -355,11 +358,29 @@ class NodeDriver:
                 await asyncio.sleep(t.lease_renew_s)
                 for r in list(self.ranks):
                     task = inflight.get(r.rank.key())
-                    if task is None or task.done():
+                    if (task is None or task.done()) and r.rank.key() not in self._unrenewed:
                         inflight[r.rank.key()] = asyncio.create_task(renew(r))
         finally:
             for task in inflight.values():
                 task.cancel()
+
+    @contextlib.asynccontextmanager
+    async def _unrenewed_while_dumped(self, ranks: Sequence[LocalRank]) -> AsyncIterator[None]:
+        """No lease renewal reaches these ranks while CRIU dumps them. The shim accepts each renewal on a
+        socket of the agent's network namespace (a unix socket's accepted end is made in the connecting
+        side's), and CRIU, looking for the container's sockets in the container's, failed the dump with
+        `Unix socket ... not found` when one was open at the freeze. A released rank whose lease runs out
+        only says so, so a long dump costs nothing."""
+        keys = {r.rank.key() for r in ranks}
+        self._unrenewed |= keys
+        inflight = [t for k, t in self._renewals.items() if k in keys and not t.done()]
+        if inflight:
+            await asyncio.gather(*inflight, return_exceptions=True)
+            await asyncio.sleep(SHIM_CLOSES_S)
+        try:
+            yield
+        finally:
+            self._unrenewed -= keys
 
     async def _stop_leases(self) -> None:
         task, self._leases = self._leases, None
@@ -562,7 +583,8 @@ class NodeDriver:
                 shm = container_runtime.shm_dir(t.container)
                 dump = functools.partial(container_runtime.checkpoint, t.container)
                 try:
-                    await asyncio.to_thread(dump, images, options, self.timeouts.dump_s)
+                    async with self._unrenewed_while_dumped(members[t.name]):
+                        await asyncio.to_thread(dump, images, options, self.timeouts.dump_s)
                 except criu.CriuError as exc:
                     gone = [r.rank.key() for r in members[t.name] if not Path(f"/proc/{r.pid}").exists()]
                     why = f" (the process of {', '.join(gone)} is gone)" if gone else ""
@@ -571,7 +593,8 @@ class NodeDriver:
                 await asyncio.to_thread(container_runtime.save_rootfs_diff, upper, images)
                 await asyncio.to_thread(container_runtime.save_shm, shm, images)
             else:
-                await asyncio.to_thread(criu.dump, t.root_pid, images, options, self.timeouts.dump_s)
+                async with self._unrenewed_while_dumped(members[t.name]):
+                    await asyncio.to_thread(criu.dump, t.root_pid, images, options, self.timeouts.dump_s)
             manifest: dict[str, Any] = {
                 "root_pid": t.root_pid,
                 "ranks": [
@@ -587,7 +610,8 @@ class NodeDriver:
                 self.report.images[r.rank.key()] = images
         for r in [] if self.trees else self.ranks:  # with trees, preflight put every rank in one
             images = images_root / r.rank.key().replace("/", "_")
-            await asyncio.to_thread(criu.dump, r.pid, images, options, self.timeouts.dump_s)
+            async with self._unrenewed_while_dumped([r]):
+                await asyncio.to_thread(criu.dump, r.pid, images, options, self.timeouts.dump_s)
             self.report.images[r.rank.key()] = images
 
     async def _abort_and_recover(self, cause: Exception, epoch: int) -> None:

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TypeVar
@@ -22,6 +23,7 @@ from node.fake_shim import FakeShimSocket
 
 from ibckpt.coordination.client import CoordinatorClient
 from ibckpt.coordination.ranks import RankId
+from ibckpt_node import criu
 from ibckpt_node.driver import (
     TREE_MANIFEST,
     CheckpointFailed,
@@ -159,6 +161,38 @@ async def test_leases_are_renewed_while_the_ranks_are_held_and_stop_after(
         assert [len(s.leases) for s in shims] == handed
     finally:
         await client.close()
+
+
+async def test_no_lease_renewal_reaches_a_rank_while_criu_dumps_it(
+    coordinator: ThreadedCoordinator, tmp_path: Path, sleeper: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A renewal's socket open in a rank at CRIU's freeze failed the dump ("Unix socket not found": the
+    accepted end belongs to the agent's network namespace); the ranks not being dumped keep theirs."""
+    shims, ranks = _setup(tmp_path, sleeper, FakeShim)
+    by_dir = {r.rank.key().replace("/", "_"): i for i, r in enumerate(ranks)}
+    during: dict[int, list[int]] = {}
+
+    def slow_dump(pid: int, images: Path, options: object, timeout: float) -> None:
+        before = [len(s.leases) for s in shims]
+        time.sleep(0.5)
+        during[by_dir[images.name]] = [len(s.leases) - n for s, n in zip(shims, before, strict=True)]
+        images.mkdir(parents=True)
+
+    monkeypatch.setattr(criu, "dump", slow_dump)
+    session, token = coordinator.create_session({"node-1"})
+    client = await CoordinatorClient.connect("127.0.0.1", coordinator.port, session, "node-1", token)
+    timeouts = PhaseTimeouts(rebuild_s=20, lease_s=2.0, lease_renew_s=0.05)
+    driver = NodeDriver("node-1", client, ranks, timeouts)
+    try:
+        report = await asyncio.wait_for(driver.checkpoint(Mode.LEAVE_RUNNING, tmp_path / "images", 2), 60)
+    finally:
+        await client.close()
+    assert report.outcome == "Succeeded"
+    assert sorted(during) == list(range(RANKS))
+    for dumped, renewed in during.items():
+        assert renewed[dumped] == 0, during  # none while its own dump ran
+        others = [n for i, n in enumerate(renewed) if i != dumped]
+        assert all(n >= 1 for n in others), during  # the other held ranks kept their leases
 
 
 class FailingQuiesce(FakeShim):
