@@ -26,7 +26,7 @@ WORKER = "jacobi-worker-0"
 MEMBERS = (LAUNCHER, WORKER)
 GROUP = "kubeflow.org"
 VERSION = "v2beta1"
-STEPS = 3000
+STEPS = 2000
 # Rank 0 sleeps this long per step until /tmp/fast exists in the launcher: a window of STEPS x 60 ms for
 # the checkpoint to land mid-run, and a quick finish once the test says so.
 SLEEP_MS = 60
