@@ -23,6 +23,7 @@ The test only uses kubectl, the S3 relay, and a listing of the bucket.
 
 from __future__ import annotations
 
+import subprocess
 import time
 from typing import Any
 
@@ -30,7 +31,7 @@ import pytest
 from helm.conftest import Release
 
 from testbed import pods, ring
-from testbed.cluster import Cluster
+from testbed.cluster import Cluster, kubectl_bin
 from testbed.gate import Gate
 from testbed.s3 import S3Server
 
@@ -51,6 +52,23 @@ for pid in [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) not in
         continue
     if any(os.path.basename(a) == b"ibckpt-agent" for a in argv[:2]):
         os.kill(pid, signal.SIGKILL)
+"""
+
+
+# SIGKILLs every rc_seq of the node once a line arrives on stdin, from a `kubectl exec -i` into its agent's
+# pod opened beforehand (hostPID): an exec set up when the job is cut lands seconds late, past the dump.
+KILL_RANK = """
+import os, signal, sys
+print("ready", flush=True)
+sys.stdin.readline()
+for pid in [int(p) for p in os.listdir("/proc") if p.isdigit()]:
+    try:
+        argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\\0")
+    except OSError:
+        continue
+    if os.path.basename(argv[0]) == b"rc_seq":
+        os.kill(pid, signal.SIGKILL)
+        print("killed", pid, flush=True)
 """
 
 
@@ -208,9 +226,18 @@ def test_faults_mid_checkpoint_leave_the_ring_running_and_list_nothing(
 
     # 5. A rank's process dies while the ranks are cut: the job fails and names it; step 4's checkpoint
     #    stays the only one listed, and the ring is restored from it
+    agent = agent_on(installed, "node-2")["metadata"]["name"]
+    killer = subprocess.Popen(
+        [str(kubectl_bin()), f"--kubeconfig={cluster.kubeconfig}", "exec", "-i", "-n", installed.namespace,
+         agent, "--", "python3", "-c", KILL_RANK],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert killer.stdin is not None and killer.stdout is not None
+    assert killer.stdout.readline().strip() == "ready"
     pods.apply(cluster, job_ns, job("rank-gone", "store"))
     killed_in = wait_for_phase(cluster, job_ns, "rank-gone", CUT[:3])
-    cluster.kubectl("exec", "-n", job_ns, "ring-1", "--", "pkill", "-KILL", "-x", "rc_seq")
+    said, _ = killer.communicate("go\n", timeout=60)
+    assert "killed" in said, said
     gone = ring.wait_phase(cluster, job_ns, "checkpointjob", "rank-gone", "Failed", 900)["status"]
     print(f"rc_seq of ring-1 killed in {killed_in}: {gone['reason']}: {gone['message'][:300]}")
     assert gone.get("abortedFrom") in CUT and gone.get("reason"), gone
