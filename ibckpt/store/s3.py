@@ -72,14 +72,19 @@ _SHARED_LOCK = threading.Lock()
 _shared: boto3.session.Session | None = None
 
 
-def _client_with(config: StoreConfig, boto_config: BotoConfig, verify: str | bool) -> S3Client:
+def _shared_session() -> boto3.session.Session:
+    """The shared session, made on first use; call with _SHARED_LOCK held."""
     global _shared
+    if _shared is None:
+        _shared = boto3.session.Session()
+    return _shared
+
+
+def _client_with(config: StoreConfig, boto_config: BotoConfig, verify: str | bool) -> S3Client:
     creds = config.credentials
     assert creds is not None
     with _SHARED_LOCK:
-        if _shared is None:
-            _shared = boto3.session.Session()
-        return _shared.client(
+        return _shared_session().client(
             "s3",
             region_name=config.region,
             endpoint_url=config.endpoint_url,
@@ -96,11 +101,8 @@ def warm() -> None:
     background thread when a component starts. Otherwise the first storage check or upload loads them, and
     on the testbed's emulated nodes that took 30 to 56 s of a first CheckpointJob after each operator
     start. No request is made; the placeholder credentials reach nothing."""
-    global _shared
     with _SHARED_LOCK:
-        if _shared is None:
-            _shared = boto3.session.Session()
-        _shared.client(
+        _shared_session().client(
             "s3",
             region_name="us-east-1",
             endpoint_url="http://127.0.0.1:9",
