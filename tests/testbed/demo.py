@@ -26,7 +26,7 @@ from rich.table import Table
 
 from testbed import pods, ring
 from testbed.cluster import Cluster, start_cluster
-from testbed.release import install, storage_secret
+from testbed.release import Release, install, storage_secret
 from testbed.s3 import S3Server, start_s3, stop_s3
 
 BUCKET = "ibckpt-demo"
@@ -55,22 +55,23 @@ def follow(console: Console, cluster: Cluster, kind: str, name: str, timeout: fl
 def run(console: Console, work: Path) -> bool:
     s3 = start_s3(work / "s3")
     try:
-        s3.create_bucket(BUCKET)
         console.print(f"S3 (SeaweedFS, SigV4): {s3.endpoint}")
         console.rule("the cluster: control plane on 127.0.0.1, node-1 and node-2 in Soft-RoCE guests")
         cluster = start_cluster(work / "cluster", forward_ports=[int(s3.endpoint.rsplit(":", 1)[1])])
         try:
-            return on_cluster(console, cluster, s3)
+            for what, seconds in cluster.timings.items():
+                console.print(f"  {what}: {seconds:.1f}s")
+            console.print(f"  export KUBECONFIG={cluster.kubeconfig}   (while the demo runs)")
+            release = install_product(console, cluster, s3)
+            return move_job(console, cluster, s3, release)
         finally:
             cluster.stop()
     finally:
         stop_s3(s3)
 
 
-def on_cluster(console: Console, cluster: Cluster, s3: S3Server) -> bool:
-    for what, seconds in cluster.timings.items():
-        console.print(f"  {what}: {seconds:.1f}s")
-    console.print(f"  export KUBECONFIG={cluster.kubeconfig}   (while the demo runs)")
+def install_product(console: Console, cluster: Cluster, s3: S3Server) -> Release:
+    """Step 2: the chart, with the S3 keys the agents stage images with."""
     console.rule("helm install ibckpt")
     pods.namespace(cluster, ring.PRODUCT_NS)
     storage_secret(cluster, ring.PRODUCT_NS, s3.access_key, s3.secret_key)
@@ -78,6 +79,12 @@ def on_cluster(console: Console, cluster: Cluster, s3: S3Server) -> bool:
     for pod in pods.get(cluster, ring.PRODUCT_NS, "pods")["items"]:
         meta, where = pod["metadata"], pod["spec"].get("nodeName")
         console.print(f"  {meta['name']} on {where}: {pod['status']['phase']}")
+    return release
+
+
+def move_job(console: Console, cluster: Cluster, s3: S3Server, release: Release) -> bool:
+    """Steps 3-5 on a cluster where the chart is installed: the job, its CheckpointJob, its RestoreJob."""
+    s3.create_bucket(BUCKET)
     pods.namespace(cluster, JOB_NS)
     storage_secret(cluster, JOB_NS, s3.access_key, s3.secret_key)
     pods.apply(cluster, JOB_NS, ring.storage(s3.endpoint, BUCKET))
