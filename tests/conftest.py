@@ -15,11 +15,23 @@ from testbed.s3 import S3Server, start_s3, stop_s3
 pytest_plugins = ["testbed.pytest_guest"]
 
 
+def _order(item: pytest.Item) -> int:
+    if item.get_closest_marker("cluster"):
+        return 3
+    if item.get_closest_marker("guest"):
+        return 1
+    if item.get_closest_marker("twoguests") or item.get_closest_marker("guest_selftest"):
+        return 2
+    return 0
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The cluster's tests run last: its two node guests live from its first test to the session's end,
-    and would slow every other guest test down while they run."""
-    items.sort(key=lambda item: item.get_closest_marker("cluster") is not None)
+    """The host's own tests run first, while the one guest of the `guest` tests boots and runs them in
+    the background (it uses about one of the machine's cores; their stand-ins then wait less). Tests that
+    boot their own guests come after it, and the cluster's tests run last: its two node guests live from
+    its first test to the session's end, and would slow every other guest test down while they run."""
+    items.sort(key=_order)  # stable: files keep their order within each group
 
 
 @pytest.fixture(scope="session")
