@@ -170,17 +170,23 @@ def result(text: str) -> str | None:
     return found[-1] if found else None
 
 
-def uninterrupted(cluster: Cluster, namespace: str) -> str:
-    """jacobi's RESULT from a run of the same binary with no RDMA and no ibckpt: two ranks in one plain pod,
-    over shared memory."""
-    name = "jacobi-reference"
+REFERENCE = "jacobi-reference"
+
+
+def start_uninterrupted(cluster: Cluster, namespace: str) -> None:
+    """A run of the same binary with no RDMA and no ibckpt, for its RESULT: two ranks in one plain pod on
+    node-2, over shared memory. It runs beside the job (read it with `uninterrupted` before a drain)."""
     command = f"{ROOT_OK}; mpirun -np 2 --oversubscribe --mca pml ob1 --mca btl self,vader jacobi -n {STEPS}"
-    pod = pods.rdma_pod(name, "node-1", ["sh", "-c", command], APPS_IMAGE, host_network=False)
+    pod = pods.rdma_pod(REFERENCE, "node-2", ["sh", "-c", command], APPS_IMAGE, host_network=False)
     pods.apply(cluster, namespace, pod)
-    pods.wait_pod(cluster, namespace, name, {"Succeeded"}, timeout=300)
-    found = result(log(cluster, namespace, name))
-    assert found, log(cluster, namespace, name)[-3000:]
-    cluster.kubectl("delete", "pod", name, "-n", namespace, "--wait=false")
+
+
+def uninterrupted(cluster: Cluster, namespace: str) -> str:
+    """The RESULT of the run `start_uninterrupted` began, once it ends; its pod is then deleted."""
+    pods.wait_pod(cluster, namespace, REFERENCE, {"Succeeded"}, timeout=600)
+    found = result(log(cluster, namespace, REFERENCE))
+    assert found, log(cluster, namespace, REFERENCE)[-3000:]
+    cluster.kubectl("delete", "pod", REFERENCE, "-n", namespace, "--wait=false")
     return found
 
 
