@@ -202,6 +202,7 @@ class RankRef(AgentModel):
 
     pod_uid: str = Field(min_length=1, max_length=64)
     container: str = Field(min_length=1, max_length=63)
+    pod: str = Field(default="", max_length=317, description="NAMESPACE/NAME of the pod, for messages.")
 
 
 class SessionBase(AgentModel):

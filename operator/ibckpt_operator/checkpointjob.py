@@ -364,7 +364,7 @@ class CheckpointJobDriver(Driver[JobState]):
                 return
             uids = {pod.uid for pod in self.pods_on(node)}
             ranks = [
-                RankRef(pod_uid=c.pod_uid, container=c.container)
+                RankRef(pod_uid=c.pod_uid, container=c.container, pod=f"{c.namespace}/{c.pod}")
                 for c in info.containers
                 if c.shim and c.pod_uid in uids
             ]

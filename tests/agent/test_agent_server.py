@@ -92,13 +92,13 @@ def test_operator_sees_the_node_and_its_registered_containers(
             s.close()
 
 
-def _checkpoint(pod_uid: str, container: str = "main") -> CheckpointRequest:
+def _checkpoint(pod_uid: str, container: str = "main", pod: str = "") -> CheckpointRequest:
     return CheckpointRequest(
         session_id="s-1",
         coordinator="127.0.0.1:9",
         session_token=SecretStr("session-secret"),
         job="ring",
-        ranks=[RankRef(pod_uid=pod_uid, container=container)],
+        ranks=[RankRef(pod_uid=pod_uid, container=container, pod=pod)],
     )
 
 
@@ -112,6 +112,9 @@ def test_a_session_for_containers_the_agent_cannot_checkpoint_is_refused_with_th
             client.checkpoint(_checkpoint("uid-nope"))
         assert unknown.value.status == 422
         assert "container main of pod uid-nope is not registered on node-x" in unknown.value.message
+        with pytest.raises(AgentError) as named:  # the operator names the pod: the message says which
+            client.checkpoint(_checkpoint("uid-nope", pod="ml/gone-0"))
+        assert "container main of pod ml/gone-0 (uid uid-nope) is not registered" in named.value.message
         with pytest.raises(AgentError) as plain:
             client.checkpoint(_checkpoint("uid-plain"))
         assert plain.value.status == 422

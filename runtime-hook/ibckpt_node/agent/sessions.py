@@ -181,8 +181,11 @@ class Sessions:
         for ref in request.ranks:
             entry = entries.get((ref.pod_uid, ref.container))
             if entry is None:
+                pod = f"{ref.pod} (uid {ref.pod_uid})" if ref.pod else ref.pod_uid
                 raise SessionError(
-                    422, f"container {ref.container} of pod {ref.pod_uid} is not registered on {self.node}"
+                    422,
+                    f"container {ref.container} of pod {pod} is not registered on {self.node}: "
+                    "it has ended, or it never ran under the ibckpt RuntimeClass here",
                 )
             if not entry.shim:
                 raise SessionError(
