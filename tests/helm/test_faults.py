@@ -1,6 +1,7 @@
 """Faults in the middle of a checkpoint, on the real cluster with the chart installed: each ends with the
-job running untouched and no partial Checkpoint listed, and says why in the CheckpointJob's status and
-an Event. One ring (ring-0 on node-1, ring-1 on node-2, LeaveRunning jobs) lives through them all:
+job running untouched (or, when its own process died, restorable) and no partial Checkpoint listed, and
+says why in the CheckpointJob's status and an Event. One ring (ring-0 on node-1, ring-1 on node-2,
+LeaveRunning jobs) lives through them all:
 
 1. S3 goes away after the ranks were cut (a relay between the nodes and S3 is cut once the job is past
    admission), so the upload fails: the session aborts, every rank is rebuilt and resumes.
@@ -8,18 +9,28 @@ an Event. One ring (ring-0 on node-1, ring-1 on node-2, LeaveRunning jobs) lives
    job's coordinator with it: the next operator finds the job mid-step, never replays it blindly, and
    aborts through a coordinator it opens for the recovery; the agents rejoin it, rebuild the ranks
    with their peers, and they resume.
-3. A Stop job's ranks wait released while the images are uploaded (the relay stalls the upload), and
-   node-1's agent is killed (SIGKILL, as a crash or an OOM kill). Its restarted successor no longer
-   knows the session: the job aborts, the agent on node-2 rebuilds its ranks through the job's
-   coordinator, and the new one on node-1 finds its predecessor's session on disk and does the same.
-4. Then a CheckpointJob with nothing in the way succeeds, and the ring finishes with every message
-   delivered exactly once: the faults lost and duplicated nothing.
+3. node-1's agent is killed (SIGKILL) the moment its rank reports `quiesced`: the job fails, node-2's
+   rank is resumed by the abort, and ring-0's shim, whose lease is no longer renewed, resumes on its
+   own and says so in its log.
+4. A Stop job's ranks wait released while the images are uploaded (the relay stalls the upload), and
+   node-1's agent is killed again. Its restarted successor no longer knows the session: the job
+   aborts, the agent on node-2 rebuilds its ranks through the job's coordinator, and the new one on
+   node-1 finds its predecessor's session on disk and does the same.
+5. Then a CheckpointJob with nothing in the way succeeds.
+6. ring-1's `rc_seq` is killed the moment it reports `quiesced` in the next job: the job fails and names
+   ring-1, and step 5's Checkpoint stays the only one listed. The job is restorable from it: once the
+   pods are deleted, a RestoreJob brings the ring back on the other nodes, and it finishes with every
+   message delivered exactly once: the faults lost and duplicated nothing.
 
+The kills of steps 3 and 6 come from a watcher started beforehand in the node's agent pod (hostPID, the
+node's ibckpt directory): it polls each rank's `status` on its control socket and kills at once, where a
+`kubectl exec` sent when the job is seen cutting lands seconds late (the whole cut lasts about 4 s here).
 The test only uses kubectl, the S3 relay, and a listing of the bucket.
 """
 
 from __future__ import annotations
 
+import subprocess
 import time
 from typing import Any
 
@@ -27,7 +38,7 @@ import pytest
 from helm.conftest import Release
 
 from testbed import pods, ring
-from testbed.cluster import Cluster
+from testbed.cluster import Cluster, kubectl_bin
 from testbed.gate import Gate
 from testbed.s3 import S3Server
 
@@ -49,6 +60,78 @@ for pid in [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) not in
     if any(os.path.basename(a) == b"ibckpt-agent" for a in argv[:2]):
         os.kill(pid, signal.SIGKILL)
 """
+
+
+# Started in a node's agent pod before a job: polls the `status` of every rank on the node (their control
+# sockets) and SIGKILLs the processes named argv[1] (`ibckpt-agent` or `rc_seq`) the moment one reports
+# `quiesced`. It says `ready` first, and what it saw and killed before it kills (its own container may go).
+KILL_WHEN_QUIESCED = """
+import glob, json, os, signal, socket, sys, time
+target = sys.argv[1].encode()
+
+def state(path):
+    try:
+        with socket.socket(socket.AF_UNIX) as s:
+            s.settimeout(5)
+            s.connect(path)
+            s.sendall(b"status\\n")
+            reply = b""
+            while not reply.endswith(b"\\n"):
+                chunk = s.recv(65536)
+                if not chunk:
+                    return None
+                reply += chunk
+    except OSError:
+        return None
+    status, _, body = reply.decode().partition(" ")
+    return json.loads(body).get("state") if status == "ok" else None
+
+def processes(name):
+    for pid in [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid()]:
+        try:
+            argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\\0")
+        except OSError:
+            continue
+        if any(os.path.basename(a) == name for a in argv[:2]):
+            yield pid
+
+print("ready", flush=True)
+deadline = time.monotonic() + 900
+while time.monotonic() < deadline:
+    for sock in glob.glob("/var/lib/ibckpt/containers/*/ctl/*.sock"):
+        if state(sock) == "quiesced":
+            victims = list(processes(target))
+            print("quiesced", sock, "killing", target.decode(), victims, flush=True)
+            for pid in victims:
+                os.kill(pid, signal.SIGKILL)
+            print("killed", flush=True)
+            sys.exit(0 if victims else 1)
+    time.sleep(0.05)
+print("no rank was quiesced in 900 s", flush=True)
+sys.exit(1)
+"""
+
+
+def arm_killer(installed: Release, node: str, target: str) -> subprocess.Popen[str]:
+    """KILL_WHEN_QUIESCED in `node`'s agent pod, ready to fire."""
+    agent = agent_on(installed, node)["metadata"]["name"]
+    cluster = installed.cluster
+    killer = subprocess.Popen(
+        [str(kubectl_bin()), f"--kubeconfig={cluster.kubeconfig}", "exec", "-n", installed.namespace, agent,
+         "--", "python3", "-c", KILL_WHEN_QUIESCED, target],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    assert killer.stdout is not None
+    ready = killer.stdout.readline()
+    assert ready.strip() == "ready", ready + killer.communicate(timeout=30)[0]
+    return killer
+
+
+def fired(killer: subprocess.Popen[str]) -> str:
+    """What the killer said once it fired (its exec may end with a killed agent's container)."""
+    said, _ = killer.communicate(timeout=900)
+    assert "quiesced" in said and "killing" in said, said
+    return said
 
 
 def job(name: str, storage: str, mode: str = "LeaveRunning") -> dict[str, Any]:
@@ -107,6 +190,18 @@ def kill_agent(installed: Release, node: str) -> tuple[str, int]:
         assert time.monotonic() < deadline, f"the agent {name} was not restarted after the kill"
         time.sleep(1)
     return name, before
+
+
+def wait_ready(installed: Release, pod: str) -> None:
+    installed.cluster.kubectl(
+        "wait",
+        "-n",
+        installed.namespace,
+        "--for=condition=Ready",
+        f"pod/{pod}",
+        "--timeout=300s",
+        timeout=320,
+    )
 
 
 def assert_failed_cleanly(
@@ -168,7 +263,24 @@ def test_faults_mid_checkpoint_leave_the_ring_running_and_list_nothing(
     assert "resume failed" not in failed["message"] and "not confirmed" not in failed["message"], failed
     installed.rollout(f"deployment/{installed.name}-operator")
 
-    # 3. Stop: node-1's agent is killed while the ranks wait released for the upload to end
+    # 3. node-1's agent killed while its rank is quiesced: the abort resumes node-2's, the lease ring-0's
+    first = agent_on(installed, "node-1")
+    killer = arm_killer(installed, "node-1", "ibckpt-agent")
+    pods.apply(cluster, job_ns, job("agent-quiesced", "store"))
+    said = fired(killer)
+    failed = assert_failed_cleanly(cluster, job_ns, "agent-quiesced", s3_server, bucket)
+    print(f"agent killed while quiesced ({said.strip()!r}): {failed['reason']}: {failed['message'][:300]}")
+    assert restarts(pods.get(cluster, installed.namespace, "pod", first["metadata"]["name"])) > restarts(
+        first
+    )
+    lease = "while quiesced: resuming on my own"
+    deadline = time.monotonic() + 120  # the lease is 30 s from the last renewal
+    while lease not in (shim_log := cluster.kubectl("logs", "-n", job_ns, "ring-0").stdout):
+        assert time.monotonic() < deadline, f"ring-0's shim never resumed on its lease:\n{shim_log[-3000:]}"
+        time.sleep(3)
+    wait_ready(installed, first["metadata"]["name"])
+
+    # 4. Stop: node-1's agent is killed while the ranks wait released for the upload to end
     pods.apply(cluster, job_ns, job("agent-gone", "gated", "Stop"))
     wait_for_phase(cluster, job_ns, "agent-gone", CUT)
     s3_gate.stall()  # the uploads hang: the ranks stay released (dumped, held for the commit)
@@ -184,22 +296,31 @@ def test_faults_mid_checkpoint_leave_the_ring_running_and_list_nothing(
     assert "resume failed" not in failed["message"] and "not confirmed" not in failed["message"], failed
     rows = {row["name"]: row["phase"] for row in failed.get("pods", [])}
     assert rows and set(rows.values()) == {"Resumed"}, failed  # both ranks rebuilt and running again
-    installed.cluster.kubectl(
-        "wait",
-        "-n",
-        installed.namespace,
-        "--for=condition=Ready",
-        f"pod/{agent}",
-        "--timeout=300s",
-        timeout=320,
-    )
+    wait_ready(installed, agent)
 
-    # 4. Nothing in the way: the job checkpoints, and the ring finishes exactly once
+    # 5. Nothing in the way: the job checkpoints
     pods.apply(cluster, job_ns, job("after", "store"))
     done = ring.wait_phase(cluster, job_ns, "checkpointjob", "after", "Succeeded", 900)
+    good = done["status"]["checkpointName"]
     assert len(manifests(s3_server, bucket)) == 1, manifests(s3_server, bucket)
-    assert [c["metadata"]["name"] for c in pods.get(cluster, job_ns, "checkpoints")["items"]] == [
-        done["status"]["checkpointName"]
-    ]
+    assert [c["metadata"]["name"] for c in pods.get(cluster, job_ns, "checkpoints")["items"]] == [good]
     ring.running(cluster, job_ns)
+
+    # 6. ring-1's process dies while it is quiesced: the job fails and names it; the ring is restored
+    #    from step 5's Checkpoint and finishes exactly once
+    killer = arm_killer(installed, "node-2", "rc_seq")
+    pods.apply(cluster, job_ns, job("rank-gone", "store"))
+    said = fired(killer)
+    gone = ring.wait_phase(cluster, job_ns, "checkpointjob", "rank-gone", "Failed", 900)["status"]
+    print(f"rc_seq of ring-1 killed while quiesced ({said.strip()!r}): {gone['reason']}: {gone['message']}")
+    assert gone.get("abortedFrom") in CUT and gone.get("reason"), gone
+    # its pod is named: by its rank's key (job/pod/container/process) or its container (pod.container)
+    assert "/ring-1/" in gone["message"] or "ring-1.main" in gone["message"], gone
+    assert warning_events(cluster, job_ns, "rank-gone"), pods.get(cluster, job_ns, "events")["items"][-5:]
+    listed = [c["metadata"]["name"] for c in pods.get(cluster, job_ns, "checkpoints")["items"]]
+    assert listed == [good] and len(manifests(s3_server, bucket)) == 1, listed
+    cluster.kubectl("delete", "pod", "-n", job_ns, *ring.MEMBERS, "--timeout=120s", timeout=150)
+    pods.apply(cluster, job_ns, ring.restore_job("from-after", good))
+    ring.wait_phase(cluster, job_ns, "restorejob", "from-after", "Succeeded", 900)
+    assert ring.placement(cluster, job_ns) == {"ring-0": "node-2", "ring-1": "node-1"}
     ring.finish(cluster, job_ns)
