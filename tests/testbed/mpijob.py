@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from testbed import pods
-from testbed.cluster import Cluster
+from testbed.cluster import Cluster, node_ip
 from testbed.images import APPS_IMAGE
 
 NAME = "jacobi"
@@ -92,7 +92,9 @@ WORKER_COMMAND = 'exec python3 /usr/local/bin/rexec.py serve --bind "$HOST_IP"'
 
 
 def launcher_command(worker_ip: str) -> str:
+    """mpirun, once the worker's exec server answers (the MPI Operator's launcher waits for its workers)."""
     return (
+        f"until python3 /usr/local/bin/rexec.py {worker_ip} true; do sleep 2; done; "
         f'{ROOT_OK}; mpirun -np 2 --host "$HOST_IP:1,{worker_ip}:1" '
         '--mca plm_rsh_agent "python3 /usr/local/bin/rexec.py" --mca oob_tcp_if_include 10.77.0.0/24 '
         f"{UCX} jacobi -n {STEPS} -s {SLEEP_MS} -f {FAST}; echo mpirun-exit=$?"
@@ -130,13 +132,14 @@ def _owned(pod: dict[str, Any], owner: dict[str, Any], node: str) -> dict[str, A
 
 
 def start(cluster: Cluster, namespace: str) -> None:
-    """The MPIJob, its worker on node-2 and its launcher on node-1; returns once jacobi runs its steps."""
+    """The MPIJob, its worker on node-2 and its launcher on node-1, created together (the worker shares
+    node-2's address); returns once jacobi runs its steps."""
     pods.apply(cluster, namespace, mpijob())
     owner = pods.get(cluster, namespace, "mpijob", NAME)
-    pods.apply(cluster, namespace, _owned(_template(WORKER, "worker", WORKER_COMMAND), owner, "node-2"))
-    worker_ip = pods.wait_pod(cluster, namespace, WORKER, {"Running"})["status"]["podIP"]
-    launcher = _template(LAUNCHER, "launcher", launcher_command(worker_ip))
-    pods.apply(cluster, namespace, _owned(launcher, owner, "node-1"))
+    worker = _owned(_template(WORKER, "worker", WORKER_COMMAND), owner, "node-2")
+    launcher = _owned(_template(LAUNCHER, "launcher", launcher_command(node_ip(2))), owner, "node-1")
+    pods.apply(cluster, namespace, worker, launcher)
+    assert pods.wait_pod(cluster, namespace, WORKER, {"Running"})["status"]["podIP"] == node_ip(2)
     pods.wait_pod(cluster, namespace, LAUNCHER, {"Running"})
     deadline = time.monotonic() + 240
     while not steps(log(cluster, namespace)):

@@ -89,17 +89,28 @@ def member(name: str, node: str, command: str, host_network: bool = False) -> di
     return pod
 
 
+# ring-1 waits for the test to write ring-0's address into its /tmp/server (known once ring-0 runs), so
+# that both pods are created at once: a pod's start costs half a minute on the emulated nodes.
+AWAIT_SERVER = 'until [ -s /tmp/server ]; do sleep 1; done; server="$(cat /tmp/server)"; sleep 3'
+
+
 def start(cluster: Cluster, namespace: str, host_network: bool = False) -> None:
     """ring-0 on node-1, ring-1 on node-2; returns once they exchange messages. With `host_network` the pods
     share their nodes' network and ring-1 also keeps a TCP connection to ring-0 (KEEPER) for the whole run."""
     server = f"{WRITE_KEEPER}; python3 /tmp/keeper.py serve & {SERVER}; wait" if host_network else SERVER
-    pods.apply(cluster, namespace, member("ring-0", "node-1", server, host_network))
-    server_ip = pods.wait_pod(cluster, namespace, "ring-0", {"Running"})["status"]["podIP"]
-    client = f"sleep 3; rc_seq -c {server_ip} -f /tmp/stop -p 18515; echo ring-done"
+    rc_client = 'rc_seq -c "$server" -f /tmp/stop -p 18515; echo ring-done'
+    client = f"{AWAIT_SERVER}; {rc_client}"
     if host_network:
-        client = f"{WRITE_KEEPER}; sleep 3; python3 /tmp/keeper.py ask {server_ip} & {client}; wait"
-    pods.apply(cluster, namespace, member("ring-1", "node-2", client, host_network))
+        client = f'{WRITE_KEEPER}; {AWAIT_SERVER}; python3 /tmp/keeper.py ask "$server" & {rc_client}; wait'
+    pods.apply(
+        cluster,
+        namespace,
+        member("ring-0", "node-1", server, host_network),
+        member("ring-1", "node-2", client, host_network),
+    )
+    server_ip = pods.wait_pod(cluster, namespace, "ring-0", {"Running"})["status"]["podIP"]
     pods.wait_pod(cluster, namespace, "ring-1", {"Running"})
+    cluster.kubectl("exec", "-n", namespace, "ring-1", "--", "sh", "-c", f"echo {server_ip} > /tmp/server")
     connected(cluster, namespace)
 
 
