@@ -119,10 +119,13 @@ def delete_namespace(cluster: Cluster, name: str) -> None:
     The namespace controller retries with a growing backoff while the pods terminate, and on the emulated
     nodes its next look came a minute or more after the last pod went. So the pods are deleted here too
     (a terminating namespace admits no new ones) and the namespace is touched once they are gone: an update
-    makes the controller look again at once."""
+    makes the controller look again at once. They are deleted without waiting for their kubelet: its
+    confirmation comes 30-60 s after the containers stopped on these nodes, and a test's teardown needs
+    the objects gone, which the kubelet's own cleanup then follows."""
     started = time.monotonic()
     cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
-    cluster.kubectl("delete", "pods", "--all", "-n", name, "--timeout=150s", check=False, timeout=170)
+    force = ("--grace-period=0", "--force")
+    cluster.kubectl("delete", "pods", "--all", "-n", name, *force, "--timeout=150s", check=False, timeout=170)
     pods_gone = time.monotonic() - started
     cluster.kubectl("annotate", "namespace", name, "ibckpt.io/pods-gone=true", "--overwrite", check=False)
     cluster.kubectl("wait", "--for=delete", f"namespace/{name}", "--timeout=180s", check=False, timeout=200)
