@@ -171,6 +171,10 @@ imageGCHighThresholdPercent: 100
 imageGCLowThresholdPercent: 99
 serializeImagePulls: false
 clusterDomain: cluster.local
+# A deleted pod's object went a minute or more after its containers and volumes were gone (the next
+# resync of its pod worker, which is syncFrequency, 1m by default); every restore of a pod of the same
+# name waits for that.
+syncFrequency: 10s
 """
 
 
