@@ -125,8 +125,8 @@ def delete_namespace(cluster: Cluster, name: str) -> None:
     started = time.monotonic()
     # Checkpoints first, while their CheckpointStorage and Secret exist: deleted with the namespace, their
     # finalizer would find those gone, retry for 40 s and leave the images in S3 (docs/crds.md, Checkpoint)
-    gone = ("delete", "checkpoints.ibckpt.io", "--all", "-n", name, "--timeout=120s")
-    cluster.kubectl(*gone, check=False, timeout=150)
+    checkpoints = ("delete", "checkpoints.ibckpt.io", "--all", "-n", name, "--timeout=120s")
+    cluster.kubectl(*checkpoints, check=False, timeout=150)
     cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
     force = ("--grace-period=0", "--force")
     cluster.kubectl("delete", "pods", "--all", "-n", name, *force, "--timeout=150s", check=False, timeout=170)
