@@ -9,22 +9,19 @@ LeaveRunning jobs) lives through them all:
    job's coordinator with it: the next operator finds the job mid-step, never replays it blindly, and
    aborts through a coordinator it opens for the recovery; the agents rejoin it, rebuild the ranks
    with their peers, and they resume.
-3. node-1's agent hangs (SIGSTOP) the moment its rank reports `quiesced`: the job fails, node-2's rank
-   is resumed by the abort, and ring-0's shim, whose lease is no longer renewed, resumes on its own and
-   says so in its log.
-4. A Stop job's ranks wait released while the images are uploaded (the relay stalls the upload), and
-   node-1's agent is killed again. Its restarted successor no longer knows the session: the job
-   aborts, the agent on node-2 rebuilds its ranks through the job's coordinator, and the new one on
-   node-1 finds its predecessor's session on disk and does the same.
-5. Then a CheckpointJob with nothing in the way succeeds.
-6. ring-1's `rc_seq` is killed the moment it reports `quiesced` in the next job: the job fails and names
-   ring-1, and step 5's Checkpoint stays the only one listed. The job is restorable from it: once the
-   pods are deleted, a RestoreJob brings the ring back on the other nodes, and it finishes with every
-   message delivered exactly once: the faults lost and duplicated nothing.
+3. A Stop job's ranks wait released while the images are uploaded (the relay stalls the upload), and
+   node-1's agent is killed (SIGKILL, as a crash or an OOM kill). Its restarted successor no longer
+   knows the session: the job aborts, the agent on node-2 rebuilds its ranks through the job's
+   coordinator, and the new one on node-1 finds its predecessor's session on disk and does the same.
+4. Then a CheckpointJob with nothing in the way succeeds.
+5. ring-1's `rc_seq` is killed the moment it is cut (quiesced, drained or released) in the next job: the
+   job fails and names ring-1, and step 4's Checkpoint stays the only one listed. The job is restorable
+   from it: once the pods are deleted, a RestoreJob brings the ring back on the other nodes, and it
+   finishes with every message delivered exactly once: the faults lost and duplicated nothing.
 
-The signals of steps 3 and 6 come from a watcher started beforehand in the node's agent pod (hostPID,
-the node's ibckpt directory): it polls each rank's `status` on its control socket and acts at once, where a
-`kubectl exec` sent when the job is seen cutting lands seconds late (the whole cut lasts about 4 s here).
+The kill of step 5 comes from a watcher started beforehand in node-2's agent pod (hostPID, the node's
+ibckpt directory): it polls the rank's `status` on its control socket and kills at once, where a
+`kubectl exec` sent when the job is seen cutting lands seconds late (the whole cut lasts about 3 s here).
 The test only uses kubectl, the S3 relay, and a listing of the bucket.
 """
 
@@ -63,11 +60,13 @@ for pid in [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) not in
 
 
 # Started in a node's agent pod before a job: polls the `status` of every rank on the node (their control
-# sockets) and sends signal argv[2] (KILL, STOP) to the processes named argv[1] (`ibckpt-agent`, `rc_seq`)
-# the moment one reports `quiesced`. It says `ready` first, and what it saw before it signals.
-KILL_WHEN_QUIESCED = """
+# sockets) and SIGKILLs the processes named argv[1] (`rc_seq`, say) the moment one is cut: `quiesced`,
+# `drained` (the fast cut drains right after quiesce, and a status waits for the drain to end) or
+# `released` (it stops polling before CRIU dumps: a connection open then fails the dump). It says `ready`
+# first, and what it saw before it kills.
+KILL_WHEN_CUT = """
 import glob, json, os, signal, socket, sys, time
-target, signum = sys.argv[1].encode(), getattr(signal, "SIG" + sys.argv[2])
+target = sys.argv[1].encode()
 
 def state(path):
     try:
@@ -99,26 +98,27 @@ print("ready", flush=True)
 deadline = time.monotonic() + 900
 while time.monotonic() < deadline:
     for sock in glob.glob("/var/lib/ibckpt/containers/*/ctl/*.sock"):
-        if state(sock) == "quiesced":
+        seen = state(sock)
+        if seen in ("quiesced", "drained", "released"):
             victims = list(processes(target))
-            print("quiesced", sock, "signalling", target.decode(), victims, sys.argv[2], flush=True)
+            print(seen, sock, "killing", target.decode(), victims, flush=True)
             for pid in victims:
-                os.kill(pid, signum)
-            print("signalled", flush=True)
+                os.kill(pid, signal.SIGKILL)
+            print("killed", flush=True)
             sys.exit(0 if victims else 1)
     time.sleep(0.05)
-print("no rank was quiesced in 900 s", flush=True)
+print("no rank was cut in 900 s", flush=True)
 sys.exit(1)
 """
 
 
-def arm_killer(installed: Release, node: str, target: str, sig: str = "KILL") -> subprocess.Popen[str]:
-    """KILL_WHEN_QUIESCED in `node`'s agent pod, ready to fire."""
+def arm_killer(installed: Release, node: str, target: str) -> subprocess.Popen[str]:
+    """KILL_WHEN_CUT in `node`'s agent pod, ready to fire."""
     agent = agent_on(installed, node)["metadata"]["name"]
     cluster = installed.cluster
     killer = subprocess.Popen(
         [str(kubectl_bin()), f"--kubeconfig={cluster.kubeconfig}", "exec", "-n", installed.namespace, agent,
-         "--", "python3", "-c", KILL_WHEN_QUIESCED, target, sig],
+         "--", "python3", "-c", KILL_WHEN_CUT, target],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     assert killer.stdout is not None
@@ -128,10 +128,9 @@ def arm_killer(installed: Release, node: str, target: str, sig: str = "KILL") ->
 
 
 def fired(killer: subprocess.Popen[str]) -> str:
-    """What the killer said once it ended (when it killed its own pod's agent, the exec may end with the
-    container before its last words arrive)."""
+    """What the killer said once it ended."""
     said, _ = killer.communicate(timeout=900)
-    assert "no rank was quiesced" not in said, said
+    assert "no rank was cut" not in said, said
     return said
 
 
@@ -264,31 +263,7 @@ def test_faults_mid_checkpoint_leave_the_ring_running_and_list_nothing(
     assert "resume failed" not in failed["message"] and "not confirmed" not in failed["message"], failed
     installed.rollout(f"deployment/{installed.name}-operator")
 
-    # 3. node-1's agent hangs (SIGSTOP) while its rank is quiesced: it renews no lease and answers nothing.
-    #    The job's Quiescing deadline aborts it, node-2's agent resumes its rank, and ring-0's shim resumes
-    #    on its own once its lease runs out; then the agent is let go (SIGCONT) and the job ends Failed.
-    #    (A SIGKILLed agent's successor, back within seconds, brought the rank back before its lease ran out.)
-    hung = agent_on(installed, "node-1")["metadata"]["name"]
-    killer = arm_killer(installed, "node-1", "ibckpt-agent", "STOP")
-    pods.apply(cluster, job_ns, job("agent-hung", "store"))
-    said = fired(killer)
-    try:
-        lease = "while quiesced: resuming on my own"
-        deadline = time.monotonic() + 180  # 30 s from the last renewal
-        while lease not in (shim_log := cluster.kubectl("logs", "-n", job_ns, "ring-0").stdout):
-            assert time.monotonic() < deadline, f"ring-0 never resumed on its lease:\n{shim_log[-3000:]}"
-            time.sleep(3)
-    finally:
-        cont = "import os, signal\nfor p in os.listdir('/proc'):\n"  # every stopped ibckpt-agent
-        cont += "    if p.isdigit() and b'ibckpt-agent' in open(f'/proc/{p}/cmdline', 'rb').read():\n"
-        cont += "        os.kill(int(p), signal.SIGCONT)\n"
-        cluster.kubectl("exec", "-n", installed.namespace, hung, "--", "python3", "-c", cont, check=False)
-    failed = assert_failed_cleanly(cluster, job_ns, "agent-hung", s3_server, bucket)
-    print(f"agent stopped while quiesced ({said.strip()!r}): {failed['reason']}: {failed['message'][:300]}")
-    print("ring-0: " + next(line for line in shim_log.splitlines() if lease in line))
-    wait_ready(installed, hung)
-
-    # 4. Stop: node-1's agent is killed while the ranks wait released for the upload to end
+    # 3. Stop: node-1's agent is killed while the ranks wait released for the upload to end
     pods.apply(cluster, job_ns, job("agent-gone", "gated", "Stop"))
     wait_for_phase(cluster, job_ns, "agent-gone", CUT)
     s3_gate.stall()  # the uploads hang: the ranks stay released (dumped, held for the commit)
@@ -306,7 +281,7 @@ def test_faults_mid_checkpoint_leave_the_ring_running_and_list_nothing(
     assert rows and set(rows.values()) == {"Resumed"}, failed  # both ranks rebuilt and running again
     wait_ready(installed, agent)
 
-    # 5. Nothing in the way: the job checkpoints
+    # 4. Nothing in the way: the job checkpoints
     pods.apply(cluster, job_ns, job("after", "store"))
     done = ring.wait_phase(cluster, job_ns, "checkpointjob", "after", "Succeeded", 900)
     good = done["status"]["checkpointName"]
@@ -314,14 +289,14 @@ def test_faults_mid_checkpoint_leave_the_ring_running_and_list_nothing(
     assert [c["metadata"]["name"] for c in pods.get(cluster, job_ns, "checkpoints")["items"]] == [good]
     ring.running(cluster, job_ns)
 
-    # 6. ring-1's process dies while it is quiesced: the job fails and names it; the ring is restored
-    #    from step 5's Checkpoint and finishes exactly once
+    # 5. ring-1's process dies while it is cut: the job fails and names it; the ring is restored from
+    #    step 4's Checkpoint and finishes exactly once
     killer = arm_killer(installed, "node-2", "rc_seq")
     pods.apply(cluster, job_ns, job("rank-gone", "store"))
     said = fired(killer)
-    assert "signalling rc_seq [" in said and "signalled" in said and "[]" not in said, said
+    assert "killing rc_seq [" in said and "killed" in said and "[]" not in said, said
     gone = ring.wait_phase(cluster, job_ns, "checkpointjob", "rank-gone", "Failed", 900)["status"]
-    print(f"rc_seq of ring-1 killed while quiesced ({said.strip()!r}): {gone['reason']}: {gone['message']}")
+    print(f"rc_seq of ring-1 killed while cut ({said.strip()!r}): {gone['reason']}: {gone['message']}")
     assert gone.get("abortedFrom") in CUT and gone.get("reason"), gone
     # its pod is named: by its rank's key (job/pod/container/process) or its container (pod.container)
     assert "/ring-1/" in gone["message"] or "ring-1.main" in gone["message"], gone
