@@ -184,11 +184,25 @@ def read_tree_manifest(images: Path) -> tuple[int, list[tuple[RankId, int, Path]
         raise CheckpointFailed(f"{images}: not a dumped process tree ({TREE_MANIFEST}: {exc})") from exc
 
 
-def _unanswered(r: LocalRank, exc: BaseException) -> str:
-    """Why a rank's shim did not answer; a dead process says so (the application lost a rank)."""
-    if not Path(f"/proc/{r.pid}").exists():
-        return f"its process is gone ({exc})"
-    return str(exc)
+def process_gone(pid: int) -> bool:
+    """The process has exited: no /proc entry, or a zombie waiting for its parent."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rpartition(")")[2].split()[:1] in (["Z"], ["X"])
+
+
+async def _unanswered(r: LocalRank, exc: BaseException, settle_s: float = 0.5) -> str:
+    """Why a rank's shim did not answer; a dead process says so (the application lost a rank). A killed
+    process resets its control connection while it exits, a moment before it is a zombie: that moment
+    is waited for."""
+    deadline = time.monotonic() + settle_s
+    while not process_gone(r.pid):
+        if time.monotonic() > deadline:
+            return str(exc)
+        await asyncio.sleep(0.05)
+    return f"its process is gone ({exc})"
 
 
 class NodeDriver:
@@ -268,7 +282,7 @@ class NodeDriver:
                 except (ControlError, OSError) as exc:
                     failed = True
                     raise CheckpointFailed(
-                        f"{phase} of {r.rank.key()} (pid {r.pid}) failed: {_unanswered(r, exc)}"
+                        f"{phase} of {r.rank.key()} (pid {r.pid}) failed: {await _unanswered(r, exc)}"
                     ) from exc
                 except BaseException:
                     failed = True
@@ -586,7 +600,7 @@ class NodeDriver:
                     async with self._unrenewed_while_dumped(members[t.name]):
                         await asyncio.to_thread(dump, images, options, self.timeouts.dump_s)
                 except criu.CriuError as exc:
-                    gone = [r.rank.key() for r in members[t.name] if not Path(f"/proc/{r.pid}").exists()]
+                    gone = [r.rank.key() for r in members[t.name] if process_gone(r.pid)]
                     why = f" (the process of {', '.join(gone)} is gone)" if gone else ""
                     raise CheckpointFailed(f"dump of container {t.name}{why} failed: {exc}") from exc
                 # after the dump: with Stop nothing writes any more (LeaveRunning: see docs/node-agent.md)

@@ -34,6 +34,7 @@ from ibckpt_node.driver import (
     NodeDriver,
     PhaseTimeouts,
     ProcessTree,
+    process_gone,
     read_tree_manifest,
 )
 from ibckpt_node.preflight import node_addresses, process_tree
@@ -302,6 +303,19 @@ async def test_a_rank_that_dies_mid_cut_is_named_and_every_other_rank_comes_back
     for s in shims[1:]:
         assert "release" not in s.commands and s.commands[-1] == "abort", s.commands
         assert s.state == "running"
+
+
+def test_a_zombie_counts_as_gone_and_a_sleeping_process_does_not(sleeper: int) -> None:
+    """A killed rank resets its control connection while it exits; the message must still say it is gone
+    when its parent has not reaped it yet."""
+    zombie = subprocess.Popen(["true"])
+    deadline = time.monotonic() + 10
+    while not process_gone(zombie.pid):  # exited, not yet reaped: a zombie
+        assert time.monotonic() < deadline, Path(f"/proc/{zombie.pid}/stat").read_text()
+        time.sleep(0.01)
+    assert Path(f"/proc/{zombie.pid}").exists()
+    zombie.wait()
+    assert process_gone(zombie.pid) and not process_gone(sleeper)
 
 
 class HangingRelease(FakeShim):
