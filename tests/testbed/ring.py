@@ -274,7 +274,15 @@ def diagnose(cluster: Cluster, namespace: str, product_ns: str = PRODUCT_NS) -> 
         "logs", "-n", product_ns, "-l", "app.kubernetes.io/component=agent", "--tail=1000", check=False
     ).stdout
     errors = "\n".join(line for line in agents.splitlines() if " ERROR " in line)
-    return f"{events[-3000:]}\n{logs[-6000:]}\nagents' errors:\n{errors[-4000:]}"
+    shims = []  # what the shim said in each of the namespace's pods (a rebuild's settle counts, say)
+    found = cluster.kubectl("get", "pods", "-n", namespace, "-o", "name", check=False).stdout.split()
+    for pod in found[:6]:
+        said = cluster.kubectl("logs", "-n", namespace, pod, "--all-containers", check=False).stdout
+        shims += [f"{pod}: {line}" for line in said.splitlines() if line.startswith("libibckpt[")][-15:]
+    shim_lines = "\n".join(shims)
+    return (
+        f"{events[-3000:]}\n{logs[-6000:]}\nagents' errors:\n{errors[-4000:]}\nshims:\n{shim_lines[-4000:]}"
+    )
 
 
 def wait_phase(
