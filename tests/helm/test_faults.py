@@ -45,18 +45,29 @@ pytestmark = [pytest.mark.cluster, pytest.mark.timeout(2400)]
 CUT = ("Quiescing", "Draining", "Releasing", "Dumping", "Uploading")
 
 
-# Kills the node agent's process from a `kubectl exec` in its pod (hostPID: it sees the node's processes).
-KILL_AGENT = """
-import os, signal
-me = {os.getpid(), os.getppid()}
-for pid in [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) not in me]:
-    try:
-        argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\\0")
-    except OSError:
-        continue
-    if any(os.path.basename(a) == b"ibckpt-agent" for a in argv[:2]):
-        os.kill(pid, signal.SIGKILL)
+# Python run in a node's agent pod (hostPID: it sees the node's processes): the pids whose program is `name`.
+FIND_PROCESSES = """
+import os
+
+def processes(name):
+    for pid in [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid()]:
+        try:
+            argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\\0")
+        except OSError:
+            continue
+        if any(os.path.basename(a) == name for a in argv[:2]):
+            yield pid
 """
+
+# Kills the node agent's process from a `kubectl exec` in its pod.
+KILL_AGENT = (
+    FIND_PROCESSES
+    + """
+import signal
+for pid in processes(b"ibckpt-agent"):
+    os.kill(pid, signal.SIGKILL)
+"""
+)
 
 
 # Started in a node's agent pod before a job: polls the `status` of every rank on the node (their control
@@ -64,8 +75,10 @@ for pid in [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) not in
 # `drained` (the fast cut drains right after quiesce, and a status waits for the drain to end) or
 # `released` (it stops polling before CRIU dumps: a connection open then fails the dump). It says `ready`
 # first, and what it saw before it kills.
-KILL_WHEN_CUT = """
-import glob, json, os, signal, socket, sys, time
+KILL_WHEN_CUT = (
+    FIND_PROCESSES
+    + """
+import glob, json, signal, socket, sys, time
 target = sys.argv[1].encode()
 
 def state(path):
@@ -85,15 +98,6 @@ def state(path):
     status, _, body = reply.decode().partition(" ")
     return json.loads(body).get("state") if status == "ok" else None
 
-def processes(name):
-    for pid in [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid()]:
-        try:
-            argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\\0")
-        except OSError:
-            continue
-        if any(os.path.basename(a) == name for a in argv[:2]):
-            yield pid
-
 print("ready", flush=True)
 deadline = time.monotonic() + 900
 while time.monotonic() < deadline:
@@ -110,6 +114,7 @@ while time.monotonic() < deadline:
 print("no rank was cut in 900 s", flush=True)
 sys.exit(1)
 """
+)
 
 
 def arm_killer(installed: Release, node: str, target: str) -> subprocess.Popen[str]:

@@ -119,9 +119,9 @@ def delete_namespace(cluster: Cluster, name: str) -> None:
     The namespace controller retries with a growing backoff while the pods terminate, and on the emulated
     nodes its next look came a minute or more after the last pod went. So the pods are deleted here too
     (a terminating namespace admits no new ones) and the namespace is touched once they are gone: an update
-    makes the controller look again at once. They are deleted without waiting for their kubelet: its
-    confirmation comes 30-60 s after the containers stopped on these nodes, and a test's teardown needs
-    the objects gone, which the kubelet's own cleanup then follows."""
+    makes the controller look again at once. They are deleted without waiting for their kubelet, whose
+    confirmation can come long after the containers stopped on these nodes (docs/testbed.md,
+    syncFrequency): a teardown needs the objects gone, and the kubelet's own cleanup then follows."""
     started = time.monotonic()
     # Checkpoints first, while their CheckpointStorage and Secret exist: deleted with the namespace, their
     # finalizer would find those gone, retry for 40 s and leave the images in S3 (docs/crds.md, Checkpoint)

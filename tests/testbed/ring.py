@@ -110,7 +110,7 @@ def start(cluster: Cluster, namespace: str, host_network: bool = False) -> None:
     )
     server_ip = pods.wait_pod(cluster, namespace, "ring-0", {"Running"})["status"]["podIP"]
     pods.wait_pod(cluster, namespace, "ring-1", {"Running"})
-    cluster.kubectl("exec", "-n", namespace, "ring-1", "--", "sh", "-c", f"echo {server_ip} > /tmp/server")
+    tell_server(cluster, namespace, server_ip)
     connected(cluster, namespace)
 
 
@@ -188,8 +188,13 @@ def start_statefulset(cluster: Cluster, namespace: str) -> None:
         time.sleep(1)
     server_ip = pods.wait_pod(cluster, namespace, "ring-0", {"Running"})["status"]["podIP"]
     pods.wait_pod(cluster, namespace, "ring-1", {"Running"})
-    cluster.kubectl("exec", "-n", namespace, "ring-1", "--", "sh", "-c", f"echo {server_ip} > /tmp/server")
+    tell_server(cluster, namespace, server_ip)
     connected(cluster, namespace)
+
+
+def tell_server(cluster: Cluster, namespace: str, server_ip: str) -> None:
+    """Write ring-0's address where ring-1's command waits for it (the testbed has no cluster DNS)."""
+    cluster.kubectl("exec", "-n", namespace, "ring-1", "--", "sh", "-c", f"echo {server_ip} > /tmp/server")
 
 
 def connected(cluster: Cluster, namespace: str) -> None:
