@@ -30,7 +30,7 @@ from ibckpt.coordination.client import (
 )
 from ibckpt.coordination.ranks import RankId
 from ibckpt_native.control import ControlError, ShimControl
-from ibckpt_node import container_runtime, criu, preflight, priority, stuck, tcp_remap
+from ibckpt_node import container_runtime, criu, failpoints, preflight, priority, stuck, tcp_remap
 
 log = logging.getLogger(__name__)
 
@@ -291,6 +291,7 @@ class NodeDriver:
                 self.report.shim.setdefault(phase, {})[r.rank.key()] = reply
                 if reply.get("ok") is False:
                     raise CheckpointFailed(f"{phase} of {r.rank.key()} (pid {r.pid}) failed: {reply}")
+                await failpoints.reached(f"after-{phase}", r.rank.key())
 
         if not wait_all:
             await self._on_all(run)

@@ -32,7 +32,8 @@ def installed(cluster: Cluster, s3_server: S3Server) -> Iterator[Release]:
     storage_secret(cluster, NAMESPACE, s3_server.access_key, s3_server.secret_key)
     # The operator stays on node-2: the drain test drains node-1 (docs/drains.md: keep the operator off the
     # nodes it migrates; a drain of its own node restarts it elsewhere mid-migration, which is not tested).
-    release = install(cluster, RELEASE, NAMESPACE, log_level="debug", operator_node="node-2")
+    # Failpoints on: test_faults holds an agent between its ranks' quiesce and drain to hang it there.
+    release = install(cluster, RELEASE, NAMESPACE, log_level="debug", operator_node="node-2", failpoints=True)
     try:
         yield release
     finally:

@@ -13,16 +13,20 @@ LeaveRunning jobs) lives through them all:
    node-1's agent is killed (SIGKILL, as a crash or an OOM kill). Its restarted successor no longer
    knows the session: the job aborts, the agent on node-2 rebuilds its ranks through the job's
    coordinator, and the new one on node-1 finds its predecessor's session on disk and does the same.
-4. Then a CheckpointJob with nothing in the way succeeds.
-5. ring-1's `rc_seq` is killed the moment it is cut (quiesced, drained or released) in the next job: the
-   job fails and names ring-1, and step 4's Checkpoint stays the only one listed. The job is restorable
+4. node-2's agent hangs (SIGSTOP) while ring-1 is quiesced (a failpoint holds the agent between the
+   rank's quiesce and drain, so the state lasts long enough to be hit): no renewal reaches ring-1's
+   lease and no successor starts. The job fails; ring-1's shim resumes on its own when the lease runs
+   out and says so in its log; the agent, continued, serves the next job.
+5. Then a CheckpointJob with nothing in the way succeeds.
+6. ring-1's `rc_seq` is killed the moment it is cut (quiesced, drained or released) in the next job: the
+   job fails and names ring-1, and step 5's Checkpoint stays the only one listed. The job is restorable
    from it: once the pods are deleted, a RestoreJob brings the ring back on the other nodes, and it
    finishes with every message delivered exactly once: the faults lost and duplicated nothing.
 
-The kill of step 5 comes from a watcher started beforehand in node-2's agent pod (hostPID, the node's
-ibckpt directory): it polls the rank's `status` on its control socket and kills at once, where a
+The faults of steps 4 and 6 come from watchers started beforehand in node-2's agent pod (hostPID, the
+node's ibckpt directory): each polls the rank's `status` on its control socket and acts at once, where a
 `kubectl exec` sent when the job is seen cutting lands seconds late (the whole cut lasts about 3 s here).
-The test only uses kubectl, the S3 relay, and a listing of the bucket.
+The test only uses kubectl, the S3 relay, a listing of the bucket, and the agent's failpoint file.
 """
 
 from __future__ import annotations
@@ -70,16 +74,9 @@ for pid in processes(b"ibckpt-agent"):
 )
 
 
-# Started in a node's agent pod before a job: polls the `status` of every rank on the node (their control
-# sockets) and SIGKILLs the processes named argv[1] (`rc_seq`, say) the moment one is cut: `quiesced`,
-# `drained` (the fast cut drains right after quiesce, and a status waits for the drain to end) or
-# `released` (it stops polling before CRIU dumps: a connection open then fails the dump). It says `ready`
-# first, and what it saw before it kills.
-KILL_WHEN_CUT = (
-    FIND_PROCESSES
-    + """
+# Python: a rank's state, asked on its control socket (`status`); None when it does not answer.
+RANK_STATE = """
 import glob, json, signal, socket, sys, time
-target = sys.argv[1].encode()
 
 def state(path):
     try:
@@ -97,7 +94,18 @@ def state(path):
         return None
     status, _, body = reply.decode().partition(" ")
     return json.loads(body).get("state") if status == "ok" else None
+"""
 
+# Started in a node's agent pod before a job: polls the `status` of every rank on the node (their control
+# sockets) and SIGKILLs the processes named argv[1] (`rc_seq`, say) the moment one is cut: `quiesced`,
+# `drained` (the fast cut drains right after quiesce, and a status waits for the drain to end) or
+# `released` (it stops polling before CRIU dumps: a connection open then fails the dump). It says `ready`
+# first, and what it saw before it kills.
+KILL_WHEN_CUT = (
+    FIND_PROCESSES
+    + RANK_STATE
+    + """
+target = sys.argv[1].encode()
 print("ready", flush=True)
 deadline = time.monotonic() + 900
 while time.monotonic() < deadline:
@@ -117,19 +125,62 @@ sys.exit(1)
 )
 
 
-def arm_killer(installed: Release, node: str, target: str) -> subprocess.Popen[str]:
-    """KILL_WHEN_CUT in `node`'s agent pod, ready to fire."""
+# Started in a node's agent pod before a job: arms the agent's `after-quiesce` failpoint (the chart's
+# agent.failpoints is on in the testbed), so the agent holds its rank between quiesce and drain for
+# argv[1] seconds, and SIGSTOPs the agent the moment the rank is `quiesced`: a hung agent, which renews
+# no lease and has no successor. It waits for the rank to run again (its lease ran out), then SIGCONTs
+# the agent. It says `ready` first, and what it saw at each step.
+HANG_AGENT_WHEN_QUIESCED = (
+    FIND_PROCESSES
+    + RANK_STATE
+    + """
+armed = "/var/lib/ibckpt/failpoints/after-quiesce"
+with open(armed, "w") as f:
+    f.write(sys.argv[1])
+print("ready", flush=True)
+try:
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        quiesced = [p for p in glob.glob("/var/lib/ibckpt/containers/*/ctl/*.sock") if state(p) == "quiesced"]
+        if quiesced:
+            break
+        time.sleep(0.05)
+    else:
+        print("no rank was cut in 900 s", flush=True)
+        sys.exit(1)
+    agents = list(processes(b"ibckpt-agent"))
+    for pid in agents:
+        os.kill(pid, signal.SIGSTOP)
+    stopped = time.monotonic()
+    print("quiesced", quiesced[0], "stopped the agent", agents, flush=True)
+    try:
+        while time.monotonic() - stopped < 180 and state(quiesced[0]) != "running":
+            time.sleep(0.5)
+        print(f"running after {time.monotonic() - stopped:.1f} s: {state(quiesced[0])}", flush=True)
+    finally:
+        for pid in agents:
+            os.kill(pid, signal.SIGCONT)
+        print("continued the agent", flush=True)
+finally:
+    if os.path.exists(armed):
+        os.unlink(armed)
+"""
+)
+
+
+def in_agent_pod(installed: Release, node: str, script: str, *args: str) -> subprocess.Popen[str]:
+    """A watcher script started in `node`'s agent pod, once it says it is ready."""
     agent = agent_on(installed, node)["metadata"]["name"]
     cluster = installed.cluster
-    killer = subprocess.Popen(
+    watcher = subprocess.Popen(
         [str(kubectl_bin()), f"--kubeconfig={cluster.kubeconfig}", "exec", "-n", installed.namespace, agent,
-         "--", "python3", "-c", KILL_WHEN_CUT, target],
+         "--", "python3", "-c", script, *args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
-    assert killer.stdout is not None
-    ready = killer.stdout.readline()
-    assert ready.strip() == "ready", ready + killer.communicate(timeout=30)[0]
-    return killer
+    assert watcher.stdout is not None
+    ready = watcher.stdout.readline()
+    assert ready.strip() == "ready", ready + watcher.communicate(timeout=30)[0]
+    return watcher
 
 
 def fired(killer: subprocess.Popen[str]) -> str:
@@ -286,7 +337,22 @@ def test_faults_mid_checkpoint_leave_the_ring_running_and_list_nothing(
     assert rows and set(rows.values()) == {"Resumed"}, failed  # both ranks rebuilt and running again
     wait_ready(installed, agent)
 
-    # 4. Nothing in the way: the job checkpoints
+    # 4. node-2's agent hangs (SIGSTOP) while ring-1 is quiesced: it renews no lease and has no successor, so
+    #    the job fails, and ring-1's shim resumes it on its own when its lease runs out
+    hang = in_agent_pod(installed, "node-2", HANG_AGENT_WHEN_QUIESCED, "20")
+    hung = job("agent-hung", "store")
+    hung["spec"]["timeouts"] = {"quiesceSeconds": 10, "drainSeconds": 10}  # the abort comes before the lease
+    pods.apply(cluster, job_ns, hung)
+    said = fired(hang)
+    assert "stopped the agent [" in said and "[]" not in said and "running after" in said, said
+    assert said.split("running after", 1)[1].split("\n", 1)[0].endswith(": running"), said
+    failed = assert_failed_cleanly(cluster, job_ns, "agent-hung", s3_server, bucket)
+    print("node-2's agent hung when quiesced:", repr(said.strip()), failed["reason"], failed["message"])
+    shim = cluster.kubectl("logs", "-n", job_ns, "ring-1").stdout
+    assert "lease expired" in shim and "while quiesced: resuming on my own" in shim, shim[-3000:]
+    wait_ready(installed, agent_on(installed, "node-2")["metadata"]["name"])
+
+    # 5. Nothing in the way: the job checkpoints
     pods.apply(cluster, job_ns, job("after", "store"))
     done = ring.wait_phase(cluster, job_ns, "checkpointjob", "after", "Succeeded", 900)
     good = done["status"]["checkpointName"]
@@ -294,9 +360,9 @@ def test_faults_mid_checkpoint_leave_the_ring_running_and_list_nothing(
     assert [c["metadata"]["name"] for c in pods.get(cluster, job_ns, "checkpoints")["items"]] == [good]
     ring.running(cluster, job_ns)
 
-    # 5. ring-1's process dies while it is cut: the job fails and names it; the ring is restored from
-    #    step 4's Checkpoint and finishes exactly once
-    killer = arm_killer(installed, "node-2", "rc_seq")
+    # 6. ring-1's process dies while it is cut: the job fails and names it; the ring is restored from
+    #    step 5's Checkpoint and finishes exactly once
+    killer = in_agent_pod(installed, "node-2", KILL_WHEN_CUT, "rc_seq")
     pods.apply(cluster, job_ns, job("rank-gone", "store"))
     said = fired(killer)
     assert "killing rc_seq [" in said and "killed" in said and "[]" not in said, said

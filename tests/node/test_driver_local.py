@@ -23,7 +23,7 @@ from node.fake_shim import FakeShimSocket
 
 from ibckpt.coordination.client import CoordinatorClient
 from ibckpt.coordination.ranks import RankId
-from ibckpt_node import criu
+from ibckpt_node import criu, failpoints
 from ibckpt_node.driver import (
     TREE_MANIFEST,
     CheckpointFailed,
@@ -499,3 +499,39 @@ async def test_without_a_rejoin_released_ranks_are_left_for_a_rebuild_and_the_dr
     assert all(s.commands[-1] == "abort" and s.state == "released" for s in shims), [
         s.commands[-2:] for s in shims
     ]
+
+
+async def test_an_armed_failpoint_holds_one_rank_between_its_quiesce_and_drain_once(
+    coordinator: ThreadedCoordinator, tmp_path: Path, sleeper: int
+) -> None:
+    shims, ranks = _setup(tmp_path, sleeper, FakeShim)
+    armed = tmp_path / "failpoints"
+    failpoints.enable(armed)
+    (armed / "after-quiesce").write_text("1.5\n")
+    driver = await _driver(coordinator, ranks)
+    try:
+        with pytest.raises(CheckpointFailed, match="not empty"):
+            await asyncio.wait_for(driver.checkpoint(Mode.STOP, _unwritable_images(tmp_path, ranks), 2), 30)
+    finally:
+        failpoints.disable()
+        await driver.client.close()
+    assert not (armed / "after-quiesce").exists(), "the arming was not taken"
+    assert driver.report.local["drained"] >= 1.5, driver.report.local
+    for s in shims:  # the held rank went on to drain and release like the others
+        assert [line.split()[0] for line in s.lines[1:4]] == ["quiesce", "drain", "release"], s.lines
+
+
+def test_failpoints_are_ignored_when_off_and_refuse_a_bad_arming(tmp_path: Path) -> None:
+    armed = tmp_path / "failpoints"
+    armed.mkdir()
+    (armed / "after-quiesce").write_text("5")
+    started = time.monotonic()
+    asyncio.run(failpoints.reached("after-quiesce"))  # off: the file is not even read
+    assert (armed / "after-quiesce").exists() and time.monotonic() - started < 1
+    failpoints.enable(armed)
+    try:
+        (armed / "after-quiesce").write_text("soon")
+        asyncio.run(failpoints.reached("after-quiesce"))  # not a number: taken, no hold
+        assert not (armed / "after-quiesce").exists() and time.monotonic() - started < 1
+    finally:
+        failpoints.disable()

@@ -82,12 +82,17 @@ def storage_secret(cluster: Cluster, namespace: str, access_key: str, secret_key
 
 
 def install(
-    cluster: Cluster, name: str, namespace: str, log_level: str = "info", operator_node: str | None = None
+    cluster: Cluster,
+    name: str,
+    namespace: str,
+    log_level: str = "info",
+    operator_node: str | None = None,
+    failpoints: bool = False,
 ) -> Release:
     """helm install the chart from the repository into `namespace` (it exists), and wait until every
     node's agent is ready. `operator_node`: the node the operator must run on; on the testbed's
     WEBHOOK_NODE its eviction webhook is published on the port the host forwards there, which is how
-    the apiserver reaches it."""
+    the apiserver reaches it. `failpoints`: the agents honour armed failpoints (ibckpt_node.failpoints)."""
     repository, tag = PRODUCT_IMAGE.rsplit(":", 1)
     pin = []
     if operator_node:
@@ -101,7 +106,8 @@ def install(
         cluster, "install", name, str(CHART), "--namespace", namespace,
         "--set", f"image.repository={repository}", "--set", f"image.tag={tag}",
         "--set", "image.pullPolicy=Never", "--set", f"storage.credentialsSecret={STORAGE_SECRET}",
-        "--set", f"logLevel={log_level}", "--set", "runtimeClass.nodeLabelValue=rxe", *pin,
+        "--set", f"logLevel={log_level}", "--set", "runtimeClass.nodeLabelValue=rxe",
+        "--set", f"agent.failpoints={str(failpoints).lower()}", *pin,
     )  # fmt: skip
     release = Release(cluster, name, namespace, out.stdout)
     release.rollout(f"daemonset/{name}-agent")

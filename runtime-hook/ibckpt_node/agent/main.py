@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from ibckpt import logsetup
 from ibckpt.agentapi.models import DEFAULT_PORT
+from ibckpt_node import failpoints
 from ibckpt_node.agent.auth import Authenticator, TokenReviewer
 from ibckpt_node.agent.kubesecrets import KubeSecrets
 from ibckpt_node.agent.server import AgentServer
@@ -79,6 +80,11 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         help="an identity that may call the API (system:serviceaccount:NS:NAME); $IBCKPT_AGENT_ALLOW",
     )
     parser.add_argument("--log-level", default=os.environ.get("IBCKPT_LOG_LEVEL", "info"))
+    parser.add_argument(
+        "--failpoints",
+        action="store_true",
+        help="tests only: wait where a file under HOST_DIR/failpoints says (ibckpt_node.failpoints)",
+    )
     args = parser.parse_args(argv)
     if not args.node or not args.address:
         parser.error("--node and --address are required (or NODE_NAME and HOST_IP)")
@@ -102,6 +108,8 @@ def warm_store_imports() -> None:
 
 async def serve(args: argparse.Namespace) -> None:
     host_dir = Path(args.host_dir)
+    if args.failpoints:
+        failpoints.enable(host_dir / "failpoints")
     shim = str(node_config(args.prefix, args.host_dir, args.runc)["shim"])
     metrics = CollectorRegistry()
     server = AgentServer(
