@@ -124,7 +124,7 @@ def delete_namespace(cluster: Cluster, name: str) -> None:
     syncFrequency): a teardown needs the objects gone, and the kubelet's own cleanup then follows."""
     started = time.monotonic()
     # Checkpoints first, while their CheckpointStorage and Secret exist: deleted with the namespace, their
-    # finalizer would find those gone, retry for 40 s and leave the images in S3 (docs/crds.md, Checkpoint)
+    # finalizer would find those gone, retry for 40 s and leave the images in S3 (docs/api/checkpoint.md)
     checkpoints = ("delete", "checkpoints.ibckpt.io", "--all", "-n", name, "--timeout=120s")
     cluster.kubectl(*checkpoints, check=False, timeout=150)
     cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
