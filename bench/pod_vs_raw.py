@@ -159,6 +159,7 @@ def run(cluster: Cluster, s3: S3Server, raw_only: int | None = None) -> None:
     pods.namespace(cluster, ring.PRODUCT_NS)
     storage_secret(cluster, ring.PRODUCT_NS, s3.access_key, s3.secret_key)
     release = install(cluster, "ibckpt", ring.PRODUCT_NS)
+    release.operator_leading()  # else the first job's admission includes the operator's start
     pods.namespace(cluster, NS)
     storage_secret(cluster, NS, s3.access_key, s3.secret_key)
     pods.apply(cluster, NS, ring.storage(s3.endpoint, BUCKET))

@@ -44,20 +44,9 @@ def test_agents_ready_on_both_nodes_and_the_operator_runs(installed: Release) ->
         i = NODE_NAMES.index(p["spec"]["nodeName"]) + 1
         assert p["status"]["hostIP"] == p["status"]["podIP"] == node_ip(i)
         assert p["spec"]["containers"][0]["image"] == PRODUCT_IMAGE
-    installed.rollout(f"deployment/{RELEASE}-operator")
-    [operator] = pods.get(cluster, NAMESPACE, "pods", **{"app.kubernetes.io/component": "operator"})["items"]
-    name = operator["metadata"]["name"]
     # started for real: it holds the Lease, its admission server and webhook configuration are up
     # (a missing RBAC rule for them crashed it minutes after it first looked ready)
-    deadline = time.monotonic() + 600
-    while (
-        pods.get(cluster, NAMESPACE, "lease", "ibckpt-operator").get("spec", {}).get("holderIdentity") != name
-    ):
-        assert time.monotonic() < deadline, f"{name} never took the Lease"
-        time.sleep(3)
-    while cluster.kubectl("get", "validatingwebhookconfiguration", "ibckpt.io", check=False).returncode != 0:
-        assert time.monotonic() < deadline, "the operator never made its webhook configuration"
-        time.sleep(3)
+    name = installed.operator_leading()
     time.sleep(10)
     operator = pods.get(cluster, NAMESPACE, "pod", name)
     [state] = operator["status"]["containerStatuses"]

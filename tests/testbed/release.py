@@ -55,6 +55,28 @@ class Release:
                 f"{self.logs('agent', 30)[-3000:]}{self.cluster.diagnose()}"
             )
 
+    def operator_leading(self, timeout_s: float = 600.0) -> str:
+        """Wait until the operator started for real: its pod holds the Lease and its webhook configuration
+        is up (it admits nothing before that). Its pod's name."""
+        self.rollout(f"deployment/{self.name}-operator")
+        selector = {"app.kubernetes.io/component": "operator"}
+        [operator] = pods.get(self.cluster, self.namespace, "pods", **selector)["items"]
+        name = str(operator["metadata"]["name"])
+        deadline = time.monotonic() + timeout_s
+
+        def holder() -> str | None:
+            lease = pods.get(self.cluster, self.namespace, "lease", "ibckpt-operator")
+            return lease.get("spec", {}).get("holderIdentity")  # type: ignore[no-any-return]
+
+        while holder() != name:
+            assert time.monotonic() < deadline, f"{name} never took the Lease"
+            time.sleep(3)
+        webhooks = ("get", "validatingwebhookconfiguration", "ibckpt.io")
+        while self.cluster.kubectl(*webhooks, check=False).returncode:
+            assert time.monotonic() < deadline, "the operator never made its webhook configuration"
+            time.sleep(3)
+        return name
+
     def uninstall(self) -> None:
         helm(self.cluster, "uninstall", self.name, "--namespace", self.namespace, "--wait", "--timeout=120s")
         pods.delete_namespace(self.cluster, self.namespace)
