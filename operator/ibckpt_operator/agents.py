@@ -166,4 +166,6 @@ async def follow_session(
             reason = {SessionState.REFUSED: refused_reason, SessionState.ABORTED: "SessionAborted"}.get(
                 report.state, "AgentFailed"
             )
-            return SessionEnd(report, reason, f"node {node}: {report.message or report.state.value}")
+            said = report.message or report.state.value
+            # the agent's own messages often start with its node's name already
+            return SessionEnd(report, reason, f"node {node}: {said.removeprefix(f'{node}: ')}")

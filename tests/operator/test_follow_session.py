@@ -95,6 +95,11 @@ def test_a_session_that_did_not_succeed_names_why(state: SessionState, reason: s
     assert seen == []  # a failed session's rank phases are not progress
 
 
+def test_a_message_that_names_its_node_already_is_not_prefixed_twice() -> None:
+    end, _, _ = follow([report(SessionState.FAILED, "node-a: release of job/ring-1/main/19 failed")])
+    assert end.message == "node node-a: release of job/ring-1/main/19 failed"
+
+
 def test_each_agent_calls_all_at_once_and_returns_failures_in_place() -> None:
     started: list[str] = []
 
