@@ -450,7 +450,8 @@ class NodeDriver:
             await self._rebuild_and_resume(epoch)
             self.report.outcome = "Succeeded"
             return self.report
-        except (CheckpointFailed, CoordinatorError) as exc:
+        except (CheckpointFailed, CoordinatorError, OSError) as exc:
+            # OSError: whatever else went wrong on this node once ranks were touched must abort too
             if not touched:
                 await self._abort_untouched(exc)
                 mine = isinstance(exc, CheckpointRefused)
@@ -579,9 +580,15 @@ class NodeDriver:
         processes: dict[int, str] = {}
         for t in self.trees:
             processes |= dict.fromkeys(preflight.process_tree(t.root_pid), f"process tree {t.name}")
-        processes |= {r.pid: r.rank.key() for r in self.ranks}  # a rank is named as itself
+        ranks = {r.pid: r.rank.key() for r in self.ranks}
+        processes |= ranks  # a rank is named as itself
         for pid, who in processes.items():
-            fds, maps = device_fds_and_maps(pid)
+            try:
+                fds, maps = device_fds_and_maps(pid)
+            except OSError as exc:
+                if pid in ranks:  # the application lost a rank after its release
+                    raise CheckpointFailed(f"{who} (pid {pid}): its process is gone ({exc})") from exc
+                continue  # a tree's other process that ended holds nothing
             if fds or maps:
                 raise CheckpointFailed(
                     f"{who} (pid {pid}) still holds {fds} device fds and {maps} device "

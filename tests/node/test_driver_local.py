@@ -305,6 +305,39 @@ async def test_a_rank_that_dies_mid_cut_is_named_and_every_other_rank_comes_back
         assert s.state == "running"
 
 
+class KilledAtRelease(FakeShim):
+    """A rank whose process is killed right after its release answered."""
+
+    victim: subprocess.Popen[bytes] | None = None
+
+    def answer(self, verb: str) -> tuple[bool, dict[str, object]]:
+        said = super().answer(verb)
+        if verb == "release" and self.victim is not None:
+            self.victim.kill()
+            self.victim.wait()
+        return said
+
+
+async def test_a_rank_killed_after_its_release_is_named_and_every_other_rank_comes_back(
+    coordinator: ThreadedCoordinator, tmp_path: Path, sleeper: int
+) -> None:
+    shims, ranks = _setup(tmp_path, sleeper, FakeShim)
+    shims[0].sock.close()
+    dies = KilledAtRelease(tmp_path / "r0-dies.ctl", shims[1].everyone)
+    dies.victim = subprocess.Popen(["sleep", "60"])
+    shims[0] = dies
+    ranks[0] = LocalRank(ranks[0].rank, dies.victim.pid, dies.path)
+    driver = await _driver(coordinator, ranks)
+    try:
+        with pytest.raises(CheckpointFailed, match=r"job/rank-0/main/0 \(pid [0-9]+\): its process is gone"):
+            await asyncio.wait_for(driver.checkpoint(Mode.LEAVE_RUNNING, tmp_path / "images", epoch=2), 30)
+    finally:
+        await driver.client.close()
+    assert driver.report.outcome == "Aborted"
+    for s in shims[1:]:  # released when their peer died: rebuilt and resumed
+        assert s.commands[-2:] == ["rebuild", "resume"] and s.state == "running", s.commands
+
+
 def test_a_zombie_counts_as_gone_and_a_sleeping_process_does_not(sleeper: int) -> None:
     """A killed rank resets its control connection while it exits; the message must still say it is gone
     when its parent has not reaped it yet."""
