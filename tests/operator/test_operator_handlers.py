@@ -13,6 +13,7 @@ from typing import Any
 import kubernetes
 import pytest
 
+from ibckpt.agentapi.models import RankPhase
 from ibckpt.store import ImageStore
 from testbed.ports import free_port
 from testbed.s3 import S3Server
@@ -223,23 +224,34 @@ def test_two_jobs_over_the_same_pods(
     assert "deleted" in a.aborts[0][1]
 
 
+@pytest.mark.parametrize(
+    ("cut_phase", "step"),
+    [("Quiescing", "quiesce"), ("Draining", "drain"), ("Releasing", "release"), ("Dumping", "dump"),
+     ("Uploading", "upload")],
+)  # fmt: skip
 def test_operator_restart_mid_phase_aborts_from_status(
-    cluster_ns: Cluster, s3_server: S3Server, bucket: str, agents: Agents, operator: Any
-) -> None:
+    cluster_ns: Cluster, s3_server: S3Server, bucket: str, agents: Agents, operator: Any, cut_phase: str,
+    step: str,
+) -> None:  # fmt: skip
+    """The operator stops while the agent reports its ranks in each phase of the cut, the dump or the upload
+    (as when its pod is deleted): the next one aborts the job from its status, as a new attempt."""
     a = agents.add(cluster_ns, "node-a", 1)
     a.register(cluster_ns.pod("ring-0", "node-a", {"app": "ring"}), cluster_ns.namespace)
     creds(cluster_ns, s3_server)
     with operator():
         cluster_ns.create(JOBS, job("restarted", storage(s3_server, bucket)))
         before = cluster_ns.wait(JOBS, "restarted", phase("Quiescing"))
-    # The operator is gone while the ranks were being quiesced: the outcome of that step is unknown.
+        if cut_phase != "Quiescing":  # the agent's ranks move on; the job's phase follows their reports
+            a.set_phase(a.requests[0].session_id, RankPhase(cut_phase))
+            before = cluster_ns.wait(JOBS, "restarted", phase(cut_phase))
+    # The operator is gone while the ranks were in that phase: the outcome of its step is unknown.
     status = before["status"]
-    assert status["step"] == "quiesce" and status["attempt"]
+    assert status["step"] == step and status["attempt"]
     run, _, seq = status["attempt"].rpartition("-")
     with operator():
         after = cluster_ns.wait(JOBS, "restarted", phase("Failed"))
-    assert_failed(cluster_ns, after, "OperatorRestarted", "quiesce", "outcome is unknown")
-    assert after["status"]["abortedFrom"] == "Quiescing"
+    assert_failed(cluster_ns, after, "OperatorRestarted", step, "outcome is unknown")
+    assert after["status"]["abortedFrom"] == cut_phase
     new_run, _, new_seq = after["status"]["attempt"].rpartition("-")
     assert new_run == run and int(new_seq) > int(seq)  # the same run, a new attempt: never a blind replay
     assert [s for s, _ in a.aborts] == [f"ckj-{run}"] and len(a.requests) == 1
