@@ -57,6 +57,7 @@ async def reached(name: str, where: str = "") -> None:
     seconds = _take(name)
     if seconds is None:
         return
-    log.warning("failpoint %s%s: holding for %gs", name, f" ({where})" if where else "", seconds)
+    at = f"{name} ({where})" if where else name
+    log.warning("failpoint %s: holding for %gs", at, seconds)
     await asyncio.sleep(seconds)
-    log.warning("failpoint %s%s: going on", name, f" ({where})" if where else "")
+    log.warning("failpoint %s: going on", at)

@@ -73,6 +73,13 @@ def sleeper() -> Iterator[int]:
     proc.wait()
 
 
+def _first_rank_served_by(shims: list[FakeShim], ranks: list[LocalRank], shim: FakeShim, pid: int) -> None:
+    """Rank 0 answered by `shim` (a variant that fails its own way) as process `pid`."""
+    shims[0].sock.close()
+    shims[0] = shim
+    ranks[0] = LocalRank(ranks[0].rank, pid, shim.path)
+
+
 def _setup(tmp_path: Path, pid: int, kind: type[S]) -> tuple[list[S], list[LocalRank]]:
     everyone = threading.Barrier(RANKS)
     shims = [kind(tmp_path / f"r{i}.ctl", everyone) for i in range(RANKS)]
@@ -288,11 +295,9 @@ async def test_a_rank_that_dies_mid_cut_is_named_and_every_other_rank_comes_back
     coordinator: ThreadedCoordinator, tmp_path: Path, sleeper: int
 ) -> None:
     shims, ranks = _setup(tmp_path, sleeper, FakeShim)
-    shims[0].sock.close()
-    shims[0] = DiesAtQuiesce(tmp_path / "r0-dies.ctl", shims[1].everyone)
     gone = subprocess.Popen(["true"])
     gone.wait()  # its pid no longer exists, as a killed rank's
-    ranks[0] = LocalRank(ranks[0].rank, gone.pid, shims[0].path)
+    _first_rank_served_by(shims, ranks, DiesAtQuiesce(tmp_path / "r0-dies.ctl", shims[1].everyone), gone.pid)
     driver = await _driver(coordinator, ranks)
     try:
         with pytest.raises(CheckpointFailed, match=r"quiesce of job/rank-0/main/0 .*its process is gone"):
@@ -322,11 +327,9 @@ async def test_a_rank_killed_after_its_release_is_named_and_every_other_rank_com
     coordinator: ThreadedCoordinator, tmp_path: Path, sleeper: int
 ) -> None:
     shims, ranks = _setup(tmp_path, sleeper, FakeShim)
-    shims[0].sock.close()
     dies = KilledAtRelease(tmp_path / "r0-dies.ctl", shims[1].everyone)
     dies.victim = subprocess.Popen(["sleep", "60"])
-    shims[0] = dies
-    ranks[0] = LocalRank(ranks[0].rank, dies.victim.pid, dies.path)
+    _first_rank_served_by(shims, ranks, dies, dies.victim.pid)
     driver = await _driver(coordinator, ranks)
     try:
         with pytest.raises(CheckpointFailed, match=r"job/rank-0/main/0 \(pid [0-9]+\): its process is gone"):
