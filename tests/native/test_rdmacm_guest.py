@@ -72,13 +72,20 @@ def _pair(server: list[str], client: list[str], shim: bool, ctl: Path | None = N
     return out, cli.stdout + cli.stderr, status
 
 
+def _without_disconnect(output: str) -> str:
+    """rping's cm thread prints "DISCONNECT EVENT" only if the event beats the main thread's exit, with
+    or without the shim (CI saw it once under the shim and not in the plain run), so it is left out."""
+    return "".join(line for line in output.splitlines(keepends=True) if "DISCONNECT EVENT" not in line)
+
+
 def test_rping_same_with_and_without_the_shim(tmp_path: Path) -> None:
     server = ["rping", "-s", "-a", ADDR, "-p", "7174", "-C", "20", "-v"]
     client = ["rping", "-c", "-a", ADDR, "-p", "7174", "-C", "20", "-v"]
     plain_srv, plain_cli, _ = _pair(server, client, shim=False)
     srv, cli, status = _pair(server, client, shim=True, ctl=tmp_path / "rping.ctl")
     assert plain_cli.count("ping data: rdma-ping-") == 20
-    assert cli == plain_cli and srv == plain_srv
+    assert _without_disconnect(cli) == _without_disconnect(plain_cli)
+    assert _without_disconnect(srv) == _without_disconnect(plain_srv)
     assert status == f"[{LISTENING!r}]"  # the server, listening, before the client connects
 
 

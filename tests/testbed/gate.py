@@ -14,10 +14,14 @@ import threading
 import time
 
 
-def _reset(sock: socket.socket) -> None:
-    """Close with an RST, not a FIN: the peer sees 'connection reset', not a clean end of the body."""
+def _abort_on_close(sock: socket.socket) -> None:
+    """Make the next close send an RST, not a FIN: the peer sees 'connection reset', not a clean end."""
     with contextlib.suppress(OSError):
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+
+def _reset(sock: socket.socket) -> None:
+    _abort_on_close(sock)
     sock.close()
 
 
@@ -37,8 +41,11 @@ class Gate:
         with self._lock:
             self._open = False
             live, self._live = self._live, set()
+            # Under the lock, so that a relay thread that sees the cut and closes first also resets.
+            for sock in live:
+                _abort_on_close(sock)
         for sock in live:
-            _reset(sock)
+            sock.close()
 
     def stall(self) -> None:
         with self._lock:
