@@ -99,6 +99,11 @@ class MigrationSource(ApiModel):
     name: str
     uid: str | None = None
     node: str | None = None
+    controller_uid: str | None = Field(
+        default=None,
+        description="Its controller's uid when that controller names its pods anew (a Job): no new pod "
+        "of it is admitted until the restore is over.",
+    )
 
 
 class MigrationStatus(ApiModel):

@@ -9,6 +9,11 @@ restore, the operator's mutating webhook on pod creation answers for it:
   the restore annotations are added, so the node's runtime wrapper restores it from the images;
 - any other pod is left alone.
 
+A controller that names its pods anew (a Job, and so JobSets and an MPIJob's launcher) cannot be bound
+by name. While a drain migrates such pods, the schedule refuses every new pod of their controller (by
+its uid): the RestoreJob creates the restored pods under the sources' names and labels, without an
+owner, and the controller adopts them (its selector matches), so it starts nothing of its own.
+
 Who answers: the drivers and controllers that registered as claimants (a RestoreJob in Controller mode,
 a schedule whose drain migration runs). Pure apart from that in-memory registry: no I/O.
 """
@@ -46,8 +51,17 @@ class Waiting:
 Claim = Binding | Waiting
 
 
+@dataclass(frozen=True)
+class NewPod:
+    """A pod being created, as the claimants see it."""
+
+    namespace: str
+    name: str  # empty when its controller asked for a generated name (a Job's pods)
+    controller_uid: str  # the uid of its controller ownerReference; empty without one
+
+
 class Claimant(Protocol):
-    def claim(self, namespace: str, name: str) -> Claim | None: ...
+    def claim(self, pod: NewPod) -> Claim | None: ...
 
 
 CLAIMANTS: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -57,10 +71,10 @@ def register(claimant: Claimant) -> None:
     CLAIMANTS.add(claimant)
 
 
-def claim_for(namespace: str, name: str) -> Claim | None:
-    """What to do with a new pod of this name: a staged restore's binding outranks the waits of a
-    migration that is about to restore it."""
-    claims = [found for claimant in list(CLAIMANTS) if (found := claimant.claim(namespace, name))]
+def claim_for(pod: NewPod) -> Claim | None:
+    """What to do with a new pod: a staged restore's binding outranks the waits of a migration that is
+    about to restore it."""
+    claims = [found for claimant in list(CLAIMANTS) if (found := claimant.claim(pod))]
     return next((c for c in claims if isinstance(c, Binding)), None) or (claims[0] if claims else None)
 
 
@@ -69,10 +83,10 @@ def answer(pod: dict[str, Any]) -> Claim | None:
     meta = pod.get("metadata") or {}
     if RESTORED_BY in (meta.get("annotations") or {}):
         return None  # a RestoreJob's own destination pod
-    name, namespace = meta.get("name"), meta.get("namespace")
-    if not name or not namespace:
-        return None  # generateName: not a pod a name-keeping controller makes
-    return claim_for(namespace, name)
+    controller: dict[str, Any] = next(
+        (o for o in meta.get("ownerReferences") or () if o.get("controller")), {}
+    )
+    return claim_for(NewPod(meta.get("namespace") or "", meta.get("name") or "", controller.get("uid") or ""))
 
 
 def merge_patch(binding: Binding) -> dict[str, Any]:

@@ -102,13 +102,20 @@ def _seconds(moment: datetime | None) -> float | None:
     return None if moment is None else moment.timestamp()
 
 
-def drain_status(state: DrainState) -> dict[str, Any]:
-    """The status fields of a DrainState (the caller merges them with the schedule's)."""
+def drain_status(state: DrainState, controllers: dict[str, str] | None = None) -> dict[str, Any]:
+    """The status fields of a DrainState (the caller merges them with the schedule's); `controllers`:
+    the sources' renaming controllers by pod uid."""
+    controllers = controllers or {}
+    sources = [
+        MigrationSource(
+            name=p.name, uid=p.uid or None, node=p.node or None, controller_uid=controllers.get(p.uid)
+        )
+        for p in state.sources
+    ]
     migration = MigrationStatus(
         seq=state.seq,
         tries=state.tries,
-        sources=[MigrationSource(name=p.name, uid=p.uid or None, node=p.node or None) for p in state.sources]
-        or None,
+        sources=sources or None,
         held_since=_time(state.held_since),
         deadline=_time(state.deadline),
         next_retry=_time(state.next_retry),
@@ -124,6 +131,12 @@ def drain_status(state: DrainState) -> dict[str, Any]:
         "drain_nodes": list(state.nodes) or None,
         "migration": migration,
     }
+
+
+def source_controllers(status: CheckpointScheduleStatus) -> dict[str, str]:
+    """The sources' renaming controllers a previous operator wrote, by pod uid."""
+    sources = (status.migration.sources if status.migration else None) or ()
+    return {s.uid: s.controller_uid for s in sources if s.uid and s.controller_uid}
 
 
 def drain_state(name: str, status: CheckpointScheduleStatus) -> DrainState | None:

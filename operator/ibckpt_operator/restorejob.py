@@ -165,12 +165,13 @@ class RestoreJobDriver(Driver[RestoreState]):
     def checkpoint_ref(self) -> str:
         return f"{self.namespace}/{self.spec.checkpoint_name}"
 
-    def claim(self, namespace: str, name: str) -> bindings.Claim | None:
+    def claim(self, pod: bindings.NewPod) -> bindings.Claim | None:
         """Controller mode: a new pod of a member's name is refused until its images are staged, then
         bound to its node (once: a member whose pod exists is not bound again)."""
-        state = self.state
+        state, name = self.state, pod.name
         if (
-            namespace != self.namespace
+            not name
+            or pod.namespace != self.namespace
             or state is None
             or state.phase in (*TERMINAL, RestorePhase.CLEANING_UP)
         ):

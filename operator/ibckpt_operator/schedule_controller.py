@@ -59,6 +59,10 @@ CONTROLLERS: dict[str, ScheduleController] = {}
 
 # From the commit to the restore a source's name is reserved for its restored pod (bindings.py).
 CLAIMING = frozenset({DrainPhase.COMMITTED, DrainPhase.RELEASING, DrainPhase.RESTORING})
+# From the hold to the restore a renaming controller (a Job) of a source may create no pod: the commit
+# deletes the sources, and its new pod would start from scratch beside the restored one it adopts.
+REFUSING_CONTROLLERS = CLAIMING | {DrainPhase.HOLDING, DrainPhase.CHECKPOINTING}
+AT_REST = frozenset({DrainPhase.IDLE, DrainPhase.DONE, DrainPhase.FAILED, DrainPhase.LOST})
 SOURCES_POLL_SECONDS = 3.0  # while a drain's restore waits for the killed source pods to go
 
 
@@ -75,6 +79,7 @@ class ScheduleController:
         self.schedule: ScheduleState | None = None
         self.drain: DrainState | None = None
         self.members: tuple[PodRef, ...] = ()
+        self.controllers: dict[str, str] = {}  # pod uid -> its renaming controller's uid (a Job's)
         self.seen_draining: set[str] = set()
         self.waiting_for: list[str] = []  # source pods a restore waits for
         self.protected_by: str | None = None
@@ -101,19 +106,37 @@ class ScheduleController:
     def spec(self) -> CheckpointScheduleSpec:
         return CheckpointScheduleSpec.from_wire(dict(self.live.get("spec") or {}))
 
-    def claim(self, namespace: str, name: str) -> bindings.Claim | None:
+    def claim(self, pod: bindings.NewPod) -> bindings.Claim | None:
         """While a migration is between its commit and its restore, a new pod named as a source is
-        refused: it is restored once its images are staged (the RestoreJob binds it then)."""
+        refused: it is restored once its images are staged (the RestoreJob binds it then). From the
+        hold to the restore, so is any new pod of a source's renaming controller (a Job): the RestoreJob
+        creates the sources again under their names, and the controller adopts them."""
         drain = self.drain
-        if namespace != self.namespace or drain is None or drain.phase not in CLAIMING:
+        if drain is None:
             return None
-        if not any(pod.name == name for pod in drain.sources):
-            return None
-        return bindings.Waiting(
-            f"ibckpt: pod {name} is being migrated by CheckpointSchedule {self.name} ({drain.phase}) and is "
-            f"restored from Checkpoint {drain.checkpoint} once its images are staged; its controller will "
-            "create it again"
-        )
+        if (
+            pod.name
+            and pod.namespace == self.namespace
+            and drain.phase in CLAIMING
+            and any(source.name == pod.name for source in drain.sources)
+        ):
+            return bindings.Waiting(
+                f"ibckpt: pod {pod.name} is being migrated by CheckpointSchedule {self.name} ({drain.phase}) "
+                f"and is restored from Checkpoint {drain.checkpoint} once its images are staged; its "
+                "controller will create it again"
+            )
+        if (
+            pod.controller_uid
+            and drain.phase in REFUSING_CONTROLLERS
+            and pod.controller_uid in {self.controllers.get(source.uid) for source in drain.sources}
+        ):
+            restored = f"Checkpoint {drain.checkpoint}" if drain.checkpoint else "the checkpoint being taken"
+            return bindings.Waiting(
+                f"ibckpt: the pods of this controller are being migrated by CheckpointSchedule {self.name} "
+                f"({drain.phase}); they come back under their names, restored from {restored}, and the "
+                "controller adopts them: it needs no new pod"
+            )
+        return None
 
     def protects(self, pod_uid: str) -> bool:
         return self.drain is not None and any(pod.uid == pod_uid for pod in self.members)
@@ -181,6 +204,7 @@ class ScheduleController:
             self.started = True
             self.schedule = schedules.schedule_state(self.name, status)
             self.drain = drains.drain_state(self.name, status)
+            self.controllers = drains.source_controllers(status)
             self.protected_by, self.pruned = status.protected_by, status.pruned_count or 0
             self.restarted = (self.schedule is not None, self.drain is not None)
         wakes = [await self._periodic(spec, now)]
@@ -253,9 +277,22 @@ class ScheduleController:
             metrics.DRAIN_HELD.labels(self.key).set(0)
             return None
         machine = DrainMachine(DrainConfig.from_protection(spec.drain))
+        controllers: dict[str, str] = {}
         self.members = await select_pods(
-            self.rt.kube, self.namespace, spec.template.selector, spec.template.workload_ref
+            self.rt.kube,
+            self.namespace,
+            spec.template.selector,
+            spec.template.workload_ref,
+            controllers,
+            bindings.NAME_KEEPING_KINDS,
         )
+        # A migration keeps its sources' controllers after the commit deleted them (status shows them).
+        if self.drain is None or self.drain.phase in AT_REST:
+            sources = {pod.uid for pod in self.drain.sources} if self.drain else set()
+            kept = {uid: owner for uid, owner in self.controllers.items() if uid in sources}
+            self.controllers = {**kept, **controllers}
+        else:
+            self.controllers = {**self.controllers, **controllers}
         events: list[Event] = []
         if self.drain is None:
             transition = machine.start(self.name)
@@ -428,7 +465,7 @@ class ScheduleController:
         if spec is not None and self.schedule is not None:
             fields.update(schedules.schedule_status(spec, self.schedule))
         if self.drain is not None:
-            fields.update(drains.drain_status(self.drain))
+            fields.update(drains.drain_status(self.drain, self.controllers))
         fields.update(
             protected_by=self.protected_by,
             kept_count=self.kept,

@@ -66,10 +66,24 @@ async def _owned_by(kube: Kube, namespace: str, body: Body, workload: WorkloadRe
     return False
 
 
+def controller_uid(pod: Body, skip_kinds: frozenset[str] = frozenset()) -> str:
+    """The uid of the pod's controller ownerReference ("" without one, or of a kind in `skip_kinds`)."""
+    for ref in pod.get("metadata", {}).get("ownerReferences") or ():
+        if ref.get("controller"):
+            return "" if ref.get("kind") in skip_kinds else str(ref.get("uid") or "")
+    return ""
+
+
 async def select_pods(
-    kube: Kube, namespace: str, selector: LabelSelector | None, workload: WorkloadReference | None
+    kube: Kube,
+    namespace: str,
+    selector: LabelSelector | None,
+    workload: WorkloadReference | None,
+    controllers: dict[str, str] | None = None,
+    skip_kinds: frozenset[str] = frozenset(),
 ) -> tuple[PodRef, ...]:
-    """The live pods of the job, sorted by name, pinned by UID."""
+    """The live pods of the job, sorted by name, pinned by UID. With `controllers`, also each pod's
+    controller uid by pod uid (controllers of `skip_kinds` left out)."""
     if selector is not None:
         pods = await kube.list_pods(namespace, selector_string(selector))
     else:
@@ -80,4 +94,9 @@ async def select_pods(
             if pod.get("metadata", {}).get("ownerReferences")
             and await _owned_by(kube, namespace, pod, workload, 1)
         ]
-    return tuple(sorted((pod_ref(pod) for pod in pods if _live(pod)), key=lambda ref: ref.name))
+    live = [pod for pod in pods if _live(pod)]
+    if controllers is not None:
+        for pod in live:
+            if uid := controller_uid(pod, skip_kinds):
+                controllers[pod["metadata"]["uid"]] = uid
+    return tuple(sorted((pod_ref(pod) for pod in live), key=lambda ref: ref.name))

@@ -72,8 +72,11 @@ def test_the_drain_state_survives_status() -> None:
     machine = DrainMachine(DrainConfig(on_failure=OnDrainFailure.KEEP_HOLDING))
     pods = (PodRef("ring-0", "u0", "node-a"), PodRef("ring-1", "u1", "node-b"))
     state = machine.handle(machine.start("ring").state, NodeDraining("node-a", pods), 1_700_000_000.5).state
-    wire = CheckpointScheduleStatus(**drains.drain_status(state)).to_wire()
+    controllers = {"u1": "job-uid"}  # ring-1's Job: no new pod of it while the migration runs
+    wire = CheckpointScheduleStatus(**drains.drain_status(state, controllers)).to_wire()
     assert wire["drainPhase"] == "Holding" and wire["migration"]["checkpointJob"] == "ring-drain-1"
-    back = drains.drain_state("ring", CheckpointScheduleStatus.from_wire(wire))
-    assert back == state
+    assert wire["migration"]["sources"][1]["controllerUid"] == "job-uid"
+    back = CheckpointScheduleStatus.from_wire(wire)
+    assert drains.drain_state("ring", back) == state
+    assert drains.source_controllers(back) == controllers  # a restarted operator refuses them too
     assert drains.drain_state("ring", CheckpointScheduleStatus()) is None
