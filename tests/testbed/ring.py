@@ -224,6 +224,62 @@ def finish_statefulset(cluster: Cluster, namespace: str) -> list[dict[str, str]]
     return results(log)
 
 
+# The same ring as two batch Jobs `ring-0` (server, on node-1) and `ring-1` (client, on node-2), the way
+# an MPI launcher is a Job beside its workers: each Job names its pod anew (ring-0-xxxxx).
+def jobs() -> list[dict[str, Any]]:
+    client = 'rc_seq -c "$server" -f /tmp/stop -p 18515; echo ring-done'
+    found = []
+    for job, node, command in (
+        ("ring-0", "node-1", SERVER),
+        ("ring-1", "node-2", f"{AWAIT_SERVER}; {client}"),
+    ):
+        pod = member(job, node, command)
+        spec = pod["spec"]
+        del spec["nodeName"]
+        spec["nodeSelector"] = {"kubernetes.io/hostname": node}
+        found.append(
+            {
+                "apiVersion": "batch/v1",
+                "kind": "Job",
+                "metadata": {"name": job},
+                # the kill after the commit is a failure while its pod exists (restartPolicy Never)
+                "spec": {"backoffLimit": 3, "template": {"metadata": {"labels": LABELS}, "spec": spec}},
+            }
+        )
+    return found
+
+
+def job_pods(cluster: Cluster, namespace: str) -> dict[str, dict[str, Any]]:
+    """Each Job's pods (live or not) by name: {job: {pod name: pod}}."""
+    found: dict[str, dict[str, Any]] = {name: {} for name in MEMBERS}
+    for pod in pods.get(cluster, namespace, "pods")["items"]:
+        job = (pod["metadata"].get("labels") or {}).get("job-name")
+        if job in found:
+            found[job][pod["metadata"]["name"]] = pod
+    return found
+
+
+def start_jobs(cluster: Cluster, namespace: str) -> dict[str, str]:
+    """The Jobs' ring, connected; returns each Job's pod name."""
+    pods.apply(cluster, namespace, *jobs())
+    deadline = time.monotonic() + 120
+    while not all(job_pods(cluster, namespace).values()):
+        assert time.monotonic() < deadline, "the Jobs created no pods in 120 s"
+        time.sleep(1)
+    names = {job: next(iter(found)) for job, found in job_pods(cluster, namespace).items()}
+    server_ip = pods.wait_pod(cluster, namespace, names["ring-0"], {"Running"})["status"]["podIP"]
+    pods.wait_pod(cluster, namespace, names["ring-1"], {"Running"})
+    cluster.kubectl(
+        "exec", "-n", namespace, names["ring-1"], "--", "sh", "-c", f"echo {server_ip} > /tmp/server"
+    )
+    deadline = time.monotonic() + 180
+    while "READY" not in cluster.kubectl("logs", "-n", namespace, names["ring-1"]).stdout:
+        assert time.monotonic() < deadline, "the ring did not connect"
+        time.sleep(3)
+    time.sleep(5)
+    return names
+
+
 def checkpoint_job(name: str, mode: str) -> dict[str, Any]:
     return {
         "apiVersion": "ibckpt.io/v1alpha1",
