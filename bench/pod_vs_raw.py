@@ -28,6 +28,7 @@ import secrets
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -204,20 +205,25 @@ def run(cluster: Cluster, s3: S3Server, raw_only: int | None = None) -> None:
     print("(raw has no admission, cut, commit, rebuild or resume: those rows are ibckpt's own cost)")
 
 
-def main() -> int:
-    raw_only = int(sys.argv[sys.argv.index("--raw-only") + 1]) if "--raw-only" in sys.argv else None
+def on_cluster(bucket: str, body: Callable[[Cluster, S3Server], None]) -> None:
+    """Run `body` on a fresh testbed cluster with S3 on the host (and `bucket` in it), then stop both."""
     with tempfile.TemporaryDirectory(prefix="ibckpt-bench-") as tmp:
         work = Path(tmp)
         s3 = start_s3(work / "s3")
         try:
-            s3.create_bucket(BUCKET)
+            s3.create_bucket(bucket)
             cluster = start_cluster(work / "cluster", forward_ports=[int(s3.endpoint.rsplit(":", 1)[1])])
             try:
-                run(cluster, s3, raw_only)
+                body(cluster, s3)
             finally:
                 cluster.stop()
         finally:
             stop_s3(s3)
+
+
+def main() -> int:
+    raw_only = int(sys.argv[sys.argv.index("--raw-only") + 1]) if "--raw-only" in sys.argv else None
+    on_cluster(BUCKET, lambda cluster, s3: run(cluster, s3, raw_only))
     return 0
 
 
