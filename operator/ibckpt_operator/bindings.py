@@ -24,7 +24,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ibckpt_operator.podtemplate import RESTORE_FROM, RESTORED_BY
+from ibckpt_operator.podtemplate import RESTORE_FROM, RESTORED_BY, controller_reference
 
 # The controllers that create a killed pod again under its name (what binding by name needs).
 NAME_KEEPING_KINDS = frozenset({"StatefulSet"})
@@ -83,9 +83,7 @@ def answer(pod: dict[str, Any]) -> Claim | None:
     meta = pod.get("metadata") or {}
     if RESTORED_BY in (meta.get("annotations") or {}):
         return None  # a RestoreJob's own destination pod
-    controller: dict[str, Any] = next(
-        (o for o in meta.get("ownerReferences") or () if o.get("controller")), {}
-    )
+    controller = controller_reference(pod) or {}
     return claim_for(NewPod(meta.get("namespace") or "", meta.get("name") or "", controller.get("uid") or ""))
 
 

@@ -49,13 +49,17 @@ def _token_volumes(spec: dict[str, Any]) -> set[str]:
     return found
 
 
+def controller_reference(pod: dict[str, Any]) -> dict[str, Any] | None:
+    """The pod's ownerReference that is its controller, if any."""
+    owners = (pod.get("metadata") or {}).get("ownerReferences") or ()
+    return next((owner for owner in owners if owner.get("controller")), None)
+
+
 def controller_of(pod: dict[str, Any]) -> WorkloadReference | None:
-    for owner in pod.get("metadata", {}).get("ownerReferences") or ():
-        if owner.get("controller"):
-            return WorkloadReference(
-                api_version=owner.get("apiVersion"), kind=owner["kind"], name=owner["name"]
-            )
-    return None
+    owner = controller_reference(pod)
+    if owner is None:
+        return None
+    return WorkloadReference(api_version=owner.get("apiVersion"), kind=owner["kind"], name=owner["name"])
 
 
 def sanitize(pod: dict[str, Any]) -> PodTemplate:

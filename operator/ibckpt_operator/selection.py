@@ -11,6 +11,7 @@ from typing import Any
 from ibckpt.api import LabelSelector, WorkloadReference
 from ibckpt_operator.kube import Body, Kube
 from ibckpt_operator.machine import PodRef
+from ibckpt_operator.podtemplate import controller_reference
 
 MAX_OWNER_DEPTH = 4
 
@@ -68,10 +69,8 @@ async def _owned_by(kube: Kube, namespace: str, body: Body, workload: WorkloadRe
 
 def controller_uid(pod: Body, skip_kinds: frozenset[str] = frozenset()) -> str:
     """The uid of the pod's controller ownerReference ("" without one, or of a kind in `skip_kinds`)."""
-    for ref in pod.get("metadata", {}).get("ownerReferences") or ():
-        if ref.get("controller"):
-            return "" if ref.get("kind") in skip_kinds else str(ref.get("uid") or "")
-    return ""
+    ref = controller_reference(pod)
+    return "" if ref is None or ref.get("kind") in skip_kinds else str(ref.get("uid") or "")
 
 
 async def select_pods(
