@@ -96,16 +96,7 @@ def run(cluster: Cluster, s3: S3Server) -> None:
     pair = ring.seconds(job) + ring.seconds(restored)
     assert ring.placement(cluster, NS) == {"ring-0": "node-2", "ring-1": "node-1"}
 
-    schedule = {
-        "apiVersion": "ibckpt.io/v1alpha1",
-        "kind": "CheckpointSchedule",
-        "metadata": {"name": SCHEDULE},
-        "spec": {"drain": {"deadlineSeconds": 1500}, "template": ring.job_template()},
-    }
-    pods.apply(cluster, NS, schedule)
-    ring.wait_phase(
-        cluster, NS, "checkpointschedule", SCHEDULE, f"policy/v1beta1/ibckpt-{SCHEDULE}", 300, "protectedBy"
-    )
+    ring.protect(cluster, NS, ring.job_template(), {"deadlineSeconds": 1500}, name=SCHEDULE)
     began = time.monotonic()
     drain = subprocess.Popen(
         [str(kubectl_bin()), f"--kubeconfig={cluster.kubeconfig}", "drain", "node-1", "--ignore-daemonsets",

@@ -37,29 +37,11 @@ def test_kubectl_drain_moves_two_jobs_whose_pods_they_adopt_back_and_complete_ex
         "ring-0": "node-1",
         "ring-1": "node-2",
     }
-    schedule = {
-        "apiVersion": "ibckpt.io/v1alpha1",
-        "kind": "CheckpointSchedule",
-        "metadata": {"name": SCHEDULE},
-        "spec": {
-            "drain": {"deadlineSeconds": 1500, "onFailure": "KeepHolding"},
-            "template": ring.job_template(),
-        },
-    }
-    pods.apply(cluster, job_ns, schedule)
-    protected = f"policy/v1beta1/ibckpt-{SCHEDULE}"
-    ring.wait_phase(cluster, job_ns, "checkpointschedule", SCHEDULE, protected, 300, "protectedBy")
+    ring.protect(cluster, job_ns, ring.job_template(), name=SCHEDULE)
 
     try:
         began = time.time()
-        drain = cluster.kubectl(
-            "drain", "node-1", "--ignore-daemonsets", "--delete-emptydir-data", "--timeout=1500s",
-            timeout=1560, check=False,
-        )  # fmt: skip
-        said = drain.stdout + drain.stderr
-        assert drain.returncode == 0, (
-            f"kubectl drain failed:\n{said[-4000:]}\n{ring.diagnose(cluster, job_ns)}"
-        )
+        said = ring.drain_node_1(cluster, job_ns)
         assert f"checkpointing {SCHEDULE} before it leaves node-1" in said, said[-4000:]
         done = ring.wait_phase(cluster, job_ns, "checkpointschedule", SCHEDULE, "Done", 900, "drainPhase")
         settled = time.time()

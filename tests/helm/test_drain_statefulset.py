@@ -35,36 +35,14 @@ def test_kubectl_drain_moves_a_statefulset_through_its_own_controller_exactly_on
         "workloadRef": {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "ring"},
     }
     del template["selector"]
-    schedule = {
-        "apiVersion": "ibckpt.io/v1alpha1",
-        "kind": "CheckpointSchedule",
-        "metadata": {"name": SCHEDULE},
-        "spec": {"drain": {"deadlineSeconds": 1500, "onFailure": "KeepHolding"}, "template": template},
-    }
-    pods.apply(cluster, job_ns, schedule)
-    ring.wait_phase(
-        cluster,
-        job_ns,
-        "checkpointschedule",
-        SCHEDULE,
-        f"policy/v1beta1/ibckpt-{SCHEDULE}",
-        300,
-        "protectedBy",
-    )
+    ring.protect(cluster, job_ns, template, name=SCHEDULE)
     pdb = pods.get(cluster, job_ns, "pdb", f"ibckpt-{SCHEDULE}")
     assert pdb["spec"]["selector"] == {"matchLabels": ring.LABELS}, pdb["spec"]  # the StatefulSet's own
 
     try:
         began = time.time()
-        drain = cluster.kubectl(
-            "drain", "node-1", "--ignore-daemonsets", "--delete-emptydir-data", "--timeout=1500s",
-            timeout=1560, check=False,
-        )  # fmt: skip
+        said = ring.drain_node_1(cluster, job_ns)
         drained = time.time()
-        said = drain.stdout + drain.stderr
-        assert drain.returncode == 0, (
-            f"kubectl drain failed:\n{said[-4000:]}\n{ring.diagnose(cluster, job_ns)}"
-        )
         assert "will retry" in said and f"checkpointing {SCHEDULE} before it leaves node-1" in said, said[
             -4000:
         ]

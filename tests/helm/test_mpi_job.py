@@ -118,26 +118,11 @@ def drain_node_1(cluster: Cluster, namespace: str) -> dict[str, Any]:
         "storageRef": {"name": "store"},
         "timeouts": {"admitSeconds": 300},
     }
-    schedule = {
-        "apiVersion": "ibckpt.io/v1alpha1",
-        "kind": "CheckpointSchedule",
-        "metadata": {"name": SCHEDULE},
-        "spec": {"drain": {"deadlineSeconds": 1500, "onFailure": "KeepHolding"}, "template": template},
-    }
-    pods.apply(cluster, namespace, schedule)
-    protected = f"policy/v1beta1/ibckpt-{SCHEDULE}"
-    ring.wait_phase(cluster, namespace, "checkpointschedule", SCHEDULE, protected, 300, "protectedBy")
+    ring.protect(cluster, namespace, template, name=SCHEDULE)
     log = mpijob.log(cluster, namespace)
     try:
         began = time.time()
-        drain = cluster.kubectl(
-            "drain", "node-1", "--ignore-daemonsets", "--delete-emptydir-data", "--force", "--timeout=1500s",
-            timeout=1560, check=False,
-        )  # fmt: skip
-        said = drain.stdout + drain.stderr
-        assert drain.returncode == 0, (
-            f"kubectl drain failed:\n{said[-4000:]}\n{ring.diagnose(cluster, namespace)}"
-        )
+        said = ring.drain_node_1(cluster, namespace, "--force")
         assert "will retry" in said, said[-4000:]  # held while the job was checkpointed
         done = ring.wait_phase(cluster, namespace, "checkpointschedule", SCHEDULE, "Done", 900, "drainPhase")
         seconds = time.time() - began

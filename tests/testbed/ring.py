@@ -280,6 +280,42 @@ def start_jobs(cluster: Cluster, namespace: str) -> dict[str, str]:
     return names
 
 
+def protect(
+    cluster: Cluster,
+    namespace: str,
+    template: dict[str, Any],
+    drain: dict[str, Any] | None = None,
+    name: str = "ring",
+) -> dict[str, Any]:
+    """Apply CheckpointSchedule `name` protecting `template`'s job on drains (KeepHolding, 1500 s unless
+    `drain` says otherwise); returns it once its PDB is in place."""
+    schedule = {
+        "apiVersion": "ibckpt.io/v1alpha1",
+        "kind": "CheckpointSchedule",
+        "metadata": {"name": name},
+        "spec": {
+            "drain": drain or {"deadlineSeconds": 1500, "onFailure": "KeepHolding"},
+            "template": template,
+        },
+    }
+    pods.apply(cluster, namespace, schedule)
+    return wait_phase(
+        cluster, namespace, "checkpointschedule", name, f"policy/v1beta1/ibckpt-{name}", 300, "protectedBy"
+    )
+
+
+def drain_node_1(cluster: Cluster, namespace: str, *flags: str) -> str:
+    """`kubectl drain node-1 --ignore-daemonsets --delete-emptydir-data [flags]`, which must complete by
+    itself (ibckpt holds it, then lets it go); what kubectl printed."""
+    drain = cluster.kubectl(
+        "drain", "node-1", "--ignore-daemonsets", "--delete-emptydir-data", *flags, "--timeout=1500s",
+        timeout=1560, check=False,
+    )  # fmt: skip
+    said = drain.stdout + drain.stderr
+    assert drain.returncode == 0, f"kubectl drain failed:\n{said[-4000:]}\n{diagnose(cluster, namespace)}"
+    return said
+
+
 def checkpoint_job(name: str, mode: str) -> dict[str, Any]:
     return {
         "apiVersion": "ibckpt.io/v1alpha1",
