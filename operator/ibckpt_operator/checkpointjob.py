@@ -41,7 +41,7 @@ from ibckpt.api import (
 from ibckpt_operator import metrics, selection, storage
 from ibckpt_operator.agents import Agent, agents_by_node, each_agent, follow_session, no_agent_message
 from ibckpt_operator.config import current
-from ibckpt_operator.driver import Driver
+from ibckpt_operator.driver import Driver, UnreadableStatus
 from ibckpt_operator.kube import Body
 from ibckpt_operator.machine import CheckpointMachine, JobConfig, JobState, PodRef
 from ibckpt_operator.machine.checkpoint import (
@@ -164,8 +164,11 @@ class CheckpointJobDriver(Driver[JobState]):
     def begin(self, now: float) -> Transition[JobState]:
         status = self.body.get("status") or {}
         if status.get("attempt"):
-            parsed = CheckpointJobStatus.from_wire(status)
-            state = job_state(parsed)
+            try:
+                parsed = CheckpointJobStatus.from_wire(status)
+                state = job_state(parsed)
+            except ValueError as error:
+                raise UnreadableStatus(f"its status cannot be read back: {error}") from error
             self.conditions = parsed.conditions
             self.machine = CheckpointMachine(JobConfig.from_spec(self.spec, self.checkpoint_name(state.run)))
             self.state = state

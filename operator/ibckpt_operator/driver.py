@@ -30,6 +30,10 @@ def status_body(status: ApiModel) -> Body:
     return body
 
 
+class UnreadableStatus(Exception):
+    """A job's status has an attempt but cannot be read back into a state (not written by a driver)."""
+
+
 class StepProblem(Exception):
     """A step cannot go on for a reason the user can act on: `reason` is one CamelCase word."""
 

@@ -46,7 +46,7 @@ from ibckpt.api import (
 from ibckpt_operator import bindings, storage
 from ibckpt_operator.agents import Agent, agents_by_node, each_agent, follow_session, no_agent_message
 from ibckpt_operator.config import GROUP, VERSION
-from ibckpt_operator.driver import Driver, StepProblem
+from ibckpt_operator.driver import Driver, StepProblem, UnreadableStatus
 from ibckpt_operator.kube import Body
 from ibckpt_operator.machine import PodRef, RestoreConfig, RestoreMachine, RestoreState
 from ibckpt_operator.machine.core import (
@@ -196,9 +196,13 @@ class RestoreJobDriver(Driver[RestoreState]):
     def begin(self, now: float) -> Transition[RestoreState]:
         status = self.body.get("status") or {}
         if status.get("attempt"):
-            parsed = RestoreJobStatus.from_wire(status)
+            try:
+                parsed = RestoreJobStatus.from_wire(status)
+                state = restore_state(parsed)
+            except ValueError as error:
+                raise UnreadableStatus(f"its status cannot be read back: {error}") from error
             self.conditions = parsed.conditions
-            self.state = restore_state(parsed)
+            self.state = state
             return self.machine.handle(self.state, OperatorRestarted(), now)
         return self.machine.start(secrets.token_hex(4), now)
 

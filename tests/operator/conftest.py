@@ -153,6 +153,11 @@ class Cluster:
                 return None
             raise
 
+    def patch_status(self, plural: str, name: str, status: dict[str, Any]) -> None:
+        self.custom.patch_namespaced_custom_object_status(
+            GROUP, VERSION, self.namespace, plural, name, {"status": status}
+        )
+
     def delete(self, plural: str, name: str) -> None:
         self.custom.delete_namespaced_custom_object(GROUP, VERSION, self.namespace, plural, name)
 
@@ -457,6 +462,15 @@ class FakeAgent:
                                message=f"{self.node}: pods never created: {missing}")  # fmt: skip
                 return False
             time.sleep(0.2)
+
+    def first_request(self, timeout: float = 10.0) -> CheckpointRequest:
+        """The first checkpoint request, once it came: the operator writes the step to status first, then
+        calls the agent, so a phase seen in status does not mean the call was made."""
+        deadline = time.monotonic() + timeout
+        while not self.requests:
+            assert time.monotonic() < deadline, f"the agent on {self.node} was never asked"
+            time.sleep(0.05)
+        return self.requests[0]
 
     def set_phase(self, session: str, phase: RankPhase, **changes: Any) -> None:
         report = self.reports[session]

@@ -14,6 +14,7 @@ from ibckpt.api import Condition, ConditionStatus, ConditionType, JobPhase
 from ibckpt_operator import metrics, runtime
 from ibckpt_operator.checkpointjob import PLURAL, CheckpointJobDriver
 from ibckpt_operator.config import GROUP, VERSION
+from ibckpt_operator.driver import UnreadableStatus
 from ibckpt_operator.machine.status import to_time
 
 
@@ -38,21 +39,23 @@ def stop_waiter(stopped: kopf.DaemonStopped, rt: runtime.Runtime) -> Any:
     return wait
 
 
-async def fail_invalid(rt: runtime.Runtime, body: dict[str, Any], plural: str, message: str) -> None:
-    """A spec the models refuse: Failed at once, nothing touched."""
+async def fail_invalid(
+    rt: runtime.Runtime, body: dict[str, Any], plural: str, message: str, reason: str = "InvalidSpec"
+) -> None:
+    """A spec (or a status) the models refuse: Failed at once, nothing touched."""
     now = time.time()
     generation = body["metadata"].get("generation")
     conditions = [
-        Condition(type=ConditionType.READY, status=ConditionStatus.FALSE, reason="InvalidSpec",
+        Condition(type=ConditionType.READY, status=ConditionStatus.FALSE, reason=reason,
                   observed_generation=generation, last_transition_time=to_time(now)),
-        Condition(type=ConditionType.PROGRESSING, status=ConditionStatus.FALSE, reason="InvalidSpec",
+        Condition(type=ConditionType.PROGRESSING, status=ConditionStatus.FALSE, reason=reason,
                   observed_generation=generation, last_transition_time=to_time(now)),
-        Condition(type=ConditionType.FAILED, status=ConditionStatus.TRUE, reason="InvalidSpec",
+        Condition(type=ConditionType.FAILED, status=ConditionStatus.TRUE, reason=reason,
                   message=message, observed_generation=generation, last_transition_time=to_time(now)),
     ]  # fmt: skip
     status = {
         "phase": "Failed",
-        "reason": "InvalidSpec",
+        "reason": reason,
         "message": message,
         "observedGeneration": generation,
         "conditions": [c.to_wire() for c in conditions],
@@ -60,8 +63,8 @@ async def fail_invalid(rt: runtime.Runtime, body: dict[str, Any], plural: str, m
     }
     meta = body["metadata"]
     await rt.kube.patch_status(plural, meta["namespace"], meta["name"], status)
-    await rt.kube.post_event(body, "Warning", "InvalidSpec", message)
-    metrics.ended(body.get("kind", plural), "Failed", "InvalidSpec")
+    await rt.kube.post_event(body, "Warning", reason, message)
+    metrics.ended(body.get("kind", plural), "Failed", reason)
 
 
 # A deleted job first brings its ranks back (bounded by its abort timeout); an exiting operator leaves at
@@ -77,7 +80,10 @@ async def drive(body: kopf.Body, stopped: kopf.DaemonStopped, **_: Any) -> None:
     except ValueError as error:
         await fail_invalid(rt, raw, PLURAL, f"invalid spec: {error}")
         return
-    await driver.run(stop_waiter(stopped, rt))
+    try:
+        await driver.run(stop_waiter(stopped, rt))
+    except UnreadableStatus as error:  # not retried: the next try would read the same status
+        await fail_invalid(rt, raw, PLURAL, str(error), reason="InvalidStatus")
 
 
 __all__ = ["drive", "fail_invalid", "stop_waiter"]

@@ -11,6 +11,7 @@ import kopf
 from ibckpt.api import RestorePhase
 from ibckpt_operator import bindings, runtime
 from ibckpt_operator.config import GROUP, VERSION
+from ibckpt_operator.driver import UnreadableStatus
 from ibckpt_operator.handlers.checkpointjob import fail_invalid, stop_waiter
 from ibckpt_operator.restorejob import PLURAL, RestoreJobDriver
 
@@ -28,7 +29,10 @@ async def drive(body: kopf.Body, stopped: kopf.DaemonStopped, **_: Any) -> None:
     except ValueError as error:
         await fail_invalid(rt, raw, PLURAL, f"invalid spec: {error}")
         return
-    await driver.run(stop_waiter(stopped, rt))
+    try:
+        await driver.run(stop_waiter(stopped, rt))
+    except UnreadableStatus as error:  # not retried: the next try would read the same status
+        await fail_invalid(rt, raw, PLURAL, str(error), reason="InvalidStatus")
 
 
 # failurePolicy Ignore: a dead operator must not block every pod creation in the cluster (a pod it
