@@ -86,8 +86,10 @@ static void *send_thread(void *arg)
 		last = atomic_load(&s_stopping);
 		send_wr_fill(&w, &sg, m, sd->smr->lkey, n, last, sd->data_sent, sd->send_sum);
 		atomic_store(&s_next, n + 1);
-		if (ibv_post_send(sd->qp, &w, &bw))
-			DIE("post send %llu", (unsigned long long)n);
+		int prc = ibv_post_send(sd->qp, &w, &bw);
+
+		if (prc)
+			DIE("post send %llu: %s", (unsigned long long)n, strerror(prc));
 		if (last) {
 			atomic_store(&s_end_sent, 1);
 		} else {
@@ -345,8 +347,10 @@ int main(int argc, char **argv)
 			int last = stopping;
 
 			send_wr_fill(&w, &s, m, smr->lkey, next, last, data_sent, send_sum);
-			if (ibv_post_send(qp, &w, &bw))
-				DIE("post send %llu", (unsigned long long)next);
+			int prc = ibv_post_send(qp, &w, &bw);
+
+			if (prc)
+				DIE("post send %llu: %s", (unsigned long long)next, strerror(prc));
 			if (!last) {
 				send_sum = mix64(send_sum ^ m->check);
 				data_sent++;

@@ -197,16 +197,14 @@ def job(name: str, storage: str, mode: str = "LeaveRunning") -> dict[str, Any]:
 
 
 def wait_for_phase(cluster: Cluster, namespace: str, name: str, phases: tuple[str, ...]) -> str:
-    """Poll the job closely until it is in one of `phases`; fail if it ends first."""
-    deadline = time.monotonic() + 900
-    phase = None
-    while time.monotonic() < deadline:
-        phase = (pods.get(cluster, namespace, "checkpointjob", name).get("status") or {}).get("phase")
-        if phase in phases:
-            return str(phase)
-        assert phase not in ("Failed", "Succeeded"), f"{name} ended ({phase}) before {phases}"
-        time.sleep(0.5)
-    raise AssertionError(f"{name} never reached {phases}; last {phase}\n{ring.diagnose(cluster, namespace)}")
+    """Watch the job until it is in one of `phases` (a cut's phases last a second or two); fail if it
+    ends first."""
+    ended = ("Failed", "Succeeded")
+    seen = pods.watch_status(
+        cluster, namespace, "checkpointjob", name, "phase", lambda p: p in (*phases, *ended)
+    )
+    assert seen[-1] in phases, f"{name} ended ({seen}) before {phases}\n{ring.diagnose(cluster, namespace)}"
+    return seen[-1]
 
 
 def manifests(s3: S3Server, bucket: str) -> list[str]:

@@ -40,7 +40,13 @@ def coord(tmp_path: Path) -> Iterator[Coordinator]:
 
 
 def _states(procs: list[ShimProc]) -> dict[str, str]:
-    return {p.name: str(p.ctl.status()["state"]) for p in procs}
+    states = {}
+    for p in procs:
+        try:
+            states[p.name] = str(p.ctl.status()["state"])
+        except OSError as error:  # its control socket is gone: the process died, and says why
+            raise AssertionError(f"{p.name}: {error}; {p.outputs()}") from error
+    return states
 
 
 def _until_running(procs: list[ShimProc], since: float) -> float:

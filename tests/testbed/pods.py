@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
-from testbed.cluster import RDMA_DEVICE, Cluster
+from testbed.cluster import RDMA_DEVICE, Cluster, kubectl_bin
 
 
 def rdma_pod(
@@ -75,6 +78,39 @@ def get(cluster: Cluster, namespace: str, kind: str, name: str | None = None, **
     if selectors:
         args += ["-l", ",".join(f"{k}={v}" for k, v in selectors.items())]
     return json.loads(cluster.kubectl(*args).stdout)
+
+
+def watch_status(
+    cluster: Cluster, namespace: str, kind: str, name: str, field: str, until: Callable[[str], bool],
+    timeout: float = 900.0,
+) -> list[str]:
+    """Every value status.<field> of the object takes, through `kubectl get --watch`, until `until` accepts
+    one: a watch sees each update, where a poll misses the phases that last less than its period."""
+    template = "jsonpath={.status." + field + '}{"\\n"}'
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:  # a watch the server ends starts again, from the current state
+        watch = subprocess.Popen(
+            [str(kubectl_bin()), f"--kubeconfig={cluster.kubeconfig}", "get", kind, name, "-n", namespace,
+             "--watch", "-o", template],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        )  # fmt: skip
+        timer = threading.Timer(max(0.0, deadline - time.monotonic()), watch.kill)
+        timer.start()
+        try:
+            assert watch.stdout is not None
+            for line in watch.stdout:
+                value = line.strip()
+                if not seen or seen[-1] != value:
+                    seen.append(value)
+                if until(value):
+                    return seen
+        finally:
+            timer.cancel()
+            watch.kill()
+            watch.wait()
+        time.sleep(1)
+    raise AssertionError(f"{kind} {namespace}/{name}: status.{field} went {seen} in {timeout:.0f} s")
 
 
 def wait_pod(
