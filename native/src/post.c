@@ -227,6 +227,12 @@ static inline __attribute__((always_inline)) int swr_fill(struct ibk_qp *qp, str
 	return 0;
 }
 
+/* 1 while the drain's flag WR still holds an entry of the send log. */
+static inline uint32_t flag_in_log(const struct ibk_qp *qp)
+{
+	return qp->flag_outstanding && qp->flag_seq >= qp->slog.head && qp->flag_seq < qp->slog.tail;
+}
+
 /* Any list of WRs, translated as needed.  The caller is inside the gate. */
 static __attribute__((noinline)) int post_send_list(struct ibk_qp *qp, struct ibv_send_wr *wr,
 						    struct ibv_send_wr **bad)
@@ -238,8 +244,9 @@ static __attribute__((noinline)) int post_send_list(struct ibk_qp *qp, struct ib
 	for (; wr; wr = wr->next) {
 		struct ibk_swr *e;
 
-		/* Keep the flag WR's slot free: the app sees one slot less. */
-		if (ibk_sendlog_count(&qp->slog) + 1 >= qp->slog.cap) {
+		/* Keep the flag WR's slot free: the app sees one slot less, and
+		 * a flag WR in the log takes that slot, not one of the app's. */
+		if (ibk_sendlog_count(&qp->slog) - flag_in_log(qp) + 1 >= qp->slog.cap) {
 			rc = ENOMEM;
 			break;
 		}

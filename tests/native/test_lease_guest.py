@@ -58,22 +58,37 @@ def _until_running(procs: list[ShimProc], since: float) -> float:
     raise AssertionError(f"still held {time.monotonic() - since:.1f} s after the cut: {_states(procs)}")
 
 
-def test_unrenewed_lease_resumes_under_traffic(tmp_path: Path, coord: Coordinator) -> None:
-    stop = tmp_path / "stop"
-    env = {**coord.env, "IBCKPT_LEASE_MS": str(LEASE_MS)}
-    argv = [str(TESTS_DIR / "rc_seq"), "-f", str(stop), "-u", "2", "-p", "18631"]
+def assert_exactly_once(procs: list[ShimProc], codes: list[int]) -> None:
+    """Both rc_seq ranks ended well, and every message arrived exactly once, identical, both ways."""
+    assert codes == [0, 0], [p.outputs() for p in procs]
+    srv, cli = (parse_result(p.out.read_text()) for p in procs)
+    assert srv["bad"] == 0 and cli["bad"] == 0
+    assert srv["sent"] == cli["received"] and cli["sent"] == srv["received"]
+    assert srv["send_sum"] == cli["recv_sum"] and cli["send_sum"] == srv["recv_sum"]
+
+
+def _rc_seq_pair(tmp_path: Path, env: dict[str, str], port: int, *flags: str) -> list[ShimProc]:
+    """A started rc_seq server and client under the shim (stop file tmp_path/stop), both READY."""
+    argv = [str(TESTS_DIR / "rc_seq"), "-f", str(tmp_path / "stop"), "-p", str(port), *flags]
     server = ShimProc("server", argv, tmp_path, env)
     client = ShimProc("client", [*argv, "-c", "127.0.0.1"], tmp_path, env)
-    procs = [server, client]
     server.start()
     deadline = time.monotonic() + 60
     while not server.ctl_path.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     time.sleep(0.5)
     client.start()
+    for p in (server, client):
+        p.wait_for_output("READY", 120)
+    return [server, client]
+
+
+def test_unrenewed_lease_resumes_under_traffic(tmp_path: Path, coord: Coordinator) -> None:
+    stop = tmp_path / "stop"
+    env = {**coord.env, "IBCKPT_LEASE_MS": str(LEASE_MS)}
+    procs: list[ShimProc] = []
     try:
-        for p in procs:
-            p.wait_for_output("READY", 120)
+        procs = _rc_seq_pair(tmp_path, env, 18631, "-u", "2")
 
         def sent() -> int:
             return sum(int(p.ctl.status()["qps"][0]["sends_posted"]) for p in procs)
@@ -137,12 +152,7 @@ def test_unrenewed_lease_resumes_under_traffic(tmp_path: Path, coord: Coordinato
     finally:
         for p in procs:
             p.kill()
-    assert codes == [0, 0], [p.outputs() for p in procs]
-    srv, cli = (parse_result(p.out.read_text()) for p in procs)
-    assert srv["bad"] == 0 and cli["bad"] == 0
-    # every message exactly once, identical data, both ways
-    assert srv["sent"] == cli["received"] and cli["sent"] == srv["received"]
-    assert srv["send_sum"] == cli["recv_sum"] and cli["send_sum"] == srv["recv_sum"]
+    assert_exactly_once(procs, codes)
 
 
 async def test_an_agent_killed_after_its_cut_leaves_no_rank_gated(coordinator, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -201,8 +211,34 @@ async def test_an_agent_killed_after_its_cut_leaves_no_rank_gated(coordinator, t
         with contextlib.suppress(CoordinatorError):
             await node2.abort("test over")
         await node2.close()
-    assert codes == [0, 0], [p.outputs() for p in procs]
-    srv, cli = (parse_result(p.out.read_text()) for p in procs)
-    assert srv["bad"] == 0 and cli["bad"] == 0
-    assert srv["sent"] == cli["received"] and cli["sent"] == srv["received"]
-    assert srv["send_sum"] == cli["recv_sum"] and cli["send_sum"] == srv["recv_sum"]
+    assert_exactly_once(procs, codes)
+
+
+def test_drained_then_resumed_on_its_own_again_and_again(tmp_path: Path, coord: Coordinator) -> None:
+    """Forty cuts that end the way a dead agent leaves them: quiesced, drained (with sends stalled
+    at the gated peer, and often the drain's flag WR behind them), then the lease runs out. The
+    app must keep the whole send queue the shim granted it: the flag WR has a slot of its own. (It
+    once took one of the app's, and a full window after such a resume failed its post with
+    ENOMEM.) Unsignaled sends (-u 4) make the flag WR likely."""
+    env = {**coord.env, "IBCKPT_LEASE_MS": str(LEASE_MS)}
+    procs: list[ShimProc] = []
+    flags = 0
+    try:
+        procs = _rc_seq_pair(tmp_path, env, 18633, "-u", "4")
+        for _ in range(40):
+            t0 = time.monotonic()
+            _each(procs, lambda p: p.ctl.quiesce(20000))
+            drained = _each(procs, lambda p: p.ctl.drain(3000))
+            flags += sum(int(r["flag_wrs"]) for r in drained.values())
+            _each(procs, lambda p: p.ctl.command("lease 500"))
+            _until_running(procs, t0)
+            time.sleep(0.2)  # traffic again: a full window on the way before the next cut
+        (tmp_path / "stop").touch()
+        codes = [p.wait(300) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert flags > 0, "no drain posted a flag WR: the case was not exercised"
+    for p in procs:
+        assert p.err.read_text().count("while drained: resuming on my own") == 40, p.outputs()
+    assert_exactly_once(procs, codes)
