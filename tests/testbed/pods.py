@@ -81,7 +81,12 @@ def get(cluster: Cluster, namespace: str, kind: str, name: str | None = None, **
 
 
 def watch_status(
-    cluster: Cluster, namespace: str, kind: str, name: str, field: str, until: Callable[[str], bool],
+    cluster: Cluster,
+    namespace: str,
+    kind: str,
+    name: str,
+    field: str,
+    until: Callable[[str], bool],
     timeout: float = 900.0,
 ) -> list[str]:
     """Every value status.<field> of the object takes, through `kubectl get --watch`, until `until` accepts
