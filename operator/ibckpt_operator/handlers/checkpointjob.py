@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -14,7 +15,7 @@ from ibckpt.api import Condition, ConditionStatus, ConditionType, JobPhase
 from ibckpt_operator import metrics, runtime
 from ibckpt_operator.checkpointjob import PLURAL, CheckpointJobDriver
 from ibckpt_operator.config import GROUP, VERSION
-from ibckpt_operator.driver import UnreadableStatus
+from ibckpt_operator.driver import Driver, UnreadableStatus
 from ibckpt_operator.machine.status import to_time
 
 
@@ -67,23 +68,35 @@ async def fail_invalid(
     metrics.ended(body.get("kind", plural), "Failed", reason)
 
 
+async def drive_job(
+    body: kopf.Body,
+    stopped: kopf.DaemonStopped,
+    plural: str,
+    make_driver: Callable[[runtime.Runtime, dict[str, Any]], Driver[Any]],
+    ended: tuple[str, ...],
+) -> None:
+    """A job's daemon, for both kinds: an ended job is left alone; a spec or a status the models refuse
+    fails it once (a retry would read the same); otherwise its driver runs it from its status."""
+    rt = runtime.get()
+    raw = copy.deepcopy(dict(body))
+    if (raw.get("status") or {}).get("phase") in ended:
+        return
+    try:
+        driver = make_driver(rt, raw)
+    except ValueError as error:
+        await fail_invalid(rt, raw, plural, f"invalid spec: {error}")
+        return
+    try:
+        await driver.run(stop_waiter(stopped, rt))
+    except UnreadableStatus as error:
+        await fail_invalid(rt, raw, plural, str(error), reason="InvalidStatus")
+
+
 # A deleted job first brings its ranks back (bounded by its abort timeout); an exiting operator leaves at
 # once (the state is in status). kopf cancels the daemon only past these bounds.
 @kopf.daemon(GROUP, VERSION, PLURAL, cancellation_backoff=2.0, cancellation_timeout=600.0)
 async def drive(body: kopf.Body, stopped: kopf.DaemonStopped, **_: Any) -> None:
-    rt = runtime.get()
-    raw = copy.deepcopy(dict(body))
-    if (raw.get("status") or {}).get("phase") in (JobPhase.SUCCEEDED, JobPhase.FAILED):
-        return
-    try:
-        driver = CheckpointJobDriver(rt, raw)
-    except ValueError as error:
-        await fail_invalid(rt, raw, PLURAL, f"invalid spec: {error}")
-        return
-    try:
-        await driver.run(stop_waiter(stopped, rt))
-    except UnreadableStatus as error:  # not retried: the next try would read the same status
-        await fail_invalid(rt, raw, PLURAL, str(error), reason="InvalidStatus")
+    await drive_job(body, stopped, PLURAL, CheckpointJobDriver, (JobPhase.SUCCEEDED, JobPhase.FAILED))
 
 
-__all__ = ["drive", "fail_invalid", "stop_waiter"]
+__all__ = ["drive", "drive_job", "fail_invalid", "stop_waiter"]

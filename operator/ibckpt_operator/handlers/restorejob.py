@@ -3,16 +3,14 @@ mutating webhook that binds a controller's new pod to the node its restore stage
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import kopf
 
 from ibckpt.api import RestorePhase
-from ibckpt_operator import bindings, runtime
+from ibckpt_operator import bindings
 from ibckpt_operator.config import GROUP, VERSION
-from ibckpt_operator.driver import UnreadableStatus
-from ibckpt_operator.handlers.checkpointjob import fail_invalid, stop_waiter
+from ibckpt_operator.handlers.checkpointjob import drive_job
 from ibckpt_operator.restorejob import PLURAL, RestoreJobDriver
 
 
@@ -20,19 +18,7 @@ from ibckpt_operator.restorejob import PLURAL, RestoreJobDriver
 # once (the state is in status). kopf cancels the daemon only past these bounds.
 @kopf.daemon(GROUP, VERSION, PLURAL, cancellation_backoff=2.0, cancellation_timeout=600.0)
 async def drive(body: kopf.Body, stopped: kopf.DaemonStopped, **_: Any) -> None:
-    rt = runtime.get()
-    raw = copy.deepcopy(dict(body))
-    if (raw.get("status") or {}).get("phase") in (RestorePhase.SUCCEEDED, RestorePhase.FAILED):
-        return
-    try:
-        driver = RestoreJobDriver(rt, raw)
-    except ValueError as error:
-        await fail_invalid(rt, raw, PLURAL, f"invalid spec: {error}")
-        return
-    try:
-        await driver.run(stop_waiter(stopped, rt))
-    except UnreadableStatus as error:  # not retried: the next try would read the same status
-        await fail_invalid(rt, raw, PLURAL, str(error), reason="InvalidStatus")
+    await drive_job(body, stopped, PLURAL, RestoreJobDriver, (RestorePhase.SUCCEEDED, RestorePhase.FAILED))
 
 
 # failurePolicy Ignore: a dead operator must not block every pod creation in the cluster (a pod it
