@@ -72,14 +72,19 @@ def _rc_seq_pair(tmp_path: Path, env: dict[str, str], port: int, *flags: str) ->
     argv = [str(TESTS_DIR / "rc_seq"), "-f", str(tmp_path / "stop"), "-p", str(port), *flags]
     server = ShimProc("server", argv, tmp_path, env)
     client = ShimProc("client", [*argv, "-c", "127.0.0.1"], tmp_path, env)
-    server.start()
-    deadline = time.monotonic() + 60
-    while not server.ctl_path.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    time.sleep(0.5)
-    client.start()
-    for p in (server, client):
-        p.wait_for_output("READY", 120)
+    try:
+        server.start()
+        deadline = time.monotonic() + 60
+        while not server.ctl_path.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)
+        client.start()
+        for p in (server, client):
+            p.wait_for_output("READY", 120)
+    except BaseException:  # the caller only gets the pair, to stop, once both are up
+        server.kill()
+        client.kill()
+        raise
     return [server, client]
 
 
