@@ -72,9 +72,12 @@ class Kube:
         result = await self._run(self.core.list_node, _preload_content=False)
         return list(_json(result).get("items", []))
 
-    async def delete_pod(self, namespace: str, name: str, uid: str) -> bool:
-        """Delete the pod only if it is still this UID; False if it is gone (or another pod by now)."""
-        body = kubernetes.client.V1DeleteOptions(preconditions=kubernetes.client.V1Preconditions(uid=uid))
+    async def delete_pod(self, namespace: str, name: str, uid: str, grace_seconds: int | None = None) -> bool:
+        """Delete the pod only if it is still this UID; False if it is gone (or another pod by now).
+        `grace_seconds` 0 removes the object at once, without waiting for the kubelet's cleanup."""
+        body = kubernetes.client.V1DeleteOptions(
+            preconditions=kubernetes.client.V1Preconditions(uid=uid), grace_period_seconds=grace_seconds
+        )
         try:
             await self._run(self.core.delete_namespaced_pod, name, namespace, body=body)
             return True

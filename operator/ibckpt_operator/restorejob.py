@@ -43,7 +43,7 @@ from ibckpt.api import (
     RestoreJobStatus,
     RestorePhase,
 )
-from ibckpt_operator import bindings, storage
+from ibckpt_operator import bindings, sources, storage
 from ibckpt_operator.agents import Agent, agents_by_node, each_agent, follow_session, no_agent_message
 from ibckpt_operator.config import GROUP, VERSION
 from ibckpt_operator.driver import Driver, StepProblem, UnreadableStatus
@@ -347,6 +347,8 @@ class RestoreJobDriver(Driver[RestoreState]):
             await self.rt.kube.post_event(self.body, "Normal", "VersionsNotChecked", message)
         for pod in action.pods:
             existing = await self.rt.kube.get_pod(self.namespace, pod.name)
+            if existing is not None and await self.remove_ended_source(existing):
+                existing = None
             if existing is not None and not self.replaceable(existing):
                 uid = existing["metadata"].get("uid")
                 message = self.exists_message(pod.name, uid)
@@ -383,6 +385,17 @@ class RestoreJobDriver(Driver[RestoreState]):
         recorded = self.checkpoint.spec.pods if self.checkpoint is not None else None
         sources = {p.name: p.uid for p in recorded or ()}
         return bool(meta.get("uid")) and sources.get(meta.get("name", "")) == meta.get("uid")
+
+    async def remove_ended_source(self, pod: Body) -> bool:
+        """The checkpointed pod of this name, deleted and ended, is removed now rather than after its
+        node's cleanup (sources.py); True if it was."""
+        name = pod.get("metadata", {}).get("name", "")
+        recorded = self.checkpoint.spec.pods if self.checkpoint is not None else None
+        uid = next((p.uid for p in recorded or () if p.name == name), None)
+        if not uid or not await sources.remove_if_ended(self.rt.kube, self.namespace, pod, uid):
+            return False
+        await self.rt.kube.post_event(self.body, "Normal", "SourceRemoved", sources.removed_message(name))
+        return True
 
     def exists_message(self, name: str, uid: str | None) -> str:
         if not self.by_controller:
@@ -487,6 +500,8 @@ class RestoreJobDriver(Driver[RestoreState]):
                         pod.node,
                     )
                     self.emit(PodCreated(action.attempt, name, str(meta["uid"])))
+                elif meta.get("uid") and await self.remove_ended_source(body):
+                    continue  # its controller creates it again now, bound to this restore
                 elif meta.get("uid") and not self.replaceable(body):
                     self.emit(
                         StepFailed(
