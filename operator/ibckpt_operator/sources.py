@@ -2,10 +2,11 @@
 
 A restored pod takes its source's name, so it can only be created once the source is gone from the API.
 A deleted pod stays there until its kubelet has cleaned up after it (volumes, sandbox, cgroups), which on
-a slow node takes a minute after its processes ended. Once the kubelet itself reports every container of
-a pod being deleted as terminated, nothing of the pod runs any more, so the restore completes the
-removal (a delete with grace 0, bound to the pod's uid) rather than wait. A pod that is not being
-deleted, or that still has a container not reported terminated, is never touched.
+a slow node takes a minute after its processes ended. The sources here were running when they were
+checkpointed; once the kubelet itself reports that no container of such a pod runs any more while it is
+being deleted (a kubelet never starts a container of a pod being deleted), nothing of it runs, so the
+restore completes the removal (a delete with grace 0, bound to the pod's uid) rather than wait. A pod
+that is not being deleted, or that the kubelet still reports running or ready, is never touched.
 """
 
 from __future__ import annotations
@@ -14,13 +15,17 @@ from ibckpt_operator.kube import Body, Kube
 
 
 def ended_and_going(pod: Body, uid: str) -> bool:
-    """This source pod (by uid) is being deleted and its kubelet reports every container terminated."""
+    """This source pod (by uid) is being deleted, and its kubelet reports it not ready, with no container
+    running. A killed container is `terminated`, or on kubelets before 1.22 `waiting` (ContainerCreating:
+    the runtime no longer lists it)."""
     meta = pod.get("metadata", {})
     if meta.get("uid") != uid or not meta.get("deletionTimestamp"):
         return False
     status = pod.get("status") or {}
+    if any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or ()):
+        return False
     containers = [*(status.get("initContainerStatuses") or ()), *(status.get("containerStatuses") or ())]
-    return bool(containers) and all("terminated" in (c.get("state") or {}) for c in containers)
+    return bool(containers) and not any("running" in (c.get("state") or {}) for c in containers)
 
 
 async def remove_if_ended(kube: Kube, namespace: str, pod: Body, uid: str) -> bool:
@@ -33,6 +38,6 @@ async def remove_if_ended(kube: Kube, namespace: str, pod: Body, uid: str) -> bo
 
 def removed_message(name: str) -> str:
     return (
-        f"source pod {name} had ended (its kubelet reports every container terminated): its removal was "
+        f"source pod {name} had ended (its kubelet reports no container running): its removal was "
         "completed so that the restore need not wait for the node's cleanup"
     )

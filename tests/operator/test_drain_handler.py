@@ -107,6 +107,27 @@ def finish_deletion(cluster: Cluster, *pods: str) -> None:
         cluster.core.delete_namespaced_pod(name, cluster.namespace, grace_period_seconds=0)
 
 
+def report_ended(cluster: Cluster, name: str) -> None:
+    """What the kubelet reports of a killed pod before its cleanup: not ready, its container terminated."""
+    deadline = time.monotonic() + 60
+    while cluster.core.read_namespaced_pod(name, cluster.namespace).metadata.deletion_timestamp is None:
+        assert time.monotonic() < deadline, f"{name} was never killed"
+        time.sleep(0.2)
+    ended = {"terminated": {"exitCode": 143, "reason": "Error"}}
+    statuses = [{"name": "main", "state": ended, "ready": False, "restartCount": 0, "image": "ring:test",
+                 "imageID": "", "containerID": "containerd://0"}]  # fmt: skip
+    not_ready = [{"type": "Ready", "status": "False"}]
+    status = {"containerStatuses": statuses, "conditions": not_ready}
+    cluster.core.patch_namespaced_pod_status(name, cluster.namespace, {"status": status})
+
+
+def wait_pod_gone(cluster: Cluster, name: str) -> None:
+    deadline = time.monotonic() + 60
+    while any(p.metadata.name == name for p in cluster.core.list_namespaced_pod(cluster.namespace).items):
+        assert time.monotonic() < deadline, f"{name} is still there"
+        time.sleep(0.2)
+
+
 def metrics_text(port: int) -> str:
     return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
 
@@ -237,7 +258,14 @@ def test_cordon_migrates_the_whole_job_while_the_webhook_holds_evictions(
         # (no kubelet here finishes their deletion: the test does).
         assert "ring-0, ring-1 are gone" in wait_event(cluster_ns, "ring", "WaitingForSources").message
         assert cluster_ns.get("restorejobs", "ring-restore-1") is None
-        finish_deletion(cluster_ns, "ring-0", "ring-1")
+        # Once a kubelet reports a killed source's containers terminated, nothing of it runs: the schedule
+        # removes it rather than wait for the node's cleanup. ring-1 reports nothing yet, so it waits.
+        report_ended(cluster_ns, "ring-0")
+        assert "source pod ring-0 had ended" in wait_event(cluster_ns, "ring", "SourceRemoved").message
+        wait_pod_gone(cluster_ns, "ring-0")
+        assert cluster_ns.core.read_namespaced_pod("ring-1", cluster_ns.namespace).metadata.deletion_timestamp
+        assert cluster_ns.get("restorejobs", "ring-restore-1") is None
+        finish_deletion(cluster_ns, "ring-1")
         restore = cluster_ns.wait("restorejobs", "ring-restore-1", lambda o: True)
         assert restore is not None
         assert restore["spec"]["checkpointName"] == "ring-drain-1" and restore["spec"]["avoidNodes"] == [

@@ -1,4 +1,4 @@
-"""Which deleted source pods the restore may remove at once: only ended ones, by uid."""
+"""Which deleted source pods the restore may remove at once: only those with nothing running, by uid."""
 
 from __future__ import annotations
 
@@ -29,9 +29,21 @@ def test_a_deleted_pod_whose_containers_all_ended_may_go() -> None:
     assert ended_and_going(pod(TERMINATED, TERMINATED), UID)
 
 
+def test_a_killed_container_a_1_20_kubelet_reports_waiting_has_ended_too() -> None:
+    assert ended_and_going(pod(TERMINATED, {"waiting": {"reason": "ContainerCreating"}}), UID)
+
+
 def test_a_container_still_running_keeps_it() -> None:
     assert not ended_and_going(pod(TERMINATED, RUNNING), UID)
     assert not ended_and_going(pod(TERMINATED, init=(RUNNING,)), UID)
+
+
+def test_a_pod_still_reported_ready_keeps_it() -> None:
+    ready = pod(TERMINATED)
+    ready["status"]["conditions"] = [{"type": "Ready", "status": "True"}]
+    assert not ended_and_going(ready, UID)
+    ready["status"]["conditions"] = [{"type": "Ready", "status": "False"}]
+    assert ended_and_going(ready, UID)
 
 
 def test_a_pod_nobody_deleted_is_never_removed() -> None:
@@ -44,4 +56,3 @@ def test_another_pod_of_the_name_is_not_the_source() -> None:
 
 def test_a_pod_with_no_reported_containers_is_not_known_to_have_ended() -> None:
     assert not ended_and_going(pod(), UID)
-    assert not ended_and_going(pod({"waiting": {"reason": "ContainerCreating"}}), UID)
