@@ -128,6 +128,19 @@ class Cluster:
         self.core.patch_namespaced_pod_status(name, ns, {"status": status})
         return {"name": name, "uid": created.metadata.uid, "node": node}
 
+    def report_killed(self, name: str) -> None:
+        """What a kubelet reports of a pod it killed, before its cleanup lets it go: not ready, its
+        container terminated. Waits until the pod is being deleted."""
+        deadline = time.monotonic() + 60
+        while self.core.read_namespaced_pod(name, self.namespace).metadata.deletion_timestamp is None:
+            assert time.monotonic() < deadline, f"{name} was never killed"
+            time.sleep(0.2)
+        ended = {"terminated": {"exitCode": 143, "reason": "Error"}}
+        statuses = [{"name": "main", "state": ended, "ready": False, "restartCount": 0, "image": "ring:test",
+                     "imageID": "", "containerID": "containerd://0"}]  # fmt: skip
+        status = {"containerStatuses": statuses, "conditions": [{"type": "Ready", "status": "False"}]}
+        self.core.patch_namespaced_pod_status(name, self.namespace, {"status": status})
+
     def agent_pod(self, node: str, ip: str, ready: bool = True) -> None:
         labels = {"app.kubernetes.io/component": "agent", "app.kubernetes.io/instance": "ibckpt"}
         self.pod(f"agent-{node}", node, labels, namespace=OPERATOR_NS, ip=ip, ready=ready)

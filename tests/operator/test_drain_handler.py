@@ -107,20 +107,6 @@ def finish_deletion(cluster: Cluster, *pods: str) -> None:
         cluster.core.delete_namespaced_pod(name, cluster.namespace, grace_period_seconds=0)
 
 
-def report_ended(cluster: Cluster, name: str) -> None:
-    """What the kubelet reports of a killed pod before its cleanup: not ready, its container terminated."""
-    deadline = time.monotonic() + 60
-    while cluster.core.read_namespaced_pod(name, cluster.namespace).metadata.deletion_timestamp is None:
-        assert time.monotonic() < deadline, f"{name} was never killed"
-        time.sleep(0.2)
-    ended = {"terminated": {"exitCode": 143, "reason": "Error"}}
-    statuses = [{"name": "main", "state": ended, "ready": False, "restartCount": 0, "image": "ring:test",
-                 "imageID": "", "containerID": "containerd://0"}]  # fmt: skip
-    not_ready = [{"type": "Ready", "status": "False"}]
-    status = {"containerStatuses": statuses, "conditions": not_ready}
-    cluster.core.patch_namespaced_pod_status(name, cluster.namespace, {"status": status})
-
-
 def wait_pod_gone(cluster: Cluster, name: str) -> None:
     deadline = time.monotonic() + 60
     while any(p.metadata.name == name for p in cluster.core.list_namespaced_pod(cluster.namespace).items):
@@ -260,7 +246,7 @@ def test_cordon_migrates_the_whole_job_while_the_webhook_holds_evictions(
         assert cluster_ns.get("restorejobs", "ring-restore-1") is None
         # Once a kubelet reports a killed source's containers terminated, nothing of it runs: the schedule
         # removes it rather than wait for the node's cleanup. ring-1 reports nothing yet, so it waits.
-        report_ended(cluster_ns, "ring-0")
+        cluster_ns.report_killed("ring-0")
         assert "source pod ring-0 had ended" in wait_event(cluster_ns, "ring", "SourceRemoved").message
         wait_pod_gone(cluster_ns, "ring-0")
         assert cluster_ns.core.read_namespaced_pod("ring-1", cluster_ns.namespace).metadata.deletion_timestamp

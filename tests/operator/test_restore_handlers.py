@@ -166,11 +166,12 @@ def test_a_stop_checkpoint_is_restored_as_the_same_pods_on_the_swapped_nodes(
         assert spec["requires"] == {"ibckpt": "test"} and spec["rankCount"] == 2
         assert (by_name["ring-0"]["hostIP"], by_name["ring-1"]["hostIP"]) == (a.host, b.host)
 
-        # The sources were deleted by the Stop job (Terminating: no kubelet here); play the kubelet.
-        for name in sources:
-            cluster_ns.core.delete_namespaced_pod(name, ns, grace_period_seconds=0)
+        # The sources were deleted by the Stop job (Terminating: no kubelet here); play the kubelet: ring-0
+        # is gone; ring-1 is reported killed but not cleaned up yet, and the restore removes it itself.
+        cluster_ns.core.delete_namespaced_pod("ring-0", ns, grace_period_seconds=0)
+        cluster_ns.report_killed("ring-1")
         deadline = time.monotonic() + 30
-        while pods_of(cluster_ns):
+        while "ring-0" in pods_of(cluster_ns):
             assert time.monotonic() < deadline, "the sources never went"
             time.sleep(0.2)
 
@@ -213,8 +214,10 @@ def test_a_stop_checkpoint_is_restored_as_the_same_pods_on_the_swapped_nodes(
         [reported] = agent.reports[request.session_id].ranks  # the agent found the pod created after
         assert reported.pod_uid == created[pod].metadata.uid
     reasons = [e.reason for e in cluster_ns.events("back")]
-    for expected in ("Downloading", "Restoring", "Rebuilding", "Resuming", "Succeeded"):
+    for expected in ("SourceRemoved", "Downloading", "Restoring", "Rebuilding", "Resuming", "Succeeded"):
         assert expected in reasons, reasons
+    [removed] = [e.message for e in cluster_ns.events("back") if e.reason == "SourceRemoved"]
+    assert removed.startswith("source pod ring-1 had ended"), removed
     assert next(c for c in status["conditions"] if c["type"] == "Ready")["status"] == "True"
 
 
