@@ -375,21 +375,13 @@ class RestoreJobDriver(Driver[RestoreState]):
             self.emit(PodAdmitted(action.attempt, pod.name))
 
     def replaceable(self, pod: Body) -> bool:
-        """A pod that holds a restored pod's name and may: its checkpointed source on its way out (being
-        deleted; in controller mode also still running, its controller creates it again, bound here),
-        or one this run made or bound already."""
-        if self.state is None:
+        """Controller mode: a source pod on its way out (its controller creates it again, bound here) or
+        one this run bound already."""
+        if not self.by_controller or self.state is None:
             return False
         meta = pod.get("metadata", {})
         if (meta.get("annotations") or {}).get(RESTORED_BY) == self.restored_by(self.state.run):
             return True
-        if not self.is_source(pod):
-            return False
-        return self.by_controller or bool(meta.get("deletionTimestamp"))
-
-    def is_source(self, pod: Body) -> bool:
-        """The checkpointed pod itself (by name and uid)."""
-        meta = pod.get("metadata", {})
         recorded = self.checkpoint.spec.pods if self.checkpoint is not None else None
         sources = {p.name: p.uid for p in recorded or ()}
         return bool(meta.get("uid")) and sources.get(meta.get("name", "")) == meta.get("uid")
@@ -448,11 +440,7 @@ class RestoreJobDriver(Driver[RestoreState]):
             return
         owner = {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "name": self.name, "uid": self.uid,
                  "controller": True}  # fmt: skip
-        held = set()  # names a source still holds: created last, so that they hold up no other pod
         for pod in action.pods:
-            if self.is_source(await self.rt.kube.get_pod(self.namespace, pod.name) or {}):
-                held.add(pod.name)
-        for pod in sorted(action.pods, key=lambda p: p.name in held):
             template = self.recorded(pod.name).template
             assert template is not None  # resolve refused a checkpoint without one
             body = destination_pod(
@@ -464,43 +452,22 @@ class RestoreJobDriver(Driver[RestoreState]):
                 restored_by=marker,
                 owner=owner,
             )
-            uid = await self.create_named_pod(action, body, marker)
-            if uid is None:
-                return
-            log.info("%s: created pod %s (uid %s) on %s", self.key, pod.name, uid, pod.node)
-            self.emit(PodCreated(action.attempt, pod.name, uid))
-
-    async def create_named_pod(self, action: CreatePods, body: Body, marker: str) -> str | None:
-        """Create the pod under its source's name; the uid, or None once the step failed. A source still
-        on its way out holds the name: wait for it (bounded by the phase's deadline), removing it as soon
-        as its kubelet reports it ended (sources.py)."""
-        name = body["metadata"]["name"]
-        waited = False
-        while True:
             try:
-                return await self.create_pod(body)
+                uid = await self.create_pod(body)
             except ApiException as error:
                 if error.status != 409:
-                    message = f"creating pod {name} on {body['spec']['nodeName']}: {_api_message(error)}"
-                    self.emit(StepFailed(action.attempt, "PodCreateFailed", message, pod=name))
-                    return None
-            existing = await self.rt.kube.get_pod(self.namespace, name) or {}
-            meta = existing.get("metadata", {})
-            if (meta.get("annotations") or {}).get(RESTORED_BY) == marker:
-                return str(meta["uid"])  # ours, from this run's attempt before
-            if not meta.get("uid") or await self.remove_ended_source(existing):
-                continue  # gone meanwhile
-            if not self.replaceable(existing):
-                message = f"pod {name} was created by someone else meanwhile (uid {meta.get('uid')})"
-                self.emit(StepFailed(action.attempt, "PodExists", message, pod=name))
-                return None
-            if not waited:
-                waited = True
-                log.info("%s: pod %s waits for its source (uid %s) to go", self.key, name, meta["uid"])
-            await asyncio.sleep(1.0)
-            step = self.state.step if self.state is not None else None
-            if step is None or step.attempt != action.attempt:
-                return None  # the step is over (a deadline, a cancel): create nothing after it
+                    message = f"creating pod {pod.name} on {pod.node}: {_api_message(error)}"
+                    self.emit(StepFailed(action.attempt, "PodCreateFailed", message, pod=pod.name))
+                    return
+                existing = await self.rt.kube.get_pod(self.namespace, pod.name) or {}
+                meta = existing.get("metadata", {})
+                if (meta.get("annotations") or {}).get(RESTORED_BY) != marker:
+                    message = f"pod {pod.name} was created by someone else meanwhile (uid {meta.get('uid')})"
+                    self.emit(StepFailed(action.attempt, "PodExists", message, pod=pod.name))
+                    return
+                uid = str(meta["uid"])  # ours, from this run's attempt before
+            log.info("%s: created pod %s (uid %s) on %s", self.key, pod.name, uid, pod.node)
+            self.emit(PodCreated(action.attempt, pod.name, uid))
 
     async def adopt_pods(self, action: CreatePods, marker: str) -> None:
         """Controller mode: the images are staged, so the webhook now binds each member's new pod (claim);

@@ -17,7 +17,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from ibckpt.api import CheckpointScheduleSpec, CheckpointScheduleStatus, Condition, ConditionStatus
-from ibckpt_operator import bindings, drains, metrics, protection, schedules
+from ibckpt_operator import bindings, drains, metrics, protection, schedules, sources
 from ibckpt_operator.config import current
 from ibckpt_operator.kube import Body
 from ibckpt_operator.machine.core import Action, EmitEvent, Event, OperatorRestarted, PodRef, Tick
@@ -429,24 +429,29 @@ class ScheduleController:
                 log.warning("%s: no side effect for %r", self.key, action)
 
     async def _start_restore(self, action: StartRestore) -> None:
-        """The RestoreJob that brings the job back, created at once: it admits the checkpoint and stages
-        its images while the killed sources go. Pods a StatefulSet owns are created again by it under
-        their names, and the webhook binds them (bindings.py); other pods the RestoreJob creates under
-        their names itself, each once its source is gone (sources.py). A source that is not being
-        deleted would make it fail, so it is created only once none is left (every pass tries again)."""
+        """The RestoreJob that brings the job back. Pods a StatefulSet owns are created again by it under
+        their names: the RestoreJob (podsCreatedBy: Controller) stages their images at once, and the
+        webhook binds the controller's new pods (bindings.py). Other pods are created by the RestoreJob
+        under their names, so it is created only once no source pod is left (a killed pod may take its
+        grace period to go, and its kubelet's cleanup after it); until then every pass tries again
+        (create-if-absent by name). A source whose containers all ended is removed at once (sources.py)."""
         assert self.drain is not None
         checkpoint = await self.rt.kube.get_custom("checkpoints", self.namespace, action.checkpoint)
         by_controller = schedules.restored_by_controller(checkpoint)
         left = []
         for pod in () if by_controller else self.drain.sources:
-            meta = (await self.rt.kube.get_pod(self.namespace, pod.name) or {}).get("metadata", {})
-            if meta.get("uid") == pod.uid and not meta.get("deletionTimestamp"):
+            found = await self.rt.kube.get_pod(self.namespace, pod.name) or {}
+            if found.get("metadata", {}).get("uid") != pod.uid:
+                continue
+            if await sources.remove_if_ended(self.rt.kube, self.namespace, found, pod.uid):
+                await self._event("Normal", "SourceRemoved", sources.removed_message(pod.name))
+            else:
                 left.append(pod.name)
         if left:
             if self.waiting_for != left:
                 self.waiting_for = left
                 await self._event(
-                    "Normal", "WaitingForSources", f"restore starts once {', '.join(left)} are deleted"
+                    "Normal", "WaitingForSources", f"restore starts once {', '.join(left)} are gone"
                 )
             return
         self.waiting_for = []

@@ -107,8 +107,11 @@ def finish_deletion(cluster: Cluster, *pods: str) -> None:
         cluster.core.delete_namespaced_pod(name, cluster.namespace, grace_period_seconds=0)
 
 
-def pods_now(cluster: Cluster) -> list[Any]:
-    return list(cluster.core.list_namespaced_pod(cluster.namespace).items)
+def wait_pod_gone(cluster: Cluster, name: str) -> None:
+    deadline = time.monotonic() + 60
+    while any(p.metadata.name == name for p in cluster.core.list_namespaced_pod(cluster.namespace).items):
+        assert time.monotonic() < deadline, f"{name} is still there"
+        time.sleep(0.2)
 
 
 def metrics_text(port: int) -> str:
@@ -237,15 +240,18 @@ def test_cordon_migrates_the_whole_job_while_the_webhook_holds_evictions(
         wait_gone(cluster_ns, "ibckpt-ring")  # released: the drain's evictions may go on
         for reason in ("MigrationCommitted", "DrainReleased"):
             wait_event(cluster_ns, "ring", reason)
-        # The restore starts while the killed sources are still Terminating (no kubelet here finishes their
-        # deletion): it stages meanwhile, and creates each pod once its source is gone.
-        restore = cluster_ns.wait("restorejobs", "ring-restore-1", lambda o: True)
-        assert {p.metadata.name: p.metadata.deletion_timestamp is not None for p in pods_now(cluster_ns)} == {
-            "ring-0": True,
-            "ring-1": True,
-        }
-        assert "WaitingForSources" not in [e.reason for e in cluster_ns.events("ring")]
-        finish_deletion(cluster_ns, "ring-0", "ring-1")
+        # The restore recreates the pods under their names: it waits until the killed sources are gone
+        # (no kubelet here finishes their deletion: the test does).
+        assert "ring-0, ring-1 are gone" in wait_event(cluster_ns, "ring", "WaitingForSources").message
+        assert cluster_ns.get("restorejobs", "ring-restore-1") is None
+        # Once a kubelet reports a killed source's containers terminated, nothing of it runs: the schedule
+        # removes it rather than wait for the node's cleanup. ring-1 reports nothing yet, so it waits.
+        cluster_ns.report_killed("ring-0")
+        assert "source pod ring-0 had ended" in wait_event(cluster_ns, "ring", "SourceRemoved").message
+        wait_pod_gone(cluster_ns, "ring-0")
+        assert cluster_ns.core.read_namespaced_pod("ring-1", cluster_ns.namespace).metadata.deletion_timestamp
+        assert cluster_ns.get("restorejobs", "ring-restore-1") is None
+        finish_deletion(cluster_ns, "ring-1")
         restore = cluster_ns.wait("restorejobs", "ring-restore-1", lambda o: True)
         assert restore is not None
         assert restore["spec"]["checkpointName"] == "ring-drain-1" and restore["spec"]["avoidNodes"] == [
