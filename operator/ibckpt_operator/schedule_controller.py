@@ -434,7 +434,7 @@ class ScheduleController:
         webhook binds the controller's new pods (bindings.py). Other pods are created by the RestoreJob
         under their names, so it is created only once no source pod is left (a killed pod may take its
         grace period to go, and its kubelet's cleanup after it); until then every pass tries again
-        (create-if-absent by name). A source whose containers all ended is removed at once (sources.py)."""
+        (create-if-absent by name). A source its kubelet reports ended is removed at once (sources.py)."""
         assert self.drain is not None
         checkpoint = await self.rt.kube.get_custom("checkpoints", self.namespace, action.checkpoint)
         by_controller = schedules.restored_by_controller(checkpoint)
