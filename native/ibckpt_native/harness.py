@@ -125,6 +125,17 @@ class ShimProc:
             self.popen.wait()
 
 
+def start_server_then_client(server: ShimProc, client: ShimProc) -> None:
+    """Start the server, then the client once the server's control socket exists: it appears at
+    ibv_open_device, just before the server listens."""
+    server.start()
+    deadline = time.monotonic() + 60
+    while not server.ctl_path.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)
+    client.start()
+
+
 def device_state(pid: int) -> tuple[int, int]:
     """(fds, mappings) of /dev/infiniband/* that the process holds, read from /proc."""
     fds = 0

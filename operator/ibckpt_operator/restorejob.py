@@ -382,16 +382,18 @@ class RestoreJobDriver(Driver[RestoreState]):
         meta = pod.get("metadata", {})
         if (meta.get("annotations") or {}).get(RESTORED_BY) == self.restored_by(self.state.run):
             return True
+        return bool(meta.get("uid")) and self.source_uid(meta.get("name", "")) == meta.get("uid")
+
+    def source_uid(self, name: str) -> str | None:
+        """The uid the checkpoint recorded for its pod of this name."""
         recorded = self.checkpoint.spec.pods if self.checkpoint is not None else None
-        sources = {p.name: p.uid for p in recorded or ()}
-        return bool(meta.get("uid")) and sources.get(meta.get("name", "")) == meta.get("uid")
+        return next((p.uid for p in recorded or () if p.name == name), None)
 
     async def remove_ended_source(self, pod: Body) -> bool:
         """The checkpointed pod of this name, deleted and ended, is removed now rather than after its
         node's cleanup (sources.py); True if it was."""
         name = pod.get("metadata", {}).get("name", "")
-        recorded = self.checkpoint.spec.pods if self.checkpoint is not None else None
-        uid = next((p.uid for p in recorded or () if p.name == name), None)
+        uid = self.source_uid(name)
         if not uid or not await sources.remove_if_ended(self.rt.kube, self.namespace, pod, uid):
             return False
         await self.rt.kube.post_event(self.body, "Normal", "SourceRemoved", sources.removed_message(name))

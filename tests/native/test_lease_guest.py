@@ -19,7 +19,7 @@ import pytest
 from ibckpt.coordination.client import CoordinatorClient, CoordinatorError
 from ibckpt_native import NATIVE_DIR, TESTS_DIR
 from ibckpt_native.coordinator import Coordinator
-from ibckpt_native.harness import ShimProc, _each, checkpoint, parse_result
+from ibckpt_native.harness import ShimProc, _each, checkpoint, parse_result, start_server_then_client
 
 pytestmark = pytest.mark.guest
 
@@ -73,12 +73,7 @@ def _rc_seq_pair(tmp_path: Path, env: dict[str, str], port: int, *flags: str) ->
     server = ShimProc("server", argv, tmp_path, env)
     client = ShimProc("client", [*argv, "-c", "127.0.0.1"], tmp_path, env)
     try:
-        server.start()
-        deadline = time.monotonic() + 60
-        while not server.ctl_path.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(0.5)
-        client.start()
+        start_server_then_client(server, client)
         for p in (server, client):
             p.wait_for_output("READY", 120)
     except BaseException:  # the caller only gets the pair, to stop, once both are up

@@ -21,6 +21,7 @@ from ibckpt_native.harness import (
     checkpoint_loop,
     parse_fields,
     parse_result,
+    start_server_then_client,
 )
 
 pytestmark = pytest.mark.guest
@@ -50,13 +51,7 @@ def _pair(
     # rc_seq takes `-c SERVER`; for the pingpongs `-c` is "check data" and the server is positional
     server = ShimProc("server", [*argv, "-p", str(port)], tmp_path, coord.env, shim=shim)
     client = ShimProc("client", [*argv, "-p", str(port), *client_args], tmp_path, coord.env, shim=shim)
-    server.start()
-    # the control socket appears at ibv_open_device, just before the server listens
-    deadline = time.monotonic() + 60
-    while not server.ctl_path.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    time.sleep(0.5)
-    client.start()
+    start_server_then_client(server, client)
     return [server, client]
 
 
