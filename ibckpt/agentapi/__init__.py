@@ -4,6 +4,7 @@ Both components import this package and nothing of each other; docs/node-agent.m
 """
 
 from ibckpt.agentapi.client import AgentClient, AgentError
+from ibckpt.agentapi.milestones import CHECKPOINT_MILESTONES, RESTORE_MILESTONES, Milestone, position
 from ibckpt.agentapi.models import (
     API_PREFIX,
     DEFAULT_PORT,
@@ -29,6 +30,10 @@ from ibckpt.agentapi.models import (
 )
 
 __all__ = [
+    "CHECKPOINT_MILESTONES",
+    "RESTORE_MILESTONES",
+    "Milestone",
+    "position",
     "API_PREFIX",
     "DEFAULT_PORT",
     "AbortRequest",

@@ -27,6 +27,8 @@ from typing import Any, Final, Self
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, SerializationInfo, field_serializer
 from pydantic.alias_generators import to_camel
 
+from ibckpt.agentapi.milestones import Milestone
+from ibckpt.api.bounds import DEFAULT_BOUNDS as B
 from ibckpt.api.storage import S3Location
 
 API_PREFIX: Final = "/v1"
@@ -185,16 +187,16 @@ class ImageSource(AgentModel):
 class PhaseTimeouts(AgentModel):
     """The bound on each of this node's phases, in seconds (CheckpointJob.spec.timeouts)."""
 
-    preflight_seconds: float = Field(default=60, gt=0)
-    quiesce_seconds: float = Field(default=30, gt=0)
-    drain_seconds: float = Field(default=60, gt=0)
-    release_seconds: float = Field(default=60, gt=0)
-    dump_seconds: float = Field(default=600, gt=0)
-    upload_seconds: float = Field(default=1800, gt=0)
-    download_seconds: float = Field(default=1800, gt=0)
-    restore_seconds: float = Field(default=600, gt=0)
-    rebuild_seconds: float = Field(default=120, gt=0)
-    resume_seconds: float = Field(default=30, gt=0)
+    preflight_seconds: float = Field(default=B.preflight, gt=0)
+    quiesce_seconds: float = Field(default=B.quiesce, gt=0)
+    drain_seconds: float = Field(default=B.drain, gt=0)
+    release_seconds: float = Field(default=B.release, gt=0)
+    dump_seconds: float = Field(default=B.dump, gt=0)
+    upload_seconds: float = Field(default=B.upload, gt=0)
+    download_seconds: float = Field(default=B.download, gt=0)
+    restore_seconds: float = Field(default=B.restore, gt=0)
+    rebuild_seconds: float = Field(default=B.rebuild, gt=0)
+    resume_seconds: float = Field(default=B.resume, gt=0)
 
 
 class RankRef(AgentModel):
@@ -280,6 +282,7 @@ class RankProgress(AgentModel):
     container: str
     pid: int | None = None
     phase: RankPhase = RankPhase.PENDING
+    done: Milestone | None = Field(default=None, description="The last milestone the rank passed.")
     bytes: int = Field(default=0, ge=0, description="Image bytes written (checkpoint) or read (restore).")
     seconds: float = Field(default=0.0, ge=0)
     error: str = ""

@@ -8,6 +8,7 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
+from ibckpt.api.bounds import DEFAULT_BOUNDS as B
 from ibckpt.api.base import ApiModel, KindInfo, PrinterColumn
 from ibckpt.api.common import (
     CONDITIONS_SCHEMA_EXTRA,
@@ -70,18 +71,18 @@ class JobTimeouts(ApiModel):
     and every rank resumes where it was."""
 
     admit_seconds: int = Field(
-        default=60, ge=1, description="Pending and Admitted: pods found, claimed, admitted."
+        default=B.admit, ge=1, description="Pending and Admitted: pods found, claimed, admitted."
     )
-    quiesce_seconds: int = Field(default=30, ge=1)
-    drain_seconds: int = Field(default=60, ge=1)
-    release_seconds: int = Field(default=60, ge=1)
-    dump_seconds: int = Field(default=600, ge=1)
-    upload_seconds: int = Field(default=1800, ge=1, description="Uploading, including the manifest commit.")
-    publish_seconds: int = Field(default=60, ge=1, description="Committed: the Checkpoint object is created.")
-    rebuild_seconds: int = Field(default=120, ge=1)
-    resume_seconds: int = Field(default=30, ge=1)
-    stop_seconds: int = Field(default=60, ge=1, description="Stopped: the source processes are killed.")
-    abort_seconds: int = Field(default=120, ge=1, description="Aborting: every rank confirms it resumed.")
+    quiesce_seconds: int = Field(default=B.quiesce, ge=1)
+    drain_seconds: int = Field(default=B.drain, ge=1)
+    release_seconds: int = Field(default=B.release, ge=1)
+    dump_seconds: int = Field(default=B.dump, ge=1)
+    upload_seconds: int = Field(default=B.upload, ge=1, description="Uploading, including the manifest commit.")
+    publish_seconds: int = Field(default=B.publish, ge=1, description="Committed: the Checkpoint object is created.")
+    rebuild_seconds: int = Field(default=B.rebuild, ge=1)
+    resume_seconds: int = Field(default=B.resume, ge=1)
+    stop_seconds: int = Field(default=B.stop, ge=1, description="Stopped: the source processes are killed.")
+    abort_seconds: int = Field(default=B.abort, ge=1, description="Aborting: every rank confirms it resumed.")
 
 
 class CheckpointJobSpec(ApiModel):
