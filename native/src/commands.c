@@ -19,6 +19,26 @@
 
 pthread_mutex_t ibk_cmd_lock = PTHREAD_MUTEX_INITIALIZER;
 
+/* status: every subsystem's part of the report, under the context list's lock */
+static int do_status(char *out, size_t len)
+{
+	out[0] = 0;
+	pthread_mutex_lock(&ibk_ctx_lock);
+	ibk_jcat(out, len,
+	     "{\"proto\":%d,\"pid\":%d,\"state\":\"%s\",\"epoch\":%llu,\"checkpoints\":%lu,"
+	     "\"gate_closed\":%d,\"inside\":%ld,\"delegated_writes\":%lu,",
+	     IBCKPT_PROTO_VERSION, (int)getpid(), ibk_phase_name(ibk_phase_cur), (unsigned long long)ibk_last_epoch,
+	     ibk_checkpoints_done, ibk_gate_is_closed(), ibk_gate_inside(),
+	     ibk_devthread_writes());
+	ibk_lease_report(out, len);
+	ibk_report_qps(out, len);
+	ibk_report_identity(out, len);
+	ibk_cm_report(out, len);
+	ibk_jcat(out, len, "}");
+	pthread_mutex_unlock(&ibk_ctx_lock);
+	return 0;
+}
+
 static int run_command(const char *line, char *out, size_t len)
 {
 	struct ibk_cmd c;
@@ -40,7 +60,7 @@ static int run_command(const char *line, char *out, size_t len)
 		rc = 0;
 		break;
 	case IBK_CMD_STATUS:
-		rc = ibk_do_status(out, len);
+		rc = do_status(out, len);
 		break;
 	case IBK_CMD_QUIESCE:
 		rc = ibk_do_quiesce(c.nargs >= 1 ? (int)c.a : 10000, out, len);

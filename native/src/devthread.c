@@ -39,7 +39,7 @@ static struct devcall *dev_queue;
 static pid_t dev_started; /* pid that started the thread: a fork child has none */
 static pthread_t dev_thread;
 static _Atomic int devfds[IBK_MAX_DEVFDS];
-static _Atomic int devfds_ready;
+_Atomic int ibk_devfds_ready;
 static atomic_ulong delegated_writes;
 
 static void *device_main(void *unused)
@@ -67,11 +67,11 @@ static void devfds_init(void)
 {
 	int expected = 0;
 
-	if (!atomic_compare_exchange_strong(&devfds_ready, &expected, 1))
+	if (!atomic_compare_exchange_strong(&ibk_devfds_ready, &expected, 1))
 		return;
 	for (int i = 0; i < IBK_MAX_DEVFDS; i++)
 		atomic_store(&devfds[i], -1);
-	atomic_store(&devfds_ready, 2);
+	atomic_store(&ibk_devfds_ready, 2);
 }
 
 void *ibk_devthread_call(void *(*fn)(void *), void *arg)
@@ -144,7 +144,7 @@ void ibk_devfd_track(int fd)
 
 void ibk_devfd_forget(int fd)
 {
-	if (atomic_load(&devfds_ready) != 2)
+	if (atomic_load(&ibk_devfds_ready) != 2)
 		return;
 	for (int i = 0; i < IBK_MAX_DEVFDS; i++) {
 		int want = fd;
@@ -155,7 +155,7 @@ void ibk_devfd_forget(int fd)
 
 static int devfd_tracked(int fd)
 {
-	if (atomic_load(&devfds_ready) != 2)
+	if (atomic_load(&ibk_devfds_ready) != 2)
 		return 0;
 	for (int i = 0; i < IBK_MAX_DEVFDS; i++)
 		if (atomic_load(&devfds[i]) == fd)
@@ -168,10 +168,9 @@ unsigned long ibk_devthread_writes(void)
 	return atomic_load(&delegated_writes);
 }
 
-/* ---- write(), interposed ---------------------------------------------------- */
+/* ---- write() as libc does it, or on the device thread ---------------------------------------------------- */
 
-typedef ssize_t (*write_fn)(int, const void *, size_t);
-static _Atomic(write_fn) real_write;
+_Atomic(ibk_write_fn) ibk_libc_write;
 
 struct devwrite {
 	int fd;
@@ -181,15 +180,15 @@ struct devwrite {
 	int err;
 };
 
-static write_fn resolve_write(void)
+static ibk_write_fn resolve_write(void)
 {
-	write_fn w = atomic_load(&real_write);
+	ibk_write_fn w = atomic_load(&ibk_libc_write);
 
 	if (!w) {
 		*(void **)&w = dlsym(RTLD_NEXT, "write");
 		if (!w)
 			abort(); /* no libc write: nothing sane is possible */
-		atomic_store(&real_write, w);
+		atomic_store(&ibk_libc_write, w);
 	}
 	return w;
 }
@@ -226,30 +225,4 @@ ssize_t ibk_write_real(int fd, const void *buf, size_t n)
 	if (__builtin_expect(rc >= 0, 1))
 		return rc;
 	return write_failed(fd, buf, n, rc);
-}
-
-/* The rest of write(): after a rebuild, in an rdma_cm program, or before
- * the real write() is resolved. */
-static __attribute__((noinline)) ssize_t write_slow(int fd, const void *buf, size_t n)
-{
-	ssize_t rc;
-
-	if (atomic_load_explicit(&ibk_cm_active, memory_order_relaxed) && ibk_cm_write(fd, buf, n, &rc))
-		return rc;
-	return ibk_write_real(fd, buf, n);
-}
-
-/* Every write() of the process passes here (Soft-RoCE's doorbell among
- * them), so the way through is kept short: until a rebuild has opened a
- * device on the device thread, no write can need handing over, and the
- * real write() is a tail call. */
-IBK_EXPORT ssize_t write(int fd, const void *buf, size_t n)
-{
-	write_fn real = atomic_load_explicit(&real_write, memory_order_relaxed);
-
-	if (__builtin_expect(real && atomic_load_explicit(&devfds_ready, memory_order_relaxed) != 2 &&
-				     !atomic_load_explicit(&ibk_cm_active, memory_order_relaxed),
-			     1))
-		return real(fd, buf, n);
-	return write_slow(fd, buf, n);
 }

@@ -1,26 +1,14 @@
 /* What the phase files (quiesce.c, drain.c, release.c, rebuild.c, report.c)
- * share: the phase state, walks over the shadow objects and the report
- * writer.  The phases run on the control thread, one at a time. */
+ * share: walks over the shadow objects and the report parts; the phase
+ * state and the report writer are phase.h's.  The phases run on the
+ * control thread, one at a time. */
 #ifndef IBK_PHASES_H
 #define IBK_PHASES_H
 
-#include <time.h>
-
+#include "phase.h"
 #include "shim.h"
 
 #pragma GCC visibility push(hidden)
-
-extern enum ibk_phase ibk_phase_cur;
-extern uint64_t ibk_last_epoch;
-extern unsigned long ibk_checkpoints_done;
-
-static inline long ibk_ms_now(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
 
 #define FOR_EACH_CTX(ctx) for (ctx = ibk_ctx_list; ctx; ctx = ctx->next_ctx)
 #define FOR_EACH_OBJ(ctx, o) for (o = (ctx)->head.next; o != &(ctx)->head; o = o->next)
@@ -32,9 +20,7 @@ static inline long ibk_ms_now(void)
 	if ((o)->kind != IBK_QP || !((qp) = IBK_OBJ(o, ibk_qp))) { \
 	} else
 
-/* report.c: append to a report buffer, never overflowing it */
-void ibk_jcat(char *out, size_t len, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-void ibk_report_begin(char *out, size_t len, const char *name, int ok, long t0);
+/* report.c: the status report's walks over the objects */
 void ibk_report_qps(char *out, size_t len);
 void ibk_report_identity(char *out, size_t len);
 

@@ -1,5 +1,5 @@
 /* The gate's phases: quiesce closes the gate and every QP's posts, resume
- * and abort open them again.  Also the phase state the others share. */
+ * and abort open them again. */
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
@@ -7,22 +7,6 @@
 
 #include "ibckpt.h"
 #include "phases.h"
-
-enum ibk_phase ibk_phase_cur = IBK_RUNNING;
-uint64_t ibk_last_epoch;
-unsigned long ibk_checkpoints_done;
-
-const char *ibk_phase_name(enum ibk_phase p)
-{
-	static const char *const names[] = {"running", "quiesced", "drained", "released", "rebuilt"};
-
-	return names[p];
-}
-
-enum ibk_phase ibk_phase_now(void)
-{
-	return ibk_phase_cur;
-}
 
 /* The post fast paths take no gate, so closing the gate is not enough:
  * close every QP's posts too, and wait until no post that got in before

@@ -93,7 +93,7 @@ static int q_push(struct cm_chan *ch, const struct rdma_ucm_event_resp *ev)
 	}
 	ch->q[ch->qtail++ % ch->qcap] = *ev;
 	if (!ch->pending_on)
-		ch->pending_on = write(ch->pending_fd, &one, sizeof(one)) == sizeof(one);
+		ch->pending_on = ibk_write_real(ch->pending_fd, &one, sizeof(one)) == sizeof(one);
 	return 0;
 }
 
@@ -454,7 +454,7 @@ void ibk_cm_wake_all(int on)
 	pthread_mutex_lock(&chans_lock);
 	for (ch = chans; ch; ch = ch->next) {
 		if (on) {
-			if (write(ch->wake_fd, &v, sizeof(v)) < 0)
+			if (ibk_write_real(ch->wake_fd, &v, sizeof(v)) < 0)
 				ibk_log("wake rdma_cm channel: %s", strerror(errno));
 		} else if (read(ch->wake_fd, &v, sizeof(v)) < 0 && errno != EAGAIN) {
 			ibk_log("unwake rdma_cm channel: %s", strerror(errno));

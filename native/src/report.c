@@ -1,28 +1,6 @@
-/* The phases' one-line JSON reports: per-QP counters, this rank's identity
- * for the agent's preflight, and the status command. */
-#include <errno.h>
-#include <stdarg.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <unistd.h>
-
-#include "ibckpt.h"
+/* The parts of the status report that walk the shadow objects: per-QP
+ * counters, and this rank's identity for the agent's preflight. */
 #include "phases.h"
-
-/* Append to a report buffer, never overflowing it. */
-void ibk_jcat(char *out, size_t len, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-void ibk_jcat(char *out, size_t len, const char *fmt, ...)
-{
-	size_t n = strlen(out);
-	va_list ap;
-
-	if (n + 1 >= len)
-		return;
-	va_start(ap, fmt);
-	vsnprintf(out + n, len - n, fmt, ap);
-	va_end(ap);
-}
 
 void ibk_report_qps(char *out, size_t len)
 {
@@ -144,30 +122,4 @@ void ibk_report_identity(char *out, size_t len)
 	/* librdmacm's ids that a checkpoint would not carry (rdmacm.c) */
 	ibk_cm_report_problems(out, len, &n);
 	ibk_jcat(out, len, "]");
-}
-
-void ibk_report_begin(char *out, size_t len, const char *name, int ok, long t0)
-{
-	out[0] = 0;
-	ibk_jcat(out, len, "{\"phase\":\"%s\",\"ok\":%s,\"ms\":%ld,\"state\":\"%s\"", name, ok ? "true" : "false",
-	     ibk_ms_now() - t0, ibk_phase_name(ibk_phase_cur));
-}
-
-int ibk_do_status(char *out, size_t len)
-{
-	out[0] = 0;
-	pthread_mutex_lock(&ibk_ctx_lock);
-	ibk_jcat(out, len,
-	     "{\"proto\":%d,\"pid\":%d,\"state\":\"%s\",\"epoch\":%llu,\"checkpoints\":%lu,"
-	     "\"gate_closed\":%d,\"inside\":%ld,\"delegated_writes\":%lu,",
-	     IBCKPT_PROTO_VERSION, (int)getpid(), ibk_phase_name(ibk_phase_cur), (unsigned long long)ibk_last_epoch,
-	     ibk_checkpoints_done, ibk_gate_is_closed(), ibk_gate_inside(),
-	     ibk_devthread_writes());
-	ibk_lease_report(out, len);
-	ibk_report_qps(out, len);
-	ibk_report_identity(out, len);
-	ibk_cm_report(out, len);
-	ibk_jcat(out, len, "}");
-	pthread_mutex_unlock(&ibk_ctx_lock);
-	return 0;
 }

@@ -10,6 +10,7 @@
 
 #include "core.h"
 #include "lock.h"
+#include "phase.h"
 #include "records.h"
 
 /* Everything declared below is the shim's own: direct calls and rip-relative
@@ -37,8 +38,14 @@ void ibk_devfd_forget(int fd);
 unsigned long ibk_devthread_writes(void);
 
 /* write() as libc does it, with the device thread's hand-over after a
- * restore; the shim's write() adds the rdma_cm routing (rdmacm.c) on top. */
+ * restore; the shim's write() (write.c) adds the rdma_cm routing
+ * (rdmacm.c) on top. */
 ssize_t ibk_write_real(int fd, const void *buf, size_t n);
+/* For write()'s fast path: libc's write once resolved (NULL before), and 2
+ * once a device fd is tracked, so that a write may need handing over. */
+typedef ssize_t (*ibk_write_fn)(int, const void *, size_t);
+extern _Atomic(ibk_write_fn) ibk_libc_write;
+extern _Atomic int ibk_devfds_ready;
 
 /* ---- librdmacm's event channels (rdmacm.c) ------------------------------ */
 
@@ -476,16 +483,6 @@ int ibk_chan_drain_real(struct ibk_chan *ch);
 
 /* ---- phases -------------------------------------------------------------- */
 
-enum ibk_phase {
-	IBK_RUNNING = 0,
-	IBK_QUIESCED,
-	IBK_DRAINED,
-	IBK_RELEASED,
-	IBK_REBUILT,
-};
-
-const char *ibk_phase_name(enum ibk_phase p);
-enum ibk_phase ibk_phase_now(void);
 /* Each phase writes a one-line JSON report into out. 0 on success. */
 int ibk_do_quiesce(int timeout_ms, char *out, size_t len);
 int ibk_do_drain(int timeout_ms, int stall_ms, char *out, size_t len);
@@ -493,7 +490,6 @@ int ibk_do_release(int timeout_ms, int quiet_only, char *out, size_t len);
 int ibk_do_rebuild(uint64_t epoch, int timeout_ms, char *out, size_t len);
 int ibk_do_resume(char *out, size_t len);
 int ibk_do_abort(char *out, size_t len);
-int ibk_do_status(char *out, size_t len);
 
 /* ---- the lease (lease.c), all under ibk_cmd_lock ------------------------- */
 
