@@ -22,11 +22,14 @@ import argparse
 import asyncio
 import sys
 import time
+from pathlib import Path
 from typing import NamedTuple
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the simulated job the tests use
 
 from ibckpt.coordination.ranks import QP_RECORD
 from ibckpt_operator.coordinator.server import CoordinatorServer
-from ibckpt_operator.coordinator.simulation import connect_nodes, exchange_all, node_name, segments_for
+from testbed.simulated_job import connect_nodes, exchange_all, node_name, segments_for
 
 
 class Timing(NamedTuple):

@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
         )
     )
     import ibckpt_operator.handlers  # noqa: F401 - registers the handlers with kopf
-    from ibckpt_operator import runtime
+    from ibckpt_operator.drivers import runtime
 
     async def run() -> None:
         stop = asyncio.Event()  # not a threading.Event: kopf would park an executor thread on it

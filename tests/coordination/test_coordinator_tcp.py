@@ -14,7 +14,7 @@ from ibckpt.coordination.client import (
     CoordinatorError,
 )
 from ibckpt_operator.coordinator.server import CoordinatorServer
-from ibckpt_operator.coordinator.simulation import check_received, run_exchange
+from testbed.simulated_job import check_received, run_exchange
 
 
 @pytest.fixture

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from typing import Any, cast
 
-from ibckpt_operator import bindings, schedules, selection
+from ibckpt_operator.cluster import bindings, schedules, selection
+from ibckpt_operator.drivers.runtime import Runtime
+from ibckpt_operator.drivers.schedule import ScheduleController
 from ibckpt_operator.machine.core import PodRef
 from ibckpt_operator.machine.drain import DrainPhase, DrainState
-from ibckpt_operator.podtemplate import RESTORE_FROM, RESTORED_BY
-from ibckpt_operator.runtime import Runtime
-from ibckpt_operator.schedule_controller import ScheduleController
+from ibckpt_operator.machine.podtemplate import RESTORE_FROM, RESTORED_BY
 
 OWNER = {
     "apiVersion": "ibckpt.io/v1alpha1",

@@ -8,7 +8,7 @@ import pytest
 
 from ibckpt.api import CheckpointScheduleStatus
 from ibckpt.api.schedule import OnDrainFailure
-from ibckpt_operator import drains
+from ibckpt_operator.cluster import drains
 from ibckpt_operator.machine.core import PodRef
 from ibckpt_operator.machine.drain import (
     CheckpointCommitted,

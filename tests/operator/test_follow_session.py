@@ -11,7 +11,7 @@ import pytest
 
 from ibckpt.agentapi import AgentError, SessionKind, SessionReport, SessionState
 from ibckpt_operator import config as settings
-from ibckpt_operator.agents import Agent, AgentGateway, each_agent, follow_session
+from ibckpt_operator.cluster.agents import Agent, AgentGateway, each_agent, follow_session
 
 AGENT = Agent("node-a", "ibckpt-agent-x", "127.0.0.1", True)
 

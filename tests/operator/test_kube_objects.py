@@ -10,7 +10,7 @@ from typing import Any
 import kubernetes
 import pytest
 
-from ibckpt_operator.kube import Kube
+from ibckpt_operator.cluster.kube import Kube
 
 Cluster = Any  # conftest.py's fixture
 pytestmark = [pytest.mark.kube]

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from ibckpt.api import CheckpointPod, PodTemplate, RequiredVersions
-from ibckpt_operator.podtemplate import RESTORE_FROM, RESTORED_BY, destination_pod, sanitize
-from ibckpt_operator.restoreplan import (
+from ibckpt_operator.machine.podtemplate import RESTORE_FROM, RESTORED_BY, destination_pod, sanitize
+from ibckpt_operator.machine.restoreplan import (
     HOSTNAME_LABEL,
     AddressConflict,
     AddressMove,

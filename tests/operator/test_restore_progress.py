@@ -11,10 +11,10 @@ from typing import Any
 
 from ibckpt.agentapi import RankPhase, RankProgress, SessionKind, SessionReport, SessionState
 from ibckpt.api import Checkpoint, RestorePhase
+from ibckpt_operator.drivers.restorejob import RestoreJobDriver
 from ibckpt_operator.machine import PodRef, RestoreState, RestoreStep
 from ibckpt_operator.machine.core import Event, PodAdmitted, PodStepDone, SessionOpened
 from ibckpt_operator.machine.restore import CheckpointResolved, PodCreated, PodsPlaced
-from ibckpt_operator.restorejob import RestoreJobDriver
 
 T0 = 1_800_000_000.0
 KEYS = {"ring-0": "ring/ring-0/main/1", "ring-1": "ring/ring-1/main/1"}
@@ -131,7 +131,7 @@ def test_a_rank_of_no_member_is_ignored() -> None:
 
 
 def test_a_restored_pod_that_failed_is_explained_in_the_runtimes_words() -> None:
-    from ibckpt_operator.restorejob import _lost
+    from ibckpt_operator.drivers.restorejob import _lost
 
     pod = PodRef("ring-0", "uid-0", "node-2")
     meta = {"name": "ring-0", "uid": "uid-0"}

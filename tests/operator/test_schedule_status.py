@@ -4,7 +4,7 @@ measured cost of a finished job, how the interval was chosen, and the ScheduleSt
 from __future__ import annotations
 
 from ibckpt.api import CheckpointScheduleSpec, CheckpointScheduleStatus
-from ibckpt_operator import schedules
+from ibckpt_operator.cluster import schedules
 from ibckpt_operator.machine.core import Tick
 from ibckpt_operator.machine.schedule import JobFinished, ScheduleMachine, SchedulePolicy
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ibckpt_operator.sources import ended_and_going
+from ibckpt_operator.cluster.sources import ended_and_going
 
 UID = "0b6f0c1e-1111-2222-3333-444455556666"
 TERMINATED = {"terminated": {"exitCode": 137, "reason": "Error"}}

@@ -13,8 +13,10 @@ import kopf
 
 from ibckpt.api import Checkpoint
 from ibckpt.store import CheckpointNotFoundError, RetentionPolicy, StoreConfig, StoreError
-from ibckpt_operator import metrics, runtime, storage
+from ibckpt_operator import metrics
+from ibckpt_operator.cluster import storage
 from ibckpt_operator.config import GROUP, VERSION, current
+from ibckpt_operator.drivers import runtime
 
 log = logging.getLogger(__name__)
 PLURAL = "checkpoints"

@@ -2,94 +2,14 @@
 
 from __future__ import annotations
 
-import asyncio
-import copy
-import time
-from collections.abc import Callable
-from datetime import UTC, datetime
 from typing import Any
 
 import kopf
 
-from ibckpt.api import Condition, ConditionStatus, ConditionType, JobPhase
-from ibckpt_operator import metrics, runtime
-from ibckpt_operator.checkpointjob import PLURAL, CheckpointJobDriver
+from ibckpt.api import JobPhase
 from ibckpt_operator.config import GROUP, VERSION
-from ibckpt_operator.driver import Driver, UnreadableStatus
-from ibckpt_operator.machine.status import to_time
-
-
-def stop_waiter(stopped: kopf.DaemonStopped, rt: runtime.Runtime) -> Any:
-    """What ends the driver's loop: the Lease lost or the operator leaving ("exit"), the job deleted."""
-
-    async def wait() -> str | None:
-        lease_lost = asyncio.ensure_future(rt.lost.wait())
-        stop = asyncio.ensure_future(stopped.wait())
-        try:
-            await asyncio.wait({lease_lost, stop}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            lease_lost.cancel()
-            stop.cancel()
-        if rt.lost.is_set():
-            return "exit"
-        reason = stopped.reason
-        if reason is not None and kopf.DaemonStoppingReason.RESOURCE_DELETED in reason:
-            return "deleted"
-        return "exit"
-
-    return wait
-
-
-async def fail_invalid(
-    rt: runtime.Runtime, body: dict[str, Any], plural: str, message: str, reason: str = "InvalidSpec"
-) -> None:
-    """A spec (or a status) the models refuse: Failed at once, nothing touched."""
-    now = time.time()
-    generation = body["metadata"].get("generation")
-    conditions = [
-        Condition(type=ConditionType.READY, status=ConditionStatus.FALSE, reason=reason,
-                  observed_generation=generation, last_transition_time=to_time(now)),
-        Condition(type=ConditionType.PROGRESSING, status=ConditionStatus.FALSE, reason=reason,
-                  observed_generation=generation, last_transition_time=to_time(now)),
-        Condition(type=ConditionType.FAILED, status=ConditionStatus.TRUE, reason=reason,
-                  message=message, observed_generation=generation, last_transition_time=to_time(now)),
-    ]  # fmt: skip
-    status = {
-        "phase": "Failed",
-        "reason": reason,
-        "message": message,
-        "observedGeneration": generation,
-        "conditions": [c.to_wire() for c in conditions],
-        "completionTime": datetime.fromtimestamp(now, UTC).isoformat(),
-    }
-    meta = body["metadata"]
-    await rt.kube.patch_status(plural, meta["namespace"], meta["name"], status)
-    await rt.kube.post_event(body, "Warning", reason, message)
-    metrics.ended(body.get("kind", plural), "Failed", reason)
-
-
-async def drive_job(
-    body: kopf.Body,
-    stopped: kopf.DaemonStopped,
-    plural: str,
-    make_driver: Callable[[runtime.Runtime, dict[str, Any]], Driver[Any]],
-    ended: tuple[str, ...],
-) -> None:
-    """A job's daemon, for both kinds: an ended job is left alone; a spec or a status the models refuse
-    fails it once (a retry would read the same); otherwise its driver runs it from its status."""
-    rt = runtime.get()
-    raw = copy.deepcopy(dict(body))
-    if (raw.get("status") or {}).get("phase") in ended:
-        return
-    try:
-        driver = make_driver(rt, raw)
-    except ValueError as error:
-        await fail_invalid(rt, raw, plural, f"invalid spec: {error}")
-        return
-    try:
-        await driver.run(stop_waiter(stopped, rt))
-    except UnreadableStatus as error:
-        await fail_invalid(rt, raw, plural, str(error), reason="InvalidStatus")
+from ibckpt_operator.drivers.checkpointjob import PLURAL, CheckpointJobDriver
+from ibckpt_operator.handlers.jobs import drive_job
 
 
 # A deleted job first brings its ranks back (bounded by its abort timeout); an exiting operator leaves at
@@ -99,4 +19,4 @@ async def drive(body: kopf.Body, stopped: kopf.DaemonStopped, **_: Any) -> None:
     await drive_job(body, stopped, PLURAL, CheckpointJobDriver, (JobPhase.SUCCEEDED, JobPhase.FAILED))
 
 
-__all__ = ["drive", "drive_job", "fail_invalid", "stop_waiter"]
+__all__ = ["drive"]

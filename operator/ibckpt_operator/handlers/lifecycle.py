@@ -12,13 +12,14 @@ import kopf
 
 from ibckpt.api import CheckpointJobStatus, JobPhase
 from ibckpt.store import s3
-from ibckpt_operator import metrics, runtime
-from ibckpt_operator.agents import AgentGateway
-from ibckpt_operator.checkpointjob import job_key
+from ibckpt_operator import metrics
+from ibckpt_operator.cluster.agents import AgentGateway
+from ibckpt_operator.cluster.kube import Kube, client_configuration, new_api_client
+from ibckpt_operator.cluster.leader import LeaderLease
 from ibckpt_operator.config import FINALIZER, current
 from ibckpt_operator.coordinator.server import CoordinatorServer
-from ibckpt_operator.kube import Kube, client_configuration, new_api_client
-from ibckpt_operator.leader import LeaderLease
+from ibckpt_operator.drivers import runtime
+from ibckpt_operator.drivers.checkpointjob import job_key
 from ibckpt_operator.machine import PodClaims
 from ibckpt_operator.machine.status import job_state
 

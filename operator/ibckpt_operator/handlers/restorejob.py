@@ -8,10 +8,10 @@ from typing import Any
 import kopf
 
 from ibckpt.api import RestorePhase
-from ibckpt_operator import bindings
+from ibckpt_operator.cluster import bindings
 from ibckpt_operator.config import GROUP, VERSION
-from ibckpt_operator.handlers.checkpointjob import drive_job
-from ibckpt_operator.restorejob import PLURAL, RestoreJobDriver
+from ibckpt_operator.drivers.restorejob import PLURAL, RestoreJobDriver
+from ibckpt_operator.handlers.jobs import drive_job
 
 
 # A deleted job first brings its ranks back (bounded by its abort timeout); an exiting operator leaves at

@@ -1,4 +1,4 @@
-"""CheckpointSchedule: one daemon per schedule runs its controller (schedule_controller.py); the watches
+"""CheckpointSchedule: one daemon per schedule runs its controller (drivers/schedule.py); the watches
 on its CheckpointJobs and RestoreJobs poke it, so a job that ends is seen at once, not at the next tick."""
 
 from __future__ import annotations
@@ -7,11 +7,11 @@ from typing import Any
 
 import kopf
 
-from ibckpt_operator import runtime
+from ibckpt_operator.cluster.schedules import PLURAL, SCHEDULE_LABEL
 from ibckpt_operator.config import GROUP, VERSION
-from ibckpt_operator.handlers.checkpointjob import stop_waiter
-from ibckpt_operator.schedule_controller import CONTROLLERS, ScheduleController
-from ibckpt_operator.schedules import PLURAL, SCHEDULE_LABEL
+from ibckpt_operator.drivers import runtime
+from ibckpt_operator.drivers.schedule import CONTROLLERS, ScheduleController
+from ibckpt_operator.handlers.jobs import stop_waiter
 
 
 # An exiting operator or a deleted schedule stops the loop after the pass in flight; the state is in

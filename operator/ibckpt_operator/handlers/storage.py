@@ -11,8 +11,9 @@ from typing import Any
 import kopf
 
 from ibckpt.api import CheckpointStorageSpec, Condition, ConditionStatus, ConditionType, LocalObjectReference
-from ibckpt_operator import runtime, storage
+from ibckpt_operator.cluster import storage
 from ibckpt_operator.config import GROUP, VERSION
+from ibckpt_operator.drivers import runtime
 from ibckpt_operator.machine.status import to_time
 
 PLURAL = "checkpointstorages"

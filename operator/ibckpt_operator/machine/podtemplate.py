@@ -13,7 +13,7 @@ import copy
 from typing import Any
 
 from ibckpt.api import PodTemplate, WorkloadReference
-from ibckpt_operator.restoreplan import placement_selector
+from ibckpt_operator.machine.restoreplan import placement_selector
 
 RESTORE_FROM = "ibckpt.io/restore-from"  # the runtime wrapper restores a container of a pod with this
 RESTORED_BY = "ibckpt.io/restored-by"  # RestoreJob uid/run: the pods a restore created, found by name

@@ -20,8 +20,8 @@ from ibckpt.agentapi import (
     SessionReport,
     SessionState,
 )
+from ibckpt_operator.cluster.kube import Body, Kube
 from ibckpt_operator.config import current
-from ibckpt_operator.kube import Body, Kube
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ibckpt_operator.podtemplate import RESTORE_FROM, RESTORED_BY, controller_reference
+from ibckpt_operator.machine.podtemplate import RESTORE_FROM, RESTORED_BY, controller_reference
 
 # The controllers that create a killed pod again under its name (what binding by name needs).
 NAME_KEEPING_KINDS = frozenset({"StatefulSet"})

@@ -11,7 +11,7 @@ that is not being deleted, or that the kubelet still reports running or ready, i
 
 from __future__ import annotations
 
-from ibckpt_operator.kube import Body, Kube
+from ibckpt_operator.cluster.kube import Body, Kube
 
 
 def ended_and_going(pod: Body, uid: str) -> bool:

@@ -14,11 +14,11 @@ from typing import Any
 
 from ibckpt.agentapi import AgentError
 from ibckpt.api import CheckpointPod, PodTemplate, RequiredVersions
-from ibckpt_operator.agents import agents_by_node
+from ibckpt_operator.cluster.agents import agents_by_node
+from ibckpt_operator.drivers.runtime import Runtime
 from ibckpt_operator.machine import Member
-from ibckpt_operator.podtemplate import sanitize
-from ibckpt_operator.restoreplan import newest
-from ibckpt_operator.runtime import Runtime
+from ibckpt_operator.machine.podtemplate import sanitize
+from ibckpt_operator.machine.restoreplan import newest
 
 
 @dataclass

@@ -13,7 +13,7 @@ import kubernetes
 from kubernetes.client import ApiException
 
 from ibckpt_operator import metrics
-from ibckpt_operator.kube import Kube
+from ibckpt_operator.cluster.kube import Kube
 
 log = logging.getLogger(__name__)
 RELEASE_ATTEMPTS = 5

@@ -11,11 +11,12 @@ from typing import Any, Generic, TypeVar
 
 from ibckpt.api import ApiModel, Condition
 from ibckpt.store import StoreError
-from ibckpt_operator import metrics, storage
+from ibckpt_operator import metrics
+from ibckpt_operator.cluster import storage
+from ibckpt_operator.cluster.kube import Body, is_status
 from ibckpt_operator.config import current
-from ibckpt_operator.kube import Body, is_status
+from ibckpt_operator.drivers.runtime import Runtime
 from ibckpt_operator.machine.core import Action, Cancelled, Event, StepAction, StepFailed, Tick, Transition
-from ibckpt_operator.runtime import Runtime
 
 log = logging.getLogger(__name__)
 S = TypeVar("S")

@@ -1,6 +1,6 @@
 """A simulated job for the coordinator: N nodes x R ranks per node, all-to-all QPs.
 
-Used by the scale test (correctness) and bench/coordinator_exchange.py (timing).
+Used by the scale test (tests/coordination) and bench/coordinator_exchange.py (timing); not shipped.
 Each node agent publishes, per destination node, the QP records its ranks hold toward
 that node's ranks; after the exchange each node must hold exactly the records addressed
 to its ranks.

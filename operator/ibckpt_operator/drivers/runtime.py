@@ -10,11 +10,11 @@ from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
-from ibckpt_operator.agents import AgentGateway
+from ibckpt_operator.cluster.agents import AgentGateway
+from ibckpt_operator.cluster.kube import Kube
+from ibckpt_operator.cluster.leader import LeaderLease
 from ibckpt_operator.config import current
 from ibckpt_operator.coordinator.server import CoordinatorServer
-from ibckpt_operator.kube import Kube
-from ibckpt_operator.leader import LeaderLease
 from ibckpt_operator.machine import PodClaims
 
 

@@ -23,8 +23,8 @@ from ibckpt.store import (
     credentials_from_secret,
 )
 from ibckpt.store.config import EncryptionConfig, encryption_key_from_secret
+from ibckpt_operator.cluster.kube import Kube
 from ibckpt_operator.config import current
-from ibckpt_operator.kube import Kube
 
 
 class StorageProblem(Exception):

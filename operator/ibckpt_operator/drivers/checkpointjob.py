@@ -38,11 +38,14 @@ from ibckpt.api import (
     JobReference,
     ObjectMeta,
 )
-from ibckpt_operator import metrics, selection, storage
-from ibckpt_operator.agents import Agent, agents_by_node, each_agent, follow_session, no_agent_message
+from ibckpt_operator import metrics
+from ibckpt_operator.cluster import selection, storage
+from ibckpt_operator.cluster.agents import Agent, agents_by_node, each_agent, follow_session, no_agent_message
+from ibckpt_operator.cluster.kube import Body
 from ibckpt_operator.config import current
-from ibckpt_operator.driver import Driver, UnreadableStatus
-from ibckpt_operator.kube import Body
+from ibckpt_operator.drivers.base import Driver, UnreadableStatus
+from ibckpt_operator.drivers.recording import RestoreRecord
+from ibckpt_operator.drivers.runtime import Runtime
 from ibckpt_operator.machine import CheckpointMachine, JobConfig, JobState, PodRef
 from ibckpt_operator.machine.checkpoint import (
     STEP_LABEL,
@@ -82,8 +85,6 @@ from ibckpt_operator.machine.core import (
     Transition,
 )
 from ibckpt_operator.machine.status import job_state, job_status
-from ibckpt_operator.recording import RestoreRecord
-from ibckpt_operator.runtime import Runtime
 
 log = logging.getLogger(__name__)
 PLURAL = "checkpointjobs"

@@ -9,9 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 from ibckpt.api import LabelSelector, WorkloadReference
-from ibckpt_operator.kube import Body, Kube
+from ibckpt_operator.cluster.kube import Body, Kube
 from ibckpt_operator.machine import PodRef
-from ibckpt_operator.podtemplate import controller_reference
+from ibckpt_operator.machine.podtemplate import controller_reference
 
 MAX_OWNER_DEPTH = 4
 

@@ -43,11 +43,12 @@ from ibckpt.api import (
     RestoreJobStatus,
     RestorePhase,
 )
-from ibckpt_operator import bindings, sources, storage
-from ibckpt_operator.agents import Agent, agents_by_node, each_agent, follow_session, no_agent_message
+from ibckpt_operator.cluster import bindings, sources, storage
+from ibckpt_operator.cluster.agents import Agent, agents_by_node, each_agent, follow_session, no_agent_message
+from ibckpt_operator.cluster.kube import Body
 from ibckpt_operator.config import GROUP, VERSION
-from ibckpt_operator.driver import Driver, StepProblem, UnreadableStatus
-from ibckpt_operator.kube import Body
+from ibckpt_operator.drivers.base import Driver, StepProblem, UnreadableStatus
+from ibckpt_operator.drivers.runtime import Runtime
 from ibckpt_operator.machine import PodRef, RestoreConfig, RestoreMachine, RestoreState
 from ibckpt_operator.machine.core import (
     Action,
@@ -63,6 +64,7 @@ from ibckpt_operator.machine.core import (
     StepFailed,
     Transition,
 )
+from ibckpt_operator.machine.podtemplate import RESTORED_BY, destination_pod
 from ibckpt_operator.machine.restore import (
     STEP_LABEL,
     TERMINAL,
@@ -80,9 +82,7 @@ from ibckpt_operator.machine.restore import (
     RestoreStep,
     ResumeRestored,
 )
-from ibckpt_operator.machine.status import restore_state, restore_status
-from ibckpt_operator.podtemplate import RESTORED_BY, destination_pod
-from ibckpt_operator.restoreplan import (
+from ibckpt_operator.machine.restoreplan import (
     AddressConflict,
     AddressMove,
     NodeFacts,
@@ -94,7 +94,7 @@ from ibckpt_operator.restoreplan import (
     rank_parts,
     unchecked,
 )
-from ibckpt_operator.runtime import Runtime
+from ibckpt_operator.machine.status import restore_state, restore_status
 
 log = logging.getLogger(__name__)
 PLURAL = "restorejobs"

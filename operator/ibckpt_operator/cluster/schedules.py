@@ -14,9 +14,9 @@ from kubernetes.client import ApiException
 
 from ibckpt.api import CheckpointScheduleSpec, CheckpointScheduleStatus, JobPhase, PodCreator, RestorePhase
 from ibckpt.api.schedule import PIN_LABEL
-from ibckpt_operator.bindings import NAME_KEEPING_KINDS
+from ibckpt_operator.cluster.bindings import NAME_KEEPING_KINDS
+from ibckpt_operator.cluster.kube import Body, Kube
 from ibckpt_operator.config import GROUP, VERSION
-from ibckpt_operator.kube import Body, Kube
 from ibckpt_operator.machine.schedule import CheckpointInfo, JobFinished, ScheduleState
 
 PLURAL = "checkpointschedules"

@@ -17,9 +17,12 @@ from datetime import UTC, datetime
 from typing import Any
 
 from ibckpt.api import CheckpointScheduleSpec, CheckpointScheduleStatus, Condition, ConditionStatus
-from ibckpt_operator import bindings, drains, metrics, protection, schedules, sources
+from ibckpt_operator import metrics
+from ibckpt_operator.cluster import bindings, drains, protection, schedules, sources
+from ibckpt_operator.cluster.kube import Body
+from ibckpt_operator.cluster.selection import select_pods
 from ibckpt_operator.config import current
-from ibckpt_operator.kube import Body
+from ibckpt_operator.drivers.runtime import Runtime
 from ibckpt_operator.machine.core import Action, EmitEvent, Event, OperatorRestarted, PodRef, Tick
 from ibckpt_operator.machine.drain import (
     CancelCheckpointJob,
@@ -47,8 +50,6 @@ from ibckpt_operator.machine.schedule import (
     SchedulePolicy,
     ScheduleState,
 )
-from ibckpt_operator.runtime import Runtime
-from ibckpt_operator.selection import select_pods
 
 log = logging.getLogger(__name__)
 StopWaiter = Callable[[], Awaitable[str | None]]
