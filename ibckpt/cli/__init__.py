@@ -1,16 +1,16 @@
-"""`ibckpt`: the command line. A small dispatcher; each command group registers its own subcommands."""
+"""`ibckpt`: the command line. A small dispatcher; each command group registers its own subcommands
+(`images`: images.py). Outside the libraries, so that only the command line needs `rich`."""
 
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Sequence
 
 from ibckpt import __version__
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ibckpt.store import cli as images_cli
+    from ibckpt.cli import images as images_cli
 
     parser = argparse.ArgumentParser(
         prog="ibckpt", description="Transparent checkpoint/restart of RDMA jobs on Kubernetes."
@@ -27,7 +27,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler = args.handler
     code: int = handler(args)
     return code
-
-
-if __name__ == "__main__":
-    sys.exit(main())
