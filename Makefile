@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 export IBCKPT_CACHE ?= $(HOME)/.cache/ibckpt
 
-.PHONY: setup system venv native kube kernel helm images demo test lint unit clean
+.PHONY: setup system venv native kube kernel helm images demo test lint clean
 
 setup: system venv native kube kernel helm images
 

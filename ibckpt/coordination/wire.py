@@ -1,4 +1,4 @@
-"""Framing of the coordinator protocol (version 1).
+"""Framing of the coordinator protocol (the version is PROTOCOL_VERSION, below).
 
 A frame is `u32 length | u8 kind | u32 header_length | header | payload`, big-endian,
 where `length` counts everything after itself, the header is a small JSON object and the
