@@ -3,39 +3,38 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TypeVar
 
 import pytest
 
+from ibckpt.agentapi.milestones import Milestone
 from ibckpt.api import CheckpointJobSpec, CheckpointMode, ConcurrencyPolicy, JobPhase
 from ibckpt_operator.machine import CheckpointMachine, JobConfig, JobState, JobStep, PodClaims, PodRef
-from ibckpt_operator.machine.checkpoint import (
-    ON_UNKNOWN,
+from ibckpt_operator.machine.actions import (
     AdmitPods,
-    CheckpointPublished,
+    AwaitMilestone,
     ClaimPods,
     CloseSession,
     CommitManifest,
     DiscardUpload,
-    DumpRanks,
     KillSources,
-    ManifestCommitted,
-    ManifestMissing,
     PublishCheckpoint,
     QuiesceRanks,
-    RebuildRanks,
     ReleaseClaim,
     ResumeAll,
-    ResumeRanks,
     SelectPods,
-    UploadImages,
     VerifyManifest,
+)
+from ibckpt_operator.machine.checkpoint import (
+    ON_UNKNOWN,
+    TERMINAL,
+    CheckpointPublished,
+    ManifestCommitted,
+    ManifestMissing,
 )
 from ibckpt_operator.machine.core import (
     Action,
     Cancelled,
     EmitEvent,
-    Event,
     OperatorRestarted,
     PodAdmitted,
     PodLost,
@@ -48,9 +47,9 @@ from ibckpt_operator.machine.core import (
     StepAction,
     StepFailed,
     Tick,
-    Transition,
     Unknown,
 )
+from testbed.machines import T0, MachineDriver
 
 PODS = (
     PodRef("ring-0", "uid-0", "node-1"),
@@ -60,8 +59,6 @@ PODS = (
 SPEC = CheckpointJobSpec.from_wire(
     {"selector": {"matchLabels": {"app": "ring"}}, "storageRef": {"name": "s3"}}
 )
-T0 = 1_800_000_000.0
-A = TypeVar("A", bound=Action)
 PER_POD_STEPS = {
     JobStep.QUIESCE,
     JobStep.DRAIN,
@@ -75,41 +72,12 @@ PER_POD_STEPS = {
 }
 
 
-class Driver:
-    """Feeds one job's machine, keeps its state, and records every action it asked for."""
+class Driver(MachineDriver[JobState]):
+    """One CheckpointJob's machine on the fake clock."""
 
     def __init__(self, mode: CheckpointMode = CheckpointMode.LEAVE_RUNNING, **config: object) -> None:
         base = JobConfig.from_spec(SPEC.model_copy(update={"mode": mode}), "ring-ckpt")
-        self.machine = CheckpointMachine(replace(base, **config))  # type: ignore[arg-type]
-        self.now = T0
-        self.actions: list[Action] = []
-        self.phases: list[JobPhase] = []
-        first = self.machine.start("run7", self.now)
-        self.state = first.state
-        self.last = first
-        self._record(first)
-
-    def _record(self, transition: Transition[JobState]) -> None:
-        # The attempt of every side effect is the one the new state records (written before acting).
-        for action in transition.actions:
-            if isinstance(action, StepAction):
-                assert action.attempt == transition.state.attempt, (action, transition.state.step)
-        self.actions.extend(transition.actions)
-        if not self.phases or self.phases[-1] != transition.state.phase:
-            self.phases.append(transition.state.phase)
-
-    def send(self, event: Event, after: float = 0.0) -> Transition[JobState]:
-        self.now += after
-        transition = self.machine.handle(self.state, event, self.now)
-        self.state = transition.state
-        self.last = transition
-        self._record(transition)
-        return transition
-
-    @property
-    def attempt(self) -> str:
-        assert self.state.attempt is not None
-        return self.state.attempt
+        super().__init__(CheckpointMachine(replace(base, **config)), "run7", TERMINAL)  # type: ignore[arg-type]
 
     @property
     def step(self) -> JobStep:
@@ -117,8 +85,7 @@ class Driver:
         return JobStep(self.state.step.kind)
 
     def all_done(self) -> None:
-        for pod in self.state.live_pods:
-            self.send(PodStepDone(self.attempt, pod.uid, bytes=100, seconds=0.5), after=0.1)
+        self.each_done("uid", 100, 0.5, after=0.1)
 
     def admit(self, pods: tuple[PodRef, ...] = PODS) -> None:
         self.send(PodsSelected(self.attempt, pods))
@@ -126,15 +93,6 @@ class Driver:
         for pod in pods:
             self.send(PodAdmitted(self.attempt, pod.uid))
         self.send(SessionOpened(self.attempt))
-
-    def to_phase(self, phase: JobPhase) -> None:
-        """Drive the happy path until `phase` is reached."""
-        for _ in range(50):  # a machine that loops fails here instead of hanging
-            if self.state.phase == phase:
-                return
-            assert self.state.phase not in (JobPhase.SUCCEEDED, JobPhase.FAILED), self.phases
-            self.advance()
-        raise AssertionError(f"never reached {phase}: {self.phases}")
 
     def advance(self) -> None:
         step = self.step
@@ -155,8 +113,8 @@ class Driver:
             assert step in PER_POD_STEPS
             self.all_done()
 
-    def of_type(self, kind: type[A]) -> list[A]:
-        return [action for action in self.actions if isinstance(action, kind)]
+    def awaited(self) -> list[Milestone]:
+        return [action.milestone for action in self.of_type(AwaitMilestone)]
 
 
 def index_of(actions: list[Action], kind: type[Action]) -> int:
@@ -179,10 +137,15 @@ def test_leave_running_goes_through_every_phase_in_order() -> None:
         JobPhase.RESUMING,
         JobPhase.SUCCEEDED,
     ]
-    side_effects = [type(a).__name__ for a in job.actions if isinstance(a, StepAction)]
+    side_effects = [
+        f"{type(a).__name__}({a.milestone})" if isinstance(a, AwaitMilestone) else type(a).__name__
+        for a in job.actions
+        if isinstance(a, StepAction)
+    ]
     assert side_effects == [
-        "SelectPods", "ClaimPods", "AdmitPods", "OpenSession", "QuiesceRanks", "DrainRanks", "ReleaseRanks",
-        "DumpRanks", "UploadImages", "CommitManifest", "PublishCheckpoint", "RebuildRanks", "ResumeRanks",
+        "SelectPods", "ClaimPods", "AdmitPods", "OpenSession", "QuiesceRanks", "AwaitMilestone(Drained)",
+        "AwaitMilestone(Released)", "AwaitMilestone(Dumped)", "AwaitMilestone(Uploaded)", "CommitManifest",
+        "PublishCheckpoint", "AwaitMilestone(Rebuilt)", "AwaitMilestone(Resumed)",
     ]  # fmt: skip
     attempts = [a.attempt for a in job.actions if isinstance(a, StepAction)]
     assert len(set(attempts)) == len(attempts)  # a new attempt id for every side effect
@@ -201,7 +164,7 @@ def test_stop_kills_the_sources_only_after_the_commit_and_publish() -> None:
     assert index_of(job.actions, PublishCheckpoint) < index_of(job.actions, KillSources)
     (kill,) = job.of_type(KillSources)
     assert {pod.uid for pod in kill.pods} == {"uid-0", "uid-1", "uid-2"}  # pinned by UID
-    assert not job.of_type(RebuildRanks) and not job.of_type(ResumeRanks)
+    assert Milestone.REBUILT not in job.awaited() and Milestone.RESUMED not in job.awaited()
 
 
 def test_a_killed_pod_disappearing_counts_as_killed() -> None:
@@ -458,7 +421,7 @@ def test_a_restart_after_the_commit_resumes_every_rank_and_succeeds() -> None:
     job.to_phase(JobPhase.REBUILDING)
     job.send(OperatorRestarted())
     assert job.state.phase == JobPhase.RESUMING and job.step == JobStep.RESUME_ALL
-    assert len(job.of_type(RebuildRanks)) == 1
+    assert job.awaited().count(Milestone.REBUILT) == 1
     job.all_done()
     assert job.state.phase == JobPhase.SUCCEEDED
 
@@ -470,7 +433,7 @@ def test_a_restart_after_the_commit_resumes_every_rank_and_succeeds() -> None:
         (JobStep.CLAIM, ClaimPods),
         (JobStep.ADMIT, AdmitPods),
         (JobStep.PUBLISH, PublishCheckpoint),
-        (JobStep.RESUME, ResumeRanks),
+        (JobStep.RESUME, AwaitMilestone),
     ],
 )
 def test_a_restart_reissues_a_safe_step_under_a_new_attempt(step: JobStep, action: type[StepAction]) -> None:
@@ -563,7 +526,7 @@ def test_terminal_states_ignore_everything() -> None:
 def test_dump_then_upload_sizes_are_kept_per_pod() -> None:
     job = Driver()
     job.to_phase(JobPhase.UPLOADING)
-    assert job.of_type(DumpRanks) and job.of_type(UploadImages)
+    assert job.awaited()[-2:] == [Milestone.DUMPED, Milestone.UPLOADED]
     job.send(PodStepDone(job.attempt, "uid-1", bytes=4096, seconds=2.5))
     member = next(m for m in job.state.members if m.pod.uid == "uid-1")
     assert (member.progress, member.bytes, member.seconds) == ("Uploaded", 4096, 2.5)

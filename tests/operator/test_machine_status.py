@@ -15,7 +15,7 @@ from ibckpt_operator.machine import (
     RestoreConfig,
     RestoreMachine,
 )
-from ibckpt_operator.machine.checkpoint import QuiesceRanks, ResumeAll
+from ibckpt_operator.machine.actions import QuiesceRanks, ResumeAll
 from ibckpt_operator.machine.core import (
     OperatorRestarted,
     PodAdmitted,

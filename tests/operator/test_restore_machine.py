@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
-from typing import TypeVar
-
 import pytest
 
+from ibckpt.agentapi.milestones import Milestone
 from ibckpt.api import RestoreJobSpec, RestorePhase
 from ibckpt_operator.machine import PodRef, RestoreConfig, RestoreMachine, RestoreState, RestoreStep
+from ibckpt_operator.machine.actions import (
+    AdmitNodes,
+    AwaitMilestone,
+    CleanUpRestore,
+    CloseSession,
+    CreatePods,
+    DownloadImages,
+    PlacePods,
+)
 from ibckpt_operator.machine.core import (
-    Action,
     Cancelled,
-    Event,
     OperatorRestarted,
     PodAdmitted,
     PodLost,
@@ -21,64 +27,34 @@ from ibckpt_operator.machine.core import (
     StepAction,
     StepFailed,
     Tick,
-    Transition,
 )
 from ibckpt_operator.machine.restore import (
     ON_UNKNOWN,
-    AdmitNodes,
+    TERMINAL,
     CheckpointResolved,
-    CleanUpRestore,
-    CloseRestoreSession,
-    CreatePods,
-    DownloadImages,
-    PlacePods,
     PodCreated,
     PodsPlaced,
-    RebuildRestored,
-    RestoreRanks,
-    ResumeRestored,
 )
+from testbed.machines import T0, MachineDriver
 
-T0 = 1_800_000_000.0
-A = TypeVar("A", bound=Action)
 SOURCE = (PodRef("ring-0", node="node-1"), PodRef("ring-1", node="node-2"))
 SWAP = {"ring-0": "node-2", "ring-1": "node-1"}
 
 
-class Driver:
+class Driver(MachineDriver[RestoreState]):
+    """One RestoreJob's machine on the fake clock."""
+
     def __init__(self, **spec: object) -> None:
         config = RestoreConfig.from_spec(RestoreJobSpec.from_wire({"checkpointName": "ring-ckpt", **spec}))
-        self.machine = RestoreMachine(config)
-        self.now = T0
-        first = self.machine.start("r1", self.now)
-        self.state: RestoreState = first.state
-        self.last: Transition[RestoreState] = first
-        self.actions: list[Action] = list(first.actions)
-        self.phases = [first.state.phase]
-
-    def send(self, event: Event, after: float = 0.0) -> None:
-        self.now += after
-        self.last = self.machine.handle(self.state, event, self.now)
-        self.state = self.last.state
-        for action in self.last.actions:
-            if isinstance(action, StepAction):
-                assert action.attempt == self.state.attempt
-        self.actions.extend(self.last.actions)
-        if self.phases[-1] != self.state.phase:
-            self.phases.append(self.state.phase)
-
-    @property
-    def attempt(self) -> str:
-        assert self.state.attempt is not None
-        return self.state.attempt
+        super().__init__(RestoreMachine(config), "r1", TERMINAL)
 
     @property
     def step(self) -> RestoreStep:
         assert self.state.step is not None
         return RestoreStep(self.state.step.kind)
 
-    def of_type(self, kind: type[A]) -> list[A]:
-        return [action for action in self.actions if isinstance(action, kind)]
+    def awaited(self, milestone: Milestone) -> list[AwaitMilestone]:
+        return [action for action in self.of_type(AwaitMilestone) if action.milestone == milestone]
 
     def advance(self) -> None:
         step = self.step
@@ -95,17 +71,7 @@ class Driver:
             for pod in SOURCE:
                 self.send(PodCreated(self.attempt, pod.name, f"new-{pod.name}"))
         else:
-            for member in self.state.members:
-                if member.progress != "Lost":
-                    self.send(PodStepDone(self.attempt, member.pod.name, bytes=10, seconds=1.0))
-
-    def to_phase(self, phase: RestorePhase) -> None:
-        for _ in range(30):
-            if self.state.phase == phase:
-                return
-            assert self.state.phase not in (RestorePhase.SUCCEEDED, RestorePhase.FAILED), self.phases
-            self.advance()
-        raise AssertionError(f"never reached {phase}: {self.phases}")
+            self.each_done("name", 10, 1.0)
 
 
 def test_a_restore_goes_through_every_phase_in_order() -> None:
@@ -120,10 +86,14 @@ def test_a_restore_goes_through_every_phase_in_order() -> None:
         RestorePhase.RESUMING,
         RestorePhase.SUCCEEDED,
     ]
-    names = [type(a).__name__ for a in job.actions if isinstance(a, StepAction)]
+    names = [
+        f"{type(a).__name__}({a.milestone})" if isinstance(a, AwaitMilestone) else type(a).__name__
+        for a in job.actions
+        if isinstance(a, StepAction)
+    ]
     assert names == [
-        "ResolveCheckpoint", "PlacePods", "AdmitNodes", "OpenRestoreSession", "DownloadImages", "CreatePods",
-        "RestoreRanks", "RebuildRestored", "ResumeRestored",
+        "ResolveCheckpoint", "PlacePods", "AdmitNodes", "OpenSession", "DownloadImages", "CreatePods",
+        "AwaitMilestone(Restored)", "AwaitMilestone(Rebuilt)", "AwaitMilestone(Resumed)",
     ]  # fmt: skip
     # The images are staged before the pods exist: the agents are told the pods by name, no uid yet.
     (download,) = job.of_type(DownloadImages)
@@ -131,14 +101,14 @@ def test_a_restore_goes_through_every_phase_in_order() -> None:
                                                                         "ring-1": ("node-1", "")}  # fmt: skip
     (create,) = job.of_type(CreatePods)
     assert {pod.name: pod.node for pod in create.pods} == SWAP  # the destinations, not the sources
-    (restore,) = job.of_type(RestoreRanks)
+    (restore,) = job.awaited(Milestone.RESTORED)
     assert {pod.name: (pod.node, pod.uid) for pod in restore.pods} == {
         "ring-0": ("node-2", "new-ring-0"),
         "ring-1": ("node-1", "new-ring-1"),
     }  # the created pods' uids, which the agents find the restored containers by
     assert [m.progress for m in job.state.members] == ["Resumed", "Resumed"]
     assert not job.of_type(CleanUpRestore)
-    assert isinstance(job.actions[-1], CloseRestoreSession)
+    assert isinstance(job.actions[-1], CloseSession)
 
 
 def test_nothing_is_downloaded_before_every_node_is_admitted() -> None:
@@ -216,7 +186,7 @@ def test_a_failure_while_creating_the_pods_removes_those_created() -> None:
     assert job.step == RestoreStep.CREATE_PODS  # the images are staged, the pods come next
     job.send(PodCreated(job.attempt, "ring-0", "new-ring-0"))
     job.send(PodStepDone(job.attempt, "ring-1"))  # not an answer to a create
-    assert not job.of_type(RestoreRanks)
+    assert not job.awaited(Milestone.RESTORED)
     job.send(StepFailed(job.attempt, "PodExists", "pod ring-1 was created by someone else", pod="ring-1"))
     assert job.state.phase == RestorePhase.CLEANING_UP and job.state.failed_from == RestorePhase.RESTORING
     (cleanup,) = job.of_type(CleanUpRestore)
@@ -363,7 +333,7 @@ def test_stale_and_foreign_results_are_ignored() -> None:
     before = job.state
     job.send(PodStepDone(old, "ring-1"))
     assert job.state == before
-    assert not job.of_type(RebuildRestored) and not job.of_type(ResumeRestored)
+    assert not job.awaited(Milestone.REBUILT) and not job.awaited(Milestone.RESUMED)
 
 
 def test_an_empty_checkpoint_fails() -> None:

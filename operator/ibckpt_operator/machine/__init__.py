@@ -1,8 +1,9 @@
 """The operator's pure state machines: a CheckpointJob's and a RestoreJob's.
 
 (state, event, now) -> Transition(new state, actions, wake_at). Events are what the operator observed,
-actions what it must do, both plain data; the kopf handlers write the new state to status (status.py), then
-run the actions, and call again at wake_at. No Kubernetes, kopf or boto3 import here (import-linter).
+actions what it must do (actions.py), both plain data; the drivers write the new state to status
+(status.py), then run the actions, and call again at wake_at. No Kubernetes, kopf or boto3 import here
+(import-linter).
 """
 
 from ibckpt_operator.machine.checkpoint import CheckpointMachine, JobConfig, JobState, JobStep

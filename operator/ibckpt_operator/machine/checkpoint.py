@@ -23,31 +23,50 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
+from ibckpt.agentapi.milestones import Milestone
 from ibckpt.api import CheckpointJobSpec, CheckpointMode, ConcurrencyPolicy, JobPhase
+from ibckpt_operator.machine.actions import (
+    AdmitPods,
+    AwaitMilestone,
+    ClaimPods,
+    CloseSession,
+    CommitManifest,
+    DiscardUpload,
+    KillSources,
+    OpenSession,
+    PublishCheckpoint,
+    QuiesceRanks,
+    ReleaseClaim,
+    ResumeAll,
+    SelectPods,
+    VerifyManifest,
+)
 from ibckpt_operator.machine.core import (
     Action,
     Cancelled,
     EmitEvent,
     Event,
+    Label,
+    Mark,
     Member,
     OperatorRestarted,
     PodAdmitted,
     PodLost,
-    PodRef,
     PodRefused,
     PodsBusy,
     PodsClaimed,
     PodsSelected,
     PodStepDone,
+    RunState,
     SessionOpened,
     StepAction,
     StepFailed,
-    StepRecord,
     Tick,
     Transition,
     Unknown,
-    attempt_id,
-    keys_not_at,
+    issue,
+    names_not_at,
+    wake_at,
     with_progress,
 )
 
@@ -71,25 +90,44 @@ class JobStep(StrEnum):
     RESUME_ALL = "resume-all"
 
 
-# Per step: the label a member gets when it finishes it (None: the step is not per member), and what a
-# restarted operator does when it finds the step in flight.
-STEP_LABEL: Mapping[JobStep, str | None] = {
+# Per step: the label a member gets when it finishes it (None: the step is not per member), what the
+# driver does for it (AwaitMilestone: nothing, the agents go on by themselves), and what a restarted
+# operator does when it finds the step in flight.
+STEP_LABEL: Mapping[JobStep, Label | None] = {
     JobStep.SELECT: None,
     JobStep.CLAIM: None,
-    JobStep.ADMIT: "Admitted",
+    JobStep.ADMIT: Milestone.ADMITTED,
     JobStep.OPEN_SESSION: None,
-    JobStep.QUIESCE: "Quiesced",
-    JobStep.DRAIN: "Drained",
-    JobStep.RELEASE: "Released",
-    JobStep.DUMP: "Dumped",
-    JobStep.UPLOAD: "Uploaded",
+    JobStep.QUIESCE: Milestone.QUIESCED,
+    JobStep.DRAIN: Milestone.DRAINED,
+    JobStep.RELEASE: Milestone.RELEASED,
+    JobStep.DUMP: Milestone.DUMPED,
+    JobStep.UPLOAD: Milestone.UPLOADED,
     JobStep.COMMIT: None,
     JobStep.VERIFY_COMMIT: None,
     JobStep.PUBLISH: None,
-    JobStep.REBUILD: "Rebuilt",
-    JobStep.RESUME: "Resumed",
-    JobStep.KILL: "Killed",
-    JobStep.RESUME_ALL: "Resumed",
+    JobStep.REBUILD: Milestone.REBUILT,
+    JobStep.RESUME: Milestone.RESUMED,
+    JobStep.KILL: Mark.KILLED,
+    JobStep.RESUME_ALL: Milestone.RESUMED,
+}
+STEP_ACTION: Mapping[JobStep, type[StepAction]] = {
+    JobStep.SELECT: SelectPods,
+    JobStep.CLAIM: ClaimPods,
+    JobStep.ADMIT: AdmitPods,
+    JobStep.OPEN_SESSION: OpenSession,
+    JobStep.QUIESCE: QuiesceRanks,
+    JobStep.DRAIN: AwaitMilestone,
+    JobStep.RELEASE: AwaitMilestone,
+    JobStep.DUMP: AwaitMilestone,
+    JobStep.UPLOAD: AwaitMilestone,
+    JobStep.COMMIT: CommitManifest,
+    JobStep.VERIFY_COMMIT: VerifyManifest,
+    JobStep.PUBLISH: PublishCheckpoint,
+    JobStep.REBUILD: AwaitMilestone,
+    JobStep.RESUME: AwaitMilestone,
+    JobStep.KILL: KillSources,
+    JobStep.RESUME_ALL: ResumeAll,
 }
 ON_UNKNOWN: Mapping[JobStep, Unknown] = {
     JobStep.SELECT: Unknown.REISSUE,  # reads pods
@@ -146,133 +184,6 @@ class CheckpointPublished(Event):
     attempt: str
 
 
-# Actions. The handler maps each to its side effect; a StepAction's pods are the pinned members.
-
-
-@dataclass(frozen=True)
-class SelectPods(StepAction):
-    """Resolve the selector or workload to pods (name, UID, node)."""
-
-
-@dataclass(frozen=True)
-class ClaimPods(StepAction):
-    """Claim the pods for this job in the operator's registry (answer PodsClaimed or PodsBusy)."""
-
-
-@dataclass(frozen=True)
-class ReleaseClaim(Action):
-    pass
-
-
-@dataclass(frozen=True)
-class AdmitPods(StepAction):
-    """Per pod: its node has a ready agent, its containers are registered, the preflight passes."""
-
-
-@dataclass(frozen=True)
-class OpenSession(StepAction):
-    """Create the coordinator session for these pods' agents."""
-
-
-@dataclass(frozen=True)
-class CloseSession(Action):
-    pass
-
-
-@dataclass(frozen=True)
-class QuiesceRanks(StepAction):
-    pass
-
-
-@dataclass(frozen=True)
-class DrainRanks(StepAction):
-    pass
-
-
-@dataclass(frozen=True)
-class ReleaseRanks(StepAction):
-    pass
-
-
-@dataclass(frozen=True)
-class DumpRanks(StepAction):
-    pass
-
-
-@dataclass(frozen=True)
-class UploadImages(StepAction):
-    checkpoint_name: str = ""
-
-
-@dataclass(frozen=True)
-class CommitManifest(StepAction):
-    """Merge every member's uploaded part into the manifest: the one write that makes the checkpoint exist."""
-
-    checkpoint_name: str = ""
-
-
-@dataclass(frozen=True)
-class VerifyManifest(StepAction):
-    """Look whether the manifest exists (answer ManifestCommitted or ManifestMissing); writes nothing."""
-
-    checkpoint_name: str = ""
-
-
-@dataclass(frozen=True)
-class DiscardUpload(StepAction):
-    """Delete what this attempt staged in the store (parts; never a committed manifest's chunks)."""
-
-    checkpoint_name: str = ""
-
-
-@dataclass(frozen=True)
-class PublishCheckpoint(StepAction):
-    """Create the Checkpoint object (if absent) for the committed manifest."""
-
-    checkpoint_name: str = ""
-    manifest_key: str = ""
-
-
-@dataclass(frozen=True)
-class RebuildRanks(StepAction):
-    pass
-
-
-@dataclass(frozen=True)
-class ResumeRanks(StepAction):
-    pass
-
-
-@dataclass(frozen=True)
-class KillSources(StepAction):
-    """Kill the source processes, by pod UID (Stop mode, after the commit)."""
-
-
-@dataclass(frozen=True)
-class ResumeAll(StepAction):
-    """Bring every rank back to running from wherever it is (reopen, or rebuild and resume): the abort."""
-
-
-_STEP_ACTION: Mapping[JobStep, type[StepAction]] = {
-    JobStep.SELECT: SelectPods,
-    JobStep.CLAIM: ClaimPods,
-    JobStep.ADMIT: AdmitPods,
-    JobStep.OPEN_SESSION: OpenSession,
-    JobStep.QUIESCE: QuiesceRanks,
-    JobStep.DRAIN: DrainRanks,
-    JobStep.RELEASE: ReleaseRanks,
-    JobStep.DUMP: DumpRanks,
-    JobStep.UPLOAD: UploadImages,
-    JobStep.COMMIT: CommitManifest,
-    JobStep.VERIFY_COMMIT: VerifyManifest,
-    JobStep.PUBLISH: PublishCheckpoint,
-    JobStep.REBUILD: RebuildRanks,
-    JobStep.RESUME: ResumeRanks,
-    JobStep.KILL: KillSources,
-    JobStep.RESUME_ALL: ResumeAll,
-}
-
-
 @dataclass(frozen=True)
 class JobConfig:
     """What the machine needs of the spec."""
@@ -310,33 +221,14 @@ class JobConfig:
 
 
 @dataclass(frozen=True)
-class JobState:
-    """Everything the machine knows; all of it goes to status (machine/status.py), so a restarted operator
-    reads it back."""
+class JobState(RunState[JobPhase]):
+    """Everything the machine knows (RunState's fields, and these); all of it goes to status."""
 
-    phase: JobPhase
-    run: str  # attempt ids are RUN-N
-    seq: int
-    started_at: float
-    phase_since: float
-    step: StepRecord | None = None
-    members: tuple[Member, ...] = ()
     claimed: bool = False
-    reason: str | None = None
-    message: str | None = None
     aborted_from: JobPhase | None = None
     waiting_for: str | None = None
     retry_at: float | None = None
     manifest_key: str | None = None
-    finished_at: float | None = None
-
-    @property
-    def attempt(self) -> str | None:
-        return self.step.attempt if self.step else None
-
-    @property
-    def live_pods(self) -> tuple[PodRef, ...]:
-        return tuple(member.pod for member in self.members if member.progress != "Lost")
 
 
 JobTransition = Transition[JobState]
@@ -400,7 +292,7 @@ class CheckpointMachine:
         if isinstance(event, PodRefused) and step == JobStep.ADMIT:
             name = self._name(state, event.pod)
             state = replace(
-                state, members=with_progress(state.members, event.pod, "Refused", message=event.message)
+                state, members=with_progress(state.members, event.pod, Mark.REFUSED, message=event.message)
             )
             return self._fail(state, "AdmissionRefused", f"{name}: {event.message}", now)
         if isinstance(event, SessionOpened) and step == JobStep.OPEN_SESSION:
@@ -443,7 +335,7 @@ class CheckpointMachine:
         assert state.step is not None
         step = JobStep(state.step.kind)
         label = STEP_LABEL[step]
-        if any(m.progress not in (label, "Lost", "ResumeFailed") for m in state.members):
+        if label is None or names_not_at(state.members, label, Mark.RESUME_FAILED):
             return self._done(state, [], now)
         if step in NEXT_STEP:
             next_step, phase = NEXT_STEP[step]
@@ -474,7 +366,7 @@ class CheckpointMachine:
         if state.phase == JobPhase.ABORTING:
             if event.pod is None:
                 return self._aborted(state, now, f"resuming failed: {event.message}")
-            members = with_progress(state.members, event.pod, "ResumeFailed", message=event.message)
+            members = with_progress(state.members, event.pod, Mark.RESUME_FAILED, message=event.message)
             return self._maybe_advance(replace(state, members=members), now)
         return self._abort(state, event.reason, where + event.message, now)
 
@@ -484,7 +376,8 @@ class CheckpointMachine:
         name = self._name(state, event.pod)
         if state.phase == JobPhase.STOPPED and state.step is not None:
             return self._member_done(state, event.pod, None, None, now)  # killing it is what Stop does
-        state = replace(state, members=with_progress(state.members, event.pod, "Lost", message=event.message))
+        members = with_progress(state.members, event.pod, Mark.LOST, message=event.message)
+        state = replace(state, members=members)
         if state.phase == JobPhase.ABORTING and state.step is not None:
             return self._maybe_advance(state, now)
         return self._abort(state, "PodLost", f"{name}: {event.message}", now)
@@ -510,7 +403,7 @@ class CheckpointMachine:
 
     def _waiting_for(self, state: JobState) -> list[str]:
         label = STEP_LABEL[JobStep(state.step.kind)] if state.step else None
-        return keys_not_at(tuple(m for m in state.members if m.progress != "Lost"), label) if label else []
+        return names_not_at(state.members, label) if label else []
 
     def _restarted(self, state: JobState, now: float) -> JobTransition:
         if state.step is None:
@@ -519,7 +412,9 @@ class CheckpointMachine:
         policy = ON_UNKNOWN[step]
         if policy == Unknown.REISSUE:
             if step == JobStep.ADMIT:  # admit again from scratch: an agent may have gone meanwhile
-                state = replace(state, members=tuple(replace(m, progress="Selected") for m in state.members))
+                state = replace(
+                    state, members=tuple(replace(m, progress=Mark.SELECTED) for m in state.members)
+                )
             state, actions = self._issue(state, step, now)
             return self._done(replace(state, retry_at=None), actions, now)
         if policy == Unknown.VERIFY:
@@ -556,7 +451,7 @@ class CheckpointMachine:
         return self._done(state, [warning, *actions], now)
 
     def _aborted(self, state: JobState, now: float, note: str | None = None) -> JobTransition:
-        unconfirmed = [m.pod.name for m in state.members if m.progress not in ("Resumed", "Lost")]
+        unconfirmed = names_not_at(state.members, Milestone.RESUMED)
         message = state.message or "aborted"
         if state.aborted_from in AFTER_COMMIT:
             message += f"; checkpoint {self.config.checkpoint_name} is committed and restorable"
@@ -606,38 +501,30 @@ class CheckpointMachine:
     def _issue(
         self, state: JobState, step: JobStep, now: float, phase: JobPhase | None = None
     ) -> tuple[JobState, list[Action]]:
-        """A new attempt id, recorded in the state before the action that carries it."""
-        seq = state.seq + 1
-        attempt = attempt_id(state.run, seq)
-        actions: list[Action] = []
-        if phase is not None and phase != state.phase:
-            actions.append(EmitEvent("Normal", str(phase), f"{phase}: attempt {attempt}"))
-            state = replace(state, phase=phase, phase_since=now)
-        kind = _STEP_ACTION[step]
-        extra: dict[str, str] = {}
-        if kind in (UploadImages, CommitManifest, VerifyManifest, PublishCheckpoint):
-            extra["checkpoint_name"] = self.config.checkpoint_name
-        if kind is PublishCheckpoint:
-            extra["manifest_key"] = state.manifest_key or ""
+        kind = STEP_ACTION[step]
         pods = () if kind is SelectPods else state.live_pods
-        actions.append(kind(attempt=attempt, pods=pods, **extra))
-        return replace(state, seq=seq, step=StepRecord(str(step), attempt, now)), actions
+        label = STEP_LABEL[step]
+        name = self.config.checkpoint_name
+
+        def action(attempt: str) -> StepAction:
+            if kind is AwaitMilestone:
+                assert isinstance(label, Milestone)
+                return AwaitMilestone(attempt, pods, milestone=label)
+            if kind is PublishCheckpoint:
+                return PublishCheckpoint(attempt, pods, name, state.manifest_key or "")
+            if kind in (CommitManifest, VerifyManifest):
+                return kind(attempt, pods, name)
+            return kind(attempt, pods)
+
+        return issue(state, str(step), now, phase, action)
 
     def _done(self, state: JobState, actions: list[Action], now: float) -> JobTransition:
-        return Transition(state, tuple(actions), self._wake_at(state))
-
-    def _wake_at(self, state: JobState) -> float | None:
         if state.phase in TERMINAL:
-            return None
-        times = []
-        limit = self.config.timeouts.get(state.phase)
-        if limit is not None:
-            times.append(state.phase_since + limit)
-        if state.phase != JobPhase.ABORTING:
-            times.append(state.started_at + self.config.active_deadline)
-        if state.retry_at is not None:
-            times.append(state.retry_at)
-        return min(times) if times else None
+            return Transition(state, tuple(actions))
+        timeouts, deadline = self.config.timeouts, self.config.active_deadline
+        return Transition(
+            state, tuple(actions), wake_at(state, timeouts, deadline, JobPhase.ABORTING, state.retry_at)
+        )
 
     @staticmethod
     def _name(state: JobState, key: str | None) -> str:

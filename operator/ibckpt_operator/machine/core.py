@@ -1,5 +1,5 @@
-"""What both machines share: members pinned by key, the step in flight, transitions, events and actions
-as plain data.
+"""What both job machines share: members pinned by key, the step in flight and how a step is issued,
+deadlines, transitions, events and actions as plain data.
 
 Time is a float (seconds, the caller's clock): the machines never read a clock, so tests drive them with
 fake time.
@@ -7,9 +7,12 @@ fake time.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
+
+from ibckpt.agentapi.milestones import Milestone
 
 
 class Unknown(StrEnum):
@@ -18,6 +21,23 @@ class Unknown(StrEnum):
     REISSUE = "reissue"  # read-only or idempotent: run it again under a new attempt id
     VERIFY = "verify"  # look whether it happened, then go on or abort
     ABORT = "abort"  # neither: give up the attempt and bring every rank back
+
+
+class Mark(StrEnum):
+    """A member's label that is no rank milestone: what the operator did to the pod, or what went wrong."""
+
+    SELECTED = "Selected"
+    PLACED = "Placed"
+    CREATED = "Created"
+    KILLED = "Killed"
+    REMOVED = "Removed"
+    REFUSED = "Refused"
+    LOST = "Lost"
+    RESUME_FAILED = "ResumeFailed"
+
+
+# The label a member gets when it finishes a step (status writes it as the pod's phase).
+Label = Milestone | Mark
 
 
 @dataclass(frozen=True)
@@ -33,10 +53,11 @@ class PodRef:
 @dataclass(frozen=True)
 class Member:
     """One pod of the job and how far it got. `progress` is the label of the last step it finished
-    (Admitted, Quiesced, ...) or what went wrong (Refused, Lost, Failed)."""
+    (Admitted, Quiesced, ...) or what went wrong (Refused, Lost, ResumeFailed): a Label, or the same
+    string read back from status."""
 
     pod: PodRef
-    progress: str = "Selected"
+    progress: str = Mark.SELECTED
     bytes: int | None = None
     seconds: float | None = None
     message: str | None = None
@@ -90,8 +111,70 @@ def with_progress(
     )
 
 
-def keys_not_at(members: tuple[Member, ...], progress: str) -> list[str]:
-    return [member.pod.name for member in members if member.progress != progress]
+def names_not_at(members: tuple[Member, ...], label: str, *excused: str) -> list[str]:
+    """The members that have not finished the step labelled `label`; the lost (and `excused`) do not count."""
+    passed = (label, Mark.LOST, *excused)
+    return [member.pod.name for member in members if member.progress not in passed]
+
+
+P = TypeVar("P", bound=StrEnum)
+
+
+@dataclass(frozen=True)
+class RunState(Generic[P]):
+    """What every job's state holds; all of it goes to status (machine/status.py), so a restarted operator
+    reads it back."""
+
+    phase: P
+    run: str  # attempt ids are RUN-N
+    seq: int
+    started_at: float
+    phase_since: float
+    step: StepRecord | None = None
+    members: tuple[Member, ...] = ()
+    reason: str | None = None
+    message: str | None = None
+    finished_at: float | None = None
+
+    @property
+    def attempt(self) -> str | None:
+        return self.step.attempt if self.step else None
+
+    @property
+    def live_pods(self) -> tuple[PodRef, ...]:
+        return tuple(member.pod for member in self.members if member.progress != Mark.LOST)
+
+
+R = TypeVar("R", bound=RunState[Any])
+
+
+def issue(
+    state: R, step: str, now: float, phase: StrEnum | None, action: Callable[[str], StepAction]
+) -> tuple[R, list[Action]]:
+    """A new attempt id, recorded in the state before the action that carries it (`action(attempt)`); an
+    event when the phase changes."""
+    seq = state.seq + 1
+    attempt = attempt_id(state.run, seq)
+    actions: list[Action] = []
+    if phase is not None and phase != state.phase:
+        actions.append(EmitEvent("Normal", str(phase), f"{phase}: attempt {attempt}"))
+        state = replace(state, phase=phase, phase_since=now)
+    actions.append(action(attempt))
+    return replace(state, seq=seq, step=StepRecord(step, attempt, now)), actions
+
+
+def wake_at(
+    state: RunState[P], timeouts: Mapping[P, float], active_deadline: float, ending: P, *more: float | None
+) -> float | None:
+    """The next deadline: the phase's bound, the job's active deadline (not while `ending`, the phase
+    that brings the ranks back), or one of `more` (a retry)."""
+    times = [moment for moment in more if moment is not None]
+    limit = timeouts.get(state.phase)
+    if limit is not None:
+        times.append(state.phase_since + limit)
+    if state.phase != ending:
+        times.append(state.started_at + active_deadline)
+    return min(times) if times else None
 
 
 # Events: what the operator observed. `attempt` says which side effect a result belongs to; a result for

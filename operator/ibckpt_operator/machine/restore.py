@@ -22,12 +22,26 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
+from ibckpt.agentapi.milestones import Milestone
 from ibckpt.api import RestoreJobSpec, RestorePhase
+from ibckpt_operator.machine.actions import (
+    AdmitNodes,
+    AwaitMilestone,
+    CleanUpRestore,
+    CloseSession,
+    CreatePods,
+    DownloadImages,
+    OpenSession,
+    PlacePods,
+    ResolveCheckpoint,
+)
 from ibckpt_operator.machine.core import (
     Action,
     Cancelled,
     EmitEvent,
     Event,
+    Label,
+    Mark,
     Member,
     OperatorRestarted,
     PodAdmitted,
@@ -35,14 +49,16 @@ from ibckpt_operator.machine.core import (
     PodRef,
     PodRefused,
     PodStepDone,
+    RunState,
     SessionOpened,
     StepAction,
     StepFailed,
-    StepRecord,
     Tick,
     Transition,
     Unknown,
-    attempt_id,
+    issue,
+    names_not_at,
+    wake_at,
     with_progress,
 )
 
@@ -68,17 +84,31 @@ class RestoreStep(StrEnum):
     CLEAN_UP = "clean-up"
 
 
-STEP_LABEL: Mapping[RestoreStep, str | None] = {
+# Per step: the label a member gets when it finishes it, and what the driver does for it (AwaitMilestone:
+# nothing, the agents go on by themselves).
+STEP_LABEL: Mapping[RestoreStep, Label | None] = {
     RestoreStep.RESOLVE: None,
     RestoreStep.PLACE: None,
-    RestoreStep.ADMIT: "Admitted",
+    RestoreStep.ADMIT: Milestone.ADMITTED,
     RestoreStep.OPEN_SESSION: None,
-    RestoreStep.DOWNLOAD: "Downloaded",
-    RestoreStep.CREATE_PODS: "Created",
-    RestoreStep.RESTORE: "Restored",
-    RestoreStep.REBUILD: "Rebuilt",
-    RestoreStep.RESUME: "Resumed",
-    RestoreStep.CLEAN_UP: "Removed",
+    RestoreStep.DOWNLOAD: Milestone.DOWNLOADED,
+    RestoreStep.CREATE_PODS: Mark.CREATED,
+    RestoreStep.RESTORE: Milestone.RESTORED,
+    RestoreStep.REBUILD: Milestone.REBUILT,
+    RestoreStep.RESUME: Milestone.RESUMED,
+    RestoreStep.CLEAN_UP: Mark.REMOVED,
+}
+STEP_ACTION: Mapping[RestoreStep, type[StepAction]] = {
+    RestoreStep.RESOLVE: ResolveCheckpoint,
+    RestoreStep.PLACE: PlacePods,
+    RestoreStep.ADMIT: AdmitNodes,
+    RestoreStep.OPEN_SESSION: OpenSession,
+    RestoreStep.DOWNLOAD: DownloadImages,
+    RestoreStep.CREATE_PODS: CreatePods,
+    RestoreStep.RESTORE: AwaitMilestone,
+    RestoreStep.REBUILD: AwaitMilestone,
+    RestoreStep.RESUME: AwaitMilestone,
+    RestoreStep.CLEAN_UP: CleanUpRestore,
 }
 ON_UNKNOWN: Mapping[RestoreStep, Unknown] = {
     RestoreStep.RESOLVE: Unknown.REISSUE,
@@ -135,84 +165,6 @@ class PodCreated(Event):
 
 
 @dataclass(frozen=True)
-class ResolveCheckpoint(StepAction):
-    checkpoint_name: str = ""
-
-
-@dataclass(frozen=True)
-class PlacePods(StepAction):
-    """Choose a destination node per pod within the constraints (answer PodsPlaced or StepFailed)."""
-
-    node_selector: Mapping[str, str] = field(default_factory=dict)
-    avoid_nodes: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class AdmitNodes(StepAction):
-    """Per pod: its destination node has a ready agent and the versions the checkpoint requires."""
-
-
-@dataclass(frozen=True)
-class OpenRestoreSession(StepAction):
-    pass
-
-
-@dataclass(frozen=True)
-class CloseRestoreSession(Action):
-    pass
-
-
-@dataclass(frozen=True)
-class CreatePods(StepAction):
-    """Create each destination pod, its images staged on its node (answer PodCreated with its uid, or
-    StepFailed)."""
-
-    checkpoint_name: str = ""
-
-
-@dataclass(frozen=True)
-class DownloadImages(StepAction):
-    """Start the agents' restore sessions before the pods exist: each downloads and stages its pods'
-    images (by namespace and pod name), then waits for the pod of that name to be created and restored."""
-
-    checkpoint_name: str = ""
-
-
-@dataclass(frozen=True)
-class RestoreRanks(StepAction):
-    pass
-
-
-@dataclass(frozen=True)
-class RebuildRestored(StepAction):
-    pass
-
-
-@dataclass(frozen=True)
-class ResumeRestored(StepAction):
-    pass
-
-
-@dataclass(frozen=True)
-class CleanUpRestore(StepAction):
-    """Kill and remove every restored rank: no part of the job may run alone."""
-
-
-_STEP_ACTION: Mapping[RestoreStep, type[StepAction]] = {
-    RestoreStep.RESOLVE: ResolveCheckpoint,
-    RestoreStep.PLACE: PlacePods,
-    RestoreStep.ADMIT: AdmitNodes,
-    RestoreStep.OPEN_SESSION: OpenRestoreSession,
-    RestoreStep.DOWNLOAD: DownloadImages,
-    RestoreStep.CREATE_PODS: CreatePods,
-    RestoreStep.RESTORE: RestoreRanks,
-    RestoreStep.REBUILD: RebuildRestored,
-    RestoreStep.RESUME: ResumeRestored,
-    RestoreStep.CLEAN_UP: CleanUpRestore,
-}
-
-
-@dataclass(frozen=True)
 class RestoreConfig:
     checkpoint_name: str
     node_selector: Mapping[str, str] = field(default_factory=dict)
@@ -243,22 +195,11 @@ class RestoreConfig:
 
 
 @dataclass(frozen=True)
-class RestoreState:
-    phase: RestorePhase
-    run: str
-    seq: int
-    started_at: float
-    phase_since: float
-    step: StepRecord | None = None
-    members: tuple[Member, ...] = ()  # keyed by pod name; node and uid are the destination's
-    reason: str | None = None
-    message: str | None = None
-    failed_from: RestorePhase | None = None
-    finished_at: float | None = None
+class RestoreState(RunState[RestorePhase]):
+    """RunState's fields, members keyed by pod name (node and uid are the destination's), and the phase a
+    failure came from."""
 
-    @property
-    def attempt(self) -> str | None:
-        return self.step.attempt if self.step else None
+    failed_from: RestorePhase | None = None
 
 
 RestoreTransition = Transition[RestoreState]
@@ -287,7 +228,7 @@ class RestoreMachine:
         if isinstance(event, PodLost):
             if all(member.pod.name != event.pod for member in state.members):
                 return self._done(state, [])
-            members = _with_progress(state.members, event.pod, "Lost", message=event.message)
+            members = _with_progress(state.members, event.pod, Mark.LOST, message=event.message)
             state = replace(state, members=members)
             if state.phase == RestorePhase.CLEANING_UP:
                 return self._maybe_advance(state, now)
@@ -317,13 +258,13 @@ class RestoreMachine:
             if problems:
                 return self._fail(state, "PlacementRejected", "; ".join(problems), now)
             members = tuple(
-                replace(m, pod=replace(m.pod, node=event.nodes[m.pod.name]), progress="Placed")
+                replace(m, pod=replace(m.pod, node=event.nodes[m.pod.name]), progress=Mark.PLACED)
                 for m in state.members
             )
             state, actions = self._issue(replace(state, members=members), RestoreStep.ADMIT, now)
             return self._done(state, actions)
         if isinstance(event, PodRefused) and step == RestoreStep.ADMIT:
-            members = _with_progress(state.members, event.pod, "Refused", message=event.message)
+            members = _with_progress(state.members, event.pod, Mark.REFUSED, message=event.message)
             return self._fail(
                 replace(state, members=members), "AdmissionRefused", f"{event.pod}: {event.message}", now
             )
@@ -358,7 +299,7 @@ class RestoreMachine:
         assert state.step is not None
         step = RestoreStep(state.step.kind)
         label = STEP_LABEL[step]
-        if any(m.progress not in (label, "Lost") for m in state.members):
+        if label is None or names_not_at(state.members, label):
             return self._done(state, [])
         if step == RestoreStep.CLEAN_UP:
             return self._fail(state, state.reason or "Failed", state.message or "restore failed", now)
@@ -384,7 +325,7 @@ class RestoreMachine:
         limit = self.config.timeouts.get(state.phase)
         if limit is not None and now >= state.phase_since + limit:
             label = STEP_LABEL[RestoreStep(state.step.kind)] if state.step else None
-            late = [m.pod.name for m in state.members if label and m.progress not in (label, "Lost")]
+            late = names_not_at(state.members, label) if label else []
             suffix = f" (waiting for {', '.join(late)})" if late else ""
             if state.phase == RestorePhase.CLEANING_UP:
                 note = f"; clean-up not confirmed within {limit:g}s{suffix}"
@@ -404,7 +345,7 @@ class RestoreMachine:
         step = RestoreStep(state.step.kind)
         if ON_UNKNOWN[step] == Unknown.REISSUE:
             if step == RestoreStep.ADMIT:
-                state = replace(state, members=tuple(replace(m, progress="Placed") for m in state.members))
+                state = replace(state, members=tuple(replace(m, progress=Mark.PLACED) for m in state.members))
             state, actions = self._issue(state, step, now)
             return self._done(state, actions)
         message = f"the operator restarted during {step}; its outcome is unknown, so the restore is undone"
@@ -423,7 +364,7 @@ class RestoreMachine:
     def _fail(self, state: RestoreState, reason: str, message: str, now: float) -> RestoreTransition:
         actions: list[Action] = [EmitEvent("Warning", reason, message)]
         if state.phase != RestorePhase.PENDING:
-            actions.append(CloseRestoreSession())
+            actions.append(CloseSession())
         failed_from = state.failed_from or state.phase
         state = replace(
             state,
@@ -438,7 +379,7 @@ class RestoreMachine:
 
     def _succeed(self, state: RestoreState, now: float) -> RestoreTransition:
         message = f"checkpoint {self.config.checkpoint_name} restored; the job runs again"
-        actions = (EmitEvent("Normal", "Succeeded", message), CloseRestoreSession())
+        actions = (EmitEvent("Normal", "Succeeded", message), CloseSession())
         state = replace(
             state, phase=RestorePhase.SUCCEEDED, phase_since=now, message=message, finished_at=now
         )
@@ -447,37 +388,22 @@ class RestoreMachine:
     def _issue(
         self, state: RestoreState, step: RestoreStep, now: float, phase: RestorePhase | None = None
     ) -> tuple[RestoreState, list[Action]]:
-        seq = state.seq + 1
-        attempt = attempt_id(state.run, seq)
-        actions: list[Action] = []
-        if phase is not None and phase != state.phase:
-            actions.append(EmitEvent("Normal", str(phase), f"{phase}: attempt {attempt}"))
-            state = replace(state, phase=phase, phase_since=now)
-        pods = self._pods(state)
-        action: StepAction
-        if step == RestoreStep.RESOLVE:
-            action = ResolveCheckpoint(attempt, (), self.config.checkpoint_name)
-        elif step == RestoreStep.PLACE:
-            avoid = self.config.avoid_nodes
-            action = PlacePods(attempt, pods, dict(self.config.node_selector), avoid)
-        elif step == RestoreStep.DOWNLOAD:
-            action = DownloadImages(attempt, pods, self.config.checkpoint_name)
-        elif step == RestoreStep.CREATE_PODS:
-            action = CreatePods(attempt, pods, self.config.checkpoint_name)
-        else:
-            action = _STEP_ACTION[step](attempt, pods)
-        actions.append(action)
-        return replace(state, seq=seq, step=StepRecord(str(step), attempt, now)), actions
+        pods, label, name = state.live_pods, STEP_LABEL[step], self.config.checkpoint_name
 
-    @staticmethod
-    def _pods(state: RestoreState) -> tuple[PodRef, ...]:
-        return tuple(member.pod for member in state.members if member.progress != "Lost")
+        def action(attempt: str) -> StepAction:
+            if step == RestoreStep.RESOLVE:
+                return ResolveCheckpoint(attempt, (), name)
+            if step == RestoreStep.PLACE:
+                return PlacePods(attempt, pods, dict(self.config.node_selector), self.config.avoid_nodes)
+            if step in (RestoreStep.DOWNLOAD, RestoreStep.CREATE_PODS):
+                return STEP_ACTION[step](attempt, pods, name)  # type: ignore[call-arg]
+            if STEP_ACTION[step] is AwaitMilestone:
+                assert isinstance(label, Milestone)
+                return AwaitMilestone(attempt, pods, milestone=label)
+            return STEP_ACTION[step](attempt, pods)
+
+        return issue(state, str(step), now, phase, action)
 
     def _done(self, state: RestoreState, actions: list[Action]) -> RestoreTransition:
-        times = []
-        limit = self.config.timeouts.get(state.phase)
-        if limit is not None:
-            times.append(state.phase_since + limit)
-        if state.phase != RestorePhase.CLEANING_UP:
-            times.append(state.started_at + self.config.active_deadline)
-        return Transition(state, tuple(actions), min(times) if times else None)
+        timeouts, deadline = self.config.timeouts, self.config.active_deadline
+        return Transition(state, tuple(actions), wake_at(state, timeouts, deadline, RestorePhase.CLEANING_UP))
