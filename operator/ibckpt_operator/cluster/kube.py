@@ -1,18 +1,21 @@
 """The Kubernetes calls the operator makes, through the official client, each run off the event loop.
 
-Nothing here decides anything: the machines decide, this reads and writes objects.
+Nothing here decides anything: the machines decide, this reads and writes objects. This module and
+leader.py are the only ones that import the client (import-linter); the others catch its ApiException
+from here.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 from datetime import UTC, datetime
 from typing import Any
 
 import kubernetes
-from kubernetes.client import ApiException
+from kubernetes.client import ApiException as ApiException
 
 from ibckpt_operator.config import COMPONENT, GROUP, VERSION
 
@@ -37,6 +40,14 @@ def new_api_client() -> kubernetes.client.ApiClient:
 
 def is_status(error: BaseException, *codes: int) -> bool:
     return isinstance(error, ApiException) and error.status in codes
+
+
+def api_message(error: ApiException) -> str:
+    """The apiserver's own message for a refused call (its Status body), else the HTTP reason."""
+    try:
+        return str(json.loads(error.body or "{}").get("message") or error.reason)
+    except ValueError:
+        return str(error.reason)
 
 
 class Kube:

@@ -10,10 +10,8 @@ import json
 import logging
 from typing import Any
 
-from kubernetes.client import ApiException
-
 from ibckpt.api import CheckpointJobSpec
-from ibckpt_operator.cluster.kube import Body, Kube
+from ibckpt_operator.cluster.kube import ApiException, Body, Kube
 from ibckpt_operator.machine import PodRef
 
 log = logging.getLogger(__name__)

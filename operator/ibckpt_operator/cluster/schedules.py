@@ -10,12 +10,10 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
-from kubernetes.client import ApiException
-
 from ibckpt.api import CheckpointScheduleSpec, CheckpointScheduleStatus, JobPhase, PodCreator, RestorePhase
 from ibckpt.api.schedule import PIN_LABEL
 from ibckpt_operator.cluster.bindings import NAME_KEEPING_KINDS
-from ibckpt_operator.cluster.kube import Body, Kube
+from ibckpt_operator.cluster.kube import ApiException, Body, Kube
 from ibckpt_operator.config import GROUP, VERSION
 from ibckpt_operator.machine.schedule import CheckpointInfo, JobFinished, ScheduleState
 

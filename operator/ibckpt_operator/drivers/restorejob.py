@@ -22,8 +22,6 @@ from collections.abc import Awaitable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from kubernetes.client import ApiException
-
 from ibckpt.agentapi import (
     AgentError,
     ImageSource,
@@ -45,7 +43,7 @@ from ibckpt.api import (
 )
 from ibckpt_operator.cluster import bindings, sources, storage
 from ibckpt_operator.cluster.agents import Agent, agents_by_node, each_agent, follow_session, no_agent_message
-from ibckpt_operator.cluster.kube import Body
+from ibckpt_operator.cluster.kube import ApiException, Body, api_message
 from ibckpt_operator.config import GROUP, VERSION
 from ibckpt_operator.drivers.base import Driver, StepProblem, UnreadableStatus
 from ibckpt_operator.drivers.runtime import Runtime
@@ -117,13 +115,6 @@ def _node_ready(node: Body) -> bool:
     conditions = node.get("status", {}).get("conditions") or ()
     ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
     return ready and not node.get("spec", {}).get("unschedulable")
-
-
-def _api_message(error: ApiException) -> str:
-    try:
-        return str(json.loads(error.body or "{}").get("message") or error.reason)
-    except ValueError:
-        return str(error.reason)
 
 
 @dataclass
@@ -458,7 +449,7 @@ class RestoreJobDriver(Driver[RestoreState]):
                 uid = await self.create_pod(body)
             except ApiException as error:
                 if error.status != 409:
-                    message = f"creating pod {pod.name} on {pod.node}: {_api_message(error)}"
+                    message = f"creating pod {pod.name} on {pod.node}: {api_message(error)}"
                     self.emit(StepFailed(action.attempt, "PodCreateFailed", message, pod=pod.name))
                     return
                 existing = await self.rt.kube.get_pod(self.namespace, pod.name) or {}
@@ -485,7 +476,7 @@ class RestoreJobDriver(Driver[RestoreState]):
                     api_version, kind, self.namespace, name, {bindings.RESTORING: self.name}
                 )
             except ApiException as error:  # a hint only: the controller retries by itself
-                log.warning("%s: could not wake %s %s: %s", self.key, kind, name, _api_message(error))
+                log.warning("%s: could not wake %s %s: %s", self.key, kind, name, api_message(error))
         waiting = {pod.name: pod for pod in action.pods}
         while waiting:
             for name, pod in list(waiting.items()):
