@@ -83,9 +83,9 @@ def _cut(report: dict[str, Any]) -> tuple[float, list[float], list[float], list[
     """Total cut, and per phase: wall time (barrier included), this node's own part, shim's slowest rank;
     then the sends drain left to rebuild and the ranks whose release counted every flush.
 
-    The fast cut has no barrier after quiesce: its "drained" phase covers quiesce and drain.
+    The fast cut has no barrier after quiesce: its Drained phase covers quiesce and drain.
     """
-    names = ("quiesced", "drained", "released")
+    names = ("Quiesced", "Drained", "Released")
     wall = [report["phases"].get(n, 0.0) for n in names]
     local = [report["local"].get(n, 0.0) for n in names]
     shim = [
@@ -175,8 +175,8 @@ def main() -> int:
         phases = load(f"restore-node-{node}.json")["phases"]
         driver_total = sum(phases.values())
         print(
-            f"{node:<6}{raw_total:>11.2f}{driver_total:>10.2f}{phases['restored']:>7.2f}"
-            f"{phases['rebuilt']:>9.2f}{phases['resumed']:>8.2f}{driver_total / raw_total:>7.2f}"
+            f"{node:<6}{raw_total:>11.2f}{driver_total:>10.2f}{phases['Restored']:>7.2f}"
+            f"{phases['Rebuilt']:>9.2f}{phases['Resumed']:>8.2f}{driver_total / raw_total:>7.2f}"
         )
     print("\nthe shim's rebuild on the restored ranks, slowest rank per step, ms")
     steps = ("open", "objects", "publish", "peers", "settle")

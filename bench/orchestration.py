@@ -61,7 +61,7 @@ from agent.agent_harness import OPERATOR, Stub, register_entry
 from node.fake_shim import FakeShimSocket
 from pydantic import SecretStr
 
-from ibckpt.agentapi import AgentClient, CheckpointRequest, RankRef
+from ibckpt.agentapi import AgentClient, CheckpointRequest, Milestone, RankRef
 from ibckpt.coordination.client import CoordinatorClient
 from ibckpt_node.agent import sessions as agent_sessions
 from ibckpt_node.agent.auth import Authenticator
@@ -271,7 +271,7 @@ def problems_of(agents: list[AgentServer]) -> list[str]:
     found = []
     for agent in agents:
         report = agent.sessions.get(SESSION)
-        if "released" not in report.phases or "not empty" not in report.message:
+        if Milestone.RELEASED not in report.phases or "not empty" not in report.message:
             found.append(f"{agent.node}: unexpected session: {report.state} {report.message}")
     return found
 
@@ -333,9 +333,9 @@ def split(agents: int, processes: int) -> list[tuple[int, int]]:
 
 def barrier_times(start: float) -> tuple[dict[str, tuple[float, float, float]], float]:
     """Per barrier (in the order passed): (report, release to the last agent, to the median agent)
-    seconds; and when `released` was left."""
+    seconds; and when Released was left."""
     names = list(dict.fromkeys(name for _, name, _, _ in sorted(TIMELINE.calls, key=lambda c: c[2])))
-    cut = names[: names.index("released") + 1]
+    cut = names[: names.index(Milestone.RELEASED) + 1]
     times = {}
     for name in cut:
         last_called = max(c[2] for c in TIMELINE.calls if c[1] == name)
@@ -343,7 +343,7 @@ def barrier_times(start: float) -> tuple[dict[str, tuple[float, float, float]], 
         last_seen = max(t for b, t in TIMELINE.arrivals if b == name)
         releases = sorted(c[3] - last_seen for c in TIMELINE.calls if c[1] == name)
         times[name] = (last_seen - last_called, last_returned - last_seen, releases[len(releases) // 2])
-    released = max(c[3] for c in TIMELINE.calls if c[1] == "released")
+    released = max(c[3] for c in TIMELINE.calls if c[1] == Milestone.RELEASED)
     return times, released - start
 
 

@@ -39,6 +39,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ibckpt.agentapi import Mode, PhaseTimeouts
 from ibckpt.coordination.client import CoordinatorClient, CoordinatorError
 from ibckpt.coordination.ranks import RankId
 from ibckpt_node.coord_proxy import ShimCoordinatorProxy
@@ -47,10 +48,9 @@ from ibckpt_node.driver import (
     CheckpointFailed,
     CutOptions,
     LocalRank,
-    Mode,
     NodeDriver,
     NodeReport,
-    PhaseTimeouts,
+    NodeSettings,
     ProcessTree,
 )
 from ibckpt_node.priority import DEFAULT_BOOST_NICE
@@ -98,7 +98,8 @@ async def _run(args: argparse.Namespace, drivers: list[NodeDriver]) -> NodeRepor
                     args.node,
                     client,
                     local,
-                    timeouts=PhaseTimeouts(drain_stall_ms=args.drain_stall_ms),
+                    timeouts=PhaseTimeouts(),
+                    settings=NodeSettings(drain_stall_ms=args.drain_stall_ms),
                     job_addrs=args.job_addr or None,
                     trees=trees,
                     boost_nice=boost,
@@ -147,7 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cut.add_argument(
         "--drain-stall-ms",
         type=int,
-        default=PhaseTimeouts.drain_stall_ms,
+        default=NodeSettings.drain_stall_ms,
         help="end a drain after this long without a completion when rebuild can settle what is left",
     )
     cut.add_argument("--quiesce-barrier", action="store_true", help="wait for every node after quiesce too")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import functools
 import ipaddress
 import json
@@ -22,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from ibckpt.agentapi import Milestone, Mode, PhaseTimeouts
 from ibckpt.coordination.client import (
     CoordinationAborted,
     CoordinationTimedOut,
@@ -39,28 +39,21 @@ REPLY_LIMIT = 64 * 1024 * 1024  # a status or rebuild reply lists every QP of th
 SHIM_CLOSES_S = 0.2  # after a renewal's reply, time for the shim's control thread to close its end
 
 
-class Mode(enum.Enum):
-    LEAVE_RUNNING = "LeaveRunning"
-    STOP = "Stop"
-    # Mixed restarts: dump like LeaveRunning, but keep the ranks released (alive, no device
-    # state) until a restore session rebuilds them together with the peers that moved.
-    HOLD = "Hold"
+# A barrier that marks no rank's progress: every node holds its restored TCP connections before any
+# node restores a rank (tcp_remap.py).
+LOCKED = "locked"
 
 
 @dataclass(frozen=True)
-class PhaseTimeouts:
-    quiesce_s: float = 30.0
-    drain_s: float = 60.0
+class NodeSettings:
+    """This node's own knobs; the per-phase bounds come with the request (ibckpt.agentapi.PhaseTimeouts)."""
+
     # How long the shim polls for in-flight sends to complete. A send can stay pending
     # (its receiver is quiesced too and posts no receives); the peers' counters settle it
     # at rebuild, so the drain only needs to catch what completes promptly.
     drain_settle_s: float = 3.0
     # No completion for this long, with only sends the rebuild can settle left, ends the drain.
     drain_stall_ms: int = 20
-    release_s: float = 30.0
-    dump_s: float = 600.0
-    restore_s: float = 600.0
-    rebuild_s: float = 120.0
     barrier_slack_s: float = 30.0  # how long a node waits for the slowest other node
     # Preflight asks whether a key was published once every node has published its own (after
     # a barrier): a key that is not there by then never comes, so the wait can be short.
@@ -212,12 +205,14 @@ class NodeDriver:
         client: CoordinatorClient,
         ranks: Sequence[LocalRank],
         timeouts: PhaseTimeouts | None = None,
+        settings: NodeSettings | None = None,
         job_addrs: Sequence[str] | None = None,
         trees: Sequence[ProcessTree] = (),
         boost_nice: int | None = priority.DEFAULT_BOOST_NICE,
         cut: CutOptions | None = None,
         flush_records: Callable[[], Awaitable[None]] | None = None,
         rejoin: Callable[[], Awaitable[CoordinatorClient | None]] | None = None,
+        on_milestone: Callable[[Milestone], None] = lambda milestone: None,
     ) -> None:
         """`job_addrs`: the addresses of the job's nodes, which the ranks' TCP connections may
         lead to. None: every node of the session publishes its own interfaces' addresses.
@@ -229,7 +224,8 @@ class NodeDriver:
         rebuild barrier, after which peers may read them without waiting.
         `rejoin`: when the coordinator is lost during an abort (the operator restarted), waits for the
         coordinator the next operator opens for the recovery and returns a client of it (None: none
-        came); released ranks can only be rebuilt with their peers through one."""
+        came); released ranks can only be rebuilt with their peers through one.
+        `on_milestone`: called with each Milestone once every node has passed it (its barrier)."""
         self.node = node
         self.rejoin = rejoin
         self.boost_nice = boost_nice
@@ -237,6 +233,8 @@ class NodeDriver:
         self.ranks = list(ranks)
         self.trees = list(trees)
         self.timeouts = timeouts or PhaseTimeouts()
+        self.settings = settings or NodeSettings()
+        self.on_milestone = on_milestone
         self.cut = cut or CutOptions()
         self.flush_records = flush_records
         self.job_addrs = None if job_addrs is None else [ipaddress.ip_address(a) for a in job_addrs]
@@ -301,7 +299,11 @@ class NodeDriver:
             if isinstance(result, BaseException):
                 raise result
 
-    async def _phase(self, name: str, work: Callable[[], Awaitable[None]], bound_s: float) -> None:
+    async def _phase(
+        self, name: Milestone | str, work: Callable[[], Awaitable[None]], bound_s: float
+    ) -> None:
+        """Run this node's part of a phase within its bound, then wait at the barrier `name` for every
+        node: once past it, every node has passed milestone `name`."""
         started = time.monotonic()
         try:
             await asyncio.wait_for(work(), bound_s)
@@ -319,9 +321,14 @@ class NodeDriver:
             # must take the abort path, which rebuilds them, like any other phase failure.
             raise CheckpointFailed(f"{self.node}: {name} failed: {exc}") from exc
         self.report.local[name] = time.monotonic() - started
-        await self.client.barrier(name, timeout=bound_s + self.timeouts.barrier_slack_s)
+        await self.client.barrier(name, timeout=bound_s + self.settings.barrier_slack_s)
+        self._passed(name, started)
+
+    def _passed(self, name: Milestone | str, started: float) -> None:
         self.report.phases[name] = time.monotonic() - started
         log.info("%s: %s done in %.3fs", self.node, name, self.report.phases[name])
+        if isinstance(name, Milestone):
+            self.on_milestone(name)
 
     def _where_ranks_wait(self, prefix: str = "") -> str:
         """Each local rank's threads (whose names start with `prefix`) and where they wait."""
@@ -336,11 +343,12 @@ class NodeDriver:
     async def _rebuild_and_resume(self, epoch: int) -> None:
         t = self.timeouts
         with self._boosted("rebuild"):
-            await self._phase("rebuilt", lambda: self._rebuild_all(epoch), t.rebuild_s)
-            await self._phase("resumed", lambda: self._each("resume", "resume"), t.rebuild_s)
+            await self._phase(Milestone.REBUILT, lambda: self._rebuild_all(epoch), t.rebuild_seconds)
+            await self._phase(Milestone.RESUMED, lambda: self._each("resume", "resume"), t.rebuild_seconds)
 
     async def _rebuild_all(self, epoch: int) -> None:
-        await self._each("rebuild", f"rebuild {epoch} {self._ms(self.timeouts.rebuild_s)}", wait_all=False)
+        line = f"rebuild {epoch} {self._ms(self.timeouts.rebuild_seconds)}"
+        await self._each("rebuild", line, wait_all=False)
         if self.flush_records is not None:
             await self.flush_records()
 
@@ -356,21 +364,20 @@ class NodeDriver:
             self._leases = asyncio.create_task(self._renew_leases(), name=f"{self.node} leases")
 
     async def _renew_leases(self) -> None:
-        t = self.timeouts
-        line = f"lease {self._ms(t.lease_s)}"
+        line = f"lease {self._ms(self.settings.lease_s)}"
         # one renewal in flight per rank: a rank busy with a long command (its rebuild) delays
         # only its own, and the shim does not count a command's time against the lease
         inflight = self._renewals
 
         async def renew(r: LocalRank) -> None:
             try:
-                await r.command(line, t.lease_s)
+                await r.command(line, self.settings.lease_s)
             except (ControlError, OSError, TimeoutError, ValueError) as exc:
                 log.warning("%s: lease renewal of %s (pid %d): %s", self.node, r.rank.key(), r.pid, exc)
 
         try:
             while True:
-                await asyncio.sleep(t.lease_renew_s)
+                await asyncio.sleep(self.settings.lease_renew_s)
                 for r in list(self.ranks):
                     task = inflight.get(r.rank.key())
                     if (task is None or task.done()) and r.rank.key() not in self._unrenewed:
@@ -414,7 +421,7 @@ class NodeDriver:
 
         async def hand_over(r: LocalRank) -> None:
             try:
-                await r.command("lease 0", self.timeouts.lease_s)
+                await r.command("lease 0", self.settings.lease_s)
             except (ControlError, OSError, TimeoutError, ValueError) as exc:
                 log.warning("%s: could not end the lease of %s: %s", self.node, r.rank.key(), exc)
 
@@ -438,7 +445,7 @@ class NodeDriver:
                 self._start_leases()  # from the first quiesce until resume, abort or the kill
                 await self._cut()
             self._check_released()
-            await self._phase("dumped", lambda: self._dump_all(mode, images_root), t.dump_s)
+            await self._phase(Milestone.DUMPED, lambda: self._dump_all(mode, images_root), t.dump_seconds)
             committed = True
             if mode is Mode.STOP:
                 self.report.outcome = "Stopped"
@@ -466,16 +473,16 @@ class NodeDriver:
     async def _cut(self) -> None:
         """Quiesce, drain and release every local rank, with a barrier after drain and release."""
         t = self.timeouts
-        quiesce = ("quiesce", f"quiesce {self._ms(t.quiesce_s)}")
-        drain = ("drain", f"drain {self._ms(t.drain_settle_s)} {t.drain_stall_ms}")
+        quiesce = ("quiesce", f"quiesce {self._ms(t.quiesce_seconds)}")
+        drain = ("drain", f"drain {self._ms(self.settings.drain_settle_s)} {self.settings.drain_stall_ms}")
         if self.cut.quiesce_barrier:
-            await self._phase("quiesced", lambda: self._each(*quiesce), t.quiesce_s)
-            await self._phase("drained", lambda: self._each(*drain), t.drain_s)
+            await self._phase(Milestone.QUIESCED, lambda: self._each(*quiesce), t.quiesce_seconds)
+            await self._phase(Milestone.DRAINED, lambda: self._each(*drain), t.drain_seconds)
         else:
-            both = t.quiesce_s + t.drain_s
-            await self._phase("drained", lambda: self._each_in_turn([quiesce, drain]), both)
-        release = f"release {self._ms(t.release_s)}" + (" quiet" if self.cut.release_quiet else "")
-        await self._phase("released", lambda: self._each("release", release), t.release_s)
+            both = t.quiesce_seconds + t.drain_seconds
+            await self._phase(Milestone.DRAINED, lambda: self._each_in_turn([quiesce, drain]), both)
+        release = f"release {self._ms(t.release_seconds)}" + (" quiet" if self.cut.release_quiet else "")
+        await self._phase(Milestone.RELEASED, lambda: self._each("release", release), t.release_seconds)
 
     # -- preflight ------------------------------------------------------------------------
 
@@ -485,7 +492,7 @@ class NodeDriver:
         started = time.monotonic()
         try:
             statuses = await asyncio.wait_for(
-                self._on_all(lambda r: r.command("status", t.quiesce_s)), t.quiesce_s
+                self._on_all(lambda r: r.command("status", t.quiesce_seconds)), t.quiesce_seconds
             )
         except (ControlError, OSError, TimeoutError) as exc:
             raise CheckpointRefused(f"preflight: a rank's shim did not answer status: {exc}") from exc
@@ -496,7 +503,9 @@ class NodeDriver:
         if self.job_addrs is None:
             keys += [preflight.addr_key(a) for a in own_addrs]
         await asyncio.gather(*(self.client.put(k, b"1") for k in keys))
-        await self.client.barrier("joined", timeout=t.quiesce_s + t.barrier_slack_s)
+        barrier_s = t.quiesce_seconds + self.settings.barrier_slack_s
+        await self.client.barrier(Milestone.JOINED, timeout=barrier_s)
+        self.on_milestone(Milestone.JOINED)
 
         problems = await asyncio.gather(
             *(self._rank_problems(r, ident, own_addrs) for r, ident in zip(self.ranks, idents, strict=True))
@@ -511,15 +520,15 @@ class NodeDriver:
             found = await self._tcp_problems(tree.root_pid, own_addrs)
             if found:
                 refusals.append(preflight.refusal(f"process tree {tree.name}", tree.root_pid, found))
-        self.report.local["preflight"] = time.monotonic() - started
+        self.report.local[Milestone.ADMITTED] = time.monotonic() - started
         if refusals:
             raise CheckpointRefused(" | ".join(refusals))  # the coordinator's abort adds our name
-        await self.client.barrier("preflight", timeout=t.quiesce_s + t.barrier_slack_s)
-        self.report.phases["preflight"] = time.monotonic() - started
+        await self.client.barrier(Milestone.ADMITTED, timeout=barrier_s)
+        self._passed(Milestone.ADMITTED, started)
 
     async def _published(self, key: str) -> bool:
         try:
-            await self.client.get(key, timeout=self.timeouts.preflight_lookup_s)
+            await self.client.get(key, timeout=self.settings.preflight_lookup_s)
         except CoordinationTimedOut:
             return False
         return True
@@ -606,7 +615,7 @@ class NodeDriver:
                 dump = functools.partial(container_runtime.checkpoint, t.container)
                 try:
                     async with self._unrenewed_while_dumped(members[t.name]):
-                        await asyncio.to_thread(dump, images, options, self.timeouts.dump_s)
+                        await asyncio.to_thread(dump, images, options, self.timeouts.dump_seconds)
                 except criu.CriuError as exc:
                     gone = [r.rank.key() for r in members[t.name] if process_gone(r.pid)]
                     why = f" (the process of {', '.join(gone)} is gone)" if gone else ""
@@ -616,7 +625,8 @@ class NodeDriver:
                 await asyncio.to_thread(container_runtime.save_shm, shm, images)
             else:
                 async with self._unrenewed_while_dumped(members[t.name]):
-                    await asyncio.to_thread(criu.dump, t.root_pid, images, options, self.timeouts.dump_s)
+                    dump_s = self.timeouts.dump_seconds
+                    await asyncio.to_thread(criu.dump, t.root_pid, images, options, dump_s)
             manifest: dict[str, Any] = {
                 "root_pid": t.root_pid,
                 "ranks": [
@@ -633,7 +643,7 @@ class NodeDriver:
         for r in [] if self.trees else self.ranks:  # with trees, preflight put every rank in one
             images = images_root / r.rank.key().replace("/", "_")
             async with self._unrenewed_while_dumped([r]):
-                await asyncio.to_thread(criu.dump, r.pid, images, options, self.timeouts.dump_s)
+                await asyncio.to_thread(criu.dump, r.pid, images, options, self.timeouts.dump_seconds)
             self.report.images[r.rank.key()] = images
 
     async def _abort_and_recover(self, cause: Exception, epoch: int) -> None:
@@ -664,7 +674,7 @@ class NodeDriver:
             # The real resources are gone: rebuild with the peers (all of this node's released ranks
             # at once: they wait for each other's records).
             try:
-                await r.command(f"rebuild {epoch} {self._ms(self.timeouts.rebuild_s)}")
+                await r.command(f"rebuild {epoch} {self._ms(self.timeouts.rebuild_seconds)}")
                 return await r.command("resume")
             except (ControlError, OSError, TimeoutError) as exc:
                 log.error("%s: could not rebuild %s: %s", self.node, r.rank.key(), exc)
@@ -728,9 +738,9 @@ class NodeDriver:
             self.report.locked = [c.describe() for c in lock.connections]
         self._start_leases()  # restored ranks come back released
         try:
-            await self._phase("locked", lambda: asyncio.sleep(0), t.restore_s)
+            await self._phase(LOCKED, lambda: asyncio.sleep(0), t.restore_seconds)
             try:
-                await self._phase("restored", arrive, t.restore_s)
+                await self._phase(Milestone.RESTORED, arrive, t.restore_seconds)
             finally:
                 for error in await asyncio.to_thread(lock.unlock) if lock is not None else ():
                     log.error("%s: %s", self.node, error)
@@ -761,7 +771,7 @@ class NodeDriver:
         t = self.timeouts
         for r in rejoin:
             fds, maps = device_fds_and_maps(r.pid)
-            state = (await r.command("status", t.quiesce_s)).get("state")
+            state = (await r.command("status", t.quiesce_seconds)).get("state")
             if state != "released" or fds or maps:
                 raise CheckpointFailed(
                     f"{r.rank.key()} (pid {r.pid}) cannot rejoin: state {state!r}, "
@@ -786,11 +796,11 @@ class NodeDriver:
 
         async def restore_all() -> None:
             for key, image_dir in images.items():
-                result = await asyncio.to_thread(criu.restore, image_dir, t.restore_s)
+                result = await asyncio.to_thread(criu.restore, image_dir, t.restore_seconds)
                 self.report.restored_pids[key] = result.pid
                 self.ranks.append(LocalRank(RankId.parse(key), result.pid, control_paths[key]))
             for tree, (root_pid, inside) in manifests.items():
-                result = await asyncio.to_thread(criu.restore, tree, t.restore_s)
+                result = await asyncio.to_thread(criu.restore, tree, t.restore_seconds)
                 if result.pid != root_pid:
                     raise CheckpointFailed(f"{tree}: CRIU restored root pid {result.pid}, not {root_pid}")
                 for rank, pid, control in inside:
@@ -800,8 +810,8 @@ class NodeDriver:
         self._start_leases()  # the rejoining ranks and, once restored, the others (released)
         try:
             try:
-                await self._phase("locked", prepare_all, t.restore_s)
-                await self._phase("restored", restore_all, t.restore_s)
+                await self._phase(LOCKED, prepare_all, t.restore_seconds)
+                await self._phase(Milestone.RESTORED, restore_all, t.restore_seconds)
             finally:
                 for error in await asyncio.to_thread(lock.unlock):
                     log.error("%s: %s", self.node, error)

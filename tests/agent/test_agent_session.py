@@ -22,6 +22,7 @@ from ibckpt.agentapi import (
     AgentClient,
     AgentError,
     CheckpointRequest,
+    Milestone,
     Mode,
     PhaseTimeouts,
     RankRef,
@@ -90,8 +91,9 @@ def test_a_checkpoint_whose_dump_fails_recovers_the_rank_and_reports_it(
             report = client.session(session)
         assert report.state == "Failed", report
         assert "criu binary is not installed" in report.message
-        # the fast cut has no "quiesced" barrier
-        assert {"preflight", "drained", "released"} <= set(report.phases), report.phases
+        # the fast cut has no Quiesced barrier
+        cut = {Milestone.ADMITTED, Milestone.DRAINED, Milestone.RELEASED}
+        assert cut <= set(report.phases), report.phases
         [rank] = report.ranks
         assert rank.phase == "Resumed" and "criu" in rank.error  # the session failed, the rank runs again
         # cut, then brought back from released: rebuild and resume
@@ -171,7 +173,7 @@ def test_an_abort_after_a_stop_dump_rebuilds_the_released_rank_and_resumes_it(
         assert shim.commands[-3:] == ["abort", "rebuild", "resume"], shim.commands
         assert shim.state == "running"
         assert not record.exists()  # nothing left for a next agent
-        assert "dumped" in report.phases  # the checkpoint's phases are kept
+        assert Milestone.DUMPED in report.phases  # the checkpoint's phases are kept
     finally:
         sleeper.kill()
         sleeper.wait()

@@ -20,7 +20,7 @@ def test_the_orchestration_bench_runs_the_cut_and_prints_its_table() -> None:
     out = done.stdout
     assert "16 ranks / 2 agents" in out, out
     # a row per barrier of the fast cut, then the cut and the ratio to the goal
-    for barrier in ("joined", "preflight", "drained", "released"):
+    for barrier in ("Joined", "Admitted", "Drained", "Released"):
         assert f"transition '{barrier}'" in out, out
     assert "mean transition" in out, out
     assert "orchestration: cut less shims" in out, out

@@ -184,8 +184,8 @@ async def test_an_agent_killed_after_its_cut_leaves_no_rank_gated(coordinator, t
             env={**os.environ, "IBCKPT_SESSION_TOKEN": token}, stdout=agent_log, stderr=subprocess.STDOUT,
         )  # fmt: skip
         # node-2 joins the preflight, never the cut: node-1's agent waits with its ranks drained
-        await node2.barrier("joined", 120)
-        await node2.barrier("preflight", 120)
+        await node2.barrier("Joined", 120)
+        await node2.barrier("Admitted", 120)
         t0 = time.monotonic()
         while set((await asyncio.to_thread(_states, procs)).values()) != {"drained"}:
             said = (tmp_path / "agent.log").read_text(errors="replace")[-3000:]

@@ -21,6 +21,7 @@ from typing import TypeVar
 import pytest
 from node.fake_shim import FakeShimSocket
 
+from ibckpt.agentapi import Milestone, Mode, PhaseTimeouts
 from ibckpt.coordination.client import CoordinatorClient
 from ibckpt.coordination.ranks import RankId
 from ibckpt_node import criu, failpoints
@@ -30,9 +31,8 @@ from ibckpt_node.driver import (
     CheckpointRefused,
     CutOptions,
     LocalRank,
-    Mode,
     NodeDriver,
-    PhaseTimeouts,
+    NodeSettings,
     ProcessTree,
     process_gone,
     read_tree_manifest,
@@ -90,7 +90,7 @@ def _setup(tmp_path: Path, pid: int, kind: type[S]) -> tuple[list[S], list[Local
 async def _driver(coordinator: ThreadedCoordinator, ranks: list[LocalRank]) -> NodeDriver:
     session, token = coordinator.create_session({"node-1"})
     client = await CoordinatorClient.connect("127.0.0.1", coordinator.port, session, "node-1", token)
-    return NodeDriver("node-1", client, ranks, PhaseTimeouts(rebuild_s=20))
+    return NodeDriver("node-1", client, ranks, PhaseTimeouts(rebuild_seconds=20))
 
 
 async def test_restore_rebuilds_every_held_rank_at_once(
@@ -147,8 +147,8 @@ async def test_leases_are_renewed_while_the_ranks_are_held_and_stop_after(
     shims, ranks = _setup(tmp_path, sleeper, SlowRelease)
     session, token = coordinator.create_session({"node-1"})
     client = await CoordinatorClient.connect("127.0.0.1", coordinator.port, session, "node-1", token)
-    timeouts = PhaseTimeouts(rebuild_s=20, lease_s=2.0, lease_renew_s=0.1)
-    driver = NodeDriver("node-1", client, ranks, timeouts)
+    leases = NodeSettings(lease_s=2.0, lease_renew_s=0.1)
+    driver = NodeDriver("node-1", client, ranks, PhaseTimeouts(rebuild_seconds=20), leases)
     try:
         with pytest.raises(CheckpointFailed, match="not empty"):
             await asyncio.wait_for(driver.checkpoint(Mode.STOP, _unwritable_images(tmp_path, ranks), 2), 30)
@@ -189,8 +189,8 @@ async def test_no_lease_renewal_reaches_a_rank_while_criu_dumps_it(
     monkeypatch.setattr(criu, "dump", slow_dump)
     session, token = coordinator.create_session({"node-1"})
     client = await CoordinatorClient.connect("127.0.0.1", coordinator.port, session, "node-1", token)
-    timeouts = PhaseTimeouts(rebuild_s=20, lease_s=2.0, lease_renew_s=0.05)
-    driver = NodeDriver("node-1", client, ranks, timeouts)
+    leases = NodeSettings(lease_s=2.0, lease_renew_s=0.05)
+    driver = NodeDriver("node-1", client, ranks, PhaseTimeouts(rebuild_seconds=20), leases)
     try:
         report = await asyncio.wait_for(driver.checkpoint(Mode.LEAVE_RUNNING, tmp_path / "images", 2), 60)
     finally:
@@ -233,11 +233,12 @@ async def test_the_fast_cut_drains_each_rank_right_after_its_quiesce(
         await driver.client.close()
     report = driver.report
     # no barrier between quiesce and drain: one phase covers both, then release
-    assert "quiesced" not in report.phases and {"drained", "released"} <= report.phases.keys(), report.phases
+    assert Milestone.QUIESCED not in report.phases, report.phases
+    assert {Milestone.DRAINED, Milestone.RELEASED} <= report.phases.keys(), report.phases
     for s in shims:
         assert [line.split()[0] for line in s.lines[1:4]] == ["quiesce", "drain", "release"], s.lines
         drain, release = s.lines[2].split(), s.lines[3].split()
-        assert drain[2] == str(PhaseTimeouts().drain_stall_ms) and len(release) == 2, s.lines
+        assert drain[2] == str(NodeSettings().drain_stall_ms) and len(release) == 2, s.lines
 
 
 async def test_the_old_cut_keeps_its_barrier_stall_window_and_quiet_release(
@@ -247,14 +248,14 @@ async def test_the_old_cut_keeps_its_barrier_stall_window_and_quiet_release(
     session, token = coordinator.create_session({"node-1"})
     client = await CoordinatorClient.connect("127.0.0.1", coordinator.port, session, "node-1", token)
     cut = CutOptions(quiesce_barrier=True, release_quiet=True)
-    driver = NodeDriver("node-1", client, ranks, PhaseTimeouts(drain_stall_ms=100), cut=cut)
+    driver = NodeDriver("node-1", client, ranks, settings=NodeSettings(drain_stall_ms=100), cut=cut)
     try:
         with pytest.raises(CheckpointFailed, match="not empty"):
             await asyncio.wait_for(driver.checkpoint(Mode.STOP, _unwritable_images(tmp_path, ranks), 2), 30)
     finally:
         await client.close()
     report = driver.report
-    assert {"quiesced", "drained", "released"} <= report.phases.keys(), report.phases
+    assert {Milestone.QUIESCED, Milestone.DRAINED, Milestone.RELEASED} <= report.phases.keys(), report.phases
     for s in shims:
         assert s.lines[2].split()[2] == "100" and s.lines[3].endswith(" quiet"), s.lines
 
@@ -373,14 +374,15 @@ async def test_a_release_that_times_out_says_where_each_control_thread_waits(
     ranks = [LocalRank(r.rank, pid, s.path) for r, s in zip(ranks, shims, strict=True)]
     session, token = coordinator.create_session({"node-1"})
     client = await CoordinatorClient.connect("127.0.0.1", coordinator.port, session, "node-1", token)
-    driver = NodeDriver("node-1", client, ranks, PhaseTimeouts(release_s=1, rebuild_s=20), boost_nice=None)
+    bounds = PhaseTimeouts(release_seconds=1, rebuild_seconds=20)
+    driver = NodeDriver("node-1", client, ranks, bounds, boost_nice=None)
     try:
         with pytest.raises(CheckpointFailed) as failed:
             await asyncio.wait_for(driver.checkpoint(Mode.STOP, tmp_path / "images", epoch=2), 30)
     finally:
         await client.close()
     message = str(failed.value)
-    assert "released did not finish within 1s" in message, message
+    assert "Released did not finish within 1s" in message, message
     assert f"job/rank-0/main/0 pid {pid}: ibk-control/{control_tid} S in " in message, message
     assert driver.report.outcome == "Aborted"
 
@@ -504,7 +506,7 @@ async def test_released_ranks_rejoin_the_next_operators_coordinator_to_rebuild(
         rejoined.append(client)
         return client
 
-    driver = NodeDriver("node-1", first, ranks, PhaseTimeouts(rebuild_s=20), rejoin=rejoin)
+    driver = NodeDriver("node-1", first, ranks, PhaseTimeouts(rebuild_seconds=20), rejoin=rejoin)
     try:
         with pytest.raises(CheckpointFailed, match=r"operator restarted|lost the coordinator"):
             await asyncio.wait_for(driver.checkpoint(Mode.LEAVE_RUNNING, tmp_path / "images", 2), 30)
@@ -526,7 +528,7 @@ async def test_without_a_rejoin_released_ranks_are_left_for_a_rebuild_and_the_dr
     session, token = coordinator.create_session({"node-1"})
     client = await CoordinatorClient.connect("127.0.0.1", coordinator.port, session, "node-1", token)
     shims[0].client = client
-    driver = NodeDriver("node-1", client, ranks, PhaseTimeouts(rebuild_s=20))
+    driver = NodeDriver("node-1", client, ranks, PhaseTimeouts(rebuild_seconds=20))
     try:
         with pytest.raises(CheckpointFailed):
             await asyncio.wait_for(driver.checkpoint(Mode.LEAVE_RUNNING, tmp_path / "images", 2), 30)
@@ -552,7 +554,7 @@ async def test_an_armed_failpoint_holds_one_rank_between_its_quiesce_and_drain_o
         failpoints.disable()
         await driver.client.close()
     assert not (armed / "after-quiesce").exists(), "the arming was not taken"
-    assert driver.report.local["drained"] >= 1.5, driver.report.local
+    assert driver.report.local[Milestone.DRAINED] >= 1.5, driver.report.local
     for s in shims:  # the held rank went on to drain and release like the others
         assert [line.split()[0] for line in s.lines[1:4]] == ["quiesce", "drain", "release"], s.lines
 

@@ -16,10 +16,11 @@ from typing import Any
 import pytest
 from node.fake_shim import FakeShimSocket
 
+from ibckpt.agentapi import Mode
 from ibckpt.coordination.client import CoordinationAborted, CoordinatorClient
 from ibckpt.coordination.ranks import RankId
 from ibckpt_node import preflight
-from ibckpt_node.driver import CheckpointRefused, LocalRank, Mode, NodeDriver
+from ibckpt_node.driver import CheckpointRefused, LocalRank, NodeDriver
 from testbed.coordinator import ThreadedCoordinator
 
 TCP = """  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode

@@ -97,7 +97,7 @@ def test_tcp_peer_outside_the_job_refuses_the_checkpoint_on_every_node(  # type:
         # the CLI's report of what it did: refused, and no shim phase ever ran (only `status`)
         report = json.loads((work / f"ckpt-node-{n}.json").read_text())
         assert report["outcome"] == "Refused" and report["shim"] == {} and report["images"] == {}, report
-        assert "quiesced" not in report["phases"] and "quiesced" not in report["local"], report
+        assert "Quiesced" not in report["phases"] and "Quiesced" not in report["local"], report
     for role, peer in (("server", "client"), ("client", "server")):
         before = json.loads((work / f"status-before-{role}.json").read_text())
         # the shim reports its QP's peer as the app connected it: the other rank's QP

@@ -31,7 +31,7 @@ def test_tcp_connection_between_ranks_follows_a_swapped_restore(coordinator, tmp
     # Preflight let the connection through: its peer is the other node of the job.
     for node in (1, 2):
         report = json.loads((work / f"ckpt-node-{node}.json").read_text())
-        assert report["outcome"] == "Stopped" and "preflight" in report["phases"], report
+        assert report["outcome"] == "Stopped" and "Admitted" in report["phases"], report
     # The images held the connection, and each restore rewrote both of its addresses.
     for node, key, moved in ((2, KEYS[0], "10.77.0.1 -> 10.77.0.2"), (1, KEYS[1], "10.77.0.2 -> 10.77.0.1")):
         report = json.loads((work / f"restore-node-{node}.json").read_text())

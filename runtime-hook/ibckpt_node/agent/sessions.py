@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ibckpt.agentapi import Milestone
 from ibckpt.agentapi import models as api
 from ibckpt.coordination.client import CoordinationAborted, CoordinatorClient, CoordinatorError
 from ibckpt.coordination.ranks import RankId
@@ -33,19 +34,19 @@ from ibckpt_node.registry import ContainerRegistry, RegisteredContainer
 
 log = logging.getLogger(__name__)
 
-# The barrier a node passed last -> the phase its ranks are in now.
-NEXT_PHASE = {
-    "": api.RankPhase.PREFLIGHT,
-    "joined": api.RankPhase.PREFLIGHT,
-    "preflight": api.RankPhase.QUIESCING,
-    "quiesced": api.RankPhase.DRAINING,
-    "drained": api.RankPhase.RELEASING,
-    "released": api.RankPhase.DUMPING,
-    "dumped": api.RankPhase.REBUILDING,
-    "rebuilt": api.RankPhase.RESUMING,
-    "resumed": api.RankPhase.DONE,
+# The milestone a rank passed last -> the phase it is in now (present tense, for people reading status).
+PHASE_AFTER = {
+    Milestone.JOINED: api.RankPhase.PREFLIGHT,
+    Milestone.ADMITTED: api.RankPhase.QUIESCING,
+    Milestone.QUIESCED: api.RankPhase.DRAINING,
+    Milestone.DRAINED: api.RankPhase.RELEASING,
+    Milestone.RELEASED: api.RankPhase.DUMPING,
+    Milestone.DUMPED: api.RankPhase.REBUILDING,
+    Milestone.DOWNLOADED: api.RankPhase.RESTORING,
+    Milestone.RESTORED: api.RankPhase.REBUILDING,
+    Milestone.REBUILT: api.RankPhase.RESUMING,
+    Milestone.RESUMED: api.RankPhase.DONE,
 }
-POLL_S = 0.5
 # How long ranks left released by a lost coordinator wait for the next operator's recovery: its
 # Lease handover and start-up (2.5 minutes on the emulated testbed nodes), with room.
 REJOIN_WAIT_S = 600.0
@@ -91,17 +92,6 @@ def container_ranks(job: str, entry: RegisteredContainer) -> list[driver.LocalRa
         rank = RankId(job, entry.pod, entry.container, stem)
         ranks.append(driver.LocalRank(rank, pid, Path(path)))
     return ranks
-
-
-def driver_timeouts(t: api.PhaseTimeouts) -> driver.PhaseTimeouts:
-    return driver.PhaseTimeouts(
-        quiesce_s=t.quiesce_seconds,
-        drain_s=t.drain_seconds,
-        release_s=t.release_seconds,
-        dump_s=t.dump_seconds,
-        restore_s=t.restore_seconds,
-        rebuild_s=t.rebuild_seconds,
-    )
 
 
 def tree_bytes(root: Path) -> int:
@@ -315,10 +305,11 @@ class Sessions:
                         self.node,
                         session.client,
                         [],
-                        timeouts=driver_timeouts(request.timeouts),
+                        timeouts=request.timeouts,
                         flush_records=proxy.published,
+                        on_milestone=functools.partial(self._passed, session),
                     )
-                    self._set_phase(session, api.RankPhase.RESTORING)
+                    self._passed(session, Milestone.DOWNLOADED)
 
                     async def restored() -> list[driver.LocalRank]:
                         uids: dict[str, str] = {}
@@ -334,7 +325,6 @@ class Sessions:
                             progress = session.by_key[r.rank.key()]
                             progress.pid = r.pid
                             progress.pod_uid = uids.get(progress.rank_key, progress.pod_uid)
-                        self._set_phase(session, api.RankPhase.REBUILDING)
                         return ranks
 
                     result = await session.engine.rebuild_restored(restored, request.epoch, lock)
@@ -427,7 +417,7 @@ class Sessions:
         for item in planned:
             for key in item.rank_keys:
                 session.by_key[key].bytes = session.report.bytes // max(1, len(session.report.ranks))
-        session.report.phases["downloaded"] = round(time.monotonic() - started, 3)
+        session.report.phases[Milestone.DOWNLOADED] = round(time.monotonic() - started, 3)
         if remap or lock.connections:
             log.info(
                 "session %s: addresses remapped %s; TCP connections held until every node restored: %s",
@@ -544,7 +534,7 @@ class Sessions:
                         self.node,
                         client,
                         session.ranks,
-                        timeouts=driver_timeouts(request.timeouts),
+                        timeouts=request.timeouts,
                         flush_records=proxy.published,
                     )
                     await session.engine.recover(reason, request.epoch)
@@ -592,27 +582,24 @@ class Sessions:
             await old.close()
         return client
 
-    def _follow(self, session: Session, started: float) -> None:
-        engine = session.engine
-        if engine is None:
-            return
-        passed = list(engine.report.phases)
-        last = passed[-1] if passed else ""
-        session.report.phases = dict(engine.report.phases)
-        phase = NEXT_PHASE.get(last, api.RankPhase.PENDING)
-        session.report.phase = phase.value
-        for progress in session.report.ranks:
+    def _passed(self, session: Session, milestone: Milestone) -> None:
+        """The driver's callback: every node has passed `milestone`, and the report says so at once."""
+        report = session.report
+        if session.engine is not None:
+            report.phases.update(session.engine.report.phases)
+        phase = PHASE_AFTER[milestone]
+        report.phase = phase.value
+        for progress in report.ranks:
             if not progress.error:
+                progress.done = milestone
                 progress.phase = phase
-                progress.seconds = round(time.time() - started, 3)
+                progress.seconds = round(time.time() - report.started_at, 3)
 
     async def _run(self, session: Session) -> None:
         request = session.request
         assert isinstance(request, api.CheckpointRequest)
         report = session.report
-        started = time.time()
         images = self.work_dir / "sessions" / request.session_id / "images"
-        follower: asyncio.Task[None] | None = None
         try:
             session.client = await self._connect(request)
             try:
@@ -621,25 +608,17 @@ class Sessions:
                         self.node,
                         session.client,
                         session.ranks,
-                        timeouts=driver_timeouts(request.timeouts),
+                        timeouts=request.timeouts,
                         job_addrs=request.job_addresses or None,
                         trees=session.trees,
                         flush_records=proxy.published,
                         rejoin=functools.partial(self._rejoin, session, proxy),
+                        on_milestone=functools.partial(self._passed, session),
                     )
-
-                    async def follow() -> None:
-                        while True:
-                            self._follow(session, started)
-                            await asyncio.sleep(POLL_S)
-
-                    follower = asyncio.create_task(follow())
-                    result = await session.engine.checkpoint(
-                        driver.Mode(request.mode.value), images, request.epoch
-                    )
+                    self._set_phase(session, api.RankPhase.PREFLIGHT)
+                    result = await session.engine.checkpoint(request.mode, images, request.epoch)
             finally:
                 await session.client.close()
-            self._follow(session, started)
             final = {
                 "Stopped": api.RankPhase.STOPPED,
                 "Held": api.RankPhase.HELD,
@@ -678,8 +657,6 @@ class Sessions:
             log.exception("session %s", request.session_id)
             self._finish_failed(session, api.SessionState.FAILED, f"agent error: {exc}")
         finally:
-            if follower is not None:
-                follower.cancel()
             if session.engine is not None:
                 # the renewals went on through the upload; a Held rank is handed over with no lease
                 await session.engine.end_leases()
@@ -728,7 +705,7 @@ class Sessions:
             raise StagingError(
                 f"upload did not finish within {session.request.timeouts.upload_seconds:g}s"
             ) from None
-        report.phases["uploaded"] = round(time.monotonic() - started, 3)
+        report.phases[Milestone.UPLOADED] = round(time.monotonic() - started, 3)
         report.message = (
             f"staged {total} bytes ({uploaded} uploaded, the rest already stored) as part {self.node} "
             f"of {destination.job}/{destination.checkpoint_id}"
