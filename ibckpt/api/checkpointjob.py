@@ -8,8 +8,8 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
-from ibckpt.api.bounds import DEFAULT_BOUNDS as B
 from ibckpt.api.base import ApiModel, KindInfo, PrinterColumn
+from ibckpt.api.bounds import DEFAULT_BOUNDS as B
 from ibckpt.api.common import (
     CONDITIONS_SCHEMA_EXTRA,
     NAME_PATTERN,
@@ -77,8 +77,12 @@ class JobTimeouts(ApiModel):
     drain_seconds: int = Field(default=B.drain, ge=1)
     release_seconds: int = Field(default=B.release, ge=1)
     dump_seconds: int = Field(default=B.dump, ge=1)
-    upload_seconds: int = Field(default=B.upload, ge=1, description="Uploading, including the manifest commit.")
-    publish_seconds: int = Field(default=B.publish, ge=1, description="Committed: the Checkpoint object is created.")
+    upload_seconds: int = Field(
+        default=B.upload, ge=1, description="Uploading, including the manifest commit."
+    )
+    publish_seconds: int = Field(
+        default=B.publish, ge=1, description="Committed: the Checkpoint object is created."
+    )
     rebuild_seconds: int = Field(default=B.rebuild, ge=1)
     resume_seconds: int = Field(default=B.resume, ge=1)
     stop_seconds: int = Field(default=B.stop, ge=1, description="Stopped: the source processes are killed.")

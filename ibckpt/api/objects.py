@@ -4,7 +4,7 @@ or builds them to create: `CheckpointJob.from_wire(body)`, `Checkpoint(...).to_w
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Literal
+from typing import Generic, Literal, TypeVar
 
 from pydantic import Field
 
@@ -14,6 +14,9 @@ from ibckpt.api.checkpointjob import CheckpointJobSpec, CheckpointJobStatus
 from ibckpt.api.restorejob import RestoreJobSpec, RestoreJobStatus
 from ibckpt.api.schedule import CheckpointScheduleSpec, CheckpointScheduleStatus
 from ibckpt.api.storage import CheckpointStorageSpec, CheckpointStorageStatus
+
+SpecT = TypeVar("SpecT", bound=ApiModel)
+StatusT = TypeVar("StatusT", bound=ApiModel)
 
 
 class OwnerReference(ApiModel):
@@ -41,41 +44,31 @@ class ObjectMeta(ApiModel):
     finalizers: list[str] | None = None
 
 
-class CheckpointJob(ApiModel):
+class ApiObject(ApiModel, Generic[SpecT, StatusT]):
+    """What every kind's object has; each kind below pins `kind` and the types of spec and status."""
+
     api_version: Literal["ibckpt.io/v1alpha1"] = API_VERSION
+    kind: str
+    metadata: ObjectMeta = Field(default_factory=ObjectMeta)
+    spec: SpecT
+    status: StatusT | None = None
+
+
+class CheckpointJob(ApiObject[CheckpointJobSpec, CheckpointJobStatus]):
     kind: Literal["CheckpointJob"] = "CheckpointJob"
-    metadata: ObjectMeta = Field(default_factory=ObjectMeta)
-    spec: CheckpointJobSpec
-    status: CheckpointJobStatus | None = None
 
 
-class Checkpoint(ApiModel):
-    api_version: Literal["ibckpt.io/v1alpha1"] = API_VERSION
+class Checkpoint(ApiObject[CheckpointSpec, CheckpointStatus]):
     kind: Literal["Checkpoint"] = "Checkpoint"
-    metadata: ObjectMeta = Field(default_factory=ObjectMeta)
-    spec: CheckpointSpec
-    status: CheckpointStatus | None = None
 
 
-class RestoreJob(ApiModel):
-    api_version: Literal["ibckpt.io/v1alpha1"] = API_VERSION
+class RestoreJob(ApiObject[RestoreJobSpec, RestoreJobStatus]):
     kind: Literal["RestoreJob"] = "RestoreJob"
-    metadata: ObjectMeta = Field(default_factory=ObjectMeta)
-    spec: RestoreJobSpec
-    status: RestoreJobStatus | None = None
 
 
-class CheckpointStorage(ApiModel):
-    api_version: Literal["ibckpt.io/v1alpha1"] = API_VERSION
+class CheckpointStorage(ApiObject[CheckpointStorageSpec, CheckpointStorageStatus]):
     kind: Literal["CheckpointStorage"] = "CheckpointStorage"
-    metadata: ObjectMeta = Field(default_factory=ObjectMeta)
-    spec: CheckpointStorageSpec
-    status: CheckpointStorageStatus | None = None
 
 
-class CheckpointSchedule(ApiModel):
-    api_version: Literal["ibckpt.io/v1alpha1"] = API_VERSION
+class CheckpointSchedule(ApiObject[CheckpointScheduleSpec, CheckpointScheduleStatus]):
     kind: Literal["CheckpointSchedule"] = "CheckpointSchedule"
-    metadata: ObjectMeta = Field(default_factory=ObjectMeta)
-    spec: CheckpointScheduleSpec
-    status: CheckpointScheduleStatus | None = None

@@ -7,8 +7,8 @@ from enum import StrEnum
 
 from pydantic import Field
 
-from ibckpt.api.bounds import DEFAULT_BOUNDS as B
 from ibckpt.api.base import ApiModel, KindInfo, PrinterColumn
+from ibckpt.api.bounds import DEFAULT_BOUNDS as B
 from ibckpt.api.checkpointjob import PodRow
 from ibckpt.api.common import CONDITIONS_SCHEMA_EXTRA, NAME_PATTERN, Condition
 
@@ -41,12 +41,16 @@ class RestoreTimeouts(ApiModel):
     """The bound on each phase, in seconds. One that runs out fails the restore and removes what it
     restored; the Checkpoint stays valid for another try."""
 
-    admit_seconds: int = Field(default=B.admit, ge=1, description="Pending and Admitted: placed and admitted.")
+    admit_seconds: int = Field(
+        default=B.admit, ge=1, description="Pending and Admitted: placed and admitted."
+    )
     download_seconds: int = Field(default=B.download, ge=1)
     restore_seconds: int = Field(default=B.restore, ge=1)
     rebuild_seconds: int = Field(default=B.rebuild, ge=1)
     resume_seconds: int = Field(default=B.resume, ge=1)
-    cleanup_seconds: int = Field(default=B.cleanup, ge=1, description="CleaningUp: restored ranks are removed.")
+    cleanup_seconds: int = Field(
+        default=B.cleanup, ge=1, description="CleaningUp: restored ranks are removed."
+    )
 
 
 class RestoreJobSpec(ApiModel):
