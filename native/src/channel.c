@@ -15,6 +15,7 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#include "rdmacm.h"
 #include "shim.h"
 
 int ibk_chan_push_event(struct ibk_chan *ch, struct ibk_cq *cq)

@@ -9,8 +9,11 @@
 #include <unistd.h>
 
 #include "cmdline.h"
+#include "devthread.h"
 #include "ibckpt.h"
+#include "lease.h"
 #include "phases.h"
+#include "rdmacm.h"
 
 /* A report is a few hundred bytes per object: the reply buffer is sized
  * for the objects there are, so 2,048 QPs per rank fit (docs/wire-formats.md). */

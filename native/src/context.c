@@ -6,6 +6,7 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#include "devthread.h"
 #include "shim.h"
 
 /* verbs.h wraps these in macros; we define the exported symbols. */

@@ -15,6 +15,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "coord.h"
 #include "shim.h"
 
 atomic_int ibk_translating;

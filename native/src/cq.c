@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "coord.h"
 #include "shim.h"
 
 static enum ibv_wc_opcode wc_opcode_of(enum ibv_wr_opcode op)

@@ -20,6 +20,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "devthread.h"
 #include "shim.h"
 
 #define IBK_MAX_DEVFDS 32

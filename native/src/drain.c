@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include "phases.h"
+#include "rdmacm.h"
 
 /* Post a flag WR where trailing unsignaled sends would otherwise never
  * report completion. */

@@ -13,6 +13,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "lease.h"
 #include "phases.h"
 
 #define LEASE_DEFAULT_MS 60000

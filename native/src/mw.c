@@ -12,6 +12,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "coord.h"
 #include "shim.h"
 
 /* The window's virtual rkey for its current real one (ctx->lock held): the

@@ -4,6 +4,7 @@
 #include <errno.h>
 #include <stdlib.h>
 
+#include "coord.h"
 #include "shim.h"
 
 /* verbs.h wraps these in macros; we define the exported symbols. */

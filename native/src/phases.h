@@ -20,6 +20,17 @@
 	if ((o)->kind != IBK_QP || !((qp) = IBK_OBJ(o, ibk_qp))) { \
 	} else
 
+/* Each phase writes a one-line JSON report into out. 0 on success. */
+int ibk_do_quiesce(int timeout_ms, char *out, size_t len);
+int ibk_do_drain(int timeout_ms, int stall_ms, char *out, size_t len);
+int ibk_do_release(int timeout_ms, int quiet_only, char *out, size_t len);
+int ibk_do_rebuild(uint64_t epoch, int timeout_ms, char *out, size_t len);
+int ibk_do_resume(char *out, size_t len);
+int ibk_do_abort(char *out, size_t len);
+/* drain: no completion for this long with only settleable sends left ends
+ * it (the control protocol's drain takes another value) */
+#define IBK_DRAIN_STALL_MS 20
+
 /* report.c: the status report's walks over the objects */
 void ibk_report_qps(char *out, size_t len);
 void ibk_report_identity(char *out, size_t len);

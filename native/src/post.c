@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "coord.h"
 #include "shim.h"
 
 static inline uint32_t lkey_real(struct ibk_ctx *ctx, uint32_t v)

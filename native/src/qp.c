@@ -4,6 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "coord.h"
 #include "shim.h"
 
 /* ---- creation --------------------------------------------------------------- */

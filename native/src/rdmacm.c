@@ -31,7 +31,9 @@
 #include <rdma/rdma_user_cm.h>
 
 #include "cmstate.h"
+#include "devthread.h"
 #include "phases.h"
+#include "rdmacm.h"
 
 #define IBK_CM_MAXFD 4096
 

@@ -1,19 +1,13 @@
-/* Resolution of the real libibverbs entry points, plus the small shared
- * helpers: logging, the gate and the object lists. */
+/* Resolution of the real libibverbs entry points, once, with dlvsym. */
 #include <dlfcn.h>
-#include <errno.h>
-#include <stdarg.h>
+#include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
-#include <string.h>
-#include <time.h>
-#include <unistd.h>
 
-#include "shim.h"
+#include "diag.h"
+#include "real.h"
 
 struct ibk_real ibk_real;
-int ibk_verbose;
-pthread_mutex_t ibk_ctx_lock = PTHREAD_MUTEX_INITIALIZER;
-struct ibk_ctx *ibk_ctx_list;
 
 /* Ask for the version applications bind to by default.  The shim is linked
  * against libibverbs, so RTLD_NEXT sees it even when the program loaded it
@@ -90,125 +84,4 @@ static void real_resolve_once(void)
 void ibk_real_resolve(void)
 {
 	pthread_once(&real_once, real_resolve_once);
-}
-
-void ibk_log(const char *fmt, ...)
-{
-	char buf[512];
-	va_list ap;
-	int n;
-
-	n = snprintf(buf, sizeof(buf), "libibckpt[%d]: ", (int)getpid());
-	va_start(ap, fmt);
-	vsnprintf(buf + n, sizeof(buf) - (size_t)n, fmt, ap);
-	va_end(ap);
-	fprintf(stderr, "%s\n", buf);
-}
-
-/* The distinct verbs refused so far, for the status report (the agent's preflight). */
-static const char *refused[IBK_MAX_REFUSED];
-static int nrefused;
-static pthread_mutex_t refused_lock = PTHREAD_MUTEX_INITIALIZER;
-
-void ibk_unsupported(const char *verb)
-{
-	int i;
-
-	ibk_log("%s is not supported under checkpointing (libibckpt); failing with EOPNOTSUPP", verb);
-	pthread_mutex_lock(&refused_lock);
-	for (i = 0; i < nrefused && strcmp(refused[i], verb); i++)
-		;
-	if (i == nrefused && nrefused < IBK_MAX_REFUSED)
-		refused[nrefused++] = verb;
-	pthread_mutex_unlock(&refused_lock);
-	errno = EOPNOTSUPP;
-}
-
-int ibk_refused_verbs(const char **out, int max)
-{
-	int i, n;
-
-	pthread_mutex_lock(&refused_lock);
-	n = nrefused < max ? nrefused : max;
-	for (i = 0; i < n; i++)
-		out[i] = refused[i];
-	pthread_mutex_unlock(&refused_lock);
-	return n;
-}
-
-/* ---- gate ---------------------------------------------------------------- */
-
-atomic_long ibk_gate;
-static pthread_mutex_t gate_lock = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t gate_cond = PTHREAD_COND_INITIALIZER;
-
-/* Slow path of ibk_enter: step back out, sleep until the gate opens. */
-void ibk_gate_wait(void)
-{
-	for (;;) {
-		atomic_fetch_sub(&ibk_gate, 1);
-		pthread_mutex_lock(&gate_lock);
-		while (atomic_load(&ibk_gate) < 0)
-			pthread_cond_wait(&gate_cond, &gate_lock);
-		pthread_mutex_unlock(&gate_lock);
-		if (atomic_fetch_add(&ibk_gate, 1) >= 0)
-			return;
-	}
-}
-
-static long now_ms(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
-
-int ibk_gate_close(int timeout_ms)
-{
-	long deadline = now_ms() + timeout_ms;
-	useconds_t nap = 50;
-
-	pthread_mutex_lock(&gate_lock);
-	atomic_fetch_or(&ibk_gate, IBK_GATE_CLOSED);
-	pthread_mutex_unlock(&gate_lock);
-	/* The threads still inside must get the CPU to leave: a boosted control
-	 * thread that woke every 200 us starved them on a busy core. */
-	while (ibk_gate_inside() > 0) {
-		if (now_ms() > deadline)
-			return -ETIMEDOUT;
-		usleep(nap);
-		nap = nap < 2000 ? nap * 2 : 2000;
-	}
-	return 0;
-}
-
-void ibk_gate_open(void)
-{
-	pthread_mutex_lock(&gate_lock);
-	atomic_fetch_and(&ibk_gate, LONG_MAX);
-	pthread_cond_broadcast(&gate_cond);
-	pthread_mutex_unlock(&gate_lock);
-}
-
-/* ---- object lists ---------------------------------------------------------- */
-
-void ibk_obj_add(struct ibk_ctx *ctx, struct ibk_obj *o, enum ibk_kind kind)
-{
-	o->kind = kind;
-	o->ctx = ctx;
-	pthread_mutex_lock(&ctx->lock);
-	o->prev = ctx->head.prev;
-	o->next = &ctx->head;
-	ctx->head.prev->next = o;
-	ctx->head.prev = o;
-	pthread_mutex_unlock(&ctx->lock);
-}
-
-void ibk_obj_del(struct ibk_ctx *ctx, struct ibk_obj *o)
-{
-	pthread_mutex_lock(&ctx->lock);
-	o->prev->next = o->next;
-	o->next->prev = o->prev;
-	pthread_mutex_unlock(&ctx->lock);
 }

@@ -6,6 +6,8 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "coord.h"
+#include "devthread.h"
 #include "phases.h"
 
 static int rebuild_open(struct ibk_ctx *ctx)

@@ -8,7 +8,9 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "devthread.h"
 #include "phases.h"
+#include "rdmacm.h"
 
 static int count_device_fds(int *maps)
 {

@@ -1,6 +1,7 @@
 /* The parts of the status report that walk the shadow objects: per-QP
  * counters, and this rank's identity for the agent's preflight. */
 #include "phases.h"
+#include "rdmacm.h"
 
 void ibk_report_qps(char *out, size_t len)
 {

@@ -5,6 +5,8 @@
 #include <stdatomic.h>
 #include <unistd.h>
 
+#include "devthread.h"
+#include "rdmacm.h"
 #include "shim.h"
 
 /* The rest of write(): after a rebuild, in an rdma_cm program, or before
