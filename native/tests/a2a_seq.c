@@ -34,14 +34,6 @@ static int n = 0, me = -1, port = 18600, gid_index = 1, window = 8, recvs = 16;
 static const char *hosts[MAXR];
 static const char *stop_file, *new_file;
 
-static long now_ms(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
-
 struct hello {
 	uint32_t rank;
 	struct oob o;

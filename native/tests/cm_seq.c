@@ -284,14 +284,6 @@ static void post_message(uint64_t seq, uint64_t kind, uint64_t value, uint64_t s
 		DIE("ibv_post_send");
 }
 
-static long now_ms(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
-
 /* One connection: connect, exchange messages until stop/count, END both
  * ways, disconnect, free everything; prints its result line under label. */
 static int session(const char *label, const char *stop, long count)

@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <time.h>
 #include <unistd.h>
 #include <infiniband/verbs.h>
 
@@ -191,6 +192,30 @@ static inline void qp_to_rts(struct ibv_qp *qp, const struct oob *peer, int gid_
 			  IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN |
 				  IBV_QP_MAX_QP_RD_ATOMIC))
 		DIE("RTS");
+}
+
+/* This side's ids, for oob_exchange: the QP, its first PSN and the region. */
+static inline void oob_fill(struct oob *mine, struct ibv_context *ctx, int gid_index, const struct ibv_qp *qp,
+			    uint32_t rkey, uint64_t addr)
+{
+	union ibv_gid gid;
+
+	if (ibv_query_gid(ctx, 1, gid_index, &gid))
+		DIE("gid");
+	memset(mine, 0, sizeof(*mine));
+	mine->qpn = qp->qp_num;
+	mine->psn = (uint32_t)(getpid() * 7919) & 0xffffff;
+	mine->rkey = rkey;
+	mine->addr = addr;
+	memcpy(mine->gid, gid.raw, 16);
+}
+
+static inline long now_ms(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
 static inline int file_exists(const char *p)

@@ -194,14 +194,6 @@ static int connect_outsider(const char *spec)
 	return fd;
 }
 
-static long now_ms(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
-
 int main(int argc, char **argv)
 {
 	struct ibv_context *ctx;
@@ -213,7 +205,6 @@ int main(int argc, char **argv)
 	struct ibv_qp *qp;
 	struct ibv_qp_init_attr qa;
 	struct oob mine, theirs;
-	union ibv_gid gid;
 	struct msg *sbuf, *rbuf;
 	uint64_t next = 0, retired = 0, expect = 0, send_sum = 0, recv_sum = 0, data_sent = 0;
 	int c, stopping = 0, end_sent = 0, got_end = 0, bad = 0, i;
@@ -300,14 +291,7 @@ int main(int argc, char **argv)
 		if (srq ? ibv_post_srq_recv(srq, &w, &bw) : ibv_post_recv(qp, &w, &bw))
 			DIE("post recv");
 	}
-	if (ibv_query_gid(ctx, 1, o.gid, &gid))
-		DIE("gid");
-	memset(&mine, 0, sizeof(mine));
-	mine.qpn = qp->qp_num;
-	mine.psn = (uint32_t)(getpid() * 7919) & 0xffffff;
-	mine.rkey = rmr->rkey;
-	mine.addr = (uintptr_t)rbuf;
-	memcpy(mine.gid, gid.raw, 16);
+	oob_fill(&mine, ctx, o.gid, qp, rmr->rkey, (uintptr_t)rbuf);
 	if (o.tcp_every > 0)
 		tfd = oob_exchange_keep(o.peer, o.port, &mine, &theirs);
 	else

@@ -19,62 +19,25 @@
  * -u K signals every K-th operation, so the others are unsignaled. */
 #include <getopt.h>
 #include <stdatomic.h>
-#include <time.h>
 
-#include "common.h"
+#include "verbs_seq.h"
 
-enum mode { M_WRITE, M_WRITEIMM, M_READ, M_ATOMIC, M_UD };
-enum { MSG_ACK = 3 };
-
-#define NSRC 256
-#define RSLOT 128 /* receive slot: 40-byte GRH (UD) + message */
-#define GRH 40
-#define QKEY 0x11111111u
-#define STALL_MS 90000
-
-static struct {
-	const char *peer, *stop;
-	int port, gid, unsig, window, recvs;
-	enum mode mode;
-} o = {NULL, NULL, 18515, 1, 1, 16, 32, M_WRITE};
-
-/* One registered region, the same layout on both sides, so the peer's
- * addresses follow from its base address. */
-struct layout {
-	size_t ring, src, ctr, sbuf, dst, rbuf, total;
-	uint32_t ring_slots;
-};
-
-static struct layout L;
-static uint8_t *base;
-static struct ibv_mr *mr;
-static struct ibv_qp *qp;
-static struct ibv_cq *cq;
-static struct ibv_ah *ah;
-static struct oob mine, theirs;
-static int bad;
-
-#define BAD(...)                                      \
-	do {                                          \
-		fprintf(stderr, "BAD " __VA_ARGS__); \
-		fputc('\n', stderr);                  \
-		bad++;                                \
-	} while (0)
-
-static long now_ms(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
+struct options o = {NULL, NULL, 18515, 1, 1, 16, 32, M_WRITE};
+struct layout L;
+uint8_t *base;
+struct ibv_mr *mr;
+struct ibv_qp *qp;
+struct ibv_cq *cq;
+struct ibv_ah *ah;
+struct oob mine, theirs;
+int bad;
 
 static struct msg *ring_at(uint64_t n)
 {
 	return (struct msg *)(base + L.ring) + n % L.ring_slots;
 }
 
-static struct msg *sbuf_at(uint64_t n)
+struct msg *sbuf_at(uint64_t n)
 {
 	return (struct msg *)(base + L.sbuf) + n % (uint64_t)o.window;
 }
@@ -84,7 +47,7 @@ static struct msg *dst_at(uint64_t n)
 	return (struct msg *)(base + L.dst) + n % (uint64_t)o.window;
 }
 
-static uint8_t *rbuf_at(uint64_t i)
+uint8_t *rbuf_at(uint64_t i)
 {
 	return base + L.rbuf + i * RSLOT;
 }
@@ -109,7 +72,7 @@ static void layout_init(void)
 	L.total = L.rbuf + (size_t)o.recvs * RSLOT;
 }
 
-static void post_recv_slot(uint64_t i)
+void post_recv_slot(uint64_t i)
 {
 	struct ibv_sge s = {(uintptr_t)rbuf_at(i), RSLOT, mr->lkey};
 	struct ibv_recv_wr w = {.wr_id = i, .sg_list = &s, .num_sge = 1}, *bw;
@@ -119,7 +82,7 @@ static void post_recv_slot(uint64_t i)
 		DIE("post recv");
 }
 
-static void post(struct ibv_send_wr *w)
+void post(struct ibv_send_wr *w)
 {
 	struct ibv_send_wr *bw;
 
@@ -138,7 +101,7 @@ struct rc_state {
 	int end_sent, got_end;
 };
 
-static int signaled(uint64_t n)
+int signaled(uint64_t n)
 {
 	return n % (uint64_t)o.unsig == (uint64_t)o.unsig - 1;
 }
@@ -399,202 +362,13 @@ static void rc_run(void)
 	free(s);
 }
 
-/* ---- UD: the client sends, the server acknowledges ---------------------------- */
-
-static void ud_send(uint64_t wr_id, struct msg *m, int sig)
-{
-	struct ibv_sge sge = {(uintptr_t)m, sizeof(*m), mr->lkey};
-	struct ibv_send_wr w;
-
-	memset(&w, 0, sizeof(w));
-	w.wr_id = wr_id;
-	w.sg_list = &sge;
-	w.num_sge = 1;
-	w.opcode = IBV_WR_SEND;
-	w.send_flags = sig ? IBV_SEND_SIGNALED : 0;
-	w.wr.ud.ah = ah;
-	w.wr.ud.remote_qpn = theirs.qpn;
-	w.wr.ud.remote_qkey = QKEY;
-	post(&w);
-}
-
-static void ud_run(void)
-{
-	int client = o.peer != NULL, stopping = 0, end_sent = 0, got_end = 0, i;
-	/* client: data posted / acked; server: data received / acks posted */
-	uint64_t next = 0, acked = 0, received = 0, acks_posted = 0, send_retired = 0;
-	uint64_t send_sum = 0, recv_sum = 0, end_at = UINT64_MAX;
-	long last_check = 0, last_progress = now_ms();
-
-	for (;;) {
-		struct ibv_wc wc[16];
-		int n;
-
-		if (client && !stopping && now_ms() - last_check > 20) {
-			last_check = now_ms();
-			stopping = file_exists(o.stop);
-		}
-		if (client && got_end && send_retired == next)
-			break;
-		if (!client && end_sent && send_retired == acks_posted)
-			break;
-		/* a send slot is free again once its send completed */
-		while (client && !end_sent && next - acked < (uint64_t)o.window &&
-		       next - send_retired < (uint64_t)o.window) {
-			struct msg *m = sbuf_at(next);
-			int last = stopping;
-
-			if (last)
-				msg_fill(m, next, MSG_END, next, send_sum);
-			else
-				msg_fill(m, next, MSG_DATA, 0, 0);
-			ud_send(next, m, last || signaled(next));
-			if (last) {
-				end_sent = 1;
-				end_at = next;
-			} else {
-				send_sum = mix64(send_sum ^ m->check);
-			}
-			next++;
-			if (last || signaled(next - 1))
-				break;
-		}
-		while (!client && acks_posted < received && acks_posted - send_retired < (uint64_t)o.window) {
-			struct msg *m = sbuf_at(acks_posted);
-			struct msg data;
-			int last = acks_posted == end_at;
-
-			if (last) {
-				msg_fill(m, acks_posted, MSG_END, acks_posted, send_sum);
-			} else {
-				msg_fill(&data, acks_posted, MSG_DATA, 0, 0);
-				msg_fill(m, acks_posted, MSG_ACK, data.check, 0);
-				send_sum = mix64(send_sum ^ m->check);
-			}
-			ud_send(acks_posted, m, last || signaled(acks_posted));
-			acks_posted++;
-			if (last)
-				end_sent = 1;
-		}
-		n = ibv_poll_cq(cq, 16, wc);
-		if (n < 0)
-			DIE("poll");
-		if (n)
-			last_progress = now_ms();
-		else if (now_ms() - last_progress > STALL_MS) {
-			BAD("no progress for %d ms: a datagram was lost (next %llu acked %llu received %llu)", STALL_MS,
-			    (unsigned long long)next, (unsigned long long)acked, (unsigned long long)received);
-			break;
-		}
-		for (i = 0; i < n; i++) {
-			struct ibv_wc *c = &wc[i];
-
-			if (c->status != IBV_WC_SUCCESS)
-				DIE("completion %s wr_id %llu", ibv_wc_status_str(c->status),
-				    (unsigned long long)c->wr_id);
-			if (c->qp_num != qp->qp_num)
-				BAD("qp_num %u != %u", c->qp_num, qp->qp_num);
-			if (c->opcode == IBV_WC_SEND) {
-				uint64_t limit = client ? next : acks_posted;
-
-				if (c->wr_id < send_retired || c->wr_id >= limit)
-					BAD("send completion %llu outside [%llu, %llu)", (unsigned long long)c->wr_id,
-					    (unsigned long long)send_retired, (unsigned long long)limit);
-				else
-					send_retired = c->wr_id + 1;
-				continue;
-			}
-			if (c->opcode != IBV_WC_RECV) {
-				BAD("opcode %d", c->opcode);
-				continue;
-			}
-			{
-				struct msg *m = (struct msg *)(rbuf_at(c->wr_id) + GRH);
-				uint64_t want = client ? acked : received;
-
-				if (c->src_qp != theirs.qpn)
-					BAD("src_qp %u, the peer is %u", c->src_qp, theirs.qpn);
-				if (c->byte_len != GRH + sizeof(*m) || !msg_ok(m))
-					BAD("corrupt datagram (len %u) at %llu", c->byte_len, (unsigned long long)want);
-				else if (m->seq != want)
-					BAD("seq %llu, expected %llu (%s)", (unsigned long long)m->seq,
-					    (unsigned long long)want, m->seq < want ? "duplicate" : "gap");
-				else if (client && m->kind == MSG_END) {
-					if (m->value != end_at || m->sum != recv_sum)
-						BAD("end ack: server acked %llu (sum %llx), got %llu (sum %llx)",
-						    (unsigned long long)m->value, (unsigned long long)m->sum,
-						    (unsigned long long)end_at, (unsigned long long)recv_sum);
-					got_end = 1;
-				} else if (client) {
-					struct msg data;
-
-					msg_fill(&data, m->seq, MSG_DATA, 0, 0);
-					if (m->kind != MSG_ACK || m->value != data.check)
-						BAD("ack %llu does not match the data", (unsigned long long)m->seq);
-					recv_sum = mix64(recv_sum ^ m->check);
-				} else if (m->kind == MSG_END) {
-					if (m->value != received || m->sum != recv_sum)
-						BAD("end: client sent %llu (sum %llx), got %llu (sum %llx)",
-						    (unsigned long long)m->value, (unsigned long long)m->sum,
-						    (unsigned long long)received, (unsigned long long)recv_sum);
-					end_at = received;
-					got_end = 1;
-				} else {
-					recv_sum = mix64(recv_sum ^ m->check);
-				}
-				if (m->seq == want) {
-					if (client)
-						acked++;
-					else
-						received++;
-				}
-			}
-			post_recv_slot(c->wr_id);
-		}
-	}
-	(void)got_end;
-	if (client)
-		printf("RESULT mode=%d sent=%llu received=%llu send_sum=%016llx recv_sum=%016llx events=0 bad=%d\n",
-		       o.mode, (unsigned long long)(end_at == UINT64_MAX ? next : end_at),
-		       (unsigned long long)(acked ? acked - 1 : 0), (unsigned long long)send_sum,
-		       (unsigned long long)recv_sum, bad);
-	else
-		printf("RESULT mode=%d sent=%llu received=%llu send_sum=%016llx recv_sum=%016llx events=0 bad=%d\n",
-		       o.mode, (unsigned long long)(acks_posted ? acks_posted - 1 : 0),
-		       (unsigned long long)(received ? received - 1 : 0), (unsigned long long)send_sum,
-		       (unsigned long long)recv_sum, bad);
-}
-
 /* ---- setup ------------------------------------------------------------------- */
-
-static void ud_connect(struct ibv_pd *pd)
-{
-	struct ibv_qp_attr a;
-
-	memset(&a, 0, sizeof(a));
-	a.qp_state = IBV_QPS_INIT;
-	a.port_num = 1;
-	a.qkey = QKEY;
-	if (ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_QKEY))
-		DIE("UD INIT");
-	memset(&a, 0, sizeof(a));
-	a.qp_state = IBV_QPS_RTR;
-	if (ibv_modify_qp(qp, &a, IBV_QP_STATE))
-		DIE("UD RTR");
-	memset(&a, 0, sizeof(a));
-	a.qp_state = IBV_QPS_RTS;
-	a.sq_psn = mine.psn;
-	if (ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_SQ_PSN))
-		DIE("UD RTS");
-	(void)pd;
-}
 
 int main(int argc, char **argv)
 {
 	struct ibv_context *ctx;
 	struct ibv_pd *pd;
 	struct ibv_qp_init_attr qa;
-	union ibv_gid gid;
 	int c, i, ud;
 	const char *mode = "write";
 
@@ -656,20 +430,13 @@ int main(int argc, char **argv)
 	if (!(qp = ibv_create_qp(pd, &qa)))
 		DIE("qp");
 	if (ud)
-		ud_connect(pd);
+		ud_connect();
 	else
 		qp_to_init(qp, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ |
 				       IBV_ACCESS_REMOTE_ATOMIC);
 	for (i = 0; i < o.recvs; i++)
 		post_recv_slot((uint64_t)i);
-	if (ibv_query_gid(ctx, 1, o.gid, &gid))
-		DIE("gid");
-	memset(&mine, 0, sizeof(mine));
-	mine.qpn = qp->qp_num;
-	mine.psn = (uint32_t)(getpid() * 7919) & 0xffffff;
-	mine.rkey = mr->rkey;
-	mine.addr = (uintptr_t)base;
-	memcpy(mine.gid, gid.raw, 16);
+	oob_fill(&mine, ctx, o.gid, qp, mr->rkey, (uintptr_t)base);
 	oob_exchange(o.peer, o.port, &mine, &theirs);
 	if (ud) {
 		struct ibv_ah_attr aa;
