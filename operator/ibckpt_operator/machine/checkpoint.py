@@ -61,9 +61,11 @@ from ibckpt_operator.machine.core import (
     SessionOpened,
     StepAction,
     StepFailed,
+    StepRule,
     Tick,
     Transition,
     Unknown,
+    finish,
     issue,
     names_not_at,
     wake_at,
@@ -90,63 +92,34 @@ class JobStep(StrEnum):
     RESUME_ALL = "resume-all"
 
 
-# Per step: the label a member gets when it finishes it (None: the step is not per member), what the
-# driver does for it (AwaitMilestone: nothing, the agents go on by themselves), and what a restarted
-# operator does when it finds the step in flight.
-STEP_LABEL: Mapping[JobStep, Label | None] = {
-    JobStep.SELECT: None,
-    JobStep.CLAIM: None,
-    JobStep.ADMIT: Milestone.ADMITTED,
-    JobStep.OPEN_SESSION: None,
-    JobStep.QUIESCE: Milestone.QUIESCED,
-    JobStep.DRAIN: Milestone.DRAINED,
-    JobStep.RELEASE: Milestone.RELEASED,
-    JobStep.DUMP: Milestone.DUMPED,
-    JobStep.UPLOAD: Milestone.UPLOADED,
-    JobStep.COMMIT: None,
-    JobStep.VERIFY_COMMIT: None,
-    JobStep.PUBLISH: None,
-    JobStep.REBUILD: Milestone.REBUILT,
-    JobStep.RESUME: Milestone.RESUMED,
-    JobStep.KILL: Mark.KILLED,
-    JobStep.RESUME_ALL: Milestone.RESUMED,
+# Per step: what the driver does, the label a member gets when it finishes it, and what a restarted operator
+# does when it finds the step in flight (core.StepRule).
+STEPS: Mapping[JobStep, StepRule] = {
+    JobStep.SELECT: StepRule(SelectPods, None, Unknown.REISSUE),  # reads pods
+    # in the operator's memory, rebuilt from statuses
+    JobStep.CLAIM: StepRule(ClaimPods, None, Unknown.REISSUE),
+    JobStep.ADMIT: StepRule(AdmitPods, Milestone.ADMITTED, Unknown.REISSUE),  # read-only checks
+    # a coordinator session touches no rank
+    JobStep.OPEN_SESSION: StepRule(OpenSession, None, Unknown.REISSUE),
+    JobStep.QUIESCE: StepRule(QuiesceRanks, Milestone.QUIESCED, Unknown.ABORT),
+    JobStep.DRAIN: StepRule(AwaitMilestone, Milestone.DRAINED, Unknown.ABORT),
+    JobStep.RELEASE: StepRule(AwaitMilestone, Milestone.RELEASED, Unknown.ABORT),
+    JobStep.DUMP: StepRule(AwaitMilestone, Milestone.DUMPED, Unknown.ABORT),
+    JobStep.UPLOAD: StepRule(AwaitMilestone, Milestone.UPLOADED, Unknown.ABORT),
+    # one PUT: the manifest is there or not
+    JobStep.COMMIT: StepRule(CommitManifest, None, Unknown.VERIFY),
+    JobStep.VERIFY_COMMIT: StepRule(VerifyManifest, None, Unknown.REISSUE),
+    JobStep.PUBLISH: StepRule(PublishCheckpoint, None, Unknown.REISSUE),  # create-if-absent by name
+    # after the commit, ABORT means: resume every rank (see _restarted)
+    JobStep.REBUILD: StepRule(AwaitMilestone, Milestone.REBUILT, Unknown.ABORT),
+    # opening a gate twice is harmless
+    JobStep.RESUME: StepRule(AwaitMilestone, Milestone.RESUMED, Unknown.REISSUE),
+    JobStep.KILL: StepRule(KillSources, Mark.KILLED, Unknown.REISSUE),  # by UID: a dead pod stays dead
+    # brings each rank to running from wherever it is
+    JobStep.RESUME_ALL: StepRule(ResumeAll, Milestone.RESUMED, Unknown.REISSUE),
 }
-STEP_ACTION: Mapping[JobStep, type[StepAction]] = {
-    JobStep.SELECT: SelectPods,
-    JobStep.CLAIM: ClaimPods,
-    JobStep.ADMIT: AdmitPods,
-    JobStep.OPEN_SESSION: OpenSession,
-    JobStep.QUIESCE: QuiesceRanks,
-    JobStep.DRAIN: AwaitMilestone,
-    JobStep.RELEASE: AwaitMilestone,
-    JobStep.DUMP: AwaitMilestone,
-    JobStep.UPLOAD: AwaitMilestone,
-    JobStep.COMMIT: CommitManifest,
-    JobStep.VERIFY_COMMIT: VerifyManifest,
-    JobStep.PUBLISH: PublishCheckpoint,
-    JobStep.REBUILD: AwaitMilestone,
-    JobStep.RESUME: AwaitMilestone,
-    JobStep.KILL: KillSources,
-    JobStep.RESUME_ALL: ResumeAll,
-}
-ON_UNKNOWN: Mapping[JobStep, Unknown] = {
-    JobStep.SELECT: Unknown.REISSUE,  # reads pods
-    JobStep.CLAIM: Unknown.REISSUE,  # in the operator's memory, rebuilt from statuses
-    JobStep.ADMIT: Unknown.REISSUE,  # read-only checks
-    JobStep.OPEN_SESSION: Unknown.REISSUE,  # a coordinator session touches no rank
-    JobStep.QUIESCE: Unknown.ABORT,
-    JobStep.DRAIN: Unknown.ABORT,
-    JobStep.RELEASE: Unknown.ABORT,
-    JobStep.DUMP: Unknown.ABORT,
-    JobStep.UPLOAD: Unknown.ABORT,
-    JobStep.COMMIT: Unknown.VERIFY,  # one PUT: the manifest is there or not
-    JobStep.VERIFY_COMMIT: Unknown.REISSUE,
-    JobStep.PUBLISH: Unknown.REISSUE,  # create-if-absent by name
-    JobStep.REBUILD: Unknown.ABORT,  # after the commit this means: resume every rank (see _restarted)
-    JobStep.RESUME: Unknown.REISSUE,  # opening a gate twice is harmless
-    JobStep.KILL: Unknown.REISSUE,  # by UID: a dead pod stays dead
-    JobStep.RESUME_ALL: Unknown.REISSUE,  # brings each rank to running from wherever it is
-}
+STEP_LABEL: Mapping[JobStep, Label | None] = {step: rule.label for step, rule in STEPS.items()}
+ON_UNKNOWN: Mapping[JobStep, Unknown] = {step: rule.on_unknown for step, rule in STEPS.items()}
 NEXT_STEP: Mapping[JobStep, tuple[JobStep, JobPhase]] = {
     JobStep.ADMIT: (JobStep.OPEN_SESSION, JobPhase.ADMITTED),
     JobStep.QUIESCE: (JobStep.DRAIN, JobPhase.DRAINING),
@@ -469,31 +442,14 @@ class CheckpointMachine:
             actions.append(CloseSession())
         if state.claimed:
             actions.append(ReleaseClaim())
-        state = replace(
-            state,
-            phase=JobPhase.FAILED,
-            phase_since=now,
-            reason=reason,
-            message=message,
-            claimed=False,
-            retry_at=None,
-            finished_at=now,
-        )
+        state = finish(state, JobPhase.FAILED, reason, message, now, claimed=False, retry_at=None)
         return Transition(state, tuple(actions))
 
     def _succeed(self, state: JobState, now: float) -> JobTransition:
         done = "moved out (sources stopped)" if self.config.mode == CheckpointMode.STOP else "job resumed"
         message = f"checkpoint {self.config.checkpoint_name} committed; {done}"
         actions: list[Action] = [EmitEvent("Normal", "Succeeded", message), CloseSession(), ReleaseClaim()]
-        state = replace(
-            state,
-            phase=JobPhase.SUCCEEDED,
-            phase_since=now,
-            reason=None,
-            message=message,
-            claimed=False,
-            finished_at=now,
-        )
+        state = finish(state, JobPhase.SUCCEEDED, None, message, now, claimed=False, retry_at=None)
         return Transition(state, tuple(actions))
 
     # -- plumbing
@@ -501,7 +457,7 @@ class CheckpointMachine:
     def _issue(
         self, state: JobState, step: JobStep, now: float, phase: JobPhase | None = None
     ) -> tuple[JobState, list[Action]]:
-        kind = STEP_ACTION[step]
+        kind = STEPS[step].action
         pods = () if kind is SelectPods else state.live_pods
         label = STEP_LABEL[step]
         name = self.config.checkpoint_name

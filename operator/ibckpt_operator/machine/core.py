@@ -163,6 +163,13 @@ def issue(
     return replace(state, seq=seq, step=StepRecord(step, attempt, now)), actions
 
 
+def finish(state: R, phase: StrEnum, reason: str | None, message: str, now: float, **more: Any) -> R:
+    """The state at the job's end: `phase` (Succeeded or Failed) from now on, saying why."""
+    return replace(
+        state, phase=phase, phase_since=now, reason=reason, message=message, finished_at=now, **more
+    )
+
+
 def wake_at(
     state: RunState[P], timeouts: Mapping[P, float], active_deadline: float, ending: P, *more: float | None
 ) -> float | None:
@@ -287,6 +294,17 @@ class StepAction(Action):
 
     attempt: str
     pods: tuple[PodRef, ...] = field(default=())
+
+
+@dataclass(frozen=True)
+class StepRule:
+    """One row of a machine's step table: the side effect the driver runs for the step (AwaitMilestone:
+    none, the agents go on by themselves), the label a member gets when it finishes it (None: the step is
+    not per member), and what a restarted operator does when it finds the step in flight."""
+
+    action: type[StepAction]
+    label: Label | None
+    on_unknown: Unknown
 
 
 S = TypeVar("S")

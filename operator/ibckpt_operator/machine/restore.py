@@ -53,9 +53,11 @@ from ibckpt_operator.machine.core import (
     SessionOpened,
     StepAction,
     StepFailed,
+    StepRule,
     Tick,
     Transition,
     Unknown,
+    finish,
     issue,
     names_not_at,
     wake_at,
@@ -84,47 +86,28 @@ class RestoreStep(StrEnum):
     CLEAN_UP = "clean-up"
 
 
-# Per step: the label a member gets when it finishes it, and what the driver does for it (AwaitMilestone:
-# nothing, the agents go on by themselves).
-STEP_LABEL: Mapping[RestoreStep, Label | None] = {
-    RestoreStep.RESOLVE: None,
-    RestoreStep.PLACE: None,
-    RestoreStep.ADMIT: Milestone.ADMITTED,
-    RestoreStep.OPEN_SESSION: None,
-    RestoreStep.DOWNLOAD: Milestone.DOWNLOADED,
-    RestoreStep.CREATE_PODS: Mark.CREATED,
-    RestoreStep.RESTORE: Milestone.RESTORED,
-    RestoreStep.REBUILD: Milestone.REBUILT,
-    RestoreStep.RESUME: Milestone.RESUMED,
-    RestoreStep.CLEAN_UP: Mark.REMOVED,
+# Per step: what the driver does, the label a member gets when it finishes it, and what a restarted operator
+# does when it finds the step in flight (core.StepRule). The coordinator session lives in the operator: a
+# new operator cannot carry on a session its agents joined (they are staging images from Downloading on),
+# and during the creation a pod may exist that status does not name yet (the clean-up finds it by this
+# run's marker).
+STEPS: Mapping[RestoreStep, StepRule] = {
+    RestoreStep.RESOLVE: StepRule(ResolveCheckpoint, None, Unknown.REISSUE),
+    RestoreStep.PLACE: StepRule(PlacePods, None, Unknown.REISSUE),
+    RestoreStep.ADMIT: StepRule(AdmitNodes, Milestone.ADMITTED, Unknown.REISSUE),
+    RestoreStep.OPEN_SESSION: StepRule(OpenSession, None, Unknown.REISSUE),
+    RestoreStep.DOWNLOAD: StepRule(DownloadImages, Milestone.DOWNLOADED, Unknown.ABORT),
+    RestoreStep.CREATE_PODS: StepRule(CreatePods, Mark.CREATED, Unknown.ABORT),
+    # processes may or may not exist
+    RestoreStep.RESTORE: StepRule(AwaitMilestone, Milestone.RESTORED, Unknown.ABORT),
+    # rebuild publishes ids under an epoch; never twice blindly
+    RestoreStep.REBUILD: StepRule(AwaitMilestone, Milestone.REBUILT, Unknown.ABORT),
+    # reads the agents' reports of the session: Succeeded or not
+    RestoreStep.RESUME: StepRule(AwaitMilestone, Milestone.RESUMED, Unknown.REISSUE),
+    RestoreStep.CLEAN_UP: StepRule(CleanUpRestore, Mark.REMOVED, Unknown.REISSUE),
 }
-STEP_ACTION: Mapping[RestoreStep, type[StepAction]] = {
-    RestoreStep.RESOLVE: ResolveCheckpoint,
-    RestoreStep.PLACE: PlacePods,
-    RestoreStep.ADMIT: AdmitNodes,
-    RestoreStep.OPEN_SESSION: OpenSession,
-    RestoreStep.DOWNLOAD: DownloadImages,
-    RestoreStep.CREATE_PODS: CreatePods,
-    RestoreStep.RESTORE: AwaitMilestone,
-    RestoreStep.REBUILD: AwaitMilestone,
-    RestoreStep.RESUME: AwaitMilestone,
-    RestoreStep.CLEAN_UP: CleanUpRestore,
-}
-ON_UNKNOWN: Mapping[RestoreStep, Unknown] = {
-    RestoreStep.RESOLVE: Unknown.REISSUE,
-    RestoreStep.PLACE: Unknown.REISSUE,
-    RestoreStep.ADMIT: Unknown.REISSUE,
-    RestoreStep.OPEN_SESSION: Unknown.REISSUE,
-    # The coordinator session lives in the operator: a new operator cannot carry on a session its agents
-    # joined (they are staging images from Downloading on), and during the creation a pod may exist that
-    # status does not name yet (the clean-up finds it by this run's marker).
-    RestoreStep.DOWNLOAD: Unknown.ABORT,
-    RestoreStep.CREATE_PODS: Unknown.ABORT,
-    RestoreStep.RESTORE: Unknown.ABORT,  # processes may or may not exist
-    RestoreStep.REBUILD: Unknown.ABORT,  # rebuild publishes ids under an epoch; never twice blindly
-    RestoreStep.RESUME: Unknown.REISSUE,  # reads the agents' reports of the session: Succeeded or not
-    RestoreStep.CLEAN_UP: Unknown.REISSUE,
-}
+STEP_LABEL: Mapping[RestoreStep, Label | None] = {step: rule.label for step, rule in STEPS.items()}
+ON_UNKNOWN: Mapping[RestoreStep, Unknown] = {step: rule.on_unknown for step, rule in STEPS.items()}
 NEXT_STEP: Mapping[RestoreStep, tuple[RestoreStep, RestorePhase] | None] = {
     RestoreStep.ADMIT: (RestoreStep.OPEN_SESSION, RestorePhase.ADMITTED),
     # The pods are created once every pod's images are staged; creating them starts the restore.
@@ -365,25 +348,15 @@ class RestoreMachine:
         actions: list[Action] = [EmitEvent("Warning", reason, message)]
         if state.phase != RestorePhase.PENDING:
             actions.append(CloseSession())
-        failed_from = state.failed_from or state.phase
-        state = replace(
-            state,
-            phase=RestorePhase.FAILED,
-            phase_since=now,
-            reason=reason,
-            message=message,
-            failed_from=failed_from,
-            finished_at=now,
+        state = finish(
+            state, RestorePhase.FAILED, reason, message, now, failed_from=state.failed_from or state.phase
         )
         return Transition(state, tuple(actions))
 
     def _succeed(self, state: RestoreState, now: float) -> RestoreTransition:
         message = f"checkpoint {self.config.checkpoint_name} restored; the job runs again"
         actions = (EmitEvent("Normal", "Succeeded", message), CloseSession())
-        state = replace(
-            state, phase=RestorePhase.SUCCEEDED, phase_since=now, message=message, finished_at=now
-        )
-        return Transition(state, actions)
+        return Transition(finish(state, RestorePhase.SUCCEEDED, state.reason, message, now), actions)
 
     def _issue(
         self, state: RestoreState, step: RestoreStep, now: float, phase: RestorePhase | None = None
@@ -396,11 +369,11 @@ class RestoreMachine:
             if step == RestoreStep.PLACE:
                 return PlacePods(attempt, pods, dict(self.config.node_selector), self.config.avoid_nodes)
             if step in (RestoreStep.DOWNLOAD, RestoreStep.CREATE_PODS):
-                return STEP_ACTION[step](attempt, pods, name)  # type: ignore[call-arg]
-            if STEP_ACTION[step] is AwaitMilestone:
+                return STEPS[step].action(attempt, pods, name)  # type: ignore[call-arg]
+            if STEPS[step].action is AwaitMilestone:
                 assert isinstance(label, Milestone)
                 return AwaitMilestone(attempt, pods, milestone=label)
-            return STEP_ACTION[step](attempt, pods)
+            return STEPS[step].action(attempt, pods)
 
         return issue(state, str(step), now, phase, action)
 
