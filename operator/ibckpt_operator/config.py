@@ -8,8 +8,6 @@ from dataclasses import dataclass, replace
 from ibckpt.agentapi import DEFAULT_PORT
 from ibckpt.agentapi.client import SERVICE_ACCOUNT_TOKEN
 
-GROUP = "ibckpt.io"
-VERSION = "v1alpha1"
 FINALIZER = "ibckpt.io/finalizer"
 AGENT_SELECTOR = "app.kubernetes.io/component=agent"
 COMPONENT = "ibckpt-operator"

@@ -17,7 +17,8 @@ from typing import Any
 import kubernetes
 from kubernetes.client import ApiException as ApiException
 
-from ibckpt_operator.config import COMPONENT, GROUP, VERSION
+from ibckpt.api import GROUP, VERSION
+from ibckpt_operator.config import COMPONENT
 
 log = logging.getLogger(__name__)
 Body = dict[str, Any]

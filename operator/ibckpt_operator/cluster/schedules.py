@@ -10,14 +10,25 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
-from ibckpt.api import CheckpointScheduleSpec, CheckpointScheduleStatus, JobPhase, PodCreator, RestorePhase
+from ibckpt.api import (
+    API_VERSION,
+    CHECKPOINT,
+    CHECKPOINT_JOB,
+    CHECKPOINT_SCHEDULE,
+    GROUP,
+    RESTORE_JOB,
+    VERSION,
+    CheckpointScheduleSpec,
+    CheckpointScheduleStatus,
+    JobPhase,
+    PodCreator,
+    RestorePhase,
+)
 from ibckpt.api.schedule import PIN_LABEL
 from ibckpt_operator.cluster.bindings import NAME_KEEPING_KINDS
 from ibckpt_operator.cluster.kube import ApiException, Body, Kube
-from ibckpt_operator.config import GROUP, VERSION
 from ibckpt_operator.machine.schedule import CheckpointInfo, JobFinished, ScheduleState
 
-PLURAL = "checkpointschedules"
 # Every object a schedule makes carries it; its CheckpointJobs copy it onto their Checkpoints, which is how
 # retention finds the schedule's Checkpoints.
 SCHEDULE_LABEL = "ibckpt.io/schedule"
@@ -26,8 +37,8 @@ SCHEDULE_LABEL = "ibckpt.io/schedule"
 def owner_reference(owner: Body) -> dict[str, Any]:
     meta = owner["metadata"]
     return {
-        "apiVersion": owner.get("apiVersion", f"{GROUP}/{VERSION}"),
-        "kind": owner.get("kind", "CheckpointSchedule"),
+        "apiVersion": owner.get("apiVersion", API_VERSION),
+        "kind": owner.get("kind", CHECKPOINT_SCHEDULE.kind),
         "name": meta["name"],
         "uid": meta["uid"],
         "controller": True,
@@ -50,8 +61,8 @@ def checkpoint_job_body(
     else:
         template.pop("checkpointName", None)  # one name for every fire would collide: <job>-<run>
     return {
-        "apiVersion": f"{GROUP}/{VERSION}",
-        "kind": "CheckpointJob",
+        "apiVersion": API_VERSION,
+        "kind": CHECKPOINT_JOB.kind,
         "metadata": {
             "name": name,
             "labels": {SCHEDULE_LABEL: schedule["metadata"]["name"]},
@@ -85,8 +96,8 @@ def restore_job_body(
     if shared:
         spec["timeouts"] = shared
     return {
-        "apiVersion": f"{GROUP}/{VERSION}",
-        "kind": "RestoreJob",
+        "apiVersion": API_VERSION,
+        "kind": RESTORE_JOB.kind,
         "metadata": {
             "name": name,
             "labels": {SCHEDULE_LABEL: schedule["metadata"]["name"]},
@@ -118,14 +129,14 @@ def measured_seconds(job: Mapping[str, Any], checkpoint: Mapping[str, Any] | Non
 
 async def job_outcome(kube: Kube, namespace: str, name: str) -> JobFinished | None:
     """JobFinished if the schedule's job has ended (or vanished), None while it runs."""
-    job = await kube.get_custom("checkpointjobs", namespace, name)
+    job = await kube.get_custom(CHECKPOINT_JOB.plural, namespace, name)
     if job is None:
         return JobFinished(name, False)
     status = job.get("status") or {}
     if status.get("phase") == JobPhase.SUCCEEDED:
         checkpoint = None
         if status.get("checkpointName"):
-            checkpoint = await kube.get_custom("checkpoints", namespace, status["checkpointName"])
+            checkpoint = await kube.get_custom(CHECKPOINT.plural, namespace, status["checkpointName"])
         return JobFinished(name, True, measured_seconds(job, checkpoint))
     if status.get("phase") == JobPhase.FAILED:
         return JobFinished(name, False)
@@ -142,12 +153,12 @@ async def list_namespaced(kube: Kube, plural: str, namespace: str, selector: str
 async def retention_view(kube: Kube, namespace: str, schedule: str) -> list[CheckpointInfo]:
     """The schedule's Checkpoints as retention sees them: age, complete, pinned, in use by a restore."""
     in_use: dict[str, str] = {}
-    for restore in await list_namespaced(kube, "restorejobs", namespace):
+    for restore in await list_namespaced(kube, RESTORE_JOB.plural, namespace):
         phase = (restore.get("status") or {}).get("phase")
         if phase not in (RestorePhase.SUCCEEDED, RestorePhase.FAILED):
             in_use[(restore.get("spec") or {}).get("checkpointName", "")] = restore["metadata"]["name"]
     infos = []
-    for body in await list_namespaced(kube, "checkpoints", namespace, f"{SCHEDULE_LABEL}={schedule}"):
+    for body in await list_namespaced(kube, CHECKPOINT.plural, namespace, f"{SCHEDULE_LABEL}={schedule}"):
         meta = body["metadata"]
         if meta.get("deletionTimestamp"):
             continue  # being pruned already
@@ -168,7 +179,7 @@ async def delete_checkpoint(kube: Kube, namespace: str, name: str) -> bool:
     the chunks no other manifest references. False if it was gone."""
     try:
         await asyncio.to_thread(
-            kube.custom.delete_namespaced_custom_object, GROUP, VERSION, namespace, "checkpoints", name
+            kube.custom.delete_namespaced_custom_object, GROUP, VERSION, namespace, CHECKPOINT.plural, name
         )
         return True
     except ApiException as error:

@@ -10,7 +10,7 @@ import asyncio
 import base64
 from dataclasses import dataclass
 
-from ibckpt.api import CheckpointStorageSpec, LocalObjectReference, S3Location
+from ibckpt.api import CHECKPOINT_STORAGE, CheckpointStorageSpec, LocalObjectReference, S3Location
 from ibckpt.store import (
     AccessDeniedError,
     BucketNotFoundError,
@@ -48,7 +48,7 @@ async def location_of(
     if inline is not None:
         return inline
     assert ref is not None
-    body = await kube.get_custom("checkpointstorages", namespace, ref.name)
+    body = await kube.get_custom(CHECKPOINT_STORAGE.plural, namespace, ref.name)
     if body is None:
         raise StorageProblem("StorageNotFound", f"CheckpointStorage {namespace}/{ref.name} does not exist")
     try:

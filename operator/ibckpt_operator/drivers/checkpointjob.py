@@ -28,6 +28,8 @@ from ibckpt.agentapi import (
     SessionState,
 )
 from ibckpt.api import (
+    CHECKPOINT,
+    CHECKPOINT_JOB,
     Checkpoint,
     CheckpointJobSpec,
     CheckpointJobStatus,
@@ -47,18 +49,13 @@ from ibckpt_operator.drivers.base import Driver, UnreadableStatus
 from ibckpt_operator.drivers.recording import RestoreRecord
 from ibckpt_operator.drivers.runtime import Runtime
 from ibckpt_operator.machine import CheckpointMachine, JobConfig, JobState, PodRef
-from ibckpt_operator.machine.checkpoint import (
-    STEP_LABEL,
-    TERMINAL,
+from ibckpt_operator.machine.actions import (
     AdmitPods,
-    CheckpointPublished,
     ClaimPods,
     CloseSession,
     CommitManifest,
     DiscardUpload,
     KillSources,
-    ManifestCommitted,
-    ManifestMissing,
     OpenSession,
     PublishCheckpoint,
     QuiesceRanks,
@@ -66,6 +63,13 @@ from ibckpt_operator.machine.checkpoint import (
     ResumeAll,
     SelectPods,
     VerifyManifest,
+)
+from ibckpt_operator.machine.checkpoint import (
+    STEP_LABEL,
+    TERMINAL,
+    CheckpointPublished,
+    ManifestCommitted,
+    ManifestMissing,
 )
 from ibckpt_operator.machine.core import (
     Action,
@@ -87,8 +91,6 @@ from ibckpt_operator.machine.core import (
 from ibckpt_operator.machine.status import job_state, job_status
 
 log = logging.getLogger(__name__)
-PLURAL = "checkpointjobs"
-KIND = "CheckpointJob"
 
 # How far a pod got, in the order an agent goes (the machine's per-pod labels).
 MILESTONES = ("Quiesced", "Drained", "Released", "Dumped", "Uploaded", "Rebuilt", "Resumed")
@@ -127,8 +129,8 @@ class Session:
 
 
 class CheckpointJobDriver(Driver[JobState]):
-    kind = KIND
-    plural = PLURAL
+    kind = CHECKPOINT_JOB.kind
+    plural = CHECKPOINT_JOB.plural
 
     def __init__(self, runtime: Runtime, body: Body) -> None:
         super().__init__(runtime, body)
@@ -238,7 +240,7 @@ class CheckpointJobDriver(Driver[JobState]):
             await self.kill(action)
         elif isinstance(action, ResumeAll):
             await self.resume_all(action)
-        else:  # Drain, Release, Dump, Upload, Rebuild, Resume: the agents go on by themselves
+        else:  # AwaitMilestone (drain to resume): the agents go on by themselves
             self.report_progress()
 
     async def store(self) -> storage.ResolvedStorage:
@@ -511,11 +513,11 @@ class CheckpointJobDriver(Driver[JobState]):
             metadata=ObjectMeta(name=action.checkpoint_name, namespace=self.namespace, labels=labels or None),
             spec=spec,
         )
-        created = await self.rt.kube.create_custom("checkpoints", self.namespace, checkpoint.to_wire())
+        created = await self.rt.kube.create_custom(CHECKPOINT.plural, self.namespace, checkpoint.to_wire())
         if created:
             with contextlib.suppress(Exception):
                 await self.rt.kube.patch_status(
-                    "checkpoints", self.namespace, action.checkpoint_name, {"readyToRestore": True}
+                    CHECKPOINT.plural, self.namespace, action.checkpoint_name, {"readyToRestore": True}
                 )
         self.emit(CheckpointPublished(action.attempt))
 

@@ -25,6 +25,7 @@ from typing import Any
 from ibckpt.agentapi import (
     AgentError,
     ImageSource,
+    Milestone,
     PhaseTimeouts,
     RankPhase,
     RestoreRank,
@@ -34,6 +35,9 @@ from ibckpt.agentapi import (
     SessionState,
 )
 from ibckpt.api import (
+    API_VERSION,
+    CHECKPOINT,
+    RESTORE_JOB,
     Checkpoint,
     CheckpointPod,
     PodCreator,
@@ -44,10 +48,20 @@ from ibckpt.api import (
 from ibckpt_operator.cluster import bindings, sources, storage
 from ibckpt_operator.cluster.agents import Agent, agents_by_node, each_agent, follow_session, no_agent_message
 from ibckpt_operator.cluster.kube import ApiException, Body, api_message
-from ibckpt_operator.config import GROUP, VERSION
 from ibckpt_operator.drivers.base import Driver, StepProblem, UnreadableStatus
 from ibckpt_operator.drivers.runtime import Runtime
 from ibckpt_operator.machine import PodRef, RestoreConfig, RestoreMachine, RestoreState
+from ibckpt_operator.machine.actions import (
+    AdmitNodes,
+    AwaitMilestone,
+    CleanUpRestore,
+    CloseSession,
+    CreatePods,
+    DownloadImages,
+    OpenSession,
+    PlacePods,
+    ResolveCheckpoint,
+)
 from ibckpt_operator.machine.core import (
     Action,
     EmitEvent,
@@ -66,19 +80,10 @@ from ibckpt_operator.machine.podtemplate import RESTORED_BY, destination_pod
 from ibckpt_operator.machine.restore import (
     STEP_LABEL,
     TERMINAL,
-    AdmitNodes,
     CheckpointResolved,
-    CleanUpRestore,
-    CloseRestoreSession,
-    CreatePods,
-    DownloadImages,
-    OpenRestoreSession,
-    PlacePods,
     PodCreated,
     PodsPlaced,
-    ResolveCheckpoint,
     RestoreStep,
-    ResumeRestored,
 )
 from ibckpt_operator.machine.restoreplan import (
     AddressConflict,
@@ -95,8 +100,6 @@ from ibckpt_operator.machine.restoreplan import (
 from ibckpt_operator.machine.status import restore_state, restore_status
 
 log = logging.getLogger(__name__)
-PLURAL = "restorejobs"
-KIND = "RestoreJob"
 # How far a pod got, in the order the agents go; a rank in a phase has finished the milestone before it.
 MILESTONES = ("Downloaded", "Restored", "Rebuilt", "Resumed")
 RANK_MILESTONE = {
@@ -125,8 +128,8 @@ class Session:
 
 
 class RestoreJobDriver(Driver[RestoreState]):
-    kind = KIND
-    plural = PLURAL
+    kind = RESTORE_JOB.kind
+    plural = RESTORE_JOB.plural
 
     def __init__(self, runtime: Runtime, body: Body) -> None:
         super().__init__(runtime, body)
@@ -216,7 +219,7 @@ class RestoreJobDriver(Driver[RestoreState]):
         if isinstance(action, EmitEvent):
             log.info("%s: %s %s: %s", self.key, action.type, action.reason, action.message)
             await self.rt.kube.post_event(self.body, action.type, action.reason, action.message)
-        elif isinstance(action, CloseRestoreSession):
+        elif isinstance(action, CloseSession):
             if self.session is not None:
                 self.rt.coordinator.close_session(self.session.id)
         elif isinstance(action, StepAction):
@@ -231,7 +234,7 @@ class RestoreJobDriver(Driver[RestoreState]):
             await self.place(action)
         elif isinstance(action, AdmitNodes):
             await self.admit(action)
-        elif isinstance(action, OpenRestoreSession):
+        elif isinstance(action, OpenSession):
             await self.open_session(action)
         elif isinstance(action, DownloadImages):
             await self.start_agents(action)
@@ -239,14 +242,14 @@ class RestoreJobDriver(Driver[RestoreState]):
             await self.create_pods(action)
         elif isinstance(action, CleanUpRestore):
             await self.clean_up(action)
-        else:  # Restore, Rebuild, Resume: the agents go on by themselves; after a restart, follow them again
-            if isinstance(action, ResumeRestored):
+        else:  # AwaitMilestone: the agents go on by themselves; after a restart, follow them again
+            if isinstance(action, AwaitMilestone) and action.milestone == Milestone.RESUMED:
                 await self.follow_again()
             self.report_progress()
 
     async def load_checkpoint(self) -> Checkpoint | None:
         if self.checkpoint is None:
-            body = await self.rt.kube.get_custom("checkpoints", self.namespace, self.spec.checkpoint_name)
+            body = await self.rt.kube.get_custom(CHECKPOINT.plural, self.namespace, self.spec.checkpoint_name)
             self.checkpoint = None if body is None else Checkpoint.from_wire(body)
         return self.checkpoint
 
@@ -404,7 +407,7 @@ class RestoreJobDriver(Driver[RestoreState]):
             "it again, restored"
         )
 
-    async def open_session(self, action: OpenRestoreSession) -> None:
+    async def open_session(self, action: OpenSession) -> None:
         assert self.state is not None
         agents = await agents_by_node(self.rt.kube)
         nodes = {pod.node: agents[pod.node] for pod in action.pods if pod.node in agents}
@@ -431,7 +434,7 @@ class RestoreJobDriver(Driver[RestoreState]):
         if self.by_controller:
             await self.adopt_pods(action, marker)
             return
-        owner = {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "name": self.name, "uid": self.uid,
+        owner = {"apiVersion": API_VERSION, "kind": RESTORE_JOB.kind, "name": self.name, "uid": self.uid,
                  "controller": True}  # fmt: skip
         for pod in action.pods:
             template = self.recorded(pod.name).template
@@ -637,7 +640,7 @@ class RestoreJobDriver(Driver[RestoreState]):
     def report_progress(self) -> None:
         """One PodStepDone per pod that has reached the step in flight's milestone (once per attempt).
         Progress seen meanwhile is kept (self.progress): a pod restored while the others were still being
-        created counts for RestoreRanks as soon as that step is issued (its effect calls this)."""
+        created counts for the awaited Restored as soon as that step is issued (its effect calls this)."""
         state = self.state
         if state is None or state.step is None or state.phase not in (RestorePhase.DOWNLOADING, *LIVE_PHASES):
             return
@@ -735,4 +738,4 @@ def _failure(status: dict[str, Any]) -> str:
     return "no reason given by the kubelet"
 
 
-__all__ = ["PLURAL", "RestoreJobDriver", "RestorePhase"]
+__all__ = ["RestoreJobDriver", "RestorePhase"]

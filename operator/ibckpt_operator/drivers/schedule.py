@@ -16,7 +16,16 @@ from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any
 
-from ibckpt.api import CheckpointScheduleSpec, CheckpointScheduleStatus, Condition, ConditionStatus
+from ibckpt.api import (
+    CHECKPOINT,
+    CHECKPOINT_JOB,
+    CHECKPOINT_SCHEDULE,
+    RESTORE_JOB,
+    CheckpointScheduleSpec,
+    CheckpointScheduleStatus,
+    Condition,
+    ConditionStatus,
+)
 from ibckpt_operator import metrics
 from ibckpt_operator.cluster import bindings, drains, protection, schedules, sources
 from ibckpt_operator.cluster.kube import Body
@@ -196,7 +205,7 @@ class ScheduleController:
         except ValueError as error:
             self.invalid = f"invalid spec: {error}"
             patch = {"message": self.invalid, "conditions": [c.to_wire() for c in self._conditions(now)]}
-            await self.rt.kube.patch_status(schedules.PLURAL, self.namespace, self.name, patch)
+            await self.rt.kube.patch_status(CHECKPOINT_SCHEDULE.plural, self.namespace, self.name, patch)
             return None
         self.invalid = None
         status = CheckpointScheduleStatus.from_wire(dict(self.live.get("status") or {}))
@@ -343,17 +352,17 @@ class ScheduleController:
         kube, events = self.rt.kube, []
         for job in {self.drain.checkpoint_job, self.drain.cancelled_job} - {None}:
             assert job is not None
-            body = await kube.get_custom("checkpointjobs", self.namespace, job)
+            body = await kube.get_custom(CHECKPOINT_JOB.plural, self.namespace, job)
             if body is None and job == self.drain.cancelled_job:
                 # A cancelled job is deleted: whether it committed anyway shows in its Checkpoint.
-                checkpoint = await kube.get_custom("checkpoints", self.namespace, job)
+                checkpoint = await kube.get_custom(CHECKPOINT.plural, self.namespace, job)
                 if checkpoint is not None:
                     body = {"status": {"phase": "Succeeded", "checkpointName": job, "manifestKey": "-"}}
             elif body is None and self.drain.phase is DrainPhase.COMMITTED:
                 body = {"status": {"phase": "Succeeded", "checkpointName": self.drain.checkpoint}}
             events += drains.checkpoint_job_events(job, body)
         if self.drain.restore_job is not None:
-            body = await kube.get_custom("restorejobs", self.namespace, self.drain.restore_job)
+            body = await kube.get_custom(RESTORE_JOB.plural, self.namespace, self.drain.restore_job)
             if body is None and self.drain.phase is DrainPhase.RESTORING and self.drain.checkpoint:
                 await self._start_restore(
                     StartRestore(self.drain.restore_job, self.drain.checkpoint, self.drain.nodes)
@@ -401,7 +410,7 @@ class ScheduleController:
                     metrics.SCHEDULE_SKIPPED.labels(self.key).inc()
             elif isinstance(action, CreateCheckpointJob):
                 body = schedules.checkpoint_job_body(self.body(), spec, action.name)
-                await kube.create_custom("checkpointjobs", self.namespace, body)
+                await kube.create_custom(CHECKPOINT_JOB.plural, self.namespace, body)
             elif isinstance(action, DeleteCheckpoint):
                 if await schedules.delete_checkpoint(kube, self.namespace, action.name):
                     self.pruned += 1
@@ -415,9 +424,9 @@ class ScheduleController:
                 body = schedules.checkpoint_job_body(
                     self.body(), spec, action.job, stop_into=action.checkpoint
                 )
-                await kube.create_custom("checkpointjobs", self.namespace, body)
+                await kube.create_custom(CHECKPOINT_JOB.plural, self.namespace, body)
             elif isinstance(action, CancelCheckpointJob):
-                await schedules.delete_custom(kube, "checkpointjobs", self.namespace, action.job)
+                await schedules.delete_custom(kube, CHECKPOINT_JOB.plural, self.namespace, action.job)
             elif isinstance(action, StartRestore):
                 await self._start_restore(action)
             elif isinstance(action, RecordMigration):
@@ -437,7 +446,7 @@ class ScheduleController:
         grace period to go, and its kubelet's cleanup after it); until then every pass tries again
         (create-if-absent by name). A source its kubelet reports ended is removed at once (sources.py)."""
         assert self.drain is not None
-        checkpoint = await self.rt.kube.get_custom("checkpoints", self.namespace, action.checkpoint)
+        checkpoint = await self.rt.kube.get_custom(CHECKPOINT.plural, self.namespace, action.checkpoint)
         by_controller = schedules.restored_by_controller(checkpoint)
         left = []
         for pod in () if by_controller else self.drain.sources:
@@ -459,7 +468,7 @@ class ScheduleController:
         body = schedules.restore_job_body(
             self.body(), action.job, action.checkpoint, action.avoid_nodes, by_controller=by_controller
         )
-        await self.rt.kube.create_custom("restorejobs", self.namespace, body)
+        await self.rt.kube.create_custom(RESTORE_JOB.plural, self.namespace, body)
 
     async def _event(self, type_: str, reason: str, message: str) -> None:
         await self.rt.kube.post_event(self.body(), type_, reason, message)
@@ -483,7 +492,7 @@ class ScheduleController:
         body = schedules.status_patch(CheckpointScheduleStatus(**fields))
         if body == self.written:
             return
-        await self.rt.kube.patch_status(schedules.PLURAL, self.namespace, self.name, body)
+        await self.rt.kube.patch_status(CHECKPOINT_SCHEDULE.plural, self.namespace, self.name, body)
         self.written = body
 
     def _message(self) -> str | None:

@@ -11,15 +11,14 @@ from typing import Any
 
 import kopf
 
-from ibckpt.api import Checkpoint
+from ibckpt.api import CHECKPOINT, GROUP, VERSION, Checkpoint
 from ibckpt.store import CheckpointNotFoundError, RetentionPolicy, StoreConfig, StoreError
 from ibckpt_operator import metrics
 from ibckpt_operator.cluster import storage
-from ibckpt_operator.config import GROUP, VERSION, current
+from ibckpt_operator.config import current
 from ibckpt_operator.drivers import runtime
 
 log = logging.getLogger(__name__)
-PLURAL = "checkpoints"
 RETAIN_ANNOTATION = "ibckpt.io/retain-images"  # "true": deleting the object leaves the images in place
 DELETE_RETRIES = 5
 
@@ -41,7 +40,7 @@ def remove_images(config: StoreConfig, manifest_key: str, grace_seconds: float) 
     return f"{said}; chunk sweep deferred ({report.skipped_reason})"
 
 
-@kopf.on.delete(GROUP, VERSION, PLURAL)
+@kopf.on.delete(GROUP, VERSION, CHECKPOINT.plural)
 async def delete_images(body: kopf.Body, retry: int, **_: Any) -> None:
     rt = runtime.get()
     raw = copy.deepcopy(dict(body))

@@ -10,7 +10,7 @@ from typing import Any
 
 import kopf
 
-from ibckpt.api import CheckpointJobStatus, JobPhase
+from ibckpt.api import CHECKPOINT_JOB, CheckpointJobStatus, JobPhase
 from ibckpt.store import s3
 from ibckpt_operator import metrics
 from ibckpt_operator.cluster.agents import AgentGateway
@@ -42,7 +42,7 @@ def tune(settings: kopf.OperatorSettings) -> None:
 
 async def rebuild_claims(kube: Kube) -> PodClaims:
     jobs = []
-    for body in await kube.list_custom("checkpointjobs"):
+    for body in await kube.list_custom(CHECKPOINT_JOB.plural):
         status = body.get("status") or {}
         if not status.get("attempt") or status.get("phase") in (JobPhase.SUCCEEDED, JobPhase.FAILED):
             continue

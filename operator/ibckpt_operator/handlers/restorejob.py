@@ -7,18 +7,19 @@ from typing import Any
 
 import kopf
 
-from ibckpt.api import RestorePhase
+from ibckpt.api import GROUP, RESTORE_JOB, VERSION, RestorePhase
 from ibckpt_operator.cluster import bindings
-from ibckpt_operator.config import GROUP, VERSION
-from ibckpt_operator.drivers.restorejob import PLURAL, RestoreJobDriver
+from ibckpt_operator.drivers.restorejob import RestoreJobDriver
 from ibckpt_operator.handlers.jobs import drive_job
 
 
 # A deleted job first brings its ranks back (bounded by its abort timeout); an exiting operator leaves at
 # once (the state is in status). kopf cancels the daemon only past these bounds.
-@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_backoff=2.0, cancellation_timeout=600.0)
+@kopf.daemon(GROUP, VERSION, RESTORE_JOB.plural, cancellation_backoff=2.0, cancellation_timeout=600.0)
 async def drive(body: kopf.Body, stopped: kopf.DaemonStopped, **_: Any) -> None:
-    await drive_job(body, stopped, PLURAL, RestoreJobDriver, (RestorePhase.SUCCEEDED, RestorePhase.FAILED))
+    await drive_job(
+        body, stopped, RESTORE_JOB.plural, RestoreJobDriver, (RestorePhase.SUCCEEDED, RestorePhase.FAILED)
+    )
 
 
 # failurePolicy Ignore: a dead operator must not block every pod creation in the cluster (a pod it

@@ -10,13 +10,20 @@ from typing import Any
 
 import kopf
 
-from ibckpt.api import CheckpointStorageSpec, Condition, ConditionStatus, ConditionType, LocalObjectReference
+from ibckpt.api import (
+    CHECKPOINT_STORAGE,
+    GROUP,
+    VERSION,
+    CheckpointStorageSpec,
+    Condition,
+    ConditionStatus,
+    ConditionType,
+    LocalObjectReference,
+)
 from ibckpt_operator.cluster import storage
-from ibckpt_operator.config import GROUP, VERSION
 from ibckpt_operator.drivers import runtime
 from ibckpt_operator.machine.status import to_time
 
-PLURAL = "checkpointstorages"
 RECHECK_SECONDS = 300.0
 
 
@@ -61,19 +68,21 @@ async def check_storage(body: dict[str, Any]) -> None:
         "conditions": [condition],
         "lastCheckedTime": datetime.fromtimestamp(now, UTC).isoformat(),
     }
-    await rt.kube.patch_status(PLURAL, meta["namespace"], meta["name"], patch)
+    await rt.kube.patch_status(CHECKPOINT_STORAGE.plural, meta["namespace"], meta["name"], patch)
     if changed:
         kind = "Normal" if status == ConditionStatus.TRUE else "Warning"
         await rt.kube.post_event(body, kind, reason, message)
 
 
-@kopf.on.resume(GROUP, VERSION, PLURAL)
-@kopf.on.create(GROUP, VERSION, PLURAL)
-@kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
+@kopf.on.resume(GROUP, VERSION, CHECKPOINT_STORAGE.plural)
+@kopf.on.create(GROUP, VERSION, CHECKPOINT_STORAGE.plural)
+@kopf.on.update(GROUP, VERSION, CHECKPOINT_STORAGE.plural, field="spec")
 async def checked(body: kopf.Body, **_: Any) -> None:
     await check_storage(copy.deepcopy(dict(body)))
 
 
-@kopf.timer(GROUP, VERSION, PLURAL, interval=RECHECK_SECONDS, initial_delay=RECHECK_SECONDS)
+@kopf.timer(
+    GROUP, VERSION, CHECKPOINT_STORAGE.plural, interval=RECHECK_SECONDS, initial_delay=RECHECK_SECONDS
+)
 async def rechecked(body: kopf.Body, **_: Any) -> None:
     await check_storage(copy.deepcopy(dict(body)))
