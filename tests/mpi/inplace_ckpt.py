@@ -9,7 +9,8 @@ protocol, docs/native-shim.md) served over TCP on node-1's link address.
   python3 inplace_ckpt.py drive --coord ADDR:PORT --node N --nodes 2 --sockets 'GLOB' \
       --count K --delay S --gap S
 
-stdlib only (plus ibckpt_native.control, itself stdlib only): it runs in slow TCG guests.
+stdlib only (plus ibckpt_native.control and shimtest.coordinator, both stdlib only): it runs in
+slow TCG guests, with native/ on PYTHONPATH.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ibckpt_native.control import ControlError, ShimControl
-from ibckpt_native.coordinator import serve_tcp
+from shimtest.coordinator import serve_tcp
 
 # ---------------------------------------------------------------- driver
 

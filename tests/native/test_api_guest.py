@@ -10,18 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from ibckpt_native import NATIVE_DIR, SHIM
-from ibckpt_native.coordinator import Coordinator
-from ibckpt_native.harness import ShimProc, checkpoint_loop, parse_fields
+from shimtest import SHIM
+from shimtest.coordinator import Coordinator
+from shimtest.harness import ShimProc, checkpoint_loop, parse_fields
 
-pytestmark = pytest.mark.guest
+pytestmark = [pytest.mark.guest, pytest.mark.usefixtures("built")]
 
 PV_APPS = Path(__file__).with_name("pv_apps.py")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def built() -> None:
-    subprocess.run(["make", "-s", "-C", str(NATIVE_DIR)], check=True)
 
 
 def _run(argv: list[str], shim: bool, timeout: float = 600) -> subprocess.CompletedProcess[str]:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ibckpt_native import NATIVE_DIR, SHIM
+from shimtest import NATIVE_DIR, SHIM
 
 ROOT = NATIVE_DIR.parent
 TABLE = ROOT / "docs" / "verbs-api.md"

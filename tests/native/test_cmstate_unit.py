@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from ibckpt_native import NATIVE_DIR
-from ibckpt_native.core import CmIds, load
+from shimtest import NATIVE_DIR
+from shimtest.core import CmIds, load
 
 # rdma/rdma_user_cm.h: command numbers and the layouts the tests build
 CREATE_ID, DESTROY_ID, CONNECT, LISTEN, ACCEPT, REJECT, DISCONNECT, JOIN_IP_MCAST = 0, 1, 6, 7, 8, 9, 10, 16

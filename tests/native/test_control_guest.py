@@ -11,29 +11,17 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from ibckpt_native import NATIVE_DIR, TESTS_DIR
-from ibckpt_native.coordinator import Coordinator
-from ibckpt_native.harness import ShimProc
+from shimtest import TESTS_DIR
+from shimtest.coordinator import Coordinator
+from shimtest.harness import ShimProc
 
-pytestmark = pytest.mark.guest
+pytestmark = [pytest.mark.guest, pytest.mark.usefixtures("built")]
 
 NQPS = 2048
-
-
-@pytest.fixture(scope="module", autouse=True)
-def built() -> None:
-    subprocess.run(["make", "-s", "-C", str(NATIVE_DIR)], check=True)
-
-
-@pytest.fixture
-def coord(tmp_path: Path) -> Iterator[Coordinator]:
-    with Coordinator(tmp_path / "coord.sock") as c:
-        yield c
 
 
 def _raw(path: Path, line: str, timeout: float = 120) -> str:

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from ibckpt_native import CORE, NATIVE_DIR
-from ibckpt_native.core import (
+from shimtest import CORE, NATIVE_DIR
+from shimtest.core import (
     ATOMIC,
     CONSUMER,
     DELIVERED,

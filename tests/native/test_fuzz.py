@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ibckpt_native import BUILD_DIR, NATIVE_DIR
+from shimtest import BUILD_DIR, NATIVE_DIR
 
 SECONDS = 20
 

@@ -11,32 +11,20 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from ibckpt.coordination.client import CoordinatorClient, CoordinatorError
-from ibckpt_native import NATIVE_DIR, TESTS_DIR
-from ibckpt_native.coordinator import Coordinator
-from ibckpt_native.harness import ShimProc, _each, checkpoint, parse_result, start_server_then_client
+from shimtest import TESTS_DIR
+from shimtest.coordinator import Coordinator
+from shimtest.harness import ShimProc, _each, checkpoint, parse_result, start_server_then_client
 
-pytestmark = pytest.mark.guest
+pytestmark = [pytest.mark.guest, pytest.mark.usefixtures("built")]
 
 LEASE_MS = 1500
 # the watchdog acts within 250 ms of the deadline; the rest is a loaded TCG guest
 BOUND_S = LEASE_MS / 1000 + 5.0
-
-
-@pytest.fixture(scope="module", autouse=True)
-def built() -> None:
-    subprocess.run(["make", "-s", "-C", str(NATIVE_DIR)], check=True)
-
-
-@pytest.fixture
-def coord(tmp_path: Path) -> Iterator[Coordinator]:
-    with Coordinator(tmp_path / "coord.sock") as c:
-        yield c
 
 
 def _states(procs: list[ShimProc]) -> dict[str, str]:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ibckpt_native import NATIVE_DIR, SHIM, SHIM_ASAN, SHIM_UBSAN
+from shimtest import NATIVE_DIR, SHIM, SHIM_ASAN, SHIM_UBSAN
 
 PROGRAM = """
 import ctypes, json, sys, time

@@ -1,11 +1,11 @@
-"""The local coordinator the native tests use (ibckpt_native.coordinator), on the host."""
+"""The local coordinator the native tests use (shimtest.coordinator), on the host."""
 
 from __future__ import annotations
 
 import socket
 from pathlib import Path
 
-from ibckpt_native.coordinator import Coordinator
+from shimtest.coordinator import Coordinator
 
 
 def _exchange(path: Path, lines: list[str]) -> list[str]:

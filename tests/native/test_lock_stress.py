@@ -13,7 +13,7 @@ import subprocess
 
 import pytest
 
-from ibckpt_native import NATIVE_DIR
+from shimtest import NATIVE_DIR
 
 
 @pytest.mark.parametrize("variant", ["lock_stress", "lock_stress-tsan"])

@@ -13,22 +13,17 @@ from pathlib import Path
 
 import pytest
 
-from ibckpt_native import NATIVE_DIR, SHIM, SHIM_ASAN, SHIM_UBSAN
-from ibckpt_native.coordinator import Coordinator
-from ibckpt_native.harness import ShimProc, checkpoint, parse_fields
+from shimtest import SHIM, SHIM_ASAN, SHIM_UBSAN
+from shimtest.coordinator import Coordinator
+from shimtest.harness import ShimProc, checkpoint, parse_fields
 
-pytestmark = pytest.mark.guest
+pytestmark = [pytest.mark.guest, pytest.mark.usefixtures("built")]
 
 CASES = Path(__file__).with_name("pv_ckpt_cases.py")
 ENV = {"PATH": "/usr/bin:/bin", "PYTHONFAULTHANDLER": "1"}
 READY = r"READY rkey=(\d+) bind=(\d+)"
 IBV_WC_BIND_MW = 5
 IBV_WC_REM_ACCESS_ERR = 10
-
-
-@pytest.fixture(scope="module", autouse=True)
-def built() -> None:
-    subprocess.run(["make", "-s", "-C", str(NATIVE_DIR)], check=True)
 
 
 def _result(text: str) -> dict[str, str]:

@@ -11,21 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from ibckpt_native import NATIVE_DIR, SHIM, SHIM_ASAN, SHIM_UBSAN
-from ibckpt_native.coordinator import Coordinator
-from ibckpt_native.harness import ShimProc, checkpoint, device_state, parse_fields
 from ibckpt_node.preflight import ShimIdentity, shim_problems
+from shimtest import SHIM, SHIM_ASAN, SHIM_UBSAN
+from shimtest.coordinator import Coordinator
+from shimtest.harness import ShimProc, checkpoint, device_state, parse_fields
 
-pytestmark = pytest.mark.guest
+pytestmark = [pytest.mark.guest, pytest.mark.usefixtures("built")]
 
 CASES = Path(__file__).with_name("pv_ckpt_cases.py")
 PORT = Path("/sys/class/infiniband/rxe0/ports/1")
 OLD, NEW = "10.77.0.21", "10.77.0.22"  # the GID that moves, before and after the checkpoint
-
-
-@pytest.fixture(scope="module", autouse=True)
-def built() -> None:
-    subprocess.run(["make", "-s", "-C", str(NATIVE_DIR)], check=True)
 
 
 def _proc(

@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from ibckpt_native import NATIVE_DIR, SHIM
 from ibckpt_node.preflight import ShimIdentity, shim_problems
+from shimtest import NATIVE_DIR, SHIM
 
 PROGRAM = """
 import ctypes, json

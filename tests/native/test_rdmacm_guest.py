@@ -25,21 +25,16 @@ from typing import Any
 
 import pytest
 
-from ibckpt_native import NATIVE_DIR, SHIM, SHIM_ASAN, SHIM_UBSAN, TESTS_DIR
 from ibckpt_native.control import ShimControl
-from ibckpt_native.coordinator import Coordinator
-from ibckpt_native.harness import ShimProc, checkpoint, parse_result
 from ibckpt_node.preflight import ShimIdentity, shim_problems
+from shimtest import SHIM, SHIM_ASAN, SHIM_UBSAN, TESTS_DIR
+from shimtest.coordinator import Coordinator
+from shimtest.harness import ShimProc, checkpoint, parse_result
 
-pytestmark = pytest.mark.guest
+pytestmark = [pytest.mark.guest, pytest.mark.usefixtures("built")]
 
 ADDR = "10.77.0.1"  # rxe0's address in the guest
 LISTENING = "rdma_cm listening id (after a restore no connection request could reach it)"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def built() -> None:
-    subprocess.run(["make", "-s", "-C", str(NATIVE_DIR)], check=True)
 
 
 def _env(shim: bool, ctl: Path | None = None) -> dict[str, str]:

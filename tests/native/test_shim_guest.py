@@ -6,15 +6,14 @@ from __future__ import annotations
 import re
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from ibckpt_native import NATIVE_DIR, SHIM, SHIM_ASAN, SHIM_UBSAN, TESTS_DIR
-from ibckpt_native.coordinator import Coordinator
-from ibckpt_native.harness import (
+from shimtest import SHIM, SHIM_ASAN, SHIM_UBSAN, TESTS_DIR
+from shimtest.coordinator import Coordinator
+from shimtest.harness import (
     CheckpointResult,
     ShimProc,
     checkpoint,
@@ -24,20 +23,9 @@ from ibckpt_native.harness import (
     start_server_then_client,
 )
 
-pytestmark = pytest.mark.guest
+pytestmark = [pytest.mark.guest, pytest.mark.usefixtures("built")]
 
 CHECKPOINTS = 20
-
-
-@pytest.fixture(scope="module", autouse=True)
-def built() -> None:
-    subprocess.run(["make", "-s", "-C", str(NATIVE_DIR)], check=True)
-
-
-@pytest.fixture
-def coord(tmp_path: Path) -> Iterator[Coordinator]:
-    with Coordinator(tmp_path / "coord.sock") as c:
-        yield c
 
 
 def _pair(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from ibckpt_native import NATIVE_DIR
+from shimtest import NATIVE_DIR
 
 SRC = NATIVE_DIR / "src"
 PHASES = ("quiesce.c", "drain.c", "release.c", "rebuild.c", "report.c", "lease.c")

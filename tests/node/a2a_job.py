@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ibckpt_native import SHIM, TESTS_DIR
+from shimtest import SHIM, TESTS_DIR
 from testbed.guest import GUEST_HOST_ADDR, GuestResult
 
 A2A = TESTS_DIR / "a2a_seq"

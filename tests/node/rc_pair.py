@@ -19,8 +19,8 @@ from typing import Any
 
 from node.a2a_job import STOP_WHEN_BOTH_READY
 
-from ibckpt_native import SHIM, TESTS_DIR
-from ibckpt_native.harness import parse_result
+from shimtest import SHIM, TESTS_DIR
+from shimtest.harness import parse_result
 from testbed.guest import GUEST_HOST_ADDR, GuestResult, GuestSpec, run_pair
 
 KEYS = ("ring/rank-0/main/0", "ring/rank-1/main/0")

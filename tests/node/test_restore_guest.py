@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from ibckpt_native import SHIM, TESTS_DIR
 from ibckpt_native.control import ShimControl
-from ibckpt_native.harness import parse_result
+from shimtest import SHIM, TESTS_DIR
+from shimtest.harness import parse_result
 
 pytestmark = pytest.mark.guest
 

@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ibckpt_native.control import ControlError, ShimControl
+
 from . import SHIM
-from .control import ControlError, ShimControl
 
 
 @dataclass
