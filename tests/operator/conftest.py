@@ -27,6 +27,7 @@ from ibckpt.agentapi import (
     AgentInfo,
     CheckpointRequest,
     ContainerList,
+    Milestone,
     Mode,
     RankPhase,
     RankProgress,
@@ -394,7 +395,7 @@ class FakeAgent:
     def new_report(self, request: CheckpointRequest) -> SessionReport:
         ranks = [
             RankProgress(rank_key=f"{request.job}/{r.pod_uid}/{r.container}/0", pod_uid=r.pod_uid,
-                         container=r.container, pid=4242, phase=RankPhase.QUIESCING)
+                         container=r.container, pid=4242, phase=RankPhase.QUIESCING, done=Milestone.ADMITTED)
             for r in request.ranks
         ]  # fmt: skip
         report = SessionReport(session_id=request.session_id, kind=SessionKind.CHECKPOINT, node=self.node,
@@ -432,12 +433,15 @@ class FakeAgent:
             self.set_phase(session, RankPhase.FAILED, state=SessionState.FAILED, finished_at=time.time(),
                            message=self.download_failure)  # fmt: skip
             return
-        self.set_phase(session, RankPhase.RESTORING, bytes=1000)  # staged: the operator creates the pods
+        self.set_phase(session, RankPhase.RESTORING, Milestone.DOWNLOADED, bytes=1000)  # the pods are next
         if not self.wait_for_pods(request):
             return
         if self.restore_hang:
             return
-        for phase in (RankPhase.REBUILDING, RankPhase.RESUMING):
+        for phase, done in (
+            (RankPhase.REBUILDING, Milestone.RESTORED),
+            (RankPhase.RESUMING, Milestone.REBUILT),
+        ):
             time.sleep(0.2)
             if self.reports[session].state.finished:  # aborted meanwhile
                 return
@@ -445,9 +449,10 @@ class FakeAgent:
                 self.set_phase(session, RankPhase.FAILED, state=SessionState.FAILED, finished_at=time.time(),
                                message=self.restore_failure)  # fmt: skip
                 return
-            self.set_phase(session, phase)
+            self.set_phase(session, phase, done)
         time.sleep(0.2)
-        self.set_phase(session, RankPhase.DONE, state=SessionState.SUCCEEDED, finished_at=time.time())
+        self.set_phase(session, RankPhase.DONE, Milestone.RESUMED, state=SessionState.SUCCEEDED,
+                       finished_at=time.time())  # fmt: skip
 
     def find_pod(self, namespace: str, name: str) -> tuple[str, str] | None:
         return self.pod_lookup(namespace, name) if self.pod_lookup is not None else None
@@ -485,12 +490,17 @@ class FakeAgent:
             time.sleep(0.05)
         return self.requests[0]
 
-    def set_phase(self, session: str, phase: RankPhase, **changes: Any) -> None:
+    def set_phase(
+        self, session: str, phase: RankPhase, done: Milestone | None = None, **changes: Any
+    ) -> None:
+        """Every rank in `phase`, past `done` (None: the milestone it had)."""
         report = self.reports[session]
         ranks = [
-            r.model_copy(update={"phase": phase, "bytes": changes.pop("bytes", r.bytes)})
+            r.model_copy(
+                update={"phase": phase, "done": done or r.done, "bytes": changes.pop("bytes", r.bytes)}
+            )
             for r in report.ranks
-        ]
+        ]  # the bytes, if given, go to the first rank
         self.reports[session] = report.model_copy(update={"ranks": ranks, **changes})
 
     def refuse(self, request: CheckpointRequest) -> None:
@@ -505,12 +515,16 @@ class FakeAgent:
         """The real agent's order: the cut, the dump, (LeaveRunning) rebuild and resume, then the upload
         of this node's part; the session succeeds only once the part is staged."""
         session = request.session_id
-        phases = [RankPhase.DRAINING, RankPhase.RELEASING, RankPhase.DUMPING]
-        if request.mode != Mode.HOLD:
-            phases += [RankPhase.REBUILDING, RankPhase.RESUMING]
-        for phase in [*phases, RankPhase.UPLOADING]:
+        phases = [(RankPhase.DRAINING, Milestone.QUIESCED), (RankPhase.RELEASING, Milestone.DRAINED),
+                  (RankPhase.DUMPING, Milestone.RELEASED)]  # fmt: skip
+        if request.mode == Mode.HOLD:
+            phases += [(RankPhase.UPLOADING, Milestone.DUMPED)]
+        else:
+            phases += [(RankPhase.REBUILDING, Milestone.DUMPED), (RankPhase.RESUMING, Milestone.REBUILT),
+                       (RankPhase.UPLOADING, Milestone.RESUMED)]  # fmt: skip
+        for phase, done in phases:
             time.sleep(0.2)
-            self.set_phase(session, phase)
+            self.set_phase(session, phase, done)
         assert self.store is not None and request.images is not None
         images = Path(f"/tmp/ibckpt-fake-agent-{self.node}-{secrets.token_hex(3)}")
         images.mkdir()
@@ -522,8 +536,8 @@ class FakeAgent:
                 rank=int(self.host.rsplit(".", 1)[1]), pod=self.node, node=self.node, root=self.node
             )
             writer.stage(self.node, ranks=[rank])
-        final = RankPhase.HELD if request.mode == Mode.HOLD else RankPhase.DONE
-        self.set_phase(session, final, bytes=200_000, state=SessionState.SUCCEEDED, finished_at=time.time())
+        final = (RankPhase.HELD, Milestone.UPLOADED) if request.mode == Mode.HOLD else (RankPhase.DONE, None)
+        self.set_phase(session, *final, bytes=200_000, state=SessionState.SUCCEEDED, finished_at=time.time())
 
 
 @dataclass

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ibckpt.agentapi import RankPhase, RankProgress, SessionKind, SessionReport, SessionState
+from ibckpt.agentapi import Milestone, RankProgress, SessionKind, SessionReport, SessionState
 from ibckpt.api import Checkpoint, RestorePhase
 from ibckpt_operator.drivers.restorejob import RestoreJobDriver
 from ibckpt_operator.machine import PodRef, RestoreState, RestoreStep
@@ -68,13 +68,14 @@ class Job:
             events.append(self.driver.events.get_nowait())
         return events
 
-    def report(self, phases: dict[str, RankPhase], uids: dict[str, str] | None = None) -> None:
+    def report(self, done: dict[str, Milestone | None], uids: dict[str, str] | None = None) -> None:
+        """A running session's report: each pod's ranks have passed `done` (None: not even that)."""
         uids = uids or {}
         ranks = [
             RankProgress(
-                rank_key=KEYS[name], pod_uid=uids.get(name, ""), container="main", phase=phase, bytes=100
+                rank_key=KEYS[name], pod_uid=uids.get(name, ""), container="main", done=passed, bytes=100
             )
-            for name, phase in phases.items()
+            for name, passed in done.items()
         ]
         report = SessionReport(session_id="rsj-r1", kind=SessionKind.RESTORE, node="node-1",
                                state=SessionState.RUNNING, ranks=ranks, started_at=time.time())  # fmt: skip
@@ -91,10 +92,10 @@ def test_progress_seen_while_the_pods_are_created_counts_for_the_restore() -> No
     assert job.step == RestoreStep.DOWNLOAD and job.state.phase == RestorePhase.DOWNLOADING
 
     # No pod exists yet: the reports name no uid, the rank keys say whose ranks they are.
-    job.report({"ring-0": RankPhase.RESTORING, "ring-1": RankPhase.DOWNLOADING})
+    job.report({"ring-0": Milestone.DOWNLOADED, "ring-1": None})
     download = job.attempt
     assert job.emitted() == [PodStepDone(download, "ring-0", bytes=100)]
-    job.report({"ring-0": RankPhase.RESTORING, "ring-1": RankPhase.RESTORING})
+    job.report({"ring-0": Milestone.DOWNLOADED, "ring-1": Milestone.DOWNLOADED})
     events = job.emitted()
     assert events == [PodStepDone(download, "ring-1", bytes=100)]  # ring-0 was told once
     job.send(PodStepDone(download, "ring-0"))
@@ -103,7 +104,7 @@ def test_progress_seen_while_the_pods_are_created_counts_for_the_restore() -> No
 
     # ring-0 is created and restored while ring-1 is still being created: nothing to tell the creation.
     job.send(PodCreated(job.attempt, "ring-0", "new-0"))
-    job.report({"ring-0": RankPhase.REBUILDING, "ring-1": RankPhase.RESTORING}, {"ring-0": "new-0"})
+    job.report({"ring-0": Milestone.RESTORED, "ring-1": Milestone.DOWNLOADED}, {"ring-0": "new-0"})
     assert job.emitted() == []
     job.send(PodCreated(job.attempt, "ring-1", "new-1"))
     assert job.step == RestoreStep.RESTORE
@@ -111,7 +112,7 @@ def test_progress_seen_while_the_pods_are_created_counts_for_the_restore() -> No
     # The restore step's effect replays what was seen: ring-0 is Restored already.
     job.driver.report_progress()
     assert job.emitted() == [PodStepDone(job.attempt, "ring-0", bytes=100)]
-    job.report({"ring-0": RankPhase.REBUILDING, "ring-1": RankPhase.REBUILDING}, {"ring-0": "new-0"})
+    job.report({"ring-0": Milestone.RESTORED, "ring-1": Milestone.RESTORED}, {"ring-0": "new-0"})
     events = job.emitted()
     assert events == [PodStepDone(job.attempt, "ring-1", bytes=100)]
     job.send(PodStepDone(job.attempt, "ring-0"))
@@ -121,13 +122,12 @@ def test_progress_seen_while_the_pods_are_created_counts_for_the_restore() -> No
 
 def test_a_rank_of_no_member_is_ignored() -> None:
     job = Job()
-    job.driver.progress.clear()
     ranks = [
-        RankProgress(rank_key="other/pod-9/main/1", pod_uid="", container="main", phase=RankPhase.RESTORING)
+        RankProgress(rank_key="other/pod-9/main/1", pod_uid="", container="main", done=Milestone.DOWNLOADED)
     ]
     job.driver.absorb(SessionReport(session_id="rsj-r1", kind=SessionKind.RESTORE, node="node-1",
                                     ranks=ranks, started_at=time.time()))  # fmt: skip
-    assert job.driver.progress == {} and job.emitted() == []
+    assert job.driver.progress.reached == {} and job.emitted() == []
 
 
 def test_a_restored_pod_that_failed_is_explained_in_the_runtimes_words() -> None:

@@ -13,19 +13,19 @@ import logging
 import secrets
 import time
 from collections.abc import Awaitable
-from dataclasses import dataclass
 
 from ibckpt.agentapi import (
+    CHECKPOINT_MILESTONES,
     AgentError,
     CheckpointRequest,
     ImageDestination,
+    Milestone,
     Mode,
     PhaseTimeouts,
     RankPhase,
     RankRef,
     SecretRef,
     SessionReport,
-    SessionState,
 )
 from ibckpt.api import (
     CHECKPOINT,
@@ -46,6 +46,7 @@ from ibckpt_operator.cluster.agents import Agent, agents_by_node, each_agent, fo
 from ibckpt_operator.cluster.kube import Body
 from ibckpt_operator.config import current
 from ibckpt_operator.drivers.base import Driver, UnreadableStatus
+from ibckpt_operator.drivers.progress import PodProgress, Session
 from ibckpt_operator.drivers.recording import RestoreRecord
 from ibckpt_operator.drivers.runtime import Runtime
 from ibckpt_operator.machine import CheckpointMachine, JobConfig, JobState, PodRef
@@ -92,40 +93,9 @@ from ibckpt_operator.machine.status import job_state, job_status
 
 log = logging.getLogger(__name__)
 
-# How far a pod got, in the order an agent goes (the machine's per-pod labels).
-MILESTONES = ("Quiesced", "Drained", "Released", "Dumped", "Uploaded", "Rebuilt", "Resumed")
-# Barriers up to the dump. The agent rebuilds and resumes a LeaveRunning job before it uploads its part,
-# so "rebuilt" and "resumed" say nothing about the upload: only the finished session does.
-BARRIER_MILESTONE = {
-    "quiesced": "Quiesced",
-    "drained": "Drained",
-    "released": "Released",
-    "dumped": "Dumped",
-}
-# A rank in this phase has finished the milestone before it (at most the dump, as above).
-RANK_MILESTONE = {
-    RankPhase.DRAINING: "Quiesced",
-    RankPhase.RELEASING: "Drained",
-    RankPhase.DUMPING: "Released",
-    RankPhase.UPLOADING: "Dumped",
-    RankPhase.REBUILDING: "Dumped",
-    RankPhase.RESUMING: "Dumped",
-}
-
-
-def _rank(milestone: str | None) -> int:
-    return MILESTONES.index(milestone) if milestone in MILESTONES else -1
-
 
 def job_key(namespace: str, name: str) -> str:
     return f"{namespace}/{name}"
-
-
-@dataclass
-class Session:
-    id: str
-    token: str
-    nodes: dict[str, Agent]
 
 
 class CheckpointJobDriver(Driver[JobState]):
@@ -137,9 +107,12 @@ class CheckpointJobDriver(Driver[JobState]):
         self.spec = CheckpointJobSpec.from_wire(body.get("spec") or {})
         self.machine: CheckpointMachine | None = None
         self.session: Session | None = None
-        self.progress: dict[str, int] = {}  # pod UID -> index of its last milestone
-        self.pod_bytes: dict[str, int] = {}
-        self.reported: set[tuple[str, str]] = set()  # (attempt, pod UID) already told to the machine
+        # By pod UID. The agent rebuilds and resumes a LeaveRunning job before it uploads its part, so
+        # past the dump only the finished session says the part is uploaded.
+        final = Milestone.UPLOADED if self.spec.mode == CheckpointMode.STOP else Milestone.RESUMED
+        self.progress = PodProgress(
+            CHECKPOINT_MILESTONES, final, until=Milestone.DUMPED, count_zero_bytes=True
+        )
         self.resolved: storage.ResolvedStorage | None = None
         self.record = RestoreRecord()  # what a restore needs, written into the Checkpoint
 
@@ -326,12 +299,8 @@ class CheckpointJobDriver(Driver[JobState]):
         return [m.pod for m in self.state.members if m.pod.node == node]
 
     def on_barrier(self, barrier: str, node: str) -> None:
-        milestone = BARRIER_MILESTONE.get(barrier)
-        if milestone is None:
-            return
-        for pod in self.pods_on(node):
-            self.progress[pod.uid] = max(self.progress.get(pod.uid, -1), _rank(milestone))
-        self.report_progress()
+        if self.progress.passed_barrier(barrier, [pod.uid for pod in self.pods_on(node)]):
+            self.report_progress()
 
     def on_abort(self, reason: str) -> None:
         assert self.state is not None
@@ -343,15 +312,11 @@ class CheckpointJobDriver(Driver[JobState]):
         state = self.state
         if state is None or state.step is None:
             return
-        label = STEP_LABEL.get(state.step.kind)  # type: ignore[call-overload]
-        wanted = _rank(label)
-        if wanted < 0 or state.phase == JobPhase.ABORTING:
+        if state.phase == JobPhase.ABORTING:
             return
-        for member in state.members:
-            uid = member.pod.uid
-            if self.progress.get(uid, -1) >= wanted and (state.step.attempt, uid) not in self.reported:
-                self.reported.add((state.step.attempt, uid))
-                self.emit(PodStepDone(state.step.attempt, uid, bytes=self.pod_bytes.get(uid)))
+        label = STEP_LABEL.get(state.step.kind)  # type: ignore[call-overload]
+        for done in self.progress.steps_done(state.step.attempt, label, [m.pod.uid for m in state.members]):
+            self.emit(done)
 
     async def start_agents(self, action: QuiesceRanks) -> None:
         assert self.session is not None and self.state is not None
@@ -430,17 +395,11 @@ class CheckpointJobDriver(Driver[JobState]):
             self.emit(StepFailed(state.attempt, reason, message))
 
     def absorb(self, report: SessionReport) -> None:
-        by_pod: dict[str, list[int]] = {}
         for rank in report.ranks:
-            by_pod.setdefault(rank.pod_uid, []).append(_rank(RANK_MILESTONE.get(rank.phase)))
             self.record.rank_keys.setdefault(rank.pod_uid, set()).add(rank.rank_key)
-        if report.state == SessionState.SUCCEEDED:
-            # Staged, and (LeaveRunning) rebuilt and resumed; held (Stop) ranks wait for the kill.
-            final = "Uploaded" if self.spec.mode == CheckpointMode.STOP else "Resumed"
-            by_pod = {uid: [_rank(final)] for uid in by_pod}
-        for uid, ranks in by_pod.items():
-            self.progress[uid] = max(self.progress.get(uid, -1), min(ranks))
-            self.pod_bytes[uid] = sum(r.bytes for r in report.ranks if r.pod_uid == uid)
+        # A succeeded session: staged, and (LeaveRunning) rebuilt and resumed; held (Stop) ranks wait for
+        # the kill.
+        self.progress.absorb(report, lambda rank: rank.pod_uid)
         self.report_progress()
 
     async def commit(self, action: CommitManifest) -> None:
@@ -492,7 +451,7 @@ class CheckpointJobDriver(Driver[JobState]):
     async def publish(self, action: PublishCheckpoint) -> None:
         assert self.state is not None
         members = self.state.members
-        total = sum(self.pod_bytes.get(m.pod.uid, m.bytes or 0) for m in members)
+        total = sum(self.progress.bytes.get(m.pod.uid, m.bytes or 0) for m in members)
         spec = CheckpointSpec(
             job_name=self.store_job,
             checkpoint_job_ref=JobReference(name=self.name, uid=self.body["metadata"].get("uid")),

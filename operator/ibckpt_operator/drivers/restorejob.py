@@ -19,20 +19,18 @@ import logging
 import secrets
 import time
 from collections.abc import Awaitable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 from ibckpt.agentapi import (
+    RESTORE_MILESTONES,
     AgentError,
     ImageSource,
     Milestone,
     PhaseTimeouts,
-    RankPhase,
     RestoreRank,
     RestoreRequest,
     SecretRef,
     SessionReport,
-    SessionState,
 )
 from ibckpt.api import (
     API_VERSION,
@@ -49,6 +47,7 @@ from ibckpt_operator.cluster import bindings, sources, storage
 from ibckpt_operator.cluster.agents import Agent, agents_by_node, each_agent, follow_session, no_agent_message
 from ibckpt_operator.cluster.kube import ApiException, Body, api_message
 from ibckpt_operator.drivers.base import Driver, StepProblem, UnreadableStatus
+from ibckpt_operator.drivers.progress import PodProgress, Session
 from ibckpt_operator.drivers.runtime import Runtime
 from ibckpt_operator.machine import PodRef, RestoreConfig, RestoreMachine, RestoreState
 from ibckpt_operator.machine.actions import (
@@ -100,31 +99,13 @@ from ibckpt_operator.machine.restoreplan import (
 from ibckpt_operator.machine.status import restore_state, restore_status
 
 log = logging.getLogger(__name__)
-# How far a pod got, in the order the agents go; a rank in a phase has finished the milestone before it.
-MILESTONES = ("Downloaded", "Restored", "Rebuilt", "Resumed")
-RANK_MILESTONE = {
-    RankPhase.RESTORING: "Downloaded",
-    RankPhase.REBUILDING: "Restored",
-    RankPhase.RESUMING: "Rebuilt",
-}
 LIVE_PHASES = (RestorePhase.RESTORING, RestorePhase.REBUILDING, RestorePhase.RESUMING)
-
-
-def _rank(milestone: str | None) -> int:
-    return MILESTONES.index(milestone) if milestone in MILESTONES else -1
 
 
 def _node_ready(node: Body) -> bool:
     conditions = node.get("status", {}).get("conditions") or ()
     ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
     return ready and not node.get("spec", {}).get("unschedulable")
-
-
-@dataclass
-class Session:
-    id: str
-    token: str
-    nodes: dict[str, Agent]
 
 
 class RestoreJobDriver(Driver[RestoreState]):
@@ -139,9 +120,7 @@ class RestoreJobDriver(Driver[RestoreState]):
         self.checkpoint: Checkpoint | None = None
         self.session: Session | None = None
         self.polled: set[str] = set()  # nodes whose session report is being followed
-        self.progress: dict[str, int] = {}  # pod name -> index of its last milestone
-        self.pod_bytes: dict[str, int] = {}
-        self.reported: set[tuple[str, str]] = set()  # (attempt, pod name) already told to the machine
+        self.progress = PodProgress(RESTORE_MILESTONES, Milestone.RESUMED)  # by pod name
         self.by_controller = self.spec.pods_created_by == PodCreator.CONTROLLER
         if self.by_controller:
             bindings.register(self)
@@ -622,19 +601,7 @@ class RestoreJobDriver(Driver[RestoreState]):
         assert self.state is not None
         by_key = self.pods_of_ranks()
         by_uid = {m.pod.uid: m.pod.name for m in self.state.members if m.pod.uid}
-        by_pod: dict[str, list[int]] = {}
-        sizes: dict[str, int] = {}
-        for rank in report.ranks:
-            name = by_key.get(rank.rank_key) or by_uid.get(rank.pod_uid)
-            if name is None:
-                continue
-            done = "Resumed" if report.state == SessionState.SUCCEEDED else RANK_MILESTONE.get(rank.phase)
-            by_pod.setdefault(name, []).append(_rank(done))
-            sizes[name] = sizes.get(name, 0) + rank.bytes
-        for name, ranks in by_pod.items():
-            self.progress[name] = max(self.progress.get(name, -1), min(ranks))
-            if sizes[name]:
-                self.pod_bytes[name] = sizes[name]
+        self.progress.absorb(report, lambda rank: by_key.get(rank.rank_key) or by_uid.get(rank.pod_uid))
         self.report_progress()
 
     def report_progress(self) -> None:
@@ -644,14 +611,9 @@ class RestoreJobDriver(Driver[RestoreState]):
         state = self.state
         if state is None or state.step is None or state.phase not in (RestorePhase.DOWNLOADING, *LIVE_PHASES):
             return
-        wanted = _rank(STEP_LABEL[RestoreStep(state.step.kind)])
-        if wanted < 0:
-            return
-        for member in state.members:
-            name = member.pod.name
-            if self.progress.get(name, -1) >= wanted and (state.step.attempt, name) not in self.reported:
-                self.reported.add((state.step.attempt, name))
-                self.emit(PodStepDone(state.step.attempt, name, bytes=self.pod_bytes.get(name)))
+        label = STEP_LABEL[RestoreStep(state.step.kind)]
+        for done in self.progress.steps_done(state.step.attempt, label, [m.pod.name for m in state.members]):
+            self.emit(done)
 
     def fail_current(self, reason: str, message: str) -> None:
         state = self.state
