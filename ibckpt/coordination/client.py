@@ -4,21 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import socket
 from collections.abc import Mapping
-from typing import Any
 
-from ibckpt.coordination.wire import (
-    PROTOCOL_VERSION,
-    Frame,
-    Kind,
-    ProtocolError,
-    SocketFrameReader,
-    segment_index,
-    send_buffers,
-    unpack_segments,
-)
+from ibckpt.coordination.wire import PROTOCOL_VERSION, Frame, Kind, ProtocolError, SocketFrameReader
 
 CONNECT_TIMEOUT_S = 10.0
 # Replies may trail the server-side bound a little; this slack keeps the client from
@@ -110,7 +101,7 @@ class CoordinatorClient:
         hello = {"version": PROTOCOL_VERSION, "session": session, "participant": participant, "token": token}
         reader = SocketFrameReader(sock)
         try:
-            await asyncio.wait_for(send_buffers(sock, Frame(Kind.HELLO, hello).buffers()), CONNECT_TIMEOUT_S)
+            await asyncio.wait_for(Frame(Kind.HELLO, hello).send(sock), CONNECT_TIMEOUT_S)
             reply = await asyncio.wait_for(reader.read(), CONNECT_TIMEOUT_S)
         except (asyncio.IncompleteReadError, TimeoutError, ProtocolError, OSError) as exc:
             sock.close()
@@ -182,23 +173,17 @@ class CoordinatorClient:
         finally:
             self._fail_pending(CoordinatorError(f"lost the coordinator: {error!r}"), repr(error))
 
-    async def _request(
-        self,
-        kind: Kind,
-        header: dict[str, Any],
-        payload: bytes = b"",
-        timeout: float = 60.0,
-        parts: tuple[bytes, ...] = (),
-    ) -> Frame:
+    async def _request(self, request: Frame, timeout: float = 60.0) -> Frame:
         if self.lost_reason is not None:
             raise CoordinatorError(f"lost the coordinator: {self.lost_reason}")
         request_id = next(self._ids)
         future: asyncio.Future[Frame] = asyncio.get_running_loop().create_future()
         self._pending[request_id] = future
-        frame = Frame(kind, {**header, "id": request_id, "timeout": timeout}, payload, parts)
+        kind = request.kind
+        frame = dataclasses.replace(request, header={**request.header, "id": request_id, "timeout": timeout})
         try:
             async with self._write_lock:
-                await send_buffers(self._sock, frame.buffers())
+                await frame.send(self._sock)
         except OSError as exc:  # closed, or the coordinator went away
             self._pending.pop(request_id, None)
             raise CoordinatorError(f"cannot send {kind.name} to the coordinator: {exc}") from exc
@@ -222,29 +207,26 @@ class CoordinatorClient:
     # -- the API --------------------------------------------------------------------------
 
     async def barrier(self, name: str, timeout: float) -> None:
-        await self._request(Kind.BARRIER, {"name": name}, timeout=timeout)
+        await self._request(Frame(Kind.BARRIER, {"name": name}), timeout)
 
     async def put(self, key: str, value: bytes) -> None:
-        await self._request(Kind.PUT, {"key": key}, value)
+        await self._request(Frame(Kind.PUT, {"key": key}, value))
 
     async def put_many(self, records: Mapping[str, bytes]) -> None:
         """Publish many keys in one request (a node's rebuild records): one frame, one reply."""
         if records:
-            await self._request(
-                Kind.PUT_MANY, {"index": segment_index(records)}, parts=tuple(records.values())
-            )
+            await self._request(Frame.of_segments(Kind.PUT_MANY, records))
 
     async def get(self, key: str, timeout: float) -> bytes:
-        return bytes((await self._request(Kind.GET, {"key": key}, timeout=timeout)).payload)
+        return bytes((await self._request(Frame(Kind.GET, {"key": key}), timeout)).payload)
 
     async def exchange(
         self, round_name: str, segments: dict[str, bytes], timeout: float
     ) -> dict[str, memoryview]:
         """Publish segments addressed to other participants; return those addressed to us, by sender."""
-        header = {"round": round_name, "index": segment_index(segments)}
-        await self._request(Kind.ROUTE, header, parts=tuple(segments.values()))
-        reply = await self._request(Kind.GATHER, {"round": round_name}, timeout=timeout)
-        return unpack_segments(reply.header["index"], reply.payload)
+        await self._request(Frame.of_segments(Kind.ROUTE, segments, {"round": round_name}))
+        reply = await self._request(Frame(Kind.GATHER, {"round": round_name}), timeout)
+        return reply.segments()
 
     async def abort(self, reason: str) -> None:
-        await self._request(Kind.ABORT, {"reason": reason})
+        await self._request(Frame(Kind.ABORT, {"reason": reason}))

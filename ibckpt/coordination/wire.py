@@ -66,6 +66,21 @@ class Frame:
     def encode(self) -> bytes:
         return b"".join(self.buffers())
 
+    async def send(self, sock: socket.socket) -> None:
+        """Send the frame on a non-blocking socket (send_buffers); one sender at a time per socket."""
+        await send_buffers(sock, self.buffers())
+
+    @classmethod
+    def of_segments(
+        cls, kind: Kind, segments: Mapping[str, bytes | memoryview], header: dict[str, Any] | None = None
+    ) -> Frame:
+        """A frame carrying named segments: their index in the header, their bytes sent as they are."""
+        return cls(kind, {**(header or {}), "index": segment_index(segments)}, b"", tuple(segments.values()))
+
+    def segments(self) -> dict[str, memoryview]:
+        """The named segments this frame carries, as views of its payload."""
+        return unpack_segments(self.header["index"], self.payload)
+
 
 def _decode(kind: int, head: bytes) -> tuple[Kind, dict[str, Any]]:
     try:

@@ -6,13 +6,11 @@ import concurrent.futures
 from dataclasses import dataclass
 from datetime import datetime
 
-import botocore.exceptions
-
 from ibckpt.store.context import StoreContext
 from ibckpt.store.errors import CheckpointNotFoundError, ManifestError
 from ibckpt.store.layout import CheckpointRef
 from ibckpt.store.manifest import Manifest
-from ibckpt.store.s3 import is_not_found, list_objects, s3_errors
+from ibckpt.store.s3 import list_objects, missing_as, s3_errors
 
 
 @dataclass(frozen=True)
@@ -84,12 +82,6 @@ def delete_checkpoint(context: StoreContext, ref: CheckpointRef) -> None:
     """Remove the manifest: the checkpoint is gone at once; its chunks go at the next garbage collection."""
     key = context.layout.manifest_key(ref)
     with s3_errors(context.connection, f"deleting checkpoint {ref}"):
-        try:
+        with missing_as(lambda: context.not_found(ref)):
             context.client.head_object(Bucket=context.bucket, Key=key)
-        except botocore.exceptions.ClientError as error:
-            if is_not_found(error):
-                raise CheckpointNotFoundError(
-                    f"checkpoint {ref} does not exist ({context.connection.where()})"
-                ) from None
-            raise
         context.client.delete_object(Bucket=context.bucket, Key=key)

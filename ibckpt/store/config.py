@@ -9,14 +9,16 @@ from __future__ import annotations
 import base64
 import binascii
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, SecretBytes, SecretStr, field_validator
 
 from ibckpt.store.errors import ConfigError
 from ibckpt.store.units import parse_duration, parse_size
+
+T = TypeVar("T")
 
 DEFAULT_CHUNK_SIZE = 8 * 1024 * 1024
 MIN_CHUNK_SIZE = 64 * 1024
@@ -192,34 +194,22 @@ def read_secret_dir(path: Path) -> dict[str, bytes]:
     }
 
 
-def _env_float(env: Mapping[str, str], name: str) -> float | None:
-    value = env.get(name)
-    if value is None or value == "":
-        return None
+def _integer(text: str) -> int:
     try:
-        return parse_duration(value)
-    except ValueError as error:
-        raise ConfigError(f"{name}: {error}") from None
-
-
-def _env_size(env: Mapping[str, str], name: str) -> int | None:
-    value = env.get(name)
-    if value is None or value == "":
-        return None
-    try:
-        return parse_size(value)
-    except ValueError as error:
-        raise ConfigError(f"{name}: {error}") from None
-
-
-def _env_int(env: Mapping[str, str], name: str) -> int | None:
-    value = env.get(name)
-    if value is None or value == "":
-        return None
-    try:
-        return int(value)
+        return int(text)
     except ValueError:
-        raise ConfigError(f"{name}: not an integer: {value!r}") from None
+        raise ValueError(f"not an integer: {text!r}") from None
+
+
+def _env_value(env: Mapping[str, str], name: str, parse: Callable[[str], T]) -> T | None:
+    """`parse` of variable `name`; None when it is unset or empty; ConfigError naming it when malformed."""
+    value = env.get(name)
+    if value is None or value == "":
+        return None
+    try:
+        return parse(value)
+    except ValueError as error:
+        raise ConfigError(f"{name}: {error}") from None
 
 
 def config_from_env(
@@ -243,16 +233,16 @@ def config_from_env(
         "region": env.get("IBCKPT_S3_REGION") or env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION"),
         "addressing_style": env.get("IBCKPT_S3_ADDRESSING") or None,
         "ca_bundle": env.get("IBCKPT_S3_CA_BUNDLE") or env.get("AWS_CA_BUNDLE") or None,
-        "max_attempts": _env_int(env, "IBCKPT_S3_MAX_ATTEMPTS"),
-        "connect_timeout": _env_float(env, "IBCKPT_S3_CONNECT_TIMEOUT"),
-        "read_timeout": _env_float(env, "IBCKPT_S3_READ_TIMEOUT"),
-        "chunk_size": _env_size(env, "IBCKPT_CHUNK_SIZE"),
-        "pack_below": _env_size(env, "IBCKPT_PACK_BELOW"),
-        "blind_put_below": _env_size(env, "IBCKPT_BLIND_PUT_BELOW"),
-        "compression_level": _env_int(env, "IBCKPT_COMPRESSION_LEVEL"),
-        "workers": _env_int(env, "IBCKPT_WORKERS"),
-        "lease_seconds": _env_float(env, "IBCKPT_LEASE"),
-        "max_rate": _env_size(env, "IBCKPT_MAX_RATE"),
+        "max_attempts": _env_value(env, "IBCKPT_S3_MAX_ATTEMPTS", _integer),
+        "connect_timeout": _env_value(env, "IBCKPT_S3_CONNECT_TIMEOUT", parse_duration),
+        "read_timeout": _env_value(env, "IBCKPT_S3_READ_TIMEOUT", parse_duration),
+        "chunk_size": _env_value(env, "IBCKPT_CHUNK_SIZE", parse_size),
+        "pack_below": _env_value(env, "IBCKPT_PACK_BELOW", parse_size),
+        "blind_put_below": _env_value(env, "IBCKPT_BLIND_PUT_BELOW", parse_size),
+        "compression_level": _env_value(env, "IBCKPT_COMPRESSION_LEVEL", _integer),
+        "workers": _env_value(env, "IBCKPT_WORKERS", _integer),
+        "lease_seconds": _env_value(env, "IBCKPT_LEASE", parse_duration),
+        "max_rate": _env_value(env, "IBCKPT_MAX_RATE", parse_size),
     }
     if env.get("IBCKPT_S3_VERIFY_TLS", "").lower() in {"0", "false", "no"}:
         fields["verify_tls"] = False

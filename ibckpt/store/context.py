@@ -8,13 +8,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import botocore.exceptions
-
 from ibckpt.store.codec import ChunkKeys
 from ibckpt.store.errors import CheckpointNotFoundError
 from ibckpt.store.layout import CheckpointRef, Layout
 from ibckpt.store.manifest import Manifest, parse_manifest
-from ibckpt.store.s3 import Connection, is_not_found, s3_errors
+from ibckpt.store.s3 import Connection, missing_as, s3_errors
 
 ProgressCallback = Callable[[int], None]
 
@@ -35,18 +33,16 @@ class StoreContext:
     def client(self) -> Any:
         return self.connection.client
 
+    def not_found(self, ref: CheckpointRef) -> CheckpointNotFoundError:
+        return CheckpointNotFoundError(f"checkpoint {ref} does not exist ({self.connection.where()})")
+
     def load_manifest(self, ref: CheckpointRef) -> Manifest:
         key = self.layout.manifest_key(ref)
-        with s3_errors(self.connection, f"reading the manifest of {ref}"):
-            try:
-                response = self.client.get_object(Bucket=self.bucket, Key=key)
-            except botocore.exceptions.ClientError as error:
-                if is_not_found(error):
-                    raise CheckpointNotFoundError(
-                        f"checkpoint {ref} does not exist ({self.connection.where()})"
-                    ) from None
-                raise
-            data = response["Body"].read()
+        with (
+            s3_errors(self.connection, f"reading the manifest of {ref}"),
+            missing_as(lambda: self.not_found(ref)),
+        ):
+            data = self.client.get_object(Bucket=self.bucket, Key=key)["Body"].read()
         return parse_manifest(data, f"{ref} ({key})")
 
 

@@ -17,15 +17,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import botocore.exceptions
-
 from ibckpt.store import codec
 from ibckpt.store.context import ProgressCallback, StageTimes, StoreContext
 from ibckpt.store.errors import ChunkCorruptError, ChunkError, ChunkMissingError, EncryptionError, StoreError
 from ibckpt.store.layout import CheckpointRef
 from ibckpt.store.leases import holder_lease, wait_for_sweeps
 from ibckpt.store.manifest import FileRecord, Manifest
-from ibckpt.store.s3 import is_not_found, s3_errors
+from ibckpt.store.s3 import missing_as, s3_errors
 
 
 @dataclass(frozen=True)
@@ -110,21 +108,22 @@ def _placements(files: list[FileRecord]) -> dict[str, ChunkUse]:
     return where
 
 
+def _missing(ref: CheckpointRef, cid: str, where: str) -> ChunkMissingError:
+    return ChunkMissingError(
+        f"chunk {cid} of checkpoint {ref} is missing ({where})", chunk_id=cid, checkpoint=str(ref)
+    )
+
+
 def fetch_chunk(context: StoreContext, ref: CheckpointRef, cid: str, size: int, times: StageTimes) -> bytes:
     """One chunk's plain bytes, verified against its id and at least `size` long; ChunkError names the chunk
     and the checkpoint."""
     key = context.layout.chunk_key(cid)
-    with times.timed("get"), s3_errors(context.connection, f"fetching chunk {cid} of {ref}"):
-        try:
-            stored = context.client.get_object(Bucket=context.bucket, Key=key)["Body"].read()
-        except botocore.exceptions.ClientError as error:
-            if is_not_found(error):
-                raise ChunkMissingError(
-                    f"chunk {cid} of checkpoint {ref} is missing ({context.connection.where()}, key {key})",
-                    chunk_id=cid,
-                    checkpoint=str(ref),
-                ) from None
-            raise
+    with (
+        times.timed("get"),
+        s3_errors(context.connection, f"fetching chunk {cid} of {ref}"),
+        missing_as(lambda: _missing(ref, cid, f"{context.connection.where()}, key {key}")),
+    ):
+        stored = context.client.get_object(Bucket=context.bucket, Key=key)["Body"].read()
     try:
         with times.timed("decode"):
             plain = codec.open_chunk(stored, cid, context.keys)
@@ -302,17 +301,11 @@ def verify(
 
 def _check_exists(context: StoreContext, ref: CheckpointRef, cid: str, stored_size: int) -> None:
     key = context.layout.chunk_key(cid)
-    with s3_errors(context.connection, f"looking up chunk {cid} of {ref}"):
-        try:
-            head = context.client.head_object(Bucket=context.bucket, Key=key)
-        except botocore.exceptions.ClientError as error:
-            if is_not_found(error):
-                raise ChunkMissingError(
-                    f"chunk {cid} of checkpoint {ref} is missing (key {key})",
-                    chunk_id=cid,
-                    checkpoint=str(ref),
-                ) from None
-            raise
+    with (
+        s3_errors(context.connection, f"looking up chunk {cid} of {ref}"),
+        missing_as(lambda: _missing(ref, cid, f"key {key}")),
+    ):
+        head = context.client.head_object(Bucket=context.bucket, Key=key)
     if int(head["ContentLength"]) != stored_size:
         raise ChunkCorruptError(
             f"chunk {cid} of checkpoint {ref} has {head['ContentLength']} bytes stored, "

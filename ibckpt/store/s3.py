@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import email.utils
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -154,6 +154,17 @@ def error_code(error: botocore.exceptions.ClientError) -> str:
 
 def is_not_found(error: botocore.exceptions.ClientError) -> bool:
     return error_code(error) in {"404", "NoSuchKey", "NotFound"}
+
+
+@contextmanager
+def missing_as(error: Callable[[], StoreError]) -> Iterator[None]:
+    """Raise `error()` in place of S3's not-found answer (404, NoSuchKey); other errors pass on."""
+    try:
+        yield
+    except botocore.exceptions.ClientError as found:
+        if is_not_found(found):
+            raise error() from None
+        raise
 
 
 def translate(error: Exception, connection: Connection, action: str) -> StoreError:

@@ -17,9 +17,7 @@ from ibckpt.coordination.wire import (
     Kind,
     ProtocolError,
     SocketFrameReader,
-    segment_index,
     send_buffers,
-    unpack_segments,
 )
 from ibckpt_operator.coordinator.session import (
     CoordinationTimeout,
@@ -234,17 +232,17 @@ class CoordinatorServer:
                 session.put(str(head["key"]), bytes(frame.payload), me)
                 return Frame(Kind.OK)
             case Kind.PUT_MANY:
-                for key, value in unpack_segments(head["index"], frame.payload).items():
+                for key, value in frame.segments().items():
                     session.put(key, bytes(value), me)
                 return Frame(Kind.OK)
             case Kind.GET:
                 return Frame(Kind.VALUE, {}, await session.get(str(head["key"]), me, timeout))
             case Kind.ROUTE:
-                session.publish(str(head["round"]), me, unpack_segments(head["index"], frame.payload))
+                session.publish(str(head["round"]), me, frame.segments())
                 return Frame(Kind.OK)
             case Kind.GATHER:
                 got = await session.gather(str(head["round"]), me, timeout)
-                return Frame(Kind.SEGMENTS, {"index": segment_index(got)}, b"", tuple(got.values()))
+                return Frame.of_segments(Kind.SEGMENTS, got)
             case Kind.ABORT:
                 session.abort(f"{me}: {head.get('reason', 'no reason given')}")
                 return Frame(Kind.OK)
