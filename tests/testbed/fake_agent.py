@@ -1,0 +1,313 @@
+"""A fake ibckpt node agent for the operator's tests: the agent API (ibckpt.agentapi) over HTTP on
+127.0.0.x, walking its ranks through the real agent's phases and milestones, and staging a checkpoint's
+part in the real S3 so the operator's commit is real (the cluster tests use the real agent)."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+from ibckpt.agentapi import (
+    AgentInfo,
+    CheckpointRequest,
+    ContainerList,
+    Milestone,
+    Mode,
+    RankPhase,
+    RankProgress,
+    RegisteredContainer,
+    RestoreRequest,
+    SessionKind,
+    SessionReport,
+    SessionState,
+)
+from ibckpt.store import CheckpointRef, ImageStore, RankInfo, StoreConfig
+
+AGENT_TOKEN = "agent-test-token"  # the operator's service account token, as the fake agents expect it
+
+
+@dataclass
+class FakeAgent:
+    """One node's agent API. `behaviour`: "hang" keeps every rank quiescing; "complete" walks the ranks
+    through every phase and stages this node's part in the real S3 (so the operator's commit is real).
+    A restore session goes in the real agent's order: it reads the checkpoint's manifest from the real S3,
+    "stages" (ranks Restoring), then waits for the operator to create the pods of the requested names
+    (with the restore annotation) and takes their uids, and walks the ranks to Done; `download_failure`
+    fails it while downloading, `restore_failure` once the pods exist, `restore_hang` waits there."""
+
+    node: str
+    host: str
+    port: int
+    behaviour: str = "hang"
+    store: StoreConfig | None = None
+    containers: list[RegisteredContainer] = field(default_factory=list)
+    requests: list[CheckpointRequest] = field(default_factory=list)
+    aborts: list[tuple[str, str]] = field(default_factory=list)
+    rejoins: list[str | None] = field(default_factory=list)  # each abort's replacement coordinator
+    reports: dict[str, SessionReport] = field(default_factory=dict)
+    server: ThreadingHTTPServer | None = None
+    restores: list[RestoreRequest] = field(default_factory=list)
+    restore_failure: str | None = None
+    restore_hang: bool = False  # stay Restoring (the runtime never restored the container)
+    download_failure: str | None = None
+    # namespace, pod name -> (uid, restore-from annotation) of the pod of that name, or None
+    pod_lookup: Callable[[str, str], tuple[str, str] | None] | None = None
+    pods_at_request: list[list[str]] = field(default_factory=list)  # per restore: its pods that existed
+    version: str = "test"
+
+    def register(self, pod: dict[str, Any], namespace: str, container: str = "main") -> None:
+        self.containers.append(
+            RegisteredContainer(
+                container_id=secrets.token_hex(8),
+                namespace=namespace,
+                pod=pod["name"],
+                pod_uid=pod["uid"],
+                container=container,
+                pid=4242,
+                control_socket="/run/ibckpt/ctl/4242.sock",
+                shim=True,
+            )
+        )
+
+    def start(self) -> None:
+        agent = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def reply(self, status: int, body: bytes) -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def authorized(self) -> bool:
+                if self.headers.get("Authorization") != f"Bearer {AGENT_TOKEN}":
+                    self.reply(401, b'{"error": "unauthorized"}')
+                    return False
+                return True
+
+            def do_GET(self) -> None:
+                if self.path == "/healthz":
+                    self.reply(200, b"ok")
+                    return
+                if not self.authorized():
+                    return
+                if self.path == "/v1/info":
+                    info = AgentInfo(node=agent.node, version=agent.version, ready=True,
+                                     address=f"{agent.host}:1", shim_path="/opt/ibckpt/libibckpt.so",
+                                     shim_present=True, containers=agent.containers)  # fmt: skip
+                    self.reply(200, info.to_json())
+                elif self.path == "/v1/containers":
+                    self.reply(200, ContainerList(node=agent.node, containers=agent.containers).to_json())
+                elif self.path.startswith("/v1/sessions/"):
+                    report = agent.reports.get(self.path.rsplit("/", 1)[1])
+                    if report is None:
+                        self.reply(404, b'{"error": "unknown session"}')
+                    else:
+                        self.reply(200, report.to_json())
+                else:
+                    self.reply(404, b'{"error": "no such path"}')
+
+            def do_POST(self) -> None:
+                if not self.authorized():
+                    return
+                body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+                if self.path == "/v1/sessions/checkpoint":
+                    request = CheckpointRequest.from_json(body)
+                    agent.requests.append(request)
+                    report = agent.new_report(request)
+                    self.reply(202, report.to_json())
+                    if agent.behaviour == "complete":
+                        threading.Thread(target=agent.complete, args=(request,), daemon=True).start()
+                    elif agent.behaviour == "refuse":
+                        agent.refuse(request)
+                elif self.path == "/v1/sessions/restore":
+                    restore = RestoreRequest.from_json(body)
+                    agent.restores.append(restore)
+                    agent.pods_at_request.append(
+                        sorted({r.pod for r in restore.ranks if agent.find_pod(r.namespace, r.pod)})
+                    )
+                    report = agent.new_restore_report(restore)
+                    self.reply(202, report.to_json())
+                    threading.Thread(target=agent.restore, args=(restore,), daemon=True).start()
+                elif self.path.endswith("/abort"):
+                    session = self.path.split("/")[3]
+                    agent.aborts.append((session, json.loads(body)["reason"]))
+                    agent.rejoins.append(json.loads(body).get("coordinator"))
+                    running = agent.reports.get(session)
+                    if running is None:
+                        self.reply(404, b'{"error": "unknown session"}')
+                        return
+                    ranks = [r.model_copy(update={"phase": RankPhase.DONE}) for r in running.ranks]
+                    done = running.model_copy(update={"state": SessionState.ABORTED, "ranks": ranks,
+                                                     "finished_at": time.time()})  # fmt: skip
+                    agent.reports[session] = done
+                    self.reply(200, done.to_json())
+                else:
+                    self.reply(404, b'{"error": "no such path"}')
+
+        self.server = ThreadingHTTPServer((self.host, self.port), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+
+    def new_report(self, request: CheckpointRequest) -> SessionReport:
+        ranks = [
+            RankProgress(rank_key=f"{request.job}/{r.pod_uid}/{r.container}/0", pod_uid=r.pod_uid,
+                         container=r.container, pid=4242, phase=RankPhase.QUIESCING, done=Milestone.ADMITTED)
+            for r in request.ranks
+        ]  # fmt: skip
+        report = SessionReport(session_id=request.session_id, kind=SessionKind.CHECKPOINT, node=self.node,
+                               phase="quiesce", ranks=ranks, started_at=time.time())  # fmt: skip
+        self.reports[request.session_id] = report
+        return report
+
+    def new_restore_report(self, request: RestoreRequest) -> SessionReport:
+        ranks = [
+            RankProgress(
+                rank_key=r.rank_key, pod_uid=r.pod_uid, container=r.container, phase=RankPhase.DOWNLOADING
+            )
+            for r in request.ranks
+        ]
+        report = SessionReport(session_id=request.session_id, kind=SessionKind.RESTORE, node=self.node,
+                               phase="Downloading", ranks=ranks, started_at=time.time())  # fmt: skip
+        self.reports[request.session_id] = report
+        return report
+
+    def restore(self, request: RestoreRequest) -> None:
+        session = request.session_id
+        try:
+            assert self.store is not None
+            ImageStore.open(self.store).manifest(
+                CheckpointRef(request.images.job, request.images.checkpoint_id)
+            )
+        except Exception as error:
+            self.set_phase(session, RankPhase.FAILED, state=SessionState.FAILED, finished_at=time.time(),
+                           message=f"{self.node}: reading the manifest: {error}")  # fmt: skip
+            return
+        time.sleep(0.2)
+        if self.reports[session].state.finished:  # aborted meanwhile
+            return
+        if self.download_failure:
+            self.set_phase(session, RankPhase.FAILED, state=SessionState.FAILED, finished_at=time.time(),
+                           message=self.download_failure)  # fmt: skip
+            return
+        self.set_phase(session, RankPhase.RESTORING, Milestone.DOWNLOADED, bytes=1000)  # the pods are next
+        if not self.wait_for_pods(request):
+            return
+        if self.restore_hang:
+            return
+        for phase, done in (
+            (RankPhase.REBUILDING, Milestone.RESTORED),
+            (RankPhase.RESUMING, Milestone.REBUILT),
+        ):
+            time.sleep(0.2)
+            if self.reports[session].state.finished:  # aborted meanwhile
+                return
+            if self.restore_failure and phase == RankPhase.REBUILDING:
+                self.set_phase(session, RankPhase.FAILED, state=SessionState.FAILED, finished_at=time.time(),
+                               message=self.restore_failure)  # fmt: skip
+                return
+            self.set_phase(session, phase, done)
+        time.sleep(0.2)
+        self.set_phase(session, RankPhase.DONE, Milestone.RESUMED, state=SessionState.SUCCEEDED,
+                       finished_at=time.time())  # fmt: skip
+
+    def find_pod(self, namespace: str, name: str) -> tuple[str, str] | None:
+        return self.pod_lookup(namespace, name) if self.pod_lookup is not None else None
+
+    def wait_for_pods(self, request: RestoreRequest) -> bool:
+        """As the real agent: the pods of the requested names, created with the restore annotation after
+        staging; their uids go into the report. False if aborted meanwhile or never created."""
+        session = request.session_id
+        deadline = time.monotonic() + min(request.timeouts.restore_seconds, 60)
+        while True:
+            report = self.reports[session]
+            if report.state.finished:
+                return False
+            found = {(r.namespace, r.pod): self.find_pod(r.namespace, r.pod) for r in request.ranks}
+            uids = {key: pod[0] for key, pod in found.items() if pod and pod[1] == request.checkpoint}
+            if len(uids) == len(found):
+                by_key = {r.rank_key: uids[(r.namespace, r.pod)] for r in request.ranks}
+                ranks = [r.model_copy(update={"pod_uid": by_key.get(r.rank_key, r.pod_uid)})
+                         for r in report.ranks]  # fmt: skip
+                self.reports[session] = report.model_copy(update={"ranks": ranks})
+                return True
+            if time.monotonic() > deadline:
+                missing = ", ".join(sorted(f"{ns}/{pod}" for (ns, pod) in set(found) - set(uids)))
+                self.set_phase(session, RankPhase.FAILED, state=SessionState.FAILED, finished_at=time.time(),
+                               message=f"{self.node}: pods never created: {missing}")  # fmt: skip
+                return False
+            time.sleep(0.2)
+
+    def first_request(self, timeout: float = 10.0) -> CheckpointRequest:
+        """The first checkpoint request, once it came: the operator writes the step to status first, then
+        calls the agent, so a phase seen in status does not mean the call was made."""
+        deadline = time.monotonic() + timeout
+        while not self.requests:
+            assert time.monotonic() < deadline, f"the agent on {self.node} was never asked"
+            time.sleep(0.05)
+        return self.requests[0]
+
+    def set_phase(
+        self, session: str, phase: RankPhase, done: Milestone | None = None, **changes: Any
+    ) -> None:
+        """Every rank in `phase`, past `done` (None: the milestone it had)."""
+        report = self.reports[session]
+        ranks = [
+            r.model_copy(
+                update={"phase": phase, "done": done or r.done, "bytes": changes.pop("bytes", r.bytes)}
+            )
+            for r in report.ranks
+        ]  # the bytes, if given, go to the first rank
+        self.reports[session] = report.model_copy(update={"ranks": ranks, **changes})
+
+    def refuse(self, request: CheckpointRequest) -> None:
+        """What the real agent's preflight says of a rank holding something it cannot save."""
+        rank = request.ranks[0]
+        message = (f"{self.node}: refusing to checkpoint {request.job}/{rank.container} (pid 4242): "
+                   "unsupported verb ibv_alloc_dm")  # fmt: skip
+        self.set_phase(request.session_id, RankPhase.DONE, state=SessionState.REFUSED, message=message,
+                       finished_at=time.time())  # fmt: skip
+
+    def complete(self, request: CheckpointRequest) -> None:
+        """The real agent's order: the cut, the dump, (LeaveRunning) rebuild and resume, then the upload
+        of this node's part; the session succeeds only once the part is staged."""
+        session = request.session_id
+        phases = [(RankPhase.DRAINING, Milestone.QUIESCED), (RankPhase.RELEASING, Milestone.DRAINED),
+                  (RankPhase.DUMPING, Milestone.RELEASED)]  # fmt: skip
+        if request.mode == Mode.HOLD:
+            phases += [(RankPhase.UPLOADING, Milestone.DUMPED)]
+        else:
+            phases += [(RankPhase.REBUILDING, Milestone.DUMPED), (RankPhase.RESUMING, Milestone.REBUILT),
+                       (RankPhase.UPLOADING, Milestone.RESUMED)]  # fmt: skip
+        for phase, done in phases:
+            time.sleep(0.2)
+            self.set_phase(session, phase, done)
+        assert self.store is not None and request.images is not None
+        images = Path(f"/tmp/ibckpt-fake-agent-{self.node}-{secrets.token_hex(3)}")
+        images.mkdir()
+        (images / "pages-1.img").write_bytes(os.urandom(200_000))
+        store = ImageStore.open(self.store)
+        with store.writer(request.images.job, request.images.checkpoint_id) as writer:
+            writer.add_tree(images, under=self.node)
+            rank = RankInfo(
+                rank=int(self.host.rsplit(".", 1)[1]), pod=self.node, node=self.node, root=self.node
+            )
+            writer.stage(self.node, ranks=[rank])
+        final = (RankPhase.HELD, Milestone.UPLOADED) if request.mode == Mode.HOLD else (RankPhase.DONE, None)
+        self.set_phase(session, *final, bytes=200_000, state=SessionState.SUCCEEDED, finished_at=time.time())
