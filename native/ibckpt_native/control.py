@@ -1,7 +1,16 @@
-"""Client of a libibckpt control socket (protocol version 1, see docs/native-shim.md)."""
+"""Client of a libibckpt control socket (protocol version 1, see docs/native-shim.md).
+
+One request line, one reply line (`ok {json}` or `err {json}`), one fresh connection per command, so
+no connection is open while the process is dumped. The verbs' lines (`lines`) and the reply's parse
+are shared by the blocking client (ShimControl: tests, the guests' scripts, the command line) and the
+event-loop one (AsyncShimControl: the node agent). Standard library only: it runs in slow TCG guests,
+and it imports nothing of ibckpt, ibckpt_node or ibckpt_operator.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import socket
 from dataclasses import dataclass
@@ -18,10 +27,45 @@ class ControlError(RuntimeError):
         self.reply = reply
 
 
+class lines:  # a namespace: lines.quiesce(ms) reads as the line it builds
+    """The request line of each verb, as native/src/cmdline.c parses it (`VERB [A [B]] [quiet]`)."""
+
+    @staticmethod
+    def quiesce(timeout_ms: int) -> str:
+        return f"quiesce {timeout_ms}"
+
+    @staticmethod
+    def drain(timeout_ms: int, stall_ms: int | None = None) -> str:
+        """stall_ms: how long without a completion ends the drain (the shim's default if None)."""
+        return f"drain {timeout_ms}" + ("" if stall_ms is None else f" {stall_ms}")
+
+    @staticmethod
+    def release(timeout_ms: int, quiet: bool = False) -> str:
+        """quiet: wait for the CQs to stay quiet instead of counting the flushes."""
+        return f"release {timeout_ms}" + (" quiet" if quiet else "")
+
+    @staticmethod
+    def rebuild(epoch: int, timeout_ms: int) -> str:
+        return f"rebuild {epoch} {timeout_ms}"
+
+    @staticmethod
+    def lease(ms: int) -> str:
+        """Renew the lease for ms; 0 hands the rank over with no bound."""
+        return f"lease {ms}"
+
+
+def parse_reply(command: str, raw: bytes) -> dict[str, Any]:
+    """The reply's JSON body; ControlError if the shim said `err`."""
+    status, _, body = raw.decode().strip().partition(" ")
+    reply: dict[str, Any] = json.loads(body) if body else {}
+    if status != "ok":
+        raise ControlError(command, reply)
+    return reply
+
+
 @dataclass
 class ShimControl:
-    """One process's control socket. Each command uses a fresh connection, so no
-    connection is open while the process is dumped."""
+    """One process's control socket, blocking."""
 
     path: str
     timeout: float = 120.0
@@ -37,12 +81,7 @@ class ShimControl:
                 if not chunk:
                     break
                 buf += chunk
-        text = buf.decode().strip()
-        status, _, body = text.partition(" ")
-        reply: dict[str, Any] = json.loads(body) if body else {}
-        if status != "ok":
-            raise ControlError(line, reply)
-        return reply
+        return parse_reply(line, buf)
 
     def hello(self) -> dict[str, Any]:
         reply = self.command("hello")
@@ -54,23 +93,72 @@ class ShimControl:
         return self.command("status")
 
     def quiesce(self, timeout_ms: int = 10000) -> dict[str, Any]:
-        return self.command(f"quiesce {timeout_ms}")
+        return self.command(lines.quiesce(timeout_ms))
 
     def drain(self, timeout_ms: int = 10000, stall_ms: int | None = None) -> dict[str, Any]:
-        """stall_ms: how long without a completion ends the drain (the shim's default if None)."""
-        return self.command(f"drain {timeout_ms}" + ("" if stall_ms is None else f" {stall_ms}"))
+        return self.command(lines.drain(timeout_ms, stall_ms))
 
     def release(self, timeout_ms: int = 10000) -> dict[str, Any]:
-        return self.command(f"release {timeout_ms}")
+        return self.command(lines.release(timeout_ms))
 
     def rebuild(self, epoch: int, timeout_ms: int = 30000) -> dict[str, Any]:
-        return self.command(f"rebuild {epoch} {timeout_ms}")
+        return self.command(lines.rebuild(epoch, timeout_ms))
 
     def resume(self) -> dict[str, Any]:
         return self.command("resume")
 
     def abort(self) -> dict[str, Any]:
         return self.command("abort")
+
+
+@dataclass
+class AsyncShimControl:
+    """One process's control socket, on the event loop.
+
+    No thread per rank: on a small node, creating and scheduling one thread per rank next to
+    busy-polling ranks cost more than the shim's own quiesce. `timeout_s` bounds the connect and
+    the reply, each."""
+
+    path: str
+    reply_limit: int  # a status or rebuild reply lists every QP of the rank
+
+    async def command(self, line: str, timeout_s: float = 600.0) -> dict[str, Any]:
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_unix_connection(self.path, limit=self.reply_limit), timeout_s
+        )
+        try:
+            writer.write(line.encode() + b"\n")
+            await writer.drain()
+            raw = await asyncio.wait_for(reader.readline(), timeout_s)
+        finally:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+        return parse_reply(line, raw)
+
+    async def status(self, timeout_s: float = 600.0) -> dict[str, Any]:
+        return await self.command("status", timeout_s)
+
+    async def quiesce(self, timeout_ms: int) -> dict[str, Any]:
+        return await self.command(lines.quiesce(timeout_ms))
+
+    async def drain(self, timeout_ms: int, stall_ms: int | None = None) -> dict[str, Any]:
+        return await self.command(lines.drain(timeout_ms, stall_ms))
+
+    async def release(self, timeout_ms: int, quiet: bool = False) -> dict[str, Any]:
+        return await self.command(lines.release(timeout_ms, quiet))
+
+    async def rebuild(self, epoch: int, timeout_ms: int) -> dict[str, Any]:
+        return await self.command(lines.rebuild(epoch, timeout_ms))
+
+    async def resume(self) -> dict[str, Any]:
+        return await self.command("resume")
+
+    async def abort(self) -> dict[str, Any]:
+        return await self.command("abort")
+
+    async def lease(self, ms: int, timeout_s: float) -> dict[str, Any]:
+        return await self.command(lines.lease(ms), timeout_s)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -44,17 +44,12 @@ from ibckpt.coordination.client import CoordinatorClient, CoordinatorError
 from ibckpt.coordination.ranks import RankId
 from ibckpt_node.coord_proxy import ShimCoordinatorProxy
 from ibckpt_node.criu import CriuError
-from ibckpt_node.driver import (
-    CheckpointFailed,
-    CutOptions,
-    LocalRank,
-    NodeDriver,
-    NodeReport,
-    NodeSettings,
-    ProcessTree,
-)
+from ibckpt_node.driver import CutOptions, NodeDriver, NodeSettings
+from ibckpt_node.errors import CheckpointFailed
 from ibckpt_node.priority import DEFAULT_BOOST_NICE
+from ibckpt_node.ranks import LocalRank, NodeReport
 from ibckpt_node.tcp_remap import RemapError, parse_map
+from ibckpt_node.trees import ProcessTree
 
 DEFAULT_SHIM_SOCKET = "/run/ibckpt/coord.sock"
 

@@ -10,34 +10,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import ipaddress
-import json
 import logging
-import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from ibckpt.agentapi import Milestone, Mode, PhaseTimeouts
-from ibckpt.coordination.client import (
-    CoordinationAborted,
-    CoordinationTimedOut,
-    CoordinatorClient,
-    CoordinatorError,
-)
+from ibckpt.coordination.client import CoordinatorClient, CoordinatorError
 from ibckpt.coordination.ranks import RankId
-from ibckpt_native.control import ControlError, ShimControl
-from ibckpt_node import container_runtime, criu, failpoints, preflight, priority, stuck, tcp_remap
+from ibckpt_native.control import ControlError
+from ibckpt_node import abort, criu, failpoints, priority, stuck, tcp_remap
+from ibckpt_node.errors import CheckpointFailed, CheckpointRefused
+from ibckpt_node.leases import RankLeases, ms
+from ibckpt_node.preflight import Preflight
+from ibckpt_node.procfs import device_fds_and_maps
+from ibckpt_node.ranks import LocalRank, NodeReport, on_all, unanswered
+from ibckpt_node.trees import ProcessTree, check_released, dump_all, read_tree_manifest
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
-REPLY_LIMIT = 64 * 1024 * 1024  # a status or rebuild reply lists every QP of the rank
-SHIM_CLOSES_S = 0.2  # after a renewal's reply, time for the shim's control thread to close its end
-
 
 # A barrier that marks no rank's progress: every node holds its restored TCP connections before any
 # node restores a rank (tcp_remap.py).
@@ -79,123 +72,8 @@ class CutOptions:
     release_quiet: bool = False
 
 
-@dataclass
-class LocalRank:
-    """A process on this node that runs under the shim."""
-
-    rank: RankId
-    pid: int
-    control_path: Path
-
-    @property
-    def control(self) -> ShimControl:
-        return ShimControl(str(self.control_path))
-
-    async def command(self, line: str, timeout_s: float = 600.0) -> dict[str, Any]:
-        """One control command on a fresh connection, as ShimControl does, but on the event loop.
-
-        No thread per rank: on a small node, creating and scheduling one thread per rank next to
-        busy-polling ranks cost more than the shim's own quiesce.
-        """
-        reader, writer = await asyncio.wait_for(
-            asyncio.open_unix_connection(str(self.control_path), limit=REPLY_LIMIT), timeout_s
-        )
-        try:
-            writer.write(line.encode() + b"\n")
-            await writer.drain()
-            raw = await asyncio.wait_for(reader.readline(), timeout_s)
-        finally:
-            writer.close()
-            with contextlib.suppress(OSError):
-                await writer.wait_closed()
-        status, _, body = raw.decode().strip().partition(" ")
-        reply: dict[str, Any] = json.loads(body) if body else {}
-        if status != "ok":
-            raise ControlError(line, reply)
-        return reply
-
-
-@dataclass
-class NodeReport:
-    node: str
-    phases: dict[str, float] = field(default_factory=dict)  # seconds per phase, barrier included
-    local: dict[str, float] = field(default_factory=dict)  # seconds until this node's part was done
-    shim: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)  # phase -> rank -> report
-    images: dict[str, Path] = field(default_factory=dict)
-    restored_pids: dict[str, int] = field(default_factory=dict)
-    remapped: dict[str, list[str]] = field(default_factory=dict)  # rank -> socket addresses rewritten
-    locked: list[str] = field(default_factory=list)  # TCP connections held until every node restored
-    boosted: dict[str, int] = field(default_factory=dict)  # phases -> threads run at a raised priority
-    outcome: str = ""
-
-
-class CheckpointFailed(RuntimeError):
-    """This node's part failed or the session was aborted; the ranks were brought back if possible."""
-
-
-class CheckpointRefused(CheckpointFailed):
-    """Preflight found state that cannot be saved; no rank was touched."""
-
-
-def device_fds_and_maps(pid: int) -> tuple[int, int]:
-    """How many /dev/infiniband fds and mappings `pid` holds (0, 0 after a release)."""
-    fds = 0
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        try:
-            fds += os.readlink(fd).startswith("/dev/infiniband/")
-        except OSError:
-            continue
-    maps = sum("/dev/infiniband/" in line for line in Path(f"/proc/{pid}/maps").read_text().splitlines())
-    return fds, maps
-
-
-TREE_MANIFEST = "ibckpt-tree.json"
-
-
-@dataclass(frozen=True)
-class ProcessTree:
-    """A process tree dumped and restored as one: a container's processes, ranks and all.
-
-    An MPI job's ranks are children of mpirun or of an orted daemon, connected to them by
-    sockets and pipes; CRIU can only carry those if it dumps the whole tree. CRIU restores every
-    pid as it was, so the manifest written beside the images names the ranks to rebuild.
-    """
-
-    name: str
-    root_pid: int
-    # A container's tree is dumped by its runtime (runc checkpoint), and restored by it.
-    container: container_runtime.RuntimeContainer | None = None
-
-
-def read_tree_manifest(images: Path) -> tuple[int, list[tuple[RankId, int, Path]]]:
-    """The root pid and the ranks (key, pid, control socket) of a dumped process tree."""
-    try:
-        data = json.loads((images / TREE_MANIFEST).read_text())
-        ranks = [(RankId.parse(r["key"]), int(r["pid"]), Path(r["control"])) for r in data["ranks"]]
-        return int(data["root_pid"]), ranks
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CheckpointFailed(f"{images}: not a dumped process tree ({TREE_MANIFEST}: {exc})") from exc
-
-
-def process_gone(pid: int) -> bool:
-    """The process has exited: no /proc entry, or a zombie waiting for its parent."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True
-    return stat.rpartition(")")[2].split()[:1] in (["Z"], ["X"])
-
-
-async def _unanswered(r: LocalRank, exc: BaseException, settle_s: float = 0.5) -> str:
-    """Why a rank's shim did not answer; a dead process says so (the application lost a rank). A killed
-    process resets its control connection while it exits, a moment before it is a zombie: that moment
-    is waited for."""
-    deadline = time.monotonic() + settle_s
-    while not process_gone(r.pid):
-        if time.monotonic() > deadline:
-            return str(exc)
-        await asyncio.sleep(0.05)
-    return f"its process is gone ({exc})"
+Command = Callable[[LocalRank], Awaitable[dict[str, Any]]]  # one control command to one rank
+Step = tuple[str, Command]  # a shim phase's name (its report's key) and its command
 
 
 class NodeDriver:
@@ -211,7 +89,7 @@ class NodeDriver:
         boost_nice: int | None = priority.DEFAULT_BOOST_NICE,
         cut: CutOptions | None = None,
         flush_records: Callable[[], Awaitable[None]] | None = None,
-        rejoin: Callable[[], Awaitable[CoordinatorClient | None]] | None = None,
+        rejoin: abort.Rejoin | None = None,
         on_milestone: Callable[[Milestone], None] = lambda milestone: None,
     ) -> None:
         """`job_addrs`: the addresses of the job's nodes, which the ranks' TCP connections may
@@ -239,25 +117,15 @@ class NodeDriver:
         self.flush_records = flush_records
         self.job_addrs = None if job_addrs is None else [ipaddress.ip_address(a) for a in job_addrs]
         self.report = NodeReport(node)
-        self._leases: asyncio.Task[None] | None = None
-        self._renewals: dict[str, asyncio.Task[None]] = {}  # rank key -> its renewal in flight
-        self._unrenewed: set[str] = set()  # rank keys CRIU is dumping: no renewal reaches them
+        self.leases = RankLeases(node, self.ranks, self.settings.lease_s, self.settings.lease_renew_s)
 
     # -- helpers --------------------------------------------------------------------------
 
-    async def _on_all(self, call: Callable[[LocalRank], Awaitable[T]]) -> list[T]:
-        """Run a control call on every local rank at once.
-
-        All must be in flight together: a rank's rebuild blocks until its peers on this node
-        have published their records.
-        """
-        return list(await asyncio.gather(*(call(r) for r in self.ranks)))
-
-    async def _each(self, phase: str, line: str, wait_all: bool = True) -> None:
+    async def _each(self, phase: str, command: Command, wait_all: bool = True) -> None:
         """Run one shim phase on every local rank in parallel; a failure raises."""
-        await self._each_in_turn([(phase, line)], wait_all)
+        await self._each_in_turn([(phase, command)], wait_all)
 
-    async def _each_in_turn(self, steps: Sequence[tuple[str, str]], wait_all: bool = True) -> None:
+    async def _each_in_turn(self, steps: Sequence[tuple[str, Command]], wait_all: bool = True) -> None:
         """Run shim phases one after another on each local rank, all ranks in parallel: a rank
         starts its next phase as soon as its own previous one is done.
 
@@ -272,15 +140,15 @@ class NodeDriver:
 
         async def run(r: LocalRank) -> None:
             nonlocal failed
-            for phase, line in steps:
+            for phase, command in steps:
                 if failed:  # another rank failed: take no further step, the abort follows
                     return
                 try:
-                    reply = await r.command(line)
+                    reply = await command(r)
                 except (ControlError, OSError) as exc:
                     failed = True
                     raise CheckpointFailed(
-                        f"{phase} of {r.rank.key()} (pid {r.pid}) failed: {await _unanswered(r, exc)}"
+                        f"{phase} of {r.rank.key()} (pid {r.pid}) failed: {await unanswered(r, exc)}"
                     ) from exc
                 except BaseException:
                     failed = True
@@ -292,7 +160,7 @@ class NodeDriver:
                 await failpoints.reached(f"after-{phase}", r.rank.key())
 
         if not wait_all:
-            await self._on_all(run)
+            await on_all(self.ranks, run)
             return
         results = await asyncio.gather(*(run(r) for r in self.ranks), return_exceptions=True)
         for result in results:
@@ -344,88 +212,18 @@ class NodeDriver:
         t = self.timeouts
         with self._boosted("rebuild"):
             await self._phase(Milestone.REBUILT, lambda: self._rebuild_all(epoch), t.rebuild_seconds)
-            await self._phase(Milestone.RESUMED, lambda: self._each("resume", "resume"), t.rebuild_seconds)
+            resume: Command = lambda r: r.shim.resume()  # noqa: E731
+            await self._phase(Milestone.RESUMED, lambda: self._each("resume", resume), t.rebuild_seconds)
 
     async def _rebuild_all(self, epoch: int) -> None:
-        line = f"rebuild {epoch} {self._ms(self.timeouts.rebuild_seconds)}"
-        await self._each("rebuild", line, wait_all=False)
+        rebuild_ms = ms(self.timeouts.rebuild_seconds)
+        await self._each("rebuild", lambda r: r.shim.rebuild(epoch, rebuild_ms), wait_all=False)
         if self.flush_records is not None:
             await self.flush_records()
 
-    @staticmethod
-    def _ms(seconds: float) -> int:
-        return max(1, int(seconds * 1000))
-
-    # -- the shims' leases ----------------------------------------------------------------
-
-    def _start_leases(self) -> None:
-        """Renew every held rank's lease until _stop_leases; ranks added later (a restore) too."""
-        if self._leases is None or self._leases.done():
-            self._leases = asyncio.create_task(self._renew_leases(), name=f"{self.node} leases")
-
-    async def _renew_leases(self) -> None:
-        line = f"lease {self._ms(self.settings.lease_s)}"
-        # one renewal in flight per rank: a rank busy with a long command (its rebuild) delays
-        # only its own, and the shim does not count a command's time against the lease
-        inflight = self._renewals
-
-        async def renew(r: LocalRank) -> None:
-            try:
-                await r.command(line, self.settings.lease_s)
-            except (ControlError, OSError, TimeoutError, ValueError) as exc:
-                log.warning("%s: lease renewal of %s (pid %d): %s", self.node, r.rank.key(), r.pid, exc)
-
-        try:
-            while True:
-                await asyncio.sleep(self.settings.lease_renew_s)
-                for r in list(self.ranks):
-                    task = inflight.get(r.rank.key())
-                    if (task is None or task.done()) and r.rank.key() not in self._unrenewed:
-                        inflight[r.rank.key()] = asyncio.create_task(renew(r))
-        finally:
-            for task in inflight.values():
-                task.cancel()
-
-    @contextlib.asynccontextmanager
-    async def _unrenewed_while_dumped(self, ranks: Sequence[LocalRank]) -> AsyncIterator[None]:
-        """No lease renewal reaches these ranks while CRIU dumps them. The shim accepts each renewal on a
-        socket of the agent's network namespace (a unix socket's accepted end is made in the connecting
-        side's), and CRIU, looking for the container's sockets in the container's, failed the dump with
-        `Unix socket ... not found` when one was open at the freeze. A released rank whose lease runs out
-        only says so, so a long dump costs nothing."""
-        keys = {r.rank.key() for r in ranks}
-        self._unrenewed |= keys
-        inflight = [t for k, t in self._renewals.items() if k in keys and not t.done()]
-        if inflight:
-            await asyncio.gather(*inflight, return_exceptions=True)
-            await asyncio.sleep(SHIM_CLOSES_S)
-        try:
-            yield
-        finally:
-            self._unrenewed -= keys
-
-    async def _stop_leases(self) -> None:
-        task, self._leases = self._leases, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-
     async def end_leases(self) -> None:
-        """The session ends: stop renewing. Ranks left held (a Hold checkpoint) are handed over
-        with `lease 0`: they wait, with no bound, for a restore session or a kill."""
-        held = self._leases is not None
-        await self._stop_leases()
-        if not held:
-            return
-
-        async def hand_over(r: LocalRank) -> None:
-            try:
-                await r.command("lease 0", self.settings.lease_s)
-            except (ControlError, OSError, TimeoutError, ValueError) as exc:
-                log.warning("%s: could not end the lease of %s: %s", self.node, r.rank.key(), exc)
-
-        await self._on_all(hand_over)
+        """The session ends: stop renewing; ranks left held (a Hold checkpoint) are handed over."""
+        await self.leases.end()
 
     # -- checkpoint -----------------------------------------------------------------------
 
@@ -442,9 +240,9 @@ class NodeDriver:
             with self._boosted("cut"):
                 await self._preflight()
                 touched = True
-                self._start_leases()  # from the first quiesce until resume, abort or the kill
+                self.leases.start()  # from the first quiesce until resume, abort or the kill
                 await self._cut()
-            self._check_released()
+            check_released(self.trees, self.ranks)
             await self._phase(Milestone.DUMPED, lambda: self._dump_all(mode, images_root), t.dump_seconds)
             committed = True
             if mode is Mode.STOP:
@@ -460,7 +258,7 @@ class NodeDriver:
         except (CheckpointFailed, CoordinatorError, OSError) as exc:
             # OSError: whatever else went wrong on this node once ranks were touched must abort too
             if not touched:
-                await self._abort_untouched(exc)
+                await abort.abort_untouched(self.node, self.client, exc, self.report)
                 mine = isinstance(exc, CheckpointRefused)
                 raise CheckpointRefused(f"{self.node}: {exc}" if mine else str(exc)) from exc
             if not committed:
@@ -468,252 +266,63 @@ class NodeDriver:
             raise CheckpointFailed(str(exc)) from exc
         finally:
             if self.report.outcome != "Held":
-                await self._stop_leases()
+                await self.leases.stop()
 
     async def _cut(self) -> None:
         """Quiesce, drain and release every local rank, with a barrier after drain and release."""
-        t = self.timeouts
-        quiesce = ("quiesce", f"quiesce {self._ms(t.quiesce_seconds)}")
-        drain = ("drain", f"drain {self._ms(self.settings.drain_settle_s)} {self.settings.drain_stall_ms}")
+        t, s = self.timeouts, self.settings
+        quiesce_ms, settle_ms, release_ms = ms(t.quiesce_seconds), ms(s.drain_settle_s), ms(t.release_seconds)
+        quiesce: Step = ("quiesce", lambda r: r.shim.quiesce(quiesce_ms))
+        drain: Step = ("drain", lambda r: r.shim.drain(settle_ms, s.drain_stall_ms))
+        release: Command = lambda r: r.shim.release(release_ms, self.cut.release_quiet)  # noqa: E731
         if self.cut.quiesce_barrier:
             await self._phase(Milestone.QUIESCED, lambda: self._each(*quiesce), t.quiesce_seconds)
             await self._phase(Milestone.DRAINED, lambda: self._each(*drain), t.drain_seconds)
         else:
             both = t.quiesce_seconds + t.drain_seconds
             await self._phase(Milestone.DRAINED, lambda: self._each_in_turn([quiesce, drain]), both)
-        release = f"release {self._ms(t.release_seconds)}" + (" quiet" if self.cut.release_quiet else "")
         await self._phase(Milestone.RELEASED, lambda: self._each("release", release), t.release_seconds)
 
-    # -- preflight ------------------------------------------------------------------------
+    async def _dump_all(self, mode: Mode, images_root: Path) -> None:
+        dump_s = self.timeouts.dump_seconds
+        await dump_all(self.trees, self.ranks, mode, images_root, dump_s, self.leases, self.report.images)
 
     async def _preflight(self) -> None:
         """Refuse, before any rank is gated, what a checkpoint cannot carry (see preflight.py)."""
         t = self.timeouts
         started = time.monotonic()
-        try:
-            statuses = await asyncio.wait_for(
-                self._on_all(lambda r: r.command("status", t.quiesce_seconds)), t.quiesce_seconds
-            )
-        except (ControlError, OSError, TimeoutError) as exc:
-            raise CheckpointRefused(f"preflight: a rank's shim did not answer status: {exc}") from exc
-        idents = [preflight.ShimIdentity.from_status(s) for s in statuses]
-        self._tree_members()  # refuses a rank that no process tree holds
-        own_addrs = preflight.node_addresses()
-        keys = [k for ident in idents for k in ident.own_keys()]
-        if self.job_addrs is None:
-            keys += [preflight.addr_key(a) for a in own_addrs]
-        await asyncio.gather(*(self.client.put(k, b"1") for k in keys))
-        barrier_s = t.quiesce_seconds + self.settings.barrier_slack_s
-        await self.client.barrier(Milestone.JOINED, timeout=barrier_s)
-        self.on_milestone(Milestone.JOINED)
-
-        problems = await asyncio.gather(
-            *(self._rank_problems(r, ident, own_addrs) for r, ident in zip(self.ranks, idents, strict=True))
+        check = Preflight(
+            self.client, self.ranks, self.trees, self.job_addrs, self.settings.preflight_lookup_s
         )
-        refusals = [
-            preflight.refusal(r.rank.key(), r.pid, found)
-            for r, found in zip(self.ranks, problems, strict=True)
-            if found
-        ]
-        # A process tree is dumped whole: its launcher's or daemon's connections move too.
-        for tree in self.trees:
-            found = await self._tcp_problems(tree.root_pid, own_addrs)
-            if found:
-                refusals.append(preflight.refusal(f"process tree {tree.name}", tree.root_pid, found))
+        barrier_s = t.quiesce_seconds + self.settings.barrier_slack_s
+        refusals = await check.refusals(
+            t.quiesce_seconds, barrier_s, lambda: self.on_milestone(Milestone.JOINED)
+        )
         self.report.local[Milestone.ADMITTED] = time.monotonic() - started
         if refusals:
             raise CheckpointRefused(" | ".join(refusals))  # the coordinator's abort adds our name
         await self.client.barrier(Milestone.ADMITTED, timeout=barrier_s)
         self._passed(Milestone.ADMITTED, started)
 
-    async def _published(self, key: str) -> bool:
-        try:
-            await self.client.get(key, timeout=self.settings.preflight_lookup_s)
-        except CoordinationTimedOut:
-            return False
-        return True
-
-    async def _rank_problems(
-        self, r: LocalRank, ident: preflight.ShimIdentity, own_addrs: set[preflight.IPAddress]
-    ) -> list[str]:
-        found = preflight.shim_problems(ident)
-        own = set(ident.own_keys())
-        peers = [p for p in ident.peers if preflight.qp_key(p[2], p[3]) not in own]
-        known = await asyncio.gather(*(self._published(preflight.qp_key(p[2], p[3])) for p in peers))
-        found += [preflight.foreign_peer_problem(*p) for p, ok in zip(peers, known, strict=True) if not ok]
-        # UD: every address handle must point at a GID some rank of the job holds.
-        ah_gids = [g for g in ident.ah_gids if g not in ident.gids]
-        known = await asyncio.gather(*(self._published(preflight.gid_key(g)) for g in ah_gids))
-        found += [preflight.foreign_ah_problem(g) for g, ok in zip(ah_gids, known, strict=True) if not ok]
-        return found + await self._tcp_problems(r.pid, own_addrs)
-
-    async def _tcp_problems(self, pid: int, own_addrs: set[preflight.IPAddress]) -> list[str]:
-        """The TCP connections of the tree rooted at `pid` that lead outside the job."""
-        sockets = await asyncio.to_thread(preflight.tcp_sockets_of, pid)
-        if self.job_addrs is not None:
-            job = list(self.job_addrs)
-            outside = preflight.outside_connections((s for _, s in sockets), job)
-        else:
-            candidates = preflight.outside_connections((s for _, s in sockets), own_addrs)
-            remotes = sorted({preflight.unmapped(s.remote) for s in candidates}, key=str)
-            published = await asyncio.gather(*(self._published(preflight.addr_key(a)) for a in remotes))
-            job = sorted(own_addrs | {a for a, ok in zip(remotes, published, strict=True) if ok}, key=str)
-            outside = preflight.outside_connections(candidates, job)
-        return [preflight.tcp_problem(s, job) for s in outside]
-
-    async def _abort_untouched(self, cause: Exception) -> None:
-        """Refused before any rank was gated: tell every node; the ranks keep running as they were."""
-        log.warning("%s: refusing the checkpoint: %s", self.node, cause)
-        if not isinstance(cause, CoordinationAborted):
-            with contextlib.suppress(CoordinatorError):
-                await self.client.abort(str(cause))
-        self.report.outcome = "Refused"
-
-    def _tree_members(self) -> dict[str, list[LocalRank]]:
-        """Which ranks each process tree holds; a rank outside every tree is refused here."""
-        members: dict[str, list[LocalRank]] = {t.name: [] for t in self.trees}
-        below = {t.name: set(preflight.process_tree(t.root_pid)) for t in self.trees}
-        for r in self.ranks:
-            inside = [name for name, pids in below.items() if r.pid in pids]
-            if self.trees and not inside:
-                raise CheckpointRefused(
-                    f"{r.rank.key()} (pid {r.pid}) is in none of the process trees "
-                    f"{', '.join(f'{t.name} (root {t.root_pid})' for t in self.trees)}"
-                )
-            if inside:
-                members[inside[0]].append(r)
-        return members
-
-    def _check_released(self) -> None:
-        # Every process of a tree goes into the image: none may hold the device either.
-        processes: dict[int, str] = {}
-        for t in self.trees:
-            processes |= dict.fromkeys(preflight.process_tree(t.root_pid), f"process tree {t.name}")
-        ranks = {r.pid: r.rank.key() for r in self.ranks}
-        processes |= ranks  # a rank is named as itself
-        for pid, who in processes.items():
-            try:
-                fds, maps = device_fds_and_maps(pid)
-            except OSError as exc:
-                if pid in ranks:  # the application lost a rank after its release
-                    raise CheckpointFailed(f"{who} (pid {pid}): its process is gone ({exc})") from exc
-                continue  # a tree's other process that ended holds nothing
-            if fds or maps:
-                raise CheckpointFailed(
-                    f"{who} (pid {pid}) still holds {fds} device fds and {maps} device "
-                    "mappings after release; refusing to dump"
-                )
-
-    async def _dump_all(self, mode: Mode, images_root: Path) -> None:
-        options = criu.DumpOptions(leave_running=mode is not Mode.STOP)
-        members = self._tree_members()
-        for t in self.trees:  # one CRIU at a time: each freezes and walks a whole tree
-            images = images_root / t.name
-            if t.container is not None:
-                upper = container_runtime.upper_dir(t.root_pid)  # before Stop's dump ends the container
-                shm = container_runtime.shm_dir(t.container)
-                dump = functools.partial(container_runtime.checkpoint, t.container)
-                try:
-                    async with self._unrenewed_while_dumped(members[t.name]):
-                        await asyncio.to_thread(dump, images, options, self.timeouts.dump_seconds)
-                except criu.CriuError as exc:
-                    gone = [r.rank.key() for r in members[t.name] if process_gone(r.pid)]
-                    why = f" (the process of {', '.join(gone)} is gone)" if gone else ""
-                    raise CheckpointFailed(f"dump of container {t.name}{why} failed: {exc}") from exc
-                # after the dump: with Stop nothing writes any more (LeaveRunning: see docs/node-agent.md)
-                await asyncio.to_thread(container_runtime.save_rootfs_diff, upper, images)
-                await asyncio.to_thread(container_runtime.save_shm, shm, images)
-            else:
-                async with self._unrenewed_while_dumped(members[t.name]):
-                    dump_s = self.timeouts.dump_seconds
-                    await asyncio.to_thread(criu.dump, t.root_pid, images, options, dump_s)
-            manifest: dict[str, Any] = {
-                "root_pid": t.root_pid,
-                "ranks": [
-                    {"key": r.rank.key(), "pid": r.pid, "control": str(r.control_path)}
-                    for r in members[t.name]
-                ],
-            }
-            if t.container is not None:  # the runtime restores it, with matching options
-                manifest["runtime"] = "runc"
-                manifest["restore_args"] = container_runtime.restore_args(options)
-            (images / TREE_MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-            for r in members[t.name]:
-                self.report.images[r.rank.key()] = images
-        for r in [] if self.trees else self.ranks:  # with trees, preflight put every rank in one
-            images = images_root / r.rank.key().replace("/", "_")
-            async with self._unrenewed_while_dumped([r]):
-                await asyncio.to_thread(criu.dump, r.pid, images, options, self.timeouts.dump_seconds)
-            self.report.images[r.rank.key()] = images
+    # -- abort (abort.py) -----------------------------------------------------------------
 
     async def _abort_and_recover(self, cause: Exception, epoch: int) -> None:
         """Tell every node, then bring this node's ranks back to running from wherever they are."""
-        log.warning("%s: aborting checkpoint: %s", self.node, cause)
-        if not isinstance(cause, CoordinationAborted) and not self.client.lost:
-            # Already aborted by someone else, or the coordinator is gone: recover regardless.
-            with contextlib.suppress(CoordinatorError):
-                await self.client.abort(str(cause))
-
-        async def reopen(r: LocalRank) -> tuple[dict[str, Any] | None, bool]:
-            """The rank's abort reply, or whether it is released (it needs a rebuild with its peers)."""
-            try:
-                return await r.command("abort"), False
-            except (ControlError, OSError, TimeoutError) as exc:
-                if isinstance(exc, ControlError) and exc.reply.get("state") == "released":
-                    return None, True
-                log.error("%s: could not resume %s: %s", self.node, r.rank.key(), exc)
-                return None, False
-
-        first = await self._on_all(reopen)
-        replies = [reply for reply, _ in first]
-        released = [i for i, (_, is_released) in enumerate(first) if is_released]
-        if released and self.client.lost and not await self._rejoin_for([self.ranks[i] for i in released]):
-            released = []  # no coordinator to rebuild through: they wait, released, for a restore
-
-        async def rebuild(r: LocalRank) -> dict[str, Any] | None:
-            # The real resources are gone: rebuild with the peers (all of this node's released ranks
-            # at once: they wait for each other's records).
-            try:
-                await r.command(f"rebuild {epoch} {self._ms(self.timeouts.rebuild_seconds)}")
-                return await r.command("resume")
-            except (ControlError, OSError, TimeoutError) as exc:
-                log.error("%s: could not rebuild %s: %s", self.node, r.rank.key(), exc)
-                return None
-
-        rebuilt = await asyncio.gather(*(rebuild(self.ranks[i]) for i in released))
-        for i, reply in zip(released, rebuilt, strict=True):
-            replies[i] = reply
-        for r, reply in zip(self.ranks, replies, strict=True):
-            if reply is not None:
-                self.report.shim.setdefault("abort", {})[r.rank.key()] = reply
-        self.report.outcome = "Aborted"
+        rebuild_s = self.timeouts.rebuild_seconds
+        self.client = await abort.abort_and_recover(
+            self.node, self.client, self.ranks, cause, epoch, rebuild_s, self.report, self.rejoin
+        )
 
     async def recover(self, cause: str, epoch: int) -> NodeReport:
         """The abort of a session whose checkpoint() is over or was never run here: its Stop or Hold
         ranks wait released, or its agent died. Each rank comes back from wherever it is, released
         ones rebuilt with their peers through this driver's coordinator."""
-        self._start_leases()
+        self.leases.start()
         try:
             await self._abort_and_recover(CheckpointFailed(cause), epoch)
         finally:
-            await self._stop_leases()
+            await self.leases.stop()
         return self.report
-
-    async def _rejoin_for(self, released: list[LocalRank]) -> bool:
-        """The coordinator is gone and some ranks are released: wait for the one the next operator
-        opens for the recovery (their rebuild exchanges records through it). False: none came."""
-        keys = ", ".join(r.rank.key() for r in released)
-        if self.rejoin is None:
-            log.error("%s: %s released and the coordinator is gone: they wait for a rebuild", self.node, keys)
-            return False
-        log.warning("%s: the coordinator is gone; %s wait for the operator's recovery", self.node, keys)
-        client = await self.rejoin()
-        if client is None:
-            log.error("%s: no coordinator came for the recovery; %s stay released", self.node, keys)
-            return False
-        self.client = client
-        log.info("%s: rejoined the session through the operator's new coordinator", self.node)
-        return True
 
     # -- restore --------------------------------------------------------------------------
 
@@ -736,7 +345,7 @@ class NodeDriver:
 
         if lock is not None:
             self.report.locked = [c.describe() for c in lock.connections]
-        self._start_leases()  # restored ranks come back released
+        self.leases.start()  # restored ranks come back released
         try:
             await self._phase(LOCKED, lambda: asyncio.sleep(0), t.restore_seconds)
             try:
@@ -746,7 +355,7 @@ class NodeDriver:
                     log.error("%s: %s", self.node, error)
             await self._rebuild_and_resume(epoch)
         finally:
-            await self._stop_leases()
+            await self.leases.stop()
         self.report.outcome = "Succeeded"
         return self.report
 
@@ -771,7 +380,7 @@ class NodeDriver:
         t = self.timeouts
         for r in rejoin:
             fds, maps = device_fds_and_maps(r.pid)
-            state = (await r.command("status", t.quiesce_seconds)).get("state")
+            state = (await r.shim.status(t.quiesce_seconds)).get("state")
             if state != "released" or fds or maps:
                 raise CheckpointFailed(
                     f"{r.rank.key()} (pid {r.pid}) cannot rejoin: state {state!r}, "
@@ -807,7 +416,7 @@ class NodeDriver:
                     self.report.restored_pids[rank.key()] = pid
                     self.ranks.append(LocalRank(rank, pid, control))
 
-        self._start_leases()  # the rejoining ranks and, once restored, the others (released)
+        self.leases.start()  # the rejoining ranks and, once restored, the others (released)
         try:
             try:
                 await self._phase(LOCKED, prepare_all, t.restore_seconds)
@@ -817,6 +426,6 @@ class NodeDriver:
                     log.error("%s: %s", self.node, error)
             await self._rebuild_and_resume(epoch)
         finally:
-            await self._stop_leases()
+            await self.leases.stop()
         self.report.outcome = "Succeeded"
         return self.report

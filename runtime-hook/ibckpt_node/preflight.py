@@ -8,111 +8,39 @@ application may rely on what it could not get). The node driver runs these check
 local rank before `quiesce`; a refusal names the rank, its pid and the resource, and goes
 through the coordinator's abort so that every node refuses.
 
-The parts here are pure (parsing /proc, deciding in or out of the job) except the small
-readers at the bottom, which look at /proc for one process tree.
+The decisions here are pure (in or out of the job; procfs.py reads /proc); Preflight, at the bottom,
+runs them on this node's ranks with the other nodes, through the coordinator.
 """
 
 from __future__ import annotations
 
-import contextlib
+import asyncio
 import ipaddress
-import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
-
-# /proc/net/tcp states (include/net/tcp_states.h)
-TCP_STATES = {
-    1: "ESTABLISHED", 2: "SYN_SENT", 3: "SYN_RECV", 4: "FIN_WAIT1", 5: "FIN_WAIT2", 6: "TIME_WAIT",
-    7: "CLOSE", 8: "CLOSE_WAIT", 9: "LAST_ACK", 10: "LISTEN", 11: "CLOSING",
-}  # fmt: skip
-TCP_LISTEN = 10
-TCP_CLOSE = 7
+from ibckpt.agentapi import Milestone
+from ibckpt.coordination.client import CoordinationTimedOut, CoordinatorClient
+from ibckpt_native.control import ControlError
+from ibckpt_node.errors import CheckpointRefused
+from ibckpt_node.procfs import (
+    TCP_CLOSE,
+    TCP_LISTEN,
+    IPAddress,
+    TcpSocket,
+    node_addresses,
+    tcp_sockets_of,
+    unmapped,
+)
+from ibckpt_node.ranks import LocalRank, on_all
+from ibckpt_node.trees import ProcessTree, tree_members
 
 QP_TYPES = {2: "RC", 3: "UC", 4: "UD"}  # the types the shim supports (enum ibv_qp_type)
 
 # Verbs the shim refuses that leave nothing behind in the process: a program that called one
 # and carried on holds no state the checkpoint misses (UCX, for one, queries and falls back).
 STATELESS_REFUSALS = frozenset({"ibv_query_rt_values_ex", "ibv_get_async_event", "ibv_advise_mr"})
-
-
-@dataclass(frozen=True)
-class TcpSocket:
-    local: IPAddress
-    local_port: int
-    remote: IPAddress
-    remote_port: int
-    state: int
-    inode: int
-
-    def describe(self) -> str:
-        state = TCP_STATES.get(self.state, str(self.state))
-        return f"{_fmt(self.local, self.local_port)} -> {_fmt(self.remote, self.remote_port)} ({state})"
-
-
-def _fmt(addr: IPAddress, port: int) -> str:
-    return f"[{addr}]:{port}" if addr.version == 6 else f"{addr}:{port}"
-
-
-def _proc_addr(hex_addr: str) -> IPAddress:
-    """An address as /proc/net/tcp{,6} prints it: 32-bit words in host (little-endian) order."""
-    raw = bytes.fromhex(hex_addr)
-    if len(raw) == 4:
-        return ipaddress.IPv4Address(raw[::-1])
-    if len(raw) != 16:
-        raise ValueError(f"bad address {hex_addr!r} in /proc/net/tcp")
-    return ipaddress.IPv6Address(b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4)))
-
-
-def parse_proc_net_tcp(text: str) -> list[TcpSocket]:
-    """Parse /proc/net/tcp or /proc/net/tcp6 (the header line is skipped)."""
-    sockets = []
-    for line in text.splitlines()[1:]:
-        fields = line.split()
-        if len(fields) < 10:
-            continue
-        local, _, lport = fields[1].partition(":")
-        remote, _, rport = fields[2].partition(":")
-        sockets.append(
-            TcpSocket(
-                local=_proc_addr(local),
-                local_port=int(lport, 16),
-                remote=_proc_addr(remote),
-                remote_port=int(rport, 16),
-                state=int(fields[3], 16),
-                inode=int(fields[9]),
-            )
-        )
-    return sockets
-
-
-def unmapped(addr: IPAddress) -> IPAddress:
-    """An IPv4-mapped IPv6 address (::ffff:a.b.c.d, a dual-stack socket) as its IPv4 address."""
-    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
-        return addr.ipv4_mapped
-    return addr
-
-
-def parse_fib_trie(text: str) -> set[ipaddress.IPv4Address]:
-    """The node's own IPv4 addresses: the /32 LOCAL host entries of /proc/net/fib_trie."""
-    found: set[ipaddress.IPv4Address] = set()
-    last: str | None = None
-    for line in text.splitlines():
-        stripped = line.strip()
-        if stripped.startswith("|--"):
-            last = stripped[3:].strip()
-        elif stripped.startswith("/32 host LOCAL") and last:
-            found.add(ipaddress.IPv4Address(last))
-    return found
-
-
-def parse_if_inet6(text: str) -> set[ipaddress.IPv6Address]:
-    """The node's own IPv6 addresses, from /proc/net/if_inet6."""
-    lines = [line.split() for line in text.splitlines() if line.strip()]
-    return {ipaddress.IPv6Address(bytes.fromhex(fields[0])) for fields in lines}
 
 
 def outside_connections(sockets: Iterable[TcpSocket], job_addrs: Iterable[IPAddress]) -> list[TcpSocket]:
@@ -218,65 +146,87 @@ def refusal(rank_key: str, pid: int, problems: Sequence[str]) -> str:
     return f"refusing to checkpoint {rank_key} (pid {pid}): " + "; ".join(problems)
 
 
-# -- readers of /proc --------------------------------------------------------------------
+# -- the run on this node ----------------------------------------------------------------
 
 
-def process_tree(pid: int, proc: Path = Path("/proc")) -> list[int]:
-    """`pid` and all its descendants (CRIU dumps the whole tree)."""
-    tree, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        tree.append(p)
+class Preflight:
+    """Refuse, before any rank is gated, what a checkpoint cannot carry: this node's part, with the
+    other nodes' through the coordinator (each publishes what the others ask about)."""
+
+    def __init__(
+        self,
+        client: CoordinatorClient,
+        ranks: Sequence[LocalRank],
+        trees: Sequence[ProcessTree],
+        job_addrs: list[IPAddress] | None,
+        lookup_s: float,
+    ) -> None:
+        self.client = client
+        self.ranks = ranks
+        self.trees = trees
+        self.job_addrs = job_addrs
+        self.lookup_s = lookup_s
+
+    async def refusals(self, bound_s: float, barrier_s: float, joined: Callable[[], None]) -> list[str]:
+        """What this node refuses (nothing: it may go on), once every node has joined."""
         try:
-            tasks = list((proc / str(p) / "task").iterdir())
-        except OSError:
-            continue
-        for task in tasks:
-            try:
-                todo.extend(int(c) for c in (task / "children").read_text().split())
-            except OSError:
-                continue
-    return tree
+            statuses = await asyncio.wait_for(on_all(self.ranks, lambda r: r.shim.status(bound_s)), bound_s)
+        except (ControlError, OSError, TimeoutError) as exc:
+            raise CheckpointRefused(f"preflight: a rank's shim did not answer status: {exc}") from exc
+        idents = [ShimIdentity.from_status(s) for s in statuses]
+        tree_members(self.trees, self.ranks)  # refuses a rank that no process tree holds
+        own_addrs = node_addresses()
+        keys = [k for ident in idents for k in ident.own_keys()]
+        if self.job_addrs is None:
+            keys += [addr_key(a) for a in own_addrs]
+        await asyncio.gather(*(self.client.put(k, b"1") for k in keys))
+        await self.client.barrier(Milestone.JOINED, timeout=barrier_s)
+        joined()
 
+        problems = await asyncio.gather(
+            *(self._rank_problems(r, ident, own_addrs) for r, ident in zip(self.ranks, idents, strict=True))
+        )
+        refusals = [
+            refusal(r.rank.key(), r.pid, found)
+            for r, found in zip(self.ranks, problems, strict=True)
+            if found
+        ]
+        # A process tree is dumped whole: its launcher's or daemon's connections move too.
+        for tree in self.trees:
+            found = await self._tcp_problems(tree.root_pid, own_addrs)
+            if found:
+                refusals.append(refusal(f"process tree {tree.name}", tree.root_pid, found))
+        return refusals
 
-def socket_inodes(pid: int, proc: Path = Path("/proc")) -> set[int]:
-    inodes: set[int] = set()
-    try:
-        fds = list((proc / str(pid) / "fd").iterdir())
-    except OSError:
-        return inodes
-    for fd in fds:
+    async def _published(self, key: str) -> bool:
         try:
-            target = os.readlink(fd)
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(int(target[8:-1]))
-    return inodes
+            await self.client.get(key, timeout=self.lookup_s)
+        except CoordinationTimedOut:
+            return False
+        return True
 
+    async def _rank_problems(self, r: LocalRank, ident: ShimIdentity, own_addrs: set[IPAddress]) -> list[str]:
+        found = shim_problems(ident)
+        own = set(ident.own_keys())
+        peers = [p for p in ident.peers if qp_key(p[2], p[3]) not in own]
+        known = await asyncio.gather(*(self._published(qp_key(p[2], p[3])) for p in peers))
+        found += [foreign_peer_problem(*p) for p, ok in zip(peers, known, strict=True) if not ok]
+        # UD: every address handle must point at a GID some rank of the job holds.
+        ah_gids = [g for g in ident.ah_gids if g not in ident.gids]
+        known = await asyncio.gather(*(self._published(gid_key(g)) for g in ah_gids))
+        found += [foreign_ah_problem(g) for g, ok in zip(ah_gids, known, strict=True) if not ok]
+        return found + await self._tcp_problems(r.pid, own_addrs)
 
-def tcp_sockets_of(pid: int, proc: Path = Path("/proc")) -> list[tuple[int, TcpSocket]]:
-    """(owning pid, socket) for every TCP socket held by a process of the tree rooted at `pid`."""
-    found = []
-    for p in process_tree(pid, proc):
-        inodes = socket_inodes(p, proc)
-        if not inodes:
-            continue
-        table: list[TcpSocket] = []
-        for name in ("tcp", "tcp6"):
-            try:
-                table += parse_proc_net_tcp((proc / str(p) / "net" / name).read_text())
-            except OSError:
-                continue
-        found += [(p, s) for s in table if s.inode in inodes]
-    return found
-
-
-def node_addresses(proc: Path = Path("/proc")) -> set[IPAddress]:
-    """This node's own addresses (all interfaces, loopback excluded)."""
-    addrs: set[IPAddress] = set()
-    with contextlib.suppress(OSError):
-        addrs |= parse_fib_trie((proc / "net" / "fib_trie").read_text())
-    with contextlib.suppress(OSError):
-        addrs |= parse_if_inet6((proc / "net" / "if_inet6").read_text())
-    return {a for a in addrs if not a.is_loopback}
+    async def _tcp_problems(self, pid: int, own_addrs: set[IPAddress]) -> list[str]:
+        """The TCP connections of the tree rooted at `pid` that lead outside the job."""
+        sockets = await asyncio.to_thread(tcp_sockets_of, pid)
+        if self.job_addrs is not None:
+            job = list(self.job_addrs)
+            outside = outside_connections((s for _, s in sockets), job)
+        else:
+            candidates = outside_connections((s for _, s in sockets), own_addrs)
+            remotes = sorted({unmapped(s.remote) for s in candidates}, key=str)
+            published = await asyncio.gather(*(self._published(addr_key(a)) for a in remotes))
+            job = sorted(own_addrs | {a for a, ok in zip(remotes, published, strict=True) if ok}, key=str)
+            outside = outside_connections(candidates, job)
+        return [tcp_problem(s, job) for s in outside]

@@ -23,7 +23,7 @@ from ibckpt_node import tcp_remap
 from ibckpt_node.agent import restoring
 from ibckpt_node.agent.kubesecrets import StagingError
 from ibckpt_node.agent.staging import stage_trees, store_config
-from ibckpt_node.driver import TREE_MANIFEST
+from ibckpt_node.trees import TREE_MANIFEST
 from testbed.s3 import S3Server
 
 SECRET = SecretRef(namespace="ibckpt", name="s3-credentials")

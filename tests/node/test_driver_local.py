@@ -25,19 +25,11 @@ from ibckpt.agentapi import Milestone, Mode, PhaseTimeouts
 from ibckpt.coordination.client import CoordinatorClient
 from ibckpt.coordination.ranks import RankId
 from ibckpt_node import criu, failpoints
-from ibckpt_node.driver import (
-    TREE_MANIFEST,
-    CheckpointFailed,
-    CheckpointRefused,
-    CutOptions,
-    LocalRank,
-    NodeDriver,
-    NodeSettings,
-    ProcessTree,
-    process_gone,
-    read_tree_manifest,
-)
-from ibckpt_node.preflight import node_addresses, process_tree
+from ibckpt_node.driver import CutOptions, NodeDriver, NodeSettings
+from ibckpt_node.errors import CheckpointFailed, CheckpointRefused
+from ibckpt_node.procfs import node_addresses, process_gone, process_tree
+from ibckpt_node.ranks import LocalRank
+from ibckpt_node.trees import TREE_MANIFEST, ProcessTree, read_tree_manifest
 from testbed.coordinator import ThreadedCoordinator
 
 RANKS = 12  # more than asyncio's default pool on a 2-core node (cpus + 4)
@@ -160,7 +152,7 @@ async def test_leases_are_renewed_while_the_ranks_are_held_and_stop_after(
         await asyncio.sleep(0.5)
         assert [len(s.leases) for s in shims] == renewed, "renewals after the ranks were resumed"
         # a session that ends with its ranks held (Hold) hands them over: lease 0, then nothing
-        driver._start_leases()
+        driver.leases.start()
         await asyncio.sleep(0.35)
         await driver.end_leases()
         assert all(s.leases[-1] == "lease 0" for s in shims), [s.leases[-3:] for s in shims]

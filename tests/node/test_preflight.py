@@ -19,8 +19,10 @@ from node.fake_shim import FakeShimSocket
 from ibckpt.agentapi import Mode
 from ibckpt.coordination.client import CoordinationAborted, CoordinatorClient
 from ibckpt.coordination.ranks import RankId
-from ibckpt_node import preflight
-from ibckpt_node.driver import CheckpointRefused, LocalRank, NodeDriver
+from ibckpt_node import preflight, procfs
+from ibckpt_node.driver import NodeDriver
+from ibckpt_node.errors import CheckpointRefused
+from ibckpt_node.ranks import LocalRank
 from testbed.coordinator import ThreadedCoordinator
 
 TCP = """  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
@@ -49,19 +51,19 @@ JOB = [ipaddress.ip_address("10.77.0.1"), ipaddress.ip_address("10.77.0.2")]
 
 
 def test_proc_net_tcp_is_parsed() -> None:
-    v4 = preflight.parse_proc_net_tcp(TCP)
+    v4 = procfs.parse_proc_net_tcp(TCP)
     assert [(str(s.local), s.local_port, str(s.remote), s.remote_port, s.state, s.inode) for s in v4] == [
         ("0.0.0.0", 18507, "0.0.0.0", 0, 10, 551),
         ("10.77.0.1", 18507, "10.77.0.2", 40000, 1, 777),
         ("10.0.2.15", 40960, "10.0.2.100", 5555, 1, 778),
     ]
-    v6 = preflight.parse_proc_net_tcp(TCP6)
+    v6 = procfs.parse_proc_net_tcp(TCP6)
     assert v6[0].remote == ipaddress.ip_address("::ffff:10.0.2.100") and v6[0].remote_port == 5556
     assert str(v6[1].remote) == "::1" and v6[1].inode == 902
 
 
 def test_only_peers_outside_the_job_and_the_node_are_refused() -> None:
-    sockets = preflight.parse_proc_net_tcp(TCP) + preflight.parse_proc_net_tcp(TCP6)
+    sockets = procfs.parse_proc_net_tcp(TCP) + procfs.parse_proc_net_tcp(TCP6)
     outside = preflight.outside_connections(sockets, JOB)
     # the listener, the connection to the other job node and the loopback one are fine; the
     # connections to 10.0.2.100 (IPv4 and dual-stack) are not
@@ -74,11 +76,11 @@ def test_only_peers_outside_the_job_and_the_node_are_refused() -> None:
 
 
 def test_node_addresses_are_read_from_fib_trie_and_if_inet6() -> None:
-    assert preflight.parse_fib_trie(FIB) == {
+    assert procfs.parse_fib_trie(FIB) == {
         ipaddress.IPv4Address("10.77.0.1"),
         ipaddress.IPv4Address("127.0.0.1"),
     }
-    six = preflight.parse_if_inet6("fd000000000000000000000000000002 04 40 00 82     eth0\n")
+    six = procfs.parse_if_inet6("fd000000000000000000000000000002 04 40 00 82     eth0\n")
     assert six == {ipaddress.IPv6Address("fd00::2")}
 
 
@@ -113,8 +115,8 @@ def test_a_real_connection_of_a_process_tree_is_found() -> None:
         try:
             conn, _ = server.accept()
             with conn:
-                mine = [s for _, s in preflight.tcp_sockets_of(os.getpid()) if s.remote_port != port]
-                found = [(p, s) for p, s in preflight.tcp_sockets_of(os.getpid()) if s.remote_port == port]
+                mine = [s for _, s in procfs.tcp_sockets_of(os.getpid()) if s.remote_port != port]
+                found = [(p, s) for p, s in procfs.tcp_sockets_of(os.getpid()) if s.remote_port == port]
                 assert [p for p, _ in found] == [child.pid], (found, mine)
                 assert found[0][1].state == 1
                 assert preflight.outside_connections([found[0][1]], JOB) == []  # loopback
@@ -153,7 +155,7 @@ GID_OUTSIDE = "00000000000000000000ffff0a4d0063"  # 10.77.0.99: no rank of the j
 @pytest.fixture
 def outsider_rank() -> Iterator[tuple[int, int]]:
     """A process holding an established TCP connection to this machine's non-loopback address."""
-    addrs = sorted(a for a in preflight.node_addresses() if a.version == 4)
+    addrs = sorted(a for a in procfs.node_addresses() if a.version == 4)
     assert addrs, "the host needs a non-loopback IPv4 address for this test"
     with socket.create_server((str(addrs[0]), 0)) as server:
         port = server.getsockname()[1]

@@ -23,11 +23,13 @@ from typing import TYPE_CHECKING
 
 from ibckpt.agentapi import models as api
 from ibckpt.coordination.ranks import RankId
-from ibckpt_node import driver, tcp_remap
+from ibckpt_node import tcp_remap
 from ibckpt_node.agent.kubesecrets import StagingError
 from ibckpt_node.hook import oci
 from ibckpt_node.hook.restore import criu_errors
+from ibckpt_node.ranks import LocalRank
 from ibckpt_node.registry import ContainerRegistry, RegisteredContainer
+from ibckpt_node.trees import TREE_MANIFEST
 
 if TYPE_CHECKING:  # the store (boto3) is imported only when a restore stages
     from ibckpt.store import StoreConfig
@@ -155,7 +157,7 @@ def stage(
 
 def _restore_args(images: Path) -> str:
     try:
-        manifest = json.loads((images / driver.TREE_MANIFEST).read_text())
+        manifest = json.loads((images / TREE_MANIFEST).read_text())
     except (OSError, ValueError) as exc:
         raise RestoreError(f"{images}: no tree manifest ({exc}): not a container checkpoint") from None
     if manifest.get("runtime") != "runc":
@@ -210,13 +212,13 @@ async def wait_for_ranks(
     timeout_s: float,
     staged_at: float = 0.0,
     pod_uids: dict[str, str] | None = None,
-) -> list[driver.LocalRank]:
+) -> list[LocalRank]:
     """The restored ranks, once the runtime has restored every planned container and each rank's
     control socket is back; RestoreError naming what is missing when `timeout_s` passes. Each rank's
     pod uid goes into `pod_uids` (rank key -> uid) as its container is found."""
     deadline = time.monotonic() + timeout_s
     while True:
-        ranks: list[driver.LocalRank] = []
+        ranks: list[LocalRank] = []
         missing: list[str] = []
         for item in planned:
             entry = _restored_entry(registry, item, staged_at)
@@ -234,7 +236,7 @@ async def wait_for_ranks(
                     continue
                 first = Path(entry.control_socket).name == f"{process}.sock"
                 pid = entry.pid if first else host_pid(entry.pid, int(process))
-                ranks.append(driver.LocalRank(RankId.parse(key), pid, Path(path)))
+                ranks.append(LocalRank(RankId.parse(key), pid, Path(path)))
         if not missing:
             return ranks
         if time.monotonic() >= deadline:

@@ -30,7 +30,10 @@ from ibckpt_node.agent.kubesecrets import SecretReader, StagingError
 from ibckpt_node.container_runtime import RuntimeContainer
 from ibckpt_node.coord_proxy import ShimCoordinatorProxy
 from ibckpt_node.criu import CriuError
+from ibckpt_node.errors import CheckpointFailed, CheckpointRefused
+from ibckpt_node.ranks import LocalRank
 from ibckpt_node.registry import ContainerRegistry, RegisteredContainer
+from ibckpt_node.trees import ProcessTree
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +83,7 @@ def host_pid(container_pid: int, ns_pid: int) -> int:
     raise SessionError(422, f"no process {ns_pid} in the pid namespace of {container_pid}")
 
 
-def container_ranks(job: str, entry: RegisteredContainer) -> list[driver.LocalRank]:
+def container_ranks(job: str, entry: RegisteredContainer) -> list[LocalRank]:
     """One rank per control socket the shim made in the container (one per process that opened a device)."""
     ranks = []
     first = Path(entry.control_socket).name
@@ -90,7 +93,7 @@ def container_ranks(job: str, entry: RegisteredContainer) -> list[driver.LocalRa
             continue
         pid = entry.pid if Path(path).name == first else host_pid(entry.pid, int(stem))
         rank = RankId(job, entry.pod, entry.container, stem)
-        ranks.append(driver.LocalRank(rank, pid, Path(path)))
+        ranks.append(LocalRank(rank, pid, Path(path)))
     return ranks
 
 
@@ -107,8 +110,8 @@ def tree_bytes(root: Path) -> int:
 class Session:
     request: api.CheckpointRequest | api.RestoreRequest
     report: api.SessionReport
-    ranks: list[driver.LocalRank]
-    trees: list[driver.ProcessTree]
+    ranks: list[LocalRank]
+    trees: list[ProcessTree]
     tree_keys: dict[str, list[str]]  # tree name -> its ranks' keys
     task: asyncio.Task[None] | None = None
     client: CoordinatorClient | None = None
@@ -162,11 +165,11 @@ class Sessions:
 
     def _resolve(
         self, request: api.CheckpointRequest
-    ) -> tuple[list[tuple[driver.LocalRank, str]], list[driver.ProcessTree], dict[str, list[str]]]:
+    ) -> tuple[list[tuple[LocalRank, str]], list[ProcessTree], dict[str, list[str]]]:
         """The ranks (with their pod's uid), one process tree per container, and each tree's rank keys."""
         entries = {(e.pod_uid, e.container): e for e in self.registry.entries()}
-        ranks: list[tuple[driver.LocalRank, str]] = []
-        trees: list[driver.ProcessTree] = []
+        ranks: list[tuple[LocalRank, str]] = []
+        trees: list[ProcessTree] = []
         tree_keys: dict[str, list[str]] = {}
         for ref in request.ranks:
             entry = entries.get((ref.pod_uid, ref.container))
@@ -193,7 +196,7 @@ class Sessions:
             ranks += [(r, entry.pod_uid) for r in found]
             # the container's whole process tree is one image: its ranks' pipes and sockets go with it
             name = f"{entry.pod}.{entry.container}"
-            trees.append(driver.ProcessTree(name, entry.pid, self._runtime_container(entry)))
+            trees.append(ProcessTree(name, entry.pid, self._runtime_container(entry)))
             tree_keys[name] = [r.rank.key() for r in found]
         return ranks, trees, tree_keys
 
@@ -229,8 +232,8 @@ class Sessions:
     def _checkpoint_session(
         self,
         request: api.CheckpointRequest,
-        ranks: list[tuple[driver.LocalRank, str]],
-        trees: list[driver.ProcessTree],
+        ranks: list[tuple[LocalRank, str]],
+        trees: list[ProcessTree],
         tree_keys: dict[str, list[str]],
     ) -> Session:
         report = api.SessionReport(
@@ -311,7 +314,7 @@ class Sessions:
                     )
                     self._passed(session, Milestone.DOWNLOADED)
 
-                    async def restored() -> list[driver.LocalRank]:
+                    async def restored() -> list[LocalRank]:
                         uids: dict[str, str] = {}
                         ranks = await restoring.wait_for_ranks(
                             self.registry,
@@ -339,7 +342,7 @@ class Sessions:
             self._finish_failed(session, api.SessionState.FAILED, str(exc))
         except CoordinationAborted as exc:
             self._finish_failed(session, api.SessionState.ABORTED, str(exc))
-        except (driver.CheckpointFailed, CoordinatorError, OSError) as exc:
+        except (CheckpointFailed, CoordinatorError, OSError) as exc:
             state = api.SessionState.ABORTED if session.abort_reason else api.SessionState.FAILED
             self._finish_failed(session, state, str(exc))
         except asyncio.CancelledError:
@@ -640,11 +643,11 @@ class Sessions:
         except StagingError as exc:
             # only the upload failed; the images stay here
             self._finish_failed(session, api.SessionState.FAILED, f"{exc} (images kept in {images})")
-        except driver.CheckpointRefused as exc:
+        except CheckpointRefused as exc:
             self._finish_failed(session, api.SessionState.REFUSED, str(exc))
         except CoordinationAborted as exc:
             self._finish_failed(session, api.SessionState.ABORTED, str(exc))
-        except (driver.CheckpointFailed, CoordinatorError, CriuError, OSError) as exc:
+        except (CheckpointFailed, CoordinatorError, CriuError, OSError) as exc:
             aborted = bool(session.abort_reason) or (
                 session.engine is not None and session.engine.report.outcome == "Aborted"
             )

@@ -1,0 +1,109 @@
+"""What happens on this node when a session aborts, and when the coordinator is lost after release.
+
+Before any rank was gated (a refusal), every node is told and nothing else happens. Once ranks were
+touched, every node is told, then each of this node's ranks comes back from wherever it is: a quiesced
+or drained rank answers `abort` and runs again; a released one has no device state left and is rebuilt
+with its peers, which needs a coordinator. If the coordinator is gone (the operator restarted), the
+driver's `rejoin` waits for the one the next operator opens for the recovery; if none comes, the
+released ranks wait, released, for a restore or a kill (their shim's lease only says so).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from ibckpt.coordination.client import CoordinationAborted, CoordinatorClient, CoordinatorError
+from ibckpt_native.control import ControlError
+from ibckpt_node.leases import ms
+from ibckpt_node.ranks import LocalRank, NodeReport, on_all
+
+log = logging.getLogger(__name__)
+
+Rejoin = Callable[[], Awaitable[CoordinatorClient | None]]
+
+
+async def abort_untouched(node: str, client: CoordinatorClient, cause: Exception, report: NodeReport) -> None:
+    """Refused before any rank was gated: tell every node; the ranks keep running as they were."""
+    log.warning("%s: refusing the checkpoint: %s", node, cause)
+    if not isinstance(cause, CoordinationAborted):
+        with contextlib.suppress(CoordinatorError):
+            await client.abort(str(cause))
+    report.outcome = "Refused"
+
+
+async def abort_and_recover(
+    node: str,
+    client: CoordinatorClient,
+    ranks: list[LocalRank],
+    cause: Exception,
+    epoch: int,
+    rebuild_s: float,
+    report: NodeReport,
+    rejoin: Rejoin | None,
+) -> CoordinatorClient:
+    """Tell every node, then bring this node's ranks back to running from wherever they are. Returns
+    the coordinator the session goes on with: `client`, or the recovery's one if it was lost."""
+    log.warning("%s: aborting checkpoint: %s", node, cause)
+    if not isinstance(cause, CoordinationAborted) and not client.lost:
+        # Already aborted by someone else, or the coordinator is gone: recover regardless.
+        with contextlib.suppress(CoordinatorError):
+            await client.abort(str(cause))
+
+    async def reopen(r: LocalRank) -> tuple[dict[str, Any] | None, bool]:
+        """The rank's abort reply, or whether it is released (it needs a rebuild with its peers)."""
+        try:
+            return await r.shim.abort(), False
+        except (ControlError, OSError, TimeoutError) as exc:
+            if isinstance(exc, ControlError) and exc.reply.get("state") == "released":
+                return None, True
+            log.error("%s: could not resume %s: %s", node, r.rank.key(), exc)
+            return None, False
+
+    first = await on_all(ranks, reopen)
+    replies = [reply for reply, _ in first]
+    released = [i for i, (_, is_released) in enumerate(first) if is_released]
+    if released and client.lost:
+        rejoined = await rejoin_for(node, [ranks[i] for i in released], rejoin)
+        if rejoined is None:
+            released = []  # no coordinator to rebuild through: they wait, released, for a restore
+        else:
+            client = rejoined
+
+    async def rebuild(r: LocalRank) -> dict[str, Any] | None:
+        # The real resources are gone: rebuild with the peers (all of this node's released ranks
+        # at once: they wait for each other's records).
+        try:
+            await r.shim.rebuild(epoch, ms(rebuild_s))
+            return await r.shim.resume()
+        except (ControlError, OSError, TimeoutError) as exc:
+            log.error("%s: could not rebuild %s: %s", node, r.rank.key(), exc)
+            return None
+
+    rebuilt = await asyncio.gather(*(rebuild(ranks[i]) for i in released))
+    for i, reply in zip(released, rebuilt, strict=True):
+        replies[i] = reply
+    for r, reply in zip(ranks, replies, strict=True):
+        if reply is not None:
+            report.shim.setdefault("abort", {})[r.rank.key()] = reply
+    report.outcome = "Aborted"
+    return client
+
+
+async def rejoin_for(node: str, released: list[LocalRank], rejoin: Rejoin | None) -> CoordinatorClient | None:
+    """The coordinator is gone and some ranks are released: wait for the one the next operator
+    opens for the recovery (their rebuild exchanges records through it). None: none came."""
+    keys = ", ".join(r.rank.key() for r in released)
+    if rejoin is None:
+        log.error("%s: %s released and the coordinator is gone: they wait for a rebuild", node, keys)
+        return None
+    log.warning("%s: the coordinator is gone; %s wait for the operator's recovery", node, keys)
+    client = await rejoin()
+    if client is None:
+        log.error("%s: no coordinator came for the recovery; %s stay released", node, keys)
+        return None
+    log.info("%s: rejoined the session through the operator's new coordinator", node)
+    return client

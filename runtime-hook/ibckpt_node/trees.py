@@ -1,0 +1,135 @@
+"""Process trees dumped and restored as one (a container's processes, ranks and all), and the dump of
+every tree or lone rank of this node after the release."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ibckpt.agentapi import Mode
+from ibckpt.coordination.ranks import RankId
+from ibckpt_node import container_runtime, criu
+from ibckpt_node.errors import CheckpointFailed, CheckpointRefused
+from ibckpt_node.leases import RankLeases
+from ibckpt_node.procfs import device_fds_and_maps, process_gone, process_tree
+from ibckpt_node.ranks import LocalRank
+
+TREE_MANIFEST = "ibckpt-tree.json"
+
+
+@dataclass(frozen=True)
+class ProcessTree:
+    """A process tree dumped and restored as one: a container's processes, ranks and all.
+
+    An MPI job's ranks are children of mpirun or of an orted daemon, connected to them by
+    sockets and pipes; CRIU can only carry those if it dumps the whole tree. CRIU restores every
+    pid as it was, so the manifest written beside the images names the ranks to rebuild.
+    """
+
+    name: str
+    root_pid: int
+    # A container's tree is dumped by its runtime (runc checkpoint), and restored by it.
+    container: container_runtime.RuntimeContainer | None = None
+
+
+def read_tree_manifest(images: Path) -> tuple[int, list[tuple[RankId, int, Path]]]:
+    """The root pid and the ranks (key, pid, control socket) of a dumped process tree."""
+    try:
+        data = json.loads((images / TREE_MANIFEST).read_text())
+        ranks = [(RankId.parse(r["key"]), int(r["pid"]), Path(r["control"])) for r in data["ranks"]]
+        return int(data["root_pid"]), ranks
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointFailed(f"{images}: not a dumped process tree ({TREE_MANIFEST}: {exc})") from exc
+
+
+def tree_members(trees: Sequence[ProcessTree], ranks: Sequence[LocalRank]) -> dict[str, list[LocalRank]]:
+    """Which ranks each process tree holds; a rank outside every tree is refused here."""
+    members: dict[str, list[LocalRank]] = {t.name: [] for t in trees}
+    below = {t.name: set(process_tree(t.root_pid)) for t in trees}
+    for r in ranks:
+        inside = [name for name, pids in below.items() if r.pid in pids]
+        if trees and not inside:
+            raise CheckpointRefused(
+                f"{r.rank.key()} (pid {r.pid}) is in none of the process trees "
+                f"{', '.join(f'{t.name} (root {t.root_pid})' for t in trees)}"
+            )
+        if inside:
+            members[inside[0]].append(r)
+    return members
+
+
+def check_released(trees: Sequence[ProcessTree], ranks: Sequence[LocalRank]) -> None:
+    # Every process of a tree goes into the image: none may hold the device either.
+    processes: dict[int, str] = {}
+    for t in trees:
+        processes |= dict.fromkeys(process_tree(t.root_pid), f"process tree {t.name}")
+    by_pid = {r.pid: r.rank.key() for r in ranks}
+    processes |= by_pid  # a rank is named as itself
+    for pid, who in processes.items():
+        try:
+            fds, maps = device_fds_and_maps(pid)
+        except OSError as exc:
+            if pid in by_pid:  # the application lost a rank after its release
+                raise CheckpointFailed(f"{who} (pid {pid}): its process is gone ({exc})") from exc
+            continue  # a tree's other process that ended holds nothing
+        if fds or maps:
+            raise CheckpointFailed(
+                f"{who} (pid {pid}) still holds {fds} device fds and {maps} device "
+                "mappings after release; refusing to dump"
+            )
+
+
+async def dump_all(
+    trees: Sequence[ProcessTree],
+    ranks: Sequence[LocalRank],
+    mode: Mode,
+    images_root: Path,
+    dump_s: float,
+    leases: RankLeases,
+    dumped: dict[str, Path],
+) -> None:
+    """Dump every tree (each under images_root/NAME, with its manifest) or, without trees, every rank on
+    its own; `dumped` gets each rank's image dir."""
+    options = criu.DumpOptions(leave_running=mode is not Mode.STOP)
+    members = tree_members(trees, ranks)
+    for t in trees:  # one CRIU at a time: each freezes and walks a whole tree
+        images = images_root / t.name
+        if t.container is not None:
+            upper = container_runtime.upper_dir(t.root_pid)  # before Stop's dump ends the container
+            shm = container_runtime.shm_dir(t.container)
+            dump = functools.partial(container_runtime.checkpoint, t.container)
+            try:
+                async with leases.unrenewed_while_dumped(members[t.name]):
+                    await asyncio.to_thread(dump, images, options, dump_s)
+            except criu.CriuError as exc:
+                gone = [r.rank.key() for r in members[t.name] if process_gone(r.pid)]
+                why = f" (the process of {', '.join(gone)} is gone)" if gone else ""
+                raise CheckpointFailed(f"dump of container {t.name}{why} failed: {exc}") from exc
+            # after the dump: with Stop nothing writes any more (LeaveRunning: see docs/node-agent.md)
+            await asyncio.to_thread(container_runtime.save_rootfs_diff, upper, images)
+            await asyncio.to_thread(container_runtime.save_shm, shm, images)
+        else:
+            async with leases.unrenewed_while_dumped(members[t.name]):
+                await asyncio.to_thread(criu.dump, t.root_pid, images, options, dump_s)
+        manifest: dict[str, Any] = {
+            "root_pid": t.root_pid,
+            "ranks": [
+                {"key": r.rank.key(), "pid": r.pid, "control": str(r.control_path)} for r in members[t.name]
+            ],
+        }
+        if t.container is not None:  # the runtime restores it, with matching options
+            manifest["runtime"] = "runc"
+            manifest["restore_args"] = container_runtime.restore_args(options)
+        (images / TREE_MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        for r in members[t.name]:
+            dumped[r.rank.key()] = images
+    for r in [] if trees else ranks:  # with trees, preflight put every rank in one
+        images = images_root / r.rank.key().replace("/", "_")
+        async with leases.unrenewed_while_dumped([r]):
+            await asyncio.to_thread(criu.dump, r.pid, images, options, dump_s)
+        dumped[r.rank.key()] = images
