@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import json
 
+from testbed import pods
 from testbed.cluster import start_cluster
 from testbed.guest import GuestSpec, run, run_pair
 from testbed.images import APPS_IMAGE
@@ -107,22 +108,7 @@ def main() -> None:
         cluster = start_cluster()
         rows.append(("cluster: start to both nodes Ready (peak, both)", time.monotonic() - t0, peak.peak))
         try:
-            pod = {
-                "apiVersion": "v1",
-                "kind": "Pod",
-                "metadata": {"name": "bench"},
-                "spec": {
-                    "nodeName": "node-1",
-                    "containers": [
-                        {
-                            "name": "c",
-                            "image": APPS_IMAGE,
-                            "args": ["sleep", "99"],
-                            "imagePullPolicy": "Never",
-                        },
-                    ],
-                },
-            }
+            pod = pods.image_pod("bench", "node-1", APPS_IMAGE, ["sleep", "99"])
             t0 = time.monotonic()
             cluster.kubectl("apply", "-f", "-", stdin=json.dumps(pod))
             cluster.kubectl("wait", "--for=condition=Ready", "pod/bench", "--timeout=300s", timeout=320)

@@ -3,7 +3,6 @@ message that names the field."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,6 +22,7 @@ from ibckpt.api import (
     ObjectMeta,
 )
 from ibckpt.api.crdgen import crd
+from testbed.kube import establish_crds
 
 pytestmark = pytest.mark.kube
 
@@ -30,26 +30,7 @@ NAMESPACE = "api-schema"
 
 
 def _establish(api: kubernetes.client.ApiClient) -> None:
-    ext = kubernetes.client.ApiextensionsV1Api(api)
-    for info in KINDS:
-        body = crd(info)
-        try:
-            ext.create_custom_resource_definition(body)
-        except kubernetes.client.ApiException as exc:
-            if exc.status != 409:
-                raise
-            current = ext.read_custom_resource_definition(info.crd_name)
-            body["metadata"]["resourceVersion"] = current.metadata.resource_version
-            ext.replace_custom_resource_definition(info.crd_name, body)
-    deadline = time.monotonic() + 30
-    for info in KINDS:
-        while True:
-            got = ext.read_custom_resource_definition(info.crd_name)
-            conditions = {c.type: c.status for c in (got.status.conditions or [])}
-            if conditions.get("Established") == "True":
-                break
-            assert time.monotonic() < deadline, f"{info.crd_name} not established: {conditions}"
-            time.sleep(0.2)
+    establish_crds(api, [crd(info) for info in KINDS], replace=True)
 
 
 @pytest.fixture(scope="module")

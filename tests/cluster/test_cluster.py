@@ -107,24 +107,7 @@ def test_pods_and_host_network_reach_a_pod_on_the_other_node(cluster: Cluster, n
 
 
 def test_product_image_runs_and_logs_reach_kubectl(cluster: Cluster, ns: str) -> None:
-    pod = {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": "version"},
-        "spec": {
-            "nodeName": "node-2",
-            "restartPolicy": "Never",
-            "containers": [
-                {
-                    "name": "ibckpt",
-                    "image": PRODUCT_IMAGE,
-                    "imagePullPolicy": "Never",
-                    "args": ["--version"],
-                }
-            ],
-        },
-    }
-    pods.apply(cluster, ns, pod)
+    pods.apply(cluster, ns, pods.image_pod("version", "node-2", PRODUCT_IMAGE, ["--version"]))
     done = pods.wait_pod(cluster, ns, "version", {"Succeeded"}, timeout=480)
     assert done["spec"]["containers"][0]["image"] == PRODUCT_IMAGE
     out = cluster.kubectl("logs", "-n", ns, "version").stdout

@@ -23,7 +23,7 @@ from pydantic import SecretStr
 
 from ibckpt.store import Credentials, StoreConfig
 from testbed.fake_agent import AGENT_TOKEN, FakeAgent
-from testbed.kube import ControlPlane
+from testbed.kube import ControlPlane, establish_crds
 from testbed.ports import free_port
 from testbed.s3 import S3Server
 
@@ -37,24 +37,7 @@ OPERATOR_NS = "ibckpt-system"
 
 @pytest.fixture(scope="session")
 def crds(kube_api: kubernetes.client.ApiClient) -> kubernetes.client.ApiClient:
-    ext = kubernetes.client.ApiextensionsV1Api(kube_api)
-    names = []
-    for path in sorted(CRD_DIR.glob("*.yaml")):
-        body = yaml.safe_load(path.read_text())
-        names.append(body["metadata"]["name"])
-        try:
-            ext.create_custom_resource_definition(body)
-        except kubernetes.client.ApiException as exc:
-            if exc.status != 409:
-                raise
-    deadline = time.monotonic() + 30
-    for name in names:
-        while True:
-            crd = ext.read_custom_resource_definition(name)
-            if any(c.type == "Established" and c.status == "True" for c in crd.status.conditions or []):
-                break
-            assert time.monotonic() < deadline, f"CRD {name} not established"
-            time.sleep(0.2)
+    establish_crds(kube_api, [yaml.safe_load(path.read_text()) for path in sorted(CRD_DIR.glob("*.yaml"))])
     core = kubernetes.client.CoreV1Api(kube_api)
     try:
         core.create_namespace({"metadata": {"name": OPERATOR_NS}})

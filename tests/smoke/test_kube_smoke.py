@@ -11,6 +11,8 @@ import kubernetes
 import pytest
 import yaml
 
+from testbed.kube import establish_crds
+
 pytestmark = pytest.mark.kube
 
 CRD_DIR = Path(__file__).resolve().parents[2] / "crds"
@@ -18,24 +20,7 @@ GROUP, VERSION = "ibckpt.io", "v1alpha1"
 
 
 def apply_crds(api: kubernetes.client.ApiClient) -> None:
-    ext = kubernetes.client.ApiextensionsV1Api(api)
-    for path in sorted(CRD_DIR.glob("*.yaml")):
-        body = yaml.safe_load(path.read_text())
-        try:
-            ext.create_custom_resource_definition(body)
-        except kubernetes.client.ApiException as exc:
-            if exc.status != 409:
-                raise
-    deadline = time.monotonic() + 30
-    for path in sorted(CRD_DIR.glob("*.yaml")):
-        name = yaml.safe_load(path.read_text())["metadata"]["name"]
-        while True:
-            crd = ext.read_custom_resource_definition(name)
-            conds = {c.type: c.status for c in (crd.status.conditions or [])}
-            if conds.get("Established") == "True":
-                break
-            assert time.monotonic() < deadline, f"CRD {name} not established"
-            time.sleep(0.2)
+    establish_crds(api, [yaml.safe_load(path.read_text()) for path in sorted(CRD_DIR.glob("*.yaml"))])
 
 
 def checkpoint_job(name: str, **spec: Any) -> dict[str, Any]:

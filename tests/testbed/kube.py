@@ -18,9 +18,10 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from testbed.guest import cache_dir
 from testbed.ports import free_port
@@ -318,3 +319,33 @@ def start_control_plane(
 
 
 _API_ONLY_CONTROLLERS = "garbagecollector,namespace,serviceaccount-token"
+
+
+def establish_crds(api: Any, bodies: Iterable[dict[str, Any]], *, replace: bool = False) -> None:
+    """Create CustomResourceDefinitions through `api` (a kubernetes.client.ApiClient) and wait until the
+    apiserver serves them. One that exists is kept, or with `replace` overwritten by the given body."""
+    import kubernetes
+
+    ext: Any = kubernetes.client.ApiextensionsV1Api(api)  # given plain dicts, not its typed models
+    names = []
+    for body in bodies:
+        name = body["metadata"]["name"]
+        names.append(name)
+        try:
+            ext.create_custom_resource_definition(body)
+        except kubernetes.client.ApiException as exc:
+            if exc.status != 409:
+                raise
+            if replace:
+                current = ext.read_custom_resource_definition(name)
+                body["metadata"]["resourceVersion"] = current.metadata.resource_version
+                ext.replace_custom_resource_definition(name, body)
+    deadline = time.monotonic() + 30
+    for name in names:
+        while True:
+            got = ext.read_custom_resource_definition(name)
+            conditions = {c.type: c.status for c in (got.status.conditions or [])}
+            if conditions.get("Established") == "True":
+                break
+            assert time.monotonic() < deadline, f"CRD {name} not established: {conditions}"
+            time.sleep(0.2)

@@ -47,9 +47,8 @@ def rdma_pod(
     }
 
 
-def product_pod(name: str, node: str, image: str) -> dict[str, Any]:
-    """A pod that idles in `image` on `node`, for running the product's own clients with `kubectl exec`;
-    it gets no service-account token (a test hands it the token it should use)."""
+def _pod(name: str, node: str, container: dict[str, Any], **spec: Any) -> dict[str, Any]:
+    """A pod of one container, "main", on `node`; it runs once and uses only the node's images."""
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -57,13 +56,22 @@ def product_pod(name: str, node: str, image: str) -> dict[str, Any]:
         "spec": {
             "nodeName": node,
             "restartPolicy": "Never",
-            "terminationGracePeriodSeconds": 1,
-            "automountServiceAccountToken": False,
-            "containers": [
-                {"name": "main", "image": image, "imagePullPolicy": "Never", "command": ["sleep", "3600"]}
-            ],
+            **spec,
+            "containers": [{"name": "main", "imagePullPolicy": "Never", **container}],
         },
     }
+
+
+def product_pod(name: str, node: str, image: str) -> dict[str, Any]:
+    """A pod that idles in `image` on `node`, for running the product's own clients with `kubectl exec`;
+    it gets no service-account token (a test hands it the token it should use)."""
+    container = {"image": image, "command": ["sleep", "3600"]}
+    return _pod(name, node, container, terminationGracePeriodSeconds=1, automountServiceAccountToken=False)
+
+
+def image_pod(name: str, node: str, image: str, args: list[str]) -> dict[str, Any]:
+    """A pod on `node` that runs `image`'s own entrypoint with `args`."""
+    return _pod(name, node, {"image": image, "args": args})
 
 
 def apply(cluster: Cluster, namespace: str, *objects: dict[str, Any]) -> None:
