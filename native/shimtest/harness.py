@@ -137,6 +137,20 @@ def start_server_then_client(server: ShimProc, client: ShimProc) -> None:
     client.start()
 
 
+def sends_completed(prog: ShimProc) -> int:
+    """The sends completed on all of prog's QPs, from its status."""
+    return sum(int(q["sends_completed"]) for q in prog.ctl.status()["qps"])
+
+
+def wait_traffic(procs: Sequence[ShimProc], more: int, timeout: float = 180) -> None:
+    """Wait until each of procs has completed `more` sends beyond what it had on entry."""
+    start = [sends_completed(p) for p in procs]
+    deadline = time.monotonic() + timeout
+    while any(sends_completed(p) < s + more for p, s in zip(procs, start, strict=True)):
+        assert time.monotonic() < deadline, [p.outputs() for p in procs]
+        time.sleep(0.2)
+
+
 def device_state(pid: int) -> tuple[int, int]:
     """(fds, mappings) of /dev/infiniband/* that the process holds, read from /proc."""
     fds = 0

@@ -1,5 +1,7 @@
-/* What the shim says about itself: its log lines on stderr, and the verbs
- * it refused, which the status report lists for the agent's preflight. */
+/* What the shim says about itself: its log lines on stderr, the verbs it
+ * refused, which the status report lists for the agent's preflight, and
+ * the fds /proc shows it holds. */
+#include <dirent.h>
 #include <errno.h>
 #include <pthread.h>
 #include <stdarg.h>
@@ -52,5 +54,28 @@ int ibk_refused_verbs(const char **out, int max)
 	for (i = 0; i < n; i++)
 		out[i] = refused[i];
 	pthread_mutex_unlock(&refused_lock);
+	return n;
+}
+
+int ibk_proc_fds(const char *target, int prefix)
+{
+	char path[300], link[256];
+	DIR *d = opendir("/proc/self/fd");
+	struct dirent *de;
+	size_t tlen = strlen(target);
+	int n = 0;
+
+	while (d && (de = readdir(d))) {
+		ssize_t l;
+
+		snprintf(path, sizeof(path), "/proc/self/fd/%s", de->d_name);
+		l = readlink(path, link, sizeof(link) - 1);
+		if (l > 0) {
+			link[l] = 0;
+			n += prefix ? !strncmp(link, target, tlen) : !strcmp(link, target);
+		}
+	}
+	if (d)
+		closedir(d);
 	return n;
 }

@@ -18,6 +18,8 @@ void ibk_unsupported(const char *verb);
 #define IBK_RELEASE_THREAD_NAME "ibk-release"
 #define IBK_LEASE_THREAD_NAME "ibk-lease"
 int ibk_refused_verbs(const char **out, int max);
+/* This process's open fds whose /proc link is target (prefix: starts with it). */
+int ibk_proc_fds(const char *target, int prefix);
 #define IBK_DBG(...)                          \
 	do {                                  \
 		if (ibk_verbose)              \

@@ -17,7 +17,6 @@
  * would have sent, DESTROY_ID answers with the events handed out; anything
  * else fails with EOPNOTSUPP.  The QPs of the ids are the shim's shadow QPs
  * and are rebuilt with every other QP. */
-#include <dirent.h>
 #include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -512,29 +511,6 @@ int ibk_cm_release(void)
 
 /* ---- status ------------------------------------------------------------------------ */
 
-/* Open fds on the connection manager's device, from /proc. */
-static int proc_rdma_cm_fds(void)
-{
-	char path[300], link[64];
-	DIR *d = opendir("/proc/self/fd");
-	struct dirent *de;
-	int n = 0;
-
-	while (d && (de = readdir(d))) {
-		ssize_t l;
-
-		snprintf(path, sizeof(path), "/proc/self/fd/%s", de->d_name);
-		l = readlink(path, link, sizeof(link) - 1);
-		if (l > 0) {
-			link[l] = 0;
-			n += !strcmp(link, "/dev/infiniband/rdma_cm");
-		}
-	}
-	if (d)
-		closedir(d);
-	return n;
-}
-
 /* "rdma_cm":{"channels":N,"detached":N,"ids":[{"handle":H,"state":"..."}]} */
 void ibk_cm_report(char *out, size_t len)
 {
@@ -593,6 +569,6 @@ void ibk_cm_report_problems(char *out, size_t len, int *n)
 		pthread_mutex_unlock(&ch->lock);
 	}
 	pthread_mutex_unlock(&chans_lock);
-	if (proc_rdma_cm_fds() > live)
+	if (ibk_proc_fds("/dev/infiniband/rdma_cm", 0) > live)
 		ibk_jcat(out, len, "%s\"rdma_cm (an event channel the shim does not follow)\"", (*n)++ ? "," : "");
 }

@@ -1,7 +1,6 @@
 /* release: move every QP to ERR, collect what it finished, destroy every
  * real object and close the device, then prove from /proc that nothing of
  * the device is left. */
-#include <dirent.h>
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -14,29 +13,14 @@
 
 static int count_device_fds(int *maps)
 {
-	char path[300], link[256];
-	DIR *d = opendir("/proc/self/fd");
-	struct dirent *de;
+	char line[256];
+	int n = ibk_proc_fds("/dev/infiniband/", 1);
 	FILE *f;
-	int n = 0;
 
-	while (d && (de = readdir(d))) {
-		ssize_t l;
-
-		snprintf(path, sizeof(path), "/proc/self/fd/%s", de->d_name);
-		l = readlink(path, link, sizeof(link) - 1);
-		if (l > 0) {
-			link[l] = 0;
-			if (!strncmp(link, "/dev/infiniband/", 16))
-				n++;
-		}
-	}
-	if (d)
-		closedir(d);
 	*maps = 0;
 	f = fopen("/proc/self/maps", "r");
-	while (f && fgets(link, sizeof(link), f))
-		if (strstr(link, "/dev/infiniband/"))
+	while (f && fgets(line, sizeof(line), f))
+		if (strstr(line, "/dev/infiniband/"))
 			(*maps)++;
 	if (f)
 		fclose(f);

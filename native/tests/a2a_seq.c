@@ -70,19 +70,12 @@ static void exchange(const struct oob *mine, struct oob *theirs)
 		DIE("listen on %d", port + me);
 	for (j = 0; j < me; j++) {
 		struct hello h = {(uint32_t)me, mine[j]}, got;
-		int fd = -1, tries;
+		int fd;
 
 		sa.sin_port = htons((uint16_t)(port + j));
 		inet_pton(AF_INET, hosts[j], &sa.sin_addr);
 		/* a slow guest may take a while to start the lower rank */
-		for (tries = 0; tries < 1200; tries++) {
-			fd = socket(AF_INET, SOCK_STREAM, 0);
-			if (!connect(fd, (struct sockaddr *)&sa, sizeof(sa)))
-				break;
-			close(fd);
-			fd = -1;
-			usleep(100000);
-		}
+		fd = connect_retry(&sa, 1200);
 		if (fd < 0)
 			DIE("connect to rank %d at %s:%d", j, hosts[j], port + j);
 		xfer(fd, &h, sizeof(h), 1);

@@ -84,6 +84,23 @@ struct oob {
 	uint8_t gid[16];
 };
 
+/* Connect to sa, trying every 100 ms, at most tries times: the peer may
+ * not listen yet.  The connected fd, or -1. */
+static inline int connect_retry(const struct sockaddr_in *sa, int tries)
+{
+	int fd = -1;
+
+	while (tries-- > 0) {
+		fd = socket(AF_INET, SOCK_STREAM, 0);
+		if (!connect(fd, (const struct sockaddr *)sa, sizeof(*sa)))
+			break;
+		close(fd);
+		fd = -1;
+		usleep(100000);
+	}
+	return fd;
+}
+
 /* Exchange ids over a fresh TCP connection (connect to peer, or accept on port)
  * and return that connection, still open. */
 static inline int oob_exchange_keep(const char *peer, int port, const struct oob *mine, struct oob *theirs)
@@ -95,17 +112,8 @@ static inline int oob_exchange_keep(const char *peer, int port, const struct oob
 	sa.sin_family = AF_INET;
 	sa.sin_port = htons((uint16_t)port);
 	if (peer) {
-		int tries;
-
 		inet_pton(AF_INET, peer, &sa.sin_addr);
-		for (tries = 0; tries < 300; tries++) {
-			fd = socket(AF_INET, SOCK_STREAM, 0);
-			if (!connect(fd, (struct sockaddr *)&sa, sizeof(sa)))
-				break;
-			close(fd);
-			fd = -1;
-			usleep(100000);
-		}
+		fd = connect_retry(&sa, 300);
 		if (fd < 0)
 			DIE("connect to %s:%d", peer, port);
 	} else {

@@ -68,15 +68,16 @@ def test_pyverbs_programs_same_with_and_without_the_shim() -> None:
     assert "libibckpt" not in "".join(ln for ln in shimmed.stderr.splitlines() if "ibv_alloc_mw" not in ln)
 
 
-def test_wr_api_checkpointed_under_traffic(tmp_path: Path) -> None:
-    """The ibv_wr_* send API under checkpoints: pyverbs_seq.py --wr-api sends every message with
-    wr_start/wr_send/wr_set_sge/wr_complete; five checkpoints (one with a CRIU dump) at random
-    moments, every message exactly once."""
+def _pyverbs_seq_checkpointed(
+    tmp_path: Path, name: str, flag: str, seed: int, dump_at: int
+) -> dict[str, str]:
+    """pyverbs_seq.py with flag under five checkpoints at random moments, the one at dump_at with a
+    CRIU dump: every checkpoint went through, and every message arrived exactly once."""
     with Coordinator(tmp_path / "coord.sock") as coord:
         stop = tmp_path / "stop"
         prog = ShimProc(
-            "wrapi",
-            ["/usr/bin/python3", str(Path(__file__).with_name("pyverbs_seq.py")), str(stop), "--wr-api"],
+            name,
+            ["/usr/bin/python3", str(Path(__file__).with_name("pyverbs_seq.py")), str(stop), flag],
             tmp_path,
             {**coord.env, "PATH": "/usr/bin:/bin"},
         )
@@ -84,7 +85,7 @@ def test_wr_api_checkpointed_under_traffic(tmp_path: Path) -> None:
         try:
             prog.wait_for_output("READY", 120)
             prog.wait_connected(60)
-            results = checkpoint_loop([prog], 5, seed=11, dump_at=(1,), images=tmp_path / "img")
+            results = checkpoint_loop([prog], 5, seed=seed, dump_at=(dump_at,), images=tmp_path / "img")
             time.sleep(1)
             stop.touch()
             code = prog.wait(120)
@@ -92,12 +93,20 @@ def test_wr_api_checkpointed_under_traffic(tmp_path: Path) -> None:
             prog.kill()
     assert code == 0, prog.err.read_text(errors="replace")[-3000:]
     for r in results:
-        assert r.released_state == {"wrapi": (0, 0)}, r.reports["release"]
-        assert r.reports["rebuild"]["wrapi"]["ok"], r.reports["rebuild"]["wrapi"]
-    assert results[1].criu_rc == 0, results[1].criu_log
+        assert r.released_state == {name: (0, 0)}, r.reports["release"]
+        assert r.reports["rebuild"][name]["ok"], r.reports["rebuild"][name]
+    assert results[dump_at].criu_rc == 0, results[dump_at].criu_log
     fields = parse_fields(prog.out.read_text())
     assert fields["bad"] == "0", fields
     assert fields["a_sent"] == fields["b_received"] and fields["b_sent"] == fields["a_received"], fields
+    return fields
+
+
+def test_wr_api_checkpointed_under_traffic(tmp_path: Path) -> None:
+    """The ibv_wr_* send API under checkpoints: pyverbs_seq.py --wr-api sends every message with
+    wr_start/wr_send/wr_set_sge/wr_complete; five checkpoints (one with a CRIU dump) at random
+    moments, every message exactly once."""
+    fields = _pyverbs_seq_checkpointed(tmp_path, "wrapi", "--wr-api", seed=11, dump_at=1)
     assert int(fields["a_sent"]) > 5, fields
 
 
@@ -106,32 +115,7 @@ def test_wr_api_rdma_and_atomics_checkpointed_under_traffic(tmp_path: Path) -> N
     checkpoints: pyverbs_seq.py --wr-rdma posts each message as a batch of the four and a send.
     An atomic run twice or lost after a rebuild would move the peer's counters off the message
     count, and the sender checks every value the atomics fetched and every RDMA read."""
-    with Coordinator(tmp_path / "coord.sock") as coord:
-        stop = tmp_path / "stop"
-        prog = ShimProc(
-            "wrrdma",
-            ["/usr/bin/python3", str(Path(__file__).with_name("pyverbs_seq.py")), str(stop), "--wr-rdma"],
-            tmp_path,
-            {**coord.env, "PATH": "/usr/bin:/bin"},
-        )
-        prog.start()
-        try:
-            prog.wait_for_output("READY", 120)
-            prog.wait_connected(60)
-            results = checkpoint_loop([prog], 5, seed=23, dump_at=(2,), images=tmp_path / "img")
-            time.sleep(1)
-            stop.touch()
-            code = prog.wait(120)
-        finally:
-            prog.kill()
-    assert code == 0, prog.err.read_text(errors="replace")[-3000:]
-    for r in results:
-        assert r.released_state == {"wrrdma": (0, 0)}, r.reports["release"]
-        assert r.reports["rebuild"]["wrrdma"]["ok"], r.reports["rebuild"]["wrrdma"]
-    assert results[2].criu_rc == 0, results[2].criu_log
-    fields = parse_fields(prog.out.read_text())
-    assert fields["bad"] == "0", fields
-    assert fields["a_sent"] == fields["b_received"] and fields["b_sent"] == fields["a_received"], fields
+    fields = _pyverbs_seq_checkpointed(tmp_path, "wrrdma", "--wr-rdma", seed=23, dump_at=2)
     # each message ran each atomic exactly once on the receiver's counters
     assert fields["b_fa"] == fields["b_cs"] == fields["a_sent"], fields
     assert fields["a_fa"] == fields["a_cs"] == fields["b_sent"], fields

@@ -15,7 +15,7 @@ import pytest
 
 from shimtest import SHIM, SHIM_ASAN, SHIM_UBSAN
 from shimtest.coordinator import Coordinator
-from shimtest.harness import ShimProc, checkpoint, parse_fields
+from shimtest.harness import ShimProc, checkpoint, parse_fields, wait_traffic
 
 pytestmark = [pytest.mark.guest, pytest.mark.usefixtures("built")]
 
@@ -55,18 +55,6 @@ def test_mw_without_the_shim(tmp_path: Path) -> None:
     assert _result(text)["outside"] == str(IBV_WC_REM_ACCESS_ERR), text
 
 
-def _sends_completed(prog: ShimProc) -> int:
-    return sum(int(q["sends_completed"]) for q in prog.ctl.status()["qps"])
-
-
-def _wait_traffic(prog: ShimProc, more: int, timeout: float = 180) -> None:
-    start = _sends_completed(prog)
-    deadline = time.monotonic() + timeout
-    while _sends_completed(prog) < start + more:
-        assert time.monotonic() < deadline, prog.outputs()
-        time.sleep(0.2)
-
-
 @pytest.mark.parametrize("shim", [SHIM, SHIM_ASAN, SHIM_UBSAN], ids=["plain", "asan", "ubsan"])
 def test_mw_rkey_survives_checkpoints(tmp_path: Path, shim: Path) -> None:
     """Three checkpoints under traffic through the window; the program keeps its first rkey."""
@@ -80,11 +68,11 @@ def test_mw_rkey_survives_checkpoints(tmp_path: Path, shim: Path) -> None:
             m = prog.wait_for_output(READY, 120)
             status = prog.ctl.status()
             assert status["unsupported"] == [], status["unsupported"]
-            _wait_traffic(prog, 10)
+            wait_traffic([prog], 10)
             results, windows = [], [status["mws"]]
             for epoch in (1, 2, 3):
                 results.append(checkpoint([prog], epoch))
-                _wait_traffic(prog, 10)
+                wait_traffic([prog], 10)
                 windows.append(prog.ctl.status()["mws"])
             stop.touch()
             code = prog.wait(120)
@@ -116,10 +104,10 @@ def test_mw_bound_again_between_checkpoints(tmp_path: Path) -> None:
         prog.start()
         try:
             prog.wait_for_output(READY, 120)
-            _wait_traffic(prog, 30)
+            wait_traffic([prog], 30)
             for epoch in (1, 2):
                 assert checkpoint([prog], epoch).reports["rebuild"]["mw"]["ok"]
-                _wait_traffic(prog, 30)
+                wait_traffic([prog], 30)
             stop.touch()
             code = prog.wait(120)
         finally:

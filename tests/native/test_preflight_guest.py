@@ -14,7 +14,7 @@ import pytest
 from ibckpt_node.preflight import ShimIdentity, shim_problems
 from shimtest import SHIM, SHIM_ASAN, SHIM_UBSAN
 from shimtest.coordinator import Coordinator
-from shimtest.harness import ShimProc, checkpoint, device_state, parse_fields
+from shimtest.harness import ShimProc, checkpoint, device_state, parse_fields, wait_traffic
 
 pytestmark = [pytest.mark.guest, pytest.mark.usefixtures("built")]
 
@@ -95,18 +95,6 @@ def _gid_hex(addr: str) -> str:
     return ipaddress.IPv6Address(f"::ffff:{addr}").packed.hex()
 
 
-def _sends_completed(prog: ShimProc) -> int:
-    return sum(int(q["sends_completed"]) for q in prog.ctl.status()["qps"])
-
-
-def _wait_traffic(prog: ShimProc, more: int, timeout: float = 180) -> None:
-    start = _sends_completed(prog)
-    deadline = time.monotonic() + timeout
-    while _sends_completed(prog) < start + more:
-        assert time.monotonic() < deadline, prog.outputs()
-        time.sleep(0.2)
-
-
 @SHIMS
 def test_ah_from_wc_after_a_rebuild_that_changed_the_gid(tmp_path: Path, shim: Path) -> None:
     """UD requests and answers over the GID of OLD; between release and rebuild that address is
@@ -128,9 +116,9 @@ def test_ah_from_wc_after_a_rebuild_that_changed_the_gid(tmp_path: Path, shim: P
             prog.start()
             try:
                 prog.wait_for_output("READY", 120)
-                _wait_traffic(prog, 10)
+                wait_traffic([prog], 10)
                 first = checkpoint([prog], 1)
-                _wait_traffic(prog, 10)
+                wait_traffic([prog], 10)
                 # the second checkpoint by hand, with a request received before it: the GID
                 # changes while the device is released
                 hold.touch()
@@ -145,7 +133,7 @@ def test_ah_from_wc_after_a_rebuild_that_changed_the_gid(tmp_path: Path, shim: P
                 rebuilt = prog.ctl.rebuild(2, 60000)
                 prog.ctl.resume()
                 hold.unlink()
-                _wait_traffic(prog, 20)
+                wait_traffic([prog], 20)
                 ah_gids = set(prog.ctl.status()["ah_gids"])
                 stop.touch()
                 code = prog.wait(120)

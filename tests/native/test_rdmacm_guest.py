@@ -29,7 +29,7 @@ from ibckpt_native.control import ShimControl
 from ibckpt_node.preflight import ShimIdentity, shim_problems
 from shimtest import SHIM, SHIM_ASAN, SHIM_UBSAN, TESTS_DIR
 from shimtest.coordinator import Coordinator
-from shimtest.harness import ShimProc, checkpoint, parse_result
+from shimtest.harness import ShimProc, checkpoint, parse_result, wait_traffic
 
 pytestmark = [pytest.mark.guest, pytest.mark.usefixtures("built")]
 
@@ -205,18 +205,6 @@ def _start_cm_pair(
     return [srv, cli]
 
 
-def _sends_completed(prog: ShimProc) -> int:
-    return sum(int(q["sends_completed"]) for q in prog.ctl.status()["qps"])
-
-
-def _wait_traffic(procs: list[ShimProc], more: int, timeout: float = 180) -> None:
-    start = [_sends_completed(p) for p in procs]
-    deadline = time.monotonic() + timeout
-    while any(_sends_completed(p) < s + more for p, s in zip(procs, start, strict=True)):
-        assert time.monotonic() < deadline, [p.outputs() for p in procs]
-        time.sleep(0.2)
-
-
 def _assert_carried(prog: ShimProc, detached: int) -> None:
     """Nothing refused; one rdma_cm id, connected; its channel detached after a release."""
     status = prog.ctl.status()
@@ -291,14 +279,14 @@ def test_cm_seq_checkpointed_under_traffic(tmp_path: Path, case: str) -> None:
         try:
             for p in procs:
                 _assert_carried(p, detached=0)
-            _wait_traffic(procs, 20)
+            wait_traffic(procs, 20)
             results = []
             for epoch in (1, 2, 3):
                 # CRIU dumps under the plain shim only (as the other sanitizer runs)
                 dump = procs[0] if epoch == 2 and shim == SHIM else None
                 img = tmp_path / "img" if dump else None
                 results.append(checkpoint(procs, epoch, dump=dump, images=img))
-                _wait_traffic(procs, 20)
+                wait_traffic(procs, 20)
             for p in procs:
                 _assert_carried(p, detached=1)
             _finish(procs, tmp_path / "stop")
@@ -355,7 +343,7 @@ def test_cm_seq_stopped_and_restored_by_the_agent(coordinator, tmp_path: Path) -
         cli.start()
         for p in procs:
             p.wait_for_output(r"READY qpn=\d+", 120)
-        _wait_traffic(procs, 20)
+        wait_traffic(procs, 20)
         pids = {key: next(p.pid for p in procs if p.name == name) for key, name in ranks.items()}
 
         session, token = coordinator.create_session({"node-1"})
