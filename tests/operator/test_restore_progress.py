@@ -131,7 +131,7 @@ def test_a_rank_of_no_member_is_ignored() -> None:
 
 
 def test_a_restored_pod_that_failed_is_explained_in_the_runtimes_words() -> None:
-    from ibckpt_operator.drivers.restorejob import _lost
+    from ibckpt_operator.cluster.pods import restored_lost
 
     pod = PodRef("ring-0", "uid-0", "node-2")
     meta = {"name": "ring-0", "uid": "uid-0"}
@@ -139,12 +139,12 @@ def test_a_restored_pod_that_failed_is_explained_in_the_runtimes_words() -> None
     start_error = {"terminated": {"reason": "StartError", "message": "criu failed: type NOTIFY errno 0"}}
     failed = {"metadata": meta, "status": {"phase": "Failed", "containerStatuses": [
         {"name": "main", "state": start_error}]}}  # fmt: skip
-    assert _lost(failed, pod) == (
+    assert restored_lost(failed, pod) == (
         "the restored pod ring-0 failed: container main: StartError: criu failed: type NOTIFY errno 0"
     )
     evicted = {"metadata": meta, "status": {"phase": "Failed", "reason": "Evicted", "message": "low memory"}}
-    assert _lost(evicted, pod) == "the restored pod ring-0 failed: low memory"
+    assert restored_lost(evicted, pod) == "the restored pod ring-0 failed: low memory"
     bare = {"metadata": meta, "status": {"phase": "Failed"}}
-    assert _lost(bare, pod) == "the restored pod ring-0 failed: no reason given by the kubelet"
-    assert _lost({"metadata": meta, "status": {"phase": "Running"}}, pod) is None
-    assert _lost(None, pod) == "the restored pod ring-0 was deleted"
+    assert restored_lost(bare, pod) == "the restored pod ring-0 failed: no reason given by the kubelet"
+    assert restored_lost({"metadata": meta, "status": {"phase": "Running"}}, pod) is None
+    assert restored_lost(None, pod) == "the restored pod ring-0 was deleted"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, Generic, TypeVar
 
 from ibckpt.api import ApiModel, Condition
@@ -16,11 +16,22 @@ from ibckpt_operator.cluster import storage
 from ibckpt_operator.cluster.kube import Body, is_status
 from ibckpt_operator.config import current
 from ibckpt_operator.drivers.runtime import Runtime
-from ibckpt_operator.machine.core import Action, Cancelled, Event, StepAction, StepFailed, Tick, Transition
+from ibckpt_operator.machine.core import (
+    Action,
+    Cancelled,
+    Event,
+    PodLost,
+    PodRef,
+    StepAction,
+    StepFailed,
+    Tick,
+    Transition,
+)
 
 log = logging.getLogger(__name__)
 S = TypeVar("S")
 StopWaiter = Callable[[], Awaitable[str | None]]
+WATCH_SECONDS = 2.0  # how often a job's pods are read again (no watch: a job holds only a few)
 
 
 def status_body(status: ApiModel) -> Body:
@@ -196,3 +207,24 @@ class Driver(Generic[S]):
         task: asyncio.Task[None] = asyncio.ensure_future(work)
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
+
+    async def watch_pods(
+        self,
+        watched: Callable[[S], Iterable[tuple[str, PodRef]]],
+        lost: Callable[[Body | None, PodRef], str | None],
+    ) -> None:
+        """Until the job ends, read the pods `watched` names (member key, pod) again and again; a pod
+        `lost` finds a reason for is told to the machine once (PodLost under its member key)."""
+        told: set[str] = set()
+        while True:
+            await asyncio.sleep(WATCH_SECONDS)
+            state = self.state
+            if state is None or self.terminal(state):
+                return
+            for key, pod in watched(state):
+                if key in told:
+                    continue
+                why = lost(await self.rt.kube.get_pod(self.namespace, pod.name), pod)
+                if why is not None:
+                    told.add(key)
+                    self.emit(PodLost(key, why))

@@ -44,6 +44,7 @@ from ibckpt_operator import metrics
 from ibckpt_operator.cluster import selection, storage
 from ibckpt_operator.cluster.agents import Agent, agents_by_node, each_agent, follow_session, no_agent_message
 from ibckpt_operator.cluster.kube import Body
+from ibckpt_operator.cluster.pods import gone
 from ibckpt_operator.config import current
 from ibckpt_operator.drivers.base import Driver, UnreadableStatus
 from ibckpt_operator.drivers.progress import PodProgress, Session
@@ -78,7 +79,6 @@ from ibckpt_operator.machine.core import (
     Event,
     OperatorRestarted,
     PodAdmitted,
-    PodLost,
     PodRefused,
     PodsBusy,
     PodsClaimed,
@@ -170,7 +170,13 @@ class CheckpointJobDriver(Driver[JobState]):
         )
 
     def background(self) -> list[Awaitable[None]]:
-        return [self.watch_members()]
+        # a member that is deleted or replaced (another uid) is lost: the machine aborts
+        return [self.watch_pods(self.watched, lambda body, pod: gone(body, pod, f"pod {pod.name}"))]
+
+    def watched(self, state: JobState) -> list[tuple[str, PodRef]]:
+        if state.phase == JobPhase.PENDING:
+            return []
+        return [(m.pod.uid, m.pod) for m in state.members if m.progress != "Lost"]
 
     # -- actions
 
@@ -566,31 +572,6 @@ class CheckpointJobDriver(Driver[JobState]):
                 )
             else:
                 self.emit(PodStepDone(action.attempt, pod.uid))
-
-    # -- member pods
-
-    async def watch_members(self) -> None:
-        """A member that is deleted or replaced (another UID) is lost: the machine aborts."""
-        lost: set[str] = set()
-        while True:
-            await asyncio.sleep(2.0)
-            state = self.state
-            if state is None or state.phase in TERMINAL:
-                return
-            if state.phase in (JobPhase.PENDING,):
-                continue
-            for member in state.members:
-                if member.progress == "Lost" or member.pod.uid in lost:
-                    continue
-                body = await self.rt.kube.get_pod(self.namespace, member.pod.name)
-                meta = (body or {}).get("metadata", {})
-                if body is None or meta.get("uid") != member.pod.uid:
-                    lost.add(member.pod.uid)
-                    self.emit(PodLost(member.pod.uid, f"pod {member.pod.name} was deleted"))
-                elif meta.get("deletionTimestamp"):
-                    lost.add(member.pod.uid)
-                    self.emit(PodLost(member.pod.uid, f"pod {member.pod.name} is being deleted"))
-
 
 def _human(size: int) -> str:
     value = float(size)

@@ -46,6 +46,7 @@ from ibckpt.api import (
 from ibckpt_operator.cluster import bindings, sources, storage
 from ibckpt_operator.cluster.agents import Agent, agents_by_node, each_agent, follow_session, no_agent_message
 from ibckpt_operator.cluster.kube import ApiException, Body, api_message
+from ibckpt_operator.cluster.pods import node_ready, restore_marker, restored_lost
 from ibckpt_operator.drivers.base import Driver, StepProblem, UnreadableStatus
 from ibckpt_operator.drivers.progress import PodProgress, Session
 from ibckpt_operator.drivers.runtime import Runtime
@@ -67,7 +68,6 @@ from ibckpt_operator.machine.core import (
     Event,
     OperatorRestarted,
     PodAdmitted,
-    PodLost,
     PodRefused,
     PodStepDone,
     SessionOpened,
@@ -75,7 +75,7 @@ from ibckpt_operator.machine.core import (
     StepFailed,
     Transition,
 )
-from ibckpt_operator.machine.podtemplate import RESTORED_BY, destination_pod
+from ibckpt_operator.machine.podtemplate import destination_pod
 from ibckpt_operator.machine.restore import (
     STEP_LABEL,
     TERMINAL,
@@ -100,12 +100,6 @@ from ibckpt_operator.machine.status import restore_state, restore_status
 
 log = logging.getLogger(__name__)
 LIVE_PHASES = (RestorePhase.RESTORING, RestorePhase.REBUILDING, RestorePhase.RESUMING)
-
-
-def _node_ready(node: Body) -> bool:
-    conditions = node.get("status", {}).get("conditions") or ()
-    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
-    return ready and not node.get("spec", {}).get("unschedulable")
 
 
 class RestoreJobDriver(Driver[RestoreState]):
@@ -189,7 +183,13 @@ class RestoreJobDriver(Driver[RestoreState]):
         return restore_status(state, generation=self.generation, previous=self.conditions, now=now)
 
     def background(self) -> list[Awaitable[None]]:
-        return [self.watch_created()]
+        # a created pod that is deleted, replaced or fails before the restore ends is lost
+        return [self.watch_pods(self.watched, restored_lost)]
+
+    def watched(self, state: RestoreState) -> list[tuple[str, PodRef]]:
+        if state.phase not in (RestorePhase.DOWNLOADING, *LIVE_PHASES):
+            return []
+        return [(m.pod.name, m.pod) for m in state.members if m.pod.uid]
 
     # -- actions
 
@@ -283,7 +283,7 @@ class RestoreJobDriver(Driver[RestoreState]):
         for node in await self.rt.kube.list_nodes():
             name = node["metadata"]["name"]
             labels = node["metadata"].get("labels") or {}
-            if name in action.avoid_nodes or not _node_ready(node):
+            if name in action.avoid_nodes or not node_ready(node):
                 continue
             if any(labels.get(key) != value for key, value in wanted.items()):
                 continue
@@ -353,7 +353,7 @@ class RestoreJobDriver(Driver[RestoreState]):
         if not self.by_controller or self.state is None:
             return False
         meta = pod.get("metadata", {})
-        if (meta.get("annotations") or {}).get(RESTORED_BY) == self.restored_by(self.state.run):
+        if restore_marker(pod) == self.restored_by(self.state.run):
             return True
         return bool(meta.get("uid")) and self.source_uid(meta.get("name", "")) == meta.get("uid")
 
@@ -436,7 +436,7 @@ class RestoreJobDriver(Driver[RestoreState]):
                     return
                 existing = await self.rt.kube.get_pod(self.namespace, pod.name) or {}
                 meta = existing.get("metadata", {})
-                if (meta.get("annotations") or {}).get(RESTORED_BY) != marker:
+                if restore_marker(existing) != marker:
                     message = f"pod {pod.name} was created by someone else meanwhile (uid {meta.get('uid')})"
                     self.emit(StepFailed(action.attempt, "PodExists", message, pod=pod.name))
                     return
@@ -464,7 +464,7 @@ class RestoreJobDriver(Driver[RestoreState]):
             for name, pod in list(waiting.items()):
                 body = await self.rt.kube.get_pod(self.namespace, name) or {}
                 meta = body.get("metadata", {})
-                if (meta.get("annotations") or {}).get(RESTORED_BY) == marker:
+                if restore_marker(body) == marker:
                     del waiting[name]
                     log.info(
                         "%s: %s created pod %s (uid %s) on %s",
@@ -647,57 +647,12 @@ class RestoreJobDriver(Driver[RestoreState]):
             if not uid:
                 body = await self.rt.kube.get_pod(self.namespace, pod.name) or {}
                 meta = body.get("metadata", {})
-                ours = (meta.get("annotations") or {}).get(RESTORED_BY) == self.restored_by(run)
+                ours = restore_marker(body) == self.restored_by(run)
                 uid = meta.get("uid", "") if ours else ""
             if uid:
                 await self.rt.kube.delete_pod(self.namespace, pod.name, uid)
                 log.info("%s: deleted pod %s (uid %s)", self.key, pod.name, uid)
             self.emit(PodStepDone(action.attempt, pod.name))
-
-    async def watch_created(self) -> None:
-        """A created pod that is deleted, replaced or fails before the restore ends is lost."""
-        lost: set[str] = set()
-        while True:
-            await asyncio.sleep(2.0)
-            state = self.state
-            if state is None or state.phase in TERMINAL:
-                return
-            if state.phase not in (RestorePhase.DOWNLOADING, *LIVE_PHASES):
-                continue
-            for member in state.members:
-                if not member.pod.uid or member.pod.name in lost:
-                    continue
-                body = await self.rt.kube.get_pod(self.namespace, member.pod.name)
-                why = _lost(body, member.pod)
-                if why is not None:
-                    lost.add(member.pod.name)
-                    self.emit(PodLost(member.pod.name, why))
-
-
-def _lost(body: Body | None, pod: PodRef) -> str | None:
-    meta: dict[str, Any] = (body or {}).get("metadata", {})
-    if body is None or meta.get("uid") != pod.uid:
-        return f"the restored pod {pod.name} was deleted"
-    if meta.get("deletionTimestamp"):
-        return f"the restored pod {pod.name} is being deleted"
-    status = body.get("status", {})
-    if status.get("phase") == "Failed":
-        return f"the restored pod {pod.name} failed: {_failure(status)}"
-    return None
-
-
-def _failure(status: dict[str, Any]) -> str:
-    """Why a pod failed, in the runtime's words: a container that could not be restored has no pod-level
-    message, only its own terminated (or waiting) state, e.g. StartError: ... criu failed ..."""
-    if status.get("message") or status.get("reason"):
-        return str(status.get("message") or status.get("reason"))
-    for container in status.get("containerStatuses") or ():
-        for state in ("terminated", "waiting"):
-            found = (container.get("state") or {}).get(state) or {}
-            if found.get("reason") or found.get("message"):
-                said = ": ".join(str(found[k]) for k in ("reason", "message") if found.get(k))
-                return f"container {container.get('name')}: {said}"
-    return "no reason given by the kubelet"
 
 
 __all__ = ["RestoreJobDriver", "RestorePhase"]
