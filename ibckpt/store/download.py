@@ -65,12 +65,15 @@ class TransferReport:
 
 
 @contextmanager
-def reader_lease(context: StoreContext, ref: CheckpointRef) -> Iterator[None]:
-    """Hold a reader lease so no chunk sweep runs while the chunks are being fetched."""
+def reading(context: StoreContext, ref: CheckpointRef) -> Iterator[Manifest]:
+    """The manifest of `ref`, its encryption key checked, under a reader lease held for the block: no
+    chunk sweep runs while the chunks are being fetched."""
     lease = holder_lease(context.connection, context.layout, "reader", ref.job, ref.checkpoint_id)
     with lease:
         wait_for_sweeps(context.connection, context.layout, lease)
-        yield
+        manifest = context.load_manifest(ref)
+        _check_key(context, manifest)
+        yield manifest
 
 
 def _check_key(context: StoreContext, manifest: Manifest) -> None:
@@ -161,9 +164,7 @@ def restore(
     report = TransferReport(ref)
     times = StageTimes()
     started = time.perf_counter()
-    with reader_lease(context, ref):
-        manifest = context.load_manifest(ref)
-        _check_key(context, manifest)
+    with reading(context, ref) as manifest:
         staging = destination.parent / f".{destination.name}.partial-{secrets.token_hex(4)}"
         files = select_subtree(manifest.files, subtree)
         staging.mkdir(parents=True)
@@ -268,9 +269,7 @@ def verify(
     report = TransferReport(ref)
     times = StageTimes()
     started = time.perf_counter()
-    with reader_lease(context, ref):
-        manifest = context.load_manifest(ref)
-        _check_key(context, manifest)
+    with reading(context, ref) as manifest:
         placements = _placements(manifest.files)
         stored_sizes = manifest.chunk_sizes()
 
