@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import struct
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import pyverbs.enums as e
 from pyverbs.addr import AH, AHAttr, GlobalRoute
@@ -61,13 +61,8 @@ def gr(ctx: Context) -> GlobalRoute:
     return GlobalRoute(dgid=ctx.query_gid(1, GID_INDEX), sgid_index=GID_INDEX)
 
 
-def rc_pair(ctx: Context, pd: PD, cq: CQ, qpt: int = e.IBV_QPT_RC, sge: int = 1) -> tuple[QP, QP]:
-    """Two connected QPs of this process."""
-    cap = QPCap(max_send_wr=16, max_recv_wr=16, max_send_sge=sge, max_recv_sge=sge)
-    # the attributes given at creation take the QP to INIT: the access flags go there
-    init = QPAttr(port_num=1)
-    init.qp_access_flags = RC_ACCESS
-    qps = [QP(pd, QPInitAttr(qp_type=qpt, scq=cq, rcq=cq, cap=cap), init) for _ in range(2)]
+def connect_to_each_other(ctx: Context, qps: Sequence[QP], access: int | None = None) -> None:
+    """Take two QPs of this process to RTS, each the other's peer; access sets their access flags."""
     for me, peer in ((qps[0], qps[1]), (qps[1], qps[0])):
         attr = QPAttr(port_num=1)
         attr.path_mtu = e.IBV_MTU_1024
@@ -77,10 +72,21 @@ def rc_pair(ctx: Context, pd: PD, cq: CQ, qpt: int = e.IBV_QPT_RC, sge: int = 1)
         attr.timeout = 14
         attr.retry_cnt = 7
         attr.rnr_retry = 7
-        attr.qp_access_flags = RC_ACCESS
+        if access is not None:
+            attr.qp_access_flags = access
         attr.ah_attr = AHAttr(port_num=1, is_global=1, gr=gr(ctx))
         attr.dest_qp_num = peer.qp_num
         me.to_rts(attr)
+
+
+def rc_pair(ctx: Context, pd: PD, cq: CQ, qpt: int = e.IBV_QPT_RC, sge: int = 1) -> tuple[QP, QP]:
+    """Two connected QPs of this process."""
+    cap = QPCap(max_send_wr=16, max_recv_wr=16, max_send_sge=sge, max_recv_sge=sge)
+    # the attributes given at creation take the QP to INIT: the access flags go there
+    init = QPAttr(port_num=1)
+    init.qp_access_flags = RC_ACCESS
+    qps = [QP(pd, QPInitAttr(qp_type=qpt, scq=cq, rcq=cq, cap=cap), init) for _ in range(2)]
+    connect_to_each_other(ctx, qps, RC_ACCESS)
     return qps[0], qps[1]
 
 
@@ -219,14 +225,7 @@ def case_events(ctx: Context) -> None:
         QP(pd, QPInitAttr(qp_type=e.IBV_QPT_RC, scq=scq, rcq=rcq, cap=cap), QPAttr(port_num=1))
         for _ in range(2)
     ]
-    for me, peer in ((qps[0], qps[1]), (qps[1], qps[0])):
-        attr = QPAttr(port_num=1)
-        attr.path_mtu = e.IBV_MTU_1024
-        attr.max_dest_rd_atomic = attr.max_rd_atomic = 1
-        attr.min_rnr_timer, attr.timeout, attr.retry_cnt, attr.rnr_retry = 12, 14, 7, 7
-        attr.ah_attr = AHAttr(port_num=1, is_global=1, gr=gr(ctx))
-        attr.dest_qp_num = peer.qp_num
-        me.to_rts(attr)
+    connect_to_each_other(ctx, qps)
     got = []
     for i in range(3):
         qps[1].post_recv(RecvWR(wr_id=i, num_sge=1, sg=[SGE(mr.buf, 128, mr.lkey)]))
@@ -396,14 +395,7 @@ def case_wr_api(ctx: Context) -> None:
         )
         for _ in range(2)
     ]
-    for me, peer in ((qps[0], qps[1]), (qps[1], qps[0])):
-        attr = QPAttr(port_num=1)
-        attr.path_mtu = e.IBV_MTU_1024
-        attr.max_dest_rd_atomic = attr.max_rd_atomic = 1
-        attr.min_rnr_timer, attr.timeout, attr.retry_cnt, attr.rnr_retry = 12, 14, 7, 7
-        attr.ah_attr = AHAttr(port_num=1, is_global=1, gr=gr(ctx))
-        attr.dest_qp_num = peer.qp_num
-        me.to_rts(attr)
+    connect_to_each_other(ctx, qps)
     a, b = qps
     src = MR(pd, 64, e.IBV_ACCESS_LOCAL_WRITE)
     dst = MR(pd, 64, RC_ACCESS)

@@ -58,6 +58,21 @@ def connect(ctx: Context, qp: QP, peer_qpn: int) -> None:
     qp.to_rts(attr)
 
 
+def mw_pair(ctx: Context, pd: PD, cq: CQ, rights: int) -> tuple[QP, QP]:
+    """Two RC QPs of this process connected to each other, with rights and the right to bind
+    memory windows."""
+    qps = []
+    for _ in range(2):
+        attr = QPAttr(port_num=1)
+        attr.qp_access_flags = rights | e.IBV_ACCESS_MW_BIND
+        init = QPInitAttr(qp_type=e.IBV_QPT_RC, scq=cq, rcq=cq, cap=QPCap(max_send_wr=4, max_recv_wr=4))
+        qps.append(QP(pd, init, attr))
+    a, b = qps
+    connect(ctx, a, b.qp_num)
+    connect(ctx, b, a.qp_num)
+    return a, b
+
+
 def refused(fn: object) -> int:
     try:
         fn()  # type: ignore[operator]
@@ -106,15 +121,7 @@ def mw_rdma(stop: str, rebind_every: int = 0) -> int:
         | e.IBV_ACCESS_REMOTE_READ
         | e.IBV_ACCESS_REMOTE_ATOMIC
     )
-    qps = []
-    for _ in range(2):
-        attr = QPAttr(port_num=1)
-        attr.qp_access_flags = rights | e.IBV_ACCESS_MW_BIND
-        init = QPInitAttr(qp_type=e.IBV_QPT_RC, scq=cq, rcq=cq, cap=QPCap(max_send_wr=4, max_recv_wr=4))
-        qps.append(QP(pd, init, attr))
-    a, b = qps
-    connect(ctx, a, b.qp_num)
-    connect(ctx, b, a.qp_num)
+    a, b = mw_pair(ctx, pd, cq, rights)
     local = MR(pd, 4096, e.IBV_ACCESS_LOCAL_WRITE)  # A's source and destination buffers
     mr = MR(pd, 4096, rights | e.IBV_ACCESS_MW_BIND)
     mw = MW(pd, e.IBV_MW_TYPE_1)
@@ -171,15 +178,7 @@ def mw_queued(go: str) -> int:
     pd = PD(ctx)
     cq = CQ(ctx, 16)
     rights = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE | e.IBV_ACCESS_REMOTE_READ
-    qps = []
-    for _ in range(2):
-        attr = QPAttr(port_num=1)
-        attr.qp_access_flags = rights | e.IBV_ACCESS_MW_BIND
-        init = QPInitAttr(qp_type=e.IBV_QPT_RC, scq=cq, rcq=cq, cap=QPCap(max_send_wr=4, max_recv_wr=4))
-        qps.append(QP(pd, init, attr))
-    a, b = qps
-    connect(ctx, a, b.qp_num)
-    connect(ctx, b, a.qp_num)
+    a, b = mw_pair(ctx, pd, cq, rights)
     mr = MR(pd, 4096, rights | e.IBV_ACCESS_MW_BIND)
     mw = MW(pd, e.IBV_MW_TYPE_1)
     mr.write(b"S" * 16, 16, 0)
