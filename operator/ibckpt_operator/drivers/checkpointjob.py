@@ -2,24 +2,22 @@
 actions against Kubernetes, the agents, the coordinator and the store.
 
 The machine decides everything. This only observes (pods, agent reports, coordinator barriers, the store)
-and acts; every action runs after the state that records its attempt id is in status.
+and acts; every action runs after the state that records its attempt id is in status. The steps against
+the store and the Checkpoint it publishes are the base class's, in checkpointstore.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import secrets
 import time
 from collections.abc import Awaitable
 
 from ibckpt.agentapi import (
-    CHECKPOINT_MILESTONES,
     AgentError,
     CheckpointRequest,
     ImageDestination,
-    Milestone,
     Mode,
     PhaseTimeouts,
     RankPhase,
@@ -27,28 +25,15 @@ from ibckpt.agentapi import (
     SecretRef,
     SessionReport,
 )
-from ibckpt.api import (
-    CHECKPOINT,
-    CHECKPOINT_JOB,
-    Checkpoint,
-    CheckpointJobSpec,
-    CheckpointJobStatus,
-    CheckpointMode,
-    CheckpointSize,
-    CheckpointSpec,
-    JobPhase,
-    JobReference,
-    ObjectMeta,
-)
-from ibckpt_operator import metrics
-from ibckpt_operator.cluster import selection, storage
+from ibckpt.api import CheckpointJobStatus, CheckpointMode, JobPhase
+from ibckpt_operator.cluster import selection
 from ibckpt_operator.cluster.agents import Agent, agents_by_node, each_agent, follow_session, no_agent_message
 from ibckpt_operator.cluster.kube import Body
 from ibckpt_operator.cluster.pods import gone
 from ibckpt_operator.config import current
-from ibckpt_operator.drivers.base import Driver, UnreadableStatus
-from ibckpt_operator.drivers.progress import PodProgress, Session
-from ibckpt_operator.drivers.recording import RestoreRecord
+from ibckpt_operator.drivers.base import UnreadableStatus
+from ibckpt_operator.drivers.checkpointstore import CheckpointStoreDriver
+from ibckpt_operator.drivers.progress import Session
 from ibckpt_operator.drivers.runtime import Runtime
 from ibckpt_operator.machine import CheckpointMachine, JobConfig, JobState, PodRef
 from ibckpt_operator.machine.actions import (
@@ -66,13 +51,7 @@ from ibckpt_operator.machine.actions import (
     SelectPods,
     VerifyManifest,
 )
-from ibckpt_operator.machine.checkpoint import (
-    STEP_LABEL,
-    TERMINAL,
-    CheckpointPublished,
-    ManifestCommitted,
-    ManifestMissing,
-)
+from ibckpt_operator.machine.checkpoint import STEP_LABEL, TERMINAL
 from ibckpt_operator.machine.core import (
     Action,
     EmitEvent,
@@ -94,46 +73,10 @@ from ibckpt_operator.machine.status import job_state, job_status
 log = logging.getLogger(__name__)
 
 
-def job_key(namespace: str, name: str) -> str:
-    return f"{namespace}/{name}"
-
-
-class CheckpointJobDriver(Driver[JobState]):
-    kind = CHECKPOINT_JOB.kind
-    plural = CHECKPOINT_JOB.plural
-
+class CheckpointJobDriver(CheckpointStoreDriver):
     def __init__(self, runtime: Runtime, body: Body) -> None:
         super().__init__(runtime, body)
-        self.spec = CheckpointJobSpec.from_wire(body.get("spec") or {})
-        self.machine: CheckpointMachine | None = None
         self.session: Session | None = None
-        # By pod UID. The agent rebuilds and resumes a LeaveRunning job before it uploads its part, so
-        # past the dump only the finished session says the part is uploaded.
-        final = Milestone.UPLOADED if self.spec.mode == CheckpointMode.STOP else Milestone.RESUMED
-        self.progress = PodProgress(
-            CHECKPOINT_MILESTONES, final, until=Milestone.DUMPED, count_zero_bytes=True
-        )
-        self.resolved: storage.ResolvedStorage | None = None
-        self.record = RestoreRecord()  # what a restore needs, written into the Checkpoint
-
-    # -- names
-
-    def checkpoint_name(self, run: str) -> str:
-        return self.spec.checkpoint_name or f"{self.name}-{run}"
-
-    @property
-    def store_job(self) -> str:
-        """The job's name in the store: the workload's, so its checkpoints are listed (and kept) together."""
-        workload = self.spec.workload_ref.name if self.spec.workload_ref else self.name
-        return f"{self.namespace}/{workload}"
-
-    @property
-    def rank_job(self) -> str:
-        """The job in rank keys (job/pod/container/process): one name, no namespace, so no slash."""
-        return self.spec.workload_ref.name if self.spec.workload_ref else self.name
-
-    def session_id(self, run: str) -> str:
-        return f"ckj-{run}"
 
     # -- the machine
 
@@ -221,13 +164,6 @@ class CheckpointJobDriver(Driver[JobState]):
             await self.resume_all(action)
         else:  # AwaitMilestone (drain to resume): the agents go on by themselves
             self.report_progress()
-
-    async def store(self) -> storage.ResolvedStorage:
-        if self.resolved is None:
-            self.resolved = await storage.check(
-                self.rt.kube, self.namespace, self.spec.storage_ref, self.spec.storage
-            )
-        return self.resolved
 
     async def select(self, action: SelectPods) -> None:
         # The storage is checked first: bad credentials or an unreachable bucket fail before any pod.
@@ -384,10 +320,6 @@ class CheckpointJobDriver(Driver[JobState]):
         for node, agent in self.session.nodes.items():
             self.spawn(self.poll(node, agent, action.attempt))
 
-    def machine_checkpoint_name(self) -> str:
-        assert self.machine is not None
-        return self.machine.config.checkpoint_name
-
     async def poll(self, node: str, agent: Agent, attempt: str) -> None:
         """Follow the node's session report until it ends: rank progress, bytes, and failures."""
         assert self.session is not None
@@ -407,91 +339,6 @@ class CheckpointJobDriver(Driver[JobState]):
         # the kill.
         self.progress.absorb(report, lambda rank: rank.pod_uid)
         self.report_progress()
-
-    async def commit(self, action: CommitManifest) -> None:
-        resolved = await self.store()
-        assert self.state is not None
-        # Each agent stages its part under its node's name: the commit refuses a set missing one.
-        expected = sorted({m.pod.node for m in self.state.members})
-        image_store = await asyncio.to_thread(storage.open_store, resolved.config)
-        manifest = await asyncio.to_thread(
-            image_store.commit_parts, self.store_job, action.checkpoint_name, expected
-        )
-        metrics.CHECKPOINT_BYTES.inc(manifest.stats.logical_bytes)
-        key = image_store.context.layout.manifest_key(manifest.ref)
-        self.emit(ManifestCommitted(action.attempt, key))
-
-    async def verify(self, action: VerifyManifest) -> None:
-        resolved = await self.store()
-        image_store = await asyncio.to_thread(storage.open_store, resolved.config)
-        from ibckpt.store import CheckpointNotFoundError, CheckpointRef
-
-        ref = CheckpointRef(self.store_job, action.checkpoint_name)
-        try:
-            await asyncio.to_thread(image_store.manifest, ref)
-        except CheckpointNotFoundError:
-            self.emit(ManifestMissing(action.attempt))
-            return
-        self.emit(ManifestCommitted(action.attempt, image_store.context.layout.manifest_key(ref)))
-
-    async def discard(self, action: DiscardUpload) -> None:
-        """Drop the aborted attempt's staged parts. It shares the resume's attempt but not its outcome: a
-        store that cannot be reached (often why the upload failed) must not end the abort before the
-        ranks are back, so a failure is told, never fed to the machine; nothing lists staged parts, and
-        the store's garbage collection removes abandoned ones."""
-        try:
-            resolved = await self.store()
-            image_store = await asyncio.to_thread(storage.open_store, resolved.config)
-            dropped = await asyncio.to_thread(image_store.abort, self.store_job, action.checkpoint_name)
-        except Exception as error:
-            message = (
-                f"the parts staged for checkpoint {action.checkpoint_name} were not discarded ({error}); "
-                "no Checkpoint lists them, and the store's garbage collection removes abandoned parts"
-            )
-            log.warning("%s: %s", self.key, message)
-            with contextlib.suppress(Exception):
-                await self.rt.kube.post_event(self.body, "Warning", "PartsNotDiscarded", message)
-            return
-        log.info("%s: dropped %d staged part(s) of %s", self.key, dropped, action.checkpoint_name)
-
-    async def publish(self, action: PublishCheckpoint) -> None:
-        assert self.state is not None
-        members = self.state.members
-        total = sum(self.progress.bytes.get(m.pod.uid, m.bytes or 0) for m in members)
-        spec = CheckpointSpec(
-            job_name=self.store_job,
-            checkpoint_job_ref=JobReference(name=self.name, uid=self.body["metadata"].get("uid")),
-            source=self.spec.workload_ref,
-            checkpoint_id=action.checkpoint_name,
-            storage_ref=self.spec.storage_ref,
-            storage=self.spec.storage,
-            manifest_key=action.manifest_key,
-            mode=self.spec.mode,
-            pods=await self.record.pods(self.rt, self.namespace, members, self.session_id(self.state.run)),
-            rank_count=sum(len(keys) for keys in self.record.rank_keys.values()),
-            requires=await self.record.requires(self.rt, members),
-            nodes=sorted({m.pod.node for m in members if m.pod.node}),
-            size=CheckpointSize(bytes=total, human=_human(total)),
-        )
-        labels = self.copied_labels()
-        checkpoint = Checkpoint(
-            metadata=ObjectMeta(name=action.checkpoint_name, namespace=self.namespace, labels=labels or None),
-            spec=spec,
-        )
-        created = await self.rt.kube.create_custom(CHECKPOINT.plural, self.namespace, checkpoint.to_wire())
-        if created:
-            with contextlib.suppress(Exception):
-                await self.rt.kube.patch_status(
-                    CHECKPOINT.plural, self.namespace, action.checkpoint_name, {"readyToRestore": True}
-                )
-        self.emit(CheckpointPublished(action.attempt))
-
-    def copied_labels(self) -> dict[str, str]:
-        labels: dict[str, str] = self.body["metadata"].get("labels") or {}
-        keys = self.spec.copy_labels or []
-        if "*" in keys:
-            return dict(labels)
-        return {key: labels[key] for key in keys if key in labels}
 
     async def kill(self, action: KillSources) -> None:
         for pod in action.pods:
@@ -572,11 +419,3 @@ class CheckpointJobDriver(Driver[JobState]):
                 )
             else:
                 self.emit(PodStepDone(action.attempt, pod.uid))
-
-def _human(size: int) -> str:
-    value = float(size)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{size} B"

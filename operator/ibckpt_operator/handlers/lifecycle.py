@@ -19,7 +19,7 @@ from ibckpt_operator.cluster.leader import LeaderLease
 from ibckpt_operator.config import FINALIZER, current
 from ibckpt_operator.coordinator.server import CoordinatorServer
 from ibckpt_operator.drivers import runtime
-from ibckpt_operator.drivers.checkpointjob import job_key
+from ibckpt_operator.drivers.checkpointstore import job_key
 from ibckpt_operator.machine import PodClaims
 from ibckpt_operator.machine.status import job_state
 
