@@ -4,6 +4,7 @@
   watch (handlers/drain.py) keeps `DRAINING` up to date; every protected schedule reads it.
 - The observations of one migration: its CheckpointJob's and RestoreJob's phases as machine events.
 - DrainState <-> the schedule's status (drainPhase, drainReason, drainMessage, drainNodes, migration).
+- Which new pods a migration under way refuses (the webhook's answer, through bindings.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 from ibckpt.api import JobPhase, RestorePhase
 from ibckpt.api.schedule import CheckpointScheduleStatus, MigrationSource, MigrationStatus
+from ibckpt_operator.cluster import bindings
 from ibckpt_operator.machine.core import Event, PodRef
 from ibckpt_operator.machine.drain import (
     CheckpointCommitted,
@@ -43,6 +45,12 @@ TOUCHING = frozenset(
     {JobPhase.QUIESCING, JobPhase.DRAINING, JobPhase.RELEASING, JobPhase.DUMPING, JobPhase.UPLOADING}
 )
 AFTER_COMMIT = frozenset({JobPhase.COMMITTED, JobPhase.STOPPED, JobPhase.SUCCEEDED})
+
+# From the commit to the restore a source's name is reserved for its restored pod (bindings.py).
+CLAIMING = frozenset({DrainPhase.COMMITTED, DrainPhase.RELEASING, DrainPhase.RESTORING})
+# From the hold to the restore a renaming controller (a Job) of a source may create no pod: the commit
+# deletes the sources, and its new pod would start from scratch beside the restored one it adopts.
+REFUSING_CONTROLLERS = CLAIMING | {DrainPhase.HOLDING, DrainPhase.CHECKPOINTING}
 
 
 def node_draining(node: Mapping[str, Any]) -> bool:
@@ -161,3 +169,35 @@ def drain_state(name: str, status: CheckpointScheduleStatus) -> DrainState | Non
         reason=status.drain_reason,
         message=status.drain_message,
     )
+
+
+def refusal(
+    drain: DrainState, pod: bindings.NewPod, namespace: str, schedule: str, controllers: dict[str, str]
+) -> bindings.Waiting | None:
+    """While a migration is between its commit and its restore, a new pod named as a source is
+    refused: it is restored once its images are staged (the RestoreJob binds it then). From the
+    hold to the restore, so is any new pod of a source's renaming controller (a Job): the RestoreJob
+    creates the sources again under their names, and the controller adopts them."""
+    if (
+        pod.name
+        and pod.namespace == namespace
+        and drain.phase in CLAIMING
+        and any(source.name == pod.name for source in drain.sources)
+    ):
+        return bindings.Waiting(
+            f"ibckpt: pod {pod.name} is being migrated by CheckpointSchedule {schedule} ({drain.phase}) "
+            f"and is restored from Checkpoint {drain.checkpoint} once its images are staged; its "
+            "controller will create it again"
+        )
+    if (
+        pod.controller_uid
+        and drain.phase in REFUSING_CONTROLLERS
+        and pod.controller_uid in {controllers.get(source.uid) for source in drain.sources}
+    ):
+        restored = f"Checkpoint {drain.checkpoint}" if drain.checkpoint else "the checkpoint being taken"
+        return bindings.Waiting(
+            f"ibckpt: the pods of this controller are being migrated by CheckpointSchedule {schedule} "
+            f"({drain.phase}); they come back under their names, restored from {restored}, and the "
+            "controller adopts them: it needs no new pod"
+        )
+    return None

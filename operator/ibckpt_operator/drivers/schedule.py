@@ -13,7 +13,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from datetime import UTC, datetime
 from typing import Any
 
 from ibckpt.api import (
@@ -24,7 +23,6 @@ from ibckpt.api import (
     CheckpointScheduleSpec,
     CheckpointScheduleStatus,
     Condition,
-    ConditionStatus,
 )
 from ibckpt_operator import metrics
 from ibckpt_operator.cluster import bindings, drains, protection, schedules, sources
@@ -34,6 +32,7 @@ from ibckpt_operator.config import current
 from ibckpt_operator.drivers.runtime import Runtime
 from ibckpt_operator.machine.core import Action, EmitEvent, Event, OperatorRestarted, PodRef, Tick
 from ibckpt_operator.machine.drain import (
+    AT_REST,
     CancelCheckpointJob,
     CreateMigrationCheckpoint,
     DrainConfig,
@@ -59,6 +58,8 @@ from ibckpt_operator.machine.schedule import (
     SchedulePolicy,
     ScheduleState,
 )
+from ibckpt_operator.machine.status import condition as status_condition
+from ibckpt_operator.machine.status import to_time
 
 log = logging.getLogger(__name__)
 StopWaiter = Callable[[], Awaitable[str | None]]
@@ -67,12 +68,10 @@ StopWaiter = Callable[[], Awaitable[str | None]]
 CONTROLLERS: dict[str, ScheduleController] = {}
 
 
-# From the commit to the restore a source's name is reserved for its restored pod (bindings.py).
-CLAIMING = frozenset({DrainPhase.COMMITTED, DrainPhase.RELEASING, DrainPhase.RESTORING})
-# From the hold to the restore a renaming controller (a Job) of a source may create no pod: the commit
-# deletes the sources, and its new pod would start from scratch beside the restored one it adopts.
-REFUSING_CONTROLLERS = CLAIMING | {DrainPhase.HOLDING, DrainPhase.CHECKPOINTING}
-AT_REST = frozenset({DrainPhase.IDLE, DrainPhase.DONE, DrainPhase.FAILED, DrainPhase.LOST})
+# The drain is held (the DRAIN_HELD metric): from the hold to the release.
+HOLDING_PHASES = frozenset(
+    {DrainPhase.HOLDING, DrainPhase.CHECKPOINTING, DrainPhase.COMMITTED, DrainPhase.HELD}
+)
 SOURCES_POLL_SECONDS = 3.0  # while a drain's restore waits for the killed source pods to go
 
 
@@ -117,36 +116,10 @@ class ScheduleController:
         return CheckpointScheduleSpec.from_wire(dict(self.live.get("spec") or {}))
 
     def claim(self, pod: bindings.NewPod) -> bindings.Claim | None:
-        """While a migration is between its commit and its restore, a new pod named as a source is
-        refused: it is restored once its images are staged (the RestoreJob binds it then). From the
-        hold to the restore, so is any new pod of a source's renaming controller (a Job): the RestoreJob
-        creates the sources again under their names, and the controller adopts them."""
-        drain = self.drain
-        if drain is None:
+        """A new pod a migration under way refuses (drains.refusal), if any."""
+        if self.drain is None:
             return None
-        if (
-            pod.name
-            and pod.namespace == self.namespace
-            and drain.phase in CLAIMING
-            and any(source.name == pod.name for source in drain.sources)
-        ):
-            return bindings.Waiting(
-                f"ibckpt: pod {pod.name} is being migrated by CheckpointSchedule {self.name} ({drain.phase}) "
-                f"and is restored from Checkpoint {drain.checkpoint} once its images are staged; its "
-                "controller will create it again"
-            )
-        if (
-            pod.controller_uid
-            and drain.phase in REFUSING_CONTROLLERS
-            and pod.controller_uid in {self.controllers.get(source.uid) for source in drain.sources}
-        ):
-            restored = f"Checkpoint {drain.checkpoint}" if drain.checkpoint else "the checkpoint being taken"
-            return bindings.Waiting(
-                f"ibckpt: the pods of this controller are being migrated by CheckpointSchedule {self.name} "
-                f"({drain.phase}); they come back under their names, restored from {restored}, and the "
-                "controller adopts them: it needs no new pod"
-            )
-        return None
+        return drains.refusal(self.drain, pod, self.namespace, self.name, self.controllers)
 
     def protects(self, pod_uid: str) -> bool:
         return self.drain is not None and any(pod.uid == pod_uid for pod in self.members)
@@ -338,13 +311,7 @@ class ScheduleController:
             transition = machine.handle(self.drain, event, now)
             await self._drain_apply(spec, machine, transition.state, transition.actions, now)
             wake_at = transition.wake_at
-        held = self.drain.phase in (
-            DrainPhase.HOLDING,
-            DrainPhase.CHECKPOINTING,
-            DrainPhase.COMMITTED,
-            DrainPhase.HELD,
-        )
-        metrics.DRAIN_HELD.labels(self.key).set(1 if held else 0)
+        metrics.DRAIN_HELD.labels(self.key).set(1 if self.drain.phase in HOLDING_PHASES else 0)
         return wake_at
 
     async def _migration_events(self) -> list[Event]:
@@ -485,7 +452,7 @@ class ScheduleController:
             protected_by=self.protected_by,
             kept_count=self.kept,
             pruned_count=self.pruned or None,
-            last_prune_time=None if self.last_prune is None else _time(self.last_prune),
+            last_prune_time=to_time(self.last_prune),
         )
         fields["message"] = self.invalid or self._message()
         fields["conditions"] = self._conditions(now)
@@ -501,35 +468,23 @@ class ScheduleController:
         state = self.schedule
         if state is None or state.interval is None:
             return "drain protection only" if self.drain is not None else "suspended"
-        upcoming = "-" if state.next_fire is None else _time(state.next_fire).isoformat()
+        upcoming = "-" if (at := to_time(state.next_fire)) is None else at.isoformat()
         return f"every {state.interval:.0f}s; next {upcoming}"
 
     def _conditions(self, now: float) -> list[Condition]:
         """Ready: the spec is valid and acted on. Progressing: a job or a migration is under way.
         DrainHeld: a drain is held (True names why)."""
-        previous = {c.get("type"): c for c in (self.live.get("status") or {}).get("conditions") or ()}
+        previous = [Condition.from_wire(c) for c in (self.live.get("status") or {}).get("conditions") or ()]
+        generation = self.live["metadata"].get("generation")
 
         def condition(kind: str, true: bool, reason: str, message: str | None = None) -> Condition:
-            status = ConditionStatus.TRUE if true else ConditionStatus.FALSE
-            before = previous.get(kind) or {}
-            since = before.get("lastTransitionTime") if before.get("status") == status else None
-            return Condition(
-                type=kind,
-                status=status,
-                reason=reason,
-                message=message,
-                observed_generation=self.live["metadata"].get("generation"),
-                last_transition_time=since or _time(now),
+            return status_condition(
+                kind, true, reason, message, generation=generation, previous=previous, now=now
             )
 
         if self.invalid is not None:
             return [condition("Ready", False, "InvalidSpec", self.invalid)]
-        migrating = self.drain is not None and self.drain.phase not in (
-            DrainPhase.IDLE,
-            DrainPhase.DONE,
-            DrainPhase.LOST,
-            DrainPhase.FAILED,
-        )
+        migrating = self.drain is not None and self.drain.phase not in AT_REST
         active = self.schedule is not None and self.schedule.active_job is not None
         progressing = "Migrating" if migrating else "CheckpointRunning" if active else "Idle"
         held = self.drain is not None and self.drain.phase is DrainPhase.HELD
@@ -543,7 +498,3 @@ class ScheduleController:
                 self.drain.message if held and self.drain else None,
             ),
         ]
-
-
-def _time(seconds: float) -> datetime:
-    return datetime.fromtimestamp(seconds, UTC)

@@ -50,23 +50,36 @@ def conditions(
         (ConditionType.PROGRESSING, not terminal, reason or phase if not terminal else phase),
         (ConditionType.FAILED, terminal and not succeeded, reason or phase),
     ]
-    before = {condition.type: condition for condition in previous or ()}
-    result = []
-    for kind, true, why in wanted:
-        status = ConditionStatus.TRUE if true else ConditionStatus.FALSE
-        old = before.get(kind)
-        since = old.last_transition_time if old is not None and old.status == status else to_time(now)
-        result.append(
-            Condition(
-                type=kind,
-                status=status,
-                reason=why,
-                message=message if true else None,
-                observed_generation=generation,
-                last_transition_time=since,
-            )
+    return [
+        condition(
+            kind, true, why, message if true else None, generation=generation, previous=previous, now=now
         )
-    return result
+        for kind, true, why in wanted
+    ]
+
+
+def condition(
+    kind: str,
+    true: bool,
+    reason: str,
+    message: str | None = None,
+    *,
+    generation: int | None,
+    previous: Sequence[Condition] | None,
+    now: float,
+) -> Condition:
+    """One condition; its lastTransitionTime is the previous one's while its status stays the same."""
+    status = ConditionStatus.TRUE if true else ConditionStatus.FALSE
+    old = next((c for c in previous or () if c.type == kind), None)
+    since = old.last_transition_time if old is not None and old.status == status else None
+    return Condition(
+        type=kind,
+        status=status,
+        reason=reason,
+        message=message,
+        observed_generation=generation,
+        last_transition_time=since or to_time(now),
+    )
 
 
 def _rows(members: tuple[Member, ...]) -> list[PodRow]:
