@@ -15,10 +15,13 @@ from ibckpt_operator import metrics
 from ibckpt_operator.cluster import storage
 from ibckpt_operator.cluster.kube import Body, is_status
 from ibckpt_operator.config import current
+from ibckpt_operator.drivers.progress import Session
 from ibckpt_operator.drivers.runtime import Runtime
+from ibckpt_operator.machine.actions import CloseSession
 from ibckpt_operator.machine.core import (
     Action,
     Cancelled,
+    EmitEvent,
     Event,
     PodLost,
     PodRef,
@@ -81,6 +84,7 @@ class Driver(Generic[S]):
         self.tasks: set[asyncio.Task[None]] = set()
         self.conditions: list[Condition] | None = None
         self.state: S | None = None
+        self.session: Session | None = None  # the job's coordinator session, once open
 
     # -- what each kind says
 
@@ -98,11 +102,37 @@ class Driver(Generic[S]):
         raise NotImplementedError
 
     async def execute(self, action: Action) -> None:
-        raise NotImplementedError
+        """The actions every kind runs alike: an event posted, the session closed, a step started as a
+        task (its effect); a kind's own actions are its override's, which hands the rest here."""
+        log.debug("%s: %s", self.key, type(action).__name__)
+        if isinstance(action, EmitEvent):
+            await self.rt.kube.post_event(self.body, action.type, action.reason, action.message)
+        elif isinstance(action, CloseSession):
+            if self.session is not None:
+                self.rt.coordinator.close_session(self.session.id)
+        elif isinstance(action, StepAction):
+            self.spawn(self.guarded(action))
+        else:
+            log.warning("%s: no effect for %s", self.key, type(action).__name__)
 
     async def effect(self, action: StepAction) -> None:
         """A step's side effect; it answers by emitting events (run as a task by `guarded`)."""
         raise NotImplementedError
+
+    def read_back(self, model: type[ApiModel], to_state: Callable[[Any], S]) -> S | None:
+        """The state a driver wrote to this job's status (with its conditions), or None for a job no
+        driver has started (no attempt yet)."""
+        status = self.body.get("status") or {}
+        if not status.get("attempt"):
+            return None
+        try:
+            parsed = model.from_wire(status)
+            state = to_state(parsed)
+        except ValueError as error:
+            raise UnreadableStatus(f"its status cannot be read back: {error}") from error
+        self.conditions = getattr(parsed, "conditions", None)
+        self.state = state
+        return state
 
     def phase_of(self, state: S) -> str:
         return str(getattr(state, "phase", ""))

@@ -31,7 +31,6 @@ from ibckpt_operator.cluster.agents import Agent, agents_by_node, each_agent, fo
 from ibckpt_operator.cluster.kube import Body
 from ibckpt_operator.cluster.pods import gone
 from ibckpt_operator.config import current
-from ibckpt_operator.drivers.base import UnreadableStatus
 from ibckpt_operator.drivers.checkpointstore import CheckpointStoreDriver
 from ibckpt_operator.drivers.progress import Session
 from ibckpt_operator.drivers.runtime import Runtime
@@ -39,7 +38,6 @@ from ibckpt_operator.machine import CheckpointMachine, JobConfig, JobState, PodR
 from ibckpt_operator.machine.actions import (
     AdmitPods,
     ClaimPods,
-    CloseSession,
     CommitManifest,
     DiscardUpload,
     KillSources,
@@ -54,7 +52,6 @@ from ibckpt_operator.machine.actions import (
 from ibckpt_operator.machine.checkpoint import STEP_LABEL, TERMINAL
 from ibckpt_operator.machine.core import (
     Action,
-    EmitEvent,
     Event,
     OperatorRestarted,
     PodAdmitted,
@@ -76,25 +73,16 @@ log = logging.getLogger(__name__)
 class CheckpointJobDriver(CheckpointStoreDriver):
     def __init__(self, runtime: Runtime, body: Body) -> None:
         super().__init__(runtime, body)
-        self.session: Session | None = None
 
     # -- the machine
 
     def begin(self, now: float) -> Transition[JobState]:
-        status = self.body.get("status") or {}
-        if status.get("attempt"):
-            try:
-                parsed = CheckpointJobStatus.from_wire(status)
-                state = job_state(parsed)
-            except ValueError as error:
-                raise UnreadableStatus(f"its status cannot be read back: {error}") from error
-            self.conditions = parsed.conditions
-            self.machine = CheckpointMachine(JobConfig.from_spec(self.spec, self.checkpoint_name(state.run)))
-            self.state = state
-            return self.machine.handle(state, OperatorRestarted(), now)
-        run = secrets.token_hex(4)
+        state = self.read_back(CheckpointJobStatus, job_state)
+        run = secrets.token_hex(4) if state is None else state.run
         self.machine = CheckpointMachine(JobConfig.from_spec(self.spec, self.checkpoint_name(run)))
-        return self.machine.start(run, now)
+        if state is None:
+            return self.machine.start(run, now)
+        return self.machine.handle(state, OperatorRestarted(), now)
 
     def terminal(self, state: JobState) -> bool:
         return state.phase in TERMINAL
@@ -124,13 +112,8 @@ class CheckpointJobDriver(CheckpointStoreDriver):
     # -- actions
 
     async def execute(self, action: Action) -> None:
-        log.debug("%s: %s", self.key, type(action).__name__)
-        if isinstance(action, EmitEvent):
-            await self.rt.kube.post_event(self.body, action.type, action.reason, action.message)
-        elif isinstance(action, ReleaseClaim):
+        if isinstance(action, ReleaseClaim):
             self.rt.claims.release(self.key)
-        elif isinstance(action, CloseSession):
-            self.close_session()
         elif isinstance(action, ClaimPods):
             holder = self.rt.claims.claim(self.key, (pod.uid for pod in action.pods))
             self.emit(PodsClaimed(action.attempt) if holder is None else PodsBusy(action.attempt, holder))
@@ -140,10 +123,8 @@ class CheckpointJobDriver(CheckpointStoreDriver):
             # the job may end (Failed) before a store that is down lets the discard give up: it must
             # still get to say so
             self.rt.detach(self.discard(action), f"discard {self.key}")
-        elif isinstance(action, StepAction):
-            self.spawn(self.guarded(action))
         else:
-            log.warning("%s: no effect for %s", self.key, type(action).__name__)
+            await super().execute(action)
 
     async def effect(self, action: StepAction) -> None:
         if isinstance(action, SelectPods):
@@ -231,10 +212,6 @@ class CheckpointJobDriver(CheckpointStoreDriver):
         coordinator_session.arrival_listeners.append(self.on_barrier)
         coordinator_session.abort_listeners.append(self.on_abort)
         self.emit(SessionOpened(action.attempt))
-
-    def close_session(self) -> None:
-        if self.session is not None:
-            self.rt.coordinator.close_session(self.session.id)
 
     def pods_on(self, node: str) -> list[PodRef]:
         assert self.state is not None

@@ -35,7 +35,6 @@ from ibckpt_operator.cluster import bindings, storage
 from ibckpt_operator.cluster.agents import Agent, agents_by_node, each_agent, follow_session
 from ibckpt_operator.cluster.kube import Body
 from ibckpt_operator.cluster.pods import restored_lost
-from ibckpt_operator.drivers.base import UnreadableStatus
 from ibckpt_operator.drivers.progress import PodProgress, Session
 from ibckpt_operator.drivers.restorepods import RestorePodsDriver
 from ibckpt_operator.drivers.runtime import Runtime
@@ -44,7 +43,6 @@ from ibckpt_operator.machine.actions import (
     AdmitNodes,
     AwaitMilestone,
     CleanUpRestore,
-    CloseSession,
     CreatePods,
     DownloadImages,
     OpenSession,
@@ -73,7 +71,6 @@ class RestoreJobDriver(RestorePodsDriver):
     def __init__(self, runtime: Runtime, body: Body) -> None:
         super().__init__(runtime, body)
         self.machine = RestoreMachine(RestoreConfig.from_spec(self.spec))
-        self.session: Session | None = None
         self.polled: set[str] = set()  # nodes whose session report is being followed
         self.progress = PodProgress(RESTORE_MILESTONES, Milestone.RESUMED)  # by pod name
         if self.by_controller:
@@ -113,17 +110,10 @@ class RestoreJobDriver(RestorePodsDriver):
     # -- the machine
 
     def begin(self, now: float) -> Transition[RestoreState]:
-        status = self.body.get("status") or {}
-        if status.get("attempt"):
-            try:
-                parsed = RestoreJobStatus.from_wire(status)
-                state = restore_state(parsed)
-            except ValueError as error:
-                raise UnreadableStatus(f"its status cannot be read back: {error}") from error
-            self.conditions = parsed.conditions
-            self.state = state
-            return self.machine.handle(self.state, OperatorRestarted(), now)
-        return self.machine.start(secrets.token_hex(4), now)
+        state = self.read_back(RestoreJobStatus, restore_state)
+        if state is None:
+            return self.machine.start(secrets.token_hex(4), now)
+        return self.machine.handle(state, OperatorRestarted(), now)
 
     def terminal(self, state: RestoreState) -> bool:
         return state.phase in TERMINAL
@@ -146,17 +136,9 @@ class RestoreJobDriver(RestorePodsDriver):
     # -- actions
 
     async def execute(self, action: Action) -> None:
-        log.debug("%s: %s", self.key, type(action).__name__)
         if isinstance(action, EmitEvent):
             log.info("%s: %s %s: %s", self.key, action.type, action.reason, action.message)
-            await self.rt.kube.post_event(self.body, action.type, action.reason, action.message)
-        elif isinstance(action, CloseSession):
-            if self.session is not None:
-                self.rt.coordinator.close_session(self.session.id)
-        elif isinstance(action, StepAction):
-            self.spawn(self.guarded(action))
-        else:
-            log.warning("%s: no effect for %s", self.key, type(action).__name__)
+        await super().execute(action)
 
     async def effect(self, action: StepAction) -> None:
         if isinstance(action, ResolveCheckpoint):
