@@ -13,11 +13,13 @@ from ibckpt.api import ApiModel, Condition
 from ibckpt.store import StoreError
 from ibckpt_operator import metrics
 from ibckpt_operator.cluster import storage
+from ibckpt_operator.cluster.agents import agents_by_node
 from ibckpt_operator.cluster.kube import Body, is_status
 from ibckpt_operator.config import current
+from ibckpt_operator.coordinator.session import Session as CoordinatorSession
 from ibckpt_operator.drivers.progress import Session
 from ibckpt_operator.drivers.runtime import Runtime
-from ibckpt_operator.machine.actions import CloseSession
+from ibckpt_operator.machine.actions import CloseSession, OpenSession
 from ibckpt_operator.machine.core import (
     Action,
     Cancelled,
@@ -133,6 +135,21 @@ class Driver(Generic[S]):
         self.conditions = getattr(parsed, "conditions", None)
         self.state = state
         return state
+
+    async def open_coordinator_session(
+        self, action: OpenSession, bound: float, session_id: str
+    ) -> CoordinatorSession | None:
+        """A coordinator session (self.session) for the nodes of the action's pods, each with a ready agent;
+        None (the step failed: NoAgent) if one has none."""
+        agents = await agents_by_node(self.rt.kube)
+        nodes = {pod.node: agents[pod.node] for pod in action.pods if pod.node in agents}
+        missing = sorted({pod.node for pod in action.pods} - set(nodes))
+        if missing:
+            self.emit(StepFailed(action.attempt, "NoAgent", f"no ready ibckpt agent on {', '.join(missing)}"))
+            return None
+        sid, token = self.rt.coordinator.create_session(set(nodes), bound, session_id)
+        self.session = Session(sid, token, nodes)
+        return self.rt.coordinator.sessions[sid]
 
     def phase_of(self, state: S) -> str:
         return str(getattr(state, "phase", ""))

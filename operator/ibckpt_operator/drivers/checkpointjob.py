@@ -194,24 +194,16 @@ class CheckpointJobDriver(CheckpointStoreDriver):
 
     async def open_session(self, action: OpenSession) -> None:
         assert self.state is not None
-        agents = await agents_by_node(self.rt.kube)
-        nodes = {pod.node: agents[pod.node] for pod in action.pods if pod.node in agents}
-        missing = sorted({pod.node for pod in action.pods} - set(nodes))
-        if missing:
-            self.emit(StepFailed(action.attempt, "NoAgent", f"no ready ibckpt agent on {', '.join(missing)}"))
-            return
         t = self.spec.timeouts
-        deadline = float(
+        bound = float(
             t.quiesce_seconds + t.drain_seconds + t.release_seconds + t.dump_seconds + t.upload_seconds
             + t.publish_seconds + t.rebuild_seconds + t.resume_seconds + t.abort_seconds
         )  # fmt: skip
-        session_id = self.session_id(self.state.run)
-        sid, token = self.rt.coordinator.create_session(set(nodes), deadline, session_id)
-        self.session = Session(sid, token, nodes)
-        coordinator_session = self.rt.coordinator.sessions[sid]
-        coordinator_session.arrival_listeners.append(self.on_barrier)
-        coordinator_session.abort_listeners.append(self.on_abort)
-        self.emit(SessionOpened(action.attempt))
+        opened = await self.open_coordinator_session(action, bound, self.session_id(self.state.run))
+        if opened is not None:
+            opened.arrival_listeners.append(self.on_barrier)
+            opened.abort_listeners.append(self.on_abort)
+            self.emit(SessionOpened(action.attempt))
 
     def pods_on(self, node: str) -> list[PodRef]:
         assert self.state is not None

@@ -35,7 +35,7 @@ from ibckpt_operator.cluster import bindings, storage
 from ibckpt_operator.cluster.agents import Agent, agents_by_node, each_agent, follow_session
 from ibckpt_operator.cluster.kube import Body
 from ibckpt_operator.cluster.pods import restored_lost
-from ibckpt_operator.drivers.progress import PodProgress, Session
+from ibckpt_operator.drivers.progress import PodProgress
 from ibckpt_operator.drivers.restorepods import RestorePodsDriver
 from ibckpt_operator.drivers.runtime import Runtime
 from ibckpt_operator.machine import PodRef, RestoreConfig, RestoreMachine, RestoreState
@@ -194,20 +194,12 @@ class RestoreJobDriver(RestorePodsDriver):
 
     async def open_session(self, action: OpenSession) -> None:
         assert self.state is not None
-        agents = await agents_by_node(self.rt.kube)
-        nodes = {pod.node: agents[pod.node] for pod in action.pods if pod.node in agents}
-        missing = sorted({pod.node for pod in action.pods} - set(nodes))
-        if missing:
-            self.emit(StepFailed(action.attempt, "NoAgent", f"no ready ibckpt agent on {', '.join(missing)}"))
-            return
         t = self.spec.timeouts
-        deadline = float(t.download_seconds + t.restore_seconds + t.rebuild_seconds + t.resume_seconds)
-        sid, token = self.rt.coordinator.create_session(set(nodes), deadline, self.session_id(self.state.run))
-        self.session = Session(sid, token, nodes)
-        self.rt.coordinator.sessions[sid].abort_listeners.append(
-            lambda reason: self.fail_current("SessionAborted", reason)
-        )
-        self.emit(SessionOpened(action.attempt))
+        bound = float(t.download_seconds + t.restore_seconds + t.rebuild_seconds + t.resume_seconds)
+        opened = await self.open_coordinator_session(action, bound, self.session_id(self.state.run))
+        if opened is not None:
+            opened.abort_listeners.append(lambda reason: self.fail_current("SessionAborted", reason))
+            self.emit(SessionOpened(action.attempt))
 
     def address_moves(self, pods: Iterable[PodRef]) -> list[AddressMove]:
         """Each hostNetwork pod's node address then and now (its destination's agent serves on it)."""
