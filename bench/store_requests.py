@@ -36,12 +36,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pydantic import SecretStr
-
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))  # the SeaweedFS launcher the tests use
 
-from ibckpt.store import Credentials, ImageStore, StoreConfig  # noqa: E402
+from ibckpt.store import ImageStore  # noqa: E402
 
 BUCKET = "ibckpt-bench"
 
@@ -206,17 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         make_tree(first, seed=1, pages=pages)
         make_tree(second, seed=2, pages=pages)  # the small files changed, the pages did not
         size = sum(path.stat().st_size for path in first.iterdir())
-        base = StoreConfig(
-            bucket=BUCKET,
-            endpoint_url=server.endpoint,
-            region=server.region,
-            addressing_style="path",
-            credentials=Credentials(
-                access_key_id=SecretStr(server.access_key), secret_access_key=SecretStr(server.secret_key)
-            ),
-            workers=args.workers,
-            prefix="bench-" + secrets.token_hex(3),
-        )
+        base = server.store_config(BUCKET, workers=args.workers, prefix="bench-" + secrets.token_hex(3))
         layouts = {
             "store, old layout": base.with_overrides(pack_below=0, blind_put_below=0),
             "store, packs": base,

@@ -19,15 +19,14 @@ from typing import Any
 import kubernetes
 import pytest
 import yaml
-from pydantic import SecretStr
 
-from ibckpt.store import Credentials, StoreConfig
+from ibckpt.api import GROUP, VERSION
+from ibckpt.store import StoreConfig
 from testbed.fake_agent import AGENT_TOKEN, FakeAgent
 from testbed.kube import ControlPlane, establish_crds
 from testbed.ports import free_port
 from testbed.s3 import S3Server
 
-GROUP, VERSION = "ibckpt.io", "v1alpha1"
 CRD_DIR = Path(__file__).resolve().parents[2] / "crds"
 OPERATOR_NS = "ibckpt-system"
 
@@ -210,19 +209,7 @@ def store_config(s3_server: S3Server) -> Callable[[str], StoreConfig]:
 
 
 def _store_config(s3: S3Server, bucket: str, prefix: str = "ibckpt") -> StoreConfig:
-    return StoreConfig(
-        bucket=bucket,
-        prefix=prefix,
-        endpoint_url=s3.endpoint,
-        region=s3.region,
-        addressing_style="path",
-        credentials=Credentials(
-            access_key_id=SecretStr(s3.access_key), secret_access_key=SecretStr(s3.secret_key)
-        ),
-        chunk_size=64 * 1024,
-        workers=2,
-        max_attempts=2,
-    )
+    return s3.store_config(bucket, prefix=prefix, chunk_size=64 * 1024, workers=2, max_attempts=2)
 
 
 # -- fake node agents -------------------------------------------------------------------------------------

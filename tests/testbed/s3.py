@@ -16,9 +16,13 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from testbed.ports import free_port
 from testbed.reaper import die_with_parent
+
+if TYPE_CHECKING:
+    from ibckpt.store import StoreConfig
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,18 @@ class S3Server:
             region_name=self.region,
             config=Config(signature_version="s3v4", s3={"addressing_style": "path"}),
         )
+
+    def store_config(self, bucket: str, **fields: Any) -> StoreConfig:
+        """A store configuration for a bucket of this server (path-style, its keys), with `fields` set."""
+        from pydantic import SecretStr
+
+        from ibckpt.store import Credentials, StoreConfig
+
+        keys = Credentials(
+            access_key_id=SecretStr(self.access_key), secret_access_key=SecretStr(self.secret_key)
+        )
+        return StoreConfig(bucket=bucket, endpoint_url=self.endpoint, region=self.region,
+                           addressing_style="path", credentials=keys, **fields)  # fmt: skip
 
     def create_bucket(self, name: str, timeout: float = 120.0) -> None:
         """Create a bucket and write to it once. SeaweedFS grows a bucket's volumes at its first write,
