@@ -45,6 +45,20 @@ def owner_reference(owner: Body) -> dict[str, Any]:
     }
 
 
+def _owned_by(schedule: Body, kind: str, name: str, spec: dict[str, Any]) -> Body:
+    """An object of one of the operator's kinds, owned by the schedule and labelled with it."""
+    return {
+        "apiVersion": API_VERSION,
+        "kind": kind,
+        "metadata": {
+            "name": name,
+            "labels": {SCHEDULE_LABEL: schedule["metadata"]["name"]},
+            "ownerReferences": [owner_reference(schedule)],
+        },
+        "spec": spec,
+    }
+
+
 def checkpoint_job_body(
     schedule: Body, spec: CheckpointScheduleSpec, name: str, *, stop_into: str | None = None
 ) -> Body:
@@ -60,16 +74,7 @@ def checkpoint_job_body(
         template["checkpointName"] = stop_into
     else:
         template.pop("checkpointName", None)  # one name for every fire would collide: <job>-<run>
-    return {
-        "apiVersion": API_VERSION,
-        "kind": CHECKPOINT_JOB.kind,
-        "metadata": {
-            "name": name,
-            "labels": {SCHEDULE_LABEL: schedule["metadata"]["name"]},
-            "ownerReferences": [owner_reference(schedule)],
-        },
-        "spec": template,
-    }
+    return _owned_by(schedule, CHECKPOINT_JOB.kind, name, template)
 
 
 # The phases a restore shares with a checkpoint: a drain's RestoreJob bounds them as the template does (a
@@ -95,16 +100,7 @@ def restore_job_body(
     shared = {key: timeouts[key] for key in SHARED_TIMEOUTS if key in timeouts}
     if shared:
         spec["timeouts"] = shared
-    return {
-        "apiVersion": API_VERSION,
-        "kind": RESTORE_JOB.kind,
-        "metadata": {
-            "name": name,
-            "labels": {SCHEDULE_LABEL: schedule["metadata"]["name"]},
-            "ownerReferences": [owner_reference(schedule)],
-        },
-        "spec": spec,
-    }
+    return _owned_by(schedule, RESTORE_JOB.kind, name, spec)
 
 
 def _timestamp(value: Any) -> float | None:
