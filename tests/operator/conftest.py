@@ -116,6 +116,10 @@ class Cluster:
         encoded = {k: base64.b64encode(v.encode()).decode() for k, v in data.items()}
         self.core.create_namespaced_secret(self.namespace, {"metadata": {"name": name}, "data": encoded})
 
+    def s3_secret(self, s3: S3Server) -> None:
+        """The Secret `s3-creds` with the test server's keys, the one the tests' storage locations name."""
+        self.secret("s3-creds", {"AWS_ACCESS_KEY_ID": s3.access_key, "AWS_SECRET_ACCESS_KEY": s3.secret_key})
+
     def create(self, plural: str, body: dict[str, Any]) -> dict[str, Any]:
         result: dict[str, Any] = self.custom.create_namespaced_custom_object(
             GROUP, VERSION, self.namespace, plural, body

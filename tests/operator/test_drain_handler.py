@@ -182,9 +182,7 @@ def test_cordon_migrates_the_whole_job_while_the_webhook_holds_evictions(
     b = agents.add(cluster_ns, "node-b", 2, "hang", config)
     a.register(cluster_ns.pod("ring-0", "node-a", {"app": "ring"}), cluster_ns.namespace)
     b.register(cluster_ns.pod("ring-1", "node-b", {"app": "ring"}), cluster_ns.namespace)
-    cluster_ns.secret(
-        "s3-creds", {"AWS_ACCESS_KEY_ID": s3_server.access_key, "AWS_SECRET_ACCESS_KEY": s3_server.secret_key}
-    )
+    cluster_ns.s3_secret(s3_server)
     ns = cluster_ns.namespace
     with operator() as handle:
         schedule = cluster_ns.create(
@@ -292,9 +290,7 @@ def test_with_the_webhook_down_the_pdb_holds_and_protection_ends_with_the_field(
     monkeypatch.setenv("IBCKPT_WEBHOOK", "off")
     agents.add(cluster_ns, "node-a", 1)
     cluster_ns.pod("ring-0", "node-a", {"app": "ring"})
-    cluster_ns.secret(
-        "s3-creds", {"AWS_ACCESS_KEY_ID": s3_server.access_key, "AWS_SECRET_ACCESS_KEY": s3_server.secret_key}
-    )
+    cluster_ns.s3_secret(s3_server)
     with operator():
         cluster_ns.create(SCHEDULES, protect("ring", {"app": "ring"}, location(s3_server, bucket)))
         cluster_ns.wait(SCHEDULES, "ring", lambda o: (o.get("status") or {}).get("protectedBy") is not None)
@@ -337,9 +333,7 @@ def test_a_failed_checkpoint_follows_each_policy_visibly(
     agent = agents.add(cluster_ns, "node-a", 1, "refuse")
     agent.register(cluster_ns.pod("ring-0", "node-a", {"app": "ring"}), cluster_ns.namespace)
     agent.register(cluster_ns.pod("web-0", "node-a", {"app": "web"}), cluster_ns.namespace)
-    cluster_ns.secret(
-        "s3-creds", {"AWS_ACCESS_KEY_ID": s3_server.access_key, "AWS_SECRET_ACCESS_KEY": s3_server.secret_key}
-    )
+    cluster_ns.s3_secret(s3_server)
     where, ns = location(s3_server, bucket), cluster_ns.namespace
     with operator() as handle:
         cluster_ns.create(SCHEDULES, protect("hold", {"app": "ring"}, where, retrySeconds=10))
@@ -393,9 +387,7 @@ def test_an_eviction_alone_holds_and_only_an_uncordon_cancels(
 ) -> None:
     agent = agents.add(cluster_ns, "node-a", 1)  # "hang": the job stays Quiescing
     agent.register(cluster_ns.pod("ring-0", "node-a", {"app": "ring"}), cluster_ns.namespace)
-    cluster_ns.secret(
-        "s3-creds", {"AWS_ACCESS_KEY_ID": s3_server.access_key, "AWS_SECRET_ACCESS_KEY": s3_server.secret_key}
-    )
+    cluster_ns.s3_secret(s3_server)
     with operator():
         cluster_ns.create(SCHEDULES, protect("ring", {"app": "ring"}, location(s3_server, bucket)))
         cluster_ns.wait(SCHEDULES, "ring", lambda o: (o.get("status") or {}).get("protectedBy") is not None)
@@ -440,9 +432,7 @@ def test_a_restarted_operator_carries_the_migration_on_and_a_retry_commits(
     agent = agents.add(cluster_ns, "node-a", 1, "hang", store_config(bucket))
     agents.add(cluster_ns, "node-b", 2)
     agent.register(cluster_ns.pod("ring-0", "node-a", {"app": "ring"}), cluster_ns.namespace)
-    cluster_ns.secret(
-        "s3-creds", {"AWS_ACCESS_KEY_ID": s3_server.access_key, "AWS_SECRET_ACCESS_KEY": s3_server.secret_key}
-    )
+    cluster_ns.s3_secret(s3_server)
     schedule = protect("ring", {"app": "ring"}, location(s3_server, bucket), retrySeconds=10)
     with operator():
         cluster_ns.create(SCHEDULES, schedule)

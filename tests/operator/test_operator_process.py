@@ -36,8 +36,7 @@ def wait_http(url: str, timeout: float = 60) -> str:
 def test_entry_point_runs_leads_and_exits_cleanly(
     kube: ControlPlane, cluster_ns: Any, s3_server: S3Server, bucket: str, tmp_path: Path
 ) -> None:
-    cluster_ns.secret("s3-creds", {"AWS_ACCESS_KEY_ID": s3_server.access_key,
-                                   "AWS_SECRET_ACCESS_KEY": s3_server.secret_key})  # fmt: skip
+    cluster_ns.s3_secret(s3_server)
     metrics, liveness, lease = free_port(), free_port(), "process-test-" + cluster_ns.namespace
     log = tmp_path / "operator.log"
     env = {

@@ -40,7 +40,7 @@ def storage(s3: S3Server, bucket: str) -> dict[str, Any]:
 
 
 def creds(cluster: Cluster, s3: S3Server) -> None:
-    cluster.secret("s3-creds", {"AWS_ACCESS_KEY_ID": s3.access_key, "AWS_SECRET_ACCESS_KEY": s3.secret_key})
+    cluster.s3_secret(s3)
 
 
 def phase(wanted: str) -> Any:

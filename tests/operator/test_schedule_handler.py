@@ -89,9 +89,7 @@ def test_schedule_fires_measures_its_cost_and_prunes(
     config = store_config(bucket)
     agent = agents.add(cluster_ns, "node-a", 1, "complete", config)
     agent.register(cluster_ns.pod("ring-0", "node-a", {"app": "ring"}), cluster_ns.namespace)
-    cluster_ns.secret(
-        "s3-creds", {"AWS_ACCESS_KEY_ID": s3_server.access_key, "AWS_SECRET_ACCESS_KEY": s3_server.secret_key}
-    )
+    cluster_ns.s3_secret(s3_server)
     template = {"selector": {"matchLabels": {"app": "ring"}}, "storage": location(s3_server, bucket)}
     mtbf = 86400
 
@@ -206,9 +204,7 @@ def test_a_fire_while_the_job_runs_is_skipped(
     """Skip: the previous job still runs (its agent never finishes), so the due fire starts nothing."""
     agent = agents.add(cluster_ns, "node-a", 1)  # "hang": the job stays Quiescing
     agent.register(cluster_ns.pod("ring-0", "node-a", {"app": "ring"}), cluster_ns.namespace)
-    cluster_ns.secret(
-        "s3-creds", {"AWS_ACCESS_KEY_ID": s3_server.access_key, "AWS_SECRET_ACCESS_KEY": s3_server.secret_key}
-    )
+    cluster_ns.s3_secret(s3_server)
     template = {"selector": {"matchLabels": {"app": "ring"}}, "storage": location(s3_server, bucket)}
     cluster_ns.create(SCHEDULES, schedule_body("ring", template, intervalSeconds=60))
     overdue = (datetime.now(UTC) - timedelta(minutes=5)).isoformat()
