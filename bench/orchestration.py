@@ -63,7 +63,7 @@ from pydantic import SecretStr
 
 from ibckpt.agentapi import AgentClient, CheckpointRequest, Milestone, RankRef
 from ibckpt.coordination.client import CoordinatorClient
-from ibckpt_node.agent import sessions as agent_sessions
+from ibckpt_node.agent import session as agent_session
 from ibckpt_node.agent.auth import Authenticator
 from ibckpt_node.agent.server import AgentServer
 from ibckpt_node.registry import ContainerRegistry
@@ -164,7 +164,7 @@ class TimedClient(CoordinatorClient):
 
 @contextmanager
 def timed_agents() -> Iterator[None]:
-    with mock.patch.object(agent_sessions, "CoordinatorClient", TimedClient):
+    with mock.patch.object(agent_session, "CoordinatorClient", TimedClient):
         yield
 
 

@@ -8,12 +8,16 @@
    into `runc restore` from those images, and the hook registers the restored container;
 3. rebuild: the agent finds each rank's control socket in the registered container and the
    driver rebuilds and resumes them with the peers (NodeDriver.rebuild_restored).
+
+`run` is the agent's restore session through these steps; `download` is its first.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import logging
 import shutil
 import time
 from collections.abc import Callable, Sequence
@@ -21,10 +25,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ibckpt.agentapi import Milestone
 from ibckpt.agentapi import models as api
+from ibckpt.coordination.client import CoordinationAborted, CoordinatorError
 from ibckpt.coordination.ranks import RankId
-from ibckpt_node import tcp_remap
+from ibckpt_node import driver, tcp_remap
 from ibckpt_node.agent.kubesecrets import StagingError
+from ibckpt_node.agent.session import Agent, Session, connect, finish_failed, host_pid, passed, set_phase
+from ibckpt_node.coord_proxy import ShimCoordinatorProxy
+from ibckpt_node.errors import CheckpointFailed
 from ibckpt_node.hook import oci
 from ibckpt_node.hook.restore import criu_errors
 from ibckpt_node.ranks import LocalRank
@@ -34,6 +43,8 @@ from ibckpt_node.trees import TREE_MANIFEST
 if TYPE_CHECKING:  # the store (boto3) is imported only when a restore stages
     from ibckpt.store import StoreConfig
     from ibckpt.store.manifest import Manifest
+
+log = logging.getLogger(__name__)
 
 POLL_S = 0.25
 
@@ -242,3 +253,144 @@ async def wait_for_ranks(
         if time.monotonic() >= deadline:
             raise RestoreError(f"not restored within {timeout_s:g}s: {'; '.join(missing)}")
         await asyncio.sleep(POLL_S)
+
+
+async def run(agent: Agent, session: Session) -> None:
+    request = session.request
+    assert isinstance(request, api.RestoreRequest)
+    report = session.report
+    planned: list[ContainerRestore] = []
+    restore_dir = agent.registry.config.restore_dir
+    lock = tcp_remap.ConnectionLock([])  # the restored TCP connections, held until every node restored
+    try:
+        planned = await download(agent, session, request, lock)
+        staged_at = time.time()  # a container of these pods registered before is not the restored one
+        token = request.session_token.get_secret_value()
+        session.client = await connect(agent, request.session_id, request.coordinator, token)
+        try:
+            async with ShimCoordinatorProxy(agent.shim_socket, session.client) as proxy:
+                session.engine = driver.NodeDriver(
+                    agent.node,
+                    session.client,
+                    [],
+                    timeouts=request.timeouts,
+                    flush_records=proxy.published,
+                    on_milestone=functools.partial(passed, session),
+                )
+                passed(session, Milestone.DOWNLOADED)
+
+                async def restored() -> list[LocalRank]:
+                    uids: dict[str, str] = {}
+                    ranks = await wait_for_ranks(
+                        agent.registry,
+                        planned,
+                        host_pid,
+                        request.timeouts.restore_seconds,
+                        staged_at,
+                        uids,
+                    )
+                    for r in ranks:
+                        progress = session.by_key[r.rank.key()]
+                        progress.pid = r.pid
+                        progress.pod_uid = uids.get(progress.rank_key, progress.pod_uid)
+                    return ranks
+
+                result = await session.engine.rebuild_restored(restored, request.epoch, lock)
+        finally:
+            await session.client.close()
+        report.phases = dict(result.phases)
+        set_phase(session, api.RankPhase.DONE)
+        report.state = api.SessionState.SUCCEEDED
+        report.phase = "Succeeded"
+        report.message = f"restored {len(planned)} containers on {agent.node}"
+    except (StagingError, RestoreError) as exc:
+        finish_failed(session, api.SessionState.FAILED, str(exc))
+    except CoordinationAborted as exc:
+        finish_failed(session, api.SessionState.ABORTED, str(exc))
+    except (CheckpointFailed, CoordinatorError, OSError) as exc:
+        state = api.SessionState.ABORTED if session.abort_reason else api.SessionState.FAILED
+        finish_failed(session, state, str(exc))
+    except asyncio.CancelledError:
+        finish_failed(session, api.SessionState.ABORTED, session.abort_reason or "cancelled")
+    except Exception as exc:
+        log.exception("session %s", request.session_id)
+        finish_failed(session, api.SessionState.FAILED, f"agent error: {exc}")
+    finally:
+        for error in await asyncio.to_thread(lock.unlock):  # a failed restore lets them go too
+            log.error("session %s: %s", request.session_id, error)
+        if report.state is not api.SessionState.SUCCEEDED:
+            failed = restore_errors(planned, restore_dir)
+            for line in failed:
+                log.error("session %s: %s", request.session_id, line)
+            if failed:
+                report.message = f"{report.message}; {'; '.join(failed)}"[:4000]
+        # staged images are used once (the restored container has read them) or not at all
+        unstage(planned, restore_dir)
+        report.finished_at = time.time()
+        log.info(
+            "session %s: %s (%s) %s", request.session_id, report.state.value, report.phase, report.message
+        )
+        agent.on_finished(report)
+
+
+async def download(
+    agent: Agent, session: Session, request: api.RestoreRequest, lock: tcp_remap.ConnectionLock
+) -> list[ContainerRestore]:
+    """Read the checkpoint's manifest, plan this node's containers and stage their images."""
+    from ibckpt.store import ImageStore, StoreError  # boto3: only when staging
+    from ibckpt.store.layout import CheckpointRef
+    from ibckpt_node.agent.staging import store_config
+
+    if agent.secrets is None:
+        raise StagingError("this agent has no way to read Secrets")
+    source = request.images
+    data = await agent.secrets(source.credentials.namespace, source.credentials.name)
+    config = store_config(source.location, source.credentials, data)
+    ref = CheckpointRef(source.job, source.checkpoint_id)
+
+    def read_manifest():  # type: ignore[no-untyped-def]
+        try:
+            return ImageStore.open(config).manifest(ref)
+        except StoreError as exc:
+            raise StagingError(f"reading {ref} from {config.where()}: {exc}") from exc
+
+    try:
+        remap = tcp_remap.parse_map([f"{old}={new}" for old, new in request.remap_ip.items()])
+    except ValueError as exc:
+        raise RestoreError(f"the restore request's address map: {exc}") from None
+    manifest = await asyncio.to_thread(read_manifest)
+    planned = plan(request, manifest)
+    fetched = 0
+
+    def count(size: int) -> None:  # runs on the download's threads
+        nonlocal fetched
+        fetched += size
+
+    started = time.monotonic()
+    staging = asyncio.to_thread(
+        stage,
+        config,
+        source,
+        request.checkpoint,
+        planned,
+        agent.registry.config.restore_dir,
+        count,
+        remap,
+        lock,
+    )
+    try:
+        session.report.bytes = await asyncio.wait_for(staging, request.timeouts.download_seconds)
+    except TimeoutError:
+        raise StagingError(f"download did not finish within {request.timeouts.download_seconds:g}s") from None
+    for item in planned:
+        for key in item.rank_keys:
+            session.by_key[key].bytes = session.report.bytes // max(1, len(session.report.ranks))
+    session.report.phases[Milestone.DOWNLOADED] = round(time.monotonic() - started, 3)
+    if remap or lock.connections:
+        log.info(
+            "session %s: addresses remapped %s; TCP connections held until every node restored: %s",
+            request.session_id,
+            ", ".join(f"{a}={b}" for a, b in remap.items()) or "none",
+            ", ".join(c.describe() for c in lock.connections) or "none",
+        )
+    return planned

@@ -14,7 +14,8 @@ from ibckpt.agentapi import models as api
 from ibckpt_node.agent.auth import Authenticator, AuthError
 from ibckpt_node.agent.httpserver import HttpServer, Request, Response
 from ibckpt_node.agent.kubesecrets import SecretReader
-from ibckpt_node.agent.sessions import SessionError, Sessions
+from ibckpt_node.agent.session import SessionError
+from ibckpt_node.agent.sessions import Sessions
 from ibckpt_node.registry import ContainerRegistry, RegisteredContainer
 
 log = logging.getLogger(__name__)

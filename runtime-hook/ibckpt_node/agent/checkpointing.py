@@ -1,0 +1,160 @@
+"""This node's part of a checkpoint: the driver's cut and dump of the session's ranks, then the upload.
+
+The run connects to the job's coordinator, serves the shims' coordinator socket and runs the driver
+(NodeDriver.checkpoint) over the ranks and their process trees. The images land in
+WORK_DIR/sessions/<id>/images; with a store named in the request, `upload` stages them as this node's
+part of the checkpoint (the operator commits the parts). A coordinator lost on the way is replaced
+through recovery.rejoin; ranks a Stop or Hold dump leaves released wait for recovery.py or a kill.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import os
+import time
+from pathlib import Path
+
+from ibckpt.agentapi import Milestone
+from ibckpt.agentapi import models as api
+from ibckpt.coordination.client import CoordinationAborted, CoordinatorError
+from ibckpt.coordination.ranks import RankId
+from ibckpt_node import driver
+from ibckpt_node.agent import recovery
+from ibckpt_node.agent.kubesecrets import StagingError
+from ibckpt_node.agent.session import Agent, Session, connect, finish_failed, passed, set_phase
+from ibckpt_node.coord_proxy import ShimCoordinatorProxy
+from ibckpt_node.criu import CriuError
+from ibckpt_node.errors import CheckpointFailed, CheckpointRefused
+
+log = logging.getLogger(__name__)
+
+
+def tree_bytes(root: Path) -> int:
+    total = 0
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+    return total
+
+
+async def run(agent: Agent, session: Session) -> None:
+    request = session.request
+    assert isinstance(request, api.CheckpointRequest)
+    report = session.report
+    images = agent.work_dir / "sessions" / request.session_id / "images"
+    try:
+        token = request.session_token.get_secret_value()
+        session.client = await connect(agent, request.session_id, request.coordinator, token)
+        try:
+            async with ShimCoordinatorProxy(agent.shim_socket, session.client) as proxy:
+                session.engine = driver.NodeDriver(
+                    agent.node,
+                    session.client,
+                    session.ranks,
+                    timeouts=request.timeouts,
+                    job_addrs=request.job_addresses or None,
+                    trees=session.trees,
+                    flush_records=proxy.published,
+                    rejoin=functools.partial(recovery.rejoin, agent, session, proxy),
+                    on_milestone=functools.partial(passed, session),
+                )
+                set_phase(session, api.RankPhase.PREFLIGHT)
+                result = await session.engine.checkpoint(request.mode, images, request.epoch)
+        finally:
+            await session.client.close()
+        final = {
+            "Stopped": api.RankPhase.STOPPED,
+            "Held": api.RankPhase.HELD,
+        }.get(result.outcome, api.RankPhase.DONE)
+        for tree in session.trees:
+            size = tree_bytes(images / tree.name)
+            report.bytes += size
+            members = [session.by_key[k] for k in session.tree_keys[tree.name]]
+            for progress in members:
+                progress.bytes = size // max(1, len(members))
+        if request.images is not None:
+            await upload(agent, session, images)
+        for progress in report.ranks:
+            progress.phase = final
+        report.state = api.SessionState.SUCCEEDED
+        report.phase = result.outcome
+        if request.images is None:
+            report.message = f"images in {images} on {agent.node}"
+    except StagingError as exc:
+        # only the upload failed; the images stay here
+        finish_failed(session, api.SessionState.FAILED, f"{exc} (images kept in {images})")
+    except CheckpointRefused as exc:
+        finish_failed(session, api.SessionState.REFUSED, str(exc))
+    except CoordinationAborted as exc:
+        finish_failed(session, api.SessionState.ABORTED, str(exc))
+    except (CheckpointFailed, CoordinatorError, CriuError, OSError) as exc:
+        aborted = bool(session.abort_reason) or (
+            session.engine is not None and session.engine.report.outcome == "Aborted"
+        )
+        state = api.SessionState.ABORTED if aborted and session.abort_reason else api.SessionState.FAILED
+        finish_failed(session, state, str(exc))
+    except asyncio.CancelledError:
+        if not session.recovering:  # a recovery reports for itself
+            finish_failed(session, api.SessionState.ABORTED, session.abort_reason or "cancelled")
+    except Exception as exc:
+        log.exception("session %s", request.session_id)
+        finish_failed(session, api.SessionState.FAILED, f"agent error: {exc}")
+    finally:
+        if session.engine is not None:
+            # the renewals went on through the upload; a Held rank is handed over with no lease
+            await session.engine.end_leases()
+        if not session.held:  # every rank runs again: nothing for a next agent to bring back
+            recovery.forget(agent.work_dir, request.session_id)
+        if not session.recovering:
+            report.finished_at = time.time()
+            log.info(
+                "session %s: %s (%s) %s",
+                request.session_id,
+                report.state.value,
+                report.phase,
+                report.message,
+            )
+            agent.on_finished(report)
+
+
+async def upload(agent: Agent, session: Session, images: Path) -> None:
+    """Upload this node's images as its part of the checkpoint (the operator commits the parts)."""
+    from ibckpt_node.agent.staging import stage_trees, store_config  # boto3: only when staging
+
+    assert isinstance(session.request, api.CheckpointRequest)
+    destination = session.request.images
+    assert destination is not None
+    report = session.report
+    report.phase = api.RankPhase.UPLOADING.value
+    for rank in report.ranks:
+        rank.phase = api.RankPhase.UPLOADING
+    if agent.secrets is None:
+        raise StagingError("this agent has no way to read Secrets")
+    data = await agent.secrets(destination.credentials.namespace, destination.credentials.name)
+    config = store_config(destination.location, destination.credentials, data)
+    uploaded = 0
+
+    def count(size: int) -> None:  # runs on the upload's threads
+        nonlocal uploaded
+        uploaded += size
+
+    # pod names may hold dots: take each tree's pod from its ranks' keys (job/pod/container/process)
+    trees = [(t.name, RankId.parse(session.tree_keys[t.name][0]).pod) for t in session.trees]
+    started = time.monotonic()
+    staged = asyncio.to_thread(stage_trees, config, destination, agent.node, images, trees, count)
+    try:
+        # a thread cannot be cancelled: on timeout the upload may go on, but nothing commits it
+        total = await asyncio.wait_for(staged, session.request.timeouts.upload_seconds)
+    except TimeoutError:
+        raise StagingError(
+            f"upload did not finish within {session.request.timeouts.upload_seconds:g}s"
+        ) from None
+    report.phases[Milestone.UPLOADED] = round(time.monotonic() - started, 3)
+    report.message = (
+        f"staged {total} bytes ({uploaded} uploaded, the rest already stored) as part {agent.node} "
+        f"of {destination.job}/{destination.checkpoint_id}"
+    )

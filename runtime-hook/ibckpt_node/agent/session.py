@@ -1,0 +1,170 @@
+"""One session on this node, and what its runs share: the checkpoint run (checkpointing.py), the restore
+run (restoring.py) and the recovery run (recovery.py).
+
+A session is the agent's record of one request: its report (ibckpt.agentapi.SessionReport), its ranks,
+its coordinator connection and the driver running them. `Agent` is what the runs need of the agent:
+this node's name, its registry and places, and whom to tell when a session ends. The report follows
+the driver's milestones (`passed`) and says how a failed session left each rank (`finish_failed`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ibckpt.agentapi import Milestone
+from ibckpt.agentapi import models as api
+from ibckpt.coordination.client import CoordinatorClient
+from ibckpt.coordination.ranks import RankId
+from ibckpt_node import driver
+from ibckpt_node.agent.kubesecrets import SecretReader
+from ibckpt_node.ranks import LocalRank
+from ibckpt_node.registry import ContainerRegistry, RegisteredContainer
+from ibckpt_node.trees import ProcessTree
+
+# The milestone a rank passed last -> the phase it is in now (present tense, for people reading status).
+PHASE_AFTER = {
+    Milestone.JOINED: api.RankPhase.PREFLIGHT,
+    Milestone.ADMITTED: api.RankPhase.QUIESCING,
+    Milestone.QUIESCED: api.RankPhase.DRAINING,
+    Milestone.DRAINED: api.RankPhase.RELEASING,
+    Milestone.RELEASED: api.RankPhase.DUMPING,
+    Milestone.DUMPED: api.RankPhase.REBUILDING,
+    Milestone.DOWNLOADED: api.RankPhase.RESTORING,
+    Milestone.RESTORED: api.RankPhase.REBUILDING,
+    Milestone.REBUILT: api.RankPhase.RESUMING,
+    Milestone.RESUMED: api.RankPhase.DONE,
+}
+# The driver's outcomes that leave the ranks released: until the kill (Stop) or a restore (Hold).
+HELD_OUTCOMES = ("Stopped", "Held")
+
+
+class SessionError(Exception):
+    """The request cannot start; status is the HTTP status to answer with."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def pid_namespace(pid: int) -> str:
+    return os.readlink(f"/proc/{pid}/ns/pid")
+
+
+def host_pid(container_pid: int, ns_pid: int) -> int:
+    """The host pid of the process that is ns_pid in the pid namespace of container_pid."""
+    want = pid_namespace(container_pid)
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            status = Path(f"/proc/{name}/status").read_text()
+            nspid = next((line.split()[1:] for line in status.splitlines() if line.startswith("NSpid:")), [])
+            if nspid and int(nspid[-1]) == ns_pid and pid_namespace(int(name)) == want:
+                return int(name)
+    raise SessionError(422, f"no process {ns_pid} in the pid namespace of {container_pid}")
+
+
+def container_ranks(job: str, entry: RegisteredContainer) -> list[LocalRank]:
+    """One rank per control socket the shim made in the container (one per process that opened a device)."""
+    ranks = []
+    first = Path(entry.control_socket).name
+    for path in entry.sockets():
+        stem = Path(path).name.removesuffix(".sock")
+        if not stem.isdigit():
+            continue
+        pid = entry.pid if Path(path).name == first else host_pid(entry.pid, int(stem))
+        rank = RankId(job, entry.pod, entry.container, stem)
+        ranks.append(LocalRank(rank, pid, Path(path)))
+    return ranks
+
+
+@dataclass(frozen=True)
+class Agent:
+    """What a session's run needs of the agent that runs it."""
+
+    node: str
+    registry: ContainerRegistry
+    work_dir: Path
+    shim_socket: Path  # the shims' coordinator socket, served for one session at a time
+    on_finished: Callable[[api.SessionReport], None]
+    secrets: SecretReader | None  # None: this agent cannot stage images
+
+
+@dataclass
+class Session:
+    request: api.CheckpointRequest | api.RestoreRequest
+    report: api.SessionReport
+    ranks: list[LocalRank]
+    trees: list[ProcessTree]
+    tree_keys: dict[str, list[str]]  # tree name -> its ranks' keys
+    task: asyncio.Task[None] | None = None
+    client: CoordinatorClient | None = None
+    engine: driver.NodeDriver | None = None
+    abort_reason: str = ""
+    by_key: dict[str, api.RankProgress] = field(default_factory=dict)
+    rejoin_to: api.AbortRequest | None = None  # the coordinator that replaces a lost one
+    rejoin_ready: asyncio.Event = field(default_factory=asyncio.Event)
+    recovering: bool = False  # an abort brings back ranks the driver left (recovery.py)
+
+    @property
+    def token(self) -> str:
+        """The token of the coordinator the session uses now."""
+        order = self.rejoin_to
+        if order is not None and order.session_token is not None:
+            return order.session_token.get_secret_value()
+        return self.request.session_token.get_secret_value()
+
+    @property
+    def held(self) -> bool:
+        """The driver is over and left its ranks released (a Stop or Hold dump)."""
+        return self.engine is not None and self.engine.report.outcome in HELD_OUTCOMES
+
+
+async def connect(agent: Agent, session_id: str, coordinator: str, token: str) -> CoordinatorClient:
+    """This node's connection to the coordinator at `coordinator` (host:port) for the session."""
+    host, _, port = coordinator.rpartition(":")
+    return await CoordinatorClient.connect(host, int(port), session_id, agent.node, token)
+
+
+def set_phase(session: Session, phase: api.RankPhase) -> None:
+    session.report.phase = phase.value
+    for progress in session.report.ranks:
+        progress.phase = phase
+        progress.seconds = round(time.time() - session.report.started_at, 3)
+
+
+def passed(session: Session, milestone: Milestone) -> None:
+    """The driver's callback: every node has passed `milestone`, and the report says so at once."""
+    report = session.report
+    if session.engine is not None:
+        report.phases.update(session.engine.report.phases)
+    phase = PHASE_AFTER[milestone]
+    report.phase = phase.value
+    for progress in report.ranks:
+        if not progress.error:
+            progress.done = milestone
+            progress.phase = phase
+            progress.seconds = round(time.time() - report.started_at, 3)
+
+
+def finish_failed(session: Session, state: api.SessionState, message: str) -> None:
+    report = session.report
+    engine = session.engine
+    if engine is not None:
+        report.phases = dict(engine.report.phases)
+    report.state = state
+    report.message = message
+    # Ranks that run again (LeaveRunning resumed them before a failed upload, or the driver's abort
+    # brought them back) say so: the operator counts the others as lost.
+    all_back = engine is not None and engine.report.outcome == "Succeeded"
+    recovered = engine.report.shim.get("abort", {}) if engine is not None else {}
+    for progress in report.ranks:
+        back = all_back or progress.rank_key in recovered
+        progress.phase = api.RankPhase.RESUMED if back else api.RankPhase.FAILED
+        progress.error = message
