@@ -167,6 +167,14 @@ static int release_destroy_qps(struct ibk_ctx *ctx)
 	return atomic_load(&job.errs);
 }
 
+/* One case of release_destroy's switch: kind's real object goes with the
+ * verb `destroy`, rc takes its result and the shadow o forgets it. */
+#define DESTROY_REAL_CASE(kind, type, destroy)             \
+	case kind:                                         \
+		rc = ibk_real.destroy(IBK_OBJ(o, type)->real); \
+		IBK_OBJ(o, type)->real = NULL;             \
+		break
+
 static int release_destroy(struct ibk_ctx *ctx)
 {
 	struct ibk_obj *o, *p;
@@ -188,10 +196,7 @@ static int release_destroy(struct ibk_ctx *ctx)
 		int rc = 0;
 
 		switch (o->kind) {
-		case IBK_AH:
-			rc = ibk_real.destroy_ah(IBK_OBJ(o, ibk_ah)->real);
-			IBK_OBJ(o, ibk_ah)->real = NULL;
-			break;
+		DESTROY_REAL_CASE(IBK_AH, ibk_ah, destroy_ah);
 		case IBK_QP: {
 			struct ibk_qp *qp = IBK_OBJ(o, ibk_qp);
 
@@ -199,25 +204,13 @@ static int release_destroy(struct ibk_ctx *ctx)
 				rc = release_destroy_qp(ctx, qp);
 			break;
 		}
-		case IBK_SRQ:
-			rc = ibk_real.destroy_srq(IBK_OBJ(o, ibk_srq)->real);
-			IBK_OBJ(o, ibk_srq)->real = NULL;
-			break;
-		case IBK_CQ:
-			rc = ibk_real.destroy_cq(IBK_OBJ(o, ibk_cq)->real);
-			IBK_OBJ(o, ibk_cq)->real = NULL;
-			break;
+		DESTROY_REAL_CASE(IBK_SRQ, ibk_srq, destroy_srq);
+		DESTROY_REAL_CASE(IBK_CQ, ibk_cq, destroy_cq);
 		case IBK_CHAN:
 			rc = ibk_chan_release_real(IBK_OBJ(o, ibk_chan));
 			break;
-		case IBK_MR:
-			rc = ibk_real.dereg_mr(IBK_OBJ(o, ibk_mr)->real);
-			IBK_OBJ(o, ibk_mr)->real = NULL;
-			break;
-		case IBK_PD:
-			rc = ibk_real.dealloc_pd(IBK_OBJ(o, ibk_pd)->real);
-			IBK_OBJ(o, ibk_pd)->real = NULL;
-			break;
+		DESTROY_REAL_CASE(IBK_MR, ibk_mr, dereg_mr);
+		DESTROY_REAL_CASE(IBK_PD, ibk_pd, dealloc_pd);
 		case IBK_MW:
 			break; /* above */
 		}
@@ -245,9 +238,33 @@ static int have_ud_qps(void)
 	return 0;
 }
 
+/* Drains the CQs, pausing pause_us between passes, until they stay quiet for
+ * 20 ms or the release's timeout_ms since t0 runs out. With may_settle it
+ * stops as soon as every logged WR has reported back, and says so in
+ * *settled. Returns the completions it collected. */
+static int drain_until_quiet(long t0, int timeout_ms, useconds_t pause_us, int may_settle, int *settled)
+{
+	long quiet_since = ibk_ms_now();
+	int late = 0;
+
+	while (ibk_ms_now() - quiet_since < 20 && ibk_ms_now() - t0 < timeout_ms) {
+		int n = ibk_drain_pass();
+
+		late += n;
+		if (n)
+			quiet_since = ibk_ms_now();
+		if (may_settle && release_settled()) {
+			*settled = 1;
+			break;
+		}
+		usleep(pause_us);
+	}
+	return late;
+}
+
 int ibk_do_release(int timeout_ms, int quiet_only, char *out, size_t len)
 {
-	long t0 = ibk_ms_now(), quiet_since, t_flushed, t_destroyed;
+	long t0 = ibk_ms_now(), t_flushed, t_destroyed;
 	struct ibk_ctx *ctx;
 	int errs = 0, fds, maps, late = 0, unflushed = 0, settled = 0, cm_detached;
 
@@ -259,34 +276,13 @@ int ibk_do_release(int timeout_ms, int quiet_only, char *out, size_t len)
 	pthread_mutex_lock(&ibk_ctx_lock);
 	/* A datagram on its way in when the QP goes to ERR is lost for good (UD
 	 * has no retry): first let the CQs of a process with UD QPs go quiet. */
-	if (have_ud_qps()) {
-		quiet_since = ibk_ms_now();
-		while (ibk_ms_now() - quiet_since < 20 && ibk_ms_now() - t0 < timeout_ms) {
-			int n = ibk_drain_pass();
-
-			late += n;
-			if (n)
-				quiet_since = ibk_ms_now();
-			usleep(1000);
-		}
-	}
+	if (have_ud_qps())
+		late += drain_until_quiet(t0, timeout_ms, 1000, 0, &settled);
 	FOR_EACH_CTX(ctx)
 	unflushed += release_flush_qps(ctx);
 	/* Collect what the QPs finished before ERR: until every logged WR has
 	 * reported back, or else until the CQs stay quiet. */
-	quiet_since = ibk_ms_now();
-	while (ibk_ms_now() - quiet_since < 20 && ibk_ms_now() - t0 < timeout_ms) {
-		int n = ibk_drain_pass();
-
-		late += n;
-		if (n)
-			quiet_since = ibk_ms_now();
-		if (!unflushed && !quiet_only && release_settled()) {
-			settled = 1;
-			break;
-		}
-		usleep(200);
-	}
+	late += drain_until_quiet(t0, timeout_ms, 200, !unflushed && !quiet_only, &settled);
 	t_flushed = ibk_ms_now();
 	FOR_EACH_CTX(ctx)
 	errs += release_destroy(ctx);
