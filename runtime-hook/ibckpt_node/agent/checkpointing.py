@@ -24,8 +24,7 @@ from ibckpt.coordination.ranks import RankId
 from ibckpt_node import driver
 from ibckpt_node.agent import recovery
 from ibckpt_node.agent.kubesecrets import StagingError
-from ibckpt_node.agent.session import Agent, Session, connect, finish_failed, passed, set_phase
-from ibckpt_node.coord_proxy import ShimCoordinatorProxy
+from ibckpt_node.agent.session import Agent, Session, coordinated, finish_failed, passed, set_phase
 from ibckpt_node.criu import CriuError
 from ibckpt_node.errors import CheckpointFailed, CheckpointRefused
 
@@ -47,25 +46,20 @@ async def run(agent: Agent, session: Session) -> None:
     report = session.report
     images = agent.work_dir / "sessions" / request.session_id / "images"
     try:
-        token = request.session_token.get_secret_value()
-        session.client = await connect(agent, request.session_id, request.coordinator, token)
-        try:
-            async with ShimCoordinatorProxy(agent.shim_socket, session.client) as proxy:
-                session.engine = driver.NodeDriver(
-                    agent.node,
-                    session.client,
-                    session.ranks,
-                    timeouts=request.timeouts,
-                    job_addrs=request.job_addresses or None,
-                    trees=session.trees,
-                    flush_records=proxy.published,
-                    rejoin=functools.partial(recovery.rejoin, agent, session, proxy),
-                    on_milestone=functools.partial(passed, session),
-                )
-                set_phase(session, api.RankPhase.PREFLIGHT)
-                result = await session.engine.checkpoint(request.mode, images, request.epoch)
-        finally:
-            await session.client.close()
+        async with coordinated(agent, session) as (client, proxy):
+            session.engine = driver.NodeDriver(
+                agent.node,
+                client,
+                session.ranks,
+                timeouts=request.timeouts,
+                job_addrs=request.job_addresses or None,
+                trees=session.trees,
+                flush_records=proxy.published,
+                rejoin=functools.partial(recovery.rejoin, agent, session, proxy),
+                on_milestone=functools.partial(passed, session),
+            )
+            set_phase(session, api.RankPhase.PREFLIGHT)
+            result = await session.engine.checkpoint(request.mode, images, request.epoch)
         final = {
             "Stopped": api.RankPhase.STOPPED,
             "Held": api.RankPhase.HELD,

@@ -31,8 +31,7 @@ from ibckpt.coordination.client import CoordinationAborted, CoordinatorError
 from ibckpt.coordination.ranks import RankId
 from ibckpt_node import driver, tcp_remap
 from ibckpt_node.agent.kubesecrets import StagingError
-from ibckpt_node.agent.session import Agent, Session, connect, finish_failed, host_pid, passed, set_phase
-from ibckpt_node.coord_proxy import ShimCoordinatorProxy
+from ibckpt_node.agent.session import Agent, Session, coordinated, finish_failed, host_pid, passed, set_phase
 from ibckpt_node.errors import CheckpointFailed
 from ibckpt_node.hook import oci
 from ibckpt_node.hook.restore import criu_errors
@@ -265,39 +264,34 @@ async def run(agent: Agent, session: Session) -> None:
     try:
         planned = await download(agent, session, request, lock)
         staged_at = time.time()  # a container of these pods registered before is not the restored one
-        token = request.session_token.get_secret_value()
-        session.client = await connect(agent, request.session_id, request.coordinator, token)
-        try:
-            async with ShimCoordinatorProxy(agent.shim_socket, session.client) as proxy:
-                session.engine = driver.NodeDriver(
-                    agent.node,
-                    session.client,
-                    [],
-                    timeouts=request.timeouts,
-                    flush_records=proxy.published,
-                    on_milestone=functools.partial(passed, session),
+        async with coordinated(agent, session) as (client, proxy):
+            session.engine = driver.NodeDriver(
+                agent.node,
+                client,
+                [],
+                timeouts=request.timeouts,
+                flush_records=proxy.published,
+                on_milestone=functools.partial(passed, session),
+            )
+            passed(session, Milestone.DOWNLOADED)
+
+            async def restored() -> list[LocalRank]:
+                uids: dict[str, str] = {}
+                ranks = await wait_for_ranks(
+                    agent.registry,
+                    planned,
+                    host_pid,
+                    request.timeouts.restore_seconds,
+                    staged_at,
+                    uids,
                 )
-                passed(session, Milestone.DOWNLOADED)
+                for r in ranks:
+                    progress = session.by_key[r.rank.key()]
+                    progress.pid = r.pid
+                    progress.pod_uid = uids.get(progress.rank_key, progress.pod_uid)
+                return ranks
 
-                async def restored() -> list[LocalRank]:
-                    uids: dict[str, str] = {}
-                    ranks = await wait_for_ranks(
-                        agent.registry,
-                        planned,
-                        host_pid,
-                        request.timeouts.restore_seconds,
-                        staged_at,
-                        uids,
-                    )
-                    for r in ranks:
-                        progress = session.by_key[r.rank.key()]
-                        progress.pid = r.pid
-                        progress.pod_uid = uids.get(progress.rank_key, progress.pod_uid)
-                    return ranks
-
-                result = await session.engine.rebuild_restored(restored, request.epoch, lock)
-        finally:
-            await session.client.close()
+            result = await session.engine.rebuild_restored(restored, request.epoch, lock)
         report.phases = dict(result.phases)
         set_phase(session, api.RankPhase.DONE)
         report.state = api.SessionState.SUCCEEDED

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,6 +23,7 @@ from ibckpt.coordination.client import CoordinatorClient
 from ibckpt.coordination.ranks import RankId
 from ibckpt_node import driver
 from ibckpt_node.agent.kubesecrets import SecretReader
+from ibckpt_node.coord_proxy import ShimCoordinatorProxy
 from ibckpt_node.ranks import LocalRank
 from ibckpt_node.registry import ContainerRegistry, RegisteredContainer
 from ibckpt_node.trees import ProcessTree
@@ -130,6 +131,23 @@ async def connect(agent: Agent, session_id: str, coordinator: str, token: str) -
     """This node's connection to the coordinator at `coordinator` (host:port) for the session."""
     host, _, port = coordinator.rpartition(":")
     return await CoordinatorClient.connect(host, int(port), session_id, agent.node, token)
+
+
+@contextlib.asynccontextmanager
+async def coordinated(
+    agent: Agent, session: Session
+) -> AsyncIterator[tuple[CoordinatorClient, ShimCoordinatorProxy]]:
+    """The session's connection to its coordinator (session.client) and the shims' coordinator socket
+    served through it, while the driver runs; then the connection the session uses by then closes (a
+    rejoin may have replaced the first)."""
+    request = session.request
+    token = request.session_token.get_secret_value()
+    client = session.client = await connect(agent, request.session_id, request.coordinator, token)
+    try:
+        async with ShimCoordinatorProxy(agent.shim_socket, client) as proxy:
+            yield client, proxy
+    finally:
+        await session.client.close()
 
 
 def set_phase(session: Session, phase: api.RankPhase) -> None:
