@@ -10,7 +10,7 @@ from pydantic import ConfigDict, Field, WithJsonSchema, model_validator
 
 from ibckpt.api.base import ApiModel, KindInfo, PrinterColumn
 from ibckpt.api.checkpointjob import CheckpointMode, WorkloadReference
-from ibckpt.api.common import CONDITIONS_SCHEMA_EXTRA, Condition, LocalObjectReference
+from ibckpt.api.common import Conditions, LocalObjectReference, ObservedGeneration
 from ibckpt.api.storage import S3Location
 
 
@@ -116,8 +116,8 @@ class CheckpointSpec(ApiModel):
 class CheckpointStatus(ApiModel):
     ready_to_restore: bool | None = None
     message: str | None = None
-    observed_generation: int | None = Field(default=None, ge=0)
-    conditions: list[Condition] | None = Field(default=None, json_schema_extra=CONDITIONS_SCHEMA_EXTRA)
+    observed_generation: ObservedGeneration = None
+    conditions: Conditions = None
     last_verified_time: datetime | None = None
 
 

@@ -11,11 +11,11 @@ from pydantic import ConfigDict, Field, model_validator
 from ibckpt.api.base import ApiModel, KindInfo, PrinterColumn
 from ibckpt.api.bounds import DEFAULT_BOUNDS as B
 from ibckpt.api.common import (
-    CONDITIONS_SCHEMA_EXTRA,
     NAME_PATTERN,
-    Condition,
+    Conditions,
     LabelSelector,
     LocalObjectReference,
+    ObservedGeneration,
 )
 from ibckpt.api.storage import S3Location
 
@@ -163,8 +163,8 @@ class CheckpointJobStatus(ApiModel):
         default=None, description="Why the job failed or is waiting, one CamelCase word."
     )
     message: str | None = None
-    observed_generation: int | None = Field(default=None, ge=0)
-    conditions: list[Condition] | None = Field(default=None, json_schema_extra=CONDITIONS_SCHEMA_EXTRA)
+    observed_generation: ObservedGeneration = None
+    conditions: Conditions = None
     attempt: str | None = Field(default=None, description="Id of the side effect last started.")
     step: str | None = Field(default=None, description="What that side effect is (quiesce, upload, ...).")
     aborted_from: JobPhase | None = Field(default=None, description="The phase an abort started in.")

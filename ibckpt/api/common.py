@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime
 from enum import StrEnum
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field
 from pydantic.config import JsonDict
@@ -73,3 +73,7 @@ class Condition(ApiModel):
 
 # Conditions are a map keyed by type, so server-side apply merges them per type.
 CONDITIONS_SCHEMA_EXTRA: JsonDict = {"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]}
+
+# The two fields every kind's status has, written `observed_generation: ObservedGeneration = None`.
+ObservedGeneration = Annotated[int | None, Field(ge=0)]
+Conditions = Annotated[list[Condition] | None, Field(json_schema_extra=CONDITIONS_SCHEMA_EXTRA)]

@@ -10,7 +10,7 @@ from pydantic import Field
 from ibckpt.api.base import ApiModel, KindInfo, PrinterColumn
 from ibckpt.api.bounds import DEFAULT_BOUNDS as B
 from ibckpt.api.checkpointjob import PodRow
-from ibckpt.api.common import CONDITIONS_SCHEMA_EXTRA, NAME_PATTERN, Condition
+from ibckpt.api.common import NAME_PATTERN, Conditions, ObservedGeneration
 
 
 class RestorePhase(StrEnum):
@@ -79,8 +79,8 @@ class RestoreJobStatus(ApiModel):
     phase: RestorePhase | None = None
     reason: str | None = None
     message: str | None = None
-    observed_generation: int | None = Field(default=None, ge=0)
-    conditions: list[Condition] | None = Field(default=None, json_schema_extra=CONDITIONS_SCHEMA_EXTRA)
+    observed_generation: ObservedGeneration = None
+    conditions: Conditions = None
     attempt: str | None = None
     step: str | None = None
     failed_from: RestorePhase | None = Field(default=None, description="The phase the restore failed in.")

@@ -11,7 +11,7 @@ from pydantic import Field, model_validator
 
 from ibckpt.api.base import ApiModel, KindInfo, PrinterColumn
 from ibckpt.api.checkpointjob import CheckpointJobSpec
-from ibckpt.api.common import CONDITIONS_SCHEMA_EXTRA, Condition
+from ibckpt.api.common import Conditions, ObservedGeneration
 from ibckpt.api.storage import Retention
 
 # A Checkpoint with this label set to "true" is never pruned by a schedule.
@@ -156,8 +156,8 @@ class CheckpointScheduleStatus(ApiModel):
     )
     migration: MigrationStatus | None = None
     message: str | None = None
-    observed_generation: int | None = Field(default=None, ge=0)
-    conditions: list[Condition] | None = Field(default=None, json_schema_extra=CONDITIONS_SCHEMA_EXTRA)
+    observed_generation: ObservedGeneration = None
+    conditions: Conditions = None
 
 
 CHECKPOINT_SCHEDULE = KindInfo(

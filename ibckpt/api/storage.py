@@ -16,7 +16,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from ibckpt.api.base import ApiModel, KindInfo, PrinterColumn
-from ibckpt.api.common import CONDITIONS_SCHEMA_EXTRA, Condition, SecretKeyReference
+from ibckpt.api.common import Conditions, ObservedGeneration, SecretKeyReference
 
 
 class EncryptionMode(StrEnum):
@@ -90,8 +90,8 @@ class CheckpointStorageSpec(S3Location):
 class CheckpointStorageStatus(ApiModel):
     """Whether the operator could reach the bucket with the given credentials."""
 
-    observed_generation: int | None = Field(default=None, ge=0)
-    conditions: list[Condition] | None = Field(default=None, json_schema_extra=CONDITIONS_SCHEMA_EXTRA)
+    observed_generation: ObservedGeneration = None
+    conditions: Conditions = None
     last_checked_time: datetime | None = None
     checkpoint_count: int | None = Field(default=None, ge=0)
     stored_bytes: int | None = Field(default=None, ge=0)
