@@ -12,6 +12,7 @@ import stat
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -20,6 +21,7 @@ from pydantic import SecretStr
 
 from ibckpt.cli import main as cli_main
 from ibckpt.store import Credentials, ImageStore, StoreConfig
+from ibckpt.store.manifest import ChunkRef, Compression, Encryption, FileRecord, Manifest, Stats
 from testbed.s3 import S3Server
 
 StoreFactory = Callable[..., ImageStore]
@@ -79,6 +81,26 @@ def s3_env(s3_server: S3Server, bucket: str) -> dict[str, str]:
         IBCKPT_WORKERS="4",
     )
     return env
+
+
+def sample_manifest(**changes: object) -> Manifest:
+    """A small valid manifest of checkpoint ns/solver c1; a test changes the fields it is about."""
+    chunk = ChunkRef(id="ab" * 32, size=10, stored_size=30)
+    fields: dict[str, object] = {
+        "job": "ns/solver",
+        "checkpoint_id": "c1",
+        "created_at": datetime(2026, 1, 1, tzinfo=UTC),
+        "started_at": datetime(2026, 1, 1, tzinfo=UTC),
+        "compression": Compression(codec="zstd", level=3, chunk_size=1024),
+        "encryption": Encryption(mode="none"),
+        "files": [
+            FileRecord(path="d", kind="dir", mode=0o755),
+            FileRecord(path="d/pages.img", kind="file", mode=0o600, size=20, chunks=[chunk, chunk]),
+        ],
+        "stats": Stats(),
+    }
+    fields.update(changes)
+    return Manifest.model_validate(fields)
 
 
 def write_tree(root: Path, files: dict[str, bytes], modes: dict[str, int] | None = None) -> Path:

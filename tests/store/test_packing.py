@@ -5,21 +5,12 @@ from __future__ import annotations
 import itertools
 import json
 import random
-from datetime import UTC, datetime
 
 import pytest
+from store.conftest import sample_manifest
 
 from ibckpt.store.errors import ManifestError
-from ibckpt.store.manifest import (
-    PART_KIND,
-    ChunkRef,
-    Compression,
-    Encryption,
-    FileRecord,
-    Manifest,
-    Stats,
-    parse_manifest,
-)
+from ibckpt.store.manifest import PART_KIND, ChunkRef, FileRecord, Manifest, parse_manifest
 from ibckpt.store.packing import Piece, Plan, plan
 from ibckpt.store.parts import merge_parts
 
@@ -104,22 +95,8 @@ def test_random_trees_are_covered_and_planned_the_same_way_twice() -> None:
 ID_A, ID_B = "ab" * 32, "cd" * 32
 
 
-def manifest(schema_version: int, files: list[FileRecord], kind: str | None = None) -> Manifest:
-    moment = datetime(2026, 11, 22, 7, 30, tzinfo=UTC)
-    return Manifest.model_validate(
-        {
-            "schema_version": schema_version,
-            "job": "ns/solver",
-            "checkpoint_id": "c1",
-            "created_at": moment,
-            "started_at": moment,
-            "compression": Compression(codec="zstd", level=3, chunk_size=CHUNK),
-            "encryption": Encryption(mode="none"),
-            "files": files,
-            "stats": Stats(),
-            **({"kind": kind} if kind else {}),
-        }
-    )
+def manifest(schema_version: int, files: list[FileRecord], **changes: object) -> Manifest:
+    return sample_manifest(schema_version=schema_version, files=files, **changes)
 
 
 def packed_files() -> list[FileRecord]:

@@ -10,21 +10,14 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
+from store.conftest import sample_manifest
 
 from ibckpt.store import codec
 from ibckpt.store.chunking import Span, TreeError, check_relative, spans, walk
 from ibckpt.store.config import config_from_env, credentials_from_secret
 from ibckpt.store.errors import ConfigError, ManifestError, StoreError
 from ibckpt.store.layout import CheckpointRef, Layout, new_checkpoint_id, parse_checkpoint_ref
-from ibckpt.store.manifest import (
-    ChunkRef,
-    Compression,
-    Encryption,
-    FileRecord,
-    Manifest,
-    Stats,
-    parse_manifest,
-)
+from ibckpt.store.manifest import ChunkRef, FileRecord, Manifest, parse_manifest
 from ibckpt.store.retention import CheckpointFacts, RetentionPolicy, decide
 from ibckpt.store.units import parse_duration, parse_size
 
@@ -111,25 +104,6 @@ def test_encrypted_chunks_are_bound_to_key_and_id() -> None:
 
 
 # -- manifest -------------------------------------------------------------------------------------------
-
-
-def sample_manifest(**changes: object) -> Manifest:
-    chunk = ChunkRef(id="ab" * 32, size=10, stored_size=30)
-    fields: dict[str, object] = {
-        "job": "ns/solver",
-        "checkpoint_id": "c1",
-        "created_at": datetime(2026, 1, 1, tzinfo=UTC),
-        "started_at": datetime(2026, 1, 1, tzinfo=UTC),
-        "compression": Compression(codec="zstd", level=3, chunk_size=1024),
-        "encryption": Encryption(mode="none"),
-        "files": [
-            FileRecord(path="d", kind="dir", mode=0o755),
-            FileRecord(path="d/pages.img", kind="file", mode=0o600, size=20, chunks=[chunk, chunk]),
-        ],
-        "stats": Stats(),
-    }
-    fields.update(changes)
-    return Manifest.model_validate(fields)
 
 
 def test_manifest_round_trips_through_json() -> None:
