@@ -4,52 +4,32 @@ libibverbs dependency, so it works on hosts without RDMA."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import cffi
 
-from . import CORE
+from . import CORE, NATIVE_DIR
 
-CDEF = """
-struct ibk_idmap {
-    uint32_t *keys; uint32_t *vals; uint8_t *used; size_t cap; size_t live; size_t filled;
-};
-int ibk_idmap_init(struct ibk_idmap *m, size_t cap);
-void ibk_idmap_fini(struct ibk_idmap *m);
-int ibk_idmap_put(struct ibk_idmap *m, uint32_t vid, uint32_t rid);
-int ibk_idmap_get(const struct ibk_idmap *m, uint32_t vid, uint32_t *rid);
-int ibk_idmap_del(struct ibk_idmap *m, uint32_t vid);
-int ibk_idmap_is_live(const struct ibk_idmap *m, uint32_t vid);
-int ibk_idmap_was_used(const struct ibk_idmap *m, uint32_t vid);
-uint32_t ibk_idmap_choose(const struct ibk_idmap *m, uint32_t real, uint32_t floor, uint32_t mask);
-
+# struct ibv_wc as libibverbs lays it out (imm_data shares a union with invalidated_rkey).
+IBV_WC_CDEF = """
 struct ibv_wc {
     uint64_t wr_id; int status; int opcode; uint32_t vendor_err; uint32_t byte_len;
     uint32_t imm_data; uint32_t qp_num; uint32_t src_qp; unsigned int wc_flags;
     uint16_t pkey_index; uint16_t slid; uint8_t sl; uint8_t dlid_path_bits;
 };
-struct ibk_wcq { struct ibv_wc *ring; uint32_t cap; uint64_t head; uint64_t tail; };
-int ibk_wcq_init(struct ibk_wcq *q, uint32_t cap);
-void ibk_wcq_fini(struct ibk_wcq *q);
-int ibk_wcq_push(struct ibk_wcq *q, const struct ibv_wc *wc);
-int ibk_wcq_pop(struct ibk_wcq *q, struct ibv_wc *out, int max);
-uint32_t ibk_wcq_count(const struct ibk_wcq *q);
-
-int ibk_plan_resend(const uint32_t *flags, size_t n, uint64_t peer_recvs, uint64_t done_consumers,
-                    uint8_t *verdict);
-
-struct ibk_cm_id { uint64_t uid; uint32_t handle; uint32_t reported; uint8_t state; uint8_t disc_out; };
-struct ibk_cm_ids { struct ibk_cm_id *v; uint32_t n, cap; };
-struct ibk_cm_id *ibk_cm_find(struct ibk_cm_ids *ids, uint32_t handle);
-int ibk_cm_on_cmd(struct ibk_cm_ids *ids, uint32_t cmd, const void *body, size_t blen, uint32_t new_handle);
-int ibk_cm_on_event(struct ibk_cm_ids *ids, const void *resp, size_t rlen);
-long ibk_cm_forget(struct ibk_cm_ids *ids, uint32_t handle);
-int ibk_cm_carried(int state);
-const char *ibk_cm_state_name(int state);
-void ibk_cm_ids_fini(struct ibk_cm_ids *ids);
 """
+CFFI_REGION = re.compile(r"/\* cffi-begin[^*]*\*/\n(.*?)/\* cffi-end \*/", re.S)
+
+
+def header_cdef(header: Path) -> str:
+    """The declarations a header marks for cffi: every cffi-begin .. cffi-end region, in order."""
+    return "".join(CFFI_REGION.findall(header.read_text()))
+
+
+CDEF = IBV_WC_CDEF + "".join(header_cdef(NATIVE_DIR / "src" / h) for h in ("core.h", "cmstate.h"))
 
 # Flags and verdicts, as in src/core.h.
 SIGNALED = 1 << 0

@@ -39,6 +39,7 @@ enum {
 	EV_TIMEWAIT_EXIT,
 };
 
+/* cffi-begin: native/shimtest/core.py binds what stands up to cffi-end */
 struct ibk_cm_id {
 	uint64_t uid;      /* librdmacm's cookie: its private id, echoed in events */
 	uint32_t handle;   /* the kernel's id */
@@ -65,5 +66,6 @@ long ibk_cm_forget(struct ibk_cm_ids *ids, uint32_t handle);
 int ibk_cm_carried(int state);
 const char *ibk_cm_state_name(int state);
 void ibk_cm_ids_fini(struct ibk_cm_ids *ids);
+/* cffi-end */
 
 #endif

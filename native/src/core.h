@@ -12,6 +12,7 @@
 
 /* Open-addressing map from a 32-bit virtual id to a 32-bit real id.  A
  * deleted key leaves a tombstone so a retired virtual id is remembered. */
+/* cffi-begin: native/shimtest/core.py binds what stands up to cffi-end */
 struct ibk_idmap {
 	uint32_t *keys;
 	uint32_t *vals;
@@ -32,6 +33,7 @@ int ibk_idmap_was_used(const struct ibk_idmap *m, uint32_t vid);
  * object holds it; otherwise the next id above `floor` (masked to `mask`)
  * that was never handed out. */
 uint32_t ibk_idmap_choose(const struct ibk_idmap *m, uint32_t real, uint32_t floor, uint32_t mask);
+/* cffi-end */
 
 /* ---- counters -------------------------------------------------------- */
 
@@ -230,6 +232,7 @@ static inline void ibk_recvlog_untake(struct ibk_recvlog *l, struct ibk_rwr *e)
 
 /* ---- private completion queue --------------------------------------- */
 
+/* cffi-begin: native/shimtest/core.py binds what stands up to cffi-end */
 struct ibk_wcq {
 	struct ibv_wc *ring;
 	uint32_t cap; /* power of two */
@@ -242,6 +245,7 @@ void ibk_wcq_fini(struct ibk_wcq *q);
 int ibk_wcq_push(struct ibk_wcq *q, const struct ibv_wc *wc);
 int ibk_wcq_pop(struct ibk_wcq *q, struct ibv_wc *out, int max);
 uint32_t ibk_wcq_count(const struct ibk_wcq *q);
+/* cffi-end */
 
 /* ---- exactly-once planner ------------------------------------------- */
 
@@ -255,7 +259,9 @@ enum ibk_verdict { IBK_V_DELIVERED = 1, IBK_V_REPOST = 2, IBK_V_UNKNOWN = 3 };
  * undelivered consumer was not.  Entries between (no consumer after them)
  * are executed-or-not: idempotent ones are re-posted, atomics are UNKNOWN.
  * Returns the number of UNKNOWN entries, or -1 when the counts disagree. */
+/* cffi-begin: native/shimtest/core.py binds what stands up to cffi-end */
 int ibk_plan_resend(const uint32_t *flags, size_t n, uint64_t peer_recvs, uint64_t done_consumers,
 		    uint8_t *verdict);
+/* cffi-end */
 
 #endif
