@@ -8,6 +8,7 @@ from ibckpt.store.config import (
     Credentials,
     EncryptionConfig,
     StoreConfig,
+    config_for_location,
     config_from_env,
     credentials_from_secret,
 )
@@ -48,6 +49,7 @@ __all__ = [
     "StoreConfig",
     "StoreError",
     "Versions",
+    "config_for_location",
     "config_from_env",
     "credentials_from_secret",
 ]

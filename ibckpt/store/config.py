@@ -11,12 +11,15 @@ import binascii
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Literal, TypeVar
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, SecretBytes, SecretStr, field_validator
 
 from ibckpt.store.errors import ConfigError
 from ibckpt.store.units import parse_duration, parse_size
+
+if TYPE_CHECKING:
+    from ibckpt.api.storage import S3Location
 
 T = TypeVar("T")
 
@@ -125,6 +128,22 @@ class StoreConfig(BaseModel):
         data = self.model_dump()
         data.update({key: value for key, value in changes.items() if value is not None})
         return StoreConfig.model_validate(data)
+
+
+def config_for_location(
+    location: S3Location, credentials: Credentials, encryption: EncryptionConfig | None = None
+) -> StoreConfig:
+    """The configuration for an API S3Location (a CheckpointStorage's spec, or a job's inline storage):
+    the operator and the node agent reach the same bucket the same way."""
+    return StoreConfig(
+        bucket=location.bucket,
+        prefix=location.prefix,
+        endpoint_url=location.endpoint or None,
+        region=location.region,
+        addressing_style=location.addressing_style,
+        credentials=credentials,
+        encryption=encryption or EncryptionConfig(),
+    )
 
 
 def _secret_text(key: str, value: str | bytes, encoded: bool) -> str:
