@@ -30,12 +30,10 @@ from ibckpt.agentapi.models import (
 )
 
 __all__ = [
-    "CHECKPOINT_MILESTONES",
-    "RESTORE_MILESTONES",
-    "Milestone",
-    "position",
     "API_PREFIX",
+    "CHECKPOINT_MILESTONES",
     "DEFAULT_PORT",
+    "RESTORE_MILESTONES",
     "AbortRequest",
     "AgentClient",
     "AgentError",
@@ -45,6 +43,7 @@ __all__ = [
     "ErrorReply",
     "ImageDestination",
     "ImageSource",
+    "Milestone",
     "Mode",
     "PhaseTimeouts",
     "RankPhase",
@@ -57,4 +56,5 @@ __all__ = [
     "SessionKind",
     "SessionReport",
     "SessionState",
+    "position",
 ]
