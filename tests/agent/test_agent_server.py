@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,25 +20,6 @@ from ibckpt.agentapi import (
     RankRef,
     RestoreRequest,
 )
-
-
-@pytest.fixture
-def agent(tmp_path: Path) -> Iterator[Running]:
-    running = Running(tmp_path / "state")
-    try:
-        yield running
-    finally:
-        running.stop()
-
-
-@pytest.fixture
-def sleeper() -> Iterator[subprocess.Popen[bytes]]:
-    proc = subprocess.Popen(["sleep", "300"])
-    try:
-        yield proc
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def test_health_needs_no_token_everything_else_does(agent: Running) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -50,66 +49,6 @@ def registered_shim(state: Path, pid: int) -> Shim:
     return shim
 
 
-@pytest.fixture
-def agent(tmp_path: Path) -> Iterator[Running]:
-    running = Running(tmp_path / "state")
-    try:
-        yield running
-    finally:
-        running.stop()
-
-
-def test_a_checkpoint_whose_dump_fails_recovers_the_rank_and_reports_it(
-    agent: Running,
-    tmp_path: Path,
-    coordinator: ThreadedCoordinator,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setenv("PATH", "/nonexistent")  # no criu: the dump fails after the cut
-    state = tmp_path / "state"
-    sleeper = subprocess.Popen(["/bin/sleep", "120"])
-    try:
-        shim = registered_shim(state, sleeper.pid)
-        session, token = coordinator.create_session({"node-x"})
-        request = CheckpointRequest(
-            session_id=session,
-            coordinator=f"127.0.0.1:{coordinator.port}",
-            session_token=SecretStr(token),
-            job="ring",
-            ranks=[RankRef(pod_uid="uid-c1", container="main")],
-            timeouts=PhaseTimeouts(rebuild_seconds=20),
-        )
-        client = agent.client()
-        started = client.checkpoint(request)
-        assert (started.state, started.node) == ("Running", "node-x")
-        [rank] = started.ranks
-        assert (rank.rank_key, rank.pod_uid, rank.pid) == ("ring/pod-c1/main/1", "uid-c1", sleeper.pid)
-        report: SessionReport = started
-        deadline = time.monotonic() + 60
-        while not report.state.finished and time.monotonic() < deadline:
-            time.sleep(0.2)
-            report = client.session(session)
-        assert report.state == "Failed", report
-        assert "criu binary is not installed" in report.message
-        # the fast cut has no Quiesced barrier
-        cut = {Milestone.ADMITTED, Milestone.DRAINED, Milestone.RELEASED}
-        assert cut <= set(report.phases), report.phases
-        [rank] = report.ranks
-        assert rank.phase == "Resumed" and "criu" in rank.error  # the session failed, the rank runs again
-        # cut, then brought back from released: rebuild and resume
-        verbs = shim.commands
-        assert [v for v in verbs if v in ("quiesce", "drain", "release", "rebuild", "resume")] == [
-            "quiesce", "drain", "release", "rebuild", "resume",
-        ], verbs  # fmt: skip
-        assert shim.state == "running"
-        assert client.info().sessions == []
-        # the session token is in no report
-        assert token not in report.to_json().decode()
-    finally:
-        sleeper.kill()
-        sleeper.wait()
-
-
 def fake_criu(tmp_path: Path) -> str:
     """A PATH whose criu 'dumps' by exiting 0: the session gets past the dump without a real one."""
     bin_dir = tmp_path / "bin"
@@ -129,16 +68,53 @@ def wait_finished(client: AgentClient, session: str, timeout_s: float = 60) -> S
     return report
 
 
-def stop_request(coordinator: ThreadedCoordinator, session: str, token: str) -> CheckpointRequest:
+def checkpoint_request(
+    coordinator: ThreadedCoordinator, session: str, token: str, mode: Mode = Mode.LEAVE_RUNNING
+) -> CheckpointRequest:
+    """A checkpoint of the one registered rank (container c1), through `coordinator`."""
     return CheckpointRequest(
         session_id=session,
         coordinator=f"127.0.0.1:{coordinator.port}",
         session_token=SecretStr(token),
         job="ring",
-        mode=Mode.STOP,
+        mode=mode,
         ranks=[RankRef(pod_uid="uid-c1", container="main")],
         timeouts=PhaseTimeouts(rebuild_seconds=20),
     )
+
+
+def test_a_checkpoint_whose_dump_fails_recovers_the_rank_and_reports_it(
+    agent: Running,
+    tmp_path: Path,
+    coordinator: ThreadedCoordinator,
+    monkeypatch: pytest.MonkeyPatch,
+    sleeper: subprocess.Popen[bytes],
+) -> None:
+    monkeypatch.setenv("PATH", "/nonexistent")  # no criu: the dump fails after the cut
+    shim = registered_shim(tmp_path / "state", sleeper.pid)
+    session, token = coordinator.create_session({"node-x"})
+    client = agent.client()
+    started = client.checkpoint(checkpoint_request(coordinator, session, token))
+    assert (started.state, started.node) == ("Running", "node-x")
+    [rank] = started.ranks
+    assert (rank.rank_key, rank.pod_uid, rank.pid) == ("ring/pod-c1/main/1", "uid-c1", sleeper.pid)
+    report = wait_finished(client, session)
+    assert report.state == "Failed", report
+    assert "criu binary is not installed" in report.message
+    # the fast cut has no Quiesced barrier
+    cut = {Milestone.ADMITTED, Milestone.DRAINED, Milestone.RELEASED}
+    assert cut <= set(report.phases), report.phases
+    [rank] = report.ranks
+    assert rank.phase == "Resumed" and "criu" in rank.error  # the session failed, the rank runs again
+    # cut, then brought back from released: rebuild and resume
+    verbs = shim.commands
+    assert [v for v in verbs if v in ("quiesce", "drain", "release", "rebuild", "resume")] == [
+        "quiesce", "drain", "release", "rebuild", "resume",
+    ], verbs  # fmt: skip
+    assert shim.state == "running"
+    assert client.info().sessions == []
+    # the session token is in no report
+    assert token not in report.to_json().decode()
 
 
 def test_an_abort_after_a_stop_dump_rebuilds_the_released_rank_and_resumes_it(
@@ -146,53 +122,49 @@ def test_an_abort_after_a_stop_dump_rebuilds_the_released_rank_and_resumes_it(
     tmp_path: Path,
     coordinator: ThreadedCoordinator,
     monkeypatch: pytest.MonkeyPatch,
+    sleeper: subprocess.Popen[bytes],
 ) -> None:
     monkeypatch.setenv("PATH", fake_criu(tmp_path))
     state = tmp_path / "state"
-    sleeper = subprocess.Popen(["/bin/sleep", "120"])
-    try:
-        shim = registered_shim(state, sleeper.pid)
-        session, token = coordinator.create_session({"node-x"})
-        client = agent.client()
-        client.checkpoint(stop_request(coordinator, session, token))
-        stopped = wait_finished(client, session)
-        # dumped with Stop: the rank waits released for the kill that follows the commit
-        assert (stopped.state, stopped.phase) == ("Succeeded", "Stopped"), stopped
-        assert shim.state == "released"
-        record = recovery.record_path(state, session)
-        assert record.exists() and token not in record.read_text()
+    shim = registered_shim(state, sleeper.pid)
+    session, token = coordinator.create_session({"node-x"})
+    client = agent.client()
+    client.checkpoint(checkpoint_request(coordinator, session, token, Mode.STOP))
+    stopped = wait_finished(client, session)
+    # dumped with Stop: the rank waits released for the kill that follows the commit
+    assert (stopped.state, stopped.phase) == ("Succeeded", "Stopped"), stopped
+    assert shim.state == "released"
+    record = recovery.record_path(state, session)
+    assert record.exists() and token not in record.read_text()
 
-        # the job aborts instead (another node's upload failed): the rank is rebuilt and runs again
-        aborting = client.abort(session, "node-y: upload failed", (f"127.0.0.1:{coordinator.port}", token))
-        assert aborting.state == "Running"
-        report = wait_finished(client, session)
-        assert report.state == "Aborted", report
-        assert "node-y: upload failed" in report.message and "1 of 1 rank(s) brought back" in report.message
-        [rank] = report.ranks
-        assert rank.phase == "Resumed", rank
-        assert shim.commands[-3:] == ["abort", "rebuild", "resume"], shim.commands
-        assert shim.state == "running"
-        assert not record.exists()  # nothing left for a next agent
-        assert Milestone.DUMPED in report.phases  # the checkpoint's phases are kept
-    finally:
-        sleeper.kill()
-        sleeper.wait()
+    # the job aborts instead (another node's upload failed): the rank is rebuilt and runs again
+    aborting = client.abort(session, "node-y: upload failed", (f"127.0.0.1:{coordinator.port}", token))
+    assert aborting.state == "Running"
+    report = wait_finished(client, session)
+    assert report.state == "Aborted", report
+    assert "node-y: upload failed" in report.message and "1 of 1 rank(s) brought back" in report.message
+    [rank] = report.ranks
+    assert rank.phase == "Resumed", rank
+    assert shim.commands[-3:] == ["abort", "rebuild", "resume"], shim.commands
+    assert shim.state == "running"
+    assert not record.exists()  # nothing left for a next agent
+    assert Milestone.DUMPED in report.phases  # the checkpoint's phases are kept
 
 
 def test_a_restarted_agent_brings_back_the_ranks_its_dead_predecessor_left_released(
     tmp_path: Path,
     coordinator: ThreadedCoordinator,
     monkeypatch: pytest.MonkeyPatch,
+    sleeper: subprocess.Popen[bytes],
 ) -> None:
     monkeypatch.setenv("PATH", fake_criu(tmp_path))
     state = tmp_path / "state"
-    sleeper = subprocess.Popen(["/bin/sleep", "120"])
     first = Running(state)
     second: Running | None = None
     try:
         shim = registered_shim(state, sleeper.pid)
         session, token = coordinator.create_session({"node-x"})
-        first.client().checkpoint(stop_request(coordinator, session, token))
+        first.client().checkpoint(checkpoint_request(coordinator, session, token, Mode.STOP))
         assert wait_finished(first.client(), session).phase == "Stopped"
         first.crash()  # killed while its ranks wait released (an upload, say)
 
@@ -216,5 +188,3 @@ def test_a_restarted_agent_brings_back_the_ranks_its_dead_predecessor_left_relea
     finally:
         if second is not None:
             second.stop()
-        sleeper.kill()
-        sleeper.wait()

@@ -1,0 +1,31 @@
+"""Fixtures shared by the node agent's host tests: a running agent and a process to register."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from agent.agent_harness import Running
+
+
+@pytest.fixture
+def agent(tmp_path: Path) -> Iterator[Running]:
+    """The agent, its state (registry socket, sessions) in tmp_path/state."""
+    running = Running(tmp_path / "state")
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+@pytest.fixture
+def sleeper() -> Iterator[subprocess.Popen[bytes]]:
+    """A real process to register as a container's."""
+    proc = subprocess.Popen(["sleep", "300"])
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
