@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import pytest
 
@@ -63,15 +64,23 @@ async def test_deadline_aborts_the_session() -> None:
     assert s.abort_reason is not None
 
 
-async def test_get_waits_for_put() -> None:
-    s = session()
-    pending = asyncio.ensure_future(s.get("rank-3/qpn", "node-a", 5))
+async def check_get_waits_for_put(
+    s: Session, key: str, value: bytes, meanwhile: Callable[[], None] = lambda: None
+) -> None:
+    """A get waits for another node's put of its key (`meanwhile` runs while it waits); a key that nobody
+    puts times out."""
+    pending = asyncio.ensure_future(s.get(key, "node-a", 5))
+    meanwhile()
     await asyncio.sleep(0.02)
     assert not pending.done()
-    s.put("rank-3/qpn", b"\x01\x02", "node-b")
-    assert await pending == b"\x01\x02"
+    s.put(key, value, "node-b")
+    assert await pending == value
     with pytest.raises(CoordinationTimeout):
         await s.get("never", "node-a", 0.05)
+
+
+async def test_get_waits_for_put() -> None:
+    await check_get_waits_for_put(session(), "rank-3/qpn", b"\x01\x02")
 
 
 async def test_rounds_route_segments_to_their_destination() -> None:
@@ -104,11 +113,4 @@ async def test_strangers_and_duplicates_are_refused() -> None:
 async def test_key_value_outlives_an_abort_for_recovery() -> None:
     """Released ranks rebuild toward each other after an abort: put/get keep working, bounded."""
     s = session()
-    pending = asyncio.ensure_future(s.get("map/rank-1", "node-a", 5))
-    s.abort("node-c: dump failed")
-    await asyncio.sleep(0.02)
-    assert not pending.done()
-    s.put("map/rank-1", b"new ids", "node-b")
-    assert await pending == b"new ids"
-    with pytest.raises(CoordinationTimeout):
-        await s.get("never", "node-a", 0.05)
+    await check_get_waits_for_put(s, "map/rank-1", b"new ids", lambda: s.abort("node-c: dump failed"))
