@@ -43,6 +43,47 @@ def _pair(
     return [server, client]
 
 
+def _checkpointed_pair(
+    tmp_path: Path,
+    coord: Coordinator,
+    program: list[str],
+    flags: list[str],
+    port: int,
+    shim: Path,
+    checkpoints: int,
+    statuses: dict[str, dict[str, Any]] | None = None,
+    dump_at: tuple[int, ...] = (),
+    images: Path | None = None,
+) -> tuple[list[ShimProc], list[CheckpointResult], dict[str, str]]:
+    """A server/client pair of `program` under the shim, checkpointed `checkpoints` times once both
+    are READY (CRIU-dumping the server at `dump_at` into `images`), then stopped: both exit 0 and
+    every release and rebuild went well, with nothing of the device left after release. Returns the
+    processes, the results and each side's stderr tail. `statuses`, if given, receives each side's
+    shim status at READY."""
+    stop = tmp_path / "stop"
+    procs = _pair(tmp_path, coord, [*program, "-f", str(stop), *flags], port, shim)
+    try:
+        for p in procs:
+            p.wait_for_output("READY", 120)
+        if statuses is not None:
+            statuses.update({p.name: p.ctl.status() for p in procs})
+        results = checkpoint_loop(procs, checkpoints, seed=port, dump_at=dump_at, images=images)
+        stop.touch()
+        codes = [p.wait(300) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    errs = {p.name: p.err.read_text(errors="replace")[-3000:] for p in procs}
+    assert codes == [0, 0], errs
+    for r in results:
+        # after release: no device fd and no device mapping, read from /proc
+        assert r.released_state == {"server": (0, 0), "client": (0, 0)}, r.reports["release"]
+        for name in ("server", "client"):
+            assert r.reports["release"][name]["ok"], r.reports["release"][name]
+            assert r.reports["rebuild"][name]["ok"], r.reports["rebuild"][name]
+    return procs, results, errs
+
+
 def _run_rc_seq(
     tmp_path: Path,
     coord: Coordinator,
@@ -60,33 +101,29 @@ def _run_rc_seq(
     window late (a loaded TCG guest, seen once in 40 in CI) ends that release by the window,
     which is as safe and only slower.
     """
-    stop = tmp_path / "stop"
-    procs = _pair(tmp_path, coord, [str(TESTS_DIR / "rc_seq"), "-f", str(stop), *flags], port, shim)
-    try:
-        for p in procs:
-            p.wait_for_output("READY", 120)
-        results = checkpoint_loop(procs, checkpoints, seed=port, dump_at=dump_at, images=tmp_path / "img")
-        stop.touch()
-        codes = [p.wait(300) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    errs = {p.name: p.err.read_text(errors="replace")[-3000:] for p in procs}
-    assert codes == [0, 0], errs
-    unsettled = []
-    for r in results:
-        # after release: no device fd and no device mapping, read from /proc
-        assert r.released_state == {"server": (0, 0), "client": (0, 0)}, r.reports["release"]
-        for name in ("server", "client"):
-            assert r.reports["release"][name]["ok"], r.reports["release"][name]
-            assert r.reports["rebuild"][name]["ok"], r.reports["rebuild"][name]
-            if r.reports["release"][name]["settled"] is not True:
-                unsettled.append(r.reports["release"][name])
+    procs, results, errs = _checkpointed_pair(
+        tmp_path,
+        coord,
+        [str(TESTS_DIR / "rc_seq")],
+        flags,
+        port,
+        shim,
+        checkpoints,
+        dump_at=dump_at,
+        images=tmp_path / "img",
+    )
+    unsettled = [
+        r.reports["release"][name]
+        for r in results
+        for name in ("server", "client")
+        if r.reports["release"][name]["settled"] is not True
+    ]
     if release_settles:
         assert len(unsettled) <= len(results) * 2 // 4, unsettled
-        if r.criu_rc is not None:
-            assert r.criu_rc == 0, r.criu_log
-            assert "Dumping finished successfully" in r.criu_log
+        last = results[-1]
+        if last.criu_rc is not None:
+            assert last.criu_rc == 0, last.criu_log
+            assert "Dumping finished successfully" in last.criu_log
     assert sum(r.criu_rc is not None for r in results) == len(dump_at)
     srv, cli = (parse_result(p.out.read_text()) for p in procs)
     assert srv["bad"] == 0 and cli["bad"] == 0, errs
@@ -187,27 +224,16 @@ def _run_verbs_seq(
 ) -> tuple[dict[str, str], dict[str, str], list[CheckpointResult]]:
     """verbs_seq MODE under the shim, checkpointed at random moments under traffic; returns both RESULTs.
     `statuses`, if given, receives each side's shim status once both are READY."""
-    stop = tmp_path / "stop"
-    argv = [str(TESTS_DIR / "verbs_seq"), "-m", mode, "-f", str(stop), *flags]
-    procs = _pair(tmp_path, coord, argv, port, shim)
-    try:
-        for p in procs:
-            p.wait_for_output("READY", 120)
-        if statuses is not None:
-            statuses.update({p.name: p.ctl.status() for p in procs})
-        results = checkpoint_loop(procs, checkpoints, seed=port)
-        stop.touch()
-        codes = [p.wait(300) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    errs = {p.name: p.err.read_text(errors="replace")[-3000:] for p in procs}
-    assert codes == [0, 0], errs
-    for r in results:
-        assert r.released_state == {"server": (0, 0), "client": (0, 0)}, r.reports["release"]
-        for name in ("server", "client"):
-            assert r.reports["release"][name]["ok"], r.reports["release"][name]
-            assert r.reports["rebuild"][name]["ok"], r.reports["rebuild"][name]
+    procs, results, errs = _checkpointed_pair(
+        tmp_path,
+        coord,
+        [str(TESTS_DIR / "verbs_seq"), "-m", mode],
+        flags,
+        port,
+        shim,
+        checkpoints,
+        statuses=statuses,
+    )
     srv, cli = (parse_fields(p.out.read_text()) for p in procs)
     assert srv["bad"] == "0" and cli["bad"] == "0", errs
     # traffic really flowed across the checkpoints, and was in flight at some cuts
