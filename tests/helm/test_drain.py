@@ -76,15 +76,11 @@ def test_with_the_webhook_down_the_pdb_holds_kubectl_drain_and_the_job_runs_on_t
     migration = done["status"]["migration"]
     assert done["status"]["drainNodes"] == ["node-1"], done["status"]
     assert {s["name"] for s in migration["sources"]} == set(ring.MEMBERS), migration
-    job = pods.get(cluster, job_ns, "checkpointjob", migration["checkpointJob"])
-    assert job["status"]["phase"] == "Succeeded" and job["spec"]["mode"] == "Stop", job["status"]
-    checkpoint = pods.get(cluster, job_ns, "checkpoint", migration["checkpoint"])
+    job, checkpoint, restore = ring.migrated(cluster, job_ns, done)
     recorded = {p["name"]: p["node"] for p in checkpoint["spec"]["pods"]}
     assert recorded == {"ring-0": "node-1", "ring-1": "node-2"}, recorded
     addresses = {p["name"]: p["hostIP"] for p in checkpoint["spec"]["pods"]}
     assert addresses == {"ring-0": node_ip(1), "ring-1": node_ip(2)}, addresses
-    restore = pods.get(cluster, job_ns, "restorejob", migration["restoreJob"])
-    assert restore["status"]["phase"] == "Succeeded" and restore["spec"]["avoidNodes"] == ["node-1"]
     # Done is written before its actions run (status first): the Event and the new PDB follow it
     wanted = {"DrainHeld", "MigrationCommitted", "DrainReleased", "Migrated"}
     deadline, protected_again = time.monotonic() + 120, False

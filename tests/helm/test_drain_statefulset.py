@@ -51,19 +51,14 @@ def test_kubectl_drain_moves_a_statefulset_through_its_own_controller_exactly_on
     finally:
         cluster.kubectl("uncordon", "node-1", check=False)
 
-    migration = done["status"]["migration"]
-    job = pods.get(cluster, job_ns, "checkpointjob", migration["checkpointJob"])
-    assert job["status"]["phase"] == "Succeeded" and job["spec"]["mode"] == "Stop", job["status"]
-    checkpoint = pods.get(cluster, job_ns, "checkpoint", migration["checkpoint"])
+    job, checkpoint, restore = ring.migrated(cluster, job_ns, done)
     assert {p["name"]: p["node"] for p in checkpoint["spec"]["pods"]} == before
     assert {p["template"]["controller"]["kind"] for p in checkpoint["spec"]["pods"]} == {"StatefulSet"}
-    restore = pods.get(cluster, job_ns, "restorejob", migration["restoreJob"])
     assert restore["spec"]["podsCreatedBy"] == "Controller", restore["spec"]
-    assert restore["status"]["phase"] == "Succeeded" and restore["spec"]["avoidNodes"] == ["node-1"]
 
     # the StatefulSet's own new pods (new uids, same names and hostnames), bound to node-2 and restored
     assert ring.placement(cluster, job_ns) == {"ring-0": "node-2", "ring-1": "node-2"}
-    restored_from = f"{job_ns}/{migration['checkpoint']}"
+    restored_from = f"{job_ns}/{checkpoint['metadata']['name']}"
     for name in ring.MEMBERS:
         pod = pods.get(cluster, job_ns, "pod", name)
         meta = pod["metadata"]

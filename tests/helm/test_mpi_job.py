@@ -128,12 +128,7 @@ def drain_node_1(cluster: Cluster, namespace: str) -> dict[str, Any]:
         seconds = time.time() - began
     finally:
         cluster.kubectl("uncordon", "node-1", check=False)
-    migration = done["status"]["migration"]
-    job = pods.get(cluster, namespace, "checkpointjob", migration["checkpointJob"])
-    assert job["status"]["phase"] == "Succeeded" and job["spec"]["mode"] == "Stop", job["status"]
-    checkpoint = pods.get(cluster, namespace, "checkpoint", migration["checkpoint"])
+    _, checkpoint, _ = ring.migrated(cluster, namespace, done)
     recorded = {p["name"]: p["node"] for p in checkpoint["spec"]["pods"]}
     assert recorded == {mpijob.LAUNCHER: "node-2", mpijob.WORKER: "node-1"}, recorded
-    restore = pods.get(cluster, namespace, "restorejob", migration["restoreJob"])
-    assert restore["status"]["phase"] == "Succeeded" and restore["spec"]["avoidNodes"] == ["node-1"]
     return {"log": log, "seconds": seconds}

@@ -316,6 +316,22 @@ def drain_node_1(cluster: Cluster, namespace: str, *flags: str) -> str:
     return said
 
 
+Object = dict[str, Any]
+
+
+def migrated(cluster: Cluster, namespace: str, done: Object) -> tuple[Object, Object, Object]:
+    """The CheckpointJob, Checkpoint and RestoreJob of the drain migration a schedule finished (`done`, its
+    object at drainPhase Done), once the job is seen to have succeeded in Stop mode and the restore to have
+    succeeded away from node-1."""
+    migration = done["status"]["migration"]
+    job = pods.get(cluster, namespace, "checkpointjob", migration["checkpointJob"])
+    assert job["status"]["phase"] == "Succeeded" and job["spec"]["mode"] == "Stop", job["status"]
+    checkpoint = pods.get(cluster, namespace, "checkpoint", migration["checkpoint"])
+    restore = pods.get(cluster, namespace, "restorejob", migration["restoreJob"])
+    assert restore["status"]["phase"] == "Succeeded" and restore["spec"]["avoidNodes"] == ["node-1"]
+    return job, checkpoint, restore
+
+
 def checkpoint_job(name: str, mode: str) -> dict[str, Any]:
     return {
         "apiVersion": "ibckpt.io/v1alpha1",
