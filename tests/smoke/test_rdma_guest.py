@@ -33,6 +33,14 @@ def spawn_detached(args: list[str], log: Path) -> subprocess.Popen[bytes]:
                                 start_new_session=True)  # fmt: skip
 
 
+def criu(action: str, images: Path, *flags: str) -> subprocess.CompletedProcess[str]:
+    """`criu ACTION -D IMAGES -o ACTION.log FLAGS` (the images directory made if need be): its log is
+    IMAGES/ACTION.log."""
+    images.mkdir(exist_ok=True)
+    argv = ["criu", action, "-D", str(images), "-o", f"{action}.log", *flags]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=120)
+
+
 def test_rxe_device_is_up() -> None:
     assert Path("/dev/infiniband/uverbs0").exists()
     info = subprocess.run(
@@ -81,21 +89,14 @@ def test_criu_dump_and_restore_plain_process(tmp_path: Path) -> None:
     proc = spawn_detached([sys.executable, str(script), str(counts)], tmp_path / "counter.log")
     wait_for(lambda: counts.exists() and len(read_counts(counts)) > 5, 30, "counter to start")
     images = tmp_path / "images"
-    images.mkdir()
-    dump = subprocess.run(
-        ["criu", "dump", "-t", str(proc.pid), "-D", str(images), "-o", "dump.log", "-v4"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    dump = criu("dump", images, "-t", str(proc.pid), "-v4")
     assert dump.returncode == 0, (images / "dump.log").read_text()[-3000:]
     proc.wait(timeout=10)  # dump without --leave-running kills the task
     before = read_counts(counts)
     time.sleep(0.5)
     assert read_counts(counts) == before, "task still running after dump"
 
-    restore = subprocess.run(
-        ["criu", "restore", "-D", str(images), "-o", "restore.log", "-v4", "--restore-detached"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    restore = criu("restore", images, "-v4", "--restore-detached")
     assert restore.returncode == 0, (images / "restore.log").read_text()[-3000:]
     try:
         wait_for(lambda: len(read_counts(counts)) > len(before) + 5, 30, "restored counter to go on")
@@ -113,11 +114,7 @@ def test_criu_refuses_process_holding_verbs_resources(tmp_path: Path) -> None:
         maps = Path(f"/proc/{server.pid}/maps")
         wait_for(lambda: "/dev/infiniband/uverbs" in maps.read_text(), 30, "verbs mapping")
         images = tmp_path / "images"
-        images.mkdir()
-        dump = subprocess.run(
-            ["criu", "dump", "-t", str(server.pid), "-D", str(images), "-o", "dump.log", "--leave-running"],
-            capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+        dump = criu("dump", images, "-t", str(server.pid), "--leave-running")
         log = (images / "dump.log").read_text()
         assert dump.returncode != 0
         assert "Can't handle non-regular mapping" in log, log[-3000:]
