@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Iterator
 
 import pytest
@@ -13,3 +14,12 @@ def named_sleeper() -> Iterator[tuple[int, int]]:
     """A process shaped like a rank under the shim: (pid, tid of its thread named ibk-control)."""
     with process_with_named_thread("ibk-control") as ids:
         yield ids
+
+
+@pytest.fixture
+def sleeper() -> Iterator[int]:
+    """A real process with no device fds, standing in for every rank's pid."""
+    proc = subprocess.Popen(["sleep", "60"])
+    yield proc.pid
+    proc.kill()
+    proc.wait()

@@ -1,5 +1,6 @@
 """Preflight refusals on the host: parsing /proc, in or out of the job, and the driver's refusal
-path with fake shims (no rank is gated; the coordinator session is aborted for every node)."""
+path with fake shims (no rank is gated; the coordinator session is aborted for every node); a
+container's process tree, which is dumped whole and must hold its ranks and lead nowhere else."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from node.driver_harness import connected_driver, failed_checkpoint
 from node.fake_shim import FakeShimSocket
 
 from ibckpt.agentapi import Mode
@@ -21,8 +23,9 @@ from ibckpt.coordination.client import CoordinationAborted, CoordinatorClient
 from ibckpt.coordination.ranks import RankId
 from ibckpt_node import preflight, procfs
 from ibckpt_node.driver import NodeDriver
-from ibckpt_node.errors import CheckpointRefused
+from ibckpt_node.errors import CheckpointFailed, CheckpointRefused
 from ibckpt_node.ranks import LocalRank
+from ibckpt_node.trees import TREE_MANIFEST, ProcessTree, read_tree_manifest
 from testbed.coordinator import ThreadedCoordinator
 
 TCP = """  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
@@ -139,14 +142,6 @@ class StatusShim(FakeShimSocket):
         return (True, self.status) if verb == "status" else super().answer(verb)
 
 
-@pytest.fixture
-def sleeper() -> Iterator[int]:
-    proc = subprocess.Popen(["sleep", "60"])
-    yield proc.pid
-    proc.kill()
-    proc.wait()
-
-
 GID_A = "00000000000000000000ffff0a4d0001"
 GID_B = "00000000000000000000ffff0a4d0002"
 GID_OUTSIDE = "00000000000000000000ffff0a4d0063"  # 10.77.0.99: no rank of the job
@@ -225,3 +220,87 @@ async def test_refusal_names_rank_pid_and_resources_and_aborts_every_node(
     assert s1.commands == ["status"] and s2.commands == ["status"]
     assert d1.report.outcome == d2.report.outcome == "Refused"
     assert not (tmp_path / "i1").exists() and not (tmp_path / "i2").exists()
+
+
+# -- process trees: a container's whole tree is one image ----------------------------------------------
+
+
+@pytest.fixture
+def launcher() -> Iterator[tuple[int, int]]:
+    """A real process tree, launcher -> shell -> rank: (root pid, rank pid)."""
+    proc = subprocess.Popen(
+        ["sh", "-c", "sh -c 'sleep 60 & echo $!; wait'; :"], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    rank_pid = int(proc.stdout.readline())
+    yield proc.pid, rank_pid
+    subprocess.run(["pkill", "-P", str(proc.pid)], check=False)
+    proc.kill()
+    proc.wait()
+
+
+def test_a_process_tree_holds_its_grandchildren(launcher: tuple[int, int]) -> None:
+    root, rank = launcher
+    assert {root, rank} <= set(procfs.process_tree(root))
+    assert root not in procfs.process_tree(rank)
+
+
+async def test_a_rank_outside_every_process_tree_is_refused_before_it_is_touched(
+    coordinator: ThreadedCoordinator, tmp_path: Path, sleeper: int, launcher: tuple[int, int]
+) -> None:
+    root, rank_pid = launcher
+    inside = FakeShimSocket(tmp_path / "in.ctl")
+    outside = FakeShimSocket(tmp_path / "out.ctl")
+    ranks = [
+        LocalRank(RankId.parse("job/rank-0/main/0"), rank_pid, inside.path),
+        LocalRank(RankId.parse("job/rank-1/main/0"), sleeper, outside.path),
+    ]
+    driver = await connected_driver(coordinator, ranks, None, trees=[ProcessTree("launcher", root)])
+    refused = rf"job/rank-1/main/0 \(pid {sleeper}\) is in none"
+    await failed_checkpoint(driver, Mode.STOP, tmp_path / "images", refused, CheckpointRefused)
+    assert driver.report.outcome == "Refused"
+    assert inside.commands == ["status"] and outside.commands == ["status"]
+    assert not (tmp_path / "images").exists()
+
+
+def test_a_restore_refuses_an_image_dir_without_a_tree_manifest(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointFailed, match="not a dumped process tree"):
+        read_tree_manifest(tmp_path)
+    (tmp_path / TREE_MANIFEST).write_text(
+        '{"root_pid": 7, "ranks": [{"key": "a/b/c/d", "pid": 8, "control": "/x"}]}'
+    )
+    assert read_tree_manifest(tmp_path) == (7, [(RankId.parse("a/b/c/d"), 8, Path("/x"))])
+
+
+async def test_a_process_trees_own_connection_outside_the_job_is_refused(
+    coordinator: ThreadedCoordinator, tmp_path: Path
+) -> None:
+    # The launcher (not the rank) holds a TCP connection to an address that is not the job's.
+    own = sorted(str(a) for a in procfs.node_addresses() if a.version == 4)
+    assert own, "the host needs a non-loopback IPv4 address for this test"
+    listener = socket.create_server((own[0], 0))
+    port = listener.getsockname()[1]
+    launcher = subprocess.Popen(
+        [sys.executable, "-c",
+         "import socket, subprocess, sys, time\n"
+         f"s = socket.create_connection(({own[0]!r}, {port}))\n"
+         "child = subprocess.Popen(['sleep', '60'])\n"
+         "print(child.pid, flush=True)\n"
+         "time.sleep(60)\n"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert launcher.stdout is not None
+    try:
+        rank_pid = int(launcher.stdout.readline())
+        shim = FakeShimSocket(tmp_path / "r.ctl")
+        rank = LocalRank(RankId.parse("job/rank-0/main/0"), rank_pid, shim.path)
+        tree = ProcessTree("launcher", launcher.pid)
+        driver = await connected_driver(coordinator, [rank], None, job_addrs=["10.77.0.1"], trees=[tree])
+        refused = rf"process tree launcher \(pid {launcher.pid}\).*{own[0]}:{port}.*leads outside the job"
+        await failed_checkpoint(driver, Mode.STOP, tmp_path / "images", refused, CheckpointRefused)
+        assert shim.commands == ["status"]
+    finally:
+        subprocess.run(["pkill", "-P", str(launcher.pid)], check=False)
+        launcher.kill()
+        launcher.wait()
+        listener.close()
