@@ -63,6 +63,19 @@ def parse_reply(command: str, raw: bytes) -> dict[str, Any]:
     return reply
 
 
+def exchange_line(s: socket.socket, line: str) -> bytes:
+    """Sends one request line on a connected socket and reads back the one reply line (or what
+    came before the peer closed). The shim's control socket and its coordinator both speak so."""
+    s.sendall(line.encode() + b"\n")
+    buf = b""
+    while not buf.endswith(b"\n"):
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        buf += chunk
+    return buf
+
+
 @dataclass
 class ShimControl:
     """One process's control socket, blocking."""
@@ -74,14 +87,7 @@ class ShimControl:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.settimeout(self.timeout)
             s.connect(self.path)
-            s.sendall(line.encode() + b"\n")
-            buf = b""
-            while not buf.endswith(b"\n"):
-                chunk = s.recv(65536)
-                if not chunk:
-                    break
-                buf += chunk
-        return parse_reply(line, buf)
+            return parse_reply(line, exchange_line(s, line))
 
     def hello(self) -> dict[str, Any]:
         reply = self.command("hello")

@@ -24,7 +24,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ibckpt_native.control import ControlError, ShimControl
+from ibckpt_native.control import ControlError, ShimControl, exchange_line
 from shimtest.coordinator import serve_tcp
 
 # ---------------------------------------------------------------- driver
@@ -32,14 +32,7 @@ from shimtest.coordinator import serve_tcp
 
 def _kv(coord: tuple[str, int], line: str) -> str:
     with socket.create_connection(coord, timeout=300) as s:
-        s.sendall(line.encode() + b"\n")
-        buf = b""
-        while not buf.endswith(b"\n"):
-            chunk = s.recv(4096)
-            if not chunk:
-                break
-            buf += chunk
-    return buf.decode().strip()
+        return exchange_line(s, line).decode().strip()
 
 
 def barrier(coord: tuple[str, int], name: str, node: int, nodes: int, timeout_s: float = 240) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from ibckpt_native.control import exchange_line
 from shimtest import TESTS_DIR
 from shimtest.coordinator import Coordinator
 from shimtest.harness import ShimProc
@@ -28,14 +29,7 @@ def _raw(path: Path, line: str, timeout: float = 120) -> str:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(timeout)
         s.connect(str(path))
-        s.sendall(line.encode() + b"\n")
-        buf = b""
-        while not buf.endswith(b"\n"):
-            chunk = s.recv(1 << 20)
-            if not chunk:
-                break
-            buf += chunk
-    return buf.decode()
+        return exchange_line(s, line).decode()
 
 
 def _ok(path: Path, line: str, timeout: float = 120) -> tuple[dict[str, object], int]:
