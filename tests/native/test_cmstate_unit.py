@@ -13,20 +13,13 @@ from typing import Any
 
 import pytest
 
-from shimtest import NATIVE_DIR
-from shimtest.core import CmIds, load
+from shimtest.core import CmIds
 
 # rdma/rdma_user_cm.h: command numbers and the layouts the tests build
 CREATE_ID, DESTROY_ID, CONNECT, LISTEN, ACCEPT, REJECT, DISCONNECT, JOIN_IP_MCAST = 0, 1, 6, 7, 8, 9, 10, 16
 # rdma/rdma_cma.h: enum rdma_cm_event_type
 CONNECT_REQUEST, CONNECT_RESPONSE, REJECTED, ESTABLISHED, DISCONNECTED, ADDR_RESOLVED = 4, 5, 8, 9, 10, 0
 LAYOUT = {"connect_id": 272, "accept_id": 280, "event_resp": 336, "join_ip_id": 44}
-
-
-@pytest.fixture(scope="module")
-def lib() -> Any:
-    subprocess.run(["make", "-s", "-C", str(NATIVE_DIR), "build/libibckpt_core.so"], check=True)
-    return load()
 
 
 @pytest.fixture

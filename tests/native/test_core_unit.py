@@ -3,13 +3,11 @@ through cffi on the host. The core library is the same C code the shim is built 
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from shimtest import CORE, NATIVE_DIR
 from shimtest.core import (
     ATOMIC,
     CONSUMER,
@@ -21,16 +19,8 @@ from shimtest.core import (
     UNKNOWN,
     IdMap,
     ffi,
-    load,
     plan_resend,
 )
-
-
-@pytest.fixture(scope="module")
-def lib() -> Any:
-    subprocess.run(["make", "-s", "-C", str(NATIVE_DIR), "build/libibckpt_core.so"], check=True)
-    assert CORE.exists()
-    return load()
 
 
 @pytest.fixture
