@@ -7,10 +7,12 @@ records at the coordinator) -> resume (all).
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -263,3 +265,18 @@ def parse_fields(text: str) -> dict[str, str]:
     if not lines:
         raise AssertionError(f"no RESULT line in: {text[-2000:]}")
     return dict(field.split("=", 1) for field in lines[-1].split()[1:] if "=" in field)
+
+
+def run_node_agent(coordinator_port: int, session: str, token: str, *args: str) -> dict[str, Any]:
+    """The node agent's command line (ibckpt_node.agent_cli ARGS) as node-1 of a coordinator session
+    on 127.0.0.1, with the shims' coordinator at /run/ibckpt/coord.sock: it must succeed, and its
+    JSON report is returned. For the guest tests that drive a whole node checkpoint or restore."""
+    where = ["--coordinator", f"127.0.0.1:{coordinator_port}", "--session", session, "--node", "node-1",
+             "--shim-socket", "/run/ibckpt/coord.sock"]  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-m", "ibckpt_node.agent_cli", *args, *where],
+        env={**os.environ, "IBCKPT_SESSION_TOKEN": token}, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    report: dict[str, Any] = json.loads(run.stdout)
+    return report

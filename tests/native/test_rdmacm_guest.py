@@ -14,11 +14,9 @@ keep theirs, so status lists it and the agent's preflight refuses that rank."""
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -29,7 +27,7 @@ from ibckpt_native.control import ShimControl
 from ibckpt_node.preflight import ShimIdentity, shim_problems
 from shimtest import SHIM, SHIM_ASAN, SHIM_UBSAN, TESTS_DIR
 from shimtest.coordinator import Coordinator
-from shimtest.harness import ShimProc, checkpoint, parse_result, wait_traffic
+from shimtest.harness import ShimProc, checkpoint, parse_result, run_node_agent, wait_traffic
 
 pytestmark = [pytest.mark.guest, pytest.mark.usefixtures("built")]
 
@@ -302,17 +300,6 @@ def test_cm_seq_checkpointed_under_traffic(tmp_path: Path, case: str) -> None:
         assert dumped.criu_rc == 0 and "Dumping finished successfully" in dumped.criu_log, dumped.criu_log
 
 
-def _agent(coordinator, session: str, token: str, *args: str) -> dict[str, Any]:  # type: ignore[no-untyped-def]
-    where = ["--coordinator", f"127.0.0.1:{coordinator.port}", "--session", session, "--node", "node-1",
-             "--shim-socket", "/run/ibckpt/coord.sock"]  # fmt: skip
-    run = subprocess.run(
-        [sys.executable, "-m", "ibckpt_node.agent_cli", *args, *where],
-        env={**os.environ, "IBCKPT_SESSION_TOKEN": token}, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stdout + run.stderr
-    return json.loads(run.stdout)  # type: ignore[no-any-return]
-
-
 def test_cm_seq_stopped_and_restored_by_the_agent(coordinator, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """The node agent checkpoints a cm_seq pair under traffic in Stop mode (its preflight finds
     nothing to refuse: both ranks hold only a connected rdma_cm id), CRIU kills them, and a restore
@@ -349,8 +336,8 @@ def test_cm_seq_stopped_and_restored_by_the_agent(coordinator, tmp_path: Path) -
         session, token = coordinator.create_session({"node-1"})
         args = [f"--rank={k}={pids[k]}:{run}/{n}.ctl" for k, n in ranks.items()]
         images = tmp_path / "img"
-        report = _agent(
-            coordinator, session, token, "checkpoint", *args, "--images", str(images), "--mode", "Stop"
+        report = run_node_agent(
+            coordinator.port, session, token, "checkpoint", *args, "--images", str(images), "--mode", "Stop"
         )
         assert report["outcome"] == "Stopped", report
         for p in procs:  # Stop: CRIU killed them
@@ -358,7 +345,7 @@ def test_cm_seq_stopped_and_restored_by_the_agent(coordinator, tmp_path: Path) -
 
         session, token = coordinator.create_session({"node-1"})
         args = [f"--rank={k}={images}/{k.replace('/', '_')}:{run}/{n}.ctl" for k, n in ranks.items()]
-        report = _agent(coordinator, session, token, "restore", *args, "--epoch", "2")
+        report = run_node_agent(coordinator.port, session, token, "restore", *args, "--epoch", "2")
         assert report["outcome"] == "Succeeded", report
         statuses = {n: ShimControl(f"{run}/{n}.ctl").status() for n in ranks.values()}
         for status in statuses.values():

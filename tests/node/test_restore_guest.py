@@ -6,7 +6,6 @@ import contextlib
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -14,30 +13,11 @@ import pytest
 
 from ibckpt_native.control import ShimControl
 from shimtest import SHIM, TESTS_DIR
-from shimtest.harness import parse_result
+from shimtest.harness import parse_result, run_node_agent
 
 pytestmark = pytest.mark.guest
 
 RANKS = {"ring/rank-0/main/0": ("server", []), "ring/rank-1/main/0": ("client", ["-c", "127.0.0.1"])}
-
-
-def agent(coordinator, session: str, token: str, *args: str) -> dict:  # type: ignore[no-untyped-def,type-arg]
-    where = [
-        "--coordinator",
-        f"127.0.0.1:{coordinator.port}",
-        "--session",
-        session,
-        "--node",
-        "node-1",
-        "--shim-socket",
-        "/run/ibckpt/coord.sock",
-    ]
-    run = subprocess.run(
-        [sys.executable, "-m", "ibckpt_node.agent_cli", *args, *where],
-        env={**os.environ, "IBCKPT_SESSION_TOKEN": token}, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stdout + run.stderr
-    return json.loads(run.stdout)  # type: ignore[no-any-return]
 
 
 def test_stop_then_restore_on_the_same_node(coordinator, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -63,7 +43,9 @@ def test_stop_then_restore_on_the_same_node(coordinator, tmp_path: Path) -> None
     session, token = coordinator.create_session({"node-1"})
     ranks = [f"--rank={k}={pids[k]}:/run/ibckpt/{r}.ctl" for k, (r, _) in RANKS.items()]
     images = str(tmp_path / "img")
-    report = agent(coordinator, session, token, "checkpoint", *ranks, "--images", images, "--mode", "Stop")
+    report = run_node_agent(
+        coordinator.port, session, token, "checkpoint", *ranks, "--images", images, "--mode", "Stop"
+    )
     assert report["outcome"] == "Stopped"
     for pid in pids.values():  # Stop: CRIU killed them (zombies until reaped)
         subprocess.run(["true"])
@@ -73,7 +55,7 @@ def test_stop_then_restore_on_the_same_node(coordinator, tmp_path: Path) -> None
 
     session, token = coordinator.create_session({"node-1"})
     ranks = [f"--rank={k}={images}/{k.replace('/', '_')}:/run/ibckpt/{r}.ctl" for k, (r, _) in RANKS.items()]
-    report = agent(coordinator, session, token, "restore", *ranks, "--epoch", "2")
+    report = run_node_agent(coordinator.port, session, token, "restore", *ranks, "--epoch", "2")
     assert report["outcome"] == "Succeeded", report
     time.sleep(2)
     for role, _ in RANKS.values():
