@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ibckpt.agentapi import models as api
 from ibckpt.api.storage import S3Location
-from ibckpt.store import ImageStore, StoreConfig, credentials_from_secret
+from ibckpt.store import ImageStore, StoreConfig, config_for_location, credentials_from_secret
 from ibckpt.store.errors import StoreError
 from ibckpt.store.manifest import RankInfo
 from ibckpt_node.agent.kubesecrets import StagingError
@@ -28,14 +28,7 @@ def store_config(location: S3Location, secret: api.SecretRef, data: dict[str, st
         credentials = credentials_from_secret(data, name=f"{secret.namespace}/{secret.name}")
     except StoreError as exc:
         raise StagingError(str(exc)) from None
-    return StoreConfig(
-        bucket=location.bucket,
-        prefix=location.prefix,
-        endpoint_url=location.endpoint or None,
-        region=location.region,
-        addressing_style=location.addressing_style,
-        credentials=credentials,
-    )
+    return config_for_location(location, credentials)
 
 
 def stage_trees(
