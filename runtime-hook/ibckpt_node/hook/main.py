@@ -37,8 +37,11 @@ def string_field(raw: str, key: str) -> str | None:
 
 def not_ours(raw_state: str) -> bool:
     bundle = string_field(raw_state, "bundle")
-    if not bundle:
-        return False
+    return plain_bundle(bundle) if bundle else False
+
+
+def plain_bundle(bundle: str) -> bool:
+    """Whether the bundle's config.json bytes show the container cannot be ours (no marker in them)."""
     try:
         with open(os.path.join(bundle, "config.json"), "rb") as f:
             spec = f.read()

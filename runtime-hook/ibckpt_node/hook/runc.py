@@ -295,15 +295,10 @@ def main(default_runc: str | None = None) -> int:
 
 
 def plain(bundle: str) -> bool:
-    """Whether config.json's bytes show the container cannot be ours (as the hook's fast path)."""
-    from ibckpt_node.hook.main import MARKERS
+    """Whether config.json's bytes show the container cannot be ours (the hook's fast path)."""
+    from ibckpt_node.hook.main import plain_bundle
 
-    try:
-        with open(os.path.join(bundle, "config.json"), "rb") as f:
-            spec = f.read()
-    except OSError:
-        return False
-    return b"\\/" not in spec and not any(m in spec for m in MARKERS)
+    return plain_bundle(bundle)
 
 
 def _main(argv: list[str], at: int | None, command: str) -> int:
