@@ -49,14 +49,15 @@ def registered_shim(state: Path, pid: int) -> Shim:
     return shim
 
 
-def fake_criu(tmp_path: Path) -> str:
+@pytest.fixture
+def fake_criu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A PATH whose criu 'dumps' by exiting 0: the session gets past the dump without a real one."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     criu = bin_dir / "criu"
     criu.write_text("#!/bin/sh\nexit 0\n")
     criu.chmod(0o755)
-    return str(bin_dir)
+    monkeypatch.setenv("PATH", str(bin_dir))
 
 
 def wait_finished(client: AgentClient, session: str, timeout_s: float = 60) -> SessionReport:
@@ -117,14 +118,13 @@ def test_a_checkpoint_whose_dump_fails_recovers_the_rank_and_reports_it(
     assert token not in report.to_json().decode()
 
 
+@pytest.mark.usefixtures("fake_criu")
 def test_an_abort_after_a_stop_dump_rebuilds_the_released_rank_and_resumes_it(
     agent: Running,
     tmp_path: Path,
     coordinator: ThreadedCoordinator,
-    monkeypatch: pytest.MonkeyPatch,
     sleeper: subprocess.Popen[bytes],
 ) -> None:
-    monkeypatch.setenv("PATH", fake_criu(tmp_path))
     state = tmp_path / "state"
     shim = registered_shim(state, sleeper.pid)
     session, token = coordinator.create_session({"node-x"})
@@ -151,13 +151,12 @@ def test_an_abort_after_a_stop_dump_rebuilds_the_released_rank_and_resumes_it(
     assert Milestone.DUMPED in report.phases  # the checkpoint's phases are kept
 
 
+@pytest.mark.usefixtures("fake_criu")
 def test_a_restarted_agent_brings_back_the_ranks_its_dead_predecessor_left_released(
     tmp_path: Path,
     coordinator: ThreadedCoordinator,
-    monkeypatch: pytest.MonkeyPatch,
     sleeper: subprocess.Popen[bytes],
 ) -> None:
-    monkeypatch.setenv("PATH", fake_criu(tmp_path))
     state = tmp_path / "state"
     first = Running(state)
     second: Running | None = None

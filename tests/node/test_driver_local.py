@@ -33,9 +33,11 @@ from testbed.coordinator import ThreadedCoordinator
 class SlowRelease(FakeShim):
     """A rank whose release takes a while, as a big one does: the renewals must go on meanwhile."""
 
+    release_s = 0.6
+
     def answer(self, verb: str) -> tuple[bool, dict[str, object]]:
         if verb == "release":
-            threading.Event().wait(0.6)
+            threading.Event().wait(self.release_s)
         return super().answer(verb)
 
 
@@ -127,13 +129,10 @@ async def test_the_old_cut_keeps_its_barrier_stall_window_and_quiet_release(
         assert s.lines[2].split()[2] == "100" and s.lines[3].endswith(" quiet"), s.lines
 
 
-class HangingRelease(FakeShim):
+class HangingRelease(SlowRelease):
     """A rank whose release never answers in time (a control thread stuck in the driver)."""
 
-    def answer(self, verb: str) -> tuple[bool, dict[str, object]]:
-        if verb == "release":
-            threading.Event().wait(5)
-        return super().answer(verb)
+    release_s = 5.0
 
 
 async def test_a_release_that_times_out_says_where_each_control_thread_waits(
