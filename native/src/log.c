@@ -5,18 +5,32 @@
 
 #include "core.h"
 
+static uint32_t pow2_at_least(uint32_t n)
+{
+	uint32_t p = 1;
+
+	while (p < n)
+		p <<= 1;
+	return p;
+}
+
+/* The SGEs each entry of a log keeps: the QP's max_sge, but at least one (an
+ * inline send is logged as one SGE pointing at its copy); 0 beyond IBK_MAX_SGE. */
+static uint32_t sges_per_entry(uint32_t max_sge)
+{
+	if (max_sge > IBK_MAX_SGE)
+		return 0;
+	return max_sge ? max_sge : 1;
+}
+
 int ibk_sendlog_init(struct ibk_sendlog *l, uint32_t cap, uint32_t max_inline, uint32_t max_sge, void *owner)
 {
-	uint32_t i, size = 1;
+	uint32_t i, size = pow2_at_least(cap);
 
 	memset(l, 0, sizeof(*l));
-	if (max_sge > IBK_MAX_SGE)
+	max_sge = sges_per_entry(max_sge);
+	if (!max_sge)
 		return -EINVAL;
-	/* an inline send is logged as one SGE pointing at its copy */
-	if (max_sge < 1)
-		max_sge = 1;
-	while (size < cap)
-		size <<= 1;
 	l->slots = calloc(size, sizeof(*l->slots));
 	l->sge_area = calloc((size_t)size * max_sge, sizeof(*l->sge_area));
 	if (max_inline)
@@ -65,18 +79,12 @@ struct ibk_swr *ibk_sendlog_at(struct ibk_sendlog *l, uint64_t seq)
 
 int ibk_recvlog_init(struct ibk_recvlog *l, uint32_t cap, int ring, uint32_t max_sge, void *owner)
 {
-	uint32_t i, size = 1;
+	uint32_t i, size = ring ? pow2_at_least(cap) : cap;
 
 	memset(l, 0, sizeof(*l));
-	if (max_sge > IBK_MAX_SGE)
+	max_sge = sges_per_entry(max_sge);
+	if (!max_sge)
 		return -EINVAL;
-	if (max_sge < 1)
-		max_sge = 1;
-	if (ring)
-		while (size < cap)
-			size <<= 1;
-	else
-		size = cap;
 	l->slots = calloc(size, sizeof(*l->slots));
 	l->sge_area = calloc((size_t)size * max_sge, sizeof(*l->sge_area));
 	if (!l->slots || !l->sge_area) {
