@@ -13,7 +13,7 @@ from typing import Any
 import kubernetes
 import pytest
 
-from ibckpt.agentapi.models import RankPhase
+from ibckpt.agentapi import Milestone, RankPhase
 from ibckpt.store import ImageStore
 from testbed.ports import free_port
 from testbed.s3 import S3Server
@@ -238,13 +238,14 @@ def test_two_jobs_over_the_same_pods(
 
 
 @pytest.mark.parametrize(
-    ("cut_phase", "step"),
-    [("Quiescing", "quiesce"), ("Draining", "drain"), ("Releasing", "release"), ("Dumping", "dump"),
-     ("Uploading", "upload")],
+    ("cut_phase", "step", "passed"),
+    [("Quiescing", "quiesce", None), ("Draining", "drain", Milestone.QUIESCED),
+     ("Releasing", "release", Milestone.DRAINED), ("Dumping", "dump", Milestone.RELEASED),
+     ("Uploading", "upload", Milestone.DUMPED)],
 )  # fmt: skip
 def test_operator_restart_mid_phase_aborts_from_status(
     cluster_ns: Cluster, s3_server: S3Server, bucket: str, agents: Agents, operator: Any, cut_phase: str,
-    step: str,
+    step: str, passed: Milestone | None,
 ) -> None:  # fmt: skip
     """The operator stops while the agent reports its ranks in each phase of the cut, the dump or the upload
     (as when its pod is deleted): the next one aborts the job from its status, as a new attempt."""
@@ -256,7 +257,7 @@ def test_operator_restart_mid_phase_aborts_from_status(
         before = cluster_ns.wait(JOBS, "restarted", phase("Quiescing"))
         session = a.first_request().session_id
         if cut_phase != "Quiescing":  # the agent's ranks move on; the job's phase follows their reports
-            a.set_phase(session, RankPhase(cut_phase))
+            a.set_phase(session, RankPhase(cut_phase), passed)  # the operator reads `done`
             before = cluster_ns.wait(JOBS, "restarted", phase(cut_phase))
     # The operator is gone while the ranks were in that phase: the outcome of its step is unknown.
     status = before["status"]
