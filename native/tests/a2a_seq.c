@@ -156,21 +156,12 @@ int main(int argc, char **argv)
 	if (ibv_query_gid(ctx, 1, gid_index, &gid))
 		DIE("gid");
 	for (j = 0; j < n; j++) {
-		struct ibv_qp_init_attr qa;
 
 		if (j == me)
 			continue;
 		P[j].sbuf = &sall[j * window];
 		P[j].rbuf = &rall[j * recvs];
-		memset(&qa, 0, sizeof(qa));
-		qa.send_cq = cq;
-		qa.recv_cq = cq;
-		qa.qp_type = IBV_QPT_RC;
-		qa.cap.max_send_wr = (uint32_t)window;
-		qa.cap.max_recv_wr = (uint32_t)recvs;
-		qa.cap.max_send_sge = 1;
-		qa.cap.max_recv_sge = 1;
-		if (!(P[j].qp = ibv_create_qp(pd, &qa)))
+		if (!(P[j].qp = create_rc_qp(pd, cq, (uint32_t)window, (uint32_t)recvs)))
 			DIE("qp to rank %d", j);
 		qp_to_init(P[j].qp, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
 		for (i = 0; i < recvs; i++) {
@@ -212,7 +203,6 @@ int main(int argc, char **argv)
 				struct ibv_mr *nmr;
 				struct ibv_cq *ncq;
 				struct ibv_qp *nqp;
-				struct ibv_qp_init_attr qa;
 				uint32_t old_slkey = smr->lkey, old_rlkey = rmr->lkey;
 
 				if (!nb)
@@ -220,15 +210,7 @@ int main(int argc, char **argv)
 				memset(nb, 0, sizeof(struct msg) * (size_t)(window * n));
 				nmr = ibv_reg_mr(pd, nb, sizeof(struct msg) * (size_t)(window * n), IBV_ACCESS_LOCAL_WRITE);
 				ncq = ibv_create_cq(ctx, 16, NULL, NULL, 0);
-				memset(&qa, 0, sizeof(qa));
-				qa.send_cq = ncq;
-				qa.recv_cq = ncq;
-				qa.qp_type = IBV_QPT_RC;
-				qa.cap.max_send_wr = 2;
-				qa.cap.max_recv_wr = 2;
-				qa.cap.max_send_sge = 1;
-				qa.cap.max_recv_sge = 1;
-				if (!nmr || !ncq || !(nqp = ibv_create_qp(pd, &qa)))
+				if (!nmr || !ncq || !(nqp = create_rc_qp(pd, ncq, 2, 2)))
 					DIE("objects after %s", new_file);
 				qp_to_init(nqp, IBV_ACCESS_LOCAL_WRITE);
 				printf("NEW rank=%d lkey=%u old_lkeys=%u,%u qpn=%u", me, nmr->lkey, old_slkey, old_rlkey,

@@ -155,6 +155,23 @@ static inline struct ibv_context *open_first_device(void)
 	return ctx;
 }
 
+/* An RC QP with one CQ for both queues and one SGE a WR each way; NULL when
+ * the device refuses it. */
+static inline struct ibv_qp *create_rc_qp(struct ibv_pd *pd, struct ibv_cq *cq, uint32_t send_wr, uint32_t recv_wr)
+{
+	struct ibv_qp_init_attr qa;
+
+	memset(&qa, 0, sizeof(qa));
+	qa.send_cq = cq;
+	qa.recv_cq = cq;
+	qa.qp_type = IBV_QPT_RC;
+	qa.cap.max_send_wr = send_wr;
+	qa.cap.max_recv_wr = recv_wr;
+	qa.cap.max_send_sge = 1;
+	qa.cap.max_recv_sge = 1;
+	return ibv_create_qp(pd, &qa);
+}
+
 static inline void qp_to_init(struct ibv_qp *qp, int access)
 {
 	struct ibv_qp_attr a;

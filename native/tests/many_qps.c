@@ -27,18 +27,9 @@ int main(int argc, char **argv)
 	if (!cq)
 		DIE("pd/cq");
 	for (i = 0; i < n; i++) {
-		struct ibv_qp_init_attr qa;
 		struct ibv_qp *qp;
 
-		memset(&qa, 0, sizeof(qa));
-		qa.send_cq = cq;
-		qa.recv_cq = cq;
-		qa.qp_type = IBV_QPT_RC;
-		qa.cap.max_send_wr = 2;
-		qa.cap.max_recv_wr = 2;
-		qa.cap.max_send_sge = 1;
-		qa.cap.max_recv_sge = 1;
-		if (!(qp = ibv_create_qp(pd, &qa)))
+		if (!(qp = create_rc_qp(pd, cq, 2, 2)))
 			DIE("qp %d", i);
 		qp_to_init(qp, IBV_ACCESS_LOCAL_WRITE);
 	}

@@ -48,7 +48,6 @@ int main(int argc, char **argv)
 	struct ibv_context *ctx;
 	struct ibv_pd *pd;
 	struct ibv_cq *cq;
-	struct ibv_qp_init_attr qa;
 	pthread_t t[2];
 	int i;
 
@@ -62,15 +61,7 @@ int main(int argc, char **argv)
 	cq = ibv_create_cq(ctx, QUEUE, NULL, NULL, 0);
 	if (!mr || !cq)
 		DIE("pd/mr/cq");
-	memset(&qa, 0, sizeof(qa));
-	qa.send_cq = cq;
-	qa.recv_cq = cq;
-	qa.qp_type = IBV_QPT_RC;
-	qa.cap.max_send_wr = 1;
-	qa.cap.max_recv_wr = QUEUE;
-	qa.cap.max_send_sge = 1;
-	qa.cap.max_recv_sge = 1;
-	if (!(qp = ibv_create_qp(pd, &qa)))
+	if (!(qp = create_rc_qp(pd, cq, 1, QUEUE)))
 		DIE("qp");
 	qp_to_init(qp, IBV_ACCESS_LOCAL_WRITE);
 	{
