@@ -156,7 +156,6 @@ int main(int argc, char **argv)
 	if (ibv_query_gid(ctx, 1, gid_index, &gid))
 		DIE("gid");
 	for (j = 0; j < n; j++) {
-
 		if (j == me)
 			continue;
 		P[j].sbuf = &sall[j * window];
