@@ -175,25 +175,41 @@ class Cluster:
     def pod_names(self) -> list[str]:
         return sorted(p.metadata.name for p in self.core.list_namespaced_pod(self.namespace).items)
 
+    def drop_all(self, plural: str) -> None:
+        """Delete every object of one of the operator's kinds in the namespace, finalizers and all: none
+        may run under the next test's operator."""
+        custom = self.custom
+        for item in custom.list_namespaced_custom_object(GROUP, VERSION, self.namespace, plural)["items"]:
+            name = item["metadata"]["name"]
+            try:
+                custom.patch_namespaced_custom_object(
+                    GROUP, VERSION, self.namespace, plural, name, {"metadata": {"finalizers": None}}
+                )
+                custom.delete_namespaced_custom_object(GROUP, VERSION, self.namespace, plural, name)
+            except kubernetes.client.ApiException as exc:
+                if exc.status != 404:
+                    raise
+
+    def pdb(self, name: str) -> dict[str, Any] | None:
+        """The PodDisruptionBudget of this name (policy/v1beta1, the version of a 1.20 apiserver)."""
+        path = f"/apis/policy/v1beta1/namespaces/{self.namespace}/poddisruptionbudgets/{name}"
+        method, url, headers, _, _ = self.api.param_serialize("GET", path, auth_settings=["BearerToken"])
+        response = self.api.call_api(method, url, header_params=headers)
+        data = response.read()
+        if response.status == 404:
+            return None
+        assert response.status == 200, data
+        return dict(json.loads(data))
+
 
 @pytest.fixture
 def cluster_ns(crds: kubernetes.client.ApiClient) -> Iterator[Cluster]:
     name = "t-" + secrets.token_hex(4)
     kubernetes.client.CoreV1Api(crds).create_namespace({"metadata": {"name": name}})
-    yield Cluster(crds, name)
-    # No job of this test may be resumed by the next test's operator: drop them, finalizers and all.
-    custom = kubernetes.client.CustomObjectsApi(crds)
+    cluster = Cluster(crds, name)
+    yield cluster
     for plural in ("checkpointjobs", "restorejobs", "checkpoints"):
-        for item in custom.list_namespaced_custom_object(GROUP, VERSION, name, plural)["items"]:
-            item_name = item["metadata"]["name"]
-            try:
-                custom.patch_namespaced_custom_object(
-                    GROUP, VERSION, name, plural, item_name, {"metadata": {"finalizers": None}}
-                )
-                custom.delete_namespaced_custom_object(GROUP, VERSION, name, plural, item_name)
-            except kubernetes.client.ApiException as exc:
-                if exc.status != 404:
-                    raise
+        cluster.drop_all(plural)
 
 
 # -- S3 -------------------------------------------------------------------------------------------------

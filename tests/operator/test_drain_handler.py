@@ -17,12 +17,12 @@ from typing import Any
 import kubernetes
 import pytest
 
+from ibckpt.api import GROUP, VERSION
 from testbed.ports import free_port
 from testbed.s3 import S3Server
 
 Agents = Cluster = Any  # conftest.py's fixtures
 pytestmark = [pytest.mark.kube, pytest.mark.s3]
-GROUP, VERSION = "ibckpt.io", "v1alpha1"
 SCHEDULES, JOBS = "checkpointschedules", "checkpointjobs"
 
 
@@ -48,20 +48,9 @@ def drain_phase(*wanted: str) -> Any:
     return lambda body: (body.get("status") or {}).get("drainPhase") in wanted
 
 
-def pdb(cluster: Cluster, name: str) -> dict[str, Any] | None:
-    path = f"/apis/policy/v1beta1/namespaces/{cluster.namespace}/poddisruptionbudgets/{name}"
-    method, url, headers, _, _ = cluster.api.param_serialize("GET", path, auth_settings=["BearerToken"])
-    response = cluster.api.call_api(method, url, header_params=headers)
-    data = response.read()
-    if response.status == 404:
-        return None
-    assert response.status == 200, data
-    return dict(json.loads(data))
-
-
 def wait_gone(cluster: Cluster, name: str, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
-    while pdb(cluster, name) is not None:
+    while cluster.pdb(name) is not None:
         assert time.monotonic() < deadline, f"PDB {name} is still there"
         time.sleep(0.3)
 
@@ -122,17 +111,7 @@ def metrics_text(port: int) -> str:
 def cleanup(cluster_ns: Cluster) -> Any:
     """No schedule of this test may run under the next test's operator; nodes go back to schedulable."""
     yield
-    custom, ns = cluster_ns.custom, cluster_ns.namespace
-    for item in custom.list_namespaced_custom_object(GROUP, VERSION, ns, SCHEDULES)["items"]:
-        name = item["metadata"]["name"]
-        try:
-            custom.patch_namespaced_custom_object(
-                GROUP, VERSION, ns, SCHEDULES, name, {"metadata": {"finalizers": None}}
-            )
-            custom.delete_namespaced_custom_object(GROUP, VERSION, ns, SCHEDULES, name)
-        except kubernetes.client.ApiException as exc:
-            if exc.status != 404:
-                raise
+    cluster_ns.drop_all(SCHEDULES)
     for node in ("node-a", "node-b"):
         try:
             cluster_ns.core.patch_node(node, {"spec": {"unschedulable": None}})
@@ -194,7 +173,7 @@ def test_cordon_migrates_the_whole_job_while_the_webhook_holds_evictions(
         # policy/v1 is not served by v1.20: discovery picks v1beta1.
         assert body["status"]["protectedBy"] == "policy/v1beta1/ibckpt-ring"
         assert body["status"]["drainPhase"] == "Idle"
-        budget = pdb(cluster_ns, "ibckpt-ring")
+        budget = cluster_ns.pdb("ibckpt-ring")
         assert budget is not None and budget["spec"]["maxUnavailable"] == 0
         assert budget["spec"]["selector"] == {"matchLabels": {"app": "ring"}}
         assert budget["metadata"]["ownerReferences"][0]["uid"] == schedule["metadata"]["uid"]
@@ -356,7 +335,7 @@ def test_a_failed_checkpoint_follows_each_policy_visibly(
         cluster_ns.node("node-b")
         cluster_ns.pod("web-1", "node-b", {"app": "web"})
         deadline = time.monotonic() + 60
-        while pdb(cluster_ns, "ibckpt-lose") is None:
+        while cluster_ns.pdb("ibckpt-lose") is None:
             assert time.monotonic() < deadline, "the PDB never came back over the new pod"
             time.sleep(0.3)
 
@@ -365,7 +344,7 @@ def test_a_failed_checkpoint_follows_each_policy_visibly(
         assert held["status"]["drainReason"] == "PreflightRefused"
         condition = {c["type"]: c for c in held["status"]["conditions"]}["DrainHeld"]
         assert condition["status"] == "True" and "still holding the drain of node-a" in condition["message"]
-        assert pdb(cluster_ns, "ibckpt-hold") is not None
+        assert cluster_ns.pdb("ibckpt-hold") is not None
         status, message = evict(cluster_ns, "ring-0")
         assert status == 429 and "ibckpt is HOLDING this drain" in message, message
         assert "drain.onFailure: ProceedAndLose" in message

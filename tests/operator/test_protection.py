@@ -4,27 +4,16 @@ schedule. Real apiserver v1.20 (policy/v1beta1 by discovery) with its garbage co
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 
 import kubernetes
 import pytest
 
+from ibckpt.api import API_VERSION
+
 Agents = Cluster = Any  # conftest.py's fixtures
 pytestmark = [pytest.mark.kube]
-GROUP, VERSION = "ibckpt.io", "v1alpha1"
-
-
-def pdb(cluster: Cluster, name: str) -> dict[str, Any] | None:
-    path = f"/apis/policy/v1beta1/namespaces/{cluster.namespace}/poddisruptionbudgets/{name}"
-    method, url, headers, _, _ = cluster.api.param_serialize("GET", path, auth_settings=["BearerToken"])
-    response = cluster.api.call_api(method, url, header_params=headers)
-    data = response.read()
-    if response.status == 404:
-        return None
-    assert response.status == 200, data
-    return dict(json.loads(data))
 
 
 def test_a_workload_by_owner_is_protected_by_its_own_selector_until_the_schedule_goes(
@@ -52,7 +41,7 @@ def test_a_workload_by_owner_is_protected_by_its_own_selector_until_the_schedule
     agents.add(cluster_ns, "node-a", 1)
     cluster_ns.pod("ring-0", "node-a", labels, owners=ref)
     schedule = {
-        "apiVersion": f"{GROUP}/{VERSION}",
+        "apiVersion": API_VERSION,
         "kind": "CheckpointSchedule",
         "metadata": {"name": "ring"},
         "spec": {
@@ -69,7 +58,7 @@ def test_a_workload_by_owner_is_protected_by_its_own_selector_until_the_schedule
             "checkpointschedules", "ring", lambda o: bool((o.get("status") or {}).get("protectedBy"))
         )
         assert body["status"]["protectedBy"] == "policy/v1beta1/ibckpt-ring"
-        budget = pdb(cluster_ns, "ibckpt-ring")
+        budget = cluster_ns.pdb("ibckpt-ring")
         assert budget is not None
         assert budget["spec"] == {"maxUnavailable": 0, "selector": {"matchLabels": labels}}
         owner_ref = budget["metadata"]["ownerReferences"][0]
@@ -84,6 +73,6 @@ def test_a_workload_by_owner_is_protected_by_its_own_selector_until_the_schedule
             assert time.monotonic() < deadline, "the schedule was never deleted"
             time.sleep(0.3)
     deadline = time.monotonic() + 60
-    while pdb(cluster_ns, "ibckpt-ring") is not None:  # the garbage collector follows the owner
+    while cluster_ns.pdb("ibckpt-ring") is not None:  # the garbage collector follows the owner
         assert time.monotonic() < deadline, "the PDB outlived its schedule"
         time.sleep(0.3)

@@ -11,15 +11,14 @@ import urllib.request
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-import kubernetes
 import pytest
 
+from ibckpt.api import GROUP, VERSION
 from testbed.s3 import S3Server
 
 Agents = Cluster = Any  # conftest.py's fixtures
 pytestmark = [pytest.mark.kube, pytest.mark.s3]
 SCHEDULES, JOBS, CHECKPOINTS = "checkpointschedules", "checkpointjobs", "checkpoints"
-GROUP, VERSION = "ibckpt.io", "v1alpha1"
 
 
 def location(s3: S3Server, bucket: str) -> dict[str, Any]:
@@ -58,19 +57,7 @@ def wait_events(cluster: Cluster, name: str, reason: str, count: int = 1, timeou
 def schedules_removed(cluster_ns: Cluster) -> Any:
     """No schedule of this test may run under the next test's operator."""
     yield
-    custom = cluster_ns.custom
-    for item in custom.list_namespaced_custom_object(GROUP, VERSION, cluster_ns.namespace, SCHEDULES)[
-        "items"
-    ]:
-        name = item["metadata"]["name"]
-        try:
-            custom.patch_namespaced_custom_object(
-                GROUP, VERSION, cluster_ns.namespace, SCHEDULES, name, {"metadata": {"finalizers": None}}
-            )
-            custom.delete_namespaced_custom_object(GROUP, VERSION, cluster_ns.namespace, SCHEDULES, name)
-        except kubernetes.client.ApiException as exc:
-            if exc.status != 404:
-                raise
+    cluster_ns.drop_all(SCHEDULES)
 
 
 def s3_keys(s3: S3Server, bucket: str) -> list[str]:
