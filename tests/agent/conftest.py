@@ -23,7 +23,7 @@ def agent(tmp_path: Path) -> Iterator[Running]:
 @pytest.fixture
 def sleeper() -> Iterator[subprocess.Popen[bytes]]:
     """A real process to register as a container's."""
-    proc = subprocess.Popen(["sleep", "300"])
+    proc = subprocess.Popen(["/bin/sleep", "300"])  # by path: some tests change PATH
     try:
         yield proc
     finally:
