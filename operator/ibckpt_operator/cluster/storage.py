@@ -22,7 +22,7 @@ from ibckpt.store import (
     StoreError,
     credentials_from_secret,
 )
-from ibckpt.store.config import EncryptionConfig, encryption_key_from_secret
+from ibckpt.store.config import EncryptionConfig, config_for_location, encryption_key_from_secret
 from ibckpt_operator.cluster.kube import Kube
 from ibckpt_operator.config import current
 
@@ -100,15 +100,7 @@ async def resolve(kube: Kube, namespace: str, location: S3Location) -> ResolvedS
             {"mode": mode, "kms_key_id": location.encryption.kms_key_id, "client_key": client_key}
         )
     try:
-        config = StoreConfig(
-            bucket=location.bucket,
-            prefix=location.prefix,
-            endpoint_url=location.endpoint or None,
-            region=location.region,
-            addressing_style=location.addressing_style,
-            credentials=credentials,
-            encryption=encryption,
-        )
+        config = config_for_location(location, credentials, encryption)
     except ValueError as error:
         raise StorageProblem("InvalidStorage", f"storage settings: {error}") from None
     if ca_bundle is not None:
