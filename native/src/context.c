@@ -14,141 +14,68 @@
 
 /* ---- loud stubs for everything reachable through ops we do not support --- */
 
-static int stub_advise_mr(struct ibv_pd *pd, enum ibv_advise_mr_advice a, uint32_t f, struct ibv_sge *s,
-			  uint32_t n)
-{
-	(void)pd, (void)a, (void)f, (void)s, (void)n;
-	ibk_unsupported("ibv_advise_mr");
-	return EOPNOTSUPP;
-}
+IBK_REFUSED(static int stub_advise_mr(struct ibv_pd *pd, enum ibv_advise_mr_advice a, uint32_t f,
+		struct ibv_sge *s, uint32_t n),
+	    "ibv_advise_mr", EOPNOTSUPP, (void)pd, (void)a, (void)f, (void)s, (void)n)
 
-static struct ibv_mr *stub_alloc_null_mr(struct ibv_pd *pd)
-{
-	(void)pd;
-	ibk_unsupported("ibv_alloc_null_mr");
-	return NULL;
-}
+IBK_REFUSED(static struct ibv_mr *stub_alloc_null_mr(struct ibv_pd *pd),
+	    "ibv_alloc_null_mr", NULL, (void)pd)
 
-static struct ibv_counters *stub_create_counters(struct ibv_context *c, struct ibv_counters_init_attr *a)
-{
-	(void)c, (void)a;
-	ibk_unsupported("ibv_create_counters");
-	return NULL;
-}
+IBK_REFUSED(static struct ibv_counters *stub_create_counters(struct ibv_context *c,
+		struct ibv_counters_init_attr *a),
+	    "ibv_create_counters", NULL, (void)c, (void)a)
 
-static struct ibv_dm *stub_alloc_dm(struct ibv_context *c, struct ibv_alloc_dm_attr *a)
-{
-	(void)c, (void)a;
-	ibk_unsupported("ibv_alloc_dm");
-	return NULL;
-}
+IBK_REFUSED(static struct ibv_dm *stub_alloc_dm(struct ibv_context *c, struct ibv_alloc_dm_attr *a),
+	    "ibv_alloc_dm", NULL, (void)c, (void)a)
 
-static struct ibv_pd *stub_alloc_parent_domain(struct ibv_context *c, struct ibv_parent_domain_init_attr *a)
-{
-	(void)c, (void)a;
-	ibk_unsupported("ibv_alloc_parent_domain");
-	return NULL;
-}
+IBK_REFUSED(static struct ibv_pd *stub_alloc_parent_domain(struct ibv_context *c,
+		struct ibv_parent_domain_init_attr *a),
+	    "ibv_alloc_parent_domain", NULL, (void)c, (void)a)
 
-static struct ibv_td *stub_alloc_td(struct ibv_context *c, struct ibv_td_init_attr *a)
-{
-	(void)c, (void)a;
-	ibk_unsupported("ibv_alloc_td");
-	return NULL;
-}
+IBK_REFUSED(static struct ibv_td *stub_alloc_td(struct ibv_context *c, struct ibv_td_init_attr *a),
+	    "ibv_alloc_td", NULL, (void)c, (void)a)
 
-static int stub_modify_cq(struct ibv_cq *cq, struct ibv_modify_cq_attr *a)
-{
-	(void)cq, (void)a;
-	ibk_unsupported("ibv_modify_cq");
-	return EOPNOTSUPP;
-}
+IBK_REFUSED(static int stub_modify_cq(struct ibv_cq *cq, struct ibv_modify_cq_attr *a),
+	    "ibv_modify_cq", EOPNOTSUPP, (void)cq, (void)a)
 
-static struct ibv_wq *stub_create_wq(struct ibv_context *c, struct ibv_wq_init_attr *a)
-{
-	(void)c, (void)a;
-	ibk_unsupported("ibv_create_wq");
-	return NULL;
-}
+IBK_REFUSED(static struct ibv_wq *stub_create_wq(struct ibv_context *c, struct ibv_wq_init_attr *a),
+	    "ibv_create_wq", NULL, (void)c, (void)a)
 
-static struct ibv_rwq_ind_table *stub_create_rwq_ind_table(struct ibv_context *c,
-							   struct ibv_rwq_ind_table_init_attr *a)
-{
-	(void)c, (void)a;
-	ibk_unsupported("ibv_create_rwq_ind_table");
-	return NULL;
-}
+IBK_REFUSED(static struct ibv_rwq_ind_table *stub_create_rwq_ind_table(struct ibv_context *c,
+		struct ibv_rwq_ind_table_init_attr *a),
+	    "ibv_create_rwq_ind_table", NULL, (void)c, (void)a)
 
-static int stub_query_rt_values(struct ibv_context *c, struct ibv_values_ex *v)
-{
-	(void)c, (void)v;
-	ibk_unsupported("ibv_query_rt_values_ex");
-	return EOPNOTSUPP;
-}
+IBK_REFUSED(static int stub_query_rt_values(struct ibv_context *c, struct ibv_values_ex *v),
+	    "ibv_query_rt_values_ex", EOPNOTSUPP, (void)c, (void)v)
 
-static struct ibv_flow *stub_create_flow(struct ibv_qp *qp, struct ibv_flow_attr *a)
-{
-	(void)qp, (void)a;
-	ibk_unsupported("ibv_create_flow");
-	return NULL;
-}
+IBK_REFUSED(static struct ibv_flow *stub_create_flow(struct ibv_qp *qp, struct ibv_flow_attr *a),
+	    "ibv_create_flow", NULL, (void)qp, (void)a)
 
-static struct ibv_qp *stub_open_qp(struct ibv_context *c, struct ibv_qp_open_attr *a)
-{
-	(void)c, (void)a;
-	ibk_unsupported("ibv_open_qp");
-	return NULL;
-}
+IBK_REFUSED(static struct ibv_qp *stub_open_qp(struct ibv_context *c, struct ibv_qp_open_attr *a),
+	    "ibv_open_qp", NULL, (void)c, (void)a)
 
-static int stub_get_srq_num(struct ibv_srq *s, uint32_t *n)
-{
-	(void)s, (void)n;
-	ibk_unsupported("ibv_get_srq_num");
-	return EOPNOTSUPP;
-}
+IBK_REFUSED(static int stub_get_srq_num(struct ibv_srq *s, uint32_t *n),
+	    "ibv_get_srq_num", EOPNOTSUPP, (void)s, (void)n)
 
-static struct ibv_srq *stub_create_srq_ex(struct ibv_context *c, struct ibv_srq_init_attr_ex *a)
-{
-	(void)c, (void)a;
-	ibk_unsupported("ibv_create_srq_ex");
-	return NULL;
-}
+IBK_REFUSED(static struct ibv_srq *stub_create_srq_ex(struct ibv_context *c, struct ibv_srq_init_attr_ex *a),
+	    "ibv_create_srq_ex", NULL, (void)c, (void)a)
 
-static struct ibv_xrcd *stub_open_xrcd(struct ibv_context *c, struct ibv_xrcd_init_attr *a)
-{
-	(void)c, (void)a;
-	ibk_unsupported("ibv_open_xrcd");
-	return NULL;
-}
+IBK_REFUSED(static struct ibv_xrcd *stub_open_xrcd(struct ibv_context *c, struct ibv_xrcd_init_attr *a),
+	    "ibv_open_xrcd", NULL, (void)c, (void)a)
 
-static int stub_modify_qp_rate_limit(struct ibv_qp *qp, struct ibv_qp_rate_limit_attr *a)
-{
-	(void)qp, (void)a;
-	ibk_unsupported("ibv_modify_qp_rate_limit");
-	return EOPNOTSUPP;
-}
+IBK_REFUSED(static int stub_modify_qp_rate_limit(struct ibv_qp *qp, struct ibv_qp_rate_limit_attr *a),
+	    "ibv_modify_qp_rate_limit", EOPNOTSUPP, (void)qp, (void)a)
 
-static int stub_post_srq_ops(struct ibv_srq *s, struct ibv_ops_wr *op, struct ibv_ops_wr **bad)
-{
-	(void)s, (void)op, (void)bad;
-	ibk_unsupported("ibv_post_srq_ops");
-	return EOPNOTSUPP;
-}
+IBK_REFUSED(static int stub_post_srq_ops(struct ibv_srq *s, struct ibv_ops_wr *op, struct ibv_ops_wr **bad),
+	    "ibv_post_srq_ops", EOPNOTSUPP, (void)s, (void)op, (void)bad)
 
-static struct ibv_flow_action *stub_create_flow_action_esp(struct ibv_context *c,
-							    struct ibv_flow_action_esp_attr *a)
-{
-	(void)c, (void)a;
-	ibk_unsupported("ibv_create_flow_action_esp");
-	return NULL;
-}
+IBK_REFUSED(static struct ibv_flow_action *stub_create_flow_action_esp(struct ibv_context *c,
+		struct ibv_flow_action_esp_attr *a),
+	    "ibv_create_flow_action_esp", NULL, (void)c, (void)a)
 
-static int stub_modify_flow_action_esp(struct ibv_flow_action *fa, struct ibv_flow_action_esp_attr *a)
-{
-	(void)fa, (void)a;
-	ibk_unsupported("ibv_modify_flow_action_esp");
-	return EOPNOTSUPP;
-}
+IBK_REFUSED(static int stub_modify_flow_action_esp(struct ibv_flow_action *fa,
+		struct ibv_flow_action_esp_attr *a),
+	    "ibv_modify_flow_action_esp", EOPNOTSUPP, (void)fa, (void)a)
 
 /* ---- port and device queries ------------------------------------------------ */
 
@@ -305,12 +232,8 @@ IBK_EXPORT int ibv_query_gid_type(struct ibv_context *c, uint8_t port, unsigned 
 	return rc;
 }
 
-IBK_EXPORT int ibv_get_async_event(struct ibv_context *c, struct ibv_async_event *ev)
-{
-	(void)c, (void)ev;
-	ibk_unsupported("ibv_get_async_event");
-	return -1;
-}
+IBK_REFUSED(IBK_EXPORT int ibv_get_async_event(struct ibv_context *c, struct ibv_async_event *ev),
+	    "ibv_get_async_event", -1, (void)c, (void)ev)
 
 IBK_EXPORT void ibv_ack_async_event(struct ibv_async_event *ev)
 {

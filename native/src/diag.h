@@ -9,6 +9,17 @@ extern int ibk_verbose;
 void ibk_log(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 /* A verb the shim does not support: say so on stderr, every time. */
 void ibk_unsupported(const char *verb);
+/* Defines decl, a verb (or an op behind one) the shim refuses: it says so
+ * through ibk_unsupported and answers failure, as libibverbs does for an
+ * op the provider lacks.  The trailing arguments mark decl's parameters
+ * unused, e.g. (void)c, (void)a. */
+#define IBK_REFUSED(decl, verb, failure, ...) \
+	decl                                  \
+	{                                     \
+		__VA_ARGS__;                  \
+		ibk_unsupported(verb);        \
+		return failure;               \
+	}
 /* The distinct verbs ibk_unsupported refused (string literals), at most max. */
 #define IBK_MAX_REFUSED 32
 /* The shim's thread names (15 chars max): the node agent looks them up in

@@ -202,38 +202,18 @@ IBK_EXPORT int ibv_rereg_mr(struct ibv_mr *m, int flags, struct ibv_pd *p, void 
 	return 0;
 }
 
-IBK_EXPORT struct ibv_mr *ibv_reg_dmabuf_mr(struct ibv_pd *pd, uint64_t off, size_t len, uint64_t iova, int fd,
-					    int access)
-{
-	(void)pd, (void)off, (void)len, (void)iova, (void)fd, (void)access;
-	ibk_unsupported("ibv_reg_dmabuf_mr");
-	return NULL;
-}
+IBK_REFUSED(IBK_EXPORT struct ibv_mr *ibv_reg_dmabuf_mr(struct ibv_pd *pd, uint64_t off, size_t len,
+		uint64_t iova, int fd, int access),
+	    "ibv_reg_dmabuf_mr", NULL, (void)pd, (void)off, (void)len, (void)iova, (void)fd, (void)access)
 
-IBK_EXPORT struct ibv_pd *ibv_import_pd(struct ibv_context *c, uint32_t h)
-{
-	(void)c, (void)h;
-	ibk_unsupported("ibv_import_pd");
-	return NULL;
-}
+IBK_REFUSED(IBK_EXPORT struct ibv_pd *ibv_import_pd(struct ibv_context *c, uint32_t h),
+	    "ibv_import_pd", NULL, (void)c, (void)h)
 
-IBK_EXPORT struct ibv_mr *ibv_import_mr(struct ibv_pd *pd, uint32_t h)
-{
-	(void)pd, (void)h;
-	ibk_unsupported("ibv_import_mr");
-	return NULL;
-}
+IBK_REFUSED(IBK_EXPORT struct ibv_mr *ibv_import_mr(struct ibv_pd *pd, uint32_t h),
+	    "ibv_import_mr", NULL, (void)pd, (void)h)
 
-IBK_EXPORT int ibv_attach_mcast(struct ibv_qp *qp, const union ibv_gid *gid, uint16_t lid)
-{
-	(void)qp, (void)gid, (void)lid;
-	ibk_unsupported("ibv_attach_mcast");
-	return EOPNOTSUPP;
-}
+IBK_REFUSED(IBK_EXPORT int ibv_attach_mcast(struct ibv_qp *qp, const union ibv_gid *gid, uint16_t lid),
+	    "ibv_attach_mcast", EOPNOTSUPP, (void)qp, (void)gid, (void)lid)
 
-IBK_EXPORT int ibv_detach_mcast(struct ibv_qp *qp, const union ibv_gid *gid, uint16_t lid)
-{
-	(void)qp, (void)gid, (void)lid;
-	ibk_unsupported("ibv_detach_mcast");
-	return EOPNOTSUPP;
-}
+IBK_REFUSED(IBK_EXPORT int ibv_detach_mcast(struct ibv_qp *qp, const union ibv_gid *gid, uint16_t lid),
+	    "ibv_detach_mcast", EOPNOTSUPP, (void)qp, (void)gid, (void)lid)

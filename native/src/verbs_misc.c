@@ -20,19 +20,11 @@ IBK_EXPORT int ibv_query_qp_data_in_order(struct ibv_qp *q, enum ibv_wr_opcode o
 
 /* Imports share one object between processes: a checkpoint of one could
  * not recreate what the other holds. */
-IBK_EXPORT struct ibv_context *ibv_import_device(int cmd_fd)
-{
-	(void)cmd_fd;
-	ibk_unsupported("ibv_import_device");
-	return NULL;
-}
+IBK_REFUSED(IBK_EXPORT struct ibv_context *ibv_import_device(int cmd_fd),
+	    "ibv_import_device", NULL, (void)cmd_fd)
 
-IBK_EXPORT struct ibv_dm *ibv_import_dm(struct ibv_context *c, uint32_t handle)
-{
-	(void)c, (void)handle;
-	ibk_unsupported("ibv_import_dm");
-	return NULL;
-}
+IBK_REFUSED(IBK_EXPORT struct ibv_dm *ibv_import_dm(struct ibv_context *c, uint32_t handle),
+	    "ibv_import_dm", NULL, (void)c, (void)handle)
 
 /* Nothing can have been imported: the imports above and in pd_mr.c fail. */
 IBK_EXPORT void ibv_unimport_pd(struct ibv_pd *pd)
