@@ -59,43 +59,35 @@ long ibk_cm_forget(struct ibk_cm_ids *ids, uint32_t handle)
 	return reported;
 }
 
+/* The commands that name a kernel id, and where in each the id sits. */
+static const struct {
+	uint32_t cmd;
+	size_t off;
+} id_places[] = {
+	{ RDMA_USER_CM_CMD_DESTROY_ID, offsetof(struct rdma_ucm_destroy_id, id) },
+	{ RDMA_USER_CM_CMD_CONNECT, offsetof(struct rdma_ucm_connect, id) },
+	{ RDMA_USER_CM_CMD_LISTEN, offsetof(struct rdma_ucm_listen, id) },
+	{ RDMA_USER_CM_CMD_ACCEPT, offsetof(struct rdma_ucm_accept, id) },
+	{ RDMA_USER_CM_CMD_REJECT, offsetof(struct rdma_ucm_reject, id) },
+	{ RDMA_USER_CM_CMD_DISCONNECT, offsetof(struct rdma_ucm_disconnect, id) },
+	{ RDMA_USER_CM_CMD_JOIN_IP_MCAST, offsetof(struct rdma_ucm_join_ip_mcast, id) },
+	{ RDMA_USER_CM_CMD_JOIN_MCAST, offsetof(struct rdma_ucm_join_mcast, id) },
+};
+
 /* The kernel id a command names, read at its place in that command. */
 static int cmd_handle(uint32_t cmd, const void *body, size_t blen, uint32_t *h)
 {
-	size_t off;
+	size_t i;
 
-	switch (cmd) {
-	case RDMA_USER_CM_CMD_DESTROY_ID:
-		off = offsetof(struct rdma_ucm_destroy_id, id);
-		break;
-	case RDMA_USER_CM_CMD_CONNECT:
-		off = offsetof(struct rdma_ucm_connect, id);
-		break;
-	case RDMA_USER_CM_CMD_LISTEN:
-		off = offsetof(struct rdma_ucm_listen, id);
-		break;
-	case RDMA_USER_CM_CMD_ACCEPT:
-		off = offsetof(struct rdma_ucm_accept, id);
-		break;
-	case RDMA_USER_CM_CMD_REJECT:
-		off = offsetof(struct rdma_ucm_reject, id);
-		break;
-	case RDMA_USER_CM_CMD_DISCONNECT:
-		off = offsetof(struct rdma_ucm_disconnect, id);
-		break;
-	case RDMA_USER_CM_CMD_JOIN_IP_MCAST:
-		off = offsetof(struct rdma_ucm_join_ip_mcast, id);
-		break;
-	case RDMA_USER_CM_CMD_JOIN_MCAST:
-		off = offsetof(struct rdma_ucm_join_mcast, id);
-		break;
-	default:
-		return -1;
+	for (i = 0; i < sizeof(id_places) / sizeof(id_places[0]); i++) {
+		if (id_places[i].cmd != cmd)
+			continue;
+		if (blen < id_places[i].off + sizeof(*h))
+			return -1;
+		memcpy(h, (const char *)body + id_places[i].off, sizeof(*h));
+		return 0;
 	}
-	if (blen < off + sizeof(*h))
-		return -1;
-	memcpy(h, (const char *)body + off, sizeof(*h));
-	return 0;
+	return -1;
 }
 
 int ibk_cm_on_cmd(struct ibk_cm_ids *ids, uint32_t cmd, const void *body, size_t blen, uint32_t new_handle)
