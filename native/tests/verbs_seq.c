@@ -106,6 +106,19 @@ int signaled(uint64_t n)
 	return n % (uint64_t)o.unsig == (uint64_t)o.unsig - 1;
 }
 
+int poll_or_stall(struct ibv_wc *wc, int max, long *last_progress)
+{
+	int n = ibv_poll_cq(cq, max, wc);
+
+	if (n < 0)
+		DIE("poll");
+	if (n)
+		*last_progress = now_ms();
+	else if (now_ms() - *last_progress > STALL_MS)
+		return -1;
+	return n;
+}
+
 static void rc_post_op(struct rc_state *s)
 {
 	uint64_t n = s->next;
@@ -319,12 +332,8 @@ static void rc_run(void)
 			if (signaled(s->next - 1))
 				break; /* let completions interleave with posting */
 		}
-		n = ibv_poll_cq(cq, 16, wc);
-		if (n < 0)
-			DIE("poll");
-		if (n)
-			last_progress = now_ms();
-		else if (now_ms() - last_progress > STALL_MS) {
+		n = poll_or_stall(wc, 16, &last_progress);
+		if (n < 0) {
 			BAD("no progress for %d ms (next %llu retired %llu expect %llu)", STALL_MS,
 			    (unsigned long long)s->next, (unsigned long long)s->retired,
 			    (unsigned long long)s->expect);

@@ -52,6 +52,9 @@ void post_recv_slot(uint64_t i);
 void post(struct ibv_send_wr *w);
 /* -u K: every K-th operation is signaled */
 int signaled(uint64_t n);
+/* Up to max completions of cq into wc; -1 once none came for STALL_MS
+ * since *last_progress (the caller says what it waited for and stops). */
+int poll_or_stall(struct ibv_wc *wc, int max, long *last_progress);
 
 /* verbs_seq_ud.c */
 void ud_connect(void);

@@ -80,12 +80,8 @@ void ud_run(void)
 			if (last)
 				end_sent = 1;
 		}
-		n = ibv_poll_cq(cq, 16, wc);
-		if (n < 0)
-			DIE("poll");
-		if (n)
-			last_progress = now_ms();
-		else if (now_ms() - last_progress > STALL_MS) {
+		n = poll_or_stall(wc, 16, &last_progress);
+		if (n < 0) {
 			BAD("no progress for %d ms: a datagram was lost (next %llu acked %llu received %llu)", STALL_MS,
 			    (unsigned long long)next, (unsigned long long)acked, (unsigned long long)received);
 			break;
