@@ -296,6 +296,19 @@ def case_ud_traffic(ctx: Context) -> None:
     out("ud_reply_via_wc", sorted((w.opcode, w.byte_len) for w in wcs))
 
 
+def rdma_write(src: MR, length: int, rkey: int, addr: int, wr_id: int) -> SendWR:
+    """A signaled RDMA write of src's first length bytes to addr under rkey (src must outlive it)."""
+    wr = SendWR(
+        wr_id=wr_id,
+        opcode=e.IBV_WR_RDMA_WRITE,
+        num_sge=1,
+        sg=[SGE(src.buf, length, src.lkey)],
+        send_flags=e.IBV_SEND_SIGNALED,
+    )
+    wr.set_wr_rdma(rkey, addr)
+    return wr
+
+
 def case_rereg_mr(ctx: Context) -> None:
     pd = PD(ctx)
     cq = CQ(ctx, 16)
@@ -305,15 +318,7 @@ def case_rereg_mr(ctx: Context) -> None:
     # an RDMA write into it proves the new access and the keys the app now reads
     src = MR(pd, 64, e.IBV_ACCESS_LOCAL_WRITE)
     src.write(b"R" * 64, 64, 0)
-    wr = SendWR(
-        wr_id=1,
-        opcode=e.IBV_WR_RDMA_WRITE,
-        num_sge=1,
-        sg=[SGE(src.buf, 64, src.lkey)],
-        send_flags=e.IBV_SEND_SIGNALED,
-    )
-    wr.set_wr_rdma(mr.rkey, mr.buf)
-    a.post_send(wr)
+    a.post_send(rdma_write(src, 64, mr.rkey, mr.buf, wr_id=1))
     ok(poll(cq))
     out("rereg_mr", mr.read(64, 0) == b"R" * 64)
     del b
@@ -338,15 +343,7 @@ def case_mw(ctx: Context) -> None:
     bind = ok(poll(cq))
     src = MR(pd, 64, e.IBV_ACCESS_LOCAL_WRITE)
     src.write(b"W" * 64, 64, 0)
-    wr = SendWR(
-        wr_id=10,
-        opcode=e.IBV_WR_RDMA_WRITE,
-        num_sge=1,
-        sg=[SGE(src.buf, 64, src.lkey)],
-        send_flags=e.IBV_SEND_SIGNALED,
-    )
-    wr.set_wr_rdma(mw.rkey, mr.buf + 1024)
-    b.post_send(wr)
+    b.post_send(rdma_write(src, 64, mw.rkey, mr.buf + 1024, wr_id=10))
     wrote = ok(poll(cq))
     out("mw_bind", [(w.wr_id, w.opcode) for w in bind + wrote], mr.read(64, 1024) == b"W" * 64)
     mw.close()

@@ -24,7 +24,7 @@ import struct
 import sys
 
 import pyverbs.enums as e
-from pyverbs.addr import AHAttr, GlobalRoute
+from pv_apps import RC_ACCESS, connect_to_each_other  # beside this file
 from pyverbs.cq import CQ
 from pyverbs.device import Context
 from pyverbs.mr import MR
@@ -34,14 +34,7 @@ from pyverbs.wr import SGE, RecvWR, SendWR
 
 MSG = 256
 DEPTH = 8
-GID_INDEX = 1
 HEADER = struct.Struct("<Q32s")
-RC_ACCESS = (
-    e.IBV_ACCESS_LOCAL_WRITE
-    | e.IBV_ACCESS_REMOTE_WRITE
-    | e.IBV_ACCESS_REMOTE_READ
-    | e.IBV_ACCESS_REMOTE_ATOMIC
-)
 RDMA_OPS = (
     e.IBV_QP_EX_WITH_SEND
     | e.IBV_QP_EX_WITH_RDMA_WRITE
@@ -95,22 +88,6 @@ class End:
         self.sent = 0
         self.received = 0
         self.bad = 0
-
-    def connect(self, ctx: Context, peer_qpn: int) -> None:
-        attr = QPAttr(port_num=1)
-        attr.path_mtu = e.IBV_MTU_1024
-        attr.max_dest_rd_atomic = 1
-        attr.max_rd_atomic = 1
-        attr.min_rnr_timer = 12
-        attr.timeout = 14
-        attr.retry_cnt = 7
-        attr.rnr_retry = 7
-        gr = GlobalRoute(dgid=ctx.query_gid(1, GID_INDEX), sgid_index=GID_INDEX)
-        attr.ah_attr = AHAttr(port_num=1, is_global=1, gr=gr)
-        attr.dest_qp_num = peer_qpn
-        attr.rq_psn = 0
-        attr.sq_psn = 0
-        self.qp.to_rts(attr)
 
     def post_recv(self, slot: int) -> None:
         sge = SGE(self.recv_mr.buf + slot * MSG, MSG, self.recv_mr.lkey)
@@ -208,8 +185,7 @@ def main() -> int:
     ctx = Context(name="rxe0")
     pd = PD(ctx)
     a, b = End(ctx, pd, wr_api, rdma), End(ctx, pd, wr_api, rdma)
-    a.connect(ctx, b.qp.qp_num)
-    b.connect(ctx, a.qp.qp_num)
+    connect_to_each_other(ctx, (a.qp, b.qp))
     for end in (a, b):
         for slot in range(DEPTH):
             end.post_recv(slot)
