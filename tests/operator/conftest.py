@@ -10,6 +10,7 @@ import json
 import os
 import secrets
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -120,6 +121,16 @@ class Cluster:
         """The Secret `s3-creds` with the test server's keys, the one the tests' storage locations name."""
         self.secret("s3-creds", {"AWS_ACCESS_KEY_ID": s3.access_key, "AWS_SECRET_ACCESS_KEY": s3.secret_key})
 
+    @staticmethod
+    def s3_location(s3: S3Server, bucket: str) -> dict[str, Any]:
+        """A storage location in the test server's bucket, read with the keys of `s3_secret`."""
+        return {
+            "endpoint": s3.endpoint,
+            "region": s3.region,
+            "bucket": bucket,
+            "credentialsSecretRef": {"name": "s3-creds"},
+        }
+
     def create(self, plural: str, body: dict[str, Any]) -> dict[str, Any]:
         result: dict[str, Any] = self.custom.create_namespaced_custom_object(
             GROUP, VERSION, self.namespace, plural, body
@@ -142,6 +153,9 @@ class Cluster:
             GROUP, VERSION, self.namespace, plural, name, {"status": status}
         )
 
+    def patch(self, plural: str, name: str, body: dict[str, Any]) -> None:
+        self.custom.patch_namespaced_custom_object(GROUP, VERSION, self.namespace, plural, name, body)
+
     def delete(self, plural: str, name: str) -> None:
         self.custom.delete_namespaced_custom_object(GROUP, VERSION, self.namespace, plural, name)
 
@@ -161,6 +175,16 @@ class Cluster:
     def events(self, name: str) -> list[Any]:
         items = self.core.list_namespaced_event(self.namespace).items
         return [e for e in items if e.involved_object.name == name]
+
+    def wait_events(self, name: str, reason: str, count: int = 1, timeout: float = 60) -> list[Any]:
+        """The Events of this reason on the object, once there are `count` of them."""
+        deadline = time.monotonic() + timeout
+        while len(found := [e for e in self.events(name) if e.reason == reason]) < count:
+            assert time.monotonic() < deadline, (
+                f"no {reason} Event on {name}: {[e.reason for e in self.events(name)]}"
+            )
+            time.sleep(0.2)
+        return found
 
     def pod_uid_and_origin(self, namespace: str, name: str) -> tuple[str, str] | None:
         """The pod's uid and its ibckpt.io/restore-from annotation (what a node's runtime sees), or None."""
@@ -270,6 +294,11 @@ def agents(crds: kubernetes.client.ApiClient) -> Iterator[Agents]:
 class OperatorHandle:
     metrics_port: int
     config: Any
+
+    def metrics(self) -> str:
+        """The operator's /metrics page, as text."""
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        return str(urllib.request.urlopen(url, timeout=10).read().decode())
 
 
 @pytest.fixture

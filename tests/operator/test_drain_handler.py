@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-import urllib.request
 from typing import Any
 
 import kubernetes
@@ -24,15 +23,6 @@ from testbed.s3 import S3Server
 Agents = Cluster = Any  # conftest.py's fixtures
 pytestmark = [pytest.mark.kube, pytest.mark.s3]
 SCHEDULES, JOBS = "checkpointschedules", "checkpointjobs"
-
-
-def location(s3: S3Server, bucket: str) -> dict[str, Any]:
-    return {
-        "endpoint": s3.endpoint,
-        "region": s3.region,
-        "bucket": bucket,
-        "credentialsSecretRef": {"name": "s3-creds"},
-    }
 
 
 def protect(name: str, labels: dict[str, str], where: dict[str, Any], **drain: Any) -> dict[str, Any]:
@@ -69,16 +59,6 @@ def evict(cluster: Cluster, pod: str) -> tuple[int, str]:
     return 201, ""
 
 
-def wait_event(cluster: Cluster, name: str, reason: str, timeout: float = 60) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        found = [e for e in cluster.events(name) if e.reason == reason]
-        if found:
-            return found[0]
-        assert time.monotonic() < deadline, f"no {reason} Event: {[e.reason for e in cluster.events(name)]}"
-        time.sleep(0.2)
-
-
 def wait_requests(*agents: Any, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while not all(agent.requests for agent in agents):
@@ -103,13 +83,9 @@ def wait_pod_gone(cluster: Cluster, name: str) -> None:
         time.sleep(0.2)
 
 
-def metrics_text(port: int) -> str:
-    return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-
-
-@pytest.fixture
+@pytest.fixture(autouse=True)
 def cleanup(cluster_ns: Cluster) -> Any:
-    """No schedule of this test may run under the next test's operator; nodes go back to schedulable."""
+    """No schedule of a test may run under the next test's operator; nodes go back to schedulable."""
     yield
     cluster_ns.drop_all(SCHEDULES)
     for node in ("node-a", "node-b"):
@@ -153,7 +129,6 @@ def test_cordon_migrates_the_whole_job_while_the_webhook_holds_evictions(
     agents: Agents,
     operator: Any,
     store_config: Any,
-    cleanup: Any,
     webhook_on: None,
 ) -> None:
     config = store_config(bucket)
@@ -162,11 +137,9 @@ def test_cordon_migrates_the_whole_job_while_the_webhook_holds_evictions(
     a.register(cluster_ns.pod("ring-0", "node-a", {"app": "ring"}), cluster_ns.namespace)
     b.register(cluster_ns.pod("ring-1", "node-b", {"app": "ring"}), cluster_ns.namespace)
     cluster_ns.s3_secret(s3_server)
-    ns = cluster_ns.namespace
+    where, ns = cluster_ns.s3_location(s3_server, bucket), cluster_ns.namespace
     with operator() as handle:
-        schedule = cluster_ns.create(
-            SCHEDULES, protect("ring", {"app": "ring"}, location(s3_server, bucket), deadlineSeconds=300)
-        )
+        schedule = cluster_ns.create(SCHEDULES, protect("ring", {"app": "ring"}, where, deadlineSeconds=300))
         body = cluster_ns.wait(
             SCHEDULES, "ring", lambda o: (o.get("status") or {}).get("protectedBy") is not None
         )
@@ -184,7 +157,7 @@ def test_cordon_migrates_the_whole_job_while_the_webhook_holds_evictions(
         assert body["status"]["drainNodes"] == ["node-a"]
         assert body["status"]["migration"]["checkpointJob"] == "ring-drain-1"
         assert sorted(s["name"] for s in body["status"]["migration"]["sources"]) == ["ring-0", "ring-1"]
-        held = wait_event(cluster_ns, "ring", "DrainHeld")
+        held = cluster_ns.wait_events("ring", "DrainHeld")[0]
         assert held.type == "Warning" and "node-a" in held.message
         job = cluster_ns.get(JOBS, "ring-drain-1")
         assert (
@@ -201,7 +174,7 @@ def test_cordon_migrates_the_whole_job_while_the_webhook_holds_evictions(
             "checkpointing ring before it leaves node-a" in message
             and "left of the migration deadline" in message
         )
-        text = metrics_text(handle.metrics_port)
+        text = handle.metrics()
         assert f'ibckpt_drain_held{{schedule="{ns}/ring"}} 1.0' in text
 
         # Every pod of the job is checkpointed (not only node-a's), with Hold, then committed.
@@ -216,15 +189,15 @@ def test_cordon_migrates_the_whole_job_while_the_webhook_holds_evictions(
         assert cluster_ns.get(JOBS, "ring-drain-1")["status"]["phase"] == "Succeeded"  # type: ignore[index]
         wait_gone(cluster_ns, "ibckpt-ring")  # released: the drain's evictions may go on
         for reason in ("MigrationCommitted", "DrainReleased"):
-            wait_event(cluster_ns, "ring", reason)
+            cluster_ns.wait_events("ring", reason)[0]
         # The restore recreates the pods under their names: it waits until the killed sources are gone
         # (no kubelet here finishes their deletion: the test does).
-        assert "ring-0, ring-1 are gone" in wait_event(cluster_ns, "ring", "WaitingForSources").message
+        assert "ring-0, ring-1 are gone" in cluster_ns.wait_events("ring", "WaitingForSources")[0].message
         assert cluster_ns.get("restorejobs", "ring-restore-1") is None
         # Once a kubelet reports a killed source's containers terminated, nothing of it runs: the schedule
         # removes it rather than wait for the node's cleanup. ring-1 reports nothing yet, so it waits.
         cluster_ns.report_killed("ring-0")
-        assert "source pod ring-0 had ended" in wait_event(cluster_ns, "ring", "SourceRemoved").message
+        assert "source pod ring-0 had ended" in cluster_ns.wait_events("ring", "SourceRemoved")[0].message
         wait_pod_gone(cluster_ns, "ring-0")
         assert cluster_ns.core.read_namespaced_pod("ring-1", cluster_ns.namespace).metadata.deletion_timestamp
         assert cluster_ns.get("restorejobs", "ring-restore-1") is None
@@ -245,15 +218,15 @@ def test_cordon_migrates_the_whole_job_while_the_webhook_holds_evictions(
         )
         if restore["status"]["phase"] == "Succeeded":
             body = cluster_ns.wait(SCHEDULES, "ring", drain_phase("Done"))
-            assert "moved off node-a" in wait_event(cluster_ns, "ring", "Migrated").message
+            assert "moved off node-a" in cluster_ns.wait_events("ring", "Migrated")[0].message
             outcome = "Migrated"
         else:
             body = cluster_ns.wait(SCHEDULES, "ring", drain_phase("Failed"))
             assert body["status"]["drainReason"] == "RestoreFailed"
             assert "checkpoint ring-drain-1 is good" in body["status"]["drainMessage"]
-            assert wait_event(cluster_ns, "ring", "RestoreFailed").type == "Warning"
+            assert cluster_ns.wait_events("ring", "RestoreFailed")[0].type == "Warning"
             outcome = "Failed"
-        text = metrics_text(handle.metrics_port)
+        text = handle.metrics()
     assert f'ibckpt_drain_migrations_total{{outcome="{outcome}",schedule="{ns}/ring"}} 1.0' in text
 
 
@@ -263,7 +236,6 @@ def test_with_the_webhook_down_the_pdb_holds_and_protection_ends_with_the_field(
     bucket: str,
     agents: Agents,
     operator: Any,
-    cleanup: Any,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("IBCKPT_WEBHOOK", "off")
@@ -271,7 +243,9 @@ def test_with_the_webhook_down_the_pdb_holds_and_protection_ends_with_the_field(
     cluster_ns.pod("ring-0", "node-a", {"app": "ring"})
     cluster_ns.s3_secret(s3_server)
     with operator():
-        cluster_ns.create(SCHEDULES, protect("ring", {"app": "ring"}, location(s3_server, bucket)))
+        cluster_ns.create(
+            SCHEDULES, protect("ring", {"app": "ring"}, cluster_ns.s3_location(s3_server, bucket))
+        )
         cluster_ns.wait(SCHEDULES, "ring", lambda o: (o.get("status") or {}).get("protectedBy") is not None)
         status, message = evict(cluster_ns, "ring-0")
         assert status == 429 and "disruption budget" in message, message  # the apiserver's own answer
@@ -281,21 +255,14 @@ def test_with_the_webhook_down_the_pdb_holds_and_protection_ends_with_the_field(
         )
 
         # Protection is the field: without it the PDB goes (and the schedule keeps its interval).
-        cluster_ns.custom.patch_namespaced_custom_object(
-            GROUP,
-            VERSION,
-            cluster_ns.namespace,
-            SCHEDULES,
-            "ring",
-            {"spec": {"drain": None, "intervalSeconds": 3600}},
-        )
+        cluster_ns.patch(SCHEDULES, "ring", {"spec": {"drain": None, "intervalSeconds": 3600}})
         body = cluster_ns.wait(
             SCHEDULES, "ring", lambda o: (o.get("status") or {}).get("intervalSeconds") == 3600
         )
         wait_gone(cluster_ns, "ibckpt-ring")
         body = cluster_ns.wait(SCHEDULES, "ring", lambda o: (o.get("status") or {}).get("drainPhase") is None)
         assert body["status"].get("protectedBy") is None
-        wait_event(cluster_ns, "ring", "ProtectionEnded")
+        cluster_ns.wait_events("ring", "ProtectionEnded")[0]
         status, message = evict(cluster_ns, "ring-0")
         assert status == 201, message
 
@@ -306,14 +273,13 @@ def test_a_failed_checkpoint_follows_each_policy_visibly(
     bucket: str,
     agents: Agents,
     operator: Any,
-    cleanup: Any,
     webhook_on: None,
 ) -> None:
     agent = agents.add(cluster_ns, "node-a", 1, "refuse")
     agent.register(cluster_ns.pod("ring-0", "node-a", {"app": "ring"}), cluster_ns.namespace)
     agent.register(cluster_ns.pod("web-0", "node-a", {"app": "web"}), cluster_ns.namespace)
     cluster_ns.s3_secret(s3_server)
-    where, ns = location(s3_server, bucket), cluster_ns.namespace
+    where, ns = cluster_ns.s3_location(s3_server, bucket), cluster_ns.namespace
     with operator() as handle:
         cluster_ns.create(SCHEDULES, protect("hold", {"app": "ring"}, where, retrySeconds=10))
         cluster_ns.create(SCHEDULES, protect("lose", {"app": "web"}, where, onFailure="ProceedAndLose"))
@@ -327,7 +293,7 @@ def test_a_failed_checkpoint_follows_each_policy_visibly(
         assert lost["status"]["drainReason"] == "PreflightRefused"
         assert "running state of lose is lost" in lost["status"]["drainMessage"]
         assert "unsupported verb ibv_alloc_dm" in lost["status"]["drainMessage"]
-        assert wait_event(cluster_ns, "lose", "DrainProceededStateLost").type == "Warning"
+        assert cluster_ns.wait_events("lose", "DrainProceededStateLost")[0].type == "Warning"
         wait_gone(cluster_ns, "ibckpt-lose")
         status, message = evict(cluster_ns, "web-0")
         assert status == 201, message
@@ -349,7 +315,7 @@ def test_a_failed_checkpoint_follows_each_policy_visibly(
         assert status == 429 and "ibckpt is HOLDING this drain" in message, message
         assert "drain.onFailure: ProceedAndLose" in message
         cluster_ns.wait(JOBS, "hold-drain-1-2", lambda o: True, timeout=60)
-        text = metrics_text(handle.metrics_port)
+        text = handle.metrics()
     assert f'ibckpt_drain_held{{schedule="{ns}/hold"}} 1.0' in text
     assert f'ibckpt_drain_held{{schedule="{ns}/lose"}} 0.0' in text
     assert f'ibckpt_drain_migrations_total{{outcome="Lost",schedule="{ns}/lose"}} 1.0' in text
@@ -361,14 +327,15 @@ def test_an_eviction_alone_holds_and_only_an_uncordon_cancels(
     bucket: str,
     agents: Agents,
     operator: Any,
-    cleanup: Any,
     webhook_on: None,
 ) -> None:
     agent = agents.add(cluster_ns, "node-a", 1)  # "hang": the job stays Quiescing
     agent.register(cluster_ns.pod("ring-0", "node-a", {"app": "ring"}), cluster_ns.namespace)
     cluster_ns.s3_secret(s3_server)
     with operator():
-        cluster_ns.create(SCHEDULES, protect("ring", {"app": "ring"}, location(s3_server, bucket)))
+        cluster_ns.create(
+            SCHEDULES, protect("ring", {"app": "ring"}, cluster_ns.s3_location(s3_server, bucket))
+        )
         cluster_ns.wait(SCHEDULES, "ring", lambda o: (o.get("status") or {}).get("protectedBy") is not None)
         webhook_configured(cluster_ns)
         # No cordon: the eviction itself starts the migration, and node-a staying schedulable does not
@@ -389,7 +356,7 @@ def test_an_eviction_alone_holds_and_only_an_uncordon_cancels(
         body = cluster_ns.wait(SCHEDULES, "ring", drain_phase("Idle"), timeout=60)
         assert body["status"]["drainReason"] == "DrainCancelled"
         assert body["status"]["migration"]["cancelledJob"] == "ring-drain-1"
-        assert wait_event(cluster_ns, "ring", "DrainCancelled").type == "Normal"
+        assert cluster_ns.wait_events("ring", "DrainCancelled")[0].type == "Normal"
         deadline = time.monotonic() + 60
         while cluster_ns.get(JOBS, "ring-drain-1") is not None:  # deleted: its abort resumes the ranks
             assert time.monotonic() < deadline, "the migration's job was never cancelled"
@@ -404,7 +371,6 @@ def test_a_restarted_operator_carries_the_migration_on_and_a_retry_commits(
     agents: Agents,
     operator: Any,
     store_config: Any,
-    cleanup: Any,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("IBCKPT_WEBHOOK", "off")
@@ -412,7 +378,7 @@ def test_a_restarted_operator_carries_the_migration_on_and_a_retry_commits(
     agents.add(cluster_ns, "node-b", 2)
     agent.register(cluster_ns.pod("ring-0", "node-a", {"app": "ring"}), cluster_ns.namespace)
     cluster_ns.s3_secret(s3_server)
-    schedule = protect("ring", {"app": "ring"}, location(s3_server, bucket), retrySeconds=10)
+    schedule = protect("ring", {"app": "ring"}, cluster_ns.s3_location(s3_server, bucket), retrySeconds=10)
     with operator():
         cluster_ns.create(SCHEDULES, schedule)
         cluster_ns.wait(SCHEDULES, "ring", lambda o: (o.get("status") or {}).get("protectedBy") is not None)

@@ -29,9 +29,8 @@ from ibckpt_operator.machine.drain import (
     StartRestore,
     answer_eviction,
 )
+from testbed.machines import PODS, T0
 
-T0 = 1_800_000_000.0
-PODS = (PodRef("ring-0", "uid-0", "node-1"), PodRef("ring-1", "uid-1", "node-2"))
 HOLD = DrainConfig(deadline_seconds=600, on_failure=OnDrainFailure.KEEP_HOLDING, retry_seconds=60)
 LOSE = DrainConfig(deadline_seconds=600, on_failure=OnDrainFailure.PROCEED_AND_LOSE)
 # After the hold: committed, sources stopped, PDB gone.

@@ -27,9 +27,9 @@ from ibckpt_operator.machine.core import (
 )
 from ibckpt_operator.machine.restore import CheckpointResolved, PodCreated, PodsPlaced
 from ibckpt_operator.machine.status import job_state, job_status, restore_state, restore_status
+from testbed.machines import PODS
 
 T0 = 1_800_000_000.25
-PODS = (PodRef("ring-0", "uid-0", "node-1"), PodRef("ring-1", "uid-1", "node-2"))
 SPEC = CheckpointJobSpec.from_wire(
     {"selector": {"matchLabels": {"app": "ring"}}, "storageRef": {"name": "s3"}}
 )

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import re
 import time
-import urllib.request
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -319,11 +318,7 @@ def test_leave_running_checkpoint_committed_then_deleted(
         assert not [k for k in left if "/manifests/" in k or "/chunks/" in k], left
         assert any(e.reason == "ImagesDeleted" for e in cluster_ns.events("ring-1st"))
 
-        text = (
-            urllib.request.urlopen(f"http://127.0.0.1:{handle.metrics_port}/metrics", timeout=10)
-            .read()
-            .decode()
-        )
+        text = handle.metrics()
     assert 'ibckpt_operations_total{kind="CheckpointJob",result="Succeeded"}' in text
     assert 'ibckpt_phase_duration_seconds_count{kind="CheckpointJob",phase="Quiescing"}' in text
     assert "ibckpt_checkpoint_bytes_total" in text and "ibckpt_checkpoints_deleted_total 1.0" in text
@@ -337,11 +332,7 @@ def test_metrics_count_failures_by_reason(
     with operator() as handle:
         cluster_ns.create(JOBS, job("counted", storage(s3_server, bucket), labels={"app": "none"}))
         cluster_ns.wait(JOBS, "counted", phase("Failed"))
-        text = (
-            urllib.request.urlopen(f"http://127.0.0.1:{handle.metrics_port}/metrics", timeout=10)
-            .read()
-            .decode()
-        )
+        text = handle.metrics()
     assert 'ibckpt_failures_total{kind="CheckpointJob",reason="NoPods"}' in text
     assert 'ibckpt_operations_total{kind="CheckpointJob",result="Failed"}' in text
 

@@ -24,7 +24,6 @@ from ibckpt_operator.machine.core import (
     PodRefused,
     PodStepDone,
     SessionOpened,
-    StepAction,
     StepFailed,
     Tick,
 )
@@ -86,12 +85,7 @@ def test_a_restore_goes_through_every_phase_in_order() -> None:
         RestorePhase.RESUMING,
         RestorePhase.SUCCEEDED,
     ]
-    names = [
-        f"{type(a).__name__}({a.milestone})" if isinstance(a, AwaitMilestone) else type(a).__name__
-        for a in job.actions
-        if isinstance(a, StepAction)
-    ]
-    assert names == [
+    assert job.side_effects() == [
         "ResolveCheckpoint", "PlacePods", "AdmitNodes", "OpenSession", "DownloadImages", "CreatePods",
         "AwaitMilestone(Restored)", "AwaitMilestone(Rebuilt)", "AwaitMilestone(Resumed)",
     ]  # fmt: skip

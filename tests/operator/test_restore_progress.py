@@ -15,8 +15,8 @@ from ibckpt_operator.drivers.restorejob import RestoreJobDriver
 from ibckpt_operator.machine import PodRef, RestoreState, RestoreStep
 from ibckpt_operator.machine.core import Event, PodAdmitted, PodStepDone, SessionOpened
 from ibckpt_operator.machine.restore import CheckpointResolved, PodCreated, PodsPlaced
+from testbed.machines import T0
 
-T0 = 1_800_000_000.0
 KEYS = {"ring-0": "ring/ring-0/main/1", "ring-1": "ring/ring-1/main/1"}
 
 

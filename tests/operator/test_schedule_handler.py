@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 import time
-import urllib.request
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -21,15 +20,6 @@ pytestmark = [pytest.mark.kube, pytest.mark.s3]
 SCHEDULES, JOBS, CHECKPOINTS = "checkpointschedules", "checkpointjobs", "checkpoints"
 
 
-def location(s3: S3Server, bucket: str) -> dict[str, Any]:
-    return {
-        "endpoint": s3.endpoint,
-        "region": s3.region,
-        "bucket": bucket,
-        "credentialsSecretRef": {"name": "s3-creds"},
-    }
-
-
 def schedule_body(name: str, template: dict[str, Any], **spec: Any) -> dict[str, Any]:
     return {
         "apiVersion": f"{GROUP}/{VERSION}",
@@ -39,23 +29,9 @@ def schedule_body(name: str, template: dict[str, Any], **spec: Any) -> dict[str,
     }
 
 
-def events(cluster: Cluster, name: str, reason: str) -> list[Any]:
-    return [e for e in cluster.events(name) if e.reason == reason]
-
-
-def wait_events(cluster: Cluster, name: str, reason: str, count: int = 1, timeout: float = 30) -> list[Any]:
-    deadline = time.monotonic() + timeout
-    while len(found := events(cluster, name, reason)) < count:
-        assert time.monotonic() < deadline, (
-            f"no {reason} Event on {name}: {[e.reason for e in cluster.events(name)]}"
-        )
-        time.sleep(0.2)
-    return found
-
-
-@pytest.fixture
+@pytest.fixture(autouse=True)
 def schedules_removed(cluster_ns: Cluster) -> Any:
-    """No schedule of this test may run under the next test's operator."""
+    """No schedule of a test may run under the next test's operator."""
     yield
     cluster_ns.drop_all(SCHEDULES)
 
@@ -71,13 +47,15 @@ def test_schedule_fires_measures_its_cost_and_prunes(
     agents: Agents,
     operator: Any,
     store_config: Any,
-    schedules_removed: Any,
 ) -> None:
     config = store_config(bucket)
     agent = agents.add(cluster_ns, "node-a", 1, "complete", config)
     agent.register(cluster_ns.pod("ring-0", "node-a", {"app": "ring"}), cluster_ns.namespace)
     cluster_ns.s3_secret(s3_server)
-    template = {"selector": {"matchLabels": {"app": "ring"}}, "storage": location(s3_server, bucket)}
+    template = {
+        "selector": {"matchLabels": {"app": "ring"}},
+        "storage": cluster_ns.s3_location(s3_server, bucket),
+    }
     mtbf = 86400
 
     # Three older checkpoints of the workload, made by real jobs labelled as the schedule's: the first
@@ -101,14 +79,7 @@ def test_schedule_fires_measures_its_cost_and_prunes(
                 CHECKPOINTS, f"old-{index}", lambda b: bool((b.get("status") or {}).get("readyToRestore"))
             )
             time.sleep(1.1)  # creation timestamps have whole seconds: retention orders by them
-    cluster_ns.custom.patch_namespaced_custom_object(
-        GROUP,
-        VERSION,
-        cluster_ns.namespace,
-        CHECKPOINTS,
-        "old-1",
-        {"metadata": {"labels": {"ibckpt.io/pinned": "true"}}},
-    )
+    cluster_ns.patch(CHECKPOINTS, "old-1", {"metadata": {"labels": {"ibckpt.io/pinned": "true"}}})
     pruned_manifest = cluster_ns.get(CHECKPOINTS, "old-2")["spec"]["manifestKey"]  # type: ignore[index]
     assert pruned_manifest in s3_keys(s3_server, bucket)
 
@@ -118,14 +89,7 @@ def test_schedule_fires_measures_its_cost_and_prunes(
         schedule_body("ring", template, mtbfSeconds=mtbf, minIntervalSeconds=60, retention={"keepLast": 2}),
     )
     overdue = (datetime.now(UTC) - timedelta(hours=2)).isoformat()
-    cluster_ns.custom.patch_namespaced_custom_object_status(
-        GROUP,
-        VERSION,
-        cluster_ns.namespace,
-        SCHEDULES,
-        "ring",
-        {"status": {"lastFireTime": overdue, "seq": 0}},
-    )
+    cluster_ns.patch_status(SCHEDULES, "ring", {"lastFireTime": overdue, "seq": 0})
     with operator() as handle:
         body = cluster_ns.wait(
             SCHEDULES, "ring", lambda b: (b.get("status") or {}).get("costSeconds") is not None, timeout=120
@@ -164,17 +128,13 @@ def test_schedule_fires_measures_its_cost_and_prunes(
         assert pruned_manifest not in s3_keys(s3_server, bucket)
         body = cluster_ns.wait(SCHEDULES, "ring", lambda b: (b.get("status") or {}).get("prunedCount") == 1)
         assert body["status"]["keptCount"] == 3
-        pruned = wait_events(cluster_ns, "ring", "CheckpointPruned")
+        pruned = cluster_ns.wait_events("ring", "CheckpointPruned")
         assert "old-2" in pruned[0].message and "not among the 2 newest" in pruned[0].message
-        assert wait_events(cluster_ns, "ring", "CheckpointStarted")[0].message == "ring-1"
-        assert "interval now" in wait_events(cluster_ns, "ring", "CheckpointSucceeded")[0].message
+        assert cluster_ns.wait_events("ring", "CheckpointStarted")[0].message == "ring-1"
+        assert "interval now" in cluster_ns.wait_events("ring", "CheckpointSucceeded")[0].message
         ready = {c["type"]: c for c in body["status"]["conditions"]}
         assert ready["Ready"]["status"] == "True" and ready["Progressing"]["status"] == "False"
-        text = (
-            urllib.request.urlopen(f"http://127.0.0.1:{handle.metrics_port}/metrics", timeout=10)
-            .read()
-            .decode()
-        )
+        text = handle.metrics()
     key = f'schedule="{cluster_ns.namespace}/ring"'
     assert f"ibckpt_schedule_interval_seconds{{{key}}} {expected}" in text
     assert f"ibckpt_schedule_pruned_total{{{key}}} 1.0" in text
@@ -186,23 +146,20 @@ def test_a_fire_while_the_job_runs_is_skipped(
     bucket: str,
     agents: Agents,
     operator: Any,
-    schedules_removed: Any,
 ) -> None:
     """Skip: the previous job still runs (its agent never finishes), so the due fire starts nothing."""
     agent = agents.add(cluster_ns, "node-a", 1)  # "hang": the job stays Quiescing
     agent.register(cluster_ns.pod("ring-0", "node-a", {"app": "ring"}), cluster_ns.namespace)
     cluster_ns.s3_secret(s3_server)
-    template = {"selector": {"matchLabels": {"app": "ring"}}, "storage": location(s3_server, bucket)}
+    template = {
+        "selector": {"matchLabels": {"app": "ring"}},
+        "storage": cluster_ns.s3_location(s3_server, bucket),
+    }
     cluster_ns.create(SCHEDULES, schedule_body("ring", template, intervalSeconds=60))
     overdue = (datetime.now(UTC) - timedelta(minutes=5)).isoformat()
     long_ago = (datetime.now(UTC) - timedelta(minutes=10)).isoformat()
-    cluster_ns.custom.patch_namespaced_custom_object_status(
-        GROUP,
-        VERSION,
-        cluster_ns.namespace,
-        SCHEDULES,
-        "ring",
-        {"status": {"lastFireTime": overdue, "seq": 1, "activeJob": "ring-1", "activeSince": long_ago}},
+    cluster_ns.patch_status(
+        SCHEDULES, "ring", {"lastFireTime": overdue, "seq": 1, "activeJob": "ring-1", "activeSince": long_ago}
     )
     job = {
         "apiVersion": f"{GROUP}/{VERSION}",
@@ -212,7 +169,7 @@ def test_a_fire_while_the_job_runs_is_skipped(
     }
     cluster_ns.create(JOBS, job)
     with operator():
-        skipped = wait_events(cluster_ns, "ring", "CheckpointSkipped", timeout=60)
+        skipped = cluster_ns.wait_events("ring", "CheckpointSkipped", timeout=60)
         assert "ring-1 still runs" in skipped[0].message
         body = cluster_ns.get(SCHEDULES, "ring")
         assert body is not None and body["status"]["activeJob"] == "ring-1" and body["status"]["seq"] == 1

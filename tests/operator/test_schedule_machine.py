@@ -21,8 +21,8 @@ from ibckpt_operator.machine.schedule import (
     estimate_cost,
     young_daly,
 )
+from testbed.machines import T0
 
-T0 = 1_800_000_000.0
 TEMPLATE = {"selector": {"matchLabels": {"app": "ring"}}, "storageRef": {"name": "s3"}}
 
 

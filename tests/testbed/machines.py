@@ -7,11 +7,13 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any, Generic, Protocol, TypeVar
 
-from ibckpt_operator.machine.core import Action, Event, PodStepDone, RunState, StepAction, Transition
+from ibckpt_operator.machine.actions import AwaitMilestone
+from ibckpt_operator.machine.core import Action, Event, PodRef, PodStepDone, RunState, StepAction, Transition
 
 S = TypeVar("S", bound=RunState[Any])
 A = TypeVar("A", bound=Action)
-T0 = 1_800_000_000.0
+T0 = 1_800_000_000.0  # the fake clock's start
+PODS = (PodRef("ring-0", "uid-0", "node-1"), PodRef("ring-1", "uid-1", "node-2"))  # a two-rank job
 
 
 class Machine(Protocol[S]):
@@ -58,6 +60,14 @@ class MachineDriver(Generic[S]):
 
     def of_type(self, kind: type[A]) -> list[A]:
         return [action for action in self.actions if isinstance(action, kind)]
+
+    def side_effects(self) -> list[str]:
+        """The side effects asked for, in order, by name; a milestone awaited says which."""
+        return [
+            f"{type(a).__name__}({a.milestone})" if isinstance(a, AwaitMilestone) else type(a).__name__
+            for a in self.actions
+            if isinstance(a, StepAction)
+        ]
 
     def each_done(self, key: str, size: int, seconds: float, after: float = 0.0) -> None:
         """Every live member finishes the step in flight; `key` names a member ("uid" or "name")."""
