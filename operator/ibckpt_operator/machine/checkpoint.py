@@ -65,9 +65,12 @@ from ibckpt_operator.machine.core import (
     Tick,
     Transition,
     Unknown,
+    all_marked,
     finish,
     issue,
+    late_note,
     names_not_at,
+    overdue,
     wake_at,
     with_progress,
 )
@@ -358,25 +361,19 @@ class CheckpointMachine:
     # -- deadlines and restarts
 
     def _deadline(self, state: JobState, now: float) -> JobTransition | None:
-        limit = self.config.timeouts.get(state.phase)
-        if limit is not None and now >= state.phase_since + limit:
+        limit = overdue(state, self.config.timeouts, now)
+        if limit is not None:
             if state.phase == JobPhase.PENDING and state.waiting_for:
                 message = f"waited {limit:g}s for pods held by {state.waiting_for}"
                 return self._fail(state, "PodsBusy", message, now)
             if state.phase == JobPhase.ABORTING:
                 return self._aborted(state, now, f"not confirmed within {limit:g}s")
-            waiting = self._waiting_for(state)
-            suffix = f" (waiting for {', '.join(waiting)})" if waiting else ""
-            message = f"{state.phase} did not finish within {limit:g}s{suffix}"
+            message = f"{state.phase} did not finish within {limit:g}s{late_note(state, STEP_LABEL)}"
             return self._abort(state, f"{state.phase}Timeout", message, now)
         if state.phase != JobPhase.ABORTING and now >= state.started_at + self.config.active_deadline:
             message = f"the job did not finish within activeDeadlineSeconds={self.config.active_deadline:g}"
             return self._abort(state, "DeadlineExceeded", message, now)
         return None
-
-    def _waiting_for(self, state: JobState) -> list[str]:
-        label = STEP_LABEL[JobStep(state.step.kind)] if state.step else None
-        return names_not_at(state.members, label) if label else []
 
     def _restarted(self, state: JobState, now: float) -> JobTransition:
         if state.step is None:
@@ -385,9 +382,7 @@ class CheckpointMachine:
         policy = ON_UNKNOWN[step]
         if policy == Unknown.REISSUE:
             if step == JobStep.ADMIT:  # admit again from scratch: an agent may have gone meanwhile
-                state = replace(
-                    state, members=tuple(replace(m, progress=Mark.SELECTED) for m in state.members)
-                )
+                state = all_marked(state, Mark.SELECTED)
             state, actions = self._issue(state, step, now)
             return self._done(replace(state, retry_at=None), actions, now)
         if policy == Unknown.VERIFY:

@@ -170,6 +170,26 @@ def finish(state: R, phase: StrEnum, reason: str | None, message: str, now: floa
     )
 
 
+def overdue(state: RunState[P], timeouts: Mapping[P, float], now: float) -> float | None:
+    """The bound of the state's phase once `now` is past it; None while within it (or when unbounded)."""
+    limit = timeouts.get(state.phase)
+    return limit if limit is not None and now >= state.phase_since + limit else None
+
+
+def late_note(state: RunState[Any], labels: Mapping[Any, str | None]) -> str:
+    """For a timeout's message: " (waiting for a, b)", the members that have not passed the step in
+    flight (`labels` maps a step to the mark its members reach), or "" when none is late."""
+    label = labels[state.step.kind] if state.step else None
+    late = names_not_at(state.members, label) if label else []
+    return f" (waiting for {', '.join(late)})" if late else ""
+
+
+def all_marked(state: R, mark: str) -> R:
+    """Every member back at `mark`: a step that is run again from scratch (an admission after a
+    restart) counts no member as done."""
+    return replace(state, members=tuple(replace(m, progress=mark) for m in state.members))
+
+
 def wake_at(
     state: RunState[P], timeouts: Mapping[P, float], active_deadline: float, ending: P, *more: float | None
 ) -> float | None:

@@ -57,9 +57,12 @@ from ibckpt_operator.machine.core import (
     Tick,
     Transition,
     Unknown,
+    all_marked,
     finish,
     issue,
+    late_note,
     names_not_at,
+    overdue,
     wake_at,
     with_progress,
 )
@@ -305,11 +308,9 @@ class RestoreMachine:
         return problems
 
     def _deadline(self, state: RestoreState, now: float) -> RestoreTransition | None:
-        limit = self.config.timeouts.get(state.phase)
-        if limit is not None and now >= state.phase_since + limit:
-            label = STEP_LABEL[RestoreStep(state.step.kind)] if state.step else None
-            late = names_not_at(state.members, label) if label else []
-            suffix = f" (waiting for {', '.join(late)})" if late else ""
+        limit = overdue(state, self.config.timeouts, now)
+        if limit is not None:
+            suffix = late_note(state, STEP_LABEL)
             if state.phase == RestorePhase.CLEANING_UP:
                 note = f"; clean-up not confirmed within {limit:g}s{suffix}"
                 return self._fail(state, state.reason or "Failed", (state.message or "") + note, now)
@@ -328,7 +329,7 @@ class RestoreMachine:
         step = RestoreStep(state.step.kind)
         if ON_UNKNOWN[step] == Unknown.REISSUE:
             if step == RestoreStep.ADMIT:
-                state = replace(state, members=tuple(replace(m, progress=Mark.PLACED) for m in state.members))
+                state = all_marked(state, Mark.PLACED)
             state, actions = self._issue(state, step, now)
             return self._done(state, actions)
         message = f"the operator restarted during {step}; its outcome is unknown, so the restore is undone"
