@@ -63,6 +63,15 @@ class Kube:
     async def _run(call: Any, *args: Any, **kwargs: Any) -> Any:
         return await asyncio.to_thread(call, *args, **kwargs)
 
+    async def _read(self, call: Any, *args: Any) -> Body | None:
+        """One GET through `call`, its JSON as a dict; None if there is no such object (404)."""
+        try:
+            return _json(await self._run(call, *args, _preload_content=False))
+        except ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+
     # -- plain objects as dicts (the models read them; the client's own classes are not used)
 
     async def list_pods(self, namespace: str, label_selector: str | None = None) -> list[Body]:
@@ -71,14 +80,7 @@ class Kube:
         return list(_json(result).get("items", []))
 
     async def get_pod(self, namespace: str, name: str) -> Body | None:
-        try:
-            return _json(
-                await self._run(self.core.read_namespaced_pod, name, namespace, _preload_content=False)
-            )
-        except ApiException as error:
-            if error.status == 404:
-                return None
-            raise
+        return await self._read(self.core.read_namespaced_pod, name, namespace)
 
     async def list_nodes(self) -> list[Body]:
         result = await self._run(self.core.list_node, _preload_content=False)
@@ -100,15 +102,8 @@ class Kube:
 
     async def get_secret(self, namespace: str, name: str) -> dict[str, str] | None:
         """A Secret's data (base64 values), or None if there is no such Secret."""
-        try:
-            secret = _json(
-                await self._run(self.core.read_namespaced_secret, name, namespace, _preload_content=False)
-            )
-        except ApiException as error:
-            if error.status == 404:
-                return None
-            raise
-        return dict(secret.get("data") or {})
+        secret = await self._read(self.core.read_namespaced_secret, name, namespace)
+        return None if secret is None else dict(secret.get("data") or {})
 
     # Any kind of a named API group, through the custom-objects client (its paths are /apis/<group>/...):
     # apps, batch, jobset.x-k8s.io, kubeflow.org, ... The core group ("v1") is not walked: of its kinds
@@ -119,14 +114,9 @@ class Kube:
         key = (api_version, kind)
         if key not in self._plurals and "/" in api_version:
             group, version = api_version.split("/", 1)
-            try:
-                found = _json(
-                    await self._run(self.custom.get_api_resources, group, version, _preload_content=False)
-                )
-            except ApiException as error:
-                if error.status == 404:
-                    return None
-                raise
+            found = await self._read(self.custom.get_api_resources, group, version)
+            if found is None:
+                return None
             for resource in found.get("resources", []):
                 if "/" not in resource.get("name", ""):
                     self._plurals[(api_version, resource.get("kind", ""))] = resource["name"]
@@ -169,16 +159,9 @@ class Kube:
     async def _get_namespaced(
         self, group: str, version: str, plural: str, namespace: str, name: str
     ) -> Body | None:
-        try:
-            return dict(
-                await self._run(
-                    self.custom.get_namespaced_custom_object, group, version, namespace, plural, name
-                )
-            )
-        except ApiException as error:
-            if error.status == 404:
-                return None
-            raise
+        return await self._read(
+            self.custom.get_namespaced_custom_object, group, version, namespace, plural, name
+        )
 
     async def list_custom(self, plural: str) -> list[Body]:
         result = await self._run(self.custom.list_cluster_custom_object, GROUP, VERSION, plural)
