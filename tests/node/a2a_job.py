@@ -88,18 +88,17 @@ status_all() {{
 )
 
 
-def prelude(work: Path, coordinator_port: int, hosts: list[str]) -> str:
-    return PRELUDE.format(
-        nranks=len(hosts),
-        hosts=",".join(hosts),
-        shim=SHIM,
-        a2a=A2A,
-        base_port=BASE_PORT,
-        work=work,
-        python=sys.executable,
-        addr=GUEST_HOST_ADDR,
-        port=coordinator_port,
+def guest_script(template: str, work: Path, coordinator_port: int, **names: object) -> str:
+    """`template` with the guest's work folder, the host's python, the coordinator's address and `names`
+    filled in."""
+    return template.format(
+        work=work, python=sys.executable, addr=GUEST_HOST_ADDR, port=coordinator_port, **names
     )
+
+
+def prelude(work: Path, coordinator_port: int, hosts: list[str]) -> str:
+    names = {"nranks": len(hosts), "hosts": ",".join(hosts), "shim": SHIM, "a2a": A2A, "base_port": BASE_PORT}
+    return guest_script(PRELUDE, work, coordinator_port, **names)
 
 
 RESULT_RE = re.compile(

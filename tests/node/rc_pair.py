@@ -13,15 +13,14 @@ import json
 import os
 import re
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
-from node.a2a_job import STOP_WHEN_BOTH_READY
+from node.a2a_job import STOP_WHEN_BOTH_READY, guest_script
 
 from shimtest import SHIM, TESTS_DIR
 from shimtest.harness import parse_result
-from testbed.guest import GUEST_HOST_ADDR, GuestResult, GuestSpec, run_pair
+from testbed.guest import GuestResult, GuestSpec, run_pair
 
 KEYS = ("ring/rank-0/main/0", "ring/rank-1/main/0")
 SWAP = "--remap-ip 10.77.0.1=10.77.0.2 --remap-ip 10.77.0.2=10.77.0.1"
@@ -84,15 +83,7 @@ def pinned_binaries(work: Path) -> tuple[Path, Path]:
 
 def script(body: str, work: Path, port: int, session: str) -> str:
     shim, rc_seq = pinned_binaries(work)
-    return (PRELUDE + body).format(
-        shim=shim,
-        rc_seq=rc_seq,
-        work=work,
-        python=sys.executable,
-        addr=GUEST_HOST_ADDR,
-        port=port,
-        session=session,
-    )
+    return guest_script(PRELUDE + body, work, port, shim=shim, rc_seq=rc_seq, session=session)
 
 
 def on_both_nodes(
