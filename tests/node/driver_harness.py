@@ -99,3 +99,14 @@ async def failed_checkpoint(
     finally:
         await driver.client.close()
     return failed
+
+
+async def failed_dump(
+    coordinator: ThreadedCoordinator, tmp_path: Path, pid: int, mode: Mode
+) -> tuple[list[FakeShim], NodeDriver]:
+    """node-1's fake ranks through a checkpoint whose dump fails (unwritable_images): the cut and the way
+    back are what the caller looks at."""
+    shims, ranks = fake_ranks(tmp_path, pid, FakeShim)
+    driver = await connected_driver(coordinator, ranks)
+    await failed_checkpoint(driver, mode, unwritable_images(tmp_path, ranks), "not empty")
+    return shims, driver

@@ -18,6 +18,7 @@ from node.driver_harness import (
     FakeShim,
     connected_driver,
     failed_checkpoint,
+    failed_dump,
     fake_ranks,
     unwritable_images,
 )
@@ -102,9 +103,7 @@ async def test_no_lease_renewal_reaches_a_rank_while_criu_dumps_it(
 async def test_the_fast_cut_drains_each_rank_right_after_its_quiesce(
     coordinator: ThreadedCoordinator, tmp_path: Path, sleeper: int
 ) -> None:
-    shims, ranks = fake_ranks(tmp_path, sleeper, FakeShim)
-    driver = await connected_driver(coordinator, ranks)
-    await failed_checkpoint(driver, Mode.STOP, unwritable_images(tmp_path, ranks), "not empty")
+    shims, driver = await failed_dump(coordinator, tmp_path, sleeper, Mode.STOP)
     report = driver.report
     # no barrier between quiesce and drain: one phase covers both, then release
     assert Milestone.QUIESCED not in report.phases, report.phases

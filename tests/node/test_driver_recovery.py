@@ -15,9 +15,9 @@ from node.driver_harness import (
     FakeShim,
     connected_driver,
     failed_checkpoint,
+    failed_dump,
     fake_ranks,
     first_rank_served_by,
-    unwritable_images,
 )
 
 from ibckpt.agentapi import Mode, PhaseTimeouts
@@ -47,9 +47,7 @@ async def test_restore_rebuilds_every_held_rank_at_once(
 async def test_failed_dump_aborts_and_rebuilds_every_released_rank(
     coordinator: ThreadedCoordinator, tmp_path: Path, sleeper: int
 ) -> None:
-    shims, ranks = fake_ranks(tmp_path, sleeper, FakeShim)
-    driver = await connected_driver(coordinator, ranks)
-    await failed_checkpoint(driver, Mode.LEAVE_RUNNING, unwritable_images(tmp_path, ranks), "not empty")
+    shims, driver = await failed_dump(coordinator, tmp_path, sleeper, Mode.LEAVE_RUNNING)
     assert driver.report.outcome == "Aborted"
     for s in shims:
         # status: preflight. Released when the dump failed: abort is refused, so the driver
