@@ -96,6 +96,10 @@ class Cluster:
         self.core.patch_namespaced_pod_status(name, ns, {"status": status})
         return {"name": name, "uid": created.metadata.uid, "node": node}
 
+    def rank_pod(self, agent: FakeAgent, name: str, labels: dict[str, str]) -> None:
+        """A pod on the agent's node whose container the agent serves as a rank."""
+        agent.register(self.pod(name, agent.node, labels), self.namespace)
+
     def report_killed(self, name: str) -> None:
         """What a kubelet reports of a pod it killed, before its cleanup lets it go: not ready, its
         container terminated. Waits until the pod is being deleted."""

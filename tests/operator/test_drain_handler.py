@@ -134,8 +134,8 @@ def test_cordon_migrates_the_whole_job_while_the_webhook_holds_evictions(
     config = store_config(bucket)
     a = agents.add(cluster_ns, "node-a", 1, "hang", config)
     b = agents.add(cluster_ns, "node-b", 2, "hang", config)
-    a.register(cluster_ns.pod("ring-0", "node-a", {"app": "ring"}), cluster_ns.namespace)
-    b.register(cluster_ns.pod("ring-1", "node-b", {"app": "ring"}), cluster_ns.namespace)
+    cluster_ns.rank_pod(a, "ring-0", {"app": "ring"})
+    cluster_ns.rank_pod(b, "ring-1", {"app": "ring"})
     cluster_ns.s3_secret(s3_server)
     where, ns = cluster_ns.s3_location(s3_server, bucket), cluster_ns.namespace
     with operator() as handle:
@@ -276,8 +276,8 @@ def test_a_failed_checkpoint_follows_each_policy_visibly(
     webhook_on: None,
 ) -> None:
     agent = agents.add(cluster_ns, "node-a", 1, "refuse")
-    agent.register(cluster_ns.pod("ring-0", "node-a", {"app": "ring"}), cluster_ns.namespace)
-    agent.register(cluster_ns.pod("web-0", "node-a", {"app": "web"}), cluster_ns.namespace)
+    cluster_ns.rank_pod(agent, "ring-0", {"app": "ring"})
+    cluster_ns.rank_pod(agent, "web-0", {"app": "web"})
     cluster_ns.s3_secret(s3_server)
     where, ns = cluster_ns.s3_location(s3_server, bucket), cluster_ns.namespace
     with operator() as handle:
@@ -330,7 +330,7 @@ def test_an_eviction_alone_holds_and_only_an_uncordon_cancels(
     webhook_on: None,
 ) -> None:
     agent = agents.add(cluster_ns, "node-a", 1)  # "hang": the job stays Quiescing
-    agent.register(cluster_ns.pod("ring-0", "node-a", {"app": "ring"}), cluster_ns.namespace)
+    cluster_ns.rank_pod(agent, "ring-0", {"app": "ring"})
     cluster_ns.s3_secret(s3_server)
     with operator():
         cluster_ns.create(
@@ -376,7 +376,7 @@ def test_a_restarted_operator_carries_the_migration_on_and_a_retry_commits(
     monkeypatch.setenv("IBCKPT_WEBHOOK", "off")
     agent = agents.add(cluster_ns, "node-a", 1, "hang", store_config(bucket))
     agents.add(cluster_ns, "node-b", 2)
-    agent.register(cluster_ns.pod("ring-0", "node-a", {"app": "ring"}), cluster_ns.namespace)
+    cluster_ns.rank_pod(agent, "ring-0", {"app": "ring"})
     cluster_ns.s3_secret(s3_server)
     schedule = protect("ring", {"app": "ring"}, cluster_ns.s3_location(s3_server, bucket), retrySeconds=10)
     with operator():

@@ -92,7 +92,7 @@ def test_a_status_that_cannot_be_read_back_fails_the_job_once(
     """A status with an attempt that no driver wrote (no start time): the operator fails the job with
     InvalidStatus instead of retrying its daemon forever, and touches no pod."""
     agent = agents.add(cluster_ns, "node-a", 1)
-    agent.register(cluster_ns.pod("ring-0", "node-a", {"app": "ring"}), cluster_ns.namespace)
+    cluster_ns.rank_pod(agent, "ring-0", {"app": "ring"})
     creds(cluster_ns, s3_server)
     cluster_ns.create(JOBS, job("foreign", storage(s3_server, bucket)))
     cluster_ns.patch_status(JOBS, "foreign", {"phase": "Quiescing", "attempt": "abc-3", "step": "quiesce"})
@@ -205,8 +205,8 @@ def test_two_jobs_over_the_same_pods(
 ) -> None:
     a = agents.add(cluster_ns, "node-a", 1)
     b = agents.add(cluster_ns, "node-b", 2)
-    a.register(cluster_ns.pod("ring-0", "node-a", {"app": "ring"}), cluster_ns.namespace)
-    b.register(cluster_ns.pod("ring-1", "node-b", {"app": "ring"}), cluster_ns.namespace)
+    cluster_ns.rank_pod(a, "ring-0", {"app": "ring"})
+    cluster_ns.rank_pod(b, "ring-1", {"app": "ring"})
     creds(cluster_ns, s3_server)
     ns = cluster_ns.namespace
     with operator():
@@ -249,7 +249,7 @@ def test_operator_restart_mid_phase_aborts_from_status(
     """The operator stops while the agent reports its ranks in each phase of the cut, the dump or the upload
     (as when its pod is deleted): the next one aborts the job from its status, as a new attempt."""
     a = agents.add(cluster_ns, "node-a", 1)
-    a.register(cluster_ns.pod("ring-0", "node-a", {"app": "ring"}), cluster_ns.namespace)
+    cluster_ns.rank_pod(a, "ring-0", {"app": "ring"})
     creds(cluster_ns, s3_server)
     with operator():
         cluster_ns.create(JOBS, job("restarted", storage(s3_server, bucket)))
@@ -281,8 +281,8 @@ def test_leave_running_checkpoint_committed_then_deleted(
     config = store_config(bucket)
     a = agents.add(cluster_ns, "node-a", 1, "complete", config)
     b = agents.add(cluster_ns, "node-b", 2, "complete", config)
-    a.register(cluster_ns.pod("ring-0", "node-a", {"app": "ring"}), cluster_ns.namespace)
-    b.register(cluster_ns.pod("ring-1", "node-b", {"app": "ring"}), cluster_ns.namespace)
+    cluster_ns.rank_pod(a, "ring-0", {"app": "ring"})
+    cluster_ns.rank_pod(b, "ring-1", {"app": "ring"})
     creds(cluster_ns, s3_server)
     client = s3_server.client()
     with operator() as handle:
@@ -372,7 +372,7 @@ def test_preflight_refusal_fails_with_the_agents_reason(
     cluster_ns: Cluster, s3_server: S3Server, bucket: str, agents: Agents, operator: Any
 ) -> None:
     a = agents.add(cluster_ns, "node-a", 1, "refuse")
-    a.register(cluster_ns.pod("ring-0", "node-a", {"app": "ring"}), cluster_ns.namespace)
+    cluster_ns.rank_pod(a, "ring-0", {"app": "ring"})
     creds(cluster_ns, s3_server)
     with operator():
         cluster_ns.create(JOBS, job("refused", storage(s3_server, bucket)))

@@ -50,7 +50,7 @@ def test_schedule_fires_measures_its_cost_and_prunes(
 ) -> None:
     config = store_config(bucket)
     agent = agents.add(cluster_ns, "node-a", 1, "complete", config)
-    agent.register(cluster_ns.pod("ring-0", "node-a", {"app": "ring"}), cluster_ns.namespace)
+    cluster_ns.rank_pod(agent, "ring-0", {"app": "ring"})
     cluster_ns.s3_secret(s3_server)
     template = {
         "selector": {"matchLabels": {"app": "ring"}},
@@ -149,7 +149,7 @@ def test_a_fire_while_the_job_runs_is_skipped(
 ) -> None:
     """Skip: the previous job still runs (its agent never finishes), so the due fire starts nothing."""
     agent = agents.add(cluster_ns, "node-a", 1)  # "hang": the job stays Quiescing
-    agent.register(cluster_ns.pod("ring-0", "node-a", {"app": "ring"}), cluster_ns.namespace)
+    cluster_ns.rank_pod(agent, "ring-0", {"app": "ring"})
     cluster_ns.s3_secret(s3_server)
     template = {
         "selector": {"matchLabels": {"app": "ring"}},
