@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from ibckpt_native.control import ShimControl
 from ibckpt_node.hook import client
 
 pytestmark = pytest.mark.guest
@@ -104,19 +104,8 @@ def entries() -> list[dict[str, Any]]:
 
 
 def hello(path: str) -> dict[str, Any]:
-    with socket.socket(socket.AF_UNIX) as s:
-        s.settimeout(30)
-        s.connect(path)
-        s.sendall(b"hello\n")
-        reply = b""
-        while not reply.endswith(b"\n"):
-            chunk = s.recv(4096)
-            assert chunk, "control socket closed"
-            reply += chunk
-    status, _, body = reply.decode().strip().partition(" ")
-    assert status == "ok", reply
-    result: dict[str, Any] = json.loads(body)
-    return result
+    """The shim's answer to `hello` on its control socket."""
+    return ShimControl(path, timeout=30).command("hello")
 
 
 def maps_have_shim(pid: int) -> bool:
