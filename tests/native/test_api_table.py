@@ -89,7 +89,8 @@ def test_refused_symbols_refuse_in_the_source() -> None:
     src = "\n".join(p.read_text() for p in (NATIVE_DIR / "src").glob("*.c"))
     for name, (_, decision) in _symbol_table().items():
         if decision == "refused":
-            assert re.search(rf'ibk_unsupported\("{name}\b', src), name
+            # a body of its own, or one IBK_REFUSED definition (the verb's name after its declaration)
+            assert re.search(rf'ibk_unsupported\("{name}\b|IBK_REFUSED\([^"]*"{name}"', src), name
 
 
 def _header_pointers(struct: str) -> list[str]:
