@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ibckpt_native.control import ControlError, ShimControl
+from ibckpt_node.procfs import device_fds_and_maps
 
 from . import SHIM
 
@@ -153,20 +154,6 @@ def wait_traffic(procs: Sequence[ShimProc], more: int, timeout: float = 180) -> 
         time.sleep(0.2)
 
 
-def device_state(pid: int) -> tuple[int, int]:
-    """(fds, mappings) of /dev/infiniband/* that the process holds, read from /proc."""
-    fds = 0
-    fd_dir = Path(f"/proc/{pid}/fd")
-    for fd in fd_dir.iterdir():
-        try:
-            if os.readlink(fd).startswith("/dev/infiniband/"):
-                fds += 1
-        except OSError:
-            continue
-    maps = sum(1 for line in Path(f"/proc/{pid}/maps").read_text().splitlines() if "/dev/infiniband/" in line)
-    return fds, maps
-
-
 @dataclass
 class CheckpointResult:
     epoch: int
@@ -209,7 +196,7 @@ def checkpoint(
     reports["quiesce"] = _each(procs, lambda p: p.ctl.quiesce(20000))
     reports["drain"] = _each(procs, lambda p: p.ctl.drain(drain_ms))
     reports["release"] = _each(procs, lambda p: p.ctl.release(10000))
-    state = {p.name: device_state(p.pid) for p in procs}
+    state = {p.name: device_fds_and_maps(p.pid) for p in procs}
     result = CheckpointResult(epoch, reports, state)
     if dump is not None:
         assert images is not None

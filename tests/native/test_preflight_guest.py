@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 
 from ibckpt_node.preflight import ShimIdentity, shim_problems
+from ibckpt_node.procfs import device_fds_and_maps
 from shimtest import SHIM, SHIM_ASAN, SHIM_UBSAN
 from shimtest.coordinator import Coordinator
-from shimtest.harness import ShimProc, checkpoint, device_state, parse_fields, wait_traffic
+from shimtest.harness import ShimProc, checkpoint, parse_fields, wait_traffic
 
 pytestmark = [pytest.mark.guest, pytest.mark.usefixtures("built")]
 
@@ -126,7 +127,7 @@ def test_ah_from_wc_after_a_rebuild_that_changed_the_gid(tmp_path: Path, shim: P
                 prog.ctl.quiesce(20000)
                 prog.ctl.drain(3000)
                 prog.ctl.release(10000)
-                assert device_state(prog.pid) == (0, 0)
+                assert device_fds_and_maps(prog.pid) == (0, 0)
                 _sh("ip", "addr", "del", f"{OLD}/32", "dev", netdev)
                 _sh("ip", "addr", "add", f"{NEW}/32", "dev", netdev)
                 assert _gid_index(NEW) == index  # the new address took the old one's slot
