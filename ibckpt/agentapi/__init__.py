@@ -4,7 +4,6 @@ Both components import this package and nothing of each other; docs/node-agent.m
 """
 
 from ibckpt.agentapi.client import AgentClient, AgentError
-from ibckpt.agentapi.milestones import CHECKPOINT_MILESTONES, RESTORE_MILESTONES, Milestone, position
 from ibckpt.agentapi.models import (
     API_PREFIX,
     DEFAULT_PORT,
@@ -15,7 +14,6 @@ from ibckpt.agentapi.models import (
     ErrorReply,
     ImageDestination,
     ImageSource,
-    Mode,
     PhaseTimeouts,
     RankPhase,
     RankProgress,
@@ -28,6 +26,7 @@ from ibckpt.agentapi.models import (
     SessionReport,
     SessionState,
 )
+from ibckpt.vocabulary import CHECKPOINT_MILESTONES, RESTORE_MILESTONES, Milestone, Mode, position
 
 __all__ = [
     "API_PREFIX",

@@ -27,9 +27,9 @@ from typing import Any, Final, Self
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, SerializationInfo, field_serializer
 from pydantic.alias_generators import to_camel
 
-from ibckpt.agentapi.milestones import Milestone
-from ibckpt.api.bounds import DEFAULT_BOUNDS as B
 from ibckpt.api.storage import S3Location
+from ibckpt.vocabulary import DEFAULT_BOUNDS as B
+from ibckpt.vocabulary import Milestone, Mode, PhaseSeconds
 
 API_PREFIX: Final = "/v1"
 DEFAULT_PORT: Final = 9478
@@ -66,15 +66,6 @@ class AgentModel(BaseModel):
     @classmethod
     def from_json(cls, raw: bytes | str) -> Self:
         return cls.model_validate_json(raw, by_alias=True)
-
-
-class Mode(StrEnum):
-    """LeaveRunning: dump, then rebuild and resume. Stop: dump, the ranks end (migration). Hold: dump and
-    leave the ranks alive but released (the staying side of a mixed restart)."""
-
-    LEAVE_RUNNING = "LeaveRunning"
-    STOP = "Stop"
-    HOLD = "Hold"
 
 
 class SessionKind(StrEnum):
@@ -197,6 +188,10 @@ class PhaseTimeouts(AgentModel):
     restore_seconds: float = Field(default=B.restore, gt=0)
     rebuild_seconds: float = Field(default=B.rebuild, gt=0)
     resume_seconds: float = Field(default=B.resume, gt=0)
+
+    def seconds(self) -> PhaseSeconds:
+        """The same bounds as the node reads them (a plain dataclass: the node needs no pydantic)."""
+        return PhaseSeconds(**self.model_dump())
 
 
 class RankRef(AgentModel):

@@ -9,7 +9,6 @@ from typing import Literal
 from pydantic import ConfigDict, Field, model_validator
 
 from ibckpt.api.base import ApiModel, KindInfo, PrinterColumn
-from ibckpt.api.bounds import DEFAULT_BOUNDS as B
 from ibckpt.api.common import (
     NAME_PATTERN,
     Conditions,
@@ -18,6 +17,7 @@ from ibckpt.api.common import (
     ObservedGeneration,
 )
 from ibckpt.api.storage import S3Location
+from ibckpt.vocabulary import DEFAULT_BOUNDS as B
 
 
 class CheckpointMode(StrEnum):

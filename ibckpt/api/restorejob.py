@@ -8,9 +8,9 @@ from enum import StrEnum
 from pydantic import Field
 
 from ibckpt.api.base import ApiModel, KindInfo, PrinterColumn
-from ibckpt.api.bounds import DEFAULT_BOUNDS as B
 from ibckpt.api.checkpointjob import PodRow
 from ibckpt.api.common import NAME_PATTERN, Conditions, ObservedGeneration
+from ibckpt.vocabulary import DEFAULT_BOUNDS as B
 
 
 class RestorePhase(StrEnum):

@@ -39,9 +39,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ibckpt.agentapi import Mode, PhaseTimeouts
 from ibckpt.coordination.client import CoordinatorClient, CoordinatorError
 from ibckpt.coordination.ranks import RankId
+from ibckpt.vocabulary import Mode, PhaseSeconds
 from ibckpt_node.coord_proxy import ShimCoordinatorProxy
 from ibckpt_node.criu import CriuError
 from ibckpt_node.driver import CutOptions, NodeDriver, NodeSettings
@@ -93,7 +93,7 @@ async def _run(args: argparse.Namespace, drivers: list[NodeDriver]) -> NodeRepor
                     args.node,
                     client,
                     local,
-                    timeouts=PhaseTimeouts(),
+                    timeouts=PhaseSeconds(),
                     settings=NodeSettings(drain_stall_ms=args.drain_stall_ms),
                     job_addrs=args.job_addr or None,
                     trees=trees,

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ibckpt.agentapi import Milestone, Mode, PhaseTimeouts
 from ibckpt.coordination.client import CoordinatorClient, CoordinatorError
 from ibckpt.coordination.ranks import RankId
+from ibckpt.vocabulary import Milestone, Mode, PhaseSeconds
 from ibckpt_native.control import ControlError
 from ibckpt_node import abort, criu, failpoints, priority, stuck, tcp_remap
 from ibckpt_node.errors import CheckpointFailed, CheckpointRefused
@@ -39,7 +39,7 @@ LOCKED = "locked"
 
 @dataclass(frozen=True)
 class NodeSettings:
-    """This node's own knobs; the per-phase bounds come with the request (ibckpt.agentapi.PhaseTimeouts)."""
+    """This node's own knobs; the per-phase bounds come with the request (`PhaseTimeouts.seconds()`)."""
 
     # How long the shim polls for in-flight sends to complete. A send can stay pending
     # (its receiver is quiesced too and posts no receives); the peers' counters settle it
@@ -82,7 +82,7 @@ class NodeDriver:
         node: str,
         client: CoordinatorClient,
         ranks: Sequence[LocalRank],
-        timeouts: PhaseTimeouts | None = None,
+        timeouts: PhaseSeconds | None = None,
         settings: NodeSettings | None = None,
         job_addrs: Sequence[str] | None = None,
         trees: Sequence[ProcessTree] = (),
@@ -110,7 +110,7 @@ class NodeDriver:
         self.client = client
         self.ranks = list(ranks)
         self.trees = list(trees)
-        self.timeouts = timeouts or PhaseTimeouts()
+        self.timeouts = timeouts or PhaseSeconds()
         self.settings = settings or NodeSettings()
         self.on_milestone = on_milestone
         self.cut = cut or CutOptions()

@@ -20,8 +20,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ibckpt.agentapi import Milestone
 from ibckpt.coordination.client import CoordinationTimedOut, CoordinatorClient
+from ibckpt.vocabulary import Milestone
 from ibckpt_native.control import ControlError
 from ibckpt_node.errors import CheckpointRefused
 from ibckpt_node.procfs import (

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ibckpt.agentapi import Mode
 from ibckpt.coordination.ranks import RankId
+from ibckpt.vocabulary import Mode
 from ibckpt_node import container_runtime, criu
 from ibckpt_node.errors import CheckpointFailed, CheckpointRefused
 from ibckpt_node.leases import RankLeases

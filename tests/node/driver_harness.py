@@ -16,16 +16,16 @@ from typing import Any, TypeVar
 import pytest
 from node.fake_shim import FakeShimSocket
 
-from ibckpt.agentapi import Mode, PhaseTimeouts
 from ibckpt.coordination.client import CoordinatorClient
 from ibckpt.coordination.ranks import RankId
+from ibckpt.vocabulary import Mode, PhaseSeconds
 from ibckpt_node.driver import NodeDriver
 from ibckpt_node.errors import CheckpointFailed
 from ibckpt_node.ranks import LocalRank
 from testbed.coordinator import ThreadedCoordinator
 
 RANKS = 12  # more than asyncio's default pool on a 2-core node (cpus + 4)
-REBUILD_20S = PhaseTimeouts(rebuild_seconds=20)
+REBUILD_20S = PhaseSeconds(rebuild_seconds=20)
 
 
 class FakeShim(FakeShimSocket):
@@ -76,7 +76,7 @@ def unwritable_images(tmp_path: Path, ranks: list[LocalRank]) -> Path:
 async def connected_driver(
     coordinator: ThreadedCoordinator,
     ranks: list[LocalRank],
-    timeouts: PhaseTimeouts | None = REBUILD_20S,
+    timeouts: PhaseSeconds | None = REBUILD_20S,
     **options: Any,
 ) -> NodeDriver:
     """node-1's driver over `ranks`, connected to a new session of `coordinator` (node-1 alone)."""

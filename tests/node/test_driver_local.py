@@ -23,7 +23,7 @@ from node.driver_harness import (
     unwritable_images,
 )
 
-from ibckpt.agentapi import Milestone, Mode, PhaseTimeouts
+from ibckpt.vocabulary import Milestone, Mode, PhaseSeconds
 from ibckpt_node import criu, failpoints
 from ibckpt_node.driver import CutOptions, NodeSettings
 from ibckpt_node.errors import CheckpointFailed
@@ -142,7 +142,7 @@ async def test_a_release_that_times_out_says_where_each_control_thread_waits(
     shims[0].sock.close()
     shims[0] = HangingRelease(tmp_path / "r0-hanging.ctl", shims[1].everyone)
     ranks = [LocalRank(r.rank, pid, s.path) for r, s in zip(ranks, shims, strict=True)]
-    bounds = PhaseTimeouts(release_seconds=1, rebuild_seconds=20)
+    bounds = PhaseSeconds(release_seconds=1, rebuild_seconds=20)
     driver = await connected_driver(coordinator, ranks, bounds, boost_nice=None)
     failed = await failed_checkpoint(driver, Mode.STOP, tmp_path / "images")
     message = str(failed.value)

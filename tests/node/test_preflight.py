@@ -304,3 +304,11 @@ async def test_a_process_trees_own_connection_outside_the_job_is_refused(
         launcher.kill()
         launcher.wait()
         listener.close()
+
+
+def test_ibckpt_node_starts_without_pydantic() -> None:
+    # In the emulated guests pydantic and the API models cost seconds at start-up, and a checkpoint
+    # taken with `ibckpt-node` began that much later (perftest had finished before it).
+    code = "import sys, ibckpt_node.agent_cli; print(sorted(m for m in sys.modules if 'pydantic' in m))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

@@ -6,8 +6,8 @@ from dataclasses import replace
 
 import pytest
 
-from ibckpt.agentapi.milestones import Milestone
 from ibckpt.api import CheckpointJobSpec, CheckpointMode, ConcurrencyPolicy, JobPhase
+from ibckpt.vocabulary import Milestone
 from ibckpt_operator.machine import CheckpointMachine, JobConfig, JobState, JobStep, PodClaims, PodRef
 from ibckpt_operator.machine.actions import (
     AdmitPods,

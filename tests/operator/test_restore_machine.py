@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ibckpt.agentapi.milestones import Milestone
 from ibckpt.api import RestoreJobSpec, RestorePhase
+from ibckpt.vocabulary import Milestone
 from ibckpt_operator.machine import PodRef, RestoreConfig, RestoreMachine, RestoreState, RestoreStep
 from ibckpt_operator.machine.actions import (
     AdmitNodes,

@@ -1,4 +1,4 @@
-"""How far each pod of a job got, in its kind's milestone order (ibckpt.agentapi.milestones), from the
+"""How far each pod of a job got, in its kind's milestone order (ibckpt.vocabulary), from the
 agents' session reports and the coordinator's barriers; and which pods the machine has yet to be told
 finished the step in flight (one PodStepDone per pod and attempt).
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from ibckpt.agentapi.milestones import Milestone
+from ibckpt.vocabulary import Milestone
 from ibckpt_operator.machine.core import Action, StepAction
 
 

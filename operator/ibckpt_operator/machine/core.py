@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any, Generic, TypeVar
 
-from ibckpt.agentapi.milestones import Milestone
+from ibckpt.vocabulary import Milestone
 
 
 class Unknown(StrEnum):

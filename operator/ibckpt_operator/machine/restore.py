@@ -22,8 +22,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
-from ibckpt.agentapi.milestones import Milestone
 from ibckpt.api import RestoreJobSpec, RestorePhase
+from ibckpt.vocabulary import Milestone
 from ibckpt_operator.machine.actions import (
     AdmitNodes,
     AwaitMilestone,

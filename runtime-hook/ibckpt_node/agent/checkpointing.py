@@ -51,7 +51,7 @@ async def run(agent: Agent, session: Session) -> None:
                 agent.node,
                 client,
                 session.ranks,
-                timeouts=request.timeouts,
+                timeouts=request.timeouts.seconds(),
                 job_addrs=request.job_addresses or None,
                 trees=session.trees,
                 flush_records=proxy.published,

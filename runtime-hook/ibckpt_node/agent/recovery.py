@@ -122,7 +122,7 @@ async def run(
                     agent.node,
                     client,
                     session.ranks,
-                    timeouts=request.timeouts,
+                    timeouts=request.timeouts.seconds(),
                     flush_records=proxy.published,
                 )
                 await session.engine.recover(reason, request.epoch)

@@ -269,7 +269,7 @@ async def run(agent: Agent, session: Session) -> None:
                 agent.node,
                 client,
                 [],
-                timeouts=request.timeouts,
+                timeouts=request.timeouts.seconds(),
                 flush_records=proxy.published,
                 on_milestone=functools.partial(passed, session),
             )
