@@ -20,7 +20,7 @@ COPY native/ibckpt_native/ native/ibckpt_native/
 # about a quarter of pip's .pyc files came out stale, and the operator (a non-root user on a read-only
 # root) recompiled them at every start, minutes on a slow node.
 RUN python3 -m venv /opt/ibckpt/venv && /opt/ibckpt/venv/bin/pip install --no-cache-dir --no-compile /src \
-    && python3 -m compileall -q -j 0 --invalidation-mode unchecked-hash /opt/ibckpt/venv/lib
+    && python3 -m compileall -q -f -j 0 --invalidation-mode unchecked-hash /opt/ibckpt/venv/lib
 
 FROM debian:bookworm-slim
 # criu and runc: the agent checkpoints containers through the runtime; iptables: the TCP
