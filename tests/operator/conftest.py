@@ -231,6 +231,17 @@ class Cluster:
 
 
 @pytest.fixture
+def runtime_class(crds: kubernetes.client.ApiClient) -> None:
+    """The chart's RuntimeClass: the apiserver refuses a pod that names a class it does not know."""
+    node = kubernetes.client.NodeV1Api(crds)
+    try:
+        node.create_runtime_class({"metadata": {"name": "ibckpt"}, "handler": "ibckpt"})
+    except kubernetes.client.ApiException as exc:
+        if exc.status != 409:
+            raise
+
+
+@pytest.fixture
 def cluster_ns(crds: kubernetes.client.ApiClient) -> Iterator[Cluster]:
     name = "t-" + secrets.token_hex(4)
     kubernetes.client.CoreV1Api(crds).create_namespace({"metadata": {"name": name}})

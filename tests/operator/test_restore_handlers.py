@@ -11,27 +11,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-import kubernetes
 import pytest
 
 from ibckpt.store import ImageStore, RankInfo, StoreConfig
 from testbed.s3 import S3Server
 
 Agents = Cluster = Any  # conftest.py's fixtures
-pytestmark = [pytest.mark.kube, pytest.mark.s3]
+pytestmark = [pytest.mark.kube, pytest.mark.s3, pytest.mark.usefixtures("runtime_class")]
 RESTORES = "restorejobs"
 API = "ibckpt.io/v1alpha1"
-
-
-@pytest.fixture(autouse=True)
-def runtime_class(crds: kubernetes.client.ApiClient) -> None:
-    """The chart's RuntimeClass: the apiserver refuses a pod that names a class it does not know."""
-    node = kubernetes.client.NodeV1Api(crds)
-    try:
-        node.create_runtime_class({"metadata": {"name": "ibckpt"}, "handler": "ibckpt"})
-    except kubernetes.client.ApiException as exc:
-        if exc.status != 409:
-            raise
 
 
 def storage(s3: S3Server, bucket: str) -> dict[str, Any]:

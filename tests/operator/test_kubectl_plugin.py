@@ -1,0 +1,171 @@
+"""`kubectl ibckpt`, run by kubectl as a user runs it, against the real apiserver, the operator and the real
+S3 (node agents are the fakes of conftest.py): checkpoint a job's pods and follow it, list and describe the
+Checkpoints, restore the latest Checkpoint of a schedule onto the swapped nodes; and the refusals a user
+meets first, each in one line and with nothing created."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from testbed.cluster import kubectl_bin
+from testbed.kube import ControlPlane
+from testbed.s3 import S3Server
+
+Agents = Cluster = Any  # conftest.py's fixtures
+
+pytestmark = [pytest.mark.kube, pytest.mark.s3, pytest.mark.usefixtures("runtime_class")]
+API = "ibckpt.io/v1alpha1"
+
+
+def plugin(
+    kube: ControlPlane, namespace: str, *args: str, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """`kubectl ibckpt -n NAMESPACE ARGS...`: kubectl finds the plugin on PATH, as it does for a user."""
+    path = os.pathsep.join([str(Path(sys.executable).parent), str(kubectl_bin().parent), os.environ["PATH"]])
+    env = {**os.environ, "PATH": path, "KUBECONFIG": str(kube.kubeconfig)}
+    return subprocess.run(
+        [str(kubectl_bin()), "ibckpt", "-n", namespace, *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
+
+
+def storage_object(s3: S3Server, bucket: str, name: str = "store") -> dict[str, Any]:
+    spec = {"endpoint": s3.endpoint, "region": s3.region, "bucket": bucket,
+            "credentialsSecretRef": {"name": "s3-creds"}}  # fmt: skip
+    return {"apiVersion": API, "kind": "CheckpointStorage", "metadata": {"name": name}, "spec": spec}
+
+
+def schedule_object(name: str) -> dict[str, Any]:
+    template = {"selector": {"matchLabels": {"app": "ring"}}, "storageRef": {"name": "store"}, "mode": "Stop"}
+    spec = {"intervalSeconds": 3600, "suspend": True, "template": template}
+    return {"apiVersion": API, "kind": "CheckpointSchedule", "metadata": {"name": name}, "spec": spec}
+
+
+def test_checkpoint_list_describe_and_restore_latest_as_a_user(
+    kube: ControlPlane,
+    cluster_ns: Cluster,
+    s3_server: S3Server,
+    bucket: str,
+    agents: Agents,
+    operator: Any,
+    store_config: Any,
+) -> None:
+    ns = cluster_ns.namespace
+    config = store_config(bucket)
+    a = agents.add(cluster_ns, "node-a", 1, "complete", config)
+    b = agents.add(cluster_ns, "node-b", 2, "complete", config)
+    cluster_ns.rank_pod(a, "ring-0", {"app": "ring"})
+    cluster_ns.rank_pod(b, "ring-1", {"app": "ring"})
+    cluster_ns.s3_secret(s3_server)
+    cluster_ns.create("checkpointstorages", storage_object(s3_server, bucket))
+    cluster_ns.create("checkpointschedules", schedule_object("nightly"))
+    try:
+        with operator():
+            # A LeaveRunning checkpoint, followed phase by phase; the namespace's one storage is used.
+            first = plugin(kube, ns, "checkpoint", "-l", "app=ring", "--name", "ring-a")
+            assert first.returncode == 0, first.stderr
+            lines = first.stdout.splitlines()
+            assert lines[0] == "checkpointjob/ring-a created", first.stdout
+            phases = [line.split()[0] for line in lines[1:-1]]
+            for wanted in ("Quiescing", "Uploading", "Committed", "Resuming", "Succeeded"):
+                assert wanted in phases, first.stdout
+            assert phases[-1] == "Succeeded" and phases.index("Quiescing") < phases.index("Committed")
+            job = cluster_ns.get("checkpointjobs", "ring-a")
+            assert job["spec"]["storageRef"] == {"name": "store"}
+            assert job["spec"]["selector"] == {"matchLabels": {"app": "ring"}}
+            checkpoint_a = job["status"]["checkpointName"]
+            assert lines[-1].startswith(f"checkpoint/{checkpoint_a} committed: 2 pods, "), first.stdout
+
+            # A Stop checkpoint, as the schedule's job (its label), then a newer one that is not the
+            # schedule's: --latest must take the schedule's own.
+            cluster_ns.create(
+                "checkpointjobs",
+                {"apiVersion": API, "kind": "CheckpointJob",
+                 "metadata": {"name": "nightly-1", "labels": {"ibckpt.io/schedule": "nightly"}},
+                 "spec": schedule_object("nightly")["spec"]["template"]},
+            )  # fmt: skip
+            body = cluster_ns.wait("checkpointjobs", "nightly-1", _phase("Succeeded"), timeout=90)
+            checkpoint_n = body["status"]["checkpointName"]
+            time.sleep(1.1)  # committedTime has whole seconds
+            later = plugin(kube, ns, "checkpoint", "-l", "app=ring", "--name", "ring-b", "--no-wait")
+            assert later.returncode == 0 and later.stdout == "checkpointjob/ring-b created\n", later
+            cluster_ns.wait("checkpointjobs", "ring-b", _phase("Failed"), timeout=90)  # the pods are stopping
+
+            listed = plugin(kube, ns, "list")
+            assert listed.returncode == 0, listed.stderr
+            header, *rows = listed.stdout.splitlines()
+            assert header.split() == ["NAME", "JOB", "MODE", "PODS", "SIZE", "READY", "AGE"]
+            by_name = {row.split()[0]: row.split() for row in rows}
+            assert by_name[checkpoint_a][1:4] == ["ring-a", "LeaveRunning", "2"], listed.stdout
+            assert by_name[checkpoint_n][1:4] == ["nightly-1", "Stop", "2"], listed.stdout
+
+            described = plugin(kube, ns, "describe", checkpoint_n)
+            assert described.returncode == 0, described.stderr
+            text = described.stdout
+            assert "CheckpointJob:" in text and "nightly-1" in text and "Mode:" in text and "Stop" in text
+            pods = {line.split()[0]: line.split()[1] for line in text.split("Pods:\n")[1].splitlines()[1:3]}
+            assert pods == {"ring-0": "node-a", "ring-1": "node-b"}, text
+
+            # The Stop job deleted the sources; play their kubelets.
+            for pod in ("ring-0", "ring-1"):
+                cluster_ns.report_killed(pod)
+                cluster_ns.core.delete_namespaced_pod(pod, ns, grace_period_seconds=0)
+            restored = plugin(
+                kube, ns, "restore", "--latest", "nightly", "--avoid-source-nodes", "--name", "back"
+            )
+            assert restored.returncode == 0, restored.stdout + restored.stderr
+            out = restored.stdout.splitlines()
+            assert out[0] == f"latest checkpoint of nightly: {checkpoint_n}", restored.stdout
+            assert out[1] == "restorejob/back created"
+            assert [line.split()[0] for line in out[2:-1]][-1] == "Succeeded"
+            assert out[-1] == f"restored from checkpoint/{checkpoint_n}: ring-0 on node-b, ring-1 on node-a"
+            assert cluster_ns.get("restorejobs", "back")["spec"]["checkpointName"] == checkpoint_n
+    finally:
+        cluster_ns.delete("checkpointschedules", "nightly")
+
+
+def test_what_a_user_gets_wrong_is_refused_in_one_line_and_creates_nothing(
+    kube: ControlPlane, cluster_ns: Cluster, s3_server: S3Server, bucket: str, agents: Agents
+) -> None:
+    ns = cluster_ns.namespace
+    a = agents.add(cluster_ns, "node-a", 1)
+    cluster_ns.rank_pod(a, "ring-0", {"app": "ring"})
+
+    def refused(*args: str) -> str:
+        proc = plugin(kube, ns, *args)
+        assert proc.returncode == 1 and proc.stdout == "", proc
+        [line] = proc.stderr.splitlines()
+        assert line.startswith("error: "), line
+        return line
+
+    assert "no CheckpointStorage in namespace" in refused("checkpoint", "-l", "app=ring")
+    cluster_ns.create("checkpointstorages", storage_object(s3_server, bucket, "one"))
+    cluster_ns.create("checkpointstorages", storage_object(s3_server, bucket, "two"))
+    assert "several CheckpointStorages (one, two): pass --storage" in refused("checkpoint", "-l", "app=ring")
+    assert "CheckpointStorage nope not found" in refused("checkpoint", "-l", "app=ring", "--storage", "nope")
+    assert "belongs to no workload" in refused("checkpoint", "pod/ring-0", "--storage", "one")
+    assert "only key=value terms" in refused("checkpoint", "-l", "app!=ring", "--storage", "one")
+    assert "Checkpoint gone not found" in refused("restore", "gone")
+    assert "CheckpointSchedule none not found" in refused("restore", "--latest", "none")
+    assert "give a Checkpoint's name or --latest" in refused("restore")
+    assert (
+        cluster_ns.custom.list_namespaced_custom_object("ibckpt.io", "v1alpha1", ns, "checkpointjobs")[
+            "items"
+        ]
+        == []
+    )
+    assert plugin(kube, ns, "list").stdout == f"No Checkpoints in namespace {ns}.\n"
+
+
+def _phase(wanted: str) -> Any:
+    return lambda body: (body.get("status") or {}).get("phase") == wanted
