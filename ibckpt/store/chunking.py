@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 EntryKind = Literal["file", "dir", "symlink"]
+# Links followed while checking one target before giving up (the kernel's limit for one lookup).
+MAX_LINK_HOPS = 40
 
 
 class TreeError(ValueError):
@@ -61,6 +63,58 @@ def check_relative(path: str) -> str:
     return path
 
 
+def check_tree(entries: Iterable[tuple[str, EntryKind, str | None]]) -> None:
+    """Refuse (TreeError naming the path) a tree of (path, kind, link target) whose rebuilding could put
+    anything outside it, or leave a link that leads out of it: a path listed twice; a path under a symlink
+    or a file; a link target that is empty, absolute, or that leaves the tree once its `..` and the tree's
+    own links on the way are followed. Paths must already pass check_relative. Pure string checks: a
+    manifest is written by whoever holds the bucket's keys, and is rebuilt as root."""
+    kinds: dict[str, EntryKind] = {}
+    links: dict[str, str] = {}
+    for path, kind, target in entries:
+        if path in kinds:
+            raise TreeError(f"{path!r} is listed twice in the tree")
+        kinds[path] = kind
+        if kind == "symlink":
+            links[path] = target or ""
+    for path in kinds:
+        parent = path.rpartition("/")[0]
+        while parent:
+            if kinds.get(parent, "dir") != "dir":
+                raise TreeError(
+                    f"{path!r} lies under {parent!r}, which is a {kinds[parent]}, not a directory"
+                )
+            parent = parent.rpartition("/")[0]
+    for path, target in links.items():
+        if not target or target.startswith("/"):
+            raise TreeError(f"symlink {path!r} -> {target!r}: a link target must be a relative path")
+        _follow(path.split("/")[:-1], target, links, [MAX_LINK_HOPS], path)
+
+
+def _follow(start: list[str], target: str, links: dict[str, str], hops: list[int], link: str) -> list[str]:
+    """Where `target`, read in directory `start`, leads in the tree (as components); TreeError if it leaves.
+    Links met on the way are followed as the kernel would: `a/up -> ..` cannot make `b -> a/up/..` escape."""
+    where = list(start)
+    for name in target.split("/"):
+        if name in {"", "."}:
+            continue
+        if name == "..":
+            if not where:
+                raise TreeError(f"symlink {link!r} -> {links[link]!r} points outside the tree")
+            where.pop()
+            continue
+        where.append(name)
+        inner = links.get("/".join(where))
+        if inner is not None:
+            hops[0] -= 1
+            if hops[0] < 0:
+                raise TreeError(f"symlink {link!r}: more than {MAX_LINK_HOPS} links to follow")
+            if not inner or inner.startswith("/"):
+                raise TreeError(f"symlink {link!r} -> {links[link]!r} points outside the tree")
+            where = _follow(where[:-1], inner, links, hops, link)
+    return where
+
+
 def walk(root: Path) -> Iterator[TreeEntry]:
     """Every directory, regular file and symlink under root (root itself excluded), parents before
     children, siblings sorted by name so that the same tree always gives the same manifest."""
@@ -85,4 +139,10 @@ def walk(root: Path) -> Iterator[TreeEntry]:
             else:
                 raise TreeError(f"cannot store {child.path}: not a regular file, directory or symlink")
 
-    yield from visit(str(root), "")
+    # Checked when the walk ends: upload reads the whole walk before it sends a chunk, so a tree that restore
+    # would refuse is refused before anything of it is uploaded.
+    seen: list[tuple[str, EntryKind, str | None]] = []
+    for entry in visit(str(root), ""):
+        seen.append((entry.path, entry.kind, entry.target))
+        yield entry
+    check_tree(seen)

@@ -1,7 +1,8 @@
 """Reading a checkpoint: fetch chunks in parallel, verify each one's hash before use, rebuild the tree.
 
 The tree is rebuilt in a hidden sibling directory and renamed into place only when every chunk has been
-verified and written, so a failed restore never leaves a plausible-looking partial tree behind.
+verified and written, so a failed restore never leaves a plausible-looking partial tree behind. The manifest
+is untrusted input rebuilt as root: see build_tree for what keeps the rebuild inside the tree.
 """
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ import hashlib
 import os
 import secrets
 import shutil
+import stat
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,7 +24,7 @@ from ibckpt.store.context import ProgressCallback, StageTimes, StoreContext
 from ibckpt.store.errors import ChunkCorruptError, ChunkError, ChunkMissingError, EncryptionError, StoreError
 from ibckpt.store.layout import CheckpointRef
 from ibckpt.store.leases import holder_lease, wait_for_sweeps
-from ibckpt.store.manifest import FileRecord, Manifest
+from ibckpt.store.manifest import FileRecord, Manifest, check_restorable
 from ibckpt.store.s3 import missing_as, s3_errors
 
 
@@ -167,34 +169,35 @@ def restore(
     with reading(context, ref) as manifest:
         staging = destination.parent / f".{destination.name}.partial-{secrets.token_hex(4)}"
         files = select_subtree(manifest.files, subtree)
+        # Again for the subtree: a link that stays inside the checkpoint may leave the part restored.
+        check_restorable(files, f"checkpoint {ref}" + (f" (subtree {subtree!r})" if subtree else ""))
+        placements = _placements(files)
         staging.mkdir(parents=True)
         try:
-            _make_skeleton(staging, files)
-            placements = _placements(files)
 
-            def fetch_and_write(cid: str) -> int:
+            def fetch_and_write(root_fd: int, cid: str) -> int:
                 use = placements[cid]
                 plain = memoryview(fetch_chunk(context, ref, cid, use.extent, times))
                 with times.timed("write"):
                     for place in use.places:
                         piece = plain[place.start : place.start + place.length]
-                        path = os.path.join(staging, place.path)
-                        _write_at(path, place.offset, piece, create=place.whole)
+                        _write_at(root_fd, place.path, place.offset, piece, create=place.whole)
                 if progress is not None:
                     progress(use.written)
                 return use.written
 
-            with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="ibckpt-down") as pool:
-                futures = [pool.submit(fetch_and_write, cid) for cid in placements]
-                try:
-                    for future in concurrent.futures.as_completed(futures):
-                        report.logical_bytes += future.result()
-                except BaseException:
-                    for future in futures:
-                        future.cancel()
-                    raise
-            _finish_metadata(staging, files)
-            _make_symlinks(staging, files)
+            def fill(root_fd: int) -> None:
+                with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="ibckpt-down") as pool:
+                    futures = [pool.submit(fetch_and_write, root_fd, cid) for cid in placements]
+                    try:
+                        for future in concurrent.futures.as_completed(futures):
+                            report.logical_bytes += future.result()
+                    except BaseException:
+                        for future in futures:
+                            future.cancel()
+                        raise
+
+            build_tree(staging, files, fill)
             if destination.exists():
                 destination.rmdir()
             staging.rename(destination)
@@ -207,39 +210,93 @@ def restore(
     return report
 
 
-def _make_skeleton(root: Path, records: list[FileRecord]) -> None:
+# Every path of the tree is reached one component at a time from the tree's own directory fd, never through
+# a symlink: not one from the manifest (check_restorable refuses those anyway), nor one on disk (a race, a
+# pre-existing tree). A symlink where a directory or file is expected fails with ELOOP or ENOTDIR.
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# No setuid, setgid or sticky bit, no group or other write: the tree is rebuilt as root from bucket bytes.
+MODE_MASK = 0o777 & ~0o022
+
+
+def open_root(root: Path) -> int:
+    """An fd of the (new) restore directory, the anchor for every other path of the tree."""
+    return os.open(root, _DIR_FLAGS)
+
+
+def _open_dir(root_fd: int, rel: str, *, create: bool) -> int:
+    """An fd of directory `rel` ('' for the root), made (0o700 until its mode is set) if `create`."""
+    fd = os.dup(root_fd)
+    try:
+        for name in rel.split("/") if rel else ():
+            if create:
+                # Something already there is opened below without following: it must be a directory.
+                with suppress(FileExistsError):
+                    os.mkdir(name, 0o700, dir_fd=fd)
+            try:
+                child = os.open(name, _DIR_FLAGS, dir_fd=fd)
+            except OSError as error:
+                raise StoreError(
+                    f"restore: {name!r} on the way to {rel!r} is not a directory: {error}"
+                ) from None
+            os.close(fd)
+            fd = child
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _in_parent(root_fd: int, path: str, *, create: bool) -> tuple[int, str]:
+    """(fd of the directory of `path`, its last component); the caller closes the fd."""
+    parent, _, name = path.rpartition("/")
+    return _open_dir(root_fd, parent, create=create), name
+
+
+def _make_skeleton(root_fd: int, records: list[FileRecord]) -> None:
     """Directories, and empty files of the right size for the files written in several pieces (or none);
-    contents come later, symlinks last. A file in one piece is made by the write of that piece."""
-    made = {root}
+    contents come later, symlinks after them. A file in one piece is made by the write of that piece."""
+    made = {""}
     for record in records:
-        target = root / record.path
-        if record.kind == "dir" and target not in made:
-            target.mkdir(parents=True, exist_ok=True)
-            made.add(target)
+        if record.kind == "dir" and record.path not in made:
+            os.close(_open_dir(root_fd, record.path, create=True))
+            made.add(record.path)
         elif record.kind == "file":
-            if target.parent not in made:
-                target.parent.mkdir(parents=True, exist_ok=True)
-                made.add(target.parent)
+            parent = record.path.rpartition("/")[0]
+            if parent not in made:
+                os.close(_open_dir(root_fd, parent, create=True))
+                made.add(parent)
             if len(record.chunks) != 1:
-                fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+                parent_fd, name = _in_parent(root_fd, record.path, create=False)
+                try:
+                    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+                    fd = os.open(name, flags, 0o600, dir_fd=parent_fd)
+                finally:
+                    os.close(parent_fd)
                 try:
                     os.ftruncate(fd, record.size)
                 finally:
                     os.close(fd)
 
 
-def _make_symlinks(root: Path, records: list[FileRecord]) -> None:
-    # Made after every write, so that no write can be sent through a link out of the tree.
+def _make_symlinks(root_fd: int, records: list[FileRecord]) -> None:
+    # After every write. Nothing is written through a link anyway (no path is followed); their targets were
+    # checked to stay inside the tree.
     for record in records:
         if record.kind == "symlink":
-            target = root / record.path
-            target.parent.mkdir(parents=True, exist_ok=True)
-            os.symlink(record.target or "", target)
+            parent_fd, name = _in_parent(root_fd, record.path, create=True)
+            try:
+                os.symlink(record.target or "", name, dir_fd=parent_fd)
+            finally:
+                os.close(parent_fd)
 
 
-def _write_at(path: str, offset: int, data: bytes | memoryview, *, create: bool) -> None:
-    flags = os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_CREAT | os.O_EXCL if create else 0)
-    fd = os.open(path, flags, 0o600)
+def _write_at(root_fd: int, path: str, offset: int, data: bytes | memoryview, *, create: bool) -> None:
+    parent_fd, name = _in_parent(root_fd, path, create=False)
+    try:
+        flags = os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(name, flags, 0o600, dir_fd=parent_fd)
+    finally:
+        os.close(parent_fd)
     try:
         view = memoryview(data)
         while view:
@@ -250,15 +307,49 @@ def _write_at(path: str, offset: int, data: bytes | memoryview, *, create: bool)
         os.close(fd)
 
 
-def _finish_metadata(root: Path, records: list[FileRecord]) -> None:
-    """Modes and mtimes, deepest paths first so that a read-only directory is closed after its children."""
+def _finish_metadata(root_fd: int, records: list[FileRecord]) -> None:
+    """Modes (masked) and mtimes, deepest paths first so that a read-only directory is closed after its
+    children; last of all, so that making links does not change their directories' mtimes. Set through an
+    fd opened without following (Linux has no chmod that refuses a link), and never on a link."""
     for record in sorted(records, key=lambda record: record.path.count("/"), reverse=True):
         if record.kind == "symlink":
             continue
-        target = os.path.join(root, record.path)
-        os.chmod(target, record.mode)
-        if record.mtime_ns:
-            os.utime(target, ns=(record.mtime_ns, record.mtime_ns))
+        parent_fd, name = _in_parent(root_fd, record.path, create=False)
+        try:
+            flags = (
+                _DIR_FLAGS
+                if record.kind == "dir"
+                else os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+            )
+            fd = os.open(name, flags, dir_fd=parent_fd)
+        except OSError as error:
+            raise StoreError(
+                f"restore: {record.path!r} is not the {record.kind} it was made as: {error}"
+            ) from None
+        finally:
+            os.close(parent_fd)
+        try:
+            if record.kind == "file" and not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise StoreError(f"restore: {record.path!r} is not the file it was made as")
+            os.fchmod(fd, record.mode & MODE_MASK)
+            if record.mtime_ns:
+                os.utime(fd, ns=(record.mtime_ns, record.mtime_ns))
+        finally:
+            os.close(fd)
+
+
+def build_tree(root: Path, records: list[FileRecord], fill: Callable[[int], None]) -> None:
+    """Rebuild `records` in the empty directory `root`: check them, make directories and files, let
+    `fill(root_fd)` write the files' bytes (_write_at), then make the links and set modes and mtimes."""
+    check_restorable(records, f"the tree for {root}")
+    root_fd = open_root(root)
+    try:
+        _make_skeleton(root_fd, records)
+        fill(root_fd)
+        _make_symlinks(root_fd, records)
+        _finish_metadata(root_fd, records)
+    finally:
+        os.close(root_fd)
 
 
 def verify(

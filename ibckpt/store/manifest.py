@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ibckpt.store.chunking import EntryKind, check_relative
+from ibckpt.store.chunking import EntryKind, TreeError, check_relative, check_tree
 from ibckpt.store.errors import ManifestError
 from ibckpt.store.layout import CheckpointRef, check_checkpoint_id, check_job
 
@@ -136,9 +136,11 @@ class Manifest(_Model):
 
     @model_validator(mode="after")
     def _unique_paths(self) -> Manifest:
-        paths = [record.path for record in self.files]
-        if len(paths) != len(set(paths)):
-            raise ValueError("duplicate paths in files")
+        seen: set[str] = set()
+        for record in self.files:
+            if record.path in seen:
+                raise ValueError(f"duplicate path in files: {record.path!r}")
+            seen.add(record.path)
         if self.schema_version == 1 and any(chunk.offset for chunk in self.chunk_refs()):
             raise ValueError("schema_version 1 has no chunk offsets")
         return self
@@ -173,6 +175,17 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
             f"manifest {where} has schema_version {version!r}; this ibckpt reads {sorted(SUPPORTED_SCHEMAS)}"
         )
     try:
-        return Manifest.model_validate(raw)
+        manifest = Manifest.model_validate(raw)
     except ValidationError as error:
         raise ManifestError(f"manifest {where} is invalid: {error}") from None
+    check_restorable(manifest.files, f"manifest {where}")
+    return manifest
+
+
+def check_restorable(files: list[FileRecord], what: str) -> None:
+    """ManifestError unless `files` rebuild into a tree with nothing, link targets included, outside it
+    (chunking.check_tree). Whoever holds a prefix's keys writes its manifests; the agent restores as root."""
+    try:
+        check_tree((record.path, record.kind, record.target) for record in files)
+    except TreeError as error:
+        raise ManifestError(f"{what} is unsafe to restore: {error}") from None
