@@ -238,7 +238,7 @@ class NodeDriver:
             # asks about: its ranks' QPs and (by default) its addresses.
             # Raised priority for the cut, back to normal before the dump (CRIU saves it).
             with self._boosted("cut"):
-                await self._preflight()
+                await self._preflight(images_root)
                 touched = True
                 self.leases.start()  # from the first quiesce until resume, abort or the kill
                 await self._cut()
@@ -287,13 +287,13 @@ class NodeDriver:
         dump_s = self.timeouts.dump_seconds
         await dump_all(self.trees, self.ranks, mode, images_root, dump_s, self.leases, self.report.images)
 
-    async def _preflight(self) -> None:
-        """Refuse, before any rank is gated, what a checkpoint cannot carry (see preflight.py)."""
+    async def _preflight(self, images_root: Path) -> None:
+        """Refuse, before any rank is gated, what a checkpoint cannot carry, or what would not fit on
+        this node's disk (see preflight.py)."""
         t = self.timeouts
         started = time.monotonic()
-        check = Preflight(
-            self.client, self.ranks, self.trees, self.job_addrs, self.settings.preflight_lookup_s
-        )
+        lookup_s = self.settings.preflight_lookup_s
+        check = Preflight(self.client, self.ranks, self.trees, self.job_addrs, lookup_s, images_root)
         barrier_s = t.quiesce_seconds + self.settings.barrier_slack_s
         refusals = await check.refusals(
             t.quiesce_seconds, barrier_s, lambda: self.on_milestone(Milestone.JOINED)

@@ -8,16 +8,24 @@ application may rely on what it could not get). The node driver runs these check
 local rank before `quiesce`; a refusal names the rank, its pid and the resource, and goes
 through the coordinator's abort so that every node refuses.
 
-The decisions here are pure (in or out of the job; procfs.py reads /proc); Preflight, at the bottom,
-runs them on this node's ranks with the other nodes, through the coordinator.
+And a checkpoint whose images would not fit on this node's disk is refused too, rather than failing
+its dump after the cut: the images of a process are about its resident memory, so the estimate is
+the sum of VmRSS over every process dumped (each tree's, or each lone rank's), plus a margin
+(`image_estimate`), against the free space where the images go.
+
+The decisions here are pure (in or out of the job, fits or not; procfs.py reads /proc); Preflight, at
+the bottom, runs them on this node's ranks with the other nodes, through the coordinator.
 """
 
 from __future__ import annotations
 
 import asyncio
 import ipaddress
+import logging
+import shutil
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ibckpt.coordination.client import CoordinationTimedOut, CoordinatorClient
@@ -30,11 +38,14 @@ from ibckpt_node.procfs import (
     IPAddress,
     TcpSocket,
     node_addresses,
+    process_tree,
     tcp_sockets_of,
     unmapped,
 )
 from ibckpt_node.ranks import LocalRank, on_all
 from ibckpt_node.trees import ProcessTree, tree_members
+
+log = logging.getLogger(__name__)
 
 QP_TYPES = {2: "RC", 3: "UC", 4: "UD"}  # the types the shim supports (enum ibv_qp_type)
 
@@ -146,6 +157,72 @@ def refusal(rank_key: str, pid: int, problems: Sequence[str]) -> str:
     return f"refusing to checkpoint {rank_key} (pid {pid}): " + "; ".join(problems)
 
 
+# -- room on the disk for the images ----------------------------------------------------------
+
+MARGIN_FRACTION = 0.10  # CRIU's own files, page alignment, what the processes touch meanwhile
+MARGIN_BYTES = 64 * 1024 * 1024  # the tree manifests, the rootfs diff and /dev/shm archives of small pods
+
+
+def image_estimate(resident: int) -> int:
+    """The bytes the images of processes with `resident` bytes of resident memory may need."""
+    return resident + int(resident * MARGIN_FRACTION) + MARGIN_BYTES
+
+
+def size_text(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} bytes"
+
+
+def disk_problem(resident: int, processes: int, free: int, where: Path) -> str | None:
+    """Why images of `resident` bytes of memory in `processes` processes do not fit in `free` bytes at
+    `where`; None when they do."""
+    need = image_estimate(resident)
+    if need <= free:
+        return None
+    processes_text = f"{processes} process{'' if processes == 1 else 'es'}"
+    return (
+        f"refusing to checkpoint on this node: its images would need about {size_text(need)} ({need} "
+        f"bytes: {size_text(resident)} resident in {processes_text}, plus {MARGIN_FRACTION:.0%} and "
+        f"{MARGIN_BYTES >> 20} MiB) and {where} has {size_text(free)} ({free} bytes) free"
+    )
+
+
+def resident_bytes(pid: int, proc: Path = Path("/proc")) -> int:
+    """VmRSS of `pid` (0: it is gone, or a kernel thread)."""
+    try:
+        status = (proc / str(pid) / "status").read_text()
+    except OSError:
+        return 0
+    for line in status.splitlines():
+        if line.startswith("VmRSS:"):
+            fields = line.split()  # VmRSS:  123456 kB
+            return int(fields[1]) * 1024 if len(fields) > 1 and fields[1].isdigit() else 0
+    return 0
+
+
+def dumped_processes(trees: Sequence[ProcessTree], ranks: Sequence[LocalRank]) -> set[int]:
+    """Every process the dump will save: each tree's, or without trees each rank's own (trees.dump_all)."""
+    roots = [t.root_pid for t in trees] if trees else [r.pid for r in ranks]
+    return {pid for root in roots for pid in process_tree(root)}
+
+
+def existing(path: Path) -> Path:
+    """`path` or its nearest parent that exists (the images' directory is made by the dump)."""
+    while not path.exists() and path.parent != path:
+        path = path.parent
+    return path
+
+
+def room_problem(trees: Sequence[ProcessTree], ranks: Sequence[LocalRank], images_root: Path) -> str | None:
+    """This node's images would not fit where they go: why, else None."""
+    pids = dumped_processes(trees, ranks)
+    resident = sum(resident_bytes(pid) for pid in pids)
+    where = existing(images_root)
+    return disk_problem(resident, len(pids), shutil.disk_usage(where).free, where)
+
+
 # -- the run on this node ----------------------------------------------------------------
 
 
@@ -160,12 +237,16 @@ class Preflight:
         trees: Sequence[ProcessTree],
         job_addrs: list[IPAddress] | None,
         lookup_s: float,
+        images_root: Path | None = None,
     ) -> None:
+        """`images_root`: where this node's images will be written, to check they fit (None: not on
+        this node's disk, not checked)."""
         self.client = client
         self.ranks = ranks
         self.trees = trees
         self.job_addrs = job_addrs
         self.lookup_s = lookup_s
+        self.images_root = images_root
 
     async def refusals(self, bound_s: float, barrier_s: float, joined: Callable[[], None]) -> list[str]:
         """What this node refuses (nothing: it may go on), once every node has joined."""
@@ -196,6 +277,14 @@ class Preflight:
             found = await self._tcp_problems(tree.root_pid, own_addrs)
             if found:
                 refusals.append(refusal(f"process tree {tree.name}", tree.root_pid, found))
+        if self.images_root is not None:
+            try:
+                room = await asyncio.to_thread(room_problem, self.trees, self.ranks, self.images_root)
+            except OSError as exc:  # not known to be short: the dump says so if it is
+                log.warning("preflight: the free space for %s is unknown: %s", self.images_root, exc)
+                room = None
+            if room:
+                refusals.append(room)
         return refusals
 
     async def _published(self, key: str) -> bool:
