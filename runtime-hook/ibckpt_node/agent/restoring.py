@@ -19,6 +19,7 @@ import functools
 import json
 import logging
 import shutil
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -118,8 +119,12 @@ def stage(
     progress: Callable[[int], None],
     remap: tcp_remap.AddressMap | None = None,
     lock: tcp_remap.ConnectionLock | None = None,
+    stop: threading.Event | None = None,
 ) -> int:
     """Fetch and stage every planned container's images; returns the bytes fetched.
+
+    `stop` set: the session is over (a thread cannot be cancelled, so a download past its bound or
+    aborted goes on here): nothing more is staged or held, and what this call staged is removed.
 
     Before a container's staged.json is written, its images' TCP sockets are rewritten by `remap` (a
     hostNetwork pod's node addresses, old -> new, the same map on every node) and its established
@@ -129,35 +134,46 @@ def stage(
     from ibckpt.store.errors import StoreError
     from ibckpt.store.layout import CheckpointRef
 
+    def stopped() -> bool:
+        return stop is not None and stop.is_set()
+
     ref = CheckpointRef(source.job, source.checkpoint_id)
     total = 0
     try:
         store = ImageStore.open(config)
         for item in planned:
+            if stopped():
+                break
             where = Path(restore_dir(item.namespace, item.pod, item.container))
-            if where.exists():
-                shutil.rmtree(where)  # a retried session: start from nothing
-            for level in (where.parents[2], where.parents[1], where.parent, where):
-                _private_dir(level)
-            report = store.restore(ref, where / "images", progress=progress, subtree=item.tree_root)
-            total += report.logical_bytes
-            (where / "images").chmod(0o700)
-            restore_args = _restore_args(where / "images")
-            prepared = tcp_remap.prepare_images(where / "images", remap or {})
-            if lock is not None:
-                lock.extend(prepared.connections)
-            staged = {
-                "checkpoint": checkpoint,
-                "namespace": item.namespace,
-                "pod": item.pod,
-                "pod_uid": item.pod_uid,
-                "container": item.container,
-                "restore_args": restore_args,
-            }
-            partial = where / "staged.json.partial"
-            partial.write_text(json.dumps(staged) + "\n")
-            partial.chmod(0o600)
-            partial.rename(where / "staged.json")  # last: the wrapper waits for this file
+            try:
+                if where.exists():
+                    shutil.rmtree(where)  # a retried session: start from nothing
+                for level in (where.parents[2], where.parents[1], where.parent, where):
+                    _private_dir(level)
+                report = store.restore(ref, where / "images", progress=progress, subtree=item.tree_root)
+                total += report.logical_bytes
+                (where / "images").chmod(0o700)
+                restore_args = _restore_args(where / "images")
+                prepared = tcp_remap.prepare_images(where / "images", remap or {})
+                if stopped():  # the session let its held connections go: hold no more
+                    break
+                if lock is not None:
+                    lock.extend(prepared.connections)
+                staged = {
+                    "checkpoint": checkpoint,
+                    "namespace": item.namespace,
+                    "pod": item.pod,
+                    "pod_uid": item.pod_uid,
+                    "container": item.container,
+                    "restore_args": restore_args,
+                }
+                partial = where / "staged.json.partial"
+                partial.write_text(json.dumps(staged) + "\n")
+                partial.chmod(0o600)
+                partial.rename(where / "staged.json")  # last: the wrapper waits for this file
+            finally:
+                if stopped():  # the session ended meanwhile, and may have unstaged before this was
+                    unstage([item], restore_dir)
     except StoreError as exc:
         raise StagingError(f"fetching {ref} from {config.where()}: {exc}") from exc
     except tcp_remap.RemapError as exc:
@@ -261,8 +277,9 @@ async def run(agent: Agent, session: Session) -> None:
     planned: list[ContainerRestore] = []
     restore_dir = agent.registry.config.restore_dir
     lock = tcp_remap.ConnectionLock([])  # the restored TCP connections, held until every node restored
+    stop = threading.Event()  # the session is over: a download still running stages nothing more
     try:
-        planned = await download(agent, session, request, lock)
+        await download(agent, session, request, lock, planned, stop)
         staged_at = time.time()  # a container of these pods registered before is not the restored one
         async with coordinated(agent, session) as (client, proxy):
             session.engine = driver.NodeDriver(
@@ -310,6 +327,7 @@ async def run(agent: Agent, session: Session) -> None:
         log.exception("session %s", request.session_id)
         finish_failed(session, api.SessionState.FAILED, f"agent error: {exc}")
     finally:
+        stop.set()  # first: a download still running holds no more connections, stages nothing more
         for error in await asyncio.to_thread(lock.unlock):  # a failed restore lets them go too
             log.error("session %s: %s", request.session_id, error)
         if report.state is not api.SessionState.SUCCEEDED:
@@ -318,7 +336,8 @@ async def run(agent: Agent, session: Session) -> None:
                 log.error("session %s: %s", request.session_id, line)
             if failed:
                 report.message = f"{report.message}; {'; '.join(failed)}"[:4000]
-        # staged images are used once (the restored container has read them) or not at all
+        # staged images are used once (the restored container has read them) or not at all; a failed
+        # or aborted download's are removed too (`planned` is known before anything is staged)
         unstage(planned, restore_dir)
         report.finished_at = time.time()
         log.info(
@@ -328,9 +347,15 @@ async def run(agent: Agent, session: Session) -> None:
 
 
 async def download(
-    agent: Agent, session: Session, request: api.RestoreRequest, lock: tcp_remap.ConnectionLock
-) -> list[ContainerRestore]:
-    """Read the checkpoint's manifest, plan this node's containers and stage their images."""
+    agent: Agent,
+    session: Session,
+    request: api.RestoreRequest,
+    lock: tcp_remap.ConnectionLock,
+    planned: list[ContainerRestore],
+    stop: threading.Event,
+) -> None:
+    """Read the checkpoint's manifest, plan this node's containers (into `planned`, before anything is
+    staged, so that the caller removes what a failed download staged) and stage their images."""
     from ibckpt.store import ImageStore, StoreError  # boto3: only when staging
     from ibckpt.store.layout import CheckpointRef
     from ibckpt_node.agent.staging import store_config
@@ -353,7 +378,7 @@ async def download(
     except ValueError as exc:
         raise RestoreError(f"the restore request's address map: {exc}") from None
     manifest = await asyncio.to_thread(read_manifest)
-    planned = plan(request, manifest)
+    planned[:] = plan(request, manifest)
     fetched = 0
 
     def count(size: int) -> None:  # runs on the download's threads
@@ -371,6 +396,7 @@ async def download(
         count,
         remap,
         lock,
+        stop,
     )
     try:
         session.report.bytes = await asyncio.wait_for(staging, request.timeouts.download_seconds)
@@ -387,4 +413,3 @@ async def download(
             ", ".join(f"{a}={b}" for a, b in remap.items()) or "none",
             ", ".join(c.describe() for c in lock.connections) or "none",
         )
-    return planned
