@@ -3,17 +3,17 @@
 The run connects to the job's coordinator, serves the shims' coordinator socket and runs the driver
 (NodeDriver.checkpoint) over the ranks and their process trees. The images land in
 WORK_DIR/sessions/<id>/images; with a store named in the request, `upload` stages them as this node's
-part of the checkpoint (the operator commits the parts). A coordinator lost on the way is replaced
-through recovery.rejoin; ranks a Stop or Hold dump leaves released wait for recovery.py or a kill.
+part of the checkpoint (the operator commits the parts), and then they are removed from the node. Images
+that were not staged stay for a bounded time (`settle`, disk.py). A coordinator lost on the way is
+replaced through recovery.rejoin; ranks a Stop or Hold dump leaves released wait for recovery.py or a
+kill.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
-import os
 import time
 from pathlib import Path
 
@@ -22,7 +22,7 @@ from ibckpt.agentapi import models as api
 from ibckpt.coordination.client import CoordinationAborted, CoordinatorError
 from ibckpt.coordination.ranks import RankId
 from ibckpt_node import driver
-from ibckpt_node.agent import recovery
+from ibckpt_node.agent import disk, recovery
 from ibckpt_node.agent.kubesecrets import StagingError
 from ibckpt_node.agent.session import Agent, Session, coordinated, finish_failed, passed, set_phase
 from ibckpt_node.criu import CriuError
@@ -31,20 +31,13 @@ from ibckpt_node.errors import CheckpointFailed, CheckpointRefused
 log = logging.getLogger(__name__)
 
 
-def tree_bytes(root: Path) -> int:
-    total = 0
-    for dirpath, _, files in os.walk(root):
-        for name in files:
-            with contextlib.suppress(OSError):
-                total += os.lstat(os.path.join(dirpath, name)).st_size
-    return total
-
-
 async def run(agent: Agent, session: Session) -> None:
     request = session.request
     assert isinstance(request, api.CheckpointRequest)
     report = session.report
     images = agent.work_dir / "sessions" / request.session_id / "images"
+    staged = False
+    why = ""  # why images that were not staged stay (disk.keep)
     try:
         async with coordinated(agent, session) as (client, proxy):
             session.engine = driver.NodeDriver(
@@ -65,13 +58,14 @@ async def run(agent: Agent, session: Session) -> None:
             "Held": api.RankPhase.HELD,
         }.get(result.outcome, api.RankPhase.DONE)
         for tree in session.trees:
-            size = tree_bytes(images / tree.name)
+            size = disk.tree_bytes(images / tree.name)
             report.bytes += size
             members = [session.by_key[k] for k in session.tree_keys[tree.name]]
             for progress in members:
                 progress.bytes = size // max(1, len(members))
         if request.images is not None:
             await upload(agent, session, images)
+            staged = True
         for progress in report.ranks:
             progress.phase = final
         report.state = api.SessionState.SUCCEEDED
@@ -79,8 +73,11 @@ async def run(agent: Agent, session: Session) -> None:
         if request.images is None:
             report.message = f"images in {images} on {agent.node}"
     except StagingError as exc:
-        # only the upload failed; the images stay here
-        finish_failed(session, api.SessionState.FAILED, f"{exc} (images kept in {images})")
+        # only the upload failed; the images stay here, for a while
+        why = disk.UPLOAD_FAILED
+        keep_s = agent.keep_failed_images_s
+        kept = f"images kept in {images} for {disk.duration(keep_s)}" if keep_s > 0 else "images removed"
+        finish_failed(session, api.SessionState.FAILED, f"{exc} ({kept})")
     except CheckpointRefused as exc:
         finish_failed(session, api.SessionState.REFUSED, str(exc))
     except CoordinationAborted as exc:
@@ -92,6 +89,7 @@ async def run(agent: Agent, session: Session) -> None:
         state = api.SessionState.ABORTED if aborted and session.abort_reason else api.SessionState.FAILED
         finish_failed(session, state, str(exc))
     except asyncio.CancelledError:
+        why = "aborted"
         if not session.recovering:  # a recovery reports for itself
             finish_failed(session, api.SessionState.ABORTED, session.abort_reason or "cancelled")
     except Exception as exc:
@@ -103,6 +101,7 @@ async def run(agent: Agent, session: Session) -> None:
             await session.engine.end_leases()
         if not session.held:  # every rank runs again: nothing for a next agent to bring back
             recovery.forget(agent.work_dir, request.session_id)
+        await settle(agent, session, images, staged, why or report.state.value.lower())
         if not session.recovering:
             report.finished_at = time.time()
             log.info(
@@ -113,6 +112,26 @@ async def run(agent: Agent, session: Session) -> None:
                 report.message,
             )
             agent.on_finished(report)
+
+
+async def settle(agent: Agent, session: Session, images: Path, staged: bool, why: str) -> None:
+    """The images once the session is over: staged ones are removed; a store-less checkpoint's are
+    its result and stay; others stay for `keep_failed_images_s` (the sweep removes them then), or go
+    at once when that is 0. Never fails the session: what cannot be removed is logged, and swept later."""
+    request = session.request
+    sid = request.session_id
+    result = request.images is None and session.report.state is api.SessionState.SUCCEEDED
+    try:
+        present = images.exists()
+        if staged or (agent.keep_failed_images_s <= 0 and not result):
+            freed = await asyncio.to_thread(disk.release, agent.work_dir, sid)
+            if present:
+                done = "staged" if staged else f"not staged: {why}"
+                log.info("session %s: removed its images (%s): %d bytes freed", sid, done, freed)
+        elif present:
+            disk.keep(agent.work_dir, sid, disk.RESULT if result else why)
+    except OSError as exc:
+        log.warning("session %s: its images in %s: %s", sid, images, exc)
 
 
 async def upload(agent: Agent, session: Session, images: Path) -> None:

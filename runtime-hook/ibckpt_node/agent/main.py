@@ -2,13 +2,14 @@
 
     ibckpt-agent --node NAME --address NODE_IP [--port 9478] [--metrics-port 9479]
         [--host-dir /var/lib/ibckpt] [--install [--install-root /host] [--prefix /usr/local]]
-        --allow system:serviceaccount:NS:NAME ...
+        [--keep-failed-images SECONDS] --allow system:serviceaccount:NS:NAME ...
 
 At start, with --install, it copies the node pieces onto the host (ibckpt_node.hook.install: the hook,
 the runtime wrapper and the shim under PREFIX, /etc/ibckpt/node.json), so that containerd finds them in
 the node's own filesystem (seen here under --install-root). Then it hosts the container registry on
 HOST_DIR/registry.sock and serves the agent API (ibckpt.agentapi) on NODE_IP:PORT to the identities
 given with --allow, and Prometheus metrics on NODE_IP:METRICS_PORT. It never binds a wildcard address.
+It keeps what sessions leave under HOST_DIR bounded (agent/disk.py; --keep-failed-images).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from ibckpt import logsetup
 from ibckpt.agentapi.models import DEFAULT_PORT
 from ibckpt_node import failpoints
 from ibckpt_node.agent.auth import Authenticator, TokenReviewer
+from ibckpt_node.agent.disk import DEFAULT_KEEP_FAILED_S
 from ibckpt_node.agent.kubesecrets import KubeSecrets
 from ibckpt_node.agent.server import AgentServer
 from ibckpt_node.hook import install
@@ -79,6 +81,14 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         default=[i for i in os.environ.get("IBCKPT_AGENT_ALLOW", "").split(",") if i],
         help="an identity that may call the API (system:serviceaccount:NS:NAME); $IBCKPT_AGENT_ALLOW",
     )
+    parser.add_argument(
+        "--keep-failed-images",
+        type=float,
+        default=DEFAULT_KEEP_FAILED_S,
+        metavar="SECONDS",
+        help="how long the images of a checkpoint that was not staged (its upload failed, say) stay on "
+        "the node; 0: removed at once (default: %(default)g)",
+    )
     parser.add_argument("--log-level", default=os.environ.get("IBCKPT_LOG_LEVEL", "info"))
     parser.add_argument(
         "--failpoints",
@@ -90,6 +100,8 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error("--node and --address are required (or NODE_NAME and HOST_IP)")
     if args.address in ("0.0.0.0", "::"):
         parser.error("--address must be one of the node's addresses, not a wildcard")
+    if args.keep_failed_images < 0:
+        parser.error("--keep-failed-images must be 0 or more seconds")
     if not args.allow:
         parser.error("give at least one --allow identity (the operator's service account)")
     return args
@@ -123,6 +135,7 @@ async def serve(args: argparse.Namespace) -> None:
         shim_present_path=Path(args.install_root) / shim.lstrip("/"),
         metrics=metrics,
         secrets=KubeSecrets.in_cluster(),
+        keep_failed_images_s=args.keep_failed_images,
     )
     if args.metrics_port:
         start_http_server(args.metrics_port, addr=args.address, registry=metrics)

@@ -19,6 +19,7 @@ operator restarted) is replaced by the one the next abort names (`rejoin`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -78,7 +79,10 @@ def load(work_dir: Path, session_id: str, order: api.AbortRequest) -> api.Checkp
 
 
 def forget(work_dir: Path, session_id: str) -> None:
-    record_path(work_dir, session_id).unlink(missing_ok=True)
+    path = record_path(work_dir, session_id)
+    path.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):  # the session's directory, once nothing else is in it (disk.py)
+        path.parent.rmdir()
 
 
 def start(agent: Agent, session: Session, reason: str, order: api.AbortRequest | None) -> None:

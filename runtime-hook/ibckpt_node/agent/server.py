@@ -12,6 +12,7 @@ from pydantic import ValidationError
 import ibckpt
 from ibckpt.agentapi import models as api
 from ibckpt_node.agent.auth import Authenticator, AuthError
+from ibckpt_node.agent.disk import DEFAULT_KEEP_FAILED_S
 from ibckpt_node.agent.httpserver import HttpServer, Request, Response
 from ibckpt_node.agent.kubesecrets import SecretReader
 from ibckpt_node.agent.session import SessionError
@@ -76,6 +77,7 @@ class AgentServer:
         shim_present_path: Path | None = None,
         metrics: CollectorRegistry | None = None,
         secrets: SecretReader | None = None,
+        keep_failed_images_s: float = DEFAULT_KEEP_FAILED_S,
     ) -> None:
         self.node = node
         self.registry = registry
@@ -90,6 +92,7 @@ class AgentServer:
             Path(registry.config.coord_dir) / "coord.sock",
             self._finished,
             secrets,
+            keep_failed_images_s,
         )
         self.http = HttpServer(host, port, self.handle, error)
         self.ready = False
@@ -101,6 +104,7 @@ class AgentServer:
 
     async def start(self) -> None:
         await self.registry.start()
+        self.sessions.start_sweeping()  # what earlier sessions left on the disk, first of all
         await self.http.start()
         self.ready = True
         log.info("node agent for %s serving %s", self.node, self.address)

@@ -22,6 +22,7 @@ from ibckpt.agentapi import models as api
 from ibckpt.coordination.client import CoordinatorClient
 from ibckpt.coordination.ranks import RankId
 from ibckpt_node import driver
+from ibckpt_node.agent.disk import DEFAULT_KEEP_FAILED_S
 from ibckpt_node.agent.kubesecrets import SecretReader
 from ibckpt_node.coord_proxy import ShimCoordinatorProxy
 from ibckpt_node.ranks import LocalRank
@@ -95,6 +96,7 @@ class Agent:
     shim_socket: Path  # the shims' coordinator socket, served for one session at a time
     on_finished: Callable[[api.SessionReport], None]
     secrets: SecretReader | None  # None: this agent cannot stage images
+    keep_failed_images_s: float = DEFAULT_KEEP_FAILED_S  # how long a failed checkpoint's images stay
 
 
 @dataclass

@@ -8,7 +8,8 @@ socket, run the driver, upload), restoring.py (download, wait for the runtime's 
 recovery.py (bring back ranks a finished driver, or a previous agent, left released). The report
 (ibckpt.agentapi.SessionReport) follows the driver's milestones while it runs.
 
-One session at a time per node: the shims find the coordinator at one fixed path.
+One session at a time per node: the shims find the coordinator at one fixed path. While the agent
+runs, `sweeping` keeps what sessions leave on the node's disk within its bound (disk.py).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 
 from ibckpt.agentapi import models as api
 from ibckpt.coordination.client import CoordinatorError
-from ibckpt_node.agent import checkpointing, recovery, restoring
+from ibckpt_node.agent import checkpointing, disk, recovery, restoring
 from ibckpt_node.agent.kubesecrets import SecretReader
 from ibckpt_node.agent.session import Agent, Session, SessionError, container_ranks
 from ibckpt_node.container_runtime import RuntimeContainer
@@ -43,9 +44,11 @@ class Sessions:
         shim_socket: Path,
         on_finished: Callable[[api.SessionReport], None] = lambda report: None,
         secrets: SecretReader | None = None,
+        keep_failed_images_s: float = disk.DEFAULT_KEEP_FAILED_S,
     ) -> None:
-        self.agent = Agent(node, registry, work_dir, shim_socket, on_finished, secrets)
+        self.agent = Agent(node, registry, work_dir, shim_socket, on_finished, secrets, keep_failed_images_s)
         self.sessions: dict[str, Session] = {}
+        self.sweeper: asyncio.Task[None] | None = None
 
     def running(self) -> list[str]:
         return [sid for sid, s in self.sessions.items() if not s.report.state.finished]
@@ -243,7 +246,40 @@ class Sessions:
         )
         return session
 
+    def start_sweeping(self) -> None:
+        """Sweep now (what an earlier agent left too), then every disk.SWEEP_EVERY_S until close."""
+        self.sweeper = asyncio.create_task(self._sweeping(), name="disk sweep")
+
+    async def _sweeping(self) -> None:
+        trash = self.agent.work_dir / disk.TRASH
+        await self.sweep(disk.in_trash(trash))
+        while True:
+            await asyncio.sleep(disk.SWEEP_EVERY_S)
+            await self.sweep()
+
+    async def sweep(self, also: list[disk.Leftover] | None = None) -> None:
+        """Remove what outlived its bound on the node's disk, never what a session of this agent runs
+        or recovers with. The decision and the move into the trash happen here, on the event loop,
+        where sessions start; the removal on a thread. An error is logged, never raised."""
+        agent = self.agent
+        try:
+            busy = {sid for sid, s in self.sessions.items() if s.recovering or not s.report.state.finished}
+            restoring = any(
+                isinstance(s.request, api.RestoreRequest) and not s.report.state.finished
+                for s in self.sessions.values()
+            )
+            restore_root = Path(agent.registry.config.state_dir) / "restore"  # NodeConfig.restore_dir's
+            found = disk.expired(agent.work_dir, restore_root, agent.keep_failed_images_s, busy, restoring)
+            taken = (also or []) + disk.take(found, agent.work_dir / disk.TRASH)
+            if taken:
+                await asyncio.to_thread(disk.dispose, taken)
+        except Exception:
+            log.exception("sweeping the node's disk")
+
     async def close(self) -> None:
+        if self.sweeper is not None:
+            self.sweeper.cancel()
+            await asyncio.wait([self.sweeper])
         for session in self.sessions.values():
             if session.task is not None and not session.task.done():
                 await self.abort(session.report.session_id, "the node agent is stopping")
