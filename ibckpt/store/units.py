@@ -52,11 +52,14 @@ def parse_duration(text: str) -> float:
 
 
 def format_size(size: float) -> str:
-    """Bytes in binary units, 3 significant digits: 1.50 GiB."""
+    """Bytes in binary units, 3 significant digits: 1.50 GiB, 50.0 MiB, 1000 MiB."""
     value = float(size)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.3g} {unit}"
+            if unit == "B":
+                return f"{value:.0f} B"
+            decimals = 0 if abs(value) >= 100 else 1 if abs(value) >= 10 else 2
+            return f"{value:.{decimals}f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
 

@@ -19,7 +19,7 @@ from ibckpt.store.errors import ConfigError, ManifestError, StoreError
 from ibckpt.store.layout import CheckpointRef, Layout, new_checkpoint_id, parse_checkpoint_ref
 from ibckpt.store.manifest import ChunkRef, FileRecord, Manifest, parse_manifest
 from ibckpt.store.retention import CheckpointFacts, RetentionPolicy, decide
-from ibckpt.store.units import parse_duration, parse_size
+from ibckpt.store.units import format_size, parse_duration, parse_size
 
 # -- chunking -----------------------------------------------------------------------------------------
 
@@ -289,3 +289,8 @@ def test_wrong_region_message_names_the_right_one() -> None:
     message = str(translate(error, connection, "checking the bucket"))
     assert "bucket 'ckpts' is not in region us-east-1" in message and "it is in eu-west-1" in message
     assert "AWS S3 (us-east-1)" in message and secret not in message
+
+
+def test_sizes_read_as_three_digits_never_in_exponent_form() -> None:
+    got = [format_size(n) for n in (0, 999, 1024, 400_000, 1000 * 2**20, 1.5 * 2**30, 50 * 2**20)]
+    assert got == ["0 B", "999 B", "1.00 KiB", "391 KiB", "1000 MiB", "1.50 GiB", "50.0 MiB"]

@@ -22,6 +22,7 @@ from ibckpt.api import (
     JobReference,
     ObjectMeta,
 )
+from ibckpt.store.units import format_size
 from ibckpt_operator import metrics
 from ibckpt_operator.cluster import storage
 from ibckpt_operator.cluster.kube import Body
@@ -152,7 +153,7 @@ class CheckpointStoreDriver(Driver[JobState]):
             rank_count=sum(len(keys) for keys in self.record.rank_keys.values()),
             requires=await self.record.requires(self.rt, members),
             nodes=sorted({m.pod.node for m in members if m.pod.node}),
-            size=CheckpointSize(bytes=total, human=_human(total)),
+            size=CheckpointSize(bytes=total, human=format_size(total)),
         )
         labels = self.copied_labels()
         checkpoint = Checkpoint(
@@ -173,12 +174,3 @@ class CheckpointStoreDriver(Driver[JobState]):
         if "*" in keys:
             return dict(labels)
         return {key: labels[key] for key in keys if key in labels}
-
-
-def _human(size: int) -> str:
-    value = float(size)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{size} B"
