@@ -122,17 +122,9 @@ def checkpoint(api: KubeApi, args: argparse.Namespace) -> int:
     short, pods = _target(api, args.target, args.selector)
     spec: Body = {**pods, "mode": args.mode, "storageRef": {"name": _storage(api, args.storage)}}
     meta: Body = {"name": args.name} if args.name else {"generateName": f"{short[:50]}-"}
-    created = api.create(CHECKPOINT_JOB, _object(CHECKPOINT_JOB, meta, spec))
-    name = created["metadata"]["name"]
-    print(f"checkpointjob/{name} created")
-    if args.no_wait:
-        return 0
-    body = _follow(api, CHECKPOINT_JOB, name, args.timeout)
-    if body is None:
-        return 2
-    status = body.get("status") or {}
-    if status.get("phase") != "Succeeded":
-        return _failed(CHECKPOINT_JOB, name, status)
+    status = _run_job(api, CHECKPOINT_JOB, _object(CHECKPOINT_JOB, meta, spec), args)
+    if isinstance(status, int):
+        return status
     size = format_size(status["bytes"]) if status.get("bytes") is not None else "? bytes"
     print(f"checkpoint/{status.get('checkpointName')} committed: {status.get('podCount', '?')} pods, {size}")
     return 0
@@ -166,17 +158,9 @@ def restore(api: KubeApi, args: argparse.Namespace) -> int:
     api.must_get(CHECKPOINT, name_of)
     spec: Body = {"checkpointName": name_of, "avoidSourceNodes": args.avoid_source_nodes}
     meta: Body = {"name": args.name} if args.name else {"generateName": f"{name_of[:50]}-restore-"}
-    created = api.create(RESTORE_JOB, _object(RESTORE_JOB, meta, spec))
-    name = created["metadata"]["name"]
-    print(f"restorejob/{name} created")
-    if args.no_wait:
-        return 0
-    body = _follow(api, RESTORE_JOB, name, args.timeout)
-    if body is None:
-        return 2
-    status = body.get("status") or {}
-    if status.get("phase") != "Succeeded":
-        return _failed(RESTORE_JOB, name, status)
+    status = _run_job(api, RESTORE_JOB, _object(RESTORE_JOB, meta, spec), args)
+    if isinstance(status, int):
+        return status
     placed = ", ".join(f"{p['name']} on {p.get('node')}" for p in status.get("pods") or [])
     print(f"restored from checkpoint/{name_of}: {placed}")
     return 0
@@ -187,6 +171,22 @@ def restore(api: KubeApi, args: argparse.Namespace) -> int:
 
 def _object(kind: KindInfo, meta: Body, spec: Body) -> Body:
     return {"apiVersion": API_VERSION, "kind": kind.kind, "metadata": meta, "spec": spec}
+
+
+def _run_job(api: KubeApi, kind: KindInfo, body: Body, args: argparse.Namespace) -> Body | int:
+    """Create the job and follow it: its final status when it succeeded, else the exit code (0 with
+    --no-wait, 1 failed, 2 still running at --timeout)."""
+    name = api.create(kind, body)["metadata"]["name"]
+    print(f"{kind.singular}/{name} created")
+    if args.no_wait:
+        return 0
+    final = _follow(api, kind, name, args.timeout)
+    if final is None:
+        return 2
+    status: Body = final.get("status") or {}
+    if status.get("phase") != "Succeeded":
+        return _failed(kind, name, status)
+    return status
 
 
 def _follow(api: KubeApi, kind: KindInfo, name: str, timeout: float) -> Body | None:
