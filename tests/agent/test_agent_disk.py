@@ -27,6 +27,7 @@ from pydantic import SecretStr
 
 from ibckpt.agentapi import (
     AgentClient,
+    CheckpointRequest,
     ImageDestination,
     ImageSource,
     Mode,
@@ -46,17 +47,6 @@ from testbed.s3 import S3Server
 
 SECRET = SecretRef(namespace="ibckpt", name="s3-credentials")
 HOUR = 3600.0
-
-
-@pytest.fixture
-def criu_that_exits_0(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A PATH whose criu 'dumps' by exiting 0: the session gets past the dump without a real one."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    criu = bin_dir / "criu"
-    criu.write_text("#!/bin/sh\nexit 0\n")
-    criu.chmod(0o755)
-    monkeypatch.setenv("PATH", str(bin_dir))
 
 
 def secret_data(s3: S3Server) -> dict[str, str]:
@@ -112,7 +102,7 @@ def wait_for(check: Callable[[], bool], timeout_s: float = 15.0) -> None:
 # -- a checkpoint's images ----------------------------------------------------------------------
 
 
-@pytest.mark.usefixtures("criu_that_exits_0")
+@pytest.mark.usefixtures("fake_criu")
 def test_staged_images_leave_the_node_and_the_held_sessions_record_stays_until_its_ranks_run(
     agent: Running,
     tmp_path: Path,
@@ -159,19 +149,13 @@ def test_images_that_were_not_staged_stay_for_the_bound_and_say_so(
     tmp_path: Path,
     coordinator: ThreadedCoordinator,
     sleeper: subprocess.Popen[bytes],
-    criu_that_exits_0: None,
+    fake_criu: None,
 ) -> None:
     """The harness's agent cannot read Secrets: the upload fails (a StagingError), after the dump."""
     state = tmp_path / "state"
     registered_shim(state, sleeper.pid)
     session, token = coordinator.create_session({"node-x"})
-    request = checkpoint_request(coordinator, session, token).model_copy(
-        update={
-            "images": ImageDestination(
-                location=location_stub(), credentials=SECRET, job="ring", checkpoint_id="c2"
-            )
-        }
-    )
+    request = unstageable(checkpoint_request(coordinator, session, token), "c2")
     client = agent.client()
     client.checkpoint(request)
     report = wait_finished(client, session)
@@ -184,10 +168,16 @@ def test_images_that_were_not_staged_stay_for_the_bound_and_say_so(
     assert not recovery.record_path(state, session).exists()  # the rank runs: no record
 
 
-def location_stub() -> S3Location:
-    return S3Location.model_validate(
+def unstageable(request: CheckpointRequest, checkpoint_id: str) -> CheckpointRequest:
+    """The request with images to stage in a bucket the harness's agent cannot reach: it may not read
+    Secrets, so the upload fails (a StagingError) after the dump."""
+    location = S3Location.model_validate(
         {"bucket": "never-reached", "credentialsSecretRef": {"name": SECRET.name}}
     )
+    destination = ImageDestination(
+        location=location, credentials=SECRET, job="ring", checkpoint_id=checkpoint_id
+    )
+    return request.model_copy(update={"images": destination})
 
 
 def test_with_no_time_to_keep_them_images_that_were_not_staged_go_at_once(
@@ -195,19 +185,13 @@ def test_with_no_time_to_keep_them_images_that_were_not_staged_go_at_once(
     tmp_path: Path,
     coordinator: ThreadedCoordinator,
     sleeper: subprocess.Popen[bytes],
-    criu_that_exits_0: None,
+    fake_criu: None,
 ) -> None:
     state = tmp_path / "state"
     agent_options(agent, keep_s=0)
     registered_shim(state, sleeper.pid)
     session, token = coordinator.create_session({"node-x"})
-    request = checkpoint_request(coordinator, session, token).model_copy(
-        update={
-            "images": ImageDestination(
-                location=location_stub(), credentials=SECRET, job="ring", checkpoint_id="c3"
-            )
-        }
-    )
+    request = unstageable(checkpoint_request(coordinator, session, token), "c3")
     client = agent.client()
     client.checkpoint(request)
     report = wait_finished(client, session)

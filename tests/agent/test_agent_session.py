@@ -49,17 +49,6 @@ def registered_shim(state: Path, pid: int) -> Shim:
     return shim
 
 
-@pytest.fixture
-def fake_criu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A PATH whose criu 'dumps' by exiting 0: the session gets past the dump without a real one."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    criu = bin_dir / "criu"
-    criu.write_text("#!/bin/sh\nexit 0\n")
-    criu.chmod(0o755)
-    monkeypatch.setenv("PATH", str(bin_dir))
-
-
 def wait_finished(client: AgentClient, session: str, timeout_s: float = 60) -> SessionReport:
     deadline = time.monotonic() + timeout_s
     report = client.session(session)
