@@ -27,7 +27,6 @@ from pydantic import SecretStr
 
 from ibckpt.agentapi import (
     AgentClient,
-    CheckpointRequest,
     ImageDestination,
     ImageSource,
     Mode,
@@ -151,14 +150,8 @@ def test_images_that_were_not_staged_stay_for_the_bound_and_say_so(
     sleeper: subprocess.Popen[bytes],
     fake_criu: None,
 ) -> None:
-    """The harness's agent cannot read Secrets: the upload fails (a StagingError), after the dump."""
     state = tmp_path / "state"
-    registered_shim(state, sleeper.pid)
-    session, token = coordinator.create_session({"node-x"})
-    request = unstageable(checkpoint_request(coordinator, session, token), "c2")
-    client = agent.client()
-    client.checkpoint(request)
-    report = wait_finished(client, session)
+    session, report = failed_upload(agent, state, coordinator, sleeper.pid)
     images = state / "sessions" / session / "images"
     assert report.state == "Failed", report
     assert report.message.endswith(f"(images kept in {images} for 6 h)"), report.message
@@ -168,16 +161,21 @@ def test_images_that_were_not_staged_stay_for_the_bound_and_say_so(
     assert not recovery.record_path(state, session).exists()  # the rank runs: no record
 
 
-def unstageable(request: CheckpointRequest, checkpoint_id: str) -> CheckpointRequest:
-    """The request with images to stage in a bucket the harness's agent cannot reach: it may not read
-    Secrets, so the upload fails (a StagingError) after the dump."""
+def failed_upload(
+    agent: Running, state: Path, coordinator: ThreadedCoordinator, pid: int
+) -> tuple[str, SessionReport]:
+    """A checkpoint of one registered rank whose upload fails after the dump: the harness's agent may
+    not read Secrets, so staging raises a StagingError. The session id and its final report."""
+    registered_shim(state, pid)
+    session, token = coordinator.create_session({"node-x"})
     location = S3Location.model_validate(
         {"bucket": "never-reached", "credentialsSecretRef": {"name": SECRET.name}}
     )
-    destination = ImageDestination(
-        location=location, credentials=SECRET, job="ring", checkpoint_id=checkpoint_id
-    )
-    return request.model_copy(update={"images": destination})
+    destination = ImageDestination(location=location, credentials=SECRET, job="ring", checkpoint_id="c2")
+    request = checkpoint_request(coordinator, session, token).model_copy(update={"images": destination})
+    client = agent.client()
+    client.checkpoint(request)
+    return session, wait_finished(client, session)
 
 
 def test_with_no_time_to_keep_them_images_that_were_not_staged_go_at_once(
@@ -189,12 +187,7 @@ def test_with_no_time_to_keep_them_images_that_were_not_staged_go_at_once(
 ) -> None:
     state = tmp_path / "state"
     agent_options(agent, keep_s=0)
-    registered_shim(state, sleeper.pid)
-    session, token = coordinator.create_session({"node-x"})
-    request = unstageable(checkpoint_request(coordinator, session, token), "c3")
-    client = agent.client()
-    client.checkpoint(request)
-    report = wait_finished(client, session)
+    session, report = failed_upload(agent, state, coordinator, sleeper.pid)
     assert report.state == "Failed" and report.message.endswith("(images removed)"), report
     assert not (state / "sessions" / session).exists()
 
