@@ -312,7 +312,13 @@ def test_an_existing_pod_of_the_same_name_fails_before_anything_is_created(
     creds(cluster_ns, s3_server)
     location = storage(s3_server, bucket)
     cluster_ns.create(
-        "checkpoints", checkpoint("ring-c1", location, [("ring-1", "node-b"), ("ring-0", "node-a")])
+        "checkpoints",
+        checkpoint(
+            "ring-c1",
+            location,
+            [("ring-1", "node-b"), ("ring-0", "node-a")],
+            job=f"{cluster_ns.namespace}/ring",
+        ),
     )
     with operator():
         cluster_ns.create(RESTORES, restore_job("back", checkpointName="ring-c1"))
@@ -337,7 +343,12 @@ def test_an_incompatible_node_fails_before_anything_is_created(
     creds(cluster_ns, s3_server)
     required = {"ibckpt": "0.1.0", "kernel": "6.1.0-13-amd64", "criu": "4.1"}
     location = storage(s3_server, bucket)
-    cluster_ns.create("checkpoints", checkpoint("ring-c1", location, [("ring-0", "node-old")], required))
+    cluster_ns.create(
+        "checkpoints",
+        checkpoint(
+            "ring-c1", location, [("ring-0", "node-old")], required, job=f"{cluster_ns.namespace}/ring"
+        ),
+    )
     with operator():
         cluster_ns.create(RESTORES, restore_job("back", checkpointName="ring-c1"))
         body = cluster_ns.wait(RESTORES, "back", phase("Failed"))
@@ -356,10 +367,15 @@ def test_restore_job_bad_input(
     agents.add(cluster_ns, "node-a", 1)
     creds(cluster_ns, s3_server)
     location = storage(s3_server, bucket)
-    cluster_ns.create("checkpoints", checkpoint("old", location, [("ring-0", "node-a")]))
-    unrecorded = checkpoint("older", location, [("ring-0", "node-a")])
+    ns = cluster_ns.namespace
+    cluster_ns.create("checkpoints", checkpoint("old", location, [("ring-0", "node-a")], job=f"{ns}/ring"))
+    unrecorded = checkpoint("older", location, [("ring-0", "node-a")], job=f"{ns}/ring")
     del unrecorded["spec"]["pods"][0]["template"]
     cluster_ns.create("checkpoints", unrecorded)
+    # someone who may write Checkpoints here points one at another namespace's images
+    cluster_ns.create(
+        "checkpoints", checkpoint("theirs", location, [("ring-0", "node-a")], job="other-team/ring")
+    )
     with operator():
         cluster_ns.create(RESTORES, restore_job("missing", checkpointName="nope"))
         cluster_ns.create(RESTORES, restore_job("offnode", checkpointName="old", avoidSourceNodes=True))
@@ -367,7 +383,11 @@ def test_restore_job_bad_input(
         missing = cluster_ns.wait(RESTORES, "missing", phase("Failed"))
         offnode = cluster_ns.wait(RESTORES, "offnode", phase("Failed"))
         notemplate = cluster_ns.wait(RESTORES, "notemplate", phase("Failed"))
+        cluster_ns.create(RESTORES, restore_job("foreign", checkpointName="theirs"))
+        foreign = cluster_ns.wait(RESTORES, "foreign", phase("Failed"))
     assert_failed(cluster_ns, missing, "CheckpointNotFound", "nope")
     assert_failed(cluster_ns, offnode, "NoNodeAvailable", "ring-0")
     assert_failed(cluster_ns, notemplate, "CheckpointNotRestorable", "no pod template for ring-0")
+    assert_failed(cluster_ns, foreign, "ForeignCheckpoint", "job other-team/ring", f"not in namespace {ns}")
+    assert not any(agent.restores for agent in agents.by_node.values())
     assert not pods_of(cluster_ns)

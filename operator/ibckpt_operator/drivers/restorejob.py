@@ -167,6 +167,15 @@ class RestoreJobDriver(RestorePodsDriver):
             self.emit(StepFailed(action.attempt, "CheckpointNotFound", message))
             return
         spec = checkpoint.spec
+        if spec.job_name and not spec.job_name.startswith(f"{self.namespace}/"):
+            # The store's job names are namespace/name: anyone who may write a Checkpoint here could
+            # otherwise point a restore at another namespace's images in a shared bucket.
+            message = (
+                f"Checkpoint {self.checkpoint_ref} names the images of job {spec.job_name}, which is not "
+                f"in namespace {self.namespace}: a RestoreJob restores only its own namespace's images"
+            )
+            self.emit(StepFailed(action.attempt, "ForeignCheckpoint", message))
+            return
         await storage.check(self.rt.kube, self.namespace, spec.storage_ref, spec.storage)
         problems = (
             [] if spec.job_name and spec.checkpoint_id else ["it names no job or checkpoint id in the store"]
