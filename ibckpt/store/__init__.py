@@ -15,6 +15,7 @@ from ibckpt.store.config import (
 from ibckpt.store.errors import (
     AccessDeniedError,
     BucketNotFoundError,
+    CheckpointExistsError,
     CheckpointNotFoundError,
     ChunkCorruptError,
     ChunkError,
@@ -32,6 +33,7 @@ from ibckpt.store.store import ImageStore
 __all__ = [
     "AccessDeniedError",
     "BucketNotFoundError",
+    "CheckpointExistsError",
     "CheckpointNotFoundError",
     "CheckpointRef",
     "ChunkCorruptError",

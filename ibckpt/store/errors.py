@@ -35,6 +35,10 @@ class CheckpointNotFoundError(StoreError):
     """No committed manifest exists for the checkpoint asked for."""
 
 
+class CheckpointExistsError(StoreError):
+    """A commit found the checkpoint already committed: a manifest is never replaced."""
+
+
 class ManifestError(StoreError):
     """A manifest could not be parsed or has an unsupported schema version."""
 

@@ -10,9 +10,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import UTC, datetime
 
+import botocore.exceptions
+
 from ibckpt import __version__
 from ibckpt.store.context import StoreContext
-from ibckpt.store.errors import ManifestError, StoreError
+from ibckpt.store.errors import CheckpointExistsError, ManifestError, StoreError
 from ibckpt.store.layout import CheckpointRef, check_checkpoint_id, check_job
 from ibckpt.store.leases import holder_lease, wait_for_sweeps
 from ibckpt.store.manifest import (
@@ -24,7 +26,7 @@ from ibckpt.store.manifest import (
     Versions,
     parse_manifest,
 )
-from ibckpt.store.s3 import ListedObject, list_objects, s3_errors
+from ibckpt.store.s3 import ListedObject, is_not_found, list_objects, s3_errors
 
 
 def part_name(key: str) -> str:
@@ -150,6 +152,7 @@ def commit_parts(
         manifest = merge_parts(parts, versions, labels)
         lease.check()
         with s3_errors(context.connection, f"committing {ref}"):
+            _refuse_if_committed(context, ref)
             context.client.put_object(
                 Bucket=context.bucket,
                 Key=context.layout.manifest_key(ref),
@@ -160,6 +163,22 @@ def commit_parts(
         # The parts just merged: listing them again would cost a request and find the same ones.
         _delete_keys(context, ref, [context.layout.part_key(ref, name) for name in parts])
     return manifest
+
+
+def _refuse_if_committed(context: StoreContext, ref: CheckpointRef) -> None:
+    """A second job under the same checkpoint name must not replace the first one's manifest (and with
+    it what restores): it fails instead. The writer lease is held, so no other commit runs meanwhile."""
+    key = context.layout.manifest_key(ref)
+    try:
+        context.client.head_object(Bucket=context.bucket, Key=key)
+    except botocore.exceptions.ClientError as error:
+        if is_not_found(error):
+            return
+        raise
+    raise CheckpointExistsError(
+        f"checkpoint {ref} is already committed (manifest {key}); a commit never replaces one: "
+        "give the job another checkpoint name"
+    )
 
 
 def delete_parts(context: StoreContext, ref: CheckpointRef) -> int:

@@ -119,6 +119,29 @@ def test_selector_matching_nothing_fails_and_touches_nothing(
     assert after == before and agent.requests == []
 
 
+def test_a_checkpoint_name_already_taken_fails_before_any_pod_is_touched(
+    cluster_ns: Cluster, s3_server: S3Server, bucket: str, agents: Agents, operator: Any
+) -> None:
+    """A commit never replaces a checkpoint (the store refuses it too: tests/store/test_parts.py); the
+    job says so in Pending, before its pods are even selected."""
+    agent = agents.add(cluster_ns, "node-a", 1)
+    cluster_ns.rank_pod(agent, "ring-0", {"app": "ring"})
+    creds(cluster_ns, s3_server)
+    taken = {"apiVersion": "ibckpt.io/v1alpha1", "kind": "Checkpoint",
+             "metadata": {"name": "taken", "annotations": {"ibckpt.io/retain-images": "true"}},
+             "spec": {"manifestKey": "ibckpt/v1/manifests/x/ring/taken.json",
+                      "storageRef": {"name": "s"}}}  # fmt: skip
+    cluster_ns.create("checkpoints", taken)
+    with operator():
+        cluster_ns.create(JOBS, job("again", storage(s3_server, bucket), checkpointName="taken"))
+        body = cluster_ns.wait(JOBS, "again", phase("Failed"))
+    assert_failed(
+        cluster_ns, body, "CheckpointExists", f"Checkpoint {cluster_ns.namespace}/taken already exists"
+    )
+    assert agent.requests == [] and not body["status"].get("pods")
+    assert cluster_ns.get("checkpoints", "taken")["spec"] == taken["spec"]
+
+
 def test_missing_credentials_secret(
     cluster_ns: Cluster, s3_server: S3Server, bucket: str, agents: Agents, operator: Any
 ) -> None:

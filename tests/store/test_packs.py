@@ -220,6 +220,7 @@ def test_parts_with_packs_merge_and_restore_per_subtree(
         "ListObjectsV2",  # parts
         "GetObject",
         "GetObject",
+        "HeadObject",  # no manifest yet: a commit never replaces one
         "PutObject",  # the manifest
         "DeleteObjects",  # the parts
         "DeleteObject",  # lease

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from ibckpt.store import RankInfo, RetentionPolicy
-from ibckpt.store.errors import StoreError
+from ibckpt.store.errors import CheckpointExistsError, StoreError
 
 pytestmark = pytest.mark.s3
 
@@ -74,3 +74,21 @@ def test_abort_drops_parts(make_store: Any, tree_factory: Any) -> None:
     assert store.abort("ns/solver", "aborted") == 1
     with pytest.raises(StoreError, match="no parts"):
         store.commit_parts("ns/solver", "aborted")
+
+
+def test_a_second_commit_under_the_same_name_is_refused_and_the_first_still_restores(
+    make_store: Any, tree_factory: Any, tmp_path: Path
+) -> None:
+    store = make_store()
+    first = tree_factory({"pages-1.img": os.urandom(50_000)})
+    stage_node(store, first, "node-a", 0, checkpoint_id="c7")
+    committed = store.commit_parts("ns/solver", "c7", expected=["node-a"])
+
+    # Another job, the same checkpoint name: its parts stage, its commit is refused, nothing replaced.
+    second = tree_factory({"pages-1.img": os.urandom(50_000)})
+    stage_node(store, second, "node-a", 0, checkpoint_id="c7")
+    with pytest.raises(CheckpointExistsError, match=r"ns/solver/c7 is already committed .* never replaces"):
+        store.commit_parts("ns/solver", "c7", expected=["node-a"])
+    assert store.manifest(committed.ref) == committed
+    store.restore(committed.ref, tmp_path / "out")
+    assert (tmp_path / "out" / "rank-0" / "pages-1.img").read_bytes() == (first / "pages-1.img").read_bytes()

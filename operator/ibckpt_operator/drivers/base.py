@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, Generic, TypeVar
 
 from ibckpt.api import ApiModel, Condition
-from ibckpt.store import StoreError
+from ibckpt.store import CheckpointExistsError, StoreError
 from ibckpt_operator import metrics
 from ibckpt_operator.cluster import storage
 from ibckpt_operator.cluster.agents import agents_by_node
@@ -65,6 +65,8 @@ def step_failure(action: StepAction, error: Exception) -> StepFailed:
     store's, or OperatorError naming the step (never silently swallowed)."""
     if isinstance(error, (StepProblem, storage.StorageProblem)):
         return StepFailed(action.attempt, error.reason, error.message)
+    if isinstance(error, CheckpointExistsError):
+        return StepFailed(action.attempt, "CheckpointExists", str(error))
     if isinstance(error, StoreError):
         return StepFailed(action.attempt, "StoreError", str(error))
     return StepFailed(action.attempt, "OperatorError", f"{type(action).__name__}: {error}")

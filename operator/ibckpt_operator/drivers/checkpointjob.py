@@ -25,12 +25,13 @@ from ibckpt.agentapi import (
     SecretRef,
     SessionReport,
 )
-from ibckpt.api import CheckpointJobStatus, CheckpointMode, JobPhase
+from ibckpt.api import CHECKPOINT, CheckpointJobStatus, CheckpointMode, JobPhase
 from ibckpt_operator.cluster import selection
 from ibckpt_operator.cluster.agents import Agent, agents_by_node, each_agent, follow_session, no_agent_message
 from ibckpt_operator.cluster.kube import Body
 from ibckpt_operator.cluster.pods import gone
 from ibckpt_operator.config import current
+from ibckpt_operator.drivers.base import StepProblem
 from ibckpt_operator.drivers.checkpointstore import CheckpointStoreDriver
 from ibckpt_operator.drivers.progress import Session
 from ibckpt_operator.drivers.runtime import Runtime
@@ -149,6 +150,14 @@ class CheckpointJobDriver(CheckpointStoreDriver):
     async def select(self, action: SelectPods) -> None:
         # The storage is checked first: bad credentials or an unreachable bucket fail before any pod.
         await self.store()
+        name = self.spec.checkpoint_name
+        if name and await self.rt.kube.get_custom(CHECKPOINT.plural, self.namespace, name) is not None:
+            # a commit would refuse it anyway (the store never replaces a manifest): say so before any
+            # rank is touched
+            message = (
+                f"Checkpoint {self.namespace}/{name} already exists: give the job another checkpointName"
+            )
+            raise StepProblem("CheckpointExists", message)
         pods = await selection.select_pods(
             self.rt.kube, self.namespace, self.spec.selector, self.spec.workload_ref
         )
