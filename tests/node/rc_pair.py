@@ -9,9 +9,7 @@ Phase scripts are formatted with `script()`; `on_both_nodes()` boots the pair an
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -124,19 +122,6 @@ def assert_exactly_once(work: Path, results: tuple[GuestResult, ...] = ()) -> di
 
 
 # Push the pid counter up first: phase 2's agent must not take the ranks' (and their threads') pids.
-PHASE1 = (
-    START
-    + """
-for _ in $(seq 300); do /bin/true; done
-start_rank {rc_args}
-sleep 3  # traffic in flight when the checkpoint starts
-agent checkpoint --rank "$key=$pid:/run/ibckpt/$role.ctl" --images {work}/images --mode Stop \\
-  > {work}/ckpt-node-$IBCKPT_NODE.json
-echo "checkpointed $key from pid $pid"
-"""
-)
-
-# Restore this node's arriving rank from its images (extra agent args in {restore_args}); its pid in $pid.
 RESTORE_RANK = """
 images={work}/images/$(echo $key | tr / _)
 agent restore --rank "$key=$images:/run/ibckpt/$role.ctl" --epoch 2 {restore_args} \\
@@ -145,56 +130,3 @@ pid=$({python} -c "import json,sys; print(json.load(open(sys.argv[1]))['restored
   {work}/restore-node-$IBCKPT_NODE.json $key)
 echo "restored $key as pid $pid on node-$IBCKPT_NODE"
 """
-
-PHASE2 = (
-    SWAPPED
-    + RESTORE_RANK
-    + """sleep 3  # traffic after the move
-for try in $(seq 30); do  # see a2a_job.status_all: retried for up to 30 s
-  {python} -m ibckpt_native.control /run/ibckpt/$role.ctl status > {work}/status-$role.json && break
-  echo "$(date +%T.%N) status of $key refused (try $try)" >> {work}/status-diag.err
-  ls -l /run/ibckpt/ /proc/$pid/fd >> {work}/status-diag.err 2>&1 || true; sleep 1
-done
-# Diagnostics only (the test asserts on status-$role.json unless status_after=False): never fail here.
-[ -s {work}/status-$role.json ] || {{
-  echo "status of $key failed; listening unix sockets, the rank's fds and net namespace vs ours:"
-  grep ' 00010000 0001 ' /proc/net/unix || true
-  ls -l /proc/$pid/fd /proc/$pid/ns/net /proc/self/ns/net || true; }}
-stop_when_both_ready
-wait_result
-"""
-)
-
-
-def migrate_swapped(
-    coordinator: Any, work: Path, rc_args: str = "", restore_args: str = "", status_after: bool = True
-) -> None:
-    """Phase 1: start (extra rc_seq `rc_args`), Stop-checkpoint; phase 2: restore swapped (extra
-    agent `restore_args`), finish; assert exactly-once and that both ranks resumed in epoch 2."""
-    ckpt = on_both_nodes(coordinator, work, PHASE1.replace("{rc_args}", rc_args))
-    assert_ok(ckpt, "checkpoint", work)
-    for key in KEYS:
-        assert (work / "images" / key.replace("/", "_") / "dump.log").exists()
-    assert not (work / "stop").exists()
-    before = {role: (work / f"{role}.out").read_text() for role in ("server", "client")}
-    assert all("RESULT" not in text for text in before.values()), "the job ended before the checkpoint"
-
-    restored = on_both_nodes(coordinator, work, PHASE2.replace("{restore_args}", restore_args))
-    assert_ok(restored, "restore", work)
-    assert re.search(r"restored ring/rank-0/main/0 as pid \d+ on node-2", restored[1].output)
-    assert re.search(r"restored ring/rank-1/main/0 as pid \d+ on node-1", restored[0].output)
-    assert_exactly_once(work, restored)
-    for node, key in ((2, KEYS[0]), (1, KEYS[1])):
-        report = json.loads((work / f"restore-node-{node}.json").read_text())
-        assert report["outcome"] == "Succeeded" and report["shim"]["rebuild"][key]["ok"], report
-        assert report["shim"]["resume"][key]["state"] == "running", report
-    if not status_after:
-        return
-    for role in ("server", "client"):
-        text = (work / f"status-{role}.json").read_text()
-        assert text, f"no status of the restored {role}:{diagnostics(work, restored)}"
-        status = json.loads(text)
-        # Resumed in the new epoch, and posting after the restore really went through the device
-        # thread (CRIU gives each restored thread its own cred; see docs/native-shim.md).
-        assert status["state"] == "running" and status["epoch"] == 2, status
-        assert status["delegated_writes"] > 0, status
