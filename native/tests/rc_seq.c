@@ -11,6 +11,7 @@
  *          [-t N (keep the bootstrap TCP connection open; ping over it every N messages)]
  *          [-x IP:PORT (hold an idle TCP connection to an outsider)]
  *          [-T (a second thread posts the sends while the main thread polls and re-posts receives)]
+ *          [-P USEC (pace: sleep USEC whenever the CQ is empty, so the pair leaves the CPU to others)]
  *
  * With -t, both sides send a sequence-numbered, checked 16-byte ping over the TCP
  * connection every N data messages and read the peer's without blocking; at the end
@@ -28,11 +29,11 @@
 
 struct opts {
 	const char *peer;
-	int port, gid, unsig, inl, srq, chan, window, recvs, tcp_every, threaded;
+	int port, gid, unsig, inl, srq, chan, window, recvs, tcp_every, threaded, pace_us;
 	const char *stop, *outsider;
 };
 
-static struct opts o = {NULL, 18515, 1, 1, 0, 0, 0, 16, 32, 0, 0, NULL, NULL};
+static struct opts o = {NULL, 18515, 1, 1, 0, 0, 0, 16, 32, 0, 0, 0, NULL, NULL};
 
 /* Message n into m, and the SEND WR that carries it (every -u'th signaled,
  * and the END message; inline with -i). */
@@ -213,7 +214,7 @@ int main(int argc, char **argv)
 	struct sender sd;
 	pthread_t sender_tid;
 
-	while ((c = getopt(argc, argv, "c:p:g:f:u:iqeEw:r:t:x:T")) != -1) {
+	while ((c = getopt(argc, argv, "c:p:g:f:u:iqeEw:r:t:x:TP:")) != -1) {
 		switch (c) {
 		case 'c': o.peer = optarg; break;
 		case 'p': o.port = atoi(optarg); break;
@@ -229,6 +230,7 @@ int main(int argc, char **argv)
 		case 't': o.tcp_every = atoi(optarg); break;
 		case 'x': o.outsider = optarg; break;
 		case 'T': o.threaded = 1; break;
+		case 'P': o.pace_us = atoi(optarg); break;
 		default: return 2;
 		}
 	}
@@ -412,6 +414,10 @@ int main(int argc, char **argv)
 				bad++;
 			}
 		}
+		/* Pacing: never while stopping, and only with the CQ drained (fewer than asked for), so the
+		 * peer's sends (one window) always find receives posted. */
+		if (o.pace_us > 0 && !stopping && n < 16)
+			usleep((useconds_t)o.pace_us);
 		if (ch && !progressed) {
 			struct ibv_cq *ecq;
 			void *ectx;

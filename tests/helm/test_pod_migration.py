@@ -26,7 +26,7 @@ from helm.conftest import NAMESPACE, OPERATOR_SA, STORAGE_SECRET, Release, sa_to
 from testbed import pods
 from testbed.cluster import Cluster, node_ip
 from testbed.images import APPS_IMAGE, PRODUCT_IMAGE
-from testbed.ring import assert_exactly_once, results
+from testbed.ring import PACE, assert_exactly_once, results
 from testbed.s3 import S3Server
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(2400)]
@@ -41,7 +41,7 @@ STAND_IN = Path(__file__).with_name("operator_stand_in.py")
 RING = (
     "mkdir -p /tmp/session && echo written-before-the-cut >/tmp/session/ready && rm /etc/debian_version; "
     "echo shm-before-the-cut >/dev/shm/probe && exec 3</dev/shm/probe; "
-    "rc_seq -f /tmp/stop -p 18515 & sleep 2; rc_seq -c 127.0.0.1 -f /tmp/stop -p 18515; wait; "
+    f"rc_seq -f /tmp/stop -p 18515 {PACE} & sleep 2; rc_seq -c 127.0.0.1 -f /tmp/stop -p 18515 {PACE}; wait; "
     "cat <&3; echo ring-done"
 )
 

@@ -16,7 +16,10 @@ from testbed.cluster import Cluster
 from testbed.images import APPS_IMAGE
 from testbed.release import STORAGE_SECRET
 
-SERVER = "rc_seq -f /tmp/stop -p 18515; echo ring-done"
+# -P: the pair sleeps 2 ms whenever its CQ is empty. Unpaced it busy-polls about a core of each emulated
+# node, and every other part of a test (kubelet, containerd, CRIU, the agents) waits for CPU behind it.
+PACE = "-P 2000"
+SERVER = f"rc_seq -f /tmp/stop -p 18515 {PACE}; echo ring-done"
 MEMBERS = ("ring-0", "ring-1")
 LABELS = {"app": "ring"}
 PRODUCT_NS = "ibckpt-helm"  # where tests/helm (and the demo) install the chart
@@ -98,7 +101,7 @@ def start(cluster: Cluster, namespace: str, host_network: bool = False) -> None:
     """ring-0 on node-1, ring-1 on node-2; returns once they exchange messages. With `host_network` the pods
     share their nodes' network and ring-1 also keeps a TCP connection to ring-0 (KEEPER) for the whole run."""
     server = f"{WRITE_KEEPER}; python3 /tmp/keeper.py serve & {SERVER}; wait" if host_network else SERVER
-    rc_client = 'rc_seq -c "$server" -f /tmp/stop -p 18515; echo ring-done'
+    rc_client = f'rc_seq -c "$server" -f /tmp/stop -p 18515 {PACE}; echo ring-done'
     client = f"{AWAIT_SERVER}; {rc_client}"
     if host_network:
         client = f'{WRITE_KEEPER}; {AWAIT_SERVER}; python3 /tmp/keeper.py ask "$server" & {rc_client}; wait'
@@ -146,9 +149,9 @@ def finish(cluster: Cluster, namespace: str) -> list[dict[str, str]]:
 # testbed has no cluster DNS, so the client waits for the test to write the server's address in /tmp.
 # The container stays up after the ring (a StatefulSet restarts a container that exits).
 STATEFUL_COMMAND = (
-    'if [ "$(hostname)" = ring-0 ]; then rc_seq -f /tmp/stop -p 18515; '
+    f'if [ "$(hostname)" = ring-0 ]; then rc_seq -f /tmp/stop -p 18515 {PACE}; '
     "else while [ ! -s /tmp/server ]; do sleep 1; done; "
-    'rc_seq -c "$(cat /tmp/server)" -f /tmp/stop -p 18515; fi; echo ring-done; exec sleep 1000000'
+    f'rc_seq -c "$(cat /tmp/server)" -f /tmp/stop -p 18515 {PACE}; fi; echo ring-done; exec sleep 1000000'
 )
 
 
@@ -227,7 +230,7 @@ def finish_statefulset(cluster: Cluster, namespace: str) -> list[dict[str, str]]
 # The same ring as two batch Jobs `ring-0` (server, on node-1) and `ring-1` (client, on node-2), the way
 # an MPI launcher is a Job beside its workers: each Job names its pod anew (ring-0-xxxxx).
 def jobs() -> list[dict[str, Any]]:
-    client = 'rc_seq -c "$server" -f /tmp/stop -p 18515; echo ring-done'
+    client = f'rc_seq -c "$server" -f /tmp/stop -p 18515 {PACE}; echo ring-done'
     found = []
     for job, node, command in (
         ("ring-0", "node-1", SERVER),
