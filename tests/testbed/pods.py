@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from testbed.cluster import RDMA_DEVICE, Cluster, kubectl_bin
+from testbed.cluster import NODE_NAMES, RDMA_DEVICE, Cluster, kubectl_bin
 
 
 def rdma_pod(
@@ -181,6 +181,37 @@ def delete_namespace(cluster: Cluster, name: str) -> None:
     cluster.kubectl("delete", "pods", "--all", "-n", name, *force, "--timeout=150s", check=False, timeout=170)
     pods_gone = time.monotonic() - started
     cluster.kubectl("annotate", "namespace", name, "ibckpt.io/pods-gone=true", "--overwrite", check=False)
+    stopped = wait_kubelets_stopped(cluster, name) - started
     cluster.kubectl("wait", "--for=delete", f"namespace/{name}", "--timeout=180s", check=False, timeout=200)
     gone = time.monotonic() - started
-    print(f"namespace {name}: its pods gone after {pods_gone:.1f}s, the namespace after {gone:.1f}s")
+    print(
+        f"namespace {name}: its pods gone after {pods_gone:.1f}s, stopped on the nodes after {stopped:.1f}s, "
+        f"the namespace after {gone:.1f}s"
+    )
+
+
+def wait_kubelets_stopped(cluster: Cluster, namespace: str, timeout: float = 240.0) -> float:
+    """Wait until no kubelet runs a pod of `namespace` any more; when that was (time.monotonic()).
+
+    A force-deleted pod's sandbox keeps running on its node until the kubelet has torn it down, and
+    until then the kubelet answers `kubectl exec` and `kubectl logs` for a new pod of the same name
+    from the old sandbox (it finds runtime pods by name first): the next test's exec then meets an
+    exited container. The kubelet's /runningpods lists exactly what it would search."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = []
+        for node in NODE_NAMES:
+            raw = cluster.kubectl("get", "--raw", f"/api/v1/nodes/{node}/proxy/runningpods/", check=False)
+            if raw.returncode != 0:
+                continue  # a node that does not answer runs nothing a test can reach
+            items = json.loads(raw.stdout or "{}").get("items") or []
+            left += [
+                f"{node}/{p['metadata']['name']}"
+                for p in items
+                if p["metadata"].get("namespace") == namespace
+            ]
+        if not left or time.monotonic() > deadline:
+            if left:
+                print(f"namespace {namespace}: still running after {timeout:g}s: {left}")
+            return time.monotonic()
+        time.sleep(2)
