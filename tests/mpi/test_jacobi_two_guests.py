@@ -1,10 +1,11 @@
 """Open MPI (UCX over rc_verbs on Soft-RoCE) runs jacobi across two guests, and survives checkpoints.
 
 One rank per guest: mpirun on node-1 starts orted on node-2 through rexec.py (the guests have no
-sshd). First an uninterrupted run without the shim; then the same program under libibckpt, where
-each guest's driver (inplace_ckpt.py) takes both ranks through quiesce, drain, release, rebuild and
-resume three times mid-run, in place (no CRIU). jacobi's result is deterministic, so both runs
-must print the same RESULT line; the host's own run (shared memory) must agree too.
+sshd). The program runs under libibckpt, and each guest's driver (inplace_ckpt.py) takes both ranks
+through quiesce, drain, release, rebuild and resume twice mid-run, in place (no CRIU). jacobi's result
+is deterministic, so the run must print the RESULT line of the host's own run without the shim (shared
+memory). (An uninterrupted UCX run across the guests without the shim was dropped to keep CI within its
+time: the result it checked is the host's, as in tests/helm/test_mpi_job.py.)
 
 The UCX settings and why each is needed are in docs/mpi.md.
 """
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.twoguests
 
 HERE = Path(__file__).resolve().parent
 STEPS = 1200
-CHECKPOINTS = 3
+CHECKPOINTS = 2
 
 SCRIPT = r"""
 set -u
@@ -50,8 +51,6 @@ mpi=(mpirun -np 2 --host 10.77.0.1:1,10.77.0.2:1 --mca plm_rsh_agent "python3 $R
      --mca pml ucx --mca pml_ucx_devices any --mca osc ucx --mca btl self
      -x UCX_NET_DEVICES=rxe0:1 -x UCX_TLS=rc_verbs,ud_verbs,self -x UCX_UD_ETH_DGID_CHECK=n
      -x UCX_SOCKADDR_TLS_PRIORITY=tcp)
-timeout 200 "${{mpi[@]}}" $W/jacobi -n {steps} > $W/plain.out 2>&1
-echo $? > $W/plain.rc
 $CK drive --coord 10.77.0.1:7300 --node 1 --sockets '/tmp/ck/ibk-*.sock' --count {count} --delay 8 \
   --gap 2 --wait 300 > $W/driver-1.out 2>&1 &
 timeout 300 "${{mpi[@]}}" -x LD_PRELOAD=$R/native/build/libibckpt.so -x IBCKPT_CTL=/tmp/ck/ibk-%p.sock \
@@ -96,8 +95,6 @@ def test_jacobi_over_verbs_survives_in_place_checkpoints(tmp_path: Path) -> None
         path = tmp_path / name
         return path.read_text(errors="replace").strip() if path.exists() else ""
 
-    assert read("plain.rc") == "0", why
-    assert _result(read("plain.out")) == expected, why
     assert read("ckpt.rc") == "0", why
     assert _result(read("ckpt.out")) == expected, why
     # UCX keeps the channel fds in its own epoll set: they must survive release and rebuild.
