@@ -49,7 +49,7 @@ COORD_SOCKET_NAME = "coord.sock"
 
 CONFIG_ENV = "IBCKPT_NODE_CONFIG"
 DEFAULT_CONFIG_FILE = "/etc/ibckpt/node.json"
-HOOK_TIMEOUT_S = 30  # seconds runc gives each of our hooks
+HOOK_TIMEOUT_S = 60  # seconds runc gives each of our hooks
 
 
 class Refused(Exception):
@@ -322,8 +322,8 @@ def edit_spec(spec: Spec, config: NodeConfig, container_id: str) -> Spec:
         if config.config_file and config.config_file != DEFAULT_CONFIG_FILE:
             hook_env.append(f"{CONFIG_ENV}={config.config_file}")
         for stage in ("createRuntime", "poststop"):
-            # runc fails the create when a hook runs past this; the hook itself is bounded far below it,
-            # but a node busy tearing pods down starved its Python past 10 s in CI (the pod then failed)
+            # runc fails the create (and a restore: it runs them in CRIU's setup-namespaces) when a hook
+            # runs past this; the hook bounds itself far below, but busy test nodes starved it past 10 s
             entry = {
                 "path": config.hook,
                 "args": ["ibckpt-hook", stage],
