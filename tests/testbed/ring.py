@@ -54,9 +54,10 @@ import os, socket, sys, time
 if sys.argv[1] == "serve":
     listener = socket.socket()
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind(("0.0.0.0", 18600))
+    listener.bind((sys.argv[2], 18600))  # the node's address, from the downward API
     listener.listen(1)
     conn, _ = listener.accept()
+    listener.close()  # one peer only; nothing listens on the node while the job is moved
     for line in conn.makefile("rb"):
         conn.sendall(line)
     print("keeper-served", flush=True)
@@ -100,15 +101,22 @@ AWAIT_SERVER = 'until [ -s /tmp/server ]; do sleep 1; done; server="$(cat /tmp/s
 def start(cluster: Cluster, namespace: str, host_network: bool = False) -> None:
     """ring-0 on node-1, ring-1 on node-2; returns once they exchange messages. With `host_network` the pods
     share their nodes' network and ring-1 also keeps a TCP connection to ring-0 (KEEPER) for the whole run."""
-    server = f"{WRITE_KEEPER}; python3 /tmp/keeper.py serve & {SERVER}; wait" if host_network else SERVER
+    server = (
+        f'{WRITE_KEEPER}; python3 /tmp/keeper.py serve "$HOST_IP" & {SERVER}; wait'
+        if host_network
+        else SERVER
+    )
     rc_client = f'rc_seq -c "$server" -f /tmp/stop -p 18515 {PACE}; echo ring-done'
     client = f"{AWAIT_SERVER}; {rc_client}"
     if host_network:
         client = f'{WRITE_KEEPER}; {AWAIT_SERVER}; python3 /tmp/keeper.py ask "$server" & {rc_client}; wait'
+    keeper_pod = member("ring-0", "node-1", server, host_network)
+    host_ip = {"name": "HOST_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.hostIP"}}}
+    keeper_pod["spec"]["containers"][0].setdefault("env", []).append(host_ip)
     pods.apply(
         cluster,
         namespace,
-        member("ring-0", "node-1", server, host_network),
+        keeper_pod,
         member("ring-1", "node-2", client, host_network),
     )
     server_ip = pods.wait_pod(cluster, namespace, "ring-0", {"Running"})["status"]["podIP"]
