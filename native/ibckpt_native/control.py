@@ -54,10 +54,27 @@ class lines:  # a namespace: lines.quiesce(ms) reads as the line it builds
         return f"lease {ms}"
 
 
+MAX_REPLY = 1 << 20  # a status of thousands of QPs is a few hundred KiB
+
+
 def parse_reply(command: str, raw: bytes) -> dict[str, Any]:
-    """The reply's JSON body; ControlError if the shim said `err`."""
-    status, _, body = raw.decode().strip().partition(" ")
-    reply: dict[str, Any] = json.loads(body) if body else {}
+    """The reply's JSON object; ControlError if the shim said `err`, and for anything that is not
+    `ok|err [JSON object]` (the shim runs in the tenant's process: its replies are input, and a
+    malformed one must take the same abort path as a refusal)."""
+
+    def malformed(why: str) -> ControlError:
+        shown = raw[:200].decode(errors="replace").strip()
+        return ControlError(command, {"error": f"malformed reply ({why}): {shown!r}"})
+
+    if len(raw) > MAX_REPLY:
+        raise malformed(f"{len(raw)} bytes, over {MAX_REPLY}")
+    try:
+        status, _, body = raw.decode().strip().partition(" ")
+        reply = json.loads(body) if body else {}
+    except ValueError as error:  # not UTF-8, or not JSON: a cut line, say
+        raise malformed(str(error)) from None
+    if status not in ("ok", "err") or not isinstance(reply, dict):
+        raise malformed(f"status {status!r} and a {type(reply).__name__}")
     if status != "ok":
         raise ControlError(command, reply)
     return reply

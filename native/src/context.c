@@ -232,14 +232,6 @@ IBK_EXPORT int ibv_query_gid_type(struct ibv_context *c, uint8_t port, unsigned 
 	return rc;
 }
 
-IBK_REFUSED(IBK_EXPORT int ibv_get_async_event(struct ibv_context *c, struct ibv_async_event *ev),
-	    "ibv_get_async_event", -1, (void)c, (void)ev)
-
-IBK_EXPORT void ibv_ack_async_event(struct ibv_async_event *ev)
-{
-	(void)ev;
-}
-
 /* ---- open / close ------------------------------------------------------------ */
 
 void ibk_install_ops(struct ibk_ctx *ctx)
@@ -339,6 +331,7 @@ IBK_EXPORT struct ibv_context *ibv_open_device(struct ibv_device *dev)
 	ctx = calloc(1, sizeof(*ctx));
 	if (!ctx)
 		return NULL;
+	ctx->async_fd = ctx->async_pending = -1; /* for the failure path */
 	ctx->real = ibk_real.open_device(dev);
 	if (!ctx->real) {
 		free(ctx);
@@ -356,7 +349,8 @@ IBK_EXPORT struct ibv_context *ibv_open_device(struct ibv_device *dev)
 	/* The first incarnation's ids are the virtual ones, for good. */
 	memcpy(ctx->vgid, ctx->rgid, sizeof(ctx->vgid));
 	ctx->vlid = ctx->rlid;
-	ctx->async_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+	if (ibk_async_open(ctx))
+		goto fail;
 	ibk_install_ops(ctx);
 	ctx->vctx.context.device = dev;
 	ctx->vctx.context.cmd_fd = ctx->async_fd;
@@ -370,6 +364,7 @@ IBK_EXPORT struct ibv_context *ibv_open_device(struct ibv_device *dev)
 	IBK_DBG("opened %s as shadow context %p", ctx->dev_name, (void *)&ctx->vctx.context);
 	return &ctx->vctx.context;
 fail:
+	ibk_async_close(ctx);
 	ibk_real.close_device(ctx->real);
 	ibk_idmap_fini(&ctx->lkeys);
 	ibk_idmap_fini(&ctx->qpns);
@@ -396,8 +391,7 @@ IBK_EXPORT int ibv_close_device(struct ibv_context *c)
 		ibk_devfd_forget(ctx->real->cmd_fd);
 		rc = ibk_real.close_device(ctx->real);
 	}
-	if (ctx->async_fd >= 0)
-		close(ctx->async_fd);
+	ibk_async_close(ctx);
 	ibk_idmap_fini(&ctx->lkeys);
 	ibk_idmap_fini(&ctx->qpns);
 	ibk_idmap_fini(&ctx->rqpns);

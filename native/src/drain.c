@@ -41,6 +41,8 @@ int ibk_drain_pass(void)
 	int n = 0;
 
 	FOR_EACH_CTX(ctx)
+	ibk_async_drain(ctx);
+	FOR_EACH_CTX(ctx)
 	FOR_EACH_OBJ(ctx, o)
 	{
 		if (o->kind == IBK_CQ && IBK_OBJ(o, ibk_cq)->real)

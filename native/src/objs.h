@@ -24,6 +24,7 @@ struct ibk_obj {
 };
 
 #define IBK_PAST_GIDS 8
+#define IBK_ASYNC_QUEUE 16
 
 struct ibk_ctx {
 	struct verbs_context vctx; /* the app holds &vctx.context */
@@ -38,7 +39,11 @@ struct ibk_ctx {
 	struct ibk_idmap rqpns; /* real qpn -> index into qp_slots, for SRQ completions */
 	struct ibk_qp **qp_slots;
 	int translate;         /* 0 while every virtual id equals its real id */
-	int async_fd;          /* placeholder the app may poll: never readable */
+	int async_fd;          /* the app's: an epoll fd over the real one (async.c) */
+	int async_pending;     /* eventfd in it: readable while async_q holds events */
+	pthread_mutex_t async_lock; /* one reader of the real async fd; async_q */
+	struct ibv_async_event async_q[IBK_ASYNC_QUEUE]; /* kept by a drain */
+	uint8_t async_head, async_n;
 	uint8_t port_gid_valid;
 	union ibv_gid vgid[4];  /* virtual GID per index (port 1), fixed at open */
 	union ibv_gid rgid[4];  /* current real GID per index */

@@ -9,6 +9,40 @@
 
 /* ---- creation --------------------------------------------------------------- */
 
+/* The real QP of one made by ibv_create_qp_ex: the device gets the same
+ * extended attributes, so it accepts and refuses exactly as it would
+ * natively, and a rebuild makes the same QP again. */
+static struct ibv_qp *qp_create_real_ex(struct ibv_pd *rpd, const struct ibk_qp_ex_attr *ex,
+				       struct ibv_qp_init_attr *a)
+{
+	struct ibv_context *rc = rpd->context;
+	struct verbs_context *v = verbs_get_ctx_op(rc, create_qp_ex);
+	struct ibv_qp_init_attr_ex ax;
+	struct ibv_qp *real;
+
+	if (!v) {
+		errno = EOPNOTSUPP;
+		return NULL;
+	}
+	memset(&ax, 0, sizeof(ax));
+	ax.qp_context = a->qp_context;
+	ax.send_cq = a->send_cq;
+	ax.recv_cq = a->recv_cq;
+	ax.srq = a->srq;
+	ax.cap = a->cap;
+	ax.qp_type = a->qp_type;
+	ax.sq_sig_all = a->sq_sig_all;
+	ax.comp_mask = ex->comp_mask | IBV_QP_INIT_ATTR_PD;
+	ax.pd = rpd;
+	ax.create_flags = ex->create_flags;
+	ax.send_ops_flags = ex->send_ops_flags;
+	ax.max_tso_header = ex->max_tso_header;
+	real = v->create_qp_ex(rc, &ax);
+	if (real)
+		a->cap = ax.cap;
+	return real;
+}
+
 int ibk_qp_create_real(struct ibk_qp *qp)
 {
 	struct ibv_qp_init_attr a = qp->init;
@@ -19,7 +53,10 @@ int ibk_qp_create_real(struct ibk_qp *qp)
 	a.srq = qp->srq ? qp->srq->real : NULL;
 	a.qp_context = qp;
 	a.cap.max_send_wr += 1; /* the flag WR's slot */
-	qp->real = ibk_real.create_qp(qp->pd->real, &a);
+	if (qp->ex.comp_mask)
+		qp->real = qp_create_real_ex(qp->pd->real, &qp->ex, &a);
+	else
+		qp->real = ibk_real.create_qp(qp->pd->real, &a);
 	if (!qp->real)
 		return errno ? -errno : -EIO;
 	qp->post_send_fn = qp->real->context->ops.post_send;
@@ -47,7 +84,32 @@ static uint32_t qp_slot_take(struct ibk_ctx *ctx, struct ibk_qp *qp)
 	return i;
 }
 
-static struct ibv_qp *qp_create(struct ibv_pd *p, struct ibv_qp_init_attr *attr)
+/* A QP type the shim cannot carry (raw packet, XRC, driver QPs): the device
+ * is asked first, so a program gets the device's own error for attributes
+ * it refuses (a raw packet QP with too many WRs, say); one the device would
+ * make is refused.  The probe QP is destroyed at once. */
+static void qp_type_refuse(struct ibk_pd *pd, const struct ibv_qp_init_attr *attr,
+			   const struct ibk_qp_ex_attr *ex)
+{
+	struct ibv_qp_init_attr a = *attr;
+	struct ibv_qp *real;
+
+	a.send_cq = attr->send_cq ? ((struct ibk_cq *)attr->send_cq)->real : NULL;
+	a.recv_cq = attr->recv_cq ? ((struct ibk_cq *)attr->recv_cq)->real : NULL;
+	a.srq = attr->srq ? ((struct ibk_srq *)attr->srq)->real : NULL;
+	a.qp_context = NULL;
+	ibk_enter();
+	real = ex && ex->comp_mask ? qp_create_real_ex(pd->real, ex, &a) : ibk_real.create_qp(pd->real, &a);
+	if (real)
+		ibk_real.destroy_qp(real);
+	ibk_leave();
+	if (!real) /* errno is the device's */
+		return;
+	ibk_unsupported("ibv_create_qp of this QP type"); /* only RC, UC and UD are rebuilt */
+}
+
+static struct ibv_qp *qp_create(struct ibv_pd *p, struct ibv_qp_init_attr *attr,
+				const struct ibk_qp_ex_attr *ex)
 {
 	struct ibk_pd *pd = (struct ibk_pd *)p;
 	struct ibk_ctx *ctx = pd->obj.ctx;
@@ -55,7 +117,7 @@ static struct ibv_qp *qp_create(struct ibv_pd *p, struct ibv_qp_init_attr *attr)
 	uint32_t rcap;
 
 	if (attr->qp_type != IBV_QPT_RC && attr->qp_type != IBV_QPT_UD && attr->qp_type != IBV_QPT_UC) {
-		ibk_unsupported("ibv_create_qp of this QP type");
+		qp_type_refuse(pd, attr, ex);
 		return NULL;
 	}
 	if (attr->cap.max_send_sge > IBK_MAX_SGE || attr->cap.max_recv_sge > IBK_MAX_SGE) {
@@ -72,6 +134,8 @@ static struct ibv_qp *qp_create(struct ibv_pd *p, struct ibv_qp_init_attr *attr)
 	qp->rcq = (struct ibk_cq *)attr->recv_cq;
 	qp->srq = (struct ibk_srq *)attr->srq;
 	qp->init = *attr;
+	if (ex)
+		qp->ex = *ex;
 	ibk_lock_init(&qp->lock);
 	ibk_lock_init(&qp->rlock);
 	if (qp->srq) /* its receives go to the SRQ: the slow path refuses them */
@@ -141,20 +205,54 @@ fail:
 
 IBK_EXPORT struct ibv_qp *ibv_create_qp(struct ibv_pd *pd, struct ibv_qp_init_attr *attr)
 {
-	return qp_create(pd, attr);
+	return qp_create(pd, attr, NULL);
 }
+
+/* What ibv_create_qp_ex may ask for and a rebuild makes again: the device
+ * checks the values.  Not carried: XRC domains, RSS (indirection tables,
+ * hashing) and a UD QP posing as another QPN (source_qpn). */
+#define IBK_QPX_COMP_MASK                                                                            \
+	(IBV_QP_INIT_ATTR_PD | IBV_QP_INIT_ATTR_CREATE_FLAGS | IBV_QP_INIT_ATTR_MAX_TSO_HEADER | \
+	 IBV_QP_INIT_ATTR_SEND_OPS_FLAGS)
+
+/* Every ibv_wr_* op of verbs.h: the builder posts or refuses each. */
+#define IBK_QPX_KNOWN_OPS ((uint64_t)(2 * IBV_QP_EX_WITH_ATOMIC_WRITE - 1))
 
 struct ibv_qp *ibk_create_qp_ex(struct ibv_context *c, struct ibv_qp_init_attr_ex *ax)
 {
-	const uint32_t known = IBV_QP_INIT_ATTR_PD | IBV_QP_INIT_ATTR_SEND_OPS_FLAGS;
 	struct ibv_qp_init_attr a;
+	struct ibk_qp_ex_attr ex;
 	struct ibv_qp *qp;
 
 	(void)c;
-	if ((ax->comp_mask & ~known) || !ax->pd || ax->create_flags) {
-		ibk_unsupported("ibv_create_qp_ex with anything beyond a PD and send ops flags (XRC, RSS, TSO)");
+	if (ax->comp_mask & (IBV_QP_INIT_ATTR_XRCD | IBV_QP_INIT_ATTR_IND_TABLE | IBV_QP_INIT_ATTR_RX_HASH)) {
+		ibk_unsupported("ibv_create_qp_ex with an XRC domain or RSS (no XRC or WQs to rebuild)");
 		return NULL;
 	}
+	if (ax->comp_mask & ~(uint32_t)IBK_QPX_COMP_MASK) {
+		ibk_unsupported("ibv_create_qp_ex with comp_mask bits the shim does not know");
+		return NULL;
+	}
+	if ((ax->comp_mask & IBV_QP_INIT_ATTR_CREATE_FLAGS) && (ax->create_flags & IBV_QP_CREATE_SOURCE_QPN)) {
+		ibk_unsupported("ibv_create_qp_ex with IBV_QP_CREATE_SOURCE_QPN (another QP's number)");
+		return NULL;
+	}
+	if ((ax->comp_mask & IBV_QP_INIT_ATTR_SEND_OPS_FLAGS) && (ax->send_ops_flags & ~IBK_QPX_KNOWN_OPS)) {
+		ibk_unsupported("ibv_create_qp_ex with send ops the shim does not know");
+		return NULL;
+	}
+	if (!(ax->comp_mask & IBV_QP_INIT_ATTR_PD) || !ax->pd) {
+		errno = EINVAL; /* no PD and no XRC domain */
+		return NULL;
+	}
+	memset(&ex, 0, sizeof(ex));
+	ex.comp_mask = ax->comp_mask & ~(uint32_t)IBV_QP_INIT_ATTR_PD;
+	if (ax->comp_mask & IBV_QP_INIT_ATTR_CREATE_FLAGS)
+		ex.create_flags = ax->create_flags;
+	if (ax->comp_mask & IBV_QP_INIT_ATTR_MAX_TSO_HEADER)
+		ex.max_tso_header = ax->max_tso_header;
+	if (ax->comp_mask & IBV_QP_INIT_ATTR_SEND_OPS_FLAGS)
+		ex.send_ops_flags = ax->send_ops_flags;
 	memset(&a, 0, sizeof(a));
 	a.qp_context = ax->qp_context;
 	a.send_cq = ax->send_cq;
@@ -163,9 +261,9 @@ struct ibv_qp *ibk_create_qp_ex(struct ibv_context *c, struct ibv_qp_init_attr_e
 	a.cap = ax->cap;
 	a.qp_type = ax->qp_type;
 	a.sq_sig_all = ax->sq_sig_all;
-	qp = qp_create(ax->pd, &a);
+	qp = qp_create(ax->pd, &a, &ex);
 	if (qp && (ax->comp_mask & IBV_QP_INIT_ATTR_SEND_OPS_FLAGS)) {
-		int rc = ibk_qpx_init((struct ibk_qp *)qp, ax->send_ops_flags);
+		int rc = ibk_qpx_init((struct ibk_qp *)qp);
 
 		if (rc) {
 			ibv_destroy_qp(qp);

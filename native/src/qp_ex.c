@@ -1,18 +1,15 @@
 /* The ibv_wr_* send API (ibv_qp_ex) on shadow QPs.  The builder gathers the
  * WRs between wr_start and wr_complete and posts them as one list through
  * the shim's own post_send, so they are logged, counted and replayed like
- * any other send.  The real QP stays a plain one. */
+ * any other send.  The real QP is made with the same send ops flags (so the
+ * device accepts and refuses them as natively) but never posted to this way.
+ * Ops the shim cannot carry through a rebuild (bind MW, invalidations, TSO,
+ * atomic write) are refused when used, not when the QP is made. */
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "shim.h"
-
-/* The ops the builder carries out; the rest are refused. */
-#define IBK_QPX_SEND_OPS                                                                                      \
-	(IBV_QP_EX_WITH_SEND | IBV_QP_EX_WITH_SEND_WITH_IMM | IBV_QP_EX_WITH_RDMA_WRITE |                    \
-	 IBV_QP_EX_WITH_RDMA_WRITE_WITH_IMM | IBV_QP_EX_WITH_RDMA_READ | IBV_QP_EX_WITH_ATOMIC_CMP_AND_SWP | \
-	 IBV_QP_EX_WITH_ATOMIC_FETCH_AND_ADD)
 
 static struct ibk_wrb *wrb_of(struct ibv_qp_ex *x)
 {
@@ -214,19 +211,19 @@ static void qpx_set_ud_addr(struct ibv_qp_ex *x, struct ibv_ah *ah, uint32_t rem
 static void qpx_bind_mw(struct ibv_qp_ex *x, struct ibv_mw *mw, uint32_t rkey, const struct ibv_mw_bind_info *i)
 {
 	(void)mw, (void)rkey, (void)i;
-	refuse(x, "ibv_wr_bind_mw");
+	refuse(x, "ibv_wr_bind_mw (type 2 windows are not rebuilt)");
 }
 
 static void qpx_local_inv(struct ibv_qp_ex *x, uint32_t rkey)
 {
 	(void)rkey;
-	refuse(x, "ibv_wr_local_inv");
+	refuse(x, "ibv_wr_local_inv (type 2 windows are not rebuilt)");
 }
 
 static void qpx_send_inv(struct ibv_qp_ex *x, uint32_t rkey)
 {
 	(void)rkey;
-	refuse(x, "ibv_wr_send_inv");
+	refuse(x, "ibv_wr_send_inv (type 2 windows are not rebuilt)");
 }
 
 static void qpx_send_tso(struct ibv_qp_ex *x, void *hdr, uint16_t hdr_sz, uint16_t mss)
@@ -244,18 +241,14 @@ static void qpx_set_xrc_srqn(struct ibv_qp_ex *x, uint32_t srqn)
 static void qpx_atomic_write(struct ibv_qp_ex *x, uint32_t rkey, uint64_t addr, const void *data)
 {
 	(void)rkey, (void)addr, (void)data;
-	refuse(x, "ibv_wr_atomic_write");
+	refuse(x, "ibv_wr_atomic_write (not logged for replay)");
 }
 
-int ibk_qpx_init(struct ibk_qp *qp, uint64_t send_ops_flags)
+int ibk_qpx_init(struct ibk_qp *qp)
 {
 	struct ibk_wrb *b;
 	struct ibv_qp_ex *x = &qp->pubx;
 
-	if (send_ops_flags & ~(uint64_t)IBK_QPX_SEND_OPS) {
-		ibk_unsupported("ibv_create_qp_ex with send ops beyond send, RDMA and atomics");
-		return -EOPNOTSUPP;
-	}
 	b = calloc(1, sizeof(*b));
 	if (!b)
 		return -ENOMEM;

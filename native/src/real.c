@@ -68,6 +68,8 @@ static void real_resolve_once(void)
 	R(destroy_srq, "ibv_destroy_srq", "IBVERBS_1.1");
 	R(create_ah, "ibv_create_ah", "IBVERBS_1.1");
 	R(destroy_ah, "ibv_destroy_ah", "IBVERBS_1.1");
+	R(get_async_event, "ibv_get_async_event", "IBVERBS_1.1");
+	R(ack_async_event, "ibv_ack_async_event", "IBVERBS_1.1");
 	/* newer than the rest: absent from libibverbs before rdma-core 35 */
 	*(void **)&ibk_real.query_qp_data_in_order = dlvsym(RTLD_NEXT, "ibv_query_qp_data_in_order", "IBVERBS_1.14");
 	R(resize_cq, "ibv_resize_cq", "IBVERBS_1.1");

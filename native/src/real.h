@@ -52,6 +52,8 @@ struct ibk_real {
 	int (*resolve_eth_l2_from_gid)(struct ibv_context *, struct ibv_ah_attr *, uint8_t *, uint16_t *);
 	int (*query_ece)(struct ibv_qp *, struct ibv_ece *);
 	int (*set_ece)(struct ibv_qp *, struct ibv_ece *);
+	int (*get_async_event)(struct ibv_context *, struct ibv_async_event *);
+	void (*ack_async_event)(struct ibv_async_event *);
 };
 
 extern struct ibk_real ibk_real;

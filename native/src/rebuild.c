@@ -28,6 +28,8 @@ static int rebuild_open(struct ibk_ctx *ctx)
 	ibk_real.free_device_list(list);
 	if (!ctx->real)
 		return -ENODEV;
+	if (ibk_async_attach(ctx))
+		ibk_log("rebuild: async events of %s will not be delivered", ctx->dev_name);
 	ibk_ctx_remember_gids(ctx);
 	ctx->port_gid_valid = 0;
 	return ibk_ctx_read_port(ctx);

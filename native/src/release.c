@@ -219,6 +219,7 @@ static int release_destroy(struct ibk_ctx *ctx)
 			errs++;
 		}
 	}
+	ibk_async_detach(ctx);
 	ibk_devfd_forget(ctx->real->cmd_fd);
 	if (ibk_real.close_device(ctx->real))
 		errs++;

@@ -153,6 +153,14 @@ struct ibk_wrb {
 	int err;
 };
 
+/* ibv_create_qp_ex's attributes a real QP is made with again (comp_mask
+ * holds the ones given, but the PD; 0 for ibv_create_qp) */
+struct ibk_qp_ex_attr {
+	uint32_t comp_mask, create_flags;
+	uint64_t send_ops_flags;
+	uint16_t max_tso_header;
+};
+
 struct ibk_qp {
 	union { /* an extended QP's ibv_qp_ex starts with its ibv_qp, as in libibverbs */
 		struct ibv_qp pub;
@@ -165,6 +173,7 @@ struct ibk_qp {
 	struct ibk_cq *scq, *rcq;
 	struct ibk_srq *srq;
 	struct ibv_qp_init_attr init; /* with shadow pointers */
+	struct ibk_qp_ex_attr ex;
 	uint32_t vqpn;
 	/* the real QP's post verbs, looked up once per incarnation */
 	int (*post_send_fn)(struct ibv_qp *, struct ibv_send_wr *, struct ibv_send_wr **);
@@ -212,6 +221,12 @@ struct ibk_ah {
 };
 
 void ibk_install_ops(struct ibk_ctx *ctx);
+/* async.c: the app's async fd and the events from the real context */
+int ibk_async_open(struct ibk_ctx *ctx);
+void ibk_async_close(struct ibk_ctx *ctx);
+int ibk_async_attach(struct ibk_ctx *ctx);
+void ibk_async_detach(struct ibk_ctx *ctx);
+void ibk_async_drain(struct ibk_ctx *ctx);
 int ibk_ctx_read_port(struct ibk_ctx *ctx);
 void ibk_ctx_remember_gids(struct ibk_ctx *ctx);
 #define IBK_MAX_QPS 4096
@@ -238,7 +253,7 @@ int ibk_qp_posts_busy(struct ibk_qp *qp);
 void ibk_qp_posts_open(struct ibk_qp *qp);
 struct ibv_qp *ibk_create_qp_ex(struct ibv_context *c, struct ibv_qp_init_attr_ex *attr);
 /* qp_ex.c: the ibv_wr_* builder of a new extended QP, and its end */
-int ibk_qpx_init(struct ibk_qp *qp, uint64_t send_ops_flags);
+int ibk_qpx_init(struct ibk_qp *qp);
 void ibk_qpx_fini(struct ibk_qp *qp);
 struct ibv_cq_ex *ibk_create_cq_ex(struct ibv_context *c, struct ibv_cq_init_attr_ex *attr);
 
