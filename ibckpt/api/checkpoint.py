@@ -9,7 +9,7 @@ from typing import Annotated, Any
 from pydantic import ConfigDict, Field, WithJsonSchema, model_validator
 
 from ibckpt.api.base import ApiModel, KindInfo, PrinterColumn
-from ibckpt.api.checkpointjob import CheckpointMode, WorkloadReference
+from ibckpt.api.checkpointjob import CheckpointMode, CheckpointTimings, WorkloadReference
 from ibckpt.api.common import Conditions, LocalObjectReference, ObservedGeneration
 from ibckpt.api.storage import S3Location
 
@@ -59,18 +59,6 @@ class CheckpointSize(ApiModel):
     bytes: int = Field(ge=0, description="Image bytes before compression.")
     stored_bytes: int | None = Field(default=None, ge=0, description="Bytes in the bucket (new chunks only).")
     human: str | None = Field(default=None, description="bytes, for people (printer column).")
-
-
-class CheckpointTimings(ApiModel):
-    """Seconds each phase took, as the job measured them; pauseSeconds is how long the ranks were gated."""
-
-    pause_seconds: float | None = Field(default=None, ge=0)
-    quiesce_seconds: float | None = Field(default=None, ge=0)
-    drain_seconds: float | None = Field(default=None, ge=0)
-    release_seconds: float | None = Field(default=None, ge=0)
-    dump_seconds: float | None = Field(default=None, ge=0)
-    upload_seconds: float | None = Field(default=None, ge=0)
-    total_seconds: float | None = Field(default=None, ge=0)
 
 
 class RequiredVersions(ApiModel):

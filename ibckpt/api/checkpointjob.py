@@ -141,6 +141,20 @@ class CheckpointJobSpec(ApiModel):
         return self
 
 
+class CheckpointTimings(ApiModel):
+    """Seconds each phase took, as the job measured them (the slowest node's: the phases end at barriers);
+    pauseSeconds is how long the ranks were gated, from the cut until they ran again (LeaveRunning) or
+    until their dump ended (Stop: they run again only where they are restored)."""
+
+    pause_seconds: float | None = Field(default=None, ge=0)
+    quiesce_seconds: float | None = Field(default=None, ge=0)
+    drain_seconds: float | None = Field(default=None, ge=0)
+    release_seconds: float | None = Field(default=None, ge=0)
+    dump_seconds: float | None = Field(default=None, ge=0)
+    upload_seconds: float | None = Field(default=None, ge=0)
+    total_seconds: float | None = Field(default=None, ge=0)
+
+
 class PodRow(ApiModel):
     """One member pod: pinned by UID when the job admits it."""
 
@@ -151,6 +165,10 @@ class PodRow(ApiModel):
     ranks: int | None = Field(default=None, ge=0, description="Processes of this pod under the shim.")
     bytes: int | None = Field(default=None, ge=0, description="Image bytes this pod uploaded.")
     seconds: float | None = Field(default=None, ge=0, description="Seconds this pod spent in the last step.")
+    frozen_seconds: float | None = Field(
+        default=None, ge=0, description="Seconds its ranks were gated (its node's timings.pauseSeconds)."
+    )
+    upload_bytes_per_second: int | None = Field(default=None, ge=0, description="Its node's upload rate.")
     message: str | None = None
 
 
@@ -178,6 +196,8 @@ class CheckpointJobStatus(ApiModel):
     checkpoint_name: str | None = None
     manifest_key: str | None = None
     bytes: int | None = Field(default=None, ge=0)
+    size: str | None = Field(default=None, description="bytes, for people (printer column).")
+    timings: CheckpointTimings | None = None
     start_time: datetime | None = None
     phase_start_time: datetime | None = None
     step_start_time: datetime | None = None
@@ -197,6 +217,9 @@ CHECKPOINT_JOB = KindInfo(
         PrinterColumn("Mode", ".spec.mode"),
         PrinterColumn("Pods", ".status.podCount", "integer"),
         PrinterColumn("Checkpoint", ".status.checkpointName"),
+        PrinterColumn("Size", ".status.size"),
+        PrinterColumn("Seconds", ".status.timings.totalSeconds", "number"),
+        PrinterColumn("Paused", ".status.timings.pauseSeconds", "number", priority=1),
         PrinterColumn("Reason", ".status.reason", priority=1),
         PrinterColumn("Age", ".metadata.creationTimestamp", "date"),
     ),

@@ -74,6 +74,12 @@ class CheckpointScheduleSpec(ApiModel):
     overlap_policy: OverlapPolicy = OverlapPolicy.SKIP
     suspend: bool = Field(default=False, description="No periodic checkpoints (drain protection stays).")
     retention: Retention = Retention(keep_last=3)
+    successful_jobs_history_limit: int = Field(
+        default=3, ge=0, description="Finished CheckpointJobs that succeeded kept (their Checkpoints stay)."
+    )
+    failed_jobs_history_limit: int = Field(
+        default=1, ge=0, description="Failed CheckpointJobs kept, for their status and Events."
+    )
     drain: DrainProtection | None = Field(default=None, description="Migrate the workload on node drains.")
     template: CheckpointJobSpec = Field(description="The spec of each CheckpointJob it creates.")
 

@@ -93,8 +93,12 @@ class CheckpointStorageStatus(ApiModel):
     observed_generation: ObservedGeneration = None
     conditions: Conditions = None
     last_checked_time: datetime | None = None
-    checkpoint_count: int | None = Field(default=None, ge=0)
-    stored_bytes: int | None = Field(default=None, ge=0)
+    checkpoint_count: int | None = Field(default=None, ge=0, description="Checkpoints naming this storage.")
+    stored_bytes: int | None = Field(default=None, ge=0, description="Their stored bytes, as recorded.")
+    pruned_count: int | None = Field(default=None, ge=0, description="Checkpoints deleted by its retention.")
+    last_sweep_time: datetime | None = Field(
+        default=None, description="When the bucket was last swept of chunks and parts no checkpoint uses."
+    )
 
 
 CHECKPOINT_STORAGE = KindInfo(

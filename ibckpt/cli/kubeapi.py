@@ -5,6 +5,7 @@ no credentials of its own."""
 
 from __future__ import annotations
 
+import builtins
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -151,6 +152,41 @@ class KubeApi:
     def pod(self, name: str) -> Body:
         pod = self._call(f"reading pod {name}", self.core.read_namespaced_pod, name, self.namespace)
         return dict(self.client.sanitize_for_serialization(pod))
+
+    def pods(self, namespace: str, selector: str) -> builtins.list[Body]:
+        found = self._call(
+            f"listing pods in {namespace}", self.core.list_namespaced_pod, namespace, label_selector=selector
+        )
+        return [dict(self.client.sanitize_for_serialization(p)) for p in found.items]
+
+    def pod_log(self, namespace: str, name: str, since_seconds: int) -> str:
+        read = self.core.read_namespaced_pod_log
+        return str(
+            self._call(
+                f"reading the log of {namespace}/{name}", read, name, namespace, since_seconds=since_seconds
+            )
+        )
+
+    def raw(self, method: str, path: str) -> Body | None:
+        """One request on the raw API, as JSON; None for 404 (for kinds whose version the client lacks,
+        such as policy/v1beta1 PodDisruptionBudgets of clusters before 1.21)."""
+        import json
+
+        serialize: Any = self.client.param_serialize
+        verb, url, headers, payload, _ = serialize(
+            method, path, header_params={"Accept": "application/json"}, auth_settings=["BearerToken"]
+        )
+        call: Any = self.client.call_api
+        try:
+            response = call(verb, url, header_params=headers, body=payload)
+        except OSError as exc:
+            raise PluginError(f"{method} {path}: {exc}") from None
+        data = response.read()
+        if response.status == 404:
+            return None
+        if not 200 <= response.status <= 299:
+            raise PluginError(f"{method} {path}: {response.status} {data[:300]!r}")
+        return dict(json.loads(data)) if data else {}
 
     def owner(self, api_version: str, kind: str, name: str) -> Body | None:
         """An owner object by apiVersion/kind/name, as JSON; None when it is not readable (the walk up

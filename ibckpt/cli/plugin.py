@@ -4,6 +4,8 @@
     kubectl ibckpt restore (CHECKPOINT | --latest SCHEDULE) [--avoid-source-nodes] [--name N] [--no-wait]
     kubectl ibckpt list [-A]
     kubectl ibckpt describe CHECKPOINT
+    kubectl ibckpt logs JOB [--agent-namespace NS]
+    kubectl ibckpt uninstall [--yes] [--delete-images]   (plugin_uninstall.py)
 
 `checkpoint` and `restore` create the CheckpointJob or RestoreJob a user would write as YAML and follow
 it to its end, one line per phase. Exit codes: 0 done, 1 failed or refused, 2 still running when
@@ -12,10 +14,11 @@ it to its end, one line per phase. Exit codes: 0 done, 1 failed or refused, 2 st
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from collections.abc import Callable, Sequence
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 from ibckpt.api import (
     API_VERSION,
@@ -26,6 +29,7 @@ from ibckpt.api import (
     RESTORE_JOB,
     KindInfo,
 )
+from ibckpt.cli import plugin_uninstall
 from ibckpt.cli.kubeapi import Body, KubeApi, PluginError
 from ibckpt.store.units import format_size
 
@@ -318,6 +322,58 @@ def describe(api: KubeApi, args: argparse.Namespace) -> int:
     return 0
 
 
+# -- logs ------------------------------------------------------------------------------------------------
+
+AGENT_SELECTOR = "app.kubernetes.io/component=agent"
+# The agent's log lines start with their time (ibckpt_node.agent.main's format, UTC in the container).
+LOG_TIME = re.compile(r"^(\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}),\d{3} ")
+SLACK = timedelta(seconds=5)
+
+
+def lines_between(text: str, start: datetime, end: datetime) -> list[str]:
+    """The log's lines from `start` to `end` (with a few seconds' slack); an untimed line (a traceback's)
+    goes with the line before it."""
+    kept, keeping = [], False
+    for line in text.splitlines():
+        stamp = LOG_TIME.match(line)
+        if stamp:
+            when = datetime.strptime(stamp.group(1), "%Y-%m-%d %H:%M:%S").replace(tzinfo=UTC)
+            keeping = start - SLACK <= when <= end + SLACK
+        if keeping:
+            kept.append(line)
+    return kept
+
+
+def _time(stamp: str) -> datetime:
+    return datetime.fromisoformat(stamp.replace("Z", "+00:00"))
+
+
+def logs(api: KubeApi, args: argparse.Namespace) -> int:
+    job = api.get(CHECKPOINT_JOB, args.job) or api.get(RESTORE_JOB, args.job)
+    if job is None:
+        raise PluginError(f"no CheckpointJob or RestoreJob {args.job} in namespace {api.namespace}")
+    status = job.get("status") or {}
+    if not status.get("startTime"):
+        raise PluginError(f"{job['kind']} {args.job} has not started")
+    now = datetime.now(UTC)
+    start = _time(status["startTime"])
+    end = _time(status["completionTime"]) if status.get("completionTime") else now
+    nodes = {row.get("node") for row in status.get("pods") or () if row.get("node")}
+    agents = [p for p in api.pods(args.agent_namespace, AGENT_SELECTOR) if p["spec"].get("nodeName") in nodes]
+    if not agents:
+        raise PluginError(
+            f"no ibckpt agent in namespace {args.agent_namespace} on {', '.join(sorted(nodes))}"
+        )
+    since = int((now - start + SLACK).total_seconds()) + 1
+    for agent in sorted(agents, key=lambda p: str(p["spec"]["nodeName"])):
+        node = agent["spec"]["nodeName"]
+        for line in lines_between(
+            api.pod_log(args.agent_namespace, agent["metadata"]["name"], since), start, end
+        ):
+            print(f"{node} | {line}")
+    return 0
+
+
 # -- the command line ------------------------------------------------------------------------------------
 
 
@@ -354,6 +410,13 @@ def build_parser() -> argparse.ArgumentParser:
     d = commands.add_parser("describe", help="one Checkpoint: pods, nodes, bytes, timings")
     d.add_argument("checkpoint")
     d.set_defaults(run=describe)
+
+    lg = commands.add_parser("logs", help="the agents' log lines for a CheckpointJob or RestoreJob")
+    lg.add_argument("job")
+    lg.add_argument("--agent-namespace", default="ibckpt-system", help="where the chart runs the agents")
+    lg.set_defaults(run=logs)
+
+    plugin_uninstall.add_parser(commands)
     return parser
 
 

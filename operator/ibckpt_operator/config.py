@@ -34,6 +34,8 @@ class OperatorConfig:
     agent_unreachable_seconds: float = 120.0
     # A Checkpoint's deletion sweeps chunks no other checkpoint references once older than this.
     gc_grace_seconds: float = 3600.0
+    # Each CheckpointStorage's bucket is swept of unreferenced chunks and abandoned parts this often.
+    store_sweep_seconds: float = 3600.0
     # The cheap S3 check before any pod is touched: short bounds, an unreachable endpoint fails fast.
     s3_check_timeout: float = 5.0
     s3_check_attempts: int = 2

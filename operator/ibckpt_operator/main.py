@@ -1,16 +1,33 @@
-"""`ibckpt-operator`: kopf with the ibckpt handlers, a liveness endpoint, /metrics, and one active replica
-at a time (a coordination.k8s.io Lease, taken before any handler runs)."""
+"""`ibckpt-operator`: kopf with the ibckpt handlers, health endpoints, /metrics, and one active replica
+at a time (a coordination.k8s.io Lease, taken before any handler runs; the others wait as standbys)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
+import threading
 
 import kopf
 
 from ibckpt import logsetup
 from ibckpt_operator import config as settings
+
+
+def fence(seconds: float) -> threading.Timer:
+    """A replica that lost the Lease is gone within `seconds`, whatever its shutdown waits for (a daemon,
+    a call in an executor thread): it must make no call once another replica may lead."""
+
+    def end() -> None:
+        logging.getLogger(__name__).error("still running %.1f s after losing the Lease: exiting now", seconds)
+        logging.shutdown()
+        os._exit(1)
+
+    timer = threading.Timer(seconds, end)
+    timer.daemon = True
+    timer.start()
+    return timer
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -20,7 +37,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the operator's own namespace: its Lease and the agent pods")  # fmt: skip
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--metrics-port", type=int, default=9108, help="0: no /metrics")
-    parser.add_argument("--liveness-port", type=int, default=8080, help="0: no /healthz")
+    parser.add_argument("--liveness-port", type=int, default=8080, help="/healthz and /readyz; 0: none")
     parser.add_argument("--coordinator-port", type=int, default=7070)
     parser.add_argument("--coordinator-host", default="",
                         help="address agents dial (default: POD_IP, else the default route's)")  # fmt: skip
@@ -30,6 +47,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--agent-port", type=int, default=settings.current().agent_port)
     parser.add_argument("--gc-grace-seconds", type=float, default=3600.0,
                         help="a deleted Checkpoint's chunks younger than this are swept later")  # fmt: skip
+    parser.add_argument("--store-sweep-seconds", type=float, default=3600.0,
+                        help="how often each CheckpointStorage's bucket is swept of what no checkpoint "
+                        "uses")  # fmt: skip
     return parser.parse_args(argv)
 
 
@@ -47,9 +67,12 @@ def main(argv: list[str] | None = None) -> None:
             lease_enabled=not args.no_lease,
             agent_port=args.agent_port,
             gc_grace_seconds=args.gc_grace_seconds,
+            store_sweep_seconds=args.store_sweep_seconds,
         )
     )
     import ibckpt_operator.handlers  # noqa: F401 - registers the handlers with kopf
+    from ibckpt_operator import health
+    from ibckpt_operator.cluster.leader import STEP_DOWN
     from ibckpt_operator.drivers import runtime
 
     async def run() -> None:
@@ -61,17 +84,22 @@ def main(argv: list[str] | None = None) -> None:
                 await asyncio.sleep(1.0)
                 try:
                     if runtime.get().lost.is_set():
+                        # Another replica may lead once the Lease runs out, a third of its duration
+                        # after this one stepped down: be gone in half of that.
+                        fence(args.lease_seconds * (1 - STEP_DOWN) / 2)
                         stop.set()
                         return
                 except RuntimeError:
                     continue
 
         watcher = asyncio.ensure_future(lease_watch())
-        liveness = f"http://0.0.0.0:{args.liveness_port}/healthz" if args.liveness_port else None
+        probes = await health.serve("0.0.0.0", args.liveness_port) if args.liveness_port else None
         try:
-            await kopf.operator(clusterwide=True, standalone=True, liveness_endpoint=liveness, stop_flag=stop)
+            await kopf.operator(clusterwide=True, standalone=True, stop_flag=stop)
         finally:
             watcher.cancel()
+            if probes is not None:
+                await probes.cleanup()
 
     asyncio.run(run())
 

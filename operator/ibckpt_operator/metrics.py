@@ -56,6 +56,9 @@ SCHEDULE_SKIPPED = Counter(
     "ibckpt_schedule_skipped_total", "Fires skipped because the previous job still ran", ["schedule"]
 )
 SCHEDULE_PRUNED = Counter("ibckpt_schedule_pruned_total", "Checkpoints deleted by retention", ["schedule"])
+STORAGE_PRUNED = Counter(
+    "ibckpt_storage_pruned_total", "Checkpoints deleted by a CheckpointStorage's retention", ["storage"]
+)
 DRAIN_HELD = Gauge("ibckpt_drain_held", "1 while a drain of a protected workload is held", ["schedule"])
 DRAIN_HOLD_SECONDS = Histogram(
     "ibckpt_drain_hold_seconds",

@@ -4,14 +4,17 @@ environment; off outside a pod, where the apiserver cannot reach the operator.
 - `IBCKPT_WEBHOOK`: `on` / `off`;
 - `IBCKPT_WEBHOOK_HOST` (default `$POD_IP`), `IBCKPT_WEBHOOK_PORT` (9443), `IBCKPT_WEBHOOK_BIND` (0.0.0.0);
 - `IBCKPT_WEBHOOK_CERT`, `IBCKPT_WEBHOOK_KEY`, `IBCKPT_WEBHOOK_CA`: a certificate issued for the host
-  (cert-manager); without them a self-signed one is made at start-up and its CA goes in the caBundle.
+  (cert-manager); without them a self-signed one is made at start-up and its CA goes in the caBundle;
+- `IBCKPT_WEBHOOK_TIMEOUT` (5): the apiserver's bound on a pod creation's call, in seconds; an
+  eviction's is twice that.
 
-kopf manages the ValidatingWebhookConfiguration `ibckpt.io` and the MutatingWebhookConfiguration of the
-same name (handlers/drain.py and handlers/restorejob.py register their webhooks).
+The leader writes the configurations (cluster/admission.py), not kopf: handlers/drain.py and
+handlers/restorejob.py register the handlers they call.
 """
 
 from __future__ import annotations
 
+import base64
 import datetime
 import ipaddress
 import logging
@@ -22,8 +25,10 @@ from pathlib import Path
 
 import kopf
 
+from ibckpt_operator.cluster.admission import Endpoint
+
 log = logging.getLogger(__name__)
-WEBHOOK_CONFIGURATION = "ibckpt.io"
+_endpoint: Endpoint | None = None  # where this process serves, once serve_admission set it up
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,7 @@ class WebhookSettings:
     certfile: str | None = None
     keyfile: str | None = None
     cafile: str | None = None
+    timeout_s: int = 5
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> WebhookSettings:
@@ -49,6 +55,7 @@ class WebhookSettings:
             certfile=env.get("IBCKPT_WEBHOOK_CERT") or None,
             keyfile=env.get("IBCKPT_WEBHOOK_KEY") or None,
             cafile=env.get("IBCKPT_WEBHOOK_CA") or None,
+            timeout_s=max(1, min(15, int(env.get("IBCKPT_WEBHOOK_TIMEOUT") or 5))),
         )
 
 
@@ -89,8 +96,14 @@ def self_signed(host: str, directory: Path) -> tuple[Path, Path]:
     return certfile, keyfile
 
 
+def endpoint() -> Endpoint | None:
+    """What the leader writes into the webhook configurations; None when the webhook is off."""
+    return _endpoint
+
+
 def serve_admission(settings: kopf.OperatorSettings) -> None:
     """Point kopf's admission server at this pod (or at nowhere, when the webhook is off)."""
+    global _endpoint
     webhook = WebhookSettings.from_env()
     if not webhook.enabled:
         # kopf refuses to start with a webhook handler and no server: serve it where nothing calls it.
@@ -109,5 +122,12 @@ def serve_admission(settings: kopf.OperatorSettings) -> None:
         pkeyfile=keyfile,
         cafile=cafile,
     )
-    settings.admission.managed = WEBHOOK_CONFIGURATION
-    log.info("eviction webhook at https://%s:%d", webhook.host, webhook.port)
+    bundle = Path(cafile or certfile)  # a given certificate without its CA: it signs itself
+    host = f"[{webhook.host}]" if ":" in webhook.host else webhook.host
+    _endpoint = Endpoint(
+        url=f"https://{host}:{webhook.port}",
+        ca_bundle=base64.b64encode(bundle.read_bytes()).decode(),
+        eviction_timeout_s=min(30, 2 * webhook.timeout_s),
+        creation_timeout_s=webhook.timeout_s,
+    )
+    log.info("admission webhooks at https://%s:%d", webhook.host, webhook.port)

@@ -72,6 +72,25 @@ class Kube:
                 return None
             raise
 
+    async def request(
+        self, method: str, path: str, body: Any = None, content_type: str = "application/json"
+    ) -> Body | None:
+        """One request on the raw API; None for 404. Written against the client's request layer
+        (param_serialize + call_api): ApiClient.call_api's old keywords are gone in recent clients."""
+        headers = {"Accept": "application/json", "Content-Type": content_type}
+        serialize: Any = self.api.param_serialize
+        verb, url, headers, payload, _ = serialize(
+            method, path, header_params=headers, body=body, auth_settings=["BearerToken"]
+        )
+        request: Any = self.api.call_api
+        response = await asyncio.to_thread(request, verb, url, header_params=headers, body=payload)
+        data = response.read()
+        if response.status == 404:
+            return None
+        if not 200 <= response.status <= 299:
+            raise ApiException(http_resp=response)
+        return dict(json.loads(data)) if data else {}
+
     # -- plain objects as dicts (the models read them; the client's own classes are not used)
 
     async def list_pods(self, namespace: str, label_selector: str | None = None) -> list[Body]:

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 
 import kubernetes
@@ -17,6 +19,16 @@ from ibckpt_operator.cluster.kube import Kube
 
 log = logging.getLogger(__name__)
 RELEASE_ATTEMPTS = 5
+# A leader that has not renewed for this part of the lease duration steps down (see keep()).
+STEP_DOWN = 2 / 3
+# Between failed renewals, as client-go's retryPeriod: a slow answer is retried, not waited out.
+RETRY_SECONDS = 2.0
+
+
+def _why(error: BaseException) -> str:
+    if isinstance(error, ApiException):
+        return f"{error.status} {error.reason}"
+    return f"{type(error).__name__}: {error}"
 
 
 def _now() -> datetime:
@@ -31,6 +43,11 @@ class LeaderLease:
         self.identity = identity
         self.seconds = max(1, int(seconds))
         self.held = False
+        # What the last attempt saw, for the readiness endpoint of a replica that waits (a standby).
+        self.holder: str | None = None
+        self.answered_at: float | None = None  # time.monotonic() of the apiserver's last answer
+        # The Lease's own thread: handlers busy in the default executor never delay a renewal.
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lease")
 
     def _spec(self, transitions: int, acquired: datetime) -> kubernetes.client.V1LeaseSpec:
         return kubernetes.client.V1LeaseSpec(
@@ -41,26 +58,29 @@ class LeaderLease:
             lease_transitions=transitions,
         )
 
-    def _try(self) -> bool:
-        """One attempt to take or renew the Lease; the apiserver's resourceVersion check settles races."""
+    def _try(self, timeout: float | None = None) -> bool:
+        """One attempt to take or renew the Lease, each call bounded by `timeout`; the apiserver's
+        resourceVersion check settles races."""
         api = self.kube.coordination
         try:
-            lease = api.read_namespaced_lease(self.name, self.namespace)
+            lease = api.read_namespaced_lease(self.name, self.namespace, _request_timeout=timeout)
         except ApiException as error:
             if error.status != 404:
                 raise
+            self.answered_at, self.holder = time.monotonic(), None
             body = kubernetes.client.V1Lease(
                 metadata=kubernetes.client.V1ObjectMeta(name=self.name, namespace=self.namespace),
                 spec=self._spec(0, _now()),
             )
             try:
-                api.create_namespaced_lease(self.namespace, body)
+                api.create_namespaced_lease(self.namespace, body, _request_timeout=timeout)
                 return True
             except ApiException as create_error:
                 if create_error.status == 409:
                     return False
                 raise
         spec = lease.spec or kubernetes.client.V1LeaseSpec()
+        self.answered_at, self.holder = time.monotonic(), spec.holder_identity
         mine = spec.holder_identity == self.identity
         if not mine and spec.holder_identity:
             renewed = spec.renew_time or spec.acquire_time
@@ -71,7 +91,9 @@ class LeaderLease:
         acquired = spec.acquire_time if mine and spec.acquire_time else _now()
         lease.spec = self._spec(transitions, acquired)
         try:
-            api.replace_namespaced_lease(self.name, self.namespace, lease)  # 409 if it moved meanwhile
+            api.replace_namespaced_lease(
+                self.name, self.namespace, lease, _request_timeout=timeout
+            )  # 409: it moved
             return True
         except ApiException as error:
             if error.status == 409:
@@ -83,36 +105,61 @@ class LeaderLease:
         logged = False
         while True:
             try:
-                if await asyncio.to_thread(self._try):
+                if await self._attempt(self.seconds):
                     self.held = True
                     metrics.LEADER.set(1)
                     log.info("holding Lease %s/%s as %s", self.namespace, self.name, self.identity)
                     return
-            except ApiException as error:
-                log.warning("Lease %s/%s: %s", self.namespace, self.name, error.reason)
+            except Exception as error:  # an unreachable apiserver: try again
+                log.warning("Lease %s/%s: %s", self.namespace, self.name, _why(error))
             if not logged:
                 log.info("waiting for Lease %s/%s (another operator holds it)", self.namespace, self.name)
                 logged = True
             await asyncio.sleep(max(1.0, self.seconds / 3))
 
+    def standby_state(self) -> tuple[bool, str]:
+        """(able to take over, why) for a replica waiting for the Lease: it is, while the apiserver
+        answered its last attempts."""
+        if self.answered_at is None:
+            return False, f"waiting for Lease {self.namespace}/{self.name}: no answer from the apiserver yet"
+        silent = time.monotonic() - self.answered_at
+        if silent > 3 * self.seconds:
+            return False, f"standby: the apiserver has not answered for {silent:.0f} s"
+        return True, f"standby: {self.holder or 'nobody'} holds Lease {self.namespace}/{self.name}"
+
+    async def _attempt(self, timeout: float | None) -> bool:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._thread, self._try, timeout)
+
     async def keep(self, on_lost: Callable[[], None]) -> None:
-        """Renew every third of the duration; a renewal missed for a whole duration means lost."""
-        last = asyncio.get_running_loop().time()
+        """Renew every third of the duration, and retry a failed or slow renewal every RETRY_SECONDS.
+        Whatever goes wrong (errors, calls that hang, another holder), a replica that has not renewed
+        for STEP_DOWN of the duration steps down: it has stopped before anyone else may take the Lease,
+        which needs the whole duration to pass."""
+        loop = asyncio.get_running_loop()
+        limit = self.seconds * STEP_DOWN
+        last = loop.time()
+        wait = self.seconds / 3
         while True:
-            await asyncio.sleep(self.seconds / 3)
+            await asyncio.sleep(wait)
+            started, left = loop.time(), last + limit - loop.time()
             try:
-                if await asyncio.to_thread(self._try):
-                    last = asyncio.get_running_loop().time()
+                if await asyncio.wait_for(self._attempt(max(0.5, left)), timeout=max(0.1, left)):
+                    last, wait = started, self.seconds / 3  # the renewTime written is no earlier
                     continue
                 reason = "another operator holds it"
-            except ApiException as error:
-                reason = str(error.reason)
-            if asyncio.get_running_loop().time() - last >= self.seconds or reason.startswith("another"):
+            except TimeoutError:
+                reason = f"the apiserver did not answer within {max(0.1, left):.1f} s"
+            except Exception as error:
+                reason = _why(error)
+            if reason.startswith("another") or loop.time() - last >= limit:
                 self.held = False
                 metrics.LEADER.set(0)
                 log.error("lost Lease %s/%s: %s", self.namespace, self.name, reason)
                 on_lost()
                 return
+            log.warning("Lease %s/%s not renewed: %s", self.namespace, self.name, reason)
+            wait = min(RETRY_SECONDS, max(0.0, last + limit - loop.time()))
 
     def release(self) -> None:
         """Give the Lease up at a clean exit so the next replica need not wait out the duration."""

@@ -5,8 +5,6 @@ answers first; this is the backstop when the webhook is down."""
 
 from __future__ import annotations
 
-import asyncio
-import json
 import logging
 from typing import Any
 
@@ -30,26 +28,6 @@ async def pdb_api_version(kube: Kube) -> str:
     return "policy/v1beta1"
 
 
-async def call(
-    kube: Kube, method: str, path: str, body: Any = None, content_type: str = "application/json"
-) -> Body | None:
-    """One request on the raw API; None for 404. Written against the client's request layer
-    (param_serialize + call_api): ApiClient.call_api's old keywords are gone in recent clients."""
-    headers = {"Accept": "application/json", "Content-Type": content_type}
-    serialize: Any = kube.api.param_serialize
-    verb, url, headers, payload, _ = serialize(
-        method, path, header_params=headers, body=body, auth_settings=["BearerToken"]
-    )
-    request: Any = kube.api.call_api
-    response = await asyncio.to_thread(request, verb, url, header_params=headers, body=payload)
-    data = response.read()
-    if response.status == 404:
-        return None
-    if not 200 <= response.status <= 299:
-        raise ApiException(http_resp=response)
-    return dict(json.loads(data)) if data else {}
-
-
 _PLURALS: dict[tuple[str, str], str] = {}
 
 
@@ -57,7 +35,7 @@ async def discovered(kube: Kube, api_version: str, kind: str) -> str | None:
     """The resource name of a kind, from the apiserver's discovery; None if it is not served."""
     key = (api_version, kind)
     if key not in _PLURALS:
-        found = await call(kube, "GET", _api_base(api_version))
+        found = await kube.request("GET", _api_base(api_version))
         for resource in (found or {}).get("resources", []):
             if resource.get("kind") == kind and "/" not in resource.get("name", ""):
                 _PLURALS[key] = resource["name"]
@@ -87,14 +65,13 @@ async def pod_selector(
     owner = None
     if plural is not None:
         path = f"{_api_base(api_version)}/namespaces/{namespace}/{plural}/{workload.name}"
-        owner = await call(kube, "GET", path)
+        owner = await kube.request("GET", path)
     selector = ((owner or {}).get("spec") or {}).get("selector")
     if isinstance(selector, dict) and (selector.get("matchLabels") or selector.get("matchExpressions")):
         return {key: selector[key] for key in ("matchLabels", "matchExpressions") if selector.get(key)}
     for pod in members:
         patch = {"metadata": {"labels": {PROTECTED_LABEL: schedule}}}
-        await call(
-            kube,
+        await kube.request(
             "PATCH",
             f"/api/v1/namespaces/{namespace}/pods/{pod.name}",
             patch,
@@ -138,14 +115,14 @@ async def ensure_pdb(kube: Kube, owner: Body, selector: dict[str, Any]) -> str:
         },
         "spec": {"maxUnavailable": 0, "selector": selector},
     }
-    found = await call(kube, "GET", _pdb_path(api_version, namespace, name))
+    found = await kube.request("GET", _pdb_path(api_version, namespace, name))
     if found is not None:
         spec = found.get("spec") or {}
         if spec.get("selector") == selector and spec.get("maxUnavailable") == 0:
             return f"{api_version}/{name}"
-        await call(kube, "DELETE", _pdb_path(api_version, namespace, name))
+        await kube.request("DELETE", _pdb_path(api_version, namespace, name))
     try:
-        await call(kube, "POST", _pdb_path(api_version, namespace), body)
+        await kube.request("POST", _pdb_path(api_version, namespace), body)
     except ApiException as error:
         if error.status != 409:  # a concurrent pass made it
             raise
@@ -156,8 +133,8 @@ async def ensure_pdb(kube: Kube, owner: Body, selector: dict[str, Any]) -> str:
 async def relax_pdb(kube: Kube, namespace: str, schedule: str) -> bool:
     """Delete the PDB (absent is fine): the drain's evictions go through. False if it was absent."""
     api_version = await pdb_api_version(kube)
-    return await call(kube, "DELETE", _pdb_path(api_version, namespace, pdb_name(schedule))) is not None
+    return await kube.request("DELETE", _pdb_path(api_version, namespace, pdb_name(schedule))) is not None
 
 
 async def get_pdb(kube: Kube, namespace: str, schedule: str) -> Body | None:
-    return await call(kube, "GET", _pdb_path(await pdb_api_version(kube), namespace, pdb_name(schedule)))
+    return await kube.request("GET", _pdb_path(await pdb_api_version(kube), namespace, pdb_name(schedule)))

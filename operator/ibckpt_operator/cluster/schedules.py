@@ -27,7 +27,7 @@ from ibckpt.api import (
 from ibckpt.api.schedule import PIN_LABEL
 from ibckpt_operator.cluster.bindings import NAME_KEEPING_KINDS
 from ibckpt_operator.cluster.kube import ApiException, Body, Kube
-from ibckpt_operator.machine.schedule import CheckpointInfo, JobFinished, ScheduleState
+from ibckpt_operator.machine.schedule import CheckpointInfo, JobFinished, JobInfo, ScheduleState
 
 # Every object a schedule makes carries it; its CheckpointJobs copy it onto their Checkpoints, which is how
 # retention finds the schedule's Checkpoints.
@@ -103,7 +103,7 @@ def restore_job_body(
     return _owned_by(schedule, RESTORE_JOB.kind, name, spec)
 
 
-def _timestamp(value: Any) -> float | None:
+def timestamp(value: Any) -> float | None:
     if not value:
         return None
     return datetime.fromisoformat(str(value).replace("Z", "+00:00")).timestamp()
@@ -117,7 +117,7 @@ def measured_seconds(job: Mapping[str, Any], checkpoint: Mapping[str, Any] | Non
         if timings.get(key) is not None:
             return float(timings[key])
     status = job.get("status") or {}
-    start, end = _timestamp(status.get("startTime")), _timestamp(status.get("completionTime"))
+    start, end = timestamp(status.get("startTime")), timestamp(status.get("completionTime"))
     if start is None or end is None:
         return None
     return max(0.0, end - start)
@@ -146,13 +146,19 @@ async def list_namespaced(kube: Kube, plural: str, namespace: str, selector: str
     return list(result.get("items", []))
 
 
-async def retention_view(kube: Kube, namespace: str, schedule: str) -> list[CheckpointInfo]:
-    """The schedule's Checkpoints as retention sees them: age, complete, pinned, in use by a restore."""
+async def restores_in_use(kube: Kube, namespace: str) -> dict[str, str]:
+    """Checkpoint name -> the RestoreJob that has not ended and names it."""
     in_use: dict[str, str] = {}
     for restore in await list_namespaced(kube, RESTORE_JOB.plural, namespace):
         phase = (restore.get("status") or {}).get("phase")
         if phase not in (RestorePhase.SUCCEEDED, RestorePhase.FAILED):
             in_use[(restore.get("spec") or {}).get("checkpointName", "")] = restore["metadata"]["name"]
+    return in_use
+
+
+async def retention_view(kube: Kube, namespace: str, schedule: str) -> list[CheckpointInfo]:
+    """The schedule's Checkpoints as retention sees them: age, complete, pinned, in use by a restore."""
+    in_use = await restores_in_use(kube, namespace)
     infos = []
     for body in await list_namespaced(kube, CHECKPOINT.plural, namespace, f"{SCHEDULE_LABEL}={schedule}"):
         meta = body["metadata"]
@@ -161,13 +167,25 @@ async def retention_view(kube: Kube, namespace: str, schedule: str) -> list[Chec
         infos.append(
             CheckpointInfo(
                 name=meta["name"],
-                created_at=_timestamp(meta.get("creationTimestamp")) or 0.0,
+                created_at=timestamp(meta.get("creationTimestamp")) or 0.0,
                 complete=bool((body.get("status") or {}).get("readyToRestore")),
                 pinned=(meta.get("labels") or {}).get(PIN_LABEL) == "true",
                 used_by=in_use.get(meta["name"]),
             )
         )
     return infos
+
+
+async def job_history(kube: Kube, namespace: str, schedule: str) -> list[JobInfo]:
+    """The schedule's CheckpointJobs as the job history sees them."""
+    jobs = []
+    for body in await list_namespaced(kube, CHECKPOINT_JOB.plural, namespace, f"{SCHEDULE_LABEL}={schedule}"):
+        meta = body["metadata"]
+        if meta.get("deletionTimestamp"):
+            continue
+        created = timestamp(meta.get("creationTimestamp")) or 0.0
+        jobs.append(JobInfo(meta["name"], created, str((body.get("status") or {}).get("phase") or "")))
+    return jobs
 
 
 async def delete_checkpoint(kube: Kube, namespace: str, name: str) -> bool:

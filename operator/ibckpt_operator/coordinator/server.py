@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import secrets
 import socket
 from typing import Any
@@ -31,6 +32,21 @@ log = logging.getLogger(__name__)
 HELLO_TIMEOUT_S = 10.0
 MAX_WAIT_S = 3600.0
 BACKLOG = 1024  # every node agent of a large job connects at once
+# Bounds on what a peer can make the operator hold (each connection costs about 70 KiB): connections that
+# have not said HELLO yet (past it, the one waiting longest is dropped: an agent says HELLO at once, an
+# idle stranger never), an authenticated participant's connections (an agent that reconnects may overlap
+# its old one), and one connection's requests in flight (it is read no further meanwhile).
+MAX_GREETING = 256
+MAX_PER_PARTICIPANT = 4
+MAX_IN_FLIGHT = 64
+
+
+def _timeout(head: dict[str, Any]) -> float:
+    """A request's wait, in seconds: a finite number, at most MAX_WAIT_S."""
+    value = head.get("timeout", 60.0)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"timeout must be a finite number of seconds, not {value!r}")
+    return min(float(value), MAX_WAIT_S)
 
 
 class _Connection:
@@ -66,6 +82,7 @@ class CoordinatorServer:
         self._acceptors: list[asyncio.Task[None]] = []
         self._pushes: set[asyncio.Task[None]] = set()
         self._handlers: dict[asyncio.Task[None], socket.socket] = {}
+        self._greeting: dict[socket.socket, None] = {}  # not authenticated yet, oldest first
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -147,8 +164,14 @@ class CoordinatorServer:
                 await asyncio.sleep(0.1)
                 continue
             sock.setblocking(False)
+            if len(self._greeting) >= MAX_GREETING:
+                oldest = next(iter(self._greeting))
+                log.warning("%d connections await HELLO: dropping the oldest", len(self._greeting))
+                del self._greeting[oldest]
+                _shutdown(oldest)  # its handler's read ends
             if sock.family in (socket.AF_INET, socket.AF_INET6):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._greeting[sock] = None  # now: the next accept may not yield to its handler
             handler = asyncio.ensure_future(self._serve(sock))
             self._handlers[handler] = sock
             handler.add_done_callback(lambda task: self._handlers.pop(task, None))
@@ -158,10 +181,15 @@ class CoordinatorServer:
         conn: _Connection | None = None
         tasks: set[asyncio.Task[None]] = set()
         try:
-            conn = await self._hello(reader, sock)
+            try:
+                conn = await self._hello(reader, sock)
+            finally:
+                self._greeting.pop(sock, None)
             if conn is None:
                 return
             while True:
+                if len(tasks) >= MAX_IN_FLIGHT:  # backpressure: read on once one has been answered
+                    await asyncio.wait(list(tasks), return_when=asyncio.FIRST_COMPLETED)
                 frame = await reader.read()
                 task = asyncio.ensure_future(self._handle(conn, frame))
                 tasks.add(task)
@@ -189,7 +217,7 @@ class CoordinatorServer:
         except TimeoutError:
             return None
         head = frame.header
-        if frame.kind != Kind.HELLO or head.get("version") != PROTOCOL_VERSION:
+        if frame.kind != Kind.HELLO or not isinstance(head, dict) or head.get("version") != PROTOCOL_VERSION:
             await refuse(f"expected HELLO with protocol version {PROTOCOL_VERSION}")
             return None
         session = self.sessions.get(str(head.get("session")))
@@ -199,25 +227,32 @@ class CoordinatorServer:
                         head.get("session"))  # fmt: skip
             await refuse("unknown session, participant or token")
             return None
+        open_ = sum(1 for c in self._connections.get(session.id, ()) if c.participant == participant)
+        if open_ >= MAX_PER_PARTICIPANT:
+            log.warning("refused participant %r for session %s: %d connections open", participant, session.id,
+                        open_)  # fmt: skip
+            await refuse(f"participant {participant} already has {open_} connections open")
+            return None
         conn = _Connection(session, participant, sock)
         self._connections[session.id].add(conn)
         await conn.send(Frame(Kind.OK, {"id": 0, "aborted": session.abort_reason}))
         return conn
 
     async def _handle(self, conn: _Connection, frame: Frame) -> None:
-        head = frame.header
+        head = frame.header if isinstance(frame.header, dict) else {}
         request_id = head.get("id", 0)
         session, me = conn.session, conn.participant
-        timeout = min(float(head.get("timeout", 60.0)), MAX_WAIT_S)
         reply: Frame
         try:
-            reply = await self._dispatch(session, me, frame, timeout)
+            if not isinstance(frame.header, dict):
+                raise ValueError("a request's header must be an object")
+            reply = await self._dispatch(session, me, frame, _timeout(head))
         except SessionAborted as exc:
             reply = Frame(Kind.ERROR, {"error": "aborted", "message": exc.reason})
         except CoordinationTimeout as exc:
             reply = Frame(Kind.ERROR, {"error": "timeout", "message": str(exc)})
-        except (NotAParticipant, ValueError, KeyError, ProtocolError) as exc:
-            reply = Frame(Kind.ERROR, {"error": "request", "message": str(exc)})
+        except (NotAParticipant, ValueError, KeyError, TypeError, ProtocolError) as exc:
+            reply = Frame(Kind.ERROR, {"error": "request", "message": f"bad request: {exc}"})
         reply = dataclasses.replace(reply, header={**reply.header, "id": request_id})
         with contextlib.suppress(OSError):
             await conn.send(reply)

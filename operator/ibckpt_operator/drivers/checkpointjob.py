@@ -26,6 +26,7 @@ from ibckpt.agentapi import (
     SessionReport,
 )
 from ibckpt.api import CHECKPOINT, CheckpointJobStatus, CheckpointMode, JobPhase
+from ibckpt.store.units import format_size
 from ibckpt_operator.cluster import selection
 from ibckpt_operator.cluster.agents import Agent, agents_by_node, each_agent, follow_session, no_agent_message
 from ibckpt_operator.cluster.kube import Body
@@ -67,6 +68,7 @@ from ibckpt_operator.machine.core import (
     Transition,
 )
 from ibckpt_operator.machine.status import job_state, job_status
+from ibckpt_operator.machine.timings import paused_seconds, upload_rate
 
 log = logging.getLogger(__name__)
 
@@ -93,13 +95,40 @@ class CheckpointJobDriver(CheckpointStoreDriver):
         return self.machine.handle(state, event, now)
 
     def status_of(self, state: JobState, now: float) -> CheckpointJobStatus:
-        return job_status(
+        status = job_status(
             state,
             checkpoint_name=self.machine_checkpoint_name(),
             generation=self.generation,
             previous=self.conditions,
             now=now,
         )
+        return self.with_timings(status, state, now)
+
+    def with_timings(self, status: CheckpointJobStatus, state: JobState, now: float) -> CheckpointJobStatus:
+        """The nodes' measured phases, what each pod was paused, and each node's upload rate. A restarted
+        operator has no reports of the nodes' finished sessions: what was written stays."""
+        leave_running = self.spec.mode != CheckpointMode.STOP
+        node_bytes: dict[str, int] = {}
+        for row in status.pods or ():
+            if row.node:
+                node_bytes[row.node] = node_bytes.get(row.node, 0) + (row.bytes or 0)
+        rows = [
+            row.model_copy(
+                update={
+                    "frozen_seconds": paused_seconds(phases, leave_running),
+                    "upload_bytes_per_second": upload_rate(node_bytes.get(row.node), phases),
+                }
+            )
+            if row.node and (phases := self.node_phases.get(row.node))
+            else row
+            for row in status.pods or ()
+        ]
+        total = round(state.finished_at - state.started_at, 3) if state.finished_at is not None else None
+        timings = self.timings(state, now)
+        if timings is not None:
+            timings = timings.model_copy(update={"total_seconds": total})
+        size = format_size(status.bytes) if status.bytes else None
+        return status.model_copy(update={"pods": rows or status.pods, "timings": timings, "size": size})
 
     def background(self) -> list[Awaitable[None]]:
         # a member that is deleted or replaced (another uid) is lost: the machine aborts
@@ -316,6 +345,8 @@ class CheckpointJobDriver(CheckpointStoreDriver):
         # A succeeded session: staged, and (LeaveRunning) rebuilt and resumed; held (Stop) ranks wait for
         # the kill.
         self.progress.absorb(report, lambda rank: rank.pod_uid)
+        if report.phases:
+            self.node_phases[report.node] = dict(report.phases)
         self.report_progress()
 
     async def kill(self, action: KillSources) -> None:

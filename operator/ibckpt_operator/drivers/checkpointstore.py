@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 
 from ibckpt.agentapi import CHECKPOINT_MILESTONES, Milestone
 from ibckpt.api import (
@@ -19,6 +20,7 @@ from ibckpt.api import (
     CheckpointMode,
     CheckpointSize,
     CheckpointSpec,
+    CheckpointTimings,
     JobReference,
     ObjectMeta,
 )
@@ -33,6 +35,7 @@ from ibckpt_operator.drivers.runtime import Runtime
 from ibckpt_operator.machine import CheckpointMachine, JobState
 from ibckpt_operator.machine.actions import CommitManifest, DiscardUpload, PublishCheckpoint, VerifyManifest
 from ibckpt_operator.machine.checkpoint import CheckpointPublished, ManifestCommitted, ManifestMissing
+from ibckpt_operator.machine.timings import checkpoint_timings
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +60,13 @@ class CheckpointStoreDriver(Driver[JobState]):
         )
         self.resolved: storage.ResolvedStorage | None = None
         self.record = RestoreRecord()  # what a restore needs, written into the Checkpoint
+        self.node_phases: dict[str, dict[str, float]] = {}  # each node's last SessionReport.phases
+
+    def timings(self, state: JobState, now: float) -> CheckpointTimings | None:
+        """From the nodes' reports; the total runs from the job's start to its end (or to `now`)."""
+        end = state.finished_at if state.finished_at is not None else now
+        leave_running = self.spec.mode != CheckpointMode.STOP
+        return checkpoint_timings(self.node_phases, leave_running, end - state.started_at)
 
     # -- names
 
@@ -154,6 +164,7 @@ class CheckpointStoreDriver(Driver[JobState]):
             requires=await self.record.requires(self.rt, members),
             nodes=sorted({m.pod.node for m in members if m.pod.node}),
             size=CheckpointSize(bytes=total, human=format_size(total)),
+            timings=self.timings(self.state, time.time()),
         )
         labels = self.copied_labels()
         checkpoint = Checkpoint(

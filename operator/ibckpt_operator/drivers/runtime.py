@@ -65,3 +65,35 @@ def get() -> Runtime:
 def set_runtime(runtime: Runtime | None) -> None:
     global _runtime
     _runtime = runtime
+
+
+# The Lease a starting replica waits for (the startup handler's), until it leads.
+_awaited: LeaderLease | None = None
+
+
+def awaiting(lease: LeaderLease | None) -> None:
+    global _awaited
+    _awaited = lease
+
+
+@dataclass(frozen=True)
+class Standing:
+    """What this replica is, for the health endpoints: alive (liveness), ready (readiness), and why."""
+
+    alive: bool
+    ready: bool
+    message: str
+
+
+def standing() -> Standing:
+    """A leader is alive and ready until it loses the Lease. A standby is alive while it waits, and ready
+    while the apiserver answers it, so that it can take over: a rolling update of the Deployment needs
+    its new pods Ready while the old leader still holds the Lease."""
+    if _runtime is not None:
+        if _runtime.lost.is_set():
+            return Standing(False, False, "this replica lost the operator Lease")
+        return Standing(True, True, "leader")
+    if _awaited is not None:
+        able, why = _awaited.standby_state()
+        return Standing(True, able, why)
+    return Standing(True, False, "starting")

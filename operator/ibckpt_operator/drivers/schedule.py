@@ -53,6 +53,7 @@ from ibckpt_operator.machine.drain import (
 from ibckpt_operator.machine.schedule import (
     CreateCheckpointJob,
     DeleteCheckpoint,
+    DeleteCheckpointJob,
     JobFinished,
     ScheduleMachine,
     SchedulePolicy,
@@ -226,7 +227,7 @@ class ScheduleController:
             await self._run(spec, transition.actions, now)
             wake_at = transition.wake_at
         metrics.record_schedule(self.key, self.schedule.interval, self.schedule.cost)
-        if (finished is not None and finished.succeeded) or self.kept is None:
+        if finished is not None or self.kept is None:
             await self._prune(spec, machine, now)
         return wake_at
 
@@ -246,6 +247,15 @@ class ScheduleController:
         self.kept = len(infos) - len(pruned)
         self.last_prune = now
         await self._run(spec, actions, now)
+        jobs = await schedules.job_history(self.rt.kube, self.namespace, self.name)
+        await self._run(spec, machine.prune_jobs(jobs, self._jobs_in_use()), now)
+
+    def _jobs_in_use(self) -> frozenset[str]:
+        """The jobs the machines still read: the running one, and those of a migration."""
+        names = {self.schedule.active_job if self.schedule else None}
+        if self.drain is not None:
+            names |= {self.drain.checkpoint_job, self.drain.cancelled_job}
+        return frozenset(name for name in names if name)
 
     # -- drain protection
 
@@ -382,6 +392,9 @@ class ScheduleController:
                 if await schedules.delete_checkpoint(kube, self.namespace, action.name):
                     self.pruned += 1
                     metrics.SCHEDULE_PRUNED.labels(self.key).inc()
+            elif isinstance(action, DeleteCheckpointJob):
+                await schedules.delete_custom(kube, CHECKPOINT_JOB.plural, self.namespace, action.name)
+                log.info("%s: deleted CheckpointJob %s (%s)", self.key, action.name, action.reason)
             elif isinstance(action, EnsurePdb):
                 self.protected_by = await self._ensure_pdb(spec)
             elif isinstance(action, RelaxPdb):

@@ -1,13 +1,10 @@
-"""Drains: the Node watch (a cordon or an autoscaler's drain taint pokes every protected schedule), the
-validating admission webhook on pods/eviction (answered by the schedule's drain machine), and kopf's
-admission server that serves it from the operator pod (docs/drains.md).
+"""Drains: the Node watch (a cordon or an autoscaler's drain taint pokes every protected schedule) and the
+validating admission webhook on pods/eviction (answered by the schedule's drain machine), served by kopf's
+admission server from the operator pod (docs/drains.md).
 
 The webhook server is on in a pod (the apiserver reaches the operator at its pod IP) and off elsewhere;
-the environment overrides it (webhook.py).
-
-kopf manages the ValidatingWebhookConfiguration `ibckpt.io` (failurePolicy Ignore: a dead operator must
-not block every eviction in the cluster; the PDB is the backstop) and the MutatingWebhookConfiguration of
-the same name (the restore binding, handlers/restorejob.py).
+the environment overrides it (webhook.py). The leader writes the configurations (cluster/admission.py:
+failurePolicy Ignore, a short timeout; the PDB is the backstop).
 """
 
 from __future__ import annotations
@@ -18,8 +15,7 @@ from typing import Any
 
 import kopf
 
-from ibckpt_operator import webhook
-from ibckpt_operator.cluster import drains
+from ibckpt_operator.cluster import admission, drains
 from ibckpt_operator.cluster.selection import pod_ref
 from ibckpt_operator.drivers import runtime
 from ibckpt_operator.drivers.schedule import CONTROLLERS
@@ -64,7 +60,7 @@ async def answer_eviction(namespace: str, pod_name: str) -> EvictionAnswer:
 
 
 @kopf.on.validate(
-    "v1", "pods", subresource="eviction", operations=["CREATE"], ignore_failures=True, id="eviction"
+    "v1", "pods", subresource="eviction", operations=["CREATE"], ignore_failures=True, id=admission.EVICTION
 )
 async def validate_eviction(body: kopf.Body, dryrun: bool, **_: Any) -> None:
     meta = body.get("metadata") or {}
@@ -73,8 +69,3 @@ async def validate_eviction(body: kopf.Body, dryrun: bool, **_: Any) -> None:
     answer = await answer_eviction(meta.get("namespace") or "default", meta["name"])
     if not answer.allowed:
         raise kopf.AdmissionError(answer.message, code=answer.code)
-
-
-@kopf.on.startup()
-async def admission_server(settings: kopf.OperatorSettings, **_: Any) -> None:
-    webhook.serve_admission(settings)

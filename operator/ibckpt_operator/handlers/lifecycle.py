@@ -12,7 +12,8 @@ import kopf
 
 from ibckpt.api import CHECKPOINT_JOB, CheckpointJobStatus, JobPhase
 from ibckpt.store import s3
-from ibckpt_operator import metrics
+from ibckpt_operator import metrics, webhook
+from ibckpt_operator.cluster import admission
 from ibckpt_operator.cluster.agents import AgentGateway
 from ibckpt_operator.cluster.kube import Kube, client_configuration, new_api_client
 from ibckpt_operator.cluster.leader import LeaderLease
@@ -76,13 +77,18 @@ def login(**_: Any) -> kopf.ConnectionInfo:
 @kopf.on.startup()
 async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     tune(settings)
+    webhook.serve_admission(settings)  # kopf starts the server after start-up: a standby serves nothing
     config = current()
     kube = Kube(new_api_client())
     lease = None
+    metrics.serve(config.metrics_host, config.metrics_port)  # a standby's too: it says leader 0
     if config.lease_enabled:
         lease = LeaderLease(kube, config.namespace, config.lease_name, config.identity, config.lease_seconds)
+        runtime.awaiting(lease)
         await lease.acquire()
-    metrics.serve(config.metrics_host, config.metrics_port)
+    endpoint = webhook.endpoint()
+    if endpoint is not None:
+        await admission.publish(kube, endpoint)  # the apiserver calls this replica from now on
     coordinator = CoordinatorServer(config.coordinator_bind, config.coordinator_port)
     await coordinator.start()
     rt = runtime.Runtime(kube=kube, gateway=AgentGateway(), coordinator=coordinator, lease=lease)
@@ -91,6 +97,7 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
         keeper = asyncio.ensure_future(lease.keep(rt.lost.set))
         rt.tasks.add(keeper)
     runtime.set_runtime(rt)
+    runtime.awaiting(None)
     # botocore's models load in the background now, not in the first job's storage check (s3.warm)
     threading.Thread(target=_warm_store, name="warm store", daemon=True).start()
     log.info("ibckpt operator started; coordinator on port %d", coordinator.port)
@@ -112,20 +119,12 @@ async def cleanup(**_: Any) -> None:
     for task in rt.tasks:
         task.cancel()
     await rt.coordinator.stop()
+    if webhook.endpoint() is not None:
+        try:
+            await admission.withdraw(rt.kube)
+        except Exception as error:  # the configurations fail open: a stale address costs a timeout
+            log.warning("could not empty the webhook configurations: %s", error)
     if rt.lease is not None:
         await asyncio.to_thread(rt.lease.release)
     rt.kube.api.close()  # type: ignore[no-untyped-call]
     runtime.set_runtime(None)
-
-
-@kopf.on.probe(id="leader")
-def leader(**_: Any) -> str:
-    """For the liveness endpoint: fails (HTTP 500) once this replica lost the Lease, so it is restarted as
-    a follower; a replica still waiting for the Lease is alive."""
-    try:
-        rt = runtime.get()
-    except RuntimeError:
-        return "waiting for the Lease"
-    if rt.lost.is_set():
-        raise RuntimeError("this replica lost the operator Lease")
-    return "leader"

@@ -8,7 +8,7 @@ from typing import Any
 import kopf
 
 from ibckpt.api import GROUP, RESTORE_JOB, VERSION, RestorePhase
-from ibckpt_operator.cluster import bindings
+from ibckpt_operator.cluster import admission, bindings
 from ibckpt_operator.drivers.restorejob import RestoreJobDriver
 from ibckpt_operator.handlers.jobs import drive_job
 
@@ -24,7 +24,7 @@ async def drive(body: kopf.Body, stopped: kopf.DaemonStopped, **_: Any) -> None:
 
 # failurePolicy Ignore: a dead operator must not block every pod creation in the cluster (a pod it
 # would have bound then starts from scratch; the Checkpoint stays restorable).
-@kopf.on.mutate("v1", "pods", operations=["CREATE"], ignore_failures=True, id="restore-binding")
+@kopf.on.mutate("v1", "pods", operations=["CREATE"], ignore_failures=True, id=admission.RESTORE_BINDING)
 async def bind_restored_pod(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
     claim = bindings.answer(dict(body))
     if isinstance(claim, bindings.Waiting):

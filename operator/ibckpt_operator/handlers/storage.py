@@ -1,9 +1,11 @@
 """CheckpointStorage: its Ready condition says whether the bucket answered with these credentials,
-checked when it is created or changed and every few minutes (a rotated key shows up before a job fails)."""
+checked when it is created or changed and every few minutes (a rotated key shows up before a job fails).
+After a check that passed, its retention is applied and its bucket swept when due (drivers/storage.py)."""
 
 from __future__ import annotations
 
 import copy
+import logging
 import time
 from datetime import UTC, datetime
 from typing import Any
@@ -22,17 +24,21 @@ from ibckpt.api import (
 )
 from ibckpt_operator.cluster import storage
 from ibckpt_operator.drivers import runtime
+from ibckpt_operator.drivers.storage import upkeep
 from ibckpt_operator.machine.status import to_time
 
+log = logging.getLogger(__name__)
 RECHECK_SECONDS = 300.0
 
 
 async def check_storage(body: dict[str, Any]) -> None:
     rt = runtime.get()
     meta = body["metadata"]
+    resolved, spec = None, None
     try:
-        CheckpointStorageSpec.from_wire(body.get("spec") or {})
-        await storage.check(rt.kube, meta["namespace"], LocalObjectReference(name=meta["name"]), None)
+        spec = CheckpointStorageSpec.from_wire(body.get("spec") or {})
+        own = LocalObjectReference(name=meta["name"])
+        resolved = await storage.check(rt.kube, meta["namespace"], own, None)
         status, reason, message = (
             ConditionStatus.TRUE,
             "BucketAnswered",
@@ -68,6 +74,12 @@ async def check_storage(body: dict[str, Any]) -> None:
         "conditions": [condition],
         "lastCheckedTime": datetime.fromtimestamp(now, UTC).isoformat(),
     }
+    if resolved is not None and spec is not None:
+        try:
+            patch.update(await upkeep(rt, body, spec, resolved.config, now))
+        except Exception as error:  # the check's result is written anyway; the next check tries again
+            log.exception("CheckpointStorage %s/%s: upkeep failed", meta["namespace"], meta["name"])
+            await rt.kube.post_event(body, "Warning", "UpkeepFailed", f"retention and sweep not run: {error}")
     await rt.kube.patch_status(CHECKPOINT_STORAGE.plural, meta["namespace"], meta["name"], patch)
     if changed:
         kind = "Normal" if status == ConditionStatus.TRUE else "Warning"

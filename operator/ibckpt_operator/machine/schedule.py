@@ -10,6 +10,9 @@ Pure: no I/O, no clock (docs/schedules.md).
 - Retention: pinned, in use by a RestoreJob, the newest complete one and the `minKeep` newest are never
   pruned; otherwise keepLast and maxAgeSeconds drop. maxTotalBytes needs the chunk sets, so the store's gc
   applies it, not this machine.
+- Job history: of the finished CheckpointJobs, the `successfulJobsHistoryLimit` newest that succeeded and
+  the `failedJobsHistoryLimit` newest that failed stay; older ones are deleted (their Checkpoints stay:
+  retention decides over those). A job still running, or one a migration names, is never deleted.
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ class SchedulePolicy:
     keep_last: int | None = 3
     max_age_seconds: float | None = None
     min_keep: int = 1
+    successful_jobs_kept: int = 3
+    failed_jobs_kept: int = 1
 
     @classmethod
     def from_spec(cls, spec: CheckpointScheduleSpec) -> SchedulePolicy:
@@ -68,6 +73,8 @@ class SchedulePolicy:
             keep_last=spec.retention.keep_last,
             max_age_seconds=spec.retention.max_age_seconds,
             min_keep=spec.retention.min_keep,
+            successful_jobs_kept=spec.successful_jobs_history_limit,
+            failed_jobs_kept=spec.failed_jobs_history_limit,
         )
 
     @property
@@ -148,6 +155,23 @@ class CheckpointInfo:
 
 
 @dataclass(frozen=True)
+class DeleteCheckpointJob(Action):
+    """Delete a finished CheckpointJob the job history no longer keeps (not its Checkpoint)."""
+
+    name: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class JobInfo:
+    """What the job history needs of one CheckpointJob of this schedule."""
+
+    name: str
+    created_at: float
+    phase: str  # the job's status.phase; only Succeeded and Failed are finished
+
+
+@dataclass(frozen=True)
 class Decision:
     name: str
     keep: bool
@@ -218,6 +242,19 @@ class ScheduleMachine:
             if not decision.keep:
                 actions.append(DeleteCheckpoint(decision.name, decision.reason))
                 actions.append(EmitEvent("Normal", "CheckpointPruned", f"{decision.name}: {decision.reason}"))
+        return tuple(actions)
+
+    def prune_jobs(self, jobs: Iterable[JobInfo], in_use: frozenset[str]) -> tuple[Action, ...]:
+        """Delete the finished jobs beyond the history limits, oldest first; never one in `in_use`."""
+        limits = {"Succeeded": self.policy.successful_jobs_kept, "Failed": self.policy.failed_jobs_kept}
+        actions: list[Action] = []
+        for phase, limit in limits.items():
+            finished = [j for j in jobs if j.phase == phase and j.name not in in_use]
+            newest_first = sorted(finished, key=lambda j: (j.created_at, j.name), reverse=True)
+            for job in reversed(newest_first[limit:]):
+                reason = f"{phase.lower()}, beyond the {limit} newest kept"
+                actions.append(DeleteCheckpointJob(job.name, reason))
+                actions.append(EmitEvent("Normal", "CheckpointJobPruned", f"{job.name}: {reason}"))
         return tuple(actions)
 
     def _fire(self, state: ScheduleState, now: float) -> tuple[ScheduleState, list[Action]]:

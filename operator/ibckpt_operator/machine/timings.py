@@ -1,0 +1,56 @@
+"""A checkpoint's timings from its nodes' session reports (`SessionReport.phases`: seconds per phase,
+each ending at the barrier every node passes). Pure.
+
+- A phase took what its slowest node took: every node waits at its barrier for that one.
+- A node's ranks were gated (paused) from the cut (quiesce) until they ran again: through rebuild and
+  resume for LeaveRunning; until the dump ended for Stop (the ranks then wait for the kill and run again
+  only where they are restored).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from ibckpt.api import CheckpointTimings
+from ibckpt.vocabulary import Milestone
+
+CUT = (Milestone.QUIESCED, Milestone.DRAINED, Milestone.RELEASED, Milestone.DUMPED)
+BACK = (Milestone.REBUILT, Milestone.RESUMED)
+Phases = Mapping[str, float]
+
+
+def paused_seconds(phases: Phases, leave_running: bool) -> float | None:
+    """How long one node's ranks were gated; None before its cut began."""
+    parts = [phases[m] for m in (*CUT, *BACK) if m in phases and (leave_running or m in CUT)]
+    return round(sum(parts), 3) if parts else None
+
+
+def _slowest(by_node: Mapping[str, Phases], milestone: Milestone) -> float | None:
+    found = [phases[milestone] for phases in by_node.values() if milestone in phases]
+    return round(max(found), 3) if found else None
+
+
+def checkpoint_timings(
+    by_node: Mapping[str, Phases], leave_running: bool, total_seconds: float | None
+) -> CheckpointTimings | None:
+    """The job's timings; None while no node reported a finished phase."""
+    if not any(by_node.values()):
+        return None
+    paused = [p for phases in by_node.values() if (p := paused_seconds(phases, leave_running)) is not None]
+    return CheckpointTimings(
+        pause_seconds=max(paused) if paused else None,
+        quiesce_seconds=_slowest(by_node, Milestone.QUIESCED),
+        drain_seconds=_slowest(by_node, Milestone.DRAINED),
+        release_seconds=_slowest(by_node, Milestone.RELEASED),
+        dump_seconds=_slowest(by_node, Milestone.DUMPED),
+        upload_seconds=_slowest(by_node, Milestone.UPLOADED),
+        total_seconds=None if total_seconds is None else round(max(0.0, total_seconds), 3),
+    )
+
+
+def upload_rate(bytes_: int | None, phases: Phases) -> int | None:
+    """Bytes per second of a node's upload, once it finished."""
+    seconds = phases.get(Milestone.UPLOADED)
+    if not bytes_ or not seconds:
+        return None
+    return int(bytes_ / seconds)
