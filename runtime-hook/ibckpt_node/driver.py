@@ -255,8 +255,12 @@ class NodeDriver:
             await self._rebuild_and_resume(epoch)
             self.report.outcome = "Succeeded"
             return self.report
-        except (CheckpointFailed, CoordinatorError, OSError) as exc:
-            # OSError: whatever else went wrong on this node once ranks were touched must abort too
+        except Exception as exc:
+            # Whatever went wrong once ranks were touched must abort: an unexpected error too (a shim
+            # runs in the tenant's process; nothing it does may leave ranks quiesced)
+            if not isinstance(exc, CheckpointFailed | CoordinatorError | OSError):
+                log.exception("%s: unexpected error in the checkpoint", self.node)
+                exc = CheckpointFailed(f"{type(exc).__name__}: {exc}")
             if not touched:
                 await abort.abort_untouched(self.node, self.client, exc, self.report)
                 mine = isinstance(exc, CheckpointRefused)

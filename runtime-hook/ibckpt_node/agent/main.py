@@ -89,6 +89,14 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         help="how long the images of a checkpoint that was not staged (its upload failed, say) stay on "
         "the node; 0: removed at once (default: %(default)g)",
     )
+    parser.add_argument(
+        "--stop-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGTERM, how long to wait for the aborted sessions' ranks to run again; keep it under "
+        "the pod's termination grace period (default: %(default)g)",
+    )
     parser.add_argument("--log-level", default=os.environ.get("IBCKPT_LOG_LEVEL", "info"))
     parser.add_argument(
         "--failpoints",
@@ -149,7 +157,7 @@ async def serve(args: argparse.Namespace) -> None:
         await stop.wait()
     finally:
         log.info("stopping")
-        await server.close()
+        await server.close(args.stop_timeout)
         await warm
 
 

@@ -48,7 +48,9 @@ def record_path(work_dir: Path, session_id: str) -> Path:
 
 def save(work_dir: Path, request: api.CheckpointRequest) -> None:
     path = record_path(work_dir, request.session_id)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    for directory in (path.parent.parent, path.parent):  # sessions/ and the session's: the images go here
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        directory.chmod(0o700)  # they hold the job's memory: root's alone (one made before was 0755)
     data = request.model_dump(mode="json", exclude={"session_token"})
     partial = path.with_suffix(".partial")
     fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

@@ -109,10 +109,10 @@ class AgentServer:
         self.ready = True
         log.info("node agent for %s serving %s", self.node, self.address)
 
-    async def close(self) -> None:
+    async def close(self, stop_timeout_s: float = 30.0) -> None:
         self.ready = False
         await self.http.close()
-        await self.sessions.close()
+        await self.sessions.close(stop_timeout_s)
         await self.registry.close()
 
     def _finished(self, report: api.SessionReport) -> None:

@@ -276,13 +276,19 @@ class Sessions:
         except Exception:
             log.exception("sweeping the node's disk")
 
-    async def close(self) -> None:
+    async def close(self, timeout_s: float = 30.0) -> None:
+        """Abort what runs and wait up to `timeout_s` for it to end (its ranks running again). What is
+        still going then is left to the next agent of this node, which adopts it (`_adopt`)."""
         if self.sweeper is not None:
             self.sweeper.cancel()
             await asyncio.wait([self.sweeper])
         for session in self.sessions.values():
             if session.task is not None and not session.task.done():
                 await self.abort(session.report.session_id, "the node agent is stopping")
-        tasks = [s.task for s in self.sessions.values() if s.task is not None]
+        tasks = [s.task for s in self.sessions.values() if s.task is not None and not s.task.done()]
         if tasks:
-            await asyncio.wait(tasks, timeout=30)
+            log.info("waiting up to %.0f s for %d session(s) to end", timeout_s, len(tasks))
+            _done, pending = await asyncio.wait(tasks, timeout=timeout_s)
+            if pending:
+                left = len(pending)
+                log.warning("%d session(s) still going after %.0f s: left to the next agent", left, timeout_s)

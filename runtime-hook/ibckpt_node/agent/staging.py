@@ -12,23 +12,38 @@ from pathlib import Path
 
 from ibckpt.agentapi import models as api
 from ibckpt.api.storage import S3Location
-from ibckpt.store import ImageStore, StoreConfig, config_for_location, credentials_from_secret
+from ibckpt.store import (
+    EncryptionConfig,
+    ImageStore,
+    StoreConfig,
+    config_for_location,
+    credentials_from_secret,
+)
 from ibckpt.store.errors import StoreError
 from ibckpt.store.manifest import RankInfo
 from ibckpt_node.agent.kubesecrets import StagingError
 
 
 def store_config(location: S3Location, secret: api.SecretRef, data: dict[str, str]) -> StoreConfig:
-    # What the agent cannot do yet is refused, never silently dropped.
-    if location.encryption is not None and str(location.encryption.mode) != "none":
-        raise StagingError("encrypted storage is not supported by the node agent yet")
+    # What the agent cannot do yet is refused, never silently dropped. Server-side encryption needs only
+    # request headers; client-side needs the tenant's key, which the agent may not read.
+    encryption = EncryptionConfig()
+    if location.encryption is not None:
+        mode = str(location.encryption.mode)
+        if mode == "client":
+            raise StagingError(
+                "client-side encryption is not supported by the node agent yet (it may not read the "
+                "key's Secret); use sse-s3 or sse-kms"
+            )
+        kms_key = location.encryption.kms_key_id
+        encryption = EncryptionConfig.model_validate({"mode": mode, "kms_key_id": kms_key})
     if location.ca_bundle_secret_ref is not None:
         raise StagingError("a CA bundle for the S3 endpoint is not supported by the node agent yet")
     try:
         credentials = credentials_from_secret(data, name=f"{secret.namespace}/{secret.name}")
     except StoreError as exc:
         raise StagingError(str(exc)) from None
-    return config_for_location(location, credentials)
+    return config_for_location(location, credentials, encryption)
 
 
 def stage_trees(

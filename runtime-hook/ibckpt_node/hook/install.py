@@ -7,7 +7,8 @@ The runtime runs the hook and the wrapper in the node's own filesystem, not in t
 image, and on every container create. So they go in as a copy of this package (standard library
 only) under PREFIX/lib/ibckpt/python, with launchers PREFIX/bin/ibckpt-hook and
 PREFIX/bin/ibckpt-runc that start the node's python with -I -S: no site-packages scan, no
-user environment, about 10 ms faster than a console script in a virtualenv.
+user environment, about 10 ms faster than a console script in a virtualenv. ibckpt-runc is a
+shell script that starts Python only for create, run and start.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import argparse
 import filecmp
 import json
 import os
+import shlex
 import shutil
 import sys
 from collections.abc import Sequence
@@ -23,16 +25,37 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 MODULES = ("__init__.py", "oci.py", "client.py", "main.py", "stages.py", "runc.py", "restore.py")
-LAUNCHERS = {"ibckpt-hook": "ibckpt_node.hook.main", "ibckpt-runc": "ibckpt_node.hook.runc"}
 
 
-def launcher(python: str, libdir: str, module: str, main_args: str = "") -> str:
+def launcher(python: str, libdir: str, module: str) -> str:
     return (
         f"#!{python} -IS\n"
         "import sys\n"
         f"sys.path.insert(0, {libdir!r})\n"
         f"from {module} import main\n"
-        f"sys.exit(main({main_args}))\n"
+        "sys.exit(main())\n"
+    )
+
+
+def runc_launcher(python: str, libdir: str, runc: str) -> str:
+    """ibckpt-runc as a shell script: only a call naming create, run or start may need the wrapper's
+    Python (runc.main passes every other one through); the rest go straight to runc. containerd
+    bounds a task's delete at 10 s, and on a loaded node Python's start alone took seconds of that."""
+    code = (
+        f"import sys; sys.path.insert(0, {json.dumps(libdir)}); from ibckpt_node.hook.runc import main; "
+        f"sys.exit(main(default_runc={json.dumps(runc)}))"
+    )
+    return (
+        "#!/bin/sh\n"
+        "# ibckpt-runc: runc for the ibckpt runtime handler (ibckpt_node.hook.runc)\n"
+        'for arg in "$@"; do\n'
+        "  case $arg in\n"
+        f'    create|run|start) exec {shlex.quote(python)} -IS -c {shlex.quote(code)} "$@" ;;\n'
+        "  esac\n"
+        "done\n"
+        "runc=${IBCKPT_RUNC:-}\n"
+        f'[ -n "$runc" ] || runc={shlex.quote(runc)}\n'
+        'exec "$runc" "$@"\n'
     )
 
 
@@ -72,10 +95,9 @@ def install(
         _write(pkg / "hook" / name, (HERE / name).read_text(), 0o644)
     (top / "bin").mkdir(parents=True, exist_ok=True)
     runc = str((config or {}).get("runc", "/usr/sbin/runc"))
-    for name, module in LAUNCHERS.items():
-        # the wrapper passes most calls through without reading node.json: it gets runc here
-        main_args = f"default_runc={runc!r}" if name == "ibckpt-runc" else ""
-        _write(top / "bin" / name, launcher(python, libdir, module, main_args), 0o755)
+    # the wrapper passes most calls through without reading node.json: it gets runc here
+    _write(top / "bin" / "ibckpt-runc", runc_launcher(python, libdir, runc), 0o755)
+    _write(top / "bin" / "ibckpt-hook", launcher(python, libdir, "ibckpt_node.hook.main"), 0o755)
     if shim is not None:
         install_shim(shim, top / "lib" / "ibckpt" / "libibckpt.so")
     if config is not None:
