@@ -30,3 +30,13 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- define "ibckpt.operatorIdentity" -}}
 {{- printf "system:serviceaccount:%s:%s" .Release.Namespace (include "ibckpt.operatorAccount" .) -}}
 {{- end -}}
+
+{{/* Pod spec lines both components take from the top-level values. */}}
+{{- define "ibckpt.imagePullSecrets" -}}
+{{- with .Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- range . }}
+  - name: {{ . | quote }}
+  {{- end }}
+{{- end }}
+{{- end -}}
