@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 
 import pytest
 
+from testbed import pods
 from testbed.cluster import Cluster, start_cluster
 from testbed.coordinator import ThreadedCoordinator
 from testbed.gate import Gate
 from testbed.kube import ControlPlane, start_control_plane
+from testbed.release import SESSION_RELEASE, Release, install, storage_secret
+from testbed.ring import PRODUCT_NS
 from testbed.s3 import S3Server, start_s3, stop_s3
 
 pytest_plugins = ["testbed.pytest_guest"]
@@ -93,6 +96,26 @@ def cluster(
         cluster.stop()
 
 
+@pytest.fixture(scope="session")
+def installed(cluster: Cluster, s3_server: S3Server) -> Iterator[Release]:
+    """The chart, installed once for the session into PRODUCT_NS, which holds the session's S3 keys under
+    the storage Secret's name (the agents stage images with them). Returns once the agents are Ready;
+    the operator may still be starting (tests/helm/test_chart.py waits for it). tests/cluster asks for it
+    first, so the operator's start (minutes on the emulated nodes) overlaps with those tests."""
+    pods.namespace(cluster, PRODUCT_NS)
+    storage_secret(cluster, PRODUCT_NS, s3_server.access_key, s3_server.secret_key)
+    # The operator stays on node-2: the drain tests drain node-1 (docs/drains.md: keep the operator off
+    # the nodes it migrates; a drain of its own node restarts it elsewhere mid-migration, not tested).
+    # Failpoints on: test_faults holds an agent between its ranks' quiesce and drain to hang it there.
+    release = install(
+        cluster, SESSION_RELEASE, PRODUCT_NS, log_level="debug", operator_node="node-2", failpoints=True
+    )
+    try:
+        yield release
+    finally:
+        release.uninstall()
+
+
 @pytest.fixture
 def coordinator() -> Iterator[ThreadedCoordinator]:
     """A job coordinator on 127.0.0.1, run in its own thread, for the two-guest node tests."""
@@ -102,3 +125,19 @@ def coordinator() -> Iterator[ThreadedCoordinator]:
         yield coord
     finally:
         coord.stop()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """A failure's text at once, not only in the summary: a run killed at CI's time limit never prints
+    the summary, and the cluster tests' failures (with their cluster diagnosis) would be lost."""
+    report = yield
+    terminal = item.config.pluginmanager.getplugin("terminalreporter")
+    if report.failed and terminal is not None:
+        text = report.longreprtext
+        if len(text) > 12000:
+            text = text[:2000] + "\n[...]\n" + text[-10000:]
+        terminal.write_line(f"\n=== FAILED {item.nodeid} ({call.when}) ===\n{text}\n=== end of failure ===")
+    return report

@@ -64,8 +64,10 @@ class Running:
         finally:
             conn.close()
 
-    def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.server.close(), self.loop).result(30)
+    def stop(self, stop_timeout_s: float = 30.0) -> None:
+        """Stop as on SIGTERM: running sessions are aborted and waited for."""
+        closing = self.server.close(stop_timeout_s)
+        asyncio.run_coroutine_threadsafe(closing, self.loop).result(stop_timeout_s + 30)
         self.crash()
 
     def crash(self) -> None:

@@ -125,6 +125,9 @@ def test_an_abort_after_a_stop_dump_rebuilds_the_released_rank_and_resumes_it(
     assert shim.state == "released"
     record = recovery.record_path(state, session)
     assert record.exists() and token not in record.read_text()
+    # the images hold the job's memory: root's alone on the node
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (record.parent.parent, record.parent, record)}
+    assert modes == {"sessions": 0o700, session: 0o700, record.name: 0o600}, modes
 
     # the job aborts instead (another node's upload failed): the rank is rebuilt and runs again
     aborting = client.abort(session, "node-y: upload failed", (f"127.0.0.1:{coordinator.port}", token))
@@ -176,3 +179,38 @@ def test_a_restarted_agent_brings_back_the_ranks_its_dead_predecessor_left_relea
     finally:
         if second is not None:
             second.stop()
+
+
+def test_a_stopping_agent_aborts_its_session_and_exits_only_once_the_rank_runs_again(
+    tmp_path: Path,
+    coordinator: ThreadedCoordinator,
+    sleeper: subprocess.Popen[bytes],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SIGTERM mid-dump (a `helm upgrade` rolls the DaemonSet): the agent aborts the session and waits,
+    within its stop timeout (the chart's grace period less a margin), until its rank runs again, so no
+    rank is left cut. The dump itself is not interrupted: it runs to its end (here 5 s) first."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    started = tmp_path / "dump-started"
+    criu = bin_dir / "criu"
+    criu.write_text(f"#!/bin/sh\ntouch {started}\nexec sleep 5\n")  # a dump that takes its time
+    criu.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    state = tmp_path / "state"
+    agent = Running(state)
+    shim = registered_shim(state, sleeper.pid)
+    session, token = coordinator.create_session({"node-x"})
+    agent.client().checkpoint(checkpoint_request(coordinator, session, token))
+    deadline = time.monotonic() + 60
+    while not started.exists():
+        assert time.monotonic() < deadline, f"the dump never started: {shim.commands}"
+        time.sleep(0.2)
+    assert shim.state != "running", shim.state  # cut for the dump
+
+    began = time.monotonic()
+    agent.stop(stop_timeout_s=60)
+    took = time.monotonic() - began
+    assert took < 50, f"the agent took {took:.0f} s to stop"
+    assert shim.state == "running", shim.commands
+    assert shim.commands[-2:] == ["rebuild", "resume"], shim.commands

@@ -124,8 +124,27 @@ def test_what_the_agent_cannot_do_is_refused_and_no_secret_value_is_shown(s3_ser
     encrypted = _destination(
         s3_server, "any-bucket", encryption={"mode": "client", "keySecretRef": {"name": "key"}}
     )
-    with pytest.raises(StagingError, match="encrypted storage is not supported"):
+    with pytest.raises(StagingError, match="client-side encryption is not supported by the node agent"):
         store_config(encrypted.location, encrypted.credentials, _secret(s3_server))
+
+
+def test_server_side_encryption_is_asked_for_every_object_the_agent_writes(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    """SSE-S3 needs no key at the agent, only a header on each PUT: the server says each object it stored
+    (chunks, the part) is encrypted at rest."""
+    bucket = "agent-" + secrets.token_hex(6)
+    s3_server.create_bucket(bucket)
+    (tmp_path / "pod-a.main").mkdir()
+    (tmp_path / "pod-a.main" / "pages-1.img").write_bytes(os.urandom(200_000))
+    destination = _destination(s3_server, bucket, encryption={"mode": "sse-s3"})
+    config = store_config(destination.location, destination.credentials, _secret(s3_server))
+    stage_trees(config, destination, "node-1", tmp_path, [("pod-a.main", "pod-a")], lambda size: None)
+    client = s3_server.client()
+    keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket)["Contents"]]
+    assert any("/chunks/" in k for k in keys) and any("/parts/" in k for k in keys), keys
+    said = {k: client.head_object(Bucket=bucket, Key=k).get("ServerSideEncryption") for k in keys}
+    assert set(said.values()) == {"AES256"}, said
 
 
 class _RecordedLock(tcp_remap.ConnectionLock):

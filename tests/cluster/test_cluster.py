@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -12,7 +11,11 @@ from testbed import pods
 from testbed.cluster import NODE_NAMES, RDMA_LABEL, Cluster, node_ip
 from testbed.images import APPS_IMAGE, PRODUCT_IMAGE
 
-pytestmark = pytest.mark.cluster
+# The session's chart is installed first (tests/conftest.py `installed`): the operator's start, minutes on
+# these nodes, overlaps with these tests, which also show that plain pods work beside the product.
+# (A plain `kubectl drain` of a Deployment's pod was here until 2026-11-29: tests/helm's drains, with
+# the product's webhook and PodDisruptionBudget in the way, cover it.)
+pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("installed")]
 
 
 @pytest.fixture
@@ -122,62 +125,3 @@ def test_kubectl_exec_into_a_pod(cluster: Cluster, ns: str) -> None:
     lines = out.split()
     assert lines[0] == "shell", out  # a pod-network pod has its own UTS namespace
     assert "rxe0" in out, out
-
-
-def _deployment_pods(cluster: Cluster, ns: str) -> list[dict[str, object]]:
-    items: list[dict[str, object]] = pods.get(cluster, ns, "pods", app="drained")["items"]
-    return [p for p in items if not p["metadata"].get("deletionTimestamp")]  # type: ignore[attr-defined]
-
-
-def test_drain_moves_a_deployment_pod_to_the_other_node(cluster: Cluster, ns: str) -> None:
-    deployment = {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": {"name": "drained"},
-        "spec": {
-            "replicas": 1,
-            "selector": {"matchLabels": {"app": "drained"}},
-            "template": {
-                "metadata": {"labels": {"app": "drained"}},
-                "spec": {
-                    "terminationGracePeriodSeconds": 1,
-                    "containers": [
-                        {
-                            "name": "main",
-                            "image": APPS_IMAGE,
-                            "imagePullPolicy": "Never",
-                            "command": ["sleep", "3600"],
-                        }
-                    ],
-                },
-            },
-        },
-    }
-    # Start it on node-1: keep node-2 cordoned until the pod runs.
-    cluster.kubectl("cordon", "node-2")
-    try:
-        pods.apply(cluster, ns, deployment)
-        cluster.kubectl("rollout", "status", "-n", ns, "deployment/drained", "--timeout=300s", timeout=320)
-    finally:
-        cluster.kubectl("uncordon", "node-2")
-    [first] = _deployment_pods(cluster, ns)
-    assert first["spec"]["nodeName"] == "node-1"  # type: ignore[index]
-    try:
-        drain = cluster.kubectl(
-            "drain", "node-1", "--ignore-daemonsets", "--delete-emptydir-data", "--timeout=240s", timeout=260
-        )
-        assert "drained" in drain.stdout, drain.stdout
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            running = [
-                p for p in _deployment_pods(cluster, ns)
-                if p["status"].get("phase") == "Running"  # type: ignore[attr-defined]
-            ]  # fmt: skip
-            if running:
-                break
-            time.sleep(2)
-        assert running, f"no replacement pod Running{cluster.diagnose()}"
-        assert running[0]["spec"]["nodeName"] == "node-2"  # type: ignore[index]
-        assert running[0]["metadata"]["name"] != first["metadata"]["name"]  # type: ignore[index]
-    finally:
-        cluster.kubectl("uncordon", "node-1")

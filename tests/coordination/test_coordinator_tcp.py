@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import socket
+import struct
 from collections.abc import AsyncIterator
 
 import pytest
@@ -13,6 +16,8 @@ from ibckpt.coordination.client import (
     CoordinatorClient,
     CoordinatorError,
 )
+from ibckpt.coordination.wire import PROTOCOL_VERSION, Frame, Kind
+from ibckpt_operator.coordinator import server as coordinator_server
 from ibckpt_operator.coordinator.server import CoordinatorServer
 from testbed.simulated_job import check_received, run_exchange
 
@@ -152,3 +157,84 @@ async def test_simulated_2048_ranks_on_128_nodes_all_to_all() -> None:
     total = sum(check_received(n, nodes, per_node, got) for n, got in enumerate(results))
     ranks = nodes * per_node
     assert total == ranks * (ranks - per_node)  # every cross-node QP end, exactly once
+
+
+# -- what a hostile peer can make the operator hold (review rows N21, 22b) --------------------------------
+
+
+def _raw(port: int) -> socket.socket:
+    sock = socket.socket()
+    sock.settimeout(5)
+    sock.connect(("127.0.0.1", port))
+    return sock
+
+
+def _reply(sock: socket.socket) -> Frame:
+    """One frame read off a blocking socket (the wire's prefix is length, kind, header length)."""
+    data = b""
+    while len(data) < 4 or len(data) < 4 + struct.unpack("!I", data[:4])[0]:
+        chunk = sock.recv(65536)
+        assert chunk, f"closed after {data!r}"
+        data += chunk
+    _, kind, head_len = struct.unpack("!IBI", data[:9])
+    return Frame(Kind(kind), json.loads(data[9 : 9 + head_len]))
+
+
+def _closed_by_server(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+async def test_malformed_requests_get_a_clear_error_not_silence(server: CoordinatorServer) -> None:
+    session, token = server.create_session({"node-a"}, deadline_s=60)
+    hello = {"version": PROTOCOL_VERSION, "session": session, "participant": "node-a", "token": token}
+
+    def exchange() -> list[Frame]:
+        with _raw(server.port) as listed:  # a HELLO whose header is a list: refused, not a crash
+            listed.sendall(Frame(Kind.HELLO, [hello]).encode())  # type: ignore[arg-type]
+            refused = _reply(listed)
+        with _raw(server.port) as sock:
+            sock.sendall(Frame(Kind.HELLO, hello).encode())
+            assert _reply(sock).kind == Kind.OK
+            replies = [refused]
+            bad = ({"id": 1, "key": "k", "timeout": "abc"}, {"id": 2, "key": "k", "timeout": float("nan")},
+                   {"id": 3, "key": "k", "timeout": -1}, [4, "k"])  # fmt: skip
+            for header in bad:
+                sock.sendall(Frame(Kind.GET, header).encode())  # type: ignore[arg-type]
+                replies.append(_reply(sock))
+            return replies
+
+    refused, *replies = await asyncio.to_thread(exchange)
+    assert refused.kind == Kind.ERROR and refused.header["error"] == "auth", refused.header
+    assert [r.header.get("id") for r in replies] == [1, 2, 3, 0]
+    for reply in replies:
+        assert reply.kind == Kind.ERROR and reply.header["error"] == "request", reply.header
+        assert reply.header["message"].startswith("bad request: "), reply.header
+
+
+async def test_idle_strangers_are_capped_and_never_keep_a_participant_out(
+    server: CoordinatorServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(coordinator_server, "MAX_GREETING", 24)
+    session, token = server.create_session({"node-a", "node-b"}, deadline_s=60)
+    idle = await asyncio.to_thread(lambda: [_raw(server.port) for _ in range(40)])
+    try:
+        await asyncio.sleep(0.5)
+        assert len(server._greeting) <= 24  # what the strangers hold is bounded
+        # the oldest were dropped to make room: the server closed them
+        assert await asyncio.to_thread(lambda: [_closed_by_server(s) for s in idle[:16]]) == [True] * 16
+        # A participant still gets in while strangers fill every slot, up to its own cap of connections.
+        clients = [
+            await CoordinatorClient.connect("127.0.0.1", server.port, session, "node-a", token)
+            for _ in range(coordinator_server.MAX_PER_PARTICIPANT)
+        ]
+        with pytest.raises(CoordinatorError, match="already has 4 connections open"):
+            await CoordinatorClient.connect("127.0.0.1", server.port, session, "node-a", token)
+        other = await CoordinatorClient.connect("127.0.0.1", server.port, session, "node-b", token)
+        for client in [*clients, other]:
+            await client.close()
+    finally:
+        for sock in idle:
+            sock.close()

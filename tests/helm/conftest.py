@@ -1,4 +1,5 @@
-"""The chart installed once per session into the testbed cluster, shared by the tests in this directory."""
+"""A team's namespace beside the session's release of the chart (the `installed` fixture of
+tests/conftest.py, which tests/cluster starts so that the operator starts while they run)."""
 
 from __future__ import annotations
 
@@ -8,36 +9,19 @@ from collections.abc import Iterator
 import pytest
 
 from testbed import pods, ring
-from testbed.cluster import Cluster
-from testbed.release import STORAGE_SECRET, Release, install, sa_token, storage_secret
+from testbed.release import SESSION_RELEASE, STORAGE_SECRET, Release, sa_token, storage_secret
 from testbed.ring import PRODUCT_NS
 from testbed.s3 import S3Server
 
 __all__ = ["STORAGE_SECRET", "Release", "sa_token"]
 
-RELEASE = "ibckpt-t"
+RELEASE = SESSION_RELEASE
 NAMESPACE = PRODUCT_NS
 OPERATOR_SA = f"{RELEASE}-operator"
 AGENT_SA = f"{RELEASE}-agent"
 AGENT_PORT = 9478
 METRICS_PORT = 9479
 JOB_NS = "team-ring"
-
-
-@pytest.fixture(scope="session")
-def installed(cluster: Cluster, s3_server: S3Server) -> Iterator[Release]:
-    """The chart, installed once for the session; its namespace holds the session's S3 keys under the
-    storage Secret's name (the agents stage images with them)."""
-    pods.namespace(cluster, NAMESPACE)
-    storage_secret(cluster, NAMESPACE, s3_server.access_key, s3_server.secret_key)
-    # The operator stays on node-2: the drain test drains node-1 (docs/drains.md: keep the operator off the
-    # nodes it migrates; a drain of its own node restarts it elsewhere mid-migration, which is not tested).
-    # Failpoints on: test_faults holds an agent between its ranks' quiesce and drain to hang it there.
-    release = install(cluster, RELEASE, NAMESPACE, log_level="debug", operator_node="node-2", failpoints=True)
-    try:
-        yield release
-    finally:
-        release.uninstall()
 
 
 @pytest.fixture

@@ -58,6 +58,7 @@ def test_the_agent_installed_the_node_pieces(installed: Release) -> None:
         name = p["metadata"]["name"]
         script = (
             "cat /host/etc/ibckpt/node.json; head -1 /host/usr/local/bin/ibckpt-runc; "
+            "head -1 /host/usr/local/bin/ibckpt-hook; "
             "test -S /var/lib/ibckpt/registry.sock && echo registry-socket; "
             "stat -c '%a %U' /var/lib/ibckpt/registry.sock; "
             "cmp /usr/lib/ibckpt/libibckpt.so /host/usr/local/lib/ibckpt/libibckpt.so && echo same-shim"
@@ -70,7 +71,7 @@ def test_the_agent_installed_the_node_pieces(installed: Release) -> None:
             "hook": "/usr/local/bin/ibckpt-hook",
             "state_dir": "/var/lib/ibckpt",
         }
-        assert "#!/usr/bin/python3 -IS" in out, out
+        assert "#!/bin/sh\n#!/usr/bin/python3 -IS\n" in out, out  # ibckpt-runc, then ibckpt-hook
         assert "registry-socket\n600 root\nsame-shim" in out, out
 
 

@@ -29,9 +29,11 @@ def stage(config: oci.NodeConfig, **over: str) -> Path:
         "container": "trainer",
     }
     staged.update(over)
-    (where / "staged.json").write_text(json.dumps(staged))
     for p in (where.parents[2], where.parents[1], where.parent, where, where / "images"):
         p.chmod(0o700)
+    # Written last and renamed into place, as the agent does: a waiting check never reads half a file.
+    (where / "staged.json.partial").write_text(json.dumps(staged))
+    (where / "staged.json.partial").rename(where / "staged.json")
     return where
 
 

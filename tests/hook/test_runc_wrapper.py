@@ -206,11 +206,12 @@ def test_installed_launchers_run_with_the_nodes_python_alone(tmp_path: Path) -> 
     root = tmp_path / "node"
     install.install(root, "/usr/local", "/usr/bin/python3", None, {"runc": str(fake)})
     assert json.loads((root / "etc/ibckpt/node.json").read_text()) == {"runc": str(fake)}
-    for name in ("ibckpt-runc", "ibckpt-hook"):
+    for name, first in (("ibckpt-runc", "#!/bin/sh\n"), ("ibckpt-hook", "#!/usr/bin/python3 -IS\n")):
         launcher = root / "usr/local/bin" / name
-        assert launcher.read_text().startswith("#!/usr/bin/python3 -IS\n")
+        assert launcher.read_text().startswith(first)
         # point it at this copy of the library instead of the node's /usr/local
-        launcher.write_text(launcher.read_text().replace("'/usr/local/lib", f"'{root}/usr/local/lib"))
+        text = launcher.read_text().replace("'/usr/local/lib", f"'{root}/usr/local/lib")
+        launcher.write_text(text.replace('"/usr/local/lib', f'"{root}/usr/local/lib'))
     env = {"PATH": os.environ["PATH"], "RECORD": str(tmp_path / "argv"), "IBCKPT_NODE_CONFIG": "/nonexistent"}
     done = subprocess.run(
         [root / "usr/local/bin/ibckpt-runc", "state", "c1"], env=env, capture_output=True, text=True
@@ -227,6 +228,32 @@ def test_installed_launchers_run_with_the_nodes_python_alone(tmp_path: Path) -> 
         text=True,
     )
     assert (hook.returncode, hook.stderr) == (0, "")
+
+
+def test_the_runc_launcher_starts_python_only_for_create_run_and_start(tmp_path: Path) -> None:
+    """containerd bounds a task's delete at 10 s: every call but create, run and start goes from the
+    shell launcher to runc without Python (here a python that does not exist), arguments untouched."""
+    from ibckpt_node.hook import install
+
+    fake = tmp_path / "runc"
+    fake.write_text(RECORDER)
+    fake.chmod(0o755)
+    root = tmp_path / "node"
+    install.install(root, "/usr/local", str(tmp_path / "no-python"), None, {"runc": str(fake)})
+    wrapper = root / "usr/local/bin/ibckpt-runc"
+    env = {"PATH": os.environ["PATH"], "RECORD": str(tmp_path / "argv")}
+    argv = ["--root", "/run/x", "--log", "/x/log json", "delete", "--force", "c 1"]
+    done = subprocess.run([wrapper, *argv], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "argv").read_text().splitlines() == argv
+    for command in ("create", "run", "start"):
+        done = subprocess.run([wrapper, command, "c1"], env=env, capture_output=True, text=True)
+        assert done.returncode == 127 and "no-python" in done.stderr, (command, done)
+    other = tmp_path / "other-runc"
+    other.write_text(RECORDER)
+    other.chmod(0o755)
+    killed = subprocess.run([wrapper, "kill", "c1", "9"], env={**env, "IBCKPT_RUNC": str(other)})
+    assert killed.returncode == 0 and (tmp_path / "argv").read_text().splitlines() == ["kill", "c1", "9"]
 
 
 def test_create_fast_path_skips_only_plain_bundles(tmp_path: Path) -> None:

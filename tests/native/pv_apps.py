@@ -416,6 +416,59 @@ def case_wr_api(ctx: Context) -> None:
     out("wr_api_fetched", struct.unpack("<Q", src.read(8, 32))[0])
 
 
+def _qp_ex(ctx: Context, pd: PD, cq: CQ, qpt: int, **kw: int) -> QP:
+    """A QP made through ibv_create_qp_ex (pyverbs does that when the creator is the context)."""
+    cap = QPCap(max_send_wr=kw.pop("max_send_wr", 8), max_recv_wr=8)
+    mask = kw.pop("comp_mask", e.IBV_QP_INIT_ATTR_PD | e.IBV_QP_INIT_ATTR_CREATE_FLAGS)
+    attr = QPAttr(port_num=1)
+    attr.qkey = QKEY
+    attr.qp_access_flags = RC_ACCESS
+    init = QPInitAttrEx(qp_type=qpt, scq=cq, rcq=cq, cap=cap, pd=pd, comp_mask=mask, **kw)
+    return QP(ctx, init, attr)
+
+
+def case_qp_ex(ctx: Context) -> None:
+    """ibv_create_qp_ex as rdma-core's own tests call it: the basic attributes with a comp_mask that
+    names create flags (none set), then traffic, modify and query; then what the device refuses."""
+    pd = PD(ctx)
+    cq = CQ(ctx, 32)
+    a, b = _qp_ex(ctx, pd, cq, e.IBV_QPT_RC), _qp_ex(ctx, pd, cq, e.IBV_QPT_RC)
+    connect_to_each_other(ctx, [a, b], RC_ACCESS)
+    mr = MR(pd, 128, e.IBV_ACCESS_LOCAL_WRITE)
+    mr.write(b"X" * 64, 64, 0)
+    b.post_recv(RecvWR(wr_id=1, num_sge=1, sg=[SGE(mr.buf + 64, 64, mr.lkey)]))
+    a.post_send(SendWR(wr_id=2, num_sge=1, sg=[SGE(mr.buf, 64, mr.lkey)], send_flags=e.IBV_SEND_SIGNALED))
+    wcs = ok(poll(cq, 2))
+    out("qp_ex_rc", sorted((w.wr_id, w.byte_len) for w in wcs), mr.read(64, 64) == b"X" * 64)
+    uc = _qp_ex(ctx, pd, cq, e.IBV_QPT_UC)
+    out("qp_ex_uc", uc.qp_type, uc.qp_state)
+    ud = _qp_ex(ctx, pd, cq, e.IBV_QPT_UD)  # pyverbs takes it to RTS
+    change = QPAttr()
+    change.qkey = QKEY + 1
+    ud.modify(change, e.IBV_QP_QKEY)
+    qa, qi = ud.query(e.IBV_QP_STATE | e.IBV_QP_QKEY | e.IBV_QP_CAP)
+    out("qp_ex_ud", qa.qp_state, hex(qa.qkey), qi.cap.max_recv_wr >= 8)
+    # send ops the device accepts on RC, some of which the shim refuses only when used
+    ops = e.IBV_QP_EX_WITH_SEND | e.IBV_QP_EX_WITH_LOCAL_INV | e.IBV_QP_EX_WITH_BIND_MW
+    mask = e.IBV_QP_INIT_ATTR_PD | e.IBV_QP_INIT_ATTR_SEND_OPS_FLAGS
+    x = _qp_ex(ctx, pd, cq, e.IBV_QPT_RC, comp_mask=mask, send_ops_flags=ops)
+    out("qp_ex_ops", x.qp_state)
+    maxwr = ctx.query_device().max_qp_wr
+    tso = e.IBV_QP_INIT_ATTR_MAX_TSO_HEADER
+    tries: list[tuple[str, int, dict[str, int]]] = [
+        ("ud_tso", e.IBV_QPT_UD, {"comp_mask": mask | tso, "max_tso_header": 64}),
+        ("rc_fcs", e.IBV_QPT_RC, {"create_flags": e.IBV_QP_CREATE_SCATTER_FCS}),
+        ("rc_ops_tso", e.IBV_QPT_RC, {"comp_mask": mask, "send_ops_flags": e.IBV_QP_EX_WITH_TSO}),
+        ("raw_big", e.IBV_QPT_RAW_PACKET, {"max_send_wr": maxwr + 10}),
+    ]
+    for name, qpt, kw in tries:
+        try:
+            _qp_ex(ctx, pd, cq, qpt, **kw)
+            out("qp_ex_refused", name, "created")
+        except PyverbsRDMAError as ex:
+            out("qp_ex_refused", name, "errno", ex.error_code)
+
+
 CASES: dict[str, Callable[[Context], None]] = {
     "query": case_query,
     "qp_max_sge": case_qp_max_sge,
@@ -428,6 +481,7 @@ CASES: dict[str, Callable[[Context], None]] = {
     "mw": case_mw,
     "data_in_order": case_qp_data_in_order,
     "wr_api": case_wr_api,
+    "qp_ex": case_qp_ex,
 }
 
 

@@ -54,12 +54,13 @@ def test_status_lists_what_a_checkpoint_cannot_carry(tmp_path: Path, shim: Path)
     assert m.group(3) == "95" and m.group(4) == "95", m.group(0)
     refused = status["unsupported"]
     assert "ibv_alloc_mw" in refused, refused
-    assert "ibv_create_qp of this QP type" in refused, refused
+    # rxe refuses a raw packet QP itself (EOPNOTSUPP natively too): the shim passes the device's
+    # answer on, and the process holds nothing a checkpoint would miss
     assert f"ibv_modify_qp (QP {qpn_b}: more than 8 calls since RESET, not replayable)" in refused, refused
-    assert len(refused) == 3, refused
+    assert len(refused) == 2, refused
     # the agent's preflight turns each into a reason to refuse the checkpoint
     problems = shim_problems(ShimIdentity.from_status(status))
-    assert len(problems) == 3 and all("ibv_" in p for p in problems), problems
+    assert len(problems) == 2 and all("ibv_" in p for p in problems), problems
     # and asking touched nothing: the process runs, its QPs are connected, its device is open
     assert status["state"] == "running" and status["gate_closed"] == 0, status
     assert [q["state"] for q in status["qps"]] == [3, 3], status["qps"]

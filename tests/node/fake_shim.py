@@ -20,6 +20,7 @@ class FakeShimSocket:
         self.commands: list[str] = []
         self.lines: list[str] = []  # the whole request lines, arguments included
         self.leases: list[str] = []  # `lease` lines, which come on a timer
+        self.raw_replies: dict[str, str] = {}  # verb -> the line sent instead of a well-formed reply
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.bind(str(path))
         self.sock.listen(8)
@@ -52,5 +53,6 @@ class FakeShimSocket:
             self.lines.append(line)
             self.commands.append(verb)
             ok, reply = self.answer(verb)
+            line = self.raw_replies.get(verb) or f"{'ok' if ok else 'err'} {json.dumps(reply)}"
             with contextlib.suppress(BrokenPipeError):  # the driver gave up waiting, as a real shim sees
-                conn.sendall(f"{'ok' if ok else 'err'} {json.dumps(reply)}\n".encode())
+                conn.sendall(f"{line}\n".encode())

@@ -201,3 +201,25 @@ async def test_without_a_rejoin_released_ranks_are_left_for_a_rebuild_and_the_dr
     assert all(s.commands[-1] == "abort" and s.state == "released" for s in shims), [
         s.commands[-2:] for s in shims
     ]
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    ['ok {"phase": "drain", "ok": tr', "ok [1, 2]", 'maybe {"ok": true}', "ok \u00ff"],
+    ids=["cut-json", "not-an-object", "unknown-status", "not-json"],
+)
+async def test_a_malformed_shim_reply_mid_cut_aborts_and_every_rank_comes_back(
+    coordinator: ThreadedCoordinator, tmp_path: Path, sleeper: int, garbage: str
+) -> None:
+    """The shim runs in the tenant's process: a drain answered with garbage is a failure like any other,
+    and every rank, that one included, is brought back (review N24)."""
+    shims, ranks = fake_ranks(tmp_path, sleeper, FakeShim)
+    shims[0].raw_replies["drain"] = garbage
+    driver = await connected_driver(coordinator, ranks)
+    await failed_checkpoint(
+        driver, Mode.LEAVE_RUNNING, tmp_path / "images", r"drain of job/rank-0/main/0 .*malformed reply"
+    )
+    assert driver.report.outcome == "Aborted"
+    for s in shims:
+        assert "release" not in s.commands and s.commands[-1] == "abort", s.commands
+        assert s.state == "running"

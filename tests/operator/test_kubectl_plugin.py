@@ -5,16 +5,15 @@ meets first, each in one line and with nothing created."""
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 import time
-from pathlib import Path
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
 
-from testbed.cluster import kubectl_bin
+from ibckpt.cli.plugin import lines_between
+from testbed.cluster import kubectl_bin, kubectl_ibckpt
 from testbed.kube import ControlPlane
 from testbed.s3 import S3Server
 
@@ -27,16 +26,7 @@ API = "ibckpt.io/v1alpha1"
 def plugin(
     kube: ControlPlane, namespace: str, *args: str, timeout: float = 120
 ) -> subprocess.CompletedProcess[str]:
-    """`kubectl ibckpt -n NAMESPACE ARGS...`: kubectl finds the plugin on PATH, as it does for a user."""
-    path = os.pathsep.join([str(Path(sys.executable).parent), str(kubectl_bin().parent), os.environ["PATH"]])
-    env = {**os.environ, "PATH": path, "KUBECONFIG": str(kube.kubeconfig)}
-    return subprocess.run(
-        [str(kubectl_bin()), "ibckpt", "-n", namespace, *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=timeout,
-    )
+    return kubectl_ibckpt(kube.kubeconfig, namespace, *args, timeout=timeout)
 
 
 def storage_object(s3: S3Server, bucket: str, name: str = "store") -> dict[str, Any]:
@@ -115,6 +105,17 @@ def test_checkpoint_list_describe_and_restore_latest_as_a_user(
             assert "CheckpointJob:" in text and "nightly-1" in text and "Mode:" in text and "Stop" in text
             pods = {line.split()[0]: line.split()[1] for line in text.split("Pods:\n")[1].splitlines()[1:3]}
             assert pods == {"ring-0": "node-a", "ring-1": "node-b"}, text
+            # the timings the agents reported (Stop: the pause ends with the dump, four 0.2 s phases)
+            timings = dict(line.split() for line in text.split("Timings:\n")[1].splitlines()[:7])
+            assert timings["pause"] == "0.80s" and timings["dump"] == "0.20s", text
+            # kubectl get: the job's size and seconds
+            got = subprocess.run(
+                [str(kubectl_bin()), f"--kubeconfig={kube.kubeconfig}", "get", "ckj", "ring-a", "-n", ns],
+                capture_output=True, text=True, check=True,
+            ).stdout.splitlines()  # fmt: skip
+            assert got[0].split()[5:7] == ["SIZE", "SECONDS"], got
+            seconds = got[1].split("391 KiB")[1].split()[0]  # the column after the size
+            assert float(seconds) > 1.0, got
 
             # The Stop job deleted the sources; play their kubelets.
             for pod in ("ring-0", "ring-1"):
@@ -169,3 +170,16 @@ def test_what_a_user_gets_wrong_is_refused_in_one_line_and_creates_nothing(
 
 def _phase(wanted: str) -> Any:
     return lambda body: (body.get("status") or {}).get("phase") == wanted
+
+
+def test_logs_keeps_the_lines_of_the_jobs_time_and_what_follows_them() -> None:
+    text = "\n".join([
+        "2026-11-29 05:00:00,001 ibckpt_node.agent INFO before the job",
+        "2026-11-29 05:10:00,500 ibckpt_node.driver INFO node-1: Quiesced done in 0.210s",
+        "Traceback (most recent call last):",
+        '  File "x.py", line 1',
+        "2026-11-29 05:12:04,000 ibckpt_node.agent INFO five seconds' slack after the end",
+        "2026-11-29 05:30:00,000 ibckpt_node.agent INFO after the job",
+    ])  # fmt: skip
+    start, end = datetime(2026, 11, 29, 5, 10, tzinfo=UTC), datetime(2026, 11, 29, 5, 12, tzinfo=UTC)
+    assert lines_between(text, start, end) == text.splitlines()[1:5]

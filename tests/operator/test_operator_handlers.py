@@ -147,11 +147,17 @@ def test_missing_credentials_secret(
 ) -> None:
     agents.add(cluster_ns, "node-a", 1)
     cluster_ns.pod("ring-0", "node-a", {"app": "ring"})
+    # and client-side encryption, which the node agents cannot do: refused before any rank is touched
+    sealed = {**storage(s3_server, bucket), "encryption": {"mode": "client", "keySecretRef": {"name": "k"}}}
     with operator():
         cluster_ns.create(JOBS, job("nosecret", storage(s3_server, bucket, secret="absent")))
+        cluster_ns.create(JOBS, job("sealed", sealed))
         body = cluster_ns.wait(JOBS, "nosecret", phase("Failed"))
+        refused = cluster_ns.wait(JOBS, "sealed", phase("Failed"))
     assert_failed(cluster_ns, body, "SecretNotFound", f"{cluster_ns.namespace}/absent", "does not exist")
     assert not body["status"].get("pods")  # failed before any pod was even selected
+    assert_failed(cluster_ns, refused, "EncryptionUnsupported", "client-side encryption", "sse-s3")
+    assert not refused["status"].get("pods")
 
 
 def test_wrong_credentials_and_unreachable_endpoint(
@@ -317,9 +323,23 @@ def test_leave_running_checkpoint_committed_then_deleted(
         )
         assert condition(body, "Ready")["status"] == "True"
         assert [row["phase"] for row in status["pods"]] == ["Resumed", "Resumed"]
+        # Timings from the agents' reports: each fake phase takes 0.2 s; the ranks were gated from the
+        # quiesce through the resume (6 phases), the upload came after.
+        timings = status["timings"]
+        assert timings["pauseSeconds"] == pytest.approx(1.2) and timings["dumpSeconds"] == pytest.approx(0.2)
+        assert 0 < timings["uploadSeconds"] < timings["totalSeconds"], timings
+        started = datetime.fromisoformat(status["startTime"].replace("Z", "+00:00"))
+        ended = datetime.fromisoformat(status["completionTime"].replace("Z", "+00:00"))
+        assert timings["totalSeconds"] == pytest.approx((ended - started).total_seconds(), abs=1.0)
+        assert status["size"] == "391 KiB" and status["bytes"] == 400_000
+        for row in status["pods"]:
+            assert row["frozenSeconds"] == pytest.approx(1.2), row
+            # its node's upload rate: at least the bytes over the slowest node's upload
+            assert row["uploadBytesPerSecond"] >= int(200_000 / timings["uploadSeconds"]), row
         checkpoint = cluster_ns.wait(
             "checkpoints", "ring-1st", lambda o: bool(o.get("metadata", {}).get("finalizers"))
         )
+        assert checkpoint["spec"]["timings"]["pauseSeconds"] == pytest.approx(1.2)
         assert checkpoint["spec"]["manifestKey"] == status["manifestKey"]
         assert checkpoint["spec"]["nodes"] == ["node-a", "node-b"]
         manifest = ImageStore.open(config).manifest(

@@ -1,7 +1,9 @@
 """A CheckpointSchedule against the real apiserver and the real S3: it fires (once, after an operator that
-was down past its due time), measures the cost of the real CheckpointJob it made, computes its Young/Daly
-interval from that cost, and prunes the schedule's Checkpoints to its retention: a pinned one survives,
-the pruned one is gone from the apiserver and its manifest from S3. Node agents are fakes (conftest.py)."""
+was down past its due time), measures the cost of the real CheckpointJob it made (the seconds its ranks
+were paused), computes its Young/Daly interval from that cost, and prunes the schedule's Checkpoints to
+its retention: a pinned one survives, the pruned one is gone from the apiserver and its manifest from S3.
+Its finished CheckpointJobs beyond the history limits are deleted too. Node agents are fakes
+(conftest.py)."""
 
 from __future__ import annotations
 
@@ -34,6 +36,10 @@ def schedules_removed(cluster_ns: Cluster) -> Any:
     """No schedule of a test may run under the next test's operator."""
     yield
     cluster_ns.drop_all(SCHEDULES)
+
+
+def failed(body: dict[str, Any]) -> bool:
+    return bool((body.get("status") or {}).get("phase") == "Failed")
 
 
 def s3_keys(s3: S3Server, bucket: str) -> list[str]:
@@ -79,6 +85,18 @@ def test_schedule_fires_measures_its_cost_and_prunes(
                 CHECKPOINTS, f"old-{index}", lambda b: bool((b.get("status") or {}).get("readyToRestore"))
             )
             time.sleep(1.1)  # creation timestamps have whole seconds: retention orders by them
+        # Two failed jobs of the schedule (their selector matches no pod): the job history keeps one.
+        for index in (1, 2):
+            job = {
+                "apiVersion": f"{GROUP}/{VERSION}",
+                "kind": "CheckpointJob",
+                "metadata": {"name": f"failed-{index}", "labels": {"ibckpt.io/schedule": "ring"}},
+                "spec": {**template, "selector": {"matchLabels": {"app": "none"}}},
+            }
+            cluster_ns.create(JOBS, job)
+            ended = cluster_ns.wait(JOBS, f"failed-{index}", failed)
+            assert ended["status"]["reason"] == "NoPods", ended["status"]
+            time.sleep(1.1)
     cluster_ns.patch(CHECKPOINTS, "old-1", {"metadata": {"labels": {"ibckpt.io/pinned": "true"}}})
     pruned_manifest = cluster_ns.get(CHECKPOINTS, "old-2")["spec"]["manifestKey"]  # type: ignore[index]
     assert pruned_manifest in s3_keys(s3_server, bucket)
@@ -101,10 +119,11 @@ def test_schedule_fires_measures_its_cost_and_prunes(
         assert job is not None and job["status"]["phase"] == "Succeeded"
         assert job["metadata"]["ownerReferences"][0]["uid"] == body["metadata"]["uid"]
         assert job["metadata"]["labels"]["ibckpt.io/schedule"] == "ring"
-        # The cost is the job's measured duration; the interval is Young/Daly's from it.
-        started = datetime.fromisoformat(job["status"]["startTime"].replace("Z", "+00:00"))
-        ended = datetime.fromisoformat(job["status"]["completionTime"].replace("Z", "+00:00"))
-        assert status["costSeconds"] == pytest.approx((ended - started).total_seconds(), abs=1e-3)
+        # The cost is how long the job's ranks were paused (the Checkpoint's timings, from the agents'
+        # reports: six phases of 0.2 s); the interval is Young/Daly's from it.
+        made = cluster_ns.get(CHECKPOINTS, job["status"]["checkpointName"])
+        assert made is not None and made["spec"]["timings"]["pauseSeconds"] == pytest.approx(1.2)
+        assert status["costSeconds"] == pytest.approx(made["spec"]["timings"]["pauseSeconds"], abs=1e-3)
         assert status["recentCosts"] == [status["costSeconds"]]
         expected = math.sqrt(2 * status["costSeconds"] * mtbf)
         assert 60 < expected < 86400
@@ -126,6 +145,18 @@ def test_schedule_fires_measures_its_cost_and_prunes(
         for kept in ("old-1", "old-3", new_checkpoint):
             assert cluster_ns.get(CHECKPOINTS, kept) is not None, kept
         assert pruned_manifest not in s3_keys(s3_server, bucket)
+        # The job history (3 succeeded, 1 failed by default): the oldest of each goes, not its Checkpoint.
+        deadline = time.monotonic() + 60
+        while {"old-1", "failed-1"} & {cluster_ns.get(JOBS, n) and n for n in ("old-1", "failed-1")}:
+            assert time.monotonic() < deadline, "old-1 and failed-1 were never pruned"
+            time.sleep(0.3)
+        for kept in ("old-2", "old-3", "ring-1", "failed-2"):
+            assert cluster_ns.get(JOBS, kept) is not None, kept
+        pruned_jobs = {e.message for e in cluster_ns.wait_events("ring", "CheckpointJobPruned", count=2)}
+        assert pruned_jobs == {
+            "old-1: succeeded, beyond the 3 newest kept",
+            "failed-1: failed, beyond the 1 newest kept",
+        }, pruned_jobs
         body = cluster_ns.wait(SCHEDULES, "ring", lambda b: (b.get("status") or {}).get("prunedCount") == 1)
         assert body["status"]["keptCount"] == 3
         pruned = cluster_ns.wait_events("ring", "CheckpointPruned")

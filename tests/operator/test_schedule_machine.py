@@ -14,7 +14,9 @@ from ibckpt_operator.machine.schedule import (
     CheckpointInfo,
     CreateCheckpointJob,
     DeleteCheckpoint,
+    DeleteCheckpointJob,
     JobFinished,
+    JobInfo,
     ScheduleMachine,
     SchedulePolicy,
     decide,
@@ -231,3 +233,17 @@ def test_retention_min_keep_and_prune_actions() -> None:
     deletes = [a for a in actions if isinstance(a, DeleteCheckpoint)]
     assert [d.name for d in deletes] == ["c2", "c3"] and "older than 10s" in deletes[0].reason
     assert [a.reason for a in actions if isinstance(a, EmitEvent)] == ["CheckpointPruned"] * 2
+
+
+def test_job_history_keeps_the_newest_of_each_outcome_and_what_is_in_use() -> None:
+    jobs = [JobInfo(f"ok-{i}", i * 10.0, "Succeeded") for i in range(5)]
+    jobs += [JobInfo(f"bad-{i}", i * 10.0 + 1, "Failed") for i in range(3)]
+    jobs += [JobInfo("running", 0.0, "Running"), JobInfo("new", 0.0, "")]
+    machine = ScheduleMachine(SchedulePolicy(successful_jobs_kept=2, failed_jobs_kept=1))
+    actions = machine.prune_jobs(jobs, in_use=frozenset({"ok-0"}))  # a migration's job, say
+    deletes = [a for a in actions if isinstance(a, DeleteCheckpointJob)]
+    assert [d.name for d in deletes] == ["ok-1", "ok-2", "bad-0", "bad-1"]  # oldest first
+    assert deletes[0].reason == "succeeded, beyond the 2 newest kept"
+    assert [a.reason for a in actions if isinstance(a, EmitEvent)] == ["CheckpointJobPruned"] * 4
+    keep_all = ScheduleMachine(SchedulePolicy(successful_jobs_kept=10, failed_jobs_kept=10))
+    assert keep_all.prune_jobs(jobs, frozenset()) == ()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import kubernetes
 import pytest
@@ -22,6 +23,12 @@ def tool(name: str) -> str:
     return str(path)
 
 
+def template(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [tool("helm"), "template", "ibckpt", str(CHART), *args], capture_output=True, text=True, check=check
+    )
+
+
 def test_chart_lints_strict() -> None:
     out = subprocess.run([tool("helm"), "lint", "--strict", str(CHART)], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -31,15 +38,32 @@ def test_rendered_chart_passes_server_dry_run(kube, kube_api: kubernetes.client.
     # Its own namespace: the operator tests share this apiserver and create ibckpt-system themselves.
     namespace = "ibckpt-smoke"
     kubernetes.client.CoreV1Api(kube_api).create_namespace({"metadata": {"name": namespace}})
-    rendered = subprocess.run(
-        [tool("helm"), "template", "ibckpt", str(CHART), "--namespace", namespace, "--include-crds"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    kinds = sorted(d["kind"] for d in yaml.safe_load_all(rendered) if d)
+    # every optional value a real cluster sets, so the server checks what they render to
+    rendered = template(
+        "--namespace", namespace, "--include-crds", "--set", "imagePullSecrets[0]=registry-login",
+        "--set", "operator.priorityClassName=system-cluster-critical",
+        "--set", "operator.podAnnotations.team=ml", "--set", "agent.podAnnotations.team=ml",
+        "--set", "operator.extraEnv[0].name=HTTPS_PROXY", "--set", "operator.extraEnv[0].value=http://proxy:3128",
+        "--set", "agent.extraEnv[0].name=NO_PROXY", "--set", "agent.extraEnv[0].value=.svc",
+        "--set", "agent.stopTimeoutSeconds=300",
+    ).stdout  # fmt: skip
+    objects = [d for d in yaml.safe_load_all(rendered) if d]
+    kinds = sorted(d["kind"] for d in objects)
     assert kinds.count("CustomResourceDefinition") == 5
     assert {"Deployment", "DaemonSet", "ClusterRole", "ServiceAccount"} <= set(kinds)
+    assert kinds.count("Service") == 2  # the operator's metrics, the agents' (headless)
+    pods = {d["kind"]: d["spec"]["template"] for d in objects if d["kind"] in ("Deployment", "DaemonSet")}
+    for template_ in pods.values():
+        assert template_["spec"]["imagePullSecrets"] == [{"name": "registry-login"}]
+        assert template_["metadata"]["annotations"] == {"team": "ml"}
+    operator, agent = pods["Deployment"]["spec"], pods["DaemonSet"]["spec"]
+    assert operator["priorityClassName"] == "system-cluster-critical"
+    assert operator["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert {"name": "HTTPS_PROXY", "value": "http://proxy:3128"} in operator["containers"][0]["env"]
+    assert {"name": "NO_PROXY", "value": ".svc"} in agent["containers"][0]["env"]
+    # the agent's grace outlasts its own wait for aborted sessions
+    assert "--stop-timeout=300" in agent["containers"][0]["args"]
+    assert agent["terminationGracePeriodSeconds"] == 315
     applied = subprocess.run(
         [tool("kubectl"), f"--kubeconfig={kube.kubeconfig}", "apply", "--dry-run=server", "-f", "-"],
         input=rendered,
@@ -49,3 +73,24 @@ def test_rendered_chart_passes_server_dry_run(kube, kube_api: kubernetes.client.
     assert applied.returncode == 0, applied.stderr
     assert "deployment.apps/ibckpt-operator created (server dry run)" in applied.stdout
     assert "daemonset.apps/ibckpt-agent created (server dry run)" in applied.stdout
+
+
+def test_values_are_checked_against_the_schema() -> None:
+    typo = template("--set", "operator.replicaz=2", check=False)
+    assert typo.returncode != 0 and "Additional property replicaz is not allowed" in typo.stderr, typo.stderr
+    wrong = template("--set", "agent.stopTimeoutSeconds=soon", check=False)
+    assert wrong.returncode != 0 and "agent.stopTimeoutSeconds" in wrong.stderr, wrong.stderr
+
+
+def test_a_service_monitor_per_component_only_when_asked() -> None:
+    def monitors(*args: str) -> list[dict[str, Any]]:
+        objects = yaml.safe_load_all(template(*args).stdout)
+        return [d for d in objects if d and d["kind"] == "ServiceMonitor"]
+
+    assert monitors() == []
+    on = ("--set", "metrics.serviceMonitor.enabled=true", "--set", "metrics.serviceMonitor.labels.release=p")
+    found = monitors(*on)
+    assert sorted(m["metadata"]["name"] for m in found) == ["ibckpt-agent", "ibckpt-operator"]
+    for monitor in found:
+        assert monitor["metadata"]["labels"]["release"] == "p"
+        assert monitor["spec"]["endpoints"] == [{"port": "metrics", "interval": "30s"}]

@@ -147,6 +147,21 @@ def kubectl_bin() -> Path:
     return path
 
 
+def kubectl_ibckpt(
+    kubeconfig: Path, namespace: str, *args: str, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """`kubectl ibckpt -n NAMESPACE ARGS...`: kubectl finds the plugin on PATH, as it does for a user."""
+    path = os.pathsep.join([str(Path(sys.executable).parent), str(kubectl_bin().parent), os.environ["PATH"]])
+    env = {**os.environ, "PATH": path, "KUBECONFIG": str(kubeconfig)}
+    return subprocess.run(
+        [str(kubectl_bin()), "ibckpt", "-n", namespace, *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
+
+
 def _kubelet_config(node_dir: Path) -> str:
     return f"""apiVersion: kubelet.config.k8s.io/v1beta1
 kind: KubeletConfiguration

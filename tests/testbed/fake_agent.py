@@ -295,9 +295,12 @@ class FakeAgent:
         else:
             phases += [(RankPhase.REBUILDING, Milestone.DUMPED), (RankPhase.RESUMING, Milestone.REBUILT),
                        (RankPhase.UPLOADING, Milestone.RESUMED)]  # fmt: skip
+        took: dict[str, float] = {}  # as the real agent's report: seconds per finished phase
         for phase, done in phases:
             time.sleep(0.2)
-            self.set_phase(session, phase, done)
+            took[done] = 0.2
+            self.set_phase(session, phase, done, phases=dict(took))
+        upload_started = time.monotonic()
         assert self.store is not None and request.images is not None
         images = Path(f"/tmp/ibckpt-fake-agent-{self.node}-{secrets.token_hex(3)}")
         images.mkdir()
@@ -310,4 +313,6 @@ class FakeAgent:
             )
             writer.stage(self.node, ranks=[rank])
         final = (RankPhase.HELD, Milestone.UPLOADED) if request.mode == Mode.HOLD else (RankPhase.DONE, None)
-        self.set_phase(session, *final, bytes=200_000, state=SessionState.SUCCEEDED, finished_at=time.time())
+        took[Milestone.UPLOADED] = round(time.monotonic() - upload_started, 3)
+        self.set_phase(session, *final, bytes=200_000, state=SessionState.SUCCEEDED, finished_at=time.time(),
+                       phases=took)  # fmt: skip

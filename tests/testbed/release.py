@@ -16,6 +16,7 @@ from testbed.guest import REPO, cache_dir
 from testbed.images import PRODUCT_IMAGE
 
 CHART = REPO / "charts" / "ibckpt"
+SESSION_RELEASE = "ibckpt-t"  # the pytest session's release (tests/conftest.py `installed`)
 STORAGE_SECRET = "s3-credentials"  # the chart's storage.credentialsSecret: each team's Secret has this name
 
 
@@ -124,6 +125,13 @@ def install(
             "--set", f"operator.webhook.port={cluster.webhook_port}",
             "--set", "operator.webhook.hostPort=true", "--set", "operator.webhook.host=127.0.0.1",
         ]  # fmt: skip
+    # The emulated nodes answer a webhook call in seconds when loaded: the longest bound the chart
+    # allows (15 s for a pod creation, 30 s for an eviction), so a restored pod is never created unbound.
+    pin += ["--set", "operator.webhook.timeoutSeconds=15"]
+    # A Lease renewal can be as slow there: with a 15 s Lease the leader steps down after 10 s without
+    # one, and its restart takes minutes on these nodes. With 60 s a leader still restarted once, while
+    # node-2's kubelet could not even finish TLS handshakes: 120 s (a step-down after 80 s).
+    pin += ["--set", "operator.leaseSeconds=120"]
     out = helm(
         cluster, "install", name, str(CHART), "--namespace", namespace,
         "--set", f"image.repository={repository}", "--set", f"image.tag={tag}",
