@@ -34,14 +34,16 @@ class S3Server:
     data_dir: Path
     pid: int
 
-    def client(self, access_key: str | None = None, secret_key: str | None = None):  # type: ignore[no-untyped-def]
-        """A boto3 S3 client for this server (path-style, SigV4)."""
+    def client(  # type: ignore[no-untyped-def]
+        self, access_key: str | None = None, secret_key: str | None = None, endpoint: str | None = None
+    ):
+        """A boto3 S3 client for this server (path-style, SigV4), at `endpoint` if it is seen elsewhere."""
         import boto3
         from botocore.config import Config
 
         return boto3.client(
             "s3",
-            endpoint_url=self.endpoint,
+            endpoint_url=endpoint or self.endpoint,
             aws_access_key_id=access_key or self.access_key,
             aws_secret_access_key=secret_key or self.secret_key,
             region_name=self.region,
