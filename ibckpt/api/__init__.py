@@ -48,11 +48,13 @@ from ibckpt.api.objects import (
 )
 from ibckpt.api.restorejob import (
     RESTORE_JOB,
+    LatestCheckpoint,
     PodCreator,
     RestoreJobSpec,
     RestoreJobStatus,
     RestorePhase,
     RestoreTimeouts,
+    SkippedCheckpoint,
 )
 from ibckpt.api.schedule import CHECKPOINT_SCHEDULE, CheckpointScheduleSpec, CheckpointScheduleStatus
 from ibckpt.api.storage import (
@@ -105,6 +107,7 @@ __all__ = [
     "KindInfo",
     "LabelSelector",
     "LabelSelectorRequirement",
+    "LatestCheckpoint",
     "LocalObjectReference",
     "ObjectMeta",
     "OwnerReference",
@@ -121,5 +124,6 @@ __all__ = [
     "Retention",
     "S3Location",
     "SecretKeyReference",
+    "SkippedCheckpoint",
     "WorkloadReference",
 ]

@@ -5,10 +5,10 @@ from __future__ import annotations
 from datetime import datetime
 from enum import StrEnum
 
-from pydantic import Field
+from pydantic import ConfigDict, Field, model_validator
 
 from ibckpt.api.base import ApiModel, KindInfo, PrinterColumn
-from ibckpt.api.checkpointjob import PodRow
+from ibckpt.api.checkpointjob import PodRow, WorkloadReference
 from ibckpt.api.common import NAME_PATTERN, Conditions, ObservedGeneration
 from ibckpt.vocabulary import DEFAULT_BOUNDS as B
 
@@ -53,10 +53,42 @@ class RestoreTimeouts(ApiModel):
     )
 
 
-class RestoreJobSpec(ApiModel):
-    """Which Checkpoint to restore, and where the pods may go."""
+class LatestCheckpoint(ApiModel):
+    """The checkpoints "the latest" is chosen among: those a schedule's jobs took, or a workload's."""
 
-    checkpoint_name: str = Field(min_length=1, max_length=253, pattern=NAME_PATTERN)
+    model_config = ConfigDict(
+        json_schema_extra={"oneOf": [{"required": ["schedule"]}, {"required": ["workload"]}]}
+    )
+
+    schedule: str | None = Field(
+        default=None, min_length=1, max_length=253, pattern=NAME_PATTERN,
+        description="A CheckpointSchedule here: the Checkpoints labelled ibckpt.io/schedule with its name.",
+    )  # fmt: skip
+    workload: WorkloadReference | None = Field(
+        default=None, description="The Checkpoints whose spec.source is this workload."
+    )
+
+    @model_validator(mode="after")
+    def _one_group(self) -> LatestCheckpoint:
+        if (self.schedule is None) == (self.workload is None):
+            raise ValueError("latestOf names exactly one of schedule and workload")
+        return self
+
+
+class RestoreJobSpec(ApiModel):
+    """Which Checkpoint to restore, and where the pods may go: checkpointName, or latestOf (the operator
+    then writes the Checkpoint it chose into checkpointName once, as a claim's volumeName is bound)."""
+
+    model_config = ConfigDict(
+        json_schema_extra={"anyOf": [{"required": ["checkpointName"]}, {"required": ["latestOf"]}]}
+    )
+
+    checkpoint_name: str | None = Field(default=None, min_length=1, max_length=253, pattern=NAME_PATTERN)
+    latest_of: LatestCheckpoint | None = Field(
+        default=None,
+        description="Restore the newest restorable Checkpoint of a schedule or a workload; newer ones that "
+        "cannot be restored are passed over and listed in status.skippedCheckpoints.",
+    )
     node_selector: dict[str, str] | None = Field(
         default=None, description="Labels a destination node must have."
     )
@@ -72,6 +104,17 @@ class RestoreJobSpec(ApiModel):
     timeouts: RestoreTimeouts = RestoreTimeouts()
     active_deadline_seconds: int = Field(default=3600, ge=1, description="Bound on the whole restore.")
 
+    @model_validator(mode="after")
+    def _a_checkpoint(self) -> RestoreJobSpec:
+        if self.checkpoint_name is None and self.latest_of is None:
+            raise ValueError("give checkpointName or latestOf")
+        return self
+
+
+class SkippedCheckpoint(ApiModel):
+    name: str
+    reason: str = Field(description="Why it was passed over.")
+
 
 class RestoreJobStatus(ApiModel):
     """What the operator did; `attempt` is written before each side effect (see CheckpointJob)."""
@@ -84,6 +127,9 @@ class RestoreJobStatus(ApiModel):
     attempt: str | None = None
     step: str | None = None
     failed_from: RestorePhase | None = Field(default=None, description="The phase the restore failed in.")
+    skipped_checkpoints: list[SkippedCheckpoint] | None = Field(
+        default=None, description="latestOf: the newer Checkpoints passed over, newest first, and why."
+    )
     pods: list[PodRow] | None = Field(default=None, description="One row per pod; node is the destination.")
     start_time: datetime | None = None
     phase_start_time: datetime | None = None

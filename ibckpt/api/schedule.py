@@ -16,6 +16,9 @@ from ibckpt.api.storage import Retention
 
 # A Checkpoint with this label set to "true" is never pruned by a schedule.
 PIN_LABEL = "ibckpt.io/pinned"
+# Every object a schedule makes carries it; its CheckpointJobs copy it onto their Checkpoints, which is how
+# retention and a RestoreJob's latestOf find the schedule's Checkpoints.
+SCHEDULE_LABEL = "ibckpt.io/schedule"
 
 
 class OverlapPolicy(StrEnum):

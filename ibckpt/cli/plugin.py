@@ -33,7 +33,6 @@ from ibckpt.cli import plugin_uninstall
 from ibckpt.cli.kubeapi import Body, KubeApi, PluginError
 from ibckpt.store.units import format_size
 
-SCHEDULE_LABEL = "ibckpt.io/schedule"  # on the CheckpointJobs a schedule creates
 # kubectl's names for the workloads that own RDMA pods: (apiVersion, Kind)
 WORKLOADS = {
     "job": ("batch/v1", "Job"),
@@ -126,9 +125,10 @@ def checkpoint(api: KubeApi, args: argparse.Namespace) -> int:
     short, pods = _target(api, args.target, args.selector)
     spec: Body = {**pods, "mode": args.mode, "storageRef": {"name": _storage(api, args.storage)}}
     meta: Body = {"name": args.name} if args.name else {"generateName": f"{short[:50]}-"}
-    status = _run_job(api, CHECKPOINT_JOB, _object(CHECKPOINT_JOB, meta, spec), args)
-    if isinstance(status, int):
-        return status
+    final = _run_job(api, CHECKPOINT_JOB, _object(CHECKPOINT_JOB, meta, spec), args)
+    if isinstance(final, int):
+        return final
+    status = final["status"]
     size = format_size(status["bytes"]) if status.get("bytes") is not None else "? bytes"
     print(f"checkpoint/{status.get('checkpointName')} committed: {status.get('podCount', '?')} pods, {size}")
     return 0
@@ -137,35 +137,27 @@ def checkpoint(api: KubeApi, args: argparse.Namespace) -> int:
 # -- restore ---------------------------------------------------------------------------------------------
 
 
-def _latest_of_schedule(api: KubeApi, schedule: str) -> str:
-    api.must_get(CHECKPOINT_SCHEDULE, schedule)
-    jobs = {j["metadata"]["name"] for j in api.list(CHECKPOINT_JOB, labels=f"{SCHEDULE_LABEL}={schedule}")}
-    mine = [
-        c
-        for c in api.list(CHECKPOINT)
-        if (c["spec"].get("checkpointJobRef") or {}).get("name") in jobs
-        and (c.get("status") or {}).get("readyToRestore") is not False
-        and c["metadata"].get("deletionTimestamp") is None
-    ]
-    if not mine:
-        raise PluginError(f"CheckpointSchedule {schedule} has no restorable Checkpoint in {api.namespace}")
-    newest = max(mine, key=lambda c: c["spec"].get("committedTime") or c["metadata"]["creationTimestamp"])
-    return str(newest["metadata"]["name"])
-
-
 def restore(api: KubeApi, args: argparse.Namespace) -> int:
+    """A RestoreJob of a named Checkpoint, or of a schedule's latest restorable one: the operator chooses
+    that one (spec.latestOf) and writes its name into the job's spec."""
     if (args.checkpoint is None) == (args.latest is None):
         raise PluginError("give a Checkpoint's name or --latest SCHEDULE")
-    name_of = args.checkpoint or _latest_of_schedule(api, args.latest)
+    spec: Body = {"avoidSourceNodes": args.avoid_source_nodes}
+    if args.latest:
+        api.must_get(CHECKPOINT_SCHEDULE, args.latest)
+        spec["latestOf"] = {"schedule": args.latest}
+        short = f"{args.latest[:50]}-latest"
+    else:
+        api.must_get(CHECKPOINT, args.checkpoint)
+        spec["checkpointName"], short = args.checkpoint, args.checkpoint[:50]
+    meta: Body = {"name": args.name} if args.name else {"generateName": f"{short}-restore-"}
+    final = _run_job(api, RESTORE_JOB, _object(RESTORE_JOB, meta, spec), args)
+    if isinstance(final, int):
+        return final
+    name_of = final["spec"].get("checkpointName")
     if args.latest:
         print(f"latest checkpoint of {args.latest}: {name_of}")
-    api.must_get(CHECKPOINT, name_of)
-    spec: Body = {"checkpointName": name_of, "avoidSourceNodes": args.avoid_source_nodes}
-    meta: Body = {"name": args.name} if args.name else {"generateName": f"{name_of[:50]}-restore-"}
-    status = _run_job(api, RESTORE_JOB, _object(RESTORE_JOB, meta, spec), args)
-    if isinstance(status, int):
-        return status
-    placed = ", ".join(f"{p['name']} on {p.get('node')}" for p in status.get("pods") or [])
+    placed = ", ".join(f"{p['name']} on {p.get('node')}" for p in final["status"].get("pods") or [])
     print(f"restored from checkpoint/{name_of}: {placed}")
     return 0
 
@@ -178,7 +170,7 @@ def _object(kind: KindInfo, meta: Body, spec: Body) -> Body:
 
 
 def _run_job(api: KubeApi, kind: KindInfo, body: Body, args: argparse.Namespace) -> Body | int:
-    """Create the job and follow it: its final status when it succeeded, else the exit code (0 with
+    """Create the job and follow it: its final body when it succeeded, else the exit code (0 with
     --no-wait, 1 failed, 2 still running at --timeout)."""
     name = api.create(kind, body)["metadata"]["name"]
     print(f"{kind.singular}/{name} created")
@@ -190,7 +182,7 @@ def _run_job(api: KubeApi, kind: KindInfo, body: Body, args: argparse.Namespace)
     status: Body = final.get("status") or {}
     if status.get("phase") != "Succeeded":
         return _failed(kind, name, status)
-    return status
+    return final
 
 
 def _follow(api: KubeApi, kind: KindInfo, name: str, timeout: float) -> Body | None:

@@ -76,13 +76,17 @@ def test_checkpoint_list_describe_and_restore_latest_as_a_user(
             checkpoint_a = job["status"]["checkpointName"]
             assert lines[-1].startswith(f"checkpoint/{checkpoint_a} committed: 2 pods, "), first.stdout
 
-            # A Stop checkpoint, as the schedule's job (its label), then a newer one that is not the
-            # schedule's: --latest must take the schedule's own.
+            # A Stop checkpoint, as the schedule's job (its label, copied onto the Checkpoint as a schedule's
+            # jobs copy it), then a newer one that is not the schedule's: --latest must take the schedule's.
+            template = {
+                **schedule_object("nightly")["spec"]["template"],
+                "copyLabels": ["ibckpt.io/schedule"],
+            }
             cluster_ns.create(
                 "checkpointjobs",
                 {"apiVersion": API, "kind": "CheckpointJob",
                  "metadata": {"name": "nightly-1", "labels": {"ibckpt.io/schedule": "nightly"}},
-                 "spec": schedule_object("nightly")["spec"]["template"]},
+                 "spec": template},
             )  # fmt: skip
             body = cluster_ns.wait("checkpointjobs", "nightly-1", _phase("Succeeded"), timeout=90)
             checkpoint_n = body["status"]["checkpointName"]
@@ -126,11 +130,13 @@ def test_checkpoint_list_describe_and_restore_latest_as_a_user(
             )
             assert restored.returncode == 0, restored.stdout + restored.stderr
             out = restored.stdout.splitlines()
-            assert out[0] == f"latest checkpoint of nightly: {checkpoint_n}", restored.stdout
-            assert out[1] == "restorejob/back created"
-            assert [line.split()[0] for line in out[2:-1]][-1] == "Succeeded"
+            # the operator chose it (spec.latestOf), and the plugin says which
+            assert out[0] == "restorejob/back created", restored.stdout
+            assert [line.split()[0] for line in out[1:-2]][-1] == "Succeeded"
+            assert out[-2] == f"latest checkpoint of nightly: {checkpoint_n}", restored.stdout
             assert out[-1] == f"restored from checkpoint/{checkpoint_n}: ring-0 on node-b, ring-1 on node-a"
-            assert cluster_ns.get("restorejobs", "back")["spec"]["checkpointName"] == checkpoint_n
+            back = cluster_ns.get("restorejobs", "back")["spec"]
+            assert back["checkpointName"] == checkpoint_n and back["latestOf"] == {"schedule": "nightly"}
     finally:
         cluster_ns.delete("checkpointschedules", "nightly")
 

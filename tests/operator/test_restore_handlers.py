@@ -8,11 +8,13 @@ from __future__ import annotations
 import os
 import secrets
 import time
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from ibckpt.api.schedule import SCHEDULE_LABEL
 from ibckpt.store import ImageStore, RankInfo, StoreConfig
 from testbed.s3 import S3Server
 
@@ -391,3 +393,50 @@ def test_restore_job_bad_input(
     assert_failed(cluster_ns, foreign, "ForeignCheckpoint", "job other-team/ring", f"not in namespace {ns}")
     assert not any(agent.restores for agent in agents.by_node.values())
     assert not pods_of(cluster_ns)
+
+
+def test_latest_of_a_schedule_binds_the_newest_restorable_checkpoint_and_restores_it(
+    cluster_ns: Cluster, s3_server: S3Server, bucket: str, agents: Agents, operator: Any, store_config: Any
+) -> None:
+    ns, config = cluster_ns.namespace, store_config(bucket)
+    agents.add(cluster_ns, "node-a", 1, "complete", config)
+    agents.add(cluster_ns, "node-b", 2, "complete", config)
+    cluster_ns.s3_secret(s3_server)
+    location = storage(s3_server, bucket)
+    committed = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
+    key = commit_checkpoint(config, f"{ns}/ring", "c1", ["node-a", "node-b"])
+    pods = [("ring-0", "node-a"), ("ring-1", "node-b")]
+    for name, minutes in (("ring-c1", 1), ("ring-c2", 2), ("ring-c3", 3)):
+        body = checkpoint(name, location, pods, manifest_key=key, job=f"{ns}/ring")
+        body["metadata"]["labels"] = {SCHEDULE_LABEL: "nightly"}
+        body["spec"]["committedTime"] = (committed + timedelta(minutes=minutes)).isoformat()
+        if name == "ring-c2":  # recorded by an operator that kept no templates
+            del body["spec"]["pods"][1]["template"]
+        cluster_ns.create("checkpoints", body)
+    cluster_ns.patch_status(
+        "checkpoints", "ring-c3", {"readyToRestore": False, "message": "manifest missing"}
+    )
+
+    with operator():
+        cluster_ns.create(RESTORES, restore_job("latest", latestOf={"schedule": "nightly"}))
+        cluster_ns.create(RESTORES, restore_job("nothing", latestOf={"schedule": "weekly"}))
+        done = cluster_ns.wait(RESTORES, "latest", phase("Succeeded"), timeout=90)
+        nothing = cluster_ns.wait(RESTORES, "nothing", phase("Failed"), timeout=60)
+
+    assert done["spec"]["checkpointName"] == "ring-c1", done["spec"]
+    skipped = done["status"]["skippedCheckpoints"]
+    assert [s["name"] for s in skipped] == ["ring-c3", "ring-c2"], skipped
+    assert "manifest missing" in skipped[0]["reason"] and "no pod template for ring-1" in skipped[1]["reason"]
+    [chosen] = [e.message for e in cluster_ns.events("latest") if e.reason == "CheckpointChosen"]
+    assert "ring-c1" in chosen and "schedule nightly" in chosen and "ring-c3, ring-c2" in chosen, chosen
+    restored = {p.metadata.name: p for p in cluster_ns.core.list_namespaced_pod(ns).items}
+    assert sorted(restored) == ["ring-0", "ring-1"]
+    assert restored["ring-0"].metadata.annotations["ibckpt.io/restore-from"] == f"{ns}/ring-c1"
+
+    status = nothing["status"]
+    assert status["reason"] == "NoRestorableCheckpoint", status
+    assert "no Checkpoint of schedule weekly exists" in status["message"], status
+    assert "checkpointName" not in nothing["spec"]
+    assert any(
+        e.reason == "NoRestorableCheckpoint" and e.type == "Warning" for e in cluster_ns.events("nothing")
+    )

@@ -198,6 +198,12 @@ class Kube:
                 return False
             raise
 
+    async def patch_custom(self, plural: str, namespace: str, name: str, body: Body) -> None:
+        """A merge patch of one of our objects (its spec: a RestoreJob's chosen Checkpoint)."""
+        await self._run(
+            self.custom.patch_namespaced_custom_object, GROUP, VERSION, namespace, plural, name, body
+        )
+
     async def patch_status(self, plural: str, namespace: str, name: str, status: Body) -> None:
         await self._run(
             self.custom.patch_namespaced_custom_object_status,

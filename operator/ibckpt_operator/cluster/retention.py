@@ -11,11 +11,11 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from ibckpt.api import CHECKPOINT
-from ibckpt.api.schedule import PIN_LABEL
+from ibckpt.api.schedule import PIN_LABEL, SCHEDULE_LABEL
 from ibckpt.store import CheckpointNotFoundError, RetentionPolicy, StoreConfig, StoreError
 from ibckpt_operator.cluster import storage
 from ibckpt_operator.cluster.kube import Body, Kube
-from ibckpt_operator.cluster.schedules import SCHEDULE_LABEL, list_namespaced, restores_in_use, timestamp
+from ibckpt_operator.cluster.schedules import list_namespaced, restores_in_use, timestamp
 from ibckpt_operator.machine.retention import StoredCheckpoint
 
 log = logging.getLogger(__name__)

@@ -24,14 +24,10 @@ from ibckpt.api import (
     PodCreator,
     RestorePhase,
 )
-from ibckpt.api.schedule import PIN_LABEL
+from ibckpt.api.schedule import PIN_LABEL, SCHEDULE_LABEL
 from ibckpt_operator.cluster.bindings import NAME_KEEPING_KINDS
 from ibckpt_operator.cluster.kube import ApiException, Body, Kube
 from ibckpt_operator.machine.schedule import CheckpointInfo, JobFinished, JobInfo, ScheduleState
-
-# Every object a schedule makes carries it; its CheckpointJobs copy it onto their Checkpoints, which is how
-# retention finds the schedule's Checkpoints.
-SCHEDULE_LABEL = "ibckpt.io/schedule"
 
 
 def owner_reference(owner: Body) -> dict[str, Any]:

@@ -30,7 +30,7 @@ from ibckpt.agentapi import (
     SecretRef,
     SessionReport,
 )
-from ibckpt.api import RestoreJobStatus, RestorePhase
+from ibckpt.api import RestoreJobStatus, RestorePhase, SkippedCheckpoint
 from ibckpt_operator.cluster import bindings, storage
 from ibckpt_operator.cluster.agents import Agent, agents_by_node, each_agent, follow_session
 from ibckpt_operator.cluster.kube import Body
@@ -59,6 +59,7 @@ from ibckpt_operator.machine.core import (
     StepFailed,
     Transition,
 )
+from ibckpt_operator.machine.latest import refusal
 from ibckpt_operator.machine.restore import STEP_LABEL, TERMINAL, CheckpointResolved, RestoreStep
 from ibckpt_operator.machine.restoreplan import AddressConflict, AddressMove, address_map, rank_parts
 from ibckpt_operator.machine.status import restore_state, restore_status
@@ -73,6 +74,9 @@ class RestoreJobDriver(RestorePodsDriver):
         self.machine = RestoreMachine(RestoreConfig.from_spec(self.spec))
         self.polled: set[str] = set()  # nodes whose session report is being followed
         self.progress = PodProgress(RESTORE_MILESTONES, Milestone.RESUMED)  # by pod name
+        # latestOf: what drivers/latest.py wrote before this driver started; kept in every status written
+        skipped = (body.get("status") or {}).get("skippedCheckpoints") or None
+        self.skipped = [SkippedCheckpoint.from_wire(s) for s in skipped] if skipped else None
         if self.by_controller:
             bindings.register(self)
 
@@ -122,7 +126,8 @@ class RestoreJobDriver(RestorePodsDriver):
         return self.machine.handle(state, event, now)
 
     def status_of(self, state: RestoreState, now: float) -> RestoreJobStatus:
-        return restore_status(state, generation=self.generation, previous=self.conditions, now=now)
+        status = restore_status(state, generation=self.generation, previous=self.conditions, now=now)
+        return status.model_copy(update={"skipped_checkpoints": self.skipped}) if self.skipped else status
 
     def background(self) -> list[Awaitable[None]]:
         # a created pod that is deleted, replaced or fails before the restore ends is lost
@@ -167,35 +172,13 @@ class RestoreJobDriver(RestorePodsDriver):
             self.emit(StepFailed(action.attempt, "CheckpointNotFound", message))
             return
         spec = checkpoint.spec
-        if spec.job_name and not spec.job_name.startswith(f"{self.namespace}/"):
-            # The store's job names are namespace/name: anyone who may write a Checkpoint here could
-            # otherwise point a restore at another namespace's images in a shared bucket.
-            message = (
-                f"Checkpoint {self.checkpoint_ref} names the images of job {spec.job_name}, which is not "
-                f"in namespace {self.namespace}: a RestoreJob restores only its own namespace's images"
-            )
-            self.emit(StepFailed(action.attempt, "ForeignCheckpoint", message))
+        refused = refusal(checkpoint, self.namespace)
+        if refused is not None and refused.reason == "ForeignCheckpoint":  # before its storage is read
+            self.emit(StepFailed(action.attempt, refused.reason, refused.message))
             return
         await storage.check(self.rt.kube, self.namespace, spec.storage_ref, spec.storage)
-        problems = (
-            [] if spec.job_name and spec.checkpoint_id else ["it names no job or checkpoint id in the store"]
-        )
-        for pod in spec.pods or ():
-            if pod.template is None:
-                problems.append(f"it records no pod template for {pod.name}")
-            if not pod.ranks:
-                problems.append(f"it records no rank of {pod.name}")
-            for key in pod.ranks or ():
-                try:
-                    rank_parts(key)
-                except ValueError as error:
-                    problems.append(f"{pod.name}: {error}")
-        if problems:
-            message = (
-                f"Checkpoint {self.checkpoint_ref} cannot be restored by this operator: "
-                f"{'; '.join(problems)} (taken by an operator that did not record them?)"
-            )
-            self.emit(StepFailed(action.attempt, "CheckpointNotRestorable", message))
+        if refused is not None:
+            self.emit(StepFailed(action.attempt, refused.reason, refused.message))
             return
         # Members are keyed by name: the uid a member gets is its destination pod's.
         pods = tuple(PodRef(p.name, "", p.node or "") for p in spec.pods or ())

@@ -62,11 +62,12 @@ class RestorePodsDriver(Driver[RestoreState]):
 
     @property
     def checkpoint_ref(self) -> str:
-        return f"{self.namespace}/{self.spec.checkpoint_name}"
+        return f"{self.namespace}/{self.spec.checkpoint_name or ''}"
 
     async def load_checkpoint(self) -> Checkpoint | None:
         if self.checkpoint is None:
-            body = await self.rt.kube.get_custom(CHECKPOINT.plural, self.namespace, self.spec.checkpoint_name)
+            name = self.spec.checkpoint_name or ""  # bound before the driver starts (handlers/restorejob.py)
+            body = await self.rt.kube.get_custom(CHECKPOINT.plural, self.namespace, name)
             self.checkpoint = None if body is None else Checkpoint.from_wire(body)
         return self.checkpoint
 

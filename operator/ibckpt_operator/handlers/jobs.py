@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -69,7 +69,7 @@ async def fail_invalid(
 
 
 async def drive_job(
-    body: kopf.Body,
+    body: Mapping[str, Any],
     stopped: kopf.DaemonStopped,
     plural: str,
     make_driver: Callable[[runtime.Runtime, dict[str, Any]], Driver[Any]],

@@ -8,7 +8,7 @@ from typing import Any
 import kopf
 
 from ibckpt.api import CHECKPOINT_JOB, CHECKPOINT_SCHEDULE, GROUP, RESTORE_JOB, VERSION
-from ibckpt_operator.cluster.schedules import SCHEDULE_LABEL
+from ibckpt.api.schedule import SCHEDULE_LABEL
 from ibckpt_operator.drivers import runtime
 from ibckpt_operator.drivers.schedule import CONTROLLERS, ScheduleController
 from ibckpt_operator.handlers.jobs import stop_waiter

@@ -161,6 +161,8 @@ class RestoreConfig:
 
     @classmethod
     def from_spec(cls, spec: RestoreJobSpec) -> RestoreConfig:
+        if spec.checkpoint_name is None:  # latestOf: the handler binds one before the driver starts
+            raise ValueError("no Checkpoint is chosen yet")
         t = spec.timeouts
         return cls(
             checkpoint_name=spec.checkpoint_name,
