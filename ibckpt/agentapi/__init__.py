@@ -7,6 +7,7 @@ from ibckpt.agentapi.client import AgentClient, AgentError
 from ibckpt.agentapi.models import (
     API_PREFIX,
     DEFAULT_PORT,
+    LEADER_EPOCH_HEADER,
     AbortRequest,
     AgentInfo,
     CheckpointRequest,
@@ -14,6 +15,7 @@ from ibckpt.agentapi.models import (
     ErrorReply,
     ImageDestination,
     ImageSource,
+    LeaderEpoch,
     PhaseTimeouts,
     RankPhase,
     RankProgress,
@@ -25,6 +27,8 @@ from ibckpt.agentapi.models import (
     SessionKind,
     SessionReport,
     SessionState,
+    format_epoch,
+    parse_epoch,
 )
 from ibckpt.vocabulary import CHECKPOINT_MILESTONES, RESTORE_MILESTONES, Milestone, Mode, position
 
@@ -32,6 +36,7 @@ __all__ = [
     "API_PREFIX",
     "CHECKPOINT_MILESTONES",
     "DEFAULT_PORT",
+    "LEADER_EPOCH_HEADER",
     "RESTORE_MILESTONES",
     "AbortRequest",
     "AgentClient",
@@ -42,6 +47,7 @@ __all__ = [
     "ErrorReply",
     "ImageDestination",
     "ImageSource",
+    "LeaderEpoch",
     "Milestone",
     "Mode",
     "PhaseTimeouts",
@@ -55,5 +61,7 @@ __all__ = [
     "SessionKind",
     "SessionReport",
     "SessionState",
+    "format_epoch",
+    "parse_epoch",
     "position",
 ]

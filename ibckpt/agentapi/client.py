@@ -23,13 +23,16 @@ from pydantic import ValidationError
 from ibckpt.agentapi.models import (
     API_PREFIX,
     DEFAULT_PORT,
+    LEADER_EPOCH_HEADER,
     AbortRequest,
     AgentInfo,
     AgentModel,
     CheckpointRequest,
     ContainerList,
+    LeaderEpoch,
     RestoreRequest,
     SessionReport,
+    format_epoch,
 )
 
 SERVICE_ACCOUNT_TOKEN = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
@@ -55,12 +58,14 @@ class AgentClient:
         token: str | None = None,
         token_file: Path | None = None,
         timeout_s: float = 10.0,
+        leader_epoch: LeaderEpoch | None = None,
     ) -> None:
         if (token is None) == (token_file is None):
             raise ValueError("give exactly one of token and token_file")
         self.host = host
         self.port = port
         self.timeout_s = timeout_s
+        self.leader_epoch = leader_epoch  # None: a caller that does not elect (tests, the CLI)
         self._token: Callable[[], str] = (
             (lambda: token) if token is not None else (lambda: Path(str(token_file)).read_text().strip())
         )
@@ -126,6 +131,8 @@ class AgentClient:
                 headers["Authorization"] = f"Bearer {self._token()}"
             except OSError as exc:
                 raise AgentError(0, f"cannot read the service-account token: {exc.strerror}") from exc
+            if self.leader_epoch is not None:
+                headers[LEADER_EPOCH_HEADER] = format_epoch(self.leader_epoch)
         where = f"agent {self.host}:{self.port}"
         conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
         try:

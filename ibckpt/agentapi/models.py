@@ -33,6 +33,26 @@ from ibckpt.vocabulary import Milestone, Mode, PhaseSeconds
 
 API_PREFIX: Final = "/v1"
 DEFAULT_PORT: Final = 9478
+# The operator's leadership epoch on every call: an agent refuses a caller whose epoch is older than one
+# it has seen, so a deposed leader that has not noticed yet cannot drive a node behind its successor's
+# back (a fencing token). The epoch is "<the Lease's creation, unix seconds>:<its leaseTransitions when
+# this leader took it>": compared as a pair, so a Lease made again (a reinstall) starts above the old one.
+LEADER_EPOCH_HEADER: Final = "X-Ibckpt-Leader-Epoch"
+LeaderEpoch = tuple[int, int]
+
+
+def format_epoch(epoch: LeaderEpoch) -> str:
+    return f"{epoch[0]}:{epoch[1]}"
+
+
+def parse_epoch(text: str) -> LeaderEpoch:
+    """The pair, or ValueError for anything else (two non-negative decimal integers)."""
+    created, sep, transitions = text.partition(":")
+    if not sep or not created.isdigit() or not transitions.isdigit() or len(text) > 40:
+        raise ValueError(f"leader epoch {text[:40]!r} is not <seconds>:<transitions>")
+    return int(created), int(transitions)
+
+
 # A session id becomes part of paths on the node: keep it a plain name.
 SESSION_ID_PATTERN = r"^[a-z0-9]([-a-z0-9.]{0,126}[a-z0-9])?$"
 NAME_PATTERN = r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$"

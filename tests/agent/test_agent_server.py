@@ -14,9 +14,12 @@ from agent.agent_harness import Running, register
 from pydantic import SecretStr
 
 from ibckpt.agentapi import (
+    LEADER_EPOCH_HEADER,
     AbortRequest,
+    AgentClient,
     AgentError,
     CheckpointRequest,
+    LeaderEpoch,
     RankRef,
     RestoreRequest,
 )
@@ -48,6 +51,48 @@ def test_another_service_account_is_forbidden(agent: Running) -> None:
         agent.client("other-token").containers()
     assert refused.value.status == 403
     assert "system:serviceaccount:default:default may not use the node agent" in refused.value.message
+
+
+def test_a_deposed_leaders_epoch_is_refused_and_the_fence_outlives_the_agent(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    agent = Running(state)
+
+    def leader(epoch: LeaderEpoch | None, port: int | None = None, token: str = "op-token") -> AgentClient:
+        return AgentClient("127.0.0.1", port or agent.port, token=token, timeout_s=5, leader_epoch=epoch)
+
+    try:
+        # an agent no leader has driven takes a caller that does not elect (tests, a first install)
+        assert agent.client().info().node == "node-x"
+        assert leader((1000, 3)).info().node == "node-x"
+        assert (state / "leader-epoch").read_text() == "1000:3\n"
+        refusals = {
+            (1000, 2): "operator epoch 1000:2 was deposed: epoch 1000:3 leads this node now",
+            (999, 7): "operator epoch 999:7 was deposed",  # an older Lease's, however many transitions
+            None: "the call carries no leader epoch, and operator epoch 1000:3 leads this node",
+        }
+        for deposed, says in refusals.items():
+            with pytest.raises(AgentError) as refused:
+                leader(deposed).checkpoint(_checkpoint("uid-none"))
+            assert refused.value.status == 409 and says in refused.value.message, refused.value
+        # a stranger's epoch never moves the fence: the token is checked first
+        with pytest.raises(AgentError) as stranger:
+            leader((5000, 0), token="other-token").info()
+        assert stranger.value.status == 403
+        headers = {"Authorization": "Bearer op-token", LEADER_EPOCH_HEADER: "1000:-4"}
+        status, _, body = agent.raw("GET", "/v1/info", headers)
+        assert status == 409 and b"is not <seconds>:<transitions>" in body
+        assert leader((2000, 0)).info().ready  # a Lease made again (a reinstall) leads from now on
+    finally:
+        agent.stop()
+    # a restarted agent still knows the newest leader
+    again = Running(state)
+    try:
+        with pytest.raises(AgentError) as late:
+            leader((1000, 3), again.port).containers()
+        assert late.value.status == 409 and "epoch 2000:0 leads" in late.value.message
+        assert leader((2000, 0), again.port).containers().node == "node-x"
+    finally:
+        again.stop()
 
 
 def test_operator_sees_the_node_and_its_registered_containers(

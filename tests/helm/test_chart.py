@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from datetime import datetime
 
 import pytest
 from helm.conftest import (
@@ -125,9 +126,14 @@ for node, ip in cfg["nodes"].items():
     conn.request("GET", "/v1/info")
     reply = conn.getresponse()
     r["anonymous"] = {"status": reply.status, "body": reply.read().decode()}
-    for who, token in cfg["tokens"].items():
+    # as the leader calls: with its epoch; then with none, and with an older Lease's (a deposed leader's)
+    leader = tuple(cfg["epoch"])
+    calls = [(who, token, leader) for who, token in cfg["tokens"].items()]
+    operator = cfg["tokens"]["operator"]
+    calls += [("unfenced", operator, None), ("deposed", operator, (leader[0] - 1, 9))]
+    for who, token, epoch in calls:
         try:
-            info = AgentClient(ip, cfg["port"], token=token, timeout_s=30).info()
+            info = AgentClient(ip, cfg["port"], token=token, timeout_s=30, leader_epoch=epoch).info()
             r[who] = {"status": 200, "info": info.to_wire()}
         except AgentError as exc:
             r[who] = {"status": exc.status, "error": exc.message}
@@ -150,7 +156,13 @@ def test_the_agent_api_answers_only_the_operator(installed: Release) -> None:
     pods.apply(cluster, NAMESPACE, caller)
     try:
         pods.wait_pod(cluster, NAMESPACE, "caller", {"Running"})
+        lease = json.loads(
+            cluster.kubectl("get", "lease", "ibckpt-operator", "-n", NAMESPACE, "-o", "json").stdout
+        )
+        made = datetime.fromisoformat(lease["metadata"]["creationTimestamp"].replace("Z", "+00:00"))
+        epoch = [int(made.timestamp()), lease["spec"].get("leaseTransitions", 0)]
         config = {
+            "epoch": epoch,
             "nodes": {n: node_ip(i) for i, n in enumerate(NODE_NAMES, 1)},
             "port": AGENT_PORT,
             "metrics": METRICS_PORT,
@@ -175,6 +187,9 @@ def test_the_agent_api_answers_only_the_operator(installed: Release) -> None:
         )
         assert r["default"]["status"] == 403, r
         assert r["operator"]["status"] == 200, r
+        # the leader's epoch fences off a caller without one, and a deposed leader's
+        assert r["unfenced"]["status"] == 409 and "carries no leader epoch" in r["unfenced"]["error"], r
+        assert r["deposed"]["status"] == 409 and "was deposed" in r["deposed"]["error"], r
         info = r["operator"]["info"]
         assert (info["node"], info["ready"], info["address"]) == (node, True, f"{node_ip(i)}:{AGENT_PORT}")
         assert info["shimPresent"] is True

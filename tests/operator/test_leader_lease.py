@@ -62,6 +62,8 @@ def test_a_leader_cut_off_steps_down_before_its_lease_runs_out(relay: Relay, fau
 
     async def scenario() -> dict[str, float]:
         await first.acquire()
+        made = relay.direct.coordination.read_namespaced_lease(name, NAMESPACE).metadata.creation_timestamp
+        assert first.epoch == (int(made.timestamp()), 0), first.epoch  # the epoch the agents are sent
         lost = asyncio.Event()
         keeper = asyncio.ensure_future(first.keep(lost.set))
         await asyncio.sleep(SECONDS)  # renewed twice meanwhile
@@ -90,6 +92,9 @@ def test_a_leader_cut_off_steps_down_before_its_lease_runs_out(relay: Relay, fau
     assert not first.held and second.held
     lease = relay.direct.coordination.read_namespaced_lease(name, NAMESPACE)
     assert lease.spec.holder_identity == "second" and lease.spec.lease_transitions == 1, lease.spec
+    # the successor's epoch is above the deposed leader's, which keeps its own: an agent refuses that one
+    assert first.epoch is not None and second.epoch == (first.epoch[0], 1), (first.epoch, second.epoch)
+    assert first.epoch < second.epoch
 
 
 def test_a_failed_renewal_is_retried_before_the_deadline_and_the_leader_keeps_the_lease(relay: Relay) -> None:

@@ -16,6 +16,7 @@ from ibckpt.agentapi import (
     AgentError,
     AgentInfo,
     CheckpointRequest,
+    LeaderEpoch,
     RestoreRequest,
     SessionReport,
     SessionState,
@@ -62,20 +63,28 @@ def no_agent_message(pod: str, node: str, agent: Agent | None) -> str:
 class AgentGateway:
     """Calls to the agents; every call bounded by the client's timeout. Tests may give a token directly."""
 
-    def __init__(self, token: str | None = None) -> None:
+    def __init__(
+        self, token: str | None = None, epoch: Callable[[], LeaderEpoch | None] = lambda: None
+    ) -> None:
         self._token = token
+        self._epoch = epoch  # the leader's epoch (cluster/leader.py); None without an election
 
     def client(self, agent: Agent) -> AgentClient:
         settings = current()
         if self._token is not None:
             return AgentClient(
-                agent.host, settings.agent_port, token=self._token, timeout_s=settings.agent_timeout
+                agent.host,
+                settings.agent_port,
+                token=self._token,
+                timeout_s=settings.agent_timeout,
+                leader_epoch=self._epoch(),
             )
         return AgentClient(
             agent.host,
             settings.agent_port,
             token_file=Path(settings.agent_token_file),
             timeout_s=settings.agent_timeout,
+            leader_epoch=self._epoch(),
         )
 
     async def info(self, agent: Agent) -> AgentInfo:

@@ -14,6 +14,7 @@ from datetime import UTC, datetime, timedelta
 import kubernetes
 from kubernetes.client import ApiException
 
+from ibckpt.agentapi import LeaderEpoch
 from ibckpt_operator import metrics
 from ibckpt_operator.cluster.kube import Kube
 
@@ -31,6 +32,12 @@ def _why(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
+def _created(lease: kubernetes.client.V1Lease) -> int:
+    """The Lease's creation in unix seconds: the first half of the leader epoch."""
+    created = lease.metadata.creation_timestamp if lease.metadata is not None else None
+    return int(created.timestamp()) if created is not None else 0
+
+
 def _now() -> datetime:
     return datetime.now(UTC)
 
@@ -43,6 +50,9 @@ class LeaderLease:
         self.identity = identity
         self.seconds = max(1, int(seconds))
         self.held = False
+        # (the Lease's creation, its leaseTransitions when this replica took it): the leader epoch sent
+        # to the agents with every call (agentapi.LEADER_EPOCH_HEADER); each new holder's is higher.
+        self.epoch: LeaderEpoch | None = None
         # What the last attempt saw, for the readiness endpoint of a replica that waits (a standby).
         self.holder: str | None = None
         self.answered_at: float | None = None  # time.monotonic() of the apiserver's last answer
@@ -73,7 +83,8 @@ class LeaderLease:
                 spec=self._spec(0, _now()),
             )
             try:
-                api.create_namespaced_lease(self.namespace, body, _request_timeout=timeout)
+                made = api.create_namespaced_lease(self.namespace, body, _request_timeout=timeout)
+                self.epoch = (_created(made), 0)
                 return True
             except ApiException as create_error:
                 if create_error.status == 409:
@@ -94,6 +105,7 @@ class LeaderLease:
             api.replace_namespaced_lease(
                 self.name, self.namespace, lease, _request_timeout=timeout
             )  # 409: it moved
+            self.epoch = (_created(lease), transitions)
             return True
         except ApiException as error:
             if error.status == 409:

@@ -91,7 +91,9 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
         await admission.publish(kube, endpoint)  # the apiserver calls this replica from now on
     coordinator = CoordinatorServer(config.coordinator_bind, config.coordinator_port)
     await coordinator.start()
-    rt = runtime.Runtime(kube=kube, gateway=AgentGateway(), coordinator=coordinator, lease=lease)
+    held = lease
+    gateway = AgentGateway(epoch=lambda: held.epoch if held is not None else None)
+    rt = runtime.Runtime(kube=kube, gateway=gateway, coordinator=coordinator, lease=lease)
     rt.claims = await rebuild_claims(kube)
     if lease is not None:
         keeper = asyncio.ensure_future(lease.keep(rt.lost.set))

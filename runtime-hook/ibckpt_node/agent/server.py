@@ -13,6 +13,7 @@ import ibckpt
 from ibckpt.agentapi import models as api
 from ibckpt_node.agent.auth import Authenticator, AuthError
 from ibckpt_node.agent.disk import DEFAULT_KEEP_FAILED_S
+from ibckpt_node.agent.fence import Fenced, LeaderFence
 from ibckpt_node.agent.httpserver import HttpServer, Request, Response
 from ibckpt_node.agent.kubesecrets import SecretReader
 from ibckpt_node.agent.session import SessionError
@@ -94,6 +95,7 @@ class AgentServer:
             secrets,
             keep_failed_images_s,
         )
+        self.fence = LeaderFence(work_dir / "leader-epoch")
         self.http = HttpServer(host, port, self.handle, error)
         self.ready = False
 
@@ -147,6 +149,11 @@ class AgentServer:
             response = error(exc.status, str(exc))
             response.headers.update(headers)
             return response
+        try:  # after the token: a stranger's epoch never moves the fence
+            self.fence.check(request.headers.get(api.LEADER_EPOCH_HEADER.lower()))
+        except Fenced as exc:
+            log.warning("refused %s %s: %s", method, path, exc)
+            return error(409, str(exc))
         try:
             return await self._api(method, path, request.body)
         except SessionError as exc:
