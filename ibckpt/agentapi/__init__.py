@@ -5,6 +5,7 @@ Both components import this package and nothing of each other; docs/node-agent.m
 
 from ibckpt.agentapi.client import AgentClient, AgentError
 from ibckpt.agentapi.models import (
+    AGENT_AUDIENCE,
     API_PREFIX,
     DEFAULT_PORT,
     LEADER_EPOCH_HEADER,
@@ -33,6 +34,7 @@ from ibckpt.agentapi.models import (
 from ibckpt.vocabulary import CHECKPOINT_MILESTONES, RESTORE_MILESTONES, Milestone, Mode, position
 
 __all__ = [
+    "AGENT_AUDIENCE",
     "API_PREFIX",
     "CHECKPOINT_MILESTONES",
     "DEFAULT_PORT",

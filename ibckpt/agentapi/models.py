@@ -38,6 +38,10 @@ DEFAULT_PORT: Final = 9478
 # back (a fencing token). The epoch is "<the Lease's creation, unix seconds>:<its leaseTransitions when
 # this leader took it>": compared as a pair, so a Lease made again (a reinstall) starts above the old one.
 LEADER_EPOCH_HEADER: Final = "X-Ibckpt-Leader-Epoch"
+# The audience of the operator's token for the agents (a projected service-account token): the agents
+# review tokens for it alone, so a token made for the apiserver or anything else is refused, and the
+# operator's agent token is not accepted by the apiserver.
+AGENT_AUDIENCE: Final = "ibckpt-agent"
 LeaderEpoch = tuple[int, int]
 
 

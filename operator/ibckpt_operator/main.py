@@ -45,6 +45,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lease-seconds", type=float, default=15.0)
     parser.add_argument("--no-lease", action="store_true", help="do not elect (a single test operator)")
     parser.add_argument("--agent-port", type=int, default=settings.current().agent_port)
+    parser.add_argument(
+        "--agent-token-file",
+        default=settings.current().agent_token_file,
+        help="the token for the agents (a projected token for their audience)",
+    )
     parser.add_argument("--gc-grace-seconds", type=float, default=3600.0,
                         help="a deleted Checkpoint's chunks younger than this are swept later")  # fmt: skip
     parser.add_argument("--store-sweep-seconds", type=float, default=3600.0,
@@ -66,6 +71,7 @@ def main(argv: list[str] | None = None) -> None:
             lease_seconds=args.lease_seconds,
             lease_enabled=not args.no_lease,
             agent_port=args.agent_port,
+            agent_token_file=args.agent_token_file,
             gc_grace_seconds=args.gc_grace_seconds,
             store_sweep_seconds=args.store_sweep_seconds,
         )

@@ -25,9 +25,11 @@ from helm.conftest import (
     sa_token,
 )
 
+from ibckpt.agentapi import AGENT_AUDIENCE
 from testbed import pods
 from testbed.cluster import NODE_NAMES, Cluster, node_ip
 from testbed.images import PRODUCT_IMAGE
+from testbed.release import audience_token
 
 # The first test pays for the session's cluster (an image rebuild and two node boots: 10+ min on a
 # loaded 2-core machine) and the install.
@@ -147,9 +149,12 @@ print("RESULT " + json.dumps(out))
 def test_the_agent_api_answers_only_the_operator(installed: Release) -> None:
     cluster = installed.cluster
     tokens = {
-        "operator": sa_token(cluster, NAMESPACE, OPERATOR_SA),
-        "agent": sa_token(cluster, NAMESPACE, AGENT_SA),
-        "default": sa_token(cluster, NAMESPACE, "default"),
+        # the operator's token as the chart projects it for the agents, and its legacy Secret token
+        "operator": audience_token(cluster, NAMESPACE, OPERATOR_SA, AGENT_AUDIENCE),
+        "legacy": sa_token(cluster, NAMESPACE, OPERATOR_SA),
+        "apiserver": audience_token(cluster, NAMESPACE, OPERATOR_SA, "https://kubernetes.default.svc"),
+        "agent": audience_token(cluster, NAMESPACE, AGENT_SA, AGENT_AUDIENCE),
+        "default": audience_token(cluster, NAMESPACE, "default", AGENT_AUDIENCE),
         "forged": "eyJhbGciOiJSUzI1NiJ9.e30.forged",
     }
     caller = pods.product_pod("caller", "node-2", PRODUCT_IMAGE)
@@ -187,6 +192,8 @@ def test_the_agent_api_answers_only_the_operator(installed: Release) -> None:
         )
         assert r["default"]["status"] == 403, r
         assert r["operator"]["status"] == 200, r
+        # the operator's own tokens for any other audience are not the agents' to accept
+        assert r["legacy"]["status"] == 401 and r["apiserver"]["status"] == 401, r
         # the leader's epoch fences off a caller without one, and a deposed leader's
         assert r["unfenced"]["status"] == 409 and "carries no leader epoch" in r["unfenced"]["error"], r
         assert r["deposed"]["status"] == 409 and "was deposed" in r["deposed"]["error"], r

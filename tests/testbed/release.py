@@ -144,6 +144,12 @@ def install(
     return release
 
 
+def audience_token(cluster: Cluster, namespace: str, account: str, audience: str) -> str:
+    """A token for account bound to audience, from the TokenRequest API (as the kubelet projects one)."""
+    made = cluster.kubectl("create", "token", account, "-n", namespace, f"--audience={audience}")
+    return made.stdout.strip()
+
+
 def sa_token(cluster: Cluster, namespace: str, account: str) -> str:
     """The token the serviceaccount-token controller stored for account (v1.20)."""
     deadline = time.monotonic() + 120

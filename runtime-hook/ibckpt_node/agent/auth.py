@@ -1,7 +1,9 @@
 """Who may call the agent: bearer tokens checked with a TokenReview, one service account accepted.
 
-The operator sends its service-account token; the agent asks the apiserver whose it is (TokenReview,
-which the agent's RBAC allows) and accepts only the identity the chart names
+The operator sends its service-account token bound to the agents' audience (agentapi.AGENT_AUDIENCE);
+the agent asks the apiserver whose it is for that audience (TokenReview, which the agent's RBAC allows;
+a token for any other audience, a legacy Secret token among them, is not authenticated) and accepts only
+the identity the chart names
 (`system:serviceaccount:<namespace>:<release>-operator`). No token or an invalid one: 401; a valid token
 of anyone else: 403; no answer from the apiserver: 503. A reviewed token is remembered for a short while
 (by its hash, never the token), so polling a session does not cost a TokenReview per call.
@@ -21,6 +23,8 @@ import urllib.request
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from ibckpt.agentapi import AGENT_AUDIENCE
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +73,8 @@ class TokenReviewer:
         return await asyncio.to_thread(self._review, token)
 
     def _review(self, token: str) -> Review:
-        body = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview", "spec": {"token": token}}
+        spec = {"token": token, "audiences": [AGENT_AUDIENCE]}
+        body = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview", "spec": spec}
         request = urllib.request.Request(
             self.url,
             data=json.dumps(body).encode(),
@@ -88,6 +93,8 @@ class TokenReviewer:
             return Review(False, error=f"TokenReview failed: {exc}", unavailable=True)
         if not status.get("authenticated"):
             return Review(False, error=status.get("error") or "token not authenticated")
+        if AGENT_AUDIENCE not in (status.get("audiences") or ()):  # an apiserver that ignored the audience
+            return Review(False, error=f"the token is not for audience {AGENT_AUDIENCE}")
         return Review(True, username=str(status.get("user", {}).get("username", "")))
 
 
