@@ -51,18 +51,14 @@ int ibk_async_attach(struct ibk_ctx *ctx)
 	return epoll_ctl(ctx->async_fd, EPOLL_CTL_ADD, fd, &ev) ? -errno : 0;
 }
 
-/* The app's objects an event names: the real ones' contexts are the shadows
- * (NULL for the shim's own QPs and CQs).  0: not about the app's objects. */
-static int async_translate(const struct ibv_async_event *real, struct ibv_async_event *out)
-{
-	*out = *real;
-	switch (real->event_type) {
-	case IBV_EVENT_CQ_ERR: {
-		struct ibk_cq *cq = real->element.cq->cq_context;
+/* Which of rdma-core's element union an event names. */
+enum async_about { ABOUT_NONE, ABOUT_CQ, ABOUT_QP, ABOUT_SRQ, ABOUT_WQ };
 
-		out->element.cq = cq ? &cq->pub.cq : NULL;
-		return cq != NULL;
-	}
+static enum async_about async_about(enum ibv_event_type type)
+{
+	switch (type) {
+	case IBV_EVENT_CQ_ERR:
+		return ABOUT_CQ;
 	case IBV_EVENT_QP_FATAL:
 	case IBV_EVENT_QP_REQ_ERR:
 	case IBV_EVENT_QP_ACCESS_ERR:
@@ -70,20 +66,43 @@ static int async_translate(const struct ibv_async_event *real, struct ibv_async_
 	case IBV_EVENT_SQ_DRAINED:
 	case IBV_EVENT_PATH_MIG:
 	case IBV_EVENT_PATH_MIG_ERR:
-	case IBV_EVENT_QP_LAST_WQE_REACHED: {
+	case IBV_EVENT_QP_LAST_WQE_REACHED:
+		return ABOUT_QP;
+	case IBV_EVENT_SRQ_ERR:
+	case IBV_EVENT_SRQ_LIMIT_REACHED:
+		return ABOUT_SRQ;
+	case IBV_EVENT_WQ_FATAL:
+		return ABOUT_WQ;
+	default:
+		return ABOUT_NONE; /* port and device events */
+	}
+}
+
+/* The app's objects an event names: the real ones' contexts are the shadows
+ * (NULL for the shim's own QPs and CQs).  0: not about the app's objects. */
+static int async_translate(const struct ibv_async_event *real, struct ibv_async_event *out)
+{
+	*out = *real;
+	switch (async_about(real->event_type)) {
+	case ABOUT_CQ: {
+		struct ibk_cq *cq = real->element.cq->cq_context;
+
+		out->element.cq = cq ? &cq->pub.cq : NULL;
+		return cq != NULL;
+	}
+	case ABOUT_QP: {
 		struct ibk_qp *qp = real->element.qp->qp_context;
 
 		out->element.qp = qp ? &qp->pub : NULL;
 		return qp != NULL;
 	}
-	case IBV_EVENT_SRQ_ERR:
-	case IBV_EVENT_SRQ_LIMIT_REACHED: {
+	case ABOUT_SRQ: {
 		struct ibk_srq *srq = real->element.srq->srq_context;
 
 		out->element.srq = srq ? &srq->pub : NULL;
 		return srq != NULL;
 	}
-	case IBV_EVENT_WQ_FATAL:
+	case ABOUT_WQ:
 		return 0; /* the shim makes no WQs */
 	default:
 		return 1; /* port and device events name no object */
@@ -196,23 +215,15 @@ IBK_EXPORT int ibv_get_async_event(struct ibv_context *c, struct ibv_async_event
 /* The object an event names, if any (NULL for port and device events). */
 static struct ibv_context *async_object_context(const struct ibv_async_event *ev)
 {
-	switch (ev->event_type) {
-	case IBV_EVENT_CQ_ERR:
+	switch (async_about(ev->event_type)) {
+	case ABOUT_CQ:
 		return ev->element.cq->context;
-	case IBV_EVENT_SRQ_ERR:
-	case IBV_EVENT_SRQ_LIMIT_REACHED:
-		return ev->element.srq->context;
-	case IBV_EVENT_WQ_FATAL:
-		return ev->element.wq->context;
-	case IBV_EVENT_QP_FATAL:
-	case IBV_EVENT_QP_REQ_ERR:
-	case IBV_EVENT_QP_ACCESS_ERR:
-	case IBV_EVENT_COMM_EST:
-	case IBV_EVENT_SQ_DRAINED:
-	case IBV_EVENT_PATH_MIG:
-	case IBV_EVENT_PATH_MIG_ERR:
-	case IBV_EVENT_QP_LAST_WQE_REACHED:
+	case ABOUT_QP:
 		return ev->element.qp->context;
+	case ABOUT_SRQ:
+		return ev->element.srq->context;
+	case ABOUT_WQ:
+		return ev->element.wq->context;
 	default:
 		return NULL;
 	}
