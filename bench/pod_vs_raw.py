@@ -135,8 +135,7 @@ def stages(spent: dict[str, float], groups: dict[str, tuple[str, ...]]) -> dict[
 def raw_run(cluster: Cluster, release: Release, s3: S3Server, payload: int) -> dict[str, float]:
     plain = pods.rdma_pod("plain", "node-1", ["sh", "-c", PLAIN], APPS_IMAGE, host_network=False)
     plain["spec"]["runtimeClassName"] = "ibckpt"
-    plain["spec"]["containers"][0].pop("volumeMounts")
-    plain["spec"].pop("volumes")
+    plain["spec"]["containers"][0].pop("resources")  # no RDMA device from the plugin
     pods.apply(cluster, NS, plain)
     body = pods.wait_pod(cluster, NS, "plain", {"Running"})
     container_id = body["status"]["containerStatuses"][0]["containerID"].split("://", 1)[1]

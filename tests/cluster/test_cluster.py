@@ -9,6 +9,7 @@ import pytest
 
 from testbed import pods
 from testbed.cluster import NODE_NAMES, RDMA_LABEL, Cluster, node_ip
+from testbed.devices import RDMA_RESOURCE
 from testbed.images import APPS_IMAGE, PRODUCT_IMAGE
 
 # The session's chart is installed first (tests/conftest.py `installed`): the operator's start, minutes on
@@ -34,6 +35,8 @@ def test_both_nodes_ready_with_rdma(cluster: Cluster) -> None:
     for i, name in enumerate(NODE_NAMES, 1):
         node = by_name[name]
         assert node["metadata"]["labels"][RDMA_LABEL] == "rxe"
+        # the testbed's device plugin (the vendor's part) advertises the node's HCAs to the kubelet
+        assert int(node["status"]["allocatable"][RDMA_RESOURCE]) >= 8, node["status"]["allocatable"]
         addresses = {a["type"]: a["address"] for a in node["status"]["addresses"]}
         assert addresses["InternalIP"] == node_ip(i)
         runtime = node["status"]["nodeInfo"]["containerRuntimeVersion"]
@@ -117,11 +120,20 @@ def test_product_image_runs_and_logs_reach_kubectl(cluster: Cluster, ns: str) ->
     assert out.startswith("ibckpt "), out
 
 
-def test_kubectl_exec_into_a_pod(cluster: Cluster, ns: str) -> None:
+def test_kubectl_exec_into_an_unprivileged_rdma_pod(cluster: Cluster, ns: str) -> None:
+    """An RDMA pod as real clusters run it: not privileged, its devices only those the plugin allocated."""
     pod = pods.rdma_pod("shell", "node-1", ["sleep", "600"], APPS_IMAGE, host_network=False)
+    assert "privileged" not in json.dumps(pod) and "hostPath" not in json.dumps(pod)
     pods.apply(cluster, ns, pod)
     pods.wait_pod(cluster, ns, "shell", {"Running"})
-    out = cluster.kubectl("exec", "-n", ns, "shell", "--", "sh", "-c", "hostname; ibv_devices").stdout
+    script = "hostname; ibv_devices; echo devices: $(ls /dev/infiniband); grep CapEff /proc/self/status"
+    out = cluster.kubectl("exec", "-n", ns, "shell", "--", "sh", "-c", script).stdout
     lines = out.split()
     assert lines[0] == "shell", out  # a pod-network pod has its own UTS namespace
     assert "rxe0" in out, out
+    # the plugin's allocation: the node's uverbs node (and rdma_cm where the node loads rdma_ucm)
+    given = set(out.split("devices:", 1)[1].split("\n", 1)[0].split())
+    assert given in ({"uverbs0"}, {"rdma_cm", "uverbs0"}), out
+    cap_eff = int(out.rsplit("CapEff:", 1)[1].split()[0], 16)
+    assert not cap_eff & (1 << 21), f"CAP_SYS_ADMIN in {cap_eff:x}"  # unprivileged
+    assert cap_eff & (1 << 14), f"no CAP_IPC_LOCK in {cap_eff:x}"

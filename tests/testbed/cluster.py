@@ -5,7 +5,8 @@ apiserver reaches kubelets through) runs on the host's 127.0.0.1. Each of the tw
 guests runs containerd, runc, CNI and a kubelet with a node identity of its own (a client cert
 for system:node:node-N, as kubeadm gives them), joins the apiserver at 10.0.2.100 (qemu's
 forward) and registers as node-1 / node-2 with an RDMA label. Pods with /dev/infiniband on the
-two nodes talk RDMA over the guests' private link (rxe0, 10.77.0.N).
+two nodes talk RDMA over the guests' private link (rxe0, 10.77.0.N). Pods get the RDMA devices as
+on real clusters, from a device plugin (devices.py) that every node runs once it is Ready.
 
 CLI (for a person at the keyboard): python -m testbed.cluster up
     prints a kubeconfig path, keeps the cluster until Ctrl-C.
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from testbed import images as image_builds
+from testbed.devices import install_device_plugin
 from testbed.guest import GUEST_USER_ADDR, HERE, GuestPair, GuestSpec, cache_dir
 from testbed.kube import (
     KUBERNETES_SERVICE_IP,
@@ -52,8 +54,6 @@ IBCKPT_RUNTIME_HANDLER = """
 """
 KUBELET_PORT = 10250
 RDMA_LABEL = "ibckpt.io/rdma"
-# The Soft-RoCE devices every node has (guest-init2.sh creates rxe0 on the link NIC).
-RDMA_DEVICE = "/dev/infiniband/uverbs0"
 
 
 def node_ip(index: int) -> str:
@@ -293,6 +293,8 @@ def start_cluster(
         cluster.wait_nodes_ready()
         # Pods get a service account token only once the namespace's default account exists.
         cluster.kubectl("wait", "--for=condition=Ready", "node", "--all", "--timeout=60s")
+        install_device_plugin(cluster)
+        cluster.timings["device plugin"] = time.monotonic() - started
     except BaseException:
         cluster.stop()
         raise

@@ -9,7 +9,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from testbed.cluster import NODE_NAMES, RDMA_DEVICE, Cluster, kubectl_bin
+from testbed.cluster import NODE_NAMES, Cluster, kubectl_bin
+from testbed.devices import rdma_resources
 
 
 def rdma_pod(
@@ -21,9 +22,13 @@ def rdma_pod(
     host_network: bool = True,
     labels: dict[str, str] | None = None,
     restart: str = "Never",
+    devices: str = "plugin",
 ) -> dict[str, Any]:
-    """A pod pinned to node with the node's RDMA device, running image's command."""
-    return {
+    """An unprivileged pod pinned to node whose one container gets the node's RDMA devices from the
+    device plugin (RDMA_RESOURCE) and IPC_LOCK to pin its buffers, running image's command.
+    devices="hostPath" gives the lab shape the tests used before the plugin (privileged, /dev/infiniband
+    mounted), kept only for bench/device_plugin_cost.py to compare against."""
+    pod: dict[str, Any] = {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {"name": name, "labels": labels or {"app": name}},
@@ -38,13 +43,21 @@ def rdma_pod(
                     "image": image,
                     "imagePullPolicy": "Never",
                     "command": command,
-                    "securityContext": {"privileged": True},
-                    "volumeMounts": [{"name": "infiniband", "mountPath": "/dev/infiniband"}],
+                    "resources": rdma_resources(),
+                    "securityContext": {"capabilities": {"add": ["IPC_LOCK"]}},
                 }
             ],
-            "volumes": [{"name": "infiniband", "hostPath": {"path": RDMA_DEVICE.rsplit("/", 1)[0]}}],
         },
     }
+    if devices == "hostPath":
+        container = pod["spec"]["containers"][0]
+        del container["resources"]
+        container["securityContext"] = {"privileged": True}
+        container["volumeMounts"] = [{"name": "infiniband", "mountPath": "/dev/infiniband"}]
+        pod["spec"]["volumes"] = [{"name": "infiniband", "hostPath": {"path": "/dev/infiniband"}}]
+    elif devices != "plugin":
+        raise ValueError(f"devices must be plugin or hostPath, not {devices!r}")
+    return pod
 
 
 def _pod(name: str, node: str, container: dict[str, Any], **spec: Any) -> dict[str, Any]:

@@ -85,9 +85,12 @@ else:
 WRITE_KEEPER = f"echo {base64.b64encode(KEEPER.encode()).decode()} | base64 -d > /tmp/keeper.py"
 
 
-def member(name: str, node: str, command: str, host_network: bool = False) -> dict[str, Any]:
+def member(
+    name: str, node: str, command: str, host_network: bool = False, devices: str = "plugin"
+) -> dict[str, Any]:
+    command_line = ["sh", "-c", command]
     pod = pods.rdma_pod(
-        name, node, ["sh", "-c", command], APPS_IMAGE, host_network=host_network, labels=LABELS
+        name, node, command_line, APPS_IMAGE, host_network=host_network, labels=LABELS, devices=devices
     )
     pod["spec"]["runtimeClassName"] = "ibckpt"
     return pod
@@ -98,9 +101,10 @@ def member(name: str, node: str, command: str, host_network: bool = False) -> di
 AWAIT_SERVER = 'until [ -s /tmp/server ]; do sleep 1; done; server="$(cat /tmp/server)"; sleep 3'
 
 
-def start(cluster: Cluster, namespace: str, host_network: bool = False) -> None:
+def start(cluster: Cluster, namespace: str, host_network: bool = False, devices: str = "plugin") -> None:
     """ring-0 on node-1, ring-1 on node-2; returns once they exchange messages. With `host_network` the pods
-    share their nodes' network and ring-1 also keeps a TCP connection to ring-0 (KEEPER) for the whole run."""
+    share their nodes' network and ring-1 also keeps a TCP connection to ring-0 (KEEPER) for the whole run.
+    `devices`: how the pods get their RDMA devices (pods.rdma_pod)."""
     server = (
         f'{WRITE_KEEPER}; python3 /tmp/keeper.py serve "$HOST_IP" & {SERVER}; wait'
         if host_network
@@ -110,14 +114,14 @@ def start(cluster: Cluster, namespace: str, host_network: bool = False) -> None:
     client = f"{AWAIT_SERVER}; {rc_client}"
     if host_network:
         client = f'{WRITE_KEEPER}; {AWAIT_SERVER}; python3 /tmp/keeper.py ask "$server" & {rc_client}; wait'
-    keeper_pod = member("ring-0", "node-1", server, host_network)
+    keeper_pod = member("ring-0", "node-1", server, host_network, devices)
     host_ip = {"name": "HOST_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.hostIP"}}}
     keeper_pod["spec"]["containers"][0].setdefault("env", []).append(host_ip)
     pods.apply(
         cluster,
         namespace,
         keeper_pod,
-        member("ring-1", "node-2", client, host_network),
+        member("ring-1", "node-2", client, host_network, devices),
     )
     server_ip = pods.wait_pod(cluster, namespace, "ring-0", {"Running"})["status"]["podIP"]
     pods.wait_pod(cluster, namespace, "ring-1", {"Running"})

@@ -1,0 +1,96 @@
+"""RDMA devices for pods the way real clusters hand them out: the testbed's device plugin
+(rdma_device_plugin.py, the vendor's part) runs as a DaemonSet and each node advertises
+RDMA_RESOURCE; a pod that asks for one unit gets the node's uverbs and rdma_cm nodes only."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from testbed.images import APPS_IMAGE
+
+if TYPE_CHECKING:
+    from testbed.cluster import Cluster
+
+RDMA_RESOURCE = "rdma/hca"
+PLUGIN_NS = "kube-system"
+PLUGIN_NAME = "testbed-rdma-device-plugin"
+_SCRIPT = Path(__file__).with_name("rdma_device_plugin.py")
+
+
+def rdma_resources() -> dict[str, Any]:
+    """What an RDMA container asks for: one share of its node's HCAs."""
+    return {"limits": {RDMA_RESOURCE: "1"}, "requests": {RDMA_RESOURCE: "1"}}
+
+
+def plugin_objects() -> list[dict[str, Any]]:
+    labels = {"app": PLUGIN_NAME}
+    script = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": PLUGIN_NAME, "namespace": PLUGIN_NS},
+        "data": {"plugin.py": _SCRIPT.read_text()},
+    }
+    host = {"/var/lib/kubelet/device-plugins": "plugins", "/dev/infiniband": "infiniband"}
+    daemonset = {
+        "apiVersion": "apps/v1",
+        "kind": "DaemonSet",
+        "metadata": {"name": PLUGIN_NAME, "namespace": PLUGIN_NS},
+        "spec": {
+            "selector": {"matchLabels": labels},
+            "template": {
+                "metadata": {"labels": labels},
+                "spec": {
+                    "hostNetwork": True,
+                    "tolerations": [{"operator": "Exists"}],
+                    "terminationGracePeriodSeconds": 1,
+                    "automountServiceAccountToken": False,
+                    "containers": [
+                        {
+                            "name": "plugin",
+                            "image": APPS_IMAGE,
+                            "imagePullPolicy": "Never",
+                            "command": ["python3", "-u", "/plugin/plugin.py"],
+                            # A vendor's device plugin reads the node's devices: it is privileged, the
+                            # RDMA pods it serves are not.
+                            "securityContext": {"privileged": True},
+                            "volumeMounts": [
+                                {"name": "script", "mountPath": "/plugin"},
+                                *({"name": n, "mountPath": p} for p, n in host.items()),
+                            ],
+                        }
+                    ],
+                    "volumes": [
+                        {"name": "script", "configMap": {"name": PLUGIN_NAME}},
+                        *({"name": n, "hostPath": {"path": p}} for p, n in host.items()),
+                    ],
+                },
+            },
+        },
+    }
+    return [script, daemonset]
+
+
+def install_device_plugin(cluster: Cluster, timeout: float = 300.0) -> None:
+    """Run the plugin on every node and wait until each node advertises RDMA_RESOURCE."""
+    doc = {"apiVersion": "v1", "kind": "List", "items": plugin_objects()}
+    cluster.kubectl("apply", "-f", "-", stdin=json.dumps(doc))
+    deadline = time.monotonic() + timeout
+    missing: list[str] = []
+    while time.monotonic() < deadline:
+        nodes = json.loads(cluster.kubectl("get", "nodes", "-o", "json").stdout)["items"]
+        missing = [
+            n["metadata"]["name"]
+            for n in nodes
+            if int(n["status"].get("allocatable", {}).get(RDMA_RESOURCE, "0")) < 1
+        ]
+        if not missing:
+            return
+        time.sleep(2)
+    logs = cluster.kubectl("logs", "-n", PLUGIN_NS, "-l", f"app={PLUGIN_NAME}", "--tail=20", check=False)
+    raise RuntimeError(
+        f"testbed: nodes {missing} advertise no {RDMA_RESOURCE} after {timeout:g}s\n"
+        f"{logs.stdout}{logs.stderr}{cluster.diagnose()}"
+    )
