@@ -7,6 +7,10 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import ClassVar
 
+# The last part of a container's key when it had no live verbs process at the checkpoint: it is dumped
+# and restored as a plain container, and nothing in it is quiesced or rebuilt. Never a pid.
+PLAIN_CONTAINER = "plain"
+
 
 @dataclass(frozen=True, order=True)
 class RankId:
@@ -19,6 +23,11 @@ class RankId:
 
     def key(self) -> str:
         return f"{self.job}/{self.pod}/{self.container}/{self.process}"
+
+    @property
+    def plain(self) -> bool:
+        """The key of a container that had no live verbs process: no rank, the container alone."""
+        return self.process == PLAIN_CONTAINER
 
     @classmethod
     def parse(cls, key: str) -> RankId:

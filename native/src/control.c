@@ -2,18 +2,17 @@
  * one command per line, one reply line per command, "ok <json>" or
  * "err <json>".  The commands themselves are in commands.c. */
 #include <errno.h>
-#include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
-#include <sys/stat.h>
 #include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
 
 #include "cmdline.h"
+#include "ctlsock.h"
 #include "shim.h"
 
 /* One control thread serves every client with poll(): an idle or slow
@@ -164,67 +163,37 @@ static void *control_main(void *arg)
 }
 
 /* IBCKPT_CTL is the socket path; "%p" in it becomes the pid, so children
- * that inherit the environment get their own socket. */
+ * that inherit the environment get their own socket.  Out of the app's low
+ * fd numbers: perftest, for one, closes fds it never opened, which took
+ * the control socket away mid-run. */
 #define IBK_CONTROL_FD_MIN 900
 
 void ibk_control_start(void)
 {
-	const char *tmpl = getenv("IBCKPT_CTL");
-	struct sockaddr_un sa;
 	pthread_attr_t at;
 	pthread_t th;
 	sigset_t all, old;
-	char path[sizeof(sa.sun_path)];
-	size_t o = 0;
+	char path[sizeof(((struct sockaddr_un *)0)->sun_path)];
 	int fd;
 
-	if (!tmpl || !*tmpl)
+	if (ibk_ctl_path(path, sizeof(path), getpid()))
 		return;
-	for (; *tmpl && o + 12 < sizeof(path); tmpl++) {
-		if (tmpl[0] == '%' && tmpl[1] == 'p') {
-			o += (size_t)snprintf(path + o, sizeof(path) - o, "%d", (int)getpid());
-			tmpl++;
-		} else {
-			path[o++] = *tmpl;
-		}
-	}
-	path[o] = 0;
-	memset(&sa, 0, sizeof(sa));
-	sa.sun_family = AF_UNIX;
-	memcpy(sa.sun_path, path, o + 1);
-	fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-	if (fd < 0)
+	fd = ibk_ctl_listen(path, IBK_CONTROL_FD_MIN);
+	if (fd < 0) {
+		ibk_log("control socket %s: %s", path, strerror(errno));
 		return;
-	/* Out of the app's low fd numbers: perftest, for one, closes fds it
-	 * never opened, which took the control socket away mid-run. */
-	{
-		int high = fcntl(fd, F_DUPFD_CLOEXEC, IBK_CONTROL_FD_MIN);
-
-		if (high >= 0) {
-			close(fd);
-			fd = high;
-		}
-	}
-	unlink(path);
-	/* 0600 from the start: umask while binding, chmod to be sure */
-	{
-		mode_t um = umask(077);
-		int rc = bind(fd, (struct sockaddr *)&sa, sizeof(sa));
-
-		umask(um);
-		if (rc || chmod(path, 0600) || listen(fd, 16)) {
-			ibk_log("control socket %s: %s", path, strerror(errno));
-			close(fd);
-			return;
-		}
 	}
 	/* the control thread takes no signals meant for the app */
 	sigfillset(&all);
 	pthread_sigmask(SIG_BLOCK, &all, &old);
 	pthread_attr_init(&at);
 	pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
-	if (pthread_create(&th, &at, control_main, (void *)(intptr_t)fd))
+	if (pthread_create(&th, &at, control_main, (void *)(intptr_t)fd)) {
 		close(fd);
+		unlink(path);
+	} else {
+		ibk_ctl_own(path, fd);
+	}
 	pthread_attr_destroy(&at);
 	pthread_sigmask(SIG_SETMASK, &old, NULL);
 	IBK_DBG("control socket at %s", path);

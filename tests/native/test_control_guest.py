@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import tempfile
@@ -157,3 +158,39 @@ def test_quiesce_waits_for_a_critical_section_bounded(tmp_path: Path, coord: Coo
         assert "DONE" in prog.out.read_text()
     finally:
         prog.kill()
+
+
+@pytest.mark.parametrize("ending", ["exit", "SIGTERM", "SIGKILL"])
+def test_a_ranks_socket_goes_with_its_process(coord: Coordinator, ending: str) -> None:
+    """Issue 30, item 5: a verbs process that ends takes its control socket along (exit, a caught fatal
+    signal; the other signals are tested on the host, test_ctlsock_host.py); only SIGKILL leaves it, for
+    the node agent to drop. Each is one attempt of a retry loop: three in a row leave nothing behind."""
+    work = Path(tempfile.mkdtemp(prefix="ibk-end-", dir="/tmp"))
+    for attempt in range(3):
+        stop = work / f"stop-{attempt}"
+        argv = [str(TESTS_DIR / "many_qps"), "-n", "1", "-f", str(stop)]
+        prog = ShimProc(f"{ending.lower()}-{attempt}", argv, work, coord.env)
+        prog.start()
+        assert prog.popen is not None
+        try:
+            prog.wait_for_output("READY", 120)
+            assert prog.ctl_path.is_socket(), prog.outputs()
+            _ok(prog.ctl_path, "status")
+            if ending == "exit":
+                stop.touch()
+            else:
+                os.kill(prog.pid, getattr(signal, ending))
+            status = prog.popen.wait(60)
+        finally:
+            if prog.popen.poll() is None:
+                prog.popen.kill()
+                prog.popen.wait()
+        want = 0 if ending == "exit" else -getattr(signal, ending)
+        assert status == want, prog.outputs()
+        if ending == "SIGKILL":
+            assert prog.ctl_path.is_socket()  # nobody listens: the agent's control_sockets drops it
+            with pytest.raises(ConnectionRefusedError), socket.socket(socket.AF_UNIX) as s:
+                s.connect(str(prog.ctl_path))
+        else:
+            assert not prog.ctl_path.exists(), f"{ending}: {sorted(p.name for p in work.iterdir())}"
+        assert not list(work.glob("*.new")), sorted(p.name for p in work.iterdir())

@@ -43,6 +43,8 @@ class FakeShimSocket:
     def _one(self, conn: socket.socket) -> None:
         with conn:
             line = conn.makefile().readline().strip()
+            if not line:  # a probe (is anyone listening?) that sent nothing, as the agent's
+                return
             verb = line.split()[0]
             if verb == "lease":  # renewals come on a timer: kept apart from the phases
                 self.leases.append(line)

@@ -240,8 +240,9 @@ async def wait_for_ranks(
     pod_uids: dict[str, str] | None = None,
 ) -> list[LocalRank]:
     """The restored ranks, once the runtime has restored every planned container and each rank's
-    control socket is back; RestoreError naming what is missing when `timeout_s` passes. Each rank's
-    pod uid goes into `pod_uids` (rank key -> uid) as its container is found."""
+    control socket is back (a plain container's key waits for its container only); RestoreError naming
+    what is missing when `timeout_s` passes. Each rank's pod uid goes into `pod_uids` (rank key -> uid)
+    as its container is found."""
     deadline = time.monotonic() + timeout_s
     while True:
         ranks: list[LocalRank] = []
@@ -255,6 +256,8 @@ async def wait_for_ranks(
                 pod_uids.update(dict.fromkeys(item.rank_keys, entry.pod_uid))
             sockets = {Path(p).name: p for p in entry.sockets()}
             for key in item.rank_keys:
+                if RankId.parse(key).plain:  # restored as it was dumped: nothing to rebuild
+                    continue
                 process = RankId.parse(key).process
                 path = sockets.get(f"{process}.sock")
                 if path is None:
@@ -303,9 +306,9 @@ async def run(agent: Agent, session: Session) -> None:
                     uids,
                 )
                 for r in ranks:
-                    progress = session.by_key[r.rank.key()]
-                    progress.pid = r.pid
-                    progress.pod_uid = uids.get(progress.rank_key, progress.pod_uid)
+                    session.by_key[r.rank.key()].pid = r.pid
+                for key, uid in uids.items():  # plain containers' entries too
+                    session.by_key[key].pod_uid = uid
                 return ranks
 
             result = await session.engine.rebuild_restored(restored, request.epoch, lock)

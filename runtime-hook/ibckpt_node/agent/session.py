@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable
@@ -20,14 +21,17 @@ from pathlib import Path
 from ibckpt.agentapi import Milestone
 from ibckpt.agentapi import models as api
 from ibckpt.coordination.client import CoordinatorClient
-from ibckpt.coordination.ranks import RankId
-from ibckpt_node import driver
+from ibckpt.coordination.ranks import PLAIN_CONTAINER, RankId
+from ibckpt_node import control_sockets, driver
 from ibckpt_node.agent.disk import DEFAULT_KEEP_FAILED_S
 from ibckpt_node.agent.kubesecrets import SecretReader
 from ibckpt_node.coord_proxy import ShimCoordinatorProxy
+from ibckpt_node.procfs import process_gone
 from ibckpt_node.ranks import LocalRank
 from ibckpt_node.registry import ContainerRegistry, RegisteredContainer
 from ibckpt_node.trees import ProcessTree
+
+log = logging.getLogger(__name__)
 
 # The milestone a rank passed last -> the phase it is in now (present tense, for people reading status).
 PHASE_AFTER = {
@@ -73,17 +77,51 @@ def host_pid(container_pid: int, ns_pid: int) -> int:
 
 
 def container_ranks(job: str, entry: RegisteredContainer) -> list[LocalRank]:
-    """One rank per control socket the shim made in the container (one per process that opened a device)."""
-    ranks = []
-    first = Path(entry.control_socket).name
-    for path in entry.sockets():
-        stem = Path(path).name.removesuffix(".sock")
-        if not stem.isdigit():
-            continue
-        pid = entry.pid if Path(path).name == first else host_pid(entry.pid, int(stem))
-        rank = RankId(job, entry.pod, entry.container, stem)
-        ranks.append(LocalRank(rank, pid, Path(path)))
-    return ranks
+    """One rank per control socket of a live process in the container (one per process that opened a
+    device). Stale sockets (control_sockets.py) are dropped, one log line each: never a rank."""
+    paths = entry.sockets()
+    if not paths:
+        return []
+    # the first process's socket is the registered pid's (the registry checks it lives)
+    first = control_sockets.ns_pid_of(entry.control_socket) if entry.control_socket else None
+    pids: dict[int, int] = {}
+    if any(control_sockets.ns_pid_of(p) != first for p in paths):
+        try:
+            pids = control_sockets.namespace_pids(entry.pid)
+        except OSError as exc:  # not "every socket is stale": nothing is removed on a failed read
+            raise SessionError(422, f"the pid namespace of {entry.pid} cannot be read: {exc}") from exc
+    if first is not None:
+        pids[first] = entry.pid
+    live, stale = control_sockets.classify(paths, pids, control_sockets.listening)
+    for s in stale:
+        removed = control_sockets.remove(s.path)
+        log.info(
+            "%s/%s container %s: dropped stale control socket %s%s: %s",
+            entry.namespace,
+            entry.pod,
+            entry.container,
+            s.path,
+            "" if removed else " (not removed: gone already, or it listens again)",
+            s.reason,
+        )
+    return [
+        LocalRank(RankId(job, entry.pod, entry.container, str(s.ns_pid)), s.host_pid, Path(s.path))
+        for s in live
+    ]
+
+
+def report_entries(job: str, entry: RegisteredContainer, ranks: list[LocalRank]) -> list[api.RankProgress]:
+    """A checkpointed container's entries in the session report: one per rank; a container with no
+    live verbs process has one entry (RankId.plain), for the container dumped and restored as it is."""
+    if not ranks:
+        key = RankId(job, entry.pod, entry.container, PLAIN_CONTAINER).key()
+        return [
+            api.RankProgress(rank_key=key, pod_uid=entry.pod_uid, container=entry.container, pid=entry.pid)
+        ]
+    return [
+        api.RankProgress(rank_key=r.rank.key(), pod_uid=entry.pod_uid, container=entry.container, pid=r.pid)
+        for r in ranks
+    ]
 
 
 @dataclass(frozen=True)
@@ -186,5 +224,7 @@ def finish_failed(session: Session, state: api.SessionState, message: str) -> No
     recovered = engine.report.shim.get("abort", {}) if engine is not None else {}
     for progress in report.ranks:
         back = all_back or progress.rank_key in recovered
+        if RankId.parse(progress.rank_key).plain:  # nothing in it was touched but by CRIU
+            back = all_back or (progress.pid is not None and not process_gone(progress.pid))
         progress.phase = api.RankPhase.RESUMED if back else api.RankPhase.FAILED
         progress.error = message

@@ -19,13 +19,14 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ibckpt.agentapi import models as api
 from ibckpt.coordination.client import CoordinatorError
 from ibckpt_node.agent import checkpointing, disk, recovery, restoring
 from ibckpt_node.agent.kubesecrets import SecretReader
-from ibckpt_node.agent.session import Agent, Session, SessionError, container_ranks
+from ibckpt_node.agent.session import Agent, Session, SessionError, container_ranks, report_entries
 from ibckpt_node.container_runtime import RuntimeContainer
 from ibckpt_node.criu import CriuError
 from ibckpt_node.ranks import LocalRank
@@ -33,6 +34,16 @@ from ibckpt_node.registry import ContainerRegistry, RegisteredContainer
 from ibckpt_node.trees import ProcessTree
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class Resolved:
+    """A checkpoint request's containers on this node, as the session runs them."""
+
+    ranks: list[LocalRank] = field(default_factory=list)
+    progress: list[api.RankProgress] = field(default_factory=list)  # the report's: ranks, plain containers
+    trees: list[ProcessTree] = field(default_factory=list)
+    tree_keys: dict[str, list[str]] = field(default_factory=dict)  # tree name -> the keys of its entries
 
 
 class Sessions:
@@ -59,14 +70,11 @@ class Sessions:
             raise SessionError(404, f"no session {session_id!r} on {self.agent.node}")
         return session.report
 
-    def _resolve(
-        self, request: api.CheckpointRequest
-    ) -> tuple[list[tuple[LocalRank, str]], list[ProcessTree], dict[str, list[str]]]:
-        """The ranks (with their pod's uid), one process tree per container, and each tree's rank keys."""
+    def _resolve(self, request: api.CheckpointRequest) -> Resolved:
+        """The ranks, one process tree per container, and the report's entries: one per rank, and one
+        (RankId.plain) for a container with no live verbs process, dumped as a plain container."""
         entries = {(e.pod_uid, e.container): e for e in self.agent.registry.entries()}
-        ranks: list[tuple[LocalRank, str]] = []
-        trees: list[ProcessTree] = []
-        tree_keys: dict[str, list[str]] = {}
+        resolved = Resolved()
         for ref in request.ranks:
             entry = entries.get((ref.pod_uid, ref.container))
             if entry is None:
@@ -83,18 +91,21 @@ class Sessions:
                     + (f" ({entry.reason})" if entry.reason else ""),
                 )
             found = container_ranks(request.job, entry)
+            progress = report_entries(request.job, entry, found)
             if not found:
-                raise SessionError(
-                    422,
-                    f"{entry.namespace}/{entry.pod} container {entry.container} has no process that "
-                    "opened an RDMA device (no control socket)",
+                log.info(
+                    "%s/%s container %s: no live process under the shim; checkpointed as a plain container",
+                    entry.namespace,
+                    entry.pod,
+                    entry.container,
                 )
-            ranks += [(r, entry.pod_uid) for r in found]
+            resolved.ranks += found
+            resolved.progress += progress
             # the container's whole process tree is one image: its ranks' pipes and sockets go with it
             name = f"{entry.pod}.{entry.container}"
-            trees.append(ProcessTree(name, entry.pid, self._runtime_container(entry)))
-            tree_keys[name] = [r.rank.key() for r in found]
-        return ranks, trees, tree_keys
+            resolved.trees.append(ProcessTree(name, entry.pid, self._runtime_container(entry)))
+            resolved.tree_keys[name] = [p.rank_key for p in progress]
+        return resolved
 
     def _check_free(self, session_id: str) -> None:
         if session_id in self.sessions:
@@ -114,38 +125,24 @@ class Sessions:
 
     def start_checkpoint(self, request: api.CheckpointRequest) -> api.SessionReport:
         self._check_free(request.session_id)
-        ranks, trees, tree_keys = self._resolve(request)
+        resolved = self._resolve(request)
         recovery.save(self.agent.work_dir, request)  # before any rank is touched: a next agent needs it
-        session = self._checkpoint_session(request, ranks, trees, tree_keys)
+        session = self._checkpoint_session(request, resolved)
         session.task = asyncio.create_task(
             checkpointing.run(self.agent, session), name=f"session {request.session_id}"
         )
         return session.report
 
-    def _checkpoint_session(
-        self,
-        request: api.CheckpointRequest,
-        ranks: list[tuple[LocalRank, str]],
-        trees: list[ProcessTree],
-        tree_keys: dict[str, list[str]],
-    ) -> Session:
+    def _checkpoint_session(self, request: api.CheckpointRequest, resolved: Resolved) -> Session:
         report = api.SessionReport(
             session_id=request.session_id,
             kind=api.SessionKind.CHECKPOINT,
             node=self.agent.node,
             phase="Pending",
             started_at=time.time(),
-            ranks=[
-                api.RankProgress(
-                    rank_key=r.rank.key(),
-                    pod_uid=pod_uid,
-                    container=r.rank.container,
-                    pid=r.pid,
-                )
-                for r, pod_uid in ranks
-            ],
+            ranks=resolved.progress,
         )
-        session = Session(request, report, [r for r, _ in ranks], trees, tree_keys)
+        session = Session(request, report, resolved.ranks, resolved.trees, resolved.tree_keys)
         session.by_key = {p.rank_key: p for p in report.ranks}
         self.sessions[request.session_id] = session
         return session
@@ -237,12 +234,12 @@ class Sessions:
             raise missing
         self._check_free(session_id)  # the shims' coordinator socket is one per node
         request = request.model_copy(update={"ranks": alive})
-        ranks, trees, tree_keys = self._resolve(request)
-        session = self._checkpoint_session(request, ranks, trees, tree_keys)
+        resolved = self._resolve(request)
+        session = self._checkpoint_session(request, resolved)
         log.warning(
             "session %s: left by a previous agent of this node; bringing its %d rank(s) back",
             session_id,
-            len(ranks),
+            len(resolved.ranks),
         )
         return session
 
