@@ -94,3 +94,44 @@ def test_a_service_monitor_per_component_only_when_asked() -> None:
     for monitor in found:
         assert monitor["metadata"]["labels"]["release"] == "p"
         assert monitor["spec"]["endpoints"] == [{"port": "metrics", "interval": "30s"}]
+
+
+def test_the_agent_sets_up_its_node_and_the_runtime_class_selects_its_label() -> None:
+    def rendered(*args: str) -> dict[tuple[str, str], dict[str, Any]]:
+        objects = [d for d in yaml.safe_load_all(template(*args).stdout) if d]
+        return {(d["kind"], d["metadata"]["name"]): d for d in objects}
+
+    objects = rendered("--set", "agent.nextRuntime=/usr/bin/nvidia-container-runtime")
+    assert objects[("RuntimeClass", "ibckpt")]["scheduling"] == {
+        "nodeSelector": {"ibckpt.io/runtime-ready": "true"}
+    }
+    agent = objects[("DaemonSet", "ibckpt-agent")]["spec"]["template"]["spec"]
+    container = agent["containers"][0]
+    assert "--next-runtime=/usr/bin/nvidia-container-runtime" in container["args"]
+    assert {"--node-setup", "--manage-runtime", "--runtime-restart=auto"} <= set(container["args"])
+    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert {"name": "IBCKPT_AGENT_DAEMONSET", "value": "ibckpt-agent"} in container["env"]
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    assert mounts["containerd-etc"]["mountPath"] == "/host/etc/containerd"
+    assert mounts["containerd-tasks"]["readOnly"] is True
+    rules = objects[("ClusterRole", "ibckpt-agent")]["rules"]
+    assert {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]} in rules
+    assert {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]} in rules
+    assert objects[("Role", "ibckpt-agent")]["rules"] == [
+        {
+            "apiGroups": ["apps"],
+            "resources": ["daemonsets"],
+            "resourceNames": ["ibckpt-agent"],
+            "verbs": ["get"],
+        }
+    ]
+    job = objects[("Job", "ibckpt-uninstall")]
+    assert job["metadata"]["annotations"]["helm.sh/hook"] == "pre-delete"
+    assert job["spec"]["template"]["spec"]["containers"][0]["command"][-1] == "uninstall-release"
+
+    unmanaged = rendered("--set", "agent.manageRuntime=false", "--set", "agent.uninstallHook=false")
+    args = unmanaged[("DaemonSet", "ibckpt-agent")]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--no-manage-runtime" in args
+    assert ("Job", "ibckpt-uninstall") not in unmanaged
+    assert template("--set", "agent.containerd.restart=sometimes", check=False).returncode != 0

@@ -10,6 +10,8 @@ the node's own filesystem (seen here under --install-root). Then it hosts the co
 HOST_DIR/registry.sock and serves the agent API (ibckpt.agentapi) on NODE_IP:PORT to the identities
 given with --allow, and Prometheus metrics on NODE_IP:METRICS_PORT. It never binds a wildcard address.
 It keeps what sessions leave under HOST_DIR bounded (agent/disk.py; --keep-failed-images).
+With --node-setup it checks the node's prerequisites, installs containerd's runtime handler and labels
+its Node (nodesetup/lifecycle.py); /readyz answers 200 only once that is done.
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ from ibckpt_node.agent.disk import DEFAULT_KEEP_FAILED_S
 from ibckpt_node.agent.kubesecrets import KubeSecrets
 from ibckpt_node.agent.server import AgentServer
 from ibckpt_node.hook import install
+from ibckpt_node.nodesetup import host as nodehost
+from ibckpt_node.nodesetup.kube import NodeApi
+from ibckpt_node.nodesetup.lifecycle import RECHECK_S, NodeLifecycle
 from ibckpt_node.registry import ContainerRegistry
 
 log = logging.getLogger("ibckpt_node.agent")
@@ -74,7 +79,30 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--shim-source", default=IMAGE_SHIM)
     parser.add_argument("--node-python", default="/usr/bin/python3", help="the node's python3 (>= 3.9)")
-    parser.add_argument("--runc", default="/usr/sbin/runc", help="the node's runc, which the wrapper runs")
+    parser.add_argument(
+        "--next-runtime",
+        "--runc",
+        dest="runc",
+        default="/usr/sbin/runc",
+        help="the runtime the wrapper passes everything to: the node's runc, or nvidia-container-runtime",
+    )
+    parser.add_argument(
+        "--node-setup",
+        action="store_true",
+        help="check the node's prerequisites, then configure the runtime handler and label the Node",
+    )
+    parser.add_argument("--manage-runtime", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--containerd-config", default="/etc/containerd/config.toml", help="a node path")
+    parser.add_argument(
+        "--containerd-dropin", default="/etc/containerd/conf.d/ibckpt.toml", help="a node path"
+    )
+    parser.add_argument("--runtime-restart", choices=nodehost.RESTART_MODES, default="auto")
+    parser.add_argument("--runtime-handler", default="ibckpt", help="the RuntimeClass's handler name")
+    parser.add_argument(
+        "--daemonset",
+        default=os.environ.get("IBCKPT_AGENT_DAEMONSET", ""),
+        help="this agent's DaemonSet (in $POD_NAMESPACE): gone at SIGTERM means an uninstall",
+    )
     parser.add_argument(
         "--allow",
         action="append",
@@ -126,8 +154,31 @@ def warm_store_imports() -> None:
         log.warning("the image store could not be prepared: %s", exc)
 
 
+def node_lifecycle(args: argparse.Namespace) -> NodeLifecycle:
+    setup = nodehost.NodeSetup(
+        root=Path(args.install_root),
+        prefix=args.prefix,
+        next_runtime=args.runc,
+        node_python=args.node_python,
+        config=args.containerd_config,
+        dropin=args.containerd_dropin,
+        restart=args.runtime_restart,
+        manage=args.manage_runtime,
+        handler_name=args.runtime_handler,
+    )
+    namespace = os.environ.get("POD_NAMESPACE", "")
+    return NodeLifecycle(args.node, setup, NodeApi.in_cluster(), namespace, args.daemonset)
+
+
+async def keep_preparing(node: NodeLifecycle) -> None:
+    """Until the node is ready: a prerequisite installed later makes the agent Ready without a restart."""
+    while not await asyncio.to_thread(node.prepare):
+        await asyncio.sleep(RECHECK_S)
+
+
 async def serve(args: argparse.Namespace) -> None:
     host_dir = Path(args.host_dir)
+    node = node_lifecycle(args) if args.node_setup else None
     if args.failpoints:
         failpoints.enable(host_dir / "failpoints")
     shim = str(node_config(args.prefix, args.host_dir, args.runc)["shim"])
@@ -144,6 +195,7 @@ async def serve(args: argparse.Namespace) -> None:
         metrics=metrics,
         secrets=KubeSecrets.in_cluster(),
         keep_failed_images_s=args.keep_failed_images,
+        readiness=(lambda: (node.ready, node.reason)) if node else None,
     )
     if args.metrics_port:
         start_http_server(args.metrics_port, addr=args.address, registry=metrics)
@@ -153,12 +205,18 @@ async def serve(args: argparse.Namespace) -> None:
         loop.add_signal_handler(sig, stop.set)
     await server.start()
     warm = asyncio.create_task(asyncio.to_thread(warm_store_imports), name="warm imports")
+    preparing = asyncio.create_task(keep_preparing(node), name="node setup") if node else None
     try:
         await stop.wait()
     finally:
         log.info("stopping")
+        if preparing:
+            preparing.cancel()
         await server.close(args.stop_timeout)
         await warm
+        if node is not None and await asyncio.to_thread(node.uninstalling):
+            log.info("the agent DaemonSet is gone: an uninstall; undoing what the agent did on the node")
+            await asyncio.to_thread(node.uninstall)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -79,8 +80,11 @@ class AgentServer:
         metrics: CollectorRegistry | None = None,
         secrets: SecretReader | None = None,
         keep_failed_images_s: float = DEFAULT_KEEP_FAILED_S,
+        readiness: Callable[[], tuple[bool, str]] | None = None,
     ) -> None:
         self.node = node
+        # the node's own readiness (nodesetup: prerequisites, runtime handler), on top of serving
+        self.readiness = readiness or (lambda: (True, ""))
         self.registry = registry
         self.auth = authenticator
         self.shim_path = shim_path
@@ -140,6 +144,11 @@ class AgentServer:
             if self.ready:
                 return Response(200, b"ok\n", "text/plain")
             return Response(503, b"starting\n", "text/plain")
+        if path == "/readyz" and method == "GET":
+            node_ready, reason = self.readiness()
+            if self.ready and node_ready:
+                return Response(200, b"ok\n", "text/plain")
+            return Response(503, ((reason or "starting") + "\n").encode(), "text/plain")
         if not path.startswith(api.API_PREFIX + "/"):
             return error(404, f"no such path {path}")
         try:
