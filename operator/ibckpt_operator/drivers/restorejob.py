@@ -334,14 +334,13 @@ class RestoreJobDriver(RestorePodsDriver):
             )
         agents = await agents_by_node(self.rt.kube)
         reason = (self.state.message or "the restore failed")[:1000]
-        for node in sorted({pod.node for pod in action.pods}):
-            agent = agents.get(node)
-            if agent is None:
-                continue
-            try:
-                await self.rt.gateway.abort(agent, session_id, reason)
-            except AgentError as error:  # the pods go anyway: deleting them kills what was restored
-                log.warning("%s: could not abort session %s on %s: %s", self.key, session_id, node, error)
+        nodes = [node for node in sorted({pod.node for pod in action.pods}) if node in agents]
+        aborted = await each_agent(
+            [self.rt.gateway.abort(agents[node], session_id, reason) for node in nodes]
+        )
+        for node, outcome in zip(nodes, aborted, strict=True):
+            if isinstance(outcome, AgentError):  # the pods go anyway: deleting them kills what was restored
+                log.warning("%s: could not abort session %s on %s: %s", self.key, session_id, node, outcome)
         await self.delete_created(action)
 
 
