@@ -28,7 +28,7 @@ from ibckpt.agentapi import (
 )
 from ibckpt.api import CHECKPOINT, CheckpointJobStatus, CheckpointMode, JobPhase
 from ibckpt.store.units import format_size
-from ibckpt_operator.cluster import selection
+from ibckpt_operator.cluster import secretgrants, selection
 from ibckpt_operator.cluster.agents import Agent, agents_by_node, each_agent, follow_session, no_agent_message
 from ibckpt_operator.cluster.kube import Body
 from ibckpt_operator.cluster.pods import gone
@@ -277,6 +277,7 @@ class CheckpointJobDriver(CheckpointStoreDriver):
     async def start_agents(self, action: QuiesceRanks) -> None:
         assert self.session is not None and self.state is not None
         resolved = await self.store()
+        await secretgrants.grant(self.rt.kube, self.namespace, resolved.location)
         secret = resolved.location.credentials_secret_ref
         t = self.spec.timeouts
         # Stop: the agents dump and hold the ranks released; the pods are deleted only after the commit.

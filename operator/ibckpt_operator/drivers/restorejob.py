@@ -31,7 +31,7 @@ from ibckpt.agentapi import (
     SessionReport,
 )
 from ibckpt.api import RestoreJobStatus, RestorePhase, SkippedCheckpoint
-from ibckpt_operator.cluster import bindings, storage
+from ibckpt_operator.cluster import bindings, secretgrants, storage
 from ibckpt_operator.cluster.agents import Agent, agents_by_node, each_agent, follow_session
 from ibckpt_operator.cluster.kube import Body
 from ibckpt_operator.cluster.pods import restored_lost
@@ -212,6 +212,7 @@ class RestoreJobDriver(RestorePodsDriver):
         resolved = await storage.check(
             self.rt.kube, self.namespace, checkpoint.spec.storage_ref, checkpoint.spec.storage
         )
+        await secretgrants.grant(self.rt.kube, self.namespace, resolved.location)
         secret = resolved.location.credentials_secret_ref
         t = self.spec.timeouts
         # New for every restore and one for all nodes: the shim's rebuild records are per epoch, and an
