@@ -9,8 +9,8 @@ a whole 2,048-rank cut (128 agents) under 1 s. Both sizes run in one go and prin
 What runs is the product's code path, on the host, with no RDMA and no CRIU, in three kinds of process:
   operator       this process: the real CoordinatorServer (the operator hosts it) with one session for
                  the job, and the operator's agent client (ibckpt.agentapi.AgentClient) POSTing a
-                 CheckpointRequest to every agent over HTTP, all at once (a thread each), as
-                 the operator's QuiesceRanks does (agents.each_agent);
+                 CheckpointRequest to every agent over HTTP through the operator's AgentGateway
+                 (its own threads, at most 32 calls in flight) and each_agent, as QuiesceRanks does;
   node agents    real AgentServers (HTTP API, token check against a stubbed TokenReview, container
                  registry, Sessions, the shims' coordinator proxy, NodeDriver), each with its own
                  state dir, spread over `--agent-processes` children (one event loop each); every
@@ -52,7 +52,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -61,12 +61,13 @@ from agent.agent_harness import OPERATOR, Stub, register_entry
 from node.fake_shim import FakeShimSocket
 from pydantic import SecretStr
 
-from ibckpt.agentapi import AgentClient, CheckpointRequest, Milestone, RankRef
+from ibckpt.agentapi import AgentClient, AgentError, CheckpointRequest, Milestone, RankRef, SessionReport
 from ibckpt.coordination.client import CoordinatorClient
 from ibckpt_node.agent import session as agent_session
 from ibckpt_node.agent.auth import Authenticator
 from ibckpt_node.agent.server import AgentServer
 from ibckpt_node.registry import ContainerRegistry
+from ibckpt_operator.cluster.agents import Agent, AgentGateway, each_agent
 from ibckpt_operator.coordinator.server import CoordinatorServer
 
 SIZES = ((2, 8), (128, 16))  # (agents, ranks per agent): 16 and 2,048 ranks
@@ -249,16 +250,44 @@ def request_for(node: int, per_agent: int, port: int, token: str) -> CheckpointR
     )
 
 
-async def kick_off(ports: list[int], requests: list[CheckpointRequest]) -> list[float]:
-    """The operator's QuiesceRanks: one POST per node agent, all at once. Seconds per POST."""
+class TimedAgentClient(AgentClient):
+    """The operator's agent client, noting how long each POST took on its thread (not its wait for one)."""
 
-    def post(port: int, request: CheckpointRequest) -> float:
+    took: ClassVar[dict[int, float]] = {}
+
+    def checkpoint(self, request: CheckpointRequest) -> SessionReport:
         started = time.monotonic()
-        AgentClient("127.0.0.1", port, token=TOKEN, timeout_s=30).checkpoint(request)
-        return time.monotonic() - started
+        try:
+            return super().checkpoint(request)
+        finally:
+            self.took[self.port] = time.monotonic() - started
 
-    calls = (asyncio.to_thread(post, port, request) for port, request in zip(ports, requests, strict=True))
-    return list(await asyncio.gather(*calls))
+
+class BenchGateway(AgentGateway):
+    """The operator's gateway (its threads, its bound on calls in flight); only the port is per agent."""
+
+    def __init__(self, ports: dict[str, int]) -> None:
+        super().__init__(token=TOKEN)
+        self.ports = ports
+
+    def client(self, agent: Agent) -> AgentClient:
+        return TimedAgentClient(agent.host, self.ports[agent.node], token=TOKEN, timeout_s=30)
+
+
+async def kick_off(ports: list[int], requests: list[CheckpointRequest]) -> list[float]:
+    """The operator's QuiesceRanks: one POST per node agent through its gateway, all at once
+    (each_agent). Seconds per POST."""
+    nodes = [node_name(i) for i in range(len(ports))]
+    gateway = BenchGateway(dict(zip(nodes, ports, strict=True)))
+    TimedAgentClient.took.clear()
+    calls = [
+        gateway.checkpoint(Agent(node, node, "127.0.0.1", True), r)
+        for node, r in zip(nodes, requests, strict=True)
+    ]
+    failed = [str(o) for o in await each_agent(calls) if isinstance(o, AgentError)]
+    if failed:
+        raise RuntimeError("; ".join(failed[:5]))
+    return [TimedAgentClient.took[port] for port in ports]
 
 
 def session_over(agent: AgentServer) -> bool:

@@ -172,7 +172,8 @@ class ErrorReply(AgentModel):
 
 
 class SecretRef(AgentModel):
-    """A Secret the agent reads itself (its RBAC allows only the chart's storage Secret)."""
+    """A Secret the agent reads itself: the operator grants it `get` on this name in this namespace (the
+    storage's, which is the job's) just before it calls (docs/helm.md, "Storage Secrets")."""
 
     namespace: str = Field(min_length=1, max_length=63, pattern=NAME_PATTERN)
     name: str = Field(min_length=1, max_length=253, pattern=NAME_PATTERN)

@@ -59,12 +59,15 @@ class S3Location(ApiModel):
     prefix: str = Field(default="ibckpt", description="Key prefix in the bucket; every object goes below it.")
     addressing_style: Literal["auto", "path", "virtual"] = "path"
     credentials_secret_ref: SecretKeyReference = Field(
-        description="A Secret with AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or accessKey/secretKey)."
+        description="A Secret of this namespace, any name, with AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
+        "(or accessKey/secretKey); the operator and the node agents read it (the operator grants the agents "
+        "get on it by name)."
     )
     ca_bundle_secret_ref: SecretKeyReference | None = Field(
         default=None,
-        description="A Secret holding the PEM CA bundle that signs the endpoint's certificate (key ca.crt "
-        "unless `key` says otherwise).",
+        description="A Secret of this namespace holding the PEM CA bundle that signs the endpoint's "
+        "certificate (key ca.crt unless `key` says otherwise); the operator and the node agents verify the "
+        "endpoint with it.",
     )
     encryption: Encryption | None = None
 

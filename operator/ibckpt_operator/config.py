@@ -28,6 +28,9 @@ class OperatorConfig:
     agent_selector: str = AGENT_SELECTOR
     agent_port: int = DEFAULT_PORT
     agent_token_file: str = str(SERVICE_ACCOUNT_TOKEN)  # the operator's service-account token
+    # The agents' service account (in `namespace`): granted a storage's Secrets by name in the storage's
+    # namespace before a checkpoint or restore (cluster/secretgrants.py). Empty: nothing is granted.
+    agent_account: str = ""
     agent_timeout: float = 10.0
     poll_seconds: float = 1.0  # how often a running agent session's report is read
     # An agent busy staging images may answer late; silence this long fails the step (AgentUnreachable).

@@ -50,6 +50,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         default=settings.current().agent_token_file,
         help="the token for the agents (a projected token for their audience)",
     )
+    parser.add_argument("--agent-account", default="",
+                        help="the agents' service account (in --namespace): given get on each storage's "
+                        "Secrets, by name, in the storage's namespace; empty: none")  # fmt: skip
     parser.add_argument("--gc-grace-seconds", type=float, default=3600.0,
                         help="a deleted Checkpoint's chunks younger than this are swept later")  # fmt: skip
     parser.add_argument("--store-sweep-seconds", type=float, default=3600.0,
@@ -72,6 +75,7 @@ def main(argv: list[str] | None = None) -> None:
             lease_enabled=not args.no_lease,
             agent_port=args.agent_port,
             agent_token_file=args.agent_token_file,
+            agent_account=args.agent_account,
             gc_grace_seconds=args.gc_grace_seconds,
             store_sweep_seconds=args.store_sweep_seconds,
         )

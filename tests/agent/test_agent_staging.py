@@ -4,11 +4,14 @@ gives back the same bytes."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import os
 import secrets
+import urllib.error
 from collections.abc import Sequence
+from email.message import Message
 from pathlib import Path
 
 import pytest
@@ -21,8 +24,8 @@ from ibckpt.api.storage import S3Location
 from ibckpt.store import CheckpointRef, ImageStore
 from ibckpt_node import tcp_remap
 from ibckpt_node.agent import restoring
-from ibckpt_node.agent.kubesecrets import StagingError
-from ibckpt_node.agent.staging import stage_trees, store_config
+from ibckpt_node.agent.kubesecrets import KubeSecrets, StagingError
+from ibckpt_node.agent.staging import read_config, stage_trees, store_config
 from ibckpt_node.trees import TREE_MANIFEST
 from testbed.s3 import S3Server
 
@@ -210,3 +213,57 @@ def test_a_failed_runc_restore_is_explained_by_the_error_lines_of_its_criu_log(t
     # ring-1 has no log (it was never restored): only ring-0 is named, with CRIU's own words
     assert len(found) == 1 and found[0].startswith("runc restore of ring-0/main: "), found
     assert "Address already in use" in found[0] and "Restoring FAILED" in found[0], found
+
+
+def test_a_ca_bundle_is_read_from_the_storages_namespace_and_given_to_the_store(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    pem = b"-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
+    secrets_of = {
+        ("ibckpt", SECRET.name): _secret(s3_server),
+        ("ibckpt", "minio-ca"): {"ca.pem": base64.b64encode(pem).decode()},
+    }
+    asked: list[tuple[str, str]] = []
+
+    async def read(namespace: str, name: str) -> dict[str, str]:
+        asked.append((namespace, name))
+        return secrets_of.get((namespace, name), {})
+
+    destination = _destination(
+        s3_server, "any-bucket", caBundleSecretRef={"name": "minio-ca", "key": "ca.pem"}
+    )
+    config = asyncio.run(read_config(read, destination.location, destination.credentials, tmp_path / "ca"))
+    assert asked == [("ibckpt", SECRET.name), ("ibckpt", "minio-ca")]  # both in the storage's namespace
+    assert config.ca_bundle is not None and Path(config.ca_bundle).read_bytes() == pem
+    again = asyncio.run(read_config(read, destination.location, destination.credentials, tmp_path / "ca"))
+    assert again.ca_bundle == config.ca_bundle and len(list((tmp_path / "ca").iterdir())) == 1
+    wrong_key = _destination(s3_server, "any-bucket", caBundleSecretRef={"name": "minio-ca"})
+    with pytest.raises(StagingError, match=r"ibckpt/minio-ca has no valid ca\.crt"):
+        asyncio.run(read_config(read, wrong_key.location, wrong_key.credentials, tmp_path / "ca"))
+
+
+class ScriptedSecrets(KubeSecrets):
+    """The reader's loop over scripted answers: an HTTP status to fail with, or the Secret's data."""
+
+    def __init__(self, answers: list[int | dict[str, str]], grant_wait_s: float) -> None:
+        self.answers, self.grant_wait_s, self.asked = answers, grant_wait_s, 0
+
+    def _get(self, namespace: str, name: str) -> dict[str, str]:
+        answer = self.answers[min(self.asked, len(self.answers) - 1)]
+        self.asked += 1
+        if isinstance(answer, int):
+            raise urllib.error.HTTPError("https://apiserver", answer, "no", Message(), None)
+        return answer
+
+
+def test_a_grant_the_authorizer_has_not_seen_yet_is_waited_for_briefly() -> None:
+    # the operator grants the read just before its call: a 403 is asked again, for a bound only
+    late = ScriptedSecrets([403, 403, {"k": "dg=="}], grant_wait_s=5.0)
+    assert asyncio.run(late("team-a", "s3")) == {"k": "dg=="} and late.asked == 3
+    never = ScriptedSecrets([403], grant_wait_s=0.6)
+    with pytest.raises(StagingError, match="cannot read Secret team-a/s3: HTTP 403"):
+        asyncio.run(never("team-a", "s3"))
+    missing = ScriptedSecrets([404], grant_wait_s=5.0)
+    with pytest.raises(StagingError, match="HTTP 404"):
+        asyncio.run(missing("team-a", "s3"))
+    assert missing.asked == 1

@@ -101,11 +101,21 @@ def test_each_component_may_do_what_it_needs_and_no_more(installed: Release) -> 
     assert not _can(cluster, op, "update", "leases.coordination.k8s.io", "-n", "kube-system")
     assert not _can(cluster, op, "create", "tokenreviews.authentication.k8s.io")
     assert not _can(cluster, op, "delete", "customresourcedefinitions.apiextensions.k8s.io")
+    # the agents' storage Role in a job's namespace: created, then read and updated by its name only
+    grant = f"{AGENT_SA}-storage"
+    assert _can(cluster, op, "create", "roles.rbac.authorization.k8s.io", "-n", "team-a")
+    assert _can(cluster, op, "create", "rolebindings.rbac.authorization.k8s.io", "-n", "team-a")
+    assert _can(cluster, op, "update", f"roles.rbac.authorization.k8s.io/{grant}", "-n", "team-a")
+    assert not _can(cluster, op, "update", "roles.rbac.authorization.k8s.io/other", "-n", "team-a")
+    assert not _can(cluster, op, "delete", f"roles.rbac.authorization.k8s.io/{grant}", "-n", "team-a")
+    assert not _can(cluster, op, "create", "clusterroles.rbac.authorization.k8s.io")
+    assert not _can(cluster, op, "create", "clusterrolebindings.rbac.authorization.k8s.io")
 
     assert _can(cluster, agent, "create", "tokenreviews.authentication.k8s.io")
     assert _can(cluster, agent, "list", "pods", "--all-namespaces")
-    assert _can(cluster, agent, "get", f"secrets/{STORAGE_SECRET}", "-n", NAMESPACE)
-    assert _can(cluster, agent, "get", f"secrets/{STORAGE_SECRET}", "-n", "team-a")  # a team's storage
+    # no chart-wide Secret name: a storage's Secret only where and once the operator granted it (a
+    # job of that namespace did; the checkpoint tests' uploads prove the grant works end to end)
+    assert not _can(cluster, agent, "get", f"secrets/{STORAGE_SECRET}", "-n", NAMESPACE)
     assert not _can(cluster, agent, "get", "secrets/other", "-n", NAMESPACE)
     assert not _can(cluster, agent, "list", "secrets", "-n", NAMESPACE)
     assert not _can(cluster, agent, "get", "secrets/other", "-n", "team-a")

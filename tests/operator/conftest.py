@@ -346,6 +346,7 @@ def operator(
             coordinator_port=0,
             agent_port=agents.port,
             agent_token_file=str(token_file),
+            agent_account="ibckpt-agent",  # each job grants the agents its storage's Secret (Role)
             agent_timeout=3.0,
             gc_grace_seconds=0.0,
             poll_seconds=0.3,

@@ -4,6 +4,7 @@ the step, and a finished session ends the follow with the right reason (pure log
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from typing import Any
 
@@ -124,3 +125,44 @@ def test_each_agent_calls_all_at_once_and_returns_failures_in_place() -> None:
 
     with pytest.raises(RuntimeError, match="a bug"):
         asyncio.run(each_agent([broken()]))
+
+
+class SlowClient:
+    """A blocking agent client whose info takes 0.2 s; counts the calls in flight on the gateway's threads."""
+
+    lock = threading.Lock()
+    running = 0
+    most = 0
+
+    def __init__(self, node: str) -> None:
+        self.node = node
+
+    def info(self) -> str:
+        with SlowClient.lock:
+            SlowClient.running += 1
+            SlowClient.most = max(SlowClient.most, SlowClient.running)
+        time.sleep(0.2)
+        with SlowClient.lock:
+            SlowClient.running -= 1
+        if self.node == "n3":
+            raise AgentError(0, "agent n3: connection refused")
+        return self.node
+
+
+class SlowGateway(AgentGateway):
+    def client(self, agent: Agent) -> Any:
+        return SlowClient(agent.node)
+
+
+def test_the_gateway_calls_up_to_its_bound_at_once_whatever_the_default_executor() -> None:
+    # 64 agents: the loop's default executor (6 threads on 2 cores) would take 11 rounds of 0.2 s
+    agents = [Agent(f"n{i}", f"agent-{i}", "127.0.0.1", True) for i in range(64)]
+    gateway = SlowGateway(token="t", concurrency=32)
+    started = time.monotonic()
+    outcomes = asyncio.run(each_agent([gateway.info(a) for a in agents]))
+    took = time.monotonic() - started
+    assert SlowClient.most == 32
+    assert took < 1.0, took  # two rounds, not eleven
+    assert [o for o in outcomes if isinstance(o, str)] == [a.node for a in agents if a.node != "n3"]
+    failed = [o for o in outcomes if isinstance(o, AgentError)]
+    assert [str(f) for f in failed] == [str(AgentError(0, "agent n3: connection refused"))]

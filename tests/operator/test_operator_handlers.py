@@ -323,6 +323,11 @@ def test_leave_running_checkpoint_committed_then_deleted(
         )
         assert condition(body, "Ready")["status"] == "True"
         assert [row["phase"] for row in status["pods"]] == ["Resumed", "Resumed"]
+        # before the agents were called, they were let read the storage's Secret, by name, here only
+        role = kubernetes.client.RbacAuthorizationV1Api(cluster_ns.api).read_namespaced_role(
+            "ibckpt-agent-storage", cluster_ns.namespace
+        )
+        assert role.rules[0].resource_names == ["s3-creds"] and role.rules[0].verbs == ["get"]
         # Timings from the agents' reports: each fake phase takes 0.2 s; the ranks were gated from the
         # quiesce through the resume (6 phases), the upload came after.
         timings = status["timings"]

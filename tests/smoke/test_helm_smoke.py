@@ -15,6 +15,7 @@ from testbed.guest import cache_dir
 pytestmark = pytest.mark.kube
 
 CHART = Path(__file__).resolve().parents[2] / "charts" / "ibckpt"
+ACCELERATOR_VALUES = CHART.parents[1] / "docs" / "examples" / "accelerator-values.yaml"
 
 
 def tool(name: str) -> str:
@@ -45,7 +46,7 @@ def test_rendered_chart_passes_server_dry_run(kube, kube_api: kubernetes.client.
         "--set", "operator.podAnnotations.team=ml", "--set", "agent.podAnnotations.team=ml",
         "--set", "operator.extraEnv[0].name=HTTPS_PROXY", "--set", "operator.extraEnv[0].value=http://proxy:3128",
         "--set", "agent.extraEnv[0].name=NO_PROXY", "--set", "agent.extraEnv[0].value=.svc",
-        "--set", "agent.stopTimeoutSeconds=300",
+        "--set", "agent.stopTimeoutSeconds=300", "-f", str(ACCELERATOR_VALUES),
     ).stdout  # fmt: skip
     objects = [d for d in yaml.safe_load_all(rendered) if d]
     kinds = sorted(d["kind"] for d in objects)
@@ -135,3 +136,46 @@ def test_the_agent_sets_up_its_node_and_the_runtime_class_selects_its_label() ->
     assert "--no-manage-runtime" in args
     assert ("Job", "ibckpt-uninstall") not in unmanaged
     assert template("--set", "agent.containerd.restart=sometimes", check=False).returncode != 0
+
+
+def rendered_objects(*args: str) -> dict[tuple[str, str], dict[str, Any]]:
+    objects = [d for d in yaml.safe_load_all(template(*args).stdout) if d]
+    return {(d["kind"], d["metadata"]["name"]): d for d in objects}
+
+
+def test_the_agents_land_on_accelerator_nodes_and_resolve_cluster_names() -> None:
+    default = rendered_objects()[("DaemonSet", "ibckpt-agent")]["spec"]["template"]["spec"]
+    assert default["hostNetwork"] is True and default["dnsPolicy"] == "ClusterFirstWithHostNet"
+    assert "tolerations" not in default
+    label_rule = default["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert label_rule["nodeSelectorTerms"][0]["matchExpressions"][0]["key"] == "ibckpt.io/rdma"
+    example = rendered_objects("-f", str(ACCELERATOR_VALUES))[("DaemonSet", "ibckpt-agent")]
+    spec = example["spec"]["template"]["spec"]
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
+    required = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    expressions = [e for term in required["nodeSelectorTerms"] for e in term["matchExpressions"]]
+    assert [e["key"] for e in expressions] == ["feature.node.kubernetes.io/pci-15b3.present"]  # replaced
+    assert spec["dnsPolicy"] == "ClusterFirstWithHostNet"
+
+
+def test_the_operator_grants_storage_secrets_by_name_unless_told_not_to() -> None:
+    def grants(objects: dict[tuple[str, str], dict[str, Any]]) -> tuple[list[str], list[Any]]:
+        operator = objects[("Deployment", "ibckpt-operator")]["spec"]["template"]["spec"]["containers"][0]
+        role = objects[("ClusterRole", "ibckpt-operator")]
+        rbac = [r for r in role["rules"] if r["apiGroups"] == ["rbac.authorization.k8s.io"]]
+        return [a for a in operator["args"] if a.startswith("--agent-account")], rbac
+
+    args, rules = grants(rendered_objects())
+    assert args == ["--agent-account=ibckpt-agent"]
+    assert {"resources": ["roles", "rolebindings"], "verbs": ["create"]} in [
+        {k: v for k, v in r.items() if k != "apiGroups"} for r in rules
+    ]
+    named = [r for r in rules if r.get("resourceNames")]
+    assert named == [{"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["roles", "rolebindings"],
+                      "resourceNames": ["ibckpt-agent-storage"], "verbs": ["get", "update"]}]  # fmt: skip
+    off = rendered_objects("--set", "storage.grantSecrets=false", "--set", "storage.credentialsSecret=s3")
+    assert grants(off) == ([], [])
+    legacy = off[("ClusterRole", "ibckpt-agent-storage")]["rules"]
+    assert legacy == [
+        {"apiGroups": [""], "resources": ["secrets"], "resourceNames": ["s3"], "verbs": ["get"]}
+    ]

@@ -17,7 +17,9 @@ from testbed.images import PRODUCT_IMAGE
 
 CHART = REPO / "charts" / "ibckpt"
 SESSION_RELEASE = "ibckpt-t"  # the pytest session's release (tests/conftest.py `installed`)
-STORAGE_SECRET = "s3-credentials"  # the chart's storage.credentialsSecret: each team's Secret has this name
+# A team's S3 credentials Secret: a name the chart is not told (the operator grants the agents each
+# storage's own Secret by name, in its namespace; docs/helm.md, "Storage Secrets").
+STORAGE_SECRET = "team-s3-login"
 
 
 @dataclass
@@ -96,7 +98,7 @@ def helm(cluster: Cluster, *args: str, timeout: float = 600.0) -> subprocess.Com
 
 
 def storage_secret(cluster: Cluster, namespace: str, access_key: str, secret_key: str) -> None:
-    """A team's S3 credentials Secret, under the name the agents may read."""
+    """A team's S3 credentials Secret, under the name its CheckpointStorage gives."""
     cluster.kubectl(
         "create", "secret", "generic", STORAGE_SECRET, "-n", namespace,
         f"--from-literal=AWS_ACCESS_KEY_ID={access_key}",
@@ -135,7 +137,7 @@ def install(
     out = helm(
         cluster, "install", name, str(CHART), "--namespace", namespace,
         "--set", f"image.repository={repository}", "--set", f"image.tag={tag}",
-        "--set", "image.pullPolicy=Never", "--set", f"storage.credentialsSecret={STORAGE_SECRET}",
+        "--set", "image.pullPolicy=Never",
         "--set", f"logLevel={log_level}", "--set", "runtimeClass.nodeLabelValue=rxe",
         "--set", f"agent.failpoints={str(failpoints).lower()}", *pin,
     )  # fmt: skip

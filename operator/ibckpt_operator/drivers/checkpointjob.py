@@ -16,6 +16,7 @@ from collections.abc import Awaitable
 
 from ibckpt.agentapi import (
     AgentError,
+    AgentInfo,
     CheckpointRequest,
     ImageDestination,
     Mode,
@@ -27,7 +28,7 @@ from ibckpt.agentapi import (
 )
 from ibckpt.api import CHECKPOINT, CheckpointJobStatus, CheckpointMode, JobPhase
 from ibckpt.store.units import format_size
-from ibckpt_operator.cluster import selection
+from ibckpt_operator.cluster import secretgrants, selection
 from ibckpt_operator.cluster.agents import Agent, agents_by_node, each_agent, follow_session, no_agent_message
 from ibckpt_operator.cluster.kube import Body
 from ibckpt_operator.cluster.pods import gone
@@ -194,7 +195,7 @@ class CheckpointJobDriver(CheckpointStoreDriver):
 
     async def admit(self, action: AdmitPods) -> None:
         agents = await agents_by_node(self.rt.kube)
-        registered: dict[str, set[str]] = {}
+        placed: list[tuple[PodRef, Body, str]] = []  # pods on a node with a ready agent
         for pod in action.pods:
             body = await self.rt.kube.get_pod(self.namespace, pod.name)
             uid = (body or {}).get("metadata", {}).get("uid")
@@ -209,17 +210,23 @@ class CheckpointJobDriver(CheckpointStoreDriver):
             if agent is None or not agent.ready:
                 self.emit(PodRefused(action.attempt, pod.uid, no_agent_message(pod.name, node, agent)))
                 continue
-            if node not in registered:
-                try:
-                    info = await self.rt.gateway.info(agent)
-                except AgentError as error:
-                    message = f"pod {pod.name} is on node {node} whose ibckpt agent does not answer: {error}"
-                    self.emit(PodRefused(action.attempt, pod.uid, message))
-                    continue
-                registered[node] = {c.pod_uid for c in info.containers if c.shim}
+            placed.append((pod, body, node))
+        # every node's agent asked at once, then each pod judged in order as before
+        nodes = list(dict.fromkeys(node for _, _, node in placed))
+        infos = dict(
+            zip(nodes, await each_agent([self.rt.gateway.info(agents[n]) for n in nodes]), strict=True)
+        )
+        registered: dict[str, set[str]] = {}
+        for node, info in infos.items():
+            if isinstance(info, AgentInfo):
+                registered[node] = {c.pod_uid for c in info.containers if c.shim} if info.ready else set()
                 self.record.agent_versions[node] = info.version
-                if not info.ready:
-                    registered[node] = set()
+        for pod, body, node in placed:
+            error = infos[node]
+            if isinstance(error, AgentError):
+                message = f"pod {pod.name} is on node {node} whose ibckpt agent does not answer: {error}"
+                self.emit(PodRefused(action.attempt, pod.uid, message))
+                continue
             if pod.uid not in registered[node]:
                 message = (
                     f"pod {pod.name} has no container registered with the ibckpt agent on node {node} "
@@ -270,6 +277,7 @@ class CheckpointJobDriver(CheckpointStoreDriver):
     async def start_agents(self, action: QuiesceRanks) -> None:
         assert self.session is not None and self.state is not None
         resolved = await self.store()
+        await secretgrants.grant(self.rt.kube, self.namespace, resolved.location)
         secret = resolved.location.credentials_secret_ref
         t = self.spec.timeouts
         # Stop: the agents dump and hold the ranks released; the pods are deleted only after the commit.

@@ -8,13 +8,12 @@ pods still exist until KillSources, and the agents keep their session reports.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from ibckpt.agentapi import AgentError
+from ibckpt.agentapi import SessionReport
 from ibckpt.api import CheckpointPod, PodTemplate, RequiredVersions
-from ibckpt_operator.cluster.agents import agents_by_node
+from ibckpt_operator.cluster.agents import agents_by_node, each_agent
 from ibckpt_operator.drivers.runtime import Runtime
 from ibckpt_operator.machine import Member
 from ibckpt_operator.machine.podtemplate import sanitize
@@ -42,10 +41,10 @@ class RestoreRecord:
         missing_ranks = {m.pod.node for m in members if m.pod.uid not in self.rank_keys}
         if missing_ranks:
             agents = await agents_by_node(rt.kube)
-            for node in sorted(missing_ranks & set(agents)):
-                with contextlib.suppress(AgentError):
-                    report = await rt.gateway.session(agents[node], session_id)
-                    for rank in report.ranks if report else ():
+            nodes = sorted(missing_ranks & set(agents))
+            for report in await each_agent([rt.gateway.session(agents[node], session_id) for node in nodes]):
+                if isinstance(report, SessionReport):  # an agent that does not answer adds no keys
+                    for rank in report.ranks:
                         self.rank_keys.setdefault(rank.pod_uid, set()).add(rank.rank_key)
         pods = []
         for m in members:

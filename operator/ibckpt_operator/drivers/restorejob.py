@@ -31,7 +31,7 @@ from ibckpt.agentapi import (
     SessionReport,
 )
 from ibckpt.api import RestoreJobStatus, RestorePhase, SkippedCheckpoint
-from ibckpt_operator.cluster import bindings, storage
+from ibckpt_operator.cluster import bindings, secretgrants, storage
 from ibckpt_operator.cluster.agents import Agent, agents_by_node, each_agent, follow_session
 from ibckpt_operator.cluster.kube import Body
 from ibckpt_operator.cluster.pods import restored_lost
@@ -212,6 +212,7 @@ class RestoreJobDriver(RestorePodsDriver):
         resolved = await storage.check(
             self.rt.kube, self.namespace, checkpoint.spec.storage_ref, checkpoint.spec.storage
         )
+        await secretgrants.grant(self.rt.kube, self.namespace, resolved.location)
         secret = resolved.location.credentials_secret_ref
         t = self.spec.timeouts
         # New for every restore and one for all nodes: the shim's rebuild records are per epoch, and an
@@ -334,14 +335,13 @@ class RestoreJobDriver(RestorePodsDriver):
             )
         agents = await agents_by_node(self.rt.kube)
         reason = (self.state.message or "the restore failed")[:1000]
-        for node in sorted({pod.node for pod in action.pods}):
-            agent = agents.get(node)
-            if agent is None:
-                continue
-            try:
-                await self.rt.gateway.abort(agent, session_id, reason)
-            except AgentError as error:  # the pods go anyway: deleting them kills what was restored
-                log.warning("%s: could not abort session %s on %s: %s", self.key, session_id, node, error)
+        nodes = [node for node in sorted({pod.node for pod in action.pods}) if node in agents]
+        aborted = await each_agent(
+            [self.rt.gateway.abort(agents[node], session_id, reason) for node in nodes]
+        )
+        for node, outcome in zip(nodes, aborted, strict=True):
+            if isinstance(outcome, AgentError):  # the pods go anyway: deleting them kills what was restored
+                log.warning("%s: could not abort session %s on %s: %s", self.key, session_id, node, outcome)
         await self.delete_created(action)
 
 

@@ -21,7 +21,7 @@ from ibckpt.api import (
     RestoreJobSpec,
 )
 from ibckpt_operator.cluster import bindings, sources
-from ibckpt_operator.cluster.agents import agents_by_node, no_agent_message
+from ibckpt_operator.cluster.agents import agents_by_node, each_agent, no_agent_message
 from ibckpt_operator.cluster.kube import ApiException, Body, api_message
 from ibckpt_operator.cluster.pods import node_ready, restore_marker
 from ibckpt_operator.drivers.base import Driver, StepProblem
@@ -127,6 +127,11 @@ class RestorePodsDriver(Driver[RestoreState]):
         if blind:
             message = f"the checkpoint requires {', '.join(blind)} versions that no node reports: not checked"
             await self.rt.kube.post_event(self.body, "Normal", "VersionsNotChecked", message)
+        # every destination's agent asked at once; each pod is then judged in order as before
+        asked = sorted({p.node for p in action.pods if p.node in agents and agents[p.node].ready})
+        infos = dict(
+            zip(asked, await each_agent([self.rt.gateway.info(agents[n]) for n in asked]), strict=True)
+        )
         for pod in action.pods:
             existing = await self.rt.kube.get_pod(self.namespace, pod.name)
             if existing is not None and await self.remove_ended_source(existing):
@@ -140,11 +145,10 @@ class RestorePodsDriver(Driver[RestoreState]):
             if agent is None or not agent.ready:
                 self.emit(PodRefused(action.attempt, pod.name, no_agent_message(pod.name, pod.node, agent)))
                 return
-            try:
-                info = await self.rt.gateway.info(agent)
-            except AgentError as error:
+            info = infos[pod.node]
+            if isinstance(info, AgentError):
                 message = (
-                    f"node {pod.node} for pod {pod.name} has an ibckpt agent that does not answer: {error}"
+                    f"node {pod.node} for pod {pod.name} has an ibckpt agent that does not answer: {info}"
                 )
                 self.emit(PodRefused(action.attempt, pod.name, message))
                 return

@@ -136,7 +136,7 @@ async def settle(agent: Agent, session: Session, images: Path, staged: bool, why
 
 async def upload(agent: Agent, session: Session, images: Path) -> None:
     """Upload this node's images as its part of the checkpoint (the operator commits the parts)."""
-    from ibckpt_node.agent.staging import stage_trees, store_config  # boto3: only when staging
+    from ibckpt_node.agent.staging import read_config, stage_trees  # boto3: only when staging
 
     assert isinstance(session.request, api.CheckpointRequest)
     destination = session.request.images
@@ -147,8 +147,9 @@ async def upload(agent: Agent, session: Session, images: Path) -> None:
         rank.phase = api.RankPhase.UPLOADING
     if agent.secrets is None:
         raise StagingError("this agent has no way to read Secrets")
-    data = await agent.secrets(destination.credentials.namespace, destination.credentials.name)
-    config = store_config(destination.location, destination.credentials, data)
+    config = await read_config(
+        agent.secrets, destination.location, destination.credentials, agent.work_dir / "ca"
+    )
     uploaded = 0
 
     def count(size: int) -> None:  # runs on the upload's threads

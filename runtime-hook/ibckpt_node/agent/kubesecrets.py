@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import ssl
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Awaitable, Callable
@@ -26,11 +27,16 @@ class StagingError(Exception):
 class KubeSecrets:
     """Reads a Secret with the agent's own service-account token (in-cluster, standard library)."""
 
-    def __init__(self, url: str, ca_file: Path, token_file: Path, timeout_s: float = 10.0) -> None:
+    def __init__(
+        self, url: str, ca_file: Path, token_file: Path, timeout_s: float = 10.0, grant_wait_s: float = 5.0
+    ) -> None:
         self.url = url.rstrip("/")
         self.context = ssl.create_default_context(cafile=str(ca_file))
         self.token_file = token_file
         self.timeout_s = timeout_s
+        # The operator grants the read just before it calls (a Role by name): the apiserver's
+        # authorizer may see that grant a moment later, so a 403 is asked again for this long.
+        self.grant_wait_s = grant_wait_s
 
     @classmethod
     def in_cluster(cls) -> KubeSecrets:
@@ -43,15 +49,22 @@ class KubeSecrets:
         return await asyncio.to_thread(self._read, namespace, name)
 
     def _read(self, namespace: str, name: str) -> dict[str, str]:
+        deadline = time.monotonic() + self.grant_wait_s
+        while True:
+            try:
+                return self._get(namespace, name)
+            except urllib.error.HTTPError as exc:
+                if exc.code != 403 or time.monotonic() >= deadline:
+                    raise StagingError(f"cannot read Secret {namespace}/{name}: HTTP {exc.code}") from None
+            except (OSError, ValueError) as exc:
+                raise StagingError(f"cannot read Secret {namespace}/{name}: {exc}") from None
+            time.sleep(0.5)
+
+    def _get(self, namespace: str, name: str) -> dict[str, str]:
         path = f"/api/v1/namespaces/{quote(namespace, safe='')}/secrets/{quote(name, safe='')}"
         request = urllib.request.Request(
             self.url + path, headers={"Authorization": f"Bearer {self.token_file.read_text().strip()}"}
         )
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s, context=self.context) as reply:
-                data = json.load(reply).get("data") or {}
-        except urllib.error.HTTPError as exc:
-            raise StagingError(f"cannot read Secret {namespace}/{name}: HTTP {exc.code}") from None
-        except (OSError, ValueError) as exc:
-            raise StagingError(f"cannot read Secret {namespace}/{name}: {exc}") from None
+        with urllib.request.urlopen(request, timeout=self.timeout_s, context=self.context) as reply:
+            data = json.load(reply).get("data") or {}
         return {str(k): str(v) for k, v in data.items()}

@@ -361,13 +361,12 @@ async def download(
     staged, so that the caller removes what a failed download staged) and stage their images."""
     from ibckpt.store import ImageStore, StoreError  # boto3: only when staging
     from ibckpt.store.layout import CheckpointRef
-    from ibckpt_node.agent.staging import store_config
+    from ibckpt_node.agent.staging import read_config
 
     if agent.secrets is None:
         raise StagingError("this agent has no way to read Secrets")
     source = request.images
-    data = await agent.secrets(source.credentials.namespace, source.credentials.name)
-    config = store_config(source.location, source.credentials, data)
+    config = await read_config(agent.secrets, source.location, source.credentials, agent.work_dir / "ca")
     ref = CheckpointRef(source.job, source.checkpoint_id)
 
     def read_manifest():  # type: ignore[no-untyped-def]

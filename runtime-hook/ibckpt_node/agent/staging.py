@@ -1,12 +1,16 @@
 """Staging a node's images to S3: its part of the checkpoint, which the operator commits with the others.
 
 The request names the S3 location and the Secret that holds its credentials; the agent reads the Secret
-itself (its RBAC allows the chart's storage Secret only), so credentials never travel in a request and
-never reach a report or a log (errors name the Secret and its keys, never the values).
+itself, and the endpoint's CA bundle Secret if the location names one, both in the storage's namespace
+(the operator grants the agents `get` on exactly those names there), so credentials never travel in a
+request and never reach a report or a log (errors name the Secret and its keys, never the values).
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import hashlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -21,7 +25,36 @@ from ibckpt.store import (
 )
 from ibckpt.store.errors import StoreError
 from ibckpt.store.manifest import RankInfo
-from ibckpt_node.agent.kubesecrets import StagingError
+from ibckpt_node.agent.kubesecrets import SecretReader, StagingError
+
+
+async def read_config(
+    secrets: SecretReader, location: S3Location, secret: api.SecretRef, ca_dir: Path
+) -> StoreConfig:
+    """The store configuration from the request's location and the Secrets it names, read in the
+    credentials' namespace (the storage's); a CA bundle becomes a file under `ca_dir`."""
+    config = store_config(location, secret, await secrets(secret.namespace, secret.name))
+    ref = location.ca_bundle_secret_ref
+    if ref is None:
+        return config
+    key = ref.key or "ca.crt"
+    data = await secrets(secret.namespace, ref.name)
+    try:
+        pem = base64.b64decode(data[key], validate=True)
+    except (KeyError, binascii.Error):
+        raise StagingError(f"the CA bundle Secret {secret.namespace}/{ref.name} has no valid {key}") from None
+    return config.with_overrides(ca_bundle=str(write_ca(ca_dir, pem)))
+
+
+def write_ca(ca_dir: Path, pem: bytes) -> Path:
+    """Named by its content: one file per bundle, shared by sessions, never rewritten (not a secret)."""
+    ca_dir.mkdir(parents=True, exist_ok=True)
+    path = ca_dir / f"{hashlib.sha256(pem).hexdigest()[:32]}.pem"
+    if not path.exists():
+        partial = path.with_suffix(".tmp")
+        partial.write_bytes(pem)
+        partial.replace(path)
+    return path
 
 
 def store_config(location: S3Location, secret: api.SecretRef, data: dict[str, str]) -> StoreConfig:
@@ -37,8 +70,6 @@ def store_config(location: S3Location, secret: api.SecretRef, data: dict[str, st
             )
         kms_key = location.encryption.kms_key_id
         encryption = EncryptionConfig.model_validate({"mode": mode, "kms_key_id": kms_key})
-    if location.ca_bundle_secret_ref is not None:
-        raise StagingError("a CA bundle for the S3 endpoint is not supported by the node agent yet")
     try:
         credentials = credentials_from_secret(data, name=f"{secret.namespace}/{secret.name}")
     except StoreError as exc:

@@ -1,0 +1,42 @@
+"""Let the node agents read a location's Secrets in its namespace, by name (machine/secretgrants.py says
+why): the Role there gains the names, the RoleBinding is made once. Names are added, never removed here:
+a running job of another storage in the namespace may still need its own."""
+
+from __future__ import annotations
+
+from ibckpt.api import S3Location
+from ibckpt_operator.cluster.kube import ApiException, Kube, api_message, is_status
+from ibckpt_operator.cluster.storage import StorageProblem
+from ibckpt_operator.config import current
+from ibckpt_operator.machine import secretgrants
+
+ATTEMPTS = 3  # a concurrent job in the namespace may write the Role between our read and write
+
+
+async def grant(kube: Kube, namespace: str, location: S3Location) -> None:
+    """Make sure the agents may `get` this location's Secrets in `namespace`. Without an agent account
+    configured (`--agent-account`), nothing is granted: the agents' own RBAC decides (a fixed name).
+    Refused by the apiserver: StorageProblem SecretsNotGranted (the step fails before any rank is cut)."""
+    settings = current()
+    if not settings.agent_account:
+        return
+    name = secretgrants.grant_name(settings.agent_account)
+    wanted = set(secretgrants.agent_secrets(location))
+    base = f"/apis/{secretgrants.RBAC}/v1/namespaces/{namespace}"
+    for attempt in range(ATTEMPTS):
+        try:
+            existing = await kube.request("GET", f"{base}/roles/{name}")
+            if existing is None:
+                await kube.request("POST", f"{base}/roles", secretgrants.role(namespace, name, wanted))
+            elif not wanted <= secretgrants.granted(existing):
+                body = secretgrants.role(namespace, name, wanted | secretgrants.granted(existing))
+                body["metadata"]["resourceVersion"] = existing["metadata"]["resourceVersion"]
+                await kube.request("PUT", f"{base}/roles/{name}", body)
+            if await kube.request("GET", f"{base}/rolebindings/{name}") is None:
+                account = secretgrants.binding(namespace, name, settings.agent_account, settings.namespace)
+                await kube.request("POST", f"{base}/rolebindings", account)
+            return
+        except ApiException as error:
+            if not is_status(error, 409) or attempt == ATTEMPTS - 1:
+                message = f"cannot let the node agents read Secrets {sorted(wanted)}: {api_message(error)}"
+                raise StorageProblem("SecretsNotGranted", message) from None

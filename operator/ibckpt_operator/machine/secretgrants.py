@@ -1,0 +1,61 @@
+"""Which Secrets the node agents may read, per namespace: the objects that grant it (pure).
+
+The agents read a storage's Secrets themselves, so credentials never cross the node network in a
+request. What they may read is granted by name in the storage's own namespace: one Role there allows
+`get` on exactly the Secrets that its CheckpointStorages (or jobs' inline locations) named for a
+checkpoint or a restore, and one RoleBinding gives it to the agents' account. A tenant can make the
+agents read only Secrets of its own namespace: the operator always reads and grants in the job's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from ibckpt.api import S3Location
+
+RBAC = "rbac.authorization.k8s.io"
+MANAGED_BY = {"app.kubernetes.io/managed-by": "ibckpt-operator"}
+
+
+def grant_name(agent_account: str) -> str:
+    """The Role and RoleBinding's name in each namespace: the agents' account's, so releases differ."""
+    return f"{agent_account}-storage"
+
+
+def agent_secrets(location: S3Location) -> list[str]:
+    """The Secrets an agent reads for this location: its credentials and its endpoint's CA bundle."""
+    names = {location.credentials_secret_ref.name}
+    if location.ca_bundle_secret_ref is not None:
+        names.add(location.ca_bundle_secret_ref.name)
+    return sorted(names)
+
+
+def granted(role: dict[str, Any] | None) -> set[str]:
+    """The Secret names an existing Role of ours grants."""
+    names: set[str] = set()
+    for rule in (role or {}).get("rules") or ():
+        if "secrets" in (rule.get("resources") or ()):
+            names.update(rule.get("resourceNames") or ())
+    return names
+
+
+def role(namespace: str, name: str, secrets: Iterable[str]) -> dict[str, Any]:
+    return {
+        "apiVersion": f"{RBAC}/v1",
+        "kind": "Role",
+        "metadata": {"name": name, "namespace": namespace, "labels": dict(MANAGED_BY)},
+        "rules": [
+            {"apiGroups": [""], "resources": ["secrets"], "resourceNames": sorted(secrets), "verbs": ["get"]}
+        ],
+    }
+
+
+def binding(namespace: str, name: str, account: str, account_namespace: str) -> dict[str, Any]:
+    return {
+        "apiVersion": f"{RBAC}/v1",
+        "kind": "RoleBinding",
+        "metadata": {"name": name, "namespace": namespace, "labels": dict(MANAGED_BY)},
+        "roleRef": {"apiGroup": RBAC, "kind": "Role", "name": name},
+        "subjects": [{"kind": "ServiceAccount", "name": account, "namespace": account_namespace}],
+    }

@@ -1,0 +1,117 @@
+"""The agents may read a storage's Secrets by name in its namespace and nothing else (cluster/
+secretgrants.py), checked on the real apiserver with SubjectAccessReviews for the agents' account."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import kubernetes
+import pytest
+
+from ibckpt.api import S3Location
+from ibckpt_operator import config as settings
+from ibckpt_operator.cluster import secretgrants
+from ibckpt_operator.cluster.kube import Kube
+from ibckpt_operator.machine import secretgrants as rules
+
+pytestmark = pytest.mark.kube
+AGENT = "ibckpt-agent"
+AGENT_NS = "ibckpt-system"
+
+
+def location(secret: str, ca: str | None = None) -> S3Location:
+    wire: dict[str, Any] = {"bucket": "ckpts", "credentialsSecretRef": {"name": secret}}
+    if ca:
+        wire["caBundleSecretRef"] = {"name": ca, "key": "ca.pem"}
+    return S3Location.model_validate(wire)
+
+
+@pytest.fixture
+def agent_account() -> Iterator[None]:
+    saved = settings.current()
+    settings.configure(saved.with_(agent_account=AGENT, namespace=AGENT_NS))
+    yield
+    settings.configure(saved)
+
+
+def may_get(api: kubernetes.client.ApiClient, namespace: str, secret: str) -> bool:
+    review = {
+        "apiVersion": "authorization.k8s.io/v1",
+        "kind": "SubjectAccessReview",
+        "spec": {
+            "user": f"system:serviceaccount:{AGENT_NS}:{AGENT}",
+            "groups": ["system:serviceaccounts", f"system:serviceaccounts:{AGENT_NS}"],
+            "resourceAttributes": {
+                "namespace": namespace,
+                "verb": "get",
+                "resource": "secrets",
+                "name": secret,
+            },
+        },
+    }
+    answer = kubernetes.client.AuthorizationV1Api(api).create_subject_access_review(review)
+    return bool(answer.status.allowed)
+
+
+def namespace(api: kubernetes.client.ApiClient, name: str) -> str:
+    try:
+        kubernetes.client.CoreV1Api(api).create_namespace({"metadata": {"name": name}})
+    except kubernetes.client.ApiException as exc:
+        if exc.status != 409:
+            raise
+    return name
+
+
+def test_the_agents_may_read_exactly_the_named_secrets_of_the_storages_namespace(
+    kube_api: kubernetes.client.ApiClient, agent_account: None
+) -> None:
+    team_a, team_b = namespace(kube_api, "grants-a"), namespace(kube_api, "grants-b")
+    kube = Kube(kube_api)
+
+    async def grant(ns: str, where: S3Location) -> None:
+        await secretgrants.grant(kube, ns, where)
+
+    assert not may_get(kube_api, team_a, "team-a-s3")
+    asyncio.run(grant(team_a, location("team-a-s3")))
+    asyncio.run(grant(team_a, location("team-a-s3")))  # again: nothing to change
+    asyncio.run(grant(team_a, location("other-s3", ca="minio-ca")))  # a second storage adds its names
+    asyncio.run(grant(team_b, location("team-b-s3")))
+    rbac = kubernetes.client.RbacAuthorizationV1Api(kube_api)
+    role = rbac.read_namespaced_role(rules.grant_name(AGENT), team_a)
+    assert role.rules[0].resource_names == ["minio-ca", "other-s3", "team-a-s3"]
+    assert role.rules[0].verbs == ["get"]
+    assert role.metadata.labels == rules.MANAGED_BY
+    # the authorizer may see a new Role a moment later, as the agents' reader allows for
+    for _ in range(50):
+        if may_get(kube_api, team_a, "team-a-s3") and may_get(kube_api, team_b, "team-b-s3"):
+            break
+        asyncio.run(asyncio.sleep(0.1))
+    for secret in ("team-a-s3", "other-s3", "minio-ca"):
+        assert may_get(kube_api, team_a, secret), secret
+    assert may_get(kube_api, team_b, "team-b-s3")
+    # nothing unnamed, nothing of another namespace under a name granted elsewhere
+    assert not may_get(kube_api, team_a, "team-b-s3")
+    assert not may_get(kube_api, team_b, "team-a-s3")
+    assert not may_get(kube_api, "default", "team-a-s3")
+    assert not may_get(kube_api, team_a, "unrelated")
+
+
+def test_without_an_agent_account_nothing_is_granted(kube_api: kubernetes.client.ApiClient) -> None:
+    ns = namespace(kube_api, "grants-none")
+    asyncio.run(secretgrants.grant(Kube(kube_api), ns, location("s3")))
+    roles = kubernetes.client.RbacAuthorizationV1Api(kube_api).list_namespaced_role(ns)
+    assert roles.items == []
+
+
+def test_the_objects_name_only_the_locations_secrets() -> None:
+    assert rules.agent_secrets(location("s3", ca="ca")) == ["ca", "s3"]
+    assert rules.agent_secrets(location("s3", ca="s3")) == ["s3"]
+    body = rules.role("ns", "r", {"b", "a"})
+    assert rules.granted(body) == {"a", "b"}
+    assert body["rules"][0]["resourceNames"] == ["a", "b"]
+    assert rules.granted(None) == set()
+    bound = rules.binding("ns", "r", "agent", "sys")
+    assert bound["subjects"] == [{"kind": "ServiceAccount", "name": "agent", "namespace": "sys"}]
+    assert bound["roleRef"] == {"apiGroup": rules.RBAC, "kind": "Role", "name": "r"}
