@@ -64,7 +64,8 @@ def test_the_agent_installed_the_node_pieces(installed: Release) -> None:
             "head -1 /host/usr/local/bin/ibckpt-hook; "
             "test -S /var/lib/ibckpt/registry.sock && echo registry-socket; "
             "stat -c '%a %U' /var/lib/ibckpt/registry.sock; "
-            "cmp /usr/lib/ibckpt/libibckpt.so /host/usr/local/lib/ibckpt/libibckpt.so && echo same-shim"
+            "cmp /usr/lib/ibckpt/libibckpt.so /host/usr/local/lib/ibckpt/libibckpt.so && echo same-shim; "
+            "echo handler-blocks: $(grep -c 'BEGIN ibckpt runtime handler' /host/etc/containerd/config.toml)"
         )
         out = installed.cluster.kubectl("exec", "-n", NAMESPACE, name, "--", "sh", "-c", script).stdout
         config = json.loads(out[: out.index("}") + 1])
@@ -76,6 +77,10 @@ def test_the_agent_installed_the_node_pieces(installed: Release) -> None:
         }
         assert "#!/bin/sh\n#!/usr/bin/python3 -IS\n" in out, out  # ibckpt-runc, then ibckpt-hook
         assert "registry-socket\n600 root\nsame-shim" in out, out
+        # the nodes' containerd started with a stock config: the agent added the handler, once
+        assert "handler-blocks: 1\n" in out, out
+        node = pods.get(installed.cluster, NAMESPACE, "node", p["spec"]["nodeName"])
+        assert node["metadata"]["labels"].get("ibckpt.io/runtime-ready") == "true", node["metadata"]
 
 
 def _can(cluster: Cluster, account: str, *args: str) -> bool:
@@ -121,7 +126,12 @@ def test_each_component_may_do_what_it_needs_and_no_more(installed: Release) -> 
     assert not _can(cluster, agent, "get", "secrets/other", "-n", "team-a")
     assert not _can(cluster, agent, "create", "pods", "-n", NAMESPACE)
     assert not _can(cluster, agent, "get", "checkpointjobs.ibckpt.io", "-n", "team-a")
-    assert not _can(cluster, agent, "patch", "nodes")
+    # its own node's runtime-ready label and Events (RBAC cannot narrow a node patch to one node)
+    assert _can(cluster, agent, "patch", "nodes")
+    assert _can(cluster, agent, "create", "events", "-n", "default")
+    assert not _can(cluster, agent, "delete", "nodes")
+    assert _can(cluster, agent, "get", f"daemonsets.apps/{RELEASE}-agent", "-n", NAMESPACE)
+    assert not _can(cluster, agent, "get", "daemonsets.apps/other", "-n", NAMESPACE)
 
     assert not _can(cluster, "default", "create", "tokenreviews.authentication.k8s.io")
 

@@ -41,17 +41,6 @@ from testbed.ports import free_port
 
 NODE_NAMES = ("node-1", "node-2")
 WEBHOOK_NODE = "node-2"
-# The one step a cluster admin takes by hand on each RDMA node (docs/runtime-hook.md): a
-# containerd runtime handler for the `ibckpt` RuntimeClass. The agent installs the wrapper
-# it names; until then pods of that class fail to start with the reason, others are untouched.
-IBCKPT_RUNTIME_HANDLER = """
-    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.ibckpt]
-      runtime_type = "io.containerd.runc.v2"
-      pod_annotations = ["ibckpt.io/*"]
-      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.ibckpt.options]
-        BinaryName = "/usr/local/bin/ibckpt-runc"
-        SystemdCgroup = false
-"""
 KUBELET_PORT = 10250
 RDMA_LABEL = "ibckpt.io/rdma"
 
@@ -193,7 +182,7 @@ syncFrequency: 10s
 """
 
 
-def _prepare_node(plane: ControlPlane, root: Path, index: int, store: Path, handlers_toml: str) -> Path:
+def _prepare_node(plane: ControlPlane, root: Path, index: int, store: Path) -> Path:
     name = NODE_NAMES[index - 1]
     node_dir = root / name
     node_dir.mkdir(parents=True)
@@ -220,7 +209,6 @@ def _prepare_node(plane: ControlPlane, root: Path, index: int, store: Path, hand
         cert=(node_dir / "client.crt", node_dir / "client.key"),
     )
     (node_dir / "kubelet-config.yaml").write_text(_kubelet_config(node_dir))
-    (node_dir / "runtime-handlers.toml").write_text(handlers_toml)
     env = {
         "NODE_NAME": name,
         "NODE_IP": node_ip(index),
@@ -243,7 +231,6 @@ def _prepare_node(plane: ControlPlane, root: Path, index: int, store: Path, hand
 def start_cluster(
     workdir: Path | None = None,
     forward_ports: Sequence[int] = (),
-    runtime_handlers_toml: str = IBCKPT_RUNTIME_HANDLER,
     memory_mb: int = 3072,
     cpus: int = 2,
     echo: bool = False,
@@ -251,7 +238,7 @@ def start_cluster(
     """Control plane on the host, two node guests; returns once both nodes are Ready.
 
     forward_ports: host services (S3, ...) that pods and nodes reach at 10.0.2.100:<port>.
-    runtime_handlers_toml: extra containerd runtimes (the ibckpt runtime handler).
+    The nodes' containerd starts with a stock configuration: the chart's agents add the ibckpt handler.
     """
     root = Path(workdir or tempfile.mkdtemp(prefix="ibckpt-cluster-"))
     built = image_builds.build()
@@ -265,10 +252,7 @@ def start_cluster(
     )
     try:
         api_port = int(plane.url.rsplit(":", 1)[1])
-        node_dirs = {
-            name: _prepare_node(plane, root, i, store, runtime_handlers_toml)
-            for i, name in enumerate(NODE_NAMES, 1)
-        }
+        node_dirs = {name: _prepare_node(plane, root, i, store) for i, name in enumerate(NODE_NAMES, 1)}
         specs = [
             GuestSpec(
                 command=f"bash {HERE / 'node-init.sh'} {node_dirs[n]}",

@@ -160,8 +160,11 @@ def finish(cluster: Cluster, namespace: str) -> list[dict[str, str]]:
 # The same ring as a StatefulSet `ring`: one template, so each pod's role comes from its hostname; the
 # testbed has no cluster DNS, so the client waits for the test to write the server's address in /tmp.
 # The container stays up after the ring (a StatefulSet restarts a container that exits).
+# Each member first runs verbs processes that come and go, as real pods do (a device check, a connect
+# that fails and exits): their control sockets must not stand in the way of a checkpoint (issue 30).
+COME_AND_GO = "for i in 1 2 3; do ibv_devinfo >/dev/null; done; ibv_rc_pingpong -g 1 -n 1 127.0.0.1 || true; "
 STATEFUL_COMMAND = (
-    f'if [ "$(hostname)" = ring-0 ]; then rc_seq -f /tmp/stop -p 18515 {PACE}; '
+    COME_AND_GO + f'if [ "$(hostname)" = ring-0 ]; then rc_seq -f /tmp/stop -p 18515 {PACE}; '
     "else while [ ! -s /tmp/server ]; do sleep 1; done; "
     f'rc_seq -c "$(cat /tmp/server)" -f /tmp/stop -p 18515 {PACE}; fi; echo ring-done; exec sleep 1000000'
 )

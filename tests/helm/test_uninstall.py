@@ -1,0 +1,125 @@
+"""The session's release at its end: an upgrade that leaves a node without a prerequisite, then
+`helm uninstall`, after which the nodes are as they were before the install.
+
+Runs last among the cluster's tests (files sort after every other cluster test): it ends the release
+the others share. The nodes started with containerd's stock configuration (node-init.sh keeps a copy on
+the host); the agents added the ibckpt handler and labelled the nodes (test_chart.py checks that).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import pytest
+from helm.conftest import NAMESPACE, RELEASE, Release
+
+from testbed import pods
+from testbed.cluster import NODE_NAMES, Cluster
+from testbed.images import APPS_IMAGE
+from testbed.release import CHART, helm
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(2400)]
+
+READY_LABEL = "ibckpt.io/runtime-ready"
+REASON_MISSING = "NodePrerequisiteMissing"
+NS = "bystanders"
+NODE_FILES = (
+    "/usr/local/bin/ibckpt-runc",
+    "/usr/local/bin/ibckpt-hook",
+    "/usr/local/lib/ibckpt/libibckpt.so",
+    "/etc/ibckpt/node.json",
+)
+
+
+def _events(cluster: Cluster, reason: str) -> list[dict[str, Any]]:
+    found = cluster.kubectl("get", "events", "-A", "--field-selector", f"reason={reason}", "-o", "json")
+    items: list[dict[str, Any]] = json.loads(found.stdout)["items"]
+    return items
+
+
+def _wait(what: str, check: Any, timeout: float = 600.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = check()
+        if got:
+            return got
+        time.sleep(3)
+    raise AssertionError(f"{what}: not within {timeout:g}s")
+
+
+def _node_view(cluster: Cluster, node: str) -> str:
+    """What a pod with no privilege sees of the node's containerd config and ibckpt's files (hostPath)."""
+    name = f"look-{node}"
+    script = "cat /node/etc/containerd/config.toml; echo '=== files'; " + "; ".join(
+        f"test -e /node{path} && echo present {path}" for path in NODE_FILES
+    )
+    pod = pods.image_pod(name, node, APPS_IMAGE, [])
+    pod["spec"]["containers"][0]["command"] = ["sh", "-c", script + "; true"]
+    pod["spec"]["containers"][0]["volumeMounts"] = [{"name": "root", "mountPath": "/node", "readOnly": True}]
+    pod["spec"]["volumes"] = [{"name": "root", "hostPath": {"path": "/"}}]
+    pods.apply(cluster, NS, pod)
+    pods.wait_pod(cluster, NS, name, {"Succeeded"}, timeout=300)
+    return cluster.kubectl("logs", "-n", NS, name).stdout
+
+
+def test_a_missing_prerequisite_then_helm_uninstall_leaves_the_nodes_as_they_were(installed: Release) -> None:
+    cluster = installed.cluster
+    pods.namespace(cluster, NS)
+    # a pod of no class on each node, running through the whole story
+    for node in NODE_NAMES:
+        idle = pods.image_pod(f"idle-{node}", node, APPS_IMAGE, [])
+        idle["spec"]["containers"][0]["command"] = ["sleep", "100000"]
+        pods.apply(cluster, NS, idle)
+    before = {}
+    for node in NODE_NAMES:
+        status = pods.wait_pod(cluster, NS, f"idle-{node}", {"Running"})["status"]
+        before[node] = status["containerStatuses"][0]["containerID"]
+
+    # 1. The agents are told to hand calls to a runtime the nodes lack: the first one rolled stays not
+    #    Ready, names the missing piece in an Event on its Node, and takes its node's label away.
+    helm(
+        cluster, "upgrade", RELEASE, str(CHART), "--namespace", NAMESPACE, "--reuse-values",
+        "--set", "agent.nextRuntime=/nonexistent/runc",
+    )  # fmt: skip
+    missing = _wait(
+        "an Event NodePrerequisiteMissing naming the runtime",
+        lambda: [e for e in _events(cluster, REASON_MISSING) if "/nonexistent/runc" in e["message"]],
+    )
+    node = missing[0]["involvedObject"]["name"]
+    assert missing[0]["involvedObject"]["kind"] == "Node" and missing[0]["type"] == "Warning", missing[0]
+    agent = _wait(
+        f"the new agent on {node}",
+        lambda: [
+            p
+            for p in installed.agent_pods()
+            if p["spec"]["nodeName"] == node and "/nonexistent/runc" in json.dumps(p["spec"]["containers"][0])
+        ],
+    )[0]
+    ready = {c["type"]: c["status"] for c in agent["status"].get("conditions", [])}
+    assert ready.get("Ready") != "True", agent["status"]
+    labels = pods.get(cluster, NS, "node", node)["metadata"]["labels"]
+    assert READY_LABEL not in labels, labels
+    log = installed.cluster.kubectl("logs", "-n", NAMESPACE, agent["metadata"]["name"]).stdout
+    assert "/nonexistent/runc" in log and "lacks what the ibckpt agent needs" in log, log[-2000:]
+
+    # 2. helm uninstall: its pre-delete hook has every agent undo its node.
+    installed.uninstall()
+    for name in NODE_NAMES:
+        labels = pods.get(cluster, NS, "node", name)["metadata"]["labels"]
+        assert READY_LABEL not in labels, labels
+        seen = _node_view(cluster, name)
+        config, files = seen.split("=== files", 1)
+        stock = (cluster.node_dirs[name] / "containerd-config.stock.toml").read_text()
+        assert config == stock, f"{name}'s containerd config after uninstall:\n{config}"
+        assert "present" not in files, files
+    removed = {e["involvedObject"]["name"] for e in _events(cluster, "RuntimeHandlerRemoved")}
+    assert removed == set(NODE_NAMES), removed
+    # the pods of no class never noticed: the same containers, never restarted
+    for name in NODE_NAMES:
+        status = pods.get(cluster, NS, "pod", f"idle-{name}")["status"]
+        [container] = status["containerStatuses"]
+        assert status["phase"] == "Running" and container["restartCount"] == 0, status
+        assert container["containerID"] == before[name]
+    pods.delete_namespace(cluster, NS)
