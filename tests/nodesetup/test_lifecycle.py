@@ -165,3 +165,22 @@ def test_a_v3_node_gets_and_loses_its_drop_in(tmp_path: Path) -> None:
     assert host.remove_handler(setup).changed
     assert (tmp_path / "etc/containerd/config.toml").read_text() == "version = 3\n"
     assert not (tmp_path / "etc/containerd/conf.d/ibckpt.toml").exists()
+
+
+def test_the_next_runtime_is_looked_for_on_the_whole_node_not_only_the_charts_mounts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The chart mounts only ibckpt's own directories under /host; runc lives in the node's /usr/sbin."""
+    mounts = node_root(tmp_path / "mounts")
+    node = tmp_path / "node"
+    monkeypatch.setattr(host, "run_on_node", lambda argv, timeout_s=30.0: (0, "Version: 3.17.1\n3 11\n"))
+    setup = host.NodeSetup(**{**mounts.__dict__, "node_fs": node})
+
+    def runtime() -> prereqs.Finding:
+        return next(f for f in host.check(setup) if f.name == "next runtime")
+
+    assert runtime() == prereqs.Finding("next runtime", False, "/usr/sbin/runc does not exist on the node")
+    (node / "usr/sbin").mkdir(parents=True)
+    (node / "usr/sbin/runc").write_text("#!/bin/sh\n")
+    (node / "usr/sbin/runc").chmod(0o755)
+    assert runtime().ok, runtime()

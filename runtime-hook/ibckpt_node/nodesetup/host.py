@@ -36,9 +36,15 @@ class NodeSetup:
     restart: str = "auto"
     manage: bool = True
     handler_name: str = "ibckpt"  # the RuntimeClass's handler
+    # The whole node as pid 1 sees it (the agent shares the node's pid namespace): for what lies outside
+    # the chart's mounts, such as the next runtime in /usr/sbin or /usr/bin.
+    node_fs: Path = Path("/proc/1/root")
 
     def host(self, path: str) -> Path:
         return self.root / path.lstrip("/")
+
+    def on_node(self, path: str) -> Path:
+        return self.node_fs / path.lstrip("/")
 
     @property
     def handler(self) -> containerd.Handler:
@@ -65,8 +71,11 @@ def run_on_node(argv: list[str], timeout_s: float = 30.0) -> tuple[int | None, s
 def check(setup: NodeSetup) -> list[prereqs.Finding]:
     """Every prerequisite, found on the node."""
     found = []
+    runtime = setup.on_node(setup.next_runtime)
+    found.append(
+        prereqs.executable("next runtime", setup.next_runtime, runtime.exists(), os.access(runtime, os.X_OK))
+    )
     for name, path in (
-        ("next runtime", setup.next_runtime),
         ("runtime wrapper", f"{setup.prefix}/bin/ibckpt-runc"),
         ("OCI hook", f"{setup.prefix}/bin/ibckpt-hook"),
     ):
