@@ -23,6 +23,18 @@ static int exists(const char *path)
 }
 
 /* 0: something listens at path (the connection is queued, never served) */
+/* The name the kernel keeps for the socket is the one CRIU restores it at:
+ * it must be the file's own name, not a temporary one. */
+static int bound_at(int fd, const char *path)
+{
+	struct sockaddr_un addr;
+	socklen_t len = sizeof(addr);
+
+	if (getsockname(fd, (struct sockaddr *)&addr, &len))
+		return 0;
+	return !strcmp(addr.sun_path, path);
+}
+
 static int reachable(const char *path)
 {
 	struct sockaddr_un sa;
@@ -61,7 +73,7 @@ int main(int argc, char **argv)
 		return 2;
 	fd = ibk_ctl_listen(path, 900);
 	snprintf(tmp, sizeof(tmp), "%s.new", path);
-	if (fd < 900 || reachable(path) || exists(tmp))
+	if (fd < 900 || reachable(path) || exists(tmp) || !bound_at(fd, path))
 		return 2;
 	ibk_ctl_own(path, fd);
 	printf("%s\n", path);

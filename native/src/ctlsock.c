@@ -18,7 +18,6 @@
 
 #include "ctlsock.h"
 
-#define TMP_SUFFIX ".new" /* not ".sock": the agent never takes it */
 
 static char owned_path[sizeof(((struct sockaddr_un *)0)->sun_path)];
 static volatile sig_atomic_t owner_pid; /* 0: nothing to remove */
@@ -79,9 +78,7 @@ static int bind_listen(int fd, const char *name)
 
 int ibk_ctl_listen(const char *path, int fd_min)
 {
-	char tmp[sizeof(owned_path)];
 	int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0), high, err;
-	int n = snprintf(tmp, sizeof(tmp), "%s%s", path, TMP_SUFFIX);
 
 	if (fd < 0)
 		return -1;
@@ -90,18 +87,12 @@ int ibk_ctl_listen(const char *path, int fd_min)
 		close(fd);
 		fd = high;
 	}
-	/* Listening under a temporary name, then renamed: the agent never sees
-	 * the final name refuse a connection because listen() is yet to come. */
-	if (n > 0 && (size_t)n < sizeof(tmp)) {
-		if (!bind_listen(fd, tmp) && !rename(tmp, path))
-			return fd;
-		err = errno;
-		unlink(tmp);
-	} else if (!bind_listen(fd, path)) {
+	/* Bound at its final name, never renamed: CRIU restores a listening
+	 * socket at the name it was bound to. The agent retries a refused
+	 * connect before it calls a socket stale (listen() is yet to come). */
+	if (!bind_listen(fd, path))
 		return fd;
-	} else {
-		err = errno;
-	}
+	err = errno;
 	close(fd);
 	errno = err;
 	return -1;
@@ -175,14 +166,11 @@ void ibk_ctl_own(const char *path, int fd)
 __attribute__((constructor)) static void remove_stale_at_load(void)
 {
 	const char *tmpl = getenv("IBCKPT_CTL");
-	char path[sizeof(owned_path)], tmp[sizeof(owned_path) + sizeof(TMP_SUFFIX)];
+	char path[sizeof(owned_path)];
 	struct stat st;
 
 	if (!tmpl || !strstr(tmpl, "%p") || ibk_ctl_path(path, sizeof(path), getpid()))
 		return;
 	if (lstat(path, &st) == 0 && S_ISSOCK(st.st_mode))
 		unlink(path);
-	snprintf(tmp, sizeof(tmp), "%s%s", path, TMP_SUFFIX);
-	if (lstat(tmp, &st) == 0 && S_ISSOCK(st.st_mode))
-		unlink(tmp);
 }

@@ -17,6 +17,7 @@ import contextlib
 import errno
 import os
 import socket
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,16 +69,25 @@ def classify(
     return live, stale
 
 
-def listening(path: str) -> bool:
-    """False when a connect to the unix socket at `path` is refused or it is gone; True otherwise (a
-    full backlog, or any other error, is not taken as proof that nobody listens)."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.setblocking(False)
-        try:
-            sock.connect(path)
-        except OSError as exc:
-            return exc.errno not in (errno.ECONNREFUSED, errno.ENOENT)
-    return True
+def listening(path: str, tries: int = 3, pause_s: float = 0.05) -> bool:
+    """False when a connect to the unix socket at `path` is refused (every one of `tries`) or it is
+    gone; True otherwise (a full backlog, or any other error, is not taken as proof that nobody
+    listens). The shim binds, then listens: a refusal between the two is not a stale socket."""
+    for attempt in range(tries):
+        if attempt:
+            time.sleep(pause_s)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.setblocking(False)
+            try:
+                sock.connect(path)
+            except OSError as exc:
+                if exc.errno == errno.ENOENT:
+                    return False
+                if exc.errno != errno.ECONNREFUSED:
+                    return True
+                continue
+        return True
+    return False
 
 
 def namespace_pids(container_pid: int, proc: Path = Path("/proc")) -> dict[int, int]:

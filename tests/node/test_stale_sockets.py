@@ -11,6 +11,7 @@ import asyncio
 import json
 import os
 import socket
+import threading
 from pathlib import Path
 
 import pytest
@@ -72,6 +73,20 @@ def test_listening_tells_a_refused_connect_from_a_live_socket(tmp_path: Path) ->
         assert not control_sockets.listening(str(tmp_path / "3.sock"))  # gone meanwhile
     finally:
         live.close()
+
+
+def test_a_socket_bound_and_not_yet_listening_is_not_taken_for_stale(tmp_path: Path) -> None:
+    """The shim binds at the final name, then listens: a connect between the two is refused once."""
+    path = str(tmp_path / "4.sock")
+    early = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    early.bind(path)
+    timer = threading.Timer(0.03, early.listen, (1,))
+    timer.start()
+    try:
+        assert control_sockets.listening(path, tries=20, pause_s=0.02)
+    finally:
+        timer.join()
+        early.close()
 
 
 def test_the_pid_namespace_is_read_once_for_every_process() -> None:
