@@ -116,6 +116,12 @@ def test_the_agent_sets_up_its_node_and_the_runtime_class_selects_its_label() ->
     mounts = {m["name"]: m for m in container["volumeMounts"]}
     assert mounts["containerd-etc"]["mountPath"] == "/host/etc/containerd"
     assert mounts["containerd-tasks"]["readOnly"] is True
+    operator_rules = objects[("ClusterRole", "ibckpt-operator")]["rules"]
+    # recovery: nodes read only; its RestoreJob created, and deleted past the deadline
+    assert {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]} in operator_rules
+    assert {"apiGroups": ["ibckpt.io"], "resources": ["restorejobs"], "verbs": ["create", "delete"]} in (
+        operator_rules
+    )
     rules = objects[("ClusterRole", "ibckpt-agent")]["rules"]
     assert {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]} in rules
     assert {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]} in rules
