@@ -21,6 +21,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from ibckpt_native.control import unfollowed
+
 SUFFIX = ".sock"
 
 
@@ -74,9 +76,10 @@ def listening(path: str) -> bool:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.setblocking(False)
         try:
-            sock.connect(path)
+            with unfollowed(path) as address:  # the container's directory: follow no link there
+                sock.connect(address)
         except OSError as exc:
-            return exc.errno not in (errno.ECONNREFUSED, errno.ENOENT)
+            return exc.errno not in (errno.ECONNREFUSED, errno.ENOENT, errno.ENOTSOCK)
     return True
 
 
