@@ -110,7 +110,8 @@ class HttpServer:
         self.handler = handler
         self.error = error
         self._server: asyncio.AbstractServer | None = None
-        self._open = 0
+        self._open = 0  # connections admitted and not yet ended or evicted
+        self._counted: set[asyncio.StreamWriter] = set()
         self._reading: dict[asyncio.StreamWriter, None] = {}  # oldest first: not yet a whole request
 
     async def start(self) -> None:
@@ -133,9 +134,16 @@ class HttpServer:
             del self._reading[oldest]
             log.warning("%d connections open: dropping the oldest one still sending its request", self._open)
             oldest.transport.abort()  # its read ends with an error and its handler closes it
+            self._release(oldest)  # now: its handler notices the abort only on a later turn of the loop
         self._open += 1
+        self._counted.add(writer)
         self._reading[writer] = None
         return True
+
+    def _release(self, writer: asyncio.StreamWriter) -> None:
+        if writer in self._counted:
+            self._counted.discard(writer)
+            self._open -= 1
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
@@ -146,7 +154,7 @@ class HttpServer:
         try:
             await self._answer(reader, writer, where)
         finally:
-            self._open -= 1
+            self._release(writer)
             self._reading.pop(writer, None)
 
     async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, where: str) -> None:
