@@ -55,6 +55,42 @@ class DrainProtection(ApiModel):
     )
 
 
+class NoCheckpointPolicy(StrEnum):
+    """What a recovery does when no Checkpoint of the schedule can be restored (none yet, or the restore
+    failed). WaitForPerson: touch nothing more, say so loudly. RestartFromScratch: stop every pod and let
+    the workload's controller start them again from the beginning (bare pods have none: then it waits)."""
+
+    WAIT_FOR_PERSON = "WaitForPerson"
+    RESTART_FROM_SCRATCH = "RestartFromScratch"
+
+
+class FencingPolicy(StrEnum):
+    """When a pod on an unreachable node counts as not running, so that its rank may run elsewhere.
+    NodeGone: its Node object is deleted, or its kubelet reported the pod ended. OutOfServiceTaint: also
+    when the node carries node.kubernetes.io/out-of-service (non-graceful node shutdown). docs/recovery.md."""
+
+    NODE_GONE = "NodeGone"
+    OUT_OF_SERVICE_TAINT = "OutOfServiceTaint"
+
+
+class RecoveryProtection(ApiModel):
+    """Restore the whole workload from its latest restorable Checkpoint when a node running one of its
+    pods stays NotReady longer than nodeNotReadySeconds, or one of its pods fails (docs/recovery.md)."""
+
+    enabled: bool = True
+    node_not_ready_seconds: int = Field(
+        default=60, ge=0, description="A member's node NotReady or Unknown this long triggers a recovery."
+    )
+    pod_failure: bool = Field(
+        default=True, description="A member pod Failed, or a container exited non-zero, triggers one."
+    )
+    no_checkpoint: NoCheckpointPolicy = NoCheckpointPolicy.WAIT_FOR_PERSON
+    fencing: FencingPolicy = FencingPolicy.NODE_GONE
+    deadline_seconds: int = Field(
+        default=1800, ge=30, description="Bound on a recovery, from the detection to the restored job."
+    )
+
+
 class CheckpointScheduleSpec(ApiModel):
     """One of intervalSeconds (fixed) and mtbfSeconds (Young/Daly) makes it periodic; drain alone makes it
     a drain protection without periodic checkpoints. At least one of the three."""
@@ -84,14 +120,18 @@ class CheckpointScheduleSpec(ApiModel):
         default=1, ge=0, description="Failed CheckpointJobs kept, for their status and Events."
     )
     drain: DrainProtection | None = Field(default=None, description="Migrate the workload on node drains.")
+    recovery: RecoveryProtection | None = Field(
+        default=None, description="Restore the workload from its latest checkpoint when it fails."
+    )
     template: CheckpointJobSpec = Field(description="The spec of each CheckpointJob it creates.")
 
     @model_validator(mode="after")
     def _something_to_do(self) -> CheckpointScheduleSpec:
         if self.interval_seconds is not None and self.mtbf_seconds is not None:
             raise ValueError("give at most one of intervalSeconds and mtbfSeconds")
-        if self.interval_seconds is None and self.mtbf_seconds is None and self.drain is None:
-            raise ValueError("give intervalSeconds, mtbfSeconds or drain")
+        protection = self.drain is not None or self.recovery is not None
+        if self.interval_seconds is None and self.mtbf_seconds is None and not protection:
+            raise ValueError("give intervalSeconds, mtbfSeconds, drain or recovery")
         if self.min_interval_seconds > self.max_interval_seconds:
             raise ValueError("minIntervalSeconds must not exceed maxIntervalSeconds")
         return self
@@ -131,6 +171,29 @@ class MigrationStatus(ApiModel):
     restore_job: str | None = None
 
 
+class RecoveryStatus(ApiModel):
+    """The recovery machine's bookkeeping (operator/ibckpt_operator/machine/recovery.py RecoveryState)."""
+
+    seq: int = Field(default=0, ge=0, description="Recoveries started.")
+    trigger: str | None = Field(default=None, description="NodeNotReady, NodeGone or PodFailed.")
+    nodes: list[str] | None = Field(default=None, description="The failed nodes the restore avoids.")
+    sources: list[MigrationSource] | None = None
+    from_scratch: bool | None = None
+    restartable: bool | None = Field(
+        default=None, description="Every source has a controller that starts it again from scratch."
+    )
+    failed_at: datetime | None = Field(default=None, description="When the failure began, as observed.")
+    detected_at: datetime | None = None
+    deadline: datetime | None = None
+    ended_at: datetime | None = None
+    restore_job: str | None = None
+    checkpoint: str | None = Field(default=None, description="The Checkpoint restored.")
+    checkpoint_time: datetime | None = None
+    work_lost_seconds: float | None = Field(
+        default=None, description="The failure's time minus the checkpoint's: the work done again."
+    )
+
+
 class CheckpointScheduleStatus(ApiModel):
     last_checkpoint_time: datetime | None = None
     last_checkpoint_job: str | None = None
@@ -164,6 +227,10 @@ class CheckpointScheduleStatus(ApiModel):
         description="The PodDisruptionBudget kept over the workload's pods (policy/VERSION/NAME).",
     )
     migration: MigrationStatus | None = None
+    recovery_phase: str | None = Field(default=None, description="Where a recovery is (Idle: none).")
+    recovery_reason: str | None = None
+    recovery_message: str | None = None
+    recovery: RecoveryStatus | None = None
     message: str | None = None
     observed_generation: ObservedGeneration = None
     conditions: Conditions = None
@@ -174,7 +241,7 @@ CHECKPOINT_SCHEDULE = KindInfo(
     plural="checkpointschedules",
     short_names=("ckps",),
     scope="Namespaced",
-    summary="Periodic CheckpointJobs with retention, and migration of the workload on node drains.",
+    summary="Periodic CheckpointJobs with retention, migration on node drains, recovery on failures.",
     spec=CheckpointScheduleSpec,
     status=CheckpointScheduleStatus,
     printer_columns=(
@@ -182,6 +249,7 @@ CHECKPOINT_SCHEDULE = KindInfo(
         PrinterColumn("Suspend", ".spec.suspend", "boolean"),
         PrinterColumn("Last", ".status.lastCheckpointTime", "date"),
         PrinterColumn("Drain", ".status.drainPhase"),
+        PrinterColumn("Recovery", ".status.recoveryPhase"),
         PrinterColumn("Interval", ".status.intervalSeconds", "number", priority=1),
     ),
 )

@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
+import os
 import socket
+import stat
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,6 +84,20 @@ def parse_reply(command: str, raw: bytes) -> dict[str, Any]:
     return reply
 
 
+@contextlib.contextmanager
+def unfollowed(path: str) -> Iterator[str]:
+    """An address that reaches the socket at `path` without following a symlink there: the socket's
+    directory belongs to the container, which could swap in a link to any socket on the node between
+    the agent's listing and its connect. Yields /proc/self/fd/N of an O_PATH fd checked to be a socket."""
+    fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+            raise OSError(errno.ENOTSOCK, "not a socket (a symlink is not followed)", path)
+        yield f"/proc/self/fd/{fd}"
+    finally:
+        os.close(fd)
+
+
 def exchange_line(s: socket.socket, line: str) -> bytes:
     """Sends one request line on a connected socket and reads back the one reply line (or what
     came before the peer closed). The shim's control socket and its coordinator both speak so."""
@@ -103,7 +121,8 @@ class ShimControl:
     def command(self, line: str) -> dict[str, Any]:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.settimeout(self.timeout)
-            s.connect(self.path)
+            with unfollowed(self.path) as address:
+                s.connect(address)
             return parse_reply(line, exchange_line(s, line))
 
     def hello(self) -> dict[str, Any]:
@@ -146,9 +165,15 @@ class AsyncShimControl:
     reply_limit: int  # a status or rebuild reply lists every QP of the rank
 
     async def command(self, line: str, timeout_s: float = 600.0) -> dict[str, Any]:
-        reader, writer = await asyncio.wait_for(
-            asyncio.open_unix_connection(self.path, limit=self.reply_limit), timeout_s
-        )
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.setblocking(False)
+            with unfollowed(self.path) as address:
+                await asyncio.wait_for(asyncio.get_running_loop().sock_connect(sock, address), timeout_s)
+            reader, writer = await asyncio.open_unix_connection(sock=sock, limit=self.reply_limit)
+        except BaseException:
+            sock.close()
+            raise
         try:
             writer.write(line.encode() + b"\n")
             await writer.drain()

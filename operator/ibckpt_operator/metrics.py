@@ -82,3 +82,26 @@ def record_migration(schedule: str, outcome: str, seconds: float) -> None:
     """outcome: Migrated, Lost, Failed, Cancelled."""
     DRAIN_MIGRATIONS.labels(schedule, outcome).inc()
     DRAIN_HOLD_SECONDS.labels(schedule, outcome).observe(max(0.0, seconds))
+
+
+RECOVERING = Gauge("ibckpt_recovering", "1 while a protected workload is being recovered", ["schedule"])
+RECOVERY_SECONDS = Histogram(
+    "ibckpt_recovery_seconds",
+    "From the detection of a failure to the end of its recovery",
+    ["schedule", "outcome"],
+    buckets=(5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600),
+)
+RECOVERIES = Counter("ibckpt_recoveries_total", "Recoveries that ended, by outcome", ["schedule", "outcome"])
+RECOVERY_WORK_LOST = Gauge(
+    "ibckpt_recovery_work_lost_seconds",
+    "The last recovery's failure time minus its checkpoint's",
+    ["schedule"],
+)
+
+
+def record_recovery(schedule: str, outcome: str, seconds: float, work_lost: float | None) -> None:
+    """outcome: Recovered, RestartedFromScratch, WaitingForPerson, Failed."""
+    RECOVERIES.labels(schedule, outcome).inc()
+    RECOVERY_SECONDS.labels(schedule, outcome).observe(max(0.0, seconds))
+    if work_lost is not None:
+        RECOVERY_WORK_LOST.labels(schedule).set(work_lost)

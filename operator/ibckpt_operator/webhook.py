@@ -6,7 +6,13 @@ environment; off outside a pod, where the apiserver cannot reach the operator.
 - `IBCKPT_WEBHOOK_CERT`, `IBCKPT_WEBHOOK_KEY`, `IBCKPT_WEBHOOK_CA`: a certificate issued for the host
   (cert-manager); without them a self-signed one is made at start-up and its CA goes in the caBundle;
 - `IBCKPT_WEBHOOK_TIMEOUT` (5): the apiserver's bound on a pod creation's call, in seconds; an
-  eviction's is twice that.
+  eviction's is twice that;
+- `IBCKPT_WEBHOOK_CLIENT_CA`: the CA that signs the apiserver's client certificate for webhooks; with
+  it, a caller without such a certificate is refused in the TLS handshake;
+- `IBCKPT_WEBHOOK_MAX_CONNECTIONS` (32): connections served at once; more are closed at once.
+
+kopf's own server has no bound on connections, idle keep-alive (an hour in aiohttp 3.14) or slow
+clients, so BoundedWebhookServer serves kopf's handler with them (docs/security.md, "Admission").
 
 The leader writes the configurations (cluster/admission.py), not kopf: handlers/drain.py and
 handlers/restorejob.py register the handlers they call.
@@ -14,15 +20,21 @@ handlers/restorejob.py register the handlers they call.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import datetime
+import functools
 import ipaddress
 import logging
 import os
+import ssl
 import tempfile
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import aiohttp.web
 import kopf
 
 from ibckpt_operator.cluster.admission import Endpoint
@@ -41,6 +53,8 @@ class WebhookSettings:
     keyfile: str | None = None
     cafile: str | None = None
     timeout_s: int = 5
+    client_ca: str | None = None
+    max_connections: int = 32
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> WebhookSettings:
@@ -56,6 +70,8 @@ class WebhookSettings:
             keyfile=env.get("IBCKPT_WEBHOOK_KEY") or None,
             cafile=env.get("IBCKPT_WEBHOOK_CA") or None,
             timeout_s=max(1, min(15, int(env.get("IBCKPT_WEBHOOK_TIMEOUT") or 5))),
+            client_ca=env.get("IBCKPT_WEBHOOK_CLIENT_CA") or None,
+            max_connections=max(1, int(env.get("IBCKPT_WEBHOOK_MAX_CONNECTIONS") or 32)),
         )
 
 
@@ -114,13 +130,16 @@ def serve_admission(settings: kopf.OperatorSettings) -> None:
     if certfile is None or keyfile is None:
         made = self_signed(webhook.host, Path(tempfile.mkdtemp(prefix="ibckpt-webhook-")))
         certfile, keyfile, cafile = str(made[0]), str(made[1]), str(made[0])
-    settings.admission.server = kopf.WebhookServer(
+    settings.admission.server = BoundedWebhookServer(
         addr=webhook.bind,
         port=webhook.port,
         host=webhook.host,
         certfile=certfile,
         pkeyfile=keyfile,
         cafile=cafile,
+        verify_mode=ssl.CERT_REQUIRED if webhook.client_ca else None,
+        verify_cafile=webhook.client_ca,
+        max_connections=webhook.max_connections,
     )
     bundle = Path(cafile or certfile)  # a given certificate without its CA: it signs itself
     host = f"[{webhook.host}]" if ":" in webhook.host else webhook.host
@@ -130,4 +149,121 @@ def serve_admission(settings: kopf.OperatorSettings) -> None:
         eviction_timeout_s=min(30, 2 * webhook.timeout_s),
         creation_timeout_s=webhook.timeout_s,
     )
-    log.info("admission webhooks at https://%s:%d", webhook.host, webhook.port)
+    log.info(
+        "admission webhooks at https://%s:%d (bound to %s; apiserver client certificate %s)",
+        webhook.host,
+        webhook.port,
+        webhook.bind,
+        "required" if webhook.client_ca else "not checked",
+    )
+
+
+HANDSHAKE_S = 5.0  # a TLS handshake not done by then is dropped
+IDLE_S = 30.0  # a keep-alive connection with no request for this long is closed
+LIFETIME_S = 120.0  # any connection is closed after this: a slow client holds a slot no longer
+MAX_BODY = 2 * 1024 * 1024  # an AdmissionReview of a pod; the apiserver's own request limit is 3 MiB
+CERT_POLL_S = 60.0  # how often the certificate files are looked at (cert-manager renews them)
+
+
+class _Gate:
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.open = 0
+
+
+class _Capped(asyncio.Protocol):
+    """aiohttp's protocol for one connection, admitted under the cap and closed at LIFETIME_S."""
+
+    def __init__(self, inner: Any, gate: _Gate) -> None:
+        self.inner = inner
+        self.gate = gate
+        self.timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if self.gate.open >= self.gate.limit:
+            log.warning("admission server: %d connections open, closing a new one", self.gate.open)
+            transport.abort()  # type: ignore[attr-defined]
+            return
+        self.gate.open += 1
+        self.timer = asyncio.get_running_loop().call_later(LIFETIME_S, transport.abort)  # type: ignore[attr-defined]
+        self.inner.connection_made(transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.gate.open -= 1
+            self.inner.connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        self.inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return bool(self.inner.eof_received())
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
+
+
+def _capped(factory: Callable[[], Any], gate: _Gate) -> _Capped:
+    return _Capped(factory(), gate)
+
+
+class BoundedWebhookServer(kopf.WebhookServer):
+    """kopf's WebhookServer (its handler, TLS and client-certificate settings) on an aiohttp server with
+    bounds: `max_connections`, HANDSHAKE_S, IDLE_S, LIFETIME_S and MAX_BODY. It restarts, as kopf's
+    does, when the certificate files change."""
+
+    def __init__(self, *, max_connections: int = 32, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.max_connections = max_connections
+        self.gate = _Gate(max_connections)
+        self.bound_port: int | None = None  # the port served, once serving (port 0: any free one)
+
+    async def __call__(self, fn: Any) -> AsyncIterator[Any]:
+        async def serve(request: aiohttp.web.Request) -> aiohttp.web.Response:
+            return await self._serve(fn, request)
+
+        while True:
+            cadata, context = self._build_ssl()
+            app = aiohttp.web.Application(client_max_size=MAX_BODY)
+            app.add_routes([aiohttp.web.post(f"{(self.path or '').rstrip('/')}/{{id:.*}}", serve)])
+            runner = aiohttp.web.AppRunner(app, handle_signals=False, keepalive_timeout=IDLE_S)
+            await runner.setup()
+            try:
+                factory: Callable[[], Any] = runner.server  # type: ignore[assignment]
+                server = await asyncio.get_running_loop().create_server(
+                    functools.partial(_capped, factory, self.gate),
+                    self.addr or None,
+                    self.port or 0,
+                    ssl=context,
+                    ssl_handshake_timeout=HANDSHAKE_S if context is not None else None,
+                    reuse_address=True,
+                )
+                self.bound_port = int(server.sockets[0].getsockname()[1])
+                schema = "http" if context is None else "https"
+                url = self._build_url(schema, self.host or "127.0.0.1", self.bound_port, self.path or "")
+                config: dict[str, str] = {"url": url}
+                if cadata is not None:
+                    config["caBundle"] = base64.b64encode(cadata).decode("ascii")
+                try:
+                    yield config
+                    await self._until_certificates_change()
+                finally:
+                    server.close()
+                    await server.wait_closed()
+            finally:
+                await runner.cleanup()
+
+    async def _until_certificates_change(self) -> None:
+        files = [Path(str(f)) for f in (self.certfile, self.pkeyfile, self.verify_cafile) if f]
+
+        def stamps() -> list[float]:
+            return [f.stat().st_mtime if f.exists() else 0.0 for f in files]
+
+        first = stamps()
+        while stamps() == first:
+            await asyncio.sleep(CERT_POLL_S)
+        log.info("admission server: certificate files changed, serving them")

@@ -42,7 +42,7 @@ from typing import Any
 from ibckpt.coordination.client import CoordinatorClient, CoordinatorError
 from ibckpt.coordination.ranks import RankId
 from ibckpt.vocabulary import Mode, PhaseSeconds
-from ibckpt_node.coord_proxy import ShimCoordinatorProxy
+from ibckpt_node.coord_proxy import Channel, ShimCoordinatorProxy
 from ibckpt_node.criu import CriuError
 from ibckpt_node.driver import CutOptions, NodeDriver, NodeSettings
 from ibckpt_node.errors import CheckpointFailed
@@ -84,7 +84,7 @@ async def _run(args: argparse.Namespace, drivers: list[NodeDriver]) -> NodeRepor
     client = await CoordinatorClient.connect(host, int(port), args.session, args.node, token)
     try:
         boost = None if args.no_boost else DEFAULT_BOOST_NICE
-        async with ShimCoordinatorProxy(Path(args.shim_socket), client) as proxy:
+        async with ShimCoordinatorProxy(client, [Channel(Path(args.shim_socket))]) as proxy:
             ranks = [_parse_rank(spec) for spec in args.rank]
             if args.command == "checkpoint":
                 local = [LocalRank(rank, int(where), control) for rank, where, control in ranks]

@@ -22,6 +22,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from ibckpt_native.control import unfollowed
+
 SUFFIX = ".sock"
 
 
@@ -79,9 +81,10 @@ def listening(path: str, tries: int = 3, pause_s: float = 0.05) -> bool:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.setblocking(False)
             try:
-                sock.connect(path)
+                with unfollowed(path) as address:  # the container's directory: follow no link there
+                    sock.connect(address)
             except OSError as exc:
-                if exc.errno == errno.ENOENT:
+                if exc.errno in (errno.ENOENT, errno.ENOTSOCK):
                     return False
                 if exc.errno != errno.ECONNREFUSED:
                     return True

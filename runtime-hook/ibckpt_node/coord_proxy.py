@@ -7,6 +7,13 @@ The shim never talks to the network or holds a token: the node agent does, so th
 coordinator's authentication stays in one place and the socket path is the same on every
 node (a process restored elsewhere finds it where it was).
 
+Each container has its own socket (a Channel): STATE_DIR/containers/ID/coord/coord.sock, which the
+hook mounts read-only at /run/ibckpt/coord in that container alone, and which is served only while a
+session holds ranks there. A peer must be in the pid namespace of that container's ranks
+(SO_PEERCRED). Keys are confined to the shim's two kinds (`map/GID/QPN`, `eN/qp/GID/QPN`), so a
+shim reads nothing else of the session; and the first container to PUT a (GID, QPN) owns it for the
+session: another container's PUT of it is refused.
+
 A rebuild PUTs two records per QP per GID and waits for each answer, so a round trip to the
 coordinator per PUT adds up (hundreds per node, serialized: a rebuild took 13 s of 16 ranks'
 round trips through qemu's user networking). So every PUT is answered at once and forwarded in
@@ -24,6 +31,11 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
+import socket
+import struct
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from ibckpt.coordination.client import CoordinationTimedOut, CoordinatorClient, CoordinatorError
@@ -34,26 +46,104 @@ LINE_LIMIT = 64 * 1024
 MAX_GET_S = 600.0
 BATCH = 4096  # PUTs forwarded in one coordinator request at most
 IDLE_S = 10.0  # a shim connection with no request for this long is closed
+MAX_CONNECTIONS = 256  # per container: each rank's rebuild holds one, app threads may GET meanwhile
+SOCKET_NAME = "coord.sock"
+# what a shim publishes and reads (native/src/records.c): nothing else of the session
+KEY = re.compile(r"(?:map|e[0-9]{1,20}/qp)/([0-9a-f]{32})/([0-9]{1,10})")
+
+
+def pid_namespace(pid: int) -> str:
+    return os.readlink(f"/proc/{pid}/ns/pid")
+
+
+@dataclass(frozen=True)
+class Channel:
+    """One container's socket. `pids`: host pids of its ranks, whose pid namespace a peer must be in;
+    None takes any peer (the command-line tool, whose user chose the path). `owner`: uid, gid the
+    socket is given (the container's user), else the agent's."""
+
+    path: Path
+    pids: frozenset[int] | None = None
+    owner: tuple[int, int] | None = None
+
+
+def channels_for(control_paths: Iterable[tuple[Path, int]]) -> list[Channel]:
+    """A channel per container of the ranks (control socket path, host pid): beside its `ctl`
+    directory, owned as that directory is (the hook gave it to the container's user)."""
+    pids: dict[Path, set[int]] = {}
+    for path, pid in control_paths:
+        if path.parent.name == "ctl":
+            pids.setdefault(path.parent.parent, set()).add(pid)
+    channels = []
+    for cdir, found in sorted(pids.items()):
+        try:
+            st = os.lstat(cdir / "ctl")
+            owner: tuple[int, int] | None = (st.st_uid, st.st_gid)
+        except OSError:
+            owner = None
+        channels.append(Channel(cdir / "coord" / SOCKET_NAME, frozenset(found), owner))
+    return channels
+
+
+def peer_pid(sock: socket.socket) -> int:
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return int(struct.unpack("3i", raw)[0])
 
 
 class ShimCoordinatorProxy:
-    def __init__(self, path: Path, client: CoordinatorClient) -> None:
-        self.path = path
+    def __init__(
+        self,
+        client: CoordinatorClient,
+        channels: Sequence[Channel],
+        ns_of: Callable[[int], str] = pid_namespace,
+    ) -> None:
         self.client = client
-        self._server: asyncio.AbstractServer | None = None
+        self.channels = list(channels)
+        self._ns_of = ns_of
+        self._servers: list[asyncio.AbstractServer] = []
+        self._open: dict[Path, int] = {}  # connections per channel
+        self._owners: dict[tuple[str, str], Path] = {}  # (GID, QPN) -> the channel that PUT it first
         self._puts: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue()
         self._forwarder: asyncio.Task[None] | None = None
         self.failed: str | None = None  # the first background PUT that failed, and why
 
     async def start(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()
         self._forwarder = asyncio.ensure_future(self._forward())
-        self._server = await asyncio.start_unix_server(
-            self._serve, str(self.path), limit=LINE_LIMIT, backlog=1024
-        )
-        os.chmod(self.path, 0o600)
+        for channel in self.channels:
+            await self._listen(channel)
+
+    async def add(self, channels: Iterable[Channel]) -> None:
+        """Serve these containers too (a restore finds its ranks once the proxy runs)."""
+        served = {c.path for c in self.channels}
+        for channel in channels:
+            if channel.path not in served:
+                self.channels.append(channel)
+                served.add(channel.path)
+                await self._listen(channel)
+
+    async def _listen(self, channel: Channel) -> None:
+        namespaces: frozenset[str] | None = None
+        if channel.pids is not None:
+            found = set()
+            for pid in channel.pids:
+                with contextlib.suppress(OSError):
+                    found.add(self._ns_of(pid))
+            namespaces = frozenset(found)
+        channel.path.parent.mkdir(mode=0o755, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            channel.path.unlink()
+
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await self._serve(channel, namespaces, reader, writer)
+
+        old = os.umask(0o177)  # never connectable by anyone else, not even for a moment
+        try:
+            server = await asyncio.start_unix_server(serve, str(channel.path), limit=LINE_LIMIT, backlog=1024)
+        finally:
+            os.umask(old)
+        self._servers.append(server)
+        if channel.owner is not None and channel.owner != (os.geteuid(), os.getegid()):
+            os.chown(channel.path, *channel.owner)
 
     def use(self, client: CoordinatorClient) -> None:
         """Forward through `client` from now on: the coordinator that replaces a lost one. A failure
@@ -72,15 +162,17 @@ class ShimCoordinatorProxy:
             raise CoordinatorError(f"a shim record was not published: {self.failed}")
 
     async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
+        for server in self._servers:
+            server.close()
+        for server in self._servers:
+            await server.wait_closed()
         if self._forwarder is not None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.flush(), 30)
             self._forwarder.cancel()
-        with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()
+        for channel in self.channels:
+            with contextlib.suppress(FileNotFoundError):
+                channel.path.unlink()
 
     async def __aenter__(self) -> ShimCoordinatorProxy:
         await self.start()
@@ -89,13 +181,41 @@ class ShimCoordinatorProxy:
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def _peer_refused(self, namespaces: frozenset[str] | None, writer: asyncio.StreamWriter) -> str | None:
+        if namespaces is None:
+            return None
+        try:
+            pid = peer_pid(writer.get_extra_info("socket"))
+            ns = self._ns_of(pid)
+        except OSError as exc:
+            return f"peer unknown ({exc})"
+        return None if ns in namespaces else f"pid {pid} is not in the container's pid namespace"
+
+    async def _serve(
+        self,
+        channel: Channel,
+        namespaces: frozenset[str] | None,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+    ) -> None:
         """Requests one per line, answered in order, until the shim closes the connection
         (a rebuild sends all its PUTs on one connection)."""
+        held = self._open.get(channel.path, 0)
         try:
-            while raw := await asyncio.wait_for(reader.readline(), IDLE_S):
-                writer.write((await self.answer(raw.decode().rstrip("\n")) + "\n").encode())
-                await writer.drain()
+            why = self._peer_refused(namespaces, writer)
+            if why is None and held >= MAX_CONNECTIONS:
+                why = f"{held} connections open"
+            if why is not None:
+                log.warning("%s: refused a connection: %s", channel.path, why)
+                writer.write(f"ERR refused: {why}\n".encode())
+                return
+            self._open[channel.path] = held + 1
+            try:
+                while raw := await asyncio.wait_for(reader.readline(), IDLE_S):
+                    writer.write((await self.answer(raw.decode().rstrip("\n"), channel.path) + "\n").encode())
+                    await asyncio.wait_for(writer.drain(), IDLE_S)
+            finally:
+                self._open[channel.path] -= 1
         except (TimeoutError, ConnectionError, UnicodeDecodeError, ValueError) as exc:
             log.warning("shim request dropped: %r", exc)
         finally:
@@ -119,17 +239,24 @@ class ShimCoordinatorProxy:
                 for _ in batch:
                     self._puts.task_done()
 
-    async def answer(self, line: str) -> str:
+    async def answer(self, line: str, channel: Path) -> str:
+        """The reply to one request line from the container whose socket is `channel`."""
         verb, _, rest = line.partition(" ")
         if self.failed is not None:
             return f"ERR {self.failed}"
-        if verb == "PUT":
-            key, _, value = rest.partition(" ")
-            self._puts.put_nowait((key, value.encode()))
+        key, _, rest = rest.partition(" ")
+        matched = KEY.fullmatch(key)
+        if verb in ("PUT", "GET") and matched is None:
+            return "ERR not a shim record key"
+        if verb == "PUT" and matched is not None:
+            owner = self._owners.setdefault((matched[1], matched[2]), channel)
+            if owner != channel:
+                log.warning("%s: refused PUT %s: another container published it", channel, key)
+                return "ERR another container's record"
+            self._puts.put_nowait((key, rest.encode()))
             return "OK"
         if verb == "GET":
-            key, _, timeout_ms = rest.partition(" ")
-            timeout = min(max(int(timeout_ms or "0"), 0) / 1000.0, MAX_GET_S)
+            timeout = min(max(int(rest or "0"), 0) / 1000.0, MAX_GET_S)
             try:
                 found = await self.client.get(key, timeout)
             except CoordinationTimedOut:

@@ -110,7 +110,7 @@ def test_a_retried_programs_container_resolves_to_a_plain_tree(tmp_path: Path, s
         bound(ctl / f"{pid}.sock", listen=False)
     registry = ContainerRegistry(tmp_path / "state")
     registry.add(entry_of(ctl, sleeper, first="1.sock"))
-    sessions = Sessions("node-1", registry, tmp_path / "work", tmp_path / "coord.sock")
+    sessions = Sessions("node-1", registry, tmp_path / "work")
     resolved = sessions._resolve(request())
     assert resolved.ranks == [] and list(ctl.iterdir()) == []
     assert [(t.name, t.root_pid) for t in resolved.trees] == [("pod-0.main", sleeper)]

@@ -238,3 +238,33 @@ async def test_idle_strangers_are_capped_and_never_keep_a_participant_out(
     finally:
         for sock in idle:
             sock.close()
+
+
+async def test_slow_loris_strangers_are_dropped_at_the_hello_bound_while_jobs_go_on(
+    server: CoordinatorServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Strangers that drip a HELLO a byte at a time hold nothing past HELLO_TIMEOUT_S in all (the bound
+    is on the whole frame, not between bytes), and a participant works meanwhile."""
+    monkeypatch.setattr(coordinator_server, "HELLO_TIMEOUT_S", 0.5)
+    session, token = server.create_session({"node-a"}, deadline_s=60)
+    slow = await asyncio.to_thread(lambda: [_raw(server.port) for _ in range(20)])
+    client = await CoordinatorClient.connect("127.0.0.1", server.port, session, "node-a", token)
+    try:
+        started = asyncio.get_running_loop().time()
+        dropped: set[int] = set()
+        while len(dropped) < len(slow) and asyncio.get_running_loop().time() - started < 3:
+            for i, sock in enumerate(slow):
+                if i not in dropped:
+                    try:
+                        sock.send(b"\x00")  # a length prefix that never ends
+                    except OSError:
+                        dropped.add(i)
+            await client.put("k", b"v")  # the job's own requests are answered meanwhile
+            await asyncio.sleep(0.1)
+        assert len(dropped) == len(slow), f"{len(slow) - len(dropped)} slow strangers still held"
+        assert not server._greeting
+        assert await client.get("k", timeout=1) == b"v"
+    finally:
+        await client.close()
+        for sock in slow:
+            sock.close()

@@ -256,6 +256,9 @@ def test_runc_through_the_wrapper_edits_create_and_passes_everything_else(node: 
             "/run/ibckpt/ctl",
             "/run/ibckpt/coord",
         ]
+        # the container's own coordinator directory, made by the wrapper: no other container sees it
+        assert edited["mounts"][-1]["source"] == f"/run/ibckpt/containers/{cid}/coord"
+        assert os.path.isdir(f"/run/ibckpt/containers/{cid}/coord")
         assert edited["mounts"][: len(before["mounts"])] == before["mounts"]
         assert [h["path"] for h in edited["hooks"]["createRuntime"]] == ["/usr/local/bin/ibckpt-hook"]
         assert [h["path"] for h in edited["hooks"]["poststop"]] == ["/usr/local/bin/ibckpt-hook"]

@@ -96,7 +96,9 @@ def test_edit_adds_the_shim_mounts_env_and_hooks() -> None:
     assert "noexec" not in mounts["/run/ibckpt/lib/libibckpt.so"]["options"], "the shim must be mappable"
     assert mounts["/run/ibckpt/ctl"]["source"] == "/run/ibk/containers/c1/ctl"
     assert "rw" in mounts["/run/ibckpt/ctl"]["options"]
-    assert mounts["/run/ibckpt/coord"]["source"] == "/run/ibk/coord"
+    # the container's own coordinator directory, never one shared by the node's containers
+    assert mounts["/run/ibckpt/coord"]["source"] == "/run/ibk/containers/c1/coord"
+    assert "ro" in mounts["/run/ibckpt/coord"]["options"]
     assert "/proc" in mounts
     for stage in ("createRuntime", "poststop"):
         (hook,) = edited["hooks"][stage]

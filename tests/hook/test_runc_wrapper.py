@@ -94,6 +94,8 @@ def wrapper(tmp_path: Path) -> dict[str, Any]:
 
     def run(*argv: str, cwd: Path = tmp_path) -> subprocess.CompletedProcess[str]:
         env = {"PATH": os.environ["PATH"], "IBCKPT_NODE_CONFIG": str(config), "RECORD": str(record)}
+        if "PYTHONPATH" in os.environ:  # a worktree's code, not the editable install's
+            env["PYTHONPATH"] = os.environ["PYTHONPATH"]
         return subprocess.run(
             [sys.executable, "-m", "ibckpt_node.hook.runc", *argv],
             env=env,
@@ -165,7 +167,10 @@ def test_create_of_an_rdma_container_edits_then_passes_through(
     ctl = wrapper["state"] / "containers" / "c1" / "ctl"
     st = ctl.stat()
     assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (1234, 4321, 0o700)
-    assert (wrapper["state"] / "coord").is_dir()
+    coord = ctl.parent / "coord"  # the container's own, root's: it can plant nothing there
+    st = coord.stat()
+    assert (st.st_uid, st.st_mode & 0o777) == (os.getuid(), 0o755)
+    assert not (wrapper["state"] / "coord").exists(), "no directory shared by every container"
     # the agent checkpoints it later through the same runc and state root
     record = json.loads((ctl.parent / "runtime.json").read_text())
     assert record["root"] == runc.global_value(GLOBAL, "root") and record["bundle"] == str(bundle)

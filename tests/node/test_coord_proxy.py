@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 
 import pytest
 
 from ibckpt.coordination.client import CoordinatorClient, CoordinatorError
-from ibckpt_node.coord_proxy import ShimCoordinatorProxy
+from ibckpt_node import coord_proxy
+from ibckpt_node.coord_proxy import Channel, ShimCoordinatorProxy, channels_for
 from testbed.coordinator import ThreadedCoordinator
+
+G = "fe800000000000000000000000000001"  # a virtual GID, as the shim writes it (native/src/records.c)
+H = "fe800000000000000000000000000002"
 
 
 async def _request(path: Path, line: str) -> str:
@@ -38,29 +43,37 @@ async def _client(coordinator: ThreadedCoordinator, node: str = "node-1") -> Coo
     return await CoordinatorClient.connect("127.0.0.1", coordinator.port, session, node, token)
 
 
+def _container(tmp_path: Path, cid: str) -> Path:
+    """A container's directory as the hook leaves it: ctl (the container's) and coord (root's)."""
+    cdir = tmp_path / "containers" / cid
+    (cdir / "ctl").mkdir(parents=True)
+    (cdir / "coord").mkdir()
+    return cdir
+
+
 async def test_every_record_reaches_the_coordinator_once_published(
     coordinator: ThreadedCoordinator, tmp_path: Path
 ) -> None:
     client = await _client(coordinator)
     sock = tmp_path / "coord.sock"
     try:
-        async with ShimCoordinatorProxy(sock, client) as proxy:
+        async with ShimCoordinatorProxy(client, [Channel(sock)]) as proxy:
             # as many shims' rebuilds do: many connections at once, answered before forwarding
-            puts = [_request(sock, f"PUT e2/qp/g/{i} rec-{i} 5 0") for i in range(200)]
+            puts = [_request(sock, f"PUT e2/qp/{G}/{i} rec-{i} 5 0") for i in range(200)]
             assert await asyncio.gather(*puts) == ["OK"] * 200
-            assert await _request(sock, "PUT map/g/7 real 1 99") == "OK"
+            assert await _request(sock, f"PUT map/{G}/7 real 1 99") == "OK"
             await asyncio.wait_for(proxy.published(), 10)  # what the driver waits for before its barrier
             assert proxy.failed is None
             for i in range(200):  # there already: no waiting
-                assert (await client.get(f"e2/qp/g/{i}", timeout=0.01)) == f"rec-{i} 5 0".encode()
-            assert await _request(sock, "GET map/g/7 0") == "VAL real 1 99"
-            assert await _request(sock, "GET e2/qp/g/3 1000") == "VAL rec-3 5 0"
-            assert await _request(sock, "GET e2/qp/none 100") == "NONE"
+                assert (await client.get(f"e2/qp/{G}/{i}", timeout=0.01)) == f"rec-{i} 5 0".encode()
+            assert await _request(sock, f"GET map/{G}/7 0") == "VAL real 1 99"
+            assert await _request(sock, f"GET e2/qp/{G}/3 1000") == "VAL rec-3 5 0"
+            assert await _request(sock, f"GET e2/qp/{H}/3 100") == "NONE"
             # one connection carrying many requests, as a shim's rebuild publishes its records
-            lines = [f"PUT e4/qp/g/{i} rec-{i}" for i in range(300)] + ["GET e4/qp/g/299 5000", "GET none 0"]
-            assert await _requests(sock, lines) == ["OK"] * 300 + ["VAL rec-299", "NONE"]
+            lines = [f"PUT e4/qp/{G}/{i} rec-{i}" for i in range(300)] + [f"GET e4/qp/{G}/299 5000"]
+            assert await _requests(sock, lines) == ["OK"] * 300 + ["VAL rec-299"]
             await asyncio.wait_for(proxy.published(), 10)
-            assert (await client.get("e4/qp/g/0", timeout=0.01)) == b"rec-0"
+            assert (await client.get(f"e4/qp/{G}/0", timeout=0.01)) == b"rec-0"
     finally:
         await client.close()
     assert not sock.exists()
@@ -71,11 +84,86 @@ async def test_a_failed_background_put_fails_every_later_request(
 ) -> None:
     client = await _client(coordinator)
     sock = tmp_path / "coord.sock"
-    async with ShimCoordinatorProxy(sock, client) as proxy:
+    async with ShimCoordinatorProxy(client, [Channel(sock)]) as proxy:
         await client.close()  # the coordinator connection is gone
-        assert await _request(sock, "PUT e3/qp/g/1 rec") == "OK"  # answered before it was sent
-        with pytest.raises(CoordinatorError, match="PUT e3/qp/g/1 failed"):
+        assert await _request(sock, f"PUT e3/qp/{G}/1 rec") == "OK"  # answered before it was sent
+        with pytest.raises(CoordinatorError, match=f"PUT e3/qp/{G}/1 failed"):
             await asyncio.wait_for(proxy.published(), 10)  # the driver's rebuild phase fails
         # the shim's rebuild then fails at once instead of waiting for records that never come
-        assert (await _request(sock, "GET e3/qp/g/2 60000")).startswith("ERR PUT e3/qp/g/1 failed")
-        assert (await _request(sock, "PUT e3/qp/g/2 rec")).startswith("ERR")
+        assert (await _request(sock, f"GET e3/qp/{G}/2 60000")).startswith(f"ERR PUT e3/qp/{G}/1 failed")
+        assert (await _request(sock, f"PUT e3/qp/{G}/2 rec")).startswith("ERR")
+
+
+async def test_each_container_has_its_own_socket_and_cannot_touch_anothers_records(
+    coordinator: ThreadedCoordinator, tmp_path: Path
+) -> None:
+    """Two containers of a session: each is served in its own directory, owned as its ctl is; one
+    cannot overwrite the other's records, nor read keys that are not shim records."""
+    a, b = _container(tmp_path, "a"), _container(tmp_path, "b")
+    me = os.getpid()
+    ranks = [(a / "ctl" / "1.sock", me), (a / "ctl" / "7.sock", me), (b / "ctl" / "1.sock", me)]
+    channels = channels_for(ranks)
+    assert [c.path for c in channels] == [a / "coord" / "coord.sock", b / "coord" / "coord.sock"]
+    assert channels[0].owner == (os.getuid(), os.getgid())
+    client = await _client(coordinator)
+    try:
+        await client.put("preflight/addr/10.0.0.1", b"the agent's own")
+        async with ShimCoordinatorProxy(client, channels) as proxy:
+            sock_a, sock_b = (c.path for c in channels)
+            assert sock_a.stat().st_mode & 0o777 == 0o600
+            assert await _request(sock_a, f"PUT e5/qp/{G}/9 rank-a") == "OK"
+            assert await _request(sock_a, f"PUT map/{G}/9 real-a") == "OK"
+            # the probe of the review (N22): a second container PUTs the same record
+            assert await _request(sock_b, f"PUT e5/qp/{G}/9 forged") == "ERR another container's record"
+            assert await _request(sock_b, f"PUT map/{G}/9 forged") == "ERR another container's record"
+            assert await _request(sock_b, f"PUT e5/qp/{G}/10 rank-b") == "OK"  # its own QP, same GID
+            assert await _request(sock_b, "GET preflight/addr/10.0.0.1 0") == "ERR not a shim record key"
+            assert await _request(sock_b, "PUT barrier/x y") == "ERR not a shim record key"
+            await asyncio.wait_for(proxy.published(), 10)
+            assert await _request(sock_b, f"GET e5/qp/{G}/9 1000") == "VAL rank-a"  # peers read it
+        assert (await client.get(f"map/{G}/9", timeout=0.01)) == b"real-a"
+    finally:
+        await client.close()
+
+
+async def test_a_peer_outside_the_containers_pid_namespace_is_refused(
+    coordinator: ThreadedCoordinator, tmp_path: Path
+) -> None:
+    cdir = _container(tmp_path, "c")
+    rank_pid = 4194301  # a rank's host pid; the test process plays a stranger or the rank itself
+    namespaces = {rank_pid: "pid:[4026532001]", os.getpid(): "pid:[4026531836]"}
+    (channel,) = channels_for([(cdir / "ctl" / "1.sock", rank_pid)])
+    client = await _client(coordinator)
+    try:
+        async with ShimCoordinatorProxy(client, [channel], ns_of=lambda pid: namespaces[pid]):
+            refused = await _request(channel.path, f"PUT e1/qp/{G}/1 forged")
+            assert refused == f"ERR refused: pid {os.getpid()} is not in the container's pid namespace"
+            namespaces[os.getpid()] = namespaces[rank_pid]  # now a process of the container
+            assert await _request(channel.path, f"PUT e1/qp/{G}/1 real") == "OK"
+    finally:
+        await client.close()
+
+
+async def test_idle_connections_are_capped_and_dropped_and_the_proxy_still_serves(
+    coordinator: ThreadedCoordinator, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Slow-loris on a container's socket: the connections over the cap are refused at once, the
+    idle ones dropped after IDLE_S, and the shim's requests answered meanwhile."""
+    monkeypatch.setattr(coord_proxy, "IDLE_S", 0.5)
+    monkeypatch.setattr(coord_proxy, "MAX_CONNECTIONS", 8)
+    sock = tmp_path / "coord.sock"
+    client = await _client(coordinator)
+    try:
+        async with ShimCoordinatorProxy(client, [Channel(sock)]):
+            idle = [await asyncio.open_unix_connection(str(sock)) for _ in range(8)]
+            for _, writer in idle:
+                writer.write(b"PUT map/")  # half a line, never finished
+            await asyncio.sleep(0.1)
+            assert (await _request(sock, f"PUT map/{G}/1 x")).startswith("ERR refused: 8 connections open")
+            for reader, _ in idle:  # dropped within the bound, not held
+                assert await asyncio.wait_for(reader.read(), 3) == b""
+            assert await _request(sock, f"PUT map/{G}/1 x") == "OK"
+            for _, writer in idle:
+                writer.close()
+    finally:
+        await client.close()

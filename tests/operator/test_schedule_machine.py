@@ -87,7 +87,7 @@ def test_server_defaults_match_the_model(spec: dict[str, object]) -> None:
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        ({}, "give intervalSeconds, mtbfSeconds or drain"),
+        ({}, "give intervalSeconds, mtbfSeconds, drain or recovery"),
         ({"intervalSeconds": 600, "mtbfSeconds": 3600}, "at most one of intervalSeconds and mtbfSeconds"),
         ({"mtbfSeconds": 3600, "minIntervalSeconds": 900, "maxIntervalSeconds": 600}, "must not exceed"),
         ({"intervalSeconds": 5}, "greater than or equal to 60"),

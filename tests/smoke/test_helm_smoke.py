@@ -47,12 +47,17 @@ def test_rendered_chart_passes_server_dry_run(kube, kube_api: kubernetes.client.
         "--set", "operator.extraEnv[0].name=HTTPS_PROXY", "--set", "operator.extraEnv[0].value=http://proxy:3128",
         "--set", "agent.extraEnv[0].name=NO_PROXY", "--set", "agent.extraEnv[0].value=.svc",
         "--set", "agent.stopTimeoutSeconds=300", "-f", str(ACCELERATOR_VALUES),
+        "--set", "networkPolicy.enabled=true", "--set", "networkPolicy.nodeCIDRs={10.0.0.0/24}",
+        "--set", "networkPolicy.apiserverCIDRs={10.0.0.1/32}",
+        "--set", "networkPolicy.metricsFrom[0].namespaceSelector.matchLabels.team=monitoring",
+        "--set", "operator.webhook.clientCA.secretName=apiserver-webhook-client-ca",
     ).stdout  # fmt: skip
     objects = [d for d in yaml.safe_load_all(rendered) if d]
     kinds = sorted(d["kind"] for d in objects)
     assert kinds.count("CustomResourceDefinition") == 5
     assert {"Deployment", "DaemonSet", "ClusterRole", "ServiceAccount"} <= set(kinds)
     assert kinds.count("Service") == 2  # the operator's metrics, the agents' (headless)
+    assert kinds.count("NetworkPolicy") == 1
     pods = {d["kind"]: d["spec"]["template"] for d in objects if d["kind"] in ("Deployment", "DaemonSet")}
     for template_ in pods.values():
         assert template_["spec"]["imagePullSecrets"] == [{"name": "registry-login"}]
@@ -116,6 +121,12 @@ def test_the_agent_sets_up_its_node_and_the_runtime_class_selects_its_label() ->
     mounts = {m["name"]: m for m in container["volumeMounts"]}
     assert mounts["containerd-etc"]["mountPath"] == "/host/etc/containerd"
     assert mounts["containerd-tasks"]["readOnly"] is True
+    operator_rules = objects[("ClusterRole", "ibckpt-operator")]["rules"]
+    # recovery: nodes read only; its RestoreJob created, and deleted past the deadline
+    assert {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]} in operator_rules
+    assert {"apiGroups": ["ibckpt.io"], "resources": ["restorejobs"], "verbs": ["create", "delete"]} in (
+        operator_rules
+    )
     rules = objects[("ClusterRole", "ibckpt-agent")]["rules"]
     assert {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]} in rules
     assert {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]} in rules
@@ -179,3 +190,35 @@ def test_the_operator_grants_storage_secrets_by_name_unless_told_not_to() -> Non
     assert legacy == [
         {"apiGroups": [""], "resources": ["secrets"], "resourceNames": ["s3"], "verbs": ["get"]}
     ]
+
+
+def test_the_admission_server_binds_the_pod_ip_and_a_network_policy_guards_the_operator() -> None:
+    """Off by default; on, it lets the nodes reach the coordinator and liveness ports, the apiserver
+    the webhook, and the given peers the metrics; it refuses to render without the addresses."""
+    env = {e["name"]: e for e in _operator_env()}
+    assert env["IBCKPT_WEBHOOK_BIND"]["value"] == "$(POD_IP)"  # never every address
+    assert env["IBCKPT_WEBHOOK_MAX_CONNECTIONS"]["value"] == "32"
+    assert "IBCKPT_WEBHOOK_CLIENT_CA" not in env
+    assert not [k for k in rendered_objects() if k[0] == "NetworkPolicy"]
+    with_ca = {e["name"]: e for e in _operator_env("--set", "operator.webhook.clientCA.secretName=api-ca")}
+    assert with_ca["IBCKPT_WEBHOOK_CLIENT_CA"]["value"] == "/etc/ibckpt/webhook-client-ca/ca.crt"
+    refused = template("--set", "networkPolicy.enabled=true", check=False)
+    assert refused.returncode != 0 and "networkPolicy.nodeCIDRs" in refused.stderr
+    objects = rendered_objects(
+        "--set", "networkPolicy.enabled=true", "--set", "networkPolicy.nodeCIDRs={10.0.0.0/24,fd00::/64}",
+        "--set", "networkPolicy.apiserverCIDRs={10.0.0.1/32}",
+    )  # fmt: skip
+    (policy,) = [o for k, o in objects.items() if k[0] == "NetworkPolicy"]
+    assert policy["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "operator"
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    nodes, apiserver = policy["spec"]["ingress"]  # no metrics rule: nobody was named
+    assert [p["ipBlock"]["cidr"] for p in nodes["from"]] == ["10.0.0.0/24", "fd00::/64"]
+    assert {p["port"] for p in nodes["ports"]} == {7070, 8080}
+    assert [p["ipBlock"]["cidr"] for p in apiserver["from"]] == ["10.0.0.1/32"]
+    assert [p["port"] for p in apiserver["ports"]] == [9443]
+
+
+def _operator_env(*args: str) -> list[dict[str, Any]]:
+    (deployment,) = [o for k, o in rendered_objects(*args).items() if k[0] == "Deployment"]
+    env: list[dict[str, Any]] = deployment["spec"]["template"]["spec"]["containers"][0]["env"]
+    return env

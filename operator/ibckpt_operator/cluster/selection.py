@@ -83,6 +83,19 @@ async def select_pods(
 ) -> tuple[PodRef, ...]:
     """The live pods of the job, sorted by name, pinned by UID. With `controllers`, also each pod's
     controller uid by pod uid (controllers of `skip_kinds` left out)."""
+    pods = await workload_pods(kube, namespace, selector, workload)
+    live = [pod for pod in pods if _live(pod)]
+    if controllers is not None:
+        for pod in live:
+            if uid := controller_uid(pod, skip_kinds):
+                controllers[pod["metadata"]["uid"]] = uid
+    return tuple(sorted((pod_ref(pod) for pod in live), key=lambda ref: ref.name))
+
+
+async def workload_pods(
+    kube: Kube, namespace: str, selector: LabelSelector | None, workload: WorkloadReference | None
+) -> list[Body]:
+    """Every pod of the job in the API, live or not (a failed or terminating one too)."""
     if selector is not None:
         pods = await kube.list_pods(namespace, selector_string(selector))
     else:
@@ -93,9 +106,4 @@ async def select_pods(
             if pod.get("metadata", {}).get("ownerReferences")
             and await _owned_by(kube, namespace, pod, workload, 1)
         ]
-    live = [pod for pod in pods if _live(pod)]
-    if controllers is not None:
-        for pod in live:
-            if uid := controller_uid(pod, skip_kinds):
-                controllers[pod["metadata"]["uid"]] = uid
-    return tuple(sorted((pod_ref(pod) for pod in live), key=lambda ref: ref.name))
+    return list(pods)

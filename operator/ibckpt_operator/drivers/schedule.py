@@ -29,6 +29,7 @@ from ibckpt_operator.cluster import bindings, drains, protection, schedules, sou
 from ibckpt_operator.cluster.kube import Body
 from ibckpt_operator.cluster.selection import select_pods
 from ibckpt_operator.config import current
+from ibckpt_operator.drivers.recovery import Recovery
 from ibckpt_operator.drivers.runtime import Runtime
 from ibckpt_operator.machine.core import Action, EmitEvent, Event, OperatorRestarted, PodRef, Tick
 from ibckpt_operator.machine.drain import (
@@ -100,6 +101,7 @@ class ScheduleController:
         self.written: Body | None = None
         self.started = False
         self.restarted = (False, False)  # (schedule, drain) states were read back from status
+        self.recovery = Recovery(self)
 
     # -- what the rest of the operator calls
 
@@ -117,10 +119,12 @@ class ScheduleController:
         return CheckpointScheduleSpec.from_wire(dict(self.live.get("spec") or {}))
 
     def claim(self, pod: bindings.NewPod) -> bindings.Claim | None:
-        """A new pod a migration under way refuses (drains.refusal), if any."""
+        """A new pod a migration or a recovery under way refuses (drains.refusal), if any."""
         if self.drain is None:
-            return None
-        return drains.refusal(self.drain, pod, self.namespace, self.name, self.controllers)
+            return self.recovery.claim(pod)
+        return drains.refusal(self.drain, pod, self.namespace, self.name, self.controllers) or (
+            self.recovery.claim(pod)
+        )
 
     def protects(self, pod_uid: str) -> bool:
         return self.drain is not None and any(pod.uid == pod_uid for pod in self.members)
@@ -191,8 +195,11 @@ class ScheduleController:
             self.controllers = drains.source_controllers(status)
             self.protected_by, self.pruned = status.protected_by, status.pruned_count or 0
             self.restarted = (self.schedule is not None, self.drain is not None)
+            self.recovery.read_back(status)
         wakes = [await self._periodic(spec, now)]
         wakes.append(await self._protect(spec, status, now))
+        busy = self.drain is not None and self.drain.phase not in AT_REST
+        wakes.append(await self.recovery.step(spec, busy, now))
         await self._write_status(spec, now)
         times = [wake for wake in wakes if wake is not None]
         return min(times) if times else None
@@ -216,7 +223,8 @@ class ScheduleController:
             finished = await schedules.job_outcome(self.rt.kube, self.namespace, self.schedule.active_job)
             if finished is not None:
                 events.append(finished)
-        events.append(Tick())  # recomputes the interval: a spec change or a new cost applies at once
+        if not self.recovery.active:  # no checkpoint of a job being recovered: the next Tick fires once
+            events.append(Tick())  # recomputes the interval: a spec change or a new cost applies at once
         wake_at = None
         for event in events:
             transition = machine.handle(self.schedule, event, now)
@@ -304,7 +312,7 @@ class ScheduleController:
         assert self.drain is not None
         draining = drains.draining_nodes()
         for node in sorted({pod.node for pod in self.members if pod.node in draining}):
-            if node not in self.drain.nodes:
+            if node not in self.drain.nodes and not self.recovery.active:  # a recovery moves the job
                 self.seen_draining.add(node)
                 events.append(NodeDraining(node, self.members))
         # Only a node seen drained can be uncordoned: a migration an eviction started (its pod's node was
@@ -453,6 +461,12 @@ class ScheduleController:
     async def _event(self, type_: str, reason: str, message: str) -> None:
         await self.rt.kube.post_event(self.body(), type_, reason, message)
 
+    async def event(self, type_: str, reason: str, message: str) -> None:
+        await self._event(type_, reason, message)
+
+    async def write_status(self, spec: CheckpointScheduleSpec | None, now: float) -> None:
+        await self._write_status(spec, now)
+
     # -- status
 
     async def _write_status(self, spec: CheckpointScheduleSpec | None, now: float) -> None:
@@ -461,6 +475,7 @@ class ScheduleController:
             fields.update(schedules.schedule_status(spec, self.schedule))
         if self.drain is not None:
             fields.update(drains.drain_status(self.drain, self.controllers))
+        fields.update(self.recovery.status())
         fields.update(
             protected_by=self.protected_by,
             kept_count=self.kept,
@@ -476,6 +491,8 @@ class ScheduleController:
         self.written = body
 
     def _message(self) -> str | None:
+        if (recovery := self.recovery.note()) is not None:
+            return recovery
         if self.drain is not None and self.drain.phase not in (DrainPhase.IDLE, DrainPhase.DONE):
             return self.drain.message
         state = self.schedule
@@ -499,11 +516,20 @@ class ScheduleController:
             return [condition("Ready", False, "InvalidSpec", self.invalid)]
         migrating = self.drain is not None and self.drain.phase not in AT_REST
         active = self.schedule is not None and self.schedule.active_job is not None
-        progressing = "Migrating" if migrating else "CheckpointRunning" if active else "Idle"
+        recovering = self.recovery.active
+        progressing = (
+            "Recovering"
+            if recovering
+            else "Migrating"
+            if migrating
+            else "CheckpointRunning"
+            if active
+            else "Idle"
+        )
         held = self.drain is not None and self.drain.phase is DrainPhase.HELD
         return [
             condition("Ready", True, "Scheduled"),
-            condition("Progressing", migrating or active, progressing),
+            condition("Progressing", migrating or active or recovering, progressing),
             condition(
                 "DrainHeld",
                 held,

@@ -8,9 +8,19 @@ from ibckpt_operator.handlers import (
     checkpointjob,
     drain,
     lifecycle,
+    recovery,
     restorejob,
     schedule,
     storage,
 )
 
-__all__ = ["checkpoint", "checkpointjob", "drain", "lifecycle", "restorejob", "schedule", "storage"]
+__all__ = [
+    "checkpoint",
+    "checkpointjob",
+    "drain",
+    "lifecycle",
+    "recovery",
+    "restorejob",
+    "schedule",
+    "storage",
+]

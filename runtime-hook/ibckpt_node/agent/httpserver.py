@@ -18,6 +18,11 @@ log = logging.getLogger(__name__)
 MAX_HEAD = 16 * 1024
 MAX_BODY = 1024 * 1024
 READ_TIMEOUT_S = 10.0
+WRITE_TIMEOUT_S = 10.0  # a client that does not read its response does not hold the connection
+# At most this many connections, each holding at most MAX_HEAD + MAX_BODY (about 66 MiB in all): a new
+# one over the cap evicts the oldest still sending its request, or is closed if every one is being
+# answered. The operator's calls are few and short; a flood of strangers only ever displaces itself.
+MAX_CONNECTIONS = 64
 
 
 @dataclass
@@ -105,6 +110,9 @@ class HttpServer:
         self.handler = handler
         self.error = error
         self._server: asyncio.AbstractServer | None = None
+        self._open = 0  # connections admitted and not yet ended or evicted
+        self._counted: set[asyncio.StreamWriter] = set()
+        self._reading: dict[asyncio.StreamWriter, None] = {}  # oldest first: not yet a whole request
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._serve, self.host, self.port, limit=MAX_HEAD)
@@ -117,12 +125,45 @@ class HttpServer:
             await self._server.wait_closed()
             self._server = None
 
+    def _admit(self, writer: asyncio.StreamWriter, where: str) -> bool:
+        if self._open >= MAX_CONNECTIONS:
+            if not self._reading:
+                log.warning("%d connections open, all being answered: closing %s", self._open, where)
+                return False
+            oldest = next(iter(self._reading))
+            del self._reading[oldest]
+            log.warning("%d connections open: dropping the oldest one still sending its request", self._open)
+            oldest.transport.abort()  # its read ends with an error and its handler closes it
+            self._release(oldest)  # now: its handler notices the abort only on a later turn of the loop
+        self._open += 1
+        self._counted.add(writer)
+        self._reading[writer] = None
+        return True
+
+    def _release(self, writer: asyncio.StreamWriter) -> None:
+        if writer in self._counted:
+            self._counted.discard(writer)
+            self._open -= 1
+
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
         where = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+        if not self._admit(writer, where):
+            writer.transport.abort()
+            return
+        try:
+            await self._answer(reader, writer, where)
+        finally:
+            self._release(writer)
+            self._reading.pop(writer, None)
+
+    async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, where: str) -> None:
         try:
             try:
-                request = await asyncio.wait_for(read_request(reader, where), READ_TIMEOUT_S)
+                try:
+                    request = await asyncio.wait_for(read_request(reader, where), READ_TIMEOUT_S)
+                finally:
+                    self._reading.pop(writer, None)
             except BadRequest as exc:
                 response = self.error(exc.status, str(exc))
             except TimeoutError:
@@ -134,8 +175,8 @@ class HttpServer:
                     log.exception("%s %s from %s", request.method, request.path, where)
                     response = self.error(500, "internal error (see the agent's log)")
             writer.write(encode(response))
-            await writer.drain()
-        except (OSError, ConnectionError) as exc:
+            await asyncio.wait_for(writer.drain(), WRITE_TIMEOUT_S)
+        except (OSError, ConnectionError, TimeoutError) as exc:
             log.debug("connection from %s: %s", where, exc)
         finally:
             writer.close()

@@ -31,7 +31,7 @@ from pydantic import ValidationError
 from ibckpt.agentapi import models as api
 from ibckpt.coordination.client import CoordinatorClient, CoordinatorError
 from ibckpt_node import driver
-from ibckpt_node.agent.session import Agent, Session, connect, finish_failed
+from ibckpt_node.agent.session import Agent, Session, connect, finish_failed, shim_channels
 from ibckpt_node.coord_proxy import ShimCoordinatorProxy
 
 log = logging.getLogger(__name__)
@@ -123,7 +123,7 @@ async def run(
     try:
         client = await connect(agent, request.session_id, order.coordinator, token)
         try:
-            async with ShimCoordinatorProxy(agent.shim_socket, client) as proxy:
+            async with ShimCoordinatorProxy(client, shim_channels(session.ranks)) as proxy:
                 session.engine = driver.NodeDriver(
                     agent.node,
                     client,

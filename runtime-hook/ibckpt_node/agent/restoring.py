@@ -32,7 +32,16 @@ from ibckpt.coordination.client import CoordinationAborted, CoordinatorError
 from ibckpt.coordination.ranks import RankId
 from ibckpt_node import driver, tcp_remap
 from ibckpt_node.agent.kubesecrets import StagingError
-from ibckpt_node.agent.session import Agent, Session, coordinated, finish_failed, host_pid, passed, set_phase
+from ibckpt_node.agent.session import (
+    Agent,
+    Session,
+    coordinated,
+    finish_failed,
+    host_pid,
+    passed,
+    set_phase,
+    shim_channels,
+)
 from ibckpt_node.errors import CheckpointFailed
 from ibckpt_node.hook import oci
 from ibckpt_node.hook.restore import criu_errors
@@ -305,6 +314,7 @@ async def run(agent: Agent, session: Session) -> None:
                     staged_at,
                     uids,
                 )
+                await proxy.add(shim_channels(ranks))  # before any rebuild asks for records
                 for r in ranks:
                     session.by_key[r.rank.key()].pid = r.pid
                 for key, uid in uids.items():  # plain containers' entries too

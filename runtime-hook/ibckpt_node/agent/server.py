@@ -94,7 +94,6 @@ class AgentServer:
             node,
             registry,
             work_dir,
-            Path(registry.config.coord_dir) / "coord.sock",
             self._finished,
             secrets,
             keep_failed_images_s,

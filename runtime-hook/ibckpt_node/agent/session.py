@@ -14,7 +14,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,7 +25,7 @@ from ibckpt.coordination.ranks import PLAIN_CONTAINER, RankId
 from ibckpt_node import control_sockets, driver
 from ibckpt_node.agent.disk import DEFAULT_KEEP_FAILED_S
 from ibckpt_node.agent.kubesecrets import SecretReader
-from ibckpt_node.coord_proxy import ShimCoordinatorProxy
+from ibckpt_node.coord_proxy import Channel, ShimCoordinatorProxy, channels_for
 from ibckpt_node.procfs import process_gone
 from ibckpt_node.ranks import LocalRank
 from ibckpt_node.registry import ContainerRegistry, RegisteredContainer
@@ -131,7 +131,6 @@ class Agent:
     node: str
     registry: ContainerRegistry
     work_dir: Path
-    shim_socket: Path  # the shims' coordinator socket, served for one session at a time
     on_finished: Callable[[api.SessionReport], None]
     secrets: SecretReader | None  # None: this agent cannot stage images
     keep_failed_images_s: float = DEFAULT_KEEP_FAILED_S  # how long a failed checkpoint's images stay
@@ -173,6 +172,11 @@ async def connect(agent: Agent, session_id: str, coordinator: str, token: str) -
     return await CoordinatorClient.connect(host, int(port), session_id, agent.node, token)
 
 
+def shim_channels(ranks: Sequence[LocalRank]) -> list[Channel]:
+    """The coordinator sockets of the ranks' containers, one each (coord_proxy.py)."""
+    return channels_for((r.control_path, r.pid) for r in ranks)
+
+
 @contextlib.asynccontextmanager
 async def coordinated(
     agent: Agent, session: Session
@@ -184,7 +188,7 @@ async def coordinated(
     token = request.session_token.get_secret_value()
     client = session.client = await connect(agent, request.session_id, request.coordinator, token)
     try:
-        async with ShimCoordinatorProxy(agent.shim_socket, client) as proxy:
+        async with ShimCoordinatorProxy(client, shim_channels(session.ranks)) as proxy:
             yield client, proxy
     finally:
         await session.client.close()

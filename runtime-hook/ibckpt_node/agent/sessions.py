@@ -52,12 +52,11 @@ class Sessions:
         node: str,
         registry: ContainerRegistry,
         work_dir: Path,
-        shim_socket: Path,
         on_finished: Callable[[api.SessionReport], None] = lambda report: None,
         secrets: SecretReader | None = None,
         keep_failed_images_s: float = disk.DEFAULT_KEEP_FAILED_S,
     ) -> None:
-        self.agent = Agent(node, registry, work_dir, shim_socket, on_finished, secrets, keep_failed_images_s)
+        self.agent = Agent(node, registry, work_dir, on_finished, secrets, keep_failed_images_s)
         self.sessions: dict[str, Session] = {}
         self.sweeper: asyncio.Task[None] | None = None
 

@@ -4,7 +4,8 @@ Pure functions over the parsed config.json (a dict), so they can be tested on th
 edit adds, for a container that gets an RDMA device or opts in:
   - the shim as one read-only file, and LD_PRELOAD naming it (prepended to the app's own);
   - a per-container control directory (rw), where the shim creates `<pid>.sock` (IBCKPT_CTL);
-  - the directory of the agent's shim-coordinator socket (IBCKPT_COORD);
+  - the container's own shim-coordinator directory (IBCKPT_COORD), read-only: the agent serves
+    `coord.sock` there for this container alone;
   - the `ibckpt-hook` at createRuntime and poststop, unless the engine already put it there
     (podman or CRI-O from hooks.d).
 """
@@ -83,13 +84,13 @@ class NodeConfig:
     def registry_socket(self) -> str:
         return os.path.join(self.state_dir, "registry.sock")
 
-    @property
-    def coord_dir(self) -> str:
-        """Host directory the agent serves the shim's coordinator socket in (`coord.sock`)."""
-        return os.path.join(self.state_dir, "coord")
-
     def container_dir(self, container_id: str) -> str:
         return os.path.join(self.state_dir, "containers", container_id)
+
+    def coord_dir(self, container_id: str) -> str:
+        """Where the agent serves this container's shim-coordinator socket (`coord.sock`). Root's,
+        mounted read-only: no other container sees it, and this one cannot plant anything there."""
+        return os.path.join(self.container_dir(container_id), "coord")
 
     def restore_dir(self, namespace: str, pod: str, container: str) -> str:
         """Where the agent stages a container's images (names checked with checked_id first)."""
@@ -310,9 +311,9 @@ def edit_spec(spec: Spec, config: NodeConfig, container_id: str) -> Spec:
         },
     )
     # connect() on a socket works through a read-only mount
+    source = config.coord_dir(container_id)
     mounts = _add_mount(
-        mounts,
-        {"destination": IN_COORD_DIR, "type": "bind", "source": config.coord_dir, "options": [*ro, "noexec"]},
+        mounts, {"destination": IN_COORD_DIR, "type": "bind", "source": source, "options": [*ro, "noexec"]}
     )
     spec["mounts"] = mounts
 

@@ -152,7 +152,8 @@ def prepare(config: oci.NodeConfig, args: CreateArgs, runc_root: str | None = No
     ctl = os.path.join(cdir, "ctl")
     os.makedirs(cdir, mode=0o700, exist_ok=True)
     os.makedirs(ctl, mode=0o700, exist_ok=True)
-    os.makedirs(config.coord_dir, mode=0o755, exist_ok=True)
+    # the container's own coordinator directory: root's, so it can plant nothing where the agent listens
+    os.makedirs(config.coord_dir(container_id), mode=0o755, exist_ok=True)
     uid, gid = oci.process_owner(spec)
     os.chown(ctl, uid, gid)  # the shim runs as the container's user and binds its socket here
     record = {"runc": config.runc, "root": runc_root or "", "bundle": os.path.abspath(args.bundle)}
