@@ -156,9 +156,10 @@ def test_podman_runs_an_unmodified_verbs_program_under_the_shim(node: Path) -> N
         assert env["LD_PRELOAD"] == "/run/ibckpt/lib/libibckpt.so"
         assert env["IBCKPT_COORD"] == "unix:/run/ibckpt/coord/coord.sock"
         assert hello(entry["control_socket"])["pid"] == 1
-        # the earlier server and client each had their own socket (%p), made as the container's user
+        # the earlier server and client each had their own socket (%p), removed as they exited: only the
+        # live process's is left (a stale one would stand in the way of a checkpoint, issue 30)
         socks = sorted(os.listdir(f"/run/ibckpt/containers/{cid}/ctl"))
-        assert len(socks) == 3 and "1.sock" in socks, socks
+        assert socks == ["1.sock"], socks
         # podman put the hook in from hooks.d; the wrapper did not add it a second time (podman
         # runs poststop hooks itself, so config.json has none: the wrapper must not add one either)
         hooks = bundle_spec(cid)["hooks"]
