@@ -138,7 +138,8 @@ class ShimCoordinatorProxy:
 
         old = os.umask(0o177)  # never connectable by anyone else, not even for a moment
         try:
-            server = await asyncio.start_unix_server(serve, str(channel.path), limit=LINE_LIMIT, backlog=1024)
+            listener = bind_in_directory(channel.path)
+            server = await asyncio.start_unix_server(serve, sock=listener, limit=LINE_LIMIT, backlog=1024)
         finally:
             os.umask(old)
         self._servers.append(server)
@@ -267,3 +268,18 @@ class ShimCoordinatorProxy:
                 return "NONE"
             return f"VAL {found.decode()}"
         return "ERR unknown verb"
+
+
+def bind_in_directory(path: Path) -> socket.socket:
+    """A unix socket bound at `path` through its directory's fd: STATE_DIR/containers/<64-hex id>/coord/
+    is longer than the 107 bytes a socket address holds, /proc/self/fd/N/NAME is not."""
+    directory = os.open(path.parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(f"/proc/self/fd/{directory}/{path.name}")
+    except OSError:
+        listener.close()
+        raise
+    finally:
+        os.close(directory)
+    return listener

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
+import stat
 from pathlib import Path
 
 import pytest
@@ -167,3 +169,23 @@ async def test_idle_connections_are_capped_and_dropped_and_the_proxy_still_serve
                 writer.close()
     finally:
         await client.close()
+
+
+def test_a_channel_deeper_than_a_socket_address_allows_is_bound_through_its_directory(tmp_path: Path) -> None:
+    """STATE_DIR/containers/<64-hex id>/coord/coord.sock on a node is over the 107 bytes of sun_path."""
+    directory = tmp_path / ("c" * 64) / "coord"
+    directory.mkdir(parents=True)
+    path = directory / "coord.sock"
+    assert len(str(path).encode()) > 107
+    listener = coord_proxy.bind_in_directory(path)
+    try:
+        listener.listen(1)
+        assert stat.S_ISSOCK(os.lstat(path).st_mode)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
+            fd = os.open(directory, os.O_PATH | os.O_DIRECTORY)
+            try:
+                client.connect(f"/proc/self/fd/{fd}/coord.sock")
+            finally:
+                os.close(fd)
+    finally:
+        listener.close()
