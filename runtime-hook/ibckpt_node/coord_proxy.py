@@ -11,8 +11,9 @@ Each container has its own socket (a Channel): STATE_DIR/containers/ID/coord/coo
 hook mounts read-only at /run/ibckpt/coord in that container alone, and which is served only while a
 session holds ranks there. A peer must be in the pid namespace of that container's ranks
 (SO_PEERCRED). Keys are confined to the shim's two kinds (`map/GID/QPN`, `eN/qp/GID/QPN`), so a
-shim reads nothing else of the session; and the first container to PUT a (GID, QPN) owns it for the
-session: another container's PUT of it is refused.
+shim reads and writes nothing else of the session. Which container may write which (GID, QPN) is not
+checked: two ranks of one job can hold the same pair (a QP not yet connected has GID 0, and QP numbers
+repeat across nodes), and a first-writer rule refused a real restore.
 
 A rebuild PUTs two records per QP per GID and waits for each answer, so a round trip to the
 coordinator per PUT adds up (hundreds per node, serialized: a rebuild took 13 s of 16 ranks'
@@ -102,7 +103,6 @@ class ShimCoordinatorProxy:
         self._ns_of = ns_of
         self._servers: list[asyncio.AbstractServer] = []
         self._open: dict[Path, int] = {}  # connections per channel
-        self._owners: dict[tuple[str, str], Path] = {}  # (GID, QPN) -> the channel that PUT it first
         self._puts: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue()
         self._forwarder: asyncio.Task[None] | None = None
         self.failed: str | None = None  # the first background PUT that failed, and why
@@ -250,10 +250,6 @@ class ShimCoordinatorProxy:
         if verb in ("PUT", "GET") and matched is None:
             return "ERR not a shim record key"
         if verb == "PUT" and matched is not None:
-            owner = self._owners.setdefault((matched[1], matched[2]), channel)
-            if owner != channel:
-                log.warning("%s: refused PUT %s: another container published it", channel, key)
-                return "ERR another container's record"
             self._puts.put_nowait((key, rest.encode()))
             return "OK"
         if verb == "GET":
