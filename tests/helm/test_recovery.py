@@ -31,12 +31,12 @@ for pid in filter(str.isdigit, os.listdir("/proc")):
     if argv and argv[0].endswith(b"rc_seq") and b"-c" in argv:
         status = open(f"/proc/{pid}/status").read()
         parent = int(status.split("PPid:", 1)[1].split()[0])
-        os.kill(int(pid), signal.SIGKILL)
+        os.kill(parent, signal.SIGKILL)  # the container's init first: its shell never reaps rc_seq
         try:
-            os.kill(parent, signal.SIGKILL)  # the container's init: the rest of it ends with it
+            os.kill(int(pid), signal.SIGKILL)
         except ProcessLookupError:
-            pass
-        print("killed", pid, parent)
+            pass  # it ended with its pid namespace's init
+        print("killed", parent, pid)
         break
 """
 
