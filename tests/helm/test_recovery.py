@@ -78,11 +78,17 @@ def test_a_dead_rank_brings_the_whole_job_back_from_its_last_checkpoint_by_itsel
     ring.running(cluster, job_ns)
 
     node_2_agent = next(p for p in installed.agent_pods() if p["spec"]["nodeName"] == "node-2")
-    killed = cluster.kubectl(
-        "exec", "-n", NAMESPACE, node_2_agent["metadata"]["name"], "--",
-        "/opt/ibckpt/venv/bin/python", "-c", KILL_RANK,
-    )  # fmt: skip
-    assert killed.stdout.startswith("killed"), killed.stdout + killed.stderr
+    # the pod's end is what counts (an exec through the emulated nodes' kubelet has failed on its own)
+    for _ in range(3):
+        killed = cluster.kubectl(
+            "exec", "-n", NAMESPACE, node_2_agent["metadata"]["name"], "--",
+            "/opt/ibckpt/venv/bin/python", "-c", KILL_RANK, check=False,
+        )  # fmt: skip
+        phase = pods.get(cluster, job_ns, "pod", "ring-1")["status"]["phase"]
+        if "killed" in killed.stdout or phase == "Failed":
+            break
+        time.sleep(5)
+    print("rank killer:", killed.returncode, killed.stdout, killed.stderr[-500:])
     failed = pods.wait_pod(cluster, job_ns, "ring-1", {"Failed"}, timeout=300)
     assert failed["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"] == 137
 
