@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -110,16 +110,20 @@ def _seconds(moment: datetime | None) -> float | None:
     return None if moment is None else moment.timestamp()
 
 
-def drain_status(state: DrainState, controllers: dict[str, str] | None = None) -> dict[str, Any]:
-    """The status fields of a DrainState (the caller merges them with the schedule's); `controllers`:
-    the sources' renaming controllers by pod uid."""
-    controllers = controllers or {}
-    sources = [
+def migration_sources(pods: Iterable[PodRef], controllers: Mapping[str, str]) -> list[MigrationSource]:
+    """The status rows of the pods a drain or a recovery moves; `controllers`: renaming controllers by uid."""
+    return [
         MigrationSource(
             name=p.name, uid=p.uid or None, node=p.node or None, controller_uid=controllers.get(p.uid)
         )
-        for p in state.sources
+        for p in pods
     ]
+
+
+def drain_status(state: DrainState, controllers: dict[str, str] | None = None) -> dict[str, Any]:
+    """The status fields of a DrainState (the caller merges them with the schedule's); `controllers`:
+    the sources' renaming controllers by pod uid."""
+    sources = migration_sources(state.sources, controllers or {})
     migration = MigrationStatus(
         seq=state.seq,
         tries=state.tries,

@@ -15,8 +15,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from ibckpt.api import CHECKPOINT, Checkpoint, LatestCheckpoint, RestorePhase
-from ibckpt.api.schedule import CheckpointScheduleStatus, MigrationSource, RecoveryStatus
+from ibckpt.api.schedule import CheckpointScheduleStatus, RecoveryStatus
 from ibckpt_operator.cluster import bindings, schedules
+from ibckpt_operator.cluster.drains import migration_sources
 from ibckpt_operator.cluster.kube import Body, Kube
 from ibckpt_operator.cluster.selection import pod_ref
 from ibckpt_operator.machine.core import Event, PodRef
@@ -139,12 +140,7 @@ async def restore_events(kube: Kube, namespace: str, name: str, job: Mapping[str
 
 
 def recovery_status(state: RecoveryState, controllers: dict[str, str]) -> dict[str, Any]:
-    sources = [
-        MigrationSource(
-            name=p.name, uid=p.uid or None, node=p.node or None, controller_uid=controllers.get(p.uid)
-        )
-        for p in state.sources
-    ]
+    sources = migration_sources(state.sources, controllers)
     recovery = RecoveryStatus(
         seq=state.seq,
         trigger=state.trigger.value if state.trigger else None,
