@@ -1,14 +1,20 @@
 """Automatic recovery on the real cluster: the two-pod RDMA ring protected by a CheckpointSchedule with
-`recovery`; once a periodic checkpoint has committed, ring-1's container dies (its processes killed from
-the node, exit 137, as a crashed rank's would). Nobody applies anything: the operator stops the whole job,
-restores it from that checkpoint, and the ring finishes with every message delivered exactly once.
+`recovery`, in one story of two failures. Nobody applies anything in between; each time the operator stops
+the whole job and restores it from the schedule's latest checkpoint, and the ring finishes at the end with
+every message delivered exactly once.
 
-(The node-kill variant of issue 27 needs a testbed that replaces a killed guest; docs/recovery.md.)
+1. Once a periodic checkpoint has committed, ring-1's container dies (its processes killed from the node,
+   exit 137, as a crashed rank's would): the job comes back on the same nodes.
+2. After a newer checkpoint, node-1's guest is killed hard (qemu SIGKILL). The node goes NotReady; the
+   recovery starts but replaces nothing while node-1 might still run ring-0 (fencing, docs/recovery.md).
+   The testbed then plays the cloud and deletes the vanished node's Node: the job comes back on node-2.
+   A fresh guest then takes node-1's place, so the session's cluster goes on with two nodes.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import time
 from typing import Any
 
@@ -16,6 +22,7 @@ import pytest
 from helm.conftest import NAMESPACE, Release
 
 from testbed import pods, ring
+from testbed.cluster import delete_vanished_node
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(2400)]
 
@@ -56,12 +63,28 @@ def _ended(cluster: Any, namespace: str, uid: str) -> bool:
     return bool(pod["metadata"]["uid"] != uid or pod["status"].get("phase") == "Failed")
 
 
-def test_a_dead_rank_brings_the_whole_job_back_from_its_last_checkpoint_by_itself(
+def _newest_checkpoint(installed: Release, namespace: str) -> dict[str, Any]:
+    """Once the schedule is suspended and its jobs ended: the Checkpoint a recovery must restore."""
+    cluster = installed.cluster
+    cluster.kubectl("patch", "checkpointschedule", SCHEDULE, "-n", namespace, "--type=merge",
+                    "-p", json.dumps({"spec": {"suspend": True}}))  # fmt: skip
+    time.sleep(5)
+    for job in pods.get(cluster, namespace, "checkpointjobs")["items"]:
+        ring.wait_phase(cluster, namespace, "checkpointjob", job["metadata"]["name"], "Succeeded", 600)
+    found = sorted(_checkpoints(installed, namespace), key=lambda c: c["metadata"]["creationTimestamp"])
+    return found[-1]
+
+
+def _uids(cluster: Any, namespace: str) -> dict[str, str]:
+    return {name: pods.get(cluster, namespace, "pod", name)["metadata"]["uid"] for name in ring.MEMBERS}
+
+
+def test_a_dead_rank_then_a_dead_node_bring_the_job_back_from_its_last_checkpoint_by_itself(
     installed: Release, job_ns: str
 ) -> None:
     cluster = installed.cluster
     ring.start(cluster, job_ns)
-    before = {name: pods.get(cluster, job_ns, "pod", name)["metadata"]["uid"] for name in ring.MEMBERS}
+    before = _uids(cluster, job_ns)
     schedule = {
         "apiVersion": "ibckpt.io/v1alpha1",
         "kind": "CheckpointSchedule",
@@ -69,7 +92,7 @@ def test_a_dead_rank_brings_the_whole_job_back_from_its_last_checkpoint_by_itsel
         "spec": {
             "intervalSeconds": 60,
             "template": ring.job_template(),
-            "recovery": {"podFailure": True, "deadlineSeconds": 900},
+            "recovery": {"podFailure": True, "nodeNotReadySeconds": 20, "deadlineSeconds": 900},
         },
     }
     pods.apply(cluster, job_ns, schedule)
@@ -78,12 +101,7 @@ def test_a_dead_rank_brings_the_whole_job_back_from_its_last_checkpoint_by_itsel
         assert time.monotonic() < deadline, ring.diagnose(cluster, job_ns)
         time.sleep(5)
     # no more periodic checkpoints: the one to restore is known (recovery stays armed while suspended)
-    cluster.kubectl("patch", "checkpointschedule", SCHEDULE, "-n", job_ns, "--type=merge",
-                    "-p", json.dumps({"spec": {"suspend": True}}))  # fmt: skip
-    time.sleep(5)
-    for name in pods.get(cluster, job_ns, "checkpointjobs")["items"]:
-        ring.wait_phase(cluster, job_ns, "checkpointjob", name["metadata"]["name"], "Succeeded", 600)
-    [latest] = sorted(_checkpoints(installed, job_ns), key=lambda c: c["metadata"]["creationTimestamp"])[-1:]
+    latest = _newest_checkpoint(installed, job_ns)
     ring.running(cluster, job_ns)
 
     node_2_agent = next(p for p in installed.agent_pods() if p["spec"]["nodeName"] == "node-2")
@@ -116,8 +134,60 @@ def test_a_dead_rank_brings_the_whole_job_back_from_its_last_checkpoint_by_itsel
     started = cluster.kubectl("get", "events", "-n", job_ns, "--field-selector", "reason=RecoveryStarted",
                               "-o", "jsonpath={.items[*].message}").stdout  # fmt: skip
     assert "pod ring-1 failed (exit code 137)" in started, started
-    # new pods (the old ones were stopped first: never two copies of a rank), then exactly once
-    after = {name: pods.get(cluster, job_ns, "pod", name)["metadata"]["uid"] for name in ring.MEMBERS}
+    # new pods (the old ones were stopped first: never two copies of a rank)
+    after = _uids(cluster, job_ns)
     assert not set(after.values()) & set(before.values()), (before, after)
+    assert ring.placement(cluster, job_ns) == {"ring-0": "node-1", "ring-1": "node-2"}
+    ring.running(cluster, job_ns)
+    _a_dead_node(installed, job_ns, {c["metadata"]["name"] for c in _checkpoints(installed, job_ns)})
     ring.finish(cluster, job_ns)
     cluster.kubectl("delete", "checkpointschedule", SCHEDULE, "-n", job_ns, "--wait=false")
+
+
+def _a_dead_node(installed: Release, job_ns: str, known: set[str]) -> None:
+    """Step 2: a newer checkpoint, then node-1 killed hard; fencing holds until its Node is deleted."""
+    cluster = installed.cluster
+    cluster.kubectl("patch", "checkpointschedule", SCHEDULE, "-n", job_ns, "--type=merge",
+                    "-p", json.dumps({"spec": {"suspend": False}}))  # fmt: skip
+    deadline = time.monotonic() + 600
+    while not {c["metadata"]["name"] for c in _checkpoints(installed, job_ns)} - known:
+        assert time.monotonic() < deadline, ring.diagnose(cluster, job_ns)
+        time.sleep(5)
+    latest = _newest_checkpoint(installed, job_ns)
+    assert latest["metadata"]["name"] not in known
+    before = _uids(cluster, job_ns)
+    try:
+        cluster.kill_node("node-1")
+        fencing = ring.wait_phase(cluster, job_ns, "checkpointschedule", SCHEDULE, "Fencing", 600,
+                                  "recoveryPhase")  # fmt: skip
+        status = fencing["status"]
+        assert status["recovery"]["trigger"] == "NodeNotReady", status
+        assert status["recovery"]["nodes"] == ["node-1"], status
+        # the rule: a NotReady node may still run ring-0, so nothing takes its place while it stays
+        for _ in range(4):
+            status = pods.get(cluster, job_ns, "checkpointschedule", SCHEDULE)["status"]
+            assert status["recoveryPhase"] == "Fencing", status
+            # (ring-1, on the live node, may still be named until its kubelet confirms the kill)
+            assert re.match(r"NodeNotReady: waiting until .*ring-0 on node-1", status["recoveryMessage"]), (
+                status
+            )
+            assert pods.get(cluster, job_ns, "pod", "ring-0")["metadata"]["uid"] == before["ring-0"]
+            restores = pods.get(cluster, job_ns, "restorejobs")["items"]
+            assert all(r["metadata"]["name"] != f"{SCHEDULE}-recover-2" for r in restores), restores
+            time.sleep(5)
+        delete_vanished_node(cluster, "node-1")
+        done = ring.wait_phase(cluster, job_ns, "checkpointschedule", SCHEDULE, "Recovered", 900,
+                               "recoveryPhase")  # fmt: skip
+        recovery = done["status"]["recovery"]
+        assert recovery["seq"] == 2 and recovery["checkpoint"] == latest["metadata"]["name"], recovery
+        restore = pods.get(cluster, job_ns, "restorejob", recovery["restoreJob"])
+        assert restore["status"]["phase"] == "Succeeded", restore["status"]
+        assert restore["spec"]["avoidNodes"] == ["node-1"], restore["spec"]
+        after = _uids(cluster, job_ns)
+        assert not set(after.values()) & set(before.values()), (before, after)
+        assert ring.placement(cluster, job_ns) == {"ring-0": "node-2", "ring-1": "node-2"}
+    finally:
+        # the session's cluster goes on with two nodes: a fresh guest (an empty node) for node-1
+        cluster.kubectl("delete", "node", "node-1", "--wait=false", check=False)
+        cluster.replace_node("node-1")
+        installed.rollout(f"daemonset/{installed.name}-agent")

@@ -124,9 +124,29 @@ class Cluster:
             f"testbed: nodes {sorted(set(NODE_NAMES) - ready)} not Ready in {timeout:g}s{self.diagnose()}"
         )
 
+    def kill_node(self, name: str) -> None:
+        """Kill a node's guest hard (qemu SIGKILL): its kubelet, containers and memory vanish at once."""
+        self.guests.kill(NODE_NAMES.index(name) + 1)
+
+    def replace_node(self, name: str) -> None:
+        """Boot a fresh guest for a killed node (an empty node of the same name, as a cloud's
+        replacement VM): returns once it is Ready with its images and advertises its RDMA devices."""
+        (self.node_dirs[name] / "images.done").unlink(missing_ok=True)
+        self.guests.replace(NODE_NAMES.index(name) + 1)
+        self.wait_nodes_ready()
+        install_device_plugin(self)
+
     def stop(self) -> None:
         self.guests.stop()
         self.plane.stop()
+
+
+def delete_vanished_node(cluster: Cluster, name: str) -> None:
+    """The cloud provider's part: once a node's VM is gone, its node lifecycle controller deletes the Node
+    (the cloud-controller-manager does so for an instance that no longer exists)."""
+    if cluster.guests.running(NODE_NAMES.index(name) + 1):
+        raise RuntimeError(f"testbed: {name}'s guest still runs: the cloud would not delete its Node")
+    cluster.kubectl("delete", "node", name, "--wait=false")
 
 
 def kubectl_bin() -> Path:

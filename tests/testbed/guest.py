@@ -422,27 +422,52 @@ def run_pair(
 
 
 class GuestPair:
-    """Two linked guests that run until stopped (the cluster's nodes), not until a command ends."""
+    """Two linked guests that run until stopped (the cluster's nodes), not until a command ends.
+
+    node-2 listens on the link and node-1 connects: qemu's stream server takes a new connection once its
+    client is gone, so node-1 can be killed hard and replaced by a fresh guest (`replace`)."""
 
     def __init__(self, spec_a: GuestSpec, spec_b: GuestSpec, echo: bool = False) -> None:
         self.root = Path(tempfile.mkdtemp(prefix="ibckpt-pair-"))
+        self.echo = echo
         spec_a = dataclasses.replace(spec_a, node=1, link=True)
         spec_b = dataclasses.replace(spec_b, node=2, link=True)
-        sock = self.root / "link.sock"
+        self.sock = self.root / "link.sock"
         self.guests: list[_Guest] = []
+        self.boots = 0
         try:
-            a = _Guest(spec_a, self.root, f"stream,server=on,addr.type=unix,addr.path={sock}", echo)
-            self.guests.append(a)
-            _wait_for_socket(sock, a, time.monotonic() + LINK_LISTEN_S)
-            self.guests.append(
-                _Guest(spec_b, self.root, f"stream,server=off,addr.type=unix,addr.path={sock}", echo)
-            )
+            b = _Guest(spec_b, self.root, f"stream,server=on,addr.type=unix,addr.path={self.sock}", echo)
+            self.guests.append(b)
+            _wait_for_socket(self.sock, b, time.monotonic() + LINK_LISTEN_S)
+            self.guests.insert(0, self._connect(spec_a))  # guests[i] is node-(i+1)
         except BaseException:
             self.stop()
             raise
 
+    def _connect(self, spec: GuestSpec) -> _Guest:
+        self.boots += 1
+        root = self.root / f"boot{self.boots}"  # a fresh job dir for each guest started
+        root.mkdir()
+        return _Guest(spec, root, f"stream,server=off,addr.type=unix,addr.path={self.sock}", self.echo)
+
+    def kill(self, node: int) -> None:
+        """Kill a node's qemu at once: no shutdown inside the guest, as a host that loses power."""
+        self.guests[node - 1].kill()
+
+    def replace(self, node: int) -> None:
+        """Boot a fresh guest for node-1 (its memory, and so its node's state, starts empty)."""
+        if node != 1:
+            raise ValueError("only node-1, the link's client, can be replaced")
+        old = self.guests[0]
+        if old.proc.poll() is None:
+            old.kill()
+        self.guests[0] = self._connect(old.spec)
+
     def console(self, node: int) -> str:
         return self.guests[node - 1].buffer.getvalue()
+
+    def running(self, node: int) -> bool:
+        return self.guests[node - 1].proc.poll() is None
 
     def dead(self) -> list[str]:
         """What each guest that is no longer running printed last."""
@@ -459,7 +484,7 @@ class GuestPair:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
-# How long node A's qemu may take to start listening on the link socket.
+# How long the listening node's qemu may take to start listening on the link socket.
 LINK_LISTEN_S = 30.0
 
 
@@ -467,11 +492,13 @@ def _wait_for_socket(path: Path, guest: _Guest, deadline: float) -> None:
     while not path.exists():
         if guest.proc.poll() is not None:
             raise RuntimeError(
-                f"testbed: node-1's qemu exited before it listened on {path}:\n"
+                f"testbed: node-{guest.spec.node}'s qemu exited before it listened on {path}:\n"
                 f"{guest.buffer.getvalue()[-2000:]}"
             )
         if time.monotonic() > deadline:
-            raise RuntimeError(f"testbed: node-1's qemu did not listen on {path} in {LINK_LISTEN_S:g}s")
+            raise RuntimeError(
+                f"testbed: node-{guest.spec.node}'s qemu did not listen on {path} in {LINK_LISTEN_S:g}s"
+            )
         time.sleep(0.02)
 
 

@@ -354,8 +354,9 @@ class RecoveryMachine:
             how = "delete its Node object"
             if self.config.fencing is FencingPolicy.OUT_OF_SERVICE_TAINT:
                 how += f", or taint it {OUT_OF_SERVICE}"
+            verb = "is" if len(unfenced) == 1 else "are"
             text = (
-                f"{state.reason}: waiting until {', '.join(unfenced)} is known not to run (its kubelet "
+                f"{state.reason}: waiting until {', '.join(unfenced)} {verb} known not to run (its kubelet "
                 f"confirms the kill, or {how})"
             )
             state = replace(state, message=text)
