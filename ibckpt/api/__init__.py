@@ -34,6 +34,7 @@ from ibckpt.api.common import (
     LabelSelector,
     LabelSelectorRequirement,
     LocalObjectReference,
+    PhaseTiming,
     SecretKeyReference,
 )
 from ibckpt.api.kinds import KINDS
@@ -111,6 +112,7 @@ __all__ = [
     "LocalObjectReference",
     "ObjectMeta",
     "OwnerReference",
+    "PhaseTiming",
     "PodCreator",
     "PodRow",
     "PodTemplate",

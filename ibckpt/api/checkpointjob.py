@@ -11,10 +11,12 @@ from pydantic import ConfigDict, Field, model_validator
 from ibckpt.api.base import ApiModel, KindInfo, PrinterColumn
 from ibckpt.api.common import (
     NAME_PATTERN,
+    PHASE_TIMINGS_DESCRIPTION,
     Conditions,
     LabelSelector,
     LocalObjectReference,
     ObservedGeneration,
+    PhaseTiming,
 )
 from ibckpt.api.storage import S3Location
 from ibckpt.vocabulary import DEFAULT_BOUNDS as B
@@ -198,6 +200,7 @@ class CheckpointJobStatus(ApiModel):
     bytes: int | None = Field(default=None, ge=0)
     size: str | None = Field(default=None, description="bytes, for people (printer column).")
     timings: CheckpointTimings | None = None
+    phase_timings: list[PhaseTiming] | None = Field(default=None, description=PHASE_TIMINGS_DESCRIPTION)
     start_time: datetime | None = None
     phase_start_time: datetime | None = None
     step_start_time: datetime | None = None

@@ -71,6 +71,19 @@ class Condition(ApiModel):
     last_transition_time: datetime | None = None
 
 
+class PhaseTiming(ApiModel):
+    """One phase a job has left, as the operator saw it: when it began and how many seconds it lasted."""
+
+    phase: str = Field(min_length=1)
+    started_at: datetime
+    seconds: float = Field(ge=0)
+
+
+PHASE_TIMINGS_DESCRIPTION = (
+    "The phases the job has left, in order: when each began and the seconds it lasted, by the operator's "
+    "clock (the phase it is in began at phaseStartTime)."
+)
+
 # Conditions are a map keyed by type, so server-side apply merges them per type.
 CONDITIONS_SCHEMA_EXTRA: JsonDict = {"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]}
 

@@ -9,7 +9,13 @@ from pydantic import ConfigDict, Field, model_validator
 
 from ibckpt.api.base import ApiModel, KindInfo, PrinterColumn
 from ibckpt.api.checkpointjob import PodRow, WorkloadReference
-from ibckpt.api.common import NAME_PATTERN, Conditions, ObservedGeneration
+from ibckpt.api.common import (
+    NAME_PATTERN,
+    PHASE_TIMINGS_DESCRIPTION,
+    Conditions,
+    ObservedGeneration,
+    PhaseTiming,
+)
 from ibckpt.vocabulary import DEFAULT_BOUNDS as B
 
 
@@ -131,6 +137,7 @@ class RestoreJobStatus(ApiModel):
         default=None, description="latestOf: the newer Checkpoints passed over, newest first, and why."
     )
     pods: list[PodRow] | None = Field(default=None, description="One row per pod; node is the destination.")
+    phase_timings: list[PhaseTiming] | None = Field(default=None, description=PHASE_TIMINGS_DESCRIPTION)
     start_time: datetime | None = None
     phase_start_time: datetime | None = None
     step_start_time: datetime | None = None

@@ -89,6 +89,15 @@ class RecoveryProtection(ApiModel):
     deadline_seconds: int = Field(
         default=1800, ge=30, description="Bound on a recovery, from the detection to the restored job."
     )
+    max_recoveries: int = Field(
+        default=3,
+        ge=1,
+        description="At most this many recoveries start within windowSeconds; a failure beyond them waits "
+        "for a person (TooManyRecoveries) and nothing is touched.",
+    )
+    window_seconds: int = Field(
+        default=3600, ge=60, description="The sliding window maxRecoveries is counted in."
+    )
 
 
 class CheckpointScheduleSpec(ApiModel):
@@ -191,6 +200,11 @@ class RecoveryStatus(ApiModel):
     checkpoint_time: datetime | None = None
     work_lost_seconds: float | None = Field(
         default=None, description="The failure's time minus the checkpoint's: the work done again."
+    )
+    recent_starts: list[datetime] | None = Field(
+        default=None,
+        description="When the recoveries that stopped the job began, within windowSeconds: what "
+        "maxRecoveries counts.",
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from itertools import pairwise
 
 import pytest
 
@@ -525,3 +526,32 @@ def test_dump_then_upload_sizes_are_kept_per_pod() -> None:
     job.send(PodStepDone(job.attempt, "uid-1", bytes=4096, seconds=2.5))
     member = next(m for m in job.state.members if m.pod.uid == "uid-1")
     assert (member.progress, member.bytes, member.seconds) == ("Uploaded", 4096, 2.5)
+
+
+# -- where the time went
+
+
+def test_every_phase_left_is_timed_on_the_machines_clock() -> None:
+    job = Driver()
+    job.to_phase(JobPhase.SUCCEEDED)  # each pod answers a rank step 0.1 s after the last
+    spans = job.state.phase_spans
+    assert [span.phase for span in spans] == [str(phase) for phase in job.phases[:-1]]
+    seconds = {span.phase: span.seconds for span in spans}
+    assert seconds["Quiescing"] == seconds["Dumping"] == seconds["Resuming"] == 0.3  # three pods
+    assert seconds["Pending"] == seconds["Admitted"] == seconds["Committed"] == 0.0
+    # back to back: each began when the one before ended, and together they are the whole job
+    assert spans[0].started_at == T0
+    assert all(b.started_at == pytest.approx(a.started_at + a.seconds) for a, b in pairwise(spans))
+    assert job.state.finished_at is not None
+    assert sum(s.seconds for s in spans) == pytest.approx(job.state.finished_at - job.state.started_at)
+
+
+def test_an_abort_times_the_phase_it_left_and_the_resume_of_every_rank() -> None:
+    job = Driver()
+    job.to_phase(JobPhase.DUMPING)
+    job.send(StepFailed(job.attempt, "DumpFailed", "criu: no space"), after=2.5)
+    job.each_done("uid", 0, 0.1, after=1.0)
+    assert job.state.phase == JobPhase.FAILED
+    *_, dumping, aborting = job.state.phase_spans
+    assert (dumping.phase, dumping.seconds) == ("Dumping", 2.5)
+    assert (aborting.phase, aborting.seconds) == ("Aborting", 3.0)

@@ -63,6 +63,11 @@ def test_a_job_state_survives_the_trip_through_status_and_the_apiserver_json() -
     assert wire["phase"] == "Quiescing" and wire["claimed"] is True
     assert [row["phase"] for row in wire["pods"]] == ["Quiesced", "Admitted"]
     assert wire["attempt"] == "abc123-5" and wire["step"] == "quiesce"
+    # the phases it left, timed on the machine's clock (Pending until the 4th event, Admitted 1 s)
+    assert wire["phaseTimings"] == [
+        {"phase": "Pending", "startedAt": "2027-01-15T08:00:00.250000Z", "seconds": 4.0},
+        {"phase": "Admitted", "startedAt": "2027-01-15T08:00:04.250000Z", "seconds": 1.0},
+    ]
     assert job_state(CheckpointJobStatus.from_wire(wire)) == state
 
 

@@ -337,6 +337,13 @@ def test_leave_running_checkpoint_committed_then_deleted(
         ended = datetime.fromisoformat(status["completionTime"].replace("Z", "+00:00"))
         assert timings["totalSeconds"] == pytest.approx((ended - started).total_seconds(), abs=1.0)
         assert status["size"] == "391 KiB" and status["bytes"] == 400_000
+        # the operator's own clock, per phase left (the agents' timings above are per node)
+        assert [t["phase"] for t in status["phaseTimings"]] == [
+            "Pending", "Admitted", "Quiescing", "Draining", "Releasing", "Dumping", "Uploading",
+            "Committed", "Rebuilding", "Resuming",
+        ]  # fmt: skip
+        left = sum(t["seconds"] for t in status["phaseTimings"])
+        assert left == pytest.approx(timings["totalSeconds"], abs=0.05), status["phaseTimings"]
         for row in status["pods"]:
             assert row["frozenSeconds"] == pytest.approx(1.2), row
             # its node's upload rate: at least the bytes over the slowest node's upload

@@ -6,7 +6,13 @@ from dataclasses import replace
 
 import pytest
 
-from ibckpt.api.schedule import FencingPolicy, NoCheckpointPolicy
+from ibckpt.api.schedule import (
+    CheckpointScheduleStatus,
+    FencingPolicy,
+    NoCheckpointPolicy,
+    RecoveryProtection,
+)
+from ibckpt_operator.cluster.recovery import recovery_state, recovery_status
 from ibckpt_operator.machine.core import EmitEvent, OperatorRestarted, PodRef, Tick
 from ibckpt_operator.machine.recovery import (
     CancelRestore,
@@ -305,3 +311,71 @@ def test_a_restarted_operator_issues_the_phases_side_effect_again() -> None:
     again = m.handle(restoring(), OperatorRestarted(), 1070.0)
     assert again.actions == (StartRecoveryRestore("ring-recover-1", ("node-a",), "ring-7"),)
     assert m.handle(IDLE, OperatorRestarted(), 1.0).actions == ()
+
+
+# -- the bound on recoveries in a row
+
+
+def crashes(m: RecoveryMachine, state: RecoveryState, n: int, now: float) -> RecoveryState:
+    """The job's rank `n` (a new pod each time: the restored one) fails at `now`; the recovery that
+    starts runs to a successful restore."""
+    pod = PodRef(f"ring-{n}", f"new-{n}", "node-b")
+    t = m.handle(state, seen(healthy(pod, failed_exit=139)), now)
+    if t.state.phase is not RecoveryPhase.FENCING:
+        return t.state
+    restoring = m.handle(t.state, seen(), now + 1).state
+    return m.handle(restoring, RestoreEnded(restoring.restore_job or "", True), now + 2).state
+
+
+def test_a_job_that_fails_after_every_restore_is_recovered_max_recoveries_times_then_waits() -> None:
+    m = machine(max_recoveries=2, window_seconds=3600)
+    state = crashes(m, IDLE, 1, 100.0)
+    state = crashes(m, state, 2, 200.0)
+    assert state.phase is RecoveryPhase.RECOVERED and state.recent == (100.0, 200.0)
+    third = PodRef("ring-3", "new-3", "node-b")
+    t = m.handle(state, seen(healthy(third, failed_exit=139)), 300.0)
+    assert t.state.phase is RecoveryPhase.WAITING and t.state.reason == "TooManyRecoveries"
+    assert not t.of_type(StopPods) and not t.of_type(StartRecoveryRestore)  # nothing touched
+    assert events(t) == [("Warning", "RecoveryWaiting")]
+    assert RecordRecovery("WaitingForPerson", 0.0, None) in t.actions
+    message = t.state.message or ""
+    assert "pod ring-3 failed (exit code 139)" in message
+    assert "2 recoveries of ring began within the last 3600s (recovery.maxRecoveries: 2)" in message
+    assert "nothing was touched; waiting for a person" in message
+    assert t.state.seq == 3 and t.state.sources == (third,) and t.state.recent == (100.0, 200.0)
+    # the failed pod stays as it is and triggers nothing more
+    again = m.handle(t.state, seen(healthy(third, failed_exit=139)), 400.0)
+    assert again.state == t.state and again.actions == ()
+
+
+def test_recoveries_older_than_the_window_no_longer_count() -> None:
+    m = machine(max_recoveries=2, window_seconds=3600)
+    state = replace(IDLE, phase=RecoveryPhase.RECOVERED, seq=2, recent=(100.0, 200.0))
+    t = m.handle(state, seen(healthy(A, failed_exit=1)), 3700.0)
+    assert t.state.phase is RecoveryPhase.FENCING and t.state.recent == (200.0, 3700.0)
+    inside = m.handle(state, seen(healthy(A, failed_exit=1)), 3699.0)
+    assert inside.state.reason == "TooManyRecoveries"
+
+
+def test_only_recoveries_that_stopped_the_job_count() -> None:
+    m = machine(max_recoveries=1)
+    waited = m.handle(IDLE, seen(healthy(A, failed_exit=2), hint=None), 10.0)  # NoCheckpoint: untouched
+    assert waited.state.reason == "NoCheckpoint" and waited.state.recent == ()
+    scratch = machine(max_recoveries=1, no_checkpoint=NoCheckpointPolicy.RESTART_FROM_SCRATCH)
+    pods = (healthy(A, controlled=True, failed_exit=2),)
+    restarted = scratch.handle(IDLE, seen(*pods, hint=None), 10.0)
+    assert restarted.state.from_scratch and restarted.state.recent == (10.0,)  # stopped: it counts
+    new = healthy(PodRef("ring-0", "u7", "node-a"), controlled=True, failed_exit=2)
+    done = replace(restarted.state, phase=RecoveryPhase.RESTARTED)
+    assert scratch.handle(done, seen(new, hint=None), 20.0).state.reason == "TooManyRecoveries"
+
+
+def test_the_bound_defaults_to_three_an_hour_and_survives_a_restart() -> None:
+    assert (RecoveryConfig().max_recoveries, RecoveryConfig().window_seconds) == (3, 3600.0)
+    spec = RecoveryConfig.from_protection(RecoveryProtection.from_wire({"maxRecoveries": 5}))
+    assert (spec.max_recoveries, spec.window_seconds) == (5, 3600)
+    state = replace(IDLE, phase=RecoveryPhase.RECOVERED, seq=2, recent=(100.0, 200.5))
+    status = CheckpointScheduleStatus(**recovery_status(state, {}))
+    wire = status.to_wire()
+    assert wire["recovery"]["recentStarts"] == ["1970-01-01T00:01:40Z", "1970-01-01T00:03:20.500000Z"]
+    assert recovery_state("ring", CheckpointScheduleStatus.from_wire(wire)) == state

@@ -209,6 +209,12 @@ def test_a_stop_checkpoint_is_restored_as_the_same_pods_on_the_swapped_nodes(
     [removed] = [e.message for e in cluster_ns.events("back") if e.reason == "SourceRemoved"]
     assert removed.startswith("source pod ring-1 had ended"), removed
     assert next(c for c in status["conditions"] if c["type"] == "Ready")["status"] == "True"
+    # the driver wrote where the time went: every phase the restore left, in order
+    timings = status["phaseTimings"]
+    assert [t["phase"] for t in timings] == [
+        "Pending", "Admitted", "Downloading", "Restoring", "Rebuilding", "Resuming",
+    ]  # fmt: skip
+    assert timings[0]["startedAt"] == status["startTime"] and all(t["seconds"] >= 0 for t in timings)
 
 
 def two_agents_and_a_checkpoint(

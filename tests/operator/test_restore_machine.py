@@ -334,3 +334,16 @@ def test_an_empty_checkpoint_fails() -> None:
     job = Driver()
     job.send(CheckpointResolved(job.attempt, ()))
     assert job.state.phase == RestorePhase.FAILED and job.state.reason == "EmptyCheckpoint"
+
+
+def test_every_phase_left_is_timed_on_the_machines_clock() -> None:
+    job = Driver()
+    job.to_phase(RestorePhase.DOWNLOADING)
+    job.each_done("name", 10, 1.0, after=2.0)  # each node's images staged 2 s after the last
+    job.to_phase(RestorePhase.SUCCEEDED)
+    spans = job.state.phase_spans
+    assert [span.phase for span in spans] == [str(phase) for phase in job.phases[:-1]]
+    assert {span.phase: span.seconds for span in spans}["Downloading"] == 4.0
+    assert spans[0].started_at == T0 and spans[-1].phase == "Resuming"
+    assert job.state.finished_at is not None
+    assert sum(s.seconds for s in spans) == pytest.approx(job.state.finished_at - job.state.started_at)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from datetime import UTC, datetime
 from typing import Any
 
 from ibckpt.api import CHECKPOINT, Checkpoint, LatestCheckpoint, RestorePhase
@@ -156,6 +157,7 @@ def recovery_status(state: RecoveryState, controllers: dict[str, str]) -> dict[s
         checkpoint=state.checkpoint,
         checkpoint_time=to_time(state.checkpoint_time),
         work_lost_seconds=None if state.work_lost is None else round(state.work_lost, 1),
+        recent_starts=[datetime.fromtimestamp(t, UTC) for t in state.recent] or None,
     )
     return {
         "recovery_phase": state.phase.value,
@@ -187,6 +189,7 @@ def recovery_state(name: str, status: CheckpointScheduleStatus) -> RecoveryState
         checkpoint_time=from_time(r.checkpoint_time),
         reason=status.recovery_reason,
         message=status.recovery_message,
+        recent=tuple(t.timestamp() for t in r.recent_starts or ()),
     )
 
 

@@ -117,6 +117,16 @@ def names_not_at(members: tuple[Member, ...], label: str, *excused: str) -> list
     return [member.pod.name for member in members if member.progress not in passed]
 
 
+@dataclass(frozen=True)
+class PhaseSpan:
+    """A phase the job has left: when it began and how long it lasted (the caller's clock), so status
+    says where the time went."""
+
+    phase: str
+    started_at: float
+    seconds: float
+
+
 P = TypeVar("P", bound=StrEnum)
 
 
@@ -135,6 +145,7 @@ class RunState(Generic[P]):
     reason: str | None = None
     message: str | None = None
     finished_at: float | None = None
+    phase_spans: tuple[PhaseSpan, ...] = ()  # the phases it left, in order
 
     @property
     def attempt(self) -> str | None:
@@ -148,6 +159,12 @@ class RunState(Generic[P]):
 R = TypeVar("R", bound=RunState[Any])
 
 
+def enter(state: R, phase: StrEnum, now: float, **more: Any) -> R:
+    """The state in `phase` from `now` on; the phase it leaves is timed into phase_spans."""
+    span = PhaseSpan(str(state.phase), state.phase_since, round(max(0.0, now - state.phase_since), 3))
+    return replace(state, phase=phase, phase_since=now, phase_spans=(*state.phase_spans, span), **more)
+
+
 def issue(
     state: R, step: str, now: float, phase: StrEnum | None, action: Callable[[str], StepAction]
 ) -> tuple[R, list[Action]]:
@@ -158,16 +175,14 @@ def issue(
     actions: list[Action] = []
     if phase is not None and phase != state.phase:
         actions.append(EmitEvent("Normal", str(phase), f"{phase}: attempt {attempt}"))
-        state = replace(state, phase=phase, phase_since=now)
+        state = enter(state, phase, now)
     actions.append(action(attempt))
     return replace(state, seq=seq, step=StepRecord(step, attempt, now)), actions
 
 
 def finish(state: R, phase: StrEnum, reason: str | None, message: str, now: float, **more: Any) -> R:
     """The state at the job's end: `phase` (Succeeded or Failed) from now on, saying why."""
-    return replace(
-        state, phase=phase, phase_since=now, reason=reason, message=message, finished_at=now, **more
-    )
+    return enter(state, phase, now, reason=reason, message=message, finished_at=now, **more)
 
 
 def overdue(state: RunState[P], timeouts: Mapping[P, float], now: float) -> float | None:

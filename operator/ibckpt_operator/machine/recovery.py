@@ -12,6 +12,8 @@
       RestartFromScratch ─▶ Fencing (from scratch) ─▶ RestartedFromScratch (the controller starts the
                             pods again); bare pods have no controller: WaitingForPerson
     Fencing, Restoring: the deadline ─▶ Failed (the RestoreJob is cancelled).
+    maxRecoveries already started within windowSeconds: a trigger ─▶ WaitingForPerson (TooManyRecoveries,
+      nothing touched): a job that fails again after every restore is not restored forever.
 
 Recovered, RestartedFromScratch, WaitingForPerson and Failed are at rest: a trigger on a pod that is not
 one of the last recovery's sources starts the next one (seq + 1). While the drain machine moves the job
@@ -59,6 +61,8 @@ class RecoveryConfig:
     no_checkpoint: NoCheckpointPolicy = NoCheckpointPolicy.WAIT_FOR_PERSON
     fencing: FencingPolicy = FencingPolicy.NODE_GONE
     deadline_seconds: float = 1800.0
+    max_recoveries: int = 3
+    window_seconds: float = 3600.0
 
     @classmethod
     def from_protection(cls, recovery: RecoveryProtection) -> RecoveryConfig:
@@ -68,6 +72,8 @@ class RecoveryConfig:
             recovery.no_checkpoint,
             recovery.fencing,
             recovery.deadline_seconds,
+            recovery.max_recoveries,
+            recovery.window_seconds,
         )
 
 
@@ -145,6 +151,7 @@ class RecoveryState:
     checkpoint_time: float | None = None
     reason: str | None = None
     message: str | None = None
+    recent: tuple[float, ...] = ()  # detection times of the recoveries that stopped the job, in the window
 
     @property
     def work_lost(self) -> float | None:
@@ -291,6 +298,7 @@ class RecoveryMachine:
         if not found.found:
             return Transition(state, (), found.wake_at)
         first = min(found.found, key=lambda f: f.since)
+        recent = tuple(t for t in state.recent if t > now - self.config.window_seconds)
         seq = state.seq + 1
         sources = tuple(health.pod for health in seen.pods if not health.deleting)
         failed_nodes = sorted({f.node for f in found.found if f.trigger is not Trigger.POD_FAILED and f.node})
@@ -306,7 +314,10 @@ class RecoveryMachine:
             detected_at=now,
             deadline=now + self.config.deadline_seconds,
             restartable=bool(sources) and all(h.controlled for h in seen.pods if not h.deleting),
+            recent=recent,
         )
+        if len(recent) >= self.config.max_recoveries:
+            return self._too_many(state, why, now)
         hint = seen.checkpoint
         if hint is None:
             scratch = self.config.no_checkpoint is NoCheckpointPolicy.RESTART_FROM_SCRATCH
@@ -328,10 +339,23 @@ class RecoveryMachine:
             state = replace(state, checkpoint=hint.name, checkpoint_time=hint.taken_at)
             target = f"restoring from {hint.name}"
         text = f"{why}: stopping every pod of {state.name}, {target}"
-        state = replace(state, reason=first.trigger.value, message=text)
+        state = replace(state, reason=first.trigger.value, message=text, recent=(*recent, now))
         started = (StopPods(sources), EmitEvent("Warning", "RecoveryStarted", text))
         fencing = self._fence(state, seen, now)
         return Transition(fencing.state, (*started, *fencing.actions), fencing.wake_at)
+
+    def _too_many(self, state: RecoveryState, why: str, now: float) -> Transition[RecoveryState]:
+        """The bound on recoveries in a row: the job keeps failing after its restores (a bug, bad input, a
+        checkpoint that carries the fault), so another restore would only loop."""
+        window = self.config.window_seconds
+        text = (
+            f"{why}; {len(state.recent)} recoveries of {state.name} began within the last {window:.0f}s "
+            f"(recovery.maxRecoveries: {self.config.max_recoveries}): the job fails again after its "
+            "restores, so nothing was touched; waiting for a person (a RestoreJob restores it by hand; "
+            "a failure of a new pod once the window has passed starts a recovery again; disabling and "
+            "enabling recovery resets the count)"
+        )
+        return self._wait_for_person(state, "TooManyRecoveries", text, now)
 
     # Fencing: no source may run when its rank starts elsewhere.
 

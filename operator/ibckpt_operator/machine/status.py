@@ -16,12 +16,13 @@ from ibckpt.api import (
     ConditionStatus,
     ConditionType,
     JobPhase,
+    PhaseTiming,
     PodRow,
     RestoreJobStatus,
     RestorePhase,
 )
 from ibckpt_operator.machine.checkpoint import JobState
-from ibckpt_operator.machine.core import Member, PodRef, StepRecord, parse_attempt
+from ibckpt_operator.machine.core import Member, PhaseSpan, PodRef, StepRecord, parse_attempt
 from ibckpt_operator.machine.restore import RestoreState
 
 
@@ -110,6 +111,17 @@ def _members(rows: list[PodRow] | None) -> tuple[Member, ...]:
     )
 
 
+def _timings(spans: tuple[PhaseSpan, ...]) -> list[PhaseTiming] | None:
+    return [
+        PhaseTiming(phase=s.phase, started_at=datetime.fromtimestamp(s.started_at, UTC), seconds=s.seconds)
+        for s in spans
+    ] or None
+
+
+def _spans(timings: list[PhaseTiming] | None) -> tuple[PhaseSpan, ...]:
+    return tuple(PhaseSpan(t.phase, t.started_at.timestamp(), t.seconds) for t in timings or ())
+
+
 def _step(kind: str | None, attempt: str | None, started: datetime | None) -> StepRecord | None:
     if kind is None or attempt is None:
         return None
@@ -137,6 +149,8 @@ class _Progress(Protocol):
     def message(self) -> str | None: ...
     @property
     def finished_at(self) -> float | None: ...
+    @property
+    def phase_spans(self) -> tuple[PhaseSpan, ...]: ...
     @property
     def attempt(self) -> str | None: ...
 
@@ -169,6 +183,7 @@ def _status_fields(
         "attempt": state.attempt,
         "step": state.step.kind if state.step else None,
         "pods": _rows(state.members),
+        "phase_timings": _timings(state.phase_spans),
         "start_time": to_time(state.started_at),
         "phase_start_time": to_time(state.phase_since),
         "step_start_time": to_time(state.step.started_at) if state.step else None,
@@ -193,6 +208,7 @@ def _state_fields(status: CheckpointJobStatus | RestoreJobStatus, what: str) -> 
         "reason": status.reason,
         "message": status.message,
         "finished_at": from_time(status.completion_time),
+        "phase_spans": _spans(status.phase_timings),
     }
 
 
