@@ -32,10 +32,10 @@ def move(cluster: Cluster, ns: str, devices: str, tag: str) -> tuple[float, floa
     """One ring in `devices` shape: seconds of its Stop checkpoint and of its restore, both whole jobs."""
     ring.start(cluster, ns, devices=devices)
     pods.apply(cluster, ns, ring.checkpoint_job(f"move-{tag}", "Stop"))
-    _, job = follow_phases(cluster, "checkpointjob", f"move-{tag}")
+    _, job = follow_phases(cluster, "checkpointjob", f"move-{tag}", namespace=ns)
     cluster.kubectl("delete", "pod", "-n", ns, *ring.MEMBERS, "--timeout=180s", timeout=200)
     pods.apply(cluster, ns, ring.restore_job(f"back-{tag}", job["status"]["checkpointName"]))
-    _, restored = follow_phases(cluster, "restorejob", f"back-{tag}")
+    _, restored = follow_phases(cluster, "restorejob", f"back-{tag}", namespace=ns)
     given = pods.get(cluster, ns, "pod", "ring-0")["spec"]["containers"][0]
     assert ("resources" in given) == (devices == "plugin"), given  # the restored pod kept its shape
     ring.finish(cluster, ns)  # a restore that worked: exactly once, or the bench stops here

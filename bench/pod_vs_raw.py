@@ -108,14 +108,14 @@ print(json.dumps(out))
 
 
 def follow_phases(
-    cluster: Cluster, kind: str, name: str, timeout: float = 1800
+    cluster: Cluster, kind: str, name: str, timeout: float = 1800, namespace: str = NS
 ) -> tuple[dict[str, float], dict[str, Any]]:
     """Seconds spent in each status phase of a job, until it ends (polled every 0.5 s)."""
     spent: dict[str, float] = {}
     deadline = time.monotonic() + timeout
     phase, since = "Pending", time.monotonic()
     while time.monotonic() < deadline:
-        obj = pods.get(cluster, NS, kind, name)
+        obj = pods.get(cluster, namespace, kind, name)
         now = (obj.get("status") or {}).get("phase") or "Pending"
         if now != phase:
             spent[phase] = spent.get(phase, 0.0) + time.monotonic() - since

@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 import pytest
-from helm.conftest import NAMESPACE, Release
+from helm.conftest import Release
 
 from testbed import pods, ring
 from testbed.cluster import delete_vanished_node
@@ -27,25 +27,6 @@ from testbed.cluster import delete_vanished_node
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(2400)]
 
 SCHEDULE = "ring"
-# Run in ring-1's node agent (hostPID): SIGKILL to ring-1's container init (the shell) and its rc_seq.
-KILL_RANK = """
-import os, signal
-for pid in filter(str.isdigit, os.listdir("/proc")):
-    try:
-        argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\\0")
-    except OSError:
-        continue
-    if argv and argv[0].endswith(b"rc_seq") and b"-c" in argv:
-        status = open(f"/proc/{pid}/status").read()
-        parent = int(status.split("PPid:", 1)[1].split()[0])
-        os.kill(parent, signal.SIGKILL)  # the container's init first: its shell never reaps rc_seq
-        try:
-            os.kill(int(pid), signal.SIGKILL)
-        except ProcessLookupError:
-            pass  # it ended with its pid namespace's init
-        print("killed", parent, pid)
-        break
-"""
 
 
 def _checkpoints(installed: Release, namespace: str) -> list[dict[str, Any]]:
@@ -104,13 +85,9 @@ def test_a_dead_rank_then_a_dead_node_bring_the_job_back_from_its_last_checkpoin
     latest = _newest_checkpoint(installed, job_ns)
     ring.running(cluster, job_ns)
 
-    node_2_agent = next(p for p in installed.agent_pods() if p["spec"]["nodeName"] == "node-2")
     # the pod's end is what counts (an exec through the emulated nodes' kubelet has failed on its own)
     for _ in range(3):
-        killed = cluster.kubectl(
-            "exec", "-n", NAMESPACE, node_2_agent["metadata"]["name"], "--",
-            "/opt/ibckpt/venv/bin/python", "-c", KILL_RANK, check=False,
-        )  # fmt: skip
+        killed = ring.kill_rank(installed, "node-2")
         if "killed" in killed.stdout or _ended(cluster, job_ns, before["ring-1"]):
             break
         time.sleep(5)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import json
+import subprocess
 import time
 from datetime import datetime
 from typing import Any
@@ -14,7 +15,7 @@ from typing import Any
 from testbed import pods
 from testbed.cluster import Cluster
 from testbed.images import APPS_IMAGE
-from testbed.release import STORAGE_SECRET
+from testbed.release import STORAGE_SECRET, Release
 
 # -P: the pair sleeps 2 ms whenever its CQ is empty. Unpaced it busy-polls about a core of each emulated
 # node, and every other part of a test (kubelet, containerd, CRIU, the agents) waits for CPU behind it.
@@ -127,6 +128,36 @@ def start(cluster: Cluster, namespace: str, host_network: bool = False, devices:
     pods.wait_pod(cluster, namespace, "ring-1", {"Running"})
     tell_server(cluster, namespace, server_ip)
     connected(cluster, namespace)
+
+
+# Run in ring-1's node agent (hostPID): SIGKILL to ring-1's container init (the shell) and its rc_seq.
+KILL_RANK = """
+import os, signal
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\\0")
+    except OSError:
+        continue
+    if argv and argv[0].endswith(b"rc_seq") and b"-c" in argv:
+        status = open(f"/proc/{pid}/status").read()
+        parent = int(status.split("PPid:", 1)[1].split()[0])
+        os.kill(parent, signal.SIGKILL)  # the container's init first: its shell never reaps rc_seq
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except ProcessLookupError:
+            pass  # it ended with its pid namespace's init
+        print("killed", parent, pid)
+        break
+"""
+
+
+def kill_rank(release: Release, node: str) -> subprocess.CompletedProcess[str]:
+    """SIGKILL ring-1 (the client rank) on `node` from that node's agent, as a crashed rank dies."""
+    [agent] = [p for p in release.agent_pods() if p["spec"]["nodeName"] == node]
+    return release.cluster.kubectl(
+        "exec", "-n", release.namespace, agent["metadata"]["name"], "--",
+        "/opt/ibckpt/venv/bin/python", "-c", KILL_RANK, check=False,
+    )  # fmt: skip
 
 
 def running(cluster: Cluster, namespace: str) -> None:
