@@ -176,8 +176,11 @@ def test_the_operator_grants_storage_secrets_by_name_unless_told_not_to() -> Non
         rbac = [r for r in role["rules"] if r["apiGroups"] == ["rbac.authorization.k8s.io"]]
         return [a for a in operator["args"] if a.startswith("--agent-account")], rbac
 
-    args, rules = grants(rendered_objects())
+    objects = rendered_objects()
+    args, rules = grants(objects)
     assert args == ["--agent-account=ibckpt-agent"]
+    operator = objects[("Deployment", "ibckpt-operator")]["spec"]["template"]["spec"]["containers"][0]
+    assert "--release=ibckpt" in operator["args"]  # labels the Roles, for kubectl ibckpt uninstall
     assert {"resources": ["roles", "rolebindings"], "verbs": ["create"]} in [
         {k: v for k, v in r.items() if k != "apiGroups"} for r in rules
     ]
