@@ -67,7 +67,13 @@ class RequiredVersions(ApiModel):
     kernel: str | None = None
     rdma_core: str | None = None
     criu: str | None = None
-    ibckpt: str | None = None
+    ibckpt: str | None = Field(default=None, description="The agents' release (recorded; not compared).")
+    formats: dict[str, int] | None = Field(
+        default=None,
+        description="The formats the images were written in (manifest, chunks, restore, shimProtocol): a "
+        "restore node's agent must read each. Unset: taken before formats were recorded (manifest 2, "
+        "the others 1).",
+    )
 
 
 class CheckpointSpec(ApiModel):

@@ -8,6 +8,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from ibckpt import formats
 from ibckpt.api import RequiredVersions
 
 HOSTNAME_LABEL = "kubernetes.io/hostname"
@@ -71,24 +72,31 @@ def newest(versions: Iterable[str | None]) -> str | None:
 
 @dataclass(frozen=True)
 class NodeFacts:
-    """What is known of a destination node: the agent's ibckpt version (AgentInfo.version) and the
-    kernel (Node.status.nodeInfo.kernelVersion). rdma-core and CRIU are reported by neither."""
+    """What is known of a destination node: the agent's ibckpt version (AgentInfo.version), the formats
+    it reads (AgentInfo.formats; None from an agent before formats) and the kernel
+    (Node.status.nodeInfo.kernelVersion). rdma-core and CRIU are reported by neither."""
 
     ibckpt: str | None = None
     kernel: str | None = None
+    reads: Mapping[str, Sequence[int]] | None = None
 
 
 def incompatibilities(required: RequiredVersions | None, node: NodeFacts) -> list[str]:
     """Why this node cannot restore the checkpoint (empty: it can, as far as anything reports).
 
-    ibckpt: the images, the shim's state and the agent protocol may change between releases, so the
-    destination must run the same major.minor (while major is 0) or the same major and at least the
-    checkpoint's version. kernel: CRIU restores what the dumping kernel had, so the destination's
-    major.minor must be at least the checkpoint's. A version that does not parse must match exactly."""
+    formats: the node's agent must read every format the checkpoint was written in (ibckpt/formats.py),
+    whatever the two releases' versions. Only an agent that reports no formats (before they existed) is
+    judged by version: the same major.minor while major is 0, else the same major, and at least the
+    checkpoint's. kernel: CRIU restores what the dumping kernel had, so the destination's major.minor
+    must be at least the checkpoint's. A version that does not parse must match exactly."""
     if required is None:
         return []
     problems = []
-    if required.ibckpt and node.ibckpt and not _ibckpt_compatible(required.ibckpt, node.ibckpt):
+    if node.reads is not None:
+        problems += [
+            f"{p} (ibckpt {node.ibckpt or '?'})" for p in formats.unreadable(required.formats, node.reads)
+        ]
+    elif required.ibckpt and node.ibckpt and not _ibckpt_compatible(required.ibckpt, node.ibckpt):
         problems.append(
             f"its ibckpt agent is {node.ibckpt}, the checkpoint was taken with ibckpt {required.ibckpt}"
         )

@@ -175,6 +175,7 @@ class AgentServer:
                 api.AgentInfo(
                     node=self.node,
                     version=ibckpt.__version__,
+                    formats=api.AgentFormats.this_release(),
                     ready=self.ready,
                     address=self.address,
                     shim_path=self.shim_path,
