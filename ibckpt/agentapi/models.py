@@ -169,6 +169,7 @@ class AgentInfo(AgentModel):
     address: str = Field(description="host:port this API is served on.")
     shim_path: str = Field(description="The shim installed on the node (host path).")
     shim_present: bool
+    shim_sha256: str | None = Field(default=None, description="sha256 of the shim file; None: absent.")
     containers: list[RegisteredContainer] = Field(default_factory=list)
     sessions: list[str] = Field(default_factory=list, description="Ids of sessions still running.")
 

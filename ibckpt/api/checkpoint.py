@@ -68,6 +68,11 @@ class RequiredVersions(ApiModel):
     rdma_core: str | None = None
     criu: str | None = None
     ibckpt: str | None = Field(default=None, description="The agents' release (recorded; not compared).")
+    shim: str | None = Field(
+        default=None,
+        description="sha256 of the shim file on the job's nodes: a restored process maps the node's shim "
+        "again, so a restore node must have the same one.",
+    )
     formats: dict[str, int] | None = Field(
         default=None,
         description="The formats the images were written in (manifest, chunks, restore, shimProtocol): a "

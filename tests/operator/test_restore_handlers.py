@@ -132,6 +132,7 @@ def test_a_stop_checkpoint_is_restored_as_the_same_pods_on_the_swapped_nodes(
     config = store_config(bucket)
     a = agents.add(cluster_ns, "node-a", 1, "complete", config)
     b = agents.add(cluster_ns, "node-b", 2, "complete", config)
+    a.shim_sha256 = b.shim_sha256 = "d" * 64
     # ring-0 shares its node's network (as MPI jobs on RoCE often do): its TCP connections name node-a's
     # address, which the restore on node-b must map to node-b's; ring-1's pod IP is its own
     sources = {"ring-0": source_pod(cluster_ns, "ring-0", "node-a", a.host, host_network=True),
@@ -156,7 +157,7 @@ def test_a_stop_checkpoint_is_restored_as_the_same_pods_on_the_swapped_nodes(
         assert template["spec"]["hostname"] == "ring-1" and template["spec"]["subdomain"] == "ring"
         assert "nodeName" not in template["spec"] and template["annotations"] == {"team": "solver"}
         # the formats the agents reported writing: what a later release's agent must read to restore it
-        assert spec["requires"] == {"ibckpt": "test", "formats": dict(formats.WRITES)}
+        assert spec["requires"] == {"ibckpt": "test", "formats": dict(formats.WRITES), "shim": "d" * 64}
         assert spec["rankCount"] == 2
         assert (by_name["ring-0"]["hostIP"], by_name["ring-1"]["hostIP"]) == (a.host, b.host)
 
@@ -345,11 +346,13 @@ def test_an_incompatible_node_fails_before_anything_is_created(
     old.version = "0.2.0"
     reads = AgentFormats.this_release().reads
     old.formats = AgentFormats(writes={**formats.WRITES, "restore": 2}, reads={**reads, "restore": [2]})
+    old.shim_sha256 = "b" * 64  # another shim build than the checkpoint's processes mapped
     cluster_ns.core.patch_node_status(
         "node-old", {"status": {"nodeInfo": {"kernelVersion": "5.10.0-28-amd64"}}}
     )
     creds(cluster_ns, s3_server)
-    required = {"ibckpt": "0.1.0", "kernel": "6.1.0-13-amd64", "criu": "4.1", "formats": dict(formats.WRITES)}
+    required = {"ibckpt": "0.1.0", "kernel": "6.1.0-13-amd64", "criu": "4.1", "formats": dict(formats.WRITES),
+                "shim": "a" * 64}  # fmt: skip
     location = storage(s3_server, bucket)
     cluster_ns.create(
         "checkpoints",
@@ -363,6 +366,7 @@ def test_an_incompatible_node_fails_before_anything_is_created(
     assert_failed(
         cluster_ns, body, "IncompatibleNode", "node node-old cannot restore pod ring-0",
         "the checkpoint's restore record format is 1, its agent reads 2 (ibckpt 0.2.0)",
+        "its shim is build bbbbbbbbbbbb, the checkpoint's processes mapped aaaaaaaaaaaa",
         "its kernel is 5.10.0-28-amd64, the checkpoint needs 6.1.0-13-amd64",
     )  # fmt: skip
     assert "ibckpt agent is 0.2.0" not in body["status"]["message"]  # the version is not what refused
@@ -376,11 +380,12 @@ def test_a_checkpoint_of_an_older_minor_release_restores_when_its_formats_are_re
     """Taken by 0.1.0 in this release's formats, restored by agents of 0.2.0 that read them."""
     config = store_config(bucket)
     for node, index in (("node-a", 1), ("node-b", 2)):
-        agents.add(cluster_ns, node, index, "complete", config).version = "0.2.0"
+        agent = agents.add(cluster_ns, node, index, "complete", config)
+        agent.version, agent.shim_sha256 = "0.2.0", "c" * 64  # the same shim build: the upgrade kept it
     creds(cluster_ns, s3_server)
     ns = cluster_ns.namespace
     key = commit_checkpoint(config, f"{ns}/ring", "c1", ["node-a", "node-b"])
-    required = {"ibckpt": "0.1.0", "formats": dict(formats.WRITES)}
+    required = {"ibckpt": "0.1.0", "formats": dict(formats.WRITES), "shim": "c" * 64}
     pods = [("ring-0", "node-a"), ("ring-1", "node-b")]
     cluster_ns.create("checkpoints", checkpoint("ring-c1", storage(s3_server, bucket), pods, required,
                                                 manifest_key=key, job=f"{ns}/ring"))  # fmt: skip

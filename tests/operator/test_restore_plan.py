@@ -241,6 +241,12 @@ WRITTEN = {"manifest": 2, "chunks": 1, "restore": 1, "shimProtocol": 1}
          ["the checkpoint's gpu format is 1, its agent reads none"]),
         (RequiredVersions(formats=WRITTEN, kernel="6.1"), NodeFacts("0.2.0", "5.10", READS),
          ["its kernel is 5.10"]),
+        # the shim file: the same build restores, another is refused, an unreported one is not judged
+        (RequiredVersions(formats=WRITTEN, shim="a" * 64), NodeFacts("0.2.0", reads=READS, shim="a" * 64),
+         []),
+        (RequiredVersions(formats=WRITTEN, shim="a" * 64), NodeFacts("0.2.0", reads=READS, shim="b" * 64),
+         ["its shim is build bbbbbbbbbbbb, the checkpoint's processes mapped aaaaaaaaaaaa"]),
+        (RequiredVersions(formats=WRITTEN, shim="a" * 64), NodeFacts("0.2.0", reads=READS), []),
     ],
 )  # fmt: skip
 def test_compatibility_by_formats(required: RequiredVersions, facts: NodeFacts, problems: list[str]) -> None:

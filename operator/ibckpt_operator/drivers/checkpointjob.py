@@ -221,8 +221,7 @@ class CheckpointJobDriver(CheckpointStoreDriver):
             if isinstance(info, AgentInfo):
                 registered[node] = {c.pod_uid for c in info.containers if c.shim} if info.ready else set()
                 self.record.agent_versions[node] = info.version
-                if info.formats is not None:
-                    self.record.agent_formats[node] = dict(info.formats.writes)
+                self.record.saw_agent(node, info)
         for pod, body, node in placed:
             error = infos[node]
             if isinstance(error, AgentError):

@@ -27,6 +27,15 @@ class RestoreRecord:
     rank_keys: dict[str, set[str]] = field(default_factory=dict)  # by pod UID
     agent_versions: dict[str, str] = field(default_factory=dict)  # by node
     agent_formats: dict[str, dict[str, int]] = field(default_factory=dict)  # by node: what it writes
+    shims: dict[str, str] = field(default_factory=dict)  # by node: its shim file's sha256
+
+    def saw_agent(self, node: str, info: AgentInfo) -> None:
+        self.agent_versions.setdefault(node, info.version)
+        if info.formats is not None:
+            self.agent_formats[node] = dict(info.formats.writes)
+        if info.shim_sha256:
+            self.shims[node] = info.shim_sha256
+
     host_ips: dict[str, str] = field(default_factory=dict)  # by pod UID: status.hostIP
 
     def saw(self, body: dict[str, Any]) -> None:
@@ -80,10 +89,11 @@ class RestoreRecord:
                 asked, await each_agent([rt.gateway.info(agents[n]) for n in asked]), strict=True
             ):
                 if isinstance(info, AgentInfo):
-                    self.agent_versions.setdefault(node, info.version)
-                    if info.formats is not None:
-                        self.agent_formats[node] = dict(info.formats.writes)
+                    self.saw_agent(node, info)
         versions = [self.agent_versions.get(node) for node in nodes]
         written = [self.agent_formats[node] for node in nodes if node in self.agent_formats]
         recorded = formats.written_by(written) if written and len(written) == len(nodes) else None
-        return RequiredVersions(ibckpt=newest(versions), kernel=newest(kernels), formats=recorded)
+        # one shim on every node, or none recorded (nodes mid-upgrade: the restore then finds out)
+        shims = {self.shims.get(node) for node in nodes}
+        shim = shims.pop() if len(shims) == 1 else None
+        return RequiredVersions(ibckpt=newest(versions), kernel=newest(kernels), formats=recorded, shim=shim)

@@ -79,6 +79,7 @@ class NodeFacts:
     ibckpt: str | None = None
     kernel: str | None = None
     reads: Mapping[str, Sequence[int]] | None = None
+    shim: str | None = None  # sha256 of its shim file (AgentInfo.shimSha256)
 
 
 def incompatibilities(required: RequiredVersions | None, node: NodeFacts) -> list[str]:
@@ -87,8 +88,10 @@ def incompatibilities(required: RequiredVersions | None, node: NodeFacts) -> lis
     formats: the node's agent must read every format the checkpoint was written in (ibckpt/formats.py),
     whatever the two releases' versions. Only an agent that reports no formats (before they existed) is
     judged by version: the same major.minor while major is 0, else the same major, and at least the
-    checkpoint's. kernel: CRIU restores what the dumping kernel had, so the destination's major.minor
-    must be at least the checkpoint's. A version that does not parse must match exactly."""
+    checkpoint's. shim: a restored process maps the node's shim file again (CRIU failed on a replaced
+    one), so the node's must be the same build as the job's nodes had. kernel: CRIU restores what the
+    dumping kernel had, so the destination's major.minor must be at least the checkpoint's. A version
+    that does not parse must match exactly."""
     if required is None:
         return []
     problems = []
@@ -99,6 +102,12 @@ def incompatibilities(required: RequiredVersions | None, node: NodeFacts) -> lis
     elif required.ibckpt and node.ibckpt and not _ibckpt_compatible(required.ibckpt, node.ibckpt):
         problems.append(
             f"its ibckpt agent is {node.ibckpt}, the checkpoint was taken with ibckpt {required.ibckpt}"
+        )
+    if required.shim and node.shim and required.shim != node.shim:
+        problems.append(
+            f"its shim is build {node.shim[:12]}, the checkpoint's processes mapped {required.shim[:12]} "
+            "(a restored process maps the node's shim again: restore before a shim upgrade, or checkpoint "
+            "again after restarting the pods)"
         )
     if required.kernel and node.kernel and not _kernel_compatible(required.kernel, node.kernel):
         problems.append(f"its kernel is {node.kernel}, the checkpoint needs {required.kernel} or a newer one")
