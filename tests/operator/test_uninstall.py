@@ -8,6 +8,7 @@ their finalizers instead of hanging their namespace."""
 from __future__ import annotations
 
 import json
+import secrets
 import subprocess
 import time
 from typing import Any
@@ -109,8 +110,9 @@ def test_uninstall_refuses_while_a_job_runs_then_leaves_nothing_behind(
     rbac = kubernetes.client.RbacAuthorizationV1Api(cluster_ns.api)
     rbac.create_namespaced_role(ns, {"metadata": {"name": "keep-me"}, "rules": []})  # not ibckpt's
     grant = "ibckpt-agent-storage"  # the operator's Role and RoleBinding for its job's storage Secret
+    release = "rel-" + secrets.token_hex(3)  # other tests on this apiserver label grants of their own
     try:
-        with operator(release="rel-a"):
+        with operator(release=release):
             made = plugin(kube, ns, "checkpoint", "-l", "app=ring", "--name", "ring-a", "--storage", "store")
             assert made.returncode == 0, made.stderr
             checkpoint = cluster_ns.get("checkpointjobs", "ring-a")["status"]["checkpointName"]
@@ -134,10 +136,12 @@ def test_uninstall_refuses_while_a_job_runs_then_leaves_nothing_behind(
             said = plugin(kube, ns, "uninstall")  # without --yes: what it would do, nothing done
             assert said.returncode == 0 and "would (run again with --yes)" in said.stdout, said.stdout
             assert "PodDisruptionBudget(s)" in said.stdout and cluster_ns.get("checkpoints", checkpoint)
-            assert f"delete 2 storage Role(s) and RoleBinding(s) of the node agents ({ns})" in said.stdout
+            # other tests' operators on this apiserver made grants too: this release's are these two
+            ours = plugin(kube, ns, "uninstall", "--release", release)
+            assert f"delete 2 storage Role(s) and RoleBinding(s) of the node agents ({ns})" in ours.stdout
             role = rbac.read_namespaced_role(grant, ns)  # the checkpoint made it, labelled
-            assert role.metadata.labels["app.kubernetes.io/instance"] == "rel-a"
-            other = plugin(kube, ns, "uninstall", "--release", "rel-b")  # another release's: none
+            assert role.metadata.labels["app.kubernetes.io/instance"] == release
+            other = plugin(kube, ns, "uninstall", "--release", release + "-b")  # another release's: none
             assert "delete 0 storage Role(s)" in other.stdout, other.stdout
 
             done_ = plugin(kube, ns, "uninstall", "--yes", "--timeout", "30")
