@@ -189,3 +189,21 @@ async def test_a_restarted_operator_serves_a_certificate_the_published_bundle_tr
         writer.close()
     finally:
         await serving.aclose()
+
+
+@pytest.mark.kube
+async def test_an_operator_that_may_not_use_the_secret_still_serves(
+    kube_api: kubernetes.client.ApiClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The webhooks fail open: a Secret it cannot read or write costs the stable bundle, not the server."""
+    nobody = kubernetes.client.ApiClient(kube_api.configuration)
+    nobody.set_default_header("Impersonate-User", "system:serviceaccount:default:nobody")
+    for key, value in {"IBCKPT_WEBHOOK": "on", "IBCKPT_WEBHOOK_HOST": "127.0.0.1",
+                       "IBCKPT_WEBHOOK_SECRET": "webhook-cert"}.items():  # fmt: skip
+        monkeypatch.setenv(key, value)
+    settings = kopf.OperatorSettings()
+    await webhook.serve_admission(settings, Kube(nobody), RELEASE_NS)
+    published = webhook.endpoint()
+    assert published is not None and isinstance(settings.admission.server, webhook.BoundedWebhookServer)
+    certificate = x509.load_pem_x509_certificate(base64.b64decode(published.ca_bundle))
+    assert certificate.subject.rfc4514_string() == "CN=127.0.0.1"  # this start's own, not a kept CA
