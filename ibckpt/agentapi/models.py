@@ -27,6 +27,7 @@ from typing import Any, Final, Self
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, SerializationInfo, field_serializer
 from pydantic.alias_generators import to_camel
 
+from ibckpt import formats
 from ibckpt.api.storage import S3Location
 from ibckpt.vocabulary import DEFAULT_BOUNDS as B
 from ibckpt.vocabulary import Milestone, Mode, PhaseSeconds
@@ -148,13 +149,27 @@ class RegisteredContainer(AgentModel):
     reason: str = ""
 
 
+class AgentFormats(AgentModel):
+    """The checkpoint formats an agent writes and reads (ibckpt/formats.py): what decides whether it can
+    restore a checkpoint, not its version."""
+
+    writes: dict[str, int]
+    reads: dict[str, list[int]]
+
+    @classmethod
+    def this_release(cls) -> AgentFormats:
+        return cls(writes=dict(formats.WRITES), reads={k: list(v) for k, v in formats.READS.items()})
+
+
 class AgentInfo(AgentModel):
     node: str
     version: str
+    formats: AgentFormats | None = Field(default=None, description="None: an agent before formats.")
     ready: bool
     address: str = Field(description="host:port this API is served on.")
     shim_path: str = Field(description="The shim installed on the node (host path).")
     shim_present: bool
+    shim_sha256: str | None = Field(default=None, description="sha256 of the shim file; None: absent.")
     containers: list[RegisteredContainer] = Field(default_factory=list)
     sessions: list[str] = Field(default_factory=list, description="Ids of sessions still running.")
 

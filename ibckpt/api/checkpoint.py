@@ -67,7 +67,18 @@ class RequiredVersions(ApiModel):
     kernel: str | None = None
     rdma_core: str | None = None
     criu: str | None = None
-    ibckpt: str | None = None
+    ibckpt: str | None = Field(default=None, description="The agents' release (recorded; not compared).")
+    shim: str | None = Field(
+        default=None,
+        description="sha256 of the shim file on the job's nodes: a restored process maps the node's shim "
+        "again, so a restore node must have the same one.",
+    )
+    formats: dict[str, int] | None = Field(
+        default=None,
+        description="The formats the images were written in (manifest, chunks, restore, shimProtocol): a "
+        "restore node's agent must read each. Unset: taken before formats were recorded (manifest 2, "
+        "the others 1).",
+    )
 
 
 class CheckpointSpec(ApiModel):

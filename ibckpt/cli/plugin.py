@@ -19,6 +19,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 from ibckpt.api import (
     API_VERSION,
@@ -310,8 +311,20 @@ def describe(api: KubeApi, args: argparse.Namespace) -> int:
         print(f"  {key.removesuffix('Seconds'):<10} {value:.2f}s")
     requires = spec.get("requires") or {}
     if requires:
-        print("Requires:  " + ", ".join(f"{k} {v}" for k, v in sorted(requires.items())))
+        print("Requires:  " + requires_text(requires))
     return 0
+
+
+def requires_text(requires: dict[str, Any]) -> str:
+    """spec.requires for people: the formats as name=number, the shim's digest shortened."""
+    parts = []
+    for key, value in sorted(requires.items()):
+        if key == "formats" and isinstance(value, dict):
+            value = "(" + ", ".join(f"{k}={v}" for k, v in sorted(value.items())) + ")"
+        elif key == "shim":
+            value = str(value)[:12]
+        parts.append(f"{key} {value}")
+    return ", ".join(parts)
 
 
 # -- logs ------------------------------------------------------------------------------------------------

@@ -5,7 +5,8 @@ what it would do. With it: every CheckpointSchedule is deleted first (no new job
 PodDisruptionBudgets it owns go too, which would otherwise block every later drain of its nodes), then
 the finished jobs, then the Checkpoints (their images stay in S3 unless `--delete-images`), waiting for
 the operator to release each finalizer and removing the ones it does not release in time; last the
-webhook configurations `ibckpt.io`. Run it with a cluster administrator's kubeconfig, before
+webhook configurations `ibckpt.io` and the agents' storage Roles and RoleBindings the operator made in
+job namespaces (found by their labels). Run it with a cluster administrator's kubeconfig, before
 `helm uninstall` (docs/uninstall.md)."""
 
 from __future__ import annotations
@@ -17,6 +18,11 @@ from typing import Any
 from ibckpt.api import CHECKPOINT, CHECKPOINT_JOB, CHECKPOINT_SCHEDULE, GROUP, RESTORE_JOB, VERSION, KindInfo
 from ibckpt.cli.kubeapi import Body, KubeApi, PluginError
 
+# The labels of the storage Roles and RoleBindings the operator makes (machine/secretgrants.py, which the
+# CLI does not import: the operator's package is not the plugin's)
+GRANTS_SELECTOR = "app.kubernetes.io/managed-by=ibckpt-operator"
+RELEASE_LABEL = "app.kubernetes.io/instance"
+RBAC = "/apis/rbac.authorization.k8s.io/v1"
 RETAIN_IMAGES = "ibckpt.io/retain-images"  # the Checkpoint finalizer leaves the images when "true"
 WEBHOOK_CONFIGURATION = "ibckpt.io"
 FINISHED = {"Succeeded", "Failed"}
@@ -105,6 +111,27 @@ def _delete_webhook_configurations(api: KubeApi) -> list[str]:
     return deleted
 
 
+def grants_selector(release: str | None) -> str:
+    """Every release's storage grants, or one release's."""
+    return f"{GRANTS_SELECTOR},{RELEASE_LABEL}={release}" if release else GRANTS_SELECTOR
+
+
+def _storage_grants(api: KubeApi, selector: str) -> list[tuple[str, str, str]]:
+    """(plural, namespace, name) of the storage Roles and RoleBindings, in every namespace."""
+    found = []
+    for plural in ("rolebindings", "roles"):  # a binding first: it never names a Role already gone
+        listed = api.raw("GET", f"{RBAC}/{plural}?labelSelector={selector}") or {}
+        for item in listed.get("items") or ():
+            meta = item["metadata"]
+            found.append((plural, meta["namespace"], meta["name"]))
+    return found
+
+
+def _delete_storage_grants(api: KubeApi, grants: list[tuple[str, str, str]]) -> None:
+    for plural, ns, name in grants:
+        api.raw("DELETE", f"{RBAC}/namespaces/{ns}/{plural}/{name}")  # None: gone already
+
+
 def uninstall(api: KubeApi, args: argparse.Namespace) -> int:
     running = _running(api)
     if running:
@@ -112,6 +139,7 @@ def uninstall(api: KubeApi, args: argparse.Namespace) -> int:
     schedules, budgets = _objects(api, CHECKPOINT_SCHEDULE), _owned_budgets(api)
     jobs = [(k, ns, n) for k in (CHECKPOINT_JOB, RESTORE_JOB) for ns, n in _objects(api, k)]
     checkpoints = _objects(api, CHECKPOINT)
+    grants = _storage_grants(api, grants_selector(args.release))
     images = "deleted from S3" if args.delete_images else "left in S3"
     plan = [
         f"delete {len(schedules)} CheckpointSchedule(s), with the {len(budgets)} PodDisruptionBudget(s) "
@@ -119,6 +147,8 @@ def uninstall(api: KubeApi, args: argparse.Namespace) -> int:
         f"delete {len(jobs)} finished CheckpointJob(s) and RestoreJob(s)",
         f"delete {len(checkpoints)} Checkpoint(s), their images {images}",
         f"delete the webhook configurations {WEBHOOK_CONFIGURATION}",
+        f"delete {len(grants)} storage Role(s) and RoleBinding(s) of the node agents "
+        f"({', '.join(sorted({ns for _, ns, _ in grants})) or 'no namespace'})",
     ]
     if not args.yes:
         print("would (run again with --yes):")
@@ -147,6 +177,10 @@ def uninstall(api: KubeApi, args: argparse.Namespace) -> int:
     print(f"{len(budgets)} PodDisruptionBudget(s) of the schedules gone ({by_hand} deleted here)")
     for deleted in _delete_webhook_configurations(api):
         print(f"deleted {deleted}")
+    # last: a job's storage is read through them until the job is gone
+    grants = _storage_grants(api, grants_selector(args.release))
+    _delete_storage_grants(api, grants)
+    print(f"deleted {len(grants)} storage Role(s) and RoleBinding(s) of the node agents")
     print("now: helm uninstall; then each node's files (docs/uninstall.md)")
     return 0
 
@@ -168,4 +202,5 @@ def add_parser(commands: Any) -> None:
     u.add_argument("--yes", action="store_true", help="do it; without: say what would be done")
     u.add_argument("--delete-images", action="store_true", help="delete the Checkpoints' images in S3 too")
     u.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the operator")
+    u.add_argument("--release", help="only this Helm release's storage Roles (default: every release's)")
     u.set_defaults(run=uninstall)

@@ -53,6 +53,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--agent-account", default="",
                         help="the agents' service account (in --namespace): given get on each storage's "
                         "Secrets, by name, in the storage's namespace; empty: none")  # fmt: skip
+    parser.add_argument("--release", default="",
+                        help="the Helm release's name: labels the storage Roles the operator makes, so "
+                        "`kubectl ibckpt uninstall` finds them")  # fmt: skip
     parser.add_argument("--gc-grace-seconds", type=float, default=3600.0,
                         help="a deleted Checkpoint's chunks younger than this are swept later")  # fmt: skip
     parser.add_argument("--store-sweep-seconds", type=float, default=3600.0,
@@ -76,6 +79,7 @@ def main(argv: list[str] | None = None) -> None:
             agent_port=args.agent_port,
             agent_token_file=args.agent_token_file,
             agent_account=args.agent_account,
+            release=args.release,
             gc_grace_seconds=args.gc_grace_seconds,
             store_sweep_seconds=args.store_sweep_seconds,
         )

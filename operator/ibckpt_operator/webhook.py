@@ -4,7 +4,10 @@ environment; off outside a pod, where the apiserver cannot reach the operator.
 - `IBCKPT_WEBHOOK`: `on` / `off`;
 - `IBCKPT_WEBHOOK_HOST` (default `$POD_IP`), `IBCKPT_WEBHOOK_PORT` (9443), `IBCKPT_WEBHOOK_BIND` (0.0.0.0);
 - `IBCKPT_WEBHOOK_CERT`, `IBCKPT_WEBHOOK_KEY`, `IBCKPT_WEBHOOK_CA`: a certificate issued for the host
-  (cert-manager); without them a self-signed one is made at start-up and its CA goes in the caBundle;
+  (cert-manager); without them, `IBCKPT_WEBHOOK_SECRET` names the Secret in the operator's namespace that
+  keeps a CA and the serving certificate it signs across restarts and upgrades (cluster/webhookcert.py;
+  `IBCKPT_WEBHOOK_SECRET_OWNER`, the operator's Deployment, owns it); without that either, a self-signed
+  one is made at start-up (tests, a local run) and its CA goes in the caBundle;
 - `IBCKPT_WEBHOOK_TIMEOUT` (5): the apiserver's bound on a pod creation's call, in seconds; an
   eviction's is twice that;
 - `IBCKPT_WEBHOOK_CLIENT_CA`: the CA that signs the apiserver's client certificate for webhooks; with
@@ -37,7 +40,10 @@ from typing import Any
 import aiohttp.web
 import kopf
 
+from ibckpt_operator.cluster import webhookcert
 from ibckpt_operator.cluster.admission import Endpoint
+from ibckpt_operator.cluster.kube import ApiException, Kube, api_message
+from ibckpt_operator.machine.webhookcert import WebhookCert
 
 log = logging.getLogger(__name__)
 _endpoint: Endpoint | None = None  # where this process serves, once serve_admission set it up
@@ -55,6 +61,8 @@ class WebhookSettings:
     timeout_s: int = 5
     client_ca: str | None = None
     max_connections: int = 32
+    secret: str | None = None
+    secret_owner: str = ""
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> WebhookSettings:
@@ -72,6 +80,8 @@ class WebhookSettings:
             timeout_s=max(1, min(15, int(env.get("IBCKPT_WEBHOOK_TIMEOUT") or 5))),
             client_ca=env.get("IBCKPT_WEBHOOK_CLIENT_CA") or None,
             max_connections=max(1, int(env.get("IBCKPT_WEBHOOK_MAX_CONNECTIONS") or 32)),
+            secret=env.get("IBCKPT_WEBHOOK_SECRET") or None,
+            secret_owner=env.get("IBCKPT_WEBHOOK_SECRET_OWNER") or "",
         )
 
 
@@ -117,7 +127,16 @@ def endpoint() -> Endpoint | None:
     return _endpoint
 
 
-def serve_admission(settings: kopf.OperatorSettings) -> None:
+def write_kept(cert: WebhookCert, directory: Path) -> tuple[Path, Path, Path]:
+    """The Secret's certificate as the files the server loads: serving certificate, key, CA."""
+    files = (directory / "webhook.crt", directory / "webhook.key", directory / "ca.crt")
+    for path, data in zip(files, (cert.tls_crt, cert.tls_key, cert.ca_crt), strict=True):
+        path.write_bytes(data)
+    files[1].chmod(0o600)
+    return files
+
+
+async def serve_admission(settings: kopf.OperatorSettings, kube: Kube, namespace: str) -> None:
     """Point kopf's admission server at this pod (or at nowhere, when the webhook is off)."""
     global _endpoint
     webhook = WebhookSettings.from_env()
@@ -127,6 +146,16 @@ def serve_admission(settings: kopf.OperatorSettings) -> None:
         log.info("eviction webhook off (IBCKPT_WEBHOOK=on to serve it); the PDBs still hold drains")
         return
     certfile, keyfile, cafile = webhook.certfile, webhook.keyfile, webhook.cafile
+    if (certfile is None or keyfile is None) and webhook.secret:
+        try:
+            kept = await webhookcert.ensure(
+                kube, namespace, webhook.secret, [webhook.host], webhook.secret_owner
+            )
+            files = write_kept(kept, Path(tempfile.mkdtemp(prefix="ibckpt-webhook-")))
+            certfile, keyfile, cafile = (str(f) for f in files)
+        except ApiException as error:  # the webhooks fail open: serve, with a certificate of this start
+            log.error("admission server: Secret %s/%s unusable (%s): a certificate of this start only",
+                      namespace, webhook.secret, api_message(error))  # fmt: skip
     if certfile is None or keyfile is None:
         made = self_signed(webhook.host, Path(tempfile.mkdtemp(prefix="ibckpt-webhook-")))
         certfile, keyfile, cafile = str(made[0]), str(made[1]), str(made[0])

@@ -5,6 +5,7 @@ The real TokenReview against a real apiserver, from a pod to an agent on a node,
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 from pathlib import Path
@@ -204,3 +205,17 @@ def test_an_aborts_replacement_coordinator_token_reaches_the_wire_but_not_repr()
     back = AbortRequest.from_json(abort.to_json())
     assert back.session_token is not None and back.session_token.get_secret_value() == "recovery-secret"
     assert b"sessionToken" not in AbortRequest(reason="no rejoin").to_json()
+
+
+def test_the_info_names_the_shim_file_by_its_digest_and_follows_its_changes(agent: Running) -> None:
+    """A checkpoint records it; a restore node with another shim build is refused (docs/upgrade.md)."""
+    client = agent.client()
+    assert client.info().shim_sha256 is None  # no shim installed yet
+    shim = agent.server.shim_present_path
+    shim.parent.mkdir(parents=True, exist_ok=True)
+    shim.write_bytes(b"\x7fELF release 0.1")
+    assert client.info().shim_sha256 == hashlib.sha256(b"\x7fELF release 0.1").hexdigest()
+    replaced = shim.with_name("new.so")  # replaced as the installer does: a new file renamed into place
+    replaced.write_bytes(b"\x7fELF release 0.2")
+    replaced.rename(shim)
+    assert client.info().shim_sha256 == hashlib.sha256(b"\x7fELF release 0.2").hexdigest()

@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 
+from ibckpt import formats
+from ibckpt.agentapi import AgentFormats
 from ibckpt.api.schedule import SCHEDULE_LABEL
 from ibckpt.store import ImageStore, RankInfo, StoreConfig
 from testbed.s3 import S3Server
@@ -102,7 +104,7 @@ def commit_checkpoint(config: StoreConfig, job: str, checkpoint_id: str, nodes: 
 
 
 def checkpoint(
-    name: str, location: dict[str, Any], pods: list[tuple[str, str]], requires: dict[str, str] | None = None,
+    name: str, location: dict[str, Any], pods: list[tuple[str, str]], requires: dict[str, Any] | None = None,
     manifest_key: str = "ibckpt/v1/manifests/x/ring/c1.json", job: str = "ns/ring", checkpoint_id: str = "c1",
 ) -> dict[str, Any]:  # fmt: skip
     """A Checkpoint as the operator publishes it (templates and rank keys recorded)."""
@@ -130,6 +132,7 @@ def test_a_stop_checkpoint_is_restored_as_the_same_pods_on_the_swapped_nodes(
     config = store_config(bucket)
     a = agents.add(cluster_ns, "node-a", 1, "complete", config)
     b = agents.add(cluster_ns, "node-b", 2, "complete", config)
+    a.shim_sha256 = b.shim_sha256 = "d" * 64
     # ring-0 shares its node's network (as MPI jobs on RoCE often do): its TCP connections name node-a's
     # address, which the restore on node-b must map to node-b's; ring-1's pod IP is its own
     sources = {"ring-0": source_pod(cluster_ns, "ring-0", "node-a", a.host, host_network=True),
@@ -153,7 +156,9 @@ def test_a_stop_checkpoint_is_restored_as_the_same_pods_on_the_swapped_nodes(
         template = by_name["ring-1"]["template"]
         assert template["spec"]["hostname"] == "ring-1" and template["spec"]["subdomain"] == "ring"
         assert "nodeName" not in template["spec"] and template["annotations"] == {"team": "solver"}
-        assert spec["requires"] == {"ibckpt": "test"} and spec["rankCount"] == 2
+        # the formats the agents reported writing: what a later release's agent must read to restore it
+        assert spec["requires"] == {"ibckpt": "test", "formats": dict(formats.WRITES), "shim": "d" * 64}
+        assert spec["rankCount"] == 2
         assert (by_name["ring-0"]["hostIP"], by_name["ring-1"]["hostIP"]) == (a.host, b.host)
 
         # The sources were deleted by the Stop job (Terminating: no kubelet here); play the kubelet: ring-0
@@ -345,11 +350,15 @@ def test_an_incompatible_node_fails_before_anything_is_created(
 ) -> None:
     old = agents.add(cluster_ns, "node-old", 5)
     old.version = "0.2.0"
+    reads = AgentFormats.this_release().reads
+    old.formats = AgentFormats(writes={**formats.WRITES, "restore": 2}, reads={**reads, "restore": [2]})
+    old.shim_sha256 = "b" * 64  # another shim build than the checkpoint's processes mapped
     cluster_ns.core.patch_node_status(
         "node-old", {"status": {"nodeInfo": {"kernelVersion": "5.10.0-28-amd64"}}}
     )
     creds(cluster_ns, s3_server)
-    required = {"ibckpt": "0.1.0", "kernel": "6.1.0-13-amd64", "criu": "4.1"}
+    required = {"ibckpt": "0.1.0", "kernel": "6.1.0-13-amd64", "criu": "4.1", "formats": dict(formats.WRITES),
+                "shim": "a" * 64}  # fmt: skip
     location = storage(s3_server, bucket)
     cluster_ns.create(
         "checkpoints",
@@ -362,11 +371,35 @@ def test_an_incompatible_node_fails_before_anything_is_created(
         body = cluster_ns.wait(RESTORES, "back", phase("Failed"))
     assert_failed(
         cluster_ns, body, "IncompatibleNode", "node node-old cannot restore pod ring-0",
-        "its ibckpt agent is 0.2.0, the checkpoint was taken with ibckpt 0.1.0",
+        "the checkpoint's restore record format is 1, its agent reads 2 (ibckpt 0.2.0)",
+        "its shim is build bbbbbbbbbbbb, the checkpoint's processes mapped aaaaaaaaaaaa",
         "its kernel is 5.10.0-28-amd64, the checkpoint needs 6.1.0-13-amd64",
     )  # fmt: skip
+    assert "ibckpt agent is 0.2.0" not in body["status"]["message"]  # the version is not what refused
     assert not pods_of(cluster_ns) and not old.restores
     assert any(e.reason == "VersionsNotChecked" and "criu" in e.message for e in cluster_ns.events("back"))
+
+
+def test_a_checkpoint_of_an_older_minor_release_restores_when_its_formats_are_read(
+    cluster_ns: Cluster, s3_server: S3Server, bucket: str, agents: Agents, operator: Any, store_config: Any
+) -> None:
+    """Taken by 0.1.0 in this release's formats, restored by agents of 0.2.0 that read them."""
+    config = store_config(bucket)
+    for node, index in (("node-a", 1), ("node-b", 2)):
+        agent = agents.add(cluster_ns, node, index, "complete", config)
+        agent.version, agent.shim_sha256 = "0.2.0", "c" * 64  # the same shim build: the upgrade kept it
+    creds(cluster_ns, s3_server)
+    ns = cluster_ns.namespace
+    key = commit_checkpoint(config, f"{ns}/ring", "c1", ["node-a", "node-b"])
+    required = {"ibckpt": "0.1.0", "formats": dict(formats.WRITES), "shim": "c" * 64}
+    pods = [("ring-0", "node-a"), ("ring-1", "node-b")]
+    cluster_ns.create("checkpoints", checkpoint("ring-c1", storage(s3_server, bucket), pods, required,
+                                                manifest_key=key, job=f"{ns}/ring"))  # fmt: skip
+    with operator():
+        cluster_ns.create(RESTORES, restore_job("back", checkpointName="ring-c1"))
+        done = cluster_ns.wait(RESTORES, "back", phase("Succeeded"), timeout=90)
+    assert done["status"]["phase"] == "Succeeded"
+    assert sorted(pods_of(cluster_ns)) == ["ring-0", "ring-1"]
 
 
 def test_restore_job_bad_input(

@@ -192,6 +192,7 @@ def test_placement_honours_the_pods_own_node_selector_but_not_its_hostname_pin()
     assert "nodeSelector" not in pod["spec"] and pod["spec"]["nodeName"] == "node-3"
 
 
+# An agent that reports no formats (a release before them) is judged by its version.
 @pytest.mark.parametrize(
     ("required", "facts", "problems"),
     [
@@ -213,6 +214,45 @@ def test_compatibility(required: RequiredVersions | None, facts: NodeFacts, prob
     assert len(found) == len(problems), found
     for problem, text in zip(problems, found, strict=True):
         assert problem in text
+
+
+READS = {"manifest": [1, 2], "chunks": [1], "restore": [1], "shimProtocol": [1]}
+WRITTEN = {"manifest": 2, "chunks": 1, "restore": 1, "shimProtocol": 1}
+
+
+@pytest.mark.parametrize(
+    ("required", "facts", "problems"),
+    [
+        # a newer minor release that reads the checkpoint's formats restores it: the version is not compared
+        (RequiredVersions(ibckpt="0.1.0", formats=WRITTEN), NodeFacts("0.2.0", reads=READS), []),
+        (RequiredVersions(ibckpt="0.1.0", formats=WRITTEN), NodeFacts("1.0.0", reads=READS), []),
+        # recorded before formats were: what every release until then wrote
+        (RequiredVersions(ibckpt="0.1.0"), NodeFacts("0.2.0", reads=READS), []),
+        (RequiredVersions(ibckpt="0.1.0"), NodeFacts("0.3.0", reads={**READS, "restore": [2]}),
+         ["the checkpoint's restore record format is 1, its agent reads 2 (ibckpt 0.3.0)"]),
+        # a format the node's agent does not read, or does not know at all
+        (RequiredVersions(ibckpt="0.3.0", formats={**WRITTEN, "restore": 2}), NodeFacts("0.3.1", reads=READS),
+         ["the checkpoint's restore record format is 2, its agent reads 1 (ibckpt 0.3.1)"]),
+        (RequiredVersions(formats={**WRITTEN, "manifest": 3, "shimProtocol": 2}),
+         NodeFacts("0.2.0", reads=READS),
+         ["the checkpoint's store manifest schema is 3, its agent reads 1, 2",
+          "the checkpoint's shim control protocol is 2, its agent reads 1"]),
+        (RequiredVersions(formats={**WRITTEN, "gpu": 1}), NodeFacts("0.2.0", reads=READS),
+         ["the checkpoint's gpu format is 1, its agent reads none"]),
+        (RequiredVersions(formats=WRITTEN, kernel="6.1"), NodeFacts("0.2.0", "5.10", READS),
+         ["its kernel is 5.10"]),
+        # the shim file: the same build restores, another is refused, an unreported one is not judged
+        (RequiredVersions(formats=WRITTEN, shim="a" * 64), NodeFacts("0.2.0", reads=READS, shim="a" * 64),
+         []),
+        (RequiredVersions(formats=WRITTEN, shim="a" * 64), NodeFacts("0.2.0", reads=READS, shim="b" * 64),
+         ["its shim is build bbbbbbbbbbbb, the checkpoint's processes mapped aaaaaaaaaaaa"]),
+        (RequiredVersions(formats=WRITTEN, shim="a" * 64), NodeFacts("0.2.0", reads=READS), []),
+    ],
+)  # fmt: skip
+def test_compatibility_by_formats(required: RequiredVersions, facts: NodeFacts, problems: list[str]) -> None:
+    found = incompatibilities(required, facts)
+    assert len(found) == len(problems), found
+    assert all(problem in text for problem, text in zip(problems, found, strict=True)), found
 
 
 def test_versions_parse_and_the_newest_wins() -> None:

@@ -98,6 +98,29 @@ def test_the_agents_may_read_exactly_the_named_secrets_of_the_storages_namespace
     assert not may_get(kube_api, team_a, "unrelated")
 
 
+def test_the_grants_carry_the_release_label_even_when_made_by_an_older_operator(
+    kube_api: kubernetes.client.ApiClient, agent_account: None
+) -> None:
+    """`kubectl ibckpt uninstall` finds them by label: one made before the release label gains it."""
+    ns = namespace(kube_api, "grants-labels")
+    rbac = kubernetes.client.RbacAuthorizationV1Api(kube_api)
+    name = rules.grant_name(AGENT)
+    old_role = rules.role(ns, name, {"s3"})  # as an operator without --release made them
+    old_role["metadata"]["labels"] = {}
+    rbac.create_namespaced_role(ns, old_role)
+    old_binding = rules.binding(ns, name, AGENT, AGENT_NS)
+    old_binding["metadata"]["labels"] = {}
+    rbac.create_namespaced_role_binding(ns, old_binding)
+    settings.configure(settings.current().with_(release="rel-a"))
+    asyncio.run(secretgrants.grant(Kube(kube_api), ns, location("s3")))  # no new name, only labels
+    wanted = {**rules.MANAGED_BY, "app.kubernetes.io/instance": "rel-a"}
+    assert rbac.read_namespaced_role(name, ns).metadata.labels == wanted
+    assert rbac.read_namespaced_role_binding(name, ns).metadata.labels == wanted
+    selector = "app.kubernetes.io/managed-by=ibckpt-operator,app.kubernetes.io/instance=rel-a"
+    found = rbac.list_role_for_all_namespaces(label_selector=selector).items
+    assert [r.metadata.name for r in found] == [name]
+
+
 def test_without_an_agent_account_nothing_is_granted(kube_api: kubernetes.client.ApiClient) -> None:
     ns = namespace(kube_api, "grants-none")
     asyncio.run(secretgrants.grant(Kube(kube_api), ns, location("s3")))
@@ -112,6 +135,8 @@ def test_the_objects_name_only_the_locations_secrets() -> None:
     assert rules.granted(body) == {"a", "b"}
     assert body["rules"][0]["resourceNames"] == ["a", "b"]
     assert rules.granted(None) == set()
+    assert not rules.relabel(body, "") and rules.relabel(body, "rel-a")
+    assert not rules.relabel(rules.role("ns", "r", {"a"}, "rel-a"), "rel-a")
     bound = rules.binding("ns", "r", "agent", "sys")
     assert bound["subjects"] == [{"kind": "ServiceAccount", "name": "agent", "namespace": "sys"}]
     assert bound["roleRef"] == {"apiGroup": rules.RBAC, "kind": "Role", "name": "r"}

@@ -1,12 +1,14 @@
 """`kubectl ibckpt uninstall`, run as an administrator runs it before `helm uninstall`, against the real
 apiserver, the operator and the real S3 (node agents are the fakes of conftest.py): it refuses while a job
 runs and changes nothing; told `--yes` once none runs, it leaves no schedule, job, Checkpoint (their
-images kept in S3), schedule-owned PodDisruptionBudget or webhook configuration; and Checkpoints whose
-operator is gone lose their finalizers instead of hanging their namespace."""
+images kept in S3), schedule-owned PodDisruptionBudget, webhook configuration or storage Role and
+RoleBinding the operator made for its job (other Roles stay); and Checkpoints whose operator is gone lose
+their finalizers instead of hanging their namespace."""
 
 from __future__ import annotations
 
 import json
+import secrets
 import subprocess
 import time
 from typing import Any
@@ -105,8 +107,12 @@ def test_uninstall_refuses_while_a_job_runs_then_leaves_nothing_behind(
         except kubernetes.client.ApiException as exc:
             if exc.status != 409:
                 raise
+    rbac = kubernetes.client.RbacAuthorizationV1Api(cluster_ns.api)
+    rbac.create_namespaced_role(ns, {"metadata": {"name": "keep-me"}, "rules": []})  # not ibckpt's
+    grant = "ibckpt-agent-storage"  # the operator's Role and RoleBinding for its job's storage Secret
+    release = "rel-" + secrets.token_hex(3)  # other tests on this apiserver label grants of their own
     try:
-        with operator():
+        with operator(release=release):
             made = plugin(kube, ns, "checkpoint", "-l", "app=ring", "--name", "ring-a", "--storage", "store")
             assert made.returncode == 0, made.stderr
             checkpoint = cluster_ns.get("checkpointjobs", "ring-a")["status"]["checkpointName"]
@@ -130,6 +136,13 @@ def test_uninstall_refuses_while_a_job_runs_then_leaves_nothing_behind(
             said = plugin(kube, ns, "uninstall")  # without --yes: what it would do, nothing done
             assert said.returncode == 0 and "would (run again with --yes)" in said.stdout, said.stdout
             assert "PodDisruptionBudget(s)" in said.stdout and cluster_ns.get("checkpoints", checkpoint)
+            # other tests' operators on this apiserver made grants too: this release's are these two
+            ours = plugin(kube, ns, "uninstall", "--release", release)
+            assert f"delete 2 storage Role(s) and RoleBinding(s) of the node agents ({ns})" in ours.stdout
+            role = rbac.read_namespaced_role(grant, ns)  # the checkpoint made it, labelled
+            assert role.metadata.labels["app.kubernetes.io/instance"] == release
+            other = plugin(kube, ns, "uninstall", "--release", release + "-b")  # another release's: none
+            assert "delete 0 storage Role(s)" in other.stdout, other.stdout
 
             done_ = plugin(kube, ns, "uninstall", "--yes", "--timeout", "30")
             assert done_.returncode == 0, done_.stdout + done_.stderr
@@ -140,6 +153,8 @@ def test_uninstall_refuses_while_a_job_runs_then_leaves_nothing_behind(
         assert not {"validating/ibckpt.io", "mutating/ibckpt.io"} & webhook_configurations(cluster_ns)
         budgets = json.loads(kubectl(kube, "get", "pdb", "-n", ns, "-o", "json"))["items"]
         assert not budgets, budgets
+        assert [r.metadata.name for r in rbac.list_namespaced_role(ns).items] == ["keep-me"]
+        assert not [b.metadata.name for b in rbac.list_namespaced_role_binding(ns).items]
 
         # With the operator gone, a Checkpoint's finalizer would hang its namespace: removed instead.
         orphan = {"apiVersion": API, "kind": "Checkpoint",

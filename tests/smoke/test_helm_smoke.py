@@ -176,8 +176,11 @@ def test_the_operator_grants_storage_secrets_by_name_unless_told_not_to() -> Non
         rbac = [r for r in role["rules"] if r["apiGroups"] == ["rbac.authorization.k8s.io"]]
         return [a for a in operator["args"] if a.startswith("--agent-account")], rbac
 
-    args, rules = grants(rendered_objects())
+    objects = rendered_objects()
+    args, rules = grants(objects)
     assert args == ["--agent-account=ibckpt-agent"]
+    operator = objects[("Deployment", "ibckpt-operator")]["spec"]["template"]["spec"]["containers"][0]
+    assert "--release=ibckpt" in operator["args"]  # labels the Roles, for kubectl ibckpt uninstall
     assert {"resources": ["roles", "rolebindings"], "verbs": ["create"]} in [
         {k: v for k, v in r.items() if k != "apiGroups"} for r in rules
     ]
@@ -222,3 +225,18 @@ def _operator_env(*args: str) -> list[dict[str, Any]]:
     (deployment,) = [o for k, o in rendered_objects(*args).items() if k[0] == "Deployment"]
     env: list[dict[str, Any]] = deployment["spec"]["template"]["spec"]["containers"][0]["env"]
     return env
+
+
+def test_the_operator_keeps_its_webhook_certificate_in_one_secret_it_alone_may_rewrite() -> None:
+    env = {e["name"]: e.get("value") for e in _operator_env()}
+    assert env["IBCKPT_WEBHOOK_SECRET"] == "ibckpt-webhook-cert"
+    assert env["IBCKPT_WEBHOOK_SECRET_OWNER"] == "ibckpt-operator"  # the Deployment: its owner
+    role = rendered_objects()[("Role", "ibckpt-operator")]
+    secrets = [r for r in role["rules"] if r["resources"] == ["secrets"]]
+    assert secrets == [
+        {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]},
+        {"apiGroups": [""], "resources": ["secrets"], "resourceNames": ["ibckpt-webhook-cert"],
+         "verbs": ["get", "update"]},
+    ]  # fmt: skip
+    off = rendered_objects("--set", "operator.webhook.enabled=false")[("Role", "ibckpt-operator")]
+    assert not [r for r in off["rules"] if r["resources"] == ["secrets"]]

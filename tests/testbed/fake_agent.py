@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ibckpt.agentapi import (
+    AgentFormats,
     AgentInfo,
     CheckpointRequest,
     ContainerList,
@@ -62,6 +63,9 @@ class FakeAgent:
     pod_lookup: Callable[[str, str], tuple[str, str] | None] | None = None
     pods_at_request: list[list[str]] = field(default_factory=list)  # per restore: its pods that existed
     version: str = "test"
+    # what it writes and reads, as a real agent of this release reports it; None: an agent before formats
+    formats: AgentFormats | None = field(default_factory=AgentFormats.this_release)
+    shim_sha256: str | None = None  # the node's shim build, as a real agent reports it
 
     def register(self, pod: dict[str, Any], namespace: str, container: str = "main") -> None:
         self.containers.append(
@@ -106,7 +110,8 @@ class FakeAgent:
                 if self.path == "/v1/info":
                     info = AgentInfo(node=agent.node, version=agent.version, ready=True,
                                      address=f"{agent.host}:1", shim_path="/opt/ibckpt/libibckpt.so",
-                                     shim_present=True, containers=agent.containers)  # fmt: skip
+                                     shim_present=True, containers=agent.containers,
+                                     formats=agent.formats, shim_sha256=agent.shim_sha256)  # fmt: skip
                     self.reply(200, info.to_json())
                 elif self.path == "/v1/containers":
                     self.reply(200, ContainerList(node=agent.node, containers=agent.containers).to_json())

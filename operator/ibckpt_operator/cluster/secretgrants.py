@@ -20,21 +20,29 @@ async def grant(kube: Kube, namespace: str, location: S3Location) -> None:
     settings = current()
     if not settings.agent_account:
         return
-    name = secretgrants.grant_name(settings.agent_account)
+    name, release = secretgrants.grant_name(settings.agent_account), settings.release
     wanted = set(secretgrants.agent_secrets(location))
     base = f"/apis/{secretgrants.RBAC}/v1/namespaces/{namespace}"
     for attempt in range(ATTEMPTS):
         try:
             existing = await kube.request("GET", f"{base}/roles/{name}")
             if existing is None:
-                await kube.request("POST", f"{base}/roles", secretgrants.role(namespace, name, wanted))
-            elif not wanted <= secretgrants.granted(existing):
-                body = secretgrants.role(namespace, name, wanted | secretgrants.granted(existing))
+                body = secretgrants.role(namespace, name, wanted, release)
+                await kube.request("POST", f"{base}/roles", body)
+            elif not wanted <= secretgrants.granted(existing) or secretgrants.relabel(existing, release):
+                body = secretgrants.role(namespace, name, wanted | secretgrants.granted(existing), release)
                 body["metadata"]["resourceVersion"] = existing["metadata"]["resourceVersion"]
                 await kube.request("PUT", f"{base}/roles/{name}", body)
-            if await kube.request("GET", f"{base}/rolebindings/{name}") is None:
-                account = secretgrants.binding(namespace, name, settings.agent_account, settings.namespace)
-                await kube.request("POST", f"{base}/rolebindings", account)
+            bound = await kube.request("GET", f"{base}/rolebindings/{name}")
+            if bound is None or secretgrants.relabel(bound, release):
+                body = secretgrants.binding(
+                    namespace, name, settings.agent_account, settings.namespace, release
+                )
+                if bound is None:
+                    await kube.request("POST", f"{base}/rolebindings", body)
+                else:
+                    body["metadata"]["resourceVersion"] = bound["metadata"]["resourceVersion"]
+                    await kube.request("PUT", f"{base}/rolebindings/{name}", body)
             return
         except ApiException as error:
             if not is_status(error, 409) or attempt == ATTEMPTS - 1:

@@ -221,6 +221,7 @@ class CheckpointJobDriver(CheckpointStoreDriver):
             if isinstance(info, AgentInfo):
                 registered[node] = {c.pod_uid for c in info.containers if c.shim} if info.ready else set()
                 self.record.agent_versions[node] = info.version
+                self.record.saw_agent(node, info)
         for pod, body, node in placed:
             error = infos[node]
             if isinstance(error, AgentError):

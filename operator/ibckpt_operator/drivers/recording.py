@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ibckpt.agentapi import SessionReport
+from ibckpt import formats
+from ibckpt.agentapi import AgentInfo, SessionReport
 from ibckpt.api import CheckpointPod, PodTemplate, RequiredVersions
 from ibckpt_operator.cluster.agents import agents_by_node, each_agent
 from ibckpt_operator.drivers.runtime import Runtime
@@ -25,6 +26,16 @@ class RestoreRecord:
     templates: dict[str, PodTemplate] = field(default_factory=dict)  # by pod UID
     rank_keys: dict[str, set[str]] = field(default_factory=dict)  # by pod UID
     agent_versions: dict[str, str] = field(default_factory=dict)  # by node
+    agent_formats: dict[str, dict[str, int]] = field(default_factory=dict)  # by node: what it writes
+    shims: dict[str, str] = field(default_factory=dict)  # by node: its shim file's sha256
+
+    def saw_agent(self, node: str, info: AgentInfo) -> None:
+        self.agent_versions.setdefault(node, info.version)
+        if info.formats is not None:
+            self.agent_formats[node] = dict(info.formats.writes)
+        if info.shim_sha256:
+            self.shims[node] = info.shim_sha256
+
     host_ips: dict[str, str] = field(default_factory=dict)  # by pod UID: status.hostIP
 
     def saw(self, body: dict[str, Any]) -> None:
@@ -61,12 +72,28 @@ class RestoreRecord:
         return pods
 
     async def requires(self, rt: Runtime, members: tuple[Member, ...]) -> RequiredVersions:
-        """The newest agent version and kernel among the job's nodes: a restore node must satisfy each."""
+        """The newest agent version and kernel among the job's nodes, and the formats their agents wrote: a
+        restore node must satisfy each. Formats are recorded only when every node's agent reported them
+        (an agent before formats says nothing of what it wrote)."""
         nodes = {m.pod.node for m in members}
         kernels = [
             n.get("status", {}).get("nodeInfo", {}).get("kernelVersion")
             for n in await rt.kube.list_nodes()
             if n["metadata"]["name"] in nodes
         ]
+        unseen = nodes - set(self.agent_formats)  # not admitted by this process (a restart)
+        if unseen:
+            agents = await agents_by_node(rt.kube)
+            asked = sorted(unseen & set(agents))
+            for node, info in zip(
+                asked, await each_agent([rt.gateway.info(agents[n]) for n in asked]), strict=True
+            ):
+                if isinstance(info, AgentInfo):
+                    self.saw_agent(node, info)
         versions = [self.agent_versions.get(node) for node in nodes]
-        return RequiredVersions(ibckpt=newest(versions), kernel=newest(kernels))
+        written = [self.agent_formats[node] for node in nodes if node in self.agent_formats]
+        recorded = formats.written_by(written) if written and len(written) == len(nodes) else None
+        # one shim on every node, or none recorded (nodes mid-upgrade: the restore then finds out)
+        shims = {self.shims.get(node) for node in nodes}
+        shim = shims.pop() if len(shims) == 1 else None
+        return RequiredVersions(ibckpt=newest(versions), kernel=newest(kernels), formats=recorded, shim=shim)

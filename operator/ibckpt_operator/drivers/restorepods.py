@@ -152,7 +152,10 @@ class RestorePodsDriver(Driver[RestoreState]):
                 )
                 self.emit(PodRefused(action.attempt, pod.name, message))
                 return
-            facts = NodeFacts(ibckpt=info.version, kernel=kernels.get(pod.node))
+            reads = info.formats.reads if info.formats is not None else None
+            facts = NodeFacts(
+                ibckpt=info.version, kernel=kernels.get(pod.node), reads=reads, shim=info.shim_sha256
+            )
             problems = incompatibilities(checkpoint.spec.requires, facts)
             if problems:
                 message = f"node {pod.node} cannot restore pod {pod.name}: {'; '.join(problems)}"

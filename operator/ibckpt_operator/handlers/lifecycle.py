@@ -77,9 +77,10 @@ def login(**_: Any) -> kopf.ConnectionInfo:
 @kopf.on.startup()
 async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     tune(settings)
-    webhook.serve_admission(settings)  # kopf starts the server after start-up: a standby serves nothing
     config = current()
     kube = Kube(new_api_client())
+    # kopf starts the server after start-up: a standby serves nothing
+    await webhook.serve_admission(settings, kube, config.namespace)
     lease = None
     metrics.serve(config.metrics_host, config.metrics_port)  # a standby's too: it says leader 0
     if config.lease_enabled:

@@ -8,6 +8,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from ibckpt import formats
 from ibckpt.api import RequiredVersions
 
 HOSTNAME_LABEL = "kubernetes.io/hostname"
@@ -71,26 +72,42 @@ def newest(versions: Iterable[str | None]) -> str | None:
 
 @dataclass(frozen=True)
 class NodeFacts:
-    """What is known of a destination node: the agent's ibckpt version (AgentInfo.version) and the
-    kernel (Node.status.nodeInfo.kernelVersion). rdma-core and CRIU are reported by neither."""
+    """What is known of a destination node: the agent's ibckpt version (AgentInfo.version), the formats
+    it reads (AgentInfo.formats; None from an agent before formats) and the kernel
+    (Node.status.nodeInfo.kernelVersion). rdma-core and CRIU are reported by neither."""
 
     ibckpt: str | None = None
     kernel: str | None = None
+    reads: Mapping[str, Sequence[int]] | None = None
+    shim: str | None = None  # sha256 of its shim file (AgentInfo.shimSha256)
 
 
 def incompatibilities(required: RequiredVersions | None, node: NodeFacts) -> list[str]:
     """Why this node cannot restore the checkpoint (empty: it can, as far as anything reports).
 
-    ibckpt: the images, the shim's state and the agent protocol may change between releases, so the
-    destination must run the same major.minor (while major is 0) or the same major and at least the
-    checkpoint's version. kernel: CRIU restores what the dumping kernel had, so the destination's
-    major.minor must be at least the checkpoint's. A version that does not parse must match exactly."""
+    formats: the node's agent must read every format the checkpoint was written in (ibckpt/formats.py),
+    whatever the two releases' versions. Only an agent that reports no formats (before they existed) is
+    judged by version: the same major.minor while major is 0, else the same major, and at least the
+    checkpoint's. shim: a restored process maps the node's shim file again (CRIU failed on a replaced
+    one), so the node's must be the same build as the job's nodes had. kernel: CRIU restores what the
+    dumping kernel had, so the destination's major.minor must be at least the checkpoint's. A version
+    that does not parse must match exactly."""
     if required is None:
         return []
     problems = []
-    if required.ibckpt and node.ibckpt and not _ibckpt_compatible(required.ibckpt, node.ibckpt):
+    if node.reads is not None:
+        problems += [
+            f"{p} (ibckpt {node.ibckpt or '?'})" for p in formats.unreadable(required.formats, node.reads)
+        ]
+    elif required.ibckpt and node.ibckpt and not _ibckpt_compatible(required.ibckpt, node.ibckpt):
         problems.append(
             f"its ibckpt agent is {node.ibckpt}, the checkpoint was taken with ibckpt {required.ibckpt}"
+        )
+    if required.shim and node.shim and required.shim != node.shim:
+        problems.append(
+            f"its shim is build {node.shim[:12]}, the checkpoint's processes mapped {required.shim[:12]} "
+            "(a restored process maps the node's shim again: restore before a shim upgrade, or checkpoint "
+            "again after restarting the pods)"
         )
     if required.kernel and node.kernel and not _kernel_compatible(required.kernel, node.kernel):
         problems.append(f"its kernel is {node.kernel}, the checkpoint needs {required.kernel} or a newer one")

@@ -16,6 +16,13 @@ from ibckpt.api import S3Location
 
 RBAC = "rbac.authorization.k8s.io"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "ibckpt-operator"}
+RELEASE_LABEL = "app.kubernetes.io/instance"  # the Helm release, as the chart's own objects carry it
+
+
+def labels(release: str) -> dict[str, str]:
+    """What the Role and RoleBinding carry: `kubectl ibckpt uninstall` finds them by these across
+    namespaces (Helm does not know them)."""
+    return {**MANAGED_BY, RELEASE_LABEL: release} if release else dict(MANAGED_BY)
 
 
 def grant_name(agent_account: str) -> str:
@@ -31,6 +38,12 @@ def agent_secrets(location: S3Location) -> list[str]:
     return sorted(names)
 
 
+def relabel(existing: dict[str, Any] | None, release: str) -> bool:
+    """An object made before its labels were what `labels(release)` says (an older operator)."""
+    have = ((existing or {}).get("metadata") or {}).get("labels") or {}
+    return any(have.get(key) != value for key, value in labels(release).items())
+
+
 def granted(role: dict[str, Any] | None) -> set[str]:
     """The Secret names an existing Role of ours grants."""
     names: set[str] = set()
@@ -40,22 +53,24 @@ def granted(role: dict[str, Any] | None) -> set[str]:
     return names
 
 
-def role(namespace: str, name: str, secrets: Iterable[str]) -> dict[str, Any]:
+def role(namespace: str, name: str, secrets: Iterable[str], release: str = "") -> dict[str, Any]:
     return {
         "apiVersion": f"{RBAC}/v1",
         "kind": "Role",
-        "metadata": {"name": name, "namespace": namespace, "labels": dict(MANAGED_BY)},
+        "metadata": {"name": name, "namespace": namespace, "labels": labels(release)},
         "rules": [
             {"apiGroups": [""], "resources": ["secrets"], "resourceNames": sorted(secrets), "verbs": ["get"]}
         ],
     }
 
 
-def binding(namespace: str, name: str, account: str, account_namespace: str) -> dict[str, Any]:
+def binding(
+    namespace: str, name: str, account: str, account_namespace: str, release: str = ""
+) -> dict[str, Any]:
     return {
         "apiVersion": f"{RBAC}/v1",
         "kind": "RoleBinding",
-        "metadata": {"name": name, "namespace": namespace, "labels": dict(MANAGED_BY)},
+        "metadata": {"name": name, "namespace": namespace, "labels": labels(release)},
         "roleRef": {"apiGroup": RBAC, "kind": "Role", "name": name},
         "subjects": [{"kind": "ServiceAccount", "name": account, "namespace": account_namespace}],
     }

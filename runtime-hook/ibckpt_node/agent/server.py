@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import re
 from collections.abc import Callable
@@ -89,6 +90,7 @@ class AgentServer:
         self.auth = authenticator
         self.shim_path = shim_path
         self.shim_present_path = shim_present_path or Path(shim_path)
+        self._shim_digest: tuple[tuple[int, int, int], str] | None = None
         self.metrics = Metrics(metrics or CollectorRegistry())
         self.sessions = Sessions(
             node,
@@ -169,16 +171,31 @@ class AgentServer:
         except ValidationError as exc:
             return error(422, f"bad request body: {exc}")
 
+    def shim_digest(self) -> str | None:
+        """sha256 of the node's shim file: a restored process maps it again, so a checkpoint records it
+        (hashed again only when the file changed)."""
+        try:
+            info = self.shim_present_path.stat()
+        except OSError:
+            return None
+        stamp = (info.st_ino, info.st_size, info.st_mtime_ns)
+        if self._shim_digest is None or self._shim_digest[0] != stamp:
+            digest = hashlib.sha256(self.shim_present_path.read_bytes()).hexdigest()
+            self._shim_digest = (stamp, digest)
+        return self._shim_digest[1]
+
     async def _api(self, method: str, path: str, body: bytes) -> Response:
         if path == "/v1/info" and method == "GET":
             return ok(
                 api.AgentInfo(
                     node=self.node,
                     version=ibckpt.__version__,
+                    formats=api.AgentFormats.this_release(),
                     ready=self.ready,
                     address=self.address,
                     shim_path=self.shim_path,
                     shim_present=self.shim_present_path.is_file(),
+                    shim_sha256=self.shim_digest(),
                     containers=self.containers(),
                     sessions=self.sessions.running(),
                 )

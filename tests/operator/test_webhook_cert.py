@@ -1,0 +1,209 @@
+"""The admission server's certificate outlives a restart or upgrade: when the serving certificate is
+issued again and when it is kept (machine/webhookcert.py, pure), and, on the real apiserver, the Secret
+that keeps it, with the chart's own RBAC for the operator's account (cluster/webhookcert.py): a restarted
+operator publishes the same caBundle, and a server started from it is trusted by the old bundle."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import datetime
+import secrets
+import ssl
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import kopf
+import kubernetes
+import pytest
+import yaml
+from cryptography import x509
+
+from ibckpt_operator import webhook
+from ibckpt_operator.cluster import webhookcert as kept_in_secret
+from ibckpt_operator.cluster.kube import ApiException, Kube
+from ibckpt_operator.machine import webhookcert
+from testbed.guest import REPO, cache_dir
+
+NOW = datetime.datetime(2026, 11, 30, tzinfo=datetime.UTC)
+DAY = datetime.timedelta(days=1)
+
+
+def test_a_fitting_certificate_is_kept_and_anything_else_is_issued_again_by_the_same_ca() -> None:
+    first = webhookcert.issue(["10.0.0.7"], NOW)
+    assert webhookcert.problem(first, ["10.0.0.7"], NOW) is None
+    assert webhookcert.problem(first, ["10.0.0.7"], NOW + 1000 * DAY) is None  # years ahead: still good
+    moved = webhookcert.problem(first, ["10.0.0.8"], NOW)  # a new pod IP
+    assert moved == "the serving certificate names ['10.0.0.7'], not ['10.0.0.8']"
+    assert webhookcert.problem(first, ["10.0.0.7", "ibckpt-webhook.ibckpt-system.svc"], NOW) is not None
+    again = webhookcert.issue(["10.0.0.8"], NOW, keep=first)
+    assert again.ca_crt == first.ca_crt and again.ca_key == first.ca_key  # the caBundle does not change
+    assert again.tls_crt != first.tls_crt and webhookcert.problem(again, ["10.0.0.8"], NOW) is None
+    serving = x509.load_pem_x509_certificate(again.tls_crt)
+    serving.verify_directly_issued_by(x509.load_pem_x509_certificate(first.ca_crt))
+
+
+def test_an_expiring_broken_or_foreign_certificate_is_not_served() -> None:
+    cert = webhookcert.issue(["ibckpt.example"], NOW)
+    late = NOW + datetime.timedelta(days=webhookcert.SERVING_DAYS) - 30 * DAY
+    assert webhookcert.problem(cert, ["ibckpt.example"], late) == "the serving certificate expires soon"
+    renewed = webhookcert.issue(["ibckpt.example"], late, keep=cert)
+    assert renewed.ca_crt == cert.ca_crt  # the CA still has years
+    ca_end = NOW + datetime.timedelta(days=webhookcert.CA_DAYS) - 30 * DAY
+    assert webhookcert.problem(cert, ["ibckpt.example"], ca_end) == "its CA is invalid or expires soon"
+    assert webhookcert.issue(["ibckpt.example"], ca_end, keep=cert).ca_crt != cert.ca_crt
+    other = webhookcert.issue(["ibckpt.example"], NOW)
+    swapped_key = webhookcert.WebhookCert(cert.ca_crt, cert.ca_key, cert.tls_crt, other.tls_key)
+    assert webhookcert.problem(swapped_key, ["ibckpt.example"], NOW) == (
+        "the serving key does not match its certificate"
+    )
+    foreign = webhookcert.WebhookCert(cert.ca_crt, cert.ca_key, other.tls_crt, other.tls_key)
+    assert webhookcert.problem(foreign, ["ibckpt.example"], NOW) == (
+        "the serving certificate does not chain to the CA"
+    )
+    bad_ca = webhookcert.WebhookCert(cert.ca_crt, other.ca_key, cert.tls_crt, cert.tls_key)
+    assert webhookcert.problem(bad_ca, ["ibckpt.example"], NOW) == "its CA is invalid or expires soon"
+    assert webhookcert.problem(None, ["ibckpt.example"], NOW) == "no certificate yet"
+    assert webhookcert.from_data({"ca.crt": b"x", "tls.crt": b"y"}) is None
+    assert webhookcert.from_data(cert.data()) == cert
+
+
+# -- on the real apiserver, as the operator's account with the chart's RBAC ------------------------------
+
+RELEASE_NS = "webhook-cert-system"
+
+
+def _helm(*args: str) -> str:
+    path = cache_dir() / "helm" / "helm"
+    assert path.exists(), f"{path} missing: run tests/testbed/fetch-helm.sh (make helm)"
+    done = subprocess.run([str(path), *args], capture_output=True, text=True, check=True)
+    return done.stdout
+
+
+@pytest.fixture
+def operator_account(kube_api: kubernetes.client.ApiClient) -> Iterator[tuple[Kube, str, str]]:
+    """The chart's RBAC for a fresh release applied; a Kube client impersonating its operator's account,
+    the Secret's name, the Deployment's name."""
+    release = "wh" + secrets.token_hex(3)
+    core = kubernetes.client.CoreV1Api(kube_api)
+    try:
+        core.create_namespace({"metadata": {"name": RELEASE_NS}})
+    except ApiException as exc:
+        if exc.status != 409:
+            raise
+    rendered = _helm("template", release, str(REPO / "charts" / "ibckpt"), "-n", RELEASE_NS,
+                     "--show-only", "templates/rbac.yaml")  # fmt: skip
+    objects = [o for o in yaml.safe_load_all(rendered) if o]
+    for body in objects:
+        kubernetes.utils.create_from_dict(kube_api, body, namespace=RELEASE_NS)
+    pod = {"metadata": {"labels": {"app": release}}, "spec": {"containers": [{"name": "x", "image": "none"}]}}
+    deployment = {"metadata": {"name": f"{release}-ibckpt-operator"},
+                  "spec": {"selector": {"matchLabels": {"app": release}}, "template": pod}}  # fmt: skip
+    kubernetes.client.AppsV1Api(kube_api).create_namespaced_deployment(RELEASE_NS, deployment)
+    impersonated = kubernetes.client.ApiClient(kube_api.configuration)
+    impersonated.set_default_header(
+        "Impersonate-User", f"system:serviceaccount:{RELEASE_NS}:{release}-ibckpt-operator"
+    )
+    impersonated.set_default_header("Impersonate-Group", "system:serviceaccounts")
+    yield Kube(impersonated), f"{release}-ibckpt-webhook-cert", f"{release}-ibckpt-operator"
+
+
+def _secret(kube_api: kubernetes.client.ApiClient, name: str) -> Any:
+    return kubernetes.client.CoreV1Api(kube_api).read_namespaced_secret(name, RELEASE_NS)
+
+
+@pytest.mark.kube
+def test_the_secret_is_made_once_reused_at_restart_and_reissued_by_its_ca_for_a_new_host(
+    kube_api: kubernetes.client.ApiClient, operator_account: tuple[Kube, str, str]
+) -> None:
+    kube, name, owner = operator_account
+    first = asyncio.run(kept_in_secret.ensure(kube, RELEASE_NS, name, ["10.1.0.5"], owner))
+    made = _secret(kube_api, name)
+    assert made.type == "kubernetes.io/tls" and set(made.data) == {"ca.crt", "ca.key", "tls.crt", "tls.key"}
+    assert [(o.kind, o.name) for o in made.metadata.owner_references] == [("Deployment", owner)]
+    assert made.metadata.labels == {"app.kubernetes.io/managed-by": "ibckpt-operator"}
+
+    restarted = asyncio.run(kept_in_secret.ensure(kube, RELEASE_NS, name, ["10.1.0.5"], owner))
+    assert restarted == first  # the same certificate, and the Secret was not written
+    assert _secret(kube_api, name).metadata.resource_version == made.metadata.resource_version
+
+    moved = asyncio.run(kept_in_secret.ensure(kube, RELEASE_NS, name, ["10.1.0.9"], owner))  # a new pod IP
+    assert moved.ca_crt == first.ca_crt and moved.tls_crt != first.tls_crt
+    stored = webhookcert.from_data({k: base64.b64decode(v) for k, v in _secret(kube_api, name).data.items()})
+    assert stored == moved
+
+    # two replicas starting at once: one writes, the other reads what it wrote
+    kubernetes.client.CoreV1Api(kube_api).delete_namespaced_secret(name, RELEASE_NS)
+
+    async def both() -> list[webhookcert.WebhookCert]:
+        return list(await asyncio.gather(*(kept_in_secret.ensure(kube, RELEASE_NS, name, ["10.1.0.9"], owner)
+                                           for _ in range(2))))  # fmt: skip
+
+    one, other = asyncio.run(both())
+    assert one == other and one.ca_crt != first.ca_crt  # the Secret was gone: a new CA
+
+
+@pytest.mark.kube
+def test_the_chart_lets_the_operator_write_only_its_own_secret(
+    kube_api: kubernetes.client.ApiClient, operator_account: tuple[Kube, str, str]
+) -> None:
+    kube, name, owner = operator_account
+    other = {"metadata": {"name": name + "-other"}, "stringData": {"password": "x"}}
+    kubernetes.client.CoreV1Api(kube_api).create_namespaced_secret(RELEASE_NS, other)
+    with pytest.raises(ApiException) as refused:  # another Secret of the namespace: not rewritten
+        asyncio.run(kept_in_secret.ensure(kube, RELEASE_NS, name + "-other", ["10.1.0.5"], owner))
+    assert refused.value.status == 403
+    assert _secret(kube_api, name + "-other").data == {"password": base64.b64encode(b"x").decode()}
+    with pytest.raises(ApiException) as elsewhere:  # nor made in another namespace
+        asyncio.run(kept_in_secret.ensure(kube, "default", name, ["10.1.0.5"], ""))
+    assert elsewhere.value.status == 403
+
+
+@pytest.mark.kube
+async def test_a_restarted_operator_serves_a_certificate_the_published_bundle_trusts(
+    operator_account: tuple[Kube, str, str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    kube, name, owner = operator_account
+    for key, value in {"IBCKPT_WEBHOOK": "on", "IBCKPT_WEBHOOK_HOST": "127.0.0.1", "IBCKPT_WEBHOOK_PORT": "0",
+                       "IBCKPT_WEBHOOK_BIND": "127.0.0.1", "IBCKPT_WEBHOOK_SECRET": name,
+                       "IBCKPT_WEBHOOK_SECRET_OWNER": owner}.items():  # fmt: skip
+        monkeypatch.setenv(key, value)
+    before = kopf.OperatorSettings()
+    await webhook.serve_admission(before, kube, RELEASE_NS)
+    published = webhook.endpoint()
+    assert published is not None
+    after = kopf.OperatorSettings()  # the next start (a restart, or the upgraded release's pod)
+    await webhook.serve_admission(after, kube, RELEASE_NS)
+    again = webhook.endpoint()
+    assert again is not None and again.ca_bundle == published.ca_bundle
+    server = after.admission.server
+    serving = server(lambda *_a, **_k: None)
+    await anext(serving)
+    try:
+        bundle = tmp_path / "bundle.pem"
+        bundle.write_bytes(base64.b64decode(published.ca_bundle))
+        context = ssl.create_default_context(cafile=str(bundle))  # as the apiserver checks it
+        _reader, writer = await asyncio.open_connection("127.0.0.1", server.bound_port, ssl=context)
+        writer.close()
+    finally:
+        await serving.aclose()
+
+
+@pytest.mark.kube
+async def test_an_operator_that_may_not_use_the_secret_still_serves(
+    kube_api: kubernetes.client.ApiClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The webhooks fail open: a Secret it cannot read or write costs the stable bundle, not the server."""
+    nobody = kubernetes.client.ApiClient(kube_api.configuration)
+    nobody.set_default_header("Impersonate-User", "system:serviceaccount:default:nobody")
+    for key, value in {"IBCKPT_WEBHOOK": "on", "IBCKPT_WEBHOOK_HOST": "127.0.0.1",
+                       "IBCKPT_WEBHOOK_SECRET": "webhook-cert"}.items():  # fmt: skip
+        monkeypatch.setenv(key, value)
+    settings = kopf.OperatorSettings()
+    await webhook.serve_admission(settings, Kube(nobody), RELEASE_NS)
+    published = webhook.endpoint()
+    assert published is not None and isinstance(settings.admission.server, webhook.BoundedWebhookServer)
+    certificate = x509.load_pem_x509_certificate(base64.b64decode(published.ca_bundle))
+    assert certificate.subject.rfc4514_string() == "CN=127.0.0.1"  # this start's own, not a kept CA
