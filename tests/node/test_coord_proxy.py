@@ -41,7 +41,8 @@ async def _requests(path: Path, lines: list[str]) -> list[str]:
 
 
 async def _client(coordinator: ThreadedCoordinator, node: str = "node-1") -> CoordinatorClient:
-    session, token = coordinator.create_session({node})
+    session, tokens = coordinator.create_session({node})
+    token = tokens[node]
     return await CoordinatorClient.connect("127.0.0.1", coordinator.port, session, node, token)
 
 

@@ -4,11 +4,16 @@ A session knows its participants (node agents, or ranks for small jobs) up front
 offers named barriers, a key-value store with blocking get, and routed exchange rounds
 (each participant publishes segments addressed to others, then gathers what was
 addressed to it). Every wait is bounded, and one abort fails every wait at once.
+
+Each participant has a credential of its own, derived from the session's secret and its name, so
+one cannot speak as another.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import hashlib
 import hmac
 import time
 from collections.abc import Callable, Mapping
@@ -34,6 +39,13 @@ class NotAParticipant(Exception):
     """A name that is not one of the session's participants."""
 
 
+def participant_credential(secret: bytes, participant: str) -> str:
+    """The credential of `participant` in the session whose secret is `secret`: HMAC-SHA256 of its
+    name, so the coordinator keeps one secret and no participant can work out another's."""
+    mac = hmac.new(secret, b"ibckpt-coordinator-participant\0" + participant.encode(), hashlib.sha256)
+    return base64.urlsafe_b64encode(mac.digest()).rstrip(b"=").decode()
+
+
 @dataclass
 class _Round:
     """One routed exchange: segments[destination][source] = bytes."""
@@ -47,7 +59,7 @@ class Session:
     def __init__(
         self,
         session_id: str,
-        token: str,
+        secret: bytes,
         participants: frozenset[str],
         deadline_s: float,
         clock: Callable[[], float] = time.monotonic,
@@ -55,7 +67,7 @@ class Session:
         if not participants:
             raise ValueError("a session needs at least one participant")
         self.id = session_id
-        self._token = token
+        self._secret = secret
         self.participants = participants
         self.deadline = clock() + deadline_s
         self._clock = clock
@@ -72,8 +84,19 @@ class Session:
 
     # -- identity -------------------------------------------------------------------------
 
+    def credential(self, participant: str) -> str:
+        """What `participant`, and nobody else, says HELLO with. A secret: never log it."""
+        if participant not in self.participants:
+            raise NotAParticipant(f"{participant!r} is not a participant of session {self.id}")
+        return participant_credential(self._secret, participant)
+
     def authenticate(self, participant: str, token: str) -> bool:
-        return participant in self.participants and hmac.compare_digest(token.encode(), self._token.encode())
+        """`token` is `participant`'s own credential (another participant's is not)."""
+        if participant not in self.participants:
+            return False
+        expected = participant_credential(self._secret, participant).encode()
+        # a JSON string may hold a lone surrogate: it is a wrong token, not an error
+        return hmac.compare_digest(token.encode("utf-8", "surrogatepass"), expected)
 
     def _check(self, participant: str, allow_aborted: bool = False) -> None:
         if participant not in self.participants:
