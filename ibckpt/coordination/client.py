@@ -11,6 +11,7 @@ from collections.abc import Mapping
 
 from ibckpt.coordination.wire import (
     ERROR_ABORTED,
+    ERROR_FORBIDDEN,
     ERROR_TIMEOUT,
     Frame,
     Hello,
@@ -46,6 +47,10 @@ class CoordinationAborted(CoordinatorError):
 
 class CoordinationTimedOut(CoordinatorError):
     """A bounded wait on the coordinator ran out."""
+
+
+class CoordinationForbidden(CoordinatorError):
+    """The coordinator refused a write: the key is another participant's."""
 
 
 async def _open(host: str, port: int) -> socket.socket:
@@ -210,6 +215,8 @@ class CoordinatorClient:
                 raise CoordinationAborted(message)
             if error == ERROR_TIMEOUT:
                 raise CoordinationTimedOut(message)
+            if error == ERROR_FORBIDDEN:
+                raise CoordinationForbidden(message)
             raise CoordinatorError(message)
         return reply
 

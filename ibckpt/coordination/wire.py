@@ -50,6 +50,7 @@ class ProtocolError(Exception):
 # A refused request's ERROR header names why in "error": one of these.
 ERROR_AUTH = "auth"  # the HELLO was refused
 ERROR_REQUEST = "request"  # malformed
+ERROR_FORBIDDEN = "forbidden"  # a write of a key another participant owns
 ERROR_ABORTED = "aborted"
 ERROR_TIMEOUT = "timeout"
 

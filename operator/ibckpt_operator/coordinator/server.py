@@ -1,7 +1,8 @@
 """The coordinator's TCP server: authenticates participants and serves Session over the wire.
 
 A participant says HELLO with its own credential (Session.credential), so a connection speaks for
-the one participant named in it: its barrier arrivals, its routed segments, and the keys it writes."""
+the one participant named in it: its barrier arrivals, its routed segments, and the keys it writes,
+which the session keeps to those it claimed (Session.put_many)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from typing import Any
 from ibckpt.coordination.wire import (
     ERROR_ABORTED,
     ERROR_AUTH,
+    ERROR_FORBIDDEN,
     ERROR_REQUEST,
     ERROR_TIMEOUT,
     MAX_HELLO,
@@ -29,6 +31,7 @@ from ibckpt.coordination.wire import (
 )
 from ibckpt_operator.coordinator.session import (
     CoordinationTimeout,
+    ForeignKeys,
     NotAParticipant,
     Session,
     SessionAborted,
@@ -261,6 +264,9 @@ class CoordinatorServer:
             reply = Frame(Kind.ERROR, {"error": ERROR_ABORTED, "message": exc.reason})
         except CoordinationTimeout as exc:
             reply = Frame(Kind.ERROR, {"error": ERROR_TIMEOUT, "message": str(exc)})
+        except ForeignKeys as exc:
+            log.warning("session %s: refused a write: %s", session.id, exc)  # keys and names, no values
+            reply = Frame(Kind.ERROR, {"error": ERROR_FORBIDDEN, "message": str(exc)})
         except (NotAParticipant, ValueError, KeyError, TypeError, ProtocolError) as exc:
             reply = Frame(Kind.ERROR, {"error": ERROR_REQUEST, "message": f"bad request: {exc}"})
         reply = dataclasses.replace(reply, header={**reply.header, "id": request_id})
@@ -277,8 +283,7 @@ class CoordinatorServer:
                 session.put(str(head["key"]), bytes(frame.payload), me)
                 return Frame(Kind.OK)
             case Kind.PUT_MANY:
-                for key, value in frame.segments().items():
-                    session.put(key, bytes(value), me)
+                session.put_many({key: bytes(value) for key, value in frame.segments().items()}, me)
                 return Frame(Kind.OK)
             case Kind.GET:
                 return Frame(Kind.VALUE, {}, await session.get(str(head["key"]), me, timeout))
