@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
 import time
 from pathlib import Path
@@ -46,8 +47,8 @@ async def one_process(nodes: int, per: int, prepared: list[dict[str, bytes]]) ->
     server = CoordinatorServer()
     await server.start()
     try:
-        session, token = server.create_session({node_name(n) for n in range(nodes)}, deadline_s=600)
-        clients = await connect_nodes("127.0.0.1", server.port, session, token, nodes)
+        session, tokens = server.create_session({node_name(n) for n in range(nodes)}, deadline_s=600)
+        clients = await connect_nodes("127.0.0.1", server.port, session, tokens, nodes)
         cpu = time.process_time()
         results, wall = await exchange_all(clients, prepared)
         cpu = time.process_time() - cpu
@@ -64,14 +65,14 @@ async def server_alone(nodes: int, per: int) -> Timing:
     server = CoordinatorServer()
     await server.start()
     try:
-        session, token = server.create_session({node_name(n) for n in range(nodes)}, deadline_s=600)
+        session, tokens = server.create_session({node_name(n) for n in range(nodes)}, deadline_s=600)
         child = await asyncio.create_subprocess_exec(
             sys.executable, __file__, "--nodes", str(nodes), "--ranks-per-node", str(per),
             "--clients-for", str(server.port), session,
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
         )  # fmt: skip
         assert child.stdin is not None and child.stdout is not None
-        child.stdin.write(token.encode() + b"\n")  # not on the command line
+        child.stdin.write(json.dumps(tokens).encode() + b"\n")  # not on the command line
         await child.stdin.drain()
         if (await child.stdout.readline()).strip() != b"ready":
             raise RuntimeError("the clients' process did not get ready")
@@ -89,9 +90,9 @@ async def server_alone(nodes: int, per: int) -> Timing:
 
 async def clients_role(port: int, session: str, nodes: int, per: int) -> None:
     """The child of server_alone: every node's client, on this process's own loop."""
-    token = sys.stdin.readline().strip()
+    tokens = json.loads(sys.stdin.readline())
     prepared = [segments_for(n, nodes, per) for n in range(nodes)]
-    clients = await connect_nodes("127.0.0.1", port, session, token, nodes)
+    clients = await connect_nodes("127.0.0.1", port, session, tokens, nodes)
     print("ready", flush=True)
     sys.stdin.readline()  # blocking is fine: the clients have nothing to do until "go"
     cpu = time.process_time()

@@ -16,6 +16,7 @@ then finishes and must show exactly-once delivery. Prints both measurements side
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -113,7 +114,7 @@ def main() -> int:
 
     from node.a2a_job import assert_exactly_once, assert_ok, prelude
 
-    from testbed.coordinator import ThreadedCoordinator
+    from testbed.coordinator import ThreadedCoordinator, guest_envs
     from testbed.guest import GuestSpec, run_pair
 
     if args.ranks < 2 or args.ranks % 2:
@@ -125,15 +126,16 @@ def main() -> int:
     try:
         nodes = {"node-1", "node-2"}
         sessions: dict[str, str] = {}
-        env: dict[str, str] = {}
+        tokens: dict[str, dict[str, str]] = {}
         for name in ("lrold", "lr", "stop", "restore"):
-            sessions[name], env[f"TOKEN_{name.upper()}"] = coord.create_session(nodes, deadline_s=1800)
+            sessions[name], tokens[f"TOKEN_{name.upper()}"] = coord.create_session(nodes, deadline_s=1800)
         script = prelude(work, coord.port, hosts) + SCRIPT.format(
             work=work, python=sys.executable, bench=Path(__file__).resolve(), **sessions
         )
-        spec = GuestSpec(script, writable=[work], forward_ports=[coord.port], env=env)
+        env_1, env_2 = guest_envs(tokens)
+        spec = GuestSpec(script, writable=[work], forward_ports=[coord.port], env=env_1)
         started = time.monotonic()
-        results = run_pair(spec, spec, timeout=1800)
+        results = run_pair(spec, dataclasses.replace(spec, env=env_2), timeout=1800)
         assert_ok(results, "bench", work)
         assert_exactly_once(work, args.ranks)
         guests_s = time.monotonic() - started

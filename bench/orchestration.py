@@ -385,9 +385,11 @@ async def run(agents_n: int, per_agent: int, processes: int, work: Path, rank_pi
     shims = ShimProcess(paths, work)
     children = [AgentProcess(first, n, per_agent, work, rank_pid) for first, n in split(agents_n, processes)]
     try:
-        session, token = coordinator.create_session({node_name(i) for i in range(agents_n)}, 600, SESSION)
+        session, tokens = coordinator.create_session({node_name(i) for i in range(agents_n)}, 600, SESSION)
         coordinator.sessions[session].arrival_listeners.append(TIMELINE.arrived)
-        requests = [request_for(i, per_agent, coordinator.port, token) for i in range(agents_n)]
+        requests = [
+            request_for(i, per_agent, coordinator.port, tokens[node_name(i)]) for i in range(agents_n)
+        ]
         ports = [port for child in children for port in child.ports]
         cpu, start = time.process_time(), time.monotonic()
         posts = await kick_off(ports, requests)

@@ -9,7 +9,16 @@ import itertools
 import socket
 from collections.abc import Mapping
 
-from ibckpt.coordination.wire import PROTOCOL_VERSION, Frame, Kind, ProtocolError, SocketFrameReader
+from ibckpt.coordination.wire import (
+    ERROR_ABORTED,
+    ERROR_FORBIDDEN,
+    ERROR_TIMEOUT,
+    Frame,
+    Hello,
+    Kind,
+    ProtocolError,
+    SocketFrameReader,
+)
 
 CONNECT_TIMEOUT_S = 10.0
 # Replies may trail the server-side bound a little; this slack keeps the client from
@@ -38,6 +47,10 @@ class CoordinationAborted(CoordinatorError):
 
 class CoordinationTimedOut(CoordinatorError):
     """A bounded wait on the coordinator ran out."""
+
+
+class CoordinationForbidden(CoordinatorError):
+    """The coordinator refused a write: the key is another participant's."""
 
 
 async def _open(host: str, port: int) -> socket.socket:
@@ -94,14 +107,15 @@ class CoordinatorClient:
     async def connect(
         cls, host: str, port: int, session: str, participant: str, token: str
     ) -> CoordinatorClient:
+        """`token`: the credential the operator gave `participant` for the session; no other works."""
         try:
             sock = await asyncio.wait_for(_open(host, port), CONNECT_TIMEOUT_S)
         except (OSError, TimeoutError) as exc:
             raise CoordinatorError(f"cannot reach the coordinator at {host}:{port}: {exc}") from exc
-        hello = {"version": PROTOCOL_VERSION, "session": session, "participant": participant, "token": token}
         reader = SocketFrameReader(sock)
         try:
-            await asyncio.wait_for(Frame(Kind.HELLO, hello).send(sock), CONNECT_TIMEOUT_S)
+            hello = Hello(session, participant, token).frame()
+            await asyncio.wait_for(hello.send(sock), CONNECT_TIMEOUT_S)
             reply = await asyncio.wait_for(reader.read(), CONNECT_TIMEOUT_S)
         except (asyncio.IncompleteReadError, TimeoutError, ProtocolError, OSError) as exc:
             sock.close()
@@ -196,11 +210,13 @@ class CoordinatorClient:
             ) from None
         if reply.kind == Kind.ERROR:
             error, message = reply.header.get("error"), str(reply.header.get("message"))
-            if error == "aborted":
+            if error == ERROR_ABORTED:
                 self._mark_aborted(message)
                 raise CoordinationAborted(message)
-            if error == "timeout":
+            if error == ERROR_TIMEOUT:
                 raise CoordinationTimedOut(message)
+            if error == ERROR_FORBIDDEN:
+                raise CoordinationForbidden(message)
             raise CoordinatorError(message)
         return reply
 

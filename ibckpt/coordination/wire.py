@@ -47,6 +47,14 @@ class ProtocolError(Exception):
     """The peer sent something that is not a valid frame."""
 
 
+# A refused request's ERROR header names why in "error": one of these.
+ERROR_AUTH = "auth"  # the HELLO was refused
+ERROR_REQUEST = "request"  # malformed
+ERROR_FORBIDDEN = "forbidden"  # a write of a key another participant owns
+ERROR_ABORTED = "aborted"
+ERROR_TIMEOUT = "timeout"
+
+
 @dataclass(frozen=True)
 class Frame:
     kind: Kind
@@ -80,6 +88,30 @@ class Frame:
     def segments(self) -> dict[str, memoryview]:
         """The named segments this frame carries, as views of its payload."""
         return unpack_segments(self.header["index"], self.payload)
+
+
+@dataclass(frozen=True)
+class Hello:
+    """A participant's first frame: the session, who it says it is, and the credential the operator
+    gave that participant alone (the coordinator checks that the two match)."""
+
+    session: str
+    participant: str
+    token: str = field(repr=False)
+
+    def frame(self) -> Frame:
+        header = {"version": PROTOCOL_VERSION, "session": self.session, "participant": self.participant}
+        return Frame(Kind.HELLO, {**header, "token": self.token})
+
+    @classmethod
+    def parse(cls, frame: Frame) -> Hello:
+        head = frame.header
+        if frame.kind != Kind.HELLO or not isinstance(head, dict) or head.get("version") != PROTOCOL_VERSION:
+            raise ProtocolError(f"expected HELLO with protocol version {PROTOCOL_VERSION}")
+        session, participant, token = head.get("session"), head.get("participant"), head.get("token")
+        if not (isinstance(session, str) and isinstance(participant, str) and isinstance(token, str)):
+            raise ProtocolError("a HELLO's session, participant and token must be strings")
+        return cls(session, participant, token)
 
 
 def _decode(kind: int, head: bytes) -> tuple[Kind, dict[str, Any]]:

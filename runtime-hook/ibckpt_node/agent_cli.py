@@ -20,8 +20,9 @@ ranks to rebuild are read from the manifest beside the images.
 A mixed restart (some ranks move, the rest stay): the staying node checkpoints with --mode Hold,
 which leaves its ranks released, and passes them to its restore with --rejoin.
 
-The session token comes from the IBCKPT_SESSION_TOKEN environment variable (never a flag:
-command lines are world-readable). The shim's key-value socket is served at --shim-socket
+The session token (this --node's own credential: the coordinator refuses it for any other name)
+comes from the IBCKPT_SESSION_TOKEN environment variable (never a flag: command lines are
+world-readable). The shim's key-value socket is served at --shim-socket
 for the duration of the call. Prints a JSON report (on failure too: what was done before it);
 exits non-zero on failure.
 """

@@ -32,7 +32,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import re
 import socket
 import struct
 from collections.abc import Callable, Iterable, Sequence
@@ -40,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ibckpt.coordination.client import CoordinationTimedOut, CoordinatorClient, CoordinatorError
+from ibckpt.coordination.keys import SHIM_RECORD
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +49,6 @@ BATCH = 4096  # PUTs forwarded in one coordinator request at most
 IDLE_S = 10.0  # a shim connection with no request for this long is closed
 MAX_CONNECTIONS = 256  # per container: each rank's rebuild holds one, app threads may GET meanwhile
 SOCKET_NAME = "coord.sock"
-# what a shim publishes and reads (native/src/records.c): nothing else of the session
-KEY = re.compile(r"(?:map|e[0-9]{1,20}/qp)/([0-9a-f]{32})/([0-9]{1,10})")
 
 
 def pid_namespace(pid: int) -> str:
@@ -246,7 +244,7 @@ class ShimCoordinatorProxy:
         if self.failed is not None:
             return f"ERR {self.failed}"
         key, _, rest = rest.partition(" ")
-        matched = KEY.fullmatch(key)
+        matched = SHIM_RECORD.fullmatch(key)  # what a shim publishes and reads: nothing else
         if verb in ("PUT", "GET") and matched is None:
             return "ERR not a shim record key"
         if verb == "PUT" and matched is not None:

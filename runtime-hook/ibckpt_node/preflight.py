@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ibckpt.coordination.client import CoordinationTimedOut, CoordinatorClient
+from ibckpt.coordination.keys import gid_key, qp_key
 from ibckpt.vocabulary import Milestone
 from ibckpt_native.control import ControlError
 from ibckpt_node.errors import CheckpointRefused
@@ -97,16 +98,6 @@ class ShimIdentity:
 
     def own_keys(self) -> list[str]:
         return [qp_key(g, q) for g in self.gids for q in self.qpns] + [gid_key(g) for g in self.gids]
-
-
-def qp_key(gid_hex: str, qpn: int) -> str:
-    """The coordinator key under which a node publishes that one of its ranks holds (GID, QPN)."""
-    return f"preflight/qp/{gid_hex}/{qpn}"
-
-
-def gid_key(gid_hex: str) -> str:
-    """The key under which a node publishes that one of its ranks holds a GID (for UD)."""
-    return f"preflight/gid/{gid_hex}"
 
 
 def addr_key(addr: IPAddress) -> str:

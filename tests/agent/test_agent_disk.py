@@ -114,7 +114,8 @@ def test_staged_images_leave_the_node_and_the_held_sessions_record_stays_until_i
     s3_server.create_bucket(bucket)
     agent_options(agent, s3_server)
     shim = registered_shim(state, sleeper.pid)
-    session, token = coordinator.create_session({"node-x"})
+    session, tokens = coordinator.create_session({"node-x"})
+    token = tokens["node-x"]
     request = checkpoint_request(coordinator, session, token, Mode.STOP).model_copy(
         update={
             "images": ImageDestination(
@@ -167,7 +168,8 @@ def failed_upload(
     """A checkpoint of one registered rank whose upload fails after the dump: the harness's agent may
     not read Secrets, so staging raises a StagingError. The session id and its final report."""
     registered_shim(state, pid)
-    session, token = coordinator.create_session({"node-x"})
+    session, tokens = coordinator.create_session({"node-x"})
+    token = tokens["node-x"]
     location = S3Location.model_validate(
         {"bucket": "never-reached", "credentialsSecretRef": {"name": SECRET.name}}
     )
@@ -370,7 +372,8 @@ def test_a_checkpoint_that_would_not_fit_on_the_disk_is_refused_and_its_rank_unt
     )
     monkeypatch.setenv("PATH", "/nonexistent")  # no CRIU reaches the process, whatever happens
     shim = registered_shim(tmp_path / "state", sleeper.pid)
-    session, token = coordinator.create_session({"node-x"})
+    session, tokens = coordinator.create_session({"node-x"})
+    token = tokens["node-x"]
     client = agent.client()
     client.checkpoint(checkpoint_request(coordinator, session, token))
     report = wait_finished(client, session)

@@ -82,7 +82,8 @@ def test_a_checkpoint_whose_dump_fails_recovers_the_rank_and_reports_it(
 ) -> None:
     monkeypatch.setenv("PATH", "/nonexistent")  # no criu: the dump fails after the cut
     shim = registered_shim(tmp_path / "state", sleeper.pid)
-    session, token = coordinator.create_session({"node-x"})
+    session, tokens = coordinator.create_session({"node-x"})
+    token = tokens["node-x"]
     client = agent.client()
     started = client.checkpoint(checkpoint_request(coordinator, session, token))
     assert (started.state, started.node) == ("Running", "node-x")
@@ -116,7 +117,8 @@ def test_an_abort_after_a_stop_dump_rebuilds_the_released_rank_and_resumes_it(
 ) -> None:
     state = tmp_path / "state"
     shim = registered_shim(state, sleeper.pid)
-    session, token = coordinator.create_session({"node-x"})
+    session, tokens = coordinator.create_session({"node-x"})
+    token = tokens["node-x"]
     client = agent.client()
     client.checkpoint(checkpoint_request(coordinator, session, token, Mode.STOP))
     stopped = wait_finished(client, session)
@@ -154,7 +156,8 @@ def test_a_restarted_agent_brings_back_the_ranks_its_dead_predecessor_left_relea
     second: Running | None = None
     try:
         shim = registered_shim(state, sleeper.pid)
-        session, token = coordinator.create_session({"node-x"})
+        session, tokens = coordinator.create_session({"node-x"})
+        token = tokens["node-x"]
         first.client().checkpoint(checkpoint_request(coordinator, session, token, Mode.STOP))
         assert wait_finished(first.client(), session).phase == "Stopped"
         first.crash()  # killed while its ranks wait released (an upload, say)
@@ -200,7 +203,8 @@ def test_a_stopping_agent_aborts_its_session_and_exits_only_once_the_rank_runs_a
     state = tmp_path / "state"
     agent = Running(state)
     shim = registered_shim(state, sleeper.pid)
-    session, token = coordinator.create_session({"node-x"})
+    session, tokens = coordinator.create_session({"node-x"})
+    token = tokens["node-x"]
     agent.client().checkpoint(checkpoint_request(coordinator, session, token))
     deadline = time.monotonic() + 60
     while not started.exists():

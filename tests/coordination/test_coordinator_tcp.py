@@ -33,8 +33,8 @@ async def server() -> AsyncIterator[CoordinatorServer]:
 
 
 async def connect_all(srv: CoordinatorServer, names: list[str]) -> tuple[str, list[CoordinatorClient]]:
-    session, token = srv.create_session(set(names), deadline_s=60)
-    clients = [await CoordinatorClient.connect("127.0.0.1", srv.port, session, n, token) for n in names]
+    session, tokens = srv.create_session(set(names), deadline_s=60)
+    clients = [await CoordinatorClient.connect("127.0.0.1", srv.port, session, n, tokens[n]) for n in names]
     return session, clients
 
 
@@ -44,7 +44,8 @@ async def test_listens_on_loopback_only(server: CoordinatorServer) -> None:
 
 
 async def test_wrong_token_or_stranger_is_refused(server: CoordinatorServer) -> None:
-    session, token = server.create_session({"node-a"}, deadline_s=60)
+    session, tokens = server.create_session({"node-a"}, deadline_s=60)
+    token = tokens["node-a"]
     with pytest.raises(CoordinatorError, match="refused node-a"):
         await CoordinatorClient.connect("127.0.0.1", server.port, session, "node-a", token + "x")
     with pytest.raises(CoordinatorError, match="refused node-z"):
@@ -118,8 +119,8 @@ async def test_abort_reaches_every_participant(server: CoordinatorServer) -> Non
 async def test_a_connection_given_up_fails_its_waiting_request_at_once(server: CoordinatorServer) -> None:
     """What an agent does when the operator says the coordinator is gone: a barrier that waits for a
     peer (here one that never comes) fails now, not when its bound runs out, and so does the next."""
-    session, token = server.create_session({"node-1", "node-2"}, deadline_s=600)
-    client = await CoordinatorClient.connect("127.0.0.1", server.port, session, "node-1", token)
+    session, tokens = server.create_session({"node-1", "node-2"}, deadline_s=600)
+    client = await CoordinatorClient.connect("127.0.0.1", server.port, session, "node-1", tokens["node-1"])
     try:
         assert not client.lost
         waiting = asyncio.ensure_future(client.barrier("dumped", timeout=600))
@@ -137,8 +138,8 @@ async def test_a_connection_given_up_fails_its_waiting_request_at_once(server: C
 async def test_a_coordinator_that_goes_away_is_noticed() -> None:
     srv = CoordinatorServer()
     await srv.start()
-    session, token = srv.create_session({"node-1", "node-2"}, deadline_s=600)
-    client = await CoordinatorClient.connect("127.0.0.1", srv.port, session, "node-1", token)
+    session, tokens = srv.create_session({"node-1", "node-2"}, deadline_s=600)
+    client = await CoordinatorClient.connect("127.0.0.1", srv.port, session, "node-1", tokens["node-1"])
     try:
         waiting = asyncio.ensure_future(client.barrier("dumped", timeout=600))
         await asyncio.sleep(0.2)
@@ -188,8 +189,13 @@ def _closed_by_server(sock: socket.socket) -> bool:
 
 
 async def test_malformed_requests_get_a_clear_error_not_silence(server: CoordinatorServer) -> None:
-    session, token = server.create_session({"node-a"}, deadline_s=60)
-    hello = {"version": PROTOCOL_VERSION, "session": session, "participant": "node-a", "token": token}
+    session, tokens = server.create_session({"node-a"}, deadline_s=60)
+    hello = {
+        "version": PROTOCOL_VERSION,
+        "session": session,
+        "participant": "node-a",
+        "token": tokens["node-a"],
+    }
 
     def exchange() -> list[Frame]:
         with _raw(server.port) as listed:  # a HELLO whose header is a list: refused, not a crash
@@ -218,7 +224,7 @@ async def test_idle_strangers_are_capped_and_never_keep_a_participant_out(
     server: CoordinatorServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(coordinator_server, "MAX_GREETING", 24)
-    session, token = server.create_session({"node-a", "node-b"}, deadline_s=60)
+    session, tokens = server.create_session({"node-a", "node-b"}, deadline_s=60)
     idle = await asyncio.to_thread(lambda: [_raw(server.port) for _ in range(40)])
     try:
         await asyncio.sleep(0.5)
@@ -227,12 +233,12 @@ async def test_idle_strangers_are_capped_and_never_keep_a_participant_out(
         assert await asyncio.to_thread(lambda: [_closed_by_server(s) for s in idle[:16]]) == [True] * 16
         # A participant still gets in while strangers fill every slot, up to its own cap of connections.
         clients = [
-            await CoordinatorClient.connect("127.0.0.1", server.port, session, "node-a", token)
+            await CoordinatorClient.connect("127.0.0.1", server.port, session, "node-a", tokens["node-a"])
             for _ in range(coordinator_server.MAX_PER_PARTICIPANT)
         ]
         with pytest.raises(CoordinatorError, match="already has 4 connections open"):
-            await CoordinatorClient.connect("127.0.0.1", server.port, session, "node-a", token)
-        other = await CoordinatorClient.connect("127.0.0.1", server.port, session, "node-b", token)
+            await CoordinatorClient.connect("127.0.0.1", server.port, session, "node-a", tokens["node-a"])
+        other = await CoordinatorClient.connect("127.0.0.1", server.port, session, "node-b", tokens["node-b"])
         for client in [*clients, other]:
             await client.close()
     finally:
@@ -246,9 +252,9 @@ async def test_slow_loris_strangers_are_dropped_at_the_hello_bound_while_jobs_go
     """Strangers that drip a HELLO a byte at a time hold nothing past HELLO_TIMEOUT_S in all (the bound
     is on the whole frame, not between bytes), and a participant works meanwhile."""
     monkeypatch.setattr(coordinator_server, "HELLO_TIMEOUT_S", 0.5)
-    session, token = server.create_session({"node-a"}, deadline_s=60)
+    session, tokens = server.create_session({"node-a"}, deadline_s=60)
     slow = await asyncio.to_thread(lambda: [_raw(server.port) for _ in range(20)])
-    client = await CoordinatorClient.connect("127.0.0.1", server.port, session, "node-a", token)
+    client = await CoordinatorClient.connect("127.0.0.1", server.port, session, "node-a", tokens["node-a"])
     try:
         started = asyncio.get_running_loop().time()
         dropped: set[int] = set()

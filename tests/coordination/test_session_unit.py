@@ -18,7 +18,7 @@ NODES = frozenset({"node-a", "node-b", "node-c"})
 
 
 def session(deadline: float = 60.0) -> Session:
-    return Session("s1", "secret-token", NODES, deadline)
+    return Session("s1", b"session-secret", NODES, deadline)
 
 
 async def test_barrier_releases_only_when_everyone_arrived() -> None:
@@ -98,9 +98,13 @@ async def test_rounds_route_segments_to_their_destination() -> None:
 
 async def test_strangers_and_duplicates_are_refused() -> None:
     s = session()
-    assert s.authenticate("node-a", "secret-token")
-    assert not s.authenticate("node-a", "secret-tokex")
-    assert not s.authenticate("node-z", "secret-token")
+    mine = s.credential("node-a")
+    assert s.authenticate("node-a", mine)
+    assert not s.authenticate("node-a", mine[:-1] + ("x" if mine[-1] != "x" else "y"))
+    assert not s.authenticate("node-z", mine)
+    assert not s.authenticate("node-b", mine)  # a participant's credential is its own alone
+    with pytest.raises(NotAParticipant):
+        s.credential("node-z")
     with pytest.raises(NotAParticipant):
         await s.barrier("x", "node-z", 1)
     with pytest.raises(NotAParticipant):

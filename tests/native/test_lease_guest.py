@@ -154,8 +154,10 @@ async def test_an_agent_killed_after_its_cut_leaves_no_rank_gated(coordinator, t
     server = ShimProc("server", argv, tmp_path, env)
     client = ShimProc("client", [*argv, "-c", "127.0.0.1"], tmp_path, env)
     procs = [server, client]
-    session, token = coordinator.create_session({"node-1", "node-2"})
-    node2 = await CoordinatorClient.connect("127.0.0.1", coordinator.port, session, "node-2", token)
+    session, tokens = coordinator.create_session({"node-1", "node-2"})
+    node2 = await CoordinatorClient.connect(
+        "127.0.0.1", coordinator.port, session, "node-2", tokens["node-2"]
+    )
     agent: subprocess.Popen[bytes] | None = None
     agent_log = (tmp_path / "agent.log").open("wb")
     try:
@@ -169,7 +171,8 @@ async def test_an_agent_killed_after_its_cut_leaves_no_rank_gated(coordinator, t
         agent = subprocess.Popen(
             [sys.executable, "-m", "ibckpt_node.agent_cli", "checkpoint", *ranks, *where,
              "--shim-socket", str(tmp_path / "coord.sock"), "--images", str(tmp_path / "img")],
-            env={**os.environ, "IBCKPT_SESSION_TOKEN": token}, stdout=agent_log, stderr=subprocess.STDOUT,
+            env={**os.environ, "IBCKPT_SESSION_TOKEN": tokens["node-1"]},
+            stdout=agent_log, stderr=subprocess.STDOUT,
         )  # fmt: skip
         # node-2 joins the preflight, never the cut: node-1's agent waits with its ranks drained
         await node2.barrier("Joined", 120)

@@ -333,7 +333,9 @@ def test_cm_seq_stopped_and_restored_by_the_agent(coordinator, tmp_path: Path) -
         wait_traffic(procs, 20)
         pids = {key: next(p.pid for p in procs if p.name == name) for key, name in ranks.items()}
 
-        session, token = coordinator.create_session({"node-1"})
+        session, tokens = coordinator.create_session({"node-1"})
+
+        token = tokens["node-1"]
         args = [f"--rank={k}={pids[k]}:{run}/{n}.ctl" for k, n in ranks.items()]
         images = tmp_path / "img"
         report = run_node_agent(
@@ -343,7 +345,9 @@ def test_cm_seq_stopped_and_restored_by_the_agent(coordinator, tmp_path: Path) -
         for p in procs:  # Stop: CRIU killed them
             assert p.wait(60) != 0
 
-        session, token = coordinator.create_session({"node-1"})
+        session, tokens = coordinator.create_session({"node-1"})
+
+        token = tokens["node-1"]
         args = [f"--rank={k}={images}/{k.replace('/', '_')}:{run}/{n}.ctl" for k, n in ranks.items()]
         report = run_node_agent(coordinator.port, session, token, "restore", *args, "--epoch", "2")
         assert report["outcome"] == "Succeeded", report

@@ -80,7 +80,8 @@ async def connected_driver(
     **options: Any,
 ) -> NodeDriver:
     """node-1's driver over `ranks`, connected to a new session of `coordinator` (node-1 alone)."""
-    session, token = coordinator.create_session({"node-1"})
+    session, tokens = coordinator.create_session({"node-1"})
+    token = tokens["node-1"]
     client = await CoordinatorClient.connect("127.0.0.1", coordinator.port, session, "node-1", token)
     return NodeDriver("node-1", client, ranks, timeouts, **options)
 

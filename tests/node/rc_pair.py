@@ -9,6 +9,7 @@ Phase scripts are formatted with `script()`; `on_both_nodes()` boots the pair an
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 from pathlib import Path
@@ -18,6 +19,7 @@ from node.a2a_job import STOP_WHEN_BOTH_READY, guest_script
 
 from shimtest import SHIM, TESTS_DIR
 from shimtest.harness import parse_result
+from testbed.coordinator import guest_envs
 from testbed.guest import GuestResult, GuestSpec, run_pair
 
 KEYS = ("ring/rank-0/main/0", "ring/rank-1/main/0")
@@ -88,11 +90,11 @@ def on_both_nodes(
     coordinator: Any, work: Path, body: str, forward: tuple[int, ...] = (), timeout: float = 900
 ) -> tuple[GuestResult, GuestResult]:
     """Boot the pair with a fresh coordinator session for node-1 and node-2; run `body` on both."""
-    session, token = coordinator.create_session({"node-1", "node-2"})
+    session, tokens = coordinator.create_session({"node-1", "node-2"})
     text = script(body, work, coordinator.port, session)
-    env = {"IBCKPT_SESSION_TOKEN": token}
-    spec = GuestSpec(text, writable=[work], forward_ports=[coordinator.port, *forward], env=env)
-    return run_pair(spec, spec, timeout=timeout)
+    env_1, env_2 = guest_envs({"IBCKPT_SESSION_TOKEN": tokens})
+    spec = GuestSpec(text, writable=[work], forward_ports=[coordinator.port, *forward], env=env_1)
+    return run_pair(spec, dataclasses.replace(spec, env=env_2), timeout=timeout)
 
 
 def diagnostics(work: Path, results: tuple[GuestResult, ...] = ()) -> str:

@@ -41,7 +41,8 @@ async def _requests(path: Path, lines: list[str]) -> list[str]:
 
 
 async def _client(coordinator: ThreadedCoordinator, node: str = "node-1") -> CoordinatorClient:
-    session, token = coordinator.create_session({node})
+    session, tokens = coordinator.create_session({node})
+    token = tokens[node]
     return await CoordinatorClient.connect("127.0.0.1", coordinator.port, session, node, token)
 
 
@@ -94,6 +95,33 @@ async def test_a_failed_background_put_fails_every_later_request(
         # the shim's rebuild then fails at once instead of waiting for records that never come
         assert (await _request(sock, f"GET e3/qp/{G}/2 60000")).startswith(f"ERR PUT e3/qp/{G}/1 failed")
         assert (await _request(sock, f"PUT e3/qp/{G}/2 rec")).startswith("ERR")
+
+
+async def test_a_container_on_another_node_cannot_overwrite_a_record_through_its_agent(
+    coordinator: ThreadedCoordinator, tmp_path: Path
+) -> None:
+    """The review's forgery across nodes (N21, N22): node-2's agent forwards its container's PUT of the
+    record node-1's rank published. The coordinator refuses it: node-1's record is what readers get, and
+    node-2's proxy fails the way a lost coordinator makes it fail, so its rebuild aborts."""
+    session, tokens = coordinator.create_session({"node-1", "node-2"})
+    one = await CoordinatorClient.connect("127.0.0.1", coordinator.port, session, "node-1", tokens["node-1"])
+    two = await CoordinatorClient.connect("127.0.0.1", coordinator.port, session, "node-2", tokens["node-2"])
+    sock_1, sock_2 = tmp_path / "one.sock", tmp_path / "two.sock"
+    try:
+        async with (
+            ShimCoordinatorProxy(one, [Channel(sock_1)]) as proxy_1,
+            ShimCoordinatorProxy(two, [Channel(sock_2)]) as proxy_2,
+        ):
+            assert await _request(sock_1, f"PUT e5/qp/{G}/9 real-1") == "OK"
+            await asyncio.wait_for(proxy_1.published(), 10)
+            assert await _request(sock_2, f"PUT e5/qp/{G}/9 forged") == "OK"  # answered, then forwarded
+            with pytest.raises(CoordinatorError, match="node-2 may not write another participant's keys"):
+                await asyncio.wait_for(proxy_2.published(), 10)
+            assert await _request(sock_1, f"GET e5/qp/{G}/9 1000") == "VAL real-1"
+            assert (await _request(sock_2, f"PUT e5/qp/{H}/9 own")).startswith("ERR PUT e5/qp/")
+    finally:
+        await one.close()
+        await two.close()
 
 
 async def test_each_container_has_its_own_socket_and_cannot_touch_anothers_records(

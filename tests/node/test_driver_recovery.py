@@ -164,14 +164,16 @@ async def test_released_ranks_rejoin_the_next_operators_coordinator_to_rebuild(
     coordinator: ThreadedCoordinator, tmp_path: Path, sleeper: int
 ) -> None:
     shims, ranks = fake_ranks(tmp_path, sleeper, LostDuringRelease)
-    session, token = coordinator.create_session({"node-1"})
+    session, tokens = coordinator.create_session({"node-1"})
+    token = tokens["node-1"]
     first = await CoordinatorClient.connect("127.0.0.1", coordinator.port, session, "node-1", token)
     shims[0].client = first
     rejoined: list[CoordinatorClient] = []
 
     async def rejoin() -> CoordinatorClient | None:
         # the next operator opens a session of the same id in its own coordinator
-        again, new_token = coordinator.create_session({"node-1"}, session_id=session)
+        again, new_tokens = coordinator.create_session({"node-1"}, session_id=session)
+        new_token = new_tokens["node-1"]
         client = await CoordinatorClient.connect("127.0.0.1", coordinator.port, again, "node-1", new_token)
         rejoined.append(client)
         return client

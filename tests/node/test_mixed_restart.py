@@ -11,12 +11,14 @@ ordered pair must show exactly-once delivery with matching checksums.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 from node.a2a_job import assert_exactly_once, assert_ok, diagnostics, prelude
 
+from testbed.coordinator import guest_envs
 from testbed.guest import GuestSpec, run_pair
 
 pytestmark = pytest.mark.twoguests
@@ -47,12 +49,12 @@ for r in 0 1 2 3; do wait_for DONE {work}/r$r.out 300; done
 
 def test_one_nodes_ranks_move_while_the_others_stay(coordinator, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     work = tmp_path
-    ckpt, token_ckpt = coordinator.create_session({"node-1", "node-2"})
-    restore, token_restore = coordinator.create_session({"node-1"})
+    ckpt, tokens_ckpt = coordinator.create_session({"node-1", "node-2"})
+    restore, tokens_restore = coordinator.create_session({"node-1"})
     script = prelude(work, coordinator.port, HOSTS) + SCRIPT.format(work=work, ckpt=ckpt, restore=restore)
-    env = {"TOKEN_CKPT": token_ckpt, "TOKEN_RESTORE": token_restore}
-    spec = GuestSpec(script, writable=[work], forward_ports=[coordinator.port], env=env)
-    results = run_pair(spec, spec, timeout=900)
+    env_1, env_2 = guest_envs({"TOKEN_CKPT": tokens_ckpt, "TOKEN_RESTORE": tokens_restore})
+    spec = GuestSpec(script, writable=[work], forward_ports=[coordinator.port], env=env_1)
+    results = run_pair(spec, dataclasses.replace(spec, env=env_2), timeout=900)
     assert_ok(results, "mixed restart", work)
 
     try:

@@ -181,9 +181,9 @@ async def test_refusal_names_rank_pid_and_resources_and_aborts_every_node(
         "peers": [{"qpn": 33, "type": 2, "peer_gid": GID_A, "peer_qpn": 17}], "unsupported": [],
         "ah_gids": [GID_A],
     })  # fmt: skip
-    session, token = coordinator.create_session({"node-1", "node-2"})
+    session, tokens = coordinator.create_session({"node-1", "node-2"})
     clients = [
-        await CoordinatorClient.connect("127.0.0.1", coordinator.port, session, n, token)
+        await CoordinatorClient.connect("127.0.0.1", coordinator.port, session, n, tokens[n])
         for n in ("node-1", "node-2")
     ]
     job = ["10.77.0.1", "10.77.0.2"]

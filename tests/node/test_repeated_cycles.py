@@ -9,6 +9,7 @@ must finish with exactly-once delivery in both directions.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 from node.a2a_job import assert_exactly_once, assert_ok, diagnostics, prelude, ready_qpns
 
+from testbed.coordinator import guest_envs
 from testbed.guest import GuestSpec, run_pair
 
 pytestmark = pytest.mark.twoguests
@@ -57,13 +59,14 @@ def test_checkpoint_restore_twice_with_objects_created_between(coordinator, tmp_
     work = tmp_path
     nodes = {"node-1", "node-2"}
     ids: dict[str, str] = {}
-    env: dict[str, str] = {}
+    tokens: dict[str, dict[str, str]] = {}
     for cycle in (1, 2):
         for kind in ("c", "r"):
-            ids[f"{kind}{cycle}"], env[f"TOKEN_{kind.upper()}{cycle}"] = coordinator.create_session(nodes)
+            ids[f"{kind}{cycle}"], tokens[f"TOKEN_{kind.upper()}{cycle}"] = coordinator.create_session(nodes)
     script = prelude(work, coordinator.port, HOSTS) + SCRIPT.format(work=work, **ids)
-    spec = GuestSpec(script, writable=[work], forward_ports=[coordinator.port], env=env)
-    results = run_pair(spec, spec, timeout=900)
+    env_1, env_2 = guest_envs(tokens)
+    spec = GuestSpec(script, writable=[work], forward_ports=[coordinator.port], env=env_1)
+    results = run_pair(spec, dataclasses.replace(spec, env=env_2), timeout=900)
     assert_ok(results, "repeated cycles", work)
 
     try:

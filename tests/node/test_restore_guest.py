@@ -40,7 +40,9 @@ def test_stop_then_restore_on_the_same_node(coordinator, tmp_path: Path) -> None
         time.sleep(0.1)
     time.sleep(2)
 
-    session, token = coordinator.create_session({"node-1"})
+    session, tokens = coordinator.create_session({"node-1"})
+
+    token = tokens["node-1"]
     ranks = [f"--rank={k}={pids[k]}:/run/ibckpt/{r}.ctl" for k, (r, _) in RANKS.items()]
     images = str(tmp_path / "img")
     report = run_node_agent(
@@ -53,7 +55,9 @@ def test_stop_then_restore_on_the_same_node(coordinator, tmp_path: Path) -> None
         with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, 0)
 
-    session, token = coordinator.create_session({"node-1"})
+    session, tokens = coordinator.create_session({"node-1"})
+
+    token = tokens["node-1"]
     ranks = [f"--rank={k}={images}/{k.replace('/', '_')}:/run/ibckpt/{r}.ctl" for k, (r, _) in RANKS.items()]
     report = run_node_agent(coordinator.port, session, token, "restore", *ranks, "--epoch", "2")
     assert report["outcome"] == "Succeeded", report

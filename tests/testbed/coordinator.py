@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Mapping
 
 from ibckpt_operator.coordinator.server import CoordinatorServer
 
@@ -29,8 +30,20 @@ class ThreadedCoordinator:
 
     def create_session(
         self, participants: set[str], deadline_s: float = 600, session_id: str | None = None
-    ) -> tuple[str, str]:
-        async def create() -> tuple[str, str]:
+    ) -> tuple[str, dict[str, str]]:
+        """(session id, each participant's credential)."""
+
+        async def create() -> tuple[str, dict[str, str]]:
             return self.server.create_session(participants, deadline_s, session_id)
 
         return asyncio.run_coroutine_threadsafe(create(), self.loop).result(10)
+
+
+def guest_envs(sessions: Mapping[str, Mapping[str, str]]) -> tuple[dict[str, str], dict[str, str]]:
+    """The environments of guests 1 and 2 (run_pair): each variable holds that guest's own credential
+    for the session (its agent is participant node-N), never the other node's."""
+    env_1, env_2 = (
+        {var: tokens[f"node-{n}"] for var, tokens in sessions.items() if f"node-{n}" in tokens}
+        for n in (1, 2)
+    )
+    return env_1, env_2

@@ -69,12 +69,15 @@ def digest(got: Mapping[str, bytes | memoryview]) -> str:
 
 
 async def connect_nodes(
-    host: str, port: int, session: str, token: str, nodes: int
+    host: str, port: int, session: str, tokens: dict[str, str], nodes: int
 ) -> list[CoordinatorClient]:
     """One connected client per simulated node agent, node-000 first."""
     return list(
         await asyncio.gather(
-            *(CoordinatorClient.connect(host, port, session, node_name(n), token) for n in range(nodes))
+            *(
+                CoordinatorClient.connect(host, port, session, node_name(n), tokens[node_name(n)])
+                for n in range(nodes)
+            )
         )
     )
 
@@ -101,8 +104,8 @@ async def run_exchange(
     server = CoordinatorServer()
     await server.start()
     try:
-        session, token = server.create_session({node_name(n) for n in range(nodes)}, deadline_s=600)
-        clients = await connect_nodes("127.0.0.1", server.port, session, token, nodes)
+        session, tokens = server.create_session({node_name(n) for n in range(nodes)}, deadline_s=600)
+        clients = await connect_nodes("127.0.0.1", server.port, session, tokens, nodes)
         outgoing = prepared or [segments_for(n, nodes, per_node) for n in range(nodes)]
         results, elapsed = await exchange_all(clients, outgoing)
         for c in clients:

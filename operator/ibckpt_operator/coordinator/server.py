@@ -1,4 +1,8 @@
-"""The coordinator's TCP server: authenticates participants and serves Session over the wire."""
+"""The coordinator's TCP server: authenticates participants and serves Session over the wire.
+
+A participant says HELLO with its own credential (Session.credential), so a connection speaks for
+the one participant named in it: its barrier arrivals, its routed segments, and the keys it writes,
+which the session keeps to those it claimed (Session.put_many)."""
 
 from __future__ import annotations
 
@@ -12,9 +16,14 @@ import socket
 from typing import Any
 
 from ibckpt.coordination.wire import (
+    ERROR_ABORTED,
+    ERROR_AUTH,
+    ERROR_FORBIDDEN,
+    ERROR_REQUEST,
+    ERROR_TIMEOUT,
     MAX_HELLO,
-    PROTOCOL_VERSION,
     Frame,
+    Hello,
     Kind,
     ProtocolError,
     SocketFrameReader,
@@ -22,6 +31,7 @@ from ibckpt.coordination.wire import (
 )
 from ibckpt_operator.coordinator.session import (
     CoordinationTimeout,
+    ForeignKeys,
     NotAParticipant,
     Session,
     SessionAborted,
@@ -120,20 +130,20 @@ class CoordinatorServer:
 
     def create_session(
         self, participants: set[str] | frozenset[str], deadline_s: float, session_id: str | None = None
-    ) -> tuple[str, str]:
-        """A new session; returns (session id, token). The token is a secret: never log it.
+    ) -> tuple[str, dict[str, str]]:
+        """A new session; returns (session id, each participant's credential). A credential is a secret
+        for its participant alone: hand it to that participant only, and never log it.
 
         The operator names sessions after the job's run, so a restarted operator knows what to abort."""
         session_id = session_id or secrets.token_hex(8)
         if session_id in self.sessions:
             self.close_session(session_id)
-        token = secrets.token_urlsafe(32)
-        session = Session(session_id, token, frozenset(participants), deadline_s)
+        session = Session(session_id, secrets.token_bytes(32), frozenset(participants), deadline_s)
         self.sessions[session_id] = session
         self._connections[session_id] = set()
         session.abort_listeners.append(lambda reason: self._broadcast_abort(session_id, reason))
         log.info("session %s created for %d participants", session_id, len(participants))
-        return session_id, token
+        return session_id, {name: session.credential(name) for name in session.participants}
 
     def close_session(self, session_id: str) -> None:
         self.sessions.pop(session_id, None)
@@ -209,23 +219,26 @@ class CoordinatorServer:
 
     async def _hello(self, reader: SocketFrameReader, sock: socket.socket) -> _Connection | None:
         async def refuse(message: str) -> None:
-            frame = Frame(Kind.ERROR, {"id": 0, "error": "auth", "message": message})
+            frame = Frame(Kind.ERROR, {"id": 0, "error": ERROR_AUTH, "message": message})
             await send_buffers(sock, frame.buffers())
 
         try:
             frame = await asyncio.wait_for(reader.read(MAX_HELLO), HELLO_TIMEOUT_S)
         except TimeoutError:
             return None
-        head = frame.header
-        if frame.kind != Kind.HELLO or not isinstance(head, dict) or head.get("version") != PROTOCOL_VERSION:
-            await refuse(f"expected HELLO with protocol version {PROTOCOL_VERSION}")
+        try:
+            hello = Hello.parse(frame)
+        except ProtocolError as exc:
+            await refuse(str(exc))
             return None
-        session = self.sessions.get(str(head.get("session")))
-        participant = str(head.get("participant"))
-        if session is None or not session.authenticate(participant, str(head.get("token", ""))):
-            log.warning("refused participant %r for session %r: bad session or token", participant,
-                        head.get("session"))  # fmt: skip
-            await refuse("unknown session, participant or token")
+        session, participant = self.sessions.get(hello.session), hello.participant
+        if session is None or not session.authenticate(participant, hello.token):
+            # The log says which; the peer is not told whether the session or the name exists.
+            why = ("no such session" if session is None else
+                   "not a participant" if participant not in session.participants else
+                   "the credential is not this participant's")  # fmt: skip
+            log.warning("refused participant %r for session %r: %s", participant, hello.session, why)
+            await refuse(f"unknown session or participant, or the credential is not {participant!r}'s")
             return None
         open_ = sum(1 for c in self._connections.get(session.id, ()) if c.participant == participant)
         if open_ >= MAX_PER_PARTICIPANT:
@@ -248,11 +261,14 @@ class CoordinatorServer:
                 raise ValueError("a request's header must be an object")
             reply = await self._dispatch(session, me, frame, _timeout(head))
         except SessionAborted as exc:
-            reply = Frame(Kind.ERROR, {"error": "aborted", "message": exc.reason})
+            reply = Frame(Kind.ERROR, {"error": ERROR_ABORTED, "message": exc.reason})
         except CoordinationTimeout as exc:
-            reply = Frame(Kind.ERROR, {"error": "timeout", "message": str(exc)})
+            reply = Frame(Kind.ERROR, {"error": ERROR_TIMEOUT, "message": str(exc)})
+        except ForeignKeys as exc:
+            log.warning("session %s: refused a write: %s", session.id, exc)  # keys and names, no values
+            reply = Frame(Kind.ERROR, {"error": ERROR_FORBIDDEN, "message": str(exc)})
         except (NotAParticipant, ValueError, KeyError, TypeError, ProtocolError) as exc:
-            reply = Frame(Kind.ERROR, {"error": "request", "message": f"bad request: {exc}"})
+            reply = Frame(Kind.ERROR, {"error": ERROR_REQUEST, "message": f"bad request: {exc}"})
         reply = dataclasses.replace(reply, header={**reply.header, "id": request_id})
         with contextlib.suppress(OSError):
             await conn.send(reply)
@@ -267,8 +283,7 @@ class CoordinatorServer:
                 session.put(str(head["key"]), bytes(frame.payload), me)
                 return Frame(Kind.OK)
             case Kind.PUT_MANY:
-                for key, value in frame.segments().items():
-                    session.put(key, bytes(value), me)
+                session.put_many({key: bytes(value) for key, value in frame.segments().items()}, me)
                 return Frame(Kind.OK)
             case Kind.GET:
                 return Frame(Kind.VALUE, {}, await session.get(str(head["key"]), me, timeout))

@@ -4,15 +4,23 @@ A session knows its participants (node agents, or ranks for small jobs) up front
 offers named barriers, a key-value store with blocking get, and routed exchange rounds
 (each participant publishes segments addressed to others, then gathers what was
 addressed to it). Every wait is bounded, and one abort fails every wait at once.
+
+Each participant has a credential of its own, derived from the session's secret and its name, so
+one cannot speak as another. A key belongs to the participant that claimed it first (one QP's keys
+make one claim, ibckpt.coordination.keys): another participant's write of it is refused.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import hashlib
 import hmac
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+
+from ibckpt.coordination.keys import Claim, claim_of
 
 # Published data: views into received frames are kept as they are, never copied.
 Blob = bytes | memoryview
@@ -34,6 +42,24 @@ class NotAParticipant(Exception):
     """A name that is not one of the session's participants."""
 
 
+class ForeignKeys(Exception):
+    """A write of keys another participant claimed first; nothing of the request was stored."""
+
+    def __init__(self, participant: str, refused: Mapping[str, str]) -> None:
+        shown = ", ".join(f"{key} (claimed by {owner})" for key, owner in list(refused.items())[:5])
+        more = f" and {len(refused) - 5} more" if len(refused) > 5 else ""
+        super().__init__(f"{participant} may not write another participant's keys: {shown}{more}")
+        self.participant = participant
+        self.refused = dict(refused)
+
+
+def participant_credential(secret: bytes, participant: str) -> str:
+    """The credential of `participant` in the session whose secret is `secret`: HMAC-SHA256 of its
+    name, so the coordinator keeps one secret and no participant can work out another's."""
+    mac = hmac.new(secret, b"ibckpt-coordinator-participant\0" + participant.encode(), hashlib.sha256)
+    return base64.urlsafe_b64encode(mac.digest()).rstrip(b"=").decode()
+
+
 @dataclass
 class _Round:
     """One routed exchange: segments[destination][source] = bytes."""
@@ -47,7 +73,7 @@ class Session:
     def __init__(
         self,
         session_id: str,
-        token: str,
+        secret: bytes,
         participants: frozenset[str],
         deadline_s: float,
         clock: Callable[[], float] = time.monotonic,
@@ -55,7 +81,7 @@ class Session:
         if not participants:
             raise ValueError("a session needs at least one participant")
         self.id = session_id
-        self._token = token
+        self._secret = secret
         self.participants = participants
         self.deadline = clock() + deadline_s
         self._clock = clock
@@ -65,6 +91,7 @@ class Session:
         self._barrier_done: dict[str, asyncio.Event] = {}
         self._values: dict[str, bytes] = {}
         self._value_set: dict[str, asyncio.Event] = {}
+        self._owners: dict[Claim, str] = {}  # who claimed what first
         self._rounds: dict[str, _Round] = {}
         self.abort_listeners: list[Callable[[str], None]] = []
         # (barrier, participant) on each arrival: the operator turns them into per-pod progress.
@@ -72,8 +99,19 @@ class Session:
 
     # -- identity -------------------------------------------------------------------------
 
+    def credential(self, participant: str) -> str:
+        """What `participant`, and nobody else, says HELLO with. A secret: never log it."""
+        if participant not in self.participants:
+            raise NotAParticipant(f"{participant!r} is not a participant of session {self.id}")
+        return participant_credential(self._secret, participant)
+
     def authenticate(self, participant: str, token: str) -> bool:
-        return participant in self.participants and hmac.compare_digest(token.encode(), self._token.encode())
+        """`token` is `participant`'s own credential (another participant's is not)."""
+        if participant not in self.participants:
+            return False
+        expected = participant_credential(self._secret, participant).encode()
+        # a JSON string may hold a lone surrogate: it is a wrong token, not an error
+        return hmac.compare_digest(token.encode("utf-8", "surrogatepass"), expected)
 
     def _check(self, participant: str, allow_aborted: bool = False) -> None:
         if participant not in self.participants:
@@ -143,9 +181,31 @@ class Session:
     # rebuild toward each other through it to get back to running (each get is still bounded).
 
     def put(self, key: str, value: bytes, participant: str) -> None:
+        self.put_many({key: value}, participant)
+
+    def put_many(self, records: Mapping[str, bytes], participant: str) -> None:
+        """Store every record, or (ForeignKeys) none of them: a key another participant claimed first
+        may be written by it alone. Writing the bytes already stored changes nothing and is taken (two
+        nodes whose ranks share a GID both publish its preflight record)."""
         self._check(participant, allow_aborted=True)
-        self._values[key] = value
-        self._value_set.setdefault(key, asyncio.Event()).set()
+        refused: dict[str, str] = {}
+        claims: list[Claim] = []
+        for key, value in records.items():
+            claim = claim_of(key)
+            if claim is None:
+                continue
+            owner = self._owners.get(claim, participant)
+            if owner == participant:
+                claims.append(claim)
+            elif self._values.get(key) != value:
+                refused[key] = owner
+        if refused:
+            raise ForeignKeys(participant, refused)
+        for claim in claims:
+            self._owners.setdefault(claim, participant)
+        for key, value in records.items():
+            self._values[key] = value
+            self._value_set.setdefault(key, asyncio.Event()).set()
 
     async def get(self, key: str, participant: str, timeout_s: float) -> bytes:
         """The value of `key`, waiting up to `timeout_s` for somebody to publish it."""

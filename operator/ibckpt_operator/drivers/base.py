@@ -149,8 +149,8 @@ class Driver(Generic[S]):
         if missing:
             self.emit(StepFailed(action.attempt, "NoAgent", f"no ready ibckpt agent on {', '.join(missing)}"))
             return None
-        sid, token = self.rt.coordinator.create_session(set(nodes), bound, session_id)
-        self.session = Session(sid, token, nodes)
+        sid, tokens = self.rt.coordinator.create_session(set(nodes), bound, session_id)
+        self.session = Session(sid, tokens, nodes)
         return self.rt.coordinator.sessions[sid]
 
     def phase_of(self, state: S) -> str:

@@ -300,7 +300,7 @@ class CheckpointJobDriver(CheckpointStoreDriver):
             request = CheckpointRequest(
                 session_id=self.session.id,
                 coordinator=self.rt.coordinator_address(),
-                session_token=self.session.token,  # type: ignore[arg-type]
+                session_token=self.session.tokens[node],  # type: ignore[arg-type]
                 timeouts=PhaseTimeouts(
                     preflight_seconds=t.admit_seconds,
                     quiesce_seconds=t.quiesce_seconds,
@@ -374,24 +374,30 @@ class CheckpointJobDriver(CheckpointStoreDriver):
         # a restart (it went with the last operator) a new one. Ranks a Stop or Hold dump left released,
         # and those of an agent that died, are rebuilt through it by an agent whose driver is over.
         if self.session is None or session_id not in self.rt.coordinator.sessions:
-            rejoin = self.open_recovery(session_id, nodes, agents)
+            session = self.open_recovery(session_id, nodes, agents)
         else:
             self.rt.coordinator.sessions[session_id].abort(f"operator: {self.state.reason or 'aborted'}")
-            rejoin = self.rt.coordinator_address(), self.session.token
+            session = self.session
+        # each node is handed its own credential (another's is refused); a node not in the session none
+        address, tokens = self.rt.coordinator_address(), session.tokens
+        rejoin = {node: (address, tokens[node]) for node in nodes if node in tokens}
         await asyncio.gather(
-            *(self.resume_node(node, agents.get(node), session_id, action, rejoin) for node in nodes)
+            *(
+                self.resume_node(node, agents.get(node), session_id, action, rejoin.get(node))
+                for node in nodes
+            )
         )
 
-    def open_recovery(self, session_id: str, nodes: list[str], agents: dict[str, Agent]) -> tuple[str, str]:
+    def open_recovery(self, session_id: str, nodes: list[str], agents: dict[str, Agent]) -> Session:
         """After a restart the session's coordinator is gone with the last operator. Ranks it left
         released can only be rebuilt with their peers through one, so the abort names a new one,
         under the same session id, for the same nodes."""
         t = self.spec.timeouts
         bound = float(t.abort_seconds + t.rebuild_seconds + t.resume_seconds)
-        sid, token = self.rt.coordinator.create_session(set(nodes), bound, session_id)
-        self.session = Session(sid, token, {n: agents[n] for n in nodes if n in agents})
+        sid, tokens = self.rt.coordinator.create_session(set(nodes), bound, session_id)
+        self.session = Session(sid, tokens, {n: agents[n] for n in nodes if n in agents})
         log.info("%s: opened a coordinator for the recovery of session %s", self.key, sid)
-        return self.rt.coordinator_address(), token
+        return self.session
 
     async def resume_node(
         self,

@@ -17,10 +17,11 @@ from ibckpt_operator.machine.core import PodStepDone
 
 @dataclass
 class Session:
-    """A job's coordinator session, and the agent of each node in it."""
+    """A job's coordinator session, the agent of each node in it, and each node's credential (given to
+    that node's agent alone: with another's, an agent would be refused)."""
 
     id: str
-    token: str
+    tokens: dict[str, str]
     nodes: dict[str, Agent]
 
 

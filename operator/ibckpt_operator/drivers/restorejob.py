@@ -238,7 +238,7 @@ class RestoreJobDriver(RestorePodsDriver):
             request = RestoreRequest(
                 session_id=self.session.id,
                 coordinator=self.rt.coordinator_address(),
-                session_token=self.session.token,  # type: ignore[arg-type]
+                session_token=self.session.tokens[node],  # type: ignore[arg-type]
                 epoch=epoch,
                 timeouts=PhaseTimeouts(
                     download_seconds=t.download_seconds,
