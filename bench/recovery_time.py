@@ -51,7 +51,7 @@ def _protect_and_checkpoint(release: Release, ns: str) -> str:
         "kind": "CheckpointSchedule",
         "metadata": {"name": SCHEDULE},
         "spec": {
-            "intervalSeconds": 3600,  # one checkpoint at the start, then none while measured
+            "intervalSeconds": 60,  # the first fires after one interval; suspended once it committed
             "template": ring.job_template(),
             "recovery": {"podFailure": True, "deadlineSeconds": 900},
         },
@@ -120,6 +120,9 @@ def run(cluster: Cluster, s3: S3Server, rounds: int) -> None:
     checkpoint = _protect_and_checkpoint(release, ns)
     cluster.kubectl("patch", "checkpointschedule", SCHEDULE, "-n", ns, "--type=merge",
                     "-p", json.dumps({"spec": {"suspend": True}}))  # fmt: skip
+    time.sleep(5)
+    for job in pods.get(cluster, ns, "checkpointjobs")["items"]:  # none may run while measured
+        ring.wait_phase(cluster, ns, "checkpointjob", job["metadata"]["name"], "Succeeded", 600)
     autos: list[dict[str, float]] = []
     hands: list[float] = []
     for i in range(rounds):
