@@ -70,8 +70,9 @@ def _protect_and_checkpoint(release: Release, ns: str) -> str:
 def automatic(release: Release, ns: str, seq: int) -> dict[str, float]:
     """Kill ring-1's rank; seconds from the kill to each part's end, seen on the host."""
     cluster = release.cluster
+    node = ring.placement(cluster, ns)["ring-1"]
     killed_at = time.monotonic()
-    killed = ring.kill_rank(release, "node-2")
+    killed = ring.kill_rank(release, node)  # a restore by hand may have swapped the nodes
     if "killed" not in killed.stdout:
         raise SystemExit(f"the rank killer found nothing: {killed.stdout}{killed.stderr}")
     marks: dict[str, float] = {}
