@@ -3,7 +3,7 @@ tests/testbed/ring.py moved by a Stop CheckpointJob and a RestoreJob onto the sw
 unprivileged pods whose devices come from the testbed's device plugin and once in the lab shape the tests
 used before (privileged, /dev/infiniband mounted from the host), on one cluster in one run.
 
-Run from the repo root:  .venv/bin/python bench/device_plugin_cost.py [--rounds N]
+Run from the repo root:  .venv/bin/python bench/device_plugin_cost.py [--rounds N] [--hostpath-first]
 (boots S3, the control plane and the two Soft-RoCE nodes, installs the chart: about 20 minutes under TCG;
 read the ratios, not the seconds). Rounds alternate the two shapes, so drift on the emulated nodes falls
 on both.
@@ -44,14 +44,14 @@ def move(cluster: Cluster, ns: str, devices: str, tag: str) -> tuple[float, floa
     return ring.seconds(job), ring.seconds(restored)
 
 
-def run(cluster: Cluster, s3: S3Server, rounds: int) -> None:
+def run(cluster: Cluster, s3: S3Server, rounds: int, flip: bool = False) -> None:
     pods.namespace(cluster, ring.PRODUCT_NS)
     storage_secret(cluster, ring.PRODUCT_NS, s3.access_key, s3.secret_key)
     release = install(cluster, "ibckpt", ring.PRODUCT_NS)
     release.operator_leading()
     times: dict[str, list[tuple[float, float]]] = {shape: [] for shape in SHAPES}
     for i in range(rounds):
-        for shape in SHAPES if i % 2 == 0 else reversed(SHAPES):
+        for shape in SHAPES if (i % 2 == 0) != flip else reversed(SHAPES):
             ns = pods.namespace(cluster, f"bench-{shape.lower()}-{i}")
             storage_secret(cluster, ns, s3.access_key, s3.secret_key)
             pods.apply(cluster, ns, ring.storage(s3.endpoint, BUCKET))
@@ -68,7 +68,8 @@ def run(cluster: Cluster, s3: S3Server, rounds: int) -> None:
 
 def main() -> int:
     rounds = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 2
-    on_cluster(BUCKET, lambda cluster, s3: run(cluster, s3, rounds))
+    flip = "--hostpath-first" in sys.argv  # a single round's order, the other way round
+    on_cluster(BUCKET, lambda cluster, s3: run(cluster, s3, rounds, flip))
     return 0
 
 
