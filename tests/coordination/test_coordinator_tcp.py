@@ -6,7 +6,6 @@ import asyncio
 import json
 import socket
 import struct
-from collections.abc import AsyncIterator
 
 import pytest
 
@@ -20,16 +19,6 @@ from ibckpt.coordination.wire import PROTOCOL_VERSION, Frame, Kind
 from ibckpt_operator.coordinator import server as coordinator_server
 from ibckpt_operator.coordinator.server import CoordinatorServer
 from testbed.simulated_job import check_received, run_exchange
-
-
-@pytest.fixture
-async def server() -> AsyncIterator[CoordinatorServer]:
-    srv = CoordinatorServer()
-    await srv.start()
-    try:
-        yield srv
-    finally:
-        await srv.stop()
 
 
 async def connect_all(srv: CoordinatorServer, names: list[str]) -> tuple[str, list[CoordinatorClient]]:

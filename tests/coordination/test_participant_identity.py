@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from collections.abc import AsyncIterator
 
 import pytest
 
@@ -24,16 +23,6 @@ from ibckpt_operator.coordinator.server import CoordinatorServer
 
 GID_A = "fe800000000000005054fffe770001aa"  # a rank of node-a's
 GID_B = "fe800000000000005054fffe770002bb"
-
-
-@pytest.fixture
-async def server() -> AsyncIterator[CoordinatorServer]:
-    srv = CoordinatorServer()
-    await srv.start()
-    try:
-        yield srv
-    finally:
-        await srv.stop()
 
 
 async def _pair(server: CoordinatorServer) -> tuple[CoordinatorClient, CoordinatorClient]:
