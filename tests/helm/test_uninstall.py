@@ -1,5 +1,6 @@
-"""The session's release at its end: an upgrade that leaves a node without a prerequisite, then
-`helm uninstall`, after which the nodes are as they were before the install.
+"""The session's release at its end: a `helm upgrade` that rolls the agents and the operator while a
+checkpoint runs, an upgrade that leaves a node without a prerequisite, then `helm uninstall`, after which
+the nodes are as they were before the install.
 
 Runs last among the cluster's tests (files sort after every other cluster test): it ends the release
 the others share. The nodes started with containerd's stock configuration (node-init.sh keeps a copy on
@@ -15,7 +16,7 @@ from typing import Any
 import pytest
 from helm.conftest import NAMESPACE, RELEASE, Release
 
-from testbed import pods
+from testbed import pods, ring
 from testbed.cluster import NODE_NAMES, Cluster
 from testbed.images import APPS_IMAGE
 from testbed.release import CHART, helm
@@ -64,8 +65,63 @@ def _node_view(cluster: Cluster, node: str) -> str:
     return cluster.kubectl("logs", "-n", NS, name).stdout
 
 
-def test_a_missing_prerequisite_then_helm_uninstall_leaves_the_nodes_as_they_were(installed: Release) -> None:
+# A checkpoint's node-side phases: an upgrade that lands in one of them stops an agent mid-session.
+NODE_PHASES = {"Quiescing", "Draining", "Releasing", "Dumping", "Uploading"}
+ENDED = {"Succeeded", "Failed"}
+
+
+def _upgrade_during_a_checkpoint(installed: Release, job_ns: str) -> None:
+    """`helm upgrade` rolls every agent and the operator while a LeaveRunning checkpoint is on the nodes:
+    the job succeeds or aborts, the ranks keep running and deliver every message once, and a checkpoint
+    taken before the upgrade restores after it."""
     cluster = installed.cluster
+    ring.start(cluster, job_ns)
+    pods.apply(cluster, job_ns, ring.checkpoint_job("before", "LeaveRunning"))
+    before = ring.wait_phase(cluster, job_ns, "checkpointjob", "before", "Succeeded", 900)
+    checkpoint = before["status"]["checkpointName"]
+
+    pods.apply(cluster, job_ns, ring.checkpoint_job("during", "LeaveRunning"))
+
+    def on_the_nodes() -> str | None:
+        phase = (pods.get(cluster, job_ns, "checkpointjob", "during").get("status") or {}).get("phase")
+        assert phase not in ENDED, f"the job ended ({phase}) before the upgrade could meet it"
+        return phase if phase in NODE_PHASES else None
+
+    met = _wait("the job on the nodes", on_the_nodes, timeout=600)
+    # what a new release changes (here an annotation, as an image tag would): every pod of the chart rolls
+    helm(
+        cluster, "upgrade", RELEASE, str(CHART), "--namespace", NAMESPACE, "--reuse-values",
+        "--set", "agent.podAnnotations.ibckpt-test/revision=2",
+        "--set", "operator.podAnnotations.ibckpt-test/revision=2",
+    )  # fmt: skip
+
+    def ended() -> dict[str, Any] | None:
+        job: dict[str, Any] = pods.get(cluster, job_ns, "checkpointjob", "during")
+        return job if (job.get("status") or {}).get("phase") in ENDED else None
+
+    status = _wait("the job met by the upgrade ends", ended, timeout=900)["status"]
+    installed.rollout(f"daemonset/{RELEASE}-agent")
+    installed.operator_leading()
+    print(f"upgrade met the job in {met}: it ended {status['phase']} ({status.get('reason')})")
+    if status["phase"] == "Failed":  # aborted: every rank was resumed, the partial checkpoint not listed
+        listed = pods.get(cluster, job_ns, "checkpoints")["items"]
+        assert [c["metadata"]["name"] for c in listed] == [checkpoint], listed
+    ring.running(cluster, job_ns)  # no rank died or was restarted
+    ring.finish(cluster, job_ns)  # the ranks still deliver every message exactly once
+
+    # the checkpoint from before the upgrade restores under the upgraded release
+    cluster.kubectl("delete", "pod", "-n", job_ns, *ring.MEMBERS, "--timeout=120s", timeout=150)
+    pods.apply(cluster, job_ns, ring.restore_job("after", checkpoint))
+    ring.wait_phase(cluster, job_ns, "restorejob", "after", "Succeeded", 900)
+    ring.finish(cluster, job_ns)
+    pods.delete_namespace(cluster, job_ns)  # before the operator goes: its objects carry its finalizers
+
+
+def test_an_upgrade_mid_checkpoint_a_missing_prerequisite_then_helm_uninstall(
+    installed: Release, job_ns: str
+) -> None:
+    cluster = installed.cluster
+    _upgrade_during_a_checkpoint(installed, job_ns)
     pods.namespace(cluster, NS)
     # a pod of no class on each node, running through the whole story
     for node in NODE_NAMES:
