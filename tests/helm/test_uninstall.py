@@ -104,7 +104,7 @@ def _upgrade_during_a_checkpoint(installed: Release, job_ns: str) -> None:
     installed.operator_leading()
     print(f"upgrade met the job in {met}: it ended {status['phase']} ({status.get('reason')})")
     if status["phase"] == "Failed":  # aborted: every rank was resumed, the partial checkpoint not listed
-        listed = pods.get(cluster, job_ns, "checkpoints")["items"]
+        listed = pods.get(cluster, job_ns, "checkpoints.ibckpt.io")["items"]
         assert [c["metadata"]["name"] for c in listed] == [checkpoint], listed
     ring.running(cluster, job_ns)  # no rank died or was restarted
     ring.finish(cluster, job_ns)  # the ranks still deliver every message exactly once
