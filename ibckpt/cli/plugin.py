@@ -173,7 +173,9 @@ def restore(api: KubeApi, args: argparse.Namespace) -> int:
 
 def _timeouts(model: type[ApiModel], terms: Sequence[str]) -> Body:
     """`--phase-seconds admit=300 ...` as the job's `timeouts` (none given: the operator's defaults)."""
-    phases = {name.removesuffix("_seconds"): field.alias for name, field in model.model_fields.items()}
+    phases = {
+        name.removesuffix("_seconds"): field.alias or name for name, field in model.model_fields.items()
+    }
     chosen: Body = {}
     for term in terms:
         phase, _, value = term.partition("=")

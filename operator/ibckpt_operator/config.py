@@ -32,6 +32,7 @@ class OperatorConfig:
     # namespace before a checkpoint or restore (cluster/secretgrants.py). Empty: nothing is granted.
     agent_account: str = ""
     release: str = ""  # the Helm release: labels what the operator makes outside the chart (uninstall)
+    grants_owner: str = ""  # the agents' ClusterRole: owns the storage grants, so uninstall removes them
     agent_timeout: float = 10.0
     poll_seconds: float = 1.0  # how often a running agent session's report is read
     # An agent busy staging images may answer late; silence this long fails the step (AgentUnreachable).

@@ -56,6 +56,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--release", default="",
                         help="the Helm release's name: labels the storage Roles the operator makes, so "
                         "`kubectl ibckpt uninstall` finds them")  # fmt: skip
+    parser.add_argument("--grants-owner", default="",
+                        help="the agents' ClusterRole: it owns the storage Roles, so deleting it (helm "
+                        "uninstall) has Kubernetes delete them in every namespace")  # fmt: skip
     parser.add_argument("--gc-grace-seconds", type=float, default=3600.0,
                         help="a deleted Checkpoint's chunks younger than this are swept later")  # fmt: skip
     parser.add_argument("--store-sweep-seconds", type=float, default=3600.0,
@@ -80,6 +83,7 @@ def main(argv: list[str] | None = None) -> None:
             agent_token_file=args.agent_token_file,
             agent_account=args.agent_account,
             release=args.release,
+            grants_owner=args.grants_owner,
             gc_grace_seconds=args.gc_grace_seconds,
             store_sweep_seconds=args.store_sweep_seconds,
         )

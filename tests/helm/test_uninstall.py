@@ -68,6 +68,14 @@ def _node_view(cluster: Cluster, node: str) -> str:
 # A checkpoint's node-side phases: an upgrade that lands in one of them stops an agent mid-session.
 NODE_PHASES = {"Quiescing", "Draining", "Releasing", "Dumping", "Uploading"}
 ENDED = {"Succeeded", "Failed"}
+STORAGES = "checkpointstorages.ibckpt.io"
+
+
+def _grants(cluster: Cluster, namespace: str) -> list[str]:
+    """Which of the agents' storage Role and RoleBinding a team's namespace holds."""
+    kinds = ("role", "rolebinding")
+    name = f"{RELEASE}-agent-storage"
+    return [k for k in kinds if cluster.kubectl("get", k, name, "-n", namespace, check=False).returncode == 0]
 
 
 def _upgrade_during_a_checkpoint(installed: Release, job_ns: str) -> None:
@@ -114,7 +122,11 @@ def _upgrade_during_a_checkpoint(installed: Release, job_ns: str) -> None:
     pods.apply(cluster, job_ns, ring.restore_job("after", checkpoint))
     ring.wait_phase(cluster, job_ns, "restorejob", "after", "Succeeded", 900)
     ring.finish(cluster, job_ns)
-    pods.delete_namespace(cluster, job_ns)  # before the operator goes: its objects carry its finalizers
+    # the team's objects go while the operator runs (their finalizers are its); the namespace stays,
+    # with the agents' storage grant the operator made there, for helm uninstall to take away
+    for kinds in ("checkpoints.ibckpt.io", "checkpointjobs.ibckpt.io,restorejobs.ibckpt.io,pods", STORAGES):
+        cluster.kubectl("delete", kinds, "--all", "-n", job_ns, "--timeout=180s", timeout=200)
+    assert _grants(cluster, job_ns) == ["role", "rolebinding"], "no storage grant was made"
 
 
 def test_an_upgrade_mid_checkpoint_a_missing_prerequisite_then_helm_uninstall(
@@ -160,8 +172,14 @@ def test_an_upgrade_mid_checkpoint_a_missing_prerequisite_then_helm_uninstall(
     log = installed.cluster.kubectl("logs", "-n", NAMESPACE, agent["metadata"]["name"]).stdout
     assert "/nonexistent/runc" in log and "lacks what the ibckpt agent needs" in log, log[-2000:]
 
-    # 2. helm uninstall: its pre-delete hook has every agent undo its node.
+    # 2. helm uninstall: its pre-delete hook has every agent undo its node. The agents' storage grants,
+    #    which Helm does not know, go with the agents' ClusterRole that owns them.
     installed.uninstall()
+    _wait(
+        "the storage grants gone with their owner",
+        lambda: not _grants(cluster, job_ns),
+        timeout=120,
+    )
     for name in NODE_NAMES:
         labels = pods.get(cluster, NS, "node", name)["metadata"]["labels"]
         assert READY_LABEL not in labels, labels
