@@ -244,3 +244,16 @@ def test_the_operator_keeps_its_webhook_certificate_in_one_secret_it_alone_may_r
     ]  # fmt: skip
     off = rendered_objects("--set", "operator.webhook.enabled=false")[("Role", "ibckpt-operator")]
     assert not [r for r in off["rules"] if r["resources"] == ["secrets"]]
+
+
+def test_an_upgrade_rolls_the_operator_without_a_clash_on_its_host_port() -> None:
+    """A new operator pod starts as a standby before the old one goes; with the webhook on a hostPort
+    the new one could never start on the old one's node, so the old one goes first."""
+
+    def rolling(*args: str) -> dict[str, int]:
+        found = rendered_objects(*args)[("Deployment", "ibckpt-operator")]["spec"]["strategy"]
+        assert found["type"] == "RollingUpdate", found
+        return dict(found["rollingUpdate"])
+
+    assert rolling() == {"maxSurge": 1, "maxUnavailable": 0}
+    assert rolling("--set", "operator.webhook.hostPort=true") == {"maxSurge": 0, "maxUnavailable": 1}
