@@ -5,7 +5,8 @@ jacobi is moved, and must still print exactly the RESULT of an uninterrupted run
 CheckpointJob names the MPIJob (workloadRef) and stops it mid-run; once the pods are deleted, a RestoreJob
 brings both back on the other nodes (the launcher on node-2, the worker on node-1): the processes
 restored through the runtime, node addresses mapped in their TCP connections (mpirun to orted, the exec
-server's), queue pairs rebuilt through the operator's coordinator.
+server's), queue pairs rebuilt through the operator's coordinator. The team's storage encrypts
+client-side: every chunk in the bucket is sealed, and the restore reads them with the team's key.
 
 The test drives it as a user does: `kubectl ibckpt checkpoint mpijob/...`, `list`, `describe`, `logs`
 (the real agents' lines) and `restore`, besides kubectl. (The reference run goes beside the job, to keep
@@ -16,13 +17,18 @@ and test_drain_statefulset.py.)
 
 from __future__ import annotations
 
+import base64
+import json
+import os
 from collections.abc import Iterator
 
 import pytest
 from helm.conftest import NAMESPACE, Release
 
+from ibckpt.store import codec
 from testbed import mpijob, pods, ring
 from testbed.cluster import Cluster, kubectl_ibckpt, node_ip
+from testbed.s3 import S3Server
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(3000)]
 
@@ -50,10 +56,35 @@ def mpi_crd(installed: Release) -> Iterator[None]:
         installed.cluster.kubectl("delete", "crd", f"mpijobs.{mpijob.GROUP}", "--wait=false", check=False)
 
 
+def _seal_the_storage(cluster: Cluster, job_ns: str) -> str:
+    """The team's storage encrypts client-side (AES-256-GCM in the agents, the key in the team's
+    Secret, which only the agents read, by name). Its bucket's name."""
+    key = base64.b64encode(os.urandom(32)).decode()
+    cluster.kubectl("create", "secret", "generic", "sealing", "-n", job_ns,
+                    f"--from-literal=IBCKPT_ENCRYPTION_KEY={key}")  # fmt: skip
+    sealed = {"spec": {"encryption": {"mode": "client", "keySecretRef": {"name": "sealing"}}}}
+    cluster.kubectl(
+        "patch", "checkpointstorage", "store", "-n", job_ns, "--type=merge", "-p", json.dumps(sealed)
+    )
+    return str(pods.get(cluster, job_ns, "checkpointstorage", "store")["spec"]["bucket"])
+
+
+def _sealed_in_the_bucket(s3: S3Server, bucket: str) -> None:
+    """Every chunk in S3 is stored sealed (codec.py's header: cipher AES-256-GCM), none in the clear."""
+    client = s3.client()
+    keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket).get("Contents", [])]
+    chunks = [k for k in keys if "/chunks/" in k]
+    assert chunks, keys
+    for k in chunks:
+        head = client.get_object(Bucket=bucket, Key=k, Range="bytes=0-15")["Body"].read()
+        assert head[:4] == codec.MAGIC and head[6] == codec.Cipher.AES_256_GCM, (k, head)
+
+
 def test_an_mpijob_moved_by_a_restorejob_prints_the_uninterrupted_result(
-    installed: Release, job_ns: str, mpi_crd: None
+    installed: Release, job_ns: str, mpi_crd: None, s3_server: S3Server
 ) -> None:
     cluster = installed.cluster
+    bucket = _seal_the_storage(cluster, job_ns)
     mpijob.start_uninterrupted(cluster, job_ns)
     mpijob.start(cluster, job_ns)
 
@@ -84,6 +115,7 @@ def test_an_mpijob_moved_by_a_restorejob_prints_the_uninterrupted_result(
     ranks = {p["name"]: len(p.get("ranks") or ()) for p in spec["pods"]}
     assert ranks == {mpijob.LAUNCHER: 1, mpijob.WORKER: 1} and spec["rankCount"] == 2, spec["pods"]
     _the_plugin_shows(cluster, job_ns, checkpoint["metadata"]["name"])
+    _sealed_in_the_bucket(s3_server, bucket)
 
     cluster.kubectl("delete", "pod", "-n", job_ns, *mpijob.MEMBERS, "--timeout=120s", timeout=150)
     back = kubectl_ibckpt(

@@ -35,10 +35,13 @@ def grant_name(agent_account: str) -> str:
 
 
 def agent_secrets(location: S3Location) -> list[str]:
-    """The Secrets an agent reads for this location: its credentials and its endpoint's CA bundle."""
+    """The Secrets an agent reads for this location: its credentials, its endpoint's CA bundle and its
+    client-side encryption key."""
     names = {location.credentials_secret_ref.name}
     if location.ca_bundle_secret_ref is not None:
         names.add(location.ca_bundle_secret_ref.name)
+    if location.encryption is not None and location.encryption.key_secret_ref is not None:
+        names.add(location.encryption.key_secret_ref.name)
     return sorted(names)
 
 
