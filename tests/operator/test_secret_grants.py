@@ -188,3 +188,15 @@ def test_a_missing_owner_leaves_the_grants_unowned_but_made(
         rules.grant_name(AGENT), ns
     )
     assert role.rules[0].resource_names == ["s3"] and not role.metadata.owner_references
+
+
+def test_a_client_side_keys_secret_is_granted_with_the_credentials() -> None:
+    sealed = S3Location.model_validate(
+        {
+            "bucket": "ckpts",
+            "credentialsSecretRef": {"name": "creds"},
+            "encryption": {"mode": "client", "keySecretRef": {"name": "sealing", "key": "k"}},
+        }
+    )
+    assert rules.agent_secrets(sealed) == ["creds", "sealing"]
+    assert rules.agent_secrets(location("creds")) == ["creds"]
