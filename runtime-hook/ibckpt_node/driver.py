@@ -56,6 +56,9 @@ class NodeSettings:
     # own (or, released, says it waits). Renewals go on through a dump of any length.
     lease_s: float = 30.0
     lease_renew_s: float = 5.0
+    # What a checkpoint's images must leave free on the node's disk (the agent's --disk-reserve-bytes):
+    # the kubelet evicts pods below its own threshold, so the images may not take the last of it.
+    disk_reserve_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -297,7 +300,10 @@ class NodeDriver:
         t = self.timeouts
         started = time.monotonic()
         lookup_s = self.settings.preflight_lookup_s
-        check = Preflight(self.client, self.ranks, self.trees, self.job_addrs, lookup_s, images_root)
+        check = Preflight(
+            self.client, self.ranks, self.trees, self.job_addrs, lookup_s, images_root,
+            self.settings.disk_reserve_bytes,
+        )  # fmt: skip
         barrier_s = t.quiesce_seconds + self.settings.barrier_slack_s
         refusals = await check.refusals(
             t.quiesce_seconds, barrier_s, lambda: self.on_milestone(Milestone.JOINED)

@@ -166,17 +166,20 @@ def size_text(n: int) -> str:
     return f"{n} bytes"
 
 
-def disk_problem(resident: int, processes: int, free: int, where: Path) -> str | None:
+def disk_problem(resident: int, processes: int, free: int, where: Path, reserve: int = 0) -> str | None:
     """Why images of `resident` bytes of memory in `processes` processes do not fit in `free` bytes at
-    `where`; None when they do."""
+    `where` while leaving `reserve` bytes free; None when they do."""
     need = image_estimate(resident)
-    if need <= free:
+    if need + reserve <= free:
         return None
     processes_text = f"{processes} process{'' if processes == 1 else 'es'}"
+    kept = (
+        f", of which the agent leaves {size_text(reserve)} ({reserve} bytes) to the node" if reserve else ""
+    )
     return (
         f"refusing to checkpoint on this node: its images would need about {size_text(need)} ({need} "
         f"bytes: {size_text(resident)} resident in {processes_text}, plus {MARGIN_FRACTION:.0%} and "
-        f"{MARGIN_BYTES >> 20} MiB) and {where} has {size_text(free)} ({free} bytes) free"
+        f"{MARGIN_BYTES >> 20} MiB) and {where} has {size_text(free)} ({free} bytes) free{kept}"
     )
 
 
@@ -206,12 +209,14 @@ def existing(path: Path) -> Path:
     return path
 
 
-def room_problem(trees: Sequence[ProcessTree], ranks: Sequence[LocalRank], images_root: Path) -> str | None:
-    """This node's images would not fit where they go: why, else None."""
+def room_problem(
+    trees: Sequence[ProcessTree], ranks: Sequence[LocalRank], images_root: Path, reserve: int = 0
+) -> str | None:
+    """This node's images would not fit where they go, `reserve` bytes left free: why, else None."""
     pids = dumped_processes(trees, ranks)
     resident = sum(resident_bytes(pid) for pid in pids)
     where = existing(images_root)
-    return disk_problem(resident, len(pids), shutil.disk_usage(where).free, where)
+    return disk_problem(resident, len(pids), shutil.disk_usage(where).free, where, reserve)
 
 
 # -- the run on this node ----------------------------------------------------------------
@@ -229,15 +234,17 @@ class Preflight:
         job_addrs: list[IPAddress] | None,
         lookup_s: float,
         images_root: Path | None = None,
+        disk_reserve: int = 0,
     ) -> None:
-        """`images_root`: where this node's images will be written, to check they fit (None: not on
-        this node's disk, not checked)."""
+        """`images_root`: where this node's images will be written, to check they fit, `disk_reserve`
+        bytes left free (None: not on this node's disk, not checked)."""
         self.client = client
         self.ranks = ranks
         self.trees = trees
         self.job_addrs = job_addrs
         self.lookup_s = lookup_s
         self.images_root = images_root
+        self.disk_reserve = disk_reserve
 
     async def refusals(self, bound_s: float, barrier_s: float, joined: Callable[[], None]) -> list[str]:
         """What this node refuses (nothing: it may go on), once every node has joined."""
@@ -270,7 +277,9 @@ class Preflight:
                 refusals.append(refusal(f"process tree {tree.name}", tree.root_pid, found))
         if self.images_root is not None:
             try:
-                room = await asyncio.to_thread(room_problem, self.trees, self.ranks, self.images_root)
+                room = await asyncio.to_thread(
+                    room_problem, self.trees, self.ranks, self.images_root, self.disk_reserve
+                )
             except OSError as exc:  # not known to be short: the dump says so if it is
                 log.warning("preflight: the free space for %s is unknown: %s", self.images_root, exc)
                 room = None

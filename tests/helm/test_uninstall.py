@@ -1,6 +1,7 @@
 """The session's release at its end: a `helm upgrade` that rolls the agents and the operator while a
-checkpoint runs, an upgrade that leaves a node without a prerequisite, then `helm uninstall`, after which
-the nodes are as they were before the install.
+checkpoint runs (and gives the agents a disk reserve no node can honour: the next checkpoint is refused),
+an upgrade that leaves a node without a prerequisite, then `helm uninstall`, after which the nodes are as
+they were before the install and the agents' storage grants are gone.
 
 Runs last among the cluster's tests (files sort after every other cluster test): it ends the release
 the others share. The nodes started with containerd's stock configuration (node-init.sh keeps a copy on
@@ -69,6 +70,7 @@ def _node_view(cluster: Cluster, node: str) -> str:
 NODE_PHASES = {"Quiescing", "Draining", "Releasing", "Dumping", "Uploading"}
 ENDED = {"Succeeded", "Failed"}
 STORAGES = "checkpointstorages.ibckpt.io"
+TIB = 1 << 40
 
 
 def _grants(cluster: Cluster, namespace: str) -> list[str]:
@@ -96,11 +98,13 @@ def _upgrade_during_a_checkpoint(installed: Release, job_ns: str) -> None:
         return phase if phase in NODE_PHASES else None
 
     met = _wait("the job on the nodes", on_the_nodes, timeout=600)
-    # what a new release changes (here an annotation, as an image tag would): every pod of the chart rolls
+    # what a new release changes (here an annotation, as an image tag would): every pod of the chart rolls;
+    # and the agents now leave more of their disk to the node than the node has
     helm(
         cluster, "upgrade", RELEASE, str(CHART), "--namespace", NAMESPACE, "--reuse-values",
         "--set", "agent.podAnnotations.ibckpt-test/revision=2",
         "--set", "operator.podAnnotations.ibckpt-test/revision=2",
+        "--set", f"agent.diskReserveBytes={TIB}",
     )  # fmt: skip
 
     def ended() -> dict[str, Any] | None:
@@ -115,6 +119,14 @@ def _upgrade_during_a_checkpoint(installed: Release, job_ns: str) -> None:
         listed = pods.get(cluster, job_ns, "checkpoints.ibckpt.io")["items"]
         assert [c["metadata"]["name"] for c in listed] == [checkpoint], listed
     ring.running(cluster, job_ns)  # no rank died or was restarted
+
+    # a checkpoint the nodes' disks cannot hold (with the reserve) is refused before any rank is touched
+    pods.apply(cluster, job_ns, ring.checkpoint_job("no-room", "LeaveRunning"))
+    refused = ring.wait_phase(cluster, job_ns, "checkpointjob", "no-room", "Failed", 600)["status"]
+    assert refused["reason"] == "PreflightRefused", refused
+    assert "refusing to checkpoint on this node: its images would need about" in refused["message"], refused
+    assert "of which the agent leaves 1.0 TiB" in refused["message"], refused
+    ring.running(cluster, job_ns)
     ring.finish(cluster, job_ns)  # the ranks still deliver every message exactly once
 
     # the checkpoint from before the upgrade restores under the upgraded release

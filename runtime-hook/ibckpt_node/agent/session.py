@@ -134,6 +134,7 @@ class Agent:
     on_finished: Callable[[api.SessionReport], None]
     secrets: SecretReader | None  # None: this agent cannot stage images
     keep_failed_images_s: float = DEFAULT_KEEP_FAILED_S  # how long a failed checkpoint's images stay
+    disk_reserve_bytes: int = 0  # what a checkpoint's images leave free on the node's disk
 
 
 @dataclass
