@@ -125,7 +125,7 @@ def _upgrade_during_a_checkpoint(installed: Release, job_ns: str) -> None:
     refused = ring.wait_phase(cluster, job_ns, "checkpointjob", "no-room", "Failed", 600)["status"]
     assert refused["reason"] == "PreflightRefused", refused
     assert "refusing to checkpoint on this node: its images would need about" in refused["message"], refused
-    assert "of which the agent leaves 1.0 TiB" in refused["message"], refused
+    assert f"of which the agent leaves 1024.0 GiB ({TIB} bytes)" in refused["message"], refused
     ring.running(cluster, job_ns)
     ring.finish(cluster, job_ns)  # the ranks still deliver every message exactly once
 
