@@ -74,15 +74,24 @@ print(size(sys.argv[1] + "/sessions", "images"), size(sys.argv[1] + "/restore"))
 
 
 def _left_on_disk(installed: Release) -> dict[str, tuple[int, int]]:
-    """Each node's (image bytes, restore staging bytes) under the agents' host dir."""
+    """Each node's (image bytes, restore staging bytes) under the agents' host dir (of running agents)."""
     found = {}
     for agent in installed.agent_pods():
+        if agent["status"].get("phase") != "Running":
+            continue
         out = installed.cluster.kubectl(
             "exec", "-n", installed.namespace, agent["metadata"]["name"], "--",
             "/opt/ibckpt/venv/bin/python", "-c", LEFT_ON_DISK, HOST_DIR,
         ).stdout.split()  # fmt: skip
         found[agent["spec"]["nodeName"]] = (int(out[0]), int(out[1]))
     return found
+
+
+def _nothing_left_on_disk(installed: Release) -> None:
+    deadline = time.monotonic() + 120
+    while any(sum(left) for left in _left_on_disk(installed).values()):
+        assert time.monotonic() < deadline, _left_on_disk(installed)
+        time.sleep(5)
 
 
 def _uids(cluster: Any, namespace: str) -> dict[str, str]:
@@ -146,11 +155,9 @@ def test_a_dead_rank_then_a_dead_node_bring_the_job_back_from_its_last_checkpoin
     assert ring.placement(cluster, job_ns) == {"ring-0": "node-1", "ring-1": "node-2"}
     ring.running(cluster, job_ns)
     # a checkpoint and a restore went through both nodes: neither keeps their images or staging
-    deadline = time.monotonic() + 120
-    while any(sum(left) for left in _left_on_disk(installed).values()):
-        assert time.monotonic() < deadline, _left_on_disk(installed)
-        time.sleep(5)
+    _nothing_left_on_disk(installed)
     _a_dead_node(installed, job_ns, {c["metadata"]["name"] for c in _checkpoints(installed, job_ns)})
+    _nothing_left_on_disk(installed)  # a second checkpoint and a restore onto node-2 alone
     ring.finish(cluster, job_ns)
     cluster.kubectl("delete", "checkpointschedule", SCHEDULE, "-n", job_ns, "--wait=false")
 
