@@ -66,8 +66,8 @@ def _node_view(cluster: Cluster, node: str) -> str:
     return cluster.kubectl("logs", "-n", NS, name).stdout
 
 
-# A checkpoint's node-side phases: an upgrade that lands in one of them stops an agent mid-session.
-NODE_PHASES = {"Quiescing", "Draining", "Releasing", "Dumping", "Uploading"}
+# Before these the job has not reached the nodes; from Quiescing on, an upgrade meets it there.
+NOT_YET = {None, "Pending", "Admitted"}
 ENDED = {"Succeeded", "Failed"}
 STORAGES = "checkpointstorages.ibckpt.io"
 TIB = 1 << 40
@@ -95,15 +95,15 @@ def _upgrade_during_a_checkpoint(installed: Release, job_ns: str) -> None:
     def on_the_nodes() -> str | None:
         phase = (pods.get(cluster, job_ns, "checkpointjob", "during").get("status") or {}).get("phase")
         assert phase not in ENDED, f"the job ended ({phase}) before the upgrade could meet it"
-        return phase if phase in NODE_PHASES else None
+        return None if phase in NOT_YET else phase
 
     met = _wait("the job on the nodes", on_the_nodes, timeout=600)
     # what a new release changes (here an annotation, as an image tag would): every pod of the chart rolls;
     # and the agents now leave more of their disk to the node than the node has
     helm(
         cluster, "upgrade", RELEASE, str(CHART), "--namespace", NAMESPACE, "--reuse-values",
-        "--set", "agent.podAnnotations.ibckpt-test/revision=2",
-        "--set", "operator.podAnnotations.ibckpt-test/revision=2",
+        "--set-string", "agent.podAnnotations.ibckpt-test/revision=2",
+        "--set-string", "operator.podAnnotations.ibckpt-test/revision=2",
         "--set", f"agent.diskReserveBytes={TIB}",
     )  # fmt: skip
 
