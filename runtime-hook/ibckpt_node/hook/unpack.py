@@ -13,9 +13,10 @@ component at a time, never through a symlink:
 - names that are absolute or hold `..`, device nodes and hard links to anything the archive did not
   write itself are refused; a whiteout (a 0/0 character device: overlayfs's mark of a deleted file)
   removes what is at its path, without following links either;
-- modes are masked (no setuid, setgid or sticky bit, no group or other write) and owners are set by
-  number: no user or group is ever looked up by name (glibc would load the NSS modules that
-  /etc/nsswitch.conf names, and a chroot would have made them the container's).
+- modes of what it makes are masked (no setuid, setgid or sticky bit, no group or other write; a
+  directory already there keeps the image's mode) and owners are set by number: no user or group
+  is ever looked up by name (glibc would load the NSS modules that /etc/nsswitch.conf names, and a
+  chroot would have made them the container's).
 
 Standard library only, like the rest of the hook (tests/hook/test_imports.py); imported only when a
 restore has an archive to apply.
