@@ -63,6 +63,7 @@ HOSTILE = {
         [member("victim-copy", tarfile.LNKTYPE, linkname="to-outside/victim")],
         "which the archive did not write",
     ),
+    "owner-out-of-range": ([member("big", data=b"x", uid=1 << 40)], "refusing 'big' in the archive: uid"),
     "device-node": (
         [member("sda", tarfile.BLKTYPE, devmajor=8, devminor=0)],
         "a device node",

@@ -98,12 +98,14 @@ class Unpack:
                 os.mkfifo(name, member.mode & MODE_MASK, dir_fd=parent_fd)
                 fifo = os.open(name, FIFO_FLAGS, dir_fd=parent_fd)
                 try:
+                    if not stat.S_ISFIFO(os.fstat(fifo).st_mode):  # swapped meanwhile (a sidecar)
+                        raise self.refuse(member.name, "the fifo made for it was replaced")
                     self.set_attrs(fifo, member)
                 finally:
                     os.close(fifo)
             else:
                 raise self.refuse(member.name, "a device node, or an entry of an unknown type")
-        except OSError as exc:
+        except (OSError, ValueError, OverflowError) as exc:  # an owner or mtime out of range too
             raise self.refuse(member.name, str(exc)) from None
         finally:
             if parent_fd is not None:
