@@ -132,7 +132,7 @@ MAX_STATUS_GIDS = 64
 MAX_STATUS_QPS = 16 * 4096
 MAX_STATUS_ENTRY = 512  # characters of one `unsupported` entry
 _GID = re.compile(r"[0-9a-fA-F]{32}")
-_QPN_MAX = 0xFFFFFF
+_QPN_MAX = 0xFFFFFFFF  # a uint32 on the wire: an app may hand any dest_qp_num to modify_qp
 
 
 @dataclass(frozen=True)
