@@ -244,5 +244,9 @@ class CoordinatorClient:
         reply = await self._request(Frame(Kind.GATHER, {"round": round_name}), timeout)
         return reply.segments()
 
-    async def abort(self, reason: str) -> None:
-        await self._request(Frame(Kind.ABORT, {"reason": reason}))
+    async def abort(self, reason: str, refused: bool = False) -> None:
+        """Abort the session for everyone. `refused`: a preflight refusal, before any rank was gated."""
+        head: dict[str, object] = {"reason": reason}
+        if refused:
+            head["refused"] = True
+        await self._request(Frame(Kind.ABORT, head))

@@ -18,6 +18,7 @@ from typing import Any
 
 from ibckpt.coordination.client import CoordinationAborted, CoordinatorClient, CoordinatorError
 from ibckpt_native.control import ControlError
+from ibckpt_node.errors import CheckpointRefused
 from ibckpt_node.leases import ms
 from ibckpt_node.ranks import LocalRank, NodeReport, on_all
 
@@ -31,7 +32,7 @@ async def abort_untouched(node: str, client: CoordinatorClient, cause: Exception
     log.warning("%s: refusing the checkpoint: %s", node, cause)
     if not isinstance(cause, CoordinationAborted):
         with contextlib.suppress(CoordinatorError):
-            await client.abort(str(cause))
+            await client.abort(str(cause), refused=isinstance(cause, CheckpointRefused))
     report.outcome = "Refused"
 
 

@@ -97,6 +97,7 @@ async def test_abort_reaches_every_participant(server: CoordinatorServer) -> Non
         await waiting
     await asyncio.wait_for(idle_c_heard, 2)  # pushed, without c asking anything
     assert c.abort_reason == "node-b: drain of rank 3 timed out after 60s"
+    assert not server.sessions[session].refused  # a failure, not a preflight refusal
     # Operator-side abort (e.g. a phase deadline) reaches them the same way; the first reason stays.
     server.sessions[session].abort("operator: checkpoint deleted")
     with pytest.raises(CoordinationAborted, match="drain of rank 3"):
@@ -263,3 +264,18 @@ async def test_slow_loris_strangers_are_dropped_at_the_hello_bound_while_jobs_go
         await client.close()
         for sock in slow:
             sock.close()
+
+
+async def test_a_preflight_refusal_is_told_apart_from_a_failure(server: CoordinatorServer) -> None:
+    """The operator names the job's failure PreflightRefused when the first abort was a node's refusal
+    (no rank gated), whichever arrives first: the abort or the agents' reports."""
+    session, (a, b) = await connect_all(server, ["node-a", "node-b"])
+    heard: list[tuple[str, bool]] = []
+    server.sessions[session].abort_listeners.append(
+        lambda reason: heard.append((reason, server.sessions[session].refused))
+    )
+    await a.abort("refusing to checkpoint on this node: no room", refused=True)
+    await b.abort("later failure")  # the first abort stays
+    assert heard == [("node-a: refusing to checkpoint on this node: no room", True)]
+    for cl in (a, b):
+        await cl.close()

@@ -294,7 +294,9 @@ class CoordinatorServer:
                 got = await session.gather(str(head["round"]), me, timeout)
                 return Frame.of_segments(Kind.SEGMENTS, got)
             case Kind.ABORT:
-                session.abort(f"{me}: {head.get('reason', 'no reason given')}")
+                session.abort(
+                    f"{me}: {head.get('reason', 'no reason given')}", refused=head.get("refused") is True
+                )
                 return Frame(Kind.OK)
             case _:
                 raise ProtocolError(f"unexpected frame kind {frame.kind.name}")

@@ -86,6 +86,7 @@ class Session:
         self.deadline = clock() + deadline_s
         self._clock = clock
         self._abort_reason: str | None = None
+        self.refused = False  # the abort was a node's preflight refusal
         self._aborted = asyncio.Event()
         self._barriers: dict[str, set[str]] = {}
         self._barrier_done: dict[str, asyncio.Event] = {}
@@ -125,11 +126,13 @@ class Session:
     def abort_reason(self) -> str | None:
         return self._abort_reason
 
-    def abort(self, reason: str) -> None:
-        """Fail every current and future wait with `reason`. Idempotent: the first reason wins."""
+    def abort(self, reason: str, refused: bool = False) -> None:
+        """Fail every current and future wait with `reason`. Idempotent: the first reason wins.
+        `refused`: a node's preflight refused, before any rank was gated (`refused` says so to listeners)."""
         if self._abort_reason is not None:
             return
         self._abort_reason = reason
+        self.refused = refused
         self._aborted.set()
         for listener in list(self.abort_listeners):
             listener(reason)

@@ -248,7 +248,7 @@ class CheckpointJobDriver(CheckpointStoreDriver):
         opened = await self.open_coordinator_session(action, bound, self.session_id(self.state.run))
         if opened is not None:
             opened.arrival_listeners.append(self.on_barrier)
-            opened.abort_listeners.append(self.on_abort)
+            opened.abort_listeners.append(lambda reason: self.on_abort(reason, opened.refused))
             self.emit(SessionOpened(action.attempt))
 
     def pods_on(self, node: str) -> list[PodRef]:
@@ -259,10 +259,14 @@ class CheckpointJobDriver(CheckpointStoreDriver):
         if self.progress.passed_barrier(barrier, [pod.uid for pod in self.pods_on(node)]):
             self.report_progress()
 
-    def on_abort(self, reason: str) -> None:
+    def on_abort(self, reason: str, refused: bool = False) -> None:
+        """The coordinator session was aborted; a node's preflight refusal is named as the agents'
+        reports would name it, whichever of the two arrives first."""
         assert self.state is not None
         if self.state.phase not in (JobPhase.ABORTING, *TERMINAL) and self.state.attempt:
-            self.emit(StepFailed(self.state.attempt, "SessionAborted", reason))
+            self.emit(
+                StepFailed(self.state.attempt, "PreflightRefused" if refused else "SessionAborted", reason)
+            )
 
     def report_progress(self) -> None:
         """One PodStepDone per pod that has reached the step in flight's milestone (once per attempt)."""
