@@ -13,6 +13,7 @@ from ibckpt.store.errors import CheckpointNotFoundError
 from ibckpt.store.layout import CheckpointRef, Layout
 from ibckpt.store.manifest import Manifest, parse_manifest
 from ibckpt.store.s3 import Connection, missing_as, s3_errors
+from ibckpt.store.signing import ManifestKeys
 
 ProgressCallback = Callable[[int], None]
 
@@ -24,6 +25,9 @@ class StoreContext:
     keys: ChunkKeys | None
     # Extra arguments for every PUT: server-side encryption headers.
     put_args: dict[str, str] = field(default_factory=dict)
+    # Set: every manifest and part written is signed, every one read must verify (signing.py). None: what
+    # is written is unsigned and what is read is not checked (the CLI without a key).
+    signing: ManifestKeys | None = None
 
     @property
     def bucket(self) -> str:
@@ -43,7 +47,22 @@ class StoreContext:
             missing_as(lambda: self.not_found(ref)),
         ):
             data = self.client.get_object(Bucket=self.bucket, Key=key)["Body"].read()
-        return parse_manifest(data, f"{ref} ({key})")
+        return parse_manifest(data, f"{ref} ({key})", keys=self.signing, object_key=key)
+
+    def put_manifest(self, key: str, manifest: Manifest, action: str) -> Manifest:
+        """Write a manifest or part at `key`, signed for that key if this context signs; returns what was
+        written."""
+        if self.signing is not None:
+            manifest = manifest.signed(self.signing, key)
+        with s3_errors(self.connection, action):
+            self.client.put_object(
+                Bucket=self.bucket,
+                Key=key,
+                Body=manifest.to_json(),
+                ContentType="application/json",
+                **self.put_args,
+            )
+        return manifest
 
 
 class RateLimiter:
