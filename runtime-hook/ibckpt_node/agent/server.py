@@ -82,6 +82,7 @@ class AgentServer:
         secrets: SecretReader | None = None,
         keep_failed_images_s: float = DEFAULT_KEEP_FAILED_S,
         readiness: Callable[[], tuple[bool, str]] | None = None,
+        image_keys: Path | None = None,
     ) -> None:
         self.node = node
         # the node's own readiness (nodesetup: prerequisites, runtime handler), on top of serving
@@ -99,6 +100,7 @@ class AgentServer:
             self._finished,
             secrets,
             keep_failed_images_s,
+            image_keys,
         )
         self.fence = LeaderFence(work_dir / "leader-epoch")
         self.http = HttpServer(host, port, self.handle, error)

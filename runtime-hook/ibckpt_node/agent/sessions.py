@@ -55,8 +55,9 @@ class Sessions:
         on_finished: Callable[[api.SessionReport], None] = lambda report: None,
         secrets: SecretReader | None = None,
         keep_failed_images_s: float = disk.DEFAULT_KEEP_FAILED_S,
+        image_keys: Path | None = None,
     ) -> None:
-        self.agent = Agent(node, registry, work_dir, on_finished, secrets, keep_failed_images_s)
+        self.agent = Agent(node, registry, work_dir, on_finished, secrets, keep_failed_images_s, image_keys)
         self.sessions: dict[str, Session] = {}
         self.sweeper: asyncio.Task[None] | None = None
 
