@@ -40,14 +40,17 @@ class StoreContext:
     def not_found(self, ref: CheckpointRef) -> CheckpointNotFoundError:
         return CheckpointNotFoundError(f"checkpoint {ref} does not exist ({self.connection.where()})")
 
-    def load_manifest(self, ref: CheckpointRef) -> Manifest:
+    def load_manifest(self, ref: CheckpointRef, *, verified: bool = True) -> Manifest:
+        """`verified=False`: not checked against the key set, for what only counts chunks (garbage
+        collection): an unverified manifest may keep chunks, nothing is restored from it."""
         key = self.layout.manifest_key(ref)
         with (
             s3_errors(self.connection, f"reading the manifest of {ref}"),
             missing_as(lambda: self.not_found(ref)),
         ):
             data = self.client.get_object(Bucket=self.bucket, Key=key)["Body"].read()
-        return parse_manifest(data, f"{ref} ({key})", keys=self.signing, object_key=key)
+        keys = self.signing if verified else None
+        return parse_manifest(data, f"{ref} ({key})", keys=keys, object_key=key)
 
     def put_manifest(self, key: str, manifest: Manifest, action: str) -> Manifest:
         """Write a manifest or part at `key`, signed for that key if this context signs; returns what was

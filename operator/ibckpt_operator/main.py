@@ -56,6 +56,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--release", default="",
                         help="the Helm release's name: labels the storage Roles the operator makes, so "
                         "`kubectl ibckpt uninstall` finds them")  # fmt: skip
+    parser.add_argument("--image-keys", default=env.get("IBCKPT_IMAGE_KEYS", ""),
+                        help="the image key set's directory (the chart mounts its Secret): the commit "
+                        "verifies the agents' parts with it and signs the manifest; empty: unsigned "
+                        "checkpoints, which the agents refuse to restore ($IBCKPT_IMAGE_KEYS)")  # fmt: skip
     parser.add_argument("--gc-grace-seconds", type=float, default=3600.0,
                         help="a deleted Checkpoint's chunks younger than this are swept later")  # fmt: skip
     parser.add_argument("--store-sweep-seconds", type=float, default=3600.0,
@@ -80,6 +84,7 @@ def main(argv: list[str] | None = None) -> None:
             agent_token_file=args.agent_token_file,
             agent_account=args.agent_account,
             release=args.release,
+            image_keys=args.image_keys,
             gc_grace_seconds=args.gc_grace_seconds,
             store_sweep_seconds=args.store_sweep_seconds,
         )
