@@ -24,8 +24,7 @@ from typing import Any
 
 from ibckpt.store.errors import ConfigError, ManifestSignatureError
 
-# Where the chart mounts the key Secret (agents and operator); IBCKPT_IMAGE_KEYS overrides it.
-DEFAULT_KEYS_DIR = Path("/etc/ibckpt/image-keys")
+# The key set's directory, for the CLI and the operator (the agent reads the same variable).
 KEYS_DIR_ENV = "IBCKPT_IMAGE_KEYS"
 KEY_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 MIN_KEY_BYTES = 32
@@ -115,7 +114,3 @@ def load_keys(directory: Path) -> ManifestKeys:
     if not keys:
         raise ConfigError(f"no image signing keys in {directory}")
     return ManifestKeys(keys)
-
-
-def keys_dir_from_env(environ: Mapping[str, str] | None = None) -> Path:
-    return Path((environ if environ is not None else os.environ).get(KEYS_DIR_ENV) or DEFAULT_KEYS_DIR)

@@ -12,6 +12,7 @@ import threading
 import kopf
 
 from ibckpt import logsetup
+from ibckpt.store.signing import KEYS_DIR_ENV
 from ibckpt_operator import config as settings
 
 
@@ -56,7 +57,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--release", default="",
                         help="the Helm release's name: labels the storage Roles the operator makes, so "
                         "`kubectl ibckpt uninstall` finds them")  # fmt: skip
-    parser.add_argument("--image-keys", default=env.get("IBCKPT_IMAGE_KEYS", ""),
+    parser.add_argument("--image-keys", default=env.get(KEYS_DIR_ENV, ""),
                         help="the image key set's directory (the chart mounts its Secret): the commit "
                         "verifies the agents' parts with it and signs the manifest; empty: unsigned "
                         "checkpoints, which the agents refuse to restore ($IBCKPT_IMAGE_KEYS)")  # fmt: skip

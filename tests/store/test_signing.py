@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import secrets
 from pathlib import Path
+from typing import Any
 
 import pytest
 from store.conftest import StoreFactory, write_tree
@@ -234,3 +235,32 @@ def test_the_key_set_is_read_from_a_mounted_secret_and_never_shown(tmp_path: Pat
         ManifestKeys({"short": b"x" * 31})
     with pytest.raises(ConfigError, match="is not a name"):
         ManifestKeys({"../k": b"x" * 32})
+
+
+def test_the_cli_signs_with_a_key_file_and_says_when_a_manifest_is_unsigned_or_does_not_verify(
+    s3_env: dict[str, str], tree_factory: Any, tmp_path: Path, ibckpt: Any
+) -> None:
+    tree = tree_factory({"pages-1.img": secrets.token_bytes(5000)})
+    keys = tmp_path / "image-keys"
+    keys.mkdir()
+    (keys / "2026-11-30").write_bytes(secrets.token_bytes(32))
+    ibckpt(s3_env, "upload", str(tree), "--job", "ns/solver", "--id", "unsigned")
+    ibckpt(s3_env, "upload", str(tree), "--job", "ns/solver", "--id", "signed", "--image-keys", str(keys))
+    with_keys = s3_env | {"IBCKPT_IMAGE_KEYS": str(keys)}  # the variable works as the flag does
+
+    assert (
+        "signature    none: the agents refuse to restore"
+        in ibckpt(s3_env, "show", "ns/solver/unsigned").stdout
+    )
+    shown = ibckpt(s3_env, "show", "ns/solver/signed").stdout
+    assert "signature    key 2026-11-30, not verified (give --image-keys to check it)" in shown
+    assert "signature    verified (key 2026-11-30)" in ibckpt(with_keys, "show", "ns/solver/signed").stdout
+
+    refused = ibckpt(with_keys, "download", "ns/solver/unsigned", str(tmp_path / "out"), check=False)
+    assert refused.returncode == 1 and "manifest ns/solver/unsigned" in refused.stderr
+    assert "is not signed: refused" in refused.stderr and not (tmp_path / "out").exists()
+    done = ibckpt(with_keys, "download", "ns/solver/signed", str(tmp_path / "back")).stdout
+    assert "signature: verified (key 2026-11-30)" in done
+
+    missing = ibckpt(s3_env, "show", "ns/solver/signed", "--image-keys", str(tmp_path / "nope"), check=False)
+    assert missing.returncode == 2 and "no image signing keys: cannot read" in missing.stderr
