@@ -117,6 +117,14 @@ def register(groups: Any) -> None:
     verify.add_argument("checkpoint", help="JOB/ID or JOB/latest")
     verify.add_argument("--quick", action="store_true", help="only check that chunks exist with their size")
 
+    sign = add(
+        "sign",
+        commands.sign,
+        "sign checkpoints with --image-keys, as they are: for ones written before manifests were signed "
+        "(check what you sign: the agents restore it as root)",
+    )
+    sign.add_argument("checkpoints", nargs="+", help="JOB/ID ...")
+
     rm = add("rm", commands.rm, "delete checkpoints (chunks go at the next gc)")
     rm.add_argument("checkpoints", nargs="+", help="JOB/ID ...")
 

@@ -211,6 +211,16 @@ def verify(args: argparse.Namespace, store: ImageStore) -> int:
     return EXIT_OK if not problems else EXIT_FAILED
 
 
+def sign(args: argparse.Namespace, store: ImageStore) -> int:
+    signed = []
+    for text in args.checkpoints:
+        manifest = store.sign(_ref(store, text))
+        assert manifest.signature is not None
+        signed.append({"checkpoint": str(manifest.ref), "key_id": manifest.signature.key_id})
+    lines = "\n".join(f"signed {row['checkpoint']} with key {row['key_id']}" for row in signed)
+    return _answer(args, signed, lines)
+
+
 def rm(args: argparse.Namespace, store: ImageStore) -> int:
     refs = [_ref(store, text) for text in args.checkpoints]
     for ref in refs:

@@ -262,5 +262,14 @@ def test_the_cli_signs_with_a_key_file_and_says_when_a_manifest_is_unsigned_or_d
     done = ibckpt(with_keys, "download", "ns/solver/signed", str(tmp_path / "back")).stdout
     assert "signature: verified (key 2026-11-30)" in done
 
+    # An admin signs a checkpoint from before manifests were signed: it then restores.
+    assert (
+        "signed ns/solver/unsigned with key 2026-11-30"
+        in ibckpt(with_keys, "sign", "ns/solver/unsigned").stdout
+    )
+    ibckpt(with_keys, "download", "ns/solver/unsigned", str(tmp_path / "out"))
+    no_keys = ibckpt(s3_env, "sign", "ns/solver/signed", check=False)
+    assert no_keys.returncode == 2 and "needs the image key set" in no_keys.stderr
+
     missing = ibckpt(s3_env, "show", "ns/solver/signed", "--image-keys", str(tmp_path / "nope"), check=False)
     assert missing.returncode == 2 and "no image signing keys: cannot read" in missing.stderr
