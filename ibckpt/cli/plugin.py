@@ -2,6 +2,7 @@
 
     kubectl ibckpt checkpoint (KIND/NAME | -l SELECTOR) [--mode Stop] [--storage S] [--name N] [--no-wait]
     kubectl ibckpt restore (CHECKPOINT | --latest SCHEDULE) [--avoid-source-nodes] [--name N] [--no-wait]
+        both: [--phase-seconds PHASE=SECONDS ...] (the job's spec.timeouts, e.g. admit=300)
     kubectl ibckpt list [-A]
     kubectl ibckpt describe CHECKPOINT
     kubectl ibckpt logs JOB [--agent-namespace NS]
@@ -28,7 +29,10 @@ from ibckpt.api import (
     CHECKPOINT_SCHEDULE,
     CHECKPOINT_STORAGE,
     RESTORE_JOB,
+    ApiModel,
+    JobTimeouts,
     KindInfo,
+    RestoreTimeouts,
 )
 from ibckpt.cli import plugin_uninstall
 from ibckpt.cli.kubeapi import Body, KubeApi, PluginError
@@ -125,6 +129,7 @@ def _storage(api: KubeApi, name: str | None) -> str:
 def checkpoint(api: KubeApi, args: argparse.Namespace) -> int:
     short, pods = _target(api, args.target, args.selector)
     spec: Body = {**pods, "mode": args.mode, "storageRef": {"name": _storage(api, args.storage)}}
+    spec.update(_timeouts(JobTimeouts, args.phase_seconds))
     meta: Body = {"name": args.name} if args.name else {"generateName": f"{short[:50]}-"}
     final = _run_job(api, CHECKPOINT_JOB, _object(CHECKPOINT_JOB, meta, spec), args)
     if isinstance(final, int):
@@ -143,7 +148,10 @@ def restore(api: KubeApi, args: argparse.Namespace) -> int:
     that one (spec.latestOf) and writes its name into the job's spec."""
     if (args.checkpoint is None) == (args.latest is None):
         raise PluginError("give a Checkpoint's name or --latest SCHEDULE")
-    spec: Body = {"avoidSourceNodes": args.avoid_source_nodes}
+    spec: Body = {
+        "avoidSourceNodes": args.avoid_source_nodes,
+        **_timeouts(RestoreTimeouts, args.phase_seconds),
+    }
     if args.latest:
         api.must_get(CHECKPOINT_SCHEDULE, args.latest)
         spec["latestOf"] = {"schedule": args.latest}
@@ -161,6 +169,22 @@ def restore(api: KubeApi, args: argparse.Namespace) -> int:
     placed = ", ".join(f"{p['name']} on {p.get('node')}" for p in final["status"].get("pods") or [])
     print(f"restored from checkpoint/{name_of}: {placed}")
     return 0
+
+
+def _timeouts(model: type[ApiModel], terms: Sequence[str]) -> Body:
+    """`--phase-seconds admit=300 ...` as the job's `timeouts` (none given: the operator's defaults)."""
+    phases = {
+        name.removesuffix("_seconds"): field.alias or name for name, field in model.model_fields.items()
+    }
+    chosen: Body = {}
+    for term in terms:
+        phase, _, value = term.partition("=")
+        if phase not in phases:
+            raise PluginError(f"--phase-seconds {term}: the phases are {', '.join(phases)}")
+        if not value.isdigit() or int(value) < 1:
+            raise PluginError(f"--phase-seconds {term}: give a whole number of seconds, at least 1")
+        chosen[phases[phase]] = int(value)
+    return {"timeouts": chosen} if chosen else {}
 
 
 # -- following a job -------------------------------------------------------------------------------------
@@ -407,6 +431,10 @@ def build_parser() -> argparse.ArgumentParser:
     for sub in (c, r):
         sub.add_argument("--no-wait", action="store_true", help="create the job and return")
         sub.add_argument("--timeout", type=float, default=3600.0, help="seconds to follow the job")
+        sub.add_argument(
+            "--phase-seconds", action="append", default=[], metavar="PHASE=SECONDS",
+            help="a phase's bound (spec.timeouts), e.g. admit=300 on a slow cluster; repeatable",
+        )  # fmt: skip
 
     ls = commands.add_parser("list", help="the Checkpoints of the namespace")
     ls.add_argument("-A", "--all-namespaces", action="store_true")

@@ -14,9 +14,10 @@ import contextlib
 import errno
 import json
 import os
+import re
 import socket
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,27 +62,142 @@ class lines:  # a namespace: lines.quiesce(ms) reads as the line it builds
 MAX_REPLY = 1 << 20  # a status of thousands of QPs is a few hundred KiB
 
 
+def _shown(raw: bytes | str) -> str:
+    text = raw if isinstance(raw, str) else raw[:200].decode(errors="replace")
+    return text[:200].strip()
+
+
+def invalid(command: str, why: str, shown: bytes | str) -> ControlError:
+    """A reply the agent will not act on: the same error as a refusal, so it takes the abort path."""
+    return ControlError(command, {"error": f"malformed reply ({why}): {_shown(shown)!r}"})
+
+
 def parse_reply(command: str, raw: bytes) -> dict[str, Any]:
     """The reply's JSON object; ControlError if the shim said `err`, and for anything that is not
     `ok|err [JSON object]` (the shim runs in the tenant's process: its replies are input, and a
     malformed one must take the same abort path as a refusal)."""
-
-    def malformed(why: str) -> ControlError:
-        shown = raw[:200].decode(errors="replace").strip()
-        return ControlError(command, {"error": f"malformed reply ({why}): {shown!r}"})
-
     if len(raw) > MAX_REPLY:
-        raise malformed(f"{len(raw)} bytes, over {MAX_REPLY}")
+        raise invalid(command, f"{len(raw)} bytes, over {MAX_REPLY}", raw)
     try:
         status, _, body = raw.decode().strip().partition(" ")
         reply = json.loads(body) if body else {}
     except ValueError as error:  # not UTF-8, or not JSON: a cut line, say
-        raise malformed(str(error)) from None
+        raise invalid(command, str(error), raw) from None
     if status not in ("ok", "err") or not isinstance(reply, dict):
-        raise malformed(f"status {status!r} and a {type(reply).__name__}")
+        raise invalid(command, f"status {status!r} and a {type(reply).__name__}", raw)
     if status != "ok":
         raise ControlError(command, reply)
     return reply
+
+
+# -- what a reply may say (native/src/phase.c, report.c) --------------------------------------
+
+STATES = frozenset({"running", "quiesced", "drained", "released", "rebuilt"})  # ibk_phase_name
+# Where a phase that went well (`"ok": true`) leaves the rank; `lease` leaves it where it was.
+STATE_AFTER = {
+    "quiesce": "quiesced",
+    "drain": "drained",
+    "release": "released",
+    "rebuild": "rebuilt",
+    "resume": "running",
+    "abort": "running",
+}
+
+
+def checked_phase(command: str, reply: dict[str, Any]) -> dict[str, Any]:
+    """A phase's `ok` reply as the agent may act on it: it answers this verb, says whether it went
+    well (a bool), names a state, and the state the phase leaves when it went well; anything else is
+    ControlError (review N24: a shim's reply is the tenant's input)."""
+    verb = command.split()[0]
+    problem = ""
+    if reply.get("phase") != verb:
+        problem = f"it answers phase {reply.get('phase')!r}, not {verb!r}"
+    elif not isinstance(reply.get("ok"), bool):
+        problem = "its 'ok' is not true or false"
+    elif reply.get("state") not in STATES:
+        problem = f"state {reply.get('state')!r} is none of {sorted(STATES)}"
+    elif reply["ok"] and verb in STATE_AFTER and reply["state"] != STATE_AFTER[verb]:
+        problem = f"a {verb} that went well leaves the rank {STATE_AFTER[verb]}, not {reply['state']}"
+    elif "ms" in reply and (not isinstance(reply["ms"], int) or isinstance(reply["ms"], bool)):
+        problem = "its 'ms' is not an integer"
+    if problem:
+        raise invalid(command, problem, json.dumps(reply))
+    return reply
+
+
+# What one `status` may list: a process opens at most a few devices, each with 4 GIDs (port 1's
+# valid indices) and IBK_MAX_QPS (4096) QPs. More is not a rank the agent will act on: each GID and
+# QP becomes coordinator keys in the preflight (a reply of 1,000 GIDs x 1,000 QPs was a million PUTs).
+MAX_STATUS_GIDS = 64
+MAX_STATUS_QPS = 16 * 4096
+MAX_STATUS_ENTRY = 512  # characters of one `unsupported` entry
+_GID = re.compile(r"[0-9a-fA-F]{32}")
+_QPN_MAX = 0xFFFFFFFF  # a uint32 on the wire: an app may hand any dest_qp_num to modify_qp
+
+
+@dataclass(frozen=True)
+class ShimStatus:
+    """The parts of a `status` reply the agent acts on, checked: a rank's state and its identity for
+    the preflight (docs/wire-formats.md). Parse with `ShimStatus.parse`."""
+
+    state: str | None  # None: not said (then nothing may depend on it)
+    gids: tuple[str, ...]  # this rank's virtual GIDs, 32 hex digits
+    qps: tuple[tuple[int, int], ...]  # (virtual QPN, QP type)
+    peers: tuple[tuple[int, int, str, int], ...]  # (QPN, type, peer GID, peer QPN)
+    unsupported: tuple[str, ...]
+    ah_gids: tuple[str, ...]
+
+    @classmethod
+    def parse(cls, reply: Mapping[str, Any], command: str = "status") -> ShimStatus:
+        """ControlError for a reply of the wrong shape or over the bounds above."""
+
+        def fail(why: str) -> ControlError:
+            return invalid(command, why, json.dumps(dict(reply))[:200])
+
+        def listed(key: str, limit: int) -> list[Any]:
+            value = reply.get(key, [])
+            if not isinstance(value, list):
+                raise fail(f"{key!r} is not a list")
+            if len(value) > limit:
+                raise fail(f"{len(value)} entries in {key!r}, more than the {limit} a rank may have")
+            return value
+
+        def gid(value: Any, key: str) -> str:
+            if not isinstance(value, str) or not _GID.fullmatch(value):
+                raise fail(f"{key!r} holds {value!r}, not a GID of 32 hex digits")
+            return value.lower()
+
+        def number(entry: Any, key: str, field: str, top: int) -> int:
+            value = entry.get(field) if isinstance(entry, dict) else None
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= top:
+                raise fail(f"an entry of {key!r} has {field} {value!r}, not an integer 0..{top}")
+            return value
+
+        state = reply.get("state")
+        if state is not None and state not in STATES:
+            raise fail(f"state {state!r} is none of {sorted(STATES)}")
+        unsupported = listed("unsupported", MAX_STATUS_QPS)
+        if not all(isinstance(u, str) and len(u) <= MAX_STATUS_ENTRY for u in unsupported):
+            raise fail(f"'unsupported' holds an entry that is not a string of at most {MAX_STATUS_ENTRY}")
+        return cls(
+            state=state,
+            gids=tuple(gid(g, "gids") for g in listed("gids", MAX_STATUS_GIDS)),
+            qps=tuple(
+                (number(q, "qps", "qpn", _QPN_MAX), number(q, "qps", "type", 255))
+                for q in listed("qps", MAX_STATUS_QPS)
+            ),
+            peers=tuple(
+                (
+                    number(p, "peers", "qpn", _QPN_MAX),
+                    number(p, "peers", "type", 255),
+                    gid(p.get("peer_gid"), "peers"),
+                    number(p, "peers", "peer_qpn", _QPN_MAX),
+                )
+                for p in listed("peers", MAX_STATUS_QPS)
+            ),
+            unsupported=tuple(unsupported),
+            ah_gids=tuple(gid(g, "ah_gids") for g in listed("ah_gids", MAX_STATUS_QPS)),
+        )
 
 
 @contextlib.contextmanager
@@ -155,14 +271,15 @@ class ShimControl:
 
 @dataclass
 class AsyncShimControl:
-    """One process's control socket, on the event loop.
+    """One process's control socket, on the event loop: the node agent's client. Every reply it acts
+    on is checked (`checked_phase`, `ShimStatus`): anything else is ControlError.
 
     No thread per rank: on a small node, creating and scheduling one thread per rank next to
     busy-polling ranks cost more than the shim's own quiesce. `timeout_s` bounds the connect and
     the reply, each."""
 
     path: str
-    reply_limit: int  # a status or rebuild reply lists every QP of the rank
+    reply_limit: int = MAX_REPLY  # bytes of one reply line; a longer one is ControlError
 
     async def command(self, line: str, timeout_s: float = 600.0) -> dict[str, Any]:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -178,35 +295,40 @@ class AsyncShimControl:
             writer.write(line.encode() + b"\n")
             await writer.drain()
             raw = await asyncio.wait_for(reader.readline(), timeout_s)
+        except ValueError:  # asyncio's "separator not found, chunk exceed the limit"
+            raise invalid(line, f"a line longer than {self.reply_limit} bytes", b"") from None
         finally:
             writer.close()
             with contextlib.suppress(OSError):
                 await writer.wait_closed()
         return parse_reply(line, raw)
 
-    async def status(self, timeout_s: float = 600.0) -> dict[str, Any]:
-        return await self.command("status", timeout_s)
+    async def phase(self, line: str, timeout_s: float = 600.0) -> dict[str, Any]:
+        return checked_phase(line, await self.command(line, timeout_s))
+
+    async def status(self, timeout_s: float = 600.0) -> ShimStatus:
+        return ShimStatus.parse(await self.command("status", timeout_s))
 
     async def quiesce(self, timeout_ms: int) -> dict[str, Any]:
-        return await self.command(lines.quiesce(timeout_ms))
+        return await self.phase(lines.quiesce(timeout_ms))
 
     async def drain(self, timeout_ms: int, stall_ms: int | None = None) -> dict[str, Any]:
-        return await self.command(lines.drain(timeout_ms, stall_ms))
+        return await self.phase(lines.drain(timeout_ms, stall_ms))
 
     async def release(self, timeout_ms: int, quiet: bool = False) -> dict[str, Any]:
-        return await self.command(lines.release(timeout_ms, quiet))
+        return await self.phase(lines.release(timeout_ms, quiet))
 
     async def rebuild(self, epoch: int, timeout_ms: int) -> dict[str, Any]:
-        return await self.command(lines.rebuild(epoch, timeout_ms))
+        return await self.phase(lines.rebuild(epoch, timeout_ms))
 
     async def resume(self) -> dict[str, Any]:
-        return await self.command("resume")
+        return await self.phase("resume")
 
     async def abort(self) -> dict[str, Any]:
-        return await self.command("abort")
+        return await self.phase("abort")
 
     async def lease(self, ms: int, timeout_s: float) -> dict[str, Any]:
-        return await self.command(lines.lease(ms), timeout_s)
+        return await self.phase(lines.lease(ms), timeout_s)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,6 +35,7 @@ class OperatorConfig:
     # Empty (tests with fake agents): unsigned, and the real agents refuse to restore what it commits.
     image_keys: str = ""
     release: str = ""  # the Helm release: labels what the operator makes outside the chart (uninstall)
+    grants_owner: str = ""  # the agents' ClusterRole: owns the storage grants, so uninstall removes them
     agent_timeout: float = 10.0
     poll_seconds: float = 1.0  # how often a running agent session's report is read
     # An agent busy staging images may answer late; silence this long fails the step (AgentUnreachable).

@@ -61,6 +61,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the image key set's directory (the chart mounts its Secret): the commit "
                         "verifies the agents' parts with it and signs the manifest; empty: unsigned "
                         "checkpoints, which the agents refuse to restore ($IBCKPT_IMAGE_KEYS)")  # fmt: skip
+    parser.add_argument("--grants-owner", default="",
+                        help="the agents' ClusterRole: it owns the storage Roles, so deleting it (helm "
+                        "uninstall) has Kubernetes delete them in every namespace")  # fmt: skip
     parser.add_argument("--gc-grace-seconds", type=float, default=3600.0,
                         help="a deleted Checkpoint's chunks younger than this are swept later")  # fmt: skip
     parser.add_argument("--store-sweep-seconds", type=float, default=3600.0,
@@ -86,6 +89,7 @@ def main(argv: list[str] | None = None) -> None:
             agent_account=args.agent_account,
             release=args.release,
             image_keys=args.image_keys,
+            grants_owner=args.grants_owner,
             gc_grace_seconds=args.gc_grace_seconds,
             store_sweep_seconds=args.store_sweep_seconds,
         )

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import datetime
 import functools
 import ipaddress
@@ -32,7 +33,7 @@ import logging
 import os
 import ssl
 import tempfile
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,19 @@ from ibckpt_operator.machine.webhookcert import WebhookCert
 
 log = logging.getLogger(__name__)
 _endpoint: Endpoint | None = None  # where this process serves, once serve_admission set it up
+RENEW_EVERY_S = 6 * 3600.0  # how often a running leader asks whether the kept certificate needs renewal
+
+
+@dataclass
+class _Served:
+    """The certificate from the Secret this process serves, and the files the server loads it from."""
+
+    settings: WebhookSettings
+    cert: WebhookCert
+    files: tuple[Path, Path, Path]
+
+
+_served: _Served | None = None
 
 
 @dataclass(frozen=True)
@@ -128,17 +142,56 @@ def endpoint() -> Endpoint | None:
 
 
 def write_kept(cert: WebhookCert, directory: Path) -> tuple[Path, Path, Path]:
-    """The Secret's certificate as the files the server loads: serving certificate, key, CA."""
+    """The Secret's certificate as the files the server loads: serving certificate, key, CA. Each is
+    replaced whole (a renewal rewrites them under the running server, which reloads on a change)."""
     files = (directory / "webhook.crt", directory / "webhook.key", directory / "ca.crt")
     for path, data in zip(files, (cert.tls_crt, cert.tls_key, cert.ca_crt), strict=True):
-        path.write_bytes(data)
-    files[1].chmod(0o600)
+        partial = path.with_name(path.name + ".new")
+        partial.write_bytes(data)
+        partial.chmod(0o600)
+        partial.replace(path)
     return files
+
+
+async def renew_served(kube: Kube, namespace: str) -> bool:
+    """Renew the certificate this process serves from its Secret when it needs it (expires soon, another
+    host, another CA: machine/webhookcert.py), as a start would. True when the files changed: the
+    server serves them within CERT_POLL_S, and endpoint() carries the CA a new bundle needs."""
+    global _served, _endpoint
+    served = _served
+    if served is None:  # a certificate of its own (cert-manager renews those files) or of this start
+        return False
+    webhook = served.settings
+    assert webhook.secret is not None
+    kept = await webhookcert.ensure(kube, namespace, webhook.secret, [webhook.host], webhook.secret_owner)
+    if kept == served.cert:
+        return False
+    write_kept(kept, served.files[0].parent)
+    if kept.ca_crt != served.cert.ca_crt and _endpoint is not None:
+        _endpoint = dataclasses.replace(_endpoint, ca_bundle=base64.b64encode(kept.ca_crt).decode())
+    _served = dataclasses.replace(served, cert=kept)
+    log.info("admission server: renewed its certificate from Secret %s/%s", namespace, webhook.secret)
+    return True
+
+
+async def keep_renewed(kube: Kube, namespace: str, republish: Callable[[Endpoint], Awaitable[Any]]) -> None:
+    """The leader's loop: renew every RENEW_EVERY_S; a new CA's bundle is published (`republish`)."""
+    while True:
+        await asyncio.sleep(RENEW_EVERY_S)
+        bundle = _endpoint.ca_bundle if _endpoint is not None else None
+        try:
+            await renew_served(kube, namespace)
+        except ApiException as error:  # the current certificate still serves; try at the next round
+            log.warning("admission server: cannot renew its certificate: %s", api_message(error))
+            continue
+        if _endpoint is not None and _endpoint.ca_bundle != bundle:
+            await republish(_endpoint)
 
 
 async def serve_admission(settings: kopf.OperatorSettings, kube: Kube, namespace: str) -> None:
     """Point kopf's admission server at this pod (or at nowhere, when the webhook is off)."""
-    global _endpoint
+    global _endpoint, _served
+    _served = None
     webhook = WebhookSettings.from_env()
     if not webhook.enabled:
         # kopf refuses to start with a webhook handler and no server: serve it where nothing calls it.
@@ -153,6 +206,7 @@ async def serve_admission(settings: kopf.OperatorSettings, kube: Kube, namespace
             )
             files = write_kept(kept, Path(tempfile.mkdtemp(prefix="ibckpt-webhook-")))
             certfile, keyfile, cafile = (str(f) for f in files)
+            _served = _Served(webhook, kept, files)
         except ApiException as error:  # the webhooks fail open: serve, with a certificate of this start
             log.error("admission server: Secret %s/%s unusable (%s): a certificate of this start only",
                       namespace, webhook.secret, api_message(error))  # fmt: skip

@@ -2,8 +2,9 @@
 
 Checkpoint: quiesce -> drain -> release -> CRIU dump -> (rebuild -> resume | stop), with a
 coordinator barrier after each phase so every node is at the same cut. Restore: CRIU restore
--> rebuild -> resume. Any failure before the dump is committed aborts the session; every
-node then brings its ranks back to running where they are, and the application continues.
+-> rebuild -> resume. Any failure once a rank was touched (a shim's reply the agent will not act
+on included) aborts the session; every node then brings its ranks back to running where they are,
+and the application continues.
 """
 
 from __future__ import annotations
@@ -56,6 +57,9 @@ class NodeSettings:
     # own (or, released, says it waits). Renewals go on through a dump of any length.
     lease_s: float = 30.0
     lease_renew_s: float = 5.0
+    # What a checkpoint's images must leave free on the node's disk (the agent's --disk-reserve-bytes):
+    # the kubelet evicts pods below its own threshold, so the images may not take the last of it.
+    disk_reserve_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -229,7 +233,6 @@ class NodeDriver:
 
     async def checkpoint(self, mode: Mode, images_root: Path, epoch: int) -> NodeReport:
         t = self.timeouts
-        committed = False
         touched = False
         try:
             # Every node is connected and ready before any rank is gated, so a node that is
@@ -244,7 +247,6 @@ class NodeDriver:
                 await self._cut()
             check_released(self.trees, self.ranks)
             await self._phase(Milestone.DUMPED, lambda: self._dump_all(mode, images_root), t.dump_seconds)
-            committed = True
             if mode is Mode.STOP:
                 self.report.outcome = "Stopped"
                 return self.report
@@ -265,8 +267,9 @@ class NodeDriver:
                 await abort.abort_untouched(self.node, self.client, exc, self.report)
                 mine = isinstance(exc, CheckpointRefused)
                 raise CheckpointRefused(f"{self.node}: {exc}" if mine else str(exc)) from exc
-            if not committed:
-                await self._abort_and_recover(exc, epoch)
+            # After the dump too: a rebuild or resume that failed (a rank answered garbage, say) leaves
+            # ranks rebuilt or released, and the session that fails here takes no later abort.
+            await self._abort_and_recover(exc, epoch)
             raise CheckpointFailed(str(exc)) from exc
         finally:
             if self.report.outcome != "Held":
@@ -297,7 +300,10 @@ class NodeDriver:
         t = self.timeouts
         started = time.monotonic()
         lookup_s = self.settings.preflight_lookup_s
-        check = Preflight(self.client, self.ranks, self.trees, self.job_addrs, lookup_s, images_root)
+        check = Preflight(
+            self.client, self.ranks, self.trees, self.job_addrs, lookup_s, images_root,
+            self.settings.disk_reserve_bytes,
+        )  # fmt: skip
         barrier_s = t.quiesce_seconds + self.settings.barrier_slack_s
         refusals = await check.refusals(
             t.quiesce_seconds, barrier_s, lambda: self.on_milestone(Milestone.JOINED)
@@ -384,7 +390,7 @@ class NodeDriver:
         t = self.timeouts
         for r in rejoin:
             fds, maps = device_fds_and_maps(r.pid)
-            state = (await r.shim.status(t.quiesce_seconds)).get("state")
+            state = (await r.shim.status(t.quiesce_seconds)).state
             if state != "released" or fds or maps:
                 raise CheckpointFailed(
                     f"{r.rank.key()} (pid {r.pid}) cannot rejoin: state {state!r}, "

@@ -26,12 +26,11 @@ import shutil
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from ibckpt.coordination.client import CoordinationTimedOut, CoordinatorClient
 from ibckpt.coordination.keys import gid_key, qp_key
 from ibckpt.vocabulary import Milestone
-from ibckpt_native.control import ControlError
+from ibckpt_native.control import ControlError, ShimStatus
 from ibckpt_node.errors import CheckpointRefused
 from ibckpt_node.procfs import (
     TCP_CLOSE,
@@ -81,20 +80,20 @@ class ShimIdentity:
     ah_gids: tuple[str, ...] = ()  # where the rank's UD address handles point, hex
 
     @classmethod
-    def from_status(cls, status: Mapping[str, Any]) -> ShimIdentity:
-        qps = status.get("qps", [])
+    def from_status(cls, status: ShimStatus) -> ShimIdentity:
         return cls(
             # an unset GID table entry reads as all zeros: not an identity
-            gids=tuple(str(g) for g in status.get("gids", []) if int(str(g), 16) != 0),
-            qpns=tuple(int(q["qpn"]) for q in qps),
-            qp_types={int(q["qpn"]): int(q["type"]) for q in qps},
-            peers=tuple(
-                (int(p["qpn"]), int(p["type"]), str(p["peer_gid"]), int(p["peer_qpn"]))
-                for p in status.get("peers", [])
-            ),
-            refused=tuple(str(v) for v in status.get("unsupported", [])),
-            ah_gids=tuple(sorted({str(g) for g in status.get("ah_gids", [])})),
+            gids=tuple(g for g in status.gids if int(g, 16) != 0),
+            qpns=tuple(qpn for qpn, _ in status.qps),
+            qp_types=dict(status.qps),
+            peers=status.peers,
+            refused=status.unsupported,
+            ah_gids=tuple(sorted(set(status.ah_gids))),
         )
+
+    def key_count(self) -> int:
+        """How many keys own_keys() publishes, counted before they are made."""
+        return len(self.gids) * (len(self.qpns) + 1)
 
     def own_keys(self) -> list[str]:
         return [qp_key(g, q) for g in self.gids for q in self.qpns] + [gid_key(g) for g in self.gids]
@@ -144,8 +143,34 @@ def tcp_problem(sock: TcpSocket, job_addrs: Sequence[IPAddress]) -> str:
     return f"TCP connection {sock.describe()} leads outside the job (job addresses: {addrs})"
 
 
+SHOWN_PROBLEMS = 8  # per rank in a refusal: it ends up in a status and an Event
+
+
 def refusal(rank_key: str, pid: int, problems: Sequence[str]) -> str:
-    return f"refusing to checkpoint {rank_key} (pid {pid}): " + "; ".join(problems)
+    shown = list(problems[:SHOWN_PROBLEMS])
+    if len(problems) > SHOWN_PROBLEMS:
+        shown.append(f"and {len(problems) - SHOWN_PROBLEMS} more")
+    return f"refusing to checkpoint {rank_key} (pid {pid}): " + "; ".join(shown)
+
+
+# Coordinator keys one node's preflight may publish (a rank's GIDs x its QPs, and its GIDs): a busy
+# node (8 ranks x 4 GIDs x 8,192 QPs) stays under it; a shim's claim of more is refused, not sent.
+MAX_PREFLIGHT_KEYS = 1 << 18
+
+
+def too_many_keys(ranks: Sequence[LocalRank], idents: Sequence[ShimIdentity]) -> str | None:
+    """Why this node's ranks would publish too many preflight keys, naming the rank that lists most;
+    None when they would not."""
+    counts = [ident.key_count() for ident in idents]
+    if sum(counts) <= MAX_PREFLIGHT_KEYS:
+        return None
+    most = max(range(len(counts)), key=counts.__getitem__)
+    ident, r = idents[most], ranks[most]
+    return (
+        f"refusing to checkpoint on this node: its ranks' shims list GIDs and QPs for {sum(counts)} "
+        f"preflight keys, more than {MAX_PREFLIGHT_KEYS}; most from {r.rank.key()} (pid {r.pid}): "
+        f"{len(ident.gids)} GIDs x {len(ident.qpns)} QPs"
+    )
 
 
 # -- room on the disk for the images ----------------------------------------------------------
@@ -166,17 +191,20 @@ def size_text(n: int) -> str:
     return f"{n} bytes"
 
 
-def disk_problem(resident: int, processes: int, free: int, where: Path) -> str | None:
+def disk_problem(resident: int, processes: int, free: int, where: Path, reserve: int = 0) -> str | None:
     """Why images of `resident` bytes of memory in `processes` processes do not fit in `free` bytes at
-    `where`; None when they do."""
+    `where` while leaving `reserve` bytes free; None when they do."""
     need = image_estimate(resident)
-    if need <= free:
+    if need + reserve <= free:
         return None
     processes_text = f"{processes} process{'' if processes == 1 else 'es'}"
+    kept = (
+        f", of which the agent leaves {size_text(reserve)} ({reserve} bytes) to the node" if reserve else ""
+    )
     return (
         f"refusing to checkpoint on this node: its images would need about {size_text(need)} ({need} "
         f"bytes: {size_text(resident)} resident in {processes_text}, plus {MARGIN_FRACTION:.0%} and "
-        f"{MARGIN_BYTES >> 20} MiB) and {where} has {size_text(free)} ({free} bytes) free"
+        f"{MARGIN_BYTES >> 20} MiB) and {where} has {size_text(free)} ({free} bytes) free{kept}"
     )
 
 
@@ -206,12 +234,14 @@ def existing(path: Path) -> Path:
     return path
 
 
-def room_problem(trees: Sequence[ProcessTree], ranks: Sequence[LocalRank], images_root: Path) -> str | None:
-    """This node's images would not fit where they go: why, else None."""
+def room_problem(
+    trees: Sequence[ProcessTree], ranks: Sequence[LocalRank], images_root: Path, reserve: int = 0
+) -> str | None:
+    """This node's images would not fit where they go, `reserve` bytes left free: why, else None."""
     pids = dumped_processes(trees, ranks)
     resident = sum(resident_bytes(pid) for pid in pids)
     where = existing(images_root)
-    return disk_problem(resident, len(pids), shutil.disk_usage(where).free, where)
+    return disk_problem(resident, len(pids), shutil.disk_usage(where).free, where, reserve)
 
 
 # -- the run on this node ----------------------------------------------------------------
@@ -229,23 +259,31 @@ class Preflight:
         job_addrs: list[IPAddress] | None,
         lookup_s: float,
         images_root: Path | None = None,
+        disk_reserve: int = 0,
     ) -> None:
-        """`images_root`: where this node's images will be written, to check they fit (None: not on
-        this node's disk, not checked)."""
+        """`images_root`: where this node's images will be written, to check they fit, `disk_reserve`
+        bytes left free (None: not on this node's disk, not checked)."""
         self.client = client
         self.ranks = ranks
         self.trees = trees
         self.job_addrs = job_addrs
         self.lookup_s = lookup_s
         self.images_root = images_root
+        self.disk_reserve = disk_reserve
 
     async def refusals(self, bound_s: float, barrier_s: float, joined: Callable[[], None]) -> list[str]:
         """What this node refuses (nothing: it may go on), once every node has joined."""
         try:
-            statuses = await asyncio.wait_for(on_all(self.ranks, lambda r: r.shim.status(bound_s)), bound_s)
-        except (ControlError, OSError, TimeoutError) as exc:
+            answers = await asyncio.wait_for(on_all(self.ranks, lambda r: self._status(r, bound_s)), bound_s)
+        except (OSError, TimeoutError) as exc:
             raise CheckpointRefused(f"preflight: a rank's shim did not answer status: {exc}") from exc
-        idents = [ShimIdentity.from_status(s) for s in statuses]
+        bad = [answer for answer in answers if isinstance(answer, str)]
+        if bad:
+            raise CheckpointRefused(" | ".join(bad))
+        idents = [ShimIdentity.from_status(a) for a in answers if not isinstance(a, str)]
+        crowded = too_many_keys(self.ranks, idents)
+        if crowded:
+            raise CheckpointRefused(crowded)
         tree_members(self.trees, self.ranks)  # refuses a rank that no process tree holds
         own_addrs = node_addresses()
         keys = [k for ident in idents for k in ident.own_keys()]
@@ -270,13 +308,24 @@ class Preflight:
                 refusals.append(refusal(f"process tree {tree.name}", tree.root_pid, found))
         if self.images_root is not None:
             try:
-                room = await asyncio.to_thread(room_problem, self.trees, self.ranks, self.images_root)
+                room = await asyncio.to_thread(
+                    room_problem, self.trees, self.ranks, self.images_root, self.disk_reserve
+                )
             except OSError as exc:  # not known to be short: the dump says so if it is
                 log.warning("preflight: the free space for %s is unknown: %s", self.images_root, exc)
                 room = None
             if room:
                 refusals.append(room)
         return refusals
+
+    @staticmethod
+    async def _status(r: LocalRank, bound_s: float) -> ShimStatus | str:
+        """The rank's checked status, or the refusal its reply earns (ControlError: an `err`, or a reply
+        of the wrong shape or over the bounds)."""
+        try:
+            return await r.shim.status(bound_s)
+        except ControlError as exc:
+            return refusal(r.rank.key(), r.pid, [f"its shim's status: {exc}"])
 
     async def _published(self, key: str) -> bool:
         try:

@@ -15,7 +15,6 @@ from ibckpt_native.control import AsyncShimControl
 from ibckpt_node.procfs import process_gone
 
 T = TypeVar("T")
-REPLY_LIMIT = 64 * 1024 * 1024  # a status or rebuild reply lists every QP of the rank
 SHIM_CLOSES_S = 0.2  # after a renewal's reply, time for the shim's control thread to close its end
 
 
@@ -29,8 +28,9 @@ class LocalRank:
 
     @property
     def shim(self) -> AsyncShimControl:
-        """The rank's control socket, one fresh connection per command."""
-        return AsyncShimControl(str(self.control_path), REPLY_LIMIT)
+        """The rank's control socket, one fresh connection per command; its replies are checked
+        (ibckpt_native.control: the shim runs in the tenant's process)."""
+        return AsyncShimControl(str(self.control_path))
 
 
 @dataclass

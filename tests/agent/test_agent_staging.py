@@ -13,6 +13,7 @@ import urllib.error
 from collections.abc import Sequence
 from email.message import Message
 from pathlib import Path
+from typing import Any
 
 import pytest
 from agent.agent_harness import IMAGE_KEYS
@@ -131,8 +132,61 @@ def test_what_the_agent_cannot_do_is_refused_and_no_secret_value_is_shown(s3_ser
     encrypted = _destination(
         s3_server, "any-bucket", encryption={"mode": "client", "keySecretRef": {"name": "key"}}
     )
-    with pytest.raises(StagingError, match="client-side encryption is not supported by the node agent"):
+    with pytest.raises(StagingError, match="client-side encryption needs the key"):
         store_config(encrypted.location, encrypted.credentials, _secret(s3_server))
+    # a key Secret without a usable key: named, its value never shown
+    for bad in ({"other": "eA=="}, {"IBCKPT_ENCRYPTION_KEY": base64.b64encode(b"short-key").decode()}):
+        reader = _reader({SECRET.name: _secret(s3_server), "key": bad})
+        with pytest.raises(StagingError, match="the encryption key Secret ibckpt/key") as refused:
+            asyncio.run(read_config(reader, encrypted.location, encrypted.credentials, Path("/nonexistent")))
+        assert "short-key" not in str(refused.value)
+
+
+def _reader(secrets_by_name: dict[str, dict[str, str]]) -> Any:
+    """The agent's Secret reader over fixed data (the Secrets' RBAC is test_secret_grants.py's)."""
+
+    async def read(namespace: str, name: str) -> dict[str, str]:
+        assert namespace == SECRET.namespace, namespace  # always the storage's namespace
+        return secrets_by_name[name]
+
+    return read
+
+
+def test_client_side_encryption_seals_what_the_agent_stages_and_restores_with_the_key(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    """Mode client: the agent reads the key from the storage's Secret, and no object in the bucket holds
+    the plain images; the commit restores them byte for byte with the key, and not without it."""
+    bucket = "agent-" + secrets.token_hex(6)
+    s3_server.create_bucket(bucket)
+    plain = b"ibckpt-plain-marker-" * 5000  # compressible, and easy to look for
+    (tmp_path / "images" / "pod-a.main").mkdir(parents=True)
+    (tmp_path / "images" / "pod-a.main" / "pages-1.img").write_bytes(plain)
+    key = base64.b64encode(base64.b64encode(os.urandom(32))).decode()  # the Secret's data is base64
+    reader = _reader({SECRET.name: _secret(s3_server), "sealing": {"IBCKPT_ENCRYPTION_KEY": key}})
+    destination = _destination(
+        s3_server, bucket, encryption={"mode": "client", "keySecretRef": {"name": "sealing"}}
+    )
+    config = asyncio.run(read_config(reader, destination.location, destination.credentials, tmp_path / "ca"))
+    trees = [("pod-a.main", "pod-a")]
+    stage_trees(config, destination, "node-1", tmp_path / "images", trees, lambda n: None, IMAGE_KEYS)
+    store = ImageStore.open(config, signing=IMAGE_KEYS)
+    store.commit_parts("ring", "ckpt-1", ["node-1"])
+    client = s3_server.client()
+    keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket)["Contents"]]
+    assert any("/chunks/" in k for k in keys), keys
+    for k in keys:
+        body = client.get_object(Bucket=bucket, Key=k)["Body"].read()
+        assert b"ibckpt-plain-marker" not in body, k
+    store.restore(CheckpointRef("ring", "ckpt-1"), tmp_path / "back")
+    assert (tmp_path / "back" / "node-1" / "pod-a.main" / "pages-1.img").read_bytes() == plain
+    keyless = store_config(
+        _destination(s3_server, bucket).location, destination.credentials, _secret(s3_server)
+    )
+    with pytest.raises(Exception, match="encrypted client-side"):
+        ImageStore.open(keyless, signing=IMAGE_KEYS).restore(
+            CheckpointRef("ring", "ckpt-1"), tmp_path / "nokey"
+        )
 
 
 def test_server_side_encryption_is_asked_for_every_object_the_agent_writes(

@@ -114,6 +114,10 @@ def test_each_component_may_do_what_it_needs_and_no_more(installed: Release) -> 
     assert not _can(cluster, op, "update", "roles.rbac.authorization.k8s.io/other", "-n", "team-a")
     assert not _can(cluster, op, "delete", f"roles.rbac.authorization.k8s.io/{grant}", "-n", "team-a")
     assert not _can(cluster, op, "create", "clusterroles.rbac.authorization.k8s.io")
+    # the agents' ClusterRole owns those Roles (helm uninstall removes them): its uid, nothing more
+    assert _can(cluster, op, "get", f"clusterroles.rbac.authorization.k8s.io/{RELEASE}-agent")
+    assert not _can(cluster, op, "get", "clusterroles.rbac.authorization.k8s.io/cluster-admin")
+    assert not _can(cluster, op, "delete", f"clusterroles.rbac.authorization.k8s.io/{RELEASE}-agent")
     assert not _can(cluster, op, "create", "clusterrolebindings.rbac.authorization.k8s.io")
 
     assert _can(cluster, agent, "create", "tokenreviews.authentication.k8s.io")

@@ -5,24 +5,46 @@ jacobi is moved, and must still print exactly the RESULT of an uninterrupted run
 CheckpointJob names the MPIJob (workloadRef) and stops it mid-run; once the pods are deleted, a RestoreJob
 brings both back on the other nodes (the launcher on node-2, the worker on node-1): the processes
 restored through the runtime, node addresses mapped in their TCP connections (mpirun to orted, the exec
-server's), queue pairs rebuilt through the operator's coordinator.
+server's), queue pairs rebuilt through the operator's coordinator. The team's storage encrypts
+client-side: every chunk in the bucket is sealed, and the restore reads them with the team's key.
 
-The test only uses kubectl. (The reference run goes beside the job, to keep the suite's time. A second
-move by `kubectl drain node-1` under a CheckpointSchedule was dropped on 2026-11-29 for the same reason:
-drains of pods owned by a controller are tests/helm/test_drain_job.py and test_drain_statefulset.py.)
+The test drives it as a user does: `kubectl ibckpt checkpoint mpijob/...`, `list`, `describe`, `logs`
+(the real agents' lines) and `restore`, besides kubectl. (The reference run goes beside the job, to keep
+the suite's time. A second move by `kubectl drain node-1` under a CheckpointSchedule was dropped on
+2026-11-29 for the same reason: drains of pods owned by a controller are tests/helm/test_drain_job.py
+and test_drain_statefulset.py.)
 """
 
 from __future__ import annotations
 
+import base64
+import json
+import os
 from collections.abc import Iterator
 
 import pytest
-from helm.conftest import Release
+from helm.conftest import NAMESPACE, Release
 
+from ibckpt.store import codec
 from testbed import mpijob, pods, ring
-from testbed.cluster import node_ip
+from testbed.cluster import Cluster, kubectl_ibckpt, node_ip
+from testbed.s3 import S3Server
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(3000)]
+
+
+def _the_plugin_shows(cluster: Cluster, job_ns: str, checkpoint: str) -> None:
+    """`list`, `describe` and `logs` of the plugin, against the real agents that took the checkpoint."""
+    listed = kubectl_ibckpt(cluster.kubeconfig, job_ns, "list")
+    assert listed.returncode == 0 and checkpoint in listed.stdout, listed
+    described = kubectl_ibckpt(cluster.kubeconfig, job_ns, "describe", checkpoint)
+    assert described.returncode == 0, described
+    for pod, node in ((mpijob.LAUNCHER, "node-1"), (mpijob.WORKER, "node-2")):
+        assert any(pod in line and node in line for line in described.stdout.splitlines()), described.stdout
+    logs = kubectl_ibckpt(cluster.kubeconfig, job_ns, "logs", "jacobi-stop", "--agent-namespace", NAMESPACE)
+    assert logs.returncode == 0, logs
+    by_node = {line.split(" | ", 1)[0] for line in logs.stdout.splitlines()}
+    assert by_node == {"node-1", "node-2"}, logs.stdout[-3000:]
 
 
 @pytest.fixture
@@ -34,26 +56,50 @@ def mpi_crd(installed: Release) -> Iterator[None]:
         installed.cluster.kubectl("delete", "crd", f"mpijobs.{mpijob.GROUP}", "--wait=false", check=False)
 
 
+def _seal_the_storage(cluster: Cluster, job_ns: str) -> str:
+    """The team's storage encrypts client-side (AES-256-GCM in the agents, the key in the team's
+    Secret, which only the agents read, by name). Its bucket's name."""
+    key = base64.b64encode(os.urandom(32)).decode()
+    cluster.kubectl("create", "secret", "generic", "sealing", "-n", job_ns,
+                    f"--from-literal=IBCKPT_ENCRYPTION_KEY={key}")  # fmt: skip
+    sealed = {"spec": {"encryption": {"mode": "client", "keySecretRef": {"name": "sealing"}}}}
+    cluster.kubectl(
+        "patch", "checkpointstorage", "store", "-n", job_ns, "--type=merge", "-p", json.dumps(sealed)
+    )
+    return str(pods.get(cluster, job_ns, "checkpointstorage", "store")["spec"]["bucket"])
+
+
+def _sealed_in_the_bucket(s3: S3Server, bucket: str) -> None:
+    """Every chunk in S3 is stored sealed (codec.py's header: cipher AES-256-GCM), none in the clear."""
+    client = s3.client()
+    keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket).get("Contents", [])]
+    chunks = [k for k in keys if "/chunks/" in k]
+    assert chunks, keys
+    for k in chunks:
+        head = client.get_object(Bucket=bucket, Key=k, Range="bytes=0-15")["Body"].read()
+        assert head[:4] == codec.MAGIC and head[6] == codec.Cipher.AES_256_GCM, (k, head)
+
+
 def test_an_mpijob_moved_by_a_restorejob_prints_the_uninterrupted_result(
-    installed: Release, job_ns: str, mpi_crd: None
+    installed: Release, job_ns: str, mpi_crd: None, s3_server: S3Server
 ) -> None:
     cluster = installed.cluster
+    bucket = _seal_the_storage(cluster, job_ns)
     mpijob.start_uninterrupted(cluster, job_ns)
     mpijob.start(cluster, job_ns)
 
-    job = {
-        "apiVersion": "ibckpt.io/v1alpha1",
-        "kind": "CheckpointJob",
-        "metadata": {"name": "jacobi-stop"},
-        "spec": {
-            "workloadRef": {"apiVersion": mpijob.GROUP, "kind": "MPIJob", "name": mpijob.NAME},
-            "mode": "Stop",
-            "storageRef": {"name": "store"},
-            "timeouts": {"admitSeconds": 300},
-        },
-    }
-    pods.apply(cluster, job_ns, job)
-    done = ring.wait_phase(cluster, job_ns, "checkpointjob", "jacobi-stop", "Succeeded", 900)
+    # The user's tool: `kubectl ibckpt` names the MPIJob and follows the CheckpointJob it creates.
+    taken = kubectl_ibckpt(
+        cluster.kubeconfig, job_ns, "checkpoint", f"mpijob/{mpijob.NAME}", "--mode", "Stop",
+        "--name", "jacobi-stop", "--phase-seconds", "admit=300", timeout=960,
+    )  # fmt: skip
+    assert taken.returncode == 0, f"{taken.stdout}\n{taken.stderr}"
+    printed = taken.stdout.splitlines()
+    assert printed[0] == "checkpointjob/jacobi-stop created", taken.stdout
+    assert "Stopped" in [line.split()[0] for line in printed[1:-1]], taken.stdout
+    done = ring.wait_phase(cluster, job_ns, "checkpointjob", "jacobi-stop", "Succeeded", 60)
+    committed = f"checkpoint/{done['status']['checkpointName']} committed: 2 pods, "
+    assert printed[-1].startswith(committed), printed
     before = mpijob.log(cluster, job_ns)
     cut_at = max(mpijob.steps(before))
     assert mpijob.result(before) is None and cut_at < mpijob.STEPS - 50, before[-2000:]  # stopped mid-run
@@ -68,10 +114,18 @@ def test_an_mpijob_moved_by_a_restorejob_prints_the_uninterrupted_result(
     # rank 0 in the launcher, rank 1 under the worker's orted; mpirun, orted and the exec server are no ranks
     ranks = {p["name"]: len(p.get("ranks") or ()) for p in spec["pods"]}
     assert ranks == {mpijob.LAUNCHER: 1, mpijob.WORKER: 1} and spec["rankCount"] == 2, spec["pods"]
+    _the_plugin_shows(cluster, job_ns, checkpoint["metadata"]["name"])
+    _sealed_in_the_bucket(s3_server, bucket)
 
     cluster.kubectl("delete", "pod", "-n", job_ns, *mpijob.MEMBERS, "--timeout=120s", timeout=150)
-    pods.apply(cluster, job_ns, ring.restore_job("jacobi-back", checkpoint["metadata"]["name"]))
-    restored = ring.wait_phase(cluster, job_ns, "restorejob", "jacobi-back", "Succeeded", 900)
+    back = kubectl_ibckpt(
+        cluster.kubeconfig, job_ns, "restore", checkpoint["metadata"]["name"], "--avoid-source-nodes",
+        "--name", "jacobi-back", "--phase-seconds", "admit=300", timeout=960,
+    )  # fmt: skip
+    assert back.returncode == 0, f"{back.stdout}\n{back.stderr}"
+    name = checkpoint["metadata"]["name"]
+    assert back.stdout.splitlines()[-1].startswith(f"restored from checkpoint/{name}:"), back.stdout
+    restored = ring.wait_phase(cluster, job_ns, "restorejob", "jacobi-back", "Succeeded", 60)
     placed = {p["metadata"]["name"]: p for p in pods.get(cluster, job_ns, "pods")["items"]}
     assert placed[mpijob.LAUNCHER]["spec"]["nodeName"] == "node-2", restored["status"]
     assert placed[mpijob.WORKER]["spec"]["nodeName"] == "node-1", restored["status"]

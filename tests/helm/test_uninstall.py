@@ -1,5 +1,7 @@
-"""The session's release at its end: an upgrade that leaves a node without a prerequisite, then
-`helm uninstall`, after which the nodes are as they were before the install.
+"""The session's release at its end: a `helm upgrade` that rolls the agents and the operator while a
+checkpoint runs (and gives the agents a disk reserve no node can honour: the next checkpoint is refused),
+an upgrade that leaves a node without a prerequisite, then `helm uninstall`, after which the nodes are as
+they were before the install and the agents' storage grants are gone.
 
 Runs last among the cluster's tests (files sort after every other cluster test): it ends the release
 the others share. The nodes started with containerd's stock configuration (node-init.sh keeps a copy on
@@ -15,7 +17,7 @@ from typing import Any
 import pytest
 from helm.conftest import NAMESPACE, RELEASE, Release
 
-from testbed import pods
+from testbed import pods, ring
 from testbed.cluster import NODE_NAMES, Cluster
 from testbed.images import APPS_IMAGE
 from testbed.release import CHART, helm
@@ -64,8 +66,86 @@ def _node_view(cluster: Cluster, node: str) -> str:
     return cluster.kubectl("logs", "-n", NS, name).stdout
 
 
-def test_a_missing_prerequisite_then_helm_uninstall_leaves_the_nodes_as_they_were(installed: Release) -> None:
+# Before these the job has not reached the nodes; from Quiescing on, an upgrade meets it there.
+NOT_YET = {None, "Pending", "Admitted"}
+ENDED = {"Succeeded", "Failed"}
+STORAGES = "checkpointstorages.ibckpt.io"
+TIB = 1 << 40
+
+
+def _grants(cluster: Cluster, namespace: str) -> list[str]:
+    """Which of the agents' storage Role and RoleBinding a team's namespace holds."""
+    kinds = ("role", "rolebinding")
+    name = f"{RELEASE}-agent-storage"
+    return [k for k in kinds if cluster.kubectl("get", k, name, "-n", namespace, check=False).returncode == 0]
+
+
+def _upgrade_during_a_checkpoint(installed: Release, job_ns: str) -> None:
+    """`helm upgrade` rolls every agent and the operator while a LeaveRunning checkpoint is on the nodes:
+    the job succeeds or aborts, the ranks keep running and deliver every message once, and a checkpoint
+    taken before the upgrade restores after it."""
     cluster = installed.cluster
+    ring.start(cluster, job_ns)
+    pods.apply(cluster, job_ns, ring.checkpoint_job("before", "LeaveRunning"))
+    before = ring.wait_phase(cluster, job_ns, "checkpointjob", "before", "Succeeded", 900)
+    checkpoint = before["status"]["checkpointName"]
+
+    pods.apply(cluster, job_ns, ring.checkpoint_job("during", "LeaveRunning"))
+
+    def on_the_nodes() -> str | None:
+        phase = (pods.get(cluster, job_ns, "checkpointjob", "during").get("status") or {}).get("phase")
+        assert phase not in ENDED, f"the job ended ({phase}) before the upgrade could meet it"
+        return None if phase in NOT_YET else phase
+
+    met = _wait("the job on the nodes", on_the_nodes, timeout=600)
+    # what a new release changes (here an annotation, as an image tag would): every pod of the chart rolls;
+    # and the agents now leave more of their disk to the node than the node has
+    helm(
+        cluster, "upgrade", RELEASE, str(CHART), "--namespace", NAMESPACE, "--reuse-values",
+        "--set-string", "agent.podAnnotations.ibckpt-test/revision=2",
+        "--set-string", "operator.podAnnotations.ibckpt-test/revision=2",
+        "--set", f"agent.diskReserveBytes={TIB}",
+    )  # fmt: skip
+
+    def ended() -> dict[str, Any] | None:
+        job: dict[str, Any] = pods.get(cluster, job_ns, "checkpointjob", "during")
+        return job if (job.get("status") or {}).get("phase") in ENDED else None
+
+    status = _wait("the job met by the upgrade ends", ended, timeout=900)["status"]
+    installed.rollout(f"daemonset/{RELEASE}-agent")
+    installed.operator_leading()
+    print(f"upgrade met the job in {met}: it ended {status['phase']} ({status.get('reason')})")
+    if status["phase"] == "Failed":  # aborted: every rank was resumed, the partial checkpoint not listed
+        listed = pods.get(cluster, job_ns, "checkpoints.ibckpt.io")["items"]
+        assert [c["metadata"]["name"] for c in listed] == [checkpoint], listed
+    ring.running(cluster, job_ns)  # no rank died or was restarted
+
+    # a checkpoint the nodes' disks cannot hold (with the reserve) is refused before any rank is touched
+    pods.apply(cluster, job_ns, ring.checkpoint_job("no-room", "LeaveRunning"))
+    refused = ring.wait_phase(cluster, job_ns, "checkpointjob", "no-room", "Failed", 600)["status"]
+    assert refused["reason"] == "PreflightRefused", refused
+    assert "refusing to checkpoint on this node: its images would need about" in refused["message"], refused
+    assert f"of which the agent leaves 1024.0 GiB ({TIB} bytes)" in refused["message"], refused
+    ring.running(cluster, job_ns)
+    ring.finish(cluster, job_ns)  # the ranks still deliver every message exactly once
+
+    # the checkpoint from before the upgrade restores under the upgraded release
+    cluster.kubectl("delete", "pod", "-n", job_ns, *ring.MEMBERS, "--timeout=120s", timeout=150)
+    pods.apply(cluster, job_ns, ring.restore_job("after", checkpoint))
+    ring.wait_phase(cluster, job_ns, "restorejob", "after", "Succeeded", 900)
+    ring.finish(cluster, job_ns)
+    # the team's objects go while the operator runs (their finalizers are its); the namespace stays,
+    # with the agents' storage grant the operator made there, for helm uninstall to take away
+    for kinds in ("checkpoints.ibckpt.io", "checkpointjobs.ibckpt.io,restorejobs.ibckpt.io,pods", STORAGES):
+        cluster.kubectl("delete", kinds, "--all", "-n", job_ns, "--timeout=180s", timeout=200)
+    assert _grants(cluster, job_ns) == ["role", "rolebinding"], "no storage grant was made"
+
+
+def test_an_upgrade_mid_checkpoint_a_missing_prerequisite_then_helm_uninstall(
+    installed: Release, job_ns: str
+) -> None:
+    cluster = installed.cluster
+    _upgrade_during_a_checkpoint(installed, job_ns)
     pods.namespace(cluster, NS)
     # a pod of no class on each node, running through the whole story
     for node in NODE_NAMES:
@@ -104,8 +184,14 @@ def test_a_missing_prerequisite_then_helm_uninstall_leaves_the_nodes_as_they_wer
     log = installed.cluster.kubectl("logs", "-n", NAMESPACE, agent["metadata"]["name"]).stdout
     assert "/nonexistent/runc" in log and "lacks what the ibckpt agent needs" in log, log[-2000:]
 
-    # 2. helm uninstall: its pre-delete hook has every agent undo its node.
+    # 2. helm uninstall: its pre-delete hook has every agent undo its node. The agents' storage grants,
+    #    which Helm does not know, go with the agents' ClusterRole that owns them.
     installed.uninstall()
+    _wait(
+        "the storage grants gone with their owner",
+        lambda: not _grants(cluster, job_ns),
+        timeout=120,
+    )
     for name in NODE_NAMES:
         labels = pods.get(cluster, NS, "node", name)["metadata"]["labels"]
         assert READY_LABEL not in labels, labels

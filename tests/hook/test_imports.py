@@ -35,3 +35,15 @@ def test_the_full_path_stays_in_the_cheap_standard_library() -> None:
     assert {"json", "socket"} <= loaded, loaded  # the probe works
     heavy = {"typing", "dataclasses", "inspect", "asyncio", "pydantic", "ibckpt", "ibckpt_native", "shutil"}
     assert not loaded & heavy, loaded & heavy
+
+
+def test_the_unpack_of_a_restore_uses_the_standard_library_alone() -> None:
+    """hook/unpack.py runs only for a restore with files to carry (it may load tarfile), and only the
+    standard library: the hook's copy on the node has nothing else."""
+    loaded = loaded_by("ibckpt_node.hook.unpack")
+    code = "import sys; print(' '.join(sorted(sys.stdlib_module_names)))"
+    stdlib = set(
+        subprocess.run(["/usr/bin/python3", "-IS", "-c", code], capture_output=True, text=True).stdout.split()
+    )
+    assert "tarfile" in loaded, loaded  # the probe works
+    assert {m for m in loaded if m.split(".")[0] not in stdlib} == set()

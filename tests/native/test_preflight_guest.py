@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from ibckpt_native.control import ShimStatus
 from ibckpt_node.preflight import ShimIdentity, shim_problems
 from ibckpt_node.procfs import device_fds_and_maps
 from shimtest import SHIM, SHIM_ASAN, SHIM_UBSAN
@@ -59,7 +60,7 @@ def test_status_lists_what_a_checkpoint_cannot_carry(tmp_path: Path, shim: Path)
     assert f"ibv_modify_qp (QP {qpn_b}: more than 8 calls since RESET, not replayable)" in refused, refused
     assert len(refused) == 2, refused
     # the agent's preflight turns each into a reason to refuse the checkpoint
-    problems = shim_problems(ShimIdentity.from_status(status))
+    problems = shim_problems(ShimIdentity.from_status(ShimStatus.parse(status)))
     assert len(problems) == 2 and all("ibv_" in p for p in problems), problems
     # and asking touched nothing: the process runs, its QPs are connected, its device is open
     assert status["state"] == "running" and status["gate_closed"] == 0, status

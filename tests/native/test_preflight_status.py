@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from ibckpt_native.control import ShimStatus
 from ibckpt_node.preflight import ShimIdentity, shim_problems
 from shimtest import NATIVE_DIR, SHIM
 
@@ -45,7 +46,7 @@ def test_refused_verbs_are_listed_once_and_refuse_the_checkpoint() -> None:
     assert got["device"] == [None, 95] and got["pd"] == [None, 95], got
     status = got["status"]
     assert got["rc"] == 0 and status["unsupported"] == ["ibv_import_device", "ibv_import_pd"], status
-    problems = shim_problems(ShimIdentity.from_status(status))
+    problems = shim_problems(ShimIdentity.from_status(ShimStatus.parse(status)))
     assert problems == [
         "the shim refused ibv_import_device (not supported under checkpointing)",
         "the shim refused ibv_import_pd (not supported under checkpointing)",

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from ibckpt_native.control import ShimControl
+from ibckpt_native.control import ShimControl, ShimStatus
 from ibckpt_node.preflight import ShimIdentity, shim_problems
 from shimtest import SHIM, SHIM_ASAN, SHIM_UBSAN, TESTS_DIR
 from shimtest.coordinator import Coordinator
@@ -128,7 +128,7 @@ def test_rping_server_is_refused_by_the_preflight_and_its_client_is_not(tmp_path
         for name, proc in zip(("srv", "cli"), procs, strict=True):
             status = _connected_status(tmp_path / f"{name}.ctl", proc)
             states = sorted(i["state"] for i in status["rdma_cm"]["ids"])
-            problems = shim_problems(ShimIdentity.from_status(status))
+            problems = shim_problems(ShimIdentity.from_status(ShimStatus.parse(status)))
             if name == "srv":
                 assert states == ["connected", "listening"], status["rdma_cm"]
                 assert status["unsupported"] == [LISTENING], status["unsupported"]
@@ -207,7 +207,7 @@ def _assert_carried(prog: ShimProc, detached: int) -> None:
     """Nothing refused; one rdma_cm id, connected; its channel detached after a release."""
     status = prog.ctl.status()
     assert status["unsupported"] == [], status["unsupported"]
-    assert shim_problems(ShimIdentity.from_status(status)) == []
+    assert shim_problems(ShimIdentity.from_status(ShimStatus.parse(status))) == []
     cm = status["rdma_cm"]
     assert [i["state"] for i in cm["ids"]] == ["connected"], cm
     assert cm["channels"] == 1 and cm["detached"] == detached, cm

@@ -28,7 +28,14 @@ class FakeShimSocket:
 
     def answer(self, verb: str) -> tuple[bool, dict[str, object]]:
         """Every phase succeeds and moves the state the way the real shim does."""
-        self.state = {"release": "released", "resume": "running", "abort": "running"}.get(verb, self.state)
+        self.state = {
+            "quiesce": "quiesced",
+            "drain": "drained",
+            "release": "released",
+            "rebuild": "rebuilt",
+            "resume": "running",
+            "abort": "running",
+        }.get(verb, self.state)
         return True, {"phase": verb, "ok": True, "ms": 0, "state": self.state}
 
     def _serve(self) -> None:

@@ -21,6 +21,7 @@ from node.fake_shim import FakeShimSocket
 from ibckpt.agentapi import Mode
 from ibckpt.coordination.client import CoordinationAborted, CoordinatorClient
 from ibckpt.coordination.ranks import RankId
+from ibckpt_native.control import ShimStatus
 from ibckpt_node import preflight, procfs
 from ibckpt_node.driver import NodeDriver
 from ibckpt_node.errors import CheckpointFailed, CheckpointRefused
@@ -89,12 +90,16 @@ def test_node_addresses_are_read_from_fib_trie_and_if_inet6() -> None:
 
 def test_shim_status_problems() -> None:
     ident = preflight.ShimIdentity.from_status(
-        {
-            "qps": [{"qpn": 17, "type": 2}, {"qpn": 18, "type": 9}],
-            "gids": ["fe80000000000000020000fffe000001"],
-            "peers": [{"qpn": 17, "type": 2, "peer_gid": "00000000000000000000ffff0a4d0002", "peer_qpn": 99}],
-            "unsupported": ["ibv_query_rt_values_ex", "ibv_alloc_mw"],
-        }
+        ShimStatus.parse(
+            {
+                "qps": [{"qpn": 17, "type": 2}, {"qpn": 18, "type": 9}],
+                "gids": ["fe80000000000000020000fffe000001"],
+                "peers": [
+                    {"qpn": 17, "type": 2, "peer_gid": "00000000000000000000ffff0a4d0002", "peer_qpn": 99}
+                ],
+                "unsupported": ["ibv_query_rt_values_ex", "ibv_alloc_mw"],
+            }
+        )
     )
     assert ident.own_keys() == [
         "preflight/qp/fe80000000000000020000fffe000001/17",

@@ -54,6 +54,13 @@ def test_the_estimate_is_the_resident_memory_plus_a_margin_and_the_boundary_fits
         f"1000.0 MiB resident in 3 processes, plus 10% and 64 MiB) and /var/lib/ibckpt has 1.1 GiB "
         f"({need - 1} bytes) free"
     )
+    # the agent's --disk-reserve-bytes stays free on top of the images
+    reserve = 512 * MIB
+    assert preflight.disk_problem(resident, 3, need + reserve, Path("/d"), reserve) is None
+    short = preflight.disk_problem(resident, 3, need + reserve - 1, Path("/d"), reserve)
+    assert short is not None and short.endswith(
+        f"free, of which the agent leaves 512.0 MiB ({reserve} bytes) to the node"
+    ), short
 
 
 def test_resident_memory_is_read_for_every_process_of_a_tree(big: int) -> None:

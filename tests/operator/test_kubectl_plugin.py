@@ -62,7 +62,9 @@ def test_checkpoint_list_describe_and_restore_latest_as_a_user(
     try:
         with operator():
             # A LeaveRunning checkpoint, followed phase by phase; the namespace's one storage is used.
-            first = plugin(kube, ns, "checkpoint", "-l", "app=ring", "--name", "ring-a")
+            first = plugin(
+                kube, ns, "checkpoint", "-l", "app=ring", "--name", "ring-a", "--phase-seconds", "admit=300"
+            )
             assert first.returncode == 0, first.stderr
             lines = first.stdout.splitlines()
             assert lines[0] == "checkpointjob/ring-a created", first.stdout
@@ -73,6 +75,7 @@ def test_checkpoint_list_describe_and_restore_latest_as_a_user(
             job = cluster_ns.get("checkpointjobs", "ring-a")
             assert job["spec"]["storageRef"] == {"name": "store"}
             assert job["spec"]["selector"] == {"matchLabels": {"app": "ring"}}
+            assert job["spec"]["timeouts"]["admitSeconds"] == 300, job["spec"]
             checkpoint_a = job["status"]["checkpointName"]
             assert lines[-1].startswith(f"checkpoint/{checkpoint_a} committed: 2 pods, "), first.stdout
 
@@ -167,6 +170,9 @@ def test_what_a_user_gets_wrong_is_refused_in_one_line_and_creates_nothing(
     assert "Checkpoint gone not found" in refused("restore", "gone")
     assert "CheckpointSchedule none not found" in refused("restore", "--latest", "none")
     assert "give a Checkpoint's name or --latest" in refused("restore")
+    bogus = refused("checkpoint", "-l", "app=ring", "--storage", "one", "--phase-seconds", "nap=3")
+    assert "--phase-seconds nap=3: the phases are admit, quiesce," in bogus, bogus
+    assert "whole number" in refused("restore", "gone", "--phase-seconds", "download=-1")
     assert (
         cluster_ns.custom.list_namespaced_custom_object("ibckpt.io", "v1alpha1", ns, "checkpointjobs")[
             "items"

@@ -147,8 +147,9 @@ def test_missing_credentials_secret(
 ) -> None:
     agents.add(cluster_ns, "node-a", 1)
     cluster_ns.pod("ring-0", "node-a", {"app": "ring"})
-    # and client-side encryption, which the node agents cannot do: refused before any rank is touched
+    # and a client-side encryption key's Secret that is not there: refused before any rank is touched
     sealed = {**storage(s3_server, bucket), "encryption": {"mode": "client", "keySecretRef": {"name": "k"}}}
+    creds(cluster_ns, s3_server)  # the sealed storage's credentials are there; its key's Secret is not
     with operator():
         cluster_ns.create(JOBS, job("nosecret", storage(s3_server, bucket, secret="absent")))
         cluster_ns.create(JOBS, job("sealed", sealed))
@@ -156,7 +157,7 @@ def test_missing_credentials_secret(
         refused = cluster_ns.wait(JOBS, "sealed", phase("Failed"))
     assert_failed(cluster_ns, body, "SecretNotFound", f"{cluster_ns.namespace}/absent", "does not exist")
     assert not body["status"].get("pods")  # failed before any pod was even selected
-    assert_failed(cluster_ns, refused, "EncryptionUnsupported", "client-side encryption", "sse-s3")
+    assert_failed(cluster_ns, refused, "SecretNotFound", f"encryption key Secret {cluster_ns.namespace}/k")
     assert not refused["status"].get("pods")
 
 

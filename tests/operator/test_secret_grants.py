@@ -140,3 +140,63 @@ def test_the_objects_name_only_the_locations_secrets() -> None:
     bound = rules.binding("ns", "r", "agent", "sys")
     assert bound["subjects"] == [{"kind": "ServiceAccount", "name": "agent", "namespace": "sys"}]
     assert bound["roleRef"] == {"apiGroup": rules.RBAC, "kind": "Role", "name": "r"}
+
+
+def test_the_grants_go_with_the_agents_cluster_role(
+    kube_api: kubernetes.client.ApiClient, agent_account: None
+) -> None:
+    """`helm uninstall` deletes the agents' ClusterRole: the garbage collector then removes every
+    namespace's grant, which Helm does not know. A grant made before the owner was known gains it."""
+    rbac = kubernetes.client.RbacAuthorizationV1Api(kube_api)
+    owner = "grants-owner-agent"
+    made = rbac.create_cluster_role({"metadata": {"name": owner}, "rules": []})
+    older, newer = namespace(kube_api, "grants-gc-a"), namespace(kube_api, "grants-gc-b")
+    name = rules.grant_name(AGENT)
+    asyncio.run(secretgrants.grant(Kube(kube_api), older, location("s3")))  # no owner configured yet
+    assert not rbac.read_namespaced_role(name, older).metadata.owner_references
+    settings.configure(settings.current().with_(grants_owner=owner))
+    for ns in (older, newer):
+        asyncio.run(secretgrants.grant(Kube(kube_api), ns, location("s3")))
+        for found in (rbac.read_namespaced_role(name, ns), rbac.read_namespaced_role_binding(name, ns)):
+            [ref] = found.metadata.owner_references
+            assert (ref.kind, ref.name, ref.uid) == ("ClusterRole", owner, made.metadata.uid), found.metadata
+
+    rbac.delete_cluster_role(owner)
+    for _ in range(300):
+        left = [
+            (ns, kind)
+            for ns in (older, newer)
+            for kind, listed in (
+                ("Role", rbac.list_namespaced_role(ns)),
+                ("RoleBinding", rbac.list_namespaced_role_binding(ns)),
+            )
+            if any(item.metadata.name == name for item in listed.items)
+        ]
+        if not left:
+            break
+        asyncio.run(asyncio.sleep(0.2))
+    assert not left, f"still there after the owner went: {left}"
+
+
+def test_a_missing_owner_leaves_the_grants_unowned_but_made(
+    kube_api: kubernetes.client.ApiClient, agent_account: None
+) -> None:
+    settings.configure(settings.current().with_(grants_owner="no-such-cluster-role"))
+    ns = namespace(kube_api, "grants-no-owner")
+    asyncio.run(secretgrants.grant(Kube(kube_api), ns, location("s3")))
+    role = kubernetes.client.RbacAuthorizationV1Api(kube_api).read_namespaced_role(
+        rules.grant_name(AGENT), ns
+    )
+    assert role.rules[0].resource_names == ["s3"] and not role.metadata.owner_references
+
+
+def test_a_client_side_keys_secret_is_granted_with_the_credentials() -> None:
+    sealed = S3Location.model_validate(
+        {
+            "bucket": "ckpts",
+            "credentialsSecretRef": {"name": "creds"},
+            "encryption": {"mode": "client", "keySecretRef": {"name": "sealing", "key": "k"}},
+        }
+    )
+    assert rules.agent_secrets(sealed) == ["creds", "sealing"]
+    assert rules.agent_secrets(location("creds")) == ["creds"]

@@ -207,3 +207,57 @@ async def test_an_operator_that_may_not_use_the_secret_still_serves(
     assert published is not None and isinstance(settings.admission.server, webhook.BoundedWebhookServer)
     certificate = x509.load_pem_x509_certificate(base64.b64decode(published.ca_bundle))
     assert certificate.subject.rfc4514_string() == "CN=127.0.0.1"  # this start's own, not a kept CA
+
+
+@pytest.mark.kube
+async def test_a_running_server_takes_a_renewed_certificate_without_a_restart(
+    operator_account: tuple[Kube, str, str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The leader asks every RENEW_EVERY_S whether the Secret's certificate still fits (here: it was made
+    for another host, as an expiring one would be judged): the new one is written under the running
+    server, which serves it at its next look at the files, and the published bundle still trusts it."""
+    kube, name, owner = operator_account
+    for key, value in {"IBCKPT_WEBHOOK": "on", "IBCKPT_WEBHOOK_HOST": "127.0.0.1", "IBCKPT_WEBHOOK_PORT": "0",
+                       "IBCKPT_WEBHOOK_BIND": "127.0.0.1", "IBCKPT_WEBHOOK_SECRET": name,
+                       "IBCKPT_WEBHOOK_SECRET_OWNER": owner}.items():  # fmt: skip
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(webhook, "CERT_POLL_S", 0.2)
+    settings = kopf.OperatorSettings()
+    await webhook.serve_admission(settings, kube, RELEASE_NS)
+    published = webhook.endpoint()
+    assert published is not None
+    assert not await webhook.renew_served(kube, RELEASE_NS)  # nothing to renew yet
+    server = settings.admission.server
+    serving = server(lambda *_a, **_k: None)
+    await anext(serving)
+    bundle = tmp_path / "bundle.pem"
+    bundle.write_bytes(base64.b64decode(published.ca_bundle))
+    context = ssl.create_default_context(cafile=str(bundle))
+
+    async def presented() -> bytes:
+        _reader, writer = await asyncio.open_connection("127.0.0.1", server.bound_port, ssl=context)
+        der: bytes = writer.get_extra_info("ssl_object").getpeercert(binary_form=True)
+        writer.close()
+        return der
+
+    watcher = asyncio.ensure_future(anext(serving, None))  # the server's wait for changed files
+    try:
+        before = await presented()
+        secret = await kube.request("GET", f"/api/v1/namespaces/{RELEASE_NS}/secrets/{name}")
+        assert secret is not None
+        kept = webhookcert.from_data({k: base64.b64decode(v) for k, v in secret["data"].items()})
+        assert kept is not None
+        elsewhere = webhookcert.issue(["10.9.9.9"], datetime.datetime.now(datetime.UTC), keep=kept)
+        secret["data"] = {k: base64.b64encode(v).decode() for k, v in elsewhere.data().items()}
+        await kube.request("PUT", f"/api/v1/namespaces/{RELEASE_NS}/secrets/{name}", secret)
+        assert await webhook.renew_served(kube, RELEASE_NS)
+        again = webhook.endpoint()
+        assert again is not None and again.ca_bundle == published.ca_bundle  # same CA: no new bundle
+        assert await asyncio.wait_for(watcher, 10)  # it saw the files change and serves them again
+        after = await presented()
+        assert after != before
+        renewed = x509.load_der_x509_certificate(after)
+        assert renewed.serial_number != x509.load_der_x509_certificate(before).serial_number
+    finally:
+        watcher.cancel()
+        await serving.aclose()

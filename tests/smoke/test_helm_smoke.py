@@ -176,11 +176,13 @@ def test_the_operator_grants_storage_secrets_by_name_unless_told_not_to() -> Non
         operator = objects[("Deployment", "ibckpt-operator")]["spec"]["template"]["spec"]["containers"][0]
         role = objects[("ClusterRole", "ibckpt-operator")]
         rbac = [r for r in role["rules"] if r["apiGroups"] == ["rbac.authorization.k8s.io"]]
-        return [a for a in operator["args"] if a.startswith("--agent-account")], rbac
+        return [a for a in operator["args"] if a.startswith(("--agent-account", "--grants-owner"))], rbac
 
     objects = rendered_objects()
     args, rules = grants(objects)
-    assert args == ["--agent-account=ibckpt-agent"]
+    # the grants are owned by the agents' ClusterRole, which helm uninstall deletes (and with it them)
+    assert args == ["--agent-account=ibckpt-agent", "--grants-owner=ibckpt-agent"]
+    assert ("ClusterRole", "ibckpt-agent") in objects
     operator = objects[("Deployment", "ibckpt-operator")]["spec"]["template"]["spec"]["containers"][0]
     assert "--release=ibckpt" in operator["args"]  # labels the Roles, for kubectl ibckpt uninstall
     assert {"resources": ["roles", "rolebindings"], "verbs": ["create"]} in [
@@ -188,7 +190,9 @@ def test_the_operator_grants_storage_secrets_by_name_unless_told_not_to() -> Non
     ]
     named = [r for r in rules if r.get("resourceNames")]
     assert named == [{"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["roles", "rolebindings"],
-                      "resourceNames": ["ibckpt-agent-storage"], "verbs": ["get", "update"]}]  # fmt: skip
+                      "resourceNames": ["ibckpt-agent-storage"], "verbs": ["get", "update"]},
+                     {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["clusterroles"],
+                      "resourceNames": ["ibckpt-agent"], "verbs": ["get"]}]  # fmt: skip
     off = rendered_objects("--set", "storage.grantSecrets=false", "--set", "storage.credentialsSecret=s3")
     assert grants(off) == ([], [])
     legacy = off[("ClusterRole", "ibckpt-agent-storage")]["rules"]
@@ -281,3 +285,16 @@ def test_the_image_keys_are_made_once_mounted_into_agents_and_operator_and_grant
     assert {"secretName": "site-image-keys", "defaultMode": 0o400} in [
         v.get("secret") for v in spec["volumes"]
     ]
+
+
+def test_an_upgrade_rolls_the_operator_without_a_clash_on_its_host_port() -> None:
+    """A new operator pod starts as a standby before the old one goes; with the webhook on a hostPort
+    the new one could never start on the old one's node, so the old one goes first."""
+
+    def rolling(*args: str) -> dict[str, int]:
+        found = rendered_objects(*args)[("Deployment", "ibckpt-operator")]["spec"]["strategy"]
+        assert found["type"] == "RollingUpdate", found
+        return dict(found["rollingUpdate"])
+
+    assert rolling() == {"maxSurge": 1, "maxUnavailable": 0}
+    assert rolling("--set", "operator.webhook.hostPort=true") == {"maxSurge": 0, "maxUnavailable": 1}

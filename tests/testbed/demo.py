@@ -76,6 +76,10 @@ def install_product(console: Console, cluster: Cluster, s3: S3Server) -> Release
     pods.namespace(cluster, ring.PRODUCT_NS)
     storage_secret(cluster, ring.PRODUCT_NS, s3.access_key, s3.secret_key)
     release = install(cluster, "ibckpt", ring.PRODUCT_NS)
+    # a job applied before the operator leads would sit Pending until it does (minutes on these nodes)
+    waited = time.monotonic()
+    leader = release.operator_leading()
+    console.print(f"  {leader} leads (waited {time.monotonic() - waited:.1f}s)")
     for pod in pods.get(cluster, ring.PRODUCT_NS, "pods")["items"]:
         meta, where = pod["metadata"], pod["spec"].get("nodeName")
         console.print(f"  {meta['name']} on {where}: {pod['status']['phase']}")

@@ -63,7 +63,9 @@ class Release:
         is up (it admits nothing before that). Its pod's name."""
         self.rollout(f"deployment/{self.name}-operator")
         selector = {"app.kubernetes.io/component": "operator"}
-        [operator] = pods.get(self.cluster, self.namespace, "pods", **selector)["items"]
+        found = pods.get(self.cluster, self.namespace, "pods", **selector)["items"]
+        # after an upgrade the old pod may still be terminating
+        [operator] = [p for p in found if not p["metadata"].get("deletionTimestamp")]
         name = str(operator["metadata"]["name"])
         deadline = time.monotonic() + timeout_s
 

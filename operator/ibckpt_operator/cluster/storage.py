@@ -147,15 +147,8 @@ def open_store(config: StoreConfig) -> ImageStore:
 async def check(
     kube: Kube, namespace: str, ref: LocalObjectReference | None, inline: S3Location | None
 ) -> ResolvedStorage:
-    """Resolve the location and its Secret, then one HEAD on the bucket: a clear reason if any fails.
-    Client-side encryption is refused here, before any rank is touched: the node agents cannot do it."""
+    """Resolve the location and its Secrets, then one HEAD on the bucket: a clear reason if any fails."""
     location = await location_of(kube, namespace, ref, inline)
-    if location.encryption is not None and str(location.encryption.mode) == "client":
-        raise StorageProblem(
-            "EncryptionUnsupported",
-            "client-side encryption is not supported by the node agents yet (they may not read the key's "
-            "Secret): use mode sse-s3 or sse-kms",
-        )
     resolved = await resolve(kube, namespace, location)
     # the check is quick to give up; the commit, verify and delete that use `resolved` keep the
     # store's own retries and timeouts (a commit through a slow path failed on the check's)

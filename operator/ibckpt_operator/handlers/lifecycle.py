@@ -4,6 +4,7 @@ the coordinator, and the pod claims rebuilt from every CheckpointJob's status.""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 from typing import Any
@@ -99,6 +100,12 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     if lease is not None:
         keeper = asyncio.ensure_future(lease.keep(rt.lost.set))
         rt.tasks.add(keeper)
+    if endpoint is not None:  # the serving certificate is renewed while this leader runs, not only at starts
+        rt.tasks.add(
+            asyncio.ensure_future(
+                webhook.keep_renewed(kube, config.namespace, functools.partial(admission.publish, kube))
+            )
+        )
     runtime.set_runtime(rt)
     runtime.awaiting(None)
     # botocore's models load in the background now, not in the first job's storage check (s3.warm)

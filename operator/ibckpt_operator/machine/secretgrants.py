@@ -5,6 +5,10 @@ request. What they may read is granted by name in the storage's own namespace: o
 `get` on exactly the Secrets that its CheckpointStorages (or jobs' inline locations) named for a
 checkpoint or a restore, and one RoleBinding gives it to the agents' account. A tenant can make the
 agents read only Secrets of its own namespace: the operator always reads and grants in the job's.
+
+Both are owned by the agents' ClusterRole when the operator knows it (`--grants-owner`): Helm does not
+know these objects, but `helm uninstall` deletes that ClusterRole, and Kubernetes' garbage collector
+then deletes every namespace's grants with it.
 """
 
 from __future__ import annotations
@@ -31,17 +35,39 @@ def grant_name(agent_account: str) -> str:
 
 
 def agent_secrets(location: S3Location) -> list[str]:
-    """The Secrets an agent reads for this location: its credentials and its endpoint's CA bundle."""
+    """The Secrets an agent reads for this location: its credentials, its endpoint's CA bundle and its
+    client-side encryption key."""
     names = {location.credentials_secret_ref.name}
     if location.ca_bundle_secret_ref is not None:
         names.add(location.ca_bundle_secret_ref.name)
+    if location.encryption is not None and location.encryption.key_secret_ref is not None:
+        names.add(location.encryption.key_secret_ref.name)
     return sorted(names)
 
 
-def relabel(existing: dict[str, Any] | None, release: str) -> bool:
-    """An object made before its labels were what `labels(release)` says (an older operator)."""
-    have = ((existing or {}).get("metadata") or {}).get("labels") or {}
-    return any(have.get(key) != value for key, value in labels(release).items())
+def owner_reference(cluster_role: str, uid: str) -> dict[str, Any]:
+    """The grants' owner: a cluster-scoped object may own namespaced ones. Deleting it never waits
+    for them (no blockOwnerDeletion), so the operator needs no rights on it beyond reading its uid."""
+    return {"apiVersion": f"{RBAC}/v1", "kind": "ClusterRole", "name": cluster_role, "uid": uid}
+
+
+def relabel(existing: dict[str, Any] | None, release: str, owner: dict[str, Any] | None = None) -> bool:
+    """An object made before its labels were what `labels(release)` says, or before it had its owner
+    (an older operator)."""
+    meta = (existing or {}).get("metadata") or {}
+    have = meta.get("labels") or {}
+    if any(have.get(key) != value for key, value in labels(release).items()):
+        return True
+    return owner is not None and not any(
+        ref.get("uid") == owner["uid"] for ref in meta.get("ownerReferences") or ()
+    )
+
+
+def _metadata(namespace: str, name: str, release: str, owner: dict[str, Any] | None) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name, "namespace": namespace, "labels": labels(release)}
+    if owner is not None:
+        meta["ownerReferences"] = [owner]
+    return meta
 
 
 def granted(role: dict[str, Any] | None) -> set[str]:
@@ -53,11 +79,13 @@ def granted(role: dict[str, Any] | None) -> set[str]:
     return names
 
 
-def role(namespace: str, name: str, secrets: Iterable[str], release: str = "") -> dict[str, Any]:
+def role(
+    namespace: str, name: str, secrets: Iterable[str], release: str = "", owner: dict[str, Any] | None = None
+) -> dict[str, Any]:
     return {
         "apiVersion": f"{RBAC}/v1",
         "kind": "Role",
-        "metadata": {"name": name, "namespace": namespace, "labels": labels(release)},
+        "metadata": _metadata(namespace, name, release, owner),
         "rules": [
             {"apiGroups": [""], "resources": ["secrets"], "resourceNames": sorted(secrets), "verbs": ["get"]}
         ],
@@ -65,12 +93,17 @@ def role(namespace: str, name: str, secrets: Iterable[str], release: str = "") -
 
 
 def binding(
-    namespace: str, name: str, account: str, account_namespace: str, release: str = ""
+    namespace: str,
+    name: str,
+    account: str,
+    account_namespace: str,
+    release: str = "",
+    owner: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     return {
         "apiVersion": f"{RBAC}/v1",
         "kind": "RoleBinding",
-        "metadata": {"name": name, "namespace": namespace, "labels": labels(release)},
+        "metadata": _metadata(namespace, name, release, owner),
         "roleRef": {"apiGroup": RBAC, "kind": "Role", "name": name},
         "subjects": [{"kind": "ServiceAccount", "name": account, "namespace": account_namespace}],
     }

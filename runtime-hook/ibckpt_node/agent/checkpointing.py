@@ -50,6 +50,7 @@ async def run(agent: Agent, session: Session) -> None:
                 flush_records=proxy.published,
                 rejoin=functools.partial(recovery.rejoin, agent, session, proxy),
                 on_milestone=functools.partial(passed, session),
+                settings=driver.NodeSettings(disk_reserve_bytes=agent.disk_reserve_bytes),
             )
             set_phase(session, api.RankPhase.PREFLIGHT)
             result = await session.engine.checkpoint(request.mode, images, request.epoch)

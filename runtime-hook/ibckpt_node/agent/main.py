@@ -125,6 +125,14 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         "the node; 0: removed at once (default: %(default)g)",
     )
     parser.add_argument(
+        "--disk-reserve-bytes",
+        type=int,
+        default=0,
+        metavar="BYTES",
+        help="what a checkpoint's images must leave free on the node's disk (for the kubelet's eviction "
+        "threshold, say); a checkpoint that would not is refused before any rank is touched",
+    )
+    parser.add_argument(
         "--stop-timeout",
         type=float,
         default=30.0,
@@ -143,6 +151,8 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error("--node and --address are required (or NODE_NAME and HOST_IP)")
     if args.address in ("0.0.0.0", "::"):
         parser.error("--address must be one of the node's addresses, not a wildcard")
+    if args.disk_reserve_bytes < 0:
+        parser.error("--disk-reserve-bytes must be 0 or more")
     if args.keep_failed_images < 0:
         parser.error("--keep-failed-images must be 0 or more seconds")
     if not args.allow:
@@ -202,6 +212,7 @@ async def serve(args: argparse.Namespace) -> None:
         metrics=metrics,
         secrets=KubeSecrets.in_cluster(),
         keep_failed_images_s=args.keep_failed_images,
+        disk_reserve_bytes=args.disk_reserve_bytes,
         readiness=(lambda: (node.ready, node.reason)) if node else None,
         image_keys=Path(args.image_keys) if args.image_keys else None,
     )

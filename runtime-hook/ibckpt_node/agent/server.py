@@ -83,6 +83,7 @@ class AgentServer:
         keep_failed_images_s: float = DEFAULT_KEEP_FAILED_S,
         readiness: Callable[[], tuple[bool, str]] | None = None,
         image_keys: Path | None = None,
+        disk_reserve_bytes: int = 0,
     ) -> None:
         self.node = node
         # the node's own readiness (nodesetup: prerequisites, runtime handler), on top of serving
@@ -101,6 +102,7 @@ class AgentServer:
             secrets,
             keep_failed_images_s,
             image_keys,
+            disk_reserve_bytes,
         )
         self.fence = LeaderFence(work_dir / "leader-epoch")
         self.http = HttpServer(host, port, self.handle, error)

@@ -1,9 +1,10 @@
 """Staging a node's images to S3: its part of the checkpoint, which the operator commits with the others.
 
 The request names the S3 location and the Secret that holds its credentials; the agent reads the Secret
-itself, and the endpoint's CA bundle Secret if the location names one, both in the storage's namespace
-(the operator grants the agents `get` on exactly those names there), so credentials never travel in a
-request and never reach a report or a log (errors name the Secret and its keys, never the values).
+itself, the endpoint's CA bundle Secret and the client-side encryption key's Secret if the location names
+them, all in the storage's namespace (the operator grants the agents `get` on exactly those names there),
+so credentials and keys never travel in a request and never reach a report or a log (errors name the
+Secret and its keys, never the values).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ibckpt.agentapi import models as api
+from ibckpt.api.common import SecretKeyReference
 from ibckpt.api.storage import S3Location
 from ibckpt.store import (
     EncryptionConfig,
@@ -25,6 +27,7 @@ from ibckpt.store import (
     credentials_from_secret,
     load_keys,
 )
+from ibckpt.store.config import encryption_key_from_secret
 from ibckpt.store.errors import StoreError
 from ibckpt.store.manifest import RankInfo
 from ibckpt_node.agent.kubesecrets import SecretReader, StagingError
@@ -35,7 +38,11 @@ async def read_config(
 ) -> StoreConfig:
     """The store configuration from the request's location and the Secrets it names, read in the
     credentials' namespace (the storage's); a CA bundle becomes a file under `ca_dir`."""
-    config = store_config(location, secret, await secrets(secret.namespace, secret.name))
+    client_key = None
+    if location.encryption is not None and location.encryption.key_secret_ref is not None:
+        key_ref = location.encryption.key_secret_ref
+        client_key = encryption_key(await secrets(secret.namespace, key_ref.name), secret.namespace, key_ref)
+    config = store_config(location, secret, await secrets(secret.namespace, secret.name), client_key)
     ref = location.ca_bundle_secret_ref
     if ref is None:
         return config
@@ -59,19 +66,35 @@ def write_ca(ca_dir: Path, pem: bytes) -> Path:
     return path
 
 
-def store_config(location: S3Location, secret: api.SecretRef, data: dict[str, str]) -> StoreConfig:
-    # What the agent cannot do yet is refused, never silently dropped. Server-side encryption needs only
-    # request headers; client-side needs the tenant's key, which the agent may not read.
+def encryption_key(data: dict[str, str], namespace: str, ref: SecretKeyReference) -> bytes:
+    """The client-side key (32 bytes) from its Secret's data: `ref.key`, else IBCKPT_ENCRYPTION_KEY."""
+    try:
+        key = encryption_key_from_secret(
+            {"IBCKPT_ENCRYPTION_KEY": data.get(ref.key, "")} if ref.key else data
+        )
+    except StoreError as exc:
+        raise StagingError(f"the encryption key Secret {namespace}/{ref.name}: {exc}") from None
+    if key is None:
+        raise StagingError(
+            f"the encryption key Secret {namespace}/{ref.name} has no {ref.key or 'IBCKPT_ENCRYPTION_KEY'}"
+        )
+    return key
+
+
+def store_config(
+    location: S3Location, secret: api.SecretRef, data: dict[str, str], client_key: bytes | None = None
+) -> StoreConfig:
+    """Server-side encryption needs only a header on each PUT; client-side the key's bytes (read_config
+    reads its Secret), without which mode client is refused here, never silently dropped."""
     encryption = EncryptionConfig()
     if location.encryption is not None:
         mode = str(location.encryption.mode)
-        if mode == "client":
-            raise StagingError(
-                "client-side encryption is not supported by the node agent yet (it may not read the "
-                "key's Secret); use sse-s3 or sse-kms"
-            )
+        if mode == "client" and client_key is None:
+            raise StagingError("client-side encryption needs the key from the storage's keySecretRef")
         kms_key = location.encryption.kms_key_id
-        encryption = EncryptionConfig.model_validate({"mode": mode, "kms_key_id": kms_key})
+        encryption = EncryptionConfig.model_validate(
+            {"mode": mode, "kms_key_id": kms_key, "client_key": client_key if mode == "client" else None}
+        )
     try:
         credentials = credentials_from_secret(data, name=f"{secret.namespace}/{secret.name}")
     except StoreError as exc:

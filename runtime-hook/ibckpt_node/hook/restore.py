@@ -152,49 +152,12 @@ def apply_shm(images: str, spec: dict[str, Any]) -> None:
 
 
 def _unpack_into(archive: str, root: str, what: str) -> None:
-    """The archive comes from a user's container: it is unpacked in a child chrooted into `root`, so no
-    path or link in it can reach the node's files."""
+    """The archive comes from a user's container: it is unpacked by this process through a directory
+    fd of `root`, never chrooted there and never through a link (unpack.py says why)."""
     if not os.path.exists(archive):
         return
-    # Imported here, in the parent, never in the chrooted child: there an import would read the
-    # container's files. (Not at module level either: every container create imports this module.)
-    import shutil
-    import tarfile
+    # Imported here: only a restore with files to carry needs tarfile (every container create
+    # imports this module).
+    from ibckpt_node.hook.unpack import Unpack
 
-    fd = os.open(archive, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover (the child)
-        code = 1
-        try:
-            os.chroot(root)
-            os.chdir("/")
-            _unpack(os.fdopen(fd, "rb"), tarfile, shutil)
-            code = 0
-        except BaseException as exc:
-            os.write(2, f"ibckpt-runc: applying {what}: {exc}\n".encode())
-        finally:
-            os._exit(code)
-    os.close(fd)
-    _, status = os.waitpid(pid, 0)
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise Refused(f"could not apply {what} from {archive}")
-
-
-def _unpack(stream: Any, tarfile: Any, shutil: Any) -> None:
-    with tarfile.open(fileobj=stream, mode="r:") as tar:
-        for member in tar:
-            name = os.path.normpath("/" + member.name)
-            if name == "/":
-                continue
-            if member.ischr() and member.devmajor == 0 and member.devminor == 0:
-                if os.path.isdir(name) and not os.path.islink(name):
-                    shutil.rmtree(name)
-                elif os.path.lexists(name):
-                    os.unlink(name)
-                continue
-            if os.path.isdir(name) and not os.path.islink(name) and not member.isdir():
-                shutil.rmtree(name)
-            elif os.path.lexists(name) and not member.isdir():
-                os.unlink(name)
-            member.name = name.lstrip("/")
-            tar.extract(member, "/", set_attrs=True, numeric_owner=True)
+    Unpack(root, what).run(archive)
