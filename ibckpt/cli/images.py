@@ -5,6 +5,7 @@ ImageStore."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +22,7 @@ from ibckpt.store.config import (
 )
 from ibckpt.store.errors import ConfigError, StoreError
 from ibckpt.store.gc import DEFAULT_ABANDONED_AFTER, DEFAULT_GRACE
+from ibckpt.store.signing import KEYS_DIR_ENV, load_keys
 from ibckpt.store.store import ImageStore
 from ibckpt.store.units import format_duration, parse_duration, parse_size
 
@@ -72,6 +74,13 @@ def _connection_flags() -> argparse.ArgumentParser:
         type=Path,
         help="base64 of 32 bytes, for --encryption client [IBCKPT_ENCRYPTION_KEY_FILE]",
     )
+    s3.add_argument(
+        "--image-keys",
+        type=Path,
+        default=os.environ.get(KEYS_DIR_ENV) or None,
+        help="the image key set (a copy of the chart's image-keys Secret, one file per key): sign what is "
+        "written, and refuse what does not verify; without it nothing is checked [IBCKPT_IMAGE_KEYS]",
+    )
     out = flags.add_argument_group("output")
     out.add_argument("-o", "--output", choices=["text", "json"], default="text")
     out.add_argument("--no-progress", action="store_true", help="no progress bar (default when not a tty)")
@@ -107,6 +116,14 @@ def register(groups: Any) -> None:
     verify = add("verify", commands.verify, "fetch and check every chunk of a checkpoint")
     verify.add_argument("checkpoint", help="JOB/ID or JOB/latest")
     verify.add_argument("--quick", action="store_true", help="only check that chunks exist with their size")
+
+    sign = add(
+        "sign",
+        commands.sign,
+        "sign checkpoints with --image-keys, as they are: for ones written before manifests were signed "
+        "(check what you sign: the agents restore it as root)",
+    )
+    sign.add_argument("checkpoints", nargs="+", help="JOB/ID ...")
 
     rm = add("rm", commands.rm, "delete checkpoints (chunks go at the next gc)")
     rm.add_argument("checkpoints", nargs="+", help="JOB/ID ...")
@@ -212,7 +229,8 @@ def _run(args: argparse.Namespace, handler: Handler) -> int:
 
     try:
         config = config_from_args(args)
-        store = ImageStore.open(config)
+        signing = load_keys(args.image_keys) if args.image_keys else None
+        store = ImageStore.open(config, signing=signing)
         return handler(args, store)
     except ConfigError as error:
         err(f"configuration error: {error}")

@@ -151,6 +151,7 @@ def show(args: argparse.Namespace, store: ImageStore) -> int:
         f"chunks, {format_size(stats.uploaded_bytes)}",
         f"compression  {manifest.compression.codec} level {manifest.compression.level}, "
         f"chunks of {format_size(manifest.compression.chunk_size)}",
+        f"signature    {signature_state(manifest, store)}",
         f"encryption   {manifest.encryption.mode}"
         + (f" (key {manifest.encryption.key_fingerprint})" if manifest.encryption.key_fingerprint else ""),
         "versions     " + ", ".join(f"{k} {v}" for k, v in manifest.versions.model_dump().items() if v),
@@ -166,6 +167,17 @@ def show(args: argparse.Namespace, store: ImageStore) -> int:
             lines.append(f"  {record.mode:04o} {record.kind:7} {format_size(record.size):>10}  {record.path}")
     print("\n".join(lines))
     return EXIT_OK
+
+
+def signature_state(manifest: Manifest, store: ImageStore) -> str:
+    """What a reader should know of the manifest's signature (a store with keys has already refused any
+    manifest that does not verify)."""
+    signature = manifest.signature
+    if store.context.signing is not None and signature is not None:
+        return f"verified (key {signature.key_id})"
+    if signature is None:
+        return "none: the agents refuse to restore this checkpoint"
+    return f"key {signature.key_id}, not verified (give --image-keys to check it)"
 
 
 def verify(args: argparse.Namespace, store: ImageStore) -> int:
@@ -197,6 +209,16 @@ def verify(args: argparse.Namespace, store: ImageStore) -> int:
             f"{report.seconds:.1f}s ({_rate(report.logical_bytes, report.seconds)})"
         )
     return EXIT_OK if not problems else EXIT_FAILED
+
+
+def sign(args: argparse.Namespace, store: ImageStore) -> int:
+    signed = []
+    for text in args.checkpoints:
+        manifest = store.sign(_ref(store, text))
+        assert manifest.signature is not None
+        signed.append({"checkpoint": str(manifest.ref), "key_id": manifest.signature.key_id})
+    lines = "\n".join(f"signed {row['checkpoint']} with key {row['key_id']}" for row in signed)
+    return _answer(args, signed, lines)
 
 
 def rm(args: argparse.Namespace, store: ImageStore) -> int:
@@ -362,7 +384,8 @@ def commit(args: argparse.Namespace, store: ImageStore) -> int:
 
 def download(args: argparse.Namespace, store: ImageStore) -> int:
     ref = _ref(store, args.checkpoint)
-    total = store.manifest(ref).stats.logical_bytes
+    manifest = store.manifest(ref)
+    total = manifest.stats.logical_bytes
     with _progress(args, "download", total) as progress:
         report = store.restore(ref, args.directory, progress=progress)
     as_json = {
@@ -375,6 +398,7 @@ def download(args: argparse.Namespace, store: ImageStore) -> int:
     }
     text = (
         f"restored {ref} into {args.directory}: {format_size(report.logical_bytes)} in "
-        f"{report.seconds:.1f}s ({_rate(report.logical_bytes, report.seconds)}), every chunk verified"
+        f"{report.seconds:.1f}s ({_rate(report.logical_bytes, report.seconds)}), every chunk verified; "
+        f"signature: {signature_state(manifest, store)}"
     )
     return _answer(args, as_json, text)

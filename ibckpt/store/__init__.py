@@ -23,11 +23,14 @@ from ibckpt.store.errors import (
     ConfigError,
     CredentialsError,
     EndpointUnreachableError,
+    ManifestError,
+    ManifestSignatureError,
     StoreError,
 )
 from ibckpt.store.layout import CheckpointRef
 from ibckpt.store.manifest import Manifest, RankInfo, Versions
 from ibckpt.store.retention import RetentionPolicy
+from ibckpt.store.signing import ManifestKeys, load_keys
 from ibckpt.store.store import ImageStore
 
 __all__ = [
@@ -46,6 +49,9 @@ __all__ = [
     "EndpointUnreachableError",
     "ImageStore",
     "Manifest",
+    "ManifestError",
+    "ManifestKeys",
+    "ManifestSignatureError",
     "RankInfo",
     "RetentionPolicy",
     "StoreConfig",
@@ -54,4 +60,5 @@ __all__ = [
     "config_for_location",
     "config_from_env",
     "credentials_from_secret",
+    "load_keys",
 ]

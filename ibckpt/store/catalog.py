@@ -58,15 +58,16 @@ def resolve(context: StoreContext, job: str, checkpoint_id: str) -> CheckpointRe
 
 
 def load_many(
-    context: StoreContext, refs: list[CheckpointRef], workers: int
+    context: StoreContext, refs: list[CheckpointRef], workers: int, *, verified: bool = True
 ) -> dict[CheckpointRef, Manifest | ManifestError]:
     """Manifests of many checkpoints in parallel. A manifest that vanished meanwhile is left out; one that
-    cannot be read is returned as its error, so callers can refuse to act on what they cannot see."""
+    cannot be read (or verified, unless `verified` is False) is returned as its error, so callers can
+    refuse to act on what they cannot see."""
     found: dict[CheckpointRef, Manifest | ManifestError] = {}
 
     def load(ref: CheckpointRef) -> None:
         try:
-            found[ref] = context.load_manifest(ref)
+            found[ref] = context.load_manifest(ref, verified=verified)
         except CheckpointNotFoundError:
             pass
         except ManifestError as error:

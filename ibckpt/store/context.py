@@ -13,6 +13,7 @@ from ibckpt.store.errors import CheckpointNotFoundError
 from ibckpt.store.layout import CheckpointRef, Layout
 from ibckpt.store.manifest import Manifest, parse_manifest
 from ibckpt.store.s3 import Connection, missing_as, s3_errors
+from ibckpt.store.signing import ManifestKeys
 
 ProgressCallback = Callable[[int], None]
 
@@ -24,6 +25,9 @@ class StoreContext:
     keys: ChunkKeys | None
     # Extra arguments for every PUT: server-side encryption headers.
     put_args: dict[str, str] = field(default_factory=dict)
+    # Set: every manifest and part written is signed, every one read must verify (signing.py). None: what
+    # is written is unsigned and what is read is not checked (the CLI without a key).
+    signing: ManifestKeys | None = None
 
     @property
     def bucket(self) -> str:
@@ -36,14 +40,32 @@ class StoreContext:
     def not_found(self, ref: CheckpointRef) -> CheckpointNotFoundError:
         return CheckpointNotFoundError(f"checkpoint {ref} does not exist ({self.connection.where()})")
 
-    def load_manifest(self, ref: CheckpointRef) -> Manifest:
+    def load_manifest(self, ref: CheckpointRef, *, verified: bool = True) -> Manifest:
+        """`verified=False`: not checked against the key set, for what only counts chunks (garbage
+        collection): an unverified manifest may keep chunks, nothing is restored from it."""
         key = self.layout.manifest_key(ref)
         with (
             s3_errors(self.connection, f"reading the manifest of {ref}"),
             missing_as(lambda: self.not_found(ref)),
         ):
             data = self.client.get_object(Bucket=self.bucket, Key=key)["Body"].read()
-        return parse_manifest(data, f"{ref} ({key})")
+        keys = self.signing if verified else None
+        return parse_manifest(data, f"{ref} ({key})", keys=keys, object_key=key)
+
+    def put_manifest(self, key: str, manifest: Manifest, action: str) -> Manifest:
+        """Write a manifest or part at `key`, signed for that key if this context signs; returns what was
+        written."""
+        if self.signing is not None:
+            manifest = manifest.signed(self.signing, key)
+        with s3_errors(self.connection, action):
+            self.client.put_object(
+                Bucket=self.bucket,
+                Key=key,
+                Body=manifest.to_json(),
+                ContentType="application/json",
+                **self.put_args,
+            )
+        return manifest
 
 
 class RateLimiter:

@@ -43,6 +43,10 @@ class ManifestError(StoreError):
     """A manifest could not be parsed or has an unsupported schema version."""
 
 
+class ManifestSignatureError(ManifestError):
+    """A manifest is unsigned, signed with a key not in the image key set, or does not verify."""
+
+
 class ChunkError(StoreError):
     """A chunk is missing or does not match its recorded hash."""
 

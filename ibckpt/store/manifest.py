@@ -8,18 +8,22 @@ from __future__ import annotations
 
 import json
 from datetime import UTC, datetime
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ibckpt.store.chunking import EntryKind, TreeError, check_relative, check_tree
 from ibckpt.store.errors import ManifestError
 from ibckpt.store.layout import CheckpointRef, check_checkpoint_id, check_job
+from ibckpt.store.signing import ManifestKeys
 
 # 2: a chunk may be a pack of several files' bytes; ChunkRef.offset says where a file's slice starts.
 # Writers that made no pack write 1, which readers of schema 1 still read.
-SCHEMA_VERSION = 2
-SUPPORTED_SCHEMAS = frozenset({1, 2})
+# 3: a signature (signing.py): every manifest the agents and the operator write, signed, is schema 3, so
+# that older readers refuse it by its number. Unsigned writers (the CLI without a key) write 1 or 2.
+PACKED_SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
+SUPPORTED_SCHEMAS = frozenset({1, 2, 3})
 ManifestKind = Literal["ibckpt.dev/CheckpointManifest", "ibckpt.dev/CheckpointPart"]
 MANIFEST_KIND: ManifestKind = "ibckpt.dev/CheckpointManifest"
 # A part is what one node wrote of a multi-node checkpoint, staged until the manifest merges all parts.
@@ -103,8 +107,15 @@ class Stats(_Model):
     uploaded_bytes: int = 0
 
 
+class Signature(_Model):
+    """Who signed a manifest (an image key id) and the HMAC-SHA256 (signing.py) over it and its object key."""
+
+    key_id: str
+    mac: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
 class Manifest(_Model):
-    schema_version: int = SCHEMA_VERSION
+    schema_version: int = PACKED_SCHEMA_VERSION
     kind: ManifestKind = MANIFEST_KIND
     job: str
     checkpoint_id: str
@@ -118,6 +129,7 @@ class Manifest(_Model):
     files: list[FileRecord]
     stats: Stats
     timings: dict[str, float] = Field(default_factory=dict, description="seconds, per phase")
+    signature: Signature | None = None
 
     @field_validator("job")
     @classmethod
@@ -143,6 +155,8 @@ class Manifest(_Model):
             seen.add(record.path)
         if self.schema_version == 1 and any(chunk.offset for chunk in self.chunk_refs()):
             raise ValueError("schema_version 1 has no chunk offsets")
+        if self.signature is not None and self.schema_version < SCHEMA_VERSION:
+            raise ValueError(f"only schema_version {SCHEMA_VERSION} carries a signature")
         return self
 
     @property
@@ -158,13 +172,27 @@ class Manifest(_Model):
 
     def to_json(self) -> bytes:
         if self.schema_version == 1:  # as readers of schema 1 expect it: no offset field at all
-            no_offsets = {"files": {"__all__": {"chunks": {"__all__": {"offset"}}}}}
+            no_offsets: dict[str, Any] = {
+                "files": {"__all__": {"chunks": {"__all__": {"offset"}}}},
+                "signature": True,
+            }
             return self.model_dump_json(indent=1, exclude=no_offsets).encode()
+        if self.signature is None:  # as readers of schema 2 expect it: no signature field
+            return self.model_dump_json(indent=1, exclude={"signature"}).encode()
         return self.model_dump_json(indent=1).encode()
 
+    def signed(self, keys: ManifestKeys, object_key: str) -> Manifest:
+        """This manifest signed with the newest key for the object at `object_key` (where it is written)."""
+        unsigned = self.model_copy(update={"schema_version": SCHEMA_VERSION, "signature": None})
+        raw = json.loads(unsigned.model_dump_json())
+        return unsigned.model_copy(update={"signature": Signature(**keys.sign(raw, object_key))})
 
-def parse_manifest(data: bytes, where: str) -> Manifest:
-    """Bytes of a manifest object -> Manifest, or ManifestError naming `where`."""
+
+def parse_manifest(
+    data: bytes, where: str, *, keys: ManifestKeys | None = None, object_key: str = ""
+) -> Manifest:
+    """Bytes of a manifest object -> Manifest, or ManifestError naming `where`. With `keys`, the manifest
+    must carry a signature by one of them for `object_key` (ManifestSignatureError otherwise)."""
     try:
         raw = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
@@ -174,6 +202,8 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
         raise ManifestError(
             f"manifest {where} has schema_version {version!r}; this ibckpt reads {sorted(SUPPORTED_SCHEMAS)}"
         )
+    if keys is not None:  # before anything else of it is looked at
+        keys.verify(raw, object_key, where)
     try:
         manifest = Manifest.model_validate(raw)
     except ValidationError as error:

@@ -59,7 +59,7 @@ def _delete_keys(context: StoreContext, ref: CheckpointRef, keys: list[str]) -> 
 def _load(context: StoreContext, item: ListedObject) -> Manifest:
     with s3_errors(context.connection, f"reading part {item.key}"):
         data = context.client.get_object(Bucket=context.bucket, Key=item.key)["Body"].read()
-    part = parse_manifest(data, item.key)
+    part = parse_manifest(data, item.key, keys=context.signing, object_key=item.key)
     if part.kind != PART_KIND:
         raise ManifestError(f"{item.key} is not a checkpoint part")
     return part
@@ -107,6 +107,7 @@ def merge_parts(
         update={
             "schema_version": max(part.schema_version for part in ordered),
             "kind": MANIFEST_KIND,
+            "signature": None,  # the parts' own; the commit signs the manifest for its key
             "created_at": created,
             "started_at": started,
             "ranks": ranks,
@@ -153,13 +154,7 @@ def commit_parts(
         lease.check()
         with s3_errors(context.connection, f"committing {ref}"):
             _refuse_if_committed(context, ref)
-            context.client.put_object(
-                Bucket=context.bucket,
-                Key=context.layout.manifest_key(ref),
-                Body=manifest.to_json(),
-                ContentType="application/json",
-                **context.put_args,
-            )
+        manifest = context.put_manifest(context.layout.manifest_key(ref), manifest, f"committing {ref}")
         # The parts just merged: listing them again would cost a request and find the same ones.
         _delete_keys(context, ref, [context.layout.part_key(ref, name) for name in parts])
     return manifest

@@ -10,10 +10,12 @@ from ibckpt.store import catalog, download, gc, parts
 from ibckpt.store.codec import ChunkKeys
 from ibckpt.store.config import StoreConfig
 from ibckpt.store.context import ProgressCallback, StoreContext
+from ibckpt.store.errors import ConfigError
 from ibckpt.store.layout import CheckpointRef, Layout
 from ibckpt.store.manifest import Manifest, RankInfo, Versions
 from ibckpt.store.retention import RetentionPolicy
 from ibckpt.store.s3 import Connection, check_bucket, connect
+from ibckpt.store.signing import ManifestKeys
 from ibckpt.store.upload import CheckpointWriter
 
 
@@ -27,7 +29,16 @@ def _put_args(config: StoreConfig) -> dict[str, str]:
 
 
 class ImageStore:
-    def __init__(self, config: StoreConfig, connection: Connection | None = None) -> None:
+    """`signing`: the image key set (signing.py). Given, every manifest written is signed and every one read
+    must verify; the agents and the operator always give it."""
+
+    def __init__(
+        self,
+        config: StoreConfig,
+        connection: Connection | None = None,
+        *,
+        signing: ManifestKeys | None = None,
+    ) -> None:
         config.encryption.check()
         self.config = config
         self.connection = connection or connect(config)
@@ -35,12 +46,14 @@ class ImageStore:
         keys = (
             ChunkKeys.derive(key.get_secret_value()) if config.encryption.mode == "client" and key else None
         )
-        self.context = StoreContext(self.connection, Layout(config.prefix), keys, _put_args(config))
+        self.context = StoreContext(
+            self.connection, Layout(config.prefix), keys, _put_args(config), signing=signing
+        )
 
     @classmethod
-    def open(cls, config: StoreConfig) -> ImageStore:
+    def open(cls, config: StoreConfig, *, signing: ManifestKeys | None = None) -> ImageStore:
         """Connect and check that the bucket is there and the credentials are accepted."""
-        store = cls(config)
+        store = cls(config, signing=signing)
         check_bucket(store.connection)
         return store
 
@@ -58,6 +71,15 @@ class ImageStore:
 
     def manifest(self, ref: CheckpointRef) -> Manifest:
         return self.context.load_manifest(ref)
+
+    def sign(self, ref: CheckpointRef) -> Manifest:
+        """Sign a committed manifest where it lies, unverified as it is: an admin vouches for a checkpoint
+        written before manifests were signed (or by hand). Needs the key set."""
+        if self.context.signing is None:
+            raise ConfigError("signing a checkpoint needs the image key set (--image-keys)")
+        manifest = self.context.load_manifest(ref, verified=False)
+        key = self.context.layout.manifest_key(ref)
+        return self.context.put_manifest(key, manifest, f"signing {ref}")
 
     def delete(self, ref: CheckpointRef) -> None:
         catalog.delete_checkpoint(self.context, ref)

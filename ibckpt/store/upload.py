@@ -29,13 +29,13 @@ from ibckpt.store import codec
 from ibckpt.store.catalog import latest_ref
 from ibckpt.store.chunking import TreeError, check_relative, walk
 from ibckpt.store.context import ProgressCallback, RateLimiter, StageTimes, StoreContext
-from ibckpt.store.errors import CheckpointNotFoundError, StoreError
+from ibckpt.store.errors import CheckpointNotFoundError, ManifestError, StoreError
 from ibckpt.store.layout import CheckpointRef, check_checkpoint_id, check_job, new_checkpoint_id
 from ibckpt.store.leases import Lease, holder_lease, wait_for_sweeps
 from ibckpt.store.manifest import (
     MANIFEST_KIND,
+    PACKED_SCHEMA_VERSION,
     PART_KIND,
-    SCHEMA_VERSION,
     ChunkRef,
     Compression,
     Encryption,
@@ -144,6 +144,8 @@ class CheckpointWriter:
                 latest = latest_ref(self._context, self.ref.job)
                 manifest = self._context.load_manifest(latest)
             except CheckpointNotFoundError:
+                return
+            except ManifestError:  # unreadable or not verified: learn nothing from it, upload everything
                 return
         self._known.update(manifest.chunk_sizes())
 
@@ -362,7 +364,7 @@ class CheckpointWriter:
         timings["total"] = time.perf_counter() - self._wall_start
         encryption_mode = self._config.encryption.mode
         return Manifest(
-            schema_version=SCHEMA_VERSION if self._packed else 1,
+            schema_version=PACKED_SCHEMA_VERSION if self._packed else 1,
             kind=kind,
             job=self.ref.job,
             checkpoint_id=self.ref.checkpoint_id,
@@ -399,8 +401,7 @@ class CheckpointWriter:
             manifest = self._build(MANIFEST_KIND, ranks, versions, labels)
             self._lease.check()
             key = self._context.layout.manifest_key(self.ref)
-            put_json(self._context, key, manifest, f"committing {self.ref}")
-            self._committed = manifest
+            self._committed = self._context.put_manifest(key, manifest, f"committing {self.ref}")
         return self._committed
 
     def stage(self, part: str, ranks: Iterable[RankInfo] = (), versions: Versions | None = None) -> Manifest:
@@ -412,8 +413,7 @@ class CheckpointWriter:
         staged = self._build(PART_KIND, ranks, versions, None)
         self._lease.check()
         key = self._context.layout.part_key(self.ref, check_checkpoint_id(part))
-        put_json(self._context, key, staged, f"staging part {part} of {self.ref}")
-        return staged
+        return self._context.put_manifest(key, staged, f"staging part {part} of {self.ref}")
 
 
 def summarize(records: list[FileRecord], uploaded_chunks: int, uploaded_bytes: int) -> Stats:
@@ -427,14 +427,3 @@ def summarize(records: list[FileRecord], uploaded_chunks: int, uploaded_bytes: i
         uploaded_chunks=uploaded_chunks,
         uploaded_bytes=uploaded_bytes,
     )
-
-
-def put_json(context: StoreContext, key: str, manifest: Manifest, action: str) -> None:
-    with s3_errors(context.connection, action):
-        context.client.put_object(
-            Bucket=context.bucket,
-            Key=key,
-            Body=manifest.to_json(),
-            ContentType="application/json",
-            **context.put_args,
-        )

@@ -31,6 +31,9 @@ class OperatorConfig:
     # The agents' service account (in `namespace`): granted a storage's Secrets by name in the storage's
     # namespace before a checkpoint or restore (cluster/secretgrants.py). Empty: nothing is granted.
     agent_account: str = ""
+    # The image key set's directory (ibckpt/store/signing.py): parts must verify, manifests are signed.
+    # Empty (tests with fake agents): unsigned, and the real agents refuse to restore what it commits.
+    image_keys: str = ""
     release: str = ""  # the Helm release: labels what the operator makes outside the chart (uninstall)
     grants_owner: str = ""  # the agents' ClusterRole: owns the storage grants, so uninstall removes them
     agent_timeout: float = 10.0

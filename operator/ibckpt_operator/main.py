@@ -12,6 +12,7 @@ import threading
 import kopf
 
 from ibckpt import logsetup
+from ibckpt.store.signing import KEYS_DIR_ENV
 from ibckpt_operator import config as settings
 
 
@@ -56,6 +57,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--release", default="",
                         help="the Helm release's name: labels the storage Roles the operator makes, so "
                         "`kubectl ibckpt uninstall` finds them")  # fmt: skip
+    parser.add_argument("--image-keys", default=env.get(KEYS_DIR_ENV, ""),
+                        help="the image key set's directory (the chart mounts its Secret): the commit "
+                        "verifies the agents' parts with it and signs the manifest; empty: unsigned "
+                        "checkpoints, which the agents refuse to restore ($IBCKPT_IMAGE_KEYS)")  # fmt: skip
     parser.add_argument("--grants-owner", default="",
                         help="the agents' ClusterRole: it owns the storage Roles, so deleting it (helm "
                         "uninstall) has Kubernetes delete them in every namespace")  # fmt: skip
@@ -83,6 +88,7 @@ def main(argv: list[str] | None = None) -> None:
             agent_token_file=args.agent_token_file,
             agent_account=args.agent_account,
             release=args.release,
+            image_keys=args.image_keys,
             grants_owner=args.grants_owner,
             gc_grace_seconds=args.gc_grace_seconds,
             store_sweep_seconds=args.store_sweep_seconds,

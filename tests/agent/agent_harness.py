@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ibckpt.agentapi import AgentClient
+from ibckpt.store import ManifestKeys
 from ibckpt_node.agent.auth import Authenticator, Review
 from ibckpt_node.agent.server import AgentServer
 from ibckpt_node.hook import client as registry_client
@@ -18,6 +19,18 @@ from ibckpt_node.registry import ContainerRegistry
 
 OPERATOR = "system:serviceaccount:ibckpt:ibckpt-operator"
 TOKENS = {"op-token": OPERATOR, "other-token": "system:serviceaccount:default:default"}
+
+
+# The image key set the tests' agents sign and verify with; a test's commit signs with it as the operator.
+IMAGE_KEYS = ManifestKeys({"test-key": bytes(range(32))})
+
+
+def write_image_keys(directory: Path, keys: ManifestKeys = IMAGE_KEYS) -> Path:
+    """`keys` as the chart's Secret volume holds them: one file per key id."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for key_id, secret in keys.keys.items():
+        (directory / key_id).write_bytes(secret)
+    return directory
 
 
 class Stub:
@@ -46,6 +59,7 @@ class Running:
             authenticator=Authenticator(self.reviewer, frozenset({OPERATOR})),
             work_dir=state,
             shim_path=str(state / "lib" / "libibckpt.so"),
+            image_keys=write_image_keys(state.with_name(state.name + "-image-keys")),
         )
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()

@@ -21,7 +21,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from agent.agent_harness import Running
+from agent.agent_harness import IMAGE_KEYS, Running
 from agent.test_agent_session import checkpoint_request, registered_shim
 from pydantic import SecretStr
 
@@ -130,7 +130,7 @@ def test_staged_images_leave_the_node_and_the_held_sessions_record_stays_until_i
     assert report.message.startswith("staged "), report.message
     # the part is in the store: the images on the node are no longer needed, and are gone
     config = store_config(location(s3_server, bucket), SECRET, secret_data(s3_server))
-    manifest = ImageStore.open(config).commit_parts("ring", "c1", ["node-x"])
+    manifest = ImageStore.open(config, signing=IMAGE_KEYS).commit_parts("ring", "c1", ["node-x"])
     assert [r.root for r in manifest.ranks] == ["node-x/pod-c1.main"]
     where = state / "sessions" / session
     assert not (where / "images").exists()
@@ -302,8 +302,8 @@ def test_a_restore_whose_download_fails_midway_leaves_no_staging(
     )
     config = store_config(destination.location, SECRET, secret_data(s3_server))
     trees = [("ring-0.main", "ring-0"), ("ring-1.main", "ring-1")]
-    stage_trees(config, destination, "node-1", dumped, trees, lambda n: None)
-    ImageStore.open(config).commit_parts("ring", "c4", ["node-1"])
+    stage_trees(config, destination, "node-1", dumped, trees, lambda n: None, IMAGE_KEYS)
+    ImageStore.open(config, signing=IMAGE_KEYS).commit_parts("ring", "c4", ["node-1"])
 
     agent_options(agent, s3_server)
     request = RestoreRequest(
@@ -340,8 +340,10 @@ def test_a_download_that_goes_on_after_its_session_ended_stages_nothing(
         location=location(s3_server, bucket), credentials=SECRET, job="ring", checkpoint_id="c5"
     )
     config = store_config(destination.location, SECRET, secret_data(s3_server))
-    stage_trees(config, destination, "node-1", tree.parent, [("ring-0.main", "ring-0")], lambda n: None)
-    ImageStore.open(config).commit_parts("ring", "c5", ["node-1"])
+    stage_trees(
+        config, destination, "node-1", tree.parent, [("ring-0.main", "ring-0")], lambda n: None, IMAGE_KEYS
+    )
+    ImageStore.open(config, signing=IMAGE_KEYS).commit_parts("ring", "c5", ["node-1"])
     source = ImageSource(location=destination.location, credentials=SECRET, job="ring", checkpoint_id="c5")
     planned = [restoring.ContainerRestore("", "team", "ring-0", "main", "node-1/ring-0.main", ("k",))]
     root = tmp_path / "restore"
@@ -351,8 +353,9 @@ def test_a_download_that_goes_on_after_its_session_ended_stages_nothing(
         stop.set()
 
     restoring.stage(
-        config, source, "team/c5", planned, lambda ns, pod, c: str(root / ns / pod / c), ended, stop=stop
-    )
+        config, source, "team/c5", planned, lambda ns, pod, c: str(root / ns / pod / c), ended, stop=stop,
+        keys=IMAGE_KEYS,
+    )  # fmt: skip
     assert stop.is_set()
     assert list(root.rglob("*")) == []
 

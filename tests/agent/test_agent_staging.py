@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from agent.agent_harness import IMAGE_KEYS
 from node.test_tcp_remap import _addresses as addresses
 from node.test_tcp_remap import _files_img as files_img
 from node.test_tcp_remap import _isk as isk
@@ -82,10 +83,11 @@ def test_a_nodes_trees_are_staged_as_its_part_and_commit_restores_them(
         images,
         [("pod-a.main", "pod-a"), ("pod-b.main", "pod-b")],
         uploaded.append,
+        IMAGE_KEYS,
     )
     assert total == sum(len(d) for d in files.values())
     assert sum(uploaded) > 0
-    store = ImageStore.open(config)
+    store = ImageStore.open(config, signing=IMAGE_KEYS)
     manifest = store.commit_parts("ring", "ckpt-1", ["node-1"])
     assert [(r.pod, r.node, r.root) for r in manifest.ranks] == [
         ("pod-a", "node-1", "node-1/pod-a.main"),
@@ -111,9 +113,11 @@ def test_two_nodes_parts_number_their_ranks_apart_and_commit_together(
         (images / f"{pod}.main" / "pages-1.img").write_bytes(os.urandom(5000))
         destination = _destination(s3_server, bucket).model_copy(update={"first_rank": first_rank})
         config = store_config(destination.location, destination.credentials, _secret(s3_server))
-        stage_trees(config, destination, node, images, [(f"{pod}.main", pod)], lambda size: None)
+        stage_trees(config, destination, node, images, [(f"{pod}.main", pod)], lambda size: None, IMAGE_KEYS)
     assert config is not None
-    manifest = ImageStore.open(config).commit_parts("ring", "ckpt-1", ["node-1", "node-2"])
+    manifest = ImageStore.open(config, signing=IMAGE_KEYS).commit_parts(
+        "ring", "ckpt-1", ["node-1", "node-2"]
+    )
     ranks = [(r.rank, r.pod, r.node) for r in manifest.ranks]
     assert ranks == [(0, "ring-0", "node-1"), (1, "ring-1", "node-2")]
 
@@ -164,8 +168,9 @@ def test_client_side_encryption_seals_what_the_agent_stages_and_restores_with_th
         s3_server, bucket, encryption={"mode": "client", "keySecretRef": {"name": "sealing"}}
     )
     config = asyncio.run(read_config(reader, destination.location, destination.credentials, tmp_path / "ca"))
-    stage_trees(config, destination, "node-1", tmp_path / "images", [("pod-a.main", "pod-a")], lambda n: None)
-    store = ImageStore.open(config)
+    trees = [("pod-a.main", "pod-a")]
+    stage_trees(config, destination, "node-1", tmp_path / "images", trees, lambda n: None, IMAGE_KEYS)
+    store = ImageStore.open(config, signing=IMAGE_KEYS)
     store.commit_parts("ring", "ckpt-1", ["node-1"])
     client = s3_server.client()
     keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket)["Contents"]]
@@ -179,7 +184,9 @@ def test_client_side_encryption_seals_what_the_agent_stages_and_restores_with_th
         _destination(s3_server, bucket).location, destination.credentials, _secret(s3_server)
     )
     with pytest.raises(Exception, match="encrypted client-side"):
-        ImageStore.open(keyless).restore(CheckpointRef("ring", "ckpt-1"), tmp_path / "nokey")
+        ImageStore.open(keyless, signing=IMAGE_KEYS).restore(
+            CheckpointRef("ring", "ckpt-1"), tmp_path / "nokey"
+        )
 
 
 def test_server_side_encryption_is_asked_for_every_object_the_agent_writes(
@@ -193,7 +200,9 @@ def test_server_side_encryption_is_asked_for_every_object_the_agent_writes(
     (tmp_path / "pod-a.main" / "pages-1.img").write_bytes(os.urandom(200_000))
     destination = _destination(s3_server, bucket, encryption={"mode": "sse-s3"})
     config = store_config(destination.location, destination.credentials, _secret(s3_server))
-    stage_trees(config, destination, "node-1", tmp_path, [("pod-a.main", "pod-a")], lambda size: None)
+    stage_trees(
+        config, destination, "node-1", tmp_path, [("pod-a.main", "pod-a")], lambda size: None, IMAGE_KEYS
+    )
     client = s3_server.client()
     keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket)["Contents"]]
     assert any("/chunks/" in k for k in keys) and any("/parts/" in k for k in keys), keys
@@ -225,8 +234,16 @@ def test_a_hostnetwork_containers_connections_follow_the_address_map_before_it_i
     (tree / TREE_MANIFEST).write_text(json.dumps({"runtime": "runc", "restore_args": "--tcp-established"}))
     destination = _destination(s3_server, bucket)
     config = store_config(destination.location, destination.credentials, _secret(s3_server))
-    stage_trees(config, destination, "node-1", tmp_path / "dump", [("ring-0.main", "ring-0")], lambda n: None)
-    ImageStore.open(config).commit_parts("ring", "ckpt-1", ["node-1"])
+    stage_trees(
+        config,
+        destination,
+        "node-1",
+        tmp_path / "dump",
+        [("ring-0.main", "ring-0")],
+        lambda n: None,
+        IMAGE_KEYS,
+    )
+    ImageStore.open(config, signing=IMAGE_KEYS).commit_parts("ring", "ckpt-1", ["node-1"])
 
     source = ImageSource(
         location=destination.location, credentials=SECRET, job="ring", checkpoint_id="ckpt-1"
@@ -236,7 +253,7 @@ def test_a_hostnetwork_containers_connections_follow_the_address_map_before_it_i
     lock = _RecordedLock([])
     restoring.stage(
         config, source, "team/ckpt", planned, lambda ns, pod, c: str(root / ns / pod / c), lambda n: None,
-        tcp_remap.parse_map([f"{a}={b}"]), lock,
+        tcp_remap.parse_map([f"{a}={b}"]), lock, keys=IMAGE_KEYS,
     )  # fmt: skip
     staged = root / "team" / "ring-0" / "main"
     assert json.loads((staged / "staged.json").read_text())["restore_args"] == "--tcp-established"

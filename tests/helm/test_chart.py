@@ -128,6 +128,11 @@ def test_each_component_may_do_what_it_needs_and_no_more(installed: Release) -> 
     assert not _can(cluster, agent, "get", "secrets/other", "-n", NAMESPACE)
     assert not _can(cluster, agent, "list", "secrets", "-n", NAMESPACE)
     assert not _can(cluster, agent, "get", "secrets/other", "-n", "team-a")
+    # the image keys reach the agents as a mounted volume only; no tenant may read them
+    assert not _can(cluster, agent, "get", f"secrets/{RELEASE}-image-keys", "-n", NAMESPACE)
+    tenant = cluster.kubectl("auth", "can-i", "get", f"secrets/{RELEASE}-image-keys", "-n", NAMESPACE,
+                             "--as=jane", f"--as-group={RELEASE}-edit", check=False)  # fmt: skip
+    assert tenant.stdout.strip() == "no", tenant.stdout + tenant.stderr
     assert not _can(cluster, agent, "create", "pods", "-n", NAMESPACE)
     assert not _can(cluster, agent, "get", "checkpointjobs.ibckpt.io", "-n", "team-a")
     # its own node's runtime-ready label and Events (RBAC cannot narrow a node patch to one node)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -244,6 +246,45 @@ def test_the_operator_keeps_its_webhook_certificate_in_one_secret_it_alone_may_r
     ]  # fmt: skip
     off = rendered_objects("--set", "operator.webhook.enabled=false")[("Role", "ibckpt-operator")]
     assert not [r for r in off["rules"] if r["resources"] == ["secrets"]]
+
+
+def test_the_image_keys_are_made_once_mounted_into_agents_and_operator_and_granted_to_no_one() -> None:
+    objects = rendered_objects("--namespace", "ibckpt-system")
+    secret = objects[("Secret", "ibckpt-image-keys")]
+    assert secret["metadata"]["namespace"] == "ibckpt-system"  # the release's, not a tenant's
+    assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"  # old checkpoints restore
+    ((key_id, key),) = secret["data"].items()
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", key_id) and len(base64.b64decode(key)) >= 32
+    for kind, name, mode in (("DaemonSet", "ibckpt-agent", 0o400), ("Deployment", "ibckpt-operator", 0o440)):
+        spec = objects[(kind, name)]["spec"]["template"]["spec"]
+        (volume,) = [v for v in spec["volumes"] if v["name"] == "image-keys"]
+        assert volume["secret"] == {"secretName": "ibckpt-image-keys", "defaultMode": mode}, kind
+        container = spec["containers"][0]
+        mount = {"name": "image-keys", "mountPath": "/etc/ibckpt/image-keys", "readOnly": True}
+        assert (
+            mount in container["volumeMounts"] and "--image-keys=/etc/ibckpt/image-keys" in container["args"]
+        )
+    operator = objects[("Deployment", "ibckpt-operator")]["spec"]["template"]["spec"]
+    assert operator["securityContext"]["fsGroup"] == operator["securityContext"]["runAsUser"] == 65532
+    # Through the API only the operator (which holds them anyway) may read it; the agents read their mount,
+    # and the tenants' roles grant no Secret at all.
+    readers = set()
+    for (kind, name), role in objects.items():
+        for rule in role.get("rules", []) if kind in ("Role", "ClusterRole") else []:
+            reads = "secrets" in rule.get("resources", []) and set(rule["verbs"]) & {"get", "list", "watch"}
+            if reads and "ibckpt-image-keys" in rule.get("resourceNames", ["ibckpt-image-keys"]):
+                readers.add(name)
+    assert readers == {"ibckpt-operator"}
+    for tenant_role in ("ibckpt-edit", "ibckpt-view"):
+        rules = objects[("ClusterRole", tenant_role)]["rules"]
+        assert not [r for r in rules if "secrets" in r.get("resources", [])], tenant_role
+    # An admin's own Secret instead: the chart makes none and mounts that one.
+    own = rendered_objects("--set", "imageKeys.secretName=site-image-keys")
+    assert ("Secret", "ibckpt-image-keys") not in own
+    spec = own[("DaemonSet", "ibckpt-agent")]["spec"]["template"]["spec"]
+    assert {"secretName": "site-image-keys", "defaultMode": 0o400} in [
+        v.get("secret") for v in spec["volumes"]
+    ]
 
 
 def test_an_upgrade_rolls_the_operator_without_a_clash_on_its_host_port() -> None:

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from ibckpt.store import RetentionPolicy
+from ibckpt.store import ImageStore, ManifestKeys, RetentionPolicy
 from ibckpt.store.leases import Lease
 
 pytestmark = pytest.mark.s3
@@ -172,3 +172,18 @@ def test_unreadable_manifest_blocks_the_sweep(make_store: Any, tree_factory: Any
     report = store.gc(RetentionPolicy(keep_last=1), grace=NO_GRACE)
     assert not report.swept and "unreadable manifests" in (report.skipped_reason or "")
     assert len(list_chunks()) == 1
+
+
+def test_an_unsigned_manifest_keeps_its_chunks_without_stopping_a_signing_stores_sweep(
+    make_store: Any, tree_factory: Any, list_chunks: Any
+) -> None:
+    """With the image key set, an unsigned manifest (the tenant's) is not restored from, but it is still
+    read for its chunks: it keeps them, and it cannot block the sweep of the prefix it shares."""
+    plain = make_store()
+    forged = plain.upload_tree(tree_factory({"a.img": os.urandom(1000)}), "team-a/solver", "forged")
+    signing = ImageStore(plain.config, signing=ManifestKeys({"k1": os.urandom(32)}))
+    orphan = signing.upload_tree(tree_factory({"b.img": os.urandom(1000)}), "team-b/solver", "gone")
+    signing.delete(orphan.ref)
+    report = signing.gc(RetentionPolicy(), grace=NO_GRACE)
+    assert report.swept and report.chunks_deleted == 1, report
+    assert stored_chunk_ids(list_chunks) == set(forged.chunk_sizes())

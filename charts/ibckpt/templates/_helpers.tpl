@@ -40,3 +40,8 @@ imagePullSecrets:
   {{- end }}
 {{- end }}
 {{- end -}}
+
+{{/* The image key set's Secret: the agents sign and verify checkpoint manifests with it (docs/image-store.md). */}}
+{{- define "ibckpt.imageKeysSecret" -}}
+{{- default (printf "%s-image-keys" (include "ibckpt.fullname" .)) .Values.imageKeys.secretName -}}
+{{- end -}}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import base64
 from dataclasses import dataclass
+from pathlib import Path
 
 from ibckpt.api import CHECKPOINT_STORAGE, CheckpointStorageSpec, LocalObjectReference, S3Location
 from ibckpt.store import (
@@ -21,6 +22,7 @@ from ibckpt.store import (
     StoreConfig,
     StoreError,
     credentials_from_secret,
+    load_keys,
 )
 from ibckpt.store.config import EncryptionConfig, config_for_location, encryption_key_from_secret
 from ibckpt_operator.cluster.kube import Kube
@@ -128,9 +130,16 @@ def _problem(error: StoreError) -> StorageProblem:
 
 
 def open_store(config: StoreConfig) -> ImageStore:
-    """Connect and head the bucket (blocking: call it in a thread)."""
+    """Connect and head the bucket (blocking: call it in a thread). With the operator's image key set
+    (read at each call: a rotated Secret is picked up), what it commits is signed and what it reads must
+    verify."""
+    keys_dir = current().image_keys
     try:
-        return ImageStore.open(config)
+        signing = load_keys(Path(keys_dir)) if keys_dir else None
+    except StoreError as error:
+        raise StorageProblem("ImageKeysUnavailable", str(error)) from None
+    try:
+        return ImageStore.open(config, signing=signing)
     except StoreError as error:
         raise _problem(error) from None
 

@@ -137,7 +137,7 @@ async def settle(agent: Agent, session: Session, images: Path, staged: bool, why
 
 async def upload(agent: Agent, session: Session, images: Path) -> None:
     """Upload this node's images as its part of the checkpoint (the operator commits the parts)."""
-    from ibckpt_node.agent.staging import read_config, stage_trees  # boto3: only when staging
+    from ibckpt_node.agent.staging import image_keys, read_config, stage_trees  # boto3: when staging
 
     assert isinstance(session.request, api.CheckpointRequest)
     destination = session.request.images
@@ -151,6 +151,7 @@ async def upload(agent: Agent, session: Session, images: Path) -> None:
     config = await read_config(
         agent.secrets, destination.location, destination.credentials, agent.work_dir / "ca"
     )
+    keys = image_keys(agent.image_keys)
     uploaded = 0
 
     def count(size: int) -> None:  # runs on the upload's threads
@@ -160,7 +161,7 @@ async def upload(agent: Agent, session: Session, images: Path) -> None:
     # pod names may hold dots: take each tree's pod from its ranks' keys (job/pod/container/process)
     trees = [(t.name, RankId.parse(session.tree_keys[t.name][0]).pod) for t in session.trees]
     started = time.monotonic()
-    staged = asyncio.to_thread(stage_trees, config, destination, agent.node, images, trees, count)
+    staged = asyncio.to_thread(stage_trees, config, destination, agent.node, images, trees, count, keys)
     try:
         # a thread cannot be cancelled: on timeout the upload may go on, but nothing commits it
         total = await asyncio.wait_for(staged, session.request.timeouts.upload_seconds)

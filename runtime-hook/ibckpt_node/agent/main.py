@@ -110,6 +110,13 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         help="an identity that may call the API (system:serviceaccount:NS:NAME); $IBCKPT_AGENT_ALLOW",
     )
     parser.add_argument(
+        "--image-keys",
+        default=os.environ.get("IBCKPT_IMAGE_KEYS"),
+        metavar="DIR",
+        help="the image key set (the chart mounts its Secret): parts are signed with it and only manifests "
+        "it verifies are restored; without it the agent stages and restores nothing ($IBCKPT_IMAGE_KEYS)",
+    )
+    parser.add_argument(
         "--keep-failed-images",
         type=float,
         default=DEFAULT_KEEP_FAILED_S,
@@ -207,6 +214,7 @@ async def serve(args: argparse.Namespace) -> None:
         keep_failed_images_s=args.keep_failed_images,
         disk_reserve_bytes=args.disk_reserve_bytes,
         readiness=(lambda: (node.ready, node.reason)) if node else None,
+        image_keys=Path(args.image_keys) if args.image_keys else None,
     )
     if args.metrics_port:
         start_http_server(args.metrics_port, addr=args.address, registry=metrics)

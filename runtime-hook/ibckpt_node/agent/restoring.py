@@ -50,7 +50,7 @@ from ibckpt_node.registry import ContainerRegistry, RegisteredContainer
 from ibckpt_node.trees import TREE_MANIFEST
 
 if TYPE_CHECKING:  # the store (boto3) is imported only when a restore stages
-    from ibckpt.store import StoreConfig
+    from ibckpt.store import ManifestKeys, StoreConfig
     from ibckpt.store.manifest import Manifest
 
 log = logging.getLogger(__name__)
@@ -129,8 +129,11 @@ def stage(
     remap: tcp_remap.AddressMap | None = None,
     lock: tcp_remap.ConnectionLock | None = None,
     stop: threading.Event | None = None,
+    *,
+    keys: ManifestKeys,
 ) -> int:
-    """Fetch and stage every planned container's images; returns the bytes fetched.
+    """Fetch and stage every planned container's images; returns the bytes fetched. `keys`: the image key
+    set the manifest must verify with (the agent always gives it).
 
     `stop` set: the session is over (a thread cannot be cancelled, so a download past its bound or
     aborted goes on here): nothing more is staged or held, and what this call staged is removed.
@@ -149,7 +152,7 @@ def stage(
     ref = CheckpointRef(source.job, source.checkpoint_id)
     total = 0
     try:
-        store = ImageStore.open(config)
+        store = ImageStore.open(config, signing=keys)
         for item in planned:
             if stopped():
                 break
@@ -371,17 +374,19 @@ async def download(
     staged, so that the caller removes what a failed download staged) and stage their images."""
     from ibckpt.store import ImageStore, StoreError  # boto3: only when staging
     from ibckpt.store.layout import CheckpointRef
-    from ibckpt_node.agent.staging import read_config
+    from ibckpt_node.agent.staging import image_keys, read_config
 
     if agent.secrets is None:
         raise StagingError("this agent has no way to read Secrets")
     source = request.images
     config = await read_config(agent.secrets, source.location, source.credentials, agent.work_dir / "ca")
     ref = CheckpointRef(source.job, source.checkpoint_id)
+    keys = image_keys(agent.image_keys)
 
     def read_manifest():  # type: ignore[no-untyped-def]
+        # Verified here, before anything is planned or written; stage() verifies again what it fetches.
         try:
-            return ImageStore.open(config).manifest(ref)
+            return ImageStore.open(config, signing=keys).manifest(ref)
         except StoreError as exc:
             raise StagingError(f"reading {ref} from {config.where()}: {exc}") from exc
 
@@ -409,6 +414,7 @@ async def download(
         remap,
         lock,
         stop,
+        keys=keys,
     )
     try:
         session.report.bytes = await asyncio.wait_for(staging, request.timeouts.download_seconds)

@@ -82,6 +82,7 @@ class AgentServer:
         secrets: SecretReader | None = None,
         keep_failed_images_s: float = DEFAULT_KEEP_FAILED_S,
         readiness: Callable[[], tuple[bool, str]] | None = None,
+        image_keys: Path | None = None,
         disk_reserve_bytes: int = 0,
     ) -> None:
         self.node = node
@@ -100,6 +101,7 @@ class AgentServer:
             self._finished,
             secrets,
             keep_failed_images_s,
+            image_keys,
             disk_reserve_bytes,
         )
         self.fence = LeaderFence(work_dir / "leader-epoch")

@@ -134,6 +134,9 @@ class Agent:
     on_finished: Callable[[api.SessionReport], None]
     secrets: SecretReader | None  # None: this agent cannot stage images
     keep_failed_images_s: float = DEFAULT_KEEP_FAILED_S  # how long a failed checkpoint's images stay
+    # The image key set (a mounted Secret, ibckpt/store/signing.py): parts are signed with it, and only
+    # manifests that verify with it are restored. Read at each use, so a rotated Secret is picked up.
+    image_keys: Path | None = None  # None: this agent neither stages nor restores images
     disk_reserve_bytes: int = 0  # what a checkpoint's images leave free on the node's disk
 
 

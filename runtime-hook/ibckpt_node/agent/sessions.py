@@ -55,10 +55,18 @@ class Sessions:
         on_finished: Callable[[api.SessionReport], None] = lambda report: None,
         secrets: SecretReader | None = None,
         keep_failed_images_s: float = disk.DEFAULT_KEEP_FAILED_S,
+        image_keys: Path | None = None,
         disk_reserve_bytes: int = 0,
     ) -> None:
         self.agent = Agent(
-            node, registry, work_dir, on_finished, secrets, keep_failed_images_s, disk_reserve_bytes
+            node,
+            registry,
+            work_dir,
+            on_finished,
+            secrets,
+            keep_failed_images_s,
+            image_keys,
+            disk_reserve_bytes,
         )
         self.sessions: dict[str, Session] = {}
         self.sweeper: asyncio.Task[None] | None = None

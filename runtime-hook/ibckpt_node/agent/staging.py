@@ -21,9 +21,11 @@ from ibckpt.api.storage import S3Location
 from ibckpt.store import (
     EncryptionConfig,
     ImageStore,
+    ManifestKeys,
     StoreConfig,
     config_for_location,
     credentials_from_secret,
+    load_keys,
 )
 from ibckpt.store.config import encryption_key_from_secret
 from ibckpt.store.errors import StoreError
@@ -100,6 +102,16 @@ def store_config(
     return config_for_location(location, credentials, encryption)
 
 
+def image_keys(directory: Path | None) -> ManifestKeys:
+    """The agent's image key set, read now (a rotated Secret is picked up); StagingError without one."""
+    if directory is None:
+        raise StagingError("this agent has no image key set (--image-keys): it stages and restores nothing")
+    try:
+        return load_keys(directory)
+    except StoreError as exc:
+        raise StagingError(f"{exc}: the chart mounts them from its image-keys Secret") from None
+
+
 def stage_trees(
     config: StoreConfig,
     destination: api.ImageDestination,
@@ -107,10 +119,12 @@ def stage_trees(
     images_root: Path,
     trees: Sequence[tuple[str, str]],  # (image dir name under images_root, pod name)
     progress: Callable[[int], None],
+    keys: ManifestKeys,
 ) -> int:
-    """Upload each tree under `<node>/<tree>` and stage them as this node's part; returns logical bytes."""
+    """Upload each tree under `<node>/<tree>` and stage them as this node's part, signed with `keys`;
+    returns logical bytes."""
     try:
-        store = ImageStore.open(config)
+        store = ImageStore.open(config, signing=keys)
         with store.writer(destination.job, destination.checkpoint_id, progress=progress) as writer:
             total = 0
             ranks = []
