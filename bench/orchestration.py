@@ -63,12 +63,15 @@ from pydantic import SecretStr
 
 from ibckpt.agentapi import AgentClient, AgentError, CheckpointRequest, Milestone, RankRef, SessionReport
 from ibckpt.coordination.client import CoordinatorClient
+from ibckpt.tls import CA_FILE, client_context_from
 from ibckpt_node.agent import session as agent_session
 from ibckpt_node.agent.auth import Authenticator
 from ibckpt_node.agent.server import AgentServer
+from ibckpt_node.agent.servingcert import ServingCertificate
 from ibckpt_node.registry import ContainerRegistry
 from ibckpt_operator.cluster.agents import Agent, AgentGateway, each_agent
 from ibckpt_operator.coordinator.server import CoordinatorServer
+from testbed.tlsfiles import make_pki
 
 SIZES = ((2, 8), (128, 16))  # (agents, ranks per agent): 16 and 2,048 ranks
 TRANSITION_GOAL_S = 0.010  # per phase transition at 16 ranks
@@ -220,6 +223,7 @@ def make_agent(state: Path, node: str) -> AgentServer:
         port=0,
         registry=ContainerRegistry(state),
         authenticator=Authenticator(Stub(), frozenset({OPERATOR})),
+        tls=ServingCertificate(state.parent / "agent-tls").context,  # the run's (run() makes it)
         work_dir=state,
         shim_path=str(state / "lib" / "libibckpt.so"),
     )
@@ -266,19 +270,19 @@ class TimedAgentClient(AgentClient):
 class BenchGateway(AgentGateway):
     """The operator's gateway (its threads, its bound on calls in flight); only the port is per agent."""
 
-    def __init__(self, ports: dict[str, int]) -> None:
-        super().__init__(token=TOKEN)
+    def __init__(self, ports: dict[str, int], tls_dir: Path) -> None:
+        super().__init__(client_context_from(tls_dir / CA_FILE), token=TOKEN)
         self.ports = ports
 
     def client(self, agent: Agent) -> AgentClient:
-        return TimedAgentClient(agent.host, self.ports[agent.node], token=TOKEN, timeout_s=30)
+        return TimedAgentClient(agent.host, self.ports[agent.node], tls=self.tls, token=TOKEN, timeout_s=30)
 
 
-async def kick_off(ports: list[int], requests: list[CheckpointRequest]) -> list[float]:
+async def kick_off(ports: list[int], requests: list[CheckpointRequest], tls_dir: Path) -> list[float]:
     """The operator's QuiesceRanks: one POST per node agent through its gateway, all at once
     (each_agent). Seconds per POST."""
     nodes = [node_name(i) for i in range(len(ports))]
-    gateway = BenchGateway(dict(zip(nodes, ports, strict=True)))
+    gateway = BenchGateway(dict(zip(nodes, ports, strict=True)), tls_dir)
     TimedAgentClient.took.clear()
     calls = [
         gateway.checkpoint(Agent(node, node, "127.0.0.1", True), r)
@@ -381,6 +385,8 @@ async def run(agents_n: int, per_agent: int, processes: int, work: Path, rank_pi
     TIMELINE.arrivals.clear()
     coordinator = CoordinatorServer()
     await coordinator.start()
+    pki = make_pki()
+    pki.agent_dir(work / "agent-tls")
     paths = [p for i in range(agents_n) for p in prepare_ranks(work / f"a{i:03d}", i, per_agent)]
     shims = ShimProcess(paths, work)
     children = [AgentProcess(first, n, per_agent, work, rank_pid) for first, n in split(agents_n, processes)]
@@ -392,7 +398,7 @@ async def run(agents_n: int, per_agent: int, processes: int, work: Path, rank_pi
         ]
         ports = [port for child in children for port in child.ports]
         cpu, start = time.process_time(), time.monotonic()
-        posts = await kick_off(ports, requests)
+        posts = await kick_off(ports, requests, work / "agent-tls")
         kicked = time.monotonic()
         results = await asyncio.gather(*(asyncio.to_thread(child.result) for child in children))
         cpu = time.process_time() - cpu

@@ -50,6 +50,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         default=settings.current().agent_token_file,
         help="the token for the agents (a projected token for their audience)",
     )
+    parser.add_argument("--tls-ca-secret", default=settings.current().tls_ca_secret,
+                        help="Secret (in --namespace) keeping the operator's CA and the coordinator's "
+                        "certificate; only the operator reads it")  # fmt: skip
+    parser.add_argument("--agent-tls-secret", default=settings.current().agent_tls_secret,
+                        help="Secret (in --namespace) the operator writes the agents' serving "
+                        "certificate and the CA into; their DaemonSet mounts it")  # fmt: skip
+    parser.add_argument("--tls-secret-owner", default="",
+                        help="the operator's Deployment: owns both Secrets (removed with it)")  # fmt: skip
     parser.add_argument("--agent-account", default="",
                         help="the agents' service account (in --namespace): given get on each storage's "
                         "Secrets, by name, in the storage's namespace; empty: none")  # fmt: skip
@@ -78,6 +86,9 @@ def main(argv: list[str] | None = None) -> None:
             lease_enabled=not args.no_lease,
             agent_port=args.agent_port,
             agent_token_file=args.agent_token_file,
+            tls_ca_secret=args.tls_ca_secret,
+            agent_tls_secret=args.agent_tls_secret,
+            tls_secret_owner=args.tls_secret_owner,
             agent_account=args.agent_account,
             release=args.release,
             gc_grace_seconds=args.gc_grace_seconds,

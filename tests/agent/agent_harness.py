@@ -5,16 +5,21 @@ from __future__ import annotations
 import asyncio
 import http.client
 import socket
+import ssl
+import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from ibckpt.agentapi import AgentClient
+from ibckpt.tls import AGENT_SERVER_NAME
 from ibckpt_node.agent.auth import Authenticator, Review
 from ibckpt_node.agent.server import AgentServer
+from ibckpt_node.agent.servingcert import ServingCertificate
 from ibckpt_node.hook import client as registry_client
 from ibckpt_node.registry import ContainerRegistry
+from testbed.tlsfiles import Pki, make_pki
 
 OPERATOR = "system:serviceaccount:ibckpt:ibckpt-operator"
 TOKENS = {"op-token": OPERATOR, "other-token": "system:serviceaccount:default:default"}
@@ -35,7 +40,11 @@ class Stub:
 
 
 class Running:
-    def __init__(self, state: Path) -> None:
+    def __init__(self, state: Path, pki: Pki | None = None) -> None:
+        self.pki = pki or make_pki()
+        state.parent.mkdir(parents=True, exist_ok=True)
+        tls_dir = Path(tempfile.mkdtemp(prefix="agent-tls-", dir=state.parent))  # one per agent run
+        self.certificate = ServingCertificate(self.pki.agent_dir(tls_dir))
         self.reviewer = Stub()
         self.loop = asyncio.new_event_loop()
         self.server = AgentServer(
@@ -44,6 +53,7 @@ class Running:
             port=0,
             registry=ContainerRegistry(state),
             authenticator=Authenticator(self.reviewer, frozenset({OPERATOR})),
+            tls=self.certificate.context,
             work_dir=state,
             shim_path=str(state / "lib" / "libibckpt.so"),
         )
@@ -53,10 +63,16 @@ class Running:
         self.port = self.server.http.port
 
     def client(self, token: str = "op-token") -> AgentClient:
-        return AgentClient("127.0.0.1", self.port, token=token, timeout_s=5)
+        return AgentClient("127.0.0.1", self.port, tls=self.pki.client(), token=token, timeout_s=5)
+
+    def tls_socket(self, timeout: float = 5) -> ssl.SSLSocket:
+        """A connection that trusts the release's CA and checks the agents' name, as the operator does."""
+        sock = socket.create_connection(("127.0.0.1", self.port), timeout=timeout)
+        return self.pki.client().wrap_socket(sock, server_hostname=AGENT_SERVER_NAME)
 
     def raw(self, method: str, path: str, headers: dict[str, str] | None = None, body: bytes = b"") -> Any:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
+        conn.sock = self.tls_socket()
         try:
             conn.request(method, path, body=body or None, headers=headers or {})
             reply = conn.getresponse()

@@ -8,6 +8,7 @@ do. Tokens are the service accounts' token Secrets (Kubernetes 1.20 has no Token
 
 from __future__ import annotations
 
+import base64
 import json
 import time
 from datetime import datetime
@@ -106,6 +107,10 @@ def test_each_component_may_do_what_it_needs_and_no_more(installed: Release) -> 
     assert not _can(cluster, op, "update", "leases.coordination.k8s.io", "-n", "kube-system")
     assert not _can(cluster, op, "create", "tokenreviews.authentication.k8s.io")
     assert not _can(cluster, op, "delete", "customresourcedefinitions.apiextensions.k8s.io")
+    # its internal TLS: the CA's Secret and the agents' certificate, by name (create cannot be narrowed)
+    for kept in (f"{RELEASE}-internal-tls", f"{RELEASE}-agent-tls"):
+        assert _can(cluster, op, "update", f"secrets/{kept}", "-n", NAMESPACE)
+    assert not _can(cluster, op, "update", "secrets/other", "-n", NAMESPACE)
     # the agents' storage Role in a job's namespace: created, then read and updated by its name only
     grant = f"{AGENT_SA}-storage"
     assert _can(cluster, op, "create", "roles.rbac.authorization.k8s.io", "-n", "team-a")
@@ -124,6 +129,8 @@ def test_each_component_may_do_what_it_needs_and_no_more(installed: Release) -> 
     assert not _can(cluster, agent, "get", "secrets/other", "-n", NAMESPACE)
     assert not _can(cluster, agent, "list", "secrets", "-n", NAMESPACE)
     assert not _can(cluster, agent, "get", "secrets/other", "-n", "team-a")
+    # the CA's key is the operator's alone: the agents' pods mount their own certificate, not read it
+    assert not _can(cluster, agent, "get", f"secrets/{RELEASE}-internal-tls", "-n", NAMESPACE)
     assert not _can(cluster, agent, "create", "pods", "-n", NAMESPACE)
     assert not _can(cluster, agent, "get", "checkpointjobs.ibckpt.io", "-n", "team-a")
     # its own node's runtime-ready label and Events (RBAC cannot narrow a node patch to one node)
@@ -138,16 +145,26 @@ def test_each_component_may_do_what_it_needs_and_no_more(installed: Release) -> 
 
 # Runs in a pod with the product image: the operator's client against each node's agent.
 CALLER = """
-import http.client, json, urllib.request
+import http.client, json, socket, urllib.request
 from ibckpt.agentapi import AgentClient, AgentError
+from ibckpt.tls import AGENT_SERVER_NAME, client_context
 cfg = json.loads(CONFIG)
+tls = client_context(cfg["ca"].encode())
 out = {}
 for node, ip in cfg["nodes"].items():
-    r = {"healthy": AgentClient(ip, cfg["port"], token="-", timeout_s=30).healthy()}
+    r = {"healthy": AgentClient(ip, cfg["port"], tls=tls, token="-", timeout_s=30).healthy()}
     conn = http.client.HTTPConnection(ip, cfg["port"], timeout=30)
+    sock = socket.create_connection((ip, cfg["port"]), 30)
+    conn.sock = tls.wrap_socket(sock, server_hostname=AGENT_SERVER_NAME)
     conn.request("GET", "/v1/info")
     reply = conn.getresponse()
     r["anonymous"] = {"status": reply.status, "body": reply.read().decode()}
+    plain = http.client.HTTPConnection(ip, cfg["port"], timeout=30)
+    try:
+        plain.request("GET", "/healthz")
+        r["plain"] = plain.getresponse().status
+    except (OSError, http.client.HTTPException) as exc:
+        r["plain"] = type(exc).__name__
     # as the leader calls: with its epoch; then with none, and with an older Lease's (a deposed leader's)
     leader = tuple(cfg["epoch"])
     calls = [(who, token, leader) for who, token in cfg["tokens"].items()]
@@ -155,7 +172,7 @@ for node, ip in cfg["nodes"].items():
     calls += [("unfenced", operator, None), ("deposed", operator, (leader[0] - 1, 9))]
     for who, token, epoch in calls:
         try:
-            info = AgentClient(ip, cfg["port"], token=token, timeout_s=30, leader_epoch=epoch).info()
+            info = AgentClient(ip, cfg["port"], tls=tls, token=token, timeout_s=30, leader_epoch=epoch).info()
             r[who] = {"status": 200, "info": info.to_wire()}
         except AgentError as exc:
             r[who] = {"status": exc.status, "error": exc.message}
@@ -164,6 +181,14 @@ for node, ip in cfg["nodes"].items():
     out[node] = r
 print("RESULT " + json.dumps(out))
 """
+
+
+def _agents_ca(cluster: Cluster) -> str:
+    """The CA the operator wrote beside the agents' certificate (public: a certificate, no key)."""
+    secret = json.loads(
+        cluster.kubectl("get", "secret", f"{RELEASE}-agent-tls", "-n", NAMESPACE, "-o", "json").stdout
+    )
+    return base64.b64decode(secret["data"]["ca.crt"]).decode()
 
 
 def test_the_agent_api_answers_only_the_operator(installed: Release) -> None:
@@ -187,6 +212,7 @@ def test_the_agent_api_answers_only_the_operator(installed: Release) -> None:
         made = datetime.fromisoformat(lease["metadata"]["creationTimestamp"].replace("Z", "+00:00"))
         epoch = [int(made.timestamp()), lease["spec"].get("leaseTransitions", 0)]
         config = {
+            "ca": _agents_ca(cluster),
             "epoch": epoch,
             "nodes": {n: node_ip(i) for i, n in enumerate(NODE_NAMES, 1)},
             "port": AGENT_PORT,
@@ -204,6 +230,7 @@ def test_the_agent_api_answers_only_the_operator(installed: Release) -> None:
     for i, node in enumerate(NODE_NAMES, 1):
         r = result[node]
         assert r["healthy"] is True
+        assert r["plain"] in ("RemoteDisconnected", "ConnectionResetError"), r  # TLS only
         assert r["anonymous"]["status"] == 401, r
         assert r["forged"]["status"] == 401, r
         assert r["agent"]["status"] == 403, r

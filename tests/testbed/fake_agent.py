@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -66,6 +67,7 @@ class FakeAgent:
     # what it writes and reads, as a real agent of this release reports it; None: an agent before formats
     formats: AgentFormats | None = field(default_factory=AgentFormats.this_release)
     shim_sha256: str | None = None  # the node's shim build, as a real agent reports it
+    tls: ssl.SSLContext | None = None  # what it serves with, as a real agent: the operator's certificate
 
     def register(self, pod: dict[str, Any], namespace: str, container: str = "main") -> None:
         self.containers.append(
@@ -163,6 +165,8 @@ class FakeAgent:
                     self.reply(404, b'{"error": "no such path"}')
 
         self.server = ThreadingHTTPServer((self.host, self.port), Handler)
+        if self.tls is not None:  # each accepted connection does its handshake in the serving thread
+            self.server.socket = self.tls.wrap_socket(self.server.socket, server_side=True)
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def stop(self) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import ssl
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -69,7 +70,8 @@ R = TypeVar("R")
 
 
 class AgentGateway:
-    """Calls to the agents; every call bounded by the client's timeout. Tests may give a token directly.
+    """Calls to the agents over TLS (`tls` trusts the operator's CA; renewal replaces it); every call
+    bounded by the client's timeout. Tests may give a token directly.
 
     The calls run on the gateway's own threads, not the loop's default executor: that one has
     min(32, cores + 4) threads (6 on 2 cores), shared with every Kubernetes call, so a fan-out to 128
@@ -77,10 +79,12 @@ class AgentGateway:
 
     def __init__(
         self,
+        tls: ssl.SSLContext,
         token: str | None = None,
         epoch: Callable[[], LeaderEpoch | None] = lambda: None,
         concurrency: int = AGENT_CONCURRENCY,
     ) -> None:
+        self.tls = tls
         self._token = token
         self._epoch = epoch  # the leader's epoch (cluster/leader.py); None without an election
         self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="agent-call")
@@ -94,6 +98,7 @@ class AgentGateway:
             return AgentClient(
                 agent.host,
                 settings.agent_port,
+                tls=self.tls,
                 token=self._token,
                 timeout_s=settings.agent_timeout,
                 leader_epoch=self._epoch(),
@@ -101,6 +106,7 @@ class AgentGateway:
         return AgentClient(
             agent.host,
             settings.agent_port,
+            tls=self.tls,
             token_file=Path(settings.agent_token_file),
             timeout_s=settings.agent_timeout,
             leader_epoch=self._epoch(),

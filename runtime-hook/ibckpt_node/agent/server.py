@@ -1,4 +1,4 @@
-"""The agent API (ibckpt.agentapi) over the agent's own HTTP server, with the registry and the sessions."""
+"""The agent API (ibckpt.agentapi) over the agent's own HTTPS server, with the registry and the sessions."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from ibckpt.agentapi import models as api
 from ibckpt_node.agent.auth import Authenticator, AuthError
 from ibckpt_node.agent.disk import DEFAULT_KEEP_FAILED_S
 from ibckpt_node.agent.fence import Fenced, LeaderFence
-from ibckpt_node.agent.httpserver import HttpServer, Request, Response
+from ibckpt_node.agent.httpserver import HttpServer, Request, Response, TlsContext
 from ibckpt_node.agent.kubesecrets import SecretReader
 from ibckpt_node.agent.session import SessionError
 from ibckpt_node.agent.sessions import Sessions
@@ -75,6 +75,7 @@ class AgentServer:
         port: int,
         registry: ContainerRegistry,
         authenticator: Authenticator,
+        tls: TlsContext,
         work_dir: Path,
         shim_path: str,
         shim_present_path: Path | None = None,
@@ -101,7 +102,7 @@ class AgentServer:
             keep_failed_images_s,
         )
         self.fence = LeaderFence(work_dir / "leader-epoch")
-        self.http = HttpServer(host, port, self.handle, error)
+        self.http = HttpServer(host, port, self.handle, error, tls)
         self.ready = False
 
     @property
