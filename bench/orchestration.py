@@ -71,7 +71,7 @@ from ibckpt_node.agent.servingcert import ServingCertificate
 from ibckpt_node.registry import ContainerRegistry
 from ibckpt_operator.cluster.agents import Agent, AgentGateway, each_agent
 from ibckpt_operator.coordinator.server import CoordinatorServer
-from testbed.tlsfiles import make_pki
+from testbed.tlsfiles import shared_pki
 
 SIZES = ((2, 8), (128, 16))  # (agents, ranks per agent): 16 and 2,048 ranks
 TRANSITION_GOAL_S = 0.010  # per phase transition at 16 ranks
@@ -224,6 +224,7 @@ def make_agent(state: Path, node: str) -> AgentServer:
         registry=ContainerRegistry(state),
         authenticator=Authenticator(Stub(), frozenset({OPERATOR})),
         tls=ServingCertificate(state.parent / "agent-tls").context,  # the run's (run() makes it)
+        coordinator_tls=lambda: client_context_from(state.parent / "agent-tls" / CA_FILE),
         work_dir=state,
         shim_path=str(state / "lib" / "libibckpt.so"),
     )
@@ -383,10 +384,10 @@ def barrier_times(start: float) -> tuple[dict[str, tuple[float, float, float]], 
 async def run(agents_n: int, per_agent: int, processes: int, work: Path, rank_pid: int) -> Run:
     TIMELINE.calls.clear()
     TIMELINE.arrivals.clear()
-    coordinator = CoordinatorServer()
-    await coordinator.start()
-    pki = make_pki()
+    pki = shared_pki()  # the agents, in child processes, read its CA and certificate from work/agent-tls
     pki.agent_dir(work / "agent-tls")
+    coordinator = CoordinatorServer(pki.coordinator())
+    await coordinator.start()
     paths = [p for i in range(agents_n) for p in prepare_ranks(work / f"a{i:03d}", i, per_agent)]
     shims = ShimProcess(paths, work)
     children = [AgentProcess(first, n, per_agent, work, rank_pid) for first, n in split(agents_n, processes)]

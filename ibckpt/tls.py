@@ -10,6 +10,7 @@ Standard library only: the node image and the operator both import it.
 from __future__ import annotations
 
 import ssl
+import tempfile
 from pathlib import Path
 from typing import Final
 
@@ -54,3 +55,15 @@ def server_context(cert_file: Path, key_file: Path) -> ssl.SSLContext:
     except OSError as exc:  # ssl.SSLError is one: a key that is not the certificate's, say
         raise TlsSetupError(f"cannot serve {cert_file} with {key_file}: {exc}") from exc
     return context
+
+
+def server_context_from_pem(cert_pem: bytes, key_pem: bytes) -> ssl.SSLContext:
+    """server_context() for a certificate held in memory (the coordinator's, from the operator's
+    Secret): ssl loads keys from files only, so they exist for the load, in a directory only this
+    process's user can enter, and are removed at once."""
+    with tempfile.TemporaryDirectory(prefix="ibckpt-tls-") as directory:  # mode 0700
+        cert_file, key_file = Path(directory) / CERT_FILE, Path(directory) / KEY_FILE
+        cert_file.write_bytes(cert_pem)
+        key_file.touch(mode=0o600)
+        key_file.write_bytes(key_pem)
+        return server_context(cert_file, key_file)

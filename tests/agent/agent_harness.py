@@ -19,7 +19,7 @@ from ibckpt_node.agent.server import AgentServer
 from ibckpt_node.agent.servingcert import ServingCertificate
 from ibckpt_node.hook import client as registry_client
 from ibckpt_node.registry import ContainerRegistry
-from testbed.tlsfiles import Pki, make_pki
+from testbed.tlsfiles import Pki, shared_pki
 
 OPERATOR = "system:serviceaccount:ibckpt:ibckpt-operator"
 TOKENS = {"op-token": OPERATOR, "other-token": "system:serviceaccount:default:default"}
@@ -41,7 +41,7 @@ class Stub:
 
 class Running:
     def __init__(self, state: Path, pki: Pki | None = None) -> None:
-        self.pki = pki or make_pki()
+        self.pki = pki or shared_pki()  # the CA the tests' coordinators serve with
         state.parent.mkdir(parents=True, exist_ok=True)
         tls_dir = Path(tempfile.mkdtemp(prefix="agent-tls-", dir=state.parent))  # one per agent run
         self.certificate = ServingCertificate(self.pki.agent_dir(tls_dir))
@@ -54,6 +54,7 @@ class Running:
             registry=ContainerRegistry(state),
             authenticator=Authenticator(self.reviewer, frozenset({OPERATOR})),
             tls=self.certificate.context,
+            coordinator_tls=self.pki.client,
             work_dir=state,
             shim_path=str(state / "lib" / "libibckpt.so"),
         )

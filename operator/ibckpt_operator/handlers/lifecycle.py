@@ -12,7 +12,7 @@ import kopf
 
 from ibckpt.api import CHECKPOINT_JOB, CheckpointJobStatus, JobPhase
 from ibckpt.store import s3
-from ibckpt.tls import client_context
+from ibckpt.tls import client_context, server_context_from_pem
 from ibckpt_operator import metrics, webhook
 from ibckpt_operator.cluster import admission, internaltls
 from ibckpt_operator.cluster.agents import AgentGateway
@@ -95,7 +95,9 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     # the agents' pods wait (Pending) for their Secret: a new release's first leader makes it here
     secrets = (config.namespace, config.tls_ca_secret, config.agent_tls_secret, config.tls_secret_owner)
     ca = await internaltls.ensure(kube, *secrets)
-    coordinator = CoordinatorServer(config.coordinator_bind, config.coordinator_port)
+    coordinator = CoordinatorServer(
+        server_context_from_pem(ca.tls_crt, ca.tls_key), config.coordinator_bind, config.coordinator_port
+    )
     await coordinator.start()
     held = lease
     gateway = AgentGateway(client_context(ca.ca_crt), epoch=lambda: held.epoch if held is not None else None)
@@ -107,6 +109,7 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
 
     def renewed(kept: WebhookCert) -> None:
         gateway.tls = client_context(kept.ca_crt)
+        coordinator.tls = server_context_from_pem(kept.tls_crt, kept.tls_key)
 
     rt.tasks.add(asyncio.ensure_future(internaltls.keep(kube, *secrets, renewed)))
     runtime.set_runtime(rt)

@@ -32,7 +32,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from ibckpt import logsetup
 from ibckpt.agentapi.models import DEFAULT_PORT
-from ibckpt.tls import TlsSetupError
+from ibckpt.tls import TlsSetupError, client_context_from
 from ibckpt_node import failpoints
 from ibckpt_node.agent.auth import Authenticator, TokenReviewer
 from ibckpt_node.agent.disk import DEFAULT_KEEP_FAILED_S
@@ -196,6 +196,7 @@ async def serve(args: argparse.Namespace) -> None:
     shim = str(node_config(args.prefix, args.host_dir, args.runc)["shim"])
     certificate = ServingCertificate(args.tls_dir)
     certificate.context()  # TlsSetupError: no certificate to serve, said before anything starts
+    client_context_from(certificate.ca_file)  # nor a CA to trust the coordinator by
     metrics = CollectorRegistry()
     server = AgentServer(
         node=args.node,
@@ -204,6 +205,7 @@ async def serve(args: argparse.Namespace) -> None:
         registry=ContainerRegistry(host_dir),
         authenticator=Authenticator(TokenReviewer.in_cluster(), frozenset(args.allow)),
         tls=certificate.context,
+        coordinator_tls=lambda: client_context_from(certificate.ca_file),  # a renewed CA: the next connect
         work_dir=host_dir,
         shim_path=shim,
         shim_present_path=Path(args.install_root) / shim.lstrip("/"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
+import ssl
 from collections.abc import Callable
 from pathlib import Path
 
@@ -76,6 +77,7 @@ class AgentServer:
         registry: ContainerRegistry,
         authenticator: Authenticator,
         tls: TlsContext,
+        coordinator_tls: Callable[[], ssl.SSLContext],
         work_dir: Path,
         shim_path: str,
         shim_present_path: Path | None = None,
@@ -100,6 +102,7 @@ class AgentServer:
             self._finished,
             secrets,
             keep_failed_images_s,
+            coordinator_tls=coordinator_tls,
         )
         self.fence = LeaderFence(work_dir / "leader-epoch")
         self.http = HttpServer(host, port, self.handle, error, tls)

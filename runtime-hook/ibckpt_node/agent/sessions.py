@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -55,8 +56,12 @@ class Sessions:
         on_finished: Callable[[api.SessionReport], None] = lambda report: None,
         secrets: SecretReader | None = None,
         keep_failed_images_s: float = disk.DEFAULT_KEEP_FAILED_S,
+        *,
+        coordinator_tls: Callable[[], ssl.SSLContext],
     ) -> None:
-        self.agent = Agent(node, registry, work_dir, on_finished, secrets, keep_failed_images_s)
+        self.agent = Agent(
+            node, registry, work_dir, on_finished, secrets, coordinator_tls, keep_failed_images_s
+        )
         self.sessions: dict[str, Session] = {}
         self.sweeper: asyncio.Task[None] | None = None
 
