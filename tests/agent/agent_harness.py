@@ -14,7 +14,7 @@ from typing import Any
 
 from ibckpt.agentapi import AgentClient
 from ibckpt.tls import AGENT_SERVER_NAME
-from ibckpt_node.agent.auth import Authenticator, Review
+from ibckpt_node.agent.auth import Authenticator, Review, Reviewer
 from ibckpt_node.agent.server import AgentServer
 from ibckpt_node.agent.servingcert import ServingCertificate
 from ibckpt_node.hook import client as registry_client
@@ -40,19 +40,25 @@ class Stub:
 
 
 class Running:
-    def __init__(self, state: Path, pki: Pki | None = None) -> None:
+    """`reviewer`: the TokenReview stub by default (a real TokenReviewer in the audience tests)."""
+
+    def __init__(
+        self, state: Path, pki: Pki | None = None, *, node: str = "node-x", reviewer: Reviewer | None = None,
+        allowed: str = OPERATOR,
+    ) -> None:  # fmt: skip
         self.pki = pki or shared_pki()  # the CA the tests' coordinators serve with
         state.parent.mkdir(parents=True, exist_ok=True)
         tls_dir = Path(tempfile.mkdtemp(prefix="agent-tls-", dir=state.parent))  # one per agent run
         self.certificate = ServingCertificate(self.pki.agent_dir(tls_dir))
         self.reviewer = Stub()
+        self.node = node
         self.loop = asyncio.new_event_loop()
         self.server = AgentServer(
-            node="node-x",
+            node=node,
             host="127.0.0.1",
             port=0,
             registry=ContainerRegistry(state),
-            authenticator=Authenticator(self.reviewer, frozenset({OPERATOR})),
+            authenticator=Authenticator(reviewer or self.reviewer, frozenset({allowed})),
             tls=self.certificate.context,
             coordinator_tls=self.pki.client,
             work_dir=state,

@@ -26,7 +26,7 @@ from helm.conftest import (
     sa_token,
 )
 
-from ibckpt.agentapi import AGENT_AUDIENCE
+from ibckpt.agentapi import agent_audience
 from testbed import pods
 from testbed.cluster import NODE_NAMES, Cluster, node_ip
 from testbed.images import PRODUCT_IMAGE
@@ -106,6 +106,14 @@ def test_each_component_may_do_what_it_needs_and_no_more(installed: Release) -> 
     assert not _can(cluster, op, "delete", "nodes")
     assert not _can(cluster, op, "update", "leases.coordination.k8s.io", "-n", "kube-system")
     assert not _can(cluster, op, "create", "tokenreviews.authentication.k8s.io")
+    # tokens for the agents: of its own account only (each bound to one node's agent)
+    assert _can(
+        cluster, op, "create", f"serviceaccounts/{OPERATOR_SA}", "--subresource=token", "-n", NAMESPACE
+    )
+    assert not _can(
+        cluster, op, "create", f"serviceaccounts/{AGENT_SA}", "--subresource=token", "-n", NAMESPACE
+    )
+    assert not _can(cluster, op, "create", "serviceaccounts/default", "--subresource=token", "-n", "team-a")
     assert not _can(cluster, op, "delete", "customresourcedefinitions.apiextensions.k8s.io")
     # its internal TLS: the CA's Secret and the agents' certificate, by name (create cannot be narrowed)
     for kept in (f"{RELEASE}-internal-tls", f"{RELEASE}-agent-tls"):
@@ -167,8 +175,8 @@ for node, ip in cfg["nodes"].items():
         r["plain"] = type(exc).__name__
     # as the leader calls: with its epoch; then with none, and with an older Lease's (a deposed leader's)
     leader = tuple(cfg["epoch"])
-    calls = [(who, token, leader) for who, token in cfg["tokens"].items()]
-    operator = cfg["tokens"]["operator"]
+    calls = [(who, token, leader) for who, token in cfg["tokens"][node].items()]
+    operator = cfg["tokens"][node]["operator"]
     calls += [("unfenced", operator, None), ("deposed", operator, (leader[0] - 1, 9))]
     for who, token, epoch in calls:
         try:
@@ -193,14 +201,19 @@ def _agents_ca(cluster: Cluster) -> str:
 
 def test_the_agent_api_answers_only_the_operator(installed: Release) -> None:
     cluster = installed.cluster
+    # per node, as the operator requests them (cluster/agenttokens.py): bound to that node's agent alone
     tokens = {
-        # the operator's token as the chart projects it for the agents, and its legacy Secret token
-        "operator": audience_token(cluster, NAMESPACE, OPERATOR_SA, AGENT_AUDIENCE),
-        "legacy": sa_token(cluster, NAMESPACE, OPERATOR_SA),
-        "apiserver": audience_token(cluster, NAMESPACE, OPERATOR_SA, "https://kubernetes.default.svc"),
-        "agent": audience_token(cluster, NAMESPACE, AGENT_SA, AGENT_AUDIENCE),
-        "default": audience_token(cluster, NAMESPACE, "default", AGENT_AUDIENCE),
-        "forged": "eyJhbGciOiJSUzI1NiJ9.e30.forged",
+        node: {
+            "operator": audience_token(cluster, NAMESPACE, OPERATOR_SA, agent_audience(node)),
+            # taken from a call to the other node's agent, replayed here
+            "replayed": audience_token(cluster, NAMESPACE, OPERATOR_SA, agent_audience(other)),
+            "legacy": sa_token(cluster, NAMESPACE, OPERATOR_SA),
+            "apiserver": audience_token(cluster, NAMESPACE, OPERATOR_SA, "https://kubernetes.default.svc"),
+            "agent": audience_token(cluster, NAMESPACE, AGENT_SA, agent_audience(node)),
+            "default": audience_token(cluster, NAMESPACE, "default", agent_audience(node)),
+            "forged": "eyJhbGciOiJSUzI1NiJ9.e30.forged",
+        }
+        for node, other in zip(NODE_NAMES, reversed(NODE_NAMES), strict=True)
     }
     caller = pods.product_pod("caller", "node-2", PRODUCT_IMAGE)
     pods.apply(cluster, NAMESPACE, caller)
@@ -241,6 +254,8 @@ def test_the_agent_api_answers_only_the_operator(installed: Release) -> None:
         assert r["operator"]["status"] == 200, r
         # the operator's own tokens for any other audience are not the agents' to accept
         assert r["legacy"]["status"] == 401 and r["apiserver"]["status"] == 401, r
+        # nor another node's agent's: a token taken from one call is worthless at any other agent
+        assert r["replayed"]["status"] == 401, r
         # the leader's epoch fences off a caller without one, and a deposed leader's
         assert r["unfenced"]["status"] == 409 and "carries no leader epoch" in r["unfenced"]["error"], r
         assert r["deposed"]["status"] == 409 and "was deposed" in r["deposed"]["error"], r
@@ -257,5 +272,5 @@ def test_the_agent_api_answers_only_the_operator(installed: Release) -> None:
         "logs", "-n", NAMESPACE, "-l", "app.kubernetes.io/component=agent", "--tail=-1"
     ).stdout
     assert "may not use the node agent" in logs or "refused" in logs, logs[-2000:]
-    for token in tokens.values():
+    for token in (t for per_node in tokens.values() for t in per_node.values()):
         assert token not in logs

@@ -29,7 +29,7 @@ from ibckpt.tls import CERT_FILE, KEY_FILE, server_context
 from ibckpt_operator.cluster.kube import Kube
 from ibckpt_operator.config import OperatorConfig
 from testbed import operator_account as chart_rbac
-from testbed.fake_agent import AGENT_TOKEN, FakeAgent
+from testbed.fake_agent import FakeAgent
 from testbed.kube import ControlPlane, establish_crds
 from testbed.ports import free_port
 from testbed.s3 import S3Server
@@ -299,6 +299,15 @@ class Agents:
         return agent
 
 
+def ensure_operator_account(core: kubernetes.client.CoreV1Api) -> None:
+    """The operator's service account, whose tokens (one per node) it requests for the agents."""
+    try:
+        core.create_namespaced_service_account(OPERATOR_NS, {"metadata": {"name": "ibckpt-operator"}})
+    except kubernetes.client.ApiException as exc:
+        if exc.status != 409:
+            raise
+
+
 def release_tls(core: kubernetes.client.CoreV1Api, directory: Path) -> ssl.SSLContext:
     """The internal TLS Secrets as an earlier operator left them (the operator keeps them as they are),
     and the agents' serving context from their Secret, as the DaemonSet mounts it."""
@@ -322,6 +331,7 @@ def release_tls(core: kubernetes.client.CoreV1Api, directory: Path) -> ssl.SSLCo
 
 @pytest.fixture
 def agents(crds: kubernetes.client.ApiClient, tmp_path: Path) -> Iterator[Agents]:
+    ensure_operator_account(kubernetes.client.CoreV1Api(crds))
     found = Agents(free_port(), release_tls(kubernetes.client.CoreV1Api(crds), tmp_path / "agent-tls"))
     yield found
     for agent in found.by_node.values():
@@ -354,8 +364,6 @@ def operator(
 
     from ibckpt_operator import config as settings
 
-    token_file = tmp_path / "agent-token"
-    token_file.write_text(AGENT_TOKEN)
     os.environ["KUBECONFIG"] = str(kube.kubeconfig)
     metrics_port = free_port()
     lease_name = "ibckpt-operator-" + secrets.token_hex(3)
@@ -374,7 +382,7 @@ def operator(
             coordinator_bind="127.0.0.1",
             coordinator_port=0,
             agent_port=agents.port,
-            agent_token_file=str(token_file),
+            operator_account="ibckpt-operator",  # its tokens for the agents (made in `agents`)
             agent_account="ibckpt-agent",  # each job grants the agents its storage's Secret (Role)
             agent_timeout=3.0,
             gc_grace_seconds=0.0,

@@ -16,6 +16,7 @@ from ibckpt.tls import client_context, server_context_from_pem
 from ibckpt_operator import metrics, webhook
 from ibckpt_operator.cluster import admission, internaltls
 from ibckpt_operator.cluster.agents import AgentGateway
+from ibckpt_operator.cluster.agenttokens import AgentTokens
 from ibckpt_operator.cluster.kube import Kube, client_configuration, new_api_client
 from ibckpt_operator.cluster.leader import LeaderLease
 from ibckpt_operator.config import FINALIZER, current
@@ -100,7 +101,10 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     )
     await coordinator.start()
     held = lease
-    gateway = AgentGateway(client_context(ca.ca_crt), epoch=lambda: held.epoch if held is not None else None)
+    tokens = AgentTokens.of_account(kube, config.namespace, config.operator_account)
+    gateway = AgentGateway(
+        client_context(ca.ca_crt), tokens, epoch=lambda: held.epoch if held is not None else None
+    )
     rt = runtime.Runtime(kube=kube, gateway=gateway, coordinator=coordinator, lease=lease)
     rt.claims = await rebuild_claims(kube)
     if lease is not None:

@@ -31,7 +31,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, start_http_server
 
 from ibckpt import logsetup
-from ibckpt.agentapi.models import DEFAULT_PORT
+from ibckpt.agentapi.models import DEFAULT_PORT, agent_audience
 from ibckpt.tls import TlsSetupError, client_context_from
 from ibckpt_node import failpoints
 from ibckpt_node.agent.auth import Authenticator, TokenReviewer
@@ -203,7 +203,9 @@ async def serve(args: argparse.Namespace) -> None:
         host=args.address,
         port=args.port,
         registry=ContainerRegistry(host_dir),
-        authenticator=Authenticator(TokenReviewer.in_cluster(), frozenset(args.allow)),
+        authenticator=Authenticator(
+            TokenReviewer.in_cluster(agent_audience(args.node)), frozenset(args.allow)
+        ),
         tls=certificate.context,
         coordinator_tls=lambda: client_context_from(certificate.ca_file),  # a renewed CA: the next connect
         work_dir=host_dir,
