@@ -9,9 +9,9 @@ a whole 2,048-rank cut (128 agents) under 1 s. Both sizes run in one go and prin
 What runs is the product's code path, on the host, with no RDMA and no CRIU, in three kinds of process:
   operator       this process: the real CoordinatorServer (the operator hosts it) with one session for
                  the job, and the operator's agent client (ibckpt.agentapi.AgentClient) POSTing a
-                 CheckpointRequest to every agent over HTTP through the operator's AgentGateway
+                 CheckpointRequest to every agent over HTTPS through the operator's AgentGateway
                  (its own threads, at most 32 calls in flight) and each_agent, as QuiesceRanks does;
-  node agents    real AgentServers (HTTP API, token check against a stubbed TokenReview, container
+  node agents    real AgentServers (HTTPS API, token check against a stubbed TokenReview, container
                  registry, Sessions, the shims' coordinator proxy, NodeDriver), each with its own
                  state dir, spread over `--agent-processes` children (one event loop each); every
                  rank is a container registered the way the hook does it;

@@ -19,7 +19,7 @@ from testbed.tlsfiles import make_pki
 
 def test_plain_http_is_refused_and_nothing_is_answered_in_clear(agent: Running) -> None:
     conn = http.client.HTTPConnection("127.0.0.1", agent.port, timeout=5)
-    with pytest.raises((http.client.RemoteDisconnected, ConnectionResetError)):
+    with pytest.raises((http.client.HTTPException, ConnectionError)):  # no HTTP answer, whatever ends it
         conn.request("GET", "/healthz")
         conn.getresponse()
     conn.close()

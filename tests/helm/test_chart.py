@@ -243,7 +243,7 @@ def test_the_agent_api_answers_only_the_operator(installed: Release) -> None:
     for i, node in enumerate(NODE_NAMES, 1):
         r = result[node]
         assert r["healthy"] is True
-        assert r["plain"] in ("RemoteDisconnected", "ConnectionResetError"), r  # TLS only
+        assert not isinstance(r["plain"], int), r  # TLS only: plain HTTP gets no HTTP status back
         assert r["anonymous"]["status"] == 401, r
         assert r["forged"]["status"] == 401, r
         assert r["agent"]["status"] == 403, r
