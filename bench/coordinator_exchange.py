@@ -29,8 +29,10 @@ from typing import NamedTuple
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the simulated job the tests use
 
 from ibckpt.coordination.ranks import QP_RECORD
+from ibckpt.tls import client_context
 from ibckpt_operator.coordinator.server import CoordinatorServer
 from testbed.simulated_job import connect_nodes, exchange_all, node_name, segments_for
+from testbed.tlsfiles import shared_pki
 
 
 class Timing(NamedTuple):
@@ -44,7 +46,7 @@ def _expected_bytes(nodes: int, per: int) -> int:
 
 
 async def one_process(nodes: int, per: int, prepared: list[dict[str, bytes]]) -> Timing:
-    server = CoordinatorServer()
+    server = CoordinatorServer(shared_pki().coordinator())
     await server.start()
     try:
         session, tokens = server.create_session({node_name(n) for n in range(nodes)}, deadline_s=600)
@@ -62,7 +64,7 @@ async def one_process(nodes: int, per: int, prepared: list[dict[str, bytes]]) ->
 
 
 async def server_alone(nodes: int, per: int) -> Timing:
-    server = CoordinatorServer()
+    server = CoordinatorServer(shared_pki().coordinator())
     await server.start()
     try:
         session, tokens = server.create_session({node_name(n) for n in range(nodes)}, deadline_s=600)
@@ -72,7 +74,8 @@ async def server_alone(nodes: int, per: int) -> Timing:
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
         )  # fmt: skip
         assert child.stdin is not None and child.stdout is not None
-        child.stdin.write(json.dumps(tokens).encode() + b"\n")  # not on the command line
+        secrets = {"tokens": tokens, "ca": shared_pki().ca.ca_crt.decode()}  # the child trusts this CA
+        child.stdin.write(json.dumps(secrets).encode() + b"\n")  # not on the command line
         await child.stdin.drain()
         if (await child.stdout.readline()).strip() != b"ready":
             raise RuntimeError("the clients' process did not get ready")
@@ -90,9 +93,10 @@ async def server_alone(nodes: int, per: int) -> Timing:
 
 async def clients_role(port: int, session: str, nodes: int, per: int) -> None:
     """The child of server_alone: every node's client, on this process's own loop."""
-    tokens = json.loads(sys.stdin.readline())
+    given = json.loads(sys.stdin.readline())
     prepared = [segments_for(n, nodes, per) for n in range(nodes)]
-    clients = await connect_nodes("127.0.0.1", port, session, tokens, nodes)
+    tls = client_context(given["ca"].encode())
+    clients = await connect_nodes("127.0.0.1", port, session, given["tokens"], nodes, tls)
     print("ready", flush=True)
     sys.stdin.readline()  # blocking is fine: the clients have nothing to do until "go"
     cpu = time.process_time()

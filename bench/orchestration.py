@@ -9,9 +9,9 @@ a whole 2,048-rank cut (128 agents) under 1 s. Both sizes run in one go and prin
 What runs is the product's code path, on the host, with no RDMA and no CRIU, in three kinds of process:
   operator       this process: the real CoordinatorServer (the operator hosts it) with one session for
                  the job, and the operator's agent client (ibckpt.agentapi.AgentClient) POSTing a
-                 CheckpointRequest to every agent over HTTP through the operator's AgentGateway
+                 CheckpointRequest to every agent over HTTPS through the operator's AgentGateway
                  (its own threads, at most 32 calls in flight) and each_agent, as QuiesceRanks does;
-  node agents    real AgentServers (HTTP API, token check against a stubbed TokenReview, container
+  node agents    real AgentServers (HTTPS API, token check against a stubbed TokenReview, container
                  registry, Sessions, the shims' coordinator proxy, NodeDriver), each with its own
                  state dir, spread over `--agent-processes` children (one event loop each); every
                  rank is a container registered the way the hook does it;
@@ -63,12 +63,15 @@ from pydantic import SecretStr
 
 from ibckpt.agentapi import AgentClient, AgentError, CheckpointRequest, Milestone, RankRef, SessionReport
 from ibckpt.coordination.client import CoordinatorClient
+from ibckpt.tls import CA_FILE, client_context_from
 from ibckpt_node.agent import session as agent_session
 from ibckpt_node.agent.auth import Authenticator
 from ibckpt_node.agent.server import AgentServer
+from ibckpt_node.agent.servingcert import ServingCertificate
 from ibckpt_node.registry import ContainerRegistry
 from ibckpt_operator.cluster.agents import Agent, AgentGateway, each_agent
 from ibckpt_operator.coordinator.server import CoordinatorServer
+from testbed.tlsfiles import shared_pki
 
 SIZES = ((2, 8), (128, 16))  # (agents, ranks per agent): 16 and 2,048 ranks
 TRANSITION_GOAL_S = 0.010  # per phase transition at 16 ranks
@@ -220,6 +223,8 @@ def make_agent(state: Path, node: str) -> AgentServer:
         port=0,
         registry=ContainerRegistry(state),
         authenticator=Authenticator(Stub(), frozenset({OPERATOR})),
+        tls=ServingCertificate(state.parent / "agent-tls").context,  # the run's (run() makes it)
+        coordinator_tls=lambda: client_context_from(state.parent / "agent-tls" / CA_FILE),
         work_dir=state,
         shim_path=str(state / "lib" / "libibckpt.so"),
     )
@@ -266,19 +271,19 @@ class TimedAgentClient(AgentClient):
 class BenchGateway(AgentGateway):
     """The operator's gateway (its threads, its bound on calls in flight); only the port is per agent."""
 
-    def __init__(self, ports: dict[str, int]) -> None:
-        super().__init__(token=TOKEN)
+    def __init__(self, ports: dict[str, int], tls_dir: Path) -> None:
+        super().__init__(client_context_from(tls_dir / CA_FILE), token=TOKEN)
         self.ports = ports
 
     def client(self, agent: Agent) -> AgentClient:
-        return TimedAgentClient(agent.host, self.ports[agent.node], token=TOKEN, timeout_s=30)
+        return TimedAgentClient(agent.host, self.ports[agent.node], tls=self.tls, token=TOKEN, timeout_s=30)
 
 
-async def kick_off(ports: list[int], requests: list[CheckpointRequest]) -> list[float]:
+async def kick_off(ports: list[int], requests: list[CheckpointRequest], tls_dir: Path) -> list[float]:
     """The operator's QuiesceRanks: one POST per node agent through its gateway, all at once
     (each_agent). Seconds per POST."""
     nodes = [node_name(i) for i in range(len(ports))]
-    gateway = BenchGateway(dict(zip(nodes, ports, strict=True)))
+    gateway = BenchGateway(dict(zip(nodes, ports, strict=True)), tls_dir)
     TimedAgentClient.took.clear()
     calls = [
         gateway.checkpoint(Agent(node, node, "127.0.0.1", True), r)
@@ -379,7 +384,9 @@ def barrier_times(start: float) -> tuple[dict[str, tuple[float, float, float]], 
 async def run(agents_n: int, per_agent: int, processes: int, work: Path, rank_pid: int) -> Run:
     TIMELINE.calls.clear()
     TIMELINE.arrivals.clear()
-    coordinator = CoordinatorServer()
+    pki = shared_pki()  # the agents, in child processes, read its CA and certificate from work/agent-tls
+    pki.agent_dir(work / "agent-tls")
+    coordinator = CoordinatorServer(pki.coordinator())
     await coordinator.start()
     paths = [p for i in range(agents_n) for p in prepare_ranks(work / f"a{i:03d}", i, per_agent)]
     shims = ShimProcess(paths, work)
@@ -392,7 +399,7 @@ async def run(agents_n: int, per_agent: int, processes: int, work: Path, rank_pi
         ]
         ports = [port for child in children for port in child.ports]
         cpu, start = time.process_time(), time.monotonic()
-        posts = await kick_off(ports, requests)
+        posts = await kick_off(ports, requests, work / "agent-tls")
         kicked = time.monotonic()
         results = await asyncio.gather(*(asyncio.to_thread(child.result) for child in children))
         cpu = time.process_time() - cpu

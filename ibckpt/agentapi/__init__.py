@@ -29,6 +29,7 @@ from ibckpt.agentapi.models import (
     SessionKind,
     SessionReport,
     SessionState,
+    agent_audience,
     format_epoch,
     parse_epoch,
 )
@@ -65,6 +66,7 @@ __all__ = [
     "SessionKind",
     "SessionReport",
     "SessionState",
+    "agent_audience",
     "format_epoch",
     "parse_epoch",
     "position",

@@ -1,20 +1,22 @@
-"""The one client of the node agent API (the operator's). Standard library HTTP, every call bounded.
+"""The one client of the node agent API (the operator's). Standard library HTTPS, every call bounded.
 
-    client = AgentClient("10.77.0.1", token_file=SERVICE_ACCOUNT_TOKEN)
+    client = AgentClient("10.77.0.1", tls=client_context(ca_pem), token=token_for_that_node)
     info = client.info()
     report = client.checkpoint(CheckpointRequest(...))
 
 Synchronous: from asyncio code, call it through `asyncio.to_thread` (each call holds a thread for at
-most its timeout). The token is read from its file on every call: projected service-account tokens
-are rotated by the kubelet.
+most its timeout). The token must be for that node's agent alone (agent_audience; the operator's
+cluster/agenttokens.py requests them): it is sent only once the TLS handshake has verified the agent.
+
+The agent serves TLS only: the client trusts the release's CA alone (`tls`) and checks the agents' fixed
+name (ibckpt.tls.AGENT_SERVER_NAME), not the node address it dials.
 """
 
 from __future__ import annotations
 
 import http.client
 import json
-from collections.abc import Callable
-from pathlib import Path
+import ssl
 from typing import TypeVar
 from urllib.parse import quote
 
@@ -34,8 +36,8 @@ from ibckpt.agentapi.models import (
     SessionReport,
     format_epoch,
 )
+from ibckpt.tls import AGENT_SERVER_NAME
 
-SERVICE_ACCOUNT_TOKEN = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
 MAX_REPLY = 16 * 1024 * 1024
 M = TypeVar("M", bound=AgentModel)
 
@@ -49,26 +51,38 @@ class AgentError(Exception):
         self.message = message
 
 
+class _NamedTlsConnection(http.client.HTTPConnection):
+    """HTTPS to an address, the certificate checked against a name the address does not carry."""
+
+    def __init__(self, host: str, port: int, timeout: float, context: ssl.SSLContext, name: str) -> None:
+        super().__init__(host, port, timeout=timeout)
+        self._context = context
+        self._name = name
+
+    def connect(self) -> None:
+        super().connect()
+        self.sock = self._context.wrap_socket(self.sock, server_hostname=self._name)
+
+
 class AgentClient:
     def __init__(
         self,
         host: str,
         port: int = DEFAULT_PORT,
         *,
-        token: str | None = None,
-        token_file: Path | None = None,
+        tls: ssl.SSLContext,
+        server_name: str = AGENT_SERVER_NAME,
+        token: str,
         timeout_s: float = 10.0,
         leader_epoch: LeaderEpoch | None = None,
     ) -> None:
-        if (token is None) == (token_file is None):
-            raise ValueError("give exactly one of token and token_file")
         self.host = host
         self.port = port
         self.timeout_s = timeout_s
+        self.tls = tls
+        self.server_name = server_name
         self.leader_epoch = leader_epoch  # None: a caller that does not elect (tests, the CLI)
-        self._token: Callable[[], str] = (
-            (lambda: token) if token is not None else (lambda: Path(str(token_file)).read_text().strip())
-        )
+        self._token = token
 
     def __repr__(self) -> str:  # never the token
         return f"AgentClient({self.host}:{self.port})"
@@ -127,19 +141,16 @@ class AgentClient:
         if body is not None:
             headers["Content-Type"] = "application/json"
         if auth:
-            try:
-                headers["Authorization"] = f"Bearer {self._token()}"
-            except OSError as exc:
-                raise AgentError(0, f"cannot read the service-account token: {exc.strerror}") from exc
+            headers["Authorization"] = f"Bearer {self._token}"
             if self.leader_epoch is not None:
                 headers[LEADER_EPOCH_HEADER] = format_epoch(self.leader_epoch)
         where = f"agent {self.host}:{self.port}"
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
+        conn = _NamedTlsConnection(self.host, self.port, self.timeout_s, self.tls, self.server_name)
         try:
             conn.request(method, path, body=body, headers=headers)
             response = conn.getresponse()
             data = response.read(MAX_REPLY + 1)
-        except (OSError, http.client.HTTPException) as exc:  # TimeoutError is an OSError
+        except (OSError, http.client.HTTPException) as exc:  # TimeoutError, ssl.SSLError are OSErrors
             raise AgentError(0, f"{where}: {method} {path}: {exc}") from exc
         finally:
             conn.close()

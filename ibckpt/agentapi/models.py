@@ -39,11 +39,18 @@ DEFAULT_PORT: Final = 9478
 # back (a fencing token). The epoch is "<the Lease's creation, unix seconds>:<its leaseTransitions when
 # this leader took it>": compared as a pair, so a Lease made again (a reinstall) starts above the old one.
 LEADER_EPOCH_HEADER: Final = "X-Ibckpt-Leader-Epoch"
-# The audience of the operator's token for the agents (a projected service-account token): the agents
-# review tokens for it alone, so a token made for the apiserver or anything else is refused, and the
-# operator's agent token is not accepted by the apiserver.
+# What the audiences of the operator's tokens for the agents start with (agent_audience below).
 AGENT_AUDIENCE: Final = "ibckpt-agent"
 LeaderEpoch = tuple[int, int]
+
+
+def agent_audience(node: str) -> str:
+    """The audience of a token for the agent of `node` alone. The operator requests short-lived tokens
+    for it (TokenRequest) and each agent reviews tokens for its own node's audience only: a token taken
+    from a call to one agent is refused by every other agent, by the apiserver and by anything else."""
+    if not node or any(c.isspace() for c in node):
+        raise ValueError(f"not a node name: {node!r}")
+    return f"{AGENT_AUDIENCE}:{node}"
 
 
 def format_epoch(epoch: LeaderEpoch) -> str:

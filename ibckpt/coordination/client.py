@@ -1,4 +1,7 @@
-"""asyncio client of the job coordinator, used by node agents (one per node per session)."""
+"""asyncio client of the job coordinator, used by node agents (one per node per session).
+
+TLS only: the coordinator's certificate must chain to the operator's CA (`tls`, ibckpt.tls.client_context)
+and name ibckpt.tls.COORDINATOR_SERVER_NAME; the credential is sent only once that holds."""
 
 from __future__ import annotations
 
@@ -7,8 +10,10 @@ import contextlib
 import dataclasses
 import itertools
 import socket
+import ssl
 from collections.abc import Mapping
 
+from ibckpt.coordination.channel import TlsChannel
 from ibckpt.coordination.wire import (
     ERROR_ABORTED,
     ERROR_FORBIDDEN,
@@ -19,6 +24,7 @@ from ibckpt.coordination.wire import (
     ProtocolError,
     SocketFrameReader,
 )
+from ibckpt.tls import COORDINATOR_SERVER_NAME
 
 CONNECT_TIMEOUT_S = 10.0
 # Replies may trail the server-side bound a little; this slack keeps the client from
@@ -88,12 +94,13 @@ def _keep_alive(sock: socket.socket) -> None:
 
 
 class CoordinatorClient:
-    """One participant's connection. Plain socket, like the server: a routed round's reply is
-    received into one buffer that the returned segments are views of."""
+    """One participant's connection. TLS on a plain socket, like the server: a routed round's reply
+    is received into one buffer that the returned segments are views of."""
 
-    def __init__(self, sock: socket.socket, reader: SocketFrameReader, participant: str) -> None:
+    def __init__(self, channel: TlsChannel, reader: SocketFrameReader, participant: str) -> None:
         self.participant = participant
-        self._sock = sock
+        self._channel = channel
+        self._sock = channel.sock
         self._reader = reader
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[Frame]] = {}
@@ -105,17 +112,27 @@ class CoordinatorClient:
 
     @classmethod
     async def connect(
-        cls, host: str, port: int, session: str, participant: str, token: str
-    ) -> CoordinatorClient:
-        """`token`: the credential the operator gave `participant` for the session; no other works."""
+        cls, host: str, port: int, session: str, participant: str, token: str, *, tls: ssl.SSLContext,
+        server_name: str = COORDINATOR_SERVER_NAME,
+    ) -> CoordinatorClient:  # fmt: skip
+        """`token`: the credential the operator gave `participant` for the session; no other works.
+        `tls`: trusts the operator's CA alone."""
         try:
             sock = await asyncio.wait_for(_open(host, port), CONNECT_TIMEOUT_S)
         except (OSError, TimeoutError) as exc:
             raise CoordinatorError(f"cannot reach the coordinator at {host}:{port}: {exc}") from exc
-        reader = SocketFrameReader(sock)
+        try:
+            channel = await asyncio.wait_for(TlsChannel.connect(sock, tls, server_name), CONNECT_TIMEOUT_S)
+        except (OSError, TimeoutError) as exc:  # ssl.SSLError is an OSError: not the operator's certificate
+            sock.close()
+            raise CoordinatorError(f"no TLS with the coordinator at {host}:{port}: {exc}") from exc
+        except BaseException:
+            sock.close()
+            raise
+        reader = SocketFrameReader(channel)
         try:
             hello = Hello(session, participant, token).frame()
-            await asyncio.wait_for(hello.send(sock), CONNECT_TIMEOUT_S)
+            await asyncio.wait_for(hello.send(channel), CONNECT_TIMEOUT_S)
             reply = await asyncio.wait_for(reader.read(), CONNECT_TIMEOUT_S)
         except (asyncio.IncompleteReadError, TimeoutError, ProtocolError, OSError) as exc:
             sock.close()
@@ -123,7 +140,7 @@ class CoordinatorClient:
         if reply.kind != Kind.OK:
             sock.close()
             raise CoordinatorError(f"coordinator refused {participant}: {reply.header.get('message')}")
-        client = cls(sock, reader, participant)
+        client = cls(channel, reader, participant)
         if reply.header.get("aborted"):
             client._mark_aborted(str(reply.header["aborted"]))
         client._reader_task = asyncio.ensure_future(client._read_loop())
@@ -197,7 +214,7 @@ class CoordinatorClient:
         frame = dataclasses.replace(request, header={**request.header, "id": request_id, "timeout": timeout})
         try:
             async with self._write_lock:
-                await frame.send(self._sock)
+                await frame.send(self._channel)
         except OSError as exc:  # closed, or the coordinator went away
             self._pending.pop(request_id, None)
             raise CoordinatorError(f"cannot send {kind.name} to the coordinator: {exc}") from exc

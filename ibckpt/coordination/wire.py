@@ -6,7 +6,8 @@ payload is raw bytes. Bulk data (id tables, counters) travels in the payload, ne
 JSON, so 2,048 ranks in all-to-all (~4M QP records) cost one copy, not 4M objects.
 Every request header carries an `id` that its response echoes, so a client can keep
 several requests in flight (a barrier wait while it publishes, say). Both ends read and
-write frames on plain non-blocking sockets (SocketFrameReader, send_buffers), not streams.
+write frames over TLS on plain non-blocking sockets (channel.TlsChannel, SocketFrameReader),
+not streams.
 """
 
 from __future__ import annotations
@@ -14,17 +15,17 @@ from __future__ import annotations
 import asyncio
 import enum
 import json
-import socket
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ibckpt.coordination.channel import TlsChannel
+
 PROTOCOL_VERSION = 2  # 2: PUT_MANY
 MAX_FRAME = 512 * 1024 * 1024
 MAX_HELLO = 64 * 1024  # before authentication a peer gets no large buffer
 _PREFIX = struct.Struct("!IBI")
-_IOV_MAX = 1024  # Linux's limit on buffers per sendmsg()
 
 
 class Kind(enum.IntEnum):
@@ -74,9 +75,9 @@ class Frame:
     def encode(self) -> bytes:
         return b"".join(self.buffers())
 
-    async def send(self, sock: socket.socket) -> None:
-        """Send the frame on a non-blocking socket (send_buffers); one sender at a time per socket."""
-        await send_buffers(sock, self.buffers())
+    async def send(self, channel: TlsChannel) -> None:
+        """Send the frame; one sender at a time per channel."""
+        await channel.send(self.buffers())
 
     @classmethod
     def of_segments(
@@ -123,24 +124,23 @@ def _decode(kind: int, head: bytes) -> tuple[Kind, dict[str, Any]]:
 
 
 class SocketFrameReader:
-    """Reads frames from a non-blocking socket with the event loop's sock_recv_into().
+    """Reads frames from a channel.
 
-    Small frames come out of one scratch buffer; a frame's body is received straight into a
-    buffer of its own exact size, which the returned payload is a view of: the kernel's copy
-    is the only one (a StreamReader copies a large body two or three times more).
+    Small frames come out of one scratch buffer; a frame's body is decrypted straight into a
+    buffer of its own exact size, which the returned payload is a view of (a StreamReader
+    copies a large body two or three times more).
     """
 
     _SCRATCH = 64 * 1024
 
-    def __init__(self, sock: socket.socket) -> None:
-        self._sock = sock
-        self._loop = asyncio.get_running_loop()
+    def __init__(self, channel: TlsChannel) -> None:
+        self._channel = channel
         self._scratch = bytearray(self._SCRATCH)
         self._view = memoryview(self._scratch)
         self._start = self._end = 0
 
     async def _recv_into(self, view: memoryview) -> int:
-        n = await self._loop.sock_recv_into(self._sock, view)
+        n = await self._channel.recv_into(view)
         if n == 0:
             raise asyncio.IncompleteReadError(b"", len(view))
         return n
@@ -173,45 +173,6 @@ class SocketFrameReader:
             got += await self._recv_into(view[got:])
         kind_, header = _decode(kind, bytes(view[:head_len]))
         return Frame(kind_, header, view[head_len:])
-
-
-async def send_buffers(sock: socket.socket, buffers: list[bytes | memoryview]) -> None:
-    """Send `buffers` in order on a non-blocking socket with sendmsg(): no joining, no copy.
-
-    The caller serialises senders on one socket (one frame at a time).
-    """
-    loop = asyncio.get_running_loop()
-    views = [memoryview(b) for b in buffers if len(b)]
-    first = 0
-    while first < len(views):
-        try:
-            sent = sock.sendmsg(views[first : first + _IOV_MAX], [], socket.MSG_NOSIGNAL)
-        except (BlockingIOError, InterruptedError):
-            sent = 0
-        while sent:
-            head = views[first]
-            if sent >= len(head):
-                sent -= len(head)
-                first += 1
-            else:
-                views[first] = head[sent:]
-                sent = 0
-        if first < len(views):
-            await _writable(loop, sock.fileno())
-
-
-def _wake(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_result(None)
-
-
-async def _writable(loop: asyncio.AbstractEventLoop, fd: int) -> None:
-    waiter: asyncio.Future[None] = loop.create_future()
-    loop.add_writer(fd, _wake, waiter)
-    try:
-        await waiter
-    finally:
-        loop.remove_writer(fd)
 
 
 def segment_index(segments: Mapping[str, bytes | memoryview]) -> list[list[Any]]:

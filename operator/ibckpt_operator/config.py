@@ -6,7 +6,6 @@ import os
 from dataclasses import dataclass, replace
 
 from ibckpt.agentapi import DEFAULT_PORT
-from ibckpt.agentapi.client import SERVICE_ACCOUNT_TOKEN
 
 FINALIZER = "ibckpt.io/finalizer"
 AGENT_SELECTOR = "app.kubernetes.io/component=agent"
@@ -27,7 +26,15 @@ class OperatorConfig:
     coordinator_port: int = 7070
     agent_selector: str = AGENT_SELECTOR
     agent_port: int = DEFAULT_PORT
-    agent_token_file: str = str(SERVICE_ACCOUNT_TOKEN)  # the operator's service-account token
+    # The operator's own service account (in `namespace`): its tokens for the agents are requested for it,
+    # one per node (cluster/agenttokens.py).
+    operator_account: str = "ibckpt-operator"
+    # The release's internal TLS (cluster/internaltls.py): the operator's CA with the coordinator's
+    # certificate (only the operator reads it), the agents' serving certificate (their DaemonSet mounts
+    # it), and the Deployment that owns both (deleted with it; empty: no owner).
+    tls_ca_secret: str = "ibckpt-internal-tls"
+    agent_tls_secret: str = "ibckpt-agent-tls"
+    tls_secret_owner: str = ""
     # The agents' service account (in `namespace`): granted a storage's Secrets by name in the storage's
     # namespace before a checkpoint or restore (cluster/secretgrants.py). Empty: nothing is granted.
     agent_account: str = ""

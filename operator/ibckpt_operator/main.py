@@ -46,11 +46,17 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lease-seconds", type=float, default=15.0)
     parser.add_argument("--no-lease", action="store_true", help="do not elect (a single test operator)")
     parser.add_argument("--agent-port", type=int, default=settings.current().agent_port)
-    parser.add_argument(
-        "--agent-token-file",
-        default=settings.current().agent_token_file,
-        help="the token for the agents (a projected token for their audience)",
-    )
+    parser.add_argument("--operator-account", default=settings.current().operator_account,
+                        help="the operator's own service account (in --namespace): it requests that "
+                        "account's tokens for the agents, one per node")  # fmt: skip
+    parser.add_argument("--tls-ca-secret", default=settings.current().tls_ca_secret,
+                        help="Secret (in --namespace) keeping the operator's CA and the coordinator's "
+                        "certificate; only the operator reads it")  # fmt: skip
+    parser.add_argument("--agent-tls-secret", default=settings.current().agent_tls_secret,
+                        help="Secret (in --namespace) the operator writes the agents' serving "
+                        "certificate and the CA into; their DaemonSet mounts it")  # fmt: skip
+    parser.add_argument("--tls-secret-owner", default="",
+                        help="the operator's Deployment: owns both Secrets (removed with it)")  # fmt: skip
     parser.add_argument("--agent-account", default="",
                         help="the agents' service account (in --namespace): given get on each storage's "
                         "Secrets, by name, in the storage's namespace; empty: none")  # fmt: skip
@@ -85,7 +91,10 @@ def main(argv: list[str] | None = None) -> None:
             lease_seconds=args.lease_seconds,
             lease_enabled=not args.no_lease,
             agent_port=args.agent_port,
-            agent_token_file=args.agent_token_file,
+            operator_account=args.operator_account,
+            tls_ca_secret=args.tls_ca_secret,
+            agent_tls_secret=args.agent_tls_secret,
+            tls_secret_owner=args.tls_secret_owner,
             agent_account=args.agent_account,
             release=args.release,
             image_keys=args.image_keys,

@@ -22,9 +22,9 @@ which leaves its ranks released, and passes them to its restore with --rejoin.
 
 The session token (this --node's own credential: the coordinator refuses it for any other name)
 comes from the IBCKPT_SESSION_TOKEN environment variable (never a flag: command lines are
-world-readable). The shim's key-value socket is served at --shim-socket
-for the duration of the call. Prints a JSON report (on failure too: what was done before it);
-exits non-zero on failure.
+world-readable); it is sent only over TLS to a coordinator whose certificate chains to --ca-file.
+The shim's key-value socket is served at --shim-socket for the duration of the call. Prints a JSON
+report (on failure too: what was done before it); exits non-zero on failure.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from typing import Any
 
 from ibckpt.coordination.client import CoordinatorClient, CoordinatorError
 from ibckpt.coordination.ranks import RankId
+from ibckpt.tls import CA_FILE, TlsSetupError, client_context_from
 from ibckpt.vocabulary import Mode, PhaseSeconds
 from ibckpt_node.coord_proxy import Channel, ShimCoordinatorProxy
 from ibckpt_node.criu import CriuError
@@ -81,8 +82,12 @@ async def _run(args: argparse.Namespace, drivers: list[NodeDriver]) -> NodeRepor
     token = os.environ.get("IBCKPT_SESSION_TOKEN", "")
     if not token:
         raise CheckpointFailed("IBCKPT_SESSION_TOKEN is not set")
+    try:
+        tls = client_context_from(args.ca_file)
+    except TlsSetupError as exc:
+        raise CheckpointFailed(str(exc)) from exc
     host, _, port = args.coordinator.rpartition(":")
-    client = await CoordinatorClient.connect(host, int(port), args.session, args.node, token)
+    client = await CoordinatorClient.connect(host, int(port), args.session, args.node, token, tls=tls)
     try:
         boost = None if args.no_boost else DEFAULT_BOOST_NICE
         async with ShimCoordinatorProxy(client, [Channel(Path(args.shim_socket))]) as proxy:
@@ -125,6 +130,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("command", choices=["checkpoint", "restore"])
     parser.add_argument("--coordinator", required=True, help="HOST:PORT of the job coordinator")
     parser.add_argument("--session", required=True)
+    parser.add_argument(
+        "--ca-file",
+        type=Path,
+        default=Path("/etc/ibckpt/agent-tls") / CA_FILE,
+        help="the operator's CA: the coordinator's certificate must chain to it (default: %(default)s, "
+        "the agent's)",
+    )
     parser.add_argument("--node", required=True, help="this node's participant name")
     parser.add_argument("--rank", action="append", default=[])
     parser.add_argument(

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import http.client
 import socket
+import ssl
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -12,10 +14,13 @@ from typing import Any
 
 from ibckpt.agentapi import AgentClient
 from ibckpt.store import ManifestKeys
-from ibckpt_node.agent.auth import Authenticator, Review
+from ibckpt.tls import AGENT_SERVER_NAME
+from ibckpt_node.agent.auth import Authenticator, Review, Reviewer
 from ibckpt_node.agent.server import AgentServer
+from ibckpt_node.agent.servingcert import ServingCertificate
 from ibckpt_node.hook import client as registry_client
 from ibckpt_node.registry import ContainerRegistry
+from testbed.tlsfiles import Pki, shared_pki
 
 OPERATOR = "system:serviceaccount:ibckpt:ibckpt-operator"
 TOKENS = {"op-token": OPERATOR, "other-token": "system:serviceaccount:default:default"}
@@ -48,15 +53,27 @@ class Stub:
 
 
 class Running:
-    def __init__(self, state: Path) -> None:
+    """`reviewer`: the TokenReview stub by default (a real TokenReviewer in the audience tests)."""
+
+    def __init__(
+        self, state: Path, pki: Pki | None = None, *, node: str = "node-x", reviewer: Reviewer | None = None,
+        allowed: str = OPERATOR,
+    ) -> None:  # fmt: skip
+        self.pki = pki or shared_pki()  # the CA the tests' coordinators serve with
+        state.parent.mkdir(parents=True, exist_ok=True)
+        tls_dir = Path(tempfile.mkdtemp(prefix="agent-tls-", dir=state.parent))  # one per agent run
+        self.certificate = ServingCertificate(self.pki.agent_dir(tls_dir))
         self.reviewer = Stub()
+        self.node = node
         self.loop = asyncio.new_event_loop()
         self.server = AgentServer(
-            node="node-x",
+            node=node,
             host="127.0.0.1",
             port=0,
             registry=ContainerRegistry(state),
-            authenticator=Authenticator(self.reviewer, frozenset({OPERATOR})),
+            authenticator=Authenticator(reviewer or self.reviewer, frozenset({allowed})),
+            tls=self.certificate.context,
+            coordinator_tls=self.pki.client,
             work_dir=state,
             shim_path=str(state / "lib" / "libibckpt.so"),
             image_keys=write_image_keys(state.with_name(state.name + "-image-keys")),
@@ -67,10 +84,16 @@ class Running:
         self.port = self.server.http.port
 
     def client(self, token: str = "op-token") -> AgentClient:
-        return AgentClient("127.0.0.1", self.port, token=token, timeout_s=5)
+        return AgentClient("127.0.0.1", self.port, tls=self.pki.client(), token=token, timeout_s=5)
+
+    def tls_socket(self, timeout: float = 5) -> ssl.SSLSocket:
+        """A connection that trusts the release's CA and checks the agents' name, as the operator does."""
+        sock = socket.create_connection(("127.0.0.1", self.port), timeout=timeout)
+        return self.pki.client().wrap_socket(sock, server_hostname=AGENT_SERVER_NAME)
 
     def raw(self, method: str, path: str, headers: dict[str, str] | None = None, body: bytes = b"") -> Any:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
+        conn.sock = self.tls_socket()
         try:
             conn.request(method, path, body=body or None, headers=headers or {})
             reply = conn.getresponse()

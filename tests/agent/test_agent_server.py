@@ -59,7 +59,14 @@ def test_a_deposed_leaders_epoch_is_refused_and_the_fence_outlives_the_agent(tmp
     agent = Running(state)
 
     def leader(epoch: LeaderEpoch | None, port: int | None = None, token: str = "op-token") -> AgentClient:
-        return AgentClient("127.0.0.1", port or agent.port, token=token, timeout_s=5, leader_epoch=epoch)
+        return AgentClient(
+            "127.0.0.1",
+            port or agent.port,
+            tls=agent.pki.client(),
+            token=token,
+            timeout_s=5,
+            leader_epoch=epoch,
+        )
 
     try:
         # an agent no leader has driven takes a caller that does not elect (tests, a first install)
@@ -86,7 +93,7 @@ def test_a_deposed_leaders_epoch_is_refused_and_the_fence_outlives_the_agent(tmp
     finally:
         agent.stop()
     # a restarted agent still knows the newest leader
-    again = Running(state)
+    again = Running(state, agent.pki)  # the same Secret, mounted again
     try:
         with pytest.raises(AgentError) as late:
             leader((1000, 3), again.port).containers()

@@ -23,6 +23,7 @@ from ibckpt_node.agent.sessions import Sessions
 from ibckpt_node.hook import client as registry_client
 from ibckpt_node.ranks import LocalRank
 from ibckpt_node.registry import ContainerRegistry, RegisteredContainer
+from testbed.tlsfiles import make_pki
 
 
 @pytest.fixture
@@ -110,7 +111,7 @@ def test_a_retried_programs_container_resolves_to_a_plain_tree(tmp_path: Path, s
         bound(ctl / f"{pid}.sock", listen=False)
     registry = ContainerRegistry(tmp_path / "state")
     registry.add(entry_of(ctl, sleeper, first="1.sock"))
-    sessions = Sessions("node-1", registry, tmp_path / "work")
+    sessions = Sessions("node-1", registry, tmp_path / "work", coordinator_tls=make_pki().client)
     resolved = sessions._resolve(request())
     assert resolved.ranks == [] and list(ctl.iterdir()) == []
     assert [(t.name, t.root_pid) for t in resolved.trees] == [("pod-0.main", sleeper)]

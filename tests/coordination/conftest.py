@@ -7,11 +7,12 @@ from collections.abc import AsyncIterator
 import pytest
 
 from ibckpt_operator.coordinator.server import CoordinatorServer
+from testbed.tlsfiles import shared_pki
 
 
 @pytest.fixture
 async def server() -> AsyncIterator[CoordinatorServer]:
-    srv = CoordinatorServer()
+    srv = CoordinatorServer(shared_pki().coordinator())
     await srv.start()
     try:
         yield srv

@@ -1,10 +1,12 @@
-"""The coordinator over real TCP on 127.0.0.1: auth, barriers, key-value, abort, and scale."""
+"""The coordinator over real TCP on 127.0.0.1, TLS only: auth, barriers, key-value, abort, and scale; plain
+TCP and a peer of another CA refused."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import socket
+import ssl
 import struct
 
 import pytest
@@ -16,14 +18,21 @@ from ibckpt.coordination.client import (
     CoordinatorError,
 )
 from ibckpt.coordination.wire import PROTOCOL_VERSION, Frame, Kind
+from ibckpt.tls import COORDINATOR_SERVER_NAME
 from ibckpt_operator.coordinator import server as coordinator_server
 from ibckpt_operator.coordinator.server import CoordinatorServer
 from testbed.simulated_job import check_received, run_exchange
+from testbed.tlsfiles import make_pki, shared_pki
 
 
 async def connect_all(srv: CoordinatorServer, names: list[str]) -> tuple[str, list[CoordinatorClient]]:
     session, tokens = srv.create_session(set(names), deadline_s=60)
-    clients = [await CoordinatorClient.connect("127.0.0.1", srv.port, session, n, tokens[n]) for n in names]
+    clients = [
+        await CoordinatorClient.connect(
+            "127.0.0.1", srv.port, session, n, tokens[n], tls=shared_pki().client()
+        )
+        for n in names
+    ]
     return session, clients
 
 
@@ -36,22 +45,30 @@ async def test_wrong_token_or_stranger_is_refused(server: CoordinatorServer) -> 
     session, tokens = server.create_session({"node-a"}, deadline_s=60)
     token = tokens["node-a"]
     with pytest.raises(CoordinatorError, match="refused node-a"):
-        await CoordinatorClient.connect("127.0.0.1", server.port, session, "node-a", token + "x")
+        await CoordinatorClient.connect(
+            "127.0.0.1", server.port, session, "node-a", token + "x", tls=shared_pki().client()
+        )
     with pytest.raises(CoordinatorError, match="refused node-z"):
-        await CoordinatorClient.connect("127.0.0.1", server.port, session, "node-z", token)
+        await CoordinatorClient.connect(
+            "127.0.0.1", server.port, session, "node-z", token, tls=shared_pki().client()
+        )
     with pytest.raises(CoordinatorError, match="refused"):
-        await CoordinatorClient.connect("127.0.0.1", server.port, "no-such-session", "node-a", token)
-    good = await CoordinatorClient.connect("127.0.0.1", server.port, session, "node-a", token)
+        await CoordinatorClient.connect(
+            "127.0.0.1", server.port, "no-such-session", "node-a", token, tls=shared_pki().client()
+        )
+    good = await CoordinatorClient.connect(
+        "127.0.0.1", server.port, session, "node-a", token, tls=shared_pki().client()
+    )
     await good.close()
 
 
 async def test_unreachable_coordinator_is_a_clear_error() -> None:
-    srv = CoordinatorServer()
+    srv = CoordinatorServer(shared_pki().coordinator())
     await srv.start()
     port = srv.port
     await srv.stop()
     with pytest.raises(CoordinatorError, match=f"cannot reach the coordinator at 127.0.0.1:{port}"):
-        await CoordinatorClient.connect("127.0.0.1", port, "s", "p", "t")
+        await CoordinatorClient.connect("127.0.0.1", port, "s", "p", "t", tls=shared_pki().client())
 
 
 async def test_put_many_publishes_every_key_in_one_request(server: CoordinatorServer) -> None:
@@ -110,7 +127,9 @@ async def test_a_connection_given_up_fails_its_waiting_request_at_once(server: C
     """What an agent does when the operator says the coordinator is gone: a barrier that waits for a
     peer (here one that never comes) fails now, not when its bound runs out, and so does the next."""
     session, tokens = server.create_session({"node-1", "node-2"}, deadline_s=600)
-    client = await CoordinatorClient.connect("127.0.0.1", server.port, session, "node-1", tokens["node-1"])
+    client = await CoordinatorClient.connect(
+        "127.0.0.1", server.port, session, "node-1", tokens["node-1"], tls=shared_pki().client()
+    )
     try:
         assert not client.lost
         waiting = asyncio.ensure_future(client.barrier("dumped", timeout=600))
@@ -126,10 +145,12 @@ async def test_a_connection_given_up_fails_its_waiting_request_at_once(server: C
 
 
 async def test_a_coordinator_that_goes_away_is_noticed() -> None:
-    srv = CoordinatorServer()
+    srv = CoordinatorServer(shared_pki().coordinator())
     await srv.start()
     session, tokens = srv.create_session({"node-1", "node-2"}, deadline_s=600)
-    client = await CoordinatorClient.connect("127.0.0.1", srv.port, session, "node-1", tokens["node-1"])
+    client = await CoordinatorClient.connect(
+        "127.0.0.1", srv.port, session, "node-1", tokens["node-1"], tls=shared_pki().client()
+    )
     try:
         waiting = asyncio.ensure_future(client.barrier("dumped", timeout=600))
         await asyncio.sleep(0.2)
@@ -153,10 +174,13 @@ async def test_simulated_2048_ranks_on_128_nodes_all_to_all() -> None:
 # -- what a hostile peer can make the operator hold (review rows N21, 22b) --------------------------------
 
 
-def _raw(port: int) -> socket.socket:
+def _raw(port: int, tls: bool = True) -> socket.socket:
+    """A blocking connection: over TLS as a participant's (frames written by hand), or plain TCP."""
     sock = socket.socket()
     sock.settimeout(5)
     sock.connect(("127.0.0.1", port))
+    if tls:
+        return shared_pki().client().wrap_socket(sock, server_hostname=COORDINATOR_SERVER_NAME)
     return sock
 
 
@@ -174,7 +198,7 @@ def _reply(sock: socket.socket) -> Frame:
 def _closed_by_server(sock: socket.socket) -> bool:
     try:
         return sock.recv(1) == b""
-    except ConnectionResetError:
+    except (ConnectionResetError, ssl.SSLEOFError, ssl.SSLZeroReturnError):
         return True
 
 
@@ -215,7 +239,8 @@ async def test_idle_strangers_are_capped_and_never_keep_a_participant_out(
 ) -> None:
     monkeypatch.setattr(coordinator_server, "MAX_GREETING", 24)
     session, tokens = server.create_session({"node-a", "node-b"}, deadline_s=60)
-    idle = await asyncio.to_thread(lambda: [_raw(server.port) for _ in range(40)])
+    # half never start the TLS handshake, half finish it and say nothing
+    idle = await asyncio.to_thread(lambda: [_raw(server.port, tls=i % 2 == 0) for i in range(40)])
     try:
         await asyncio.sleep(0.5)
         assert len(server._greeting) <= 24  # what the strangers hold is bounded
@@ -223,12 +248,18 @@ async def test_idle_strangers_are_capped_and_never_keep_a_participant_out(
         assert await asyncio.to_thread(lambda: [_closed_by_server(s) for s in idle[:16]]) == [True] * 16
         # A participant still gets in while strangers fill every slot, up to its own cap of connections.
         clients = [
-            await CoordinatorClient.connect("127.0.0.1", server.port, session, "node-a", tokens["node-a"])
+            await CoordinatorClient.connect(
+                "127.0.0.1", server.port, session, "node-a", tokens["node-a"], tls=shared_pki().client()
+            )
             for _ in range(coordinator_server.MAX_PER_PARTICIPANT)
         ]
         with pytest.raises(CoordinatorError, match="already has 4 connections open"):
-            await CoordinatorClient.connect("127.0.0.1", server.port, session, "node-a", tokens["node-a"])
-        other = await CoordinatorClient.connect("127.0.0.1", server.port, session, "node-b", tokens["node-b"])
+            await CoordinatorClient.connect(
+                "127.0.0.1", server.port, session, "node-a", tokens["node-a"], tls=shared_pki().client()
+            )
+        other = await CoordinatorClient.connect(
+            "127.0.0.1", server.port, session, "node-b", tokens["node-b"], tls=shared_pki().client()
+        )
         for client in [*clients, other]:
             await client.close()
     finally:
@@ -244,7 +275,9 @@ async def test_slow_loris_strangers_are_dropped_at_the_hello_bound_while_jobs_go
     monkeypatch.setattr(coordinator_server, "HELLO_TIMEOUT_S", 0.5)
     session, tokens = server.create_session({"node-a"}, deadline_s=60)
     slow = await asyncio.to_thread(lambda: [_raw(server.port) for _ in range(20)])
-    client = await CoordinatorClient.connect("127.0.0.1", server.port, session, "node-a", tokens["node-a"])
+    client = await CoordinatorClient.connect(
+        "127.0.0.1", server.port, session, "node-a", tokens["node-a"], tls=shared_pki().client()
+    )
     try:
         started = asyncio.get_running_loop().time()
         dropped: set[int] = set()
@@ -279,3 +312,48 @@ async def test_a_preflight_refusal_is_told_apart_from_a_failure(server: Coordina
     assert heard == [("node-a: refusing to checkpoint on this node: no room", True)]
     for cl in (a, b):
         await cl.close()
+
+
+async def test_plain_tcp_is_refused_and_a_peer_of_another_ca_is_not_trusted(
+    server: CoordinatorServer,
+) -> None:
+    session, tokens = server.create_session({"node-a"}, deadline_s=60)
+    hello = {
+        "version": PROTOCOL_VERSION,
+        "session": session,
+        "participant": "node-a",
+        "token": tokens["node-a"],
+    }
+
+    def plain() -> bool:  # the right credential, in clear: no answer, the connection closed
+        with _raw(server.port, tls=False) as sock:
+            sock.sendall(Frame(Kind.HELLO, hello).encode())
+            return _closed_by_server(sock)
+
+    assert await asyncio.to_thread(plain)
+    assert not server._connections[session]
+    # a client that trusts another CA does not send its credential to this coordinator
+    with pytest.raises(CoordinatorError, match="CERTIFICATE_VERIFY_FAILED"):
+        await CoordinatorClient.connect(
+            "127.0.0.1", server.port, session, "node-a", tokens["node-a"], tls=make_pki().client()
+        )
+    # nor to a server whose name is not the coordinator's (an agent's certificate, say)
+    with pytest.raises(CoordinatorError, match="CERTIFICATE_VERIFY_FAILED"):
+        await CoordinatorClient.connect(
+            "127.0.0.1", server.port, session, "node-a", tokens["node-a"], tls=shared_pki().client(),
+            server_name="ibckpt-agent",
+        )  # fmt: skip
+    impostor = CoordinatorServer(make_pki().coordinator())  # another CA's coordinator
+    await impostor.start()
+    try:
+        with pytest.raises(CoordinatorError, match="CERTIFICATE_VERIFY_FAILED"):
+            await CoordinatorClient.connect(
+                "127.0.0.1", impostor.port, session, "node-a", tokens["node-a"], tls=shared_pki().client()
+            )
+    finally:
+        await impostor.stop()
+    client = await CoordinatorClient.connect(
+        "127.0.0.1", server.port, session, "node-a", tokens["node-a"], tls=shared_pki().client()
+    )
+    await client.put("k", b"v")
+    await client.close()

@@ -11,6 +11,7 @@ import socket
 
 import pytest
 
+from ibckpt.coordination.channel import TlsChannel
 from ibckpt.coordination.client import (
     CoordinationForbidden,
     CoordinationTimedOut,
@@ -18,8 +19,10 @@ from ibckpt.coordination.client import (
     CoordinatorError,
 )
 from ibckpt.coordination.keys import ZERO_GID, qp_key
-from ibckpt.coordination.wire import PROTOCOL_VERSION, Frame, Kind, SocketFrameReader, send_buffers
+from ibckpt.coordination.wire import PROTOCOL_VERSION, Frame, Kind, SocketFrameReader
+from ibckpt.tls import COORDINATOR_SERVER_NAME
 from ibckpt_operator.coordinator.server import CoordinatorServer
+from testbed.tlsfiles import shared_pki
 
 GID_A = "fe800000000000005054fffe770001aa"  # a rank of node-a's
 GID_B = "fe800000000000005054fffe770002bb"
@@ -27,8 +30,12 @@ GID_B = "fe800000000000005054fffe770002bb"
 
 async def _pair(server: CoordinatorServer) -> tuple[CoordinatorClient, CoordinatorClient]:
     session, tokens = server.create_session({"node-a", "node-b"}, deadline_s=60)
-    a = await CoordinatorClient.connect("127.0.0.1", server.port, session, "node-a", tokens["node-a"])
-    b = await CoordinatorClient.connect("127.0.0.1", server.port, session, "node-b", tokens["node-b"])
+    a = await CoordinatorClient.connect(
+        "127.0.0.1", server.port, session, "node-a", tokens["node-a"], tls=shared_pki().client()
+    )
+    b = await CoordinatorClient.connect(
+        "127.0.0.1", server.port, session, "node-b", tokens["node-b"], tls=shared_pki().client()
+    )
     return a, b
 
 
@@ -39,8 +46,9 @@ async def _raw_hello(port: int, header: object) -> Frame:
     sock.setblocking(False)
     try:
         await loop.sock_connect(sock, ("127.0.0.1", port))
-        await send_buffers(sock, Frame(Kind.HELLO, header).buffers())  # type: ignore[arg-type]
-        return await asyncio.wait_for(SocketFrameReader(sock).read(), 5)
+        channel = await TlsChannel.connect(sock, shared_pki().client(), COORDINATOR_SERVER_NAME)
+        await Frame(Kind.HELLO, header).send(channel)  # type: ignore[arg-type]
+        return await asyncio.wait_for(SocketFrameReader(channel).read(), 5)
     finally:
         sock.close()
 
@@ -55,10 +63,14 @@ async def test_each_participant_has_its_own_credential_and_anothers_is_refused(
 
     # node-b's agent (or whoever learned its credential) says it is node-a
     with pytest.raises(CoordinatorError, match=r"refused node-a: .*the credential is not 'node-a''s"):
-        await CoordinatorClient.connect("127.0.0.1", server.port, session, "node-a", tokens["node-b"])
+        await CoordinatorClient.connect(
+            "127.0.0.1", server.port, session, "node-a", tokens["node-b"], tls=shared_pki().client()
+        )
     # node-a's own credential of another session is no better
     with pytest.raises(CoordinatorError, match="refused node-a"):
-        await CoordinatorClient.connect("127.0.0.1", server.port, session, "node-a", later["node-a"])
+        await CoordinatorClient.connect(
+            "127.0.0.1", server.port, session, "node-a", later["node-a"], tls=shared_pki().client()
+        )
     assert "the credential is not this participant's" in caplog.text
     assert tokens["node-b"] not in caplog.text and later["node-a"] not in caplog.text
     # a HELLO whose fields are not strings is refused, not turned into names by str()
@@ -76,8 +88,12 @@ async def test_each_participant_has_its_own_credential_and_anothers_is_refused(
     assert not any(server._connections[session])  # nothing above got in
 
     # with its own credential, each is itself: its barrier arrival counts for it alone
-    a = await CoordinatorClient.connect("127.0.0.1", server.port, session, "node-a", tokens["node-a"])
-    b = await CoordinatorClient.connect("127.0.0.1", server.port, session, "node-b", tokens["node-b"])
+    a = await CoordinatorClient.connect(
+        "127.0.0.1", server.port, session, "node-a", tokens["node-a"], tls=shared_pki().client()
+    )
+    b = await CoordinatorClient.connect(
+        "127.0.0.1", server.port, session, "node-b", tokens["node-b"], tls=shared_pki().client()
+    )
     try:
         waiting = asyncio.ensure_future(a.barrier("joined", 10))
         await asyncio.sleep(0.1)

@@ -1,33 +1,40 @@
-"""The socket framing the server uses: frames split, merged and large, sent without joining."""
+"""The framing both ends use, over TLS on a socket pair: frames split, merged and large, sent in slices."""
 
 from __future__ import annotations
 
 import asyncio
 import socket
 import struct
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 
 import pytest
 
+from ibckpt.coordination.channel import TlsChannel
 from ibckpt.coordination.wire import (
     MAX_HELLO,
     Frame,
     Kind,
     ProtocolError,
     SocketFrameReader,
-    send_buffers,
     unpack_segments,
 )
+from ibckpt.tls import COORDINATOR_SERVER_NAME
+from testbed.tlsfiles import shared_pki
 
 
 @pytest.fixture
-def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
+async def pair() -> AsyncIterator[tuple[TlsChannel, TlsChannel]]:
+    """(client's end, coordinator's end), the handshake done."""
     a, b = socket.socketpair()
     for s in (a, b):
         s.setblocking(False)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    yield a, b
+    client, server = await asyncio.gather(
+        TlsChannel.connect(a, shared_pki().client(), COORDINATOR_SERVER_NAME),
+        TlsChannel.accept(b, shared_pki().coordinator()),
+    )
+    yield client, server
     a.close()
     b.close()
 
@@ -46,15 +53,14 @@ FRAMES = [
 ]
 
 
-async def test_frames_survive_any_split(pair: tuple[socket.socket, socket.socket]) -> None:
+async def test_frames_survive_any_split(pair: tuple[TlsChannel, TlsChannel]) -> None:
     a, b = pair
     wire = b"".join(f.encode() for f in FRAMES)
     reader = SocketFrameReader(b)
 
     async def trickle() -> None:  # odd-sized pieces: prefixes and headers split across reads
-        loop = asyncio.get_running_loop()
         for i in range(0, len(wire), 7919):
-            await loop.sock_sendall(a, wire[i : i + 7919])
+            await a.send([wire[i : i + 7919]])
 
     writer = asyncio.ensure_future(trickle())
     got = [await reader.read() for _ in FRAMES]
@@ -66,14 +72,14 @@ async def test_frames_survive_any_split(pair: tuple[socket.socket, socket.socket
     assert bytes(segments["node-c"]) == bytes(FRAMES[3].payload_parts[1])
 
 
-async def test_send_buffers_waits_out_a_full_socket(pair: tuple[socket.socket, socket.socket]) -> None:
+async def test_send_waits_out_a_full_socket(pair: tuple[TlsChannel, TlsChannel]) -> None:
     a, b = pair
     frames = FRAMES * 3
     reader = SocketFrameReader(b)
 
     async def send_all() -> None:
         for f in frames:
-            await send_buffers(a, f.buffers())
+            await f.send(a)
 
     sender = asyncio.ensure_future(send_all())
     await asyncio.sleep(0.05)
@@ -84,13 +90,12 @@ async def test_send_buffers_waits_out_a_full_socket(pair: tuple[socket.socket, s
     assert bytes(got[-2].payload) == b"".join(FRAMES[3].payload_parts)
 
 
-async def test_end_of_stream_and_bad_lengths(pair: tuple[socket.socket, socket.socket]) -> None:
+async def test_end_of_stream_and_bad_lengths(pair: tuple[TlsChannel, TlsChannel]) -> None:
     a, b = pair
     reader = SocketFrameReader(b)
-    loop = asyncio.get_running_loop()
-    await loop.sock_sendall(a, struct.pack("!IBI", MAX_HELLO + 1, Kind.HELLO, 2))
+    await a.send([struct.pack("!IBI", MAX_HELLO + 1, Kind.HELLO, 2)])
     with pytest.raises(ProtocolError, match="bad frame lengths"):
         await reader.read(MAX_HELLO)  # before authentication nobody gets a big buffer
-    a.shutdown(socket.SHUT_WR)
+    a.sock.shutdown(socket.SHUT_WR)
     with pytest.raises(asyncio.IncompleteReadError):
         await SocketFrameReader(b).read()

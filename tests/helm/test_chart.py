@@ -8,6 +8,7 @@ do. Tokens are the service accounts' token Secrets (Kubernetes 1.20 has no Token
 
 from __future__ import annotations
 
+import base64
 import json
 import time
 from datetime import datetime
@@ -25,7 +26,7 @@ from helm.conftest import (
     sa_token,
 )
 
-from ibckpt.agentapi import AGENT_AUDIENCE
+from ibckpt.agentapi import agent_audience
 from testbed import pods
 from testbed.cluster import NODE_NAMES, Cluster, node_ip
 from testbed.images import PRODUCT_IMAGE
@@ -105,7 +106,19 @@ def test_each_component_may_do_what_it_needs_and_no_more(installed: Release) -> 
     assert not _can(cluster, op, "delete", "nodes")
     assert not _can(cluster, op, "update", "leases.coordination.k8s.io", "-n", "kube-system")
     assert not _can(cluster, op, "create", "tokenreviews.authentication.k8s.io")
+    # tokens for the agents: of its own account only (each bound to one node's agent)
+    assert _can(
+        cluster, op, "create", f"serviceaccounts/{OPERATOR_SA}", "--subresource=token", "-n", NAMESPACE
+    )
+    assert not _can(
+        cluster, op, "create", f"serviceaccounts/{AGENT_SA}", "--subresource=token", "-n", NAMESPACE
+    )
+    assert not _can(cluster, op, "create", "serviceaccounts/default", "--subresource=token", "-n", "team-a")
     assert not _can(cluster, op, "delete", "customresourcedefinitions.apiextensions.k8s.io")
+    # its internal TLS: the CA's Secret and the agents' certificate, by name (create cannot be narrowed)
+    for kept in (f"{RELEASE}-internal-tls", f"{RELEASE}-agent-tls"):
+        assert _can(cluster, op, "update", f"secrets/{kept}", "-n", NAMESPACE)
+    assert not _can(cluster, op, "update", "secrets/other", "-n", NAMESPACE)
     # the agents' storage Role in a job's namespace: created, then read and updated by its name only
     grant = f"{AGENT_SA}-storage"
     assert _can(cluster, op, "create", "roles.rbac.authorization.k8s.io", "-n", "team-a")
@@ -133,6 +146,8 @@ def test_each_component_may_do_what_it_needs_and_no_more(installed: Release) -> 
     tenant = cluster.kubectl("auth", "can-i", "get", f"secrets/{RELEASE}-image-keys", "-n", NAMESPACE,
                              "--as=jane", f"--as-group={RELEASE}-edit", check=False)  # fmt: skip
     assert tenant.stdout.strip() == "no", tenant.stdout + tenant.stderr
+    # the CA's key is the operator's alone: the agents' pods mount their own certificate, not read it
+    assert not _can(cluster, agent, "get", f"secrets/{RELEASE}-internal-tls", "-n", NAMESPACE)
     assert not _can(cluster, agent, "create", "pods", "-n", NAMESPACE)
     assert not _can(cluster, agent, "get", "checkpointjobs.ibckpt.io", "-n", "team-a")
     # its own node's runtime-ready label and Events (RBAC cannot narrow a node patch to one node)
@@ -147,24 +162,34 @@ def test_each_component_may_do_what_it_needs_and_no_more(installed: Release) -> 
 
 # Runs in a pod with the product image: the operator's client against each node's agent.
 CALLER = """
-import http.client, json, urllib.request
+import http.client, json, socket, urllib.request
 from ibckpt.agentapi import AgentClient, AgentError
+from ibckpt.tls import AGENT_SERVER_NAME, client_context
 cfg = json.loads(CONFIG)
+tls = client_context(cfg["ca"].encode())
 out = {}
 for node, ip in cfg["nodes"].items():
-    r = {"healthy": AgentClient(ip, cfg["port"], token="-", timeout_s=30).healthy()}
+    r = {"healthy": AgentClient(ip, cfg["port"], tls=tls, token="-", timeout_s=30).healthy()}
     conn = http.client.HTTPConnection(ip, cfg["port"], timeout=30)
+    sock = socket.create_connection((ip, cfg["port"]), 30)
+    conn.sock = tls.wrap_socket(sock, server_hostname=AGENT_SERVER_NAME)
     conn.request("GET", "/v1/info")
     reply = conn.getresponse()
     r["anonymous"] = {"status": reply.status, "body": reply.read().decode()}
+    plain = http.client.HTTPConnection(ip, cfg["port"], timeout=30)
+    try:
+        plain.request("GET", "/healthz")
+        r["plain"] = plain.getresponse().status
+    except (OSError, http.client.HTTPException) as exc:
+        r["plain"] = type(exc).__name__
     # as the leader calls: with its epoch; then with none, and with an older Lease's (a deposed leader's)
     leader = tuple(cfg["epoch"])
-    calls = [(who, token, leader) for who, token in cfg["tokens"].items()]
-    operator = cfg["tokens"]["operator"]
+    calls = [(who, token, leader) for who, token in cfg["tokens"][node].items()]
+    operator = cfg["tokens"][node]["operator"]
     calls += [("unfenced", operator, None), ("deposed", operator, (leader[0] - 1, 9))]
     for who, token, epoch in calls:
         try:
-            info = AgentClient(ip, cfg["port"], token=token, timeout_s=30, leader_epoch=epoch).info()
+            info = AgentClient(ip, cfg["port"], tls=tls, token=token, timeout_s=30, leader_epoch=epoch).info()
             r[who] = {"status": 200, "info": info.to_wire()}
         except AgentError as exc:
             r[who] = {"status": exc.status, "error": exc.message}
@@ -175,16 +200,29 @@ print("RESULT " + json.dumps(out))
 """
 
 
+def _agents_ca(cluster: Cluster) -> str:
+    """The CA the operator wrote beside the agents' certificate (public: a certificate, no key)."""
+    secret = json.loads(
+        cluster.kubectl("get", "secret", f"{RELEASE}-agent-tls", "-n", NAMESPACE, "-o", "json").stdout
+    )
+    return base64.b64decode(secret["data"]["ca.crt"]).decode()
+
+
 def test_the_agent_api_answers_only_the_operator(installed: Release) -> None:
     cluster = installed.cluster
+    # per node, as the operator requests them (cluster/agenttokens.py): bound to that node's agent alone
     tokens = {
-        # the operator's token as the chart projects it for the agents, and its legacy Secret token
-        "operator": audience_token(cluster, NAMESPACE, OPERATOR_SA, AGENT_AUDIENCE),
-        "legacy": sa_token(cluster, NAMESPACE, OPERATOR_SA),
-        "apiserver": audience_token(cluster, NAMESPACE, OPERATOR_SA, "https://kubernetes.default.svc"),
-        "agent": audience_token(cluster, NAMESPACE, AGENT_SA, AGENT_AUDIENCE),
-        "default": audience_token(cluster, NAMESPACE, "default", AGENT_AUDIENCE),
-        "forged": "eyJhbGciOiJSUzI1NiJ9.e30.forged",
+        node: {
+            "operator": audience_token(cluster, NAMESPACE, OPERATOR_SA, agent_audience(node)),
+            # taken from a call to the other node's agent, replayed here
+            "replayed": audience_token(cluster, NAMESPACE, OPERATOR_SA, agent_audience(other)),
+            "legacy": sa_token(cluster, NAMESPACE, OPERATOR_SA),
+            "apiserver": audience_token(cluster, NAMESPACE, OPERATOR_SA, "https://kubernetes.default.svc"),
+            "agent": audience_token(cluster, NAMESPACE, AGENT_SA, agent_audience(node)),
+            "default": audience_token(cluster, NAMESPACE, "default", agent_audience(node)),
+            "forged": "eyJhbGciOiJSUzI1NiJ9.e30.forged",
+        }
+        for node, other in zip(NODE_NAMES, reversed(NODE_NAMES), strict=True)
     }
     caller = pods.product_pod("caller", "node-2", PRODUCT_IMAGE)
     pods.apply(cluster, NAMESPACE, caller)
@@ -196,6 +234,7 @@ def test_the_agent_api_answers_only_the_operator(installed: Release) -> None:
         made = datetime.fromisoformat(lease["metadata"]["creationTimestamp"].replace("Z", "+00:00"))
         epoch = [int(made.timestamp()), lease["spec"].get("leaseTransitions", 0)]
         config = {
+            "ca": _agents_ca(cluster),
             "epoch": epoch,
             "nodes": {n: node_ip(i) for i, n in enumerate(NODE_NAMES, 1)},
             "port": AGENT_PORT,
@@ -213,6 +252,7 @@ def test_the_agent_api_answers_only_the_operator(installed: Release) -> None:
     for i, node in enumerate(NODE_NAMES, 1):
         r = result[node]
         assert r["healthy"] is True
+        assert not isinstance(r["plain"], int), r  # TLS only: plain HTTP gets no HTTP status back
         assert r["anonymous"]["status"] == 401, r
         assert r["forged"]["status"] == 401, r
         assert r["agent"]["status"] == 403, r
@@ -223,6 +263,8 @@ def test_the_agent_api_answers_only_the_operator(installed: Release) -> None:
         assert r["operator"]["status"] == 200, r
         # the operator's own tokens for any other audience are not the agents' to accept
         assert r["legacy"]["status"] == 401 and r["apiserver"]["status"] == 401, r
+        # nor another node's agent's: a token taken from one call is worthless at any other agent
+        assert r["replayed"]["status"] == 401, r
         # the leader's epoch fences off a caller without one, and a deposed leader's
         assert r["unfenced"]["status"] == 409 and "carries no leader epoch" in r["unfenced"]["error"], r
         assert r["deposed"]["status"] == 409 and "was deposed" in r["deposed"]["error"], r
@@ -239,5 +281,5 @@ def test_the_agent_api_answers_only_the_operator(installed: Release) -> None:
         "logs", "-n", NAMESPACE, "-l", "app.kubernetes.io/component=agent", "--tail=-1"
     ).stdout
     assert "may not use the node agent" in logs or "refused" in logs, logs[-2000:]
-    for token in tokens.values():
+    for token in (t for per_node in tokens.values() for t in per_node.values()):
         assert token not in logs

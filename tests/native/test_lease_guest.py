@@ -19,6 +19,7 @@ from ibckpt.coordination.client import CoordinatorClient, CoordinatorError
 from shimtest import TESTS_DIR
 from shimtest.coordinator import Coordinator
 from shimtest.harness import ShimProc, _each, checkpoint, parse_result, start_server_then_client
+from testbed.tlsfiles import shared_pki
 
 pytestmark = [pytest.mark.guest, pytest.mark.usefixtures("built")]
 
@@ -156,7 +157,7 @@ async def test_an_agent_killed_after_its_cut_leaves_no_rank_gated(coordinator, t
     procs = [server, client]
     session, tokens = coordinator.create_session({"node-1", "node-2"})
     node2 = await CoordinatorClient.connect(
-        "127.0.0.1", coordinator.port, session, "node-2", tokens["node-2"]
+        "127.0.0.1", coordinator.port, session, "node-2", tokens["node-2"], tls=shared_pki().client()
     )
     agent: subprocess.Popen[bytes] | None = None
     agent_log = (tmp_path / "agent.log").open("wb")

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from shimtest import SHIM, TESTS_DIR
 from testbed.guest import GUEST_HOST_ADDR, GuestResult
+from testbed.tlsfiles import write_test_ca
 
 A2A = TESTS_DIR / "a2a_seq"
 BASE_PORT = 18600
@@ -64,7 +65,8 @@ wait_for() {{
 }}
 agent() {{
   cmd=$1; shift
-  {python} -m ibckpt_node.agent_cli $cmd --coordinator {addr}:{port} --node node-$IBCKPT_NODE "$@"
+  {python} -m ibckpt_node.agent_cli $cmd --coordinator {addr}:{port} --ca-file {work}/coordinator-ca.crt \\
+    --node node-$IBCKPT_NODE "$@"
 }}
 # A rank's control socket has refused connections for some seconds after a restore (not understood
 # yet, docs/node-agent.md): retry for up to 30 s, and say when and what the rank holds meanwhile.
@@ -90,7 +92,8 @@ status_all() {{
 
 def guest_script(template: str, work: Path, coordinator_port: int, **names: object) -> str:
     """`template` with the guest's work folder, the host's python, the coordinator's address and `names`
-    filled in."""
+    filled in; the coordinator's CA beside it, for ibckpt-node --ca-file."""
+    write_test_ca(work)
     return template.format(
         work=work, python=sys.executable, addr=GUEST_HOST_ADDR, port=coordinator_port, **names
     )

@@ -23,6 +23,7 @@ from ibckpt_node.driver import NodeDriver
 from ibckpt_node.errors import CheckpointFailed
 from ibckpt_node.ranks import LocalRank
 from testbed.coordinator import ThreadedCoordinator
+from testbed.tlsfiles import shared_pki
 
 RANKS = 12  # more than asyncio's default pool on a 2-core node (cpus + 4)
 REBUILD_20S = PhaseSeconds(rebuild_seconds=20)
@@ -82,7 +83,9 @@ async def connected_driver(
     """node-1's driver over `ranks`, connected to a new session of `coordinator` (node-1 alone)."""
     session, tokens = coordinator.create_session({"node-1"})
     token = tokens["node-1"]
-    client = await CoordinatorClient.connect("127.0.0.1", coordinator.port, session, "node-1", token)
+    client = await CoordinatorClient.connect(
+        "127.0.0.1", coordinator.port, session, "node-1", token, tls=shared_pki().client()
+    )
     return NodeDriver("node-1", client, ranks, timeouts, **options)
 
 

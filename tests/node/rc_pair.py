@@ -41,7 +41,7 @@ start_rank() {{
 agent() {{
   cmd=$1; shift
   {python} -m ibckpt_node.agent_cli $cmd --coordinator {addr}:{port} --session {session} \\
-    --node node-$IBCKPT_NODE "$@"
+    --ca-file {work}/coordinator-ca.crt --node node-$IBCKPT_NODE "$@"
 }}
 """
     + STOP_WHEN_BOTH_READY

@@ -14,6 +14,7 @@ from ibckpt.coordination.client import CoordinatorClient, CoordinatorError
 from ibckpt_node import coord_proxy
 from ibckpt_node.coord_proxy import Channel, ShimCoordinatorProxy, channels_for
 from testbed.coordinator import ThreadedCoordinator
+from testbed.tlsfiles import shared_pki
 
 G = "fe800000000000000000000000000001"  # a virtual GID, as the shim writes it (native/src/records.c)
 H = "fe800000000000000000000000000002"
@@ -43,7 +44,9 @@ async def _requests(path: Path, lines: list[str]) -> list[str]:
 async def _client(coordinator: ThreadedCoordinator, node: str = "node-1") -> CoordinatorClient:
     session, tokens = coordinator.create_session({node})
     token = tokens[node]
-    return await CoordinatorClient.connect("127.0.0.1", coordinator.port, session, node, token)
+    return await CoordinatorClient.connect(
+        "127.0.0.1", coordinator.port, session, node, token, tls=shared_pki().client()
+    )
 
 
 def _container(tmp_path: Path, cid: str) -> Path:
@@ -104,8 +107,12 @@ async def test_a_container_on_another_node_cannot_overwrite_a_record_through_its
     record node-1's rank published. The coordinator refuses it: node-1's record is what readers get, and
     node-2's proxy fails the way a lost coordinator makes it fail, so its rebuild aborts."""
     session, tokens = coordinator.create_session({"node-1", "node-2"})
-    one = await CoordinatorClient.connect("127.0.0.1", coordinator.port, session, "node-1", tokens["node-1"])
-    two = await CoordinatorClient.connect("127.0.0.1", coordinator.port, session, "node-2", tokens["node-2"])
+    one = await CoordinatorClient.connect(
+        "127.0.0.1", coordinator.port, session, "node-1", tokens["node-1"], tls=shared_pki().client()
+    )
+    two = await CoordinatorClient.connect(
+        "127.0.0.1", coordinator.port, session, "node-2", tokens["node-2"], tls=shared_pki().client()
+    )
     sock_1, sock_2 = tmp_path / "one.sock", tmp_path / "two.sock"
     try:
         async with (

@@ -26,6 +26,7 @@ from ibckpt_node.driver import NodeDriver
 from ibckpt_node.errors import CheckpointFailed
 from ibckpt_node.procfs import process_gone
 from testbed.coordinator import ThreadedCoordinator
+from testbed.tlsfiles import shared_pki
 
 
 async def test_restore_rebuilds_every_held_rank_at_once(
@@ -166,7 +167,9 @@ async def test_released_ranks_rejoin_the_next_operators_coordinator_to_rebuild(
     shims, ranks = fake_ranks(tmp_path, sleeper, LostDuringRelease)
     session, tokens = coordinator.create_session({"node-1"})
     token = tokens["node-1"]
-    first = await CoordinatorClient.connect("127.0.0.1", coordinator.port, session, "node-1", token)
+    first = await CoordinatorClient.connect(
+        "127.0.0.1", coordinator.port, session, "node-1", token, tls=shared_pki().client()
+    )
     shims[0].client = first
     rejoined: list[CoordinatorClient] = []
 
@@ -174,7 +177,9 @@ async def test_released_ranks_rejoin_the_next_operators_coordinator_to_rebuild(
         # the next operator opens a session of the same id in its own coordinator
         again, new_tokens = coordinator.create_session({"node-1"}, session_id=session)
         new_token = new_tokens["node-1"]
-        client = await CoordinatorClient.connect("127.0.0.1", coordinator.port, again, "node-1", new_token)
+        client = await CoordinatorClient.connect(
+            "127.0.0.1", coordinator.port, again, "node-1", new_token, tls=shared_pki().client()
+        )
         rejoined.append(client)
         return client
 

@@ -28,6 +28,7 @@ from ibckpt_node.errors import CheckpointFailed, CheckpointRefused
 from ibckpt_node.ranks import LocalRank
 from ibckpt_node.trees import TREE_MANIFEST, ProcessTree, read_tree_manifest
 from testbed.coordinator import ThreadedCoordinator
+from testbed.tlsfiles import shared_pki
 
 TCP = """  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
    0: 00000000:484B 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 551 1 0 100
@@ -188,7 +189,9 @@ async def test_refusal_names_rank_pid_and_resources_and_aborts_every_node(
     })  # fmt: skip
     session, tokens = coordinator.create_session({"node-1", "node-2"})
     clients = [
-        await CoordinatorClient.connect("127.0.0.1", coordinator.port, session, n, tokens[n])
+        await CoordinatorClient.connect(
+            "127.0.0.1", coordinator.port, session, n, tokens[n], tls=shared_pki().client()
+        )
         for n in ("node-1", "node-2")
     ]
     job = ["10.77.0.1", "10.77.0.2"]

@@ -1,6 +1,7 @@
 """Fixtures for the operator's handler tests: the real apiserver (v1.20) with the CRDs, the real S3, the
 operator run in-process under kopf's KopfRunner, and fake node agents that speak ibckpt.agentapi over
-HTTP on 127.0.0.x (the agent is the one part faked at this level; the cluster tests use the real one).
+HTTPS on 127.0.0.x, with the certificate of the Secret the operator keeps (the agent is the one part
+faked at this level; the cluster tests use the real one).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import base64
 import json
 import os
 import secrets
+import ssl
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -23,10 +25,15 @@ import yaml
 
 from ibckpt.api import GROUP, VERSION
 from ibckpt.store import StoreConfig
-from testbed.fake_agent import AGENT_TOKEN, FakeAgent
+from ibckpt.tls import CERT_FILE, KEY_FILE, server_context
+from ibckpt_operator.cluster.kube import Kube
+from ibckpt_operator.config import OperatorConfig
+from testbed import operator_account as chart_rbac
+from testbed.fake_agent import FakeAgent
 from testbed.kube import ControlPlane, establish_crds
 from testbed.ports import free_port
 from testbed.s3 import S3Server
+from testbed.tlsfiles import make_pki
 
 CRD_DIR = Path(__file__).resolve().parents[2] / "crds"
 OPERATOR_NS = "ibckpt-system"
@@ -277,6 +284,7 @@ def _store_config(s3: S3Server, bucket: str, prefix: str = "ibckpt") -> StoreCon
 @dataclass
 class Agents:
     port: int
+    tls: ssl.SSLContext
     by_node: dict[str, FakeAgent] = field(default_factory=dict)
 
     def add(self, cluster: Cluster, node: str, index: int, behaviour: str = "hang",
@@ -284,16 +292,47 @@ class Agents:
         host = f"127.0.0.{index}"
         cluster.node(node)
         cluster.agent_pod(node, host, ready=ready)
-        agent = FakeAgent(node, host, self.port, behaviour, store)
+        agent = FakeAgent(node, host, self.port, behaviour, store, tls=self.tls)
         agent.pod_lookup = cluster.pod_uid_and_origin
         agent.start()
         self.by_node[node] = agent
         return agent
 
 
+def ensure_operator_account(core: kubernetes.client.CoreV1Api) -> None:
+    """The operator's service account, whose tokens (one per node) it requests for the agents."""
+    try:
+        core.create_namespaced_service_account(OPERATOR_NS, {"metadata": {"name": "ibckpt-operator"}})
+    except kubernetes.client.ApiException as exc:
+        if exc.status != 409:
+            raise
+
+
+def release_tls(core: kubernetes.client.CoreV1Api, directory: Path) -> ssl.SSLContext:
+    """The internal TLS Secrets as an earlier operator left them (the operator keeps them as they are),
+    and the agents' serving context from their Secret, as the DaemonSet mounts it."""
+    pki = make_pki()
+    defaults = OperatorConfig()
+    for name, data in (
+        (defaults.tls_ca_secret, pki.ca.data()),
+        (defaults.agent_tls_secret, pki.agent.data()),
+    ):
+        encoded = {k: base64.b64encode(v).decode() for k, v in data.items()}
+        body = {"metadata": {"name": name}, "type": "kubernetes.io/tls", "data": encoded}
+        try:
+            core.delete_namespaced_secret(name, OPERATOR_NS)
+        except kubernetes.client.ApiException as exc:
+            if exc.status != 404:
+                raise
+        core.create_namespaced_secret(OPERATOR_NS, body)
+    mounted = pki.agent_dir(directory)
+    return server_context(mounted / CERT_FILE, mounted / KEY_FILE)
+
+
 @pytest.fixture
-def agents(crds: kubernetes.client.ApiClient) -> Iterator[Agents]:
-    found = Agents(free_port())
+def agents(crds: kubernetes.client.ApiClient, tmp_path: Path) -> Iterator[Agents]:
+    ensure_operator_account(kubernetes.client.CoreV1Api(crds))
+    found = Agents(free_port(), release_tls(kubernetes.client.CoreV1Api(crds), tmp_path / "agent-tls"))
     yield found
     for agent in found.by_node.values():
         agent.stop()
@@ -325,8 +364,6 @@ def operator(
 
     from ibckpt_operator import config as settings
 
-    token_file = tmp_path / "agent-token"
-    token_file.write_text(AGENT_TOKEN)
     os.environ["KUBECONFIG"] = str(kube.kubeconfig)
     metrics_port = free_port()
     lease_name = "ibckpt-operator-" + secrets.token_hex(3)
@@ -345,7 +382,7 @@ def operator(
             coordinator_bind="127.0.0.1",
             coordinator_port=0,
             agent_port=agents.port,
-            agent_token_file=str(token_file),
+            operator_account="ibckpt-operator",  # its tokens for the agents (made in `agents`)
             agent_account="ibckpt-agent",  # each job grants the agents its storage's Secret (Role)
             agent_timeout=3.0,
             gc_grace_seconds=0.0,
@@ -360,3 +397,10 @@ def operator(
         assert runner.exception is None or isinstance(runner.exception, SystemExit), runner.output[-3000:]
 
     yield run
+
+
+@pytest.fixture
+def operator_account(kube_api: kubernetes.client.ApiClient) -> Iterator[tuple[Kube, str, str]]:
+    """The chart's RBAC for a fresh release applied; a Kube client impersonating its operator's account,
+    the webhook Secret's name, the Deployment's name."""
+    yield from chart_rbac.operator_account(kube_api)

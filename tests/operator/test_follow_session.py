@@ -4,6 +4,7 @@ the step, and a finished session ends the follow with the right reason (pure log
 from __future__ import annotations
 
 import asyncio
+import ssl
 import threading
 import time
 from typing import Any
@@ -32,7 +33,7 @@ class ScriptedGateway(AgentGateway):
     """Answers each poll with the next entry: a report, None (unknown session) or an AgentError."""
 
     def __init__(self, answers: list[Any]) -> None:
-        super().__init__(token="t")
+        super().__init__(ssl.create_default_context(), token="t")  # never dials: scripted
         self.answers = answers
         self.polls = 0
 
@@ -157,7 +158,7 @@ class SlowGateway(AgentGateway):
 def test_the_gateway_calls_up_to_its_bound_at_once_whatever_the_default_executor() -> None:
     # 64 agents: the loop's default executor (6 threads on 2 cores) would take 11 rounds of 0.2 s
     agents = [Agent(f"n{i}", f"agent-{i}", "127.0.0.1", True) for i in range(64)]
-    gateway = SlowGateway(token="t", concurrency=32)
+    gateway = SlowGateway(ssl.create_default_context(), token="t", concurrency=32)
     started = time.monotonic()
     outcomes = asyncio.run(each_agent([gateway.info(a) for a in agents]))
     took = time.monotonic() - started

@@ -8,24 +8,20 @@ from __future__ import annotations
 import asyncio
 import base64
 import datetime
-import secrets
 import ssl
-import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import kopf
 import kubernetes
 import pytest
-import yaml
 from cryptography import x509
 
 from ibckpt_operator import webhook
 from ibckpt_operator.cluster import webhookcert as kept_in_secret
 from ibckpt_operator.cluster.kube import ApiException, Kube
 from ibckpt_operator.machine import webhookcert
-from testbed.guest import REPO, cache_dir
+from testbed.operator_account import OPERATOR_ACCOUNT_NS
 
 NOW = datetime.datetime(2026, 11, 30, tzinfo=datetime.UTC)
 DAY = datetime.timedelta(days=1)
@@ -72,42 +68,7 @@ def test_an_expiring_broken_or_foreign_certificate_is_not_served() -> None:
 
 # -- on the real apiserver, as the operator's account with the chart's RBAC ------------------------------
 
-RELEASE_NS = "webhook-cert-system"
-
-
-def _helm(*args: str) -> str:
-    path = cache_dir() / "helm" / "helm"
-    assert path.exists(), f"{path} missing: run tests/testbed/fetch-helm.sh (make helm)"
-    done = subprocess.run([str(path), *args], capture_output=True, text=True, check=True)
-    return done.stdout
-
-
-@pytest.fixture
-def operator_account(kube_api: kubernetes.client.ApiClient) -> Iterator[tuple[Kube, str, str]]:
-    """The chart's RBAC for a fresh release applied; a Kube client impersonating its operator's account,
-    the Secret's name, the Deployment's name."""
-    release = "wh" + secrets.token_hex(3)
-    core = kubernetes.client.CoreV1Api(kube_api)
-    try:
-        core.create_namespace({"metadata": {"name": RELEASE_NS}})
-    except ApiException as exc:
-        if exc.status != 409:
-            raise
-    rendered = _helm("template", release, str(REPO / "charts" / "ibckpt"), "-n", RELEASE_NS,
-                     "--show-only", "templates/rbac.yaml")  # fmt: skip
-    objects = [o for o in yaml.safe_load_all(rendered) if o]
-    for body in objects:
-        kubernetes.utils.create_from_dict(kube_api, body, namespace=RELEASE_NS)
-    pod = {"metadata": {"labels": {"app": release}}, "spec": {"containers": [{"name": "x", "image": "none"}]}}
-    deployment = {"metadata": {"name": f"{release}-ibckpt-operator"},
-                  "spec": {"selector": {"matchLabels": {"app": release}}, "template": pod}}  # fmt: skip
-    kubernetes.client.AppsV1Api(kube_api).create_namespaced_deployment(RELEASE_NS, deployment)
-    impersonated = kubernetes.client.ApiClient(kube_api.configuration)
-    impersonated.set_default_header(
-        "Impersonate-User", f"system:serviceaccount:{RELEASE_NS}:{release}-ibckpt-operator"
-    )
-    impersonated.set_default_header("Impersonate-Group", "system:serviceaccounts")
-    yield Kube(impersonated), f"{release}-ibckpt-webhook-cert", f"{release}-ibckpt-operator"
+RELEASE_NS = OPERATOR_ACCOUNT_NS  # the operator_account fixture's (conftest.py)
 
 
 def _secret(kube_api: kubernetes.client.ApiClient, name: str) -> Any:

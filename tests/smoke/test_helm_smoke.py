@@ -119,6 +119,9 @@ def test_the_agent_sets_up_its_node_and_the_runtime_class_selects_its_label() ->
     assert {"--node-setup", "--manage-runtime", "--runtime-restart=auto"} <= set(container["args"])
     assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    # TLS only: the kubelet probes over HTTPS
+    assert container["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    assert container["livenessProbe"]["httpGet"]["scheme"] == "HTTPS"
     assert {"name": "IBCKPT_AGENT_DAEMONSET", "value": "ibckpt-agent"} in container["env"]
     mounts = {m["name"]: m for m in container["volumeMounts"]}
     assert mounts["containerd-etc"]["mountPath"] == "/host/etc/containerd"
@@ -239,13 +242,14 @@ def test_the_operator_keeps_its_webhook_certificate_in_one_secret_it_alone_may_r
     assert env["IBCKPT_WEBHOOK_SECRET_OWNER"] == "ibckpt-operator"  # the Deployment: its owner
     role = rendered_objects()[("Role", "ibckpt-operator")]
     secrets = [r for r in role["rules"] if r["resources"] == ["secrets"]]
+    kept = ["ibckpt-internal-tls", "ibckpt-agent-tls"]  # the release's CA, the agents' certificate
     assert secrets == [
         {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]},
-        {"apiGroups": [""], "resources": ["secrets"], "resourceNames": ["ibckpt-webhook-cert"],
+        {"apiGroups": [""], "resources": ["secrets"], "resourceNames": [*kept, "ibckpt-webhook-cert"],
          "verbs": ["get", "update"]},
     ]  # fmt: skip
     off = rendered_objects("--set", "operator.webhook.enabled=false")[("Role", "ibckpt-operator")]
-    assert not [r for r in off["rules"] if r["resources"] == ["secrets"]]
+    assert [r.get("resourceNames") for r in off["rules"] if r["resources"] == ["secrets"]] == [None, kept]
 
 
 def test_the_image_keys_are_made_once_mounted_into_agents_and_operator_and_granted_to_no_one() -> None:
@@ -298,3 +302,28 @@ def test_an_upgrade_rolls_the_operator_without_a_clash_on_its_host_port() -> Non
 
     assert rolling() == {"maxSurge": 1, "maxUnavailable": 0}
     assert rolling("--set", "operator.webhook.hostPort=true") == {"maxSurge": 0, "maxUnavailable": 1}
+
+
+def test_the_agents_serve_tls_from_the_operators_secret_and_get_tokens_bound_to_their_node() -> None:
+    objects = rendered_objects()
+    agent = objects[("DaemonSet", "ibckpt-agent")]["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in agent["volumes"]}
+    # not optional: an agent pod waits until the operator has written it
+    assert volumes["agent-tls"]["secret"] == {"secretName": "ibckpt-agent-tls", "defaultMode": 0o400}
+    container = agent["containers"][0]
+    assert {"name": "agent-tls", "mountPath": "/etc/ibckpt/agent-tls", "readOnly": True} in container[
+        "volumeMounts"
+    ]
+    assert "--tls-dir=/etc/ibckpt/agent-tls" in container["args"]
+    deployment = objects[("Deployment", "ibckpt-operator")]["spec"]["template"]["spec"]
+    args = deployment["containers"][0]["args"]
+    wanted = {"--tls-ca-secret=ibckpt-internal-tls", "--agent-tls-secret=ibckpt-agent-tls",
+              "--tls-secret-owner=ibckpt-operator", "--operator-account=ibckpt-operator"}  # fmt: skip
+    assert wanted <= set(args)
+    # no long-lived token for every agent any more: the operator requests one per node
+    assert not [v for v in deployment["volumes"] if "projected" in v]
+    assert not [a for a in args if a.startswith("--agent-token-file")]
+    role = objects[("Role", "ibckpt-operator")]
+    tokens = [r for r in role["rules"] if r["resources"] == ["serviceaccounts/token"]]
+    assert tokens == [{"apiGroups": [""], "resources": ["serviceaccounts/token"],
+                       "resourceNames": [deployment["serviceAccountName"]], "verbs": ["create"]}]  # fmt: skip

@@ -1,4 +1,5 @@
-"""A job coordinator on 127.0.0.1 in its own thread, for tests and the demo driven from the host."""
+"""A job coordinator on 127.0.0.1 in its own thread, for tests and the demo driven from the host: TLS with
+the test process's CA (testbed.tlsfiles.shared_pki; its clients trust shared_pki().client())."""
 
 from __future__ import annotations
 
@@ -7,12 +8,13 @@ import threading
 from collections.abc import Mapping
 
 from ibckpt_operator.coordinator.server import CoordinatorServer
+from testbed.tlsfiles import shared_pki
 
 
 class ThreadedCoordinator:
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
-        self.server = CoordinatorServer()
+        self.server = CoordinatorServer(shared_pki().coordinator())
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
 
     def start(self) -> None:

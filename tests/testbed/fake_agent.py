@@ -4,9 +4,11 @@ part in the real S3 so the operator's commit is real (the cluster tests use the 
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import secrets
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -29,10 +31,23 @@ from ibckpt.agentapi import (
     SessionKind,
     SessionReport,
     SessionState,
+    agent_audience,
 )
 from ibckpt.store import CheckpointRef, ImageStore, RankInfo, StoreConfig
 
-AGENT_TOKEN = "agent-test-token"  # the operator's service account token, as the fake agents expect it
+# Whose tokens the fake agents take: the operator's account in the test apiserver (tests/operator).
+OPERATOR_SUBJECT = "system:serviceaccount:ibckpt-system:ibckpt-operator"
+
+
+def token_claims(token: str) -> dict[str, Any]:
+    """A service-account token's claims, unverified: the fake agent checks what the operator asked the
+    apiserver for (the real agent has the apiserver review it)."""
+    try:
+        payload = token.split(".")[1]
+        claims = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
+    except (IndexError, ValueError):
+        return {}
+    return claims if isinstance(claims, dict) else {}
 
 
 @dataclass
@@ -66,6 +81,8 @@ class FakeAgent:
     # what it writes and reads, as a real agent of this release reports it; None: an agent before formats
     formats: AgentFormats | None = field(default_factory=AgentFormats.this_release)
     shim_sha256: str | None = None  # the node's shim build, as a real agent reports it
+    tls: ssl.SSLContext | None = None  # what it serves with, as a real agent: the operator's certificate
+    tokens: list[dict[str, Any]] = field(default_factory=list)  # each call's token's claims
 
     def register(self, pod: dict[str, Any], namespace: str, container: str = "main") -> None:
         self.containers.append(
@@ -96,7 +113,10 @@ class FakeAgent:
                 self.wfile.write(body)
 
             def authorized(self) -> bool:
-                if self.headers.get("Authorization") != f"Bearer {AGENT_TOKEN}":
+                scheme, _, token = (self.headers.get("Authorization") or "").partition(" ")
+                claims = token_claims(token) if scheme == "Bearer" else {}
+                agent.tokens.append(claims)
+                if claims.get("aud") != [agent_audience(agent.node)] or claims.get("sub") != OPERATOR_SUBJECT:
                     self.reply(401, b'{"error": "unauthorized"}')
                     return False
                 return True
@@ -163,6 +183,8 @@ class FakeAgent:
                     self.reply(404, b'{"error": "no such path"}')
 
         self.server = ThreadingHTTPServer((self.host, self.port), Handler)
+        if self.tls is not None:  # each accepted connection does its handshake in the serving thread
+            self.server.socket = self.tls.wrap_socket(self.server.socket, server_side=True)
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def stop(self) -> None:

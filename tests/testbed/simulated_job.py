@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import ssl
 from collections.abc import Mapping
 
 from ibckpt.coordination.client import CoordinatorClient
 from ibckpt.coordination.ranks import QP_RECORD
 from ibckpt_operator.coordinator.server import CoordinatorServer
+from testbed.tlsfiles import shared_pki
 
 
 def node_name(n: int) -> str:
@@ -69,13 +71,16 @@ def digest(got: Mapping[str, bytes | memoryview]) -> str:
 
 
 async def connect_nodes(
-    host: str, port: int, session: str, tokens: dict[str, str], nodes: int
+    host: str, port: int, session: str, tokens: dict[str, str], nodes: int, tls: ssl.SSLContext | None = None
 ) -> list[CoordinatorClient]:
-    """One connected client per simulated node agent, node-000 first."""
+    """One connected client per simulated node agent, node-000 first; `tls`: shared_pki()'s by default."""
+    trusted = tls or shared_pki().client()
     return list(
         await asyncio.gather(
             *(
-                CoordinatorClient.connect(host, port, session, node_name(n), tokens[node_name(n)])
+                CoordinatorClient.connect(
+                    host, port, session, node_name(n), tokens[node_name(n)], tls=trusted
+                )
                 for n in range(nodes)
             )
         )
@@ -101,7 +106,7 @@ async def run_exchange(
 
     Server and clients share this process and its event loop (the bench also runs them apart).
     """
-    server = CoordinatorServer()
+    server = CoordinatorServer(shared_pki().coordinator())
     await server.start()
     try:
         session, tokens = server.create_session({node_name(n) for n in range(nodes)}, deadline_s=600)

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import ssl
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TypeVar
 
 from ibckpt.agentapi import (
@@ -23,6 +23,7 @@ from ibckpt.agentapi import (
     SessionReport,
     SessionState,
 )
+from ibckpt_operator.cluster.agenttokens import AgentTokens
 from ibckpt_operator.cluster.kube import Body, Kube
 from ibckpt_operator.config import current
 
@@ -69,7 +70,9 @@ R = TypeVar("R")
 
 
 class AgentGateway:
-    """Calls to the agents; every call bounded by the client's timeout. Tests may give a token directly.
+    """Calls to the agents over TLS (`tls` trusts the operator's CA; renewal replaces it), each with a
+    token for that node's agent alone (`tokens`); every call bounded by the client's timeout. Tests may
+    give one token for every agent instead.
 
     The calls run on the gateway's own threads, not the loop's default executor: that one has
     min(32, cores + 4) threads (6 on 2 cores), shared with every Kubernetes call, so a fan-out to 128
@@ -77,10 +80,16 @@ class AgentGateway:
 
     def __init__(
         self,
+        tls: ssl.SSLContext,
+        tokens: AgentTokens | None = None,
         token: str | None = None,
         epoch: Callable[[], LeaderEpoch | None] = lambda: None,
         concurrency: int = AGENT_CONCURRENCY,
     ) -> None:
+        if (tokens is None) == (token is None):
+            raise ValueError("give exactly one of tokens and token")
+        self.tls = tls
+        self._tokens = tokens
         self._token = token
         self._epoch = epoch  # the leader's epoch (cluster/leader.py); None without an election
         self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="agent-call")
@@ -88,36 +97,37 @@ class AgentGateway:
     async def _run(self, call: Callable[..., R], *args: object) -> R:
         return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(call, *args))
 
+    async def _client(self, agent: Agent) -> AgentClient:
+        if self._tokens is not None:
+            await self._tokens.token(agent.node)  # now, off the call's thread: client() takes it cached
+        return self.client(agent)
+
     def client(self, agent: Agent) -> AgentClient:
         settings = current()
-        if self._token is not None:
-            return AgentClient(
-                agent.host,
-                settings.agent_port,
-                token=self._token,
-                timeout_s=settings.agent_timeout,
-                leader_epoch=self._epoch(),
-            )
+        token = self._token if self._tokens is None else self._tokens.cached(agent.node)
+        if token is None:  # _client() just got it: only a token older than its reuse would be missing
+            raise AgentError(0, f"no token for the agent of node {agent.node}")
         return AgentClient(
             agent.host,
             settings.agent_port,
-            token_file=Path(settings.agent_token_file),
+            tls=self.tls,
+            token=token,
             timeout_s=settings.agent_timeout,
             leader_epoch=self._epoch(),
         )
 
     async def info(self, agent: Agent) -> AgentInfo:
-        return await self._run(self.client(agent).info)
+        return await self._run((await self._client(agent)).info)
 
     async def checkpoint(self, agent: Agent, request: CheckpointRequest) -> SessionReport:
-        return await self._run(self.client(agent).checkpoint, request)
+        return await self._run((await self._client(agent)).checkpoint, request)
 
     async def restore(self, agent: Agent, request: RestoreRequest) -> SessionReport:
-        return await self._run(self.client(agent).restore, request)
+        return await self._run((await self._client(agent)).restore, request)
 
     async def session(self, agent: Agent, session_id: str) -> SessionReport | None:
         try:
-            return await self._run(self.client(agent).session, session_id)
+            return await self._run((await self._client(agent)).session, session_id)
         except AgentError as error:
             if error.status == 404:
                 return None
@@ -129,7 +139,7 @@ class AgentGateway:
         """None if the agent never heard of the session (nothing of it to bring back). `rejoin`: the
         coordinator (host:port, token) replacing the session's lost one."""
         try:
-            return await self._run(self.client(agent).abort, session_id, reason, rejoin)
+            return await self._run((await self._client(agent)).abort, session_id, reason, rejoin)
         except AgentError as error:
             if error.status == 404:
                 return None

@@ -1,4 +1,8 @@
-"""The coordinator's TCP server: authenticates participants and serves Session over the wire.
+"""The coordinator's TCP server: TLS only, authenticates participants and serves Session over the wire.
+
+Every connection does its TLS handshake (the operator's certificate for ibckpt.tls.COORDINATOR_SERVER_NAME)
+before its HELLO, within the same bound and counted among the connections that have not said HELLO
+yet: a peer that speaks plain TCP, or never finishes the handshake, holds nothing for long.
 
 A participant says HELLO with its own credential (Session.credential), so a connection speaks for
 the one participant named in it: its barrier arrivals, its routed segments, and the keys it writes,
@@ -13,8 +17,10 @@ import logging
 import math
 import secrets
 import socket
+import ssl
 from typing import Any
 
+from ibckpt.coordination.channel import TlsChannel
 from ibckpt.coordination.wire import (
     ERROR_ABORTED,
     ERROR_AUTH,
@@ -27,7 +33,6 @@ from ibckpt.coordination.wire import (
     Kind,
     ProtocolError,
     SocketFrameReader,
-    send_buffers,
 )
 from ibckpt_operator.coordinator.session import (
     CoordinationTimeout,
@@ -39,7 +44,7 @@ from ibckpt_operator.coordinator.session import (
 
 log = logging.getLogger(__name__)
 
-HELLO_TIMEOUT_S = 10.0
+HELLO_TIMEOUT_S = 10.0  # from accept: the TLS handshake and the HELLO
 MAX_WAIT_S = 3600.0
 BACKLOG = 1024  # every node agent of a large job connects at once
 # Bounds on what a peer can make the operator hold (each connection costs about 70 KiB): connections that
@@ -63,15 +68,19 @@ class _Connection:
     """One participant's socket. The server uses sockets, not streams: a routed round's payload
     is received into one buffer and sent on from views of it with sendmsg(), never copied."""
 
-    def __init__(self, session: Session, participant: str, sock: socket.socket) -> None:
+    def __init__(
+        self, session: Session, participant: str, channel: TlsChannel, reader: SocketFrameReader
+    ) -> None:
         self.session = session
         self.participant = participant
-        self.sock = sock
+        self.channel = channel
+        self.reader = reader
+        self.sock = channel.sock
         self.lock = asyncio.Lock()
 
     async def send(self, frame: Frame) -> None:
         async with self.lock:
-            await send_buffers(self.sock, frame.buffers())
+            await frame.send(self.channel)
 
 
 def _shutdown(sock: socket.socket) -> None:
@@ -81,9 +90,11 @@ def _shutdown(sock: socket.socket) -> None:
 
 
 class CoordinatorServer:
-    """Hosts any number of sessions on one listening socket (127.0.0.1 unless told otherwise)."""
+    """Hosts any number of sessions on one listening socket (127.0.0.1 unless told otherwise), over TLS
+    with `tls` (a renewed certificate: assign a new context; connections from then on use it)."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, tls: ssl.SSLContext, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.tls = tls
         self.host = host
         self.port = port
         self.sessions: dict[str, Session] = {}
@@ -186,13 +197,23 @@ class CoordinatorServer:
             self._handlers[handler] = sock
             handler.add_done_callback(lambda task: self._handlers.pop(task, None))
 
+    async def _greet(self, sock: socket.socket) -> tuple[TlsChannel, SocketFrameReader, Frame]:
+        """The TLS handshake, then the first frame. A peer that is not TLS (plain TCP) fails here with
+        ssl.SSLError, an OSError."""
+        channel = await TlsChannel.accept(sock, self.tls)
+        reader = SocketFrameReader(channel)
+        return channel, reader, await reader.read(MAX_HELLO)
+
     async def _serve(self, sock: socket.socket) -> None:
-        reader = SocketFrameReader(sock)
         conn: _Connection | None = None
         tasks: set[asyncio.Task[None]] = set()
         try:
             try:
-                conn = await self._hello(reader, sock)
+                try:
+                    channel, reader, hello = await asyncio.wait_for(self._greet(sock), HELLO_TIMEOUT_S)
+                except TimeoutError:
+                    return
+                conn = await self._hello(hello, reader, channel)
             finally:
                 self._greeting.pop(sock, None)
             if conn is None:
@@ -217,15 +238,12 @@ class CoordinatorServer:
                 await asyncio.wait(list(tasks), timeout=1)
             sock.close()
 
-    async def _hello(self, reader: SocketFrameReader, sock: socket.socket) -> _Connection | None:
+    async def _hello(
+        self, frame: Frame, reader: SocketFrameReader, channel: TlsChannel
+    ) -> _Connection | None:
         async def refuse(message: str) -> None:
-            frame = Frame(Kind.ERROR, {"id": 0, "error": ERROR_AUTH, "message": message})
-            await send_buffers(sock, frame.buffers())
+            await Frame(Kind.ERROR, {"id": 0, "error": ERROR_AUTH, "message": message}).send(channel)
 
-        try:
-            frame = await asyncio.wait_for(reader.read(MAX_HELLO), HELLO_TIMEOUT_S)
-        except TimeoutError:
-            return None
         try:
             hello = Hello.parse(frame)
         except ProtocolError as exc:
@@ -246,7 +264,7 @@ class CoordinatorServer:
                         open_)  # fmt: skip
             await refuse(f"participant {participant} already has {open_} connections open")
             return None
-        conn = _Connection(session, participant, sock)
+        conn = _Connection(session, participant, channel, reader)
         self._connections[session.id].add(conn)
         await conn.send(Frame(Kind.OK, {"id": 0, "aborted": session.abort_reason}))
         return conn

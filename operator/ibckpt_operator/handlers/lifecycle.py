@@ -1,5 +1,5 @@
 """Start-up and clean-up: the Lease first (no handler runs before this replica holds it), then metrics,
-the coordinator, and the pod claims rebuilt from every CheckpointJob's status."""
+the internal TLS Secrets, the coordinator, and the pod claims rebuilt from every CheckpointJob's status."""
 
 from __future__ import annotations
 
@@ -13,9 +13,11 @@ import kopf
 
 from ibckpt.api import CHECKPOINT_JOB, CheckpointJobStatus, JobPhase
 from ibckpt.store import s3
+from ibckpt.tls import client_context, server_context_from_pem
 from ibckpt_operator import metrics, webhook
-from ibckpt_operator.cluster import admission
+from ibckpt_operator.cluster import admission, internaltls
 from ibckpt_operator.cluster.agents import AgentGateway
+from ibckpt_operator.cluster.agenttokens import AgentTokens
 from ibckpt_operator.cluster.kube import Kube, client_configuration, new_api_client
 from ibckpt_operator.cluster.leader import LeaderLease
 from ibckpt_operator.config import FINALIZER, current
@@ -24,6 +26,7 @@ from ibckpt_operator.drivers import runtime
 from ibckpt_operator.drivers.checkpointstore import job_key
 from ibckpt_operator.machine import PodClaims
 from ibckpt_operator.machine.status import job_state
+from ibckpt_operator.machine.webhookcert import WebhookCert
 
 log = logging.getLogger(__name__)
 
@@ -91,15 +94,29 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     endpoint = webhook.endpoint()
     if endpoint is not None:
         await admission.publish(kube, endpoint)  # the apiserver calls this replica from now on
-    coordinator = CoordinatorServer(config.coordinator_bind, config.coordinator_port)
+    # the agents' pods wait (Pending) for their Secret: a new release's first leader makes it here
+    secrets = (config.namespace, config.tls_ca_secret, config.agent_tls_secret, config.tls_secret_owner)
+    ca = await internaltls.ensure(kube, *secrets)
+    coordinator = CoordinatorServer(
+        server_context_from_pem(ca.tls_crt, ca.tls_key), config.coordinator_bind, config.coordinator_port
+    )
     await coordinator.start()
     held = lease
-    gateway = AgentGateway(epoch=lambda: held.epoch if held is not None else None)
+    tokens = AgentTokens.of_account(kube, config.namespace, config.operator_account)
+    gateway = AgentGateway(
+        client_context(ca.ca_crt), tokens, epoch=lambda: held.epoch if held is not None else None
+    )
     rt = runtime.Runtime(kube=kube, gateway=gateway, coordinator=coordinator, lease=lease)
     rt.claims = await rebuild_claims(kube)
     if lease is not None:
         keeper = asyncio.ensure_future(lease.keep(rt.lost.set))
         rt.tasks.add(keeper)
+
+    def renewed(kept: WebhookCert) -> None:
+        gateway.tls = client_context(kept.ca_crt)
+        coordinator.tls = server_context_from_pem(kept.tls_crt, kept.tls_key)
+
+    rt.tasks.add(asyncio.ensure_future(internaltls.keep(kube, *secrets, renewed)))
     if endpoint is not None:  # the serving certificate is renewed while this leader runs, not only at starts
         rt.tasks.add(
             asyncio.ensure_future(

@@ -1,9 +1,9 @@
 """Who may call the agent: bearer tokens checked with a TokenReview, one service account accepted.
 
-The operator sends its service-account token bound to the agents' audience (agentapi.AGENT_AUDIENCE);
-the agent asks the apiserver whose it is for that audience (TokenReview, which the agent's RBAC allows;
-a token for any other audience, a legacy Secret token among them, is not authenticated) and accepts only
-the identity the chart names
+The operator sends a short-lived token of its service account bound to this node's agent alone
+(agentapi.agent_audience(node)); the agent asks the apiserver whose it is for that audience (TokenReview,
+which the agent's RBAC allows; a token for any other audience, another node's agent's or a legacy Secret
+token among them, is not authenticated) and accepts only the identity the chart names
 (`system:serviceaccount:<namespace>:<release>-operator`). No token or an invalid one: 401; a valid token
 of anyone else: 403; no answer from the apiserver: 503. A reviewed token is remembered for a short while
 (by its hash, never the token), so polling a session does not cost a TokenReview per call.
@@ -23,8 +23,7 @@ import urllib.request
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-
-from ibckpt.agentapi import AGENT_AUDIENCE
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -53,27 +52,30 @@ class AuthError(Exception):
 class TokenReviewer:
     """Asks the apiserver (in-cluster: the kubernetes Service, the pod's own token and CA)."""
 
-    def __init__(self, url: str, ca_file: Path, token_file: Path, timeout_s: float = 5.0) -> None:
+    def __init__(
+        self, url: str, ca_file: Path, token_file: Path, audience: str, timeout_s: float = 5.0
+    ) -> None:
         self.url = url.rstrip("/") + "/apis/authentication.k8s.io/v1/tokenreviews"
+        self.audience = audience  # this node's agent's: agentapi.agent_audience(node)
         self.context = ssl.create_default_context(cafile=str(ca_file))
         self.token_file = token_file
         self.timeout_s = timeout_s
 
     @classmethod
-    def in_cluster(cls) -> TokenReviewer:
+    def in_cluster(cls, audience: str) -> TokenReviewer:
         host = os.environ.get("KUBERNETES_SERVICE_HOST")
         port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
         if not host:
             raise RuntimeError("not in a pod: KUBERNETES_SERVICE_HOST is not set")
         if ":" in host:
             host = f"[{host}]"
-        return cls(f"https://{host}:{port}", SA_DIR / "ca.crt", SA_DIR / "token")
+        return cls(f"https://{host}:{port}", SA_DIR / "ca.crt", SA_DIR / "token", audience)
 
     async def __call__(self, token: str) -> Review:
         return await asyncio.to_thread(self._review, token)
 
     def _review(self, token: str) -> Review:
-        spec = {"token": token, "audiences": [AGENT_AUDIENCE]}
+        spec = {"token": token, "audiences": [self.audience]}
         body = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview", "spec": spec}
         request = urllib.request.Request(
             self.url,
@@ -91,11 +93,18 @@ class TokenReviewer:
             return Review(False, error=f"TokenReview refused: HTTP {exc.code}", unavailable=True)
         except (OSError, ValueError) as exc:
             return Review(False, error=f"TokenReview failed: {exc}", unavailable=True)
-        if not status.get("authenticated"):
-            return Review(False, error=status.get("error") or "token not authenticated")
-        if AGENT_AUDIENCE not in (status.get("audiences") or ()):  # an apiserver that ignored the audience
-            return Review(False, error=f"the token is not for audience {AGENT_AUDIENCE}")
-        return Review(True, username=str(status.get("user", {}).get("username", "")))
+        if not isinstance(status, dict):
+            return Review(False, error="TokenReview answered without a status", unavailable=True)
+        return review_status(status, self.audience)
+
+
+def review_status(status: dict[str, Any], audience: str) -> Review:
+    """The verdict of a TokenReview's status for a token that must be for `audience`."""
+    if not status.get("authenticated"):
+        return Review(False, error=status.get("error") or "token not authenticated")
+    if audience not in (status.get("audiences") or ()):  # an apiserver that ignored the audience
+        return Review(False, error=f"the token is not for audience {audience}")
+    return Review(True, username=str((status.get("user") or {}).get("username", "")))
 
 
 class Authenticator:

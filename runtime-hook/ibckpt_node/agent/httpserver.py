@@ -1,15 +1,18 @@
-"""A small HTTP/1.1 server on asyncio streams: one request per connection, bounded in size and time.
+"""A small HTTPS/1.1 server on asyncio streams: one request per connection, bounded in size and time.
 
 The agent's API is a handful of JSON calls from one client (the operator); this keeps it on the same
-event loop as the registry and the sessions, with no framework in the node image.
+event loop as the registry and the sessions, with no framework in the node image. It speaks TLS only:
+a connection is admitted (counted against the cap) as soon as it is accepted, then upgraded, so a
+handshake never finished holds a slot no longer than the read deadline and can be evicted like a slow
+request; a peer speaking plain HTTP fails the handshake and is closed unanswered.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import http
 import logging
+import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -17,7 +20,7 @@ log = logging.getLogger(__name__)
 
 MAX_HEAD = 16 * 1024
 MAX_BODY = 1024 * 1024
-READ_TIMEOUT_S = 10.0
+READ_TIMEOUT_S = 10.0  # from accept: the TLS handshake and the whole request
 WRITE_TIMEOUT_S = 10.0  # a client that does not read its response does not hold the connection
 # At most this many connections, each holding at most MAX_HEAD + MAX_BODY (about 66 MiB in all): a new
 # one over the cap evicts the oldest still sending its request, or is closed if every one is being
@@ -43,6 +46,7 @@ class Response:
 
 
 Handler = Callable[[Request], Awaitable[Response]]
+TlsContext = Callable[[], ssl.SSLContext]  # asked at each connection: a renewed certificate is served
 
 
 class BadRequest(Exception):
@@ -102,17 +106,21 @@ def encode(response: Response) -> bytes:
 class HttpServer:
     """Serves handler on (host, port). Never binds a wildcard address: the caller names one."""
 
-    def __init__(self, host: str, port: int, handler: Handler, error: Callable[[int, str], Response]) -> None:
+    def __init__(
+        self, host: str, port: int, handler: Handler, error: Callable[[int, str], Response], tls: TlsContext
+    ) -> None:
         if host in ("", "0.0.0.0", "::"):
             raise ValueError("the agent serves on one address of the node, not on every address")
         self.host = host
         self.port = port
+        self.tls = tls
         self.handler = handler
         self.error = error
         self._server: asyncio.AbstractServer | None = None
         self._open = 0  # connections admitted and not yet ended or evicted
         self._counted: set[asyncio.StreamWriter] = set()
         self._reading: dict[asyncio.StreamWriter, None] = {}  # oldest first: not yet a whole request
+        self._handlers: set[asyncio.Task[None]] = set()  # each connection's, until it ends
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._serve, self.host, self.port, limit=MAX_HEAD)
@@ -124,6 +132,10 @@ class HttpServer:
             self._server.close()
             await self._server.wait_closed()
             self._server = None
+        for writer in list(self._counted):  # the connections still open end now, not at their deadlines
+            writer.transport.abort()
+        if self._handlers:
+            await asyncio.wait(list(self._handlers), timeout=WRITE_TIMEOUT_S)
 
     def _admit(self, writer: asyncio.StreamWriter, where: str) -> bool:
         if self._open >= MAX_CONNECTIONS:
@@ -146,27 +158,50 @@ class HttpServer:
             self._open -= 1
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # Before any await: bytes read now (the ClientHello) would land in the plain reader, not in TLS.
+        transport = writer.transport
+        assert isinstance(transport, asyncio.Transport)  # a stream socket's: reads and writes
+        transport.pause_reading()
         peer = writer.get_extra_info("peername")
         where = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
         if not self._admit(writer, where):
             writer.transport.abort()
             return
+        handler = asyncio.current_task()
+        assert handler is not None  # each connection's callback runs as a task of its own
+        self._handlers.add(handler)
         try:
             await self._answer(reader, writer, where)
         finally:
             self._release(writer)
             self._reading.pop(writer, None)
+            self._handlers.discard(handler)
+
+    async def _receive(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, where: str
+    ) -> Request:
+        plain = writer.transport
+        try:
+            await writer.start_tls(self.tls(), ssl_handshake_timeout=READ_TIMEOUT_S)
+        except AttributeError as exc:
+            # asyncio (3.11) fails so when the peer leaves as the handshake ends: the upgrade got no
+            # transport back. The socket's own goes back, so that closing the writer closes the socket.
+            setattr(writer, "_transport", plain)  # noqa: B010
+            raise ConnectionResetError("the peer left as the TLS handshake ended") from exc
+        return await read_request(reader, where)
 
     async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, where: str) -> None:
         try:
             try:
                 try:
-                    request = await asyncio.wait_for(read_request(reader, where), READ_TIMEOUT_S)
+                    request = await asyncio.wait_for(self._receive(reader, writer, where), READ_TIMEOUT_S)
                 finally:
                     self._reading.pop(writer, None)
             except BadRequest as exc:
                 response = self.error(exc.status, str(exc))
             except TimeoutError:
+                if writer.get_extra_info("sslcontext") is None:  # the handshake never ended: no channel
+                    return
                 response = self.error(408, "request not received in time")
             else:
                 try:
@@ -179,6 +214,8 @@ class HttpServer:
         except (OSError, ConnectionError, TimeoutError) as exc:
             log.debug("connection from %s: %s", where, exc)
         finally:
-            writer.close()
-            with contextlib.suppress(OSError, ConnectionError):
-                await writer.wait_closed()
+            writer.close()  # over TLS: sends close_notify and waits for the peer's, at most WRITE_TIMEOUT_S
+            try:
+                await asyncio.wait_for(writer.wait_closed(), WRITE_TIMEOUT_S)
+            except (OSError, ConnectionError, TimeoutError):
+                writer.transport.abort()

@@ -2,13 +2,15 @@
 
     ibckpt-agent --node NAME --address NODE_IP [--port 9478] [--metrics-port 9479]
         [--host-dir /var/lib/ibckpt] [--install [--install-root /host] [--prefix /usr/local]]
-        [--keep-failed-images SECONDS] --allow system:serviceaccount:NS:NAME ...
+        [--keep-failed-images SECONDS] [--tls-dir /etc/ibckpt/agent-tls]
+        --allow system:serviceaccount:NS:NAME ...
 
 At start, with --install, it copies the node pieces onto the host (ibckpt_node.hook.install: the hook,
 the runtime wrapper and the shim under PREFIX, /etc/ibckpt/node.json), so that containerd finds them in
 the node's own filesystem (seen here under --install-root). Then it hosts the container registry on
-HOST_DIR/registry.sock and serves the agent API (ibckpt.agentapi) on NODE_IP:PORT to the identities
-given with --allow, and Prometheus metrics on NODE_IP:METRICS_PORT. It never binds a wildcard address.
+HOST_DIR/registry.sock and serves the agent API (ibckpt.agentapi) over TLS only on NODE_IP:PORT, with
+the certificate in --tls-dir (tls.crt, tls.key: the operator's Secret), to the identities given with
+--allow, and Prometheus metrics on NODE_IP:METRICS_PORT. It never binds a wildcard address.
 It keeps what sessions leave under HOST_DIR bounded (agent/disk.py; --keep-failed-images).
 With --node-setup it checks the node's prerequisites, installs containerd's runtime handler and labels
 its Node (nodesetup/lifecycle.py); /readyz answers 200 only once that is done.
@@ -29,12 +31,15 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, start_http_server
 
 from ibckpt import logsetup
-from ibckpt.agentapi.models import DEFAULT_PORT
+from ibckpt.agentapi.models import DEFAULT_PORT, agent_audience
+from ibckpt.tls import TlsSetupError, client_context_from
 from ibckpt_node import failpoints
 from ibckpt_node.agent.auth import Authenticator, TokenReviewer
 from ibckpt_node.agent.disk import DEFAULT_KEEP_FAILED_S
 from ibckpt_node.agent.kubesecrets import KubeSecrets
 from ibckpt_node.agent.server import AgentServer
+from ibckpt_node.agent.servingcert import DEFAULT_DIR as DEFAULT_TLS_DIR
+from ibckpt_node.agent.servingcert import ServingCertificate
 from ibckpt_node.hook import install
 from ibckpt_node.nodesetup import host as nodehost
 from ibckpt_node.nodesetup.kube import NodeApi
@@ -140,6 +145,13 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         help="on SIGTERM, how long to wait for the aborted sessions' ranks to run again; keep it under "
         "the pod's termination grace period (default: %(default)g)",
     )
+    parser.add_argument(
+        "--tls-dir",
+        type=Path,
+        default=DEFAULT_TLS_DIR,
+        help="the serving certificate (tls.crt, tls.key) and the operator's CA (ca.crt), as the chart "
+        "mounts the operator's Secret (default: %(default)s)",
+    )
     parser.add_argument("--log-level", default=os.environ.get("IBCKPT_LOG_LEVEL", "info"))
     parser.add_argument(
         "--failpoints",
@@ -199,13 +211,20 @@ async def serve(args: argparse.Namespace) -> None:
     if args.failpoints:
         failpoints.enable(host_dir / "failpoints")
     shim = str(node_config(args.prefix, args.host_dir, args.runc)["shim"])
+    certificate = ServingCertificate(args.tls_dir)
+    certificate.context()  # TlsSetupError: no certificate to serve, said before anything starts
+    client_context_from(certificate.ca_file)  # nor a CA to trust the coordinator by
     metrics = CollectorRegistry()
     server = AgentServer(
         node=args.node,
         host=args.address,
         port=args.port,
         registry=ContainerRegistry(host_dir),
-        authenticator=Authenticator(TokenReviewer.in_cluster(), frozenset(args.allow)),
+        authenticator=Authenticator(
+            TokenReviewer.in_cluster(agent_audience(args.node)), frozenset(args.allow)
+        ),
+        tls=certificate.context,
+        coordinator_tls=lambda: client_context_from(certificate.ca_file),  # a renewed CA: the next connect
         work_dir=host_dir,
         shim_path=shim,
         shim_present_path=Path(args.install_root) / shim.lstrip("/"),
@@ -248,7 +267,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         log.info("installed the hook, the runtime wrapper and the shim under %s on the node", args.prefix)
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve(args))
+        try:
+            asyncio.run(serve(args))
+        except TlsSetupError as exc:
+            log.error("cannot serve the agent API: %s", exc)
+            return 2
     return 0
 
 

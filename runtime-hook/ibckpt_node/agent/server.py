@@ -1,10 +1,11 @@
-"""The agent API (ibckpt.agentapi) over the agent's own HTTP server, with the registry and the sessions."""
+"""The agent API (ibckpt.agentapi) over the agent's own HTTPS server, with the registry and the sessions."""
 
 from __future__ import annotations
 
 import hashlib
 import logging
 import re
+import ssl
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from ibckpt.agentapi import models as api
 from ibckpt_node.agent.auth import Authenticator, AuthError
 from ibckpt_node.agent.disk import DEFAULT_KEEP_FAILED_S
 from ibckpt_node.agent.fence import Fenced, LeaderFence
-from ibckpt_node.agent.httpserver import HttpServer, Request, Response
+from ibckpt_node.agent.httpserver import HttpServer, Request, Response, TlsContext
 from ibckpt_node.agent.kubesecrets import SecretReader
 from ibckpt_node.agent.session import SessionError
 from ibckpt_node.agent.sessions import Sessions
@@ -75,6 +76,8 @@ class AgentServer:
         port: int,
         registry: ContainerRegistry,
         authenticator: Authenticator,
+        tls: TlsContext,
+        coordinator_tls: Callable[[], ssl.SSLContext],
         work_dir: Path,
         shim_path: str,
         shim_present_path: Path | None = None,
@@ -103,9 +106,10 @@ class AgentServer:
             keep_failed_images_s,
             image_keys,
             disk_reserve_bytes,
+            coordinator_tls=coordinator_tls,
         )
         self.fence = LeaderFence(work_dir / "leader-epoch")
-        self.http = HttpServer(host, port, self.handle, error)
+        self.http = HttpServer(host, port, self.handle, error, tls)
         self.ready = False
 
     @property

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import ssl
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
@@ -133,6 +134,7 @@ class Agent:
     work_dir: Path
     on_finished: Callable[[api.SessionReport], None]
     secrets: SecretReader | None  # None: this agent cannot stage images
+    coordinator_tls: Callable[[], ssl.SSLContext]  # trusts the operator's CA (read again at each connect)
     keep_failed_images_s: float = DEFAULT_KEEP_FAILED_S  # how long a failed checkpoint's images stay
     # The image key set (a mounted Secret, ibckpt/store/signing.py): parts are signed with it, and only
     # manifests that verify with it are restored. Read at each use, so a rotated Secret is picked up.
@@ -173,7 +175,9 @@ class Session:
 async def connect(agent: Agent, session_id: str, coordinator: str, token: str) -> CoordinatorClient:
     """This node's connection to the coordinator at `coordinator` (host:port) for the session."""
     host, _, port = coordinator.rpartition(":")
-    return await CoordinatorClient.connect(host, int(port), session_id, agent.node, token)
+    return await CoordinatorClient.connect(
+        host, int(port), session_id, agent.node, token, tls=agent.coordinator_tls()
+    )
 
 
 def shim_channels(ranks: Sequence[LocalRank]) -> list[Channel]:

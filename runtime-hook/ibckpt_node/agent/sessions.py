@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -57,6 +58,8 @@ class Sessions:
         keep_failed_images_s: float = disk.DEFAULT_KEEP_FAILED_S,
         image_keys: Path | None = None,
         disk_reserve_bytes: int = 0,
+        *,
+        coordinator_tls: Callable[[], ssl.SSLContext],
     ) -> None:
         self.agent = Agent(
             node,
@@ -64,6 +67,7 @@ class Sessions:
             work_dir,
             on_finished,
             secrets,
+            coordinator_tls,
             keep_failed_images_s,
             image_keys,
             disk_reserve_bytes,
