@@ -66,6 +66,7 @@ from ibckpt.api.storage import (
     EncryptionMode,
     Retention,
     S3Location,
+    StorageImport,
 )
 
 __all__ = [
@@ -127,5 +128,6 @@ __all__ = [
     "S3Location",
     "SecretKeyReference",
     "SkippedCheckpoint",
+    "StorageImport",
     "WorkloadReference",
 ]

@@ -90,6 +90,18 @@ class CheckpointStorageSpec(S3Location):
     retention: Retention | None = Field(default=None, description="Unset: keep every checkpoint.")
 
 
+class StorageImport(ApiModel):
+    """The last import of this storage's bucket (`kubectl ibckpt import`): the Checkpoints it made again."""
+
+    requested: str = Field(description="The value of the ibckpt.io/import annotation it answered.")
+    time: datetime
+    imported: list[str] = Field(default_factory=list, description="Checkpoints made from the bucket.")
+    skipped: list[str] = Field(
+        default_factory=list, description="Checkpoints of the bucket not imported: `id: why`."
+    )
+    message: str | None = Field(default=None, description="Why nothing was imported, if so.")
+
+
 class CheckpointStorageStatus(ApiModel):
     """Whether the operator could reach the bucket with the given credentials."""
 
@@ -102,6 +114,7 @@ class CheckpointStorageStatus(ApiModel):
     last_sweep_time: datetime | None = Field(
         default=None, description="When the bucket was last swept of chunks and parts no checkpoint uses."
     )
+    last_import: StorageImport | None = None
 
 
 CHECKPOINT_STORAGE = KindInfo(

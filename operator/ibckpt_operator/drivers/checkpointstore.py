@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 
@@ -27,6 +28,7 @@ from ibckpt.api import (
 from ibckpt.store.units import format_size
 from ibckpt_operator import metrics
 from ibckpt_operator.cluster import storage
+from ibckpt_operator.cluster.imports import RECORD_LABEL, restore_record
 from ibckpt_operator.cluster.kube import Body
 from ibckpt_operator.drivers.base import Driver
 from ibckpt_operator.drivers.progress import PodProgress
@@ -106,8 +108,18 @@ class CheckpointStoreDriver(Driver[JobState]):
         # Each agent stages its part under its node's name: the commit refuses a set missing one.
         expected = sorted({m.pod.node for m in self.state.members})
         image_store = await asyncio.to_thread(storage.open_store, resolved.config)
+        from ibckpt.store import CheckpointRef
+
+        # what a Checkpoint object needs, signed with the manifest: `kubectl ibckpt import` makes it again
+        ref = CheckpointRef(self.store_job, action.checkpoint_name)
+        spec = await self.checkpoint_spec(
+            action.checkpoint_name, image_store.context.layout.manifest_key(ref)
+        )
+        labels = {RECORD_LABEL: restore_record(spec, self.copied_labels())}
         manifest = await asyncio.to_thread(
-            image_store.commit_parts, self.store_job, action.checkpoint_name, expected
+            functools.partial(
+                image_store.commit_parts, self.store_job, action.checkpoint_name, expected, labels=labels
+            )
         )
         metrics.CHECKPOINT_BYTES.inc(manifest.stats.logical_bytes)
         key = image_store.context.layout.manifest_key(manifest.ref)
@@ -146,18 +158,19 @@ class CheckpointStoreDriver(Driver[JobState]):
             return
         log.info("%s: dropped %d staged part(s) of %s", self.key, dropped, action.checkpoint_name)
 
-    async def publish(self, action: PublishCheckpoint) -> None:
+    async def checkpoint_spec(self, checkpoint_name: str, manifest_key: str) -> CheckpointSpec:
+        """The Checkpoint's spec, as of now: at the commit (its restore record) and at the publish."""
         assert self.state is not None
         members = self.state.members
         total = sum(self.progress.bytes.get(m.pod.uid, m.bytes or 0) for m in members)
-        spec = CheckpointSpec(
+        return CheckpointSpec(
             job_name=self.store_job,
             checkpoint_job_ref=JobReference(name=self.name, uid=self.body["metadata"].get("uid")),
             source=self.spec.workload_ref,
-            checkpoint_id=action.checkpoint_name,
+            checkpoint_id=checkpoint_name,
             storage_ref=self.spec.storage_ref,
             storage=self.spec.storage,
-            manifest_key=action.manifest_key,
+            manifest_key=manifest_key,
             mode=self.spec.mode,
             pods=await self.record.pods(self.rt, self.namespace, members, self.session_id(self.state.run)),
             rank_count=sum(len(keys) for keys in self.record.rank_keys.values()),
@@ -166,6 +179,9 @@ class CheckpointStoreDriver(Driver[JobState]):
             size=CheckpointSize(bytes=total, human=format_size(total)),
             timings=self.timings(self.state, time.time()),
         )
+
+    async def publish(self, action: PublishCheckpoint) -> None:
+        spec = await self.checkpoint_spec(action.checkpoint_name, action.manifest_key)
         labels = self.copied_labels()
         checkpoint = Checkpoint(
             metadata=ObjectMeta(name=action.checkpoint_name, namespace=self.namespace, labels=labels or None),

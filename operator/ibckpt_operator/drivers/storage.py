@@ -1,25 +1,62 @@
-"""A CheckpointStorage's upkeep, after each check of its bucket: its retention applied to the Checkpoints
-that name it (machine/retention.py decides; a deleted Checkpoint's finalizer deletes its manifest), and,
-every `store_sweep_seconds`, a sweep of the chunks and parts no checkpoint uses. Returns the status it
-measured: how many checkpoints remain and their bytes, how many retention deleted, the last sweep."""
+"""A CheckpointStorage's upkeep, after each check of its bucket: an import asked for (cluster/imports.py),
+its retention applied to the Checkpoints that name it (machine/retention.py decides; a deleted
+Checkpoint's finalizer deletes its manifest), and, every `store_sweep_seconds`, a sweep of the chunks and
+parts no checkpoint uses. Returns the status it measured: the import's result, how many checkpoints
+remain and their bytes, how many retention deleted, the last sweep."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from datetime import UTC, datetime
 from typing import Any
 
-from ibckpt.api import CheckpointStorageSpec
+from ibckpt.api import CHECKPOINT, Checkpoint, CheckpointStorageSpec, ObjectMeta, StorageImport
 from ibckpt.store import StoreConfig, StoreError
 from ibckpt_operator import metrics
-from ibckpt_operator.cluster import retention, schedules, storage
+from ibckpt_operator.cluster import imports, retention, schedules, storage
 from ibckpt_operator.cluster.kube import Body
 from ibckpt_operator.config import current
 from ibckpt_operator.drivers.runtime import Runtime
 from ibckpt_operator.machine.retention import decide
 
 log = logging.getLogger(__name__)
+
+
+async def import_asked(rt: Runtime, body: Body, config: StoreConfig, now: float) -> Body:
+    """Make the Checkpoint objects of the bucket's checkpoints of this namespace that have none, when the
+    import annotation holds a value not answered yet: the status patch that answers it, else {}."""
+    meta, status = body["metadata"], body.get("status") or {}
+    asked = (meta.get("annotations") or {}).get(imports.IMPORT_ANNOTATION)
+    if not asked or (status.get("lastImport") or {}).get("requested") == asked:
+        return {}
+    namespace, name = meta["namespace"], meta["name"]
+    existing = {
+        c["metadata"]["name"] for c in await schedules.list_namespaced(rt.kube, CHECKPOINT.plural, namespace)
+    }
+    answer = StorageImport(requested=asked, time=datetime.fromtimestamp(now, UTC))
+    try:
+        found = await asyncio.to_thread(imports.survey, config, namespace, name, existing)
+    except (storage.StorageProblem, StoreError) as error:
+        answer.message = f"nothing imported: {error}"
+        await rt.kube.post_event(body, "Warning", "ImportFailed", answer.message)
+        return {"lastImport": answer.to_wire()}
+    for item in found.found:
+        checkpoint = Checkpoint(
+            metadata=ObjectMeta(name=item.name, namespace=namespace, labels=item.labels), spec=item.spec
+        )
+        if await rt.kube.create_custom(CHECKPOINT.plural, namespace, checkpoint.to_wire()):
+            with contextlib.suppress(Exception):  # verified just now; the periodic check may say otherwise
+                await rt.kube.patch_status(CHECKPOINT.plural, namespace, item.name, {"readyToRestore": True})
+            answer.imported.append(item.name)
+    answer.skipped = [f"{cid}: {why}" for cid, why in sorted(found.skipped.items())]
+    message = f"imported {len(answer.imported)} checkpoint(s) from the bucket" + (
+        f", skipped {len(answer.skipped)}: {'; '.join(answer.skipped)[:500]}" if answer.skipped else ""
+    )
+    log.info("CheckpointStorage %s/%s: %s", namespace, name, message)
+    await rt.kube.post_event(body, "Warning" if answer.skipped else "Normal", "CheckpointsImported", message)
+    return {"lastImport": answer.to_wire()}
 
 
 async def upkeep(

@@ -23,8 +23,9 @@ from ibckpt.api import (
     LocalObjectReference,
 )
 from ibckpt_operator.cluster import storage
+from ibckpt_operator.cluster.imports import IMPORT_ANNOTATION
 from ibckpt_operator.drivers import runtime
-from ibckpt_operator.drivers.storage import upkeep
+from ibckpt_operator.drivers.storage import import_asked, upkeep
 from ibckpt_operator.machine.status import to_time
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,7 @@ async def check_storage(body: dict[str, Any]) -> None:
     }
     if resolved is not None and spec is not None:
         try:
+            patch.update(await import_asked(rt, body, resolved.config, now))
             patch.update(await upkeep(rt, body, spec, resolved.config, now))
         except Exception as error:  # the check's result is written anyway; the next check tries again
             log.exception("CheckpointStorage %s/%s: upkeep failed", meta["namespace"], meta["name"])
@@ -91,6 +93,15 @@ async def check_storage(body: dict[str, Any]) -> None:
 @kopf.on.update(GROUP, VERSION, CHECKPOINT_STORAGE.plural, field="spec")
 async def checked(body: kopf.Body, **_: Any) -> None:
     await check_storage(copy.deepcopy(dict(body)))
+
+
+@kopf.on.field(
+    GROUP, VERSION, CHECKPOINT_STORAGE.plural, field=("metadata", "annotations", IMPORT_ANNOTATION)
+)
+async def import_annotated(body: kopf.Body, new: Any, **_: Any) -> None:
+    """`kubectl ibckpt import` sets the annotation: checked, and imported, at once."""
+    if new:
+        await check_storage(copy.deepcopy(dict(body)))
 
 
 @kopf.timer(
