@@ -76,6 +76,21 @@ class KubeApi:
             )
         )
 
+    def annotate(self, kind: KindInfo, name: str, annotations: dict[str, str]) -> Body:
+        patch = {"metadata": {"annotations": annotations}}
+        return dict(
+            self._call(
+                f"annotating {kind.kind} {name}",
+                self._custom.patch_namespaced_custom_object,
+                GROUP,
+                VERSION,
+                self.namespace,
+                kind.plural,
+                name,
+                patch,
+            )
+        )
+
     def get(self, kind: KindInfo, name: str) -> Body | None:
         import kubernetes
 

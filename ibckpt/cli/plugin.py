@@ -6,6 +6,7 @@
     kubectl ibckpt list [-A]
     kubectl ibckpt describe CHECKPOINT
     kubectl ibckpt logs JOB [--agent-namespace NS]
+    kubectl ibckpt import [--storage S] [--timeout SECONDS]
     kubectl ibckpt uninstall [--yes] [--delete-images]   (plugin_uninstall.py)
 
 `checkpoint` and `restore` create the CheckpointJob or RestoreJob a user would write as YAML and follow
@@ -403,6 +404,38 @@ def logs(api: KubeApi, args: argparse.Namespace) -> int:
     return 0
 
 
+# -- import ----------------------------------------------------------------------------------------------
+
+IMPORT_ANNOTATION = "ibckpt.io/import"  # the operator's cluster/imports.py answers it in status.lastImport
+
+
+def import_checkpoints(api: KubeApi, args: argparse.Namespace) -> int:
+    """Ask the operator to make the Checkpoint objects of the namespace's checkpoints in a storage's
+    bucket that have none (after a disaster, or in a new cluster with the same image keys)."""
+    name = _storage(api, args.storage)
+    asked = datetime.now(UTC).isoformat()
+    api.annotate(CHECKPOINT_STORAGE, name, {IMPORT_ANNOTATION: asked})
+    print(f"checkpointstorage/{name}: import asked")
+    deadline = time.monotonic() + args.timeout
+    while time.monotonic() < deadline:
+        answer = ((api.must_get(CHECKPOINT_STORAGE, name).get("status") or {}).get("lastImport")) or {}
+        if answer.get("requested") == asked:
+            if answer.get("message"):
+                raise PluginError(f"checkpointstorage/{name}: {answer['message']}")
+            for imported in answer.get("imported") or ():
+                print(f"checkpoint/{imported} imported")
+            for skipped in answer.get("skipped") or ():
+                print(f"skipped {skipped}", file=sys.stderr)
+            print(f"{len(answer.get('imported') or ())} imported, {len(answer.get('skipped') or ())} skipped")
+            return 0
+        time.sleep(1)
+    print(
+        f"checkpointstorage/{name}: no answer after {args.timeout:.0f}s (is the operator running?)",
+        file=sys.stderr,
+    )
+    return 2
+
+
 # -- the command line ------------------------------------------------------------------------------------
 
 
@@ -448,6 +481,11 @@ def build_parser() -> argparse.ArgumentParser:
     lg.add_argument("job")
     lg.add_argument("--agent-namespace", default="ibckpt-system", help="where the chart runs the agents")
     lg.set_defaults(run=logs)
+
+    im = commands.add_parser("import", help="make Checkpoints again from a storage's bucket")
+    im.add_argument("--storage", help="a CheckpointStorage (default: the namespace's only one)")
+    im.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the operator")
+    im.set_defaults(run=import_checkpoints)
 
     plugin_uninstall.add_parser(commands)
     return parser

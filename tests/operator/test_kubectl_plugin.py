@@ -5,14 +5,17 @@ meets first, each in one line and with nothing created."""
 
 from __future__ import annotations
 
+import secrets
 import subprocess
 import time
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from ibckpt.cli.plugin import lines_between
+from ibckpt.store.signing import load_keys
 from testbed.cluster import kubectl_bin, kubectl_ibckpt
 from testbed.kube import ControlPlane
 from testbed.s3 import S3Server
@@ -49,6 +52,7 @@ def test_checkpoint_list_describe_and_restore_latest_as_a_user(
     agents: Agents,
     operator: Any,
     store_config: Any,
+    tmp_path: Path,
 ) -> None:
     ns = cluster_ns.namespace
     config = store_config(bucket)
@@ -59,8 +63,13 @@ def test_checkpoint_list_describe_and_restore_latest_as_a_user(
     cluster_ns.s3_secret(s3_server)
     cluster_ns.create("checkpointstorages", storage_object(s3_server, bucket))
     cluster_ns.create("checkpointschedules", schedule_object("nightly"))
+    # the image keys the chart mounts into the agents and the operator (one file per key id)
+    keys_dir = tmp_path / "image-keys"
+    keys_dir.mkdir()
+    (keys_dir / "2026-11-30").write_bytes(secrets.token_bytes(32))
+    a.signing = b.signing = load_keys(keys_dir)
     try:
-        with operator():
+        with operator(image_keys=str(keys_dir)):
             # A LeaveRunning checkpoint, followed phase by phase; the namespace's one storage is used.
             first = plugin(
                 kube, ns, "checkpoint", "-l", "app=ring", "--name", "ring-a", "--phase-seconds", "admit=300"
@@ -142,8 +151,44 @@ def test_checkpoint_list_describe_and_restore_latest_as_a_user(
             assert out[-1] == f"restored from checkpoint/{checkpoint_n}: ring-0 on node-b, ring-1 on node-a"
             back = cluster_ns.get("restorejobs", "back")["spec"]
             assert back["checkpointName"] == checkpoint_n and back["latestOf"] == {"schedule": "nightly"}
+            _imported_again(kube, cluster_ns, s3_server, bucket, checkpoint_a, checkpoint_n)
     finally:
         cluster_ns.delete("checkpointschedules", "nightly")
+
+
+def _imported_again(
+    kube: ControlPlane, cluster_ns: Cluster, s3: S3Server, bucket: str, lost: str, kept: str
+) -> None:
+    """`kubectl ibckpt import`: a Checkpoint object deleted with its images retained comes back from the
+    bucket as it was; a manifest copied under another id (its signature covers its key) does not."""
+    ns = cluster_ns.namespace
+    before = cluster_ns.get("checkpoints", lost)
+    cluster_ns.patch("checkpoints", lost, {"metadata": {"annotations": {"ibckpt.io/retain-images": "true"}}})
+    cluster_ns.delete("checkpoints", lost)
+    deadline = time.monotonic() + 60
+    while cluster_ns.get("checkpoints", lost) is not None:
+        assert time.monotonic() < deadline, "the Checkpoint was not deleted"
+        time.sleep(0.5)
+    client = s3.client()
+    source = cluster_ns.get("checkpoints", kept)["spec"]["manifestKey"]
+    forged = source.rsplit("/", 1)[0] + "/forged-1.json"
+    client.copy_object(Bucket=bucket, Key=forged, CopySource={"Bucket": bucket, "Key": source})
+
+    done = plugin(kube, ns, "import")
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "checkpointstorage/store: import asked", done.stdout
+    assert f"checkpoint/{lost} imported" in lines and lines[-1] == "1 imported, 1 skipped", done.stdout
+    assert done.stderr.startswith("skipped forged-1: ") and "signature" in done.stderr, done.stderr
+    again = cluster_ns.get("checkpoints", lost)
+    assert again["metadata"]["labels"]["ibckpt.io/imported"] == "true"
+    for field in ("pods", "jobName", "checkpointId", "manifestKey", "mode", "requires", "rankCount"):
+        assert again["spec"][field] == before["spec"][field], field
+    assert again["spec"]["storageRef"] == {"name": "store"}
+    assert again["status"]["readyToRestore"] is True
+    # asked again: nothing new (the kept one and the lost one both have their objects now)
+    twice = plugin(kube, ns, "import")
+    assert twice.returncode == 0 and twice.stdout.splitlines()[-1] == "0 imported, 1 skipped", twice.stdout
 
 
 def test_what_a_user_gets_wrong_is_refused_in_one_line_and_creates_nothing(

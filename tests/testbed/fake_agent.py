@@ -33,7 +33,7 @@ from ibckpt.agentapi import (
     SessionState,
     agent_audience,
 )
-from ibckpt.store import CheckpointRef, ImageStore, RankInfo, StoreConfig
+from ibckpt.store import CheckpointRef, ImageStore, ManifestKeys, RankInfo, StoreConfig
 
 # Whose tokens the fake agents take: the operator's account in the test apiserver (tests/operator).
 OPERATOR_SUBJECT = "system:serviceaccount:ibckpt-system:ibckpt-operator"
@@ -64,6 +64,7 @@ class FakeAgent:
     port: int
     behaviour: str = "hang"
     store: StoreConfig | None = None
+    signing: ManifestKeys | None = None  # the image keys, as the chart mounts them into agents
     containers: list[RegisteredContainer] = field(default_factory=list)
     requests: list[CheckpointRequest] = field(default_factory=list)
     aborts: list[tuple[str, str]] = field(default_factory=list)
@@ -219,7 +220,7 @@ class FakeAgent:
         session = request.session_id
         try:
             assert self.store is not None
-            ImageStore.open(self.store).manifest(
+            ImageStore.open(self.store, signing=self.signing).manifest(
                 CheckpointRef(request.images.job, request.images.checkpoint_id)
             )
         except Exception as error:
@@ -332,7 +333,7 @@ class FakeAgent:
         images = Path(f"/tmp/ibckpt-fake-agent-{self.node}-{secrets.token_hex(3)}")
         images.mkdir()
         (images / "pages-1.img").write_bytes(os.urandom(200_000))
-        store = ImageStore.open(self.store)
+        store = ImageStore.open(self.store, signing=self.signing)
         with store.writer(request.images.job, request.images.checkpoint_id) as writer:
             writer.add_tree(images, under=self.node)
             rank = RankInfo(
