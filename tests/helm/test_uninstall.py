@@ -1,5 +1,6 @@
 """The session's release at its end: a `helm upgrade` that rolls the agents and the operator while a
-checkpoint runs (and gives the agents a disk reserve no node can honour: the next checkpoint is refused),
+checkpoint runs (and gives the agents a disk reserve no node can honour: the next checkpoint is refused;
+a checkpoint from before it, its object deleted and imported again from the bucket, restores),
 an upgrade that leaves a node without a prerequisite, then `helm uninstall`, after which the nodes are as
 they were before the install and the agents' storage grants are gone.
 
@@ -18,7 +19,7 @@ import pytest
 from helm.conftest import NAMESPACE, RELEASE, Release
 
 from testbed import pods, ring
-from testbed.cluster import NODE_NAMES, Cluster
+from testbed.cluster import NODE_NAMES, Cluster, kubectl_ibckpt
 from testbed.images import APPS_IMAGE
 from testbed.release import CHART, helm
 
@@ -129,7 +130,14 @@ def _upgrade_during_a_checkpoint(installed: Release, job_ns: str) -> None:
     ring.running(cluster, job_ns)
     ring.finish(cluster, job_ns)  # the ranks still deliver every message exactly once
 
-    # the checkpoint from before the upgrade restores under the upgraded release
+    # the checkpoint from before the upgrade, its object lost (images kept) and imported from the bucket
+    # by the upgraded release, restores
+    ckpt = ("checkpoint.ibckpt.io", checkpoint, "-n", job_ns)
+    cluster.kubectl("annotate", *ckpt, "ibckpt.io/retain-images=true")
+    cluster.kubectl("delete", *ckpt, "--timeout=120s", timeout=150)
+    imported = kubectl_ibckpt(cluster.kubeconfig, job_ns, "import", timeout=360)
+    assert imported.returncode == 0, imported.stdout + imported.stderr
+    assert f"checkpoint/{checkpoint} imported" in imported.stdout.splitlines(), imported.stdout
     cluster.kubectl("delete", "pod", "-n", job_ns, *ring.MEMBERS, "--timeout=120s", timeout=150)
     pods.apply(cluster, job_ns, ring.restore_job("after", checkpoint))
     ring.wait_phase(cluster, job_ns, "restorejob", "after", "Succeeded", 900)
