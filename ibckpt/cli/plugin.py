@@ -6,6 +6,7 @@
     kubectl ibckpt list [-A]
     kubectl ibckpt describe CHECKPOINT
     kubectl ibckpt logs JOB [--agent-namespace NS]
+    kubectl ibckpt grant-storage STORAGE [--operator-namespace NS]   (plugin_grants.py)
     kubectl ibckpt uninstall [--yes] [--delete-images]   (plugin_uninstall.py)
 
 `checkpoint` and `restore` create the CheckpointJob or RestoreJob a user would write as YAML and follow
@@ -34,7 +35,7 @@ from ibckpt.api import (
     KindInfo,
     RestoreTimeouts,
 )
-from ibckpt.cli import plugin_uninstall
+from ibckpt.cli import plugin_grants, plugin_uninstall
 from ibckpt.cli.kubeapi import Body, KubeApi, PluginError
 from ibckpt.store.units import format_size
 
@@ -449,6 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
     lg.add_argument("--agent-namespace", default="ibckpt-system", help="where the chart runs the agents")
     lg.set_defaults(run=logs)
 
+    plugin_grants.add_parser(commands)
     plugin_uninstall.add_parser(commands)
     return parser
 
