@@ -7,6 +7,7 @@
     kubectl ibckpt describe CHECKPOINT
     kubectl ibckpt logs JOB [--agent-namespace NS]
     kubectl ibckpt import [--storage S] [--timeout SECONDS]
+    kubectl ibckpt grant-storage STORAGE [--operator-namespace NS]   (plugin_grants.py)
     kubectl ibckpt uninstall [--yes] [--delete-images]   (plugin_uninstall.py)
 
 `checkpoint` and `restore` create the CheckpointJob or RestoreJob a user would write as YAML and follow
@@ -35,7 +36,7 @@ from ibckpt.api import (
     KindInfo,
     RestoreTimeouts,
 )
-from ibckpt.cli import plugin_uninstall
+from ibckpt.cli import plugin_grants, plugin_uninstall
 from ibckpt.cli.kubeapi import Body, KubeApi, PluginError
 from ibckpt.store.units import format_size
 
@@ -487,6 +488,7 @@ def build_parser() -> argparse.ArgumentParser:
     im.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the operator")
     im.set_defaults(run=import_checkpoints)
 
+    plugin_grants.add_parser(commands)
     plugin_uninstall.add_parser(commands)
     return parser
 

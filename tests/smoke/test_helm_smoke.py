@@ -327,3 +327,15 @@ def test_the_agents_serve_tls_from_the_operators_secret_and_get_tokens_bound_to_
     tokens = [r for r in role["rules"] if r["resources"] == ["serviceaccounts/token"]]
     assert tokens == [{"apiGroups": [""], "resources": ["serviceaccounts/token"],
                        "resourceNames": [deployment["serviceAccountName"]], "verbs": ["create"]}]  # fmt: skip
+
+
+def test_the_operator_may_be_left_no_tenant_secret_of_its_own() -> None:
+    """storage.operatorSecretAccess: cluster (default) gives the operator `get` on Secrets everywhere;
+    granted gives it none outside its namespace (each namespace's admin grants names: grant-storage)."""
+
+    def cluster_wide_secret_rules(*args: str) -> list[Any]:
+        role = rendered_objects(*args)[("ClusterRole", "ibckpt-operator")]
+        return [r for r in role["rules"] if "secrets" in r["resources"]]
+
+    assert cluster_wide_secret_rules() == [{"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]}]
+    assert cluster_wide_secret_rules("--set", "storage.operatorSecretAccess=granted") == []

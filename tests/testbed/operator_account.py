@@ -24,9 +24,9 @@ def _helm(*args: str) -> str:
     return done.stdout
 
 
-def operator_account(kube_api: kubernetes.client.ApiClient) -> Iterator[tuple[Kube, str, str]]:
-    """The chart's RBAC for a fresh release applied; a Kube client impersonating its operator's account,
-    the Secret's name, the Deployment's name."""
+def operator_account(kube_api: kubernetes.client.ApiClient, *values: str) -> Iterator[tuple[Kube, str, str]]:
+    """The chart's RBAC for a fresh release applied (with `values`: helm's --set terms); a Kube client
+    impersonating its operator's account, the Secret's name, the Deployment's name."""
     release = "wh" + secrets.token_hex(3)
     core = kubernetes.client.CoreV1Api(kube_api)
     try:
@@ -34,8 +34,9 @@ def operator_account(kube_api: kubernetes.client.ApiClient) -> Iterator[tuple[Ku
     except ApiException as exc:
         if exc.status != 409:
             raise
+    sets = [arg for value in values for arg in ("--set", value)]
     rendered = _helm("template", release, str(REPO / "charts" / "ibckpt"), "-n", OPERATOR_ACCOUNT_NS,
-                     "--show-only", "templates/rbac.yaml")  # fmt: skip
+                     "--show-only", "templates/rbac.yaml", *sets)  # fmt: skip
     objects = [o for o in yaml.safe_load_all(rendered) if o]
     for body in objects:
         kubernetes.utils.create_from_dict(kube_api, body, namespace=OPERATOR_ACCOUNT_NS)  # type: ignore[no-untyped-call]

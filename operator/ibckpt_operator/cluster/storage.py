@@ -25,7 +25,7 @@ from ibckpt.store import (
     load_keys,
 )
 from ibckpt.store.config import EncryptionConfig, config_for_location, encryption_key_from_secret
-from ibckpt_operator.cluster.kube import Kube
+from ibckpt_operator.cluster.kube import ApiException, Kube, is_status
 from ibckpt_operator.config import current
 
 
@@ -59,10 +59,27 @@ async def location_of(
         raise StorageProblem("InvalidStorage", f"CheckpointStorage {ref.name}: {error}") from None
 
 
+GRANT_HINT = "a namespace admin grants it with `kubectl ibckpt grant-storage STORAGE` (docs/helm.md)"
+
+
+async def _secret(kube: Kube, namespace: str, name: str, what: str) -> dict[str, str] | None:
+    """A storage's Secret's data, or None when it does not exist. With the chart's
+    storage.operatorSecretAccess=granted, the operator reads only the Secrets a namespace granted."""
+    try:
+        return await kube.get_secret(namespace, name)
+    except ApiException as error:
+        if is_status(error, 403):
+            raise StorageProblem(
+                "SecretNotGranted",
+                f"the operator may not read the {what} Secret {namespace}/{name}: {GRANT_HINT}",
+            ) from None
+        raise
+
+
 async def resolve(kube: Kube, namespace: str, location: S3Location) -> ResolvedStorage:
     """The store configuration, with the credentials read from the Secret the location names."""
     secret_ref = location.credentials_secret_ref
-    data = await kube.get_secret(namespace, secret_ref.name)
+    data = await _secret(kube, namespace, secret_ref.name, "credentials")
     if data is None:
         raise StorageProblem(
             "SecretNotFound", f"the credentials Secret {namespace}/{secret_ref.name} does not exist"
@@ -74,7 +91,7 @@ async def resolve(kube: Kube, namespace: str, location: S3Location) -> ResolvedS
     ca_bundle = None
     if location.ca_bundle_secret_ref is not None:
         ca_ref = location.ca_bundle_secret_ref
-        ca_data = await kube.get_secret(namespace, ca_ref.name)
+        ca_data = await _secret(kube, namespace, ca_ref.name, "CA bundle")
         key = ca_ref.key or "ca.crt"
         if ca_data is None or key not in ca_data:
             raise StorageProblem(
@@ -87,7 +104,7 @@ async def resolve(kube: Kube, namespace: str, location: S3Location) -> ResolvedS
         client_key = None
         if location.encryption.key_secret_ref is not None:
             key_ref = location.encryption.key_secret_ref
-            key_data = await kube.get_secret(namespace, key_ref.name)
+            key_data = await _secret(kube, namespace, key_ref.name, "encryption key")
             if key_data is None:
                 raise StorageProblem(
                     "SecretNotFound", f"the encryption key Secret {namespace}/{key_ref.name} does not exist"
