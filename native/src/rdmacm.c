@@ -31,6 +31,7 @@
 
 #include "cmstate.h"
 #include "devthread.h"
+#include "fork.h"
 #include "phases.h"
 #include "rdmacm.h"
 
@@ -50,6 +51,7 @@ struct cm_chan {
 	int wake_fd;    /* readable while a checkpoint closes the gate */
 	int pending_on;
 	pthread_mutex_t lock; /* ids, queue, and the one reader of real_fd */
+	int inherited;        /* a parent process's, made before it forked this one */
 	struct ibk_cm_ids ids;
 	struct rdma_ucm_event_resp *q;
 	uint32_t qhead, qtail, qcap;
@@ -192,12 +194,6 @@ static ssize_t live_cmd(struct cm_chan *ch, uint32_t cmd, const void *buf, size_
 	uint32_t handle = 0;
 	ssize_t rc;
 
-	if (cmd == RDMA_USER_CM_CMD_MIGRATE_ID) {
-		/* it names the target channel by its kernel fd, which the app
-		 * does not have */
-		ibk_unsupported("rdma_migrate_id");
-		return fail(EOPNOTSUPP);
-	}
 	rc = ibk_write_real(ch->real_fd, buf, n);
 	if (rc != (ssize_t)n)
 		return rc;
@@ -220,6 +216,72 @@ static ssize_t live_cmd(struct cm_chan *ch, uint32_t cmd, const void *buf, size_
 	}
 	if (ibk_cm_on_cmd(&ch->ids, cmd, body, blen, handle))
 		ibk_log("rdma_cm: no memory to follow a new id");
+	return rc;
+}
+
+/* The queued events of one id go from one channel's queue to another's. */
+static void q_move(struct cm_chan *from, struct cm_chan *to, uint32_t handle)
+{
+	uint32_t i, kept = from->qhead;
+
+	for (i = from->qhead; i != from->qtail; i++) {
+		struct rdma_ucm_event_resp ev = from->q[i % from->qcap];
+
+		if (ev.id != handle)
+			from->q[kept++ % from->qcap] = ev;
+		else if (q_push(to, &ev))
+			ibk_log("rdma_migrate_id: no memory for an event of the id; it is lost");
+	}
+	from->qtail = kept;
+	q_settle(from);
+}
+
+/* MIGRATE_ID (rdma_migrate_id; librdmacm's rdma_get_request moves every id
+ * a synchronous listener accepts to a channel of its own) is written to
+ * the channel the id goes to and names the one it leaves by its fd, which
+ * is the app's epoll fd: the kernel is given that channel's kernel fd, and
+ * the id's state and queued events move along as the kernel moves its. */
+static ssize_t migrate(struct cm_chan *to, const void *buf, size_t n)
+{
+	struct {
+		struct rdma_ucm_cmd_hdr hdr;
+		struct rdma_ucm_migrate_id m;
+	} c;
+	struct cm_chan *from, *first, *second;
+	struct ibk_cm_id *id, moved;
+	ssize_t rc;
+	int known;
+
+	if (n != sizeof(c))
+		return fail(EINVAL);
+	memcpy(&c, buf, sizeof(c));
+	from = c.m.fd < IBK_CM_MAXFD ? chan_of_fd((int)c.m.fd) : NULL;
+	known = from != NULL;
+	if (!known) /* a channel the shim does not follow: its fd is the kernel's */
+		from = to;
+	first = (uintptr_t)from < (uintptr_t)to ? from : to;
+	second = first == from ? to : from;
+	pthread_mutex_lock(&first->lock);
+	if (second != first)
+		pthread_mutex_lock(&second->lock);
+	if (to->real_fd < 0 || from->real_fd < 0) {
+		ibk_log("rdma_migrate_id on an event channel detached by a checkpoint: not supported");
+		rc = fail(EOPNOTSUPP);
+	} else {
+		if (known)
+			c.m.fd = (uint32_t)from->real_fd;
+		rc = ibk_write_real(to->real_fd, &c, sizeof(c));
+		if (rc == (ssize_t)sizeof(c) && from != to && (id = ibk_cm_find(&from->ids, c.m.id))) {
+			moved = *id;
+			ibk_cm_forget(&from->ids, c.m.id);
+			if (ibk_cm_adopt(&to->ids, &moved))
+				ibk_log("rdma_cm: no memory to follow a migrated id");
+			q_move(from, to, c.m.id);
+		}
+	}
+	if (second != first)
+		pthread_mutex_unlock(&second->lock);
+	pthread_mutex_unlock(&first->lock);
 	return rc;
 }
 
@@ -313,6 +375,11 @@ int ibk_cm_write(int fd, const void *buf, size_t n, ssize_t *rc)
 		return 1;
 	}
 	ibk_enter(); /* no command reaches the kernel during a checkpoint */
+	if (hdr.cmd == RDMA_USER_CM_CMD_MIGRATE_ID) {
+		*rc = migrate(ch, buf, n);
+		ibk_leave();
+		return 1;
+	}
 	pthread_mutex_lock(&ch->lock);
 	if (ch->real_fd >= 0)
 		*rc = live_cmd(ch, hdr.cmd, buf, n);
@@ -379,6 +446,23 @@ struct create_call {
 	create_fn real;
 };
 
+/* librdmacm's own entry point.  RTLD_NEXT finds it when the program links
+ * librdmacm; a library loaded privately (pyverbs' cmid module: Python's
+ * dlopen is RTLD_LOCAL) is outside that scope, so then ask librdmacm
+ * itself, which is loaded already: its caller came to us through it. */
+static void *cm_real(const char *name)
+{
+	void *fn = dlvsym(RTLD_NEXT, name, "RDMACM_1.0"), *lib;
+
+	if (!fn && (lib = dlopen("librdmacm.so.1", RTLD_LAZY | RTLD_NOLOAD))) {
+		fn = dlvsym(lib, name, "RDMACM_1.0");
+		dlclose(lib); /* RTLD_NOLOAD: only the count this call added */
+	}
+	if (!fn)
+		ibk_log("cannot find librdmacm's %s", name);
+	return fn;
+}
+
 static void *create_on_device_thread(void *arg)
 {
 	return ((struct create_call *)arg)->real();
@@ -386,7 +470,7 @@ static void *create_on_device_thread(void *arg)
 
 IBK_EXPORT struct rdma_event_channel *rdma_create_event_channel(void)
 {
-	struct create_call call = { (create_fn)dlsym(RTLD_NEXT, "rdma_create_event_channel") };
+	struct create_call call = { (create_fn)cm_real("rdma_create_event_channel") };
 	struct rdma_event_channel *pub = NULL;
 	struct cm_chan *ch;
 	int on_devthread = ibk_last_epoch != 0;
@@ -395,8 +479,12 @@ IBK_EXPORT struct rdma_event_channel *rdma_create_event_channel(void)
 	 * cred of its own, and the kernel refuses writes to the file from any
 	 * thread but its opener's: open it on the device thread, which then
 	 * takes the writes the kernel refuses to the others (devthread.c). */
-	if (call.real)
-		pub = on_devthread ? ibk_devthread_call(create_on_device_thread, &call) : call.real();
+	if (!call.real) {
+		errno = ENOSYS;
+		return NULL;
+	}
+	ibk_control_ensure(); /* a fork child's first rdma_cm use, maybe */
+	pub = on_devthread ? ibk_devthread_call(create_on_device_thread, &call) : call.real();
 	if (!pub)
 		return NULL;
 	if (on_devthread)
@@ -425,7 +513,7 @@ IBK_EXPORT struct rdma_event_channel *rdma_create_event_channel(void)
 
 IBK_EXPORT void rdma_destroy_event_channel(struct rdma_event_channel *pub)
 {
-	destroy_fn real = (destroy_fn)dlsym(RTLD_NEXT, "rdma_destroy_event_channel");
+	destroy_fn real = (destroy_fn)cm_real("rdma_destroy_event_channel");
 	struct cm_chan *ch, **pp;
 
 	ibk_enter();
@@ -445,6 +533,41 @@ IBK_EXPORT void rdma_destroy_event_channel(struct rdma_event_channel *pub)
 		real(pub);
 }
 
+/* ---- fork ------------------------------------------------------------------------ */
+
+/* No channel is half-way through a command or its queue across a fork. */
+void ibk_cm_fork_lock(void)
+{
+	struct cm_chan *ch;
+
+	pthread_mutex_lock(&chans_lock);
+	for (ch = chans; ch; ch = ch->next)
+		pthread_mutex_lock(&ch->lock);
+}
+
+void ibk_cm_fork_unlock(void)
+{
+	struct cm_chan *ch;
+
+	for (ch = chans; ch; ch = ch->next)
+		pthread_mutex_unlock(&ch->lock);
+	pthread_mutex_unlock(&chans_lock);
+}
+
+/* The child holds the parent's channels (the same open files), whose
+ * commands the kernel refuses it as it would without the shim; its phases
+ * leave them alone, or they would take the parent's events and wake the
+ * parent's threads. */
+void ibk_cm_fork_child(void)
+{
+	struct cm_chan *ch;
+
+	pthread_mutex_lock(&chans_lock);
+	for (ch = chans; ch; ch = ch->next)
+		ch->inherited = 1;
+	pthread_mutex_unlock(&chans_lock);
+}
+
 /* ---- the phases ------------------------------------------------------------------ */
 
 void ibk_cm_wake_all(int on)
@@ -454,6 +577,8 @@ void ibk_cm_wake_all(int on)
 
 	pthread_mutex_lock(&chans_lock);
 	for (ch = chans; ch; ch = ch->next) {
+		if (ch->inherited)
+			continue;
 		if (on) {
 			if (ibk_write_real(ch->wake_fd, &v, sizeof(v)) < 0)
 				ibk_log("wake rdma_cm channel: %s", strerror(errno));
@@ -475,6 +600,8 @@ int ibk_cm_drain(void)
 
 	pthread_mutex_lock(&chans_lock);
 	for (ch = chans; ch; ch = ch->next) {
+		if (ch->inherited)
+			continue;
 		pthread_mutex_lock(&ch->lock);
 		while (read_kernel_event(ch, &ev) > 0 && !q_push(ch, &ev))
 			n++;
@@ -494,6 +621,8 @@ int ibk_cm_release(void)
 
 	pthread_mutex_lock(&chans_lock);
 	for (ch = chans; ch; ch = ch->next) {
+		if (ch->inherited)
+			continue;
 		pthread_mutex_lock(&ch->lock);
 		if (ch->real_fd >= 0) {
 			for (i = 0; i < ch->ids.n; i++)
@@ -521,6 +650,8 @@ void ibk_cm_report(char *out, size_t len)
 	ibk_jcat(out, len, ",\"rdma_cm\":{\"ids\":[");
 	pthread_mutex_lock(&chans_lock);
 	for (ch = chans; ch; ch = ch->next) {
+		if (ch->inherited)
+			continue;
 		nch++;
 		pthread_mutex_lock(&ch->lock);
 		ndet += ch->real_fd < 0;
@@ -546,7 +677,7 @@ void ibk_cm_report_problems(char *out, size_t len, int *n)
 		[IBK_CM_MCAST] = "rdma_cm multicast (joined groups are not rebuilt)",
 	};
 	const char *seen[4];
-	int nseen = 0, live = 0, j;
+	int nseen = 0, live = 0, inherited = 0, j;
 	struct cm_chan *ch;
 	uint32_t i;
 
@@ -554,6 +685,11 @@ void ibk_cm_report_problems(char *out, size_t len, int *n)
 	for (ch = chans; ch; ch = ch->next) {
 		pthread_mutex_lock(&ch->lock);
 		live += ch->real_fd >= 0;
+		if (ch->inherited) {
+			inherited++;
+			pthread_mutex_unlock(&ch->lock);
+			continue;
+		}
 		for (i = 0; i < ch->ids.n; i++) {
 			int st = ch->ids.v[i].state;
 			const char *w = st > 0 && st <= IBK_CM_MCAST && !ibk_cm_carried(st) ? why[st] : NULL;
@@ -569,6 +705,9 @@ void ibk_cm_report_problems(char *out, size_t len, int *n)
 		pthread_mutex_unlock(&ch->lock);
 	}
 	pthread_mutex_unlock(&chans_lock);
+	if (inherited)
+		ibk_jcat(out, len, "%s\"rdma_cm event channel of the parent process (made before fork)\"",
+			 (*n)++ ? "," : "");
 	if (ibk_proc_fds("/dev/infiniband/rdma_cm", 0) > live)
 		ibk_jcat(out, len, "%s\"rdma_cm (an event channel the shim does not follow)\"", (*n)++ ? "," : "");
 }
