@@ -10,11 +10,15 @@ Usage: pv_fork_cm.py MODE PORT, MODE one of
 Each worker also makes an event channel of its own and resolves an address on it (what failed in
 the children under the shim: issue 29). After the workers, the parent itself connects to a new
 server worker, so the parent keeps working too. The output must be the same with and without the
-shim."""
+shim, but for the lines that start with "shim:": under the shim, what each worker's own control
+socket says while it is connected (the status reply, its rdma_cm channels and QPs)."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing
+import os
+import socket
 import sys
 from typing import Any
 
@@ -43,6 +47,23 @@ def own_channel(port: int) -> str:
     cmid.close()
     channel.close()
     return "addr resolved" if kind == ce.RDMA_CM_EVENT_ADDR_RESOLVED else f"event {kind}"
+
+
+def shim_line(who: str) -> str:
+    """What this process's own control socket (IBCKPT_CTL, "%p" the pid) answers to status."""
+    template = os.environ.get("IBCKPT_CTL")
+    if not template:
+        return f"shim: {who} socket unset"
+    try:
+        with socket.socket(socket.AF_UNIX) as s:
+            s.settimeout(10)
+            s.connect(template.replace("%p", str(os.getpid())))
+            s.sendall(b"status\n")
+            reply = s.makefile().readline()
+    except OSError as e:
+        return f"shim: {who} socket {e.strerror}"
+    status = json.loads(reply[3:])
+    return f"shim: {who} status {reply[:2]} channels {status['rdma_cm']['channels']} qps {len(status['qps'])}"
 
 
 def text(mr: Any) -> str:
@@ -75,6 +96,7 @@ def server(port: int, ready: Any, out: Any) -> None:
         lines.append(f"server: got {got}")
     conn.get_recv_comp()  # the client's last word: it is done reading
     lines.append(f"server: got {text(inbox)}")
+    lines.append(shim_line("server"))
     conn.close()
     listen.close()
     out.put(lines)
@@ -96,6 +118,7 @@ def client(port: int, who: str) -> list[str]:
         conn.get_recv_comp()
         lines.append(f"{who}: got {text(inbox)}")
         conn.post_recv(inbox, SIZE)
+    lines.append(shim_line(who))
     put(outbox, "bye")
     conn.post_send(outbox, length=SIZE)
     conn.get_send_comp()
