@@ -139,6 +139,7 @@ void ibk_devthread_fork_child(void)
 	pthread_cond_init(&dev_done, NULL);
 	pthread_mutex_unlock(&dev_lock);
 	atomic_store(&ibk_devfds_ready, 0);
+	atomic_store(&delegated_writes, 0);
 }
 
 /* ---- devices opened on the device thread ---------------------------------- */

@@ -172,29 +172,49 @@ static const char *ctl_path(void)
 	return path;
 }
 
-/* Ask the control socket for status: 1 if it answers "ok ...". */
+/* Ask the control socket for status: -1 unless it answers "ok ...", else
+ * how many entries of `unsupported` name the parent process (fork.c). */
 static int control_answers(const char *path)
 {
 	struct sockaddr_un sa = { .sun_family = AF_UNIX };
-	char reply[3] = "";
-	int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0), ok;
+	static char reply[1 << 16];
+	size_t got = 0;
+	ssize_t r;
+	int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0), n = -1;
+	const char *p;
 
 	snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", path);
-	ok = fd >= 0 && !connect(fd, (struct sockaddr *)&sa, sizeof(sa)) && write(fd, "status\n", 7) == 7 &&
-	     read(fd, reply, 2) == 2 && !strncmp(reply, "ok", 2);
+	if (fd < 0 || connect(fd, (struct sockaddr *)&sa, sizeof(sa)) || write(fd, "status\n", 7) != 7)
+		goto out;
+	while (got < sizeof(reply) - 1 && (!got || reply[got - 1] != '\n') &&
+	       (r = read(fd, reply + got, sizeof(reply) - 1 - got)) > 0)
+		got += (size_t)r;
+	reply[got] = 0;
+	if (strncmp(reply, "ok", 2))
+		goto out;
+	for (n = 0, p = reply; (p = strstr(p, "of the parent process")); p++)
+		n++;
+out:
 	if (fd >= 0)
 		close(fd);
-	return ok;
+	return n;
 }
 
 static void shim_facts(const char *who)
 {
-	int shim, n = threads(&shim);
+	int shim, inherited;
 	const char *path = ctl_path();
 
-	(void)n;
-	printf("shim: %s threads %d socket %s\n", who, shim,
-	       !*path ? "unset" : !file_exists(path) ? "absent" : control_answers(path) ? "answers" : "dead");
+	threads(&shim);
+	if (!*path || !file_exists(path)) {
+		printf("shim: %s threads %d socket %s\n", who, shim, *path ? "absent" : "unset");
+		return;
+	}
+	inherited = control_answers(path);
+	if (inherited < 0)
+		printf("shim: %s threads %d socket dead\n", who, shim);
+	else
+		printf("shim: %s threads %d socket answers, %d of the parent's\n", who, shim, inherited);
 }
 
 /* An rdma_cm id of this process's own, made and destroyed. */

@@ -11,7 +11,8 @@ Each worker also makes an event channel of its own and resolves an address on it
 the children under the shim: issue 29). After the workers, the parent itself connects to a new
 server worker, so the parent keeps working too. The output must be the same with and without the
 shim, but for the lines that start with "shim:": under the shim, what each worker's own control
-socket says while it is connected (the status reply, its rdma_cm channels and QPs)."""
+socket says while it is connected (the status reply, its rdma_cm channels and QPs, and how many of
+its `unsupported` entries are its parent's device or channel, which it still holds)."""
 
 from __future__ import annotations
 
@@ -63,7 +64,11 @@ def shim_line(who: str) -> str:
     except OSError as e:
         return f"shim: {who} socket {e.strerror}"
     status = json.loads(reply[3:])
-    return f"shim: {who} status {reply[:2]} channels {status['rdma_cm']['channels']} qps {len(status['qps'])}"
+    parents = sum("of the parent process" in entry for entry in status["unsupported"])
+    return (
+        f"shim: {who} status {reply[:2]} channels {status['rdma_cm']['channels']} qps {len(status['qps'])}"
+        f" parent's {parents}"
+    )
 
 
 def text(mr: Any) -> str:
