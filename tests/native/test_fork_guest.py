@@ -116,7 +116,7 @@ def test_a_child_that_uses_no_verbs_costs_nothing(tmp_path: Path) -> None:
     assert _app(shimmed) == _app(plain) == ["child: threads 1", "parent: child exit 0"]
     assert _shim(shimmed) == [
         "shim: idle child threads 0 socket absent",
-        "shim: parent threads 1 socket answers",
+        "shim: parent threads 1 socket answers, 0 of the parent's",
     ]
 
 
