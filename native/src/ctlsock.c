@@ -135,10 +135,9 @@ static void in_fork_child(void)
 
 void ibk_ctl_own(const char *path, int fd)
 {
+	static int registered; /* a fork child that makes a socket of its own inherits them */
 	struct sigaction sa;
 	size_t i;
-
-	static int registered; /* a fork child that owns a socket of its own inherits them */
 
 	snprintf(owned_path, sizeof(owned_path), "%s", path);
 	owned_fd = fd;
