@@ -114,6 +114,17 @@ class CmIds:
     def forget(self, handle: int) -> int:
         return int(self.lib.ibk_cm_forget(self.ids, handle))
 
+    def take(self, other: CmIds, handle: int) -> bool:
+        """MIGRATE_ID as rdmacm.c does it: the id leaves other and goes on here as it was."""
+        p = self.lib.ibk_cm_find(other.ids, handle)
+        if p == ffi.NULL:
+            return False
+        moved = ffi.new("struct ibk_cm_id *", p[0])
+        other.forget(handle)
+        if self.lib.ibk_cm_adopt(self.ids, moved):
+            raise MemoryError
+        return True
+
     def get(self, handle: int) -> tuple[str, int, int, bool] | None:
         """(state, uid, events reported, a DISCONNECTED went out) of a handle."""
         p = self.lib.ibk_cm_find(self.ids, handle)

@@ -4,6 +4,7 @@
 #include <pthread.h>
 #include <time.h>
 
+#include "fork.h"
 #include "ibckpt.h"
 #include "shim.h"
 
@@ -92,4 +93,14 @@ void ibk_hooks_notify(int event)
 	for (i = 0; i < nhooks; i++)
 		hooks[i].cb((enum ibckpt_event)event, hooks[i].arg);
 	pthread_mutex_unlock(&hook_lock);
+}
+
+/* The parent's critical sections and checkpoint are not the child's; the
+ * callbacks registered are code the child has too, and stay. */
+void ibk_hooks_fork_child(void)
+{
+	pthread_mutex_init(&hook_lock, NULL);
+	pthread_cond_init(&hook_cond, NULL);
+	critical_open = 0;
+	checkpoint_pending = 0;
 }

@@ -152,7 +152,7 @@ IBK_EXPORT struct ibv_comp_channel *ibv_create_comp_channel(struct ibv_context *
 	ch->wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
 	ch->pending_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
 	/* Like a real channel fd, the app's fd is blocking and not close-on-exec. */
-	ch->pub.fd = epoll_create1(0);
+	ch->pub.fd = epoll_create1(EPOLL_CLOEXEC); /* as the kernel's channel fd is */
 	ev.data.fd = ch->pending_fd;
 	if (ch->wake_fd < 0 || ch->pending_fd < 0 || ch->pub.fd < 0 ||
 	    epoll_ctl(ch->pub.fd, EPOLL_CTL_ADD, ch->pending_fd, &ev))

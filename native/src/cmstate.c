@@ -59,6 +59,16 @@ long ibk_cm_forget(struct ibk_cm_ids *ids, uint32_t handle)
 	return reported;
 }
 
+int ibk_cm_adopt(struct ibk_cm_ids *ids, const struct ibk_cm_id *id)
+{
+	struct ibk_cm_id *to = add(ids, id->handle, id->uid, id->state);
+
+	if (!to)
+		return -1;
+	*to = *id;
+	return 0;
+}
+
 /* The commands that name a kernel id, and where in each the id sits. */
 static const struct {
 	uint32_t cmd;

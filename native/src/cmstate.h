@@ -62,6 +62,9 @@ int ibk_cm_on_cmd(struct ibk_cm_ids *ids, uint32_t cmd, const void *body, size_t
 int ibk_cm_on_event(struct ibk_cm_ids *ids, const void *resp, size_t rlen);
 /* DESTROY_ID: forget the id; its reported count, or -1 if unknown. */
 long ibk_cm_forget(struct ibk_cm_ids *ids, uint32_t handle);
+/* MIGRATE_ID: an id another channel forgot goes on here as it was; -1
+ * without memory. */
+int ibk_cm_adopt(struct ibk_cm_ids *ids, const struct ibk_cm_id *id);
 /* Whether a detached id in this state still behaves for the app. */
 int ibk_cm_carried(int state);
 const char *ibk_cm_state_name(int state);

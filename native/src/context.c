@@ -320,14 +320,12 @@ int ibk_ctx_read_port(struct ibk_ctx *ctx)
 	return 0;
 }
 
-static pthread_once_t ctl_once = PTHREAD_ONCE_INIT;
-
 IBK_EXPORT struct ibv_context *ibv_open_device(struct ibv_device *dev)
 {
 	struct ibk_ctx *ctx;
 
 	ibk_real_resolve();
-	pthread_once(&ctl_once, ibk_control_start);
+	ibk_control_ensure();
 	ctx = calloc(1, sizeof(*ctx));
 	if (!ctx)
 		return NULL;
@@ -381,11 +379,13 @@ IBK_EXPORT int ibv_close_device(struct ibv_context *c)
 
 	ibk_enter();
 	pthread_mutex_lock(&ibk_ctx_lock);
-	for (pp = &ibk_ctx_list; *pp; pp = &(*pp)->next_ctx)
-		if (*pp == ctx) {
-			*pp = ctx->next_ctx;
-			break;
-		}
+	for (pp = &ibk_ctx_list; *pp && *pp != ctx; pp = &(*pp)->next_ctx)
+		;
+	if (!*pp) /* a parent's, closed in a fork child */
+		for (pp = &ibk_ctx_inherited; *pp && *pp != ctx; pp = &(*pp)->next_ctx)
+			;
+	if (*pp)
+		*pp = ctx->next_ctx;
 	pthread_mutex_unlock(&ibk_ctx_lock);
 	if (ctx->real) {
 		ibk_devfd_forget(ctx->real->cmd_fd);

@@ -13,6 +13,7 @@
 
 #include "cmdline.h"
 #include "ctlsock.h"
+#include "fork.h"
 #include "shim.h"
 
 /* One control thread serves every client with poll(): an idle or slow
@@ -168,16 +169,24 @@ static void *control_main(void *arg)
  * the control socket away mid-run. */
 #define IBK_CONTROL_FD_MIN 900
 
-void ibk_control_start(void)
+static int forked; /* this process is a fork child of one under the shim */
+
+static void control_start(void)
 {
 	pthread_attr_t at;
 	pthread_t th;
 	sigset_t all, old;
 	char path[sizeof(((struct sockaddr_un *)0)->sun_path)];
+	const char *tmpl = getenv("IBCKPT_CTL");
 	int fd;
 
 	if (ibk_ctl_path(path, sizeof(path), getpid()))
 		return;
+	/* one name for every process: it is the parent's, which still serves it */
+	if (forked && !strstr(tmpl, "%p")) {
+		ibk_log("IBCKPT_CTL=%s has no %%p: this fork child makes no control socket of its own", tmpl);
+		return;
+	}
 	fd = ibk_ctl_listen(path, IBK_CONTROL_FD_MIN);
 	if (fd < 0) {
 		ibk_log("control socket %s: %s", path, strerror(errno));
@@ -197,4 +206,29 @@ void ibk_control_start(void)
 	pthread_attr_destroy(&at);
 	pthread_sigmask(SIG_SETMASK, &old, NULL);
 	IBK_DBG("control socket at %s", path);
+}
+
+static pthread_mutex_t start_lock = PTHREAD_MUTEX_INITIALIZER;
+static _Atomic pid_t started_in; /* the process whose control socket is started */
+
+void ibk_control_ensure(void)
+{
+	pid_t me = getpid();
+
+	if (atomic_load_explicit(&started_in, memory_order_acquire) == me)
+		return;
+	pthread_mutex_lock(&start_lock);
+	if (atomic_load(&started_in) != me) {
+		control_start();
+		atomic_store_explicit(&started_in, me, memory_order_release);
+	}
+	pthread_mutex_unlock(&start_lock);
+}
+
+/* The parent's control thread is not copied: the child starts its own when
+ * it first uses verbs. */
+void ibk_control_fork_child(void)
+{
+	pthread_mutex_init(&start_lock, NULL);
+	forked = 1;
 }

@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include "coord.h"
+#include "fork.h"
 #include "shim.h"
 
 atomic_int ibk_translating;
@@ -255,6 +256,13 @@ out:
 static pthread_mutex_t peers_lock = PTHREAD_MUTEX_INITIALIZER;
 static struct ibk_peer_map *peers;
 static size_t npeers, cap_peers;
+
+/* A thread of the parent may have held it: the table itself stays, the
+ * peers' ids are the same for the child. */
+void ibk_peers_fork_child(void)
+{
+	pthread_mutex_init(&peers_lock, NULL);
+}
 
 void ibk_peers_put(const struct ibk_peer_map *p)
 {

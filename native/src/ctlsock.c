@@ -135,14 +135,18 @@ static void in_fork_child(void)
 
 void ibk_ctl_own(const char *path, int fd)
 {
+	static int registered; /* a fork child that makes a socket of its own inherits them */
 	struct sigaction sa;
 	size_t i;
 
 	snprintf(owned_path, sizeof(owned_path), "%s", path);
 	owned_fd = fd;
 	owner_pid = (sig_atomic_t)getpid();
-	atexit(at_exit);
-	pthread_atfork(NULL, NULL, in_fork_child);
+	if (!registered) {
+		atexit(at_exit);
+		pthread_atfork(NULL, NULL, in_fork_child);
+		registered = 1;
+	}
 	memset(&sa, 0, sizeof(sa));
 	sa.sa_handler = on_fatal_signal;
 	sa.sa_flags = SA_RESETHAND;

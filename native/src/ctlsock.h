@@ -17,7 +17,8 @@ int ibk_ctl_path(char *out, size_t len, pid_t pid);
 int ibk_ctl_listen(const char *path, int fd_min);
 /* path (listening on fd) is this process's: remove it at exit() and on
  * the fatal signals whose action is still the default, and close fd in
- * fork children (they do not remove it).  Call once. */
+ * fork children (they do not remove it).  Once per process: a fork child
+ * that makes a socket of its own calls it again for that one. */
 void ibk_ctl_own(const char *path, int fd);
 /* Remove the socket now if this process made it (async-signal-safe). */
 void ibk_ctl_remove(void);

@@ -21,6 +21,7 @@
 #include <unistd.h>
 
 #include "devthread.h"
+#include "fork.h"
 #include "shim.h"
 
 #define IBK_MAX_DEVFDS 32
@@ -113,6 +114,32 @@ void *ibk_devthread_call(void *(*fn)(void *), void *arg)
 		pthread_cond_wait(&dev_done, &dev_lock);
 	pthread_mutex_unlock(&dev_lock);
 	return c.ret;
+}
+
+/* No call is half-queued across a fork (device_main and the callers hold
+ * dev_lock only to queue and dequeue). */
+void ibk_devthread_fork_lock(void)
+{
+	pthread_mutex_lock(&dev_lock);
+}
+
+void ibk_devthread_fork_parent(void)
+{
+	pthread_mutex_unlock(&dev_lock);
+}
+
+/* The child has no device thread (dev_started is the parent's pid) and no
+ * calls for it; its condition variables may hold the parent's waiters. The
+ * device fds tracked are the parent's, whose writes the kernel refuses the
+ * child whoever makes them, so none is handed over. */
+void ibk_devthread_fork_child(void)
+{
+	dev_queue = NULL;
+	pthread_cond_init(&dev_wake, NULL);
+	pthread_cond_init(&dev_done, NULL);
+	pthread_mutex_unlock(&dev_lock);
+	atomic_store(&ibk_devfds_ready, 0);
+	atomic_store(&delegated_writes, 0);
 }
 
 /* ---- devices opened on the device thread ---------------------------------- */

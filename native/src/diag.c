@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include "diag.h"
+#include "fork.h"
 
 int ibk_verbose;
 
@@ -43,6 +44,13 @@ void ibk_unsupported(const char *verb)
 		refused[nrefused++] = verb;
 	pthread_mutex_unlock(&refused_lock);
 	errno = EOPNOTSUPP;
+}
+
+/* What the parent tried is not the child's to answer for at its checkpoint. */
+void ibk_refused_fork_child(void)
+{
+	pthread_mutex_init(&refused_lock, NULL);
+	nrefused = 0;
 }
 
 int ibk_refused_verbs(const char **out, int max)

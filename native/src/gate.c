@@ -4,6 +4,7 @@
 #include <pthread.h>
 #include <unistd.h>
 
+#include "fork.h"
 #include "gate.h"
 #include "phase.h"
 
@@ -50,4 +51,13 @@ void ibk_gate_open(void)
 	atomic_fetch_and(&ibk_gate, LONG_MAX);
 	pthread_cond_broadcast(&gate_cond);
 	pthread_mutex_unlock(&gate_lock);
+}
+
+/* A fork child's one thread is inside no verb, and its checkpoints are its
+ * own: the gate is open, whatever the parent's phase. */
+void ibk_gate_fork_child(void)
+{
+	pthread_mutex_init(&gate_lock, NULL);
+	pthread_cond_init(&gate_cond, NULL);
+	atomic_store(&ibk_gate, 0);
 }

@@ -13,6 +13,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "fork.h"
 #include "lease.h"
 #include "phases.h"
 
@@ -179,4 +180,12 @@ static void *watchdog_main(void *unused)
 		while (nanosleep(&ts, &ts) && errno == EINTR)
 			;
 	}
+}
+
+/* The parent's lease is the parent's; a child runs, and holds none. */
+void ibk_lease_fork_child(void)
+{
+	lease_len = 0;
+	lease_deadline = 0;
+	nagged = 0;
 }

@@ -68,9 +68,11 @@ static inline struct ibk_ctx *ibk_ctx_of(struct ibv_context *c)
 void ibk_obj_add(struct ibk_ctx *ctx, struct ibk_obj *o, enum ibk_kind kind);
 void ibk_obj_del(struct ibk_ctx *ctx, struct ibk_obj *o);
 
-/* the global list of shadow contexts */
+/* the global list of shadow contexts this process opened, and those a
+ * parent process opened before it forked this one (fork.c) */
 extern pthread_mutex_t ibk_ctx_lock;
 extern struct ibk_ctx *ibk_ctx_list;
+extern struct ibk_ctx *ibk_ctx_inherited;
 
 #pragma GCC visibility pop
 

@@ -4,6 +4,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "fork.h"
 #include "phase.h"
 
 enum ibk_phase ibk_phase_cur = IBK_RUNNING;
@@ -39,4 +40,11 @@ void ibk_report_begin(char *out, size_t len, const char *name, int ok, long t0)
 	out[0] = 0;
 	ibk_jcat(out, len, "{\"phase\":\"%s\",\"ok\":%s,\"ms\":%ld,\"state\":\"%s\"", name, ok ? "true" : "false",
 	     ibk_ms_now() - t0, ibk_phase_name(ibk_phase_cur));
+}
+
+void ibk_phase_fork_child(void)
+{
+	ibk_phase_cur = IBK_RUNNING;
+	ibk_last_epoch = 0;
+	ibk_checkpoints_done = 0;
 }

@@ -29,39 +29,21 @@
 
 #include <rdma/rdma_user_cm.h>
 
+#include "cmchan.h"
 #include "cmstate.h"
 #include "devthread.h"
+#include "fork.h"
 #include "phases.h"
 #include "rdmacm.h"
 
-#define IBK_CM_MAXFD 4096
 
-/* librdmacm's public channel (rdma/rdma_cma.h, whose enums clash with the
- * kernel ABI header's) */
-struct rdma_event_channel {
-	int fd;
-};
-
-struct cm_chan {
-	struct rdma_event_channel *pub;
-	int app_fd;     /* epoll fd: pub->fd */
-	int real_fd;    /* the kernel's rdma_cm file; -1 once detached */
-	int pending_fd; /* in app_fd: readable while events are queued */
-	int wake_fd;    /* readable while a checkpoint closes the gate */
-	int pending_on;
-	pthread_mutex_t lock; /* ids, queue, and the one reader of real_fd */
-	struct ibk_cm_ids ids;
-	struct rdma_ucm_event_resp *q;
-	uint32_t qhead, qtail, qcap;
-	struct cm_chan *next;
-};
 
 atomic_int ibk_cm_active; /* a channel was ever tracked: write() looks here */
-static _Atomic unsigned char cm_fd_on[IBK_CM_MAXFD];
+_Atomic unsigned char ibk_cm_fd_on[IBK_CM_MAXFD];
 static pthread_mutex_t chans_lock = PTHREAD_MUTEX_INITIALIZER;
 static struct cm_chan *chans;
 
-static struct cm_chan *chan_of_fd(int fd)
+struct cm_chan *ibk_cm_chan_of_fd(int fd)
 {
 	struct cm_chan *ch;
 
@@ -72,256 +54,6 @@ static struct cm_chan *chan_of_fd(int fd)
 	return ch;
 }
 
-/* ---- the queue of events for the app (under ch->lock) -------------------- */
-
-static int q_push(struct cm_chan *ch, const struct rdma_ucm_event_resp *ev)
-{
-	uint64_t one = 1;
-
-	if (ch->qtail - ch->qhead == ch->qcap) {
-		uint32_t cap = ch->qcap ? ch->qcap * 2 : 8, i, n = ch->qtail - ch->qhead;
-		struct rdma_ucm_event_resp *q = calloc(cap, sizeof(*q));
-
-		if (!q)
-			return -ENOMEM;
-		for (i = 0; i < n; i++)
-			q[i] = ch->q[(ch->qhead + i) % ch->qcap];
-		free(ch->q);
-		ch->q = q;
-		ch->qcap = cap;
-		ch->qhead = 0;
-		ch->qtail = n;
-	}
-	ch->q[ch->qtail++ % ch->qcap] = *ev;
-	if (!ch->pending_on)
-		ch->pending_on = ibk_write_real(ch->pending_fd, &one, sizeof(one)) == sizeof(one);
-	return 0;
-}
-
-static void q_settle(struct cm_chan *ch)
-{
-	uint64_t v;
-
-	if (ch->pending_on && ch->qhead == ch->qtail)
-		ch->pending_on = !(read(ch->pending_fd, &v, sizeof(v)) == sizeof(v));
-}
-
-/* Drop the queued events of a destroyed id (the kernel drops unreported
- * ones too); how many. */
-static uint32_t q_drop(struct cm_chan *ch, uint32_t handle)
-{
-	uint32_t i, kept = ch->qhead, n = 0;
-
-	for (i = ch->qhead; i != ch->qtail; i++) {
-		struct rdma_ucm_event_resp *ev = &ch->q[i % ch->qcap];
-
-		if (ev->id == handle && ev->event != EV_CONNECT_REQUEST)
-			n++;
-		else
-			ch->q[kept++ % ch->qcap] = *ev;
-	}
-	ch->qtail = kept;
-	q_settle(ch);
-	return n;
-}
-
-static void queue_disconnected(struct cm_chan *ch, struct ibk_cm_id *id)
-{
-	struct rdma_ucm_event_resp ev;
-
-	memset(&ev, 0, sizeof(ev));
-	ev.uid = id->uid;
-	ev.id = id->handle;
-	ev.event = EV_DISCONNECTED;
-	if (!q_push(ch, &ev))
-		id->disc_out = 1;
-}
-
-/* ---- commands ---------------------------------------------------------------- */
-
-static ssize_t fail(int err)
-{
-	errno = err;
-	return -1;
-}
-
-/* A command on a detached channel: the shim plays the kernel's part. */
-static ssize_t detached_cmd(struct cm_chan *ch, uint32_t cmd, const void *body, size_t blen, size_t n)
-{
-	struct ibk_cm_id *id;
-
-	if (cmd == RDMA_USER_CM_CMD_DESTROY_ID) {
-		struct rdma_ucm_destroy_id d;
-		struct rdma_ucm_destroy_id_resp r;
-		long reported;
-
-		if (blen < sizeof(d))
-			return fail(EINVAL);
-		memcpy(&d, body, sizeof(d));
-		q_drop(ch, d.id);
-		reported = ibk_cm_forget(&ch->ids, d.id);
-		if (reported < 0)
-			return fail(EINVAL);
-		r.events_reported = (uint32_t)reported;
-		memcpy((void *)(uintptr_t)d.response, &r, sizeof(r));
-		return (ssize_t)n;
-	}
-	if (cmd == RDMA_USER_CM_CMD_DISCONNECT) {
-		struct rdma_ucm_disconnect d;
-
-		if (blen < sizeof(d))
-			return fail(EINVAL);
-		memcpy(&d, body, sizeof(d));
-		id = ibk_cm_find(&ch->ids, d.id);
-		if (!id)
-			return fail(EINVAL);
-		if (id->state == IBK_CM_CONNECTED && !id->disc_out)
-			queue_disconnected(ch, id);
-		ibk_cm_on_cmd(&ch->ids, cmd, body, blen, 0);
-		return (ssize_t)n;
-	}
-	ibk_log("rdma_cm command %u on an event channel detached by a checkpoint: not supported", cmd);
-	return fail(EOPNOTSUPP);
-}
-
-/* A command on a live channel goes to the kernel; the ids follow. */
-static ssize_t live_cmd(struct cm_chan *ch, uint32_t cmd, const void *buf, size_t n)
-{
-	const char *body = (const char *)buf + sizeof(struct rdma_ucm_cmd_hdr);
-	size_t blen = n - sizeof(struct rdma_ucm_cmd_hdr);
-	uint32_t handle = 0;
-	ssize_t rc;
-
-	if (cmd == RDMA_USER_CM_CMD_MIGRATE_ID) {
-		/* it names the target channel by its kernel fd, which the app
-		 * does not have */
-		ibk_unsupported("rdma_migrate_id");
-		return fail(EOPNOTSUPP);
-	}
-	rc = ibk_write_real(ch->real_fd, buf, n);
-	if (rc != (ssize_t)n)
-		return rc;
-	if (cmd == RDMA_USER_CM_CMD_CREATE_ID && blen >= sizeof(struct rdma_ucm_create_id)) {
-		struct rdma_ucm_create_id c;
-		struct rdma_ucm_create_id_resp r;
-
-		memcpy(&c, body, sizeof(c));
-		memcpy(&r, (void *)(uintptr_t)c.response, sizeof(r));
-		handle = r.id;
-	} else if (cmd == RDMA_USER_CM_CMD_DESTROY_ID && blen >= sizeof(struct rdma_ucm_destroy_id)) {
-		struct rdma_ucm_destroy_id d;
-		struct rdma_ucm_destroy_id_resp r;
-
-		/* events a drain took from the kernel and the app never saw */
-		memcpy(&d, body, sizeof(d));
-		memcpy(&r, (void *)(uintptr_t)d.response, sizeof(r));
-		r.events_reported -= q_drop(ch, d.id);
-		memcpy((void *)(uintptr_t)d.response, &r, sizeof(r));
-	}
-	if (ibk_cm_on_cmd(&ch->ids, cmd, body, blen, handle))
-		ibk_log("rdma_cm: no memory to follow a new id");
-	return rc;
-}
-
-/* Read one event from the kernel without blocking, into ev: 1, 0 when it
- * has none (or the channel is detached), -1 on another error (errno). */
-static int read_kernel_event(struct cm_chan *ch, struct rdma_ucm_event_resp *ev)
-{
-	ssize_t rc;
-
-	struct {
-		struct rdma_ucm_cmd_hdr hdr;
-		struct rdma_ucm_get_event get;
-	} c;
-
-	if (ch->real_fd < 0)
-		return 0;
-	memset(ev, 0, sizeof(*ev));
-	c.hdr = (struct rdma_ucm_cmd_hdr){ .cmd = RDMA_USER_CM_CMD_GET_EVENT,
-					   .in = sizeof(c.get),
-					   .out = sizeof(*ev) };
-	c.get.response = (uintptr_t)ev;
-	rc = ibk_write_real(ch->real_fd, &c, sizeof(c));
-	if (rc == (ssize_t)sizeof(c))
-		return 1;
-	if (rc >= 0)
-		errno = ENODATA;
-	return errno == EAGAIN ? 0 : -1;
-}
-
-/* GET_EVENT: queued events first, then the kernel's; a blocking wait
- * happens in poll(), outside the gate. */
-static ssize_t get_event(struct cm_chan *ch, const void *buf, size_t n, uint16_t out)
-{
-	struct rdma_ucm_get_event g;
-	struct rdma_ucm_event_resp ev;
-	size_t len = out < sizeof(ev) ? out : sizeof(ev);
-
-	if (n < sizeof(struct rdma_ucm_cmd_hdr) + sizeof(g) || len < offsetof(struct rdma_ucm_event_resp, param))
-		return fail(EINVAL);
-	memcpy(&g, (const char *)buf + sizeof(struct rdma_ucm_cmd_hdr), sizeof(g));
-	for (;;) {
-		struct pollfd p[2];
-		int got = 0, err = 0;
-
-		ibk_enter();
-		pthread_mutex_lock(&ch->lock);
-		if (ch->qhead != ch->qtail) {
-			ev = ch->q[ch->qhead++ % ch->qcap];
-			q_settle(ch);
-			got = 1;
-		} else {
-			got = read_kernel_event(ch, &ev);
-			err = errno;
-		}
-		if (got > 0) {
-			memcpy((void *)(uintptr_t)g.response, &ev, len);
-			ibk_cm_on_event(&ch->ids, &ev, len);
-		}
-		pthread_mutex_unlock(&ch->lock);
-		ibk_leave();
-		if (got > 0)
-			return (ssize_t)n;
-		if (got < 0) /* the kernel refused: the app hears it, no spinning */
-			return fail(err);
-		if (fcntl(ch->app_fd, F_GETFL) & O_NONBLOCK)
-			return fail(EAGAIN);
-		p[0] = (struct pollfd){ .fd = ch->app_fd, .events = POLLIN };
-		p[1] = (struct pollfd){ .fd = ch->wake_fd, .events = POLLIN };
-		if (poll(p, 2, -1) < 0 && errno != EINTR)
-			return -1;
-		if (p[1].revents & POLLIN)
-			usleep(1000); /* a checkpoint closes the gate: park there */
-	}
-}
-
-int ibk_cm_write(int fd, const void *buf, size_t n, ssize_t *rc)
-{
-	struct rdma_ucm_cmd_hdr hdr;
-	struct cm_chan *ch;
-
-	if (fd < 0 || fd >= IBK_CM_MAXFD || !atomic_load_explicit(&cm_fd_on[fd], memory_order_relaxed) ||
-	    !(ch = chan_of_fd(fd)))
-		return 0;
-	if (n < sizeof(hdr)) {
-		*rc = fail(EINVAL);
-		return 1;
-	}
-	memcpy(&hdr, buf, sizeof(hdr));
-	if (hdr.cmd == RDMA_USER_CM_CMD_GET_EVENT) {
-		*rc = get_event(ch, buf, n, hdr.out);
-		return 1;
-	}
-	ibk_enter(); /* no command reaches the kernel during a checkpoint */
-	pthread_mutex_lock(&ch->lock);
-	if (ch->real_fd >= 0)
-		*rc = live_cmd(ch, hdr.cmd, buf, n);
-	else
-		*rc = detached_cmd(ch, hdr.cmd, (const char *)buf + sizeof(hdr), n - sizeof(hdr), n);
-	pthread_mutex_unlock(&ch->lock);
-	ibk_leave();
-	return 1;
-}
 
 /* ---- the channels ------------------------------------------------------------- */
 
@@ -379,6 +111,23 @@ struct create_call {
 	create_fn real;
 };
 
+/* librdmacm's own entry point.  RTLD_NEXT finds it when the program links
+ * librdmacm; a library loaded privately (pyverbs' cmid module: Python's
+ * dlopen is RTLD_LOCAL) is outside that scope, so then ask librdmacm
+ * itself, which is loaded already: its caller came to us through it. */
+static void *cm_real(const char *name)
+{
+	void *fn = dlvsym(RTLD_NEXT, name, "RDMACM_1.0"), *lib;
+
+	if (!fn && (lib = dlopen("librdmacm.so.1", RTLD_LAZY | RTLD_NOLOAD))) {
+		fn = dlvsym(lib, name, "RDMACM_1.0");
+		dlclose(lib); /* RTLD_NOLOAD: only the count this call added */
+	}
+	if (!fn)
+		ibk_log("cannot find librdmacm's %s", name);
+	return fn;
+}
+
 static void *create_on_device_thread(void *arg)
 {
 	return ((struct create_call *)arg)->real();
@@ -386,7 +135,7 @@ static void *create_on_device_thread(void *arg)
 
 IBK_EXPORT struct rdma_event_channel *rdma_create_event_channel(void)
 {
-	struct create_call call = { (create_fn)dlsym(RTLD_NEXT, "rdma_create_event_channel") };
+	struct create_call call = { (create_fn)cm_real("rdma_create_event_channel") };
 	struct rdma_event_channel *pub = NULL;
 	struct cm_chan *ch;
 	int on_devthread = ibk_last_epoch != 0;
@@ -395,8 +144,12 @@ IBK_EXPORT struct rdma_event_channel *rdma_create_event_channel(void)
 	 * cred of its own, and the kernel refuses writes to the file from any
 	 * thread but its opener's: open it on the device thread, which then
 	 * takes the writes the kernel refuses to the others (devthread.c). */
-	if (call.real)
-		pub = on_devthread ? ibk_devthread_call(create_on_device_thread, &call) : call.real();
+	if (!call.real) {
+		errno = ENOSYS;
+		return NULL;
+	}
+	ibk_control_ensure(); /* a fork child's first rdma_cm use, maybe */
+	pub = on_devthread ? ibk_devthread_call(create_on_device_thread, &call) : call.real();
 	if (!pub)
 		return NULL;
 	if (on_devthread)
@@ -416,7 +169,7 @@ IBK_EXPORT struct rdma_event_channel *rdma_create_event_channel(void)
 	pthread_mutex_lock(&chans_lock);
 	ch->next = chans;
 	chans = ch;
-	atomic_store(&cm_fd_on[ch->app_fd], 1);
+	atomic_store(&ibk_cm_fd_on[ch->app_fd], 1);
 	atomic_store(&ibk_cm_active, 1);
 	pthread_mutex_unlock(&chans_lock);
 	IBK_DBG("rdma_cm channel: app fd %d, kernel fd %d", ch->app_fd, ch->real_fd);
@@ -425,7 +178,7 @@ IBK_EXPORT struct rdma_event_channel *rdma_create_event_channel(void)
 
 IBK_EXPORT void rdma_destroy_event_channel(struct rdma_event_channel *pub)
 {
-	destroy_fn real = (destroy_fn)dlsym(RTLD_NEXT, "rdma_destroy_event_channel");
+	destroy_fn real = (destroy_fn)cm_real("rdma_destroy_event_channel");
 	struct cm_chan *ch, **pp;
 
 	ibk_enter();
@@ -435,7 +188,7 @@ IBK_EXPORT void rdma_destroy_event_channel(struct rdma_event_channel *pub)
 	ch = *pp;
 	if (ch) {
 		*pp = ch->next;
-		atomic_store(&cm_fd_on[ch->app_fd], 0);
+		atomic_store(&ibk_cm_fd_on[ch->app_fd], 0);
 	}
 	pthread_mutex_unlock(&chans_lock);
 	ibk_leave();
@@ -443,6 +196,41 @@ IBK_EXPORT void rdma_destroy_event_channel(struct rdma_event_channel *pub)
 		chan_free(ch); /* the kernel fd; librdmacm closes the app's */
 	if (real)
 		real(pub);
+}
+
+/* ---- fork ------------------------------------------------------------------------ */
+
+/* No channel is half-way through a command or its queue across a fork. */
+void ibk_cm_fork_lock(void)
+{
+	struct cm_chan *ch;
+
+	pthread_mutex_lock(&chans_lock);
+	for (ch = chans; ch; ch = ch->next)
+		pthread_mutex_lock(&ch->lock);
+}
+
+void ibk_cm_fork_unlock(void)
+{
+	struct cm_chan *ch;
+
+	for (ch = chans; ch; ch = ch->next)
+		pthread_mutex_unlock(&ch->lock);
+	pthread_mutex_unlock(&chans_lock);
+}
+
+/* The child holds the parent's channels (the same open files), whose
+ * commands the kernel refuses it as it would without the shim; its phases
+ * leave them alone, or they would take the parent's events and wake the
+ * parent's threads. */
+void ibk_cm_fork_child(void)
+{
+	struct cm_chan *ch;
+
+	pthread_mutex_lock(&chans_lock);
+	for (ch = chans; ch; ch = ch->next)
+		ch->inherited = 1;
+	pthread_mutex_unlock(&chans_lock);
 }
 
 /* ---- the phases ------------------------------------------------------------------ */
@@ -454,6 +242,8 @@ void ibk_cm_wake_all(int on)
 
 	pthread_mutex_lock(&chans_lock);
 	for (ch = chans; ch; ch = ch->next) {
+		if (ch->inherited)
+			continue;
 		if (on) {
 			if (ibk_write_real(ch->wake_fd, &v, sizeof(v)) < 0)
 				ibk_log("wake rdma_cm channel: %s", strerror(errno));
@@ -475,8 +265,10 @@ int ibk_cm_drain(void)
 
 	pthread_mutex_lock(&chans_lock);
 	for (ch = chans; ch; ch = ch->next) {
+		if (ch->inherited)
+			continue;
 		pthread_mutex_lock(&ch->lock);
-		while (read_kernel_event(ch, &ev) > 0 && !q_push(ch, &ev))
+		while (ibk_cm_read_kernel_event(ch, &ev) > 0 && !ibk_cm_q_push(ch, &ev))
 			n++;
 		pthread_mutex_unlock(&ch->lock);
 	}
@@ -494,11 +286,13 @@ int ibk_cm_release(void)
 
 	pthread_mutex_lock(&chans_lock);
 	for (ch = chans; ch; ch = ch->next) {
+		if (ch->inherited)
+			continue;
 		pthread_mutex_lock(&ch->lock);
 		if (ch->real_fd >= 0) {
 			for (i = 0; i < ch->ids.n; i++)
 				if (ch->ids.v[i].state == IBK_CM_DISCONNECTING && !ch->ids.v[i].disc_out)
-					queue_disconnected(ch, &ch->ids.v[i]);
+					ibk_cm_queue_disconnected(ch, &ch->ids.v[i]);
 			epoll_ctl(ch->app_fd, EPOLL_CTL_DEL, ch->real_fd, NULL);
 			close_real(ch);
 			n++;
@@ -521,6 +315,8 @@ void ibk_cm_report(char *out, size_t len)
 	ibk_jcat(out, len, ",\"rdma_cm\":{\"ids\":[");
 	pthread_mutex_lock(&chans_lock);
 	for (ch = chans; ch; ch = ch->next) {
+		if (ch->inherited)
+			continue;
 		nch++;
 		pthread_mutex_lock(&ch->lock);
 		ndet += ch->real_fd < 0;
@@ -546,7 +342,7 @@ void ibk_cm_report_problems(char *out, size_t len, int *n)
 		[IBK_CM_MCAST] = "rdma_cm multicast (joined groups are not rebuilt)",
 	};
 	const char *seen[4];
-	int nseen = 0, live = 0, j;
+	int nseen = 0, live = 0, inherited = 0, j;
 	struct cm_chan *ch;
 	uint32_t i;
 
@@ -554,6 +350,11 @@ void ibk_cm_report_problems(char *out, size_t len, int *n)
 	for (ch = chans; ch; ch = ch->next) {
 		pthread_mutex_lock(&ch->lock);
 		live += ch->real_fd >= 0;
+		if (ch->inherited) {
+			inherited++;
+			pthread_mutex_unlock(&ch->lock);
+			continue;
+		}
 		for (i = 0; i < ch->ids.n; i++) {
 			int st = ch->ids.v[i].state;
 			const char *w = st > 0 && st <= IBK_CM_MCAST && !ibk_cm_carried(st) ? why[st] : NULL;
@@ -569,6 +370,9 @@ void ibk_cm_report_problems(char *out, size_t len, int *n)
 		pthread_mutex_unlock(&ch->lock);
 	}
 	pthread_mutex_unlock(&chans_lock);
+	if (inherited)
+		ibk_jcat(out, len, "%s\"rdma_cm event channel of the parent process (made before fork)\"",
+			 (*n)++ ? "," : "");
 	if (ibk_proc_fds("/dev/infiniband/rdma_cm", 0) > live)
 		ibk_jcat(out, len, "%s\"rdma_cm (an event channel the shim does not follow)\"", (*n)++ ? "," : "");
 }

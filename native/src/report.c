@@ -120,6 +120,9 @@ void ibk_report_identity(char *out, size_t len)
 			ibk_jcat(out, len, "%s\"ibv_set_ece (QP %u: ECE is not set again on a rebuilt QP)\"",
 			     n++ ? "," : "", qp->vqpn);
 	}
+	/* a fork child still holding its parent's device files and mappings (fork.c) */
+	if (ibk_ctx_inherited)
+		ibk_jcat(out, len, "%s\"verbs device of the parent process (opened before fork)\"", n++ ? "," : "");
 	/* librdmacm's ids that a checkpoint would not carry (rdmacm.c) */
 	ibk_cm_report_problems(out, len, &n);
 	ibk_jcat(out, len, "]");

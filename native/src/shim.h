@@ -277,7 +277,9 @@ int ibk_chan_drain_real(struct ibk_chan *ch);
 
 /* ---- control socket and library hooks ------------------------------------ */
 
-void ibk_control_start(void);
+/* Start this process's control socket and thread, once per process: a
+ * fork child that opens a device starts its own (control.c). */
+void ibk_control_ensure(void);
 /* commands.c: the reply line ("ok <json>\n" or "err <json>\n") to one
  * command line, malloc'd; NULL without memory */
 char *ibk_command_reply(const char *line, size_t *outlen);

@@ -99,6 +99,25 @@ def test_passive_side_counts_the_request_on_the_listener(ids: CmIds) -> None:
     assert ids.forget(1) == -1
 
 
+def test_an_accepted_id_migrates_to_a_channel_of_its_own(ids: CmIds, lib: Any) -> None:
+    """rdma_get_request on a synchronous listener moves each new id to its own channel
+    (rdma_migrate_id): the id goes on there in the state it had, and its events are followed there."""
+    ids.cmd(CREATE_ID, create(0x2000), new_handle=1)
+    ids.cmd(LISTEN, at(0, 1, 8))
+    ids.event(event(9, CONNECT_REQUEST, uid=0x2000))
+    own = CmIds(lib)
+    try:
+        assert own.take(ids, 9) and ids.get(9) is None
+        assert own.get(9) == ("connecting", 0, 0, False)
+        assert not own.take(ids, 9)  # gone from the listener's channel
+        own.cmd(ACCEPT, at(LAYOUT["accept_id"], 9, 296, uid=0x3000))
+        own.event(event(9, ESTABLISHED, uid=0x3000))
+        assert own.get(9) == ("connected", 0x3000, 1, False) and own.carried(9)
+        assert _state(ids, 1) == "listening" and _reported(ids, 1) == 1
+    finally:
+        own.close()
+
+
 def test_disconnect_then_its_event(ids: CmIds) -> None:
     ids.cmd(CREATE_ID, create(0x1000), new_handle=3)
     ids.cmd(CONNECT, at(LAYOUT["connect_id"], 3, 288))
