@@ -13,6 +13,7 @@ import random
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -258,8 +259,11 @@ def run_node_agent(coordinator_port: int, session: str, token: str, *args: str) 
     """The node agent's command line (ibckpt_node.agent_cli ARGS) as node-1 of a coordinator session
     on 127.0.0.1, with the shims' coordinator at /run/ibckpt/coord.sock: it must succeed, and its
     JSON report is returned. For the guest tests that drive a whole node checkpoint or restore."""
+    from testbed.tlsfiles import write_test_ca  # the coordinator fixture's CA (it serves TLS only)
+
+    ca = write_test_ca(Path(tempfile.mkdtemp(prefix="ibckpt-ca-")))
     where = ["--coordinator", f"127.0.0.1:{coordinator_port}", "--session", session, "--node", "node-1",
-             "--shim-socket", "/run/ibckpt/coord.sock"]  # fmt: skip
+             "--shim-socket", "/run/ibckpt/coord.sock", "--ca-file", str(ca)]  # fmt: skip
     run = subprocess.run(
         [sys.executable, "-m", "ibckpt_node.agent_cli", *args, *where],
         env={**os.environ, "IBCKPT_SESSION_TOKEN": token}, capture_output=True, text=True, timeout=600,

@@ -19,7 +19,7 @@ from ibckpt.coordination.client import CoordinatorClient, CoordinatorError
 from shimtest import TESTS_DIR
 from shimtest.coordinator import Coordinator
 from shimtest.harness import ShimProc, _each, checkpoint, parse_result, start_server_then_client
-from testbed.tlsfiles import shared_pki
+from testbed.tlsfiles import shared_pki, write_test_ca
 
 pytestmark = [pytest.mark.guest, pytest.mark.usefixtures("built")]
 
@@ -168,7 +168,8 @@ async def test_an_agent_killed_after_its_cut_leaves_no_rank_gated(coordinator, t
         for p in procs:
             await asyncio.to_thread(p.wait_for_output, "READY", 120)
         ranks = [f"--rank=ring/rank-{i}/main/0={p.pid}:{p.ctl_path}" for i, p in enumerate(procs)]
-        where = ["--coordinator", f"127.0.0.1:{coordinator.port}", "--session", session, "--node", "node-1"]
+        where = ["--coordinator", f"127.0.0.1:{coordinator.port}", "--session", session, "--node", "node-1",
+                 "--ca-file", str(write_test_ca(tmp_path))]  # fmt: skip
         agent = subprocess.Popen(
             [sys.executable, "-m", "ibckpt_node.agent_cli", "checkpoint", *ranks, *where,
              "--shim-socket", str(tmp_path / "coord.sock"), "--images", str(tmp_path / "img")],

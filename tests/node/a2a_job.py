@@ -65,7 +65,7 @@ wait_for() {{
 }}
 agent() {{
   cmd=$1; shift
-  {python} -m ibckpt_node.agent_cli $cmd --coordinator {addr}:{port} --ca-file {work}/coordinator-ca.crt \\
+  {python} -m ibckpt_node.agent_cli $cmd --coordinator {addr}:{port} --ca-file {work}/coordinator-ca.crt \
     --node node-$IBCKPT_NODE "$@"
 }}
 # A rank's control socket has refused connections for some seconds after a restore (not understood
