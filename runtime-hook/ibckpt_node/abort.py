@@ -45,9 +45,12 @@ async def abort_and_recover(
     rebuild_s: float,
     report: NodeReport,
     rejoin: Rejoin | None,
+    before_rebuild: Callable[[LocalRank], Awaitable[None]] | None = None,
 ) -> CoordinatorClient:
     """Tell every node, then bring this node's ranks back to running from wherever they are. Returns
-    the coordinator the session goes on with: `client`, or the recovery's one if it was lost."""
+    the coordinator the session goes on with: `client`, or the recovery's one if it was lost.
+    `before_rebuild` runs for each released rank before it is asked to rebuild (the driver learns
+    its GIDs there)."""
     log.warning("%s: aborting checkpoint: %s", node, cause)
     if not isinstance(cause, CoordinationAborted) and not client.lost:
         # Already aborted by someone else, or the coordinator is gone: recover regardless.
@@ -78,6 +81,8 @@ async def abort_and_recover(
         # The real resources are gone: rebuild with the peers (all of this node's released ranks
         # at once: they wait for each other's records).
         try:
+            if before_rebuild is not None:
+                await before_rebuild(r)
             await r.shim.rebuild(epoch, ms(rebuild_s))
             return await r.shim.resume()
         except (ControlError, OSError, TimeoutError) as exc:

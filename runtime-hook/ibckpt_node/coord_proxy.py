@@ -11,9 +11,11 @@ Each container has its own socket (a Channel): STATE_DIR/containers/ID/coord/coo
 hook mounts read-only at /run/ibckpt/coord in that container alone, and which is served only while a
 session holds ranks there. A peer must be in the pid namespace of that container's ranks
 (SO_PEERCRED). Keys are confined to the shim's two kinds (`map/GID/QPN`, `eN/qp/GID/QPN`), so a
-shim reads and writes nothing else of the session. Which container may write which (GID, QPN) is not
-checked: two ranks of one job can hold the same pair (a QP not yet connected has GID 0, and QP numbers
-repeat across nodes), and a first-writer rule refused a real restore.
+shim reads and writes nothing else of the session. A container's PUTs are confined to its ranks' own
+virtual GIDs once the agent has learned them (`confine`: the driver asks each rank's `status` just
+before its rebuild, the only command that publishes): a PUT naming another GID is refused. GID 0 is
+anyone's (keys.py), and a container whose GIDs are not learned yet is not confined (no rank of it
+has been asked to rebuild by this agent, so its shim publishes nothing legitimate meanwhile).
 
 A rebuild PUTs two records per QP per GID and waits for each answer, so a round trip to the
 coordinator per PUT adds up (hundreds per node, serialized: a rebuild took 13 s of 16 ranks'
@@ -39,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ibckpt.coordination.client import CoordinationTimedOut, CoordinatorClient, CoordinatorError
-from ibckpt.coordination.keys import SHIM_RECORD
+from ibckpt.coordination.keys import SHIM_RECORD, ZERO_GID
 
 log = logging.getLogger(__name__)
 
@@ -66,21 +68,30 @@ class Channel:
     owner: tuple[int, int] | None = None
 
 
+def channel_path(control_path: Path) -> Path | None:
+    """The coordinator socket of the container whose rank's control socket is `control_path`
+    (HOST_DIR/containers/ID/ctl/N.sock -> HOST_DIR/containers/ID/coord/coord.sock); None outside a
+    container's `ctl` directory."""
+    if control_path.parent.name != "ctl":
+        return None
+    return control_path.parent.parent / "coord" / SOCKET_NAME
+
+
 def channels_for(control_paths: Iterable[tuple[Path, int]]) -> list[Channel]:
     """A channel per container of the ranks (control socket path, host pid): beside its `ctl`
     directory, owned as that directory is (the hook gave it to the container's user)."""
     pids: dict[Path, set[int]] = {}
     for path, pid in control_paths:
-        if path.parent.name == "ctl":
-            pids.setdefault(path.parent.parent, set()).add(pid)
+        if (socket_path := channel_path(path)) is not None:
+            pids.setdefault(socket_path, set()).add(pid)
     channels = []
-    for cdir, found in sorted(pids.items()):
+    for socket_path, found in sorted(pids.items()):
         try:
-            st = os.lstat(cdir / "ctl")
+            st = os.lstat(socket_path.parent.parent / "ctl")
             owner: tuple[int, int] | None = (st.st_uid, st.st_gid)
         except OSError:
             owner = None
-        channels.append(Channel(cdir / "coord" / SOCKET_NAME, frozenset(found), owner))
+        channels.append(Channel(socket_path, frozenset(found), owner))
     return channels
 
 
@@ -104,6 +115,8 @@ class ShimCoordinatorProxy:
         self._puts: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue()
         self._forwarder: asyncio.Task[None] | None = None
         self.failed: str | None = None  # the first background PUT that failed, and why
+        self._gids: dict[Path, set[str]] = {}  # per channel: the GIDs its PUTs may name (confine)
+        self._refusal_logged: set[Path] = set()  # channels whose foreign PUT was logged already
 
     async def start(self) -> None:
         self._forwarder = asyncio.ensure_future(self._forward())
@@ -143,6 +156,21 @@ class ShimCoordinatorProxy:
         self._servers.append(server)
         if channel.owner is not None and channel.owner != (os.geteuid(), os.getegid()):
             os.chown(channel.path, *channel.owner)
+
+    def confine(self, control_path: Path, gids: Iterable[str]) -> None:
+        """The rank whose control socket is `control_path` holds these virtual GIDs (its `status`):
+        from now on its container's PUTs may name them and those of its other ranks learned, no
+        other GID but 0. Called before the rank is asked to rebuild, so no write of it is refused."""
+        socket_path = channel_path(control_path)
+        if socket_path is not None:
+            self._gids.setdefault(socket_path, set()).update(g.lower() for g in gids)
+
+    def _foreign_gid(self, channel: Path, gid: str) -> str | None:
+        """Why `channel` may not write a key naming `gid`; None when it may."""
+        allowed = self._gids.get(channel)
+        if allowed is None or gid == ZERO_GID or gid in allowed:
+            return None
+        return f"GID {gid} is not one of this container's ranks' GIDs"
 
     def use(self, client: CoordinatorClient) -> None:
         """Forward through `client` from now on: the coordinator that replaces a lost one. A failure
@@ -248,6 +276,12 @@ class ShimCoordinatorProxy:
         if verb in ("PUT", "GET") and matched is None:
             return "ERR not a shim record key"
         if verb == "PUT" and matched is not None:
+            foreign = self._foreign_gid(channel, matched.group(1))
+            if foreign is not None:
+                if channel not in self._refusal_logged:  # once per container: a shim may send thousands
+                    self._refusal_logged.add(channel)
+                    log.warning("%s: refused PUT %s: %s", channel, key, foreign)
+                return f"ERR refused: {foreign}"
             self._puts.put_nowait((key, rest.encode()))
             return "OK"
         if verb == "GET":

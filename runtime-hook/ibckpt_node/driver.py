@@ -93,6 +93,7 @@ class NodeDriver:
         boost_nice: int | None = priority.DEFAULT_BOOST_NICE,
         cut: CutOptions | None = None,
         flush_records: Callable[[], Awaitable[None]] | None = None,
+        confine: Callable[[Path, Sequence[str]], None] | None = None,
         rejoin: abort.Rejoin | None = None,
         on_milestone: Callable[[Milestone], None] = lambda milestone: None,
     ) -> None:
@@ -104,6 +105,8 @@ class NodeDriver:
         `flush_records`: waits until every record the shims published has reached the
         coordinator (the proxy answers PUTs before forwarding them); called before the
         rebuild barrier, after which peers may read them without waiting.
+        `confine`: told each rank's control socket and virtual GIDs (its `status`) just before the
+        rank is asked to rebuild, so its container's records are confined to them (coord_proxy.py).
         `rejoin`: when the coordinator is lost during an abort (the operator restarted), waits for the
         coordinator the next operator opens for the recovery and returns a client of it (None: none
         came); released ranks can only be rebuilt with their peers through one.
@@ -119,6 +122,7 @@ class NodeDriver:
         self.on_milestone = on_milestone
         self.cut = cut or CutOptions()
         self.flush_records = flush_records
+        self.confine = confine
         self.job_addrs = None if job_addrs is None else [ipaddress.ip_address(a) for a in job_addrs]
         self.report = NodeReport(node)
         self.leases = RankLeases(node, self.ranks, self.settings.lease_s, self.settings.lease_renew_s)
@@ -221,9 +225,21 @@ class NodeDriver:
 
     async def _rebuild_all(self, epoch: int) -> None:
         rebuild_ms = ms(self.timeouts.rebuild_seconds)
-        await self._each("rebuild", lambda r: r.shim.rebuild(epoch, rebuild_ms), wait_all=False)
+
+        async def rebuild(r: LocalRank) -> dict[str, Any]:
+            await self._confine(r)
+            return await r.shim.rebuild(epoch, rebuild_ms)
+
+        await self._each("rebuild", rebuild, wait_all=False)
         if self.flush_records is not None:
             await self.flush_records()
+
+    async def _confine(self, r: LocalRank) -> None:
+        """Learn the rank's virtual GIDs from its `status` (the GIDs its rebuild publishes records
+        under: native/src/rebuild.c) and confine its container's records to them."""
+        if self.confine is not None:
+            status = await r.shim.status(self.timeouts.quiesce_seconds)
+            self.confine(r.control_path, status.gids)
 
     async def end_leases(self) -> None:
         """The session ends: stop renewing; ranks left held (a Hold checkpoint) are handed over."""
@@ -320,8 +336,9 @@ class NodeDriver:
         """Tell every node, then bring this node's ranks back to running from wherever they are."""
         rebuild_s = self.timeouts.rebuild_seconds
         self.client = await abort.abort_and_recover(
-            self.node, self.client, self.ranks, cause, epoch, rebuild_s, self.report, self.rejoin
-        )
+            self.node, self.client, self.ranks, cause, epoch, rebuild_s, self.report, self.rejoin,
+            self._confine,
+        )  # fmt: skip
 
     async def recover(self, cause: str, epoch: int) -> NodeReport:
         """The abort of a session whose checkpoint() is over or was never run here: its Stop or Hold

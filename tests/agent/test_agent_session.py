@@ -139,7 +139,8 @@ def test_an_abort_after_a_stop_dump_rebuilds_the_released_rank_and_resumes_it(
     assert "node-y: upload failed" in report.message and "1 of 1 rank(s) brought back" in report.message
     [rank] = report.ranks
     assert rank.phase == "Resumed", rank
-    assert shim.commands[-3:] == ["abort", "rebuild", "resume"], shim.commands
+    # its GIDs are learned (status) before it may publish records (coord_proxy.py, confine)
+    assert shim.commands[-4:] == ["abort", "status", "rebuild", "resume"], shim.commands
     assert shim.state == "running"
     assert not record.exists()  # nothing left for a next agent
     assert Milestone.DUMPED in report.phases  # the checkpoint's phases are kept
@@ -176,7 +177,8 @@ def test_a_restarted_agent_brings_back_the_ranks_its_dead_predecessor_left_relea
         assert report.state == "Aborted", report
         [rank] = report.ranks
         assert (rank.rank_key, rank.phase, rank.pid) == ("ring/pod-c1/main/1", "Resumed", sleeper.pid)
-        assert shim.commands[-3:] == ["abort", "rebuild", "resume"], shim.commands
+        # its GIDs are learned (status) before it may publish records (coord_proxy.py, confine)
+        assert shim.commands[-4:] == ["abort", "status", "rebuild", "resume"], shim.commands
         assert shim.state == "running"
         assert not recovery.record_path(state, session).exists()
     finally:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ibckpt.coordination.client import CoordinatorClient, CoordinatorError
+from ibckpt.coordination.client import CoordinationTimedOut, CoordinatorClient, CoordinatorError
 from ibckpt_node import coord_proxy
 from ibckpt_node.coord_proxy import Channel, ShimCoordinatorProxy, channels_for
 from testbed.coordinator import ThreadedCoordinator
@@ -221,3 +221,65 @@ def test_a_channel_deeper_than_a_socket_address_allows_is_bound_through_its_dire
                 os.close(fd)
     finally:
         listener.close()
+
+
+async def test_a_container_may_write_only_its_own_ranks_gids(
+    coordinator: ThreadedCoordinator, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two containers of one job, on one node: once the agent learned each one's GIDs, a PUT through a
+    container's socket naming the other's GID is refused, said so, logged once, and never stored. GID 0
+    is anyone's; reads are not confined."""
+    a, b = _container(tmp_path, "a"), _container(tmp_path, "b")
+    me = os.getpid()
+    channels = channels_for([(a / "ctl" / "1.sock", me), (b / "ctl" / "1.sock", me)])
+    sock_a, sock_b = (c.path for c in channels)
+    zero = "0" * 32
+    client = await _client(coordinator)
+    try:
+        async with ShimCoordinatorProxy(client, channels) as proxy:
+            proxy.confine(a / "ctl" / "1.sock", [G])
+            proxy.confine(b / "ctl" / "1.sock", [H.upper()])  # as a status may spell it
+            assert await _request(sock_a, f"PUT map/{G}/9 real-a") == "OK"
+            assert await _request(sock_b, f"PUT e5/qp/{H}/10 rank-b") == "OK"
+            forged = [f"PUT e5/qp/{G}/9 forged", f"PUT map/{G}/11 forged"]
+            refused = f"ERR refused: GID {G} is not one of this container's ranks' GIDs"
+            assert await _requests(sock_b, forged) == [refused, refused]
+            assert await _request(sock_a, f"PUT e5/qp/{H}/10 forged") == refused.replace(G, H)
+            assert await _request(sock_b, f"PUT e5/qp/{zero}/3 unset-b") == "OK"  # GID 0: as before
+            assert await _request(sock_a, f"PUT e5/qp/{zero}/3 unset-a") == "OK"
+            await asyncio.wait_for(proxy.published(), 10)
+            assert proxy.failed is None  # a refusal is the writer's, not the session's
+            assert await _request(sock_b, f"GET map/{G}/9 0") == "VAL real-a"  # peers still read it
+        assert (await client.get(f"map/{G}/9", timeout=0.01)) == b"real-a"
+        assert (await client.get(f"e5/qp/{H}/10", timeout=0.01)) == b"rank-b"
+        assert (await client.get(f"e5/qp/{zero}/3", timeout=0.01)) == b"unset-a"
+        for key in (f"e5/qp/{G}/9", f"map/{G}/11"):
+            with pytest.raises(CoordinationTimedOut):
+                await client.get(key, timeout=0.05)
+    finally:
+        await client.close()
+    logged = [r.getMessage() for r in caplog.records if "refused PUT" in r.getMessage()]
+    why = refused.removeprefix("ERR refused: ")
+    assert logged == [  # once per container, the first key it was refused
+        f"{sock_b}: refused PUT e5/qp/{G}/9: {why}",
+        f"{sock_a}: refused PUT e5/qp/{H}/10: {why.replace(G, H)}",
+    ]
+
+
+async def test_a_container_whose_gids_are_not_learned_yet_is_not_confined(
+    coordinator: ThreadedCoordinator, tmp_path: Path
+) -> None:
+    """Before any rank of it was asked to rebuild (the agent learns its GIDs then), a container's PUTs
+    pass as before: confining it to nothing would refuse its first legitimate record."""
+    a = _container(tmp_path, "a")
+    (channel,) = channels_for([(a / "ctl" / "1.sock", os.getpid())])
+    client = await _client(coordinator)
+    try:
+        async with ShimCoordinatorProxy(client, [channel]) as proxy:
+            assert await _request(channel.path, f"PUT map/{H}/1 before") == "OK"
+            proxy.confine(tmp_path / "elsewhere.sock", [G])  # not a container's rank: confines nothing
+            assert await _request(channel.path, f"PUT map/{H}/2 still") == "OK"
+            await asyncio.wait_for(proxy.published(), 10)
+        assert (await client.get(f"map/{H}/2", timeout=0.01)) == b"still"
+    finally:
+        await client.close()

@@ -48,6 +48,7 @@ async def run(agent: Agent, session: Session) -> None:
                 job_addrs=request.job_addresses or None,
                 trees=session.trees,
                 flush_records=proxy.published,
+                confine=proxy.confine,
                 rejoin=functools.partial(recovery.rejoin, agent, session, proxy),
                 on_milestone=functools.partial(passed, session),
                 settings=driver.NodeSettings(disk_reserve_bytes=agent.disk_reserve_bytes),

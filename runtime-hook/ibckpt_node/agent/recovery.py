@@ -130,6 +130,7 @@ async def run(
                     session.ranks,
                     timeouts=request.timeouts.seconds(),
                     flush_records=proxy.published,
+                    confine=proxy.confine,
                 )
                 await session.engine.recover(reason, request.epoch)
         finally:

@@ -303,6 +303,7 @@ async def run(agent: Agent, session: Session) -> None:
                 [],
                 timeouts=request.timeouts.seconds(),
                 flush_records=proxy.published,
+                confine=proxy.confine,
                 on_milestone=functools.partial(passed, session),
             )
             passed(session, Milestone.DOWNLOADED)

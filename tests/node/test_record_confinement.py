@@ -1,0 +1,106 @@
+"""The node driver tells the shims' proxy each rank's GIDs before the rank may publish a record: a
+container's rebuild writes its own records, and a record naming another container's GID is refused.
+Fake shims on the host that publish through their container's real coordinator socket, as the real
+shim's rebuild does (native/src/rebuild.c: records under the GIDs its `status` lists)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+from pathlib import Path
+
+import pytest
+from node.driver_harness import connected_driver, unwritable_images
+from node.fake_shim import FakeShimSocket
+
+from ibckpt.coordination.ranks import RankId
+from ibckpt.vocabulary import Mode
+from ibckpt_node.coord_proxy import ShimCoordinatorProxy, channels_for
+from ibckpt_node.errors import CheckpointFailed
+from ibckpt_node.ranks import LocalRank
+from testbed.coordinator import ThreadedCoordinator
+
+G = "fe800000000000000000000000000001"
+H = "fe800000000000000000000000000002"
+
+
+def put(coord: Path, line: str) -> str:
+    """One request through a container's coordinator socket, as native/src/coord.c sends it."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.connect(str(coord))
+        sock.sendall(line.encode() + b"\n")
+        return sock.makefile().readline().rstrip("\n")
+
+
+class PublishingShim(FakeShimSocket):
+    """A rank holding `gid`: its rebuild publishes its QP's record, and `forged` lines too."""
+
+    def __init__(self, path: Path, gid: str, forged: list[str], everyone: threading.Barrier) -> None:
+        super().__init__(path)
+        self.gid, self.forged, self.everyone = gid, forged, everyone
+        self.coord = path.parent.parent / "coord" / "coord.sock"
+        self.published: list[str] = []  # the proxy's replies to its PUTs
+
+    def answer(self, verb: str) -> tuple[bool, dict[str, object]]:
+        if verb == "abort" and self.state == "released":
+            return False, {"phase": "abort", "ok": False, "state": "released"}
+        if verb == "status":
+            return True, {"state": self.state, "gids": [self.gid], "qps": [{"qpn": 7, "type": 2}]}
+        if verb == "rebuild":
+            lines = [f"PUT map/{self.gid}/7 real", f"PUT e2/qp/{self.gid}/7 rec"]
+            self.published = [put(self.coord, line) for line in lines]
+            self.everyone.wait(timeout=5)  # the other container's records are in: a forgery would win
+            self.published += [put(self.coord, line) for line in self.forged]
+        return super().answer(verb)
+
+
+def two_containers(tmp_path: Path, pid: int) -> tuple[list[PublishingShim], list[LocalRank]]:
+    """Containers a (a rank at GID G) and b (a rank at GID H, which also tries to write G's record)."""
+    everyone = threading.Barrier(2)
+    shims = []
+    for cid, gid, forged in (("a", G, []), ("b", H, [f"PUT e2/qp/{G}/7 forged"])):
+        (tmp_path / cid / "ctl").mkdir(parents=True)
+        (tmp_path / cid / "coord").mkdir()
+        shims.append(PublishingShim(tmp_path / cid / "ctl" / "1.sock", gid, forged, everyone))
+    ranks = [LocalRank(RankId.parse(f"job/pod-{i}/main/0"), pid, s.path) for i, s in enumerate(shims)]
+    return shims, ranks
+
+
+REFUSED = f"ERR refused: GID {G} is not one of this container's ranks' GIDs"
+
+
+@pytest.mark.parametrize("path", ["restore", "abort"])
+async def test_each_rank_publishes_its_own_records_and_not_anothers(
+    coordinator: ThreadedCoordinator, tmp_path: Path, sleeper: int, path: str
+) -> None:
+    """A restore's rebuild (of ranks held released) and an abort's (after a failed dump): each rank's
+    own records go through, the forgery is refused and the record read is the owner's."""
+    shims, ranks = two_containers(tmp_path, sleeper)
+    driver = await connected_driver(coordinator, [] if path == "restore" else ranks)
+    client = driver.client
+    try:
+        async with ShimCoordinatorProxy(
+            client, channels_for((r.control_path, r.pid) for r in ranks)
+        ) as proxy:
+            driver.confine, driver.flush_records = proxy.confine, proxy.published
+            if path == "restore":
+                for s in shims:
+                    s.state = "released"
+                report = await asyncio.wait_for(driver.restore({}, {}, epoch=2, rejoin=ranks), 30)
+                assert report.outcome == "Succeeded"
+            else:
+                with pytest.raises(CheckpointFailed, match="not empty"):
+                    await asyncio.wait_for(
+                        driver.checkpoint(Mode.STOP, unwritable_images(tmp_path, ranks), 2), 30
+                    )
+                assert driver.report.outcome == "Aborted"
+                assert [s.state for s in shims] == ["running", "running"]
+            await proxy.published()
+            assert await asyncio.to_thread(put, shims[1].coord, f"GET e2/qp/{G}/7 0") == "VAL rec"
+    finally:
+        await client.close()
+    for s in shims:
+        assert s.commands[-3:] == ["status", "rebuild", "resume"], s.commands
+    assert shims[0].published == ["OK", "OK"]
+    assert shims[1].published == ["OK", "OK", REFUSED]
