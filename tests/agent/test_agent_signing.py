@@ -15,7 +15,7 @@ from agent.test_agent_disk import SECRET, agent_options, location, secret_data, 
 from pydantic import SecretStr
 
 from ibckpt.agentapi import ImageDestination, ImageSource, RestoreRank, RestoreRequest
-from ibckpt.store import ImageStore, ManifestKeys
+from ibckpt.store import ImageStore, ManifestKeys, StoreConfig
 from ibckpt_node.agent.kubesecrets import StagingError
 from ibckpt_node.agent.staging import image_keys, stage_trees, store_config
 from ibckpt_node.trees import TREE_MANIFEST
@@ -51,6 +51,17 @@ def restore_through_the_agent(agent: Running, s3_server: S3Server, bucket: str, 
     return report.message
 
 
+def _bucket(s3_server: S3Server) -> tuple[str, StoreConfig, ImageDestination]:
+    """A fresh bucket, the agent's store configuration for it and checkpoint c1's destination there."""
+    bucket = "sign-" + secrets.token_hex(6)
+    s3_server.create_bucket(bucket)
+    config = store_config(location(s3_server, bucket), SECRET, secret_data(s3_server))
+    destination = ImageDestination(
+        location=location(s3_server, bucket), credentials=SECRET, job="ring", checkpoint_id="c1"
+    )
+    return bucket, config, destination
+
+
 def test_a_checkpoint_the_tenant_wrote_is_refused_and_nothing_is_staged(
     agent: Running, tmp_path: Path, s3_server: S3Server
 ) -> None:
@@ -73,12 +84,7 @@ def test_a_checkpoint_the_tenant_wrote_is_refused_and_nothing_is_staged(
 def test_a_checkpoint_signed_with_another_key_set_is_refused(
     agent: Running, tmp_path: Path, s3_server: S3Server
 ) -> None:
-    bucket = "sign-" + secrets.token_hex(6)
-    s3_server.create_bucket(bucket)
-    config = store_config(location(s3_server, bucket), SECRET, secret_data(s3_server))
-    destination = ImageDestination(
-        location=location(s3_server, bucket), credentials=SECRET, job="ring", checkpoint_id="c1"
-    )
+    bucket, config, destination = _bucket(s3_server)
     other = ManifestKeys({"other-cluster": secrets.token_bytes(32)})
     stage_trees(config, destination, "node-x", dumped_tree(tmp_path / "dumped"), [("ring-0.main", "ring-0")],
                 lambda n: None, other)  # fmt: skip
@@ -90,12 +96,7 @@ def test_a_checkpoint_signed_with_another_key_set_is_refused(
 def test_an_agent_without_its_key_set_stages_and_restores_nothing(
     agent: Running, tmp_path: Path, s3_server: S3Server
 ) -> None:
-    bucket = "sign-" + secrets.token_hex(6)
-    s3_server.create_bucket(bucket)
-    config = store_config(location(s3_server, bucket), SECRET, secret_data(s3_server))
-    destination = ImageDestination(
-        location=location(s3_server, bucket), credentials=SECRET, job="ring", checkpoint_id="c1"
-    )
+    bucket, config, destination = _bucket(s3_server)
     stage_trees(config, destination, "node-x", dumped_tree(tmp_path / "dumped"), [("ring-0.main", "ring-0")],
                 lambda n: None, IMAGE_KEYS)  # fmt: skip
     ImageStore.open(config, signing=IMAGE_KEYS).commit_parts("ring", "c1", ["node-x"])

@@ -12,6 +12,8 @@ import socket
 import threading
 from pathlib import Path
 
+from ibckpt_native.control import STATE_AFTER
+
 
 class FakeShimSocket:
     def __init__(self, path: Path) -> None:
@@ -28,14 +30,7 @@ class FakeShimSocket:
 
     def answer(self, verb: str) -> tuple[bool, dict[str, object]]:
         """Every phase succeeds and moves the state the way the real shim does."""
-        self.state = {
-            "quiesce": "quiesced",
-            "drain": "drained",
-            "release": "released",
-            "rebuild": "rebuilt",
-            "resume": "running",
-            "abort": "running",
-        }.get(verb, self.state)
+        self.state = STATE_AFTER.get(verb, self.state)
         return True, {"phase": verb, "ok": True, "ms": 0, "state": self.state}
 
     def _serve(self) -> None:
