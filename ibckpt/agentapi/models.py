@@ -153,6 +153,10 @@ class RegisteredContainer(AgentModel):
     control_socket: str = Field(description="Host path of the first process's control socket.")
     sockets: list[str] = Field(default_factory=list, description="Every control socket the shim made.")
     shim: bool = Field(description="The shim is preloaded: the container can be checkpointed.")
+    shim_build: str | None = Field(
+        default=None,
+        description="sha256 of the shim build its processes map; None: started before builds were kept.",
+    )
     reason: str = ""
 
 
@@ -177,6 +181,11 @@ class AgentInfo(AgentModel):
     shim_path: str = Field(description="The shim installed on the node (host path).")
     shim_present: bool
     shim_sha256: str | None = Field(default=None, description="sha256 of the shim file; None: absent.")
+    shim_builds: list[str] = Field(
+        default_factory=list,
+        description="sha256 of every shim build the node keeps: a restore mounts the one its checkpoint's "
+        "processes mapped. Empty: an agent before builds were kept (only shim_sha256).",
+    )
     containers: list[RegisteredContainer] = Field(default_factory=list)
     sessions: list[str] = Field(default_factory=list, description="Ids of sessions still running.")
 

@@ -128,9 +128,8 @@ def save_rootfs_diff(upper: str | None, images: Path) -> int:
     return target.stat().st_size
 
 
-def shm_dir(container: RuntimeContainer) -> str | None:
-    """The node directory behind the container's /dev/shm (oci.shm_source), read from its bundle before
-    the dump; None when there is none to carry."""
+def _bundle_spec(container: RuntimeContainer) -> dict[str, object] | None:
+    """The container's edited spec, read from its bundle on the node; None when it cannot be read."""
     if not container.bundle:
         return None
     node_root = "/proc/1/root" if in_node_mount_namespace() else ""
@@ -138,7 +137,34 @@ def shm_dir(container: RuntimeContainer) -> str | None:
         spec = json.loads(Path(node_root + container.bundle, "config.json").read_text())
     except (OSError, ValueError):
         return None
-    return oci.shm_source(spec) if isinstance(spec, dict) else None
+    return spec if isinstance(spec, dict) else None
+
+
+def shm_dir(container: RuntimeContainer) -> str | None:
+    """The node directory behind the container's /dev/shm (oci.shm_source), read from its bundle before
+    the dump; None when there is none to carry."""
+    spec = _bundle_spec(container)
+    return oci.shm_source(spec) if spec is not None else None
+
+
+def shim_build(container: RuntimeContainer) -> str | None:
+    """The shim build the container's processes map: the digest its mount's source names (the wrapper
+    mounts a content-addressed build), or, for a container started before builds were kept, the digest
+    of the file it mounts (never rewritten since). None: no shim mounted, or its file cannot be read."""
+    import hashlib
+
+    spec = _bundle_spec(container)
+    source = oci.shim_source(spec) if spec is not None else None
+    if source is None:
+        return None
+    build = oci.build_of(source)
+    if build is not None:
+        return build
+    try:
+        with open(("/proc/1/root" if in_node_mount_namespace() else "") + source, "rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()
+    except OSError:
+        return None
 
 
 def save_shm(source: str | None, images: Path) -> int:

@@ -57,6 +57,7 @@ class RegisteredContainer(BaseModel):
     control_dir: str = ""  # host path; the shim makes <pid in the container>.sock there
     control_socket: str = ""  # the socket of the container's first process
     shim: bool  # the shim is preloaded (the container went through ibckpt-runc)
+    shim_build: str | None = None  # the sha256 of the shim build it mounts (None: before builds were kept)
     reason: str = ""
     registered_at: float
 

@@ -20,6 +20,7 @@ from ibckpt_node.procfs import device_fds_and_maps, process_gone, process_tree
 from ibckpt_node.ranks import LocalRank
 
 TREE_MANIFEST = "ibckpt-tree.json"
+SHIM_BUILD = "shim_build"  # a container tree's key in it: the shim build its processes mapped (a digest)
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,8 @@ async def dump_all(
         if t.container is not None:
             upper = container_runtime.upper_dir(t.root_pid)  # before Stop's dump ends the container
             shm = container_runtime.shm_dir(t.container)
+            # what a restore must mount again (an old container's file is hashed: off the loop)
+            build = await asyncio.to_thread(container_runtime.shim_build, t.container)
             dump = functools.partial(container_runtime.checkpoint, t.container)
             try:
                 async with leases.unrenewed_while_dumped(members[t.name]):
@@ -125,6 +128,8 @@ async def dump_all(
         if t.container is not None:  # the runtime restores it, with matching options
             manifest["runtime"] = "runc"
             manifest["restore_args"] = container_runtime.restore_args(options)
+            if build is not None:
+                manifest[SHIM_BUILD] = build
         (images / TREE_MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         for r in members[t.name]:
             dumped[r.rank.key()] = images

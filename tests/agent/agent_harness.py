@@ -113,7 +113,9 @@ class Running:
         self.thread.join(10)
 
 
-def register(state: Path, pid: int, cid: str, *, shim: bool = True, sockets: int = 1) -> list[socket.socket]:
+def register(
+    state: Path, pid: int, cid: str, *, shim: bool = True, sockets: int = 1, shim_build: str | None = None
+) -> list[socket.socket]:
     """Register pid as a container the way ibckpt-hook does, with `sockets` control sockets made."""
     ctl = state / "containers" / cid / "ctl"
     ctl.mkdir(parents=True)
@@ -122,11 +124,13 @@ def register(state: Path, pid: int, cid: str, *, shim: bool = True, sockets: int
         s = socket.socket(socket.AF_UNIX)
         s.bind(str(ctl / f"{1 + i}.sock"))
         made.append(s)
-    register_entry(state, pid, cid, shim=shim)
+    register_entry(state, pid, cid, shim=shim, shim_build=shim_build)
     return made
 
 
-def register_entry(state: Path, pid: int, cid: str, *, shim: bool = True) -> None:
+def register_entry(
+    state: Path, pid: int, cid: str, *, shim: bool = True, shim_build: str | None = None
+) -> None:
     ctl = state / "containers" / cid / "ctl"
     entry = {
         "container_id": cid,
@@ -142,6 +146,8 @@ def register_entry(state: Path, pid: int, cid: str, *, shim: bool = True) -> Non
         "reason": "" if shim else "no ibckpt-runc",
         "registered_at": time.time(),
     }
+    if shim_build is not None:  # the hook writes it for a container that mounts a content-addressed build
+        entry["shim_build"] = shim_build
     # as the hook: on disk for a registry that starts later (or again), and to the one serving
     registry_client.write_json_atomic(str(ctl.parent / "registration.json"), entry)
     registry_client.register(str(state / "registry.sock"), entry, 5.0)

@@ -226,3 +226,28 @@ def test_the_info_names_the_shim_file_by_its_digest_and_follows_its_changes(agen
     replaced.write_bytes(b"\x7fELF release 0.2")
     replaced.rename(shim)
     assert client.info().shim_sha256 == hashlib.sha256(b"\x7fELF release 0.2").hexdigest()
+
+
+def test_the_info_lists_every_shim_build_the_node_keeps_and_each_containers_build(
+    agent: Running, tmp_path: Path, sleeper: subprocess.Popen[bytes]
+) -> None:
+    """The operator admits a restore on a node that keeps the build the checkpoint's processes mapped,
+    and records for a checkpoint the build its containers map (docs/upgrade.md)."""
+    from ibckpt_node.hook import install
+
+    lib = tmp_path / "node-lib"
+    lib.mkdir()
+    digests = []
+    for data in (b"\x7fELF release 0.1", b"\x7fELF release 0.2"):
+        (tmp_path / "built.so").write_bytes(data)
+        digests.append(install.install_shim(tmp_path / "built.so", lib))
+    agent.server.shim_builds = lambda: install.installed_builds(lib)
+    made = register(tmp_path / "state", sleeper.pid, "c1", shim_build=digests[0])
+    try:
+        info = agent.client().info()
+        assert info.shim_builds == sorted(digests)
+        [c] = info.containers
+        assert c.shim_build == digests[0], "a pod started before the upgrade maps the older build"
+    finally:
+        for s in made:
+            s.close()

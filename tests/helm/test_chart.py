@@ -65,14 +65,18 @@ def test_the_agent_installed_the_node_pieces(installed: Release) -> None:
             "head -1 /host/usr/local/bin/ibckpt-hook; "
             "test -S /var/lib/ibckpt/registry.sock && echo registry-socket; "
             "stat -c '%a %U' /var/lib/ibckpt/registry.sock; "
-            "cmp /usr/lib/ibckpt/libibckpt.so /host/usr/local/lib/ibckpt/libibckpt.so && echo same-shim; "
+            "build=$(sha256sum /usr/lib/ibckpt/libibckpt.so | cut -d' ' -f1); "
+            "cmp /usr/lib/ibckpt/libibckpt.so /host/usr/local/lib/ibckpt/builds/$build/libibckpt.so "
+            "&& echo same-shim; echo build=$build; "
             "echo handler-blocks: $(grep -c 'BEGIN ibckpt runtime handler' /host/etc/containerd/config.toml)"
         )
         out = installed.cluster.kubectl("exec", "-n", NAMESPACE, name, "--", "sh", "-c", script).stdout
         config = json.loads(out[: out.index("}") + 1])
+        build = out.split("build=", 1)[1].split()[0]
         assert config == {
             "runc": "/usr/sbin/runc",
-            "shim": "/usr/local/lib/ibckpt/libibckpt.so",
+            # the image's shim build, kept under its digest: new containers mount it
+            "shim": f"/usr/local/lib/ibckpt/builds/{build}/libibckpt.so",
             "hook": "/usr/local/bin/ibckpt-hook",
             "state_dir": "/var/lib/ibckpt",
         }
@@ -271,7 +275,8 @@ def test_the_agent_api_answers_only_the_operator(installed: Release) -> None:
         info = r["operator"]["info"]
         assert (info["node"], info["ready"], info["address"]) == (node, True, f"{node_ip(i)}:{AGENT_PORT}")
         assert info["shimPresent"] is True
-        assert info["shimPath"] == "/usr/local/lib/ibckpt/libibckpt.so"
+        assert info["shimPath"] == f"/usr/local/lib/ibckpt/builds/{info['shimSha256']}/libibckpt.so"
+        assert info["shimSha256"] in info["shimBuilds"], info
         counted = {line.split("{", 1)[1].split("}", 1)[0] for line in r["metrics"]}
         assert 'code="200",route="/v1/info"' in counted, r["metrics"]
         assert 'code="403",route="/v1/info"' in counted, r["metrics"]

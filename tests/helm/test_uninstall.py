@@ -31,7 +31,7 @@ NS = "bystanders"
 NODE_FILES = (
     "/usr/local/bin/ibckpt-runc",
     "/usr/local/bin/ibckpt-hook",
-    "/usr/local/lib/ibckpt/libibckpt.so",
+    "/usr/local/lib/ibckpt/builds",  # every shim build kept
     "/etc/ibckpt/node.json",
 )
 

@@ -166,3 +166,32 @@ def test_load_config(tmp_path: Path) -> None:
         oci.load_config({"IBCKPT_NODE_CONFIG": str(path)})
     with pytest.raises(ValueError, match="no such file"):
         oci.load_config({"IBCKPT_NODE_CONFIG": str(tmp_path / "missing.json")})
+
+
+BUILD = "ab" * 32  # a sha256 in hex
+OLDER = "cd" * 32
+
+
+def test_the_edit_mounts_the_content_addressed_build_node_json_names() -> None:
+    current = f"/usr/local/lib/ibckpt/builds/{BUILD}/libibckpt.so"
+    config = oci.NodeConfig(shim=current, hook="/opt/ib/bin/ibckpt-hook", state_dir="/run/ibk")
+    edited = oci.edit_spec(with_device(containerd_spec()), config, "c1")
+    assert oci.shim_source(edited) == current
+    assert oci.build_of(oci.shim_source(edited) or "") == BUILD
+    # a restore mounts the build its checkpoint recorded, kept beside the current one
+    older = oci.build_path(current, OLDER)
+    assert older == f"/usr/local/lib/ibckpt/builds/{OLDER}/libibckpt.so"
+    assert oci.shim_source(oci.edit_spec(with_device(containerd_spec()), config, "c1", older)) == older
+
+
+def test_only_a_content_addressed_path_names_a_build() -> None:
+    assert oci.build_of("/usr/local/lib/ibckpt/libibckpt.so") is None
+    assert oci.build_of(f"/x/builds/{BUILD}/other.so") is None
+    assert oci.build_of(f"/x/builds/{BUILD.upper()}/libibckpt.so") is None
+    assert oci.build_of(f"/x/elsewhere/{BUILD}/libibckpt.so") is None
+    # a node whose node.json still names the file of a release before builds: builds/ beside it
+    assert oci.build_path("/usr/local/lib/ibckpt/libibckpt.so", BUILD) == (
+        f"/usr/local/lib/ibckpt/builds/{BUILD}/libibckpt.so"
+    )
+    with pytest.raises(ValueError, match="not a shim build"):
+        oci.build_path("/usr/local/lib/ibckpt/libibckpt.so", "../../etc")

@@ -48,7 +48,7 @@ def restoring(value: str = "ml/ckpt-7", **ann: str) -> dict[str, Any]:
 
 def test_staged_images_for_this_pod_are_used(config: oci.NodeConfig) -> None:
     where = stage(config, restore_args="--tcp-established")
-    assert restore.check(config, restoring()) == (str(where / "images"), "--tcp-established")
+    assert restore.check(config, restoring()) == (str(where / "images"), "--tcp-established", None)
 
 
 def test_another_namespaces_checkpoint_is_refused(config: oci.NodeConfig) -> None:
@@ -69,7 +69,7 @@ def test_a_create_waits_for_the_agent_to_stage(config: oci.NodeConfig) -> None:
     late = threading.Timer(1.0, stage, (config,))
     late.start()
     started = time.monotonic()
-    where, _ = restore.check(config, restoring())
+    where, _, _ = restore.check(config, restoring())
     assert where.endswith("/images") and 0.9 < time.monotonic() - started < 15
     late.join()
     config.restore_wait_s = 0.5
@@ -83,7 +83,7 @@ def test_images_staged_before_the_pod_existed_serve_the_pod_of_that_name(config:
     """The operator has the images staged, then creates the pods: any uid, but only that name."""
     where = stage(config, pod_uid="")
     other_uid = {"io.kubernetes.cri.sandbox-uid": "99999999-0000-4000-8000-000000000000"}
-    assert restore.check(config, restoring(**other_uid)) == (str(where / "images"), "")
+    assert restore.check(config, restoring(**other_uid)) == (str(where / "images"), "", None)
     with pytest.raises(oci.Refused, match="staged no images for it"):
         restore.check(config, restoring(**{"io.kubernetes.cri.sandbox-name": "job-1"}))
     with pytest.raises(oci.Refused, match="bad container id"):
@@ -210,6 +210,56 @@ def test_the_wrapper_turns_create_into_restore_and_answers_start(tmp_path: Path)
     ]
     assert json.loads((bundle / "config.json").read_text()) == sandbox
     assert runc.RESTORED_MARK == "restored"
+
+
+def test_a_restore_mounts_the_shim_build_its_checkpoint_recorded(tmp_path: Path) -> None:
+    """The checkpoint's processes mapped an older build: the restored container mounts that one, kept
+    beside the node's current build, and a node without it refuses, naming the build."""
+    import hashlib
+    import subprocess
+
+    older, current = b"\x7fELF before the upgrade", b"\x7fELF after the upgrade"
+    builds = tmp_path / "lib" / "builds"
+    paths = {}
+    for data in (older, current):
+        digest = hashlib.sha256(data).hexdigest()
+        (builds / digest).mkdir(parents=True)
+        (builds / digest / "libibckpt.so").write_bytes(data)
+        paths[data] = (digest, str(builds / digest / "libibckpt.so"))
+    fake = tmp_path / "runc"
+    fake.write_text("#!/bin/sh\nexit 0\n")
+    fake.chmod(0o755)
+    node: dict[str, object] = {
+        "runc": str(fake),
+        "shim": paths[current][1],
+        "state_dir": str(tmp_path / "state"),
+    }
+    node["restore_wait_s"] = 0
+    (tmp_path / "node.json").write_text(json.dumps(node))
+    env = {"PATH": os.environ["PATH"], "IBCKPT_NODE_CONFIG": str(tmp_path / "node.json")}
+    env["PYTHONPATH"] = str(Path(runc.__file__).parents[2])  # this checkout's wrapper
+    where = stage(oci.load_config(env), shim_build=paths[older][0])
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    (bundle / "config.json").write_text(json.dumps(restoring()))
+    cmd = [sys.executable, "-m", "ibckpt_node.hook.runc", "create", "--bundle", str(bundle), "c9"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert oci.shim_source(json.loads((bundle / "config.json").read_text())) == paths[older][1]
+
+    # the node no longer keeps that build: refused before runc runs, the build named
+    (bundle / "config.json").write_text(json.dumps(restoring()))
+    os.unlink(paths[older][1])
+    with pytest.raises(
+        oci.Refused, match=f"mapped shim build {paths[older][0][:12]}, which this node does not"
+    ):
+        restore.check(oci.load_config(env), restoring())
+    # a staging from before builds were recorded names none: the current build, as before
+    import shutil
+
+    shutil.rmtree(where)
+    stage(oci.load_config(env))
+    assert restore.check(oci.load_config(env), restoring())[2] is None
 
 
 def test_the_rootfs_diff_is_applied_inside_the_new_root(tmp_path: Path) -> None:

@@ -321,16 +321,64 @@ def test_restores_in_one_network_namespace_take_turns(tmp_path: Path) -> None:
     assert oct(os.stat(os.path.dirname(runc.restore_lock_path(config, node))).st_mode & 0o777) == "0o700"
 
 
-def test_the_same_shim_keeps_its_file_and_a_new_one_replaces_it(tmp_path: Path) -> None:
+def test_each_shim_build_keeps_its_own_file_across_upgrades(tmp_path: Path) -> None:
     """An agent restart must not put a new file under running containers' bind mounts (their processes
-    would map a deleted shim, which CRIU cannot restore); an upgrade does replace it."""
+    would map a deleted shim, which CRIU cannot restore), and an upgrade must keep the old build: the
+    checkpoints of pods started before it restore with the build they mapped."""
+    import hashlib
+
     from ibckpt_node.hook import install
 
-    shim, dest = tmp_path / "built.so", tmp_path / "libibckpt.so"
+    root, shim = tmp_path / "root", tmp_path / "built.so"
+    lib = root / "usr/local/lib/ibckpt"
+    config: dict[str, object] = {"runc": "/usr/sbin/runc", "shim": "/usr/local/lib/ibckpt/libibckpt.so"}
     shim.write_bytes(b"\x7fELF one build")
-    assert install.install_shim(shim, dest)
-    inode = dest.stat().st_ino
-    assert not install.install_shim(shim, dest) and dest.stat().st_ino == inode
+    one = hashlib.sha256(b"\x7fELF one build").hexdigest()
+    path = install.install(root, "/usr/local", "/usr/bin/python3", shim, config)
+    assert path == f"/usr/local/lib/ibckpt/builds/{one}/libibckpt.so"
+    assert json.loads((root / "etc/ibckpt/node.json").read_text())["shim"] == path, "new containers mount it"
+    inode = (root / path.lstrip("/")).stat().st_ino
+    install.install(root, "/usr/local", "/usr/bin/python3", shim, config)
+    assert (root / path.lstrip("/")).stat().st_ino == inode, "the same build is never rewritten"
+
     shim.write_bytes(b"\x7fELF another build")
-    assert install.install_shim(shim, dest) and dest.stat().st_ino != inode
-    assert dest.read_bytes() == b"\x7fELF another build"
+    other = hashlib.sha256(b"\x7fELF another build").hexdigest()
+    newer = install.install(root, "/usr/local", "/usr/bin/python3", shim, config)
+    assert newer == f"/usr/local/lib/ibckpt/builds/{other}/libibckpt.so"
+    assert (root / path.lstrip("/")).stat().st_ino == inode, "the old build stays for its checkpoints"
+    assert (root / path.lstrip("/")).read_bytes() == b"\x7fELF one build"
+    assert install.installed_builds(lib) == sorted([one, other])
+    assert json.loads((root / "etc/ibckpt/node.json").read_text())["shim"] == newer
+
+
+def test_the_shim_of_a_release_before_builds_is_kept_as_a_build(tmp_path: Path) -> None:
+    """Pods started before this release mount PREFIX/lib/ibckpt/libibckpt.so: it stays where it is, and
+    its bytes become a build too, so their checkpoints restore with it."""
+    import hashlib
+
+    from ibckpt_node.hook import install
+
+    lib, shim = tmp_path / "lib", tmp_path / "built.so"
+    lib.mkdir()
+    (lib / "libibckpt.so").write_bytes(b"\x7fELF before builds")
+    inode = (lib / "libibckpt.so").stat().st_ino
+    shim.write_bytes(b"\x7fELF new")
+    assert install.install_shim(shim, lib) == hashlib.sha256(b"\x7fELF new").hexdigest()
+    old = hashlib.sha256(b"\x7fELF before builds").hexdigest()
+    assert (lib / "builds" / old / "libibckpt.so").read_bytes() == b"\x7fELF before builds"
+    assert (lib / "libibckpt.so").stat().st_ino == inode, "its pods' mounts keep their file"
+
+
+def test_a_build_whose_bytes_are_not_its_name_is_refused_not_replaced(tmp_path: Path) -> None:
+    import hashlib
+
+    from ibckpt_node.hook import install
+
+    lib, shim = tmp_path / "lib", tmp_path / "built.so"
+    shim.write_bytes(b"\x7fELF one build")
+    digest = hashlib.sha256(b"\x7fELF one build").hexdigest()
+    (lib / "builds" / digest).mkdir(parents=True)
+    (lib / "builds" / digest / "libibckpt.so").write_bytes(b"something else")
+    with pytest.raises(install.InstallError, match=f"holds other bytes than build {digest}"):
+        install.install_shim(shim, lib)
+    assert (lib / "builds" / digest / "libibckpt.so").read_bytes() == b"something else"

@@ -241,11 +241,19 @@ WRITTEN = {"manifest": 2, "chunks": 1, "restore": 1, "shimProtocol": 1}
          ["the checkpoint's gpu format is 1, its agent reads none"]),
         (RequiredVersions(formats=WRITTEN, kernel="6.1"), NodeFacts("0.2.0", "5.10", READS),
          ["its kernel is 5.10"]),
-        # the shim file: the same build restores, another is refused, an unreported one is not judged
+        # the shim build: an agent before builds were kept has one, the same build restores, another not
         (RequiredVersions(formats=WRITTEN, shim="a" * 64), NodeFacts("0.2.0", reads=READS, shim="a" * 64),
          []),
         (RequiredVersions(formats=WRITTEN, shim="a" * 64), NodeFacts("0.2.0", reads=READS, shim="b" * 64),
-         ["its shim is build bbbbbbbbbbbb, the checkpoint's processes mapped aaaaaaaaaaaa"]),
+         ["it does not keep shim build aaaaaaaaaaaa, which the checkpoint's processes mapped "
+          "(it keeps bbbbbbbbbbbb"]),
+        # a node that keeps the checkpoint's build beside a newer current one restores; one without refuses
+        (RequiredVersions(formats=WRITTEN, shim="a" * 64),
+         NodeFacts("0.2.0", reads=READS, shim="b" * 64, shim_builds=["a" * 64, "b" * 64]), []),
+        (RequiredVersions(formats=WRITTEN, shim="a" * 64),
+         NodeFacts("0.2.0", reads=READS, shim="b" * 64, shim_builds=["b" * 64, "c" * 64]),
+         ["it does not keep shim build aaaaaaaaaaaa, which the checkpoint's processes mapped "
+          "(it keeps bbbbbbbbbbbb, cccccccccccc"]),
         (RequiredVersions(formats=WRITTEN, shim="a" * 64), NodeFacts("0.2.0", reads=READS), []),
     ],
 )  # fmt: skip

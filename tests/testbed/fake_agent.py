@@ -82,10 +82,14 @@ class FakeAgent:
     # what it writes and reads, as a real agent of this release reports it; None: an agent before formats
     formats: AgentFormats | None = field(default_factory=AgentFormats.this_release)
     shim_sha256: str | None = None  # the node's shim build, as a real agent reports it
+    shim_builds: list[str] = field(default_factory=list)  # every build it keeps (empty: the current one)
     tls: ssl.SSLContext | None = None  # what it serves with, as a real agent: the operator's certificate
     tokens: list[dict[str, Any]] = field(default_factory=list)  # each call's token's claims
 
-    def register(self, pod: dict[str, Any], namespace: str, container: str = "main") -> None:
+    def register(
+        self, pod: dict[str, Any], namespace: str, container: str = "main", shim_build: str | None = None
+    ) -> None:
+        """A container under the shim; it maps `shim_build`, by default the node's current build."""
         self.containers.append(
             RegisteredContainer(
                 container_id=secrets.token_hex(8),
@@ -96,6 +100,7 @@ class FakeAgent:
                 pid=4242,
                 control_socket="/run/ibckpt/ctl/4242.sock",
                 shim=True,
+                shim_build=shim_build or self.shim_sha256,
             )
         )
 
@@ -129,10 +134,12 @@ class FakeAgent:
                 if not self.authorized():
                     return
                 if self.path == "/v1/info":
+                    builds = agent.shim_builds or ([agent.shim_sha256] if agent.shim_sha256 else [])
                     info = AgentInfo(node=agent.node, version=agent.version, ready=True,
                                      address=f"{agent.host}:1", shim_path="/opt/ibckpt/libibckpt.so",
                                      shim_present=True, containers=agent.containers,
-                                     formats=agent.formats, shim_sha256=agent.shim_sha256)  # fmt: skip
+                                     formats=agent.formats, shim_sha256=agent.shim_sha256,
+                                     shim_builds=builds)  # fmt: skip
                     self.reply(200, info.to_json())
                 elif self.path == "/v1/containers":
                     self.reply(200, ContainerList(node=agent.node, containers=agent.containers).to_json())

@@ -1,5 +1,6 @@
 """What a CheckpointJob records for a restore, beside the images: each pod's sanitized template and
-rank keys, and the versions its nodes ran (Checkpoint.spec.pods[].template/ranks, spec.requires).
+rank keys, and the versions its nodes ran (Checkpoint.spec.pods[].template/ranks, spec.requires), with
+the shim build its containers mapped (reported per container by the agents).
 
 The driver fills it as it goes (admission reads the pods and the agents, the agents' reports name the
 ranks); what this process did not see (a restart after the upload) is read again at publish time: the
@@ -27,14 +28,16 @@ class RestoreRecord:
     rank_keys: dict[str, set[str]] = field(default_factory=dict)  # by pod UID
     agent_versions: dict[str, str] = field(default_factory=dict)  # by node
     agent_formats: dict[str, dict[str, int]] = field(default_factory=dict)  # by node: what it writes
-    shims: dict[str, str] = field(default_factory=dict)  # by node: its shim file's sha256
+    # by pod UID: the shim builds its containers map (None: started before builds were kept)
+    shim_builds: dict[str, set[str | None]] = field(default_factory=dict)
 
     def saw_agent(self, node: str, info: AgentInfo) -> None:
         self.agent_versions.setdefault(node, info.version)
         if info.formats is not None:
             self.agent_formats[node] = dict(info.formats.writes)
-        if info.shim_sha256:
-            self.shims[node] = info.shim_sha256
+        for c in info.containers:
+            if c.shim:
+                self.shim_builds.setdefault(c.pod_uid, set()).add(c.shim_build)
 
     host_ips: dict[str, str] = field(default_factory=dict)  # by pod UID: status.hostIP
 
@@ -93,7 +96,14 @@ class RestoreRecord:
         versions = [self.agent_versions.get(node) for node in nodes]
         written = [self.agent_formats[node] for node in nodes if node in self.agent_formats]
         recorded = formats.written_by(written) if written and len(written) == len(nodes) else None
-        # one shim on every node, or none recorded (nodes mid-upgrade: the restore then finds out)
-        shims = {self.shims.get(node) for node in nodes}
-        shim = shims.pop() if len(shims) == 1 else None
-        return RequiredVersions(ibckpt=newest(versions), kernel=newest(kernels), formats=recorded, shim=shim)
+        return RequiredVersions(
+            ibckpt=newest(versions), kernel=newest(kernels), formats=recorded, shim=self.mapped_shim(members)
+        )
+
+    def mapped_shim(self, members: tuple[Member, ...]) -> str | None:
+        """The one shim build every member's containers map (a restore node must keep it), or None when
+        they map several or one from before builds were kept: the restore's wrapper then finds out, per
+        container, from the build its images recorded."""
+        builds = {b for m in members for b in self.shim_builds.get(m.pod.uid, set())}
+        build = builds.pop() if len(builds) == 1 else None
+        return build

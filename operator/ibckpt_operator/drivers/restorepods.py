@@ -154,8 +154,9 @@ class RestorePodsDriver(Driver[RestoreState]):
                 return
             reads = info.formats.reads if info.formats is not None else None
             facts = NodeFacts(
-                ibckpt=info.version, kernel=kernels.get(pod.node), reads=reads, shim=info.shim_sha256
-            )
+                ibckpt=info.version, kernel=kernels.get(pod.node), reads=reads, shim=info.shim_sha256,
+                shim_builds=info.shim_builds,
+            )  # fmt: skip
             problems = incompatibilities(checkpoint.spec.requires, facts)
             if problems:
                 message = f"node {pod.node} cannot restore pod {pod.name}: {'; '.join(problems)}"

@@ -79,7 +79,8 @@ class NodeFacts:
     ibckpt: str | None = None
     kernel: str | None = None
     reads: Mapping[str, Sequence[int]] | None = None
-    shim: str | None = None  # sha256 of its shim file (AgentInfo.shimSha256)
+    shim: str | None = None  # sha256 of its current shim build (AgentInfo.shimSha256)
+    shim_builds: Sequence[str] = ()  # every shim build it keeps (AgentInfo.shimBuilds; empty: not reported)
 
 
 def incompatibilities(required: RequiredVersions | None, node: NodeFacts) -> list[str]:
@@ -88,8 +89,9 @@ def incompatibilities(required: RequiredVersions | None, node: NodeFacts) -> lis
     formats: the node's agent must read every format the checkpoint was written in (ibckpt/formats.py),
     whatever the two releases' versions. Only an agent that reports no formats (before they existed) is
     judged by version: the same major.minor while major is 0, else the same major, and at least the
-    checkpoint's. shim: a restored process maps the node's shim file again (CRIU failed on a replaced
-    one), so the node's must be the same build as the job's nodes had. kernel: CRIU restores what the
+    checkpoint's. shim: a restored process maps its shim build again (CRIU failed on a replaced one), so
+    the node must keep the build the checkpoint's processes mapped (an agent before builds were kept:
+    its one shim must be that build). kernel: CRIU restores what the
     dumping kernel had, so the destination's major.minor must be at least the checkpoint's. A version
     that does not parse must match exactly."""
     if required is None:
@@ -103,11 +105,12 @@ def incompatibilities(required: RequiredVersions | None, node: NodeFacts) -> lis
         problems.append(
             f"its ibckpt agent is {node.ibckpt}, the checkpoint was taken with ibckpt {required.ibckpt}"
         )
-    if required.shim and node.shim and required.shim != node.shim:
+    held = set(node.shim_builds) or ({node.shim} if node.shim else set())
+    if required.shim and held and required.shim not in held:
         problems.append(
-            f"its shim is build {node.shim[:12]}, the checkpoint's processes mapped {required.shim[:12]} "
-            "(a restored process maps the node's shim again: restore before a shim upgrade, or checkpoint "
-            "again after restarting the pods)"
+            f"it does not keep shim build {required.shim[:12]}, which the checkpoint's processes mapped "
+            f"(it keeps {', '.join(sorted(b[:12] for b in held))}; a restored process maps its shim build "
+            "again: restore on a node that kept it, or checkpoint again after restarting the pods)"
         )
     if required.kernel and node.kernel and not _kernel_compatible(required.kernel, node.kernel):
         problems.append(f"its kernel is {node.kernel}, the checkpoint needs {required.kernel} or a newer one")

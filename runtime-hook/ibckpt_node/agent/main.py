@@ -52,11 +52,19 @@ DEFAULT_HOST_DIR = "/var/lib/ibckpt"
 IMAGE_SHIM = "/usr/lib/ibckpt/libibckpt.so"  # where the Dockerfile puts it
 
 
-def node_config(prefix: str, host_dir: str, runc: str) -> dict[str, object]:
+def current_shim(prefix: str, shim_source: Path) -> str:
+    """The node path of the shim new containers mount: this image's build (hook/install.py keeps it
+    there), or the file of a release before builds were kept when the image has none."""
+    if shim_source.is_file():
+        return install.build_host_path(prefix, install.file_digest(shim_source))
+    return f"{prefix}/lib/ibckpt/libibckpt.so"
+
+
+def node_config(prefix: str, host_dir: str, runc: str, shim: str) -> dict[str, object]:
     """/etc/ibckpt/node.json: where the hook and the wrapper find everything (host paths)."""
     return {
         "runc": runc,
-        "shim": f"{prefix}/lib/ibckpt/libibckpt.so",
+        "shim": shim,
         "hook": f"{prefix}/bin/ibckpt-hook",
         "state_dir": host_dir,
     }
@@ -210,7 +218,8 @@ async def serve(args: argparse.Namespace) -> None:
     node = node_lifecycle(args) if args.node_setup else None
     if args.failpoints:
         failpoints.enable(host_dir / "failpoints")
-    shim = str(node_config(args.prefix, args.host_dir, args.runc)["shim"])
+    shim = current_shim(args.prefix, Path(args.shim_source))
+    lib_dir = Path(args.install_root) / f"{args.prefix}/lib/ibckpt".lstrip("/")
     certificate = ServingCertificate(args.tls_dir)
     certificate.context()  # TlsSetupError: no certificate to serve, said before anything starts
     client_context_from(certificate.ca_file)  # nor a CA to trust the coordinator by
@@ -228,6 +237,7 @@ async def serve(args: argparse.Namespace) -> None:
         work_dir=host_dir,
         shim_path=shim,
         shim_present_path=Path(args.install_root) / shim.lstrip("/"),
+        shim_builds=lambda: install.installed_builds(lib_dir),
         metrics=metrics,
         secrets=KubeSecrets.in_cluster(),
         keep_failed_images_s=args.keep_failed_images,
@@ -261,7 +271,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse(argv)
     logsetup.configure(args.log_level, "%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.install:
-        config = node_config(args.prefix, args.host_dir, args.runc)
+        config = node_config(
+            args.prefix, args.host_dir, args.runc, current_shim(args.prefix, Path(args.shim_source))
+        )
         install.install(
             Path(args.install_root), args.prefix, args.node_python, Path(args.shim_source), config
         )

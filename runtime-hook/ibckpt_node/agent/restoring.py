@@ -47,7 +47,7 @@ from ibckpt_node.hook import oci
 from ibckpt_node.hook.restore import criu_errors
 from ibckpt_node.ranks import LocalRank
 from ibckpt_node.registry import ContainerRegistry, RegisteredContainer
-from ibckpt_node.trees import TREE_MANIFEST
+from ibckpt_node.trees import SHIM_BUILD, TREE_MANIFEST
 
 if TYPE_CHECKING:  # the store (boto3) is imported only when a restore stages
     from ibckpt.store import ManifestKeys, StoreConfig
@@ -165,7 +165,7 @@ def stage(
                 report = store.restore(ref, where / "images", progress=progress, subtree=item.tree_root)
                 total += report.logical_bytes
                 (where / "images").chmod(0o700)
-                restore_args = _restore_args(where / "images")
+                restore_args, shim_build = _from_tree_manifest(where / "images")
                 prepared = tcp_remap.prepare_images(where / "images", remap or {})
                 if stopped():  # the session let its held connections go: hold no more
                     break
@@ -179,6 +179,8 @@ def stage(
                     "container": item.container,
                     "restore_args": restore_args,
                 }
+                if shim_build is not None:  # a checkpoint from before builds were kept has none
+                    staged["shim_build"] = shim_build
                 partial = where / "staged.json.partial"
                 partial.write_text(json.dumps(staged) + "\n")
                 partial.chmod(0o600)
@@ -193,14 +195,18 @@ def stage(
     return total
 
 
-def _restore_args(images: Path) -> str:
+def _from_tree_manifest(images: Path) -> tuple[str, str | None]:
+    """(runc restore options, the shim build its processes mapped or None) of a container's images."""
     try:
         manifest = json.loads((images / TREE_MANIFEST).read_text())
     except (OSError, ValueError) as exc:
         raise RestoreError(f"{images}: no tree manifest ({exc}): not a container checkpoint") from None
     if manifest.get("runtime") != "runc":
         raise RestoreError(f"{images}: dumped without the container runtime: the runtime cannot restore it")
-    return str(manifest.get("restore_args", ""))
+    build = manifest.get(SHIM_BUILD)
+    if build is not None and not (isinstance(build, str) and oci.is_build_digest(build)):
+        raise RestoreError(f"{images}: {SHIM_BUILD} {build!r} is not a shim build")
+    return str(manifest.get("restore_args", "")), build
 
 
 def restore_errors(

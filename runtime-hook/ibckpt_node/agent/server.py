@@ -64,6 +64,7 @@ def wire_entry(entry: RegisteredContainer) -> api.RegisteredContainer:
         control_socket=entry.control_socket,
         sockets=entry.sockets(),
         shim=entry.shim,
+        shim_build=entry.shim_build,
         reason=entry.reason,
     )
 
@@ -87,6 +88,7 @@ class AgentServer:
         readiness: Callable[[], tuple[bool, str]] | None = None,
         image_keys: Path | None = None,
         disk_reserve_bytes: int = 0,
+        shim_builds: Callable[[], list[str]] | None = None,
     ) -> None:
         self.node = node
         # the node's own readiness (nodesetup: prerequisites, runtime handler), on top of serving
@@ -96,6 +98,8 @@ class AgentServer:
         self.shim_path = shim_path
         self.shim_present_path = shim_present_path or Path(shim_path)
         self._shim_digest: tuple[tuple[int, int, int], str] | None = None
+        # every shim build the node keeps (a restore mounts its checkpoint's); by default the current one
+        self.shim_builds = shim_builds or (lambda: [d] if (d := self.shim_digest()) else [])
         self.metrics = Metrics(metrics or CollectorRegistry())
         self.sessions = Sessions(
             node,
@@ -204,6 +208,7 @@ class AgentServer:
                     shim_path=self.shim_path,
                     shim_present=self.shim_present_path.is_file(),
                     shim_sha256=self.shim_digest(),
+                    shim_builds=self.shim_builds(),
                     containers=self.containers(),
                     sessions=self.sessions.running(),
                 )

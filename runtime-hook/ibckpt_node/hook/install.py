@@ -9,12 +9,16 @@ only) under PREFIX/lib/ibckpt/python, with launchers PREFIX/bin/ibckpt-hook and
 PREFIX/bin/ibckpt-runc that start the node's python with -I -S: no site-packages scan, no
 user environment, about 10 ms faster than a console script in a virtualenv. ibckpt-runc is a
 shell script that starts Python only for create, run and start.
+
+The shim goes in as PREFIX/lib/ibckpt/builds/<sha256>/libibckpt.so, one directory per build, written
+once and kept across upgrades: a restored process must map the very build it mapped before
+(docs/runtime-hook.md, "Upgrading the shim"). node.json's `shim` names the current build.
 """
 
 from __future__ import annotations
 
 import argparse
-import filecmp
+import hashlib
 import json
 import os
 import shlex
@@ -22,6 +26,8 @@ import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+
+from ibckpt_node.hook import oci
 
 HERE = Path(__file__).resolve().parent
 MODULES = ("__init__.py", "oci.py", "client.py", "main.py", "stages.py", "runc.py", "restore.py", "unpack.py")
@@ -66,26 +72,67 @@ def _write(path: Path, text: str, mode: int) -> None:
     tmp.replace(path)  # atomic: a create running now sees the old file or the new one
 
 
-def install_shim(shim: Path, dest: Path) -> bool:
-    """Install the shim unless the same one is there; whether it was written.
+class InstallError(Exception):
+    """The node's files cannot be installed as they are; the message says why."""
 
-    The same shim keeps its file: each container of the RuntimeClass bind-mounts it, so a new file under
-    running containers leaves their processes mapping a deleted one, and CRIU cannot restore such a
-    mapping where the new file now is ("Can't re-create deleted file"). Every agent restart did that
-    before. A different shim (an upgrade) is a new file, swapped in atomically; containers started before
-    keep the old one: docs/runtime-hook.md, "Upgrading the shim"."""
-    if dest.exists() and filecmp.cmp(shim, dest, shallow=False):
-        return False
+
+def file_digest(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def build_host_path(prefix: str, digest: str) -> str:
+    """Where build `digest` of the shim lives on the node (the path containers mount)."""
+    return f"{prefix}/lib/ibckpt/{oci.SHIM_BUILDS}/{digest}/{oci.SHIM_FILE}"
+
+
+def keep_build(shim: Path, lib_dir: Path) -> str:
+    """Keep this shim under LIB_DIR/builds/<its sha256>/ unless it is there; returns the digest.
+
+    A build's file is never rewritten: containers bind-mount it, so a new file under them leaves their
+    processes mapping a deleted one, which CRIU cannot restore ("Can't re-create deleted file"). A file
+    whose bytes are not its name's is refused, not replaced: something else wrote there."""
+    digest = file_digest(shim)
+    dest = lib_dir / oci.SHIM_BUILDS / digest / oci.SHIM_FILE
+    if dest.exists():
+        if file_digest(dest) != digest:
+            raise InstallError(
+                f"{dest} holds other bytes than build {digest}: remove it and restart the agent"
+            )
+        return digest
+    dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(dest.name + ".tmp")
     shutil.copyfile(shim, tmp)
     tmp.chmod(0o644)
     tmp.replace(dest)
-    return True
+    return digest
+
+
+def install_shim(shim: Path, lib_dir: Path) -> str:
+    """Install the shim as its build (keep_build); returns its digest. A shim a release before kept
+    builds installed as LIB_DIR/libibckpt.so is kept as a build too, and left where it is: its pods
+    mount it, and their checkpoints recorded its digest."""
+    legacy = lib_dir / oci.SHIM_FILE
+    if legacy.is_file():
+        keep_build(legacy, lib_dir)
+    return keep_build(shim, lib_dir)
+
+
+def installed_builds(lib_dir: Path) -> list[str]:
+    """The digests of the shim builds the node holds."""
+    builds = lib_dir / oci.SHIM_BUILDS
+    try:
+        names = sorted(p.name for p in builds.iterdir())
+    except OSError:
+        return []
+    return [name for name in names if oci.is_build_digest(name) and (builds / name / oci.SHIM_FILE).is_file()]
 
 
 def install(
     root: Path, prefix: str, python: str, shim: Path | None, config: dict[str, object] | None
-) -> None:
+) -> str | None:
+    """Install everything; returns the shim's build path on the node (None: no shim given), which
+    node.json's `shim` then names."""
     top = root / prefix.lstrip("/")
     libdir = f"{prefix}/lib/ibckpt/python"
     pkg = root / libdir.lstrip("/") / "ibckpt_node"
@@ -98,12 +145,17 @@ def install(
     # the wrapper passes most calls through without reading node.json: it gets runc here
     _write(top / "bin" / "ibckpt-runc", runc_launcher(python, libdir, runc), 0o755)
     _write(top / "bin" / "ibckpt-hook", launcher(python, libdir, "ibckpt_node.hook.main"), 0o755)
+    installed = None
     if shim is not None:
-        install_shim(shim, top / "lib" / "ibckpt" / "libibckpt.so")
+        (top / "lib" / "ibckpt").mkdir(parents=True, exist_ok=True)
+        installed = build_host_path(prefix, install_shim(shim, top / "lib" / "ibckpt"))
     if config is not None:
+        if installed is not None:
+            config = {**config, "shim": installed}
         etc = root / "etc" / "ibckpt"
         etc.mkdir(parents=True, exist_ok=True)
         _write(etc / "node.json", json.dumps(config, indent=2) + "\n", 0o644)
+    return installed
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -112,7 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--root", default="/", help="the node's / as this process sees it")
     parser.add_argument("--prefix", default="/usr/local")
     parser.add_argument("--python", default="/usr/bin/python3", help="the node's python3 (>= 3.9)")
-    parser.add_argument("--shim", type=Path, help="libibckpt.so to install as PREFIX/lib/ibckpt/libibckpt.so")
+    parser.add_argument("--shim", type=Path, help="libibckpt.so to keep as PREFIX/lib/ibckpt/builds/SHA256/")
     parser.add_argument("--config", help="JSON object to write as /etc/ibckpt/node.json")
     args = parser.parse_args(argv)
     config = json.loads(args.config) if args.config else None

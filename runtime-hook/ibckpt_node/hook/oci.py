@@ -48,6 +48,10 @@ IN_CTL_DIR = "/run/ibckpt/ctl"
 IN_COORD_DIR = "/run/ibckpt/coord"
 COORD_SOCKET_NAME = "coord.sock"
 
+# Each shim build on the node: PREFIX/lib/ibckpt/builds/<sha256>/libibckpt.so, written once (hook/install.py).
+SHIM_FILE = "libibckpt.so"
+SHIM_BUILDS = "builds"
+
 CONFIG_ENV = "IBCKPT_NODE_CONFIG"
 DEFAULT_CONFIG_FILE = "/etc/ibckpt/node.json"
 HOOK_TIMEOUT_S = 60  # seconds runc gives each of our hooks
@@ -279,13 +283,52 @@ def _set_env(env: list[str], key: str, value: str) -> list[str]:
     return [e for e in env if not e.startswith(prefix)] + [prefix + value]
 
 
+_HEX = frozenset("0123456789abcdef")
+
+
+def is_build_digest(value: str) -> bool:
+    """A shim build's name: the sha256 of its bytes, in lowercase hex."""
+    return len(value) == 64 and set(value) <= _HEX
+
+
+def build_of(shim_path: str) -> str | None:
+    """The build a content-addressed shim path names (its digest), or None for any other path."""
+    parent, name = os.path.split(shim_path)
+    builds, digest = os.path.split(parent)
+    if name != SHIM_FILE or os.path.basename(builds) != SHIM_BUILDS or not is_build_digest(digest):
+        return None
+    return digest
+
+
+def build_path(current_shim: str, digest: str) -> str:
+    """Where the node keeps build `digest`, beside the current one (node.json's `shim`): its builds
+    directory, or `builds/` next to a shim installed before builds were kept."""
+    if not is_build_digest(digest):
+        raise ValueError(f"{digest!r} is not a shim build (a sha256 in lowercase hex)")
+    if build_of(current_shim) is not None:
+        builds = os.path.dirname(os.path.dirname(current_shim))
+    else:
+        builds = os.path.join(os.path.dirname(current_shim), SHIM_BUILDS)
+    return os.path.join(builds, digest, SHIM_FILE)
+
+
+def shim_source(spec: Spec) -> str | None:
+    """The node file an edited spec mounts as the shim (what the container's processes map)."""
+    for mount in spec.get("mounts") or []:
+        if mount.get("destination") == IN_SHIM:
+            source = mount.get("source")
+            return source if isinstance(source, str) else None
+    return None
+
+
 def _add_mount(mounts: list[dict[str, Any]], mount: dict[str, Any]) -> list[dict[str, Any]]:
     # idempotent: a re-run of the edit (a retried create) replaces ours instead of stacking
     return [m for m in mounts if m.get("destination") != mount["destination"]] + [mount]
 
 
-def edit_spec(spec: Spec, config: NodeConfig, container_id: str) -> Spec:
-    """Put the container under the shim. Returns the edited spec (the input is not changed)."""
+def edit_spec(spec: Spec, config: NodeConfig, container_id: str, shim: str | None = None) -> Spec:
+    """Put the container under the shim: `shim` (a node path; a restore's recorded build), by default
+    the node's current one. Returns the edited spec (the input is not changed)."""
     spec = json.loads(json.dumps(spec))
     process = spec.setdefault("process", {})
     env: list[str] = list(process.get("env") or [])
@@ -299,7 +342,7 @@ def edit_spec(spec: Spec, config: NodeConfig, container_id: str) -> Spec:
     mounts: list[dict[str, Any]] = list(spec.get("mounts") or [])
     ro = ["rbind", "ro", "nosuid", "nodev"]
     mounts = _add_mount(
-        mounts, {"destination": IN_SHIM, "type": "bind", "source": config.shim, "options": ro}
+        mounts, {"destination": IN_SHIM, "type": "bind", "source": shim or config.shim, "options": ro}
     )
     mounts = _add_mount(
         mounts,

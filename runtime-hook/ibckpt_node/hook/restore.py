@@ -5,13 +5,16 @@ honoured only when the node agent (root) staged images for exactly this containe
 
     STATE_DIR/restore/NS/POD/CONTAINER/staged.json   {"checkpoint": "NS/NAME", "namespace": NS,
                                                        "pod": POD, "pod_uid": UID or "",
-                                                       "container": NAME, "restore_args": "..."}
+                                                       "container": NAME, "restore_args": "...",
+                                                       "shim_build": SHA256 (absent: none recorded)}
     STATE_DIR/restore/NS/POD/CONTAINER/images/       what `runc checkpoint` wrote
 
 and both are root's and writable by nobody else. The agent stages only for a RestoreJob the
 operator admitted, so an annotation copied onto a pod of another name, or naming another
-namespace's checkpoint, finds nothing. The operator has the images staged before it creates the
-pods (their uid does not exist yet: staged.json's pod_uid is then empty); when the agent was asked
+namespace's checkpoint, finds nothing. `shim_build` is the shim build the checkpoint's processes
+mapped: the restored container mounts that one (runc.prepare), not the node's current build. The
+operator has the images staged before it creates the pods (their uid does not exist yet:
+staged.json's pod_uid is then empty); when the agent was asked
 for pods that already existed, their uid must match too. The agent removes the staging when its
 session ends, so it serves one restore.
 """
@@ -41,8 +44,9 @@ def _root_only(path: str, what: str) -> os.stat_result:
     return st
 
 
-def check(config: oci.NodeConfig, spec: dict[str, Any]) -> tuple[str, str]:
-    """(image dir, extra restore args) for this container, or Refused saying why not."""
+def check(config: oci.NodeConfig, spec: dict[str, Any]) -> tuple[str, str, str | None]:
+    """(image dir, extra restore args, the shim file to mount or None: the current one) for this
+    container, or Refused saying why not."""
     value = oci.annotations_of(spec).get(oci.ANN_RESTORE, "").strip()
     who = oci.identity(spec)
     namespace, _, name = value.partition("/")
@@ -108,7 +112,28 @@ def check(config: oci.NodeConfig, spec: dict[str, Any]) -> tuple[str, str]:
     bad = [a for a in extra.split() if a not in ALLOWED_RESTORE_ARGS]
     if bad:
         raise Refused(f"{staged_file}: restore_args {bad} not allowed")
-    return images, extra
+    return (
+        images,
+        extra,
+        _recorded_shim(config, staged, f"{who.namespace}/{who.pod} container {who.container}"),
+    )
+
+
+def _recorded_shim(config: oci.NodeConfig, staged: dict[str, Any], who: str) -> str | None:
+    """The node file of the shim build the checkpoint's processes mapped (staged.json's `shim_build`);
+    None for a checkpoint that recorded none (it restores with the current one, as before)."""
+    build = staged.get("shim_build")
+    if build is None:
+        return None
+    if not isinstance(build, str) or not oci.is_build_digest(build):
+        raise Refused(f"restore of {who}: staged shim_build {build!r} is not a shim build")
+    path = oci.build_path(config.shim, build)
+    if not os.path.isfile(path):
+        raise Refused(
+            f"refusing to restore {who}: its processes mapped shim build {build[:12]}, which this node "
+            f"does not keep ({path} is missing)"
+        )
+    return path
 
 
 ROOTFS_DIFF = "rootfs-diff.tar"  # container_runtime.ROOTFS_DIFF (the agent's side)

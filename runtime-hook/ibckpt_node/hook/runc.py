@@ -136,17 +136,19 @@ def prepare(config: oci.NodeConfig, args: CreateArgs, runc_root: str | None = No
     with open(path, encoding="utf-8") as f:
         spec = json.load(f)
     restore: tuple[str, str] | None = None
+    shim: str | None = None  # a restore's recorded build; None: the node's current one
     reason = oci.wants_shim(spec)
     # the pod's sandbox (pause) carries the pod's annotations too: it is created, never restored
     if oci.ANN_RESTORE in oci.annotations_of(spec) and not oci.identity(spec).sandbox:
         from ibckpt_node.hook import restore as restore_mod
 
-        restore = restore_mod.check(config, spec)
+        images, extra, shim = restore_mod.check(config, spec)
+        restore = (images, extra)
         reason = reason or "restore"
     if reason is None:
         return None
     container_id = oci.checked_id(args.container_id)
-    if not os.path.isfile(config.shim):
+    if shim is None and not os.path.isfile(config.shim):
         raise Refused(f"{container_id} ({reason}): the shim {config.shim} is missing on this node")
     cdir = config.container_dir(container_id)
     ctl = os.path.join(cdir, "ctl")
@@ -159,7 +161,7 @@ def prepare(config: oci.NodeConfig, args: CreateArgs, runc_root: str | None = No
     record = {"runc": config.runc, "root": runc_root or "", "bundle": os.path.abspath(args.bundle)}
     with open(os.path.join(cdir, RUNTIME_RECORD), "w", encoding="utf-8") as f:
         json.dump(record, f)
-    edited = oci.edit_spec(spec, config, container_id)
+    edited = oci.edit_spec(spec, config, container_id, shim)
     tmp = path + ".ibckpt.tmp"
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(edited, f)

@@ -64,6 +64,10 @@ def make_entry(
         reason=reason,
         registered_at=time.time(),
     )
+    # the shim build its processes map (the wrapper mounted a content-addressed one): a checkpoint records it
+    build = oci.build_of(oci.shim_source(spec) or "") if shim else None
+    if build is not None:
+        entry["shim_build"] = build
     return entry
 
 

@@ -7,6 +7,7 @@ namespace, so /proc here is the node's.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -22,6 +23,7 @@ from ibckpt_node.nodesetup import containerd, prereqs
 log = logging.getLogger(__name__)
 
 RESTART_MODES = ("auto", "systemd", "signal", "none")
+NODE_CONFIG = "/etc/ibckpt/node.json"  # hook/oci.py DEFAULT_CONFIG_FILE, written by hook/install.py
 CONTAINERD_TASKS = "/run/containerd/io.containerd.runtime.v2.task"
 
 
@@ -81,7 +83,7 @@ def check(setup: NodeSetup) -> list[prereqs.Finding]:
     ):
         host = setup.host(path)
         found.append(prereqs.executable(name, path, host.exists(), os.access(host, os.X_OK)))
-    shim = f"{setup.prefix}/lib/ibckpt/libibckpt.so"
+    shim = installed_shim(setup)
     found.append(prereqs.Finding("shim", setup.host(shim).is_file(), shim))
     found.append(prereqs.criu(*run_on_node(["criu", "--version"])))
     code = "import sys; print(*sys.version_info[:2])"
@@ -94,6 +96,16 @@ def check(setup: NodeSetup) -> list[prereqs.Finding]:
             )
         )
     return found
+
+
+def installed_shim(setup: NodeSetup) -> str:
+    """The shim new containers mount: the build node.json names (the agent's install writes both), or
+    the file of a release before builds were kept."""
+    try:
+        shim = json.loads(setup.host(NODE_CONFIG).read_text()).get("shim")
+    except (OSError, ValueError, AttributeError):
+        shim = None
+    return shim if isinstance(shim, str) and shim else f"{setup.prefix}/lib/ibckpt/libibckpt.so"
 
 
 def _write(path: Path, text: str) -> None:
@@ -223,13 +235,13 @@ def remove_files(setup: NodeSetup) -> list[str]:
     for path in (
         f"{setup.prefix}/bin/ibckpt-runc",
         f"{setup.prefix}/bin/ibckpt-hook",
-        "/etc/ibckpt/node.json",
+        NODE_CONFIG,
     ):
         host = setup.host(path)
         if host.exists():
             host.unlink()
             done.append(path)
-    # the chart mounts PREFIX/lib/ibckpt itself: its contents go, the mount point stays
+    # the chart mounts PREFIX/lib/ibckpt itself: its contents (every shim build too) go, the mount point stays
     lib = setup.host(f"{setup.prefix}/lib/ibckpt")
     for child in lib.glob("*") if lib.is_dir() else []:
         shutil.rmtree(child) if child.is_dir() else child.unlink()
