@@ -6,6 +6,10 @@ or drained rank answers `abort` and runs again; a released one has no device sta
 with its peers, which needs a coordinator. If the coordinator is gone (the operator restarted), the
 driver's `rejoin` waits for the one the next operator opens for the recovery; if none comes, the
 released ranks wait, released, for a restore or a kill (their shim's lease only says so).
+
+A restore that fails (`abort_restore`) tells every node and resumes nothing: its ranks came back from
+images, the operator deletes the pods it restored, and a rank resumed then would run the application
+beside peers that never rebuilt.
 """
 
 from __future__ import annotations
@@ -34,6 +38,17 @@ async def abort_untouched(node: str, client: CoordinatorClient, cause: Exception
         with contextlib.suppress(CoordinatorError):
             await client.abort(str(cause), refused=isinstance(cause, CheckpointRefused))
     report.outcome = "Refused"
+
+
+async def abort_restore(node: str, client: CoordinatorClient, cause: Exception, report: NodeReport) -> None:
+    """A restore failed on this node (a shim's bad reply included): tell every node, so no rank waits
+    for records that never come (the proxy fails its shims' requests once the session is aborted). This
+    node's ranks stay as the failure left them, for the operator to delete their pods."""
+    log.warning("%s: aborting the restore: %s", node, cause)
+    if not isinstance(cause, CoordinationAborted) and not client.lost:
+        with contextlib.suppress(CoordinatorError):
+            await client.abort(str(cause))
+    report.outcome = "Aborted"
 
 
 async def abort_and_recover(

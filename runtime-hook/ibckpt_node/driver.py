@@ -3,8 +3,9 @@
 Checkpoint: quiesce -> drain -> release -> CRIU dump -> (rebuild -> resume | stop), with a
 coordinator barrier after each phase so every node is at the same cut. Restore: CRIU restore
 -> rebuild -> resume. Any failure once a rank was touched (a shim's reply the agent will not act
-on included) aborts the session; every node then brings its ranks back to running where they are,
-and the application continues.
+on included) aborts the session. In a checkpoint every node then brings its ranks back to running
+where they are, and the application continues; a restore's ranks are resumed by no one, and the
+operator deletes the pods it restored.
 """
 
 from __future__ import annotations
@@ -372,8 +373,8 @@ class NodeDriver:
 
         if lock is not None:
             self.report.locked = [c.describe() for c in lock.connections]
-        self.leases.start()  # restored ranks come back released
-        try:
+
+        async def steps() -> None:
             await self._phase(LOCKED, lambda: asyncio.sleep(0), t.restore_seconds)
             try:
                 await self._phase(Milestone.RESTORED, arrive, t.restore_seconds)
@@ -381,10 +382,8 @@ class NodeDriver:
                 for error in await asyncio.to_thread(lock.unlock) if lock is not None else ():
                     log.error("%s: %s", self.node, error)
             await self._rebuild_and_resume(epoch)
-        finally:
-            await self.leases.stop()
-        self.report.outcome = "Succeeded"
-        return self.report
+
+        return await self._restoring(steps)  # restored ranks come back released
 
     async def restore(
         self,
@@ -405,16 +404,6 @@ class NodeDriver:
         ranks inside, which CRIU restores with their pids.
         """
         t = self.timeouts
-        for r in rejoin:
-            fds, maps = device_fds_and_maps(r.pid)
-            state = (await r.shim.status(t.quiesce_seconds)).state
-            if state != "released" or fds or maps:
-                raise CheckpointFailed(
-                    f"{r.rank.key()} (pid {r.pid}) cannot rejoin: state {state!r}, "
-                    f"{fds} device fds, {maps} device mappings (a Hold checkpoint leaves it released)"
-                )
-        self.ranks.extend(rejoin)
-
         lock = tcp_remap.ConnectionLock([])
 
         manifests = {tree: read_tree_manifest(tree) for tree in trees}
@@ -443,8 +432,10 @@ class NodeDriver:
                     self.report.restored_pids[rank.key()] = pid
                     self.ranks.append(LocalRank(rank, pid, control))
 
-        self.leases.start()  # the rejoining ranks and, once restored, the others (released)
-        try:
+        async def steps() -> None:
+            for r in rejoin:
+                await self._check_rejoins(r)
+            self.ranks.extend(rejoin)  # renewed from here on (the leases hold this list)
             try:
                 await self._phase(LOCKED, prepare_all, t.restore_seconds)
                 await self._phase(Milestone.RESTORED, restore_all, t.restore_seconds)
@@ -452,6 +443,32 @@ class NodeDriver:
                 for error in await asyncio.to_thread(lock.unlock):
                     log.error("%s: %s", self.node, error)
             await self._rebuild_and_resume(epoch)
+
+        return await self._restoring(steps)  # the rejoining ranks and, once restored, the others
+
+    async def _check_rejoins(self, r: LocalRank) -> None:
+        """A held rank may rejoin only as a Hold checkpoint left it: released, no device left open."""
+        fds, maps = device_fds_and_maps(r.pid)
+        try:
+            state = (await r.shim.status(self.timeouts.quiesce_seconds)).state
+        except (ControlError, OSError) as exc:
+            raise CheckpointFailed(f"status of {r.rank.key()} (pid {r.pid}) failed: {exc}") from exc
+        if state != "released" or fds or maps:
+            raise CheckpointFailed(
+                f"{r.rank.key()} (pid {r.pid}) cannot rejoin: state {state!r}, "
+                f"{fds} device fds, {maps} device mappings (a Hold checkpoint leaves it released)"
+            )
+
+    async def _restoring(self, steps: Callable[[], Awaitable[None]]) -> NodeReport:
+        """Run a restore's `steps` with this node's ranks' leases renewed. Any failure (a shim's reply
+        the agent will not act on included: the shim runs in the tenant's process) aborts the session
+        for every node, and is raised as it came; no rank is resumed (abort.abort_restore)."""
+        self.leases.start()
+        try:
+            await steps()
+        except Exception as exc:
+            await abort.abort_restore(self.node, self.client, exc, self.report)
+            raise
         finally:
             await self.leases.stop()
         self.report.outcome = "Succeeded"
