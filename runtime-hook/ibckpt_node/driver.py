@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ibckpt.coordination.client import CoordinatorClient, CoordinatorError
+from ibckpt.coordination.client import CoordinationAborted, CoordinatorClient, CoordinatorError
 from ibckpt.coordination.ranks import RankId
 from ibckpt.vocabulary import Milestone, Mode, PhaseSeconds
 from ibckpt_native.control import ControlError
@@ -465,7 +465,7 @@ class NodeDriver:
         for every node, and is raised as it came; no rank is resumed (abort.abort_restore)."""
         self.leases.start()
         try:
-            await steps()
+            await self._unless_aborted(steps())
         except Exception as exc:
             await abort.abort_restore(self.node, self.client, exc, self.report)
             raise
@@ -473,3 +473,21 @@ class NodeDriver:
             await self.leases.stop()
         self.report.outcome = "Succeeded"
         return self.report
+
+    async def _unless_aborted(self, work: Awaitable[None]) -> None:
+        """`work`, cut short once the session is aborted (by another node, the operator or its deadline):
+        a restored rank's rebuild would otherwise wait out its bound for the records of a peer that
+        failed, since the coordinator still answers record reads after an abort."""
+        task = asyncio.ensure_future(work)
+        aborted = asyncio.ensure_future(self.client.aborted.wait())
+        try:
+            await asyncio.wait({task, aborted}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            aborted.cancel()
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        if task.cancelled():
+            raise CoordinationAborted(self.client.abort_reason or "the session was aborted")
+        task.result()

@@ -7,6 +7,8 @@ failed restore's pods are the operator's to delete (docs/failures.md, RestoreJob
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -16,6 +18,7 @@ from node.fake_shim import FakeShimSocket
 from node.test_hostile_shim import garbage
 
 from ibckpt.coordination.client import CoordinationAborted, CoordinatorClient
+from ibckpt.coordination.ranks import RankId
 from ibckpt.vocabulary import Milestone
 from ibckpt_node.driver import LOCKED, NodeDriver
 from ibckpt_node.errors import CheckpointFailed
@@ -47,18 +50,20 @@ async def held_ranks_rejoining(driver: NodeDriver, ranks: list[LocalRank]) -> ob
     return await driver.restore({}, {}, epoch=2, rejoin=ranks)
 
 
+async def client_of(
+    coordinator: ThreadedCoordinator, session: str, tokens: dict[str, str], node: str
+) -> CoordinatorClient:
+    port, tls = coordinator.port, shared_pki().client()
+    return await CoordinatorClient.connect("127.0.0.1", port, session, node, tokens[node], tls=tls)
+
+
 async def hostile_restore(
     coordinator: ThreadedCoordinator, ranks: list[LocalRank], restore: Restore, before: list[str]
 ) -> tuple[NodeDriver, str, pytest.ExceptionInfo[CheckpointFailed], BaseException]:
     """node-1 restores `ranks`, which fails; node-2 passes `before`, then waits at the next barrier.
     (node-1's driver, the session, node-1's failure, what node-2's wait raised.)"""
     session, tokens = coordinator.create_session({"node-1", "node-2"})
-
-    async def connect(node: str) -> CoordinatorClient:
-        tls = shared_pki().client()
-        return await CoordinatorClient.connect("127.0.0.1", coordinator.port, session, node, tokens[node], tls=tls)
-
-    node1, node2 = await connect("node-1"), await connect("node-2")
+    node1, node2 = [await client_of(coordinator, session, tokens, node) for node in ("node-1", "node-2")]
     driver = NodeDriver("node-1", node1, [], REBUILD_20S)
 
     async def other_node() -> BaseException:
@@ -142,3 +147,52 @@ async def test_a_held_rank_whose_status_is_garbage_aborts_before_any_rank_is_reb
     assert driver.report.outcome == "Aborted"
     assert hostile.commands == ["status"]
     assert all(s.commands == [] for s in shims[1:]), [s.commands for s in shims]
+
+
+class WaitingRebuild(FakeShimSocket):
+    """node-2's rank, whose rebuild waits for records of a peer on node-1 (up to 30 s, as the real
+    shim's GETs do: the coordinator answers record reads after an abort too)."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.state = "released"
+        self.records = threading.Event()
+
+    def answer(self, verb: str) -> tuple[bool, dict[str, object]]:
+        if verb == "rebuild" and not self.records.wait(timeout=30):
+            return False, {"phase": "rebuild", "ok": False, "state": "released", "error": "no records"}
+        return super().answer(verb)
+
+
+async def test_a_node_whose_ranks_wait_in_their_rebuild_ends_once_another_node_aborts(
+    coordinator: ThreadedCoordinator, tmp_path: Path, sleeper: int
+) -> None:
+    shims, ranks = released(tmp_path, sleeper)
+    shims[0].raw_replies["rebuild"] = garbage("rebuild")["not-an-object"]
+    waiting = WaitingRebuild(tmp_path / "node-2.ctl")
+    session, tokens = coordinator.create_session({"node-1", "node-2"})
+    drivers = [
+        NodeDriver(node, await client_of(coordinator, session, tokens, node), [], REBUILD_20S)
+        for node in ("node-1", "node-2")
+    ]
+    node2_rank = [LocalRank(RankId.parse("job/rank-12/main/0"), sleeper, waiting.path)]
+    started = time.monotonic()
+    try:
+        outcomes = await asyncio.wait_for(
+            asyncio.gather(
+                restored_by_runtime(drivers[0], ranks),
+                restored_by_runtime(drivers[1], node2_rank),
+                return_exceptions=True,
+            ),
+            25,
+        )
+    finally:
+        waiting.records.set()
+        for driver in drivers:
+            await driver.client.close()
+    assert isinstance(outcomes[0], CheckpointFailed), outcomes
+    assert isinstance(outcomes[1], CoordinationAborted), outcomes
+    assert "rebuild of job/rank-0/main/0" in str(outcomes[1])
+    assert time.monotonic() - started < 10  # not node-2's rebuild bound (20 s) nor its shim's wait
+    assert drivers[1].report.outcome == "Aborted"
+    assert waiting.commands == ["rebuild"]  # told nothing after: its pod is the operator's to delete
