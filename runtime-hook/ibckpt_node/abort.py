@@ -41,9 +41,9 @@ async def abort_untouched(node: str, client: CoordinatorClient, cause: Exception
 
 
 async def abort_restore(node: str, client: CoordinatorClient, cause: Exception, report: NodeReport) -> None:
-    """A restore failed on this node (a shim's bad reply included): tell every node, so no rank waits
-    for records that never come (the proxy fails its shims' requests once the session is aborted). This
-    node's ranks stay as the failure left them, for the operator to delete their pods."""
+    """A restore failed on this node (a shim's bad reply included): tell every node, whose drivers then
+    stop at once (NodeDriver._unless_aborted), a rank's rebuild waiting for this node's records too.
+    This node's ranks stay as the failure left them, for the operator to delete their pods."""
     log.warning("%s: aborting the restore: %s", node, cause)
     if not isinstance(cause, CoordinationAborted) and not client.lost:
         with contextlib.suppress(CoordinatorError):
