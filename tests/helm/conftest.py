@@ -28,6 +28,12 @@ JOB_NS = "team-ring"
 def job_ns(installed: Release, s3_server: S3Server) -> Iterator[str]:
     """A team's namespace with its storage: a CheckpointStorage `store` and its credentials Secret."""
     cluster = installed.cluster
+    # A node lost by an earlier test fails this one at once, not after each of its waits runs out.
+    dead = cluster.guests.dead()
+    ready = cluster.kubectl("wait", "--for=condition=Ready", "node", "--all", "--timeout=120s", check=False)
+    if dead or ready.returncode != 0:
+        lost = f"testbed: a node is gone or not Ready before the test:\n{ready.stderr}"
+        pytest.fail(lost + cluster.diagnose())
     pods.namespace(cluster, JOB_NS)
     bucket = f"ring-job-{secrets.token_hex(3)}"
     s3_server.create_bucket(bucket)

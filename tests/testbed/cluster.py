@@ -96,6 +96,11 @@ class Cluster:
             console = "\n".join(self.guests.console(i).splitlines()[-12:])
             parts.append(f"\n--- {node} console (tail)\n{console}")
             parts.append(f"\n--- {node} kubelet.log (tail)\n{self.node_log(node, tail=15)}")
+        # Last, as a long report is cut in its middle: each guest's health (node-init.sh).
+        for node in NODE_NAMES:
+            health = self.node_dirs[node] / "health.log"
+            age = f"{time.time() - health.stat().st_mtime:.0f}s ago" if health.exists() else "never"
+            parts.append(f"\n--- {node} health (written {age})\n{self.node_log(node, 'health.log', 4)}")
         return "".join(parts)
 
     def wait_nodes_ready(self, timeout: float = 600.0) -> None:

@@ -134,6 +134,24 @@ log "containerd up at $(since)s"
   --v=1 >"$dir/kubelet.log" 2>&1 &
 kubelet_pid=$!
 log "kubelet started at $(since)s"
+
+# Every 10 s a line for the host's failure reports (cluster.py, diagnose): the guest's clock, free
+# memory and tmpfs use (the node's disks are tmpfs), load, tasks in D state, OOM kills, and whether
+# kubelet and containerd live. A report whose last line is old says the guest itself stalled.
+(
+  set +euo pipefail
+  while :; do
+    mem=$(awk '/^MemAvailable:/ {a=$2} /^Shmem:/ {s=$2} END {printf "avail=%dM shmem=%dM", a/1024, s/1024}' /proc/meminfo)
+    dstate=$(ps -eo stat= | grep -c '^D')
+    oom=$(dmesg | grep -c 'Out of memory')
+    hung=$(dmesg | grep -c 'blocked for more than')
+    kubelet=gone; kill -0 "$kubelet_pid" 2>/dev/null && kubelet=up
+    containerd=gone; pgrep -x containerd >/dev/null && containerd=up
+    echo "$(date -u +%T) $mem load=$(cut -d' ' -f1 /proc/loadavg) D=$dstate oom=$oom hung=$hung" \
+      "kubelet=$kubelet containerd=$containerd" >>"$dir/health.log"
+    sleep 10
+  done
+) &
 wait "$kubelet_pid"
 log "kubelet exited ($?)"
 exit 1
