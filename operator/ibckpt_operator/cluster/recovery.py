@@ -74,7 +74,8 @@ def pod_health(pod: Mapping[str, Any]) -> PodHealth:
         pod_ref(dict(pod)),
         phase=str(status.get("phase") or "Pending"),
         deleting=bool((pod.get("metadata") or {}).get("deletionTimestamp")),
-        running=any("running" in (c.get("state") or {}) for c in containers),
+        # Until the kubelet reports every container terminated, one may run or be starting.
+        running=not containers or any("terminated" not in (c.get("state") or {}) for c in containers),
         failed_exit=exit_code,
         failed_at=finished,
         controlled=controller_reference(dict(pod)) is not None,

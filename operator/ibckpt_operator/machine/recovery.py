@@ -94,7 +94,7 @@ class PodHealth:
     pod: PodRef
     phase: str = "Running"
     deleting: bool = False  # deletionTimestamp set: someone is stopping it on purpose
-    running: bool = True  # the kubelet reports a container running
+    running: bool = True  # a container runs or may yet start: not every one reported terminated
     failed_exit: int | None = None  # a container terminated (now or before a restart) with this code != 0
     failed_at: float | None = None  # when (its finishedAt), if known
     controlled: bool = False  # a controller ownerReference: something starts it again from scratch
@@ -252,9 +252,9 @@ def triggers(observation: Observation, config: RecoveryConfig, now: float, ignor
 def fenced(health: PodHealth, node: NodeHealth | None, config: RecoveryConfig) -> str | None:
     """Why this pod is known not to run (so its rank may run elsewhere), or None. The rule
     (docs/recovery.md): the kubelet reported it ended for good (phase Failed/Succeeded: never restarted),
-    or, on a reachable node, being deleted with no container running (a kubelet starts no container of a
-    pod being deleted); or its Node object is gone; or, under OutOfServiceTaint, the node is tainted
-    out-of-service. A NotReady node's stale report of a running or restartable pod never counts."""
+    or, on a reachable node, being deleted with every container reported terminated (a kubelet starts no
+    container of a pod being deleted); or its Node object is gone; or, under OutOfServiceTaint, the node
+    is tainted out-of-service. A NotReady node's stale report of a running or restartable pod never counts."""
     if health.phase in ("Failed", "Succeeded"):
         return f"its kubelet reported it {health.phase}"
     if node is None or not node.exists:
