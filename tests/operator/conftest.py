@@ -391,9 +391,11 @@ def operator(
         ).with_(**overrides)
         settings.configure(config)
         args = ["run", "-A", "--standalone", "-m", "ibckpt_operator.handlers"]
-        with KopfRunner(args, timeout=60) as runner:
-            yield OperatorHandle(metrics_port, config)
-        settings.configure(saved)
+        try:
+            with KopfRunner(args, timeout=60) as runner:
+                yield OperatorHandle(metrics_port, config)
+        finally:  # a failed test must not leave its settings to the next ones
+            settings.configure(saved)
         assert runner.exception is None or isinstance(runner.exception, SystemExit), runner.output[-3000:]
 
     yield run

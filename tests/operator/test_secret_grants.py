@@ -123,7 +123,12 @@ def test_the_grants_carry_the_release_label_even_when_made_by_an_older_operator(
 
 def test_without_an_agent_account_nothing_is_granted(kube_api: kubernetes.client.ApiClient) -> None:
     ns = namespace(kube_api, "grants-none")
-    asyncio.run(secretgrants.grant(Kube(kube_api), ns, location("s3")))
+    saved = settings.current()
+    settings.configure(saved.with_(agent_account=""))
+    try:
+        asyncio.run(secretgrants.grant(Kube(kube_api), ns, location("s3")))
+    finally:
+        settings.configure(saved)
     roles = kubernetes.client.RbacAuthorizationV1Api(kube_api).list_namespaced_role(ns)
     assert roles.items == []
 
