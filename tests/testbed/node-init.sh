@@ -135,7 +135,7 @@ log "containerd up at $(since)s"
 kubelet_pid=$!
 log "kubelet started at $(since)s"
 
-# Every 10 s a line for the host's failure reports (cluster.py, diagnose): the guest's clock, free
+# Every 30 s a line for the host's failure reports (cluster.py, diagnose): the guest's clock, free
 # memory and tmpfs use (the node's disks are tmpfs), load, tasks in D state, OOM kills, and whether
 # kubelet and containerd live. A report whose last line is old says the guest itself stalled.
 (
@@ -149,7 +149,7 @@ log "kubelet started at $(since)s"
     containerd=gone; pgrep -x containerd >/dev/null && containerd=up
     echo "$(date -u +%T) $mem load=$(cut -d' ' -f1 /proc/loadavg) D=$dstate oom=$oom hung=$hung" \
       "kubelet=$kubelet containerd=$containerd" >>"$dir/health.log"
-    sleep 10
+    sleep 30
   done
 ) &
 wait "$kubelet_pid"
