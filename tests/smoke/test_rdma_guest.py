@@ -50,17 +50,28 @@ def test_rxe_device_is_up() -> None:
     assert re.search(r"GID\[\s*1\]:\s+::ffff:10\.77\.0\.\d+, RoCE v2", info), info
 
 
+def listening(port: int) -> bool:
+    """A TCP socket of this guest listens on `port` (state 0A in /proc/net/tcp)."""
+    rows = Path("/proc/net/tcp").read_text().splitlines()[1:]
+    return any(r.split()[1].endswith(f":{port:04X}") and r.split()[3] == "0A" for r in rows)
+
+
 def test_rc_pingpong_between_two_processes(tmp_path: Path) -> None:
     server = spawn_detached(
-        ["ibv_rc_pingpong", "-d", "rxe0", "-g", "1", "-n", "200"], tmp_path / "server.log"
+        ["ibv_rc_pingpong", "-d", "rxe0", "-g", "1", "-n", "200", "-p", "18520"], tmp_path / "server.log"
     )
-    time.sleep(0.5)
-    client = subprocess.run(
-        ["ibv_rc_pingpong", "-d", "rxe0", "-g", "1", "-n", "200", "127.0.0.1"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert client.returncode == 0, client.stdout + client.stderr
-    assert server.wait(timeout=30) == 0, (tmp_path / "server.log").read_text()
+    try:
+        # A loaded emulated guest takes its time to open the device; the client connects only once.
+        wait_for(lambda: listening(18520) or server.poll() is not None, 60, "the server to listen")
+        client = subprocess.run(
+            ["ibv_rc_pingpong", "-d", "rxe0", "-g", "1", "-n", "200", "-p", "18520", "127.0.0.1"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert client.returncode == 0, client.stdout + client.stderr + (tmp_path / "server.log").read_text()
+        assert server.wait(timeout=30) == 0, (tmp_path / "server.log").read_text()
+    finally:
+        server.kill()
+        server.wait()
     for text in (client.stdout, (tmp_path / "server.log").read_text()):
         assert "200 iters in" in text
 
@@ -109,10 +120,11 @@ def test_criu_dump_and_restore_plain_process(tmp_path: Path) -> None:
 
 def test_criu_refuses_process_holding_verbs_resources(tmp_path: Path) -> None:
     """The problem ibckpt exists to solve: CRIU cannot dump a task with uverbs mappings."""
-    server = spawn_detached(["ibv_rc_pingpong", "-d", "rxe0", "-g", "1"], tmp_path / "server.log")
+    argv = ["ibv_rc_pingpong", "-d", "rxe0", "-g", "1", "-p", "18521"]
+    server = spawn_detached(argv, tmp_path / "server.log")
     try:
         maps = Path(f"/proc/{server.pid}/maps")
-        wait_for(lambda: "/dev/infiniband/uverbs" in maps.read_text(), 30, "verbs mapping")
+        wait_for(lambda: "/dev/infiniband/uverbs" in maps.read_text(), 60, "verbs mapping")
         images = tmp_path / "images"
         dump = criu("dump", images, "-t", str(server.pid), "--leave-running")
         log = (images / "dump.log").read_text()
