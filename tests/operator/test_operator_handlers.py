@@ -303,6 +303,33 @@ def test_operator_restart_mid_phase_aborts_from_status(
     assert len(a.rejoins) == 1 and re.fullmatch(r"[^:\s]+:[0-9]+", a.rejoins[0] or ""), a.rejoins
 
 
+def test_a_restart_amid_an_agent_rollout_waits_for_the_next_agent_to_resume_the_ranks(
+    cluster_ns: Cluster, s3_server: S3Server, bucket: str, agents: Agents, operator: Any
+) -> None:
+    """`helm upgrade` rolls the operator and the agents at once: the new operator finds the job mid-cut
+    while the node has no agent pod yet. Its abort waits for the next agent (its ranks may be released
+    and only a rejoin rebuilds them) instead of failing the node at once."""
+    a = agents.add(cluster_ns, "node-a", 1)
+    cluster_ns.rank_pod(a, "ring-0", {"app": "ring"})
+    creds(cluster_ns, s3_server)
+    with operator():
+        cluster_ns.create(JOBS, job("rolled", storage(s3_server, bucket)))
+        cluster_ns.wait(JOBS, "rolled", phase("Quiescing"))
+        session = a.first_request().session_id
+        a.set_phase(session, RankPhase.RELEASING, Milestone.DRAINED)
+        cluster_ns.wait(JOBS, "rolled", phase("Releasing"))
+    core = kubernetes.client.CoreV1Api(cluster_ns.api)
+    core.delete_namespaced_pod("agent-node-a", OPERATOR_NS, grace_period_seconds=0)
+    with operator():
+        time.sleep(4)  # the new operator has found no agent on node-a by now
+        assert not a.aborts
+        cluster_ns.agent_pod("node-a", a.host)  # the DaemonSet's next pod
+        after = cluster_ns.wait(JOBS, "rolled", phase("Failed"))
+    assert after["status"]["reason"] == "OperatorRestarted", after["status"]
+    assert [s for s, _ in a.aborts] == [session] and len(a.rejoins) == 1, a.aborts
+    assert [row["phase"] for row in after["status"]["pods"]] == ["Resumed"], after["status"]
+
+
 def test_leave_running_checkpoint_committed_then_deleted(
     cluster_ns: Cluster, s3_server: S3Server, bucket: str, agents: Agents, operator: Any, store_config: Any
 ) -> None:

@@ -412,11 +412,17 @@ class CheckpointJobDriver(CheckpointStoreDriver):
         rejoin: tuple[str, str] | None = None,
     ) -> None:
         pods = [pod for pod in action.pods if pod.node == node]
-        if agent is None:
-            for pod in pods:
-                message = f"no ibckpt agent on node {node} to resume it"
-                self.emit(StepFailed(action.attempt, "AgentUnreachable", message, pod=pod.uid))
-            return
+        # A rollout (helm upgrade) leaves a node without an agent pod for a moment: its ranks, maybe
+        # released, wait for the next agent, which is waited for as long as a silent one.
+        asked = time.monotonic()
+        while agent is None:
+            if time.monotonic() - asked > current().agent_unreachable_seconds:
+                for pod in pods:
+                    message = f"no ibckpt agent on node {node} to resume it"
+                    self.emit(StepFailed(action.attempt, "AgentUnreachable", message, pod=pod.uid))
+                return
+            await asyncio.sleep(current().poll_seconds)
+            agent = (await agents_by_node(self.rt.kube)).get(node)
         reason = (self.state.message if self.state else None) or "aborted by the operator"
         asked = time.monotonic()
         while True:
