@@ -330,6 +330,29 @@ def test_a_restart_amid_an_agent_rollout_waits_for_the_next_agent_to_resume_the_
     assert [row["phase"] for row in after["status"]["pods"]] == ["Resumed"], after["status"]
 
 
+def test_an_agent_replaced_mid_abort_gets_the_abort_again(
+    cluster_ns: Cluster, s3_server: S3Server, bucket: str, agents: Agents, operator: Any
+) -> None:
+    """The rollout's other race: the new operator's abort reaches the old agent, which the rollout then
+    replaces; its successor no longer reports the session but holds its record, and takes the abort
+    again (only an abort makes it rebuild the released ranks)."""
+    a = agents.add(cluster_ns, "node-a", 1)
+    cluster_ns.rank_pod(a, "ring-0", {"app": "ring"})
+    creds(cluster_ns, s3_server)
+    with operator():
+        cluster_ns.create(JOBS, job("replaced", storage(s3_server, bucket)))
+        cluster_ns.wait(JOBS, "replaced", phase("Quiescing"))
+        session = a.first_request().session_id
+        a.set_phase(session, RankPhase.RELEASING, Milestone.DRAINED)
+        cluster_ns.wait(JOBS, "replaced", phase("Releasing"))
+    a.replaced_mid_abort = True
+    with operator():
+        after = cluster_ns.wait(JOBS, "replaced", phase("Failed"))
+    assert after["status"]["reason"] == "OperatorRestarted", after["status"]
+    assert [s for s, _ in a.aborts] == [session, session], a.aborts
+    assert [row["phase"] for row in after["status"]["pods"]] == ["Resumed"], after["status"]
+
+
 def test_leave_running_checkpoint_committed_then_deleted(
     cluster_ns: Cluster, s3_server: S3Server, bucket: str, agents: Agents, operator: Any, store_config: Any
 ) -> None:

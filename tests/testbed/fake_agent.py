@@ -78,6 +78,10 @@ class FakeAgent:
     # namespace, pod name -> (uid, restore-from annotation) of the pod of that name, or None
     pod_lookup: Callable[[str, str], tuple[str, str] | None] | None = None
     pods_at_request: list[list[str]] = field(default_factory=list)  # per restore: its pods that existed
+    # replaced mid-abort: the first abort of a session is accepted and then the agent "restarts" (the
+    # session is unknown to its polls); its successor, holding the session's record, takes the next
+    replaced_mid_abort: bool = False
+    records: dict[str, SessionReport] = field(default_factory=dict)
     version: str = "test"
     # what it writes and reads, as a real agent of this release reports it; None: an agent before formats
     formats: AgentFormats | None = field(default_factory=AgentFormats.this_release)
@@ -178,9 +182,13 @@ class FakeAgent:
                     session = self.path.split("/")[3]
                     agent.aborts.append((session, json.loads(body)["reason"]))
                     agent.rejoins.append(json.loads(body).get("coordinator"))
-                    running = agent.reports.get(session)
+                    running = agent.reports.get(session) or agent.records.pop(session, None)
                     if running is None:
                         self.reply(404, b'{"error": "unknown session"}')
+                        return
+                    if agent.replaced_mid_abort and len(agent.aborts) == 1:
+                        agent.records[session] = agent.reports.pop(session)
+                        self.reply(200, running.to_json())  # accepted, still running: then gone
                         return
                     ranks = [r.model_copy(update={"phase": RankPhase.DONE}) for r in running.ranks]
                     done = running.model_copy(update={"state": SessionState.ABORTED, "ranks": ranks,

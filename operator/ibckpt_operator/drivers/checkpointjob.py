@@ -73,6 +73,9 @@ from ibckpt_operator.machine.timings import paused_seconds, upload_rate
 
 log = logging.getLogger(__name__)
 
+# An abort is sent to a node's agent again when that agent was replaced while it worked on it.
+ABORT_TURNS = 3
+
 
 class CheckpointJobDriver(CheckpointStoreDriver):
     def __init__(self, runtime: Runtime, body: Body) -> None:
@@ -412,39 +415,32 @@ class CheckpointJobDriver(CheckpointStoreDriver):
         rejoin: tuple[str, str] | None = None,
     ) -> None:
         pods = [pod for pod in action.pods if pod.node == node]
-        # A rollout (helm upgrade) leaves a node without an agent pod for a moment: its ranks, maybe
-        # released, wait for the next agent, which is waited for as long as a silent one.
-        asked = time.monotonic()
-        while agent is None:
-            if time.monotonic() - asked > current().agent_unreachable_seconds:
-                for pod in pods:
-                    message = f"no ibckpt agent on node {node} to resume it"
-                    self.emit(StepFailed(action.attempt, "AgentUnreachable", message, pod=pod.uid))
-                return
-            await asyncio.sleep(current().poll_seconds)
-            agent = (await agents_by_node(self.rt.kube)).get(node)
-        reason = (self.state.message if self.state else None) or "aborted by the operator"
-        asked = time.monotonic()
-        while True:
+
+        def failed(reason: str, message: str) -> None:
+            for pod in pods:
+                self.emit(StepFailed(action.attempt, reason, message, pod=pod.uid))
+
+        report: SessionReport | None = None
+        for turn in range(ABORT_TURNS):
+            agent = agent or await self._next_agent(node)
+            if agent is None:
+                return failed("AgentUnreachable", f"no ibckpt agent on node {node} to resume it")
             try:
-                report = await self.rt.gateway.abort(agent, session_id, reason[:1000], rejoin)
-                break
+                report = await self._send_abort(agent, session_id, rejoin)
             except AgentError as error:
-                # an agent that is restarting (it crashed mid-session) answers again soon, and brings
-                # back what its predecessor left; only silence for as long as a session's fails
-                if error.status or time.monotonic() - asked > current().agent_unreachable_seconds:
-                    for pod in pods:
-                        message = f"node {node}: {error}"
-                        self.emit(StepFailed(action.attempt, "AgentUnreachable", message, pod=pod.uid))
-                    return
-                await asyncio.sleep(current().poll_seconds)
-        if report is not None and not report.state.finished:
+                return failed("AgentUnreachable", f"node {node}: {error}")
+            if report is None or report.state.finished:
+                break
             end = await follow_session(self.rt.gateway, agent, session_id, lambda _: None)
-            if end.report is None:
-                for pod in pods:
-                    self.emit(StepFailed(action.attempt, end.reason, end.message, pod=pod.uid))
-                return
-            report = end.report
+            if end.report is not None:
+                report = end.report
+                break
+            if end.reason != "AgentLostSession" or turn == ABORT_TURNS - 1:
+                return failed(end.reason, end.message)
+            # replaced while it brought the ranks back (a rollout): its successor holds the session's
+            # record, and only an abort makes it rebuild the released ranks
+            log.info("%s: node %s's agent was replaced mid-abort: asking its successor", self.key, node)
+            agent = None
         broken = {r.pod_uid for r in (report.ranks if report else []) if r.phase == RankPhase.FAILED}
         for pod in pods:
             if pod.uid in broken:
@@ -453,3 +449,30 @@ class CheckpointJobDriver(CheckpointStoreDriver):
                 )
             else:
                 self.emit(PodStepDone(action.attempt, pod.uid))
+
+    async def _next_agent(self, node: str) -> Agent | None:
+        """The node's agent, waited for as long as a silent one: a rollout (helm upgrade) leaves a node
+        without an agent pod for a moment, and its released ranks come back only through the next."""
+        asked = time.monotonic()
+        while time.monotonic() - asked <= current().agent_unreachable_seconds:
+            agent = (await agents_by_node(self.rt.kube)).get(node)
+            if agent is not None:
+                return agent
+            await asyncio.sleep(current().poll_seconds)
+        return None
+
+    async def _send_abort(
+        self, agent: Agent, session_id: str, rejoin: tuple[str, str] | None
+    ) -> SessionReport | None:
+        """The abort, retried while the agent is silent: one that is restarting (it crashed mid-session)
+        answers again soon, and brings back what its predecessor left. Raises AgentError once it has
+        been silent for as long as a session's poll may be, or at once on an error it answered."""
+        reason = (self.state.message if self.state else None) or "aborted by the operator"
+        asked = time.monotonic()
+        while True:
+            try:
+                return await self.rt.gateway.abort(agent, session_id, reason[:1000], rejoin)
+            except AgentError as error:
+                if error.status or time.monotonic() - asked > current().agent_unreachable_seconds:
+                    raise
+                await asyncio.sleep(current().poll_seconds)
