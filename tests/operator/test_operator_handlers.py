@@ -303,6 +303,21 @@ def test_operator_restart_mid_phase_aborts_from_status(
     assert len(a.rejoins) == 1 and re.fullmatch(r"[^:\s]+:[0-9]+", a.rejoins[0] or ""), a.rejoins
 
 
+def _left_releasing(
+    cluster_ns: Cluster, s3_server: S3Server, bucket: str, agent: Any, operator: Any, name: str
+) -> str:
+    """Job `name` on one rank of `agent`, its operator gone while the ranks were releasing; its session."""
+    cluster_ns.rank_pod(agent, "ring-0", {"app": "ring"})
+    creds(cluster_ns, s3_server)
+    with operator():
+        cluster_ns.create(JOBS, job(name, storage(s3_server, bucket)))
+        cluster_ns.wait(JOBS, name, phase("Quiescing"))
+        session: str = agent.first_request().session_id
+        agent.set_phase(session, RankPhase.RELEASING, Milestone.DRAINED)
+        cluster_ns.wait(JOBS, name, phase("Releasing"))
+    return session
+
+
 def test_a_restart_amid_an_agent_rollout_waits_for_the_next_agent_to_resume_the_ranks(
     cluster_ns: Cluster, s3_server: S3Server, bucket: str, agents: Agents, operator: Any
 ) -> None:
@@ -310,14 +325,7 @@ def test_a_restart_amid_an_agent_rollout_waits_for_the_next_agent_to_resume_the_
     while the node has no agent pod yet. Its abort waits for the next agent (its ranks may be released
     and only a rejoin rebuilds them) instead of failing the node at once."""
     a = agents.add(cluster_ns, "node-a", 1)
-    cluster_ns.rank_pod(a, "ring-0", {"app": "ring"})
-    creds(cluster_ns, s3_server)
-    with operator():
-        cluster_ns.create(JOBS, job("rolled", storage(s3_server, bucket)))
-        cluster_ns.wait(JOBS, "rolled", phase("Quiescing"))
-        session = a.first_request().session_id
-        a.set_phase(session, RankPhase.RELEASING, Milestone.DRAINED)
-        cluster_ns.wait(JOBS, "rolled", phase("Releasing"))
+    session = _left_releasing(cluster_ns, s3_server, bucket, a, operator, "rolled")
     core = kubernetes.client.CoreV1Api(cluster_ns.api)
     core.delete_namespaced_pod("agent-node-a", OPERATOR_NS, grace_period_seconds=0)
     with operator():
@@ -337,14 +345,7 @@ def test_an_agent_replaced_mid_abort_gets_the_abort_again(
     replaces; its successor no longer reports the session but holds its record, and takes the abort
     again (only an abort makes it rebuild the released ranks)."""
     a = agents.add(cluster_ns, "node-a", 1)
-    cluster_ns.rank_pod(a, "ring-0", {"app": "ring"})
-    creds(cluster_ns, s3_server)
-    with operator():
-        cluster_ns.create(JOBS, job("replaced", storage(s3_server, bucket)))
-        cluster_ns.wait(JOBS, "replaced", phase("Quiescing"))
-        session = a.first_request().session_id
-        a.set_phase(session, RankPhase.RELEASING, Milestone.DRAINED)
-        cluster_ns.wait(JOBS, "replaced", phase("Releasing"))
+    session = _left_releasing(cluster_ns, s3_server, bucket, a, operator, "replaced")
     a.replaced_mid_abort = True
     with operator():
         after = cluster_ns.wait(JOBS, "replaced", phase("Failed"))
