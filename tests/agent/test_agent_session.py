@@ -9,6 +9,7 @@ abort path (the released rank is rebuilt and resumed) and the report says so, pe
 from __future__ import annotations
 
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -220,3 +221,61 @@ def test_a_stopping_agent_aborts_its_session_and_exits_only_once_the_rank_runs_a
     assert took < 50, f"the agent took {took:.0f} s to stop"
     assert shim.state == "running", shim.commands
     assert shim.commands[-2:] == ["rebuild", "resume"], shim.commands
+
+
+def test_a_stopping_agent_whose_coordinator_went_with_the_operator_takes_the_next_ones_abort(
+    tmp_path: Path,
+    coordinator: ThreadedCoordinator,
+    sleeper: subprocess.Popen[bytes],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A `helm upgrade` rolls the operator and the agents at once: the agent is stopping while its rank
+    waits released mid-dump, and the session's coordinator is gone with the old operator. The agent
+    still serves the API until its session ends, so the next operator's abort, naming its own
+    coordinator, reaches it and the rank is rebuilt and runs before the agent exits; no new session
+    starts meanwhile."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    started = tmp_path / "dump-started"
+    criu = bin_dir / "criu"
+    criu.write_text(f"#!/bin/sh\ntouch {started}\nexec sleep 3\n")
+    criu.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    state = tmp_path / "state"
+    agent = Running(state)
+    shim = registered_shim(state, sleeper.pid)
+    old = ThreadedCoordinator()
+    old.start()
+    session, tokens = old.create_session({"node-x"})
+    agent.client().checkpoint(checkpoint_request(old, session, tokens["node-x"]))
+    deadline = time.monotonic() + 60
+    while not started.exists():
+        assert time.monotonic() < deadline, f"the dump never started: {shim.commands}"
+        time.sleep(0.2)
+    old.stop()  # the operator and its coordinator are gone
+    assert shim.state == "released", shim.commands
+
+    stopping = threading.Thread(target=agent.stop, kwargs={"stop_timeout_s": 60})
+    began = time.monotonic()
+    stopping.start()
+    client = agent.client()
+    while True:  # a stopping agent starts nothing
+        try:
+            client.checkpoint(checkpoint_request(coordinator, "ckj-later", "t"))
+        except AgentError as refused:
+            if refused.status == 503:
+                assert "is stopping" in str(refused), refused
+                break
+            raise
+        assert time.monotonic() < deadline, "the agent never said it was stopping"
+        time.sleep(0.2)
+    _, recovery_tokens = coordinator.create_session({"node-x"}, session_id=session)
+    client.abort(
+        session, "operator: OperatorRestarted", (f"127.0.0.1:{coordinator.port}", recovery_tokens["node-x"])
+    )
+    stopping.join(90)
+    took = time.monotonic() - began
+    assert not stopping.is_alive() and took < 50, f"the agent took {took:.0f} s to stop"
+    assert shim.state == "running", shim.commands
+    assert shim.commands[-2:] == ["rebuild", "resume"], shim.commands
+    assert not recovery.record_path(state, session).exists()

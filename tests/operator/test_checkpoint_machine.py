@@ -334,6 +334,24 @@ def test_an_abort_that_is_not_confirmed_in_time_still_ends() -> None:
     assert "not confirmed within 120s for ring-1, ring-2" in (job.state.message or "")
 
 
+def test_a_restart_mid_abort_asks_again_with_the_whole_abort_bound() -> None:
+    """The next operator's abort opens a new coordinator for the released ranks: it gets the whole
+    bound, not what the last operator left of it (a helm upgrade rolls the agents meanwhile)."""
+    job = Driver()
+    job.to_phase(JobPhase.RELEASING)
+    job.send(StepFailed(job.attempt, "SessionAborted", "node-2: the node agent is stopping"))
+    first = job.attempt
+    job.send(OperatorRestarted(), after=SPEC.timeouts.abort_seconds - 10)
+    assert job.state.phase == JobPhase.ABORTING and job.attempt != first
+    assert len(job.of_type(ResumeAll)) == 2
+    assert job.last.wake_at == job.now + SPEC.timeouts.abort_seconds
+    job.send(Tick(), after=SPEC.timeouts.abort_seconds - 1)
+    assert job.state.phase == JobPhase.ABORTING
+    job.all_done()
+    assert job.state.phase == JobPhase.FAILED and job.state.reason == "SessionAborted"
+    assert "not confirmed" not in (job.state.message or "")
+
+
 def test_stale_results_are_ignored() -> None:
     job = Driver()
     job.to_phase(JobPhase.DUMPING)

@@ -464,15 +464,17 @@ class CheckpointJobDriver(CheckpointStoreDriver):
     async def _send_abort(
         self, agent: Agent, session_id: str, rejoin: tuple[str, str] | None
     ) -> SessionReport | None:
-        """The abort, retried while the agent is silent: one that is restarting (it crashed mid-session)
-        answers again soon, and brings back what its predecessor left. Raises AgentError once it has
-        been silent for as long as a session's poll may be, or at once on an error it answered."""
+        """The abort, retried while the agent is silent or stopping (503): one that is restarting (it
+        crashed, or a rollout replaces it) answers again soon, and brings back what its predecessor
+        left. Raises AgentError once it has been silent for as long as a session's poll may be, or at
+        once on another error it answered."""
         reason = (self.state.message if self.state else None) or "aborted by the operator"
         asked = time.monotonic()
         while True:
             try:
                 return await self.rt.gateway.abort(agent, session_id, reason[:1000], rejoin)
             except AgentError as error:
-                if error.status or time.monotonic() - asked > current().agent_unreachable_seconds:
+                answered = error.status not in (0, 503)
+                if answered or time.monotonic() - asked > current().agent_unreachable_seconds:
                     raise
                 await asyncio.sleep(current().poll_seconds)

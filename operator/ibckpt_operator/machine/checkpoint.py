@@ -384,6 +384,10 @@ class CheckpointMachine:
             if step == JobStep.ADMIT:  # admit again from scratch: an agent may have gone meanwhile
                 state = all_marked(state, Mark.SELECTED)
             state, actions = self._issue(state, step, now)
+            if state.phase == JobPhase.ABORTING:
+                # the whole bound again: the last operator's coordinator went with it, and the ranks
+                # it left released rebuild only through the one this abort opens
+                state = replace(state, phase_since=now)
             return self._done(replace(state, retry_at=None), actions, now)
         if policy == Unknown.VERIFY:
             state, actions = self._issue(state, JobStep.VERIFY_COMMIT, now)

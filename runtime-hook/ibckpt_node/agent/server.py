@@ -129,9 +129,12 @@ class AgentServer:
         log.info("node agent for %s serving %s", self.node, self.address)
 
     async def close(self, stop_timeout_s: float = 30.0) -> None:
+        """Stop: the API is served until the sessions ended. A `helm upgrade` rolls the operator with
+        the agents, and a session that lost its coordinator mid-abort brings its released ranks back
+        only through the abort naming the next operator's; new sessions are refused meanwhile."""
         self.ready = False
-        await self.http.close()
         await self.sessions.close(stop_timeout_s)
+        await self.http.close()
         await self.registry.close()
 
     def _finished(self, report: api.SessionReport) -> None:

@@ -74,6 +74,7 @@ class Sessions:
         )
         self.sessions: dict[str, Session] = {}
         self.sweeper: asyncio.Task[None] | None = None
+        self.stopping = False  # close() runs: aborts are served, no session starts
 
     def running(self) -> list[str]:
         return [sid for sid, s in self.sessions.items() if not s.report.state.finished]
@@ -122,6 +123,8 @@ class Sessions:
         return resolved
 
     def _check_free(self, session_id: str) -> None:
+        if self.stopping:
+            raise SessionError(503, f"the node agent on {self.agent.node} is stopping: ask its successor")
         if session_id in self.sessions:
             raise SessionError(409, f"session {session_id!r} exists on {self.agent.node}")
         busy = self.running()
@@ -290,6 +293,7 @@ class Sessions:
     async def close(self, timeout_s: float = 30.0) -> None:
         """Abort what runs and wait up to `timeout_s` for it to end (its ranks running again). What is
         still going then is left to the next agent of this node, which adopts it (`_adopt`)."""
+        self.stopping = True
         if self.sweeper is not None:
             self.sweeper.cancel()
             await asyncio.wait([self.sweeper])
