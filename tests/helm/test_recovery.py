@@ -9,6 +9,9 @@ every message delivered exactly once.
    recovery starts but replaces nothing while node-1 might still run ring-0 (fencing, docs/recovery.md).
    The testbed then plays the cloud and deletes the vanished node's Node: the job comes back on node-2.
    A fresh guest then takes node-1's place, so the session's cluster goes on with two nodes.
+
+Between the two, the nodes' disks: once its sessions ended, no node keeps checkpoint images or restore
+staging, but a failed checkpoint's, kept for a while on purpose (docs/node-agent.md, what stays on a node).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from testbed.cluster import delete_vanished_node
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(2400)]
 
 SCHEDULE = "ring"
+HOST_DIR = "/var/lib/ibckpt"  # the chart's agent.hostDir
 
 
 def _checkpoints(installed: Release, namespace: str) -> list[dict[str, Any]]:
@@ -54,6 +58,46 @@ def _newest_checkpoint(installed: Release, namespace: str) -> dict[str, Any]:
         ring.wait_phase(cluster, namespace, "checkpointjob", job["metadata"]["name"], "Succeeded", 600)
     found = sorted(_checkpoints(installed, namespace), key=lambda c: c["metadata"]["creationTimestamp"])
     return found[-1]
+
+
+# Run in a node's agent: the bytes of checkpoint images and of restore staging in the node's ibckpt dir.
+# A failed checkpoint's images stay, marked kept.json, for the chart's keepFailedImages bound: not counted.
+LEFT_ON_DISK = """
+import os, sys
+def size(top, only=None):
+    total = 0
+    for root, dirs, files in os.walk(top):
+        if "kept.json" in files:
+            dirs.clear()
+            continue
+        if only is None or only in root.split(os.sep):
+            total += sum(os.lstat(os.path.join(root, f)).st_size for f in files)
+    return total
+print(size(sys.argv[1] + "/sessions", "images"), size(sys.argv[1] + "/restore"))
+"""
+
+
+def _left_on_disk(installed: Release) -> dict[str, tuple[int, int]]:
+    """Each node's (image bytes, restore staging bytes) under the agents' host dir (of running agents)."""
+    found = {}
+    for agent in installed.agent_pods():
+        if agent["status"].get("phase") != "Running":
+            continue
+        out = installed.cluster.kubectl(
+            "exec", "-n", installed.namespace, agent["metadata"]["name"], "--",
+            "/opt/ibckpt/venv/bin/python", "-c", LEFT_ON_DISK, HOST_DIR,
+        ).stdout.split()  # fmt: skip
+        found[agent["spec"]["nodeName"]] = (int(out[0]), int(out[1]))
+    return found
+
+
+def _nothing_left_on_disk(installed: Release) -> None:
+    deadline = time.monotonic() + 120
+    while any(sum(left) for left in _left_on_disk(installed).values()):
+        assert time.monotonic() < deadline, (
+            f"(image, staging) bytes left per node: {_left_on_disk(installed)}"
+        )
+        time.sleep(5)
 
 
 def _uids(cluster: Any, namespace: str) -> dict[str, str]:
@@ -116,7 +160,10 @@ def test_a_dead_rank_then_a_dead_node_bring_the_job_back_from_its_last_checkpoin
     assert not set(after.values()) & set(before.values()), (before, after)
     assert ring.placement(cluster, job_ns) == {"ring-0": "node-1", "ring-1": "node-2"}
     ring.running(cluster, job_ns)
+    # a checkpoint and a restore went through both nodes: neither keeps their images or staging
+    _nothing_left_on_disk(installed)
     _a_dead_node(installed, job_ns, {c["metadata"]["name"] for c in _checkpoints(installed, job_ns)})
+    _nothing_left_on_disk(installed)  # a second checkpoint and a restore onto node-2 alone
     ring.finish(cluster, job_ns)
     cluster.kubectl("delete", "checkpointschedule", SCHEDULE, "-n", job_ns, "--wait=false")
 

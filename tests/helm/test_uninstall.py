@@ -115,7 +115,8 @@ def _upgrade_during_a_checkpoint(installed: Release, job_ns: str) -> None:
     status = _wait("the job met by the upgrade ends", ended, timeout=900)["status"]
     installed.rollout(f"daemonset/{RELEASE}-agent")
     installed.operator_leading()
-    print(f"upgrade met the job in {met}: it ended {status['phase']} ({status.get('reason')})")
+    ended = f"{status['phase']} ({status.get('reason')}: {status.get('message')})"
+    print(f"upgrade met the job in {met}: it ended {ended}")
     if status["phase"] == "Failed":  # aborted: every rank was resumed, the partial checkpoint not listed
         listed = pods.get(cluster, job_ns, "checkpoints.ibckpt.io")["items"]
         assert [c["metadata"]["name"] for c in listed] == [checkpoint], listed
