@@ -115,8 +115,8 @@ def _upgrade_during_a_checkpoint(installed: Release, job_ns: str) -> None:
     status = _wait("the job met by the upgrade ends", ended, timeout=900)["status"]
     installed.rollout(f"daemonset/{RELEASE}-agent")
     installed.operator_leading()
-    ended = f"{status['phase']} ({status.get('reason')}: {status.get('message')})"
-    print(f"upgrade met the job in {met}: it ended {ended}")
+    outcome = f"{status['phase']} ({status.get('reason')}: {status.get('message')})"
+    print(f"upgrade met the job in {met}: it ended {outcome}")
     if status["phase"] == "Failed":  # aborted: every rank was resumed, the partial checkpoint not listed
         listed = pods.get(cluster, job_ns, "checkpoints.ibckpt.io")["items"]
         assert [c["metadata"]["name"] for c in listed] == [checkpoint], listed
@@ -128,6 +128,7 @@ def _upgrade_during_a_checkpoint(installed: Release, job_ns: str) -> None:
     assert refused["reason"] == "PreflightRefused", refused
     assert "refusing to checkpoint on this node: its images would need about" in refused["message"], refused
     assert f"of which the agent leaves 1024.0 GiB ({TIB} bytes)" in refused["message"], refused
+    assert "resume failed" not in refused["message"], refused  # the ranks never stopped
     ring.running(cluster, job_ns)
     ring.finish(cluster, job_ns)  # the ranks still deliver every message exactly once
 

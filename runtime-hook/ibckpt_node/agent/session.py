@@ -232,7 +232,8 @@ def finish_failed(session: Session, state: api.SessionState, message: str) -> No
     report.message = message
     # Ranks that run again (LeaveRunning resumed them before a failed upload, or the driver's abort
     # brought them back) say so: the operator counts the others as lost.
-    all_back = engine is not None and engine.report.outcome == "Succeeded"
+    # a refusal came before any rank was touched: they never stopped running
+    all_back = engine is not None and engine.report.outcome in ("Succeeded", "Refused")
     recovered = engine.report.shim.get("abort", {}) if engine is not None else {}
     for progress in report.ranks:
         back = all_back or progress.rank_key in recovered
