@@ -118,6 +118,8 @@ def _upgrade_during_a_checkpoint(installed: Release, job_ns: str) -> None:
     outcome = f"{status['phase']} ({status.get('reason')}: {status.get('message')})"
     print(f"upgrade met the job in {met}: it ended {outcome}")
     if status["phase"] == "Failed":  # aborted: every rank was resumed, the partial checkpoint not listed
+        message = status.get("message") or ""
+        assert "resume failed" not in message and "not confirmed" not in message, status
         listed = pods.get(cluster, job_ns, "checkpoints.ibckpt.io")["items"]
         assert [c["metadata"]["name"] for c in listed] == [checkpoint], listed
     ring.running(cluster, job_ns)  # no rank died or was restarted
