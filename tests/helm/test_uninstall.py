@@ -1,6 +1,7 @@
-"""The session's release at its end: a `helm upgrade` that rolls the agents and the operator while a
-checkpoint runs (and gives the agents a disk reserve no node can honour: the next checkpoint is refused;
-a checkpoint from before it, its object deleted and imported again from the bucket, restores),
+"""The session's release at its end: a `helm upgrade` to a release with another shim file, which rolls
+the agents and the operator while a checkpoint runs (and gives the agents a disk reserve no node can
+honour: the next checkpoint is refused; a checkpoint from before it, its object deleted and imported
+again from the bucket, restores with the shim build its processes mapped),
 an upgrade that leaves a node without a prerequisite, then `helm uninstall`, after which the nodes are as
 they were before the install and the agents' storage grants are gone.
 
@@ -20,12 +21,14 @@ from helm.conftest import NAMESPACE, RELEASE, Release
 
 from testbed import pods, ring
 from testbed.cluster import NODE_NAMES, Cluster, kubectl_ibckpt
-from testbed.images import APPS_IMAGE
+from testbed.images import APPS_IMAGE, NEXT_IMAGE
 from testbed.release import CHART, helm
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(2400)]
 
 READY_LABEL = "ibckpt.io/runtime-ready"
+HOST_LIB = "/host/usr/local/lib/ibckpt"  # the node's, in the agent
+IN_SHIM = "/run/ibckpt/lib/libibckpt.so"  # the shim where a container sees it (hook/oci.py)
 REASON_MISSING = "NodePrerequisiteMissing"
 NS = "bystanders"
 NODE_FILES = (
@@ -90,6 +93,9 @@ def _upgrade_during_a_checkpoint(installed: Release, job_ns: str) -> None:
     pods.apply(cluster, job_ns, ring.checkpoint_job("before", "LeaveRunning"))
     before = ring.wait_phase(cluster, job_ns, "checkpointjob", "before", "Succeeded", 900)
     checkpoint = before["status"]["checkpointName"]
+    # the shim build the ranks' processes map, which a restore after the upgrade must mount again
+    old_shim = pods.get(cluster, job_ns, "checkpoints.ibckpt.io", checkpoint)["spec"]["requires"]["shim"]
+    assert old_shim, "the checkpoint records no shim build"
 
     pods.apply(cluster, job_ns, ring.checkpoint_job("during", "LeaveRunning"))
 
@@ -99,12 +105,11 @@ def _upgrade_during_a_checkpoint(installed: Release, job_ns: str) -> None:
         return None if phase in NOT_YET else phase
 
     met = _wait("the job on the nodes", on_the_nodes, timeout=600)
-    # what a new release changes (here an annotation, as an image tag would): every pod of the chart rolls;
-    # and the agents now leave more of their disk to the node than the node has
+    # a new release (its image ships another shim file): every pod of the chart rolls; and the agents
+    # now leave more of their disk to the node than the node has
     helm(
         cluster, "upgrade", RELEASE, str(CHART), "--namespace", NAMESPACE, "--reuse-values",
-        "--set-string", "agent.podAnnotations.ibckpt-test/revision=2",
-        "--set-string", "operator.podAnnotations.ibckpt-test/revision=2",
+        "--set", f"image.tag={NEXT_IMAGE.rsplit(':', 1)[1]}",
         "--set", f"agent.diskReserveBytes={TIB}",
     )  # fmt: skip
 
@@ -145,12 +150,34 @@ def _upgrade_during_a_checkpoint(installed: Release, job_ns: str) -> None:
     cluster.kubectl("delete", "pod", "-n", job_ns, *ring.MEMBERS, "--timeout=120s", timeout=150)
     pods.apply(cluster, job_ns, ring.restore_job("after", checkpoint))
     ring.wait_phase(cluster, job_ns, "restorejob", "after", "Succeeded", 900)
+    _restored_with_their_own_shim(installed, job_ns, old_shim)
     ring.finish(cluster, job_ns)
     # the team's objects go while the operator runs (their finalizers are its); the namespace stays,
     # with the agents' storage grant the operator made there, for helm uninstall to take away
     for kinds in ("checkpoints.ibckpt.io", "checkpointjobs.ibckpt.io,restorejobs.ibckpt.io,pods", STORAGES):
         cluster.kubectl("delete", kinds, "--all", "-n", job_ns, "--timeout=180s", timeout=200)
     assert _grants(cluster, job_ns) == ["role", "rolebinding"], "no storage grant was made"
+
+
+def _restored_with_their_own_shim(installed: Release, job_ns: str, old_shim: str) -> None:
+    """Each node keeps the old shim build beside the new release's current one, and the restored
+    containers mount the old build their processes mapped when they were checkpointed."""
+    cluster = installed.cluster
+    for agent in installed.agent_pods():
+        if agent["metadata"].get("deletionTimestamp"):
+            continue
+        name, node = agent["metadata"]["name"], agent["spec"]["nodeName"]
+        listed = cluster.kubectl(
+            "exec", "-n", NAMESPACE, name, "--", "sh", "-c",
+            f"ls {HOST_LIB}/builds; cat /host/etc/ibckpt/node.json",
+        ).stdout  # fmt: skip
+        builds, config = listed.split("{", 1)
+        current = json.loads("{" + config)["shim"]
+        assert old_shim in builds.split() and len(builds.split()) >= 2, (node, listed)
+        assert old_shim not in current, f"{node}'s current shim is still the old build: {current}"
+    for member in ring.MEMBERS:
+        mapped = cluster.kubectl("exec", "-n", job_ns, member, "--", "sha256sum", IN_SHIM).stdout
+        assert mapped.split()[0] == old_shim, (member, mapped)
 
 
 def test_an_upgrade_mid_checkpoint_a_missing_prerequisite_then_helm_uninstall(

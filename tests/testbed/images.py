@@ -7,7 +7,8 @@ debootstrap and named the way Dockerfiles ask for it (`debian:bookworm-slim`). b
 - the pause image, from the Kubernetes tree's own pause.c (kept by build-kube.sh);
 - `rdma-apps`, test programs as outsiders ship them: Debian's perftest, ibverbs-utils,
   rdmacm-utils, Open MPI and pyverbs, plus the project's verbs test programs;
-- the product image, from the repository's own Dockerfile, as a user would build it.
+- the product image, from the repository's own Dockerfile, as a user would build it;
+- its next release (`ibckpt:next`): the same image with another shim file, for the upgrade story.
 
 Each image is written as a docker-archive tar that `ctr images import` takes, cached in
 $IBCKPT_CACHE/images under a hash of its inputs: a second run costs nothing.
@@ -39,6 +40,7 @@ BASE_NAME = "docker.io/library/debian:bookworm-slim"
 PAUSE_IMAGE = "ibckpt.local/pause:3.2"
 APPS_IMAGE = "ibckpt.local/rdma-apps:test"
 PRODUCT_IMAGE = "ibckpt.local/ibckpt:dev"
+NEXT_IMAGE = "ibckpt.local/ibckpt:next"  # the upgrade story's later release: another shim file
 IMAGES_DIR = REPO / "tests" / "images"
 
 # Settings of this machine that apt inside a build step needs (read-only mounts).
@@ -268,7 +270,32 @@ def product(log: Path) -> Image:
     return _bud(PRODUCT_IMAGE, dockerfile, REPO, key, log)
 
 
-BUILDERS = {"pause": pause, "rdma-apps": apps, "ibckpt": product}
+# The next release's shim: the same code with a trailer, so another file (another size and sha256) at
+# the same path, as a changed shim is to CRIU and to the node's kept builds. The loader maps only the
+# segments the ELF headers name, so the trailer is never read.
+NEXT_SHIM = "usr/lib/ibckpt/libibckpt.so"  # the Dockerfile's
+NEXT_SHIM_TRAILER = b"\n# ibckpt testbed: the next release's shim\n"
+
+
+def next_release(log: Path) -> Image:
+    """The product image as a later release would ship it, for `helm upgrade --set image.tag=next`."""
+    built = product(log)
+    key = _hash_files([], f"{built.tar.name}\0{NEXT_SHIM}\0{NEXT_SHIM_TRAILER!r}")
+    if (hit := _cached(NEXT_IMAGE, key)) is not None:
+        return hit
+    ctr = _buildah("from", "-q", f"docker-archive:{built.tar}", log=log).splitlines()[-1]
+    try:
+        root = Path(_buildah("mount", ctr, log=log).splitlines()[-1])
+        with open(root / NEXT_SHIM, "ab") as shim:
+            shim.write(NEXT_SHIM_TRAILER)
+        _buildah("umount", ctr, log=log)
+        _buildah("commit", ctr, NEXT_IMAGE, log=log)
+    finally:
+        _buildah("rm", ctr, log=log)
+    return _export(NEXT_IMAGE, key, log)
+
+
+BUILDERS = {"pause": pause, "rdma-apps": apps, "ibckpt": product, "ibckpt-next": next_release}
 
 # How long an unused node store (another checkout's) is kept before a new one replaces it.
 STORE_KEEP_S = 6 * 3600
