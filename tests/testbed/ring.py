@@ -181,11 +181,28 @@ def finish(cluster: Cluster, namespace: str) -> list[dict[str, str]]:
     for name in MEMBERS:
         cluster.kubectl("exec", "-n", namespace, name, "--", "touch", "/tmp/stop")
     for name in MEMBERS:
-        pods.wait_pod(cluster, namespace, name, {"Succeeded"}, timeout=300)
+        try:
+            pods.wait_pod(cluster, namespace, name, {"Succeeded"}, timeout=300)
+        except AssertionError as stuck:  # how the jobs that touched the ranks ended, last (CI shows the end)
+            raise AssertionError(
+                f"{stuck}\n--- the namespace's jobs\n{job_outcomes(cluster, namespace)}"
+            ) from None
     log = "".join(cluster.kubectl("logs", "-n", namespace, name).stdout for name in MEMBERS)
     assert log.count("ring-done") == 2, log[-3000:]
     assert_exactly_once(log)
     return results(log)
+
+
+def job_outcomes(cluster: Cluster, namespace: str) -> str:
+    """Each CheckpointJob and RestoreJob of the namespace: its phase, reason and message."""
+    columns = ",".join(
+        f"{title}:{path}"
+        for title, path in (("KIND", ".kind"), ("NAME", ".metadata.name"), ("PHASE", ".status.phase"),
+                            ("REASON", ".status.reason"), ("MESSAGE", ".status.message"))
+    )  # fmt: skip
+    kinds = "checkpointjobs.ibckpt.io,restorejobs.ibckpt.io"
+    found = cluster.kubectl("get", kinds, "-n", namespace, "-o", f"custom-columns={columns}", check=False)
+    return (found.stdout + found.stderr)[-3000:]
 
 
 # The same ring as a StatefulSet `ring`: one template, so each pod's role comes from its hostname; the
