@@ -28,7 +28,7 @@ from ibckpt.agentapi import (
     RankRef,
     SessionReport,
 )
-from ibckpt_node.agent import recovery
+from ibckpt_node.agent import disk, recovery
 from testbed.coordinator import ThreadedCoordinator
 
 
@@ -163,6 +163,11 @@ def test_a_restarted_agent_brings_back_the_ranks_its_dead_predecessor_left_relea
         first.client().checkpoint(checkpoint_request(coordinator, session, token, Mode.STOP))
         assert wait_finished(first.client(), session).phase == "Stopped"
         first.crash()  # killed while its ranks wait released (an upload, say)
+        # ... and before it settled the images it dumped: they are on the disk, unmarked
+        images = disk.session_dir(state, session) / "images"
+        (images / "pod-c1.main").mkdir(parents=True, exist_ok=True)
+        (images / "pod-c1.main" / "pages-1.img").write_bytes(b"\0" * 4096)
+        (disk.session_dir(state, session) / disk.KEPT).unlink(missing_ok=True)
 
         second = Running(state)
         client = second.client()
@@ -182,6 +187,10 @@ def test_a_restarted_agent_brings_back_the_ranks_its_dead_predecessor_left_relea
         assert shim.commands[-4:] == ["abort", "status", "rebuild", "resume"], shim.commands
         assert shim.state == "running"
         assert not recovery.record_path(state, session).exists()
+        # the predecessor's images are kept as an aborted checkpoint's: the sweep's bound counts from now
+        marker = disk.kept(state, session)
+        assert marker is not None and marker[0] == "aborted" and time.time() - marker[1] < 60, marker
+        assert (images / "pod-c1.main" / "pages-1.img").exists()
     finally:
         if second is not None:
             second.stop()

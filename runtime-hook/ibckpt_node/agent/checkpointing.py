@@ -91,7 +91,7 @@ async def run(agent: Agent, session: Session) -> None:
         state = api.SessionState.ABORTED if aborted and session.abort_reason else api.SessionState.FAILED
         finish_failed(session, state, str(exc))
     except asyncio.CancelledError:
-        why = "aborted"
+        why = disk.ABORTED
         if not session.recovering:  # a recovery reports for itself
             finish_failed(session, api.SessionState.ABORTED, session.abort_reason or "cancelled")
     except Exception as exc:

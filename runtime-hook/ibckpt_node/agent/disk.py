@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 KEPT = "kept.json"  # {"why": ..., "at": epoch seconds}: why a session's images stay, since when
 RESULT = "result"  # why: a checkpoint asked without a store; its images are what it made
 UPLOAD_FAILED = "upload failed"
+ABORTED = "aborted"
 DEFAULT_KEEP_FAILED_S = 6 * 3600.0
 SWEEP_EVERY_S = 600.0
 TRASH = "trash"

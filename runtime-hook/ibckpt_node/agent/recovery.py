@@ -31,6 +31,7 @@ from pydantic import ValidationError
 from ibckpt.agentapi import models as api
 from ibckpt.coordination.client import CoordinatorClient, CoordinatorError
 from ibckpt_node import driver
+from ibckpt_node.agent import disk
 from ibckpt_node.agent.session import Agent, Session, connect, finish_failed, shim_channels
 from ibckpt_node.coord_proxy import ShimCoordinatorProxy
 
@@ -149,9 +150,26 @@ async def run(
         report.phases = {**phases, **report.phases}
         if all(p.phase is api.RankPhase.RESUMED for p in report.ranks):
             forget(agent.work_dir, request.session_id)
+        settle_left(agent, request.session_id)
         report.finished_at = time.time()
         log.info("session %s: %s (recovery) %s", request.session_id, report.state.value, report.message)
         agent.on_finished(report)
+
+
+def settle_left(agent: Agent, session_id: str) -> None:
+    """Images a previous agent dumped and died before settling (no marker): kept as an aborted
+    checkpoint's are, so the sweep's bound counts from now and says why (or removed at once when
+    failed images are not kept). What this agent's own session settled is left as it is."""
+    images = disk.session_dir(agent.work_dir, session_id) / "images"
+    try:
+        if not images.is_dir() or disk.kept(agent.work_dir, session_id) is not None:
+            return
+        if agent.keep_failed_images_s > 0:
+            disk.keep(agent.work_dir, session_id, disk.ABORTED)
+        else:
+            disk.release(agent.work_dir, session_id)
+    except OSError as exc:
+        log.warning("session %s: its images in %s: %s", session_id, images, exc)
 
 
 async def rejoin(agent: Agent, session: Session, proxy: ShimCoordinatorProxy) -> CoordinatorClient | None:
