@@ -288,3 +288,57 @@ def test_a_stopping_agent_whose_coordinator_went_with_the_operator_takes_the_nex
     assert shim.state == "running", shim.commands
     assert shim.commands[-2:] == ["rebuild", "resume"], shim.commands
     assert not recovery.record_path(state, session).exists()
+
+
+class ShimWithoutItsPeer(Shim):
+    """A rebuild that fails until `peer_back` (its peer's agent was away: a stopping agent mid-cut)."""
+
+    peer_back = False
+
+    def answer(self, verb: str) -> tuple[bool, dict[str, object]]:
+        if verb == "rebuild" and not self.peer_back:
+            return False, {"phase": "rebuild", "ok": False, "error": "no record of peer"}
+        return super().answer(verb)
+
+
+def test_a_rank_the_abort_could_not_rebuild_keeps_its_record_for_the_next_agent(
+    tmp_path: Path,
+    coordinator: ThreadedCoordinator,
+    sleeper: subprocess.Popen[bytes],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The dump fails after the release and the rebuild finds no peer: the rank stays released, the
+    session says so, and its record stays, so the node's next agent (a rollout) brings it back on the
+    operator's abort once the peer is there."""
+    monkeypatch.setenv("PATH", "/nonexistent")  # no criu: the dump fails after the cut
+    state = tmp_path / "state"
+    first = Running(state)
+    second: Running | None = None
+    try:
+        ctl = state / "containers" / "c1" / "ctl"
+        ctl.mkdir(parents=True)
+        shim = ShimWithoutItsPeer(ctl / "1.sock")
+        register_entry(state, sleeper.pid, "c1")
+        session, tokens = coordinator.create_session({"node-x"})
+        token = tokens["node-x"]
+        first.client().checkpoint(checkpoint_request(coordinator, session, token))
+        report = wait_finished(first.client(), session)
+        [rank] = report.ranks
+        assert (report.state, rank.phase) == ("Failed", "Failed"), report
+        assert shim.state == "released"
+        assert recovery.record_path(state, session).exists()
+        first.crash()  # a rollout replaces it
+
+        shim.peer_back = True
+        second = Running(state)
+        second.client().abort(
+            session, "operator: OperatorRestarted", (f"127.0.0.1:{coordinator.port}", token)
+        )
+        report = wait_finished(second.client(), session)
+        [rank] = report.ranks
+        assert (report.state, rank.phase) == ("Aborted", "Resumed"), report
+        assert shim.state == "running" and shim.commands[-2:] == ["rebuild", "resume"], shim.commands
+        assert not recovery.record_path(state, session).exists()
+    finally:
+        if second is not None:
+            second.stop()

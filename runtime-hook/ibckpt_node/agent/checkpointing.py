@@ -101,7 +101,10 @@ async def run(agent: Agent, session: Session) -> None:
         if session.engine is not None:
             # the renewals went on through the upload; a Held rank is handed over with no lease
             await session.engine.end_leases()
-        if not session.held:  # every rank runs again: nothing for a next agent to bring back
+        # Every rank runs again: nothing for a next agent to bring back. A rank the abort could not
+        # rebuild (its peer was away: an agent stopping mid-cut) keeps the record for the next agent.
+        back = all(p.phase is not api.RankPhase.FAILED for p in report.ranks)
+        if not session.held and back:
             recovery.forget(agent.work_dir, request.session_id)
         await settle(agent, session, images, staged, why or report.state.value.lower())
         if not session.recovering:
