@@ -277,9 +277,10 @@ NEXT_SHIM = "usr/lib/ibckpt/libibckpt.so"  # the Dockerfile's
 NEXT_SHIM_TRAILER = b"\n# ibckpt testbed: the next release's shim\n"
 
 
-def next_release(log: Path) -> Image:
-    """The product image as a later release would ship it, for `helm upgrade --set image.tag=next`."""
-    built = product(log)
+def next_release(log: Path, built: Image | None = None) -> Image:
+    """The product image (`built`, or built now) as a later release would ship it, for
+    `helm upgrade --set image.tag=next`."""
+    built = built or product(log)
     key = _hash_files([], f"{built.tar.name}\0{NEXT_SHIM}\0{NEXT_SHIM_TRAILER!r}")
     if (hit := _cached(NEXT_IMAGE, key)) is not None:
         return hit
@@ -363,12 +364,13 @@ def build(only: Sequence[str] = (), log: Path | None = None) -> dict[str, Image]
     """Build (or take from the cache) every image; returns them by short name."""
     log = log or cache_dir() / "images" / "build.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    out = {}
+    out: dict[str, Image] = {}
     for short, builder in BUILDERS.items():
         if only and short not in only:
             continue
         started = time.monotonic()
-        out[short] = builder(log)
+        # the next release derives from the product image this build made, not from one built again
+        out[short] = next_release(log, out.get("ibckpt")) if builder is next_release else builder(log)
         print(f"images: {short} {out[short].name} ({time.monotonic() - started:.1f}s) {out[short].tar}")
     return out
 
