@@ -44,6 +44,7 @@ from ibckpt_operator.machine.core import (
     PodsClaimed,
     PodsSelected,
     PodStepDone,
+    SessionAborted,
     SessionOpened,
     StepAction,
     StepFailed,
@@ -350,6 +351,20 @@ def test_a_restart_mid_abort_asks_again_with_the_whole_abort_bound() -> None:
     job.all_done()
     assert job.state.phase == JobPhase.FAILED and job.state.reason == "SessionAborted"
     assert "not confirmed" not in (job.state.message or "")
+
+
+def test_a_session_abort_seen_after_the_step_moved_on_still_aborts() -> None:
+    """A node's abort (its agent stopping mid-cut) reaches the coordinator while the machine goes on to
+    the next step: it is not that step's result, so it aborts whichever step is in flight."""
+    job = Driver()
+    job.to_phase(JobPhase.QUIESCING)
+    job.advance()  # the next step is issued before the abort is handled
+    assert job.state.phase != JobPhase.QUIESCING
+    job.send(SessionAborted("SessionAborted", "node-1: the node agent is stopping"))
+    assert job.state.phase == JobPhase.ABORTING and job.state.reason == "SessionAborted"
+    assert job.of_type(ResumeAll)
+    job.send(SessionAborted("SessionAborted", "node-2: late"))  # a second one changes nothing
+    assert job.state.message == "node-1: the node agent is stopping"
 
 
 def test_stale_results_are_ignored() -> None:

@@ -63,6 +63,7 @@ from ibckpt_operator.machine.core import (
     PodsClaimed,
     PodsSelected,
     PodStepDone,
+    SessionAborted,
     SessionOpened,
     StepAction,
     StepFailed,
@@ -266,10 +267,9 @@ class CheckpointJobDriver(CheckpointStoreDriver):
         """The coordinator session was aborted; a node's preflight refusal is named as the agents'
         reports would name it, whichever of the two arrives first."""
         assert self.state is not None
-        if self.state.phase not in (JobPhase.ABORTING, *TERMINAL) and self.state.attempt:
-            self.emit(
-                StepFailed(self.state.attempt, "PreflightRefused" if refused else "SessionAborted", reason)
-            )
+        if self.state.phase not in (JobPhase.ABORTING, *TERMINAL):
+            # not tied to the step in flight: the machine may have moved on before it sees this
+            self.emit(SessionAborted("PreflightRefused" if refused else "SessionAborted", reason))
 
     def report_progress(self) -> None:
         """One PodStepDone per pod that has reached the step in flight's milestone (once per attempt)."""

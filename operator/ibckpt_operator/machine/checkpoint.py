@@ -58,6 +58,7 @@ from ibckpt_operator.machine.core import (
     PodsSelected,
     PodStepDone,
     RunState,
+    SessionAborted,
     SessionOpened,
     StepAction,
     StepFailed,
@@ -235,6 +236,8 @@ class CheckpointMachine:
             return self._abort(state, "Cancelled", "the CheckpointJob was deleted", now)
         if isinstance(event, PodLost):
             return self._pod_lost(state, event, now)
+        if isinstance(event, SessionAborted):
+            return self._abort(state, event.reason, event.message, now)
         if isinstance(event, Tick):
             if state.waiting_for and state.retry_at is not None and now >= state.retry_at:
                 state, actions = self._issue(state, JobStep.CLAIM, now)

@@ -300,6 +300,15 @@ class StepFailed(Event):
 
 
 @dataclass(frozen=True)
+class SessionAborted(Event):
+    """The job's coordinator session was aborted (a node refused, failed or is stopping). Not the result
+    of one step: it aborts whichever is in flight, so it is never stale."""
+
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
 class PodLost(Event):
     """A member pod is gone or is no longer the pod that was admitted (deleted, restarted, other UID)."""
 
