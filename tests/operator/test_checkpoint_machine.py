@@ -335,14 +335,16 @@ def test_an_abort_that_is_not_confirmed_in_time_still_ends() -> None:
     assert "not confirmed within 120s for ring-1, ring-2" in (job.state.message or "")
 
 
-def test_a_restart_mid_abort_asks_again_with_the_whole_abort_bound() -> None:
+@pytest.mark.parametrize("down_s", [-10, 60], ids=["within-the-bound", "past-the-bound"])
+def test_a_restart_mid_abort_asks_again_with_the_whole_abort_bound(down_s: float) -> None:
     """The next operator's abort opens a new coordinator for the released ranks: it gets the whole
-    bound, not what the last operator left of it (a helm upgrade rolls the agents meanwhile)."""
+    bound, not what the last operator left of it (a helm upgrade rolls the agents meanwhile), even
+    when no operator ran for longer than the bound."""
     job = Driver()
     job.to_phase(JobPhase.RELEASING)
     job.send(StepFailed(job.attempt, "SessionAborted", "node-2: the node agent is stopping"))
     first = job.attempt
-    job.send(OperatorRestarted(), after=SPEC.timeouts.abort_seconds - 10)
+    job.send(OperatorRestarted(), after=SPEC.timeouts.abort_seconds + down_s)
     assert job.state.phase == JobPhase.ABORTING and job.attempt != first
     assert len(job.of_type(ResumeAll)) == 2
     assert job.last.wake_at == job.now + SPEC.timeouts.abort_seconds

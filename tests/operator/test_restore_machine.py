@@ -248,6 +248,22 @@ def test_a_clean_up_that_is_not_confirmed_in_time_still_ends() -> None:
     assert "clean-up not confirmed within 120s (waiting for ring-1)" in (job.state.message or "")
 
 
+def test_a_restart_mid_clean_up_asks_again_with_the_whole_bound() -> None:
+    """No operator ran for longer than the clean-up's bound (a rollout): the next one cleans up again
+    before it judges the bound."""
+    job = Driver()
+    job.to_phase(RestorePhase.RESTORING)
+    job.send(StepFailed(job.attempt, "RestoreFailed", "criu restore: pid 4242 is busy", pod="ring-1"))
+    bound = job.machine.config.timeouts[RestorePhase.CLEANING_UP]
+    asked = len(job.of_type(CleanUpRestore))
+    job.send(OperatorRestarted(), after=bound + 60)
+    assert job.state.phase == RestorePhase.CLEANING_UP and len(job.of_type(CleanUpRestore)) == asked + 1
+    job.send(Tick(), after=bound - 1)
+    assert job.state.phase == RestorePhase.CLEANING_UP
+    job.send(Tick(), after=1)
+    assert job.state.phase == RestorePhase.FAILED and "clean-up not confirmed" in (job.state.message or "")
+
+
 def test_the_overall_deadline_applies() -> None:
     job = Driver(activeDeadlineSeconds=50)
     job.to_phase(RestorePhase.ADMITTED)

@@ -225,11 +225,13 @@ class CheckpointMachine:
     def handle(self, state: JobState, event: Event, now: float) -> JobTransition:
         if state.phase in TERMINAL:
             return Transition(state)
+        if isinstance(event, OperatorRestarted):
+            # before any deadline: the bound ran on while no operator could act (a rollout takes
+            # minutes), and an abort only ends once the new operator has asked the agents again
+            return self._restarted(state, now)
         expired = self._deadline(state, now)
         if expired is not None:
             return expired
-        if isinstance(event, OperatorRestarted):
-            return self._restarted(state, now)
         if isinstance(event, Cancelled):
             if state.phase in AFTER_COMMIT or state.phase == JobPhase.ABORTING:
                 return self._done(state, [], now)  # the checkpoint exists: finish what was started

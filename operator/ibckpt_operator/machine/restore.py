@@ -206,11 +206,11 @@ class RestoreMachine:
     def handle(self, state: RestoreState, event: Event, now: float) -> RestoreTransition:
         if state.phase in TERMINAL:
             return Transition(state)
+        if isinstance(event, OperatorRestarted):  # before any deadline, as a CheckpointJob's
+            return self._restarted(state, now)
         expired = self._deadline(state, now)
         if expired is not None:
             return expired
-        if isinstance(event, OperatorRestarted):
-            return self._restarted(state, now)
         if isinstance(event, Cancelled):
             return self._abort(state, "Cancelled", "the RestoreJob was deleted", now)
         if isinstance(event, PodLost):
@@ -333,6 +333,8 @@ class RestoreMachine:
             if step == RestoreStep.ADMIT:
                 state = all_marked(state, Mark.PLACED)
             state, actions = self._issue(state, step, now)
+            if state.phase == RestorePhase.CLEANING_UP:  # the clean-up's whole bound again
+                state = replace(state, phase_since=now)
             return self._done(state, actions)
         message = f"the operator restarted during {step}; its outcome is unknown, so the restore is undone"
         return self._abort(state, "OperatorRestarted", message, now)
