@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,6 +43,10 @@ NODE_NAMES = ("node-1", "node-2")
 WEBHOOK_NODE = "node-2"
 KUBELET_PORT = 10250
 RDMA_LABEL = "ibckpt.io/rdma"
+# A joining guest is stalled when its first health line (node-init.sh) has not come this long after
+# it booted, or its last one is this old (it writes one every 30 s).
+HEALTH_FIRST_S = 300.0
+HEALTH_STALE_S = 150.0
 
 
 def node_ip(index: int) -> str:
@@ -103,9 +107,12 @@ class Cluster:
             parts.append(f"\n--- {node} health (written {age})\n{self.node_log(node, 'health.log', 4)}")
         return "".join(parts)
 
-    def wait_nodes_ready(self, timeout: float = 600.0) -> None:
+    def wait_nodes_ready(self, timeout: float = 600.0, may_reboot: Collection[str] = ()) -> None:
+        """Wait until every node is Ready with its images. A guest in may_reboot whose kernel stalls
+        (qemu TCG on a loaded host can lock a guest's CPUs for minutes) is booted afresh, once."""
         deadline = time.monotonic() + timeout
         ready: set[str] = set()
+        rebooted = False
         while time.monotonic() < deadline:
             if self.guests.dead():
                 raise RuntimeError(f"testbed: a node guest died while joining{self.diagnose()}")
@@ -124,10 +131,36 @@ class Cluster:
                 self.timings[name] = time.monotonic() - self.started
             if ready >= set(NODE_NAMES) and imported >= set(NODE_NAMES):
                 return
+            stalled = [n for n in NODE_NAMES if n not in ready and self._stalled(n)]
+            if stalled and not rebooted and set(stalled) <= set(may_reboot):
+                print(f"testbed: {', '.join(stalled)} stalled while joining, booting afresh{self.diagnose()}")
+                self._reboot(stalled)
+                rebooted, ready = True, set()
+                deadline = time.monotonic() + timeout
             time.sleep(2)
         raise RuntimeError(
             f"testbed: nodes {sorted(set(NODE_NAMES) - ready)} not Ready in {timeout:g}s{self.diagnose()}"
         )
+
+    def _stalled(self, node: str) -> bool:
+        """The guest's health line (every 30 s, node-init.sh) stopped, or never came since it booted."""
+        booted_at = time.time() - (time.monotonic() - self.guests.started(NODE_NAMES.index(node) + 1))
+        health = self.node_dirs[node] / "health.log"
+        written = health.stat().st_mtime if health.exists() else 0.0
+        if written < booted_at:
+            return time.time() - booted_at > HEALTH_FIRST_S
+        return time.time() - written > HEALTH_STALE_S
+
+    def _reboot(self, stalled: list[str]) -> None:
+        again = NODE_NAMES if stalled != ["node-1"] else ["node-1"]
+        for node in again:
+            (self.node_dirs[node] / "images.done").unlink(missing_ok=True)
+            for what in ("ready", "images"):
+                self.timings.pop(f"{node} {what}", None)
+        if again == ["node-1"]:
+            self.guests.replace(1)
+        else:
+            self.guests.reboot()
 
     def kill_node(self, name: str) -> None:
         """Kill a node's guest hard (qemu SIGKILL): its kubelet, containers and memory vanish at once."""
@@ -138,7 +171,7 @@ class Cluster:
         replacement VM): returns once it is Ready with its images and advertises its RDMA devices."""
         (self.node_dirs[name] / "images.done").unlink(missing_ok=True)
         self.guests.replace(NODE_NAMES.index(name) + 1)
-        self.wait_nodes_ready()
+        self.wait_nodes_ready(may_reboot=[name])
         install_device_plugin(self)
 
     def stop(self) -> None:
@@ -299,7 +332,7 @@ def start_cluster(
         raise
     try:
         cluster.timings["control plane"] = time.monotonic() - started
-        cluster.wait_nodes_ready()
+        cluster.wait_nodes_ready(may_reboot=NODE_NAMES)
         # Pods get a service account token only once the namespace's default account exists.
         cluster.kubectl("wait", "--for=condition=Ready", "node", "--all", "--timeout=60s")
         install_device_plugin(cluster)

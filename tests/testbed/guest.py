@@ -436,13 +436,20 @@ class GuestPair:
         self.guests: list[_Guest] = []
         self.boots = 0
         try:
-            b = _Guest(spec_b, self.root, f"stream,server=on,addr.type=unix,addr.path={self.sock}", echo)
-            self.guests.append(b)
-            _wait_for_socket(self.sock, b, time.monotonic() + LINK_LISTEN_S)
-            self.guests.insert(0, self._connect(spec_a))  # guests[i] is node-(i+1)
+            self._boot(spec_a, spec_b)
         except BaseException:
             self.stop()
             raise
+
+    def _boot(self, spec_a: GuestSpec, spec_b: GuestSpec) -> None:
+        self.boots += 1
+        root = self.root / f"boot{self.boots}"
+        root.mkdir()
+        self.sock.unlink(missing_ok=True)
+        b = _Guest(spec_b, root, f"stream,server=on,addr.type=unix,addr.path={self.sock}", self.echo)
+        self.guests = [b]
+        _wait_for_socket(self.sock, b, time.monotonic() + LINK_LISTEN_S)
+        self.guests.insert(0, self._connect(spec_a))  # guests[i] is node-(i+1)
 
     def _connect(self, spec: GuestSpec) -> _Guest:
         self.boots += 1
@@ -462,6 +469,17 @@ class GuestPair:
         if old.proc.poll() is None:
             old.kill()
         self.guests[0] = self._connect(old.spec)
+
+    def reboot(self) -> None:
+        """Boot both guests afresh (node-2 serves the link, so it cannot be replaced alone)."""
+        specs = [g.spec for g in self.guests]
+        for g in self.guests:
+            if g.proc.poll() is None:
+                g.kill()
+        self._boot(*specs)
+
+    def started(self, node: int) -> float:
+        return self.guests[node - 1].started
 
     def console(self, node: int) -> str:
         return self.guests[node - 1].buffer.getvalue()
