@@ -10,6 +10,7 @@ from enum import StrEnum
 from pydantic import Field, model_validator
 
 from ibckpt.api.base import ApiModel, KindInfo, PrinterColumn
+from ibckpt.api.checkpoint import PodTemplate
 from ibckpt.api.checkpointjob import CheckpointJobSpec
 from ibckpt.api.common import Conditions, ObservedGeneration
 from ibckpt.api.storage import Retention
@@ -180,6 +181,15 @@ class MigrationStatus(ApiModel):
     restore_job: str | None = None
 
 
+class ScratchPod(ApiModel):
+    """A member with no controller, as it was when its recovery began: nothing but the operator starts
+    it again from scratch, from this template."""
+
+    name: str
+    uid: str | None = None
+    template: PodTemplate
+
+
 class RecoveryStatus(ApiModel):
     """The recovery machine's bookkeeping (operator/ibckpt_operator/machine/recovery.py RecoveryState)."""
 
@@ -189,7 +199,14 @@ class RecoveryStatus(ApiModel):
     sources: list[MigrationSource] | None = None
     from_scratch: bool | None = None
     restartable: bool | None = Field(
-        default=None, description="Every source has a controller that starts it again from scratch."
+        default=None,
+        description="Every source can start again from scratch: by its controller, or by the operator "
+        "from its template in scratchPods.",
+    )
+    scratch_pods: list[ScratchPod] | None = Field(
+        default=None,
+        description="The sources with no controller, kept under noCheckpoint RestartFromScratch: the "
+        "operator creates them again from these.",
     )
     failed_at: datetime | None = Field(default=None, description="When the failure began, as observed.")
     detected_at: datetime | None = None

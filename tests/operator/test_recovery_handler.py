@@ -207,3 +207,46 @@ def test_a_failed_rank_without_a_checkpoint_waits_for_a_person_and_touches_nothi
         assert waiting.type == "Warning" and "RestartFromScratch" in waiting.message
         assert not deleting(cluster_ns, "ring-0") and not deleting(cluster_ns, "ring-1")
         assert cluster_ns.get(RESTORES, "ring-recover-1") is None
+
+
+def test_bare_pods_without_a_checkpoint_start_again_from_scratch_under_that_policy(
+    cluster_ns: Cluster, s3_server: S3Server, bucket: str, agents: Agents, operator: Any
+) -> None:
+    """No controller would create bare pods again: the operator keeps their templates in status when the
+    recovery begins, and creates them itself, only once no source may still run."""
+    where = ring(cluster_ns, agents, s3_server, bucket)
+    before = {name: cluster_ns.core.read_namespaced_pod(name, cluster_ns.namespace).metadata.uid
+              for name in ("ring-0", "ring-1")}  # fmt: skip
+    with operator():
+        policy = {"noCheckpoint": "RestartFromScratch"}
+        cluster_ns.create(SCHEDULES, protect("ring", {"app": "ring"}, where, **policy))
+        cluster_ns.wait(SCHEDULES, "ring", recovery_phase("Idle"))
+        ended = {"terminated": {"exitCode": 3, "reason": "Error", "finishedAt": "2026-11-29T12:00:00Z"}}
+        statuses = [{"name": "main", "state": ended, "ready": False, "restartCount": 0, "image": "ring:test",
+                     "imageID": "", "containerID": "containerd://1"}]  # fmt: skip
+        status = {"phase": "Failed", "containerStatuses": statuses}
+        cluster_ns.core.patch_namespaced_pod_status("ring-1", cluster_ns.namespace, {"status": status})
+        body = cluster_ns.wait(SCHEDULES, "ring", recovery_phase("Fencing"), timeout=30)
+        kept = body["status"]["recovery"]["scratchPods"]
+        assert sorted(p["name"] for p in kept) == ["ring-0", "ring-1"], kept
+        assert all(p["template"]["spec"]["containers"][0]["image"] == "ring:test" for p in kept), kept
+        assert all("nodeName" not in p["template"]["spec"] for p in kept), kept
+        assert "restarting from scratch" in cluster_ns.wait_events("ring", "RecoveryStarted")[0].message
+        # ring-1 failed (its kubelet said so): removed; ring-0's kill is not confirmed yet, so neither
+        # is created again while it may run
+        wait_pod_gone(cluster_ns, "ring-1")
+        time.sleep(3)
+        assert cluster_ns.pod_names() == ["ring-0"] and deleting(cluster_ns, "ring-0")
+        cluster_ns.report_killed("ring-0")
+        body = cluster_ns.wait(SCHEDULES, "ring", recovery_phase("RestartedFromScratch"), timeout=60)
+        assert body["status"]["recoveryReason"] == "NoCheckpoint"
+        assert "the operator created ring-0, ring-1 again from scratch" in body["status"]["recoveryMessage"]
+        deadline = time.monotonic() + 30
+        while cluster_ns.pod_names() != ["ring-0", "ring-1"]:
+            assert time.monotonic() < deadline, cluster_ns.pod_names()
+            time.sleep(0.2)
+        for name in ("ring-0", "ring-1"):
+            pod = cluster_ns.core.read_namespaced_pod(name, cluster_ns.namespace)
+            assert pod.metadata.uid != before[name] and pod.metadata.labels == {"app": "ring"}
+            assert pod.spec.containers[0].image == "ring:test" and not pod.metadata.owner_references
+        assert cluster_ns.get(RESTORES, "ring-recover-1") is None  # nothing to restore was tried

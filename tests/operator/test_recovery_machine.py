@@ -6,13 +6,14 @@ from dataclasses import replace
 
 import pytest
 
+from ibckpt.api import PodTemplate
 from ibckpt.api.schedule import (
     CheckpointScheduleStatus,
     FencingPolicy,
     NoCheckpointPolicy,
     RecoveryProtection,
 )
-from ibckpt_operator.cluster.recovery import recovery_state, recovery_status
+from ibckpt_operator.cluster.recovery import recovery_state, recovery_status, scratch_templates
 from ibckpt_operator.machine.core import EmitEvent, OperatorRestarted, PodRef, Tick
 from ibckpt_operator.machine.recovery import (
     CancelRestore,
@@ -25,6 +26,7 @@ from ibckpt_operator.machine.recovery import (
     RecoveryMachine,
     RecoveryPhase,
     RecoveryState,
+    RecreatePods,
     RemovePods,
     RestoreBound,
     RestoreEnded,
@@ -246,17 +248,20 @@ def test_a_failed_restore_waits_for_a_person_by_default() -> None:
     assert RecordRecovery("WaitingForPerson", 40.0, None) in t.actions
 
 
-def test_a_failed_restore_restarts_from_scratch_under_that_policy_when_a_controller_can() -> None:
+def test_a_failed_restore_restarts_from_scratch_under_that_policy() -> None:
     m = machine(no_checkpoint=NoCheckpointPolicy.RESTART_FROM_SCRATCH)
-    state = replace(restoring(), restartable=True)
+    state = replace(restoring(), restartable=True, bare=(B,))
     t = m.handle(state, RestoreEnded("ring-recover-1", False, "bad"), 1100.0)
     assert t.state.phase is RecoveryPhase.FENCING and t.state.from_scratch
     done = m.handle(t.state, seen(), 1101.0)
     assert done.state.phase is RecoveryPhase.RESTARTED and events(done) == [
         ("Warning", "RestartedFromScratch")
     ]
-    bare = m.handle(restoring(), RestoreEnded("ring-recover-1", False, "bad"), 1100.0)
-    assert bare.state.phase is RecoveryPhase.WAITING
+    assert done.of_type(RecreatePods) == [RecreatePods((B,))]
+    none_left = m.handle(
+        replace(restoring(), restartable=False), RestoreEnded("ring-recover-1", False, "x"), 1100.0
+    )
+    assert none_left.state.phase is RecoveryPhase.WAITING
 
 
 # -- no checkpoint
@@ -280,10 +285,29 @@ def test_no_checkpoint_restarts_a_controlled_job_from_scratch() -> None:
     assert RecordRecovery("RestartedFromScratch", 10.0, None) in done.actions
 
 
-def test_no_checkpoint_and_bare_pods_wait_for_a_person_even_under_restart() -> None:
+def test_no_checkpoint_creates_bare_pods_again_once_every_source_is_gone() -> None:
+    """Bare pods have no controller: their templates are kept from the recovery's start (the driver
+    writes them to status before the pods are stopped) and the operator creates them again, only once
+    no source is left (never two copies of a rank)."""
     m = machine(no_checkpoint=NoCheckpointPolicy.RESTART_FROM_SCRATCH)
     t = m.handle(IDLE, seen(healthy(A, controlled=True), healthy(B, failed_exit=2), hint=None), 10.0)
-    assert t.state.phase is RecoveryPhase.WAITING and t.state.reason == "NoController"
+    assert t.state.phase is RecoveryPhase.FENCING and t.state.from_scratch and t.state.restartable
+    assert t.state.bare == (B,) and t.actions[0] == StopPods((A, B))
+    waiting = m.handle(t.state, seen(healthy(B, deleting=True), nodes=(down("node-b"),)), 15.0)
+    assert waiting.state.phase is RecoveryPhase.FENCING and not waiting.of_type(RecreatePods)
+    done = m.handle(t.state, seen(), 20.0)
+    assert done.state.phase is RecoveryPhase.RESTARTED and done.of_type(RecreatePods) == [RecreatePods((B,))]
+    message = done.state.message or ""
+    assert "the operator created ring-1 again from scratch" in message, message
+    assert "their controllers start the others" in message, message
+    alone = m.handle(IDLE, seen(healthy(A), healthy(B, failed_exit=2), hint=None), 10.0).state
+    assert alone.bare == (A, B)
+    assert "controllers" not in (m.handle(alone, seen(), 20.0).state.message or "")
+
+
+def test_templates_are_kept_only_under_restart_from_scratch() -> None:
+    t = machine().handle(IDLE, seen(healthy(A), healthy(B, failed_exit=2)), 10.0)
+    assert t.state.phase is RecoveryPhase.FENCING and t.state.bare == ()
 
 
 # -- the deadline, restarts
@@ -379,3 +403,13 @@ def test_the_bound_defaults_to_three_an_hour_and_survives_a_restart() -> None:
     wire = status.to_wire()
     assert wire["recovery"]["recentStarts"] == ["1970-01-01T00:01:40Z", "1970-01-01T00:03:20.500000Z"]
     assert recovery_state("ring", CheckpointScheduleStatus.from_wire(wire)) == state
+
+
+def test_the_bare_sources_and_their_templates_survive_a_restart() -> None:
+    template = PodTemplate(labels={"app": "ring"}, spec={"containers": [{"name": "main", "image": "ring"}]})
+    state = replace(fencing_state(), from_scratch=True, restartable=True, bare=(B,))
+    status = CheckpointScheduleStatus(**recovery_status(state, {}, {B.uid: template, "gone": template}))
+    wire = CheckpointScheduleStatus.from_wire(status.to_wire())
+    assert [p.name for p in wire.recovery.scratch_pods or ()] == [B.name]  # type: ignore[union-attr]
+    assert recovery_state("ring", wire) == state
+    assert scratch_templates(wire) == {B.uid: template}

@@ -105,6 +105,11 @@ class Kube:
         result = await self._run(self.core.list_node, _preload_content=False)
         return list(_json(result).get("items", []))
 
+    async def create_pod(self, namespace: str, body: Body) -> str:
+        """Create a pod (a restore's, or a bare one a recovery starts again); its uid."""
+        result = await self._run(self.core.create_namespaced_pod, namespace, body, _preload_content=False)
+        return str(_json(result)["metadata"]["uid"])
+
     async def delete_pod(self, namespace: str, name: str, uid: str, grace_seconds: int | None = None) -> bool:
         """Delete the pod only if it is still this UID; False if it is gone (or another pod by now).
         `grace_seconds` 0 removes the object at once, without waiting for the kubelet's cleanup."""

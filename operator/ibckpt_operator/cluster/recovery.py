@@ -15,8 +15,8 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
-from ibckpt.api import CHECKPOINT, Checkpoint, LatestCheckpoint, RestorePhase
-from ibckpt.api.schedule import CheckpointScheduleStatus, RecoveryStatus
+from ibckpt.api import CHECKPOINT, Checkpoint, LatestCheckpoint, PodTemplate, RestorePhase
+from ibckpt.api.schedule import CheckpointScheduleStatus, RecoveryStatus, ScratchPod
 from ibckpt_operator.cluster import bindings, schedules
 from ibckpt_operator.cluster.drains import migration_sources
 from ibckpt_operator.cluster.kube import Body, Kube
@@ -141,8 +141,13 @@ async def restore_events(kube: Kube, namespace: str, name: str, job: Mapping[str
 # -- status
 
 
-def recovery_status(state: RecoveryState, controllers: dict[str, str]) -> dict[str, Any]:
+def recovery_status(
+    state: RecoveryState, controllers: dict[str, str], templates: Mapping[str, PodTemplate] | None = None
+) -> dict[str, Any]:
+    """The status fields of a RecoveryState; `templates`: the bare sources' templates by pod uid."""
     sources = migration_sources(state.sources, controllers)
+    kept = templates or {}
+    scratch = [ScratchPod(name=p.name, uid=p.uid, template=kept[p.uid]) for p in state.bare if p.uid in kept]
     recovery = RecoveryStatus(
         seq=state.seq,
         trigger=state.trigger.value if state.trigger else None,
@@ -150,6 +155,7 @@ def recovery_status(state: RecoveryState, controllers: dict[str, str]) -> dict[s
         sources=sources or None,
         from_scratch=state.from_scratch or None,
         restartable=state.restartable or None,
+        scratch_pods=scratch or None,
         failed_at=to_time(state.failed_at),
         detected_at=to_time(state.detected_at),
         deadline=to_time(state.deadline),
@@ -172,6 +178,7 @@ def recovery_state(name: str, status: CheckpointScheduleStatus) -> RecoveryState
     if status.recovery_phase is None:
         return None
     r = status.recovery or RecoveryStatus()
+    node_of = {s.uid: s.node or "" for s in r.sources or () if s.uid}
     return RecoveryState(
         name=name,
         phase=RecoveryPhase(status.recovery_phase),
@@ -181,6 +188,7 @@ def recovery_state(name: str, status: CheckpointScheduleStatus) -> RecoveryState
         sources=tuple(PodRef(s.name, s.uid or "", s.node or "") for s in r.sources or ()),
         from_scratch=bool(r.from_scratch),
         restartable=bool(r.restartable),
+        bare=tuple(PodRef(p.name, p.uid or "", node_of.get(p.uid or "", "")) for p in r.scratch_pods or ()),
         failed_at=from_time(r.failed_at),
         detected_at=from_time(r.detected_at),
         deadline=from_time(r.deadline),
@@ -192,6 +200,12 @@ def recovery_state(name: str, status: CheckpointScheduleStatus) -> RecoveryState
         message=status.recovery_message,
         recent=tuple(t.timestamp() for t in r.recent_starts or ()),
     )
+
+
+def scratch_templates(status: CheckpointScheduleStatus) -> dict[str, PodTemplate]:
+    """The bare sources' templates a recovery kept, by pod uid."""
+    pods = (status.recovery.scratch_pods if status.recovery else None) or ()
+    return {p.uid: p.template for p in pods if p.uid}
 
 
 def source_controllers(status: CheckpointScheduleStatus) -> dict[str, str]:

@@ -5,15 +5,16 @@ the actions. docs/recovery.md."""
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from ibckpt.api import CHECKPOINT, RESTORE_JOB, CheckpointScheduleSpec, CheckpointScheduleStatus
+from ibckpt.api import CHECKPOINT, RESTORE_JOB, CheckpointScheduleSpec, CheckpointScheduleStatus, PodTemplate
 from ibckpt_operator import metrics
 from ibckpt_operator.cluster import bindings, schedules
 from ibckpt_operator.cluster import recovery as cluster
+from ibckpt_operator.cluster.kube import ApiException, api_message
 from ibckpt_operator.cluster.selection import workload_pods
 from ibckpt_operator.machine.core import Action, EmitEvent, Event, OperatorRestarted, Tick
-from ibckpt_operator.machine.podtemplate import controller_reference
+from ibckpt_operator.machine.podtemplate import controller_reference, sanitize, scratch_pod
 from ibckpt_operator.machine.recovery import (
     ACTIVE,
     CancelRestore,
@@ -23,6 +24,7 @@ from ibckpt_operator.machine.recovery import (
     RecoveryMachine,
     RecoveryPhase,
     RecoveryState,
+    RecreatePods,
     RemovePods,
     StartRecoveryRestore,
     StopPods,
@@ -39,6 +41,7 @@ class Recovery:
         self.owner = owner
         self.state: RecoveryState | None = None
         self.controllers: dict[str, str] = {}  # source pod uid -> its renaming controller's uid
+        self.templates: dict[str, PodTemplate] = {}  # bare source pod uid -> its template (from scratch)
         self.restarted = False
 
     @property
@@ -54,6 +57,7 @@ class Recovery:
     def read_back(self, status: CheckpointScheduleStatus) -> None:
         self.state = cluster.recovery_state(self.owner.name, status)
         self.controllers = cluster.source_controllers(status)
+        self.templates = cluster.scratch_templates(status)
         self.restarted = self.state is not None
 
     def claim(self, pod: bindings.NewPod) -> bindings.Claim | None:
@@ -69,7 +73,9 @@ class Recovery:
         return self.state.message
 
     def status(self) -> dict[str, object]:
-        return {} if self.state is None else cluster.recovery_status(self.state, self.controllers)
+        if self.state is None:
+            return {}
+        return cluster.recovery_status(self.state, self.controllers, self.templates)
 
     async def step(self, spec: CheckpointScheduleSpec, busy: bool, now: float) -> float | None:
         owner, kube = self.owner, self.owner.rt.kube
@@ -113,12 +119,44 @@ class Recovery:
             transition = machine.handle(self.state, event, now)
             changed = transition.state != self.state
             self.state = transition.state
+            self._keep_templates(pods)  # in the status written next, before the pods are stopped
             if changed:
                 await owner.write_status(spec, now)  # before the actions: the job's name is in it
             await self._run(transition.actions)
             wake_at = transition.wake_at
         metrics.RECOVERING.labels(owner.key).set(1 if self.active else 0)
         return wake_at
+
+    def _keep_templates(self, pods: list[dict[str, Any]]) -> None:
+        """The templates of the bare sources a recovery from scratch will create again, taken from the
+        pods of this pass (a recovery begins on a pass that saw them)."""
+        assert self.state is not None
+        wanted = {pod.uid for pod in self.state.bare}
+        self.templates = {uid: t for uid, t in self.templates.items() if uid in wanted}
+        for pod in pods:
+            uid = pod["metadata"]["uid"]
+            if uid in wanted and uid not in self.templates:
+                self.templates[uid] = sanitize(pod)
+
+    async def _recreate(self, action: RecreatePods) -> None:
+        owner = self.owner
+        for pod in action.pods:
+            template = self.templates.get(pod.uid)
+            if template is None:
+                message = f"no template of bare pod {pod.name} was kept: it is not created again"
+                log.warning("%s: %s", owner.key, message)
+                await owner.event("Warning", "RecreateFailed", message)
+                continue
+            body = scratch_pod(template, name=pod.name, namespace=owner.namespace)
+            try:
+                uid = await owner.rt.kube.create_pod(owner.namespace, body)
+            except ApiException as error:
+                if error.status != 409:
+                    message = f"creating pod {pod.name} again from scratch failed: {api_message(error)}"
+                    log.warning("%s: %s", owner.key, message)
+                    await owner.event("Warning", "RecreateFailed", message)
+                continue  # 409: it exists already (an earlier pass, or someone else made it)
+            log.info("%s: created bare pod %s again from scratch (uid %s)", owner.key, pod.name, uid)
 
     async def _sources_elsewhere(self, matched: list[dict[str, object]]) -> list[dict[str, object]]:
         assert self.state is not None
@@ -142,6 +180,8 @@ class Recovery:
             elif isinstance(action, StopPods):
                 for pod in action.pods:
                     await kube.delete_pod(owner.namespace, pod.name, pod.uid)
+            elif isinstance(action, RecreatePods):
+                await self._recreate(action)
             elif isinstance(action, RemovePods):
                 for pod in action.pods:
                     if await kube.delete_pod(owner.namespace, pod.name, pod.uid, grace_seconds=0):

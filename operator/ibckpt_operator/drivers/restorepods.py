@@ -6,9 +6,7 @@ restore is undone (CleanUpRestore). The agents' side is RestoreJobDriver's (rest
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-from typing import Any
 
 from ibckpt.agentapi import AgentError
 from ibckpt.api import (
@@ -290,10 +288,7 @@ class RestorePodsDriver(Driver[RestoreState]):
                 await asyncio.sleep(1.0)
 
     async def create_pod(self, body: Body) -> str:
-        """The created pod's uid (kube.py has no create: this is the one pod the operator makes)."""
-        create: Any = self.rt.kube.core.create_namespaced_pod
-        response = await asyncio.to_thread(create, self.namespace, body, _preload_content=False)
-        return str(json.loads(response.data)["metadata"]["uid"])
+        return await self.rt.kube.create_pod(self.namespace, body)
 
     async def delete_created(self, action: CleanUpRestore) -> None:
         """Delete every pod this restore created: by uid when status has it, else by name if the pod

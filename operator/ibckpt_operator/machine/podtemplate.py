@@ -117,3 +117,19 @@ def destination_pod(
     if owner is not None and template.controller is None:
         metadata["ownerReferences"] = [owner]
     return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec}
+
+
+def scratch_pod(template: PodTemplate, *, name: str, namespace: str) -> dict[str, Any]:
+    """A bare pod created again from scratch by a recovery: its own name, labels, annotations and spec,
+    left to the scheduler (no node; no pin to the failed node's hostname), starting from the beginning."""
+    spec = copy.deepcopy(template.spec)
+    if spec.get("nodeSelector"):
+        spec["nodeSelector"] = placement_selector(spec["nodeSelector"])
+        if not spec["nodeSelector"]:
+            del spec["nodeSelector"]
+    metadata: dict[str, Any] = {"name": name, "namespace": namespace}
+    if template.labels:
+        metadata["labels"] = dict(template.labels)
+    if template.annotations:
+        metadata["annotations"] = dict(template.annotations)
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec}

@@ -9,8 +9,9 @@
     Restoring: the RestoreJob's end is the recovery's.
     No restorable Checkpoint, or the restore failed: noCheckpoint decides:
       WaitForPerson      ─▶ WaitingForPerson (loud; nothing more is touched)
-      RestartFromScratch ─▶ Fencing (from scratch) ─▶ RestartedFromScratch (the controller starts the
-                            pods again); bare pods have no controller: WaitingForPerson
+      RestartFromScratch ─▶ Fencing (from scratch) ─▶ RestartedFromScratch (each controller starts its
+                            pods again; the operator creates bare pods again from their templates,
+                            recorded when the recovery began)
     Fencing, Restoring: the deadline ─▶ Failed (the RestoreJob is cancelled).
     maxRecoveries already started within windowSeconds: a trigger ─▶ WaitingForPerson (TooManyRecoveries,
       nothing touched): a job that fails again after every restore is not restored forever.
@@ -141,7 +142,9 @@ class RecoveryState:
     nodes: tuple[str, ...] = ()  # the failed nodes: the restore avoids them
     sources: tuple[PodRef, ...] = ()  # every member when the recovery began, pinned by uid
     from_scratch: bool = False
-    restartable: bool = False  # every source has a controller that starts it again from scratch
+    restartable: bool = False  # every source starts again from scratch: by its controller, or bare
+    bare: tuple[PodRef, ...] = ()  # sources with no controller (RestartFromScratch): the driver keeps
+    # their templates from the recovery's start, and creates them again
     failed_at: float | None = None
     detected_at: float | None = None
     deadline: float | None = None
@@ -167,6 +170,14 @@ class RecoveryState:
 class StopPods(Action):
     """Delete these pods (bound to their uids, normal grace): a live kubelet kills them; the kubelet of a
     node that comes back kills them too."""
+
+    pods: tuple[PodRef, ...]
+
+
+@dataclass(frozen=True)
+class RecreatePods(Action):
+    """Create these bare pods again from scratch, from the templates kept when the recovery began (under
+    their names, if absent)."""
 
     pods: tuple[PodRef, ...]
 
@@ -313,9 +324,12 @@ class RecoveryMachine:
             failed_at=first.since,
             detected_at=now,
             deadline=now + self.config.deadline_seconds,
-            restartable=bool(sources) and all(h.controlled for h in seen.pods if not h.deleting),
+            restartable=bool(sources),
             recent=recent,
         )
+        if self.config.no_checkpoint is NoCheckpointPolicy.RESTART_FROM_SCRATCH:
+            bare = tuple(h.pod for h in seen.pods if not h.deleting and not h.controlled)
+            state = replace(state, bare=bare)
         if len(recent) >= self.config.max_recoveries:
             return self._too_many(state, why, now)
         hint = seen.checkpoint
@@ -324,10 +338,10 @@ class RecoveryMachine:
             if not (scratch and state.restartable):
                 if scratch:
                     text = (
-                        f"{why}; no restorable Checkpoint of {state.name}, and its pods have no controller "
-                        "to start them again from scratch: waiting for a person"
+                        f"{why}; no restorable Checkpoint of {state.name}, and none of its pods is left to "
+                        "start again from scratch: waiting for a person"
                     )
-                    return self._wait_for_person(state, "NoController", text, now)
+                    return self._wait_for_person(state, "NoPods", text, now)
                 text = (
                     f"{why}; no restorable Checkpoint of {state.name}: nothing was touched, waiting for a "
                     "person (recovery.noCheckpoint: RestartFromScratch would start it again from scratch)"
@@ -389,8 +403,7 @@ class RecoveryMachine:
         if remove:  # fenced but still in the API: their removal frees the names
             return Transition(state, (RemovePods(tuple(remove)),), state.deadline)
         if state.from_scratch:
-            text = f"every pod of {state.name} stopped; its controller starts them again from scratch"
-            return self._end(state, RecoveryPhase.RESTARTED, "NoCheckpoint", text, now, "Warning")
+            return self._start_from_scratch(state, now)
         job = f"{state.name}-recover-{state.seq}"
         state = replace(
             state,
@@ -399,6 +412,19 @@ class RecoveryMachine:
             message=f"every pod of {state.name} stopped; restoring the latest checkpoint ({job})",
         )
         return Transition(state, (StartRecoveryRestore(job, state.nodes, state.checkpoint),), state.deadline)
+
+    def _start_from_scratch(self, state: RecoveryState, now: float) -> Transition[RecoveryState]:
+        text = f"every pod of {state.name} stopped; "
+        controlled = len(state.sources) - len(state.bare)
+        if state.bare:
+            names = ", ".join(pod.name for pod in state.bare)
+            text += f"the operator created {names} again from scratch, from their specs"
+            text += "; their controllers start the others" if controlled else ""
+        else:
+            text += "its controllers start them again from scratch"
+        end = self._end(state, RecoveryPhase.RESTARTED, "NoCheckpoint", text, now, "Warning")
+        actions = (RecreatePods(state.bare),) if state.bare else ()
+        return Transition(end.state, (*actions, *end.actions))
 
     # The end.
 
