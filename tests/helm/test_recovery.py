@@ -10,8 +10,10 @@ every message delivered exactly once.
    The testbed then plays the cloud and deletes the vanished node's Node: the job comes back on node-2.
    A fresh guest then takes node-1's place, so the session's cluster goes on with two nodes.
 
-Between the two, the nodes' disks: once its sessions ended, no node keeps checkpoint images or restore
-staging, but a failed checkpoint's, kept for a while on purpose (docs/node-agent.md, what stays on a node).
+Before the first, the schedule takes 5 checkpoints (its retention keeps the newest 3), and no node's
+disk ever holds more than about two checkpoints' images. Between the two failures, the nodes' disks:
+once its sessions ended, no node keeps checkpoint images or restore staging, but a failed checkpoint's,
+kept for a while on purpose (docs/node-agent.md, what stays on a node).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from testbed.cluster import delete_vanished_node
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(2400)]
 
 SCHEDULE = "ring"
+PERIODIC = 5  # checkpoints the schedule takes before the first failure
+KEEP_LAST = 3  # the schedule's default retention
 HOST_DIR = "/var/lib/ibckpt"  # the chart's agent.hostDir
 
 
@@ -100,6 +104,30 @@ def _nothing_left_on_disk(installed: Release) -> None:
         time.sleep(5)
 
 
+def _periodic_checkpoints_keep_the_disks_bounded(installed: Release, namespace: str) -> None:
+    """Step 0: the schedule's first PERIODIC checkpoints. Sampled all along, no node's images and staging
+    ever hold more than about two checkpoints' worth (one being dumped or uploaded, one just staged, and
+    their logs), not the PERIODIC it has taken."""
+    cluster = installed.cluster
+    seen: dict[str, dict[str, Any]] = {}
+    peak: dict[str, int] = {}
+    deadline = time.monotonic() + 900
+    while len(seen) < PERIODIC:
+        assert time.monotonic() < deadline, f"{len(seen)} checkpoints\n{ring.diagnose(cluster, namespace)}"
+        seen |= {c["metadata"]["name"]: c for c in _checkpoints(installed, namespace)}
+        for node, left in _left_on_disk(installed).items():
+            peak[node] = max(peak.get(node, 0), sum(left))
+        time.sleep(3)
+    one: dict[str, int] = {}  # a checkpoint's bytes per node, the largest of them
+    for checkpoint in seen.values():
+        for pod in checkpoint["spec"]["pods"]:
+            one[pod["node"]] = max(one.get(pod["node"], 0), int(pod["bytes"]))
+    print(f"{len(seen)} periodic checkpoints: peak bytes on disk {peak}, one checkpoint {one}")
+    assert set(peak) == set(one), (peak, one)
+    for node, most in peak.items():
+        assert most <= 3 * one[node] + (1 << 20), f"{node} held {most} bytes; one checkpoint is {one[node]}"
+
+
 def _uids(cluster: Any, namespace: str) -> dict[str, str]:
     return {name: pods.get(cluster, namespace, "pod", name)["metadata"]["uid"] for name in ring.MEMBERS}
 
@@ -121,12 +149,14 @@ def test_a_dead_rank_then_a_dead_node_bring_the_job_back_from_its_last_checkpoin
         },
     }
     pods.apply(cluster, job_ns, schedule)
-    deadline = time.monotonic() + 900
-    while not _checkpoints(installed, job_ns):
-        assert time.monotonic() < deadline, ring.diagnose(cluster, job_ns)
-        time.sleep(5)
+    _periodic_checkpoints_keep_the_disks_bounded(installed, job_ns)
     # no more periodic checkpoints: the one to restore is known (recovery stays armed while suspended)
     latest = _newest_checkpoint(installed, job_ns)
+    deadline = time.monotonic() + 120
+    while len(kept := [c["metadata"]["name"] for c in _checkpoints(installed, job_ns)]) != KEEP_LAST:
+        assert time.monotonic() < deadline, f"the schedule's retention keeps {KEEP_LAST}: {kept}"
+        time.sleep(3)
+    assert latest["metadata"]["name"] in kept, kept
     ring.running(cluster, job_ns)
 
     # the pod's end is what counts (an exec through the emulated nodes' kubelet has failed on its own)
