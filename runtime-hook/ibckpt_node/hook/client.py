@@ -16,6 +16,7 @@ shim (whether the shim is preloaded), reason, registered_at (unix time).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -40,7 +41,9 @@ def request(path: str, message: dict[str, Any], timeout_s: float) -> dict[str, A
     try:
         sock.settimeout(timeout_s)
         sock.connect(path)
-        sock.sendall(json.dumps(body, separators=(",", ":")).encode() + b"\n")
+        # the registry answers a refused uid before it reads, and closes: its reply is still queued
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            sock.sendall(json.dumps(body, separators=(",", ":")).encode() + b"\n")
         chunks: list[bytes] = []
         size = 0
         while True:
