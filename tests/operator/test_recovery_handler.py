@@ -53,6 +53,15 @@ def not_ready(cluster: Cluster, node: str, since: datetime) -> None:
     cluster.core.patch_node_status(node, {"status": {"conditions": [condition]}})
 
 
+def fail(cluster: Cluster, pod: str, exit_code: int) -> None:
+    """What a kubelet reports of a pod whose container exited non-zero (restartPolicy Never)."""
+    ended = {"terminated": {"exitCode": exit_code, "reason": "Error", "finishedAt": "2026-11-29T12:00:00Z"}}
+    statuses = [{"name": "main", "state": ended, "ready": False, "restartCount": 0, "image": "ring:test",
+                 "imageID": "", "containerID": "containerd://1"}]  # fmt: skip
+    status = {"phase": "Failed", "containerStatuses": statuses}
+    cluster.core.patch_namespaced_pod_status(pod, cluster.namespace, {"status": status})
+
+
 def recovery_phase(*wanted: str) -> Any:
     return lambda body: (body.get("status") or {}).get("recoveryPhase") in wanted
 
@@ -193,11 +202,7 @@ def test_a_failed_rank_without_a_checkpoint_waits_for_a_person_and_touches_nothi
     with operator():
         cluster_ns.create(SCHEDULES, protect("ring", {"app": "ring"}, where))
         cluster_ns.wait(SCHEDULES, "ring", recovery_phase("Idle"))
-        ended = {"terminated": {"exitCode": 1, "reason": "Error", "finishedAt": "2026-11-29T12:00:00Z"}}
-        statuses = [{"name": "main", "state": ended, "ready": False, "restartCount": 0, "image": "ring:test",
-                     "imageID": "", "containerID": "containerd://1"}]  # fmt: skip
-        status = {"phase": "Failed", "containerStatuses": statuses}
-        cluster_ns.core.patch_namespaced_pod_status("ring-1", cluster_ns.namespace, {"status": status})
+        fail(cluster_ns, "ring-1", exit_code=1)
         body = cluster_ns.wait(SCHEDULES, "ring", recovery_phase("WaitingForPerson"), timeout=30)
         assert body["status"]["recoveryReason"] == "NoCheckpoint"
         assert body["status"]["recovery"]["trigger"] == "PodFailed"
@@ -221,11 +226,7 @@ def test_bare_pods_without_a_checkpoint_start_again_from_scratch_under_that_poli
         policy = {"noCheckpoint": "RestartFromScratch"}
         cluster_ns.create(SCHEDULES, protect("ring", {"app": "ring"}, where, **policy))
         cluster_ns.wait(SCHEDULES, "ring", recovery_phase("Idle"))
-        ended = {"terminated": {"exitCode": 3, "reason": "Error", "finishedAt": "2026-11-29T12:00:00Z"}}
-        statuses = [{"name": "main", "state": ended, "ready": False, "restartCount": 0, "image": "ring:test",
-                     "imageID": "", "containerID": "containerd://1"}]  # fmt: skip
-        status = {"phase": "Failed", "containerStatuses": statuses}
-        cluster_ns.core.patch_namespaced_pod_status("ring-1", cluster_ns.namespace, {"status": status})
+        fail(cluster_ns, "ring-1", exit_code=3)
         body = cluster_ns.wait(SCHEDULES, "ring", recovery_phase("Fencing"), timeout=30)
         kept = body["status"]["recovery"]["scratchPods"]
         assert sorted(p["name"] for p in kept) == ["ring-0", "ring-1"], kept

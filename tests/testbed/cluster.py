@@ -152,12 +152,12 @@ class Cluster:
         return time.time() - written > HEALTH_STALE_S
 
     def _reboot(self, stalled: list[str]) -> None:
-        again = NODE_NAMES if stalled != ["node-1"] else ["node-1"]
-        for node in again:
+        alone = stalled == ["node-1"]  # node-2 holds the link: it boots again only with node-1
+        for node in ["node-1"] if alone else NODE_NAMES:
             (self.node_dirs[node] / "images.done").unlink(missing_ok=True)
             for what in ("ready", "images"):
                 self.timings.pop(f"{node} {what}", None)
-        if again == ["node-1"]:
+        if alone:
             self.guests.replace(1)
         else:
             self.guests.reboot()
