@@ -12,10 +12,12 @@ hook mounts read-only at /run/ibckpt/coord in that container alone, and which is
 session holds ranks there. A peer must be in the pid namespace of that container's ranks
 (SO_PEERCRED). Keys are confined to the shim's two kinds (`map/GID/QPN`, `eN/qp/GID/QPN`), so a
 shim reads and writes nothing else of the session. A container's PUTs are confined to its ranks' own
-virtual GIDs once the agent has learned them (`confine`: the driver asks each rank's `status` just
-before its rebuild, the only command that publishes): a PUT naming another GID is refused. GID 0 is
-anyone's (keys.py), and a container whose GIDs are not learned yet is not confined (no rank of it
-has been asked to rebuild by this agent, so its shim publishes nothing legitimate meanwhile).
+QPs once the agent has learned them (`confine`: the driver asks each rank's `status` just before its
+rebuild, the only command that publishes): a PUT naming a (virtual GID, QPN) that none of its ranks
+holds is refused. The pair, not the GID alone: ranks restored from one node share its GID, but not
+its QP numbers. GID 0 is anyone's (keys.py), and a container whose QPs are not learned yet is not
+confined (no rank of it has been asked to rebuild by this agent, so its shim publishes nothing
+legitimate meanwhile).
 
 A rebuild PUTs two records per QP per GID and waits for each answer, so a round trip to the
 coordinator per PUT adds up (hundreds per node, serialized: a rebuild took 13 s of 16 ranks'
@@ -115,7 +117,8 @@ class ShimCoordinatorProxy:
         self._puts: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue()
         self._forwarder: asyncio.Task[None] | None = None
         self.failed: str | None = None  # the first background PUT that failed, and why
-        self._gids: dict[Path, set[str]] = {}  # per channel: the GIDs its PUTs may name (confine)
+        # per channel, per rank learned: the GIDs and QPNs its PUTs may name together (confine)
+        self._owned: dict[Path, list[tuple[frozenset[str], frozenset[int]]]] = {}
         self._refusal_logged: set[Path] = set()  # channels whose foreign PUT was logged already
 
     async def start(self) -> None:
@@ -157,19 +160,25 @@ class ShimCoordinatorProxy:
         if channel.owner is not None and channel.owner != (os.geteuid(), os.getegid()):
             os.chown(channel.path, *channel.owner)
 
-    def confine(self, control_path: Path, gids: Iterable[str]) -> None:
-        """The rank whose control socket is `control_path` holds these virtual GIDs (its `status`):
-        from now on its container's PUTs may name them and those of its other ranks learned, no
-        other GID but 0. Called before the rank is asked to rebuild, so no write of it is refused."""
+    def confine(self, control_path: Path, gids: Iterable[str], qpns: Iterable[int]) -> None:
+        """The rank whose control socket is `control_path` holds these virtual GIDs and QPs (its
+        `status`): from now on its container's PUTs may name a QP of it or of its other ranks
+        learned, under that rank's GIDs, and nothing else but GID 0. Called before the rank is
+        asked to rebuild, so no write of it is refused."""
         socket_path = channel_path(control_path)
         if socket_path is not None:
-            self._gids.setdefault(socket_path, set()).update(g.lower() for g in gids)
+            rank = (frozenset(g.lower() for g in gids), frozenset(qpns))
+            self._owned.setdefault(socket_path, []).append(rank)
 
-    def _foreign_gid(self, channel: Path, gid: str) -> str | None:
-        """Why `channel` may not write a key naming `gid`; None when it may."""
-        allowed = self._gids.get(channel)
-        if allowed is None or gid == ZERO_GID or gid in allowed:
+    def _foreign(self, channel: Path, gid: str, qpn: int) -> str | None:
+        """Why `channel` may not write a key naming (`gid`, `qpn`); None when it may."""
+        owned = self._owned.get(channel)
+        if owned is None or gid == ZERO_GID:
             return None
+        if any(gid in gids and qpn in qpns for gids, qpns in owned):
+            return None
+        if any(gid in gids for gids, _ in owned):
+            return f"QP {qpn} of GID {gid} is not one of this container's ranks' QPs"
         return f"GID {gid} is not one of this container's ranks' GIDs"
 
     def use(self, client: CoordinatorClient) -> None:
@@ -276,7 +285,7 @@ class ShimCoordinatorProxy:
         if verb in ("PUT", "GET") and matched is None:
             return "ERR not a shim record key"
         if verb == "PUT" and matched is not None:
-            foreign = self._foreign_gid(channel, matched.group(1))
+            foreign = self._foreign(channel, matched.group(1), int(matched.group(2)))
             if foreign is not None:
                 if channel not in self._refusal_logged:  # once per container: a shim may send thousands
                     self._refusal_logged.add(channel)

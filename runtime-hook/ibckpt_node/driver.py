@@ -94,7 +94,7 @@ class NodeDriver:
         boost_nice: int | None = priority.DEFAULT_BOOST_NICE,
         cut: CutOptions | None = None,
         flush_records: Callable[[], Awaitable[None]] | None = None,
-        confine: Callable[[Path, Sequence[str]], None] | None = None,
+        confine: Callable[[Path, Sequence[str], Sequence[int]], None] | None = None,
         rejoin: abort.Rejoin | None = None,
         on_milestone: Callable[[Milestone], None] = lambda milestone: None,
     ) -> None:
@@ -106,7 +106,7 @@ class NodeDriver:
         `flush_records`: waits until every record the shims published has reached the
         coordinator (the proxy answers PUTs before forwarding them); called before the
         rebuild barrier, after which peers may read them without waiting.
-        `confine`: told each rank's control socket and virtual GIDs (its `status`) just before the
+        `confine`: told each rank's control socket, virtual GIDs and QPNs (its `status`) just before the
         rank is asked to rebuild, so its container's records are confined to them (coord_proxy.py).
         `rejoin`: when the coordinator is lost during an abort (the operator restarted), waits for the
         coordinator the next operator opens for the recovery and returns a client of it (None: none
@@ -236,11 +236,11 @@ class NodeDriver:
             await self.flush_records()
 
     async def _confine(self, r: LocalRank) -> None:
-        """Learn the rank's virtual GIDs from its `status` (the GIDs its rebuild publishes records
-        under: native/src/rebuild.c) and confine its container's records to them."""
+        """Learn the rank's virtual GIDs and QPs from its `status` (the pairs its rebuild publishes
+        records under: native/src/rebuild.c) and confine its container's records to them."""
         if self.confine is not None:
             status = await r.shim.status(self.timeouts.quiesce_seconds)
-            self.confine(r.control_path, status.gids)
+            self.confine(r.control_path, status.gids, [qpn for qpn, _ in status.qps])
 
     async def end_leases(self) -> None:
         """The session ends: stop renewing; ranks left held (a Hold checkpoint) are handed over."""

@@ -237,8 +237,8 @@ async def test_a_container_may_write_only_its_own_ranks_gids(
     client = await _client(coordinator)
     try:
         async with ShimCoordinatorProxy(client, channels) as proxy:
-            proxy.confine(a / "ctl" / "1.sock", [G])
-            proxy.confine(b / "ctl" / "1.sock", [H.upper()])  # as a status may spell it
+            proxy.confine(a / "ctl" / "1.sock", [G], [9])
+            proxy.confine(b / "ctl" / "1.sock", [H.upper()], [10, 3])  # as a status may spell it
             assert await _request(sock_a, f"PUT map/{G}/9 real-a") == "OK"
             assert await _request(sock_b, f"PUT e5/qp/{H}/10 rank-b") == "OK"
             forged = [f"PUT e5/qp/{G}/9 forged", f"PUT map/{G}/11 forged"]
@@ -266,6 +266,37 @@ async def test_a_container_may_write_only_its_own_ranks_gids(
     ]
 
 
+async def test_containers_sharing_a_gid_may_write_only_their_own_qps(
+    coordinator: ThreadedCoordinator, tmp_path: Path
+) -> None:
+    """Ranks restored from one node keep its GID: two containers both hold G, with QPs 9 and 12.
+    Each may write its own QPs' records under G, not the other's, nor a QP that neither holds."""
+    a, b = _container(tmp_path, "a"), _container(tmp_path, "b")
+    me = os.getpid()
+    channels = channels_for([(a / "ctl" / "1.sock", me), (b / "ctl" / "1.sock", me)])
+    sock_a, sock_b = (c.path for c in channels)
+    client = await _client(coordinator)
+    try:
+        async with ShimCoordinatorProxy(client, channels) as proxy:
+            proxy.confine(a / "ctl" / "1.sock", [G], [9])
+            proxy.confine(b / "ctl" / "1.sock", [G, H], [12])
+            assert await _request(sock_a, f"PUT map/{G}/9 real-a") == "OK"
+            assert await _request(sock_b, f"PUT map/{G}/12 real-b") == "OK"
+            assert await _request(sock_b, f"PUT map/{H}/12 real-b-h") == "OK"  # its other GID
+            refused = f"ERR refused: QP 9 of GID {G} is not one of this container's ranks' QPs"
+            assert await _request(sock_b, f"PUT e5/qp/{G}/9 forged") == refused
+            assert await _request(sock_a, f"PUT map/{G}/12 forged") == refused.replace("QP 9", "QP 12")
+            assert await _request(sock_a, f"PUT map/{G}/13 new") == refused.replace("QP 9", "QP 13")
+            await asyncio.wait_for(proxy.published(), 10)
+        assert (await client.get(f"map/{G}/9", timeout=0.01)) == b"real-a"
+        assert (await client.get(f"map/{G}/12", timeout=0.01)) == b"real-b"
+        for key in (f"e5/qp/{G}/9", f"map/{G}/13"):
+            with pytest.raises(CoordinationTimedOut):
+                await client.get(key, timeout=0.05)
+    finally:
+        await client.close()
+
+
 async def test_a_container_whose_gids_are_not_learned_yet_is_not_confined(
     coordinator: ThreadedCoordinator, tmp_path: Path
 ) -> None:
@@ -277,7 +308,7 @@ async def test_a_container_whose_gids_are_not_learned_yet_is_not_confined(
     try:
         async with ShimCoordinatorProxy(client, [channel]) as proxy:
             assert await _request(channel.path, f"PUT map/{H}/1 before") == "OK"
-            proxy.confine(tmp_path / "elsewhere.sock", [G])  # not a container's rank: confines nothing
+            proxy.confine(tmp_path / "elsewhere.sock", [G], [1])  # not a container's rank: confines nothing
             assert await _request(channel.path, f"PUT map/{H}/2 still") == "OK"
             await asyncio.wait_for(proxy.published(), 10)
         assert (await client.get(f"map/{H}/2", timeout=0.01)) == b"still"

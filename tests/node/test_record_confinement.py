@@ -1,5 +1,6 @@
-"""The node driver tells the shims' proxy each rank's GIDs before the rank may publish a record: a
-container's rebuild writes its own records, and a record naming another container's GID is refused.
+"""The node driver tells the shims' proxy each rank's GIDs and QPs before the rank may publish a
+record: a container's rebuild writes its own records, and a record naming another container's QP is
+refused, under another GID or under a GID both hold (ranks restored from one node share it).
 Fake shims on the host that publish through their container's real coordinator socket, as the real
 shim's rebuild does (native/src/rebuild.c: records under the GIDs its `status` lists)."""
 
@@ -34,11 +35,13 @@ def put(coord: Path, line: str) -> str:
 
 
 class PublishingShim(FakeShimSocket):
-    """A rank holding `gid`: its rebuild publishes its QP's record, and `forged` lines too."""
+    """A rank holding QP `qpn` at `gid`: its rebuild publishes that QP's records, and `forged` lines too."""
 
-    def __init__(self, path: Path, gid: str, forged: list[str], everyone: threading.Barrier) -> None:
+    def __init__(
+        self, path: Path, gid: str, qpn: int, forged: list[str], everyone: threading.Barrier
+    ) -> None:
         super().__init__(path)
-        self.gid, self.forged, self.everyone = gid, forged, everyone
+        self.gid, self.qpn, self.forged, self.everyone = gid, qpn, forged, everyone
         self.coord = path.parent.parent / "coord" / "coord.sock"
         self.published: list[str] = []  # the proxy's replies to its PUTs
 
@@ -46,37 +49,42 @@ class PublishingShim(FakeShimSocket):
         if verb == "abort" and self.state == "released":
             return False, {"phase": "abort", "ok": False, "state": "released"}
         if verb == "status":
-            return True, {"state": self.state, "gids": [self.gid], "qps": [{"qpn": 7, "type": 2}]}
+            return True, {"state": self.state, "gids": [self.gid], "qps": [{"qpn": self.qpn, "type": 2}]}
         if verb == "rebuild":
-            lines = [f"PUT map/{self.gid}/7 real", f"PUT e2/qp/{self.gid}/7 rec"]
+            lines = [f"PUT map/{self.gid}/{self.qpn} real", f"PUT e2/qp/{self.gid}/{self.qpn} rec"]
             self.published = [put(self.coord, line) for line in lines]
             self.everyone.wait(timeout=5)  # the other container's records are in: a forgery would win
             self.published += [put(self.coord, line) for line in self.forged]
         return super().answer(verb)
 
 
-def two_containers(tmp_path: Path, pid: int) -> tuple[list[PublishingShim], list[LocalRank]]:
-    """Containers a (a rank at GID G) and b (a rank at GID H, which also tries to write G's record)."""
+def two_containers(tmp_path: Path, pid: int, b_gid: str) -> tuple[list[PublishingShim], list[LocalRank]]:
+    """Containers a (QP 7 at GID G) and b (QP 8 at `b_gid`, which also tries to write a's record)."""
     everyone = threading.Barrier(2)
     shims = []
-    for cid, gid, forged in (("a", G, []), ("b", H, [f"PUT e2/qp/{G}/7 forged"])):
+    for cid, gid, qpn, forged in (("a", G, 7, []), ("b", b_gid, 8, [f"PUT e2/qp/{G}/7 forged"])):
         (tmp_path / cid / "ctl").mkdir(parents=True)
         (tmp_path / cid / "coord").mkdir()
-        shims.append(PublishingShim(tmp_path / cid / "ctl" / "1.sock", gid, forged, everyone))
+        shims.append(PublishingShim(tmp_path / cid / "ctl" / "1.sock", gid, qpn, forged, everyone))
     ranks = [LocalRank(RankId.parse(f"job/pod-{i}/main/0"), pid, s.path) for i, s in enumerate(shims)]
     return shims, ranks
 
 
-REFUSED = f"ERR refused: GID {G} is not one of this container's ranks' GIDs"
+REFUSED = {
+    H: f"ERR refused: GID {G} is not one of this container's ranks' GIDs",
+    G: f"ERR refused: QP 7 of GID {G} is not one of this container's ranks' QPs",
+}
 
 
+@pytest.mark.parametrize("b_gid", [H, G], ids=["other-gid", "shared-gid"])
 @pytest.mark.parametrize("path", ["restore", "abort"])
 async def test_each_rank_publishes_its_own_records_and_not_anothers(
-    coordinator: ThreadedCoordinator, tmp_path: Path, sleeper: int, path: str
+    coordinator: ThreadedCoordinator, tmp_path: Path, sleeper: int, path: str, b_gid: str
 ) -> None:
     """A restore's rebuild (of ranks held released) and an abort's (after a failed dump): each rank's
-    own records go through, the forgery is refused and the record read is the owner's."""
-    shims, ranks = two_containers(tmp_path, sleeper)
+    own records go through, the forgery is refused and the record read is the owner's, whether the
+    forger's rank has a GID of its own or shares the owner's."""
+    shims, ranks = two_containers(tmp_path, sleeper, b_gid)
     driver = await connected_driver(coordinator, [] if path == "restore" else ranks)
     client = driver.client
     try:
@@ -103,4 +111,4 @@ async def test_each_rank_publishes_its_own_records_and_not_anothers(
     for s in shims:
         assert s.commands[-3:] == ["status", "rebuild", "resume"], s.commands
     assert shims[0].published == ["OK", "OK"]
-    assert shims[1].published == ["OK", "OK", REFUSED]
+    assert shims[1].published == ["OK", "OK", REFUSED[b_gid]]
