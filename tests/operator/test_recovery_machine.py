@@ -16,6 +16,7 @@ from ibckpt.api.schedule import (
 from ibckpt_operator.cluster.recovery import recovery_state, recovery_status, scratch_templates
 from ibckpt_operator.machine.core import EmitEvent, OperatorRestarted, PodRef, Tick
 from ibckpt_operator.machine.recovery import (
+    BarePodsCreated,
     CancelRestore,
     CheckpointHint,
     NodeHealth,
@@ -303,6 +304,22 @@ def test_no_checkpoint_creates_bare_pods_again_once_every_source_is_gone() -> No
     alone = m.handle(IDLE, seen(healthy(A), healthy(B, failed_exit=2), hint=None), 10.0).state
     assert alone.bare == (A, B)
     assert "controllers" not in (m.handle(alone, seen(), 20.0).state.message or "")
+
+
+def test_bare_pods_not_yet_created_when_the_operator_stopped_are_created_after_its_restart() -> None:
+    """The status says RestartedFromScratch before the driver creates the bare pods: an operator that
+    stopped in between creates them (if absent) when it starts again; once created, the templates
+    leave the state and a later restart creates nothing."""
+    m = machine(no_checkpoint=NoCheckpointPolicy.RESTART_FROM_SCRATCH)
+    fencing = m.handle(IDLE, seen(healthy(A, controlled=True), healthy(B, failed_exit=2), hint=None), 10.0)
+    ended = m.handle(fencing.state, seen(), 20.0).state
+    assert ended.phase is RecoveryPhase.RESTARTED and ended.bare == (B,)
+    again = m.handle(ended, OperatorRestarted(), 30.0)
+    assert again.of_type(RecreatePods) == [RecreatePods((B,))] and again.state == ended
+    created = m.handle(ended, BarePodsCreated(), 21.0).state
+    assert created.bare == () and created.phase is RecoveryPhase.RESTARTED
+    assert created.message == ended.message
+    assert not m.handle(created, OperatorRestarted(), 30.0).actions
 
 
 def test_templates_are_kept_only_under_restart_from_scratch() -> None:

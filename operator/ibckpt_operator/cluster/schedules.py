@@ -10,6 +10,8 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
+from pydantic import BaseModel
+
 from ibckpt.api import (
     API_VERSION,
     CHECKPOINT,
@@ -269,8 +271,18 @@ def schedule_state(name: str, status: CheckpointScheduleStatus) -> ScheduleState
 
 
 def status_patch(status: CheckpointScheduleStatus) -> Body:
-    """A merge patch for the whole status: fields now unset are removed (null)."""
+    """A merge patch for the whole status: fields now unset are removed (null), in the objects it
+    holds too (a merge patch merges them: `recovery.scratchPods` once the pods are created)."""
     body = status.to_wire()
-    for field_name, info in type(status).model_fields.items():
-        body.setdefault(info.alias or field_name, None)
+    _null_unset(status, body)
     return copy.deepcopy(body)
+
+
+def _null_unset(model: BaseModel, body: dict[str, Any]) -> None:
+    for field_name, info in type(model).model_fields.items():
+        key = info.alias or field_name
+        value = getattr(model, field_name)
+        if isinstance(value, BaseModel) and isinstance(body.get(key), dict):
+            _null_unset(value, body[key])
+        else:
+            body.setdefault(key, None)

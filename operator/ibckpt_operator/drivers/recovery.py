@@ -17,6 +17,7 @@ from ibckpt_operator.machine.core import Action, EmitEvent, Event, OperatorResta
 from ibckpt_operator.machine.podtemplate import controller_reference, sanitize, scratch_pod
 from ibckpt_operator.machine.recovery import (
     ACTIVE,
+    BarePodsCreated,
     CancelRestore,
     Observation,
     RecordRecovery,
@@ -123,6 +124,8 @@ class Recovery:
             if changed:
                 await owner.write_status(spec, now)  # before the actions: the job's name is in it
             await self._run(transition.actions)
+            if any(isinstance(action, RecreatePods) for action in transition.actions):
+                events.append(BarePodsCreated())  # handled in this loop: the templates leave status
             wake_at = transition.wake_at
         metrics.RECOVERING.labels(owner.key).set(1 if self.active else 0)
         return wake_at

@@ -11,7 +11,8 @@
       WaitForPerson      ─▶ WaitingForPerson (loud; nothing more is touched)
       RestartFromScratch ─▶ Fencing (from scratch) ─▶ RestartedFromScratch (each controller starts its
                             pods again; the operator creates bare pods again from their templates,
-                            recorded when the recovery began)
+                            recorded when the recovery began, and drops them once created; an
+                            operator restarted before that creates them again if absent)
     Fencing, Restoring: the deadline ─▶ Failed (the RestoreJob is cancelled).
     maxRecoveries already started within windowSeconds: a trigger ─▶ WaitingForPerson (TooManyRecoveries,
       nothing touched): a job that fails again after every restore is not restored forever.
@@ -131,6 +132,11 @@ class RestoreEnded(Event):
     job: str
     succeeded: bool
     message: str = ""
+
+
+@dataclass(frozen=True)
+class BarePodsCreated(Event):
+    """The driver ran RecreatePods: the bare pods' templates have done their work."""
 
 
 @dataclass(frozen=True)
@@ -296,6 +302,9 @@ class RecoveryMachine:
         elif isinstance(event, RestoreEnded) and event.job == state.restore_job:
             if state.phase is RecoveryPhase.RESTORING:
                 return self._restored(state, event, now)
+        elif isinstance(event, BarePodsCreated):
+            if state.phase is RecoveryPhase.RESTARTED:
+                return Transition(replace(state, bare=()))
         elif isinstance(event, OperatorRestarted):
             return self._restarted(state, now)
         return self._tick(state, now)
@@ -488,5 +497,7 @@ class RecoveryMachine:
             actions.append(StopPods(state.sources))
         elif state.phase is RecoveryPhase.RESTORING and state.restore_job is not None:
             actions.append(StartRecoveryRestore(state.restore_job, state.nodes, state.checkpoint))
+        elif state.phase is RecoveryPhase.RESTARTED and state.bare:  # ended before they were created
+            actions.append(RecreatePods(state.bare))
         tick = self._tick(state, now)
         return Transition(tick.state, (*actions, *tick.actions), tick.wake_at)
