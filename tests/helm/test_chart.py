@@ -166,7 +166,7 @@ def test_each_component_may_do_what_it_needs_and_no_more(installed: Release) -> 
 
 # Runs in a pod with the product image: the operator's client against each node's agent.
 CALLER = """
-import http.client, json, socket, urllib.request
+import http.client, json, socket, ssl, urllib.request
 from ibckpt.agentapi import AgentClient, AgentError
 from ibckpt.tls import AGENT_SERVER_NAME, client_context
 cfg = json.loads(CONFIG)
@@ -200,6 +200,20 @@ for node, ip in cfg["nodes"].items():
     text = urllib.request.urlopen(f"http://{ip}:{cfg['metrics']}/metrics", timeout=30).read().decode()
     r["metrics"] = [line for line in text.splitlines() if line.startswith("ibckpt_agent_requests_total")]
     out[node] = r
+# an AdmissionReview, as the apiserver would post one, from a pod: no client certificate
+w = cfg["webhook"]
+socket.create_connection((w["ip"], w["port"]), 30).close()  # the port answers (raises otherwise)
+bare = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+bare.check_hostname, bare.verify_mode = False, ssl.CERT_NONE
+review = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
+    "uid": "forged", "operation": "CREATE", "namespace": "default", "name": "x",
+    "kind": {"group": "policy", "version": "v1beta1", "kind": "Eviction"}, "object": {}}}
+try:
+    conn = http.client.HTTPSConnection(w["ip"], w["port"], timeout=30, context=bare)
+    conn.request("POST", "/eviction", body=json.dumps(review), headers={"Content-Type": "application/json"})
+    out["admission"] = {"status": conn.getresponse().status}
+except (OSError, http.client.HTTPException) as exc:
+    out["admission"] = {"error": f"{type(exc).__name__}: {exc}"}
 print("RESULT " + json.dumps(out))
 """
 
@@ -237,7 +251,11 @@ def test_the_agent_api_answers_only_the_operator(installed: Release) -> None:
         )
         made = datetime.fromisoformat(lease["metadata"]["creationTimestamp"].replace("Z", "+00:00"))
         epoch = [int(made.timestamp()), lease["spec"].get("leaseTransitions", 0)]
+        leader = cluster.kubectl(
+            "get", "pod", lease["spec"]["holderIdentity"], "-n", NAMESPACE, "-o", "jsonpath={.status.podIP}"
+        ).stdout.strip()
         config = {
+            "webhook": {"ip": leader, "port": cluster.webhook_port},
             "ca": _agents_ca(cluster),
             "epoch": epoch,
             "nodes": {n: node_ip(i) for i, n in enumerate(NODE_NAMES, 1)},
@@ -281,6 +299,9 @@ def test_the_agent_api_answers_only_the_operator(installed: Release) -> None:
         assert 'code="200",route="/v1/info"' in counted, r["metrics"]
         assert 'code="403",route="/v1/info"' in counted, r["metrics"]
         assert 'code="401",route="/v1/info"' in counted, r["metrics"]
+    # the apiserver's webhook client certificate is required (the chart's clientCA): a review posted
+    # from a pod gets no answer, while the apiserver's own calls do (tests/helm/test_drain.py)
+    assert "status" not in result["admission"], result["admission"]
     # no token reached a log
     logs = cluster.kubectl(
         "logs", "-n", NAMESPACE, "-l", "app.kubernetes.io/component=agent", "--tail=-1"

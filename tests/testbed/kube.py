@@ -44,6 +44,11 @@ class ControlPlane:
     workdir: Path
     pids: list[int] = field(default_factory=list)
 
+    @property
+    def webhook_client_ca(self) -> Path:
+        """The CA of the client certificate this apiserver presents to webhooks."""
+        return self.workdir / "pki" / WEBHOOK_CLIENT_CA
+
     def stop(self) -> None:
         for pid in reversed(self.pids):
             with contextlib.suppress(ProcessLookupError):
@@ -93,6 +98,39 @@ def _make_pki(pki: Path) -> None:
     _openssl("rsa", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=pki)
     for key in pki.glob("*.key"):
         key.chmod(0o600)
+
+
+# The apiserver's client certificate for webhook calls, from a CA of its own (not the cluster's, whose
+# client certificates name users): what an admin configures so that an admission server can tell the
+# apiserver's calls from anyone else's (docs/security.md, "Admission caller").
+WEBHOOK_CLIENT_CA = "webhook-client/ca.crt"
+
+
+def _webhook_client(pki: Path, root: Path) -> str:
+    """Make the webhook client CA and certificate, and the admission configuration that has the
+    apiserver present it to every webhook; returns the apiserver's flag for it."""
+    ca = pki / "webhook-client"
+    ca.mkdir()
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "7", "-subj",
+             "/CN=ibckpt-test-webhook-client-ca", "-keyout", "ca.key", "-out", "ca.crt", cwd=ca)  # fmt: skip
+    (ca / "ca.key").chmod(0o600)
+    issue_cert(ca, "apiserver", "/CN=kube-apiserver-webhook-client", client=True)
+    kubeconfig = root / "webhook-client.kubeconfig"
+    # "*": every webhook the apiserver calls gets this certificate (one that asks for none ignores it)
+    kubeconfig.write_text(
+        "apiVersion: v1\nkind: Config\nusers:\n- name: '*'\n"
+        f"  user: {{client-certificate: {ca / 'apiserver.crt'}, client-key: {ca / 'apiserver.key'}}}\n"
+    )
+    webhook = (
+        "    configuration:\n      apiVersion: apiserver.config.k8s.io/v1alpha1\n"
+        f"      kind: WebhookAdmission\n      kubeConfigFile: {kubeconfig}\n"
+    )
+    admission = root / "admission.yaml"
+    admission.write_text(
+        "apiVersion: apiserver.k8s.io/v1alpha1\nkind: AdmissionConfiguration\nplugins:\n"
+        f"  - name: ValidatingAdmissionWebhook\n{webhook}  - name: MutatingAdmissionWebhook\n{webhook}"
+    )
+    return f"--admission-control-config-file={admission}"
 
 
 def write_kubeconfig(
@@ -255,6 +293,7 @@ def start_control_plane(
                     f"--client-ca-file={pki / 'ca.crt'}",
                     f"--token-auth-file={tokens}",
                     *mode,
+                    _webhook_client(pki, root),
                     # Real clusters allow privileged pods (the node agent is one).
                     "--allow-privileged=true",
                     f"--service-account-key-file={pki / 'sa.pub'}",

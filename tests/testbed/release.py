@@ -115,6 +115,9 @@ def storage_secret(cluster: Cluster, namespace: str, access_key: str, secret_key
     )  # fmt: skip
 
 
+WEBHOOK_CLIENT_CA_SECRET = "apiserver-webhook-client-ca"
+
+
 def install(
     cluster: Cluster,
     name: str,
@@ -136,6 +139,13 @@ def install(
             "--set", f"operator.webhook.port={cluster.webhook_port}",
             "--set", "operator.webhook.hostPort=true", "--set", "operator.webhook.host=127.0.0.1",
         ]  # fmt: skip
+        # The apiserver presents its webhook client certificate; the admission server takes no other
+        # caller (docs/security.md, "Admission caller"). The Secret is the admin's, not the release's.
+        cluster.kubectl(
+            "create", "secret", "generic", WEBHOOK_CLIENT_CA_SECRET, "-n", namespace,
+            f"--from-file=ca.crt={cluster.plane.webhook_client_ca}",
+        )  # fmt: skip
+        pin += ["--set", f"operator.webhook.clientCA.secretName={WEBHOOK_CLIENT_CA_SECRET}"]
     # The emulated nodes answer a webhook call in seconds when loaded: the longest bound the chart
     # allows (15 s for a pod creation, 30 s for an eviction), so a restored pod is never created unbound.
     pin += ["--set", "operator.webhook.timeoutSeconds=15"]
