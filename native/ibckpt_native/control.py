@@ -58,6 +58,11 @@ class lines:  # a namespace: lines.quiesce(ms) reads as the line it builds
         """Renew the lease for ms; 0 hands the rank over with no bound."""
         return f"lease {ms}"
 
+    @staticmethod
+    def itimer(which: int, us: int) -> str:
+        """Arm interval timer `which` (0 real, 1 virtual, 2 prof) one-shot for `us` if it is not armed."""
+        return f"itimer {which} {us}"
+
 
 MAX_REPLY = 1 << 20  # a status of thousands of QPs is a few hundred KiB
 

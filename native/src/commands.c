@@ -1,7 +1,7 @@
 /* The control commands: one line in, one JSON report out, whether they come
  * over the control socket or through ibckpt_control().  One at a time.
  *   hello | status | quiesce [ms] | drain [ms [stall_ms]] | release [ms] [quiet]
- *   rebuild <epoch> [ms] | resume | abort | lease <ms>                      */
+ *   rebuild <epoch> [ms] | resume | abort | lease <ms> | itimer <which> <us> */
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -85,6 +85,9 @@ static int run_command(const char *line, char *out, size_t len)
 		break;
 	case IBK_CMD_LEASE:
 		rc = ibk_do_lease(c.a > 86400000ULL ? -1 : (long)c.a, out, len);
+		break;
+	case IBK_CMD_ITIMER:
+		rc = ibk_do_itimer(c.a > 2 ? -1 : (long)c.a, c.b, out, len);
 		break;
 	case IBK_CMD_ABORT:
 	default:

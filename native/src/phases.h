@@ -27,6 +27,8 @@ int ibk_do_release(int timeout_ms, int quiet_only, char *out, size_t len);
 int ibk_do_rebuild(uint64_t epoch, int timeout_ms, char *out, size_t len);
 int ibk_do_resume(char *out, size_t len);
 int ibk_do_abort(char *out, size_t len);
+/* itimer.c: arm a one-shot interval timer (0 real, 1 virtual, 2 prof) a restore lost */
+int ibk_do_itimer(long which, long long us, char *out, size_t len);
 /* drain: no completion for this long with only settleable sends left ends
  * it (the control protocol's drain takes another value) */
 #define IBK_DRAIN_STALL_MS 20

@@ -23,8 +23,8 @@ from typing import Any
 from ibckpt.coordination.client import CoordinationAborted, CoordinatorClient, CoordinatorError
 from ibckpt.coordination.ranks import RankId
 from ibckpt.vocabulary import Milestone, Mode, PhaseSeconds
-from ibckpt_native.control import ControlError
-from ibckpt_node import abort, criu, failpoints, priority, stuck, tcp_remap
+from ibckpt_native.control import ControlError, lines
+from ibckpt_node import abort, criu, failpoints, itimers, priority, stuck, tcp_remap
 from ibckpt_node.errors import CheckpointFailed, CheckpointRefused
 from ibckpt_node.leases import RankLeases, ms
 from ibckpt_node.preflight import Preflight
@@ -124,6 +124,9 @@ class NodeDriver:
         self.cut = cut or CutOptions()
         self.flush_records = flush_records
         self.confine = confine
+        # restored ranks' image dirs, by rank key: their one-shot itimers, which an older CRIU drops,
+        # are armed again before they rebuild (itimers.py); set by whoever restored them
+        self.itimer_images: dict[str, Path] = {}
         self.job_addrs = None if job_addrs is None else [ipaddress.ip_address(a) for a in job_addrs]
         self.report = NodeReport(node)
         self.leases = RankLeases(node, self.ranks, self.settings.lease_s, self.settings.lease_renew_s)
@@ -228,12 +231,35 @@ class NodeDriver:
         rebuild_ms = ms(self.timeouts.rebuild_seconds)
 
         async def rebuild(r: LocalRank) -> dict[str, Any]:
+            await self._rearm_itimers(r)
             await self._confine(r)
             return await r.shim.rebuild(epoch, rebuild_ms)
 
         await self._each("rebuild", rebuild, wait_all=False)
         if self.flush_records is not None:
             await self.flush_records()
+
+    async def _rearm_itimers(self, r: LocalRank) -> None:
+        """A restored rank's one-shot itimers that this node's CRIU dropped: armed with the time they
+        had left at the dump, before the rank runs again. A timer that cannot be read is logged and
+        left as CRIU restored it: the restore goes on."""
+        images = self.itimer_images.pop(r.rank.key(), None)
+        if images is None:
+            return
+        key, bound = r.rank.key(), self.timeouts.quiesce_seconds
+        pid = (await r.shim.command("hello", bound)).get("pid")  # its own pid: names its core image
+        try:
+            if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+                raise ValueError(f"its hello names pid {pid!r}")
+            lost = await asyncio.to_thread(itimers.one_shots, images / f"core-{pid}.img")
+        except (OSError, ValueError) as exc:
+            log.warning("%s: %s: itimers not read from the images: %s", self.node, key, exc)
+            return
+        for which, us in sorted(lost.items()):
+            reply = await r.shim.phase(lines.itimer(which, us), bound)
+            self.report.shim.setdefault(f"itimer-{itimers.WHICH[which]}", {})[key] = reply
+            log.info("%s: %s: one-shot %s itimer, %.3fs left at the dump: armed %s", self.node, key,
+                     itimers.WHICH[which], us / 1e6, reply.get("armed"))  # fmt: skip
 
     async def _confine(self, r: LocalRank) -> None:
         """Learn the rank's virtual GIDs and QPs from its `status` (the pairs its rebuild publishes
@@ -420,6 +446,10 @@ class NodeDriver:
             await asyncio.to_thread(lock.lock)
 
         async def restore_all() -> None:
+            if await asyncio.to_thread(itimers.criu_drops_one_shots):
+                self.itimer_images.update(images)
+                for tree, (_, inside) in manifests.items():
+                    self.itimer_images.update((rank.key(), tree) for rank, _, _ in inside)
             for key, image_dir in images.items():
                 result = await asyncio.to_thread(criu.restore, image_dir, t.restore_seconds)
                 self.report.restored_pids[key] = result.pid

@@ -253,7 +253,9 @@ def test_bare_pods_without_a_checkpoint_start_again_from_scratch_under_that_poli
         assert cluster_ns.get(RESTORES, "ring-recover-1") is None  # nothing to restore was tried
         # once created, the templates leave the schedule's status
         body = cluster_ns.wait(
-            SCHEDULES, "ring", lambda b: "scratchPods" not in ((b.get("status") or {}).get("recovery") or {}),
+            SCHEDULES,
+            "ring",
+            lambda b: "scratchPods" not in ((b.get("status") or {}).get("recovery") or {}),
             timeout=30,
         )
         assert body["status"]["recoveryPhase"] == "RestartedFromScratch"

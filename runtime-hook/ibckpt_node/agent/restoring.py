@@ -30,7 +30,7 @@ from ibckpt.agentapi import Milestone
 from ibckpt.agentapi import models as api
 from ibckpt.coordination.client import CoordinationAborted, CoordinatorError
 from ibckpt.coordination.ranks import RankId
-from ibckpt_node import driver, tcp_remap
+from ibckpt_node import driver, itimers, tcp_remap
 from ibckpt_node.agent.kubesecrets import StagingError
 from ibckpt_node.agent.session import (
     Agent,
@@ -303,7 +303,7 @@ async def run(agent: Agent, session: Session) -> None:
         await download(agent, session, request, lock, planned, stop)
         staged_at = time.time()  # a container of these pods registered before is not the restored one
         async with coordinated(agent, session) as (client, proxy):
-            session.engine = driver.NodeDriver(
+            session.engine = engine = driver.NodeDriver(
                 agent.node,
                 client,
                 [],
@@ -325,6 +325,10 @@ async def run(agent: Agent, session: Session) -> None:
                     uids,
                 )
                 await proxy.add(shim_channels(ranks))  # before any rebuild asks for records
+                if await asyncio.to_thread(itimers.criu_drops_one_shots):  # armed again (itimers.py)
+                    for item in planned:
+                        where = Path(restore_dir(item.namespace, item.pod, item.container), "images")
+                        engine.itimer_images.update(dict.fromkeys(item.rank_keys, where))
                 for r in ranks:
                     session.by_key[r.rank.key()].pid = r.pid
                 for key, uid in uids.items():  # plain containers' entries too
