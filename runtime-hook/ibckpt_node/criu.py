@@ -6,6 +6,7 @@ that fails leaves the task running (CRIU resumes it), so the caller can rebuild 
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import time
@@ -14,6 +15,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 LOG_TAIL_CHARS = 4000
+
+
+def parse_version(output: str) -> tuple[int, int, int] | None:
+    """`criu --version` prints `Version: 3.17.1` (and a GitID line on builds from git)."""
+    match = re.search(r"Version:\s*(\d+)\.(\d+)(?:\.(\d+))?", output)
+    if not match:
+        return None
+    return int(match.group(1)), int(match.group(2)), int(match.group(3) or 0)
 
 
 class CriuError(RuntimeError):

@@ -17,7 +17,7 @@ import struct
 import subprocess
 from pathlib import Path
 
-from ibckpt_node.nodesetup.prereqs import parse_criu_version
+from ibckpt_node.criu import parse_version
 
 FIXED_IN = (4, 1, 0)  # CRIU restores one-shot itimers from this version on
 WHICH = ("real", "virt", "prof")  # the shim's `itimer` numbers: 0, 1, 2
@@ -89,5 +89,5 @@ def criu_drops_one_shots(criu: str = "criu") -> bool:
         proc = subprocess.run([criu, "--version"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return True
-    found = parse_criu_version(proc.stdout)
+    found = parse_version(proc.stdout)
     return found is None or found < FIXED_IN

@@ -6,8 +6,9 @@ its Node name every missing one.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
+
+from ibckpt_node.criu import parse_version
 
 MIN_CRIU = (3, 17, 0)
 MIN_PYTHON = (3, 9)
@@ -39,19 +40,11 @@ def executable(name: str, path: str, exists: bool, is_executable: bool) -> Findi
     return Finding(name, True, path)
 
 
-def parse_criu_version(output: str) -> tuple[int, int, int] | None:
-    """`criu --version` prints `Version: 3.17.1` (and a GitID line on builds from git)."""
-    match = re.search(r"Version:\s*(\d+)\.(\d+)(?:\.(\d+))?", output)
-    if not match:
-        return None
-    return int(match.group(1)), int(match.group(2)), int(match.group(3) or 0)
-
-
 def criu(returncode: int | None, output: str) -> Finding:
     """returncode None: criu could not be started (not on the node's PATH)."""
     if returncode is None:
         return Finding("criu", False, f"not found on the node's PATH ({output.strip() or 'no criu'})")
-    found = parse_criu_version(output)
+    found = parse_version(output)
     if returncode != 0 or found is None:
         return Finding(
             "criu", False, f"`criu --version` failed (status {returncode}): {output.strip()[:200]}"
