@@ -42,7 +42,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 			if (ibk_command_parse(line, &c))
 				check(c.error != NULL);
 			else
-				check(c.verb >= IBK_CMD_HELLO && c.verb <= IBK_CMD_LEASE && c.nargs <= 2);
+				check(c.verb >= IBK_CMD_HELLO && c.verb <= IBK_CMD_LAST && c.nargs <= 2 &&
+				      (c.verb != IBK_CMD_ITIMER || c.nargs == 2));
 		}
 	}
 	return 0;

@@ -24,7 +24,8 @@ void ibk_linebuf_added(struct ibk_linebuf *lb, size_t n);
 char *ibk_linebuf_line(struct ibk_linebuf *lb);
 
 enum ibk_verb { IBK_CMD_HELLO = 1, IBK_CMD_STATUS, IBK_CMD_QUIESCE, IBK_CMD_DRAIN, IBK_CMD_RELEASE,
-		IBK_CMD_REBUILD, IBK_CMD_RESUME, IBK_CMD_ABORT, IBK_CMD_LEASE, IBK_CMD_ITIMER };
+		IBK_CMD_REBUILD, IBK_CMD_RESUME, IBK_CMD_ABORT, IBK_CMD_LEASE, IBK_CMD_ITIMER,
+		IBK_CMD_LAST = IBK_CMD_ITIMER };
 
 struct ibk_cmd {
 	enum ibk_verb verb;
