@@ -44,6 +44,8 @@ class OperatorConfig:
     release: str = ""  # the Helm release: labels what the operator makes outside the chart (uninstall)
     grants_owner: str = ""  # the agents' ClusterRole: owns the storage grants, so uninstall removes them
     agent_timeout: float = 10.0
+    # An agent pod that is not Ready is waited for this long before the pods on its node are refused.
+    agent_ready_wait_seconds: float = 90.0
     poll_seconds: float = 1.0  # how often a running agent session's report is read
     # An agent busy staging images may answer late; silence this long fails the step (AgentUnreachable).
     agent_unreachable_seconds: float = 120.0

@@ -124,6 +124,10 @@ class Cluster:
         labels = {"app.kubernetes.io/component": "agent", "app.kubernetes.io/instance": "ibckpt"}
         self.pod(f"agent-{node}", node, labels, namespace=OPERATOR_NS, ip=ip, ready=ready)
 
+    def agent_pod_ready(self, node: str) -> None:
+        status = {"conditions": [{"type": "Ready", "status": "True"}]}
+        self.core.patch_namespaced_pod_status(f"agent-{node}", OPERATOR_NS, {"status": status})
+
     def secret(self, name: str, data: dict[str, str]) -> None:
         encoded = {k: base64.b64encode(v.encode()).decode() for k, v in data.items()}
         self.core.create_namespaced_secret(self.namespace, {"metadata": {"name": name}, "data": encoded})

@@ -185,20 +185,42 @@ def test_wrong_credentials_and_unreachable_endpoint(
 def test_pod_on_a_node_without_a_ready_agent(
     cluster_ns: Cluster, s3_server: S3Server, bucket: str, agents: Agents, operator: Any
 ) -> None:
+    """An agent pod not Ready yet is waited for: node-c's becomes Ready and job `late` goes on. One that
+    stays not Ready for the whole wait refuses its pods: job `noagent` fails before anything is touched.
+    The agent of a node that is itself not Ready is not waited for (job `dead`)."""
     agent = agents.add(cluster_ns, "node-a", 1)
-    agents.add(cluster_ns, "node-c", 3, ready=False)
-    cluster_ns.node("node-b")
-    for name, node in (("ring-0", "node-a"), ("ring-1", "node-b"), ("ring-2", "node-c")):
+    late = agents.add(cluster_ns, "node-c", 3, ready=False)
+    agents.add(cluster_ns, "node-d", 4, ready=False)
+    gone = agents.add(cluster_ns, "node-e", 5, ready=False)
+    cluster_ns.node("node-e", ready=False)
+    late.register(cluster_ns.pod("late-0", "node-c", {"app": "late"}), cluster_ns.namespace)
+    gone.register(cluster_ns.pod("dead-0", "node-e", {"app": "dead"}), cluster_ns.namespace)
+    for name, node in (("ring-0", "node-a"), ("ring-1", "node-d")):
         agent.register(cluster_ns.pod(name, node, {"app": "ring"}), cluster_ns.namespace)
     creds(cluster_ns, s3_server)
-    with operator():
+    with operator(agent_ready_wait_seconds=15.0):
+        cluster_ns.create(JOBS, job("late", storage(s3_server, bucket), labels={"app": "late"}))
         cluster_ns.create(JOBS, job("noagent", storage(s3_server, bucket)))
+        cluster_ns.create(JOBS, job("dead", storage(s3_server, bucket), labels={"app": "dead"}))
+        dead = cluster_ns.wait(JOBS, "dead", phase("Failed"))
+        assert "agent-node-e is not Ready" in dead["status"]["message"], dead["status"]
+        assert not [e for e in cluster_ns.events("dead") if e.reason == "WaitingForAgent"]
+        waiting = cluster_ns.wait_events("late", "WaitingForAgent")[0]
+        assert "agent agent-node-c to be Ready" in waiting.message, waiting.message
+        cluster_ns.wait_events("noagent", "WaitingForAgent")
+        cluster_ns.agent_pod_ready("node-c")
         body = cluster_ns.wait(JOBS, "noagent", phase("Failed"))
+        going = cluster_ns.get(JOBS, "late")
+    assert going is not None and going["status"]["phase"] != "Failed", going["status"]
+    assert going["status"]["pods"][0]["phase"] not in ("Selected", "Refused"), going["status"]["pods"]
     assert_failed(
-        cluster_ns, body, "AdmissionRefused", "pod ring-1 is on node node-b which has no ready ibckpt agent"
+        cluster_ns,
+        body,
+        "AdmissionRefused",
+        "pod ring-1 is on node node-d which has no ready ibckpt agent (agent-node-d is not Ready)",
     )
     rows = {row["name"]: row for row in body["status"]["pods"]}
-    assert rows["ring-1"]["phase"] == "Refused" and rows["ring-1"]["node"] == "node-b"
+    assert rows["ring-1"]["phase"] == "Refused" and rows["ring-1"]["node"] == "node-d"
     assert rows["ring-0"]["uid"] and agent.requests == []  # admission comes before any touch
     assert body["status"]["claimed"] is False
 

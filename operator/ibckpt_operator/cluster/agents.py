@@ -8,7 +8,7 @@ import asyncio
 import functools
 import ssl
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
@@ -36,11 +36,16 @@ class Agent:
     ready: bool
 
 
+def _conditions_ready(body: Body) -> bool:
+    conditions = body.get("status", {}).get("conditions") or ()
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
 def _ready(pod: Body) -> bool:
     status = pod.get("status", {})
     if pod.get("metadata", {}).get("deletionTimestamp") or status.get("phase") != "Running":
         return False
-    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or ())
+    return _conditions_ready(pod)
 
 
 async def agents_by_node(kube: Kube) -> dict[str, Agent]:
@@ -55,6 +60,35 @@ async def agents_by_node(kube: Kube) -> dict[str, Agent]:
         if node not in found or (agent.ready and not found[node].ready):
             found[node] = agent
     return found
+
+
+# How often the agents are listed again while one is waited for.
+AGENT_READY_POLL_S = 2.0
+
+
+async def agents_once_ready(
+    kube: Kube, nodes: Collection[str], on_wait: Callable[[list[str]], Awaitable[None]]
+) -> dict[str, Agent]:
+    """The agent of each node, once those of `nodes` are Ready or `agent_ready_wait_seconds` passed: an
+    agent pod that is there but not Ready (a probe missed under load, a DaemonSet pod still starting) is
+    given that long before the pods on its node are refused. A node with no agent pod, or whose kubelet
+    is not Ready (the node died), is not waited for. `on_wait` is told the not-Ready agents' pods once,
+    before the wait."""
+    deadline = time.monotonic() + current().agent_ready_wait_seconds
+    told = False
+    while True:
+        agents = await agents_by_node(kube)
+        unready = {n for n in nodes if n in agents and not agents[n].ready}
+        if unready:
+            alive = {n["metadata"]["name"] for n in await kube.list_nodes() if _conditions_ready(n)}
+            unready &= alive
+        left = deadline - time.monotonic()
+        if not unready or left <= 0:
+            return agents
+        if not told:
+            await on_wait(sorted(agents[n].pod for n in unready))
+            told = True
+        await asyncio.sleep(min(AGENT_READY_POLL_S, left))
 
 
 def no_agent_message(pod: str, node: str, agent: Agent | None) -> str:

@@ -123,6 +123,13 @@ class Driver(Generic[S]):
         """A step's side effect; it answers by emitting events (run as a task by `guarded`)."""
         raise NotImplementedError
 
+    async def agents_waited(self, agent_pods: list[str]) -> None:
+        """Said once before a step waits for agents that are not Ready (cluster/agents.py)."""
+        wait = current().agent_ready_wait_seconds
+        message = f"waiting up to {wait:.0f}s for ibckpt agent {', '.join(agent_pods)} to be Ready"
+        log.info("%s: %s", self.key, message)
+        await self.rt.kube.post_event(self.body, "Normal", "WaitingForAgent", message)
+
     def read_back(self, model: type[ApiModel], to_state: Callable[[Any], S]) -> S | None:
         """The state a driver wrote to this job's status (with its conditions), or None for a job no
         driver has started (no attempt yet)."""

@@ -29,7 +29,14 @@ from ibckpt.agentapi import (
 from ibckpt.api import CHECKPOINT, CheckpointJobStatus, CheckpointMode, JobPhase
 from ibckpt.store.units import format_size
 from ibckpt_operator.cluster import secretgrants, selection
-from ibckpt_operator.cluster.agents import Agent, agents_by_node, each_agent, follow_session, no_agent_message
+from ibckpt_operator.cluster.agents import (
+    Agent,
+    agents_by_node,
+    agents_once_ready,
+    each_agent,
+    follow_session,
+    no_agent_message,
+)
 from ibckpt_operator.cluster.kube import Body
 from ibckpt_operator.cluster.pods import gone
 from ibckpt_operator.config import current
@@ -198,8 +205,7 @@ class CheckpointJobDriver(CheckpointStoreDriver):
         self.emit(PodsSelected(action.attempt, pods))
 
     async def admit(self, action: AdmitPods) -> None:
-        agents = await agents_by_node(self.rt.kube)
-        placed: list[tuple[PodRef, Body, str]] = []  # pods on a node with a ready agent
+        scheduled: list[tuple[PodRef, Body, str]] = []
         for pod in action.pods:
             body = await self.rt.kube.get_pod(self.namespace, pod.name)
             uid = (body or {}).get("metadata", {}).get("uid")
@@ -210,6 +216,10 @@ class CheckpointJobDriver(CheckpointStoreDriver):
             if not node:
                 self.emit(PodRefused(action.attempt, pod.uid, f"pod {pod.name} is not scheduled to a node"))
                 continue
+            scheduled.append((pod, body, node))
+        agents = await agents_once_ready(self.rt.kube, {node for _, _, node in scheduled}, self.agents_waited)
+        placed: list[tuple[PodRef, Body, str]] = []  # pods on a node with a ready agent
+        for pod, body, node in scheduled:
             agent = agents.get(node)
             if agent is None or not agent.ready:
                 self.emit(PodRefused(action.attempt, pod.uid, no_agent_message(pod.name, node, agent)))

@@ -19,7 +19,7 @@ from ibckpt.api import (
     RestoreJobSpec,
 )
 from ibckpt_operator.cluster import bindings, sources
-from ibckpt_operator.cluster.agents import agents_by_node, each_agent, no_agent_message
+from ibckpt_operator.cluster.agents import agents_by_node, agents_once_ready, each_agent, no_agent_message
 from ibckpt_operator.cluster.kube import ApiException, Body, api_message
 from ibckpt_operator.cluster.pods import node_ready, restore_marker
 from ibckpt_operator.drivers.base import Driver, StepProblem
@@ -116,7 +116,7 @@ class RestorePodsDriver(Driver[RestoreState]):
         """Before anything is created: each destination has a ready agent and the versions the checkpoint
         requires, and no pod holds the name the restored pod must have."""
         checkpoint = await self.require_checkpoint()
-        agents = await agents_by_node(self.rt.kube)
+        agents = await agents_once_ready(self.rt.kube, {p.node for p in action.pods}, self.agents_waited)
         kernels = {
             n["metadata"]["name"]: n.get("status", {}).get("nodeInfo", {}).get("kernelVersion")
             for n in await self.rt.kube.list_nodes()
