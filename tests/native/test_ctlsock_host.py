@@ -33,6 +33,8 @@ def built() -> None:
 
 def no_core() -> None:
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    for number in (signal.SIGHUP, signal.SIGINT):  # ignored under nohup or a background shell
+        signal.signal(number, signal.SIG_DFL)
 
 
 def ended(program: Path, how: str, ctl: Path) -> tuple[int, Path, str]:
