@@ -12,6 +12,7 @@
  *          [-x IP:PORT (hold an idle TCP connection to an outsider)]
  *          [-T (a second thread posts the sends while the main thread polls and re-posts receives)]
  *          [-P USEC (pace: sleep USEC whenever the CQ is empty, so the pair leaves the CPU to others)]
+ *          [-A alarm:S | interval:S (timers due S seconds after READY, reported at the end: timers.h)]
  *
  * With -t, both sides send a sequence-numbered, checked 16-byte ping over the TCP
  * connection every N data messages and read the peer's without blocking; at the end
@@ -26,14 +27,15 @@
 #include <time.h>
 
 #include "common.h"
+#include "timers.h"
 
 struct opts {
 	const char *peer;
 	int port, gid, unsig, inl, srq, chan, window, recvs, tcp_every, threaded, pace_us;
-	const char *stop, *outsider;
+	const char *stop, *outsider, *timers;
 };
 
-static struct opts o = {NULL, 18515, 1, 1, 0, 0, 0, 16, 32, 0, 0, 0, NULL, NULL};
+static struct opts o = {NULL, 18515, 1, 1, 0, 0, 0, 16, 32, 0, 0, 0, NULL, NULL, NULL};
 
 /* Message n into m, and the SEND WR that carries it (every -u'th signaled,
  * and the END message; inline with -i). */
@@ -214,7 +216,7 @@ int main(int argc, char **argv)
 	struct sender sd;
 	pthread_t sender_tid;
 
-	while ((c = getopt(argc, argv, "c:p:g:f:u:iqeEw:r:t:x:TP:")) != -1) {
+	while ((c = getopt(argc, argv, "c:p:g:f:u:iqeEw:r:t:x:TP:A:")) != -1) {
 		switch (c) {
 		case 'c': o.peer = optarg; break;
 		case 'p': o.port = atoi(optarg); break;
@@ -231,6 +233,7 @@ int main(int argc, char **argv)
 		case 'x': o.outsider = optarg; break;
 		case 'T': o.threaded = 1; break;
 		case 'P': o.pace_us = atoi(optarg); break;
+		case 'A': o.timers = optarg; break;
 		default: return 2;
 		}
 	}
@@ -303,6 +306,8 @@ int main(int argc, char **argv)
 	qp_to_rts(qp, &theirs, o.gid, mine.psn);
 	if (ch && ibv_req_notify_cq(cq, 0))
 		DIE("notify");
+	if (o.timers)
+		timers_arm(o.timers);
 	printf("READY qpn=%u peer_qpn=%u\n", qp->qp_num, theirs.qpn);
 	if (o.threaded) {
 		sd = (struct sender){qp, sbuf, smr, 0, 0};
@@ -460,6 +465,8 @@ int main(int argc, char **argv)
 	}
 	if (ep >= 0)
 		printf("EPOLL timeouts=%ld\n", ep_timeouts);
+	if (o.timers)
+		timers_report();
 	printf("RESULT sent=%llu received=%llu send_sum=%016llx recv_sum=%016llx events=%ld bad=%d\n",
 	       (unsigned long long)data_sent, (unsigned long long)(expect ? expect - 1 : 0),
 	       (unsigned long long)send_sum, (unsigned long long)recv_sum, events, bad);

@@ -1,10 +1,14 @@
-"""Stop-checkpoint a two-rank verbs job and restore it on the same node (one guest), exactly once."""
+"""Stop-checkpoint a two-rank verbs job and restore it on the same node (one guest), exactly once. Each
+rank armed timers before the checkpoint (native/tests/timers.h: ITIMER_REAL as a one-shot alarm in one
+rank and as an interval timer in the other, a POSIX timer and a timerfd in both); each fires once restored,
+after the time it had left when the rank was frozen: the downtime does not count, nothing is lost."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -17,7 +21,21 @@ from shimtest.harness import parse_result, run_node_agent
 
 pytestmark = pytest.mark.guest
 
-RANKS = {"ring/rank-0/main/0": ("server", []), "ring/rank-1/main/0": ("client", ["-c", "127.0.0.1"])}
+DUE_S = 40  # the timers' delay from arming: longer than a checkpoint takes here
+RANKS = {
+    "ring/rank-0/main/0": ("server", ["-A", f"alarm:{DUE_S}"]),
+    "ring/rank-1/main/0": ("client", ["-c", "127.0.0.1", "-A", f"interval:{DUE_S}"]),
+}
+SLACK_MS = 4000  # a signal's delivery to a process of the emulated guest, and the test's own steps
+
+
+def _timers(out: str) -> tuple[dict[str, int], dict[str, int]]:
+    """The TIMERS lines of rc_seq's output: what was armed, and when each timer first fired."""
+    lines = [
+        {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", line)}
+        for line in re.findall(r"^TIMERS (.*)$", out, re.MULTILINE)
+    ]
+    return lines[0], lines[1] if len(lines) > 1 else {}
 
 
 def test_stop_then_restore_on_the_same_node(coordinator, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -45,9 +63,11 @@ def test_stop_then_restore_on_the_same_node(coordinator, tmp_path: Path) -> None
     token = tokens["node-1"]
     ranks = [f"--rank={k}={pids[k]}:/run/ibckpt/{r}.ctl" for k, (r, _) in RANKS.items()]
     images = str(tmp_path / "img")
+    dump_called = time.monotonic() * 1000
     report = run_node_agent(
         coordinator.port, session, token, "checkpoint", *ranks, "--images", images, "--mode", "Stop"
     )
+    dump_returned = time.monotonic() * 1000
     assert report["outcome"] == "Stopped"
     for pid in pids.values():  # Stop: CRIU killed them (zombies until reaped)
         subprocess.run(["true"])
@@ -59,7 +79,9 @@ def test_stop_then_restore_on_the_same_node(coordinator, tmp_path: Path) -> None
 
     token = tokens["node-1"]
     ranks = [f"--rank={k}={images}/{k.replace('/', '_')}:/run/ibckpt/{r}.ctl" for k, (r, _) in RANKS.items()]
+    restore_called = time.monotonic() * 1000
     report = run_node_agent(coordinator.port, session, token, "restore", *ranks, "--epoch", "2")
+    restore_returned = time.monotonic() * 1000
     assert report["outcome"] == "Succeeded", report
     time.sleep(2)
     for role, _ in RANKS.values():
@@ -67,6 +89,10 @@ def test_stop_then_restore_on_the_same_node(coordinator, tmp_path: Path) -> None
         assert status["state"] == "running" and status["epoch"] == 2, status
         # The restored threads each have their own cred: writes went through the device thread.
         assert status["delegated_writes"] > 0, status
+    # every timer's latest due moment, then the ranks end and report when theirs fired
+    armed = {r: _timers((tmp_path / f"{r}.out").read_text())[0] for r, _ in RANKS.values()}
+    latest = max(restore_returned + a["armed"] + a["due"] - dump_called for a in armed.values())
+    time.sleep(max(0.0, (latest + SLACK_MS) / 1000 - time.monotonic()))
     stop.touch()
     deadline = time.monotonic() + 120
     while not all("RESULT" in (tmp_path / f"{r}.out").read_text() for r, _ in RANKS.values()):
@@ -78,3 +104,18 @@ def test_stop_then_restore_on_the_same_node(coordinator, tmp_path: Path) -> None
     assert server["bad"] == 0 and client["bad"] == 0
     assert server["sent"] == client["received"] and client["sent"] == server["received"]
     assert server["send_sum"] == client["recv_sum"] and client["send_sum"] == server["recv_sum"]
+    for role, _ in RANKS.values():
+        armed_at, fired = _timers((tmp_path / f"{role}.out").read_text())
+        # left when frozen: between the checkpoint's call and its return
+        left_least = armed_at["armed"] + armed_at["due"] - dump_returned
+        left_most = armed_at["armed"] + armed_at["due"] - dump_called
+        assert left_least > SLACK_MS, f"{role}: the checkpoint took too long to test its timers ({armed_at})"
+        window = (restore_called + left_least - SLACK_MS, restore_returned + left_most + SLACK_MS)
+        for timer in ("real", "posix", "timerfd"):
+            assert fired[timer], f"{role}: its {timer} timer never fired after the restore: {fired}"
+            assert window[0] <= fired[timer] <= window[1], (
+                f"{role}: {timer} fired at {fired[timer]}, not within {window} "
+                f"(dump {dump_called:.0f}-{dump_returned:.0f}, restore {restore_called:.0f}-"
+                f"{restore_returned:.0f}, armed {armed_at})"
+            )
+    assert _timers((tmp_path / "client.out").read_text())[1]["real_count"] >= 2  # the interval went on
