@@ -28,7 +28,7 @@ from node.rc_pair import KEYS, RESTORE_RANK, SWAP, SWAPPED, assert_ok, diagnosti
 
 pytestmark = pytest.mark.twoguests
 
-DURATION = 60  # seconds of 1024-byte writes: most of it still ahead when the checkpoint starts
+DURATION = 90  # seconds of writes; a loaded host ran out 60 before the checkpoint began
 PORT = 18515  # perftest's default TCP control port
 ARGS = f"-d rxe0 -x 1 -F -s 1024 -D {DURATION} -p {PORT}"
 
