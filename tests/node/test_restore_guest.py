@@ -21,7 +21,7 @@ from shimtest.harness import parse_result, run_node_agent
 
 pytestmark = pytest.mark.guest
 
-DUE_S = 40  # the timers' delay from arming: longer than a checkpoint takes here
+DUE_S = 45  # the timers' delay from arming: longer than a checkpoint takes here
 RANKS = {
     "ring/rank-0/main/0": ("server", ["-A", f"alarm:{DUE_S}"]),
     "ring/rank-1/main/0": ("client", ["-c", "127.0.0.1", "-A", f"interval:{DUE_S}"]),
@@ -106,16 +106,15 @@ def test_stop_then_restore_on_the_same_node(coordinator, tmp_path: Path) -> None
     assert server["send_sum"] == client["recv_sum"] and client["send_sum"] == server["recv_sum"]
     for role, _ in RANKS.values():
         armed_at, fired = _timers((tmp_path / f"{role}.out").read_text())
-        # left when frozen: between the checkpoint's call and its return
+        # the time each had left when its rank was frozen: somewhere between the dump's call and return
         left_least = armed_at["armed"] + armed_at["due"] - dump_returned
         left_most = armed_at["armed"] + armed_at["due"] - dump_called
-        assert left_least > SLACK_MS, f"{role}: the checkpoint took too long to test its timers ({armed_at})"
-        window = (restore_called + left_least - SLACK_MS, restore_returned + left_most + SLACK_MS)
+        window = (restore_called + max(0.0, left_least - SLACK_MS), restore_returned + left_most + SLACK_MS)
+        said = (
+            f"dump {dump_called:.0f}-{dump_returned:.0f}, "
+            f"restore {restore_called:.0f}-{restore_returned:.0f}, armed {armed_at}, fired {fired}"
+        )
         for timer in ("real", "posix", "timerfd"):
-            assert fired[timer], f"{role}: its {timer} timer never fired after the restore: {fired}"
-            assert window[0] <= fired[timer] <= window[1], (
-                f"{role}: {timer} fired at {fired[timer]}, not within {window} "
-                f"(dump {dump_called:.0f}-{dump_returned:.0f}, restore {restore_called:.0f}-"
-                f"{restore_returned:.0f}, armed {armed_at})"
-            )
+            assert fired[timer], f"{role}: its {timer} timer never fired after the restore ({said})"
+            assert window[0] <= fired[timer] <= window[1], f"{role}: {timer} not within {window} ({said})"
     assert _timers((tmp_path / "client.out").read_text())[1]["real_count"] >= 2  # the interval went on
