@@ -3,10 +3,12 @@
  * timer and a one-shot timerfd, all due SECONDS after arming.  Each records
  * the CLOCK_MONOTONIC millisecond it first fired, so a test can check that a
  * checkpoint and restore in between neither lost a timer nor let the downtime
- * count against it.
+ * count against it.  A thread ticking every 100 ms finds the downtime: the
+ * longest gap between two ticks (frozen, thawed).
  *
  *   TIMERS armed=MS due=MS kind=alarm|interval           (after arming)
- *   TIMERS real=MS real_count=N posix=MS timerfd=MS       (at the end; 0: never fired) */
+ *   TIMERS real=MS real_count=N posix=MS timerfd=MS frozen=MS thawed=MS
+ *                                                        (at the end; 0: never) */
 #ifndef IBK_TEST_TIMERS_H
 #define IBK_TEST_TIMERS_H
 
@@ -18,7 +20,7 @@
 
 #include "common.h"
 
-static _Atomic long timers_real_ms, timers_posix_ms, timers_fd_ms;
+static _Atomic long timers_real_ms, timers_posix_ms, timers_fd_ms, timers_frozen_ms, timers_thawed_ms;
 static atomic_int timers_real_count;
 static int timers_fd = -1;
 
@@ -54,6 +56,23 @@ static void *timers_fd_reader(void *arg)
 	return NULL;
 }
 
+static void *timers_ticker(void *arg)
+{
+	long before = now_ms(), now;
+
+	(void)arg;
+	for (;;) {
+		usleep(100000);
+		now = now_ms();
+		if (now - before > atomic_load(&timers_thawed_ms) - atomic_load(&timers_frozen_ms)) {
+			atomic_store(&timers_frozen_ms, before);
+			atomic_store(&timers_thawed_ms, now);
+		}
+		before = now;
+	}
+	return NULL;
+}
+
 static void timers_handler(int sig, void (*fn)(int))
 {
 	struct sigaction sa;
@@ -74,7 +93,7 @@ static void timers_arm(const char *spec)
 	struct sigevent ev;
 	timer_t posix;
 	struct itimerspec due;
-	pthread_t reader;
+	pthread_t reader, ticker;
 
 	if (seconds < 1 || (!periodic && strncmp(spec, "alarm:", 6) != 0))
 		DIE("usage: -A alarm:SECONDS or -A interval:SECONDS");
@@ -90,8 +109,9 @@ static void timers_arm(const char *spec)
 	timers_fd = timerfd_create(CLOCK_MONOTONIC, TFD_CLOEXEC);
 	if (timers_fd < 0 || timerfd_settime(timers_fd, 0, &due, NULL))
 		DIE("timerfd");
-	if (pthread_create(&reader, NULL, timers_fd_reader, NULL) || pthread_detach(reader))
-		DIE("timerfd reader");
+	if (pthread_create(&reader, NULL, timers_fd_reader, NULL) || pthread_detach(reader) ||
+	    pthread_create(&ticker, NULL, timers_ticker, NULL) || pthread_detach(ticker))
+		DIE("timer threads");
 	if (periodic) {
 		struct itimerval every = {{1, 0}, {seconds, 0}};
 
@@ -106,8 +126,9 @@ static void timers_arm(const char *spec)
 
 static void timers_report(void)
 {
-	printf("TIMERS real=%ld real_count=%d posix=%ld timerfd=%ld\n", atomic_load(&timers_real_ms),
-	       atomic_load(&timers_real_count), atomic_load(&timers_posix_ms), atomic_load(&timers_fd_ms));
+	printf("TIMERS real=%ld real_count=%d posix=%ld timerfd=%ld frozen=%ld thawed=%ld\n",
+	       atomic_load(&timers_real_ms), atomic_load(&timers_real_count), atomic_load(&timers_posix_ms),
+	       atomic_load(&timers_fd_ms), atomic_load(&timers_frozen_ms), atomic_load(&timers_thawed_ms));
 }
 
 #endif

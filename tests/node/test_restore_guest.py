@@ -106,14 +106,15 @@ def test_stop_then_restore_on_the_same_node(coordinator, tmp_path: Path) -> None
     assert server["send_sum"] == client["recv_sum"] and client["send_sum"] == server["recv_sum"]
     for role, _ in RANKS.values():
         armed_at, fired = _timers((tmp_path / f"{role}.out").read_text())
-        # the time each had left when its rank was frozen: somewhere between the dump's call and return
-        left_least = armed_at["armed"] + armed_at["due"] - dump_returned
-        left_most = armed_at["armed"] + armed_at["due"] - dump_called
-        window = (restore_called + max(0.0, left_least - SLACK_MS), restore_returned + left_most + SLACK_MS)
+        # the rank's own ticker saw its downtime: the time left when frozen is what is left to wait
+        left = armed_at["armed"] + armed_at["due"] - fired["frozen"]
         said = (
             f"dump {dump_called:.0f}-{dump_returned:.0f}, "
-            f"restore {restore_called:.0f}-{restore_returned:.0f}, armed {armed_at}, fired {fired}"
+            f"restore {restore_called:.0f}-{restore_returned:.0f}, armed {armed_at}, then {fired}"
         )
+        assert dump_called <= fired["frozen"] and fired["thawed"] <= restore_returned, said
+        assert left > SLACK_MS, f"{role}: its timers were due before the checkpoint froze it ({said})"
+        window = (fired["thawed"] + left - SLACK_MS, restore_returned + left + SLACK_MS)
         for timer in ("real", "posix", "timerfd"):
             assert fired[timer], f"{role}: its {timer} timer never fired after the restore ({said})"
             assert window[0] <= fired[timer] <= window[1], f"{role}: {timer} not within {window} ({said})"
