@@ -10,7 +10,7 @@ every message delivered exactly once.
    The testbed then plays the cloud and deletes the vanished node's Node: the job comes back on node-2.
    A fresh guest then takes node-1's place, so the session's cluster goes on with two nodes.
 
-Before the first, the schedule takes 5 checkpoints (its retention keeps the newest 3), and no node's
+Before the first, the schedule takes 4 checkpoints (its retention keeps the newest 3), and no node's
 disk ever holds more than about two checkpoints' images. Between the two failures, the nodes' disks:
 once its sessions ended, no node keeps checkpoint images or restore staging, but a failed checkpoint's,
 kept for a while on purpose (docs/node-agent.md, what stays on a node).
@@ -32,7 +32,7 @@ from testbed.cluster import delete_vanished_node
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(2400)]
 
 SCHEDULE = "ring"
-PERIODIC = 5  # checkpoints the schedule takes before the first failure
+PERIODIC = 4  # checkpoints the schedule takes before the first failure: one more than it keeps
 KEEP_LAST = 3  # the schedule's default retention
 HOST_DIR = "/var/lib/ibckpt"  # the chart's agent.hostDir
 
