@@ -4,9 +4,11 @@
  * the CLOCK_MONOTONIC millisecond it first fired, so a test can check that a
  * checkpoint and restore in between neither lost a timer nor let the downtime
  * count against it.  A thread ticking every 100 ms finds the downtime: the
- * longest gap between two ticks (frozen, thawed).
+ * longest gap between two ticks (frozen, thawed), in the process's own clock,
+ * the one its timers run on.
  *
  *   TIMERS armed=MS due=MS kind=alarm|interval           (after arming)
+ *   TIMERS fired=MS                                      (once all three fired)
  *   TIMERS real=MS real_count=N posix=MS timerfd=MS frozen=MS thawed=MS
  *                                                        (at the end; 0: never) */
 #ifndef IBK_TEST_TIMERS_H
@@ -59,11 +61,17 @@ static void *timers_fd_reader(void *arg)
 static void *timers_ticker(void *arg)
 {
 	long before = now_ms(), now;
+	int told = 0;
 
 	(void)arg;
 	for (;;) {
 		usleep(100000);
 		now = now_ms();
+		if (!told && atomic_load(&timers_real_ms) && atomic_load(&timers_posix_ms) &&
+		    atomic_load(&timers_fd_ms)) {
+			printf("TIMERS fired=%ld\n", now);
+			told = 1;
+		}
 		if (now - before > atomic_load(&timers_thawed_ms) - atomic_load(&timers_frozen_ms)) {
 			atomic_store(&timers_frozen_ms, before);
 			atomic_store(&timers_thawed_ms, now);
