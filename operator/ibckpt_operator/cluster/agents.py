@@ -25,6 +25,7 @@ from ibckpt.agentapi import (
 )
 from ibckpt_operator.cluster.agenttokens import AgentTokens
 from ibckpt_operator.cluster.kube import Body, Kube
+from ibckpt_operator.cluster.pods import ready_condition
 from ibckpt_operator.config import current
 
 
@@ -36,16 +37,11 @@ class Agent:
     ready: bool
 
 
-def _conditions_ready(body: Body) -> bool:
-    conditions = body.get("status", {}).get("conditions") or ()
-    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
-
-
 def _ready(pod: Body) -> bool:
     status = pod.get("status", {})
     if pod.get("metadata", {}).get("deletionTimestamp") or status.get("phase") != "Running":
         return False
-    return _conditions_ready(pod)
+    return ready_condition(pod)
 
 
 async def agents_by_node(kube: Kube) -> dict[str, Agent]:
@@ -80,7 +76,7 @@ async def agents_once_ready(
         agents = await agents_by_node(kube)
         unready = {n for n in nodes if n in agents and not agents[n].ready}
         if unready:
-            alive = {n["metadata"]["name"] for n in await kube.list_nodes() if _conditions_ready(n)}
+            alive = {n["metadata"]["name"] for n in await kube.list_nodes() if ready_condition(n)}
             unready &= alive
         left = deadline - time.monotonic()
         if not unready or left <= 0:

@@ -44,11 +44,15 @@ def failure(status: dict[str, Any]) -> str:
     return "no reason given by the kubelet"
 
 
+def ready_condition(body: Body) -> bool:
+    """The pod's or node's condition Ready is True."""
+    conditions = (body.get("status") or {}).get("conditions") or ()
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
 def node_ready(node: Body) -> bool:
     """The node is Ready and schedulable (not cordoned)."""
-    conditions = node.get("status", {}).get("conditions") or ()
-    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
-    return ready and not node.get("spec", {}).get("unschedulable")
+    return ready_condition(node) and not node.get("spec", {}).get("unschedulable")
 
 
 def restore_marker(body: Body) -> str | None:

@@ -12,6 +12,7 @@ that is not being deleted, or that the kubelet still reports running or ready, i
 from __future__ import annotations
 
 from ibckpt_operator.cluster.kube import Body, Kube
+from ibckpt_operator.cluster.pods import ready_condition
 
 
 def ended_and_going(pod: Body, uid: str) -> bool:
@@ -22,7 +23,7 @@ def ended_and_going(pod: Body, uid: str) -> bool:
     if meta.get("uid") != uid or not meta.get("deletionTimestamp"):
         return False
     status = pod.get("status") or {}
-    if any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or ()):
+    if ready_condition(pod):
         return False
     containers = [*(status.get("initContainerStatuses") or ()), *(status.get("containerStatuses") or ())]
     return bool(containers) and not any("running" in (c.get("state") or {}) for c in containers)
