@@ -120,7 +120,10 @@ log "containerd up at $(since)s"
 
 # kubectl logs/exec: the apiserver reaches this kubelet through the host's egress proxy
 # and qemu's forward of the user NIC's port 10250; only the host can connect.
-"$KUBELET" \
+# One OS thread for Go's scheduler and cAdvisor's passes every 30 s, not 10 s: an idle kubelet on these
+# emulated nodes spent most of its CPU waking threads and reading cgroup files (profiled; docs/testbed.md).
+GOMAXPROCS=1 "$KUBELET" \
+  --housekeeping-interval=30s \
   --config="$dir/kubelet-config.yaml" \
   --kubeconfig="$dir/kubelet.kubeconfig" \
   --container-runtime=remote \
