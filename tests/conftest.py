@@ -15,7 +15,7 @@ from testbed.release import SESSION_RELEASE, Release, install, storage_secret
 from testbed.ring import PRODUCT_NS
 from testbed.s3 import S3Server, start_s3, stop_s3
 
-pytest_plugins = ["testbed.pytest_guest"]
+pytest_plugins = ["testbed.pytest_guest", "testbed.budget"]
 
 
 def _order(item: pytest.Item) -> int:

@@ -43,7 +43,8 @@ from testbed.cluster import Cluster, kubectl_bin
 from testbed.gate import Gate
 from testbed.s3 import S3Server
 
-pytestmark = [pytest.mark.cluster, pytest.mark.timeout(2400)]
+# budget: at most what it took on the slowest machine seen (tests/testbed/budget.py)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(2400), pytest.mark.budget(minutes=15)]
 
 # The phases in which the ranks have been touched and the manifest is not yet committed.
 CUT = ("Quiescing", "Draining", "Releasing", "Dumping", "Uploading")

@@ -29,7 +29,8 @@ from testbed import mpijob, pods, ring
 from testbed.cluster import Cluster, kubectl_ibckpt, node_ip
 from testbed.s3 import S3Server
 
-pytestmark = [pytest.mark.cluster, pytest.mark.timeout(3000)]
+# budget: at most what it took on the slowest machine seen (tests/testbed/budget.py)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(3000), pytest.mark.budget(minutes=10)]
 
 
 def _the_plugin_shows(cluster: Cluster, job_ns: str, checkpoint: str) -> None:

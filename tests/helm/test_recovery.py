@@ -29,7 +29,8 @@ from helm.conftest import Release
 from testbed import pods, ring
 from testbed.cluster import delete_vanished_node
 
-pytestmark = [pytest.mark.cluster, pytest.mark.timeout(2400)]
+# budget: at most what it took on the slowest machine seen (tests/testbed/budget.py)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(2400), pytest.mark.budget(minutes=25)]
 
 SCHEDULE = "ring"
 PERIODIC = 2  # checkpoints the schedule takes before the first failure: one more than it keeps

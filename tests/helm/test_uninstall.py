@@ -24,7 +24,8 @@ from testbed.cluster import NODE_NAMES, Cluster, kubectl_ibckpt
 from testbed.images import APPS_IMAGE, NEXT_IMAGE
 from testbed.release import CHART, helm
 
-pytestmark = [pytest.mark.cluster, pytest.mark.timeout(2400)]
+# budget: at most what it took on the slowest machine seen (tests/testbed/budget.py)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(2400), pytest.mark.budget(minutes=20)]
 
 READY_LABEL = "ibckpt.io/runtime-ready"
 HOST_LIB = "/host/usr/local/lib/ibckpt"  # the node's, in the agent
