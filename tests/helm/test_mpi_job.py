@@ -11,7 +11,8 @@ client-side: every chunk in the bucket is sealed, and the restore reads them wit
 The test drives it as a user does: `kubectl ibckpt checkpoint mpijob/...`, `list`, `describe`, `logs`
 (the real agents' lines) and `restore`, besides kubectl. (The reference run goes beside the job, to keep
 the suite's time. A second move by `kubectl drain node-1` under a CheckpointSchedule was dropped on
-2026-11-29 for the same reason: drains of pods owned by a controller are in tests/helm/test_drain.py.)
+2026-11-29 for the same reason: drains of pods owned by a controller are tests/helm/test_drain_job.py
+and test_drain_statefulset.py.)
 """
 
 from __future__ import annotations
