@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Iterator
-from contextlib import contextmanager
 
 import pytest
 
@@ -25,25 +24,9 @@ METRICS_PORT = 9479
 JOB_NS = "team-ring"
 
 
-@contextmanager
-def team_namespace(installed: Release, s3_server: S3Server, name: str) -> Iterator[str]:
-    """A team's namespace `name` with its storage: a CheckpointStorage `store` (a bucket of its own) and
-    its credentials Secret; deleted at the end."""
-    cluster = installed.cluster
-    pods.namespace(cluster, name)
-    bucket = f"ring-job-{secrets.token_hex(3)}"
-    s3_server.create_bucket(bucket)
-    storage_secret(cluster, name, s3_server.access_key, s3_server.secret_key)
-    pods.apply(cluster, name, ring.storage(s3_server.endpoint, bucket))
-    try:
-        yield name
-    finally:
-        pods.delete_namespace(cluster, name)
-
-
 @pytest.fixture
 def job_ns(installed: Release, s3_server: S3Server) -> Iterator[str]:
-    """The team's namespace JOB_NS (team_namespace)."""
+    """A team's namespace with its storage: a CheckpointStorage `store` and its credentials Secret."""
     cluster = installed.cluster
     # A node lost by an earlier test fails this one at once, not after each of its waits runs out.
     dead = cluster.guests.dead()
@@ -51,5 +34,12 @@ def job_ns(installed: Release, s3_server: S3Server) -> Iterator[str]:
     if dead or ready.returncode != 0:
         lost = f"testbed: a node is gone or not Ready before the test:\n{ready.stderr}"
         pytest.fail(lost + cluster.diagnose())
-    with team_namespace(installed, s3_server, JOB_NS) as name:
-        yield name
+    pods.namespace(cluster, JOB_NS)
+    bucket = f"ring-job-{secrets.token_hex(3)}"
+    s3_server.create_bucket(bucket)
+    storage_secret(cluster, JOB_NS, s3_server.access_key, s3_server.secret_key)
+    pods.apply(cluster, JOB_NS, ring.storage(s3_server.endpoint, bucket))
+    try:
+        yield JOB_NS
+    finally:
+        pods.delete_namespace(cluster, JOB_NS)
