@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from testbed import images as image_builds
-from testbed.devices import install_device_plugin
+from testbed.devices import NodesStalled, install_device_plugin
 from testbed.guest import GUEST_USER_ADDR, HERE, GuestPair, GuestSpec, cache_dir
 from testbed.kube import (
     KUBERNETES_SERVICE_IP,
@@ -131,7 +131,7 @@ class Cluster:
                 self.timings[name] = time.monotonic() - self.started
             if ready >= set(NODE_NAMES) and imported >= set(NODE_NAMES):
                 return
-            stalled = [n for n in NODE_NAMES if n not in ready and self._stalled(n)]
+            stalled = [n for n in NODE_NAMES if n not in ready and self.stalled(n)]
             if stalled and not rebooted and set(stalled) <= set(may_reboot):
                 print(f"testbed: {', '.join(stalled)} stalled while joining, booting afresh{self.diagnose()}")
                 self._reboot(stalled)
@@ -142,7 +142,7 @@ class Cluster:
             f"testbed: nodes {sorted(set(NODE_NAMES) - ready)} not Ready in {timeout:g}s{self.diagnose()}"
         )
 
-    def _stalled(self, node: str) -> bool:
+    def stalled(self, node: str) -> bool:
         """The guest's health line (every 30 s, node-init.sh) stopped, or never came since it booted."""
         booted_at = time.time() - (time.monotonic() - self.guests.started(NODE_NAMES.index(node) + 1))
         health = self.node_dirs[node] / "health.log"
@@ -172,7 +172,20 @@ class Cluster:
         (self.node_dirs[name] / "images.done").unlink(missing_ok=True)
         self.guests.replace(NODE_NAMES.index(name) + 1)
         self.wait_nodes_ready(may_reboot=[name])
-        install_device_plugin(self)
+        self.advertise_devices(may_reboot=[name])
+
+    def advertise_devices(self, may_reboot: Collection[str] = ()) -> None:
+        """install_device_plugin; a node in may_reboot whose guest stalls meanwhile (as in
+        wait_nodes_ready, it happens right after a node turns Ready too) is booted afresh, once."""
+        try:
+            install_device_plugin(self)
+        except NodesStalled as stall:
+            if not set(stall.nodes) <= set(may_reboot):
+                raise
+            print(f"{stall}\ntestbed: booting {', '.join(stall.nodes)} afresh")
+            self._reboot(stall.nodes)
+            self.wait_nodes_ready()
+            install_device_plugin(self)
 
     def stop(self) -> None:
         self.guests.stop()
@@ -338,7 +351,7 @@ def start_cluster(
         cluster.wait_nodes_ready(may_reboot=NODE_NAMES)
         # Pods get a service account token only once the namespace's default account exists.
         cluster.kubectl("wait", "--for=condition=Ready", "node", "--all", "--timeout=60s")
-        install_device_plugin(cluster)
+        cluster.advertise_devices(may_reboot=NODE_NAMES)
         cluster.timings["device plugin"] = time.monotonic() - started
     except BaseException:
         cluster.stop()

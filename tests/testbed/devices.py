@@ -73,8 +73,17 @@ def plugin_objects() -> list[dict[str, Any]]:
     return [script, daemonset]
 
 
+class NodesStalled(RuntimeError):
+    """Nodes whose guest stalled (Cluster.stalled) before they advertised their devices."""
+
+    def __init__(self, nodes: list[str], report: str) -> None:
+        super().__init__(f"testbed: {', '.join(nodes)} stalled before advertising {RDMA_RESOURCE}{report}")
+        self.nodes = nodes
+
+
 def install_device_plugin(cluster: Cluster, timeout: float = 300.0) -> None:
-    """Run the plugin on every node and wait until each node advertises RDMA_RESOURCE."""
+    """Run the plugin on every node and wait until each node advertises RDMA_RESOURCE.
+    Raises NodesStalled as soon as a node still missing it has stalled: waiting longer is useless."""
     doc = {"apiVersion": "v1", "kind": "List", "items": plugin_objects()}
     cluster.kubectl("apply", "-f", "-", stdin=json.dumps(doc))
     deadline = time.monotonic() + timeout
@@ -88,6 +97,9 @@ def install_device_plugin(cluster: Cluster, timeout: float = 300.0) -> None:
         ]
         if not missing:
             return
+        stalled = [n for n in missing if cluster.stalled(n)]
+        if stalled:
+            raise NodesStalled(stalled, cluster.diagnose())
         time.sleep(2)
     logs = cluster.kubectl("logs", "-n", PLUGIN_NS, "-l", f"app={PLUGIN_NAME}", "--tail=20", check=False)
     raise RuntimeError(
