@@ -7,6 +7,7 @@ from ibckpt.agentapi.client import AgentClient, AgentError
 from ibckpt.agentapi.models import (
     AGENT_AUDIENCE,
     API_PREFIX,
+    BUSY_STATUS,
     DEFAULT_PORT,
     LEADER_EPOCH_HEADER,
     AbortRequest,
@@ -38,6 +39,7 @@ from ibckpt.vocabulary import CHECKPOINT_MILESTONES, RESTORE_MILESTONES, Milesto
 __all__ = [
     "AGENT_AUDIENCE",
     "API_PREFIX",
+    "BUSY_STATUS",
     "CHECKPOINT_MILESTONES",
     "DEFAULT_PORT",
     "LEADER_EPOCH_HEADER",

@@ -10,6 +10,7 @@ other identity). Errors come back as ErrorReply with the status code.
     GET  /v1/containers                ContainerList
     POST /v1/sessions/checkpoint       CheckpointRequest -> 202 SessionReport (409: id in use)
     POST /v1/sessions/restore          RestoreRequest    -> 202 SessionReport
+                                       (both: BUSY_STATUS while another session runs on the node)
     GET  /v1/sessions/{id}             SessionReport (404: unknown)
     POST /v1/sessions/{id}/abort       AbortRequest      -> SessionReport
 
@@ -34,6 +35,9 @@ from ibckpt.vocabulary import Milestone, Mode, PhaseSeconds
 
 API_PREFIX: Final = "/v1"
 DEFAULT_PORT: Final = 9478
+# A node's agent runs one session at a time: a new one is refused with this status (429 Too Many
+# Requests) while another runs. The caller may ask again once it ends; 409 stays "that id is in use".
+BUSY_STATUS: Final = 429
 # The operator's leadership epoch on every call: an agent refuses a caller whose epoch is older than one
 # it has seen, so a deposed leader that has not noticed yet cannot drive a node behind its successor's
 # back (a fencing token). The epoch is "<the Lease's creation, unix seconds>:<its leaseTransitions when

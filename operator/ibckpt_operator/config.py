@@ -46,6 +46,8 @@ class OperatorConfig:
     agent_timeout: float = 10.0
     # An agent pod that is not Ready is waited for this long before the pods on its node are refused.
     agent_ready_wait_seconds: float = 90.0
+    # An agent runs one session at a time: a restore finding it busy with another job's waits this long.
+    agent_busy_wait_seconds: float = 600.0
     poll_seconds: float = 1.0  # how often a running agent session's report is read
     # An agent busy staging images may answer late; silence this long fails the step (AgentUnreachable).
     agent_unreachable_seconds: float = 120.0

@@ -19,6 +19,7 @@ from node.fake_shim import FakeShimSocket
 from pydantic import SecretStr
 
 from ibckpt.agentapi import (
+    BUSY_STATUS,
     AgentClient,
     AgentError,
     CheckpointRequest,
@@ -261,6 +262,11 @@ def test_a_stopping_agent_whose_coordinator_went_with_the_operator_takes_the_nex
     while not started.exists():
         assert time.monotonic() < deadline, f"the dump never started: {shim.commands}"
         time.sleep(0.2)
+    # one session at a time (its dump runs 3 s): another job's is refused as busy, to be asked again
+    with pytest.raises(AgentError) as busy:
+        agent.client().checkpoint(checkpoint_request(old, "ckj-other", "t"))
+    assert busy.value.status == BUSY_STATUS, busy.value
+    assert f"busy with session {session!r}" in busy.value.message, busy.value
     old.stop()  # the operator and its coordinator are gone
     assert shim.state == "released", shim.commands
 

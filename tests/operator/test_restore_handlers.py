@@ -405,6 +405,43 @@ def test_a_checkpoint_of_an_older_minor_release_restores_when_its_formats_are_re
     assert sorted(pods_of(cluster_ns)) == ["ring-0", "ring-1"]
 
 
+def test_a_restore_waits_its_turn_on_a_node_whose_agent_restores_another_job(
+    cluster_ns: Cluster, s3_server: S3Server, bucket: str, agents: Agents, operator: Any, store_config: Any
+) -> None:
+    """An agent runs one session at a time: two drains moving jobs onto one node meet there. The later
+    restore waits for the node within agent_busy_wait_seconds, says so, and fails only past that."""
+    config = store_config(bucket)
+    a = agents.add(cluster_ns, "node-a", 1, "complete", config)
+    b = agents.add(cluster_ns, "node-b", 2, "complete", config)
+    creds(cluster_ns, s3_server)
+    ns = cluster_ns.namespace
+    key = commit_checkpoint(config, f"{ns}/ring", "c1", ["node-a", "node-b"])
+    pods = [("ring-0", "node-a"), ("ring-1", "node-b")]
+    cluster_ns.create("checkpoints", checkpoint("ring-c1", storage(s3_server, bucket), pods,
+                                                manifest_key=key, job=f"{ns}/ring"))  # fmt: skip
+    b.busy_with = "rsj-other-job"
+    with operator(agent_busy_wait_seconds=3.0):  # a bound that runs out
+        cluster_ns.create(RESTORES, restore_job("early", checkpointName="ring-c1"))
+        early = cluster_ns.wait(RESTORES, "early", phase("Failed"), timeout=60)
+    assert_failed(cluster_ns, early, "AgentBusy", "node node-b: ", "busy with session 'rsj-other-job'",
+                  "after waiting up to 3s")  # fmt: skip
+    assert not b.restores and not pods_of(cluster_ns)
+    assert [session for session, _ in a.aborts] == [a.restores[0].session_id]  # node-a's was taken back
+
+    with operator():
+        cluster_ns.create(RESTORES, restore_job("back", checkpointName="ring-c1"))
+        [waiting] = cluster_ns.wait_events("back", "WaitingForAgent")
+        assert waiting.type == "Normal", waiting
+        busy = "node-b is busy with session 'rsj-other-job'; waiting up to 600s"
+        assert waiting.message.startswith("node node-b: ") and busy in waiting.message, waiting.message
+        time.sleep(3)  # asked again meanwhile: still waiting, nothing failed
+        assert (cluster_ns.get(RESTORES, "back") or {})["status"]["phase"] == "Downloading"
+        b.busy_with = None  # the other job's restore ended
+        done = cluster_ns.wait(RESTORES, "back", phase("Succeeded"), timeout=90)
+    assert done["status"]["phase"] == "Succeeded" and len(b.restores) == 1
+    assert sorted(pods_of(cluster_ns)) == ["ring-0", "ring-1"]
+
+
 def test_restore_job_bad_input(
     cluster_ns: Cluster, s3_server: S3Server, bucket: str, agents: Agents, operator: Any
 ) -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ibckpt.agentapi import (
+    BUSY_STATUS,
     AgentFormats,
     AgentInfo,
     CheckpointRequest,
@@ -74,6 +75,7 @@ class FakeAgent:
     restores: list[RestoreRequest] = field(default_factory=list)
     restore_failure: str | None = None
     restore_hang: bool = False  # stay Restoring (the runtime never restored the container)
+    busy_with: str | None = None  # another job's session runs here: new ones are refused as busy
     download_failure: str | None = None
     # namespace, pod name -> (uid, restore-from annotation) of the pod of that name, or None
     pod_lookup: Callable[[str, str], tuple[str, str] | None] | None = None
@@ -160,6 +162,10 @@ class FakeAgent:
                 if not self.authorized():
                     return
                 body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+                if agent.busy_with and self.path in ("/v1/sessions/checkpoint", "/v1/sessions/restore"):
+                    refusal = {"error": f"{agent.node} is busy with session {agent.busy_with!r}"}
+                    self.reply(BUSY_STATUS, json.dumps(refusal).encode())
+                    return
                 if self.path == "/v1/sessions/checkpoint":
                     request = CheckpointRequest.from_json(body)
                     agent.requests.append(request)

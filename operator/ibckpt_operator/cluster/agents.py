@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from ibckpt.agentapi import (
+    BUSY_STATUS,
     AgentClient,
     AgentError,
     AgentInfo,
@@ -174,6 +175,42 @@ class AgentGateway:
             if error.status == 404:
                 return None
             raise
+
+
+# How often an agent busy with another session is asked again.
+AGENT_BUSY_POLL_S = 2.0
+
+
+async def start_when_free(
+    start: Callable[[], Awaitable[SessionReport]],
+    node: str,
+    still_wanted: Callable[[], bool],
+    on_busy: Callable[[str, str], Awaitable[None]],
+) -> SessionReport:
+    """start(), asked again while the node's agent refuses it as busy (BUSY_STATUS: an agent runs one
+    session at a time, and another job's ends within its own bounds), for up to agent_busy_wait_seconds
+    and while still_wanted() (the step is still the job's current one). `on_busy(node, refusal)` is told
+    once, before the first wait; when the wait is over the last refusal is raised."""
+    deadline = time.monotonic() + current().agent_busy_wait_seconds
+    told = False
+    while True:
+        try:
+            return await start()
+        except AgentError as error:
+            if error.status != BUSY_STATUS or time.monotonic() >= deadline or not still_wanted():
+                raise
+            if not told:
+                told = True
+                await on_busy(node, error.message)
+        await asyncio.sleep(AGENT_BUSY_POLL_S)
+
+
+def agent_failure(node: str, error: AgentError) -> tuple[str, str]:
+    """The reason and message a step fails with when a node's agent refused to start its session."""
+    if error.status == BUSY_STATUS:
+        wait = current().agent_busy_wait_seconds
+        return "AgentBusy", f"node {node}: {error.message} (still, after waiting up to {wait:.0f}s)"
+    return "AgentFailed", f"node {node}: {error}"
 
 
 T = TypeVar("T")

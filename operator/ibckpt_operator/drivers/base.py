@@ -130,6 +130,13 @@ class Driver(Generic[S]):
         log.info("%s: %s", self.key, message)
         await self.rt.kube.post_event(self.body, "Normal", "WaitingForAgent", message)
 
+    async def agent_busy(self, node: str, refusal: str) -> None:
+        """Said once per node when a step waits for an agent that runs another session (cluster/agents.py)."""
+        wait = current().agent_busy_wait_seconds
+        message = f"node {node}: {refusal}; waiting up to {wait:.0f}s for it (one session per node at a time)"
+        log.info("%s: %s", self.key, message)
+        await self.rt.kube.post_event(self.body, "Normal", "WaitingForAgent", message)
+
     def read_back(self, model: type[ApiModel], to_state: Callable[[Any], S]) -> S | None:
         """The state a driver wrote to this job's status (with its conditions), or None for a job no
         driver has started (no attempt yet)."""

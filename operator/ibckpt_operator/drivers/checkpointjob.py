@@ -31,6 +31,7 @@ from ibckpt.store.units import format_size
 from ibckpt_operator.cluster import secretgrants, selection
 from ibckpt_operator.cluster.agents import (
     Agent,
+    agent_failure,
     agents_by_node,
     agents_once_ready,
     each_agent,
@@ -348,7 +349,8 @@ class CheckpointJobDriver(CheckpointStoreDriver):
         )
         for (node, _, _), outcome in zip(requests, sent, strict=True):
             if isinstance(outcome, AgentError):
-                self.emit(StepFailed(action.attempt, "AgentFailed", f"node {node}: {outcome}"))
+                # not waited for when busy: the job's other ranks would sit quiesced meanwhile
+                self.emit(StepFailed(action.attempt, *agent_failure(node, outcome)))
                 return
         for node, agent in self.session.nodes.items():
             self.spawn(self.poll(node, agent, action.attempt))

@@ -14,6 +14,7 @@ compatibility rules are pure (machine/restoreplan.py, machine/podtemplate.py).
 
 from __future__ import annotations
 
+import functools
 import logging
 import secrets
 import time
@@ -32,7 +33,14 @@ from ibckpt.agentapi import (
 )
 from ibckpt.api import RestoreJobStatus, RestorePhase, SkippedCheckpoint
 from ibckpt_operator.cluster import bindings, secretgrants, storage
-from ibckpt_operator.cluster.agents import Agent, agents_by_node, each_agent, follow_session
+from ibckpt_operator.cluster.agents import (
+    Agent,
+    agent_failure,
+    agents_by_node,
+    each_agent,
+    follow_session,
+    start_when_free,
+)
 from ibckpt_operator.cluster.kube import Body
 from ibckpt_operator.cluster.pods import restored_lost
 from ibckpt_operator.drivers.progress import PodProgress
@@ -258,10 +266,19 @@ class RestoreJobDriver(RestorePodsDriver):
                 remap_ip=remap,
             )
             requests.append((node, agent, request))
-        sent = await each_agent([self.rt.gateway.restore(agent, request) for _, agent, request in requests])
+
+        def still_wanted() -> bool:
+            return self.state is not None and self.state.attempt == action.attempt
+
+        # A target node's agent may be restoring another job (two drains through one node): wait for it.
+        sent = await each_agent([
+            start_when_free(functools.partial(self.rt.gateway.restore, agent, request), node, still_wanted,
+                            self.agent_busy)
+            for node, agent, request in requests
+        ])  # fmt: skip
         for (node, _, _), outcome in zip(requests, sent, strict=True):
             if isinstance(outcome, AgentError):
-                self.emit(StepFailed(action.attempt, "AgentFailed", f"node {node}: {outcome}"))
+                self.emit(StepFailed(action.attempt, *agent_failure(node, outcome)))
                 return
         for node, agent in self.session.nodes.items():
             self.follow(node, agent, self.session.id)

@@ -129,7 +129,7 @@ class Sessions:
             raise SessionError(409, f"session {session_id!r} exists on {self.agent.node}")
         busy = self.running()
         if busy:
-            raise SessionError(409, f"{self.agent.node} is busy with session {busy[0]!r}")
+            raise SessionError(api.BUSY_STATUS, f"{self.agent.node} is busy with session {busy[0]!r}")
 
     @staticmethod
     def _runtime_container(entry: RegisteredContainer) -> RuntimeContainer | None:
