@@ -42,6 +42,7 @@ def test_a_session_skips_what_no_longer_fits_and_runs_the_rest(tmp_path: Path) -
     (tmp_path / "conftest.py").write_text('pytest_plugins = ["testbed.budget"]\n')
     (tmp_path / "test_stories.py").write_text(STORIES)
     env = dict(os.environ, PYTHONPATH=str(TESTS), **{BUDGET_ENV: "0.75"})  # 45 s
+    env.pop("PYTEST_ADDOPTS", None)  # the outer run's options (its --basetemp) are not the inner one's
     ran = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rs", "-v", str(tmp_path)],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
