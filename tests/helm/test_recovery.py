@@ -30,7 +30,7 @@ from testbed import pods, ring
 from testbed.cluster import delete_vanished_node
 
 # budget: at most what it took on the slowest machine seen (tests/testbed/budget.py)
-pytestmark = [pytest.mark.cluster, pytest.mark.timeout(2400), pytest.mark.budget(minutes=20)]
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(2400), pytest.mark.budget(minutes=25)]
 
 SCHEDULE = "ring"
 PERIODIC = 2  # checkpoints the schedule takes before the first failure: one more than it keeps
