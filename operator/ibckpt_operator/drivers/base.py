@@ -126,14 +126,17 @@ class Driver(Generic[S]):
     async def agents_waited(self, agent_pods: list[str]) -> None:
         """Said once before a step waits for agents that are not Ready (cluster/agents.py)."""
         wait = current().agent_ready_wait_seconds
-        message = f"waiting up to {wait:.0f}s for ibckpt agent {', '.join(agent_pods)} to be Ready"
-        log.info("%s: %s", self.key, message)
-        await self.rt.kube.post_event(self.body, "Normal", "WaitingForAgent", message)
+        pods = ", ".join(agent_pods)
+        await self._waiting_for_agent(f"waiting up to {wait:.0f}s for ibckpt agent {pods} to be Ready")
 
     async def agent_busy(self, node: str, refusal: str) -> None:
         """Said once per node when a step waits for an agent that runs another session (cluster/agents.py)."""
         wait = current().agent_busy_wait_seconds
-        message = f"node {node}: {refusal}; waiting up to {wait:.0f}s for it (one session per node at a time)"
+        await self._waiting_for_agent(
+            f"node {node}: {refusal}; waiting up to {wait:.0f}s for it (one session per node at a time)"
+        )
+
+    async def _waiting_for_agent(self, message: str) -> None:
         log.info("%s: %s", self.key, message)
         await self.rt.kube.post_event(self.body, "Normal", "WaitingForAgent", message)
 
