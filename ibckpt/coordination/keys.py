@@ -14,6 +14,10 @@ SHIM_RECORD = re.compile(r"(?:map|e[0-9]{1,20}/qp)/([0-9a-f]{32})/([0-9]{1,10})"
 # What preflight publishes for each (GID, QPN) a node's ranks hold.
 PREFLIGHT_QP = re.compile(r"preflight/qp/([0-9a-f]{32})/([0-9]{1,10})")
 
+# Written by each node once every node's ranks are drained, before it releases its own: from then on
+# an abort releases every rank and rebuilds them all, since a peer may have released (abort.py).
+RELEASING = "cut/releasing"
+
 # A claim: ("qp", GID, QPN) for every key naming a QP, else ("key", the key).
 Claim = tuple[str, ...]
 

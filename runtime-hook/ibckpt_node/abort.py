@@ -3,9 +3,12 @@
 Before any rank was gated (a refusal), every node is told and nothing else happens. Once ranks were
 touched, every node is told, then each of this node's ranks comes back from wherever it is: a quiesced
 or drained rank answers `abort` and runs again; a released one has no device state left and is rebuilt
-with its peers, which needs a coordinator. If the coordinator is gone (the operator restarted), the
-driver's `rejoin` waits for the one the next operator opens for the recovery; if none comes, the
-released ranks wait, released, for a restore or a kill (their shim's lease only says so).
+with its peers, which needs a coordinator. Once every node had drained, some node may have released:
+a drained rank resumed then would keep QPs whose peers are gone, and its released peers would wait
+for its records forever. So from then on every rank is released first, and all are rebuilt together.
+If the coordinator is gone (the operator restarted), the driver's `rejoin` waits for the one the next
+operator opens for the recovery; if none comes, the released ranks wait, released, for a restore or a
+kill (their shim's lease only says so).
 
 A restore that fails (`abort_restore`) tells every node and resumes nothing: its ranks came back from
 images, the operator deletes the pods it restored, and a rank resumed then would run the application
@@ -61,11 +64,13 @@ async def abort_and_recover(
     report: NodeReport,
     rejoin: Rejoin | None,
     before_rebuild: Callable[[LocalRank], Awaitable[None]] | None = None,
+    release: Callable[[LocalRank], Awaitable[Any]] | None = None,
 ) -> CoordinatorClient:
     """Tell every node, then bring this node's ranks back to running from wherever they are. Returns
     the coordinator the session goes on with: `client`, or the recovery's one if it was lost.
     `before_rebuild` runs for each released rank before it is asked to rebuild (the driver learns
-    its GIDs there)."""
+    its GIDs there). `release`: given once every node had drained; each rank is released with it
+    first (one already released says so), and rebuilt."""
     log.warning("%s: aborting checkpoint: %s", node, cause)
     if not isinstance(cause, CoordinationAborted) and not client.lost:
         # Already aborted by someone else, or the coordinator is gone: recover regardless.
@@ -74,6 +79,16 @@ async def abort_and_recover(
 
     async def reopen(r: LocalRank) -> tuple[dict[str, Any] | None, bool]:
         """The rank's abort reply, or whether it is released (it needs a rebuild with its peers)."""
+        if release is not None:
+            try:
+                await release(r)
+                return None, True
+            except (ControlError, OSError, TimeoutError) as exc:
+                state = exc.reply.get("state") if isinstance(exc, ControlError) else None
+                if state == "released":
+                    return None, True
+                if state not in ("rebuilt", "running"):  # those resume as they are: peers rebuild to them
+                    log.error("%s: cannot release %s to rebuild it; resuming it: %s", node, r.rank.key(), exc)
         try:
             return await r.shim.abort(), False
         except (ControlError, OSError, TimeoutError) as exc:

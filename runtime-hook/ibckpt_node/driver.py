@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ibckpt.coordination import keys
 from ibckpt.coordination.client import CoordinationAborted, CoordinatorClient, CoordinatorError
 from ibckpt.coordination.ranks import RankId
 from ibckpt.vocabulary import Milestone, Mode, PhaseSeconds
@@ -58,6 +59,9 @@ class NodeSettings:
     # own (or, released, says it waits). Renewals go on through a dump of any length.
     lease_s: float = 30.0
     lease_renew_s: float = 5.0
+    # How long an abort looks for keys.RELEASING when this node does not know whether every node drained
+    # (its own barrier failed, or another agent ran the cut): a node past the barrier wrote it at once.
+    releasing_lookup_s: float = 3.0
     # What a checkpoint's images must leave free on the node's disk (the agent's --disk-reserve-bytes):
     # the kubelet evicts pods below its own threshold, so the images may not take the last of it.
     disk_reserve_bytes: int = 0
@@ -129,6 +133,8 @@ class NodeDriver:
         self.itimer_images: dict[str, Path] = {}
         self.job_addrs = None if job_addrs is None else [ipaddress.ip_address(a) for a in job_addrs]
         self.report = NodeReport(node)
+        # The cut on this node: None (not run here), "started", or "everywhere" once every node drained.
+        self.cut_reached: str | None = None
         self.leases = RankLeases(node, self.ranks, self.settings.lease_s, self.settings.lease_renew_s)
 
     # -- helpers --------------------------------------------------------------------------
@@ -325,13 +331,32 @@ class NodeDriver:
         quiesce: Step = ("quiesce", lambda r: r.shim.quiesce(quiesce_ms))
         drain: Step = ("drain", lambda r: r.shim.drain(settle_ms, s.drain_stall_ms))
         release: Command = lambda r: r.shim.release(release_ms, self.cut.release_quiet)  # noqa: E731
+        self.cut_reached = "started"
         if self.cut.quiesce_barrier:
             await self._phase(Milestone.QUIESCED, lambda: self._each(*quiesce), t.quiesce_seconds)
             await self._phase(Milestone.DRAINED, lambda: self._each(*drain), t.drain_seconds)
         else:
             both = t.quiesce_seconds + t.drain_seconds
             await self._phase(Milestone.DRAINED, lambda: self._each_in_turn([quiesce, drain]), both)
+        # Past this point a node may release: an abort must then release and rebuild every rank.
+        self.cut_reached = "everywhere"
+        await self.client.put(keys.RELEASING, b"1")
         await self._phase(Milestone.RELEASED, lambda: self._each("release", release), t.release_seconds)
+
+    async def _releasing(self) -> bool:
+        """Whether any node may have released its ranks: every node drained (its DRAINED barrier
+        passed), which this node knows, or else reads from the key a node past it wrote."""
+        if self.cut_reached == "everywhere":
+            return True
+        if self.cut_reached == "started" and Milestone.DRAINED not in self.report.local:
+            return False  # this node never drained: no node passed the barrier
+        if self.client.lost:
+            return False
+        try:
+            await self.client.get(keys.RELEASING, self.settings.releasing_lookup_s)
+        except (CoordinatorError, OSError):
+            return False
+        return True
 
     async def _dump_all(self, mode: Mode, images_root: Path) -> None:
         dump_s = self.timeouts.dump_seconds
@@ -361,10 +386,13 @@ class NodeDriver:
 
     async def _abort_and_recover(self, cause: Exception, epoch: int) -> None:
         """Tell every node, then bring this node's ranks back to running from wherever they are."""
-        rebuild_s = self.timeouts.rebuild_seconds
+        rebuild_s, release_ms = self.timeouts.rebuild_seconds, ms(self.timeouts.release_seconds)
+        release: Command | None = None
+        if await self._releasing():
+            release = lambda r: r.shim.release(release_ms, self.cut.release_quiet)  # noqa: E731
         self.client = await abort.abort_and_recover(
             self.node, self.client, self.ranks, cause, epoch, rebuild_s, self.report, self.rejoin,
-            self._confine,
+            self._confine, release,
         )  # fmt: skip
 
     async def recover(self, cause: str, epoch: int) -> NodeReport:

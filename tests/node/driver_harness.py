@@ -30,7 +30,8 @@ REBUILD_20S = PhaseSeconds(rebuild_seconds=20)
 
 
 class FakeShim(FakeShimSocket):
-    """Every rank's rebuild waits for all the others', as real QP reconnection does."""
+    """Every rank's rebuild waits for all the others', as real QP reconnection does; like the real
+    shim, it refuses abort once released and release unless drained."""
 
     def __init__(self, path: Path, everyone: threading.Barrier) -> None:
         super().__init__(path)
@@ -39,6 +40,8 @@ class FakeShim(FakeShimSocket):
     def answer(self, verb: str) -> tuple[bool, dict[str, object]]:
         if verb == "abort" and self.state == "released":
             return False, {"phase": "abort", "ok": False, "state": "released"}
+        if verb == "release" and self.state != "drained":
+            return False, {"phase": "release", "ok": False, "error": "not drained", "state": self.state}
         if verb == "rebuild":
             try:
                 self.everyone.wait(timeout=5)

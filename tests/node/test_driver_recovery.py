@@ -22,9 +22,11 @@ from node.driver_harness import (
 
 from ibckpt.agentapi import Mode, PhaseTimeouts
 from ibckpt.coordination.client import CoordinatorClient
+from ibckpt.vocabulary import PhaseSeconds
 from ibckpt_node.driver import NodeDriver
 from ibckpt_node.errors import CheckpointFailed
 from ibckpt_node.procfs import process_gone
+from ibckpt_node.ranks import LocalRank
 from testbed.coordinator import ThreadedCoordinator
 from testbed.tlsfiles import shared_pki
 
@@ -51,9 +53,9 @@ async def test_failed_dump_aborts_and_rebuilds_every_released_rank(
     shims, driver = await failed_dump(coordinator, tmp_path, sleeper, Mode.LEAVE_RUNNING)
     assert driver.report.outcome == "Aborted"
     for s in shims:
-        # status: preflight. Released when the dump failed: abort is refused, so the driver
-        # rebuilt and resumed it.
-        expected = ["status", "quiesce", "drain", "release", "abort", "rebuild", "resume"]
+        # status: preflight. Released when the dump failed; every node had drained, so the abort
+        # releases each rank (this one says it already is) and rebuilds and resumes it.
+        expected = ["status", "quiesce", "drain", "release", "release", "rebuild", "resume"]
         assert s.commands == expected, s.commands
         assert s.state == "running"
 
@@ -194,7 +196,7 @@ async def test_released_ranks_rejoin_the_next_operators_coordinator_to_rebuild(
     assert driver.report.outcome == "Aborted"
     assert len(rejoined) == 1 and driver.client is rejoined[0]
     for s in shims:
-        assert s.commands[-3:] == ["abort", "rebuild", "resume"], s.commands
+        assert s.commands[-3:] == ["release", "rebuild", "resume"], s.commands
         assert s.state == "running"
 
 
@@ -205,7 +207,7 @@ async def test_without_a_rejoin_released_ranks_are_left_for_a_rebuild_and_the_dr
     driver = await connected_driver(coordinator, ranks)
     shims[0].client = driver.client
     await failed_checkpoint(driver, Mode.LEAVE_RUNNING, tmp_path / "images")
-    assert all(s.commands[-1] == "abort" and s.state == "released" for s in shims), [
+    assert all(s.commands[-1] == "release" and s.state == "released" for s in shims), [
         s.commands[-2:] for s in shims
     ]
 
@@ -230,3 +232,51 @@ async def test_a_malformed_shim_reply_mid_cut_aborts_and_every_rank_comes_back(
     for s in shims:
         assert "release" not in s.commands and s.commands[-1] == "abort", s.commands
         assert s.state == "running"
+
+
+class ReleaseFailsOnce(FakeShim):
+    """A rank whose first release gives up before it touched the device (a slow node's flush)."""
+
+    def answer(self, verb: str) -> tuple[bool, dict[str, object]]:
+        if verb == "release" and self.commands.count("release") == 1:
+            return False, {"phase": "release", "ok": False, "error": "flush gave up", "state": "drained"}
+        return super().answer(verb)
+
+
+async def test_a_release_that_fails_on_one_node_after_others_released_rebuilds_every_rank(
+    coordinator: ThreadedCoordinator, tmp_path: Path, sleeper: int
+) -> None:
+    """Two nodes past the DRAINED barrier; node-1 releases all its ranks, one of node-2's fails its
+    release. The abort must not resume node-2's drained ranks on their old QPs: node-1's released peers
+    would wait for their records forever. Every rank is released and all rebuild together (the fake
+    rebuild waits for all twelve ranks, as QP reconnection waits for the peers)."""
+    shims, ranks = fake_ranks(tmp_path, sleeper, FakeShim)
+    shims[6].sock.close()
+    shims[6] = ReleaseFailsOnce(tmp_path / "r6-failing.ctl", shims[0].everyone)
+    ranks[6] = LocalRank(ranks[6].rank, sleeper, shims[6].path)
+    session, tokens = coordinator.create_session({"node-1", "node-2"})
+    drivers = []
+    for node, mine in (("node-1", ranks[:6]), ("node-2", ranks[6:])):
+        client = await CoordinatorClient.connect(
+            "127.0.0.1", coordinator.port, session, node, tokens[node], tls=shared_pki().client()
+        )
+        drivers.append(NodeDriver(node, client, mine, PhaseSeconds(rebuild_seconds=20)))
+    try:
+        outcomes = await asyncio.wait_for(
+            asyncio.gather(
+                *(d.checkpoint(Mode.LEAVE_RUNNING, tmp_path / d.node, epoch=2) for d in drivers),
+                return_exceptions=True,
+            ),
+            60,
+        )
+    finally:
+        for d in drivers:
+            await d.client.close()
+    assert all(isinstance(o, CheckpointFailed) for o in outcomes), outcomes
+    assert "release of job/rank-6" in str(outcomes[1]) and "flush gave up" in str(outcomes[1]), outcomes
+    assert [d.report.outcome for d in drivers] == ["Aborted", "Aborted"]
+    for i, s in enumerate(shims):
+        # released (again, if it had been), never resumed in place by `abort`; rebuilt and running
+        assert "abort" not in s.commands and s.commands[-2:] == ["rebuild", "resume"], (i, s.commands)
+        assert s.state == "running"
+    assert shims[6].commands == ["status", "quiesce", "drain", "release", "release", "rebuild", "resume"]

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import subprocess
 import time
+from collections.abc import Iterable
 from datetime import datetime
 from typing import Any
 
@@ -443,7 +445,9 @@ def job_template(mode: str = "LeaveRunning") -> dict[str, Any]:
 
 
 def diagnose(cluster: Cluster, namespace: str, product_ns: str = PRODUCT_NS) -> str:
-    """The namespace's Events and the product's recent logs, for a failure message."""
+    """The namespace's Events, the product's recent logs, the agents' errors, each pod's shim lines and,
+    last (CI shows a failure's tail), every CheckpointJob's and RestoreJob's outcome: the first one failed
+    for the root cause. Repeated lines are shown once."""
     events = cluster.kubectl("get", "events", "-n", namespace, "--sort-by=.lastTimestamp", check=False).stdout
     logs = cluster.kubectl(
         "logs", "-n", product_ns, "-l", "app.kubernetes.io/component in (operator,agent)", "--tail=40",
@@ -452,16 +456,34 @@ def diagnose(cluster: Cluster, namespace: str, product_ns: str = PRODUCT_NS) -> 
     agents = cluster.kubectl(
         "logs", "-n", product_ns, "-l", "app.kubernetes.io/component=agent", "--tail=1000", check=False
     ).stdout
-    errors = "\n".join(line for line in agents.splitlines() if " ERROR " in line)
+    errors = _once(line for line in agents.splitlines() if " ERROR " in line or " WARNING " in line)
     shims = []  # what the shim said in each of the namespace's pods (a rebuild's settle counts, say)
     found = cluster.kubectl("get", "pods", "-n", namespace, "-o", "name", check=False).stdout.split()
     for pod in found[:6]:
         said = cluster.kubectl("logs", "-n", namespace, pod, "--all-containers", check=False).stdout
-        shims += [f"{pod}: {line}" for line in said.splitlines() if line.startswith("libibckpt[")][-15:]
-    shim_lines = "\n".join(shims)
+        mine = _once(line for line in said.splitlines() if line.startswith("libibckpt["))
+        shims += [f"{pod}: {line}" for line in mine[-8:]]
+    outcomes = cluster.kubectl(
+        "get", "checkpointjobs,restorejobs", "-n", namespace, "--sort-by=.metadata.creationTimestamp", "-o",
+        "custom-columns=NAME:.metadata.name,PHASE:.status.phase,REASON:.status.reason,MESSAGE:.status.message",
+        check=False,
+    ).stdout  # fmt: skip
     return (
-        f"{events[-3000:]}\n{logs[-6000:]}\nagents' errors:\n{errors[-4000:]}\nshims:\n{shim_lines[-4000:]}"
+        f"{events[-2500:]}\n{logs[-4000:]}\nagents' warnings and errors:\n{chr(10).join(errors)[-4000:]}\n"
+        f"shims:\n{chr(10).join(shims)[-3000:]}\njobs, first to last:\n{outcomes[:2500]}"
     )
+
+
+def _once(lines: Iterable[str]) -> list[str]:
+    """`lines` without repeats (a retried step says the same thing each time), timestamps aside."""
+    seen: set[str] = set()
+    kept = []
+    for line in lines:
+        gist = re.sub(r"^\d{4}-\d\d-\d\d \S+ ", "", line)
+        if gist not in seen:
+            seen.add(gist)
+            kept.append(line)
+    return kept
 
 
 def wait_phase(
