@@ -127,6 +127,19 @@ def shim_problems(ident: ShimIdentity) -> list[str]:
     return problems
 
 
+def not_running(r: LocalRank, status: ShimStatus) -> str | None:
+    """The refusal of a rank an earlier session left out of running: gating it again would fail at
+    quiesce, after its healthy peers were gated for nothing. A released one waits for a rebuild its
+    peers never joined (docs/failures.md)."""
+    if status.state in (None, "running"):
+        return None
+    why = f"its shim is {status.state}, not running, since an earlier session"
+    if status.state == "released":
+        why += "; it waits for a rebuild with its peers that may never come: restore the job from its last"
+        why += " checkpoint"
+    return refusal(r.rank.key(), r.pid, [why])
+
+
 def foreign_ah_problem(gid_hex: str) -> str:
     return f"a UD address handle points to GID {gid_text(gid_hex)}, which no rank of the job holds"
 
@@ -277,7 +290,11 @@ class Preflight:
             answers = await asyncio.wait_for(on_all(self.ranks, lambda r: self._status(r, bound_s)), bound_s)
         except (OSError, TimeoutError) as exc:
             raise CheckpointRefused(f"preflight: a rank's shim did not answer status: {exc}") from exc
-        bad = [answer for answer in answers if isinstance(answer, str)]
+        checked = (
+            answer if isinstance(answer, str) else not_running(r, answer)
+            for r, answer in zip(self.ranks, answers, strict=True)
+        )
+        bad = [problem for problem in checked if problem]
         if bad:
             raise CheckpointRefused(" | ".join(bad))
         idents = [ShimIdentity.from_status(a) for a in answers if not isinstance(a, str)]

@@ -39,6 +39,8 @@ class Shim(FakeShimSocket):
     def answer(self, verb: str) -> tuple[bool, dict[str, object]]:
         if verb == "abort" and self.state == "released":
             return False, {"phase": "abort", "ok": False, "state": "released"}
+        if verb == "release" and self.state != "drained":
+            return False, {"phase": "release", "ok": False, "error": "not drained", "state": self.state}
         return super().answer(verb)
 
 
@@ -99,10 +101,11 @@ def test_a_checkpoint_whose_dump_fails_recovers_the_rank_and_reports_it(
     assert cut <= set(report.phases), report.phases
     [rank] = report.ranks
     assert rank.phase == "Resumed" and "criu" in rank.error  # the session failed, the rank runs again
-    # cut, then brought back from released: rebuild and resume
+    # cut, then brought back from released: asked to release (every node had drained; it says it is
+    # released already), rebuilt and resumed
     verbs = shim.commands
     assert [v for v in verbs if v in ("quiesce", "drain", "release", "rebuild", "resume")] == [
-        "quiesce", "drain", "release", "rebuild", "resume",
+        "quiesce", "drain", "release", "release", "rebuild", "resume",
     ], verbs  # fmt: skip
     assert shim.state == "running"
     assert client.info().sessions == []
@@ -142,7 +145,7 @@ def test_an_abort_after_a_stop_dump_rebuilds_the_released_rank_and_resumes_it(
     [rank] = report.ranks
     assert rank.phase == "Resumed", rank
     # its GIDs are learned (status) before it may publish records (coord_proxy.py, confine)
-    assert shim.commands[-4:] == ["abort", "status", "rebuild", "resume"], shim.commands
+    assert shim.commands[-4:] == ["release", "status", "rebuild", "resume"], shim.commands
     assert shim.state == "running"
     assert not record.exists()  # nothing left for a next agent
     assert Milestone.DUMPED in report.phases  # the checkpoint's phases are kept
@@ -185,7 +188,7 @@ def test_a_restarted_agent_brings_back_the_ranks_its_dead_predecessor_left_relea
         [rank] = report.ranks
         assert (rank.rank_key, rank.phase, rank.pid) == ("ring/pod-c1/main/1", "Resumed", sleeper.pid)
         # its GIDs are learned (status) before it may publish records (coord_proxy.py, confine)
-        assert shim.commands[-4:] == ["abort", "status", "rebuild", "resume"], shim.commands
+        assert shim.commands[-4:] == ["release", "status", "rebuild", "resume"], shim.commands
         assert shim.state == "running"
         assert not recovery.record_path(state, session).exists()
         # the predecessor's images are kept as an aborted checkpoint's: the sweep's bound counts from now

@@ -230,6 +230,41 @@ async def test_refusal_names_rank_pid_and_resources_and_aborts_every_node(
     assert not (tmp_path / "i1").exists() and not (tmp_path / "i2").exists()
 
 
+async def test_a_rank_an_earlier_abort_left_released_is_refused_before_its_peers_are_gated(
+    coordinator: ThreadedCoordinator, tmp_path: Path, sleeper: int
+) -> None:
+    """node-2's rank still waits, released, for a rebuild its peers never joined: a new checkpoint
+    would fail at its quiesce after node-1's healthy rank was gated. Preflight refuses it by name."""
+    s1 = StatusShim(tmp_path / "r1.ctl", {"state": "running", "qps": [], "gids": [GID_A], "unsupported": []})
+    s2 = StatusShim(tmp_path / "r2.ctl", {"state": "released", "qps": [], "gids": [GID_B], "unsupported": []})
+    session, tokens = coordinator.create_session({"node-1", "node-2"})
+    clients = [
+        await CoordinatorClient.connect(
+            "127.0.0.1", coordinator.port, session, n, tokens[n], tls=shared_pki().client()
+        )
+        for n in ("node-1", "node-2")
+    ]
+    drivers = [
+        NodeDriver(node, client, [LocalRank(RankId.parse(f"job/rank-{i}/main/0"), sleeper, shim.path)])
+        for i, (node, client, shim) in enumerate(zip(("node-1", "node-2"), clients, (s1, s2), strict=True))
+    ]
+    try:
+        results = await asyncio.wait_for(
+            asyncio.gather(
+                *(d.checkpoint(Mode.STOP, tmp_path / d.node, 2) for d in drivers), return_exceptions=True
+            ),
+            30,
+        )
+    finally:
+        for c in clients:
+            await c.close()
+    assert all(isinstance(r, CheckpointRefused) for r in results), results
+    message = str(results[1])
+    assert f"refusing to checkpoint job/rank-1/main/0 (pid {sleeper}): its shim is released" in message
+    assert "restore the job from its last checkpoint" in message and "node-2: refusing" in str(results[0])
+    assert s1.commands == ["status"] and s2.commands == ["status"]  # nobody was gated
+
+
 # -- process trees: a container's whole tree is one image ----------------------------------------------
 
 
