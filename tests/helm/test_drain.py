@@ -27,7 +27,7 @@ from helm.conftest import Release
 from testbed import pods, ring
 from testbed.cluster import node_ip
 
-pytestmark = [pytest.mark.cluster, pytest.mark.timeout(2400)]
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(2400), pytest.mark.budget(minutes=10)]
 
 SCHEDULE = "ring"
 WEBHOOKS = "validatingwebhookconfiguration/ibckpt.io"

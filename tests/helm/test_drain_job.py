@@ -20,7 +20,7 @@ from helm.conftest import Release
 
 from testbed import pods, ring
 
-pytestmark = [pytest.mark.cluster, pytest.mark.timeout(2400)]
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(2400), pytest.mark.budget(minutes=8)]
 
 SCHEDULE = "ring"
 REFUSED = "ibckpt: the pods of this controller are being migrated by CheckpointSchedule ring"

@@ -17,7 +17,7 @@ from helm.conftest import Release
 
 from testbed import pods, ring
 
-pytestmark = [pytest.mark.cluster, pytest.mark.timeout(2400)]
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(2400), pytest.mark.budget(minutes=8)]
 
 SCHEDULE = "ring"
 

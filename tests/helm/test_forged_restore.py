@@ -26,7 +26,7 @@ from testbed import pods, ring
 from testbed.images import APPS_IMAGE
 from testbed.s3 import S3Server
 
-pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900), pytest.mark.budget(minutes=4)]
 
 APP_NS = "ring-app"
 
