@@ -44,7 +44,7 @@ from testbed.gate import Gate
 from testbed.s3 import S3Server
 
 # budget: at most what it took on the slowest machine seen (tests/testbed/budget.py)
-pytestmark = [pytest.mark.cluster, pytest.mark.timeout(2400), pytest.mark.budget(minutes=15)]
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(2400), pytest.mark.budget(minutes=20)]
 
 # The phases in which the ranks have been touched and the manifest is not yet committed.
 CUT = ("Quiescing", "Draining", "Releasing", "Dumping", "Uploading")
