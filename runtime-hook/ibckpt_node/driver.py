@@ -133,8 +133,6 @@ class NodeDriver:
         self.itimer_images: dict[str, Path] = {}
         self.job_addrs = None if job_addrs is None else [ipaddress.ip_address(a) for a in job_addrs]
         self.report = NodeReport(node)
-        # The cut on this node: None (not run here), "started", or "everywhere" once every node drained.
-        self.cut_reached: str | None = None
         self.leases = RankLeases(node, self.ranks, self.settings.lease_s, self.settings.lease_renew_s)
 
     # -- helpers --------------------------------------------------------------------------
@@ -327,11 +325,9 @@ class NodeDriver:
     async def _cut(self) -> None:
         """Quiesce, drain and release every local rank, with a barrier after drain and release."""
         t, s = self.timeouts, self.settings
-        quiesce_ms, settle_ms, release_ms = ms(t.quiesce_seconds), ms(s.drain_settle_s), ms(t.release_seconds)
+        quiesce_ms, settle_ms = ms(t.quiesce_seconds), ms(s.drain_settle_s)
         quiesce: Step = ("quiesce", lambda r: r.shim.quiesce(quiesce_ms))
         drain: Step = ("drain", lambda r: r.shim.drain(settle_ms, s.drain_stall_ms))
-        release: Command = lambda r: r.shim.release(release_ms, self.cut.release_quiet)  # noqa: E731
-        self.cut_reached = "started"
         if self.cut.quiesce_barrier:
             await self._phase(Milestone.QUIESCED, lambda: self._each(*quiesce), t.quiesce_seconds)
             await self._phase(Milestone.DRAINED, lambda: self._each(*drain), t.drain_seconds)
@@ -339,17 +335,19 @@ class NodeDriver:
             both = t.quiesce_seconds + t.drain_seconds
             await self._phase(Milestone.DRAINED, lambda: self._each_in_turn([quiesce, drain]), both)
         # Past this point a node may release: an abort must then release and rebuild every rank.
-        self.cut_reached = "everywhere"
         await self.client.put(keys.RELEASING, b"1")
-        await self._phase(Milestone.RELEASED, lambda: self._each("release", release), t.release_seconds)
+        await self._phase(Milestone.RELEASED, lambda: self._each("release", self._release), t.release_seconds)
+
+    async def _release(self, r: LocalRank) -> dict[str, Any]:
+        return await r.shim.release(ms(self.timeouts.release_seconds), self.cut.release_quiet)
 
     async def _releasing(self) -> bool:
         """Whether any node may have released its ranks: every node drained (its DRAINED barrier
         passed), which this node knows, or else reads from the key a node past it wrote."""
-        if self.cut_reached == "everywhere":
+        if Milestone.DRAINED in self.report.phases:  # passed the barrier
             return True
-        if self.cut_reached == "started" and Milestone.DRAINED not in self.report.local:
-            return False  # this node never drained: no node passed the barrier
+        if Milestone.ADMITTED in self.report.local and Milestone.DRAINED not in self.report.local:
+            return False  # the cut ran here and this node never drained: no node passed the barrier
         if self.client.lost:
             return False
         try:
@@ -386,10 +384,8 @@ class NodeDriver:
 
     async def _abort_and_recover(self, cause: Exception, epoch: int) -> None:
         """Tell every node, then bring this node's ranks back to running from wherever they are."""
-        rebuild_s, release_ms = self.timeouts.rebuild_seconds, ms(self.timeouts.release_seconds)
-        release: Command | None = None
-        if await self._releasing():
-            release = lambda r: r.shim.release(release_ms, self.cut.release_quiet)  # noqa: E731
+        rebuild_s = self.timeouts.rebuild_seconds
+        release = self._release if await self._releasing() else None
         self.client = await abort.abort_and_recover(
             self.node, self.client, self.ranks, cause, epoch, rebuild_s, self.report, self.rejoin,
             self._confine, release,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Awaitable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -90,6 +91,28 @@ async def connected_driver(
         "127.0.0.1", coordinator.port, session, "node-1", token, tls=shared_pki().client()
     )
     return NodeDriver("node-1", client, ranks, timeouts, **options)
+
+
+async def session_clients(coordinator: ThreadedCoordinator, nodes: Sequence[str]) -> list[CoordinatorClient]:
+    """A client for each of `nodes`, connected to one new session of `coordinator`."""
+    session, tokens = coordinator.create_session(set(nodes))
+    return [
+        await CoordinatorClient.connect(
+            "127.0.0.1", coordinator.port, session, node, tokens[node], tls=shared_pki().client()
+        )
+        for node in nodes
+    ]
+
+
+async def gather_closing(
+    clients: Sequence[CoordinatorClient], *runs: Awaitable[Any], timeout: float
+) -> list[Any]:
+    """Each run's result, or what it raised, within `timeout`; `clients` are closed after."""
+    try:
+        return await asyncio.wait_for(asyncio.gather(*runs, return_exceptions=True), timeout)
+    finally:
+        for client in clients:
+            await client.close()
 
 
 async def failed_checkpoint(

@@ -18,6 +18,8 @@ from node.driver_harness import (
     failed_dump,
     fake_ranks,
     first_rank_served_by,
+    gather_closing,
+    session_clients,
 )
 
 from ibckpt.agentapi import Mode, PhaseTimeouts
@@ -254,24 +256,14 @@ async def test_a_release_that_fails_on_one_node_after_others_released_rebuilds_e
     shims[6].sock.close()
     shims[6] = ReleaseFailsOnce(tmp_path / "r6-failing.ctl", shims[0].everyone)
     ranks[6] = LocalRank(ranks[6].rank, sleeper, shims[6].path)
-    session, tokens = coordinator.create_session({"node-1", "node-2"})
-    drivers = []
-    for node, mine in (("node-1", ranks[:6]), ("node-2", ranks[6:])):
-        client = await CoordinatorClient.connect(
-            "127.0.0.1", coordinator.port, session, node, tokens[node], tls=shared_pki().client()
-        )
-        drivers.append(NodeDriver(node, client, mine, PhaseSeconds(rebuild_seconds=20)))
-    try:
-        outcomes = await asyncio.wait_for(
-            asyncio.gather(
-                *(d.checkpoint(Mode.LEAVE_RUNNING, tmp_path / d.node, epoch=2) for d in drivers),
-                return_exceptions=True,
-            ),
-            60,
-        )
-    finally:
-        for d in drivers:
-            await d.client.close()
+    clients = await session_clients(coordinator, ("node-1", "node-2"))
+    drivers = [
+        NodeDriver(node, client, mine, PhaseSeconds(rebuild_seconds=20))
+        for node, client, mine in zip(("node-1", "node-2"), clients, (ranks[:6], ranks[6:]), strict=True)
+    ]
+    outcomes = await gather_closing(
+        clients, *(d.checkpoint(Mode.LEAVE_RUNNING, tmp_path / d.node, epoch=2) for d in drivers), timeout=60
+    )
     assert all(isinstance(o, CheckpointFailed) for o in outcomes), outcomes
     assert "release of job/rank-6" in str(outcomes[1]) and "flush gave up" in str(outcomes[1]), outcomes
     assert [d.report.outcome for d in drivers] == ["Aborted", "Aborted"]

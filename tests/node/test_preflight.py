@@ -4,7 +4,6 @@ container's process tree, which is dumped whole and must hold its ranks and lead
 
 from __future__ import annotations
 
-import asyncio
 import ipaddress
 import os
 import socket
@@ -15,11 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from node.driver_harness import connected_driver, failed_checkpoint
+from node.driver_harness import connected_driver, failed_checkpoint, gather_closing, session_clients
 from node.fake_shim import FakeShimSocket
 
 from ibckpt.agentapi import Mode
-from ibckpt.coordination.client import CoordinationAborted, CoordinatorClient
+from ibckpt.coordination.client import CoordinationAborted
 from ibckpt.coordination.ranks import RankId
 from ibckpt_native.control import ShimStatus
 from ibckpt_node import preflight, procfs
@@ -28,7 +27,6 @@ from ibckpt_node.errors import CheckpointFailed, CheckpointRefused
 from ibckpt_node.ranks import LocalRank
 from ibckpt_node.trees import TREE_MANIFEST, ProcessTree, read_tree_manifest
 from testbed.coordinator import ThreadedCoordinator
-from testbed.tlsfiles import shared_pki
 
 TCP = """  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
    0: 00000000:484B 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 551 1 0 100
@@ -187,31 +185,19 @@ async def test_refusal_names_rank_pid_and_resources_and_aborts_every_node(
         "peers": [{"qpn": 33, "type": 2, "peer_gid": GID_A, "peer_qpn": 17}], "unsupported": [],
         "ah_gids": [GID_A],
     })  # fmt: skip
-    session, tokens = coordinator.create_session({"node-1", "node-2"})
-    clients = [
-        await CoordinatorClient.connect(
-            "127.0.0.1", coordinator.port, session, n, tokens[n], tls=shared_pki().client()
-        )
-        for n in ("node-1", "node-2")
-    ]
+    clients = await session_clients(coordinator, ("node-1", "node-2"))
     job = ["10.77.0.1", "10.77.0.2"]
     d1 = NodeDriver(
         "node-1", clients[0], [LocalRank(RankId.parse("job/rank-0/main/0"), pid, s1.path)], job_addrs=job
     )
     rank2 = LocalRank(RankId.parse("job/rank-1/main/0"), sleeper, s2.path)
     d2 = NodeDriver("node-2", clients[1], [rank2], job_addrs=job)
-    try:
-        results = await asyncio.wait_for(
-            asyncio.gather(
-                d1.checkpoint(Mode.STOP, tmp_path / "i1", 2),
-                d2.checkpoint(Mode.STOP, tmp_path / "i2", 2),
-                return_exceptions=True,
-            ),
-            30,
-        )
-    finally:
-        for c in clients:
-            await c.close()
+    results = await gather_closing(
+        clients,
+        d1.checkpoint(Mode.STOP, tmp_path / "i1", 2),
+        d2.checkpoint(Mode.STOP, tmp_path / "i2", 2),
+        timeout=30,
+    )
     assert all(isinstance(r, CheckpointRefused) for r in results), results
     message = str(results[0])
     assert message.startswith("node-1: refusing to checkpoint")
@@ -237,27 +223,14 @@ async def test_a_rank_an_earlier_abort_left_released_is_refused_before_its_peers
     would fail at its quiesce after node-1's healthy rank was gated. Preflight refuses it by name."""
     s1 = StatusShim(tmp_path / "r1.ctl", {"state": "running", "qps": [], "gids": [GID_A], "unsupported": []})
     s2 = StatusShim(tmp_path / "r2.ctl", {"state": "released", "qps": [], "gids": [GID_B], "unsupported": []})
-    session, tokens = coordinator.create_session({"node-1", "node-2"})
-    clients = [
-        await CoordinatorClient.connect(
-            "127.0.0.1", coordinator.port, session, n, tokens[n], tls=shared_pki().client()
-        )
-        for n in ("node-1", "node-2")
-    ]
+    clients = await session_clients(coordinator, ("node-1", "node-2"))
     drivers = [
         NodeDriver(node, client, [LocalRank(RankId.parse(f"job/rank-{i}/main/0"), sleeper, shim.path)])
         for i, (node, client, shim) in enumerate(zip(("node-1", "node-2"), clients, (s1, s2), strict=True))
     ]
-    try:
-        results = await asyncio.wait_for(
-            asyncio.gather(
-                *(d.checkpoint(Mode.STOP, tmp_path / d.node, 2) for d in drivers), return_exceptions=True
-            ),
-            30,
-        )
-    finally:
-        for c in clients:
-            await c.close()
+    results = await gather_closing(
+        clients, *(d.checkpoint(Mode.STOP, tmp_path / d.node, 2) for d in drivers), timeout=30
+    )
     assert all(isinstance(r, CheckpointRefused) for r in results), results
     message = str(results[1])
     assert f"refusing to checkpoint job/rank-1/main/0 (pid {sleeper}): its shim is released" in message
