@@ -188,7 +188,14 @@ class CheckpointJobStatus(ApiModel):
     attempt: str | None = Field(default=None, description="Id of the side effect last started.")
     step: str | None = Field(default=None, description="What that side effect is (quiesce, upload, ...).")
     aborted_from: JobPhase | None = Field(default=None, description="The phase an abort started in.")
-    waiting_for: str | None = Field(default=None, description="The job that holds some of this job's pods.")
+    waiting_for: str | None = Field(
+        default=None, description="The job that holds some of this job's pods, or a busy node's agent."
+    )
+    session_turn: int | None = Field(
+        default=None,
+        ge=0,
+        description="How many times the job opened its session again after a node's agent was busy.",
+    )
     claimed: bool | None = Field(
         default=None,
         description="This job holds its pods: no other CheckpointJob touches them until it ends.",

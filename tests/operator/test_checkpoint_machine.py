@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
 from itertools import pairwise
 
 import pytest
 
-from ibckpt.api import CheckpointJobSpec, CheckpointMode, ConcurrencyPolicy, JobPhase
+from ibckpt.api import CheckpointMode, ConcurrencyPolicy, JobPhase
 from ibckpt.vocabulary import Milestone
-from ibckpt_operator.machine import CheckpointMachine, JobConfig, JobState, JobStep, PodClaims, PodRef
+from ibckpt_operator.machine import JobStep, PodClaims
 from ibckpt_operator.machine.actions import (
     AdmitPods,
     AwaitMilestone,
@@ -27,8 +26,6 @@ from ibckpt_operator.machine.actions import (
 )
 from ibckpt_operator.machine.checkpoint import (
     ON_UNKNOWN,
-    TERMINAL,
-    CheckpointPublished,
     ManifestCommitted,
     ManifestMissing,
 )
@@ -51,72 +48,9 @@ from ibckpt_operator.machine.core import (
     Tick,
     Unknown,
 )
-from testbed.machines import T0, MachineDriver
-
-PODS = (
-    PodRef("ring-0", "uid-0", "node-1"),
-    PodRef("ring-1", "uid-1", "node-2"),
-    PodRef("ring-2", "uid-2", "node-2"),
-)
-SPEC = CheckpointJobSpec.from_wire(
-    {"selector": {"matchLabels": {"app": "ring"}}, "storageRef": {"name": "s3"}}
-)
-PER_POD_STEPS = {
-    JobStep.QUIESCE,
-    JobStep.DRAIN,
-    JobStep.RELEASE,
-    JobStep.DUMP,
-    JobStep.UPLOAD,
-    JobStep.REBUILD,
-    JobStep.RESUME,
-    JobStep.KILL,
-    JobStep.RESUME_ALL,
-}
-
-
-class Driver(MachineDriver[JobState]):
-    """One CheckpointJob's machine on the fake clock."""
-
-    def __init__(self, mode: CheckpointMode = CheckpointMode.LEAVE_RUNNING, **config: object) -> None:
-        base = JobConfig.from_spec(SPEC.model_copy(update={"mode": mode}), "ring-ckpt")
-        super().__init__(CheckpointMachine(replace(base, **config)), "run7", TERMINAL)  # type: ignore[arg-type]
-
-    @property
-    def step(self) -> JobStep:
-        assert self.state.step is not None
-        return JobStep(self.state.step.kind)
-
-    def all_done(self) -> None:
-        self.each_done("uid", 100, 0.5, after=0.1)
-
-    def admit(self, pods: tuple[PodRef, ...] = PODS) -> None:
-        self.send(PodsSelected(self.attempt, pods))
-        self.send(PodsClaimed(self.attempt))
-        for pod in pods:
-            self.send(PodAdmitted(self.attempt, pod.uid))
-        self.send(SessionOpened(self.attempt))
-
-    def advance(self) -> None:
-        step = self.step
-        if step == JobStep.SELECT:
-            self.send(PodsSelected(self.attempt, PODS))
-        elif step == JobStep.CLAIM:
-            self.send(PodsClaimed(self.attempt))
-        elif step == JobStep.ADMIT:
-            for pod in PODS:
-                self.send(PodAdmitted(self.attempt, pod.uid))
-        elif step == JobStep.OPEN_SESSION:
-            self.send(SessionOpened(self.attempt))
-        elif step in (JobStep.COMMIT, JobStep.VERIFY_COMMIT):
-            self.send(ManifestCommitted(self.attempt, "ibckpt/v1/manifests/ns/ring/c1.json"))
-        elif step == JobStep.PUBLISH:
-            self.send(CheckpointPublished(self.attempt))
-        else:
-            assert step in PER_POD_STEPS
-            self.all_done()
-
-    def awaited(self) -> list[Milestone]:
-        return [action.milestone for action in self.of_type(AwaitMilestone)]
+from testbed.checkpoint_machine import PODS, SPEC
+from testbed.checkpoint_machine import CheckpointDriver as Driver
+from testbed.machines import T0
 
 
 def index_of(actions: list[Action], kind: type[Action]) -> int:

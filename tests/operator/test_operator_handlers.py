@@ -288,6 +288,35 @@ def test_two_jobs_over_the_same_pods(
     assert "deleted" in a.aborts[0][1]
 
 
+def test_a_checkpoint_waits_its_turn_on_a_node_whose_agent_runs_another_session(
+    cluster_ns: Cluster, s3_server: S3Server, bucket: str, agents: Agents, operator: Any, store_config: Any
+) -> None:
+    """node-b's agent is busy with another job's session: node-a's session is taken back, the job waits in
+    Pending (Event WaitingForAgent) and, once node-b is free, checkpoints with a new session id."""
+    config = store_config(bucket)
+    a = agents.add(cluster_ns, "node-a", 1, "complete", config)
+    b = agents.add(cluster_ns, "node-b", 2, "complete", config)
+    cluster_ns.rank_pod(a, "ring-0", {"app": "ring"})
+    cluster_ns.rank_pod(b, "ring-1", {"app": "ring"})
+    creds(cluster_ns, s3_server)
+    b.busy_with = "rsj-other-job"
+    with operator():
+        cluster_ns.create(JOBS, job("turn", storage(s3_server, bucket)))
+        [waiting] = cluster_ns.wait_events("turn", "WaitingForAgent")
+        busy = "node-b is busy with session 'rsj-other-job'"
+        assert waiting.type == "Normal" and waiting.message.startswith("node node-b: "), waiting.message
+        assert busy in waiting.message and "asks again in 10s" in waiting.message, waiting.message
+        held = cluster_ns.wait(JOBS, "turn", lambda o: (o.get("status") or {}).get("sessionTurn") == 1)
+        assert held["status"]["phase"] in ("Pending", "Admitted", "Quiescing"), held["status"]
+        first = a.first_request().session_id
+        assert [session for session, _ in a.aborts] == [first] and not b.requests
+        b.busy_with = None  # the other job's session ended
+        done = cluster_ns.wait(JOBS, "turn", phase("Succeeded"), timeout=90)
+    assert [r.session_id for r in a.requests] == [first, f"{first}-1"]
+    assert [r.session_id for r in b.requests] == [f"{first}-1"]
+    assert done["status"]["sessionTurn"] == 1 and done["status"]["claimed"] is False
+
+
 @pytest.mark.parametrize(
     ("cut_phase", "step", "passed"),
     [("Quiescing", "quiesce", None), ("Draining", "drain", Milestone.QUIESCED),

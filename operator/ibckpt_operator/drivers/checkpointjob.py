@@ -15,6 +15,7 @@ import time
 from collections.abc import Awaitable
 
 from ibckpt.agentapi import (
+    BUSY_STATUS,
     AgentError,
     AgentInfo,
     CheckpointRequest,
@@ -60,7 +61,7 @@ from ibckpt_operator.machine.actions import (
     SelectPods,
     VerifyManifest,
 )
-from ibckpt_operator.machine.checkpoint import STEP_LABEL, TERMINAL
+from ibckpt_operator.machine.checkpoint import AGENT_BUSY, STEP_LABEL, TERMINAL
 from ibckpt_operator.machine.core import (
     Action,
     Event,
@@ -95,7 +96,8 @@ class CheckpointJobDriver(CheckpointStoreDriver):
     def begin(self, now: float) -> Transition[JobState]:
         state = self.read_back(CheckpointJobStatus, job_state)
         run = secrets.token_hex(4) if state is None else state.run
-        self.machine = CheckpointMachine(JobConfig.from_spec(self.spec, self.checkpoint_name(run)))
+        config = JobConfig.from_spec(self.spec, self.checkpoint_name(run), current().agent_busy_wait_seconds)
+        self.machine = CheckpointMachine(config)
         if state is None:
             return self.machine.start(run, now)
         return self.machine.handle(state, OperatorRestarted(), now)
@@ -260,7 +262,7 @@ class CheckpointJobDriver(CheckpointStoreDriver):
             t.quiesce_seconds + t.drain_seconds + t.release_seconds + t.dump_seconds + t.upload_seconds
             + t.publish_seconds + t.rebuild_seconds + t.resume_seconds + t.abort_seconds
         )  # fmt: skip
-        opened = await self.open_coordinator_session(action, bound, self.session_id(self.state.run))
+        opened = await self.open_coordinator_session(action, bound, self.session_id(self.state))
         if opened is not None:
             opened.arrival_listeners.append(self.on_barrier)
             opened.abort_listeners.append(lambda reason: self.on_abort(reason, opened.refused))
@@ -348,8 +350,12 @@ class CheckpointJobDriver(CheckpointStoreDriver):
             [self.rt.gateway.checkpoint(agent, request) for _, agent, request in requests]
         )
         for (node, _, _), outcome in zip(requests, sent, strict=True):
+            if isinstance(outcome, AgentError) and outcome.status == BUSY_STATUS:
+                # the machine takes the session back and asks again: no rank is gated before every
+                # node joined its preflight
+                self.emit(StepFailed(action.attempt, AGENT_BUSY, f"node {node}: {outcome.message}"))
+                return
             if isinstance(outcome, AgentError):
-                # not waited for when busy: the job's other ranks would sit quiesced meanwhile
                 self.emit(StepFailed(action.attempt, *agent_failure(node, outcome)))
                 return
         for node, agent in self.session.nodes.items():
@@ -385,8 +391,7 @@ class CheckpointJobDriver(CheckpointStoreDriver):
     async def resume_all(self, action: ResumeAll) -> None:
         """The abort: every node's agent brings its ranks back; a node that never started is done."""
         assert self.state is not None
-        run = self.state.run
-        session_id = self.session.id if self.session else self.session_id(run)
+        session_id = self.session.id if self.session else self.session_id(self.state)
         agents = await agents_by_node(self.rt.kube)
         nodes = sorted({pod.node for pod in action.pods})
         # The abort names the coordinator to rebuild released ranks through: the session's own, or after

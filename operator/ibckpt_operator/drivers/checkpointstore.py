@@ -86,8 +86,10 @@ class CheckpointStoreDriver(Driver[JobState]):
         """The job in rank keys (job/pod/container/process): one name, no namespace, so no slash."""
         return self.spec.workload_ref.name if self.spec.workload_ref else self.name
 
-    def session_id(self, run: str) -> str:
-        return f"ckj-{run}"
+    @staticmethod
+    def session_id(state: JobState) -> str:
+        """Each session the job opens has its own id: the agents keep the ids they served."""
+        return f"ckj-{state.run}" + (f"-{state.session_turn}" if state.session_turn else "")
 
     def machine_checkpoint_name(self) -> str:
         assert self.machine is not None
@@ -172,7 +174,7 @@ class CheckpointStoreDriver(Driver[JobState]):
             storage=self.spec.storage,
             manifest_key=manifest_key,
             mode=self.spec.mode,
-            pods=await self.record.pods(self.rt, self.namespace, members, self.session_id(self.state.run)),
+            pods=await self.record.pods(self.rt, self.namespace, members, self.session_id(self.state)),
             rank_count=sum(len(keys) for keys in self.record.rank_keys.values()),
             requires=await self.record.requires(self.rt, members),
             nodes=sorted({m.pod.node for m in members if m.pod.node}),

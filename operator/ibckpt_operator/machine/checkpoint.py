@@ -14,7 +14,10 @@ The rules it encodes (tests/operator/test_checkpoint_machine.py shows each):
   a result for another attempt is stale and ignored; after an operator restart a step with an unknown
   outcome is run again only when that is safe (Unknown.REISSUE), looked up (VERIFY) or given up (ABORT);
 - two jobs never hold the same pod: the claim is granted, or the job waits (bounded) or fails, saying who
-  holds the pods.
+  holds the pods;
+- a node's agent busy with another job's session (it runs one at a time) refuses the job's session before
+  any rank is gated: the job takes its session back from the other nodes and asks again (a new session)
+  until agent_wait_seconds after it started, unless its concurrency policy is Fail.
 """
 
 from __future__ import annotations
@@ -62,11 +65,14 @@ from ibckpt_operator.machine.core import (
     SessionOpened,
     StepAction,
     StepFailed,
+    StepRecord,
     StepRule,
     Tick,
     Transition,
     Unknown,
     all_marked,
+    attempt_id,
+    enter,
     finish,
     issue,
     late_note,
@@ -138,6 +144,9 @@ TERMINAL = frozenset({JobPhase.SUCCEEDED, JobPhase.FAILED})
 UNTOUCHED = frozenset({JobPhase.PENDING, JobPhase.ADMITTED})
 # Phases after the manifest commit: the checkpoint exists whatever happens next.
 AFTER_COMMIT = frozenset({JobPhase.COMMITTED, JobPhase.REBUILDING, JobPhase.RESUMING, JobPhase.STOPPED})
+# A node's agent refused the session as busy with another one; `waiting_for` while the job waits for it.
+AGENT_BUSY = "AgentBusy"
+BUSY_AGENT = "a busy node's agent"
 
 
 # Job-specific events.
@@ -171,14 +180,19 @@ class JobConfig:
     timeouts: Mapping[JobPhase, float] = field(default_factory=dict)
     active_deadline: float = 3600.0
     retry_seconds: float = 5.0  # how often a waiting job asks for its pods again
+    agent_wait_seconds: float = 600.0  # a busy agent is asked again until this long after the job started
+    agent_retry_seconds: float = 10.0  # how often
 
     @classmethod
-    def from_spec(cls, spec: CheckpointJobSpec, checkpoint_name: str) -> JobConfig:
+    def from_spec(
+        cls, spec: CheckpointJobSpec, checkpoint_name: str, agent_wait_seconds: float = 600.0
+    ) -> JobConfig:
         t = spec.timeouts
         return cls(
             checkpoint_name=spec.checkpoint_name or checkpoint_name,
             mode=spec.mode,
             concurrency=spec.concurrency_policy,
+            agent_wait_seconds=agent_wait_seconds,
             timeouts={
                 JobPhase.PENDING: t.admit_seconds,
                 JobPhase.ADMITTED: t.admit_seconds,
@@ -206,6 +220,7 @@ class JobState(RunState[JobPhase]):
     waiting_for: str | None = None
     retry_at: float | None = None
     manifest_key: str | None = None
+    session_turn: int = 0  # sessions opened again after a busy agent: each needs its own id
 
 
 JobTransition = Transition[JobState]
@@ -368,6 +383,8 @@ class CheckpointMachine:
     def _deadline(self, state: JobState, now: float) -> JobTransition | None:
         limit = overdue(state, self.config.timeouts, now)
         if limit is not None:
+            if state.phase == JobPhase.PENDING and state.waiting_for == BUSY_AGENT:
+                return self._fail(state, AGENT_BUSY, f"waited {limit:g}s to ask {BUSY_AGENT} again", now)
             if state.phase == JobPhase.PENDING and state.waiting_for:
                 message = f"waited {limit:g}s for pods held by {state.waiting_for}"
                 return self._fail(state, "PodsBusy", message, now)
@@ -419,6 +436,10 @@ class CheckpointMachine:
             return self._done(state, [], now)
         aborted_from = state.phase
         warning = EmitEvent("Warning", reason, f"{message}: resuming every rank")
+        if reason == AGENT_BUSY and self._may_wait_for_agent(state, now):
+            retry = self.config.agent_retry_seconds
+            note = f"{message}; the other nodes take the session back and the job asks again in {retry:g}s"
+            warning = EmitEvent("Normal", "WaitingForAgent", note)
         state = replace(state, reason=reason, message=message, aborted_from=aborted_from)
         state, actions = self._issue(state, JobStep.RESUME_ALL, now, JobPhase.ABORTING)
         if aborted_from == JobPhase.UPLOADING:
@@ -427,8 +448,37 @@ class CheckpointMachine:
             actions.append(DiscardUpload(attempt, state.live_pods, self.config.checkpoint_name))
         return self._done(state, [warning, *actions], now)
 
+    def _may_wait_for_agent(self, state: JobState, now: float) -> bool:
+        """Whether a busy agent is asked again: only for the session's start (no rank gated yet), while
+        the policy lets the job wait and the next ask is within agent_wait_seconds of its start."""
+        return (
+            self.config.concurrency == ConcurrencyPolicy.WAIT
+            and JobPhase.QUIESCING in (state.phase, state.aborted_from)
+            and now + self.config.agent_retry_seconds <= state.started_at + self.config.agent_wait_seconds
+        )
+
+    def _wait_for_agent(self, state: JobState, now: float) -> JobTransition:
+        """Back to Pending, still holding the pods, to open a new session at retry_at. The step is a claim
+        no action carries yet: the abort's late results are stale, and a restarted operator claims again."""
+        seq = state.seq + 1
+        state = enter(
+            all_marked(state, Mark.SELECTED),
+            JobPhase.PENDING,
+            now,
+            seq=seq,
+            step=StepRecord(str(JobStep.CLAIM), attempt_id(state.run, seq), now),
+            aborted_from=None,
+            waiting_for=BUSY_AGENT,
+            retry_at=now + self.config.agent_retry_seconds,
+            reason="WaitingForAgent",
+            session_turn=state.session_turn + 1,
+        )
+        return self._done(state, [CloseSession()], now)
+
     def _aborted(self, state: JobState, now: float, note: str | None = None) -> JobTransition:
         unconfirmed = names_not_at(state.members, Milestone.RESUMED)
+        if state.reason == AGENT_BUSY and not unconfirmed and self._may_wait_for_agent(state, now):
+            return self._wait_for_agent(state, now)
         message = state.message or "aborted"
         if state.aborted_from in AFTER_COMMIT:
             message += f"; checkpoint {self.config.checkpoint_name} is committed and restorable"
@@ -438,6 +488,10 @@ class CheckpointMachine:
                 "resumes when its shim's lease runs out; a released one waits for a rebuild, and the last "
                 "checkpoint is still restorable)"
             )
+        waits = self.config.concurrency == ConcurrencyPolicy.WAIT
+        if state.reason == AGENT_BUSY and state.aborted_from == JobPhase.QUIESCING and waits:
+            waited, bound = now - state.started_at, self.config.agent_wait_seconds
+            message += f"; asked for {waited:.0f}s of the {bound:g}s a job waits for it"
         return self._fail(state, state.reason or "Aborted", message, now)
 
     def _fail(self, state: JobState, reason: str, message: str, now: float) -> JobTransition:

@@ -228,6 +228,7 @@ def job_status(
         ),
         aborted_from=state.aborted_from,
         waiting_for=state.waiting_for,
+        session_turn=state.session_turn or None,
         pod_count=len(state.members),
         checkpoint_name=checkpoint_name if committed else None,
         manifest_key=state.manifest_key,
@@ -243,6 +244,7 @@ def job_state(status: CheckpointJobStatus) -> JobState:
         claimed=bool(status.claimed),
         aborted_from=status.aborted_from,
         waiting_for=status.waiting_for,
+        session_turn=status.session_turn or 0,
         manifest_key=status.manifest_key,
     )
 
