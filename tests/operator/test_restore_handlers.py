@@ -164,16 +164,17 @@ def test_a_stop_checkpoint_is_restored_as_the_same_pods_on_the_swapped_nodes(
         assert spec["rankCount"] == 2
         assert (by_name["ring-0"]["hostIP"], by_name["ring-1"]["hostIP"]) == (a.host, b.host)
 
-        # The sources were deleted by the Stop job (Terminating: no kubelet here); play the kubelet: ring-0
-        # is gone; ring-1 is reported killed but not cleaned up yet, and the restore removes it itself.
-        cluster_ns.core.delete_namespaced_pod("ring-0", ns, grace_period_seconds=0)
+        # The sources were deleted by the Stop job (Terminating: no kubelet here); play the kubelet: ring-1
+        # is reported killed but not cleaned up yet, and the restore removes it itself; ring-0's kubelet
+        # still reports it running when the restore comes, so the restore waits for its name.
         cluster_ns.report_killed("ring-1")
-        deadline = time.monotonic() + 30
-        while "ring-0" in pods_of(cluster_ns):
-            assert time.monotonic() < deadline, "the sources never went"
-            time.sleep(0.2)
-
         cluster_ns.create(RESTORES, restore_job("back", checkpointName="ring-c1", avoidSourceNodes=True))
+        [waiting] = cluster_ns.wait_events("back", "WaitingForSource")
+        assert waiting.message.startswith(f"pod ring-0 (uid {sources['ring-0']['uid']}), checkpointed, is "
+                                          "being deleted: waiting up to 50s"), waiting.message  # fmt: skip
+        time.sleep(2)
+        assert (cluster_ns.get(RESTORES, "back") or {})["status"].get("phase") in ("Pending", "Admitted")
+        cluster_ns.core.delete_namespaced_pod("ring-0", ns, grace_period_seconds=0)
         body = cluster_ns.wait(RESTORES, "back", phase("Succeeded"), timeout=90)
 
     status = body["status"]
@@ -212,7 +213,8 @@ def test_a_stop_checkpoint_is_restored_as_the_same_pods_on_the_swapped_nodes(
         [reported] = agent.reports[request.session_id].ranks  # the agent found the pod created after
         assert reported.pod_uid == created[pod].metadata.uid
     reasons = [e.reason for e in cluster_ns.events("back")]
-    for expected in ("SourceRemoved", "Downloading", "Restoring", "Rebuilding", "Resuming", "Succeeded"):
+    for expected in ("WaitingForSource", "SourceRemoved", "Downloading", "Restoring", "Rebuilding",
+                     "Resuming", "Succeeded"):  # fmt: skip
         assert expected in reasons, reasons
     [removed] = [e.message for e in cluster_ns.events("back") if e.reason == "SourceRemoved"]
     assert removed.startswith("source pod ring-1 had ended"), removed

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from ibckpt.agentapi import AgentError
 from ibckpt.api import (
@@ -39,6 +40,9 @@ from ibckpt_operator.machine.restoreplan import (
 )
 
 log = logging.getLogger(__name__)
+# A checkpointed source pod being deleted is waited for until this long before the admission bound.
+SOURCE_WAIT_MARGIN_S = 10.0
+SOURCE_POLL_S = 2.0
 
 
 class RestorePodsDriver(Driver[RestoreState]):
@@ -134,6 +138,8 @@ class RestorePodsDriver(Driver[RestoreState]):
             existing = await self.rt.kube.get_pod(self.namespace, pod.name)
             if existing is not None and await self.remove_ended_source(existing):
                 existing = None
+            if existing is not None and not self.by_controller and await self.source_went(existing):
+                existing = None
             if existing is not None and not self.replaceable(existing):
                 uid = existing["metadata"].get("uid")
                 message = self.exists_message(pod.name, uid)
@@ -186,6 +192,29 @@ class RestorePodsDriver(Driver[RestoreState]):
             return False
         await self.rt.kube.post_event(self.body, "Normal", "SourceRemoved", sources.removed_message(name))
         return True
+
+    async def source_went(self, pod: Body) -> bool:
+        """The checkpointed pod of this name is being deleted (a Stop checkpoint's kill, say): it goes by
+        itself, so its name is waited for, within the admission bound, rather than refused. True once it
+        is gone or removed (remove_ended_source); False if it stays, or another pod took its name."""
+        meta = pod.get("metadata", {})
+        name, uid = meta.get("name", ""), meta.get("uid")
+        if not uid or uid != self.source_uid(name) or not meta.get("deletionTimestamp"):
+            return False
+        wait = max(0.0, self.spec.timeouts.admit_seconds - SOURCE_WAIT_MARGIN_S)
+        message = f"pod {name} (uid {uid}), checkpointed, is being deleted: waiting up to {wait:.0f}s for it"
+        await self.rt.kube.post_event(self.body, "Normal", "WaitingForSource", message)
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            await asyncio.sleep(SOURCE_POLL_S)
+            found = await self.rt.kube.get_pod(self.namespace, name)
+            if found is None:
+                return True
+            if found.get("metadata", {}).get("uid") != uid:
+                return False
+            if await self.remove_ended_source(found):
+                return True
+        return False
 
     def exists_message(self, name: str, uid: str | None) -> str:
         if not self.by_controller:
