@@ -86,6 +86,17 @@ def assert_failed(cluster: Cluster, body: dict[str, Any], reason: str, *words: s
         assert word in warnings[0].message
 
 
+def ring_on_two_agents(cluster: Cluster, s3: S3Server, agents: Agents, config: Any) -> tuple[Any, Any]:
+    """ring-0 on node-a, ring-1 on node-b, each node's fake agent completing sessions in the real S3 of
+    `config`, and the job's credentials: (node-a's agent, node-b's)."""
+    a = agents.add(cluster, "node-a", 1, "complete", config)
+    b = agents.add(cluster, "node-b", 2, "complete", config)
+    cluster.rank_pod(a, "ring-0", {"app": "ring"})
+    cluster.rank_pod(b, "ring-1", {"app": "ring"})
+    creds(cluster, s3)
+    return a, b
+
+
 def test_a_status_that_cannot_be_read_back_fails_the_job_once(
     cluster_ns: Cluster, s3_server: S3Server, bucket: str, agents: Agents, operator: Any
 ) -> None:
@@ -294,11 +305,7 @@ def test_a_checkpoint_waits_its_turn_on_a_node_whose_agent_runs_another_session(
     """node-b's agent is busy with another job's session: node-a's session is taken back, the job waits in
     Pending (Event WaitingForAgent) and, once node-b is free, checkpoints with a new session id."""
     config = store_config(bucket)
-    a = agents.add(cluster_ns, "node-a", 1, "complete", config)
-    b = agents.add(cluster_ns, "node-b", 2, "complete", config)
-    cluster_ns.rank_pod(a, "ring-0", {"app": "ring"})
-    cluster_ns.rank_pod(b, "ring-1", {"app": "ring"})
-    creds(cluster_ns, s3_server)
+    a, b = ring_on_two_agents(cluster_ns, s3_server, agents, config)
     b.busy_with = "rsj-other-job"
     with operator():
         cluster_ns.create(JOBS, job("turn", storage(s3_server, bucket)))
@@ -411,11 +418,7 @@ def test_leave_running_checkpoint_committed_then_deleted(
     """A whole checkpoint: both agents stage their parts in the real S3, the operator commits the
     manifest, publishes the Checkpoint; deleting the Checkpoint removes its objects from S3."""
     config = store_config(bucket)
-    a = agents.add(cluster_ns, "node-a", 1, "complete", config)
-    b = agents.add(cluster_ns, "node-b", 2, "complete", config)
-    cluster_ns.rank_pod(a, "ring-0", {"app": "ring"})
-    cluster_ns.rank_pod(b, "ring-1", {"app": "ring"})
-    creds(cluster_ns, s3_server)
+    ring_on_two_agents(cluster_ns, s3_server, agents, config)
     client = s3_server.client()
     with operator() as handle:
         cluster_ns.create(JOBS, job("ring-ckpt", storage(s3_server, bucket), checkpointName="ring-1st"))
