@@ -43,7 +43,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 				check(c.error != NULL);
 			else
 				check(c.verb >= IBK_CMD_HELLO && c.verb <= IBK_CMD_LAST && c.nargs <= 2 &&
-				      (c.verb != IBK_CMD_ITIMER || c.nargs == 2));
+				      (c.verb != IBK_CMD_ITIMER || c.nargs == 2) &&
+				      (c.verb != IBK_CMD_RESERVE || c.nargs >= 1));
 		}
 	}
 	return 0;

@@ -63,6 +63,11 @@ class lines:  # a namespace: lines.quiesce(ms) reads as the line it builds
         """Arm interval timer `which` (0 real, 1 virtual, 2 prof) one-shot for `us` if it is not armed."""
         return f"itimer {which} {us}"
 
+    @staticmethod
+    def reserve(first: int, count: int = 1) -> str:
+        """Keep virtual QPNs [first, first + count) from the QPs the rank makes; first 0 empties the set."""
+        return f"reserve {first} {count}" if first else "reserve 0"
+
 
 MAX_REPLY = 1 << 20  # a status of thousands of QPs is a few hundred KiB
 
@@ -334,6 +339,9 @@ class AsyncShimControl:
 
     async def lease(self, ms: int, timeout_s: float) -> dict[str, Any]:
         return await self.phase(lines.lease(ms), timeout_s)
+
+    async def reserve(self, first: int, count: int, timeout_s: float) -> dict[str, Any]:
+        return await self.phase(lines.reserve(first, count), timeout_s)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -71,6 +71,13 @@ class IdMap:
     def choose(self, real: int, floor: int, mask: int) -> int:
         return int(self.lib.ibk_idmap_choose(self.m, real, floor, mask))
 
+    def choose_qpn(self, real: int, reserved: IdMap) -> int:
+        """ibk_qpn_choose: as choose, from 0x800000, never a QPN live in `reserved`."""
+        return int(self.lib.ibk_qpn_choose(self.m, reserved.m, real))
+
+    def qpn_taken(self, qpn: int, reserved: IdMap) -> bool:
+        return bool(self.lib.ibk_qpn_taken(self.m, reserved.m, qpn))
+
     def was_used(self, vid: int) -> bool:
         return bool(self.lib.ibk_idmap_was_used(self.m, vid))
 

@@ -40,7 +40,7 @@ static const struct {
 	{"hello", IBK_CMD_HELLO},	{"status", IBK_CMD_STATUS},   {"quiesce", IBK_CMD_QUIESCE},
 	{"drain", IBK_CMD_DRAIN},	{"release", IBK_CMD_RELEASE}, {"rebuild", IBK_CMD_REBUILD},
 	{"resume", IBK_CMD_RESUME}, {"abort", IBK_CMD_ABORT},	      {"lease", IBK_CMD_LEASE},
-	{"itimer", IBK_CMD_ITIMER},
+	{"itimer", IBK_CMD_ITIMER},	{"reserve", IBK_CMD_RESERVE},
 };
 
 int ibk_command_parse(const char *line, struct ibk_cmd *c)
@@ -70,6 +70,10 @@ int ibk_command_parse(const char *line, struct ibk_cmd *c)
 	}
 	if (c->verb == IBK_CMD_ITIMER && c->nargs < 2) {
 		c->error = "itimer needs which and us";
+		return -1;
+	}
+	if (c->verb == IBK_CMD_RESERVE && c->nargs < 1) {
+		c->error = "reserve needs a QPN";
 		return -1;
 	}
 	if (c->verb == IBK_CMD_LEASE && c->nargs < 1) {

@@ -25,13 +25,13 @@ char *ibk_linebuf_line(struct ibk_linebuf *lb);
 
 enum ibk_verb { IBK_CMD_HELLO = 1, IBK_CMD_STATUS, IBK_CMD_QUIESCE, IBK_CMD_DRAIN, IBK_CMD_RELEASE,
 		IBK_CMD_REBUILD, IBK_CMD_RESUME, IBK_CMD_ABORT, IBK_CMD_LEASE, IBK_CMD_ITIMER,
-		IBK_CMD_LAST = IBK_CMD_ITIMER };
+		IBK_CMD_RESERVE, IBK_CMD_LAST = IBK_CMD_RESERVE };
 
 struct ibk_cmd {
 	enum ibk_verb verb;
 	int nargs;            /* numbers given after the verb, at most 2 */
-	unsigned long long a; /* timeout ms, rebuild's epoch, lease ms, or itimer's which */
-	long b;               /* drain's stall ms, rebuild's timeout ms, or itimer's us */
+	unsigned long long a; /* timeout ms, rebuild's epoch, lease ms, itimer's which, or a QPN */
+	long b;               /* drain's stall ms, rebuild's timeout ms, itimer's us, or a count */
 	int quiet;            /* release ... quiet */
 	const char *error;    /* when the line is not a command */
 };

@@ -1,7 +1,8 @@
 /* The control commands: one line in, one JSON report out, whether they come
  * over the control socket or through ibckpt_control().  One at a time.
  *   hello | status | quiesce [ms] | drain [ms [stall_ms]] | release [ms] [quiet]
- *   rebuild <epoch> [ms] | resume | abort | lease <ms> | itimer <which> <us> */
+ *   rebuild <epoch> [ms] | resume | abort | lease <ms> | itimer <which> <us>
+ *   reserve <qpn> [count] */
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -14,6 +15,7 @@
 #include "lease.h"
 #include "phases.h"
 #include "rdmacm.h"
+#include "reserve.h"
 
 /* A report is a few hundred bytes per object: the reply buffer is sized
  * for the objects there are, so 2,048 QPs per rank fit (docs/wire-formats.md). */
@@ -29,10 +31,10 @@ static int do_status(char *out, size_t len)
 	pthread_mutex_lock(&ibk_ctx_lock);
 	ibk_jcat(out, len,
 	     "{\"proto\":%d,\"pid\":%d,\"state\":\"%s\",\"epoch\":%llu,\"checkpoints\":%lu,"
-	     "\"gate_closed\":%d,\"inside\":%ld,\"delegated_writes\":%lu,",
+	     "\"gate_closed\":%d,\"inside\":%ld,\"delegated_writes\":%lu,\"reserved_qpns\":%zu,",
 	     IBCKPT_PROTO_VERSION, (int)getpid(), ibk_phase_name(ibk_phase_cur), (unsigned long long)ibk_last_epoch,
 	     ibk_checkpoints_done, ibk_gate_is_closed(), ibk_gate_inside(),
-	     ibk_devthread_writes());
+	     ibk_devthread_writes(), ibk_reserve_count());
 	ibk_lease_report(out, len);
 	ibk_report_qps(out, len);
 	ibk_report_identity(out, len);
@@ -88,6 +90,9 @@ static int run_command(const char *line, char *out, size_t len)
 		break;
 	case IBK_CMD_ITIMER:
 		rc = ibk_do_itimer(c.a > 2 ? -1 : (long)c.a, c.b, out, len);
+		break;
+	case IBK_CMD_RESERVE:
+		rc = ibk_do_reserve(c.a, c.nargs >= 2 ? c.b : 1, out, len);
 		break;
 	case IBK_CMD_ABORT:
 	default:

@@ -33,6 +33,12 @@ int ibk_idmap_was_used(const struct ibk_idmap *m, uint32_t vid);
  * object holds it; otherwise the next id above `floor` (masked to `mask`)
  * that was never handed out. */
 uint32_t ibk_idmap_choose(const struct ibk_idmap *m, uint32_t real, uint32_t floor, uint32_t mask);
+/* QPNs also stay clear of `reserved`: the live virtual QPNs of the other
+ * processes that share this one's virtual GID, as the agent said (`reserve`).
+ * taken: the real QPN may not be the virtual one; choose: as above, from
+ * 0x800000 and never a reserved one. */
+int ibk_qpn_taken(const struct ibk_idmap *own, const struct ibk_idmap *reserved, uint32_t qpn);
+uint32_t ibk_qpn_choose(const struct ibk_idmap *own, const struct ibk_idmap *reserved, uint32_t real);
 /* cffi-end */
 
 /* ---- counters -------------------------------------------------------- */

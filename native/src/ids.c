@@ -150,3 +150,20 @@ uint32_t ibk_idmap_choose(const struct ibk_idmap *m, uint32_t real, uint32_t flo
 			return v;
 	}
 }
+
+int ibk_qpn_taken(const struct ibk_idmap *own, const struct ibk_idmap *reserved, uint32_t qpn)
+{
+	return ibk_idmap_is_live(own, qpn) || ibk_idmap_is_live(reserved, qpn);
+}
+
+uint32_t ibk_qpn_choose(const struct ibk_idmap *own, const struct ibk_idmap *reserved, uint32_t real)
+{
+	uint32_t v;
+
+	if (!ibk_qpn_taken(own, reserved, real))
+		return real;
+	for (v = 0x800000u;; v = (v + 1) & 0xffffffu) {
+		if (v && !ibk_idmap_was_used(own, v) && !ibk_idmap_is_live(reserved, v))
+			return v;
+	}
+}

@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "coord.h"
+#include "reserve.h"
 #include "shim.h"
 
 /* ---- creation --------------------------------------------------------------- */
@@ -108,6 +109,48 @@ static void qp_type_refuse(struct ibk_pd *pd, const struct ibv_qp_init_attr *att
 	ibk_unsupported("ibv_create_qp of this QP type"); /* only RC, UC and UD are rebuilt */
 }
 
+/* A new QP's virtual QPN is its real one, so peers reach it with no record.
+ * When that QPN is taken (a live virtual QPN of this process, or one the
+ * agent reserved for a sibling: reserve.c), the device is asked for another
+ * while the taken ones are held; devices hand QPNs out in turn.  Only when
+ * every try is taken does the QP get a fresh virtual QPN (ibk_qpn_choose). */
+#define QPN_TRIES 16
+
+static void qp_avoid_taken_qpn(struct ibk_ctx *ctx, struct ibk_qp *qp)
+{
+	struct ibv_qp *held[QPN_TRIES];
+	uint32_t first = qp->real->qp_num;
+	int n = 0, i, taken;
+
+	for (;;) {
+		struct ibv_qp *prev = qp->real;
+		struct ibv_qp_cap cap = qp->real_cap;
+
+		pthread_mutex_lock(&ctx->lock);
+		taken = ibk_reserve_taken(&ctx->qpns, prev->qp_num);
+		pthread_mutex_unlock(&ctx->lock);
+		if (!taken || n == QPN_TRIES)
+			break;
+		if (ibk_qp_create_real(qp)) {
+			qp->real = prev;
+			qp->real_cap = cap;
+			break;
+		}
+		held[n++] = prev;
+	}
+	for (i = 0; i < n; i++) {
+		uint32_t qpn = held[i]->qp_num;
+
+		ibk_real.destroy_qp(held[i]);
+		pthread_mutex_lock(&ctx->lock);
+		ibk_idmap_del(&ctx->rqpns, qpn);
+		pthread_mutex_unlock(&ctx->lock);
+	}
+	if (n) /* rare: worth a line */
+		ibk_log("QPN %u was taken (a live virtual QPN here or a sibling's): the device gave %u after %d tries",
+			first, qp->real->qp_num, n);
+}
+
 static struct ibv_qp *qp_create(struct ibv_pd *p, struct ibv_qp_init_attr *attr,
 				const struct ibk_qp_ex_attr *ex)
 {
@@ -156,6 +199,7 @@ static struct ibv_qp *qp_create(struct ibv_pd *p, struct ibv_qp_init_attr *attr,
 		ibk_leave();
 		goto fail_slot;
 	}
+	qp_avoid_taken_qpn(ctx, qp);
 	/* What the provider granted, minus our slot, is what the app gets;
 	 * SGEs beyond what a log entry holds are not offered. */
 	if (qp->real_cap.max_send_sge > IBK_MAX_SGE)
@@ -172,7 +216,7 @@ static struct ibv_qp *qp_create(struct ibv_pd *p, struct ibv_qp_init_attr *attr,
 	if (ibk_recvlog_init(&qp->rlog, rcap ? rcap : 1, 1, qp->real_cap.max_recv_sge, &qp->obj))
 		goto fail_real;
 	pthread_mutex_lock(&ctx->lock);
-	qp->vqpn = ibk_idmap_choose(&ctx->qpns, qp->real->qp_num, 0x800000u, 0xffffffu);
+	qp->vqpn = ibk_reserve_choose(&ctx->qpns, qp->real->qp_num);
 	ibk_idmap_put(&ctx->qpns, qp->vqpn, qp->real->qp_num);
 	pthread_mutex_unlock(&ctx->lock);
 	qp->pub.context = p->context;

@@ -5,13 +5,14 @@
  * order, intact.  One RESULT line per peer; exit 0 only if all are clean.
  *
  *   a2a_seq -n N -r RANK -H IP0,IP1,... -f STOPFILE [-p BASEPORT] [-g GID_INDEX]
- *           [-w WINDOW] [-R RECVS] [-m NEWFILE]
+ *           [-w WINDOW] [-R RECVS] [-m NEWFILE [-Q NEWQPS]]
  *
  * Rank i listens on BASEPORT+i and connects to every lower rank, so the
  * out-of-band exchange cannot deadlock.  With -m, when NEWFILE appears the rank
  * creates verbs objects mid-run (a new send MR, which then carries all
- * traffic, a new CQ and a new QP moved to INIT) and prints their ids, so a test
- * can check that objects made after a restore never reuse a live virtual id. */
+ * traffic, a new CQ and NEWQPS new QPs (1) moved to INIT) and prints their ids,
+ * so a test can check that objects made after a restore never reuse a live
+ * virtual id, its own or another rank's. */
 #include <getopt.h>
 #include <netinet/in.h>
 #include <time.h>
@@ -114,10 +115,10 @@ int main(int argc, char **argv)
 	union ibv_gid gid;
 	struct msg *sall, *rall;
 	char *hl = NULL;
-	int c, j, i, stopping = 0, created = 0, bad = 0;
+	int c, j, i, stopping = 0, created = 0, bad = 0, new_qps = 1;
 	long last_check = 0;
 
-	while ((c = getopt(argc, argv, "n:r:H:p:g:f:w:R:m:")) != -1) {
+	while ((c = getopt(argc, argv, "n:r:H:p:g:f:w:R:m:Q:")) != -1) {
 		switch (c) {
 		case 'n': n = atoi(optarg); break;
 		case 'r': me = atoi(optarg); break;
@@ -128,10 +129,12 @@ int main(int argc, char **argv)
 		case 'w': window = atoi(optarg); break;
 		case 'R': recvs = atoi(optarg); break;
 		case 'm': new_file = optarg; break;
+		case 'Q': new_qps = atoi(optarg); break;
 		default: return 2;
 		}
 	}
-	if (n < 2 || n > MAXR || me < 0 || me >= n || !hl || !stop_file || window < 1 || recvs < 1)
+	if (n < 2 || n > MAXR || me < 0 || me >= n || !hl || !stop_file || window < 1 || recvs < 1 || new_qps < 1 ||
+	    new_qps > 256)
 		DIE("usage: -n N -r RANK -H IP0,IP1,... -f STOPFILE");
 	for (j = 0; j < n; j++) {
 		hosts[j] = strtok(j ? NULL : hl, ",");
@@ -214,6 +217,14 @@ int main(int argc, char **argv)
 				qp_to_init(nqp, IBV_ACCESS_LOCAL_WRITE);
 				printf("NEW rank=%d lkey=%u old_lkeys=%u,%u qpn=%u", me, nmr->lkey, old_slkey, old_rlkey,
 				       nqp->qp_num);
+				for (int q = 1; q < new_qps; q++) { /* kept to the end, in INIT */
+					struct ibv_qp *more = create_rc_qp(pd, ncq, 2, 2);
+
+					if (!more)
+						DIE("QP %d of %d after %s", q + 1, new_qps, new_file);
+					qp_to_init(more, IBV_ACCESS_LOCAL_WRITE);
+					printf(" more=%u", more->qp_num);
+				}
 				for (j = 0; j < n; j++)
 					if (j != me)
 						printf(" qpn%d=%u", j, P[j].qp->qp_num);

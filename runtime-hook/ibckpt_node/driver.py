@@ -24,8 +24,8 @@ from ibckpt.coordination import keys
 from ibckpt.coordination.client import CoordinationAborted, CoordinatorClient, CoordinatorError
 from ibckpt.coordination.ranks import RankId
 from ibckpt.vocabulary import Milestone, Mode, PhaseSeconds
-from ibckpt_native.control import ControlError, lines
-from ibckpt_node import abort, criu, failpoints, itimers, priority, stuck, tcp_remap
+from ibckpt_native.control import ControlError, ShimStatus, lines
+from ibckpt_node import abort, criu, failpoints, itimers, priority, qpn_reserve, stuck, tcp_remap
 from ibckpt_node.errors import CheckpointFailed, CheckpointRefused
 from ibckpt_node.leases import RankLeases, ms
 from ibckpt_node.preflight import Preflight
@@ -233,10 +233,11 @@ class NodeDriver:
 
     async def _rebuild_all(self, epoch: int) -> None:
         rebuild_ms = ms(self.timeouts.rebuild_seconds)
+        statuses = await qpn_reserve.reserve_round(self.node, self.ranks, self.timeouts.quiesce_seconds)
 
         async def rebuild(r: LocalRank) -> dict[str, Any]:
             await self._rearm_itimers(r)
-            await self._confine(r)
+            await self._confine(r, statuses.get(r.rank.key()))
             return await r.shim.rebuild(epoch, rebuild_ms)
 
         await self._each("rebuild", rebuild, wait_all=False)
@@ -265,12 +266,31 @@ class NodeDriver:
             log.info("%s: %s: one-shot %s itimer, %.3fs left at the dump: armed %s", self.node, key,
                      itimers.WHICH[which], us / 1e6, reply.get("armed"))  # fmt: skip
 
-    async def _confine(self, r: LocalRank) -> None:
+    async def _confine(self, r: LocalRank, status: ShimStatus | None = None) -> None:
         """Learn the rank's virtual GIDs and QPs from its `status` (the pairs its rebuild publishes
         records under: native/src/rebuild.c) and confine its container's records to them."""
         if self.confine is not None:
-            status = await r.shim.status(self.timeouts.quiesce_seconds)
+            if status is None:
+                status = await r.shim.status(self.timeouts.quiesce_seconds)
             self.confine(r.control_path, status.gids, [qpn for qpn, _ in status.qps])
+
+    def _before_abort_rebuild(self) -> Callable[[LocalRank], Awaitable[None]]:
+        """An abort's hook before each released rank's rebuild: the first call reserves QPNs in all of
+        this node's ranks (qpn_reserve.py), every call confines its rank."""
+        once = asyncio.Lock()
+        statuses: dict[str, ShimStatus] = {}
+        done = False
+
+        async def before(r: LocalRank) -> None:
+            nonlocal done
+            async with once:
+                if not done:
+                    done = True
+                    bound = self.timeouts.quiesce_seconds
+                    statuses.update(await qpn_reserve.reserve_round(self.node, self.ranks, bound))
+            await self._confine(r, statuses.get(r.rank.key()))
+
+        return before
 
     async def end_leases(self) -> None:
         """The session ends: stop renewing; ranks left held (a Hold checkpoint) are handed over."""
@@ -388,7 +408,7 @@ class NodeDriver:
         release = self._release if await self._releasing() else None
         self.client = await abort.abort_and_recover(
             self.node, self.client, self.ranks, cause, epoch, rebuild_s, self.report, self.rejoin,
-            self._confine, release,
+            self._before_abort_rebuild(), release,
         )  # fmt: skip
 
     async def recover(self, cause: str, epoch: int) -> NodeReport:

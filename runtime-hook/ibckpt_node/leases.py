@@ -62,6 +62,8 @@ class RankLeases:
         finally:
             for task in inflight.values():
                 task.cancel()
+            # none may still be connecting once stop() returns
+            await asyncio.gather(*inflight.values(), return_exceptions=True)
 
     @contextlib.asynccontextmanager
     async def unrenewed_while_dumped(self, ranks: Sequence[LocalRank]) -> AsyncIterator[None]:

@@ -31,6 +31,7 @@ from ibckpt.coordination.client import CoordinationTimedOut, CoordinatorClient
 from ibckpt.coordination.keys import gid_key, qp_key
 from ibckpt.vocabulary import Milestone
 from ibckpt_native.control import ControlError, ShimStatus
+from ibckpt_node import qpn_reserve
 from ibckpt_node.errors import CheckpointRefused
 from ibckpt_node.procfs import (
     TCP_CLOSE,
@@ -301,6 +302,13 @@ class Preflight:
         crowded = too_many_keys(self.ranks, idents)
         if crowded:
             raise CheckpointRefused(crowded)
+        said = {r.rank.key(): a for r, a in zip(self.ranks, answers, strict=True) if not isinstance(a, str)}
+        clashes = qpn_reserve.plan(said).clashes
+        if clashes:
+            raise CheckpointRefused(
+                f"refusing to checkpoint on this node: {'; '.join(clashes[:3])} (a rebuild would give their "
+                "peers one record for both)"
+            )
         tree_members(self.trees, self.ranks)  # refuses a rank that no process tree holds
         own_addrs = node_addresses()
         keys = [k for ident in idents for k in ident.own_keys()]

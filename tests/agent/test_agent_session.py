@@ -145,7 +145,7 @@ def test_an_abort_after_a_stop_dump_rebuilds_the_released_rank_and_resumes_it(
     [rank] = report.ranks
     assert rank.phase == "Resumed", rank
     # its GIDs are learned (status) before it may publish records (coord_proxy.py, confine)
-    assert shim.commands[-4:] == ["release", "status", "rebuild", "resume"], shim.commands
+    assert shim.commands[-5:] == ["release", "status", "reserve", "rebuild", "resume"], shim.commands
     assert shim.state == "running"
     assert not record.exists()  # nothing left for a next agent
     assert Milestone.DUMPED in report.phases  # the checkpoint's phases are kept
@@ -188,7 +188,7 @@ def test_a_restarted_agent_brings_back_the_ranks_its_dead_predecessor_left_relea
         [rank] = report.ranks
         assert (rank.rank_key, rank.phase, rank.pid) == ("ring/pod-c1/main/1", "Resumed", sleeper.pid)
         # its GIDs are learned (status) before it may publish records (coord_proxy.py, confine)
-        assert shim.commands[-4:] == ["release", "status", "rebuild", "resume"], shim.commands
+        assert shim.commands[-5:] == ["release", "status", "reserve", "rebuild", "resume"], shim.commands
         assert shim.state == "running"
         assert not recovery.record_path(state, session).exists()
         # the predecessor's images are kept as an aborted checkpoint's: the sweep's bound counts from now

@@ -54,6 +54,22 @@ def test_idmap_choose_keeps_real_id_unless_live(idmap: IdMap) -> None:
     assert nxt == 0x800001, "a virtual id once handed out is never handed out again"
 
 
+def test_qpn_choose_also_keeps_clear_of_reserved_qpns(idmap: IdMap, lib: Any) -> None:
+    """A sibling's virtual QPNs (reserve.c) are as taken as this process's own live ones."""
+    reserved = IdMap(lib)
+    try:
+        assert not idmap.qpn_taken(17, reserved) and idmap.choose_qpn(17, reserved) == 17
+        reserved.put(17, 0)
+        idmap.put(0x800000, 40)  # this process's own fresh one
+        reserved.put(0x800001, 0)  # a sibling's fresh one
+        assert idmap.qpn_taken(17, reserved) and idmap.qpn_taken(0x800000, reserved)
+        assert idmap.choose_qpn(17, reserved) == 0x800002
+        reserved.delete(17)  # `reserve 0` empties the set: the real QPN is free again
+        assert idmap.choose_qpn(17, reserved) == 17
+    finally:
+        reserved.close()
+
+
 def test_idmap_choose_wraps_in_mask(idmap: IdMap) -> None:
     idmap.put(5, 5)
     idmap.put(0xFF, 1)

@@ -43,7 +43,7 @@ HOSTS={hosts}
 start_rank() {{
   LD_PRELOAD={shim} IBCKPT_CTL=/run/ibckpt/r$1.ctl IBCKPT_COORD=unix:/run/ibckpt/coord.sock \
     setsid {a2a} -n $NRANKS -r $1 -H $HOSTS -p {base_port} -f {work}/stop -m {work}/new-objects \
-    </dev/null >{work}/r$1.out 2>{work}/r$1.err &
+    ${{A2A_EXTRA:-}} </dev/null >{work}/r$1.out 2>{work}/r$1.err &
   echo $! > {work}/r$1.pid
 }}
 wait_for() {{

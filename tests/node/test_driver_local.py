@@ -52,6 +52,7 @@ async def test_leases_are_renewed_while_the_ranks_are_held_and_stop_after(
         with pytest.raises(CheckpointFailed, match="not empty"):
             await asyncio.wait_for(driver.checkpoint(Mode.STOP, unwritable_images(tmp_path, ranks), 2), 30)
         assert driver.report.outcome == "Aborted"
+        await asyncio.sleep(0.2)  # a renewal sent as the loop stopped may still be on its way in
         renewed = [len(s.leases) for s in shims]
         # every rank, during its slow release, with the driver's lease
         assert all(n >= 2 for n in renewed), renewed

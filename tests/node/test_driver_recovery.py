@@ -45,7 +45,9 @@ async def test_restore_rebuilds_every_held_rank_at_once(
     finally:
         await driver.client.close()
     assert report.outcome == "Succeeded"
-    assert all(s.commands == ["status", "rebuild", "resume"] for s in shims), [s.commands for s in shims]
+    assert all(s.commands == ["status", "status", "reserve", "rebuild", "resume"] for s in shims), [
+        s.commands for s in shims
+    ]
     assert all(reply["ok"] for reply in report.shim["rebuild"].values())
 
 
@@ -57,7 +59,17 @@ async def test_failed_dump_aborts_and_rebuilds_every_released_rank(
     for s in shims:
         # status: preflight. Released when the dump failed; every node had drained, so the abort
         # releases each rank (this one says it already is) and rebuilds and resumes it.
-        expected = ["status", "quiesce", "drain", "release", "release", "rebuild", "resume"]
+        expected = [
+            "status",
+            "quiesce",
+            "drain",
+            "release",
+            "release",
+            "status",
+            "reserve",
+            "rebuild",
+            "resume",
+        ]
         assert s.commands == expected, s.commands
         assert s.state == "running"
 
@@ -198,7 +210,7 @@ async def test_released_ranks_rejoin_the_next_operators_coordinator_to_rebuild(
     assert driver.report.outcome == "Aborted"
     assert len(rejoined) == 1 and driver.client is rejoined[0]
     for s in shims:
-        assert s.commands[-3:] == ["release", "rebuild", "resume"], s.commands
+        assert s.commands[-5:] == ["release", "status", "reserve", "rebuild", "resume"], s.commands
         assert s.state == "running"
 
 
@@ -271,4 +283,14 @@ async def test_a_release_that_fails_on_one_node_after_others_released_rebuilds_e
         # released (again, if it had been), never resumed in place by `abort`; rebuilt and running
         assert "abort" not in s.commands and s.commands[-2:] == ["rebuild", "resume"], (i, s.commands)
         assert s.state == "running"
-    assert shims[6].commands == ["status", "quiesce", "drain", "release", "release", "rebuild", "resume"]
+    assert shims[6].commands == [
+        "status",
+        "quiesce",
+        "drain",
+        "release",
+        "release",
+        "status",
+        "reserve",
+        "rebuild",
+        "resume",
+    ]

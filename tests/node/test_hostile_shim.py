@@ -70,7 +70,7 @@ async def test_a_rank_answering_garbage_aborts_and_every_other_rank_resumes(
         if phase in ("quiesce", "drain"):  # no node released: each rank runs again where it is
             assert "release" not in s.commands and s.commands[-1] == "abort", s.commands
         elif phase == "release":  # every node had drained: all released (again) and rebuilt together
-            assert s.commands[-3:] == ["release", "rebuild", "resume"], s.commands
+            assert s.commands[-5:] == ["release", "status", "reserve", "rebuild", "resume"], s.commands
         else:  # rebuilt (or resumed) already: the release is refused, and it resumes as it is
             assert s.commands[-2:] == ["release", "abort"], s.commands
     assert "abort" in shims[0].commands  # the hostile rank is told too

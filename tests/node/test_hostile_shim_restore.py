@@ -107,7 +107,7 @@ async def test_a_rank_answering_garbage_in_a_restore_aborts_it_for_every_node(
     assert "job/rank-0/main/0" in str(seen) and "malformed reply" in str(seen)
     # What a failed restore gives the others: nothing after the phase that failed (no resume after a
     # bad rebuild, no abort that would run the application beside a peer that never came back).
-    expected = ["rebuild"] if phase == "rebuild" else ["rebuild", "resume"]
+    expected = ["status", "reserve", "rebuild"] + ([] if phase == "rebuild" else ["resume"])
     for s in shims:
         assert s.commands == expected, s.commands
     for s in shims[1:]:
@@ -126,7 +126,7 @@ async def test_a_held_rank_answering_garbage_as_it_rejoins_aborts_the_restore(
     assert failed.match(rf"{phase} of job/rank-0/main/0 \(pid {sleeper}\) failed: .*malformed reply")
     assert driver.report.outcome == "Aborted"
     assert coordinator.server.sessions[session].abort_reason
-    expected = ["status", "rebuild"] if phase == "rebuild" else ["status", "rebuild", "resume"]
+    expected = ["status", "status", "reserve", "rebuild"] + ([] if phase == "rebuild" else ["resume"])
     assert all(s.commands == expected for s in shims), [s.commands for s in shims]
 
 
@@ -195,4 +195,8 @@ async def test_a_node_whose_ranks_wait_in_their_rebuild_ends_once_another_node_a
     assert "rebuild of job/rank-0/main/0" in str(outcomes[1])
     assert time.monotonic() - started < 10  # not node-2's rebuild bound (20 s) nor its shim's wait
     assert drivers[1].report.outcome == "Aborted"
-    assert waiting.commands == ["rebuild"]  # told nothing after: its pod is the operator's to delete
+    assert waiting.commands == [
+        "status",
+        "reserve",
+        "rebuild",
+    ]  # told nothing after: its pod is the operator's to delete

@@ -109,6 +109,12 @@ async def test_each_rank_publishes_its_own_records_and_not_anothers(
     finally:
         await client.close()
     for s in shims:
-        assert s.commands[-3:] == ["status", "rebuild", "resume"], s.commands
+        assert [c for c in s.commands if c != "reserve"][-3:] == ["status", "rebuild", "resume"], s.commands
+    # QPNs reserved before the rebuild: the other rank's, when it shares the GID (qpn_reserve.py)
+    reserved = [[line for line in s.lines if line.startswith("reserve ")] for s in shims]
+    shared = b_gid == G
+    assert reserved == (
+        [["reserve 0", "reserve 8 1"], ["reserve 0", "reserve 7 1"]] if shared else [["reserve 0"]] * 2
+    )
     assert shims[0].published == ["OK", "OK"]
     assert shims[1].published == ["OK", "OK", REFUSED[b_gid]]
