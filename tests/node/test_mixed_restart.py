@@ -7,29 +7,44 @@ Hold (dumped too, then left alive and released). A restore session on node A the
 ranks 2 and 3 from their images and, in the same epoch, rebuilds the held ranks 0 and 1 toward
 the moved peers' new GID and QPNs. Node B powers off; all four ranks finish on node A and every
 ordered pair must show exactly-once delivery with matching checksums.
+
+The moved ranks are siblings (issue 29): they share node B's GID as their virtual one. Node B's QP
+numbers were made to run ahead of node A's (QPs made and dropped before its ranks start), so the QPs
+the moved ranks make on node A after the restore get real numbers from the very range their virtual
+ones hold. The agent reserved each one's QPNs in the other (runtime-hook/ibckpt_node/qpn_reserve.py),
+so the shim takes other numbers (native/src/reserve.c): no virtual QPN is both ranks', and the new
+QPs keep their real QPNs as virtual ones.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
-from node.a2a_job import assert_exactly_once, assert_ok, diagnostics, prelude
+from node.a2a_job import assert_exactly_once, assert_ok, diagnostics, prelude, ready_qpns
 
+from shimtest import TESTS_DIR
 from testbed.coordinator import guest_envs
 from testbed.guest import GuestSpec, run_pair
 
 pytestmark = pytest.mark.twoguests
 
 HOSTS = ["10.77.0.1", "10.77.0.1", "10.77.0.2", "10.77.0.2"]
+NEW_QPS = 6  # each moved rank makes, after the restore
+CHURN = 24  # QPs node B makes and drops first: node A hands out its ranks' numbers only later
 
 SCRIPT = """
 case $IBCKPT_NODE in
   1) mine="0 1"; mode=Hold ;;
-  # Node B's ranks take pids far above anything node A will use, so they are free there.
-  2) mine="2 3"; mode=Stop; echo 20000 > /proc/sys/kernel/ns_last_pid ;;
+  # Node B's ranks take pids far above anything node A will use, so they are free there. They make
+  # new objects when new-objects-b appears (the later -m wins).
+  2) mine="2 3"; mode=Stop; echo 20000 > /proc/sys/kernel/ns_last_pid
+     A2A_EXTRA="-Q {new_qps} -m {work}/new-objects-b"
+     {many} -n {churn} -f {work}/churned > {work}/churn.out 2>&1 &
+     wait_for READY {work}/churn.out 120; touch {work}/churned; wait ;;
 esac
 for r in $mine; do start_rank $r; done
 for r in $mine; do wait_for READY {work}/r$r.out 180; done
@@ -41,6 +56,8 @@ for r in 0 1; do grep -q DONE {work}/r$r.out && {{ echo "rank $r ended before th
 IBCKPT_SESSION_TOKEN=$TOKEN_RESTORE agent restore --session {restore} --epoch 2 \
   $(rank_args img:{work}/images 2 3) $(rank_args rejoin 0 1) > {work}/restore.json
 sleep 3  # traffic after the move, all four ranks on node A
+touch {work}/new-objects-b
+for r in 2 3; do wait_for NEW {work}/r$r.out 120; done
 status_all after 0 1 2 3
 touch {work}/stop
 for r in 0 1 2 3; do wait_for DONE {work}/r$r.out 300; done
@@ -51,7 +68,10 @@ def test_one_nodes_ranks_move_while_the_others_stay(coordinator, tmp_path: Path)
     work = tmp_path
     ckpt, tokens_ckpt = coordinator.create_session({"node-1", "node-2"})
     restore, tokens_restore = coordinator.create_session({"node-1"})
-    script = prelude(work, coordinator.port, HOSTS) + SCRIPT.format(work=work, ckpt=ckpt, restore=restore)
+    names = {"many": TESTS_DIR / "many_qps", "churn": CHURN, "new_qps": NEW_QPS}
+    script = prelude(work, coordinator.port, HOSTS) + SCRIPT.format(
+        work=work, ckpt=ckpt, restore=restore, **names
+    )
     env_1, env_2 = guest_envs({"TOKEN_CKPT": tokens_ckpt, "TOKEN_RESTORE": tokens_restore})
     spec = GuestSpec(script, writable=[work], forward_ports=[coordinator.port], env=env_1)
     results = run_pair(spec, dataclasses.replace(spec, env=env_2), timeout=900)
@@ -79,5 +99,29 @@ def test_one_nodes_ranks_move_while_the_others_stay(coordinator, tmp_path: Path)
             else:
                 # Moved: restored from its image on node A (CRIU gave each thread its own cred).
                 assert status["delegated_writes"] > 0, (r, status)
+        assert_siblings_apart(work)
     except (AssertionError, KeyError, OSError) as exc:
         raise AssertionError(f"{exc!r}{diagnostics(work, results)}") from None
+
+
+NEW_RE = re.compile(r"NEW rank=\d+ lkey=\d+ old_lkeys=\d+,\d+ qpn=(\d+)((?: more=\d+)*)")
+TAKEN = "was taken (a live virtual QPN here or a sibling's)"
+
+
+def assert_siblings_apart(work: Path) -> None:
+    """Ranks 2 and 3 (node B's GID) made QPs on node A after the restore: none took a live virtual QPN
+    of either, each kept its real QPN, and they did meet taken numbers. Ranks 0 and 1 made none."""
+    statuses = {r: json.loads((work / f"status-after-r{r}.json").read_text()) for r in (2, 3)}
+    held = {r: {q["qpn"] for q in s["qps"]} for r, s in statuses.items()}
+    assert not held[2] & held[3], sorted(held[2] & held[3])
+    for r in (2, 3):
+        text = (work / f"r{r}.out").read_text()
+        m = NEW_RE.search(text)
+        assert m, f"rank {r} made no new objects:\n{text[-1500:]}"
+        made = [int(m.group(1)), *(int(q) for q in re.findall(r"more=(\d+)", m.group(2)))]
+        assert len(made) == NEW_QPS and set(made) <= held[r], (r, made)
+        assert not set(made) & set(ready_qpns(text).values()), (r, made)
+        real = {q["qpn"]: q["real_qpn"] for q in statuses[r]["qps"]}
+        assert all(real[q] == q for q in made), (r, made, real)  # peers reach them as they are
+    assert any(TAKEN in (work / f"r{r}.err").read_text() for r in (2, 3)), "no QPN was taken"
+    assert not any("NEW" in (work / f"r{r}.out").read_text() for r in (0, 1))
