@@ -32,6 +32,20 @@ from ibckpt_node.ranks import LocalRank
 from testbed.coordinator import ThreadedCoordinator
 from testbed.tlsfiles import shared_pki
 
+# a rank's commands when the abort releases it a second time (it says it already is), reserves its
+# siblings' QPNs (status, reserve) and rebuilds it
+RELEASED_TWICE_THEN_REBUILT = [
+    "status",
+    "quiesce",
+    "drain",
+    "release",
+    "release",
+    "status",
+    "reserve",
+    "rebuild",
+    "resume",
+]
+
 
 async def test_restore_rebuilds_every_held_rank_at_once(
     coordinator: ThreadedCoordinator, tmp_path: Path, sleeper: int
@@ -59,18 +73,7 @@ async def test_failed_dump_aborts_and_rebuilds_every_released_rank(
     for s in shims:
         # status: preflight. Released when the dump failed; every node had drained, so the abort
         # releases each rank (this one says it already is) and rebuilds and resumes it.
-        expected = [
-            "status",
-            "quiesce",
-            "drain",
-            "release",
-            "release",
-            "status",
-            "reserve",
-            "rebuild",
-            "resume",
-        ]
-        assert s.commands == expected, s.commands
+        assert s.commands == RELEASED_TWICE_THEN_REBUILT, s.commands
         assert s.state == "running"
 
 
@@ -283,14 +286,4 @@ async def test_a_release_that_fails_on_one_node_after_others_released_rebuilds_e
         # released (again, if it had been), never resumed in place by `abort`; rebuilt and running
         assert "abort" not in s.commands and s.commands[-2:] == ["rebuild", "resume"], (i, s.commands)
         assert s.state == "running"
-    assert shims[6].commands == [
-        "status",
-        "quiesce",
-        "drain",
-        "release",
-        "release",
-        "status",
-        "reserve",
-        "rebuild",
-        "resume",
-    ]
+    assert shims[6].commands == RELEASED_TWICE_THEN_REBUILT
