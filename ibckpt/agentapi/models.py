@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, SerializationInfo,
 from pydantic.alias_generators import to_camel
 
 from ibckpt import formats
+from ibckpt.api.checkpointjob import CompressionCodec
 from ibckpt.api.storage import S3Location
 from ibckpt.vocabulary import DEFAULT_BOUNDS as B
 from ibckpt.vocabulary import Milestone, Mode, PhaseSeconds
@@ -223,6 +224,9 @@ class ImageDestination(AgentModel):
     checkpoint_id: str = Field(min_length=1, max_length=128)
     first_rank: int = Field(
         default=0, ge=0, description="The checkpoint's rank number of this node's first container tree."
+    )
+    compression: CompressionCodec = Field(
+        default="zstd", description="The job's spec.compression: none turns the store's zstd off."
     )
 
 

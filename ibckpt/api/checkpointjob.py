@@ -21,6 +21,9 @@ from ibckpt.api.common import (
 from ibckpt.api.storage import S3Location
 from ibckpt.vocabulary import DEFAULT_BOUNDS as B
 
+# How a job's chunks are stored; the operator hands it to the node agents (agentapi ImageDestination).
+CompressionCodec = Literal["zstd", "none"]
+
 
 class CheckpointMode(StrEnum):
     """LeaveRunning: the job continues after the dump. Stop: the source processes are killed once the
@@ -121,7 +124,10 @@ class CheckpointJobSpec(ApiModel):
         default=3600, ge=1, description="Bound on the whole job, from its start to Succeeded or Failed."
     )
     concurrency_policy: ConcurrencyPolicy = ConcurrencyPolicy.WAIT
-    compression: Literal["zstd", "none"] = "zstd"
+    compression: CompressionCodec = Field(
+        default="zstd",
+        description="zstd: chunks compressed at the node agents' zstd level; none: stored as they are.",
+    )
     checkpoint_name: str | None = Field(
         default=None,
         max_length=253,

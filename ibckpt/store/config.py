@@ -19,6 +19,7 @@ from ibckpt.store.errors import ConfigError
 from ibckpt.store.units import parse_duration, parse_size
 
 if TYPE_CHECKING:
+    from ibckpt.api.checkpointjob import CompressionCodec
     from ibckpt.api.storage import S3Location
 
 T = TypeVar("T")
@@ -128,6 +129,10 @@ class StoreConfig(BaseModel):
         data = self.model_dump()
         data.update({key: value for key, value in changes.items() if value is not None})
         return StoreConfig.model_validate(data)
+
+    def for_codec(self, codec: CompressionCodec) -> StoreConfig:
+        """A job's spec.compression applied: "none" turns compression off, "zstd" keeps this level."""
+        return self if codec == "zstd" else self.with_overrides(compression_level=0)
 
 
 def config_for_location(

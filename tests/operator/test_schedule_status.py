@@ -44,6 +44,14 @@ def test_a_migration_job_is_stop_and_names_its_checkpoint() -> None:
     assert body["spec"]["mode"] == "Stop" and body["spec"]["checkpointName"] == "ring-drain-1"
 
 
+def test_fires_and_migrations_keep_the_templates_compression() -> None:
+    template = {**TEMPLATE, "compression": "none"}
+    both = CheckpointScheduleSpec.from_wire({"template": template, "intervalSeconds": 600, "drain": {}})
+    fire = schedules.checkpoint_job_body(OWNER, both, "r-1")
+    migration = schedules.checkpoint_job_body(OWNER, both, "r-drain-1", stop_into="r-drain-1")
+    assert fire["spec"]["compression"] == migration["spec"]["compression"] == "none"
+
+
 def test_a_migration_restore_is_bounded_like_its_checkpoint() -> None:
     timeouts = {"admitSeconds": 300, "dumpSeconds": 900, "resumeSeconds": 45}
     owner = {**OWNER, "spec": {"drain": {}, "template": {**TEMPLATE, "timeouts": timeouts}}}

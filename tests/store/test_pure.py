@@ -230,6 +230,13 @@ def test_config_from_env() -> None:
     assert "1024" not in str(info.value)
 
 
+def test_a_jobs_compression_keeps_the_configured_level_or_turns_it_off() -> None:
+    config = config_from_env({"IBCKPT_S3_BUCKET": "b", "IBCKPT_COMPRESSION_LEVEL": "9"})
+    assert config.for_codec("zstd").compression_level == 9
+    off = config.for_codec("none")
+    assert off.compression_level == 0 and off.model_copy(update={"compression_level": 9}) == config
+
+
 def test_names_and_units() -> None:
     assert parse_checkpoint_ref("ns/job/c1") == ("ns/job", "c1")
     assert parse_checkpoint_ref("job/latest") == ("job", "latest")

@@ -354,7 +354,8 @@ class FakeAgent:
         images = Path(f"/tmp/ibckpt-fake-agent-{self.node}-{secrets.token_hex(3)}")
         images.mkdir()
         (images / "pages-1.img").write_bytes(os.urandom(200_000))
-        store = ImageStore.open(self.store, signing=self.signing)
+        # as the real agent's staging: the job's compression decides the level
+        store = ImageStore.open(self.store.for_codec(request.images.compression), signing=self.signing)
         with store.writer(request.images.job, request.images.checkpoint_id) as writer:
             writer.add_tree(images, under=self.node)
             rank = RankInfo(
