@@ -18,14 +18,16 @@ from testbed.s3 import S3Server, start_s3, stop_s3
 pytest_plugins = ["testbed.pytest_guest", "testbed.budget"]
 
 
-def _order(item: pytest.Item) -> int:
+def _order(item: pytest.Item) -> tuple[int, int]:
     if item.get_closest_marker("cluster"):
-        return 3
+        # The long stories last, so a late session skips them and nothing else; `first` ones lead them.
+        budget = item.get_closest_marker("budget")
+        return (3, 0 if budget is None else 1 if budget.kwargs.get("first") else 2)
     if item.get_closest_marker("guest"):
-        return 1
+        return (1, 0)
     if item.get_closest_marker("twoguests") or item.get_closest_marker("guest_selftest"):
-        return 2
-    return 0
+        return (2, 0)
+    return (0, 0)
 
 
 @pytest.hookimpl(tryfirst=True)
