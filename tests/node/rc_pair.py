@@ -22,9 +22,6 @@ from shimtest.harness import parse_result
 from testbed.coordinator import guest_envs
 from testbed.guest import GuestResult, GuestSpec, run_pair
 
-KEYS = ("ring/rank-0/main/0", "ring/rank-1/main/0")
-SWAP = "--remap-ip 10.77.0.1=10.77.0.2 --remap-ip 10.77.0.2=10.77.0.1"
-
 PRELUDE = (
     """
 set -eu
@@ -52,17 +49,11 @@ agent() {{
 """
 )
 
-# Where each rank starts (phase 1) and where it is restored swapped (phase 2).
+# Where each rank starts.
 START = """
 case $IBCKPT_NODE in
   1) role=server; key=ring/rank-0/main/0; peer_args="" ;;
   2) role=client; key=ring/rank-1/main/0; peer_args="-c 10.77.0.1" ;;
-esac
-"""
-SWAPPED = """
-case $IBCKPT_NODE in
-  2) role=server; key=ring/rank-0/main/0; peer_args="" ;;   # rank 0 moves from node 1 to node 2
-  1) role=client; key=ring/rank-1/main/0; peer_args="" ;;   # rank 1 moves from node 2 to node 1
 esac
 """
 
@@ -121,14 +112,3 @@ def assert_exactly_once(work: Path, results: tuple[GuestResult, ...] = ()) -> di
     assert server["send_sum"] == client["recv_sum"] and client["send_sum"] == server["recv_sum"]
     assert int(server["sent"]) > 0 and int(client["sent"]) > 0
     return {"server": server, "client": client}
-
-
-# Push the pid counter up first: phase 2's agent must not take the ranks' (and their threads') pids.
-RESTORE_RANK = """
-images={work}/images/$(echo $key | tr / _)
-agent restore --rank "$key=$images:/run/ibckpt/$role.ctl" --epoch 2 {restore_args} \\
-  > {work}/restore-node-$IBCKPT_NODE.json
-pid=$({python} -c "import json,sys; print(json.load(open(sys.argv[1]))['restored_pids'][sys.argv[2]])" \\
-  {work}/restore-node-$IBCKPT_NODE.json $key)
-echo "restored $key as pid $pid on node-$IBCKPT_NODE"
-"""
