@@ -225,9 +225,14 @@ class ImageDestination(AgentModel):
     first_rank: int = Field(
         default=0, ge=0, description="The checkpoint's rank number of this node's first container tree."
     )
-    compression: CompressionCodec = Field(
-        default="zstd", description="The job's spec.compression: none turns the store's zstd off."
+    # Sent only when it is not zstd: an agent from before this field then still takes every default job.
+    compression: CompressionCodec | None = Field(
+        default=None, description="The job's spec.compression when not zstd: none turns the store's zstd off."
     )
+
+    @property
+    def codec(self) -> CompressionCodec:
+        return self.compression or "zstd"
 
 
 class ImageSource(AgentModel):

@@ -18,6 +18,7 @@ from agent.test_agent_session import checkpoint_request, registered_shim
 
 from ibckpt.agentapi import ImageDestination, Mode
 from ibckpt.api import CompressionCodec
+from ibckpt.api.storage import S3Location
 from ibckpt.store import CheckpointRef, ImageStore
 from ibckpt.store.codec import HEADER_SIZE, Codec, seal
 from ibckpt_node.agent.staging import store_config
@@ -103,3 +104,15 @@ def test_a_sessions_upload_stores_chunks_as_the_job_asked(
     back = tmp_path / "back"
     store.restore(CheckpointRef("ring", "c1"), back)
     assert (back / record.path).read_bytes() == pages
+
+
+def test_only_a_job_without_zstd_sends_the_field_an_older_agent_would_refuse() -> None:
+    """docs/upgrade.md: an agent from before `images.compression` still takes every zstd job."""
+    where = S3Location.model_validate(
+        {"endpoint": "http://127.0.0.1:9", "bucket": "team", "credentialsSecretRef": {"name": SECRET.name}}
+    )
+    plain = ImageDestination(location=where, credentials=SECRET, job="j", checkpoint_id="c")
+    assert "compression" not in plain.to_wire() and plain.codec == "zstd"
+    off = plain.model_copy(update={"compression": "none"})
+    assert off.to_wire()["compression"] == "none" and off.codec == "none"
+    assert ImageDestination.from_wire(off.to_wire()).codec == "none"

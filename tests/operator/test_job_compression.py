@@ -50,6 +50,6 @@ def test_each_agent_is_asked_for_the_jobs_compression_and_the_manifest_records_i
             cluster_ns.create("checkpointjobs", job(name, s3_server, bucket, **spec))
             body = cluster_ns.wait("checkpointjobs", name, succeeded, timeout=90)
             asked = [agent.requests[-1].images for agent in (a, b)]
-            assert [images.compression for images in asked if images is not None] == [codec, codec]
+            assert [images.codec for images in asked if images is not None] == [codec, codec]
             ref = store.context.layout.ref_from_manifest_key(body["status"]["manifestKey"])
             assert ref is not None and store.manifest(ref).compression.codec == codec

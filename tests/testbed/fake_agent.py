@@ -355,7 +355,7 @@ class FakeAgent:
         images.mkdir()
         (images / "pages-1.img").write_bytes(os.urandom(200_000))
         # as the real agent's staging: the job's compression decides the level
-        store = ImageStore.open(self.store.for_codec(request.images.compression), signing=self.signing)
+        store = ImageStore.open(self.store.for_codec(request.images.codec), signing=self.signing)
         with store.writer(request.images.job, request.images.checkpoint_id) as writer:
             writer.add_tree(images, under=self.node)
             rank = RankInfo(

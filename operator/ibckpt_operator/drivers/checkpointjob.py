@@ -340,7 +340,7 @@ class CheckpointJobDriver(CheckpointStoreDriver):
                     job=self.store_job,
                     checkpoint_id=self.machine_checkpoint_name(),
                     first_rank=first_rank,
-                    compression=self.spec.compression,
+                    compression=None if self.spec.compression == "zstd" else self.spec.compression,
                 ),
                 job_addresses=sorted({a.host for a in self.session.nodes.values() if a.host}),
             )

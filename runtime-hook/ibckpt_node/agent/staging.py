@@ -124,7 +124,7 @@ def stage_trees(
     """Upload each tree under `<node>/<tree>`, compressed as the job asked, and stage them as this node's
     part, signed with `keys`; returns logical bytes."""
     try:
-        store = ImageStore.open(config.for_codec(destination.compression), signing=keys)
+        store = ImageStore.open(config.for_codec(destination.codec), signing=keys)
         with store.writer(destination.job, destination.checkpoint_id, progress=progress) as writer:
             total = 0
             ranks = []
