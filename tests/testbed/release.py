@@ -52,10 +52,15 @@ class Release:
             "rollout", "status", "-n", self.namespace, what, "--timeout=600s", timeout=620, check=False
         )
         if proc.returncode != 0:
-            described = self.cluster.kubectl("describe", "pods", "-n", self.namespace, check=False).stdout
+            # the pods of what did not roll out: their states, init containers and logs
+            component = "agent" if what.endswith("-agent") else "operator"
+            selector = f"app.kubernetes.io/instance={self.name},app.kubernetes.io/component={component}"
+            described = self.cluster.kubectl(
+                "describe", "pods", "-n", self.namespace, "-l", selector, check=False
+            ).stdout
             raise AssertionError(
-                f"{what} not rolled out:\n{proc.stdout}{proc.stderr}\n{described[-5000:]}\n"
-                f"{self.logs('agent', 30)[-3000:]}{self.cluster.diagnose()}"
+                f"{what} not rolled out:\n{proc.stdout}{proc.stderr}\n{described[-8000:]}\n"
+                f"{self.logs(component, 30)[-3000:]}{self.cluster.diagnose()}"
             )
 
     def operator_leading(self, timeout_s: float = 600.0) -> str:
