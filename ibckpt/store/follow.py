@@ -1,0 +1,275 @@
+"""Uploading a dump's big files while they grow, so that the upload after the dump finds them stored.
+
+CRIU writes each pages-*.img from start to end. While it runs, a Follower polls the images directory and,
+for every file that has grown past a whole chunk_size span, reads that span, hashes it and PUTs it,
+content-addressed, exactly as the upload will cut it: packing.py gives every full span, at a multiple of
+chunk_size, a chunk of its own (only tails smaller than pack_below go into packs, and tails are not read
+here). The chunk id and the sealed bytes come from the same config and keys as the upload's.
+
+Nothing here is trusted afterwards. The upload re-reads and re-hashes every file as it always does and
+finds the chunks stored here by their ids (its HEAD says they are there), so it skips them; a span that
+changed after it was read here hashes to another id and is uploaded then. So the follower holds no lease
+(the upload never skips a chunk on its word: a sweep may remove what it stored, young chunks are kept for
+the sweep's grace anyway), and its errors are logged and dropped.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import hashlib
+import logging
+import os
+import stat
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+import botocore.exceptions
+
+from ibckpt.store import codec
+from ibckpt.store.catalog import latest_ref
+from ibckpt.store.context import RateLimiter, StoreContext
+from ibckpt.store.errors import StoreError
+from ibckpt.store.s3 import connect, error_code, is_not_found
+
+log = logging.getLogger(__name__)
+
+POLL_SECONDS = 0.1
+# A store that fails this many spans in a row is not tried again until the next dump: the upload after
+# the dump will meet (and report) the same failure.
+GIVE_UP_AFTER = 3
+# One retry only: a request the follower loses costs nothing but a warm chunk, and stop() waits for the
+# requests under way.
+FOLLOW_ATTEMPTS = 2
+FOLLOW_READ_TIMEOUT = 20.0
+_REFUSED = {"PreconditionFailed", "412", "ConditionalRequestConflict"}
+# Room for the chunk header, a nonce and a tag: a sealed span never exceeds chunk_size plus this.
+_SEAL_OVERHEAD = codec.HEADER_SIZE + codec.NONCE_SIZE + codec.TAG_SIZE
+
+
+class _Dropped(Exception):
+    """A span not stored because the follower is stopping."""
+
+
+@dataclass
+class FollowStats:
+    stored_chunks: int = 0  # PUT here
+    stored_bytes: int = 0
+    present_chunks: int = 0  # in the bucket already, or named by the job's latest checkpoint
+    failed_chunks: int = 0
+    gave_up: bool = False
+    timed_out: bool = False
+
+
+def follow_context(context: StoreContext) -> StoreContext:
+    """The same bucket, keys and PUT arguments on a client of its own that gives up sooner."""
+    config = context.connection.config
+    quick = config.with_overrides(
+        max_attempts=min(config.max_attempts, FOLLOW_ATTEMPTS),
+        read_timeout=min(config.read_timeout, FOLLOW_READ_TIMEOUT),
+    )
+    return dataclasses.replace(context, connection=connect(quick))
+
+
+class Follower:
+    """`with store.follow(root, job): <run the dump>`, or start() and stop(). stop() returns once the
+    polling thread and every upload under way have ended (at most a HEAD and a PUT per worker)."""
+
+    def __init__(
+        self,
+        context: StoreContext,
+        root: Path,
+        job: str | None = None,
+        *,
+        timeout: float | None = None,
+        poll_seconds: float = POLL_SECONDS,
+    ) -> None:
+        self._context = context
+        self._config = context.connection.config
+        self._root = str(root)
+        self._job = job
+        self._timeout = timeout
+        self._deadline = float("inf")
+        self._poll = poll_seconds
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._slots = threading.BoundedSemaphore(self._config.workers)
+        self._limiter = RateLimiter(self._config.max_rate)
+        self._lock = threading.Lock()
+        self._next: dict[tuple[str, int], int] = {}  # (path, inode) -> offset of its next span
+        self._seen: set[str] = set()  # chunk ids stored, found, or being stored here
+        self._failures_in_a_row = 0
+        self.stats = FollowStats()
+
+    def __enter__(self) -> Follower:
+        return self.start()
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    def start(self) -> Follower:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="ibckpt-follow", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> FollowStats:
+        """Stop following and wait for the requests under way; safe to call more than once."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        return self.stats
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # -- the polling thread ----------------------------------------------------------------------------
+    def _run(self) -> None:
+        if self._timeout is not None:
+            self._deadline = time.monotonic() + self._timeout
+        if self._config.chunk_size + _SEAL_OVERHEAD >= self._config.multipart_threshold:
+            return  # such chunks take the upload's multipart path; not copied here
+        try:
+            self._learn_latest()
+            with concurrent.futures.ThreadPoolExecutor(
+                self._config.workers, thread_name_prefix="ibckpt-follow-up"
+            ) as pool:
+                while not self._stop.is_set() and not self.stats.gave_up:
+                    if time.monotonic() >= self._deadline:
+                        self.stats.timed_out = True
+                        log.warning("stopped following %s after %gs", self._root, self._timeout)
+                        break
+                    self._scan(pool)
+                    self._stop.wait(self._poll)
+                self._stop.set()  # spans not begun yet are dropped; the pool waits for those under way
+        except Exception:  # never out of the thread: the upload after the dump does everything anyway
+            log.exception("following %s", self._root)
+
+    def _learn_latest(self) -> None:
+        # The job's latest checkpoint names the chunks an unchanged span will hash to: not sent again.
+        if self._job is None:
+            return
+        try:
+            manifest = self._context.load_manifest(latest_ref(self._context, self._job))
+        except StoreError:  # none yet, or unreadable: everything is new
+            return
+        self._seen.update(manifest.chunk_sizes())
+
+    def _files(self) -> Iterator[tuple[str, os.stat_result]]:
+        """Regular files under the root at least one span long (symlinks not followed)."""
+        pending = [self._root]
+        while pending:
+            try:
+                with os.scandir(pending.pop()) as listing:
+                    children = list(listing)
+            except OSError:  # not created yet, or removed under us
+                continue
+            for child in children:
+                try:
+                    info = child.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                if stat.S_ISDIR(info.st_mode):
+                    pending.append(child.path)
+                elif stat.S_ISREG(info.st_mode) and info.st_size >= self._config.chunk_size:
+                    yield child.path, info
+
+    def _scan(self, pool: concurrent.futures.ThreadPoolExecutor) -> None:
+        size = self._config.chunk_size
+        for path, info in self._files():
+            key = (path, info.st_ino)
+            offset = self._next.get(key, 0)
+            while offset + size <= info.st_size:
+                if not self._slot():
+                    return
+                self._next[key] = offset + size
+                pool.submit(self._span, path, offset)
+                offset += size
+
+    def _slot(self) -> bool:
+        while not self._stop.is_set() and time.monotonic() < self._deadline:
+            if self._slots.acquire(timeout=self._poll):
+                return True
+        return False
+
+    # -- the upload threads ----------------------------------------------------------------------------
+    def _span(self, path: str, offset: int) -> None:
+        try:
+            if not self._stop.is_set() and not self.stats.gave_up:
+                self._store_span(path, offset)
+                with self._lock:
+                    self._failures_in_a_row = 0
+        except _Dropped:
+            pass
+        except Exception as error:
+            with self._lock:
+                self.stats.failed_chunks += 1
+                self._failures_in_a_row += 1
+                if self._failures_in_a_row >= GIVE_UP_AFTER and not self.stats.gave_up:
+                    self.stats.gave_up = True
+                    log.warning("stopped uploading during the dump of %s: %s", self._root, error)
+        finally:
+            self._slots.release()
+
+    def _store_span(self, path: str, offset: int) -> None:
+        size = self._config.chunk_size
+        with open(path, "rb", buffering=0) as file:
+            plain = os.pread(file.fileno(), size, offset)
+        if len(plain) < size:  # shrank or replaced: the upload sees what it is now
+            return
+        cid = codec.chunk_id(hashlib.sha256(plain).digest(), self._context.keys)
+        with self._lock:
+            if cid in self._seen:
+                self.stats.present_chunks += 1
+                return
+            self._seen.add(cid)
+        try:
+            stored = self._put(cid, plain)
+        except BaseException:
+            with self._lock:
+                self._seen.discard(cid)
+            raise
+        with self._lock:
+            if stored is None:
+                self.stats.present_chunks += 1
+            else:
+                self.stats.stored_chunks += 1
+                self.stats.stored_bytes += stored
+
+    def _put(self, cid: str, plain: bytes) -> int | None:
+        """As the upload's non-blind path: a HEAD, then a PUT that never replaces a stored chunk (whose
+        size other manifests recorded). None if the chunk was there."""
+        client, bucket = self._context.client, self._context.bucket
+        key = self._context.layout.chunk_key(cid)
+        try:
+            client.head_object(Bucket=bucket, Key=key)
+            return None
+        except botocore.exceptions.ClientError as error:
+            if not (is_not_found(error) or error_code(error) == "403"):
+                raise
+        payload, chosen = codec.compress(plain, self._config.compression_level)
+        stored = codec.seal(payload, chosen, len(plain), cid, self._context.keys)
+        self._limiter.take(len(stored))
+        if self._stop.is_set():
+            raise _Dropped
+        try:
+            client.put_object(
+                Bucket=bucket,
+                Key=key,
+                Body=stored,
+                ContentType="application/octet-stream",
+                IfNoneMatch="*",
+                **self._context.put_args,
+            )
+        except botocore.exceptions.ClientError as error:
+            if error_code(error) in _REFUSED:
+                return None
+            raise
+        return len(stored)

@@ -1,0 +1,182 @@
+"""The follower (ibckpt/store/follow.py) against the real SeaweedFS: it uploads the whole chunks of a file
+while another thread appends to it, and the upload after it skips them and writes the same manifest a
+plain upload writes; what changed after the follower read it, or what it failed to store, is uploaded by
+the pass as usual; it stops when told or when its time is up, leaving no thread."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from pydantic import SecretBytes
+from store.conftest import StoreFactory, compressible, config_for
+
+from ibckpt.store import CheckpointRef, EncryptionConfig, ImageStore, Manifest
+from ibckpt.store.follow import GIVE_UP_AFTER, Follower
+from testbed.gate import Gate
+from testbed.s3 import S3Server
+
+pytestmark = pytest.mark.s3
+
+CHUNK = 256 * 1024  # config_for's chunk size
+
+
+def pages(chunks: int, tail: int = 0) -> bytes:
+    """Incompressible and compressible chunks in turn (so that both of the codec's outcomes are
+    checked), then a tail shorter than a chunk (which goes into a pack)."""
+    parts = [os.urandom(CHUNK) if i % 2 == 0 else compressible(CHUNK, seed=i) for i in range(chunks)]
+    return b"".join(parts) + os.urandom(tail)
+
+
+def append_slowly(path: Path, data: bytes, pause: float = 0.05, piece: int = 96 * 1024) -> None:
+    """As CRIU writes a pages file: front to back, in writes that do not line up with chunks."""
+    with path.open("wb") as file:
+        for offset in range(0, len(data), piece):
+            file.write(data[offset : offset + piece])
+            file.flush()
+            time.sleep(pause * piece / CHUNK)
+
+
+def wait_until(check: Callable[[], bool], timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def follower_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("ibckpt-follow")]
+
+
+def upload(store: ImageStore, root: Path, checkpoint: str = "c1") -> Manifest:
+    with store.writer("ns/solver", checkpoint) as writer:
+        writer.add_tree(root)
+        return writer.commit()
+
+
+def chunk_lists(manifest: Manifest) -> dict[str, list[tuple[str, int, int, int]]]:
+    return {
+        record.path: [(c.id, c.size, c.stored_size, c.offset) for c in record.chunks]
+        for record in manifest.files
+    }
+
+
+def fresh_bucket(s3_server: S3Server) -> str:
+    name = "follow-" + secrets.token_hex(6)
+    s3_server.client().create_bucket(Bucket=name)
+    return name
+
+
+@pytest.mark.parametrize("encryption", ["none", "client"])
+def test_the_pass_after_the_follower_skips_its_chunks_and_writes_the_same_manifest(
+    encryption: str, make_store: StoreFactory, s3_server: S3Server, tmp_path: Path
+) -> None:
+    settings: dict[str, object] = {}
+    if encryption == "client":
+        settings["encryption"] = EncryptionConfig(mode="client", client_key=SecretBytes(os.urandom(32)))
+    followed = make_store(**settings)
+    plain = make_store(bucket=fresh_bucket(s3_server), **settings)
+    data = pages(12, tail=100_000)
+    root = tmp_path / "dump"
+    root.mkdir()
+    (root / "core-1.img").write_bytes(b"core" * 1000)  # a small file: packed with the tail
+    with followed.follow(root, "ns/solver") as follower:
+        append_slowly(root / "pages-1.img", data)
+        during = follower.stats.stored_chunks  # before the "dump" ended
+        wait_until(lambda: follower.stats.stored_chunks == 12)
+    assert during >= 1, "nothing was uploaded while the file grew"
+    assert not follower_threads()
+    warm = upload(followed, root)
+    cold = upload(plain, root)
+
+    assert chunk_lists(warm) == chunk_lists(cold)
+    assert (warm.stats.distinct_chunks, cold.stats.uploaded_chunks) == (13, 13)  # 12 + one pack
+    assert warm.stats.uploaded_chunks == 1  # only the pack: the follower's 12 were found stored
+    assert warm.stats.stored_bytes == cold.stats.stored_bytes
+    back = tmp_path / "back"
+    followed.restore(CheckpointRef("ns/solver", "c1"), back)
+    assert (back / "pages-1.img").read_bytes() == data
+    assert (back / "core-1.img").read_bytes() == b"core" * 1000
+
+
+def test_a_span_rewritten_after_the_follower_read_it_is_restored_as_it_is_now(
+    make_store: StoreFactory, tmp_path: Path
+) -> None:
+    store = make_store()
+    data = pages(4)
+    root = tmp_path / "dump"
+    root.mkdir()
+    path = root / "pages-1.img"
+    with store.follow(root, "ns/solver") as follower:
+        append_slowly(path, data, pause=0.01)
+        wait_until(lambda: follower.stats.stored_chunks == 4)
+        newer = os.urandom(CHUNK)
+        with path.open("r+b") as file:  # chunk 1 changes once the follower has stored it
+            file.seek(CHUNK)
+            file.write(newer)
+    manifest = upload(store, root)
+    assert manifest.stats.uploaded_chunks == 1  # the rewritten span, under its new id
+    back = tmp_path / "back"
+    store.restore(CheckpointRef("ns/solver", "c1"), back)
+    assert (back / "pages-1.img").read_bytes() == data[:CHUNK] + newer + data[2 * CHUNK :]
+
+
+def test_a_follower_whose_s3_fails_does_not_fail_the_checkpoint(
+    make_store: StoreFactory, s3_server: S3Server, s3_gate: Gate, bucket: str, tmp_path: Path
+) -> None:
+    store = make_store()
+    # the same bucket through a relay that resets every connection
+    gated = ImageStore(config_for(s3_server, bucket=bucket, endpoint_url=f"http://127.0.0.1:{s3_gate.port}"))
+    data = pages(10)
+    root = tmp_path / "dump"
+    root.mkdir()
+    s3_gate.cut()
+    try:
+        follower = gated.follow(root, "ns/solver").start()
+        append_slowly(root / "pages-1.img", data, pause=0.01)
+        wait_until(lambda: follower.stats.gave_up)
+        started = time.monotonic()
+        stats = follower.stop()
+        assert time.monotonic() - started < 10
+    finally:
+        s3_gate.mend()
+    assert not follower_threads()
+    # it gave up after a few failures in a row, not after trying every span
+    assert (stats.stored_chunks, stats.gave_up) == (0, True)
+    assert GIVE_UP_AFTER <= stats.failed_chunks < 10
+    manifest = upload(store, root)
+    assert manifest.stats.uploaded_chunks == 10
+    back = tmp_path / "back"
+    store.restore(CheckpointRef("ns/solver", "c1"), back)
+    assert (back / "pages-1.img").read_bytes() == data
+
+
+def test_the_follower_stops_when_told_and_when_its_time_is_up(
+    make_store: StoreFactory, tmp_path: Path
+) -> None:
+    store = make_store()
+    root = tmp_path / "dump"
+    root.mkdir()
+    path = root / "pages-1.img"
+    follower = store.follow(root, "ns/solver").start()
+    assert follower.running and follower_threads()
+    writer = threading.Thread(target=append_slowly, args=(path, pages(8)))
+    writer.start()
+    wait_until(lambda: follower.stats.stored_chunks >= 1)
+    follower.stop()  # the dump is still writing
+    assert not follower.running and not follower_threads()
+    stored = follower.stats.stored_chunks
+    writer.join()
+    time.sleep(0.3)
+    assert follower.stats.stored_chunks == stored  # nothing after stop()
+    follower.stop()  # twice is fine
+
+    timed = Follower(store.context, tmp_path / "not-yet", timeout=0.3).start()
+    wait_until(lambda: not timed.running, timeout=5)
+    assert timed.stats.timed_out and not follower_threads()
+    timed.stop()
