@@ -16,6 +16,7 @@ import functools
 import logging
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ibckpt.agentapi import Milestone
 from ibckpt.agentapi import models as api
@@ -24,9 +25,13 @@ from ibckpt.coordination.ranks import RankId
 from ibckpt_node import driver
 from ibckpt_node.agent import disk, recovery
 from ibckpt_node.agent.kubesecrets import StagingError
+from ibckpt_node.agent.preupload import PreUpload
 from ibckpt_node.agent.session import Agent, Session, coordinated, finish_failed, passed, set_phase
 from ibckpt_node.criu import CriuError
 from ibckpt_node.errors import CheckpointFailed, CheckpointRefused
+
+if TYPE_CHECKING:
+    from ibckpt.store.follow import FollowStats
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +59,12 @@ async def run(agent: Agent, session: Session) -> None:
                 settings=driver.NodeSettings(disk_reserve_bytes=agent.disk_reserve_bytes),
             )
             set_phase(session, api.RankPhase.PREFLIGHT)
-            result = await session.engine.checkpoint(request.mode, images, request.epoch)
+            early = PreUpload(agent, session, images)
+            early.start()
+            try:
+                result = await session.engine.checkpoint(request.mode, images, request.epoch)
+            finally:
+                during = await early.stop()
         final = {
             "Stopped": api.RankPhase.STOPPED,
             "Held": api.RankPhase.HELD,
@@ -66,7 +76,7 @@ async def run(agent: Agent, session: Session) -> None:
             for progress in members:
                 progress.bytes = size // max(1, len(members))
         if request.images is not None:
-            await upload(agent, session, images)
+            await upload(agent, session, images, during)
             staged = True
         for progress in report.ranks:
             progress.phase = final
@@ -139,8 +149,9 @@ async def settle(agent: Agent, session: Session, images: Path, staged: bool, why
         log.warning("session %s: its images in %s: %s", sid, images, exc)
 
 
-async def upload(agent: Agent, session: Session, images: Path) -> None:
-    """Upload this node's images as its part of the checkpoint (the operator commits the parts)."""
+async def upload(agent: Agent, session: Session, images: Path, during: FollowStats | None = None) -> None:
+    """Upload this node's images as its part of the checkpoint (the operator commits the parts); `during`:
+    what was uploaded while CRIU wrote them (preupload.py)."""
     from ibckpt_node.agent.staging import image_keys, read_config, stage_trees  # boto3: when staging
 
     assert isinstance(session.request, api.CheckpointRequest)
@@ -178,3 +189,5 @@ async def upload(agent: Agent, session: Session, images: Path) -> None:
         f"staged {total} bytes ({uploaded} uploaded, the rest already stored) as part {agent.node} "
         f"of {destination.job}/{destination.checkpoint_id}"
     )
+    if during is not None:
+        report.message += f"; {during.stored_chunks} chunks were uploaded during the dump"

@@ -146,6 +146,13 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         "threshold, say); a checkpoint that would not is refused before any rank is touched",
     )
     parser.add_argument(
+        "--no-pre-upload",
+        dest="pre_upload",
+        action="store_false",
+        help="upload a checkpoint's images only once the dump has ended, not its pages while CRIU "
+        "writes them (to compare the two)",
+    )
+    parser.add_argument(
         "--stop-timeout",
         type=float,
         default=30.0,
@@ -242,6 +249,7 @@ async def serve(args: argparse.Namespace) -> None:
         secrets=KubeSecrets.in_cluster(),
         keep_failed_images_s=args.keep_failed_images,
         disk_reserve_bytes=args.disk_reserve_bytes,
+        pre_upload=args.pre_upload,
         readiness=(lambda: (node.ready, node.reason)) if node else None,
         image_keys=Path(args.image_keys) if args.image_keys else None,
     )

@@ -88,6 +88,7 @@ class AgentServer:
         readiness: Callable[[], tuple[bool, str]] | None = None,
         image_keys: Path | None = None,
         disk_reserve_bytes: int = 0,
+        pre_upload: bool = True,
         shim_builds: Callable[[], list[str]] | None = None,
     ) -> None:
         self.node = node
@@ -110,6 +111,7 @@ class AgentServer:
             keep_failed_images_s,
             image_keys,
             disk_reserve_bytes,
+            pre_upload,
             coordinator_tls=coordinator_tls,
         )
         self.fence = LeaderFence(work_dir / "leader-epoch")

@@ -140,6 +140,7 @@ class Agent:
     # manifests that verify with it are restored. Read at each use, so a rotated Secret is picked up.
     image_keys: Path | None = None  # None: this agent neither stages nor restores images
     disk_reserve_bytes: int = 0  # what a checkpoint's images leave free on the node's disk
+    pre_upload: bool = True  # upload the dump's whole chunks while CRIU writes them (store/follow.py)
 
 
 @dataclass

@@ -58,6 +58,7 @@ class Sessions:
         keep_failed_images_s: float = disk.DEFAULT_KEEP_FAILED_S,
         image_keys: Path | None = None,
         disk_reserve_bytes: int = 0,
+        pre_upload: bool = True,
         *,
         coordinator_tls: Callable[[], ssl.SSLContext],
     ) -> None:
@@ -71,6 +72,7 @@ class Sessions:
             keep_failed_images_s,
             image_keys,
             disk_reserve_bytes,
+            pre_upload,
         )
         self.sessions: dict[str, Session] = {}
         self.sweeper: asyncio.Task[None] | None = None

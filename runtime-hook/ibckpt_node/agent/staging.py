@@ -29,6 +29,7 @@ from ibckpt.store import (
 )
 from ibckpt.store.config import encryption_key_from_secret
 from ibckpt.store.errors import StoreError
+from ibckpt.store.follow import Follower
 from ibckpt.store.manifest import RankInfo
 from ibckpt_node.agent.kubesecrets import SecretReader, StagingError
 
@@ -112,6 +113,20 @@ def image_keys(directory: Path | None) -> ManifestKeys:
         raise StagingError(f"{exc}: the chart mounts them from its image-keys Secret") from None
 
 
+def upload_config(config: StoreConfig, destination: api.ImageDestination) -> StoreConfig:
+    """The configuration the upload writes with: the job's spec.compression applied."""
+    return config.for_codec(destination.codec)
+
+
+def follower(
+    config: StoreConfig, destination: api.ImageDestination, images: Path, keys: ManifestKeys, timeout: float
+) -> Follower:
+    """A follower (not started) of the dump under `images`, with the upload's configuration and keys, so
+    that what it stores has the ids and bytes the upload's chunks would have."""
+    store = ImageStore(upload_config(config, destination), signing=keys)
+    return store.follow(images, destination.job, timeout=timeout)
+
+
 def stage_trees(
     config: StoreConfig,
     destination: api.ImageDestination,
@@ -124,7 +139,7 @@ def stage_trees(
     """Upload each tree under `<node>/<tree>`, compressed as the job asked, and stage them as this node's
     part, signed with `keys`; returns logical bytes."""
     try:
-        store = ImageStore.open(config.for_codec(destination.codec), signing=keys)
+        store = ImageStore.open(upload_config(config, destination), signing=keys)
         with store.writer(destination.job, destination.checkpoint_id, progress=progress) as writer:
             total = 0
             ranks = []

@@ -1,0 +1,114 @@
+"""The node agent uploads a dump's pages while CRIU writes them: a whole checkpoint session over the agent
+API on the host (as test_agent_compression.py), whose stand-in criu writes a pages file of several chunks
+slowly and, before it exits, counts the chunks in the bucket. With pre-upload on, they are there before
+criu has exited and the upload after the dump skips them; with it off (the agent's --no-pre-upload),
+none is, and the upload stores them all. Either way the committed checkpoint restores the same bytes."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import secrets
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from agent.agent_harness import IMAGE_KEYS, Running
+from agent.test_agent_disk import SECRET, agent_options, location, secret_data, wait_finished
+from agent.test_agent_session import checkpoint_request, registered_shim
+
+from ibckpt.agentapi import ImageDestination, Mode
+from ibckpt.store import CheckpointRef, ImageStore
+from ibckpt.store.config import DEFAULT_CHUNK_SIZE
+from ibckpt.store.layout import Layout
+from ibckpt_node.agent.staging import store_config
+from testbed.coordinator import ThreadedCoordinator
+from testbed.s3 import S3Server
+
+pytestmark = pytest.mark.s3
+
+CHUNKS = 4
+CHUNKS_PREFIX = Layout("lab").chunks  # the location's prefix (test_agent_disk.location)
+
+
+def slow_criu(tmp_path: Path, s3: S3Server, bucket: str) -> tuple[bytes, Path]:
+    """A criu that 'dumps' a pages file of CHUNKS whole chunks and a tail, one chunk per 0.4 s, then
+    waits (up to 10 s) for that many chunks to be in the bucket and writes how many it saw."""
+    pages = os.urandom(CHUNKS * DEFAULT_CHUNK_SIZE + 123_456)
+    source = tmp_path / "pages.src"
+    source.write_bytes(pages)
+    seen = tmp_path / "seen-before-exit"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    criu = bin_dir / "criu"
+    criu.write_text(
+        f"#!{sys.executable}\n"
+        "import sys, time, boto3\n"
+        "args = sys.argv[1:]\n"
+        "if args[:1] != ['dump']:\n"
+        "    sys.exit(0)\n"
+        f"data = open({str(source)!r}, 'rb').read()\n"
+        "with open(args[args.index('-D') + 1] + '/pages-1.img', 'wb') as out:\n"
+        "    for at in range(0, len(data), 1 << 20):\n"
+        "        out.write(data[at:at + (1 << 20)]); out.flush(); time.sleep(0.05)\n"
+        f"s3 = boto3.client('s3', endpoint_url={s3.endpoint!r}, region_name={s3.region!r},\n"
+        f"    aws_access_key_id={s3.access_key!r}, aws_secret_access_key={s3.secret_key!r})\n"
+        "deadline = time.monotonic() + 10\n"
+        "while True:\n"
+        f"    listed = s3.list_objects_v2(Bucket={bucket!r}, Prefix={CHUNKS_PREFIX!r})\n"
+        "    count = listed.get('KeyCount', 0)\n"
+        f"    if count >= {CHUNKS} or time.monotonic() > deadline:\n"
+        "        break\n"
+        "    time.sleep(0.2)\n"
+        f"open({str(seen)!r}, 'w').write(str(count))\n"
+    )
+    criu.chmod(0o755)
+    return pages, seen
+
+
+@pytest.mark.parametrize("pre_upload", [True, False], ids=["on", "off"])
+def test_the_dumps_chunks_are_stored_before_criu_exits(
+    pre_upload: bool,
+    agent: Running,
+    tmp_path: Path,
+    coordinator: ThreadedCoordinator,
+    sleeper: subprocess.Popen[bytes],
+    s3_server: S3Server,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    bucket = "preupload-" + secrets.token_hex(6)
+    s3_server.create_bucket(bucket)
+    pages, seen = slow_criu(tmp_path, s3_server, bucket)
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    agent_options(agent, s3_server)
+    sessions = agent.server.sessions
+    sessions.agent = dataclasses.replace(sessions.agent, pre_upload=pre_upload)
+    registered_shim(tmp_path / "state", sleeper.pid)
+    session, tokens = coordinator.create_session({"node-x"})
+    destination = ImageDestination(
+        location=location(s3_server, bucket), credentials=SECRET, job="ring", checkpoint_id="c1"
+    )
+    request = checkpoint_request(coordinator, session, tokens["node-x"], Mode.STOP)
+    client = agent.client()
+    client.checkpoint(request.model_copy(update={"images": destination}))
+    report = wait_finished(client, session, timeout_s=120)
+    assert (report.state, report.phase) == ("Succeeded", "Stopped"), report
+
+    during = int(seen.read_text())  # chunks in the bucket before criu exited
+    config = store_config(destination.location, SECRET, secret_data(s3_server))
+    store = ImageStore.open(config, signing=IMAGE_KEYS)
+    manifest = store.commit_parts("ring", "c1", ["node-x"])
+    if pre_upload:
+        assert during == CHUNKS
+        assert f"; {CHUNKS} chunks were uploaded during the dump" in report.message
+        # the upload after the dump stored only what the follower could not: the packed small files
+        assert manifest.stats.uploaded_chunks == manifest.stats.distinct_chunks - CHUNKS
+    else:
+        assert during == 0
+        assert "during the dump" not in report.message
+        assert manifest.stats.uploaded_chunks == manifest.stats.distinct_chunks
+    [record] = [r for r in manifest.files if r.path.endswith("/pages-1.img")]
+    back = tmp_path / "back"
+    store.restore(CheckpointRef("ring", "c1"), back)
+    assert (back / record.path).read_bytes() == pages
