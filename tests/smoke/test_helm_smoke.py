@@ -174,6 +174,15 @@ def test_the_agents_land_on_accelerator_nodes_and_resolve_cluster_names() -> Non
     assert spec["dnsPolicy"] == "ClusterFirstWithHostNet"
 
 
+def test_the_agents_upload_during_the_dump_unless_told_not_to() -> None:
+    def args(*values: str) -> list[str]:
+        agent = rendered_objects(*values)[("DaemonSet", "ibckpt-agent")]
+        return list(agent["spec"]["template"]["spec"]["containers"][0]["args"])
+
+    assert "--no-pre-upload" not in args()
+    assert "--no-pre-upload" in args("--set", "agent.preUpload=false")
+
+
 def test_the_operator_grants_storage_secrets_by_name_unless_told_not_to() -> None:
     def grants(objects: dict[tuple[str, str], dict[str, Any]]) -> tuple[list[str], list[Any]]:
         operator = objects[("Deployment", "ibckpt-operator")]["spec"]["template"]["spec"]["containers"][0]
