@@ -77,7 +77,8 @@ class RateLimiter:
         self._allowance = float(rate or 0)
         self._stamp = time.monotonic()
 
-    def take(self, amount: int) -> None:
+    def take(self, amount: int, wait: Callable[[float], object] = time.sleep) -> None:
+        """Take `amount` bytes, waiting (with `wait`) for as long as that puts the bucket in debt."""
         if not self._rate:
             return
         with self._lock:
@@ -87,7 +88,7 @@ class RateLimiter:
             self._allowance -= amount
             debt = -self._allowance / self._rate if self._allowance < 0 else 0.0
         if debt > 0:
-            time.sleep(debt)
+            wait(debt)
 
 
 class StageTimes:

@@ -256,7 +256,7 @@ class Follower:
                 raise
         payload, chosen = codec.compress(plain, self._config.compression_level)
         stored = codec.seal(payload, chosen, len(plain), cid, self._context.keys)
-        self._limiter.take(len(stored))
+        self._limiter.take(len(stored), wait=self._stop.wait)  # a stop cuts the wait short
         if self._stop.is_set():
             raise _Dropped
         try:

@@ -180,3 +180,21 @@ def test_the_follower_stops_when_told_and_when_its_time_is_up(
     wait_until(lambda: not timed.running, timeout=5)
     assert timed.stats.timed_out and not follower_threads()
     timed.stop()
+
+
+def test_the_follower_keeps_to_the_rate_limit_and_a_stop_cuts_its_wait_short(
+    make_store: StoreFactory, tmp_path: Path
+) -> None:
+    store = make_store(max_rate=CHUNK)  # a chunk a second, after a burst of one
+    root = tmp_path / "dump"
+    root.mkdir()
+    (root / "pages-1.img").write_bytes(pages(24))  # all there at once: only the limit holds it back
+    follower = store.follow(root).start()
+    wait_until(lambda: follower.stats.stored_chunks >= 1)
+    time.sleep(1.0)
+    # at most the burst, one a second since and the workers' in flight; unlimited, all 24 go in ~1 s
+    assert follower.stats.stored_chunks <= 1 + 2 + 4
+    started = time.monotonic()
+    follower.stop()  # four workers wait their turn, about 4 s for the last: not for stop()
+    assert time.monotonic() - started < 1.5
+    assert not follower_threads()
