@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from pydantic import SecretBytes
-from store.conftest import StoreFactory, compressible, config_for
+from store.conftest import Requests, StoreFactory, compressible, config_for
 
 from ibckpt.store import CheckpointRef, EncryptionConfig, ImageStore, Manifest
 from ibckpt.store.follow import GIVE_UP_AFTER, Follower
@@ -76,7 +76,8 @@ def fresh_bucket(s3_server: S3Server) -> str:
 def test_the_pass_after_the_follower_skips_its_chunks_and_writes_the_same_manifest(
     encryption: str, make_store: StoreFactory, s3_server: S3Server, tmp_path: Path
 ) -> None:
-    settings: dict[str, object] = {}
+    # big chunks are looked up before they are PUT, as with the defaults (8 MiB chunks, 1 MiB)
+    settings: dict[str, object] = {"blind_put_below": CHUNK // 2}
     if encryption == "client":
         settings["encryption"] = EncryptionConfig(mode="client", client_key=SecretBytes(os.urandom(32)))
     followed = make_store(**settings)
@@ -91,12 +92,15 @@ def test_the_pass_after_the_follower_skips_its_chunks_and_writes_the_same_manife
         wait_until(lambda: follower.stats.stored_chunks == 12)
     assert during >= 1, "nothing was uploaded while the file grew"
     assert not follower_threads()
+    warm_requests, cold_requests = Requests(followed.client), Requests(plain.client)
     warm = upload(followed, root)
     cold = upload(plain, root)
 
     assert chunk_lists(warm) == chunk_lists(cold)
     assert (warm.stats.distinct_chunks, cold.stats.uploaded_chunks) == (13, 13)  # 12 + one pack
     assert warm.stats.uploaded_chunks == 1  # only the pack: the follower's 12 were found stored
+    puts = [len(sent.named("PutObject", "chunks")) for sent in (warm_requests, cold_requests)]
+    assert puts == [1, 13]  # the requests, not only the stats
     assert warm.stats.stored_bytes == cold.stats.stored_bytes
     back = tmp_path / "back"
     followed.restore(CheckpointRef("ns/solver", "c1"), back)
