@@ -1,6 +1,6 @@
 """A checkpoint's pages go to the store while CRIU writes them (ibckpt/store/follow.py), beside the dump.
 
-Started with the session's checkpoint, stopped when the dump ends or fails. It never fails the session and
+Started with a Stop session's checkpoint, stopped when the dump ends or fails. It never fails the session and
 never delays the dump: the Secrets are read and the store opened in the background, and the upload after
 the dump re-reads every file and stores whatever is missing, so a follower that could not start, or that
 failed, only leaves that upload more to do.
@@ -15,6 +15,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ibckpt.agentapi import Mode
 from ibckpt.agentapi import models as api
 from ibckpt_node.agent.session import Agent, Session
 
@@ -41,6 +42,10 @@ class PreUpload:
     def start(self) -> None:
         request = self._session.request
         assert isinstance(request, api.CheckpointRequest)
+        # Only when the ranks end with the dump: in LeaveRunning and Hold they wait frozen for it, and
+        # the follower's hashing and PUTs would take CPU from CRIU (the upload comes after they resume).
+        if request.mode != Mode.STOP:
+            return
         if request.images is None or not self._agent.pre_upload or self._agent.secrets is None:
             return
         self._task = asyncio.create_task(self._open(request, request.images))
