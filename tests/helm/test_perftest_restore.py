@@ -52,6 +52,13 @@ def perf_pod(name: str, node: str, command: str) -> dict[str, Any]:
     return pod
 
 
+def job_spec(mode: str) -> dict[str, Any]:
+    """All six pods; eighteen ranks on two emulated nodes overran the default 30 s quiesce (2026-12-02)."""
+    spec = {**ring.job_template(mode), "selector": {"matchLabels": LABELS}}
+    spec["timeouts"] = {**spec["timeouts"], "quiesceSeconds": 180, "drainSeconds": 180, "releaseSeconds": 180}
+    return spec
+
+
 def stamp(value: str) -> float:
     return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
 
@@ -100,7 +107,7 @@ def test_ib_write_bw_with_a_duration_restored_on_the_other_nodes_ends_on_time(
 
     # 1. In place: all are checkpointed, and the same processes go on.
     kept = {"apiVersion": "ibckpt.io/v1alpha1", "kind": "CheckpointJob", "metadata": {"name": "perf-keep"},
-            "spec": {**ring.job_template("LeaveRunning"), "selector": {"matchLabels": LABELS}}}  # fmt: skip
+            "spec": job_spec("LeaveRunning")}  # fmt: skip
     pods.apply(cluster, job_ns, kept)
     done = ring.wait_phase(cluster, job_ns, "checkpointjob", "perf-keep", "Succeeded", 900)
     checkpoint = pods.get(cluster, job_ns, "checkpoint", done["status"]["checkpointName"])
@@ -116,7 +123,7 @@ def test_ib_write_bw_with_a_duration_restored_on_the_other_nodes_ends_on_time(
 
     # 2. Moved: a Stop checkpoint, and a RestoreJob onto the other nodes.
     job = {"apiVersion": "ibckpt.io/v1alpha1", "kind": "CheckpointJob", "metadata": {"name": "perf-stop"},
-           "spec": {**ring.job_template("Stop"), "selector": {"matchLabels": LABELS}}}  # fmt: skip
+           "spec": job_spec("Stop")}  # fmt: skip
     pods.apply(cluster, job_ns, job)
     stopped = ring.wait_phase(cluster, job_ns, "checkpointjob", "perf-stop", "Succeeded", 900)
     frozen = next(t for t in stopped["status"]["phaseTimings"] if t["phase"] == "Quiescing")
