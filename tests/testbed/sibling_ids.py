@@ -73,15 +73,18 @@ if sys.argv[1:2] == ["--more"]:
 """
 
 
-def pod(name: str, node: str, labels: dict[str, str]) -> dict[str, Any]:
-    command = " ".join(f"many_qps -n {FIRST_QPS} -f /never -Q {MORE_QPS} &" for _ in range(PROCESSES))
-    spec = pods.rdma_pod(name, node, ["sh", "-c", f"{command} wait"], APPS_IMAGE, labels=labels)
+def pod(
+    name: str, node: str, labels: dict[str, str], processes: int = PROCESSES, then: str = "wait"
+) -> dict[str, Any]:
+    """`processes` many_qps in the background, then the shell command `then` in the foreground."""
+    command = " ".join(f"many_qps -n {FIRST_QPS} -f /never -Q {MORE_QPS} &" for _ in range(processes))
+    spec = pods.rdma_pod(name, node, ["sh", "-c", f"{command} {then}"], APPS_IMAGE, labels=labels)
     spec["spec"]["runtimeClassName"] = "ibckpt"
     return spec
 
 
-def ready(cluster: Cluster, namespace: str, name: str) -> bool:
-    return cluster.kubectl("logs", "-n", namespace, name).stdout.count("READY") == PROCESSES
+def ready(cluster: Cluster, namespace: str, name: str, processes: int = PROCESSES) -> bool:
+    return cluster.kubectl("logs", "-n", namespace, name).stdout.count("READY pid=") == processes
 
 
 Statuses = dict[str, dict[str, Any]]  # "pod/pid" -> the shim's status

@@ -10,6 +10,7 @@ request; a peer speaking plain HTTP fails the handshake and is closed unanswered
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http
 import logging
 import ssl
@@ -218,4 +219,7 @@ class HttpServer:
             try:
                 await asyncio.wait_for(writer.wait_closed(), WRITE_TIMEOUT_S)
             except (OSError, ConnectionError, TimeoutError):
-                writer.transport.abort()
+                # a TLS transport whose connection is already lost has no protocol left to abort
+                # (CPython 3.11 raises AttributeError there): nothing is left to close then
+                with contextlib.suppress(AttributeError):
+                    writer.transport.abort()
