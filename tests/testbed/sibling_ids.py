@@ -47,7 +47,10 @@ def ask():
                 if not chunk:
                     break
                 reply += chunk
-        status = json.loads(reply)
+        verdict, _, body = reply.decode().partition(" ")  # "ok <json>" (docs/wire-formats.md)
+        if verdict != "ok":
+            sys.exit(f"{path}: status answered {reply!r}")
+        status = json.loads(body)
         found[status["pid"]] = status
     return found
 
