@@ -122,6 +122,11 @@ def test_the_agent_sets_up_its_node_and_the_runtime_class_selects_its_label() ->
     # TLS only: the kubelet probes over HTTPS
     assert container["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
     assert container["livenessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    # a slow first start is not killed: liveness counts once the startup probe passed (10 min)
+    startup = container["startupProbe"]
+    assert startup["httpGet"]["scheme"] == "HTTPS"
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 600
+    assert "initialDelaySeconds" not in container["livenessProbe"]
     assert {"name": "IBCKPT_AGENT_DAEMONSET", "value": "ibckpt-agent"} in container["env"]
     mounts = {m["name"]: m for m in container["volumeMounts"]}
     assert mounts["containerd-etc"]["mountPath"] == "/host/etc/containerd"
