@@ -48,8 +48,10 @@ class Release:
         return proc.stdout + proc.stderr
 
     def rollout(self, what: str) -> None:
+        # The agents wait for the Secret the leading operator issues (its start took 6 min on a slow
+        # day, 2026-12-02), then install, import and restart containerd: 600 s ran out twice then.
         proc = self.cluster.kubectl(
-            "rollout", "status", "-n", self.namespace, what, "--timeout=600s", timeout=620, check=False
+            "rollout", "status", "-n", self.namespace, what, "--timeout=900s", timeout=920, check=False
         )
         if proc.returncode != 0:
             # the pods of what did not roll out: their states, init containers and logs
