@@ -17,6 +17,8 @@ from testbed.s3 import S3Server, start_s3, stop_s3
 
 pytest_plugins = ["testbed.pytest_guest", "testbed.budget"]
 
+FIRST_CLUSTER_TEST_TIMEOUT_S = 1800
+
 
 def _order(item: pytest.Item) -> tuple[int, int]:
     if item.get_closest_marker("cluster"):
@@ -37,6 +39,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     boot their own guests come after it, and the cluster's tests run last: its two node guests live from
     its first test to the session's end, and would slow every other guest test down while they run."""
     items.sort(key=_order)  # stable: files keep their order within each group
+    first_cluster = next((item for item in items if item.get_closest_marker("cluster")), None)
+    if first_cluster is not None:
+        # Its setup boots the guests (4-5 min) and installs the chart, which waits for the operator to
+        # lead (up to 10 min on a slow day): more than the 900 s a test may otherwise take.
+        first_cluster.add_marker(pytest.mark.timeout(FIRST_CLUSTER_TEST_TIMEOUT_S))
 
 
 @pytest.fixture(scope="session")

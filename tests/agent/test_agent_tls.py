@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import socket
 import ssl
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -14,6 +17,7 @@ from agent.agent_harness import Running
 
 from ibckpt.agentapi import AgentClient, AgentError
 from ibckpt.tls import COORDINATOR_SERVER_NAME
+from ibckpt_node.agent.servingcert import ServingCertificate
 from testbed.tlsfiles import make_pki
 
 
@@ -81,3 +85,33 @@ def test_a_renewed_certificate_is_served_without_a_restart(agent: Running) -> No
     assert trusting_renewed.info().node == "node-x"
     with pytest.raises(AgentError):
         agent.client().info()  # the old CA no longer signs what the agent serves
+
+
+def test_the_agent_waits_for_the_operators_certificate_and_serves_it_once_written(tmp_path: Path) -> None:
+    """The chart's Secret volume is optional: the kubelet fills it once the operator has issued it."""
+    certificate = ServingCertificate(tmp_path / "agent-tls")
+
+    async def later() -> ssl.SSLContext:
+        waiting = asyncio.create_task(certificate.wait(30, poll_s=0.05))
+        await asyncio.sleep(0.3)
+        assert not waiting.done()
+        make_pki().agent_dir(tmp_path / "agent-tls")
+        return await waiting
+
+    assert isinstance(asyncio.run(later()), ssl.SSLContext)
+
+
+def test_an_agent_given_no_certificate_in_time_says_so_and_exits(tmp_path: Path) -> None:
+    (tmp_path / "agent-tls").mkdir()
+    started = time.monotonic()
+    ran = subprocess.run(
+        [sys.executable, "-m", "ibckpt_node.agent.main", "--node=node-x", "--address=127.0.0.1",
+         "--port=0", "--metrics-port=0", "--allow=system:serviceaccount:ibckpt:ibckpt-operator",
+         f"--host-dir={tmp_path / 'host'}", f"--tls-dir={tmp_path / 'agent-tls'}",
+         "--tls-wait=1"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert ran.returncode == 2, ran.stderr
+    assert "cannot serve the agent API" in ran.stderr
+    assert "waited 1 s for the operator to issue it" in ran.stderr
+    assert time.monotonic() - started >= 1

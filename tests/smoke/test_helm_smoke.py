@@ -122,10 +122,11 @@ def test_the_agent_sets_up_its_node_and_the_runtime_class_selects_its_label() ->
     # TLS only: the kubelet probes over HTTPS
     assert container["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
     assert container["livenessProbe"]["httpGet"]["scheme"] == "HTTPS"
-    # a slow first start is not killed: liveness counts once the startup probe passed (10 min)
+    # a slow first start is not killed: liveness counts once the startup probe passed, which waits
+    # as long as the agent waits for its certificate
     startup = container["startupProbe"]
     assert startup["httpGet"]["scheme"] == "HTTPS"
-    assert startup["periodSeconds"] * startup["failureThreshold"] >= 600
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 1200
     assert "initialDelaySeconds" not in container["livenessProbe"]
     assert {"name": "IBCKPT_AGENT_DAEMONSET", "value": "ibckpt-agent"} in container["env"]
     mounts = {m["name"]: m for m in container["volumeMounts"]}
@@ -322,8 +323,12 @@ def test_the_agents_serve_tls_from_the_operators_secret_and_get_tokens_bound_to_
     objects = rendered_objects()
     agent = objects[("DaemonSet", "ibckpt-agent")]["spec"]["template"]["spec"]
     volumes = {v["name"]: v for v in agent["volumes"]}
-    # not optional: an agent pod waits until the operator has written it
-    assert volumes["agent-tls"]["secret"] == {"secretName": "ibckpt-agent-tls", "defaultMode": 0o400}
+    # optional: the agent starts before the operator has written it, and waits for its files
+    assert volumes["agent-tls"]["secret"] == {
+        "secretName": "ibckpt-agent-tls",
+        "defaultMode": 0o400,
+        "optional": True,
+    }
     container = agent["containers"][0]
     assert {"name": "agent-tls", "mountPath": "/etc/ibckpt/agent-tls", "readOnly": True} in container[
         "volumeMounts"

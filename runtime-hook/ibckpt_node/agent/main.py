@@ -39,6 +39,7 @@ from ibckpt_node.agent.disk import DEFAULT_KEEP_FAILED_S
 from ibckpt_node.agent.kubesecrets import KubeSecrets
 from ibckpt_node.agent.server import AgentServer
 from ibckpt_node.agent.servingcert import DEFAULT_DIR as DEFAULT_TLS_DIR
+from ibckpt_node.agent.servingcert import DEFAULT_WAIT_S as DEFAULT_TLS_WAIT_S
 from ibckpt_node.agent.servingcert import ServingCertificate
 from ibckpt_node.hook import install
 from ibckpt_node.nodesetup import host as nodehost
@@ -167,6 +168,14 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         help="the serving certificate (tls.crt, tls.key) and the operator's CA (ca.crt), as the chart "
         "mounts the operator's Secret (default: %(default)s)",
     )
+    parser.add_argument(
+        "--tls-wait",
+        type=float,
+        default=DEFAULT_TLS_WAIT_S,
+        metavar="SECONDS",
+        help="how long to wait for the certificate's files (the operator issues them once it leads) "
+        "before giving up (default: %(default)g)",
+    )
     parser.add_argument("--log-level", default=os.environ.get("IBCKPT_LOG_LEVEL", "info"))
     parser.add_argument(
         "--failpoints",
@@ -180,6 +189,8 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error("--address must be one of the node's addresses, not a wildcard")
     if args.disk_reserve_bytes < 0:
         parser.error("--disk-reserve-bytes must be 0 or more")
+    if args.tls_wait < 0:
+        parser.error("--tls-wait must be 0 or more seconds")
     if args.keep_failed_images < 0:
         parser.error("--keep-failed-images must be 0 or more seconds")
     if not args.allow:
@@ -220,6 +231,20 @@ async def keep_preparing(node: NodeLifecycle) -> None:
         await asyncio.sleep(RECHECK_S)
 
 
+async def certified(certificate: ServingCertificate, timeout_s: float, stop: asyncio.Event) -> bool:
+    """True once the certificate can be served, False if the agent is stopped first; TlsSetupError if
+    none came within timeout_s."""
+    waiting = asyncio.create_task(certificate.wait(timeout_s), name="certificate")
+    stopping = asyncio.create_task(stop.wait(), name="stop")
+    done, _ = await asyncio.wait({waiting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    if waiting not in done:
+        waiting.cancel()
+        return False
+    waiting.result()
+    return True
+
+
 async def serve(args: argparse.Namespace) -> None:
     host_dir = Path(args.host_dir)
     node = node_lifecycle(args) if args.node_setup else None
@@ -227,48 +252,52 @@ async def serve(args: argparse.Namespace) -> None:
         failpoints.enable(host_dir / "failpoints")
     shim = current_shim(args.prefix, Path(args.shim_source))
     lib_dir = Path(args.install_root) / f"{args.prefix}/lib/ibckpt".lstrip("/")
-    certificate = ServingCertificate(args.tls_dir)
-    certificate.context()  # TlsSetupError: no certificate to serve, said before anything starts
-    client_context_from(certificate.ca_file)  # nor a CA to trust the coordinator by
-    metrics = CollectorRegistry()
-    server = AgentServer(
-        node=args.node,
-        host=args.address,
-        port=args.port,
-        registry=ContainerRegistry(host_dir),
-        authenticator=Authenticator(
-            TokenReviewer.in_cluster(agent_audience(args.node)), frozenset(args.allow)
-        ),
-        tls=certificate.context,
-        coordinator_tls=lambda: client_context_from(certificate.ca_file),  # a renewed CA: the next connect
-        work_dir=host_dir,
-        shim_path=shim,
-        shim_present_path=Path(args.install_root) / shim.lstrip("/"),
-        shim_builds=lambda: install.installed_builds(lib_dir),
-        metrics=metrics,
-        secrets=KubeSecrets.in_cluster(),
-        keep_failed_images_s=args.keep_failed_images,
-        disk_reserve_bytes=args.disk_reserve_bytes,
-        pre_upload=args.pre_upload,
-        readiness=(lambda: (node.ready, node.reason)) if node else None,
-        image_keys=Path(args.image_keys) if args.image_keys else None,
-    )
-    if args.metrics_port:
-        start_http_server(args.metrics_port, addr=args.address, registry=metrics)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await server.start()
+    # The node's setup and the store's imports need no certificate: they overlap the operator's start.
     warm = asyncio.create_task(asyncio.to_thread(warm_store_imports), name="warm imports")
     preparing = asyncio.create_task(keep_preparing(node), name="node setup") if node else None
+    certificate = ServingCertificate(args.tls_dir)
+    server: AgentServer | None = None
     try:
+        if not await certified(certificate, args.tls_wait, stop):
+            return
+        client_context_from(certificate.ca_file)  # TlsSetupError: no CA to trust the coordinator by
+        metrics = CollectorRegistry()
+        server = AgentServer(
+            node=args.node,
+            host=args.address,
+            port=args.port,
+            registry=ContainerRegistry(host_dir),
+            authenticator=Authenticator(
+                TokenReviewer.in_cluster(agent_audience(args.node)), frozenset(args.allow)
+            ),
+            tls=certificate.context,
+            coordinator_tls=lambda: client_context_from(certificate.ca_file),  # a renewed CA: next connect
+            work_dir=host_dir,
+            shim_path=shim,
+            shim_present_path=Path(args.install_root) / shim.lstrip("/"),
+            shim_builds=lambda: install.installed_builds(lib_dir),
+            metrics=metrics,
+            secrets=KubeSecrets.in_cluster(),
+            keep_failed_images_s=args.keep_failed_images,
+            disk_reserve_bytes=args.disk_reserve_bytes,
+            pre_upload=args.pre_upload,
+            readiness=(lambda: (node.ready, node.reason)) if node else None,
+            image_keys=Path(args.image_keys) if args.image_keys else None,
+        )
+        if args.metrics_port:
+            start_http_server(args.metrics_port, addr=args.address, registry=metrics)
+        await server.start()
         await stop.wait()
     finally:
         log.info("stopping")
         if preparing:
             preparing.cancel()
-        await server.close(args.stop_timeout)
+        if server is not None:
+            await server.close(args.stop_timeout)
         await warm
         if node is not None and await asyncio.to_thread(node.uninstalling):
             log.info("the agent DaemonSet is gone: an uninstall; undoing what the agent did on the node")

@@ -1,13 +1,17 @@
 """The agent's serving certificate: the files of the Secret the chart mounts (made and renewed by the
 operator), served as they are now. The kubelet swaps a Secret volume's files when the Secret changes,
 so each new connection gets a context made from the current files, made again only when they changed;
-files that stop parsing leave the last good certificate in service (and say so in the log)."""
+files that stop parsing leave the last good certificate in service (and say so in the log). The volume
+is optional: an agent starts (installs, prepares its node) before the operator has made the Secret,
+and waits for its files, bounded, before it serves."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import ssl
+import time
 from pathlib import Path
 
 from ibckpt.tls import CA_FILE, CERT_FILE, KEY_FILE, TlsSetupError, server_context
@@ -15,6 +19,8 @@ from ibckpt.tls import CA_FILE, CERT_FILE, KEY_FILE, TlsSetupError, server_conte
 log = logging.getLogger(__name__)
 
 DEFAULT_DIR = Path("/etc/ibckpt/agent-tls")
+DEFAULT_WAIT_S = 1200.0  # the operator's first start took 6 min on a slow emulated node
+POLL_S = 2.0
 Stamp = tuple[tuple[int, int, int], ...]
 
 
@@ -53,3 +59,20 @@ class ServingCertificate:
             log.info("serving the renewed certificate from %s", self.directory)
         self._context, self._stamp = context, stamp
         return context
+
+    async def wait(self, timeout_s: float, poll_s: float = POLL_S) -> ssl.SSLContext:
+        """The first usable context, once the kubelet has put the Secret's files in the volume (it
+        syncs an optional volume about once a minute); TlsSetupError after timeout_s without one."""
+        deadline = time.monotonic() + timeout_s
+        said = False
+        while True:
+            try:
+                return self.context()
+            except TlsSetupError as exc:
+                if time.monotonic() >= deadline:
+                    waited = f"waited {timeout_s:g} s for the operator to issue it"
+                    raise TlsSetupError(f"{exc} ({waited})") from exc
+                if not said:
+                    log.info("waiting for the operator's certificate in %s: %s", self.directory, exc)
+                    said = True
+            await asyncio.sleep(poll_s)
