@@ -28,6 +28,7 @@ from pathlib import Path
 
 from testbed import images as image_builds
 from testbed.devices import NodesStalled, install_device_plugin
+from testbed.dns import install_cluster_dns
 from testbed.guest import GUEST_USER_ADDR, HERE, GuestPair, GuestSpec, cache_dir
 from testbed.kube import (
     KUBERNETES_SERVICE_IP,
@@ -222,7 +223,7 @@ def kubectl_ibckpt(
     )
 
 
-def _kubelet_config(node_dir: Path) -> str:
+def _kubelet_config(node_dir: Path, address: str) -> str:
     return f"""apiVersion: kubelet.config.k8s.io/v1beta1
 kind: KubeletConfiguration
 address: {GUEST_USER_ADDR}
@@ -246,6 +247,8 @@ imageGCHighThresholdPercent: 100
 imageGCLowThresholdPercent: 99
 serializeImagePulls: false
 clusterDomain: cluster.local
+# The testbed's cluster DNS (dns.py) serves on every node's own address.
+clusterDNS: [{address}]
 # A deleted pod's object went a minute or more after its containers and volumes were gone (the next
 # resync of its pod worker, which is syncFrequency, 1m by default); every restore of a pod of the same
 # name waits for that.
@@ -282,7 +285,7 @@ def _prepare_node(plane: ControlPlane, root: Path, index: int, store: Path) -> P
         user=f"system:node:{name}",
         cert=(node_dir / "client.crt", node_dir / "client.key"),
     )
-    (node_dir / "kubelet-config.yaml").write_text(_kubelet_config(node_dir))
+    (node_dir / "kubelet-config.yaml").write_text(_kubelet_config(node_dir, node_ip(index)))
     env = {
         "NODE_NAME": name,
         "NODE_IP": node_ip(index),
@@ -351,6 +354,7 @@ def start_cluster(
         cluster.wait_nodes_ready(may_reboot=NODE_NAMES)
         # Pods get a service account token only once the namespace's default account exists.
         cluster.kubectl("wait", "--for=condition=Ready", "node", "--all", "--timeout=60s")
+        install_cluster_dns(cluster)  # starts while the device plugin does; tests that resolve wait for it
         cluster.advertise_devices(may_reboot=NODE_NAMES)
         cluster.timings["device plugin"] = time.monotonic() - started
     except BaseException:

@@ -1,0 +1,227 @@
+"""The testbed's cluster DNS: the part CoreDNS (its kubernetes plugin) plays on a real cluster, spoken
+over DNS's own wire (RFC 1035, UDP and TCP) to the resolvers of the nodes' pods.
+
+It answers A queries for `SERVICE.NAMESPACE.svc.DOMAIN` from the apiserver: a Service's cluster IP, or
+for a headless one (clusterIP None) the addresses of its Endpoints. A name of the cluster's domain that
+names no Service gets NXDOMAIN; a name outside it REFUSED (the testbed has no upstream); other query
+types of a known name an empty answer. The kubelets point pods at it (clusterDNS: the node's address),
+so an agent with `dnsPolicy: ClusterFirstWithHostNet` resolves an in-cluster S3 Service's name as it
+would on a real cluster.
+
+Standalone on purpose, as rdma_device_plugin.py: it runs in the testbed's apps image from a ConfigMap and
+imports only the standard library.
+
+    python3 cluster_dns.py --address ADDR [--port 53] [--domain cluster.local]
+        [--api URL --token-file F --ca-file F]   (default: the pod's service account)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socketserver
+import ssl
+import struct
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+ACCOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
+TTL_S = 5
+TYPE_A = 1
+CLASS_IN = 1
+NOERROR, FORMERR, NXDOMAIN, NOTIMP, REFUSED = 0, 1, 3, 4, 5
+API_TIMEOUT_S = 5.0
+
+# what a lookup gives: None when the name does not exist, else the IPv4 addresses it has (maybe none)
+Lookup = Callable[[str], "list[str] | None"]
+
+
+class Query:
+    """The one question of a query, and what the answer must repeat of it."""
+
+    def __init__(self, ident: int, flags: int, name: str, qtype: int, qclass: int, question: bytes) -> None:
+        self.ident, self.flags, self.name, self.qtype, self.qclass = ident, flags, name, qtype, qclass
+        self.question = question  # the question's bytes as sent, echoed in the answer
+
+
+def parse(packet: bytes) -> Query | int | None:
+    """The query in packet; an rcode for one that can be answered only with an error; None when not even
+    its id can be read."""
+    if len(packet) < 12:
+        return None
+    ident, flags, qdcount = (int(v) for v in struct.unpack("!HHH", packet[:6]))
+    if flags & 0x8000:
+        return None  # a response: never answer one
+    if (flags >> 11) & 0xF != 0:
+        return NOTIMP << 16 | ident
+    if qdcount != 1:
+        return FORMERR << 16 | ident
+    labels: list[str] = []
+    at = 12
+    while True:
+        if at >= len(packet):
+            return FORMERR << 16 | ident
+        size = packet[at]
+        at += 1
+        if size == 0:
+            break
+        if size & 0xC0 or at + size > len(packet):
+            return FORMERR << 16 | ident  # no compression in a question we accept
+        labels.append(packet[at : at + size].decode("ascii", "replace").lower())
+        at += size
+    if at + 4 > len(packet):
+        return FORMERR << 16 | ident
+    qtype, qclass = (int(v) for v in struct.unpack("!HH", packet[at : at + 4]))
+    return Query(ident, flags, ".".join(labels), qtype, qclass, packet[12 : at + 4])
+
+
+def error_reply(ident: int, rcode: int) -> bytes:
+    return struct.pack("!HHHHHH", ident, 0x8000 | rcode, 0, 0, 0, 0)
+
+
+def answer(packet: bytes, lookup: Lookup, domain: str) -> bytes | None:
+    """The reply to one query packet (None: none is due)."""
+    query = parse(packet)
+    if query is None:
+        return None
+    if isinstance(query, int):
+        return error_reply(query & 0xFFFF, query >> 16)
+    recursion_desired = query.flags & 0x0100
+    in_zone = query.name == domain or query.name.endswith("." + domain)
+    addresses: list[str] = []
+    if not in_zone:
+        rcode = REFUSED
+    else:
+        found = lookup(query.name)
+        rcode, addresses = (NXDOMAIN, []) if found is None else (NOERROR, found)
+    if query.qtype != TYPE_A or query.qclass != CLASS_IN:
+        addresses = []
+    flags = 0x8000 | (0x0400 if in_zone else 0) | recursion_desired | rcode
+    out = [struct.pack("!HHHHHH", query.ident, flags, 1, len(addresses), 0, 0), query.question]
+    for address in addresses:
+        # the name: a pointer to the question's (offset 12)
+        out.append(struct.pack("!HHHIH", 0xC00C, TYPE_A, CLASS_IN, TTL_S, 4))
+        out.append(bytes(int(part) for part in address.split(".")))
+    return b"".join(out)
+
+
+class ApiServer:
+    """Services and Endpoints read from the apiserver, each answer kept TTL_S seconds."""
+
+    def __init__(self, url: str, token_file: str, ca_file: str) -> None:
+        self.url = url.rstrip("/")
+        self.token_file = token_file
+        self.context = ssl.create_default_context(cafile=ca_file)
+        self._cache: dict[str, tuple[float, Any]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, path: str) -> Any:
+        """The object at path, None when the apiserver says 404."""
+        with self._lock:
+            kept = self._cache.get(path)
+        if kept is not None and time.monotonic() - kept[0] < TTL_S:
+            return kept[1]
+        with open(self.token_file) as f:
+            token = f.read().strip()  # the kubelet rotates it: read it every time
+        request = urllib.request.Request(self.url + path, headers={"Authorization": f"Bearer {token}"})
+        try:
+            with urllib.request.urlopen(request, timeout=API_TIMEOUT_S, context=self.context) as reply:
+                found = json.load(reply)
+        except urllib.error.HTTPError as error:
+            if error.code != 404:
+                raise
+            found = None
+        with self._lock:
+            self._cache[path] = (time.monotonic(), found)
+        return found
+
+    def lookup(self, name: str, domain: str) -> list[str] | None:
+        labels = name.split(".")
+        zone = ["svc", *domain.split(".")]
+        if len(labels) != len(zone) + 2 or labels[2:] != zone:
+            return None
+        service, namespace = labels[0], labels[1]
+        found = self.get(f"/api/v1/namespaces/{namespace}/services/{service}")
+        if found is None:
+            return None
+        cluster_ip = found.get("spec", {}).get("clusterIP")
+        if cluster_ip and cluster_ip != "None":
+            return [str(cluster_ip)]
+        endpoints = self.get(f"/api/v1/namespaces/{namespace}/endpoints/{service}") or {}
+        return [
+            address["ip"]
+            for subset in endpoints.get("subsets") or []
+            for address in subset.get("addresses") or []
+        ]
+
+
+def serve(address: str, port: int, lookup: Lookup, domain: str) -> tuple[socketserver.BaseServer, ...]:
+    """UDP and TCP servers on address:port, each in a thread of its own; returns them (shutdown() stops)."""
+
+    def reply_to(packet: bytes) -> bytes | None:
+        try:
+            return answer(packet, lookup, domain)
+        except Exception as error:  # the apiserver unreachable, say: SERVFAIL, and say why in the log
+            print(f"cluster-dns: {error}", file=sys.stderr, flush=True)
+            query = parse(packet)
+            return error_reply(query.ident, 2) if isinstance(query, Query) else None
+
+    class Udp(socketserver.BaseRequestHandler):
+        def handle(self) -> None:
+            packet, sock = self.request
+            reply = reply_to(packet)
+            if reply is not None:
+                sock.sendto(reply, self.client_address)
+
+    class Tcp(socketserver.StreamRequestHandler):
+        def handle(self) -> None:
+            while True:
+                head = self.rfile.read(2)
+                if len(head) < 2:
+                    return
+                reply = reply_to(self.rfile.read(struct.unpack("!H", head)[0]))
+                if reply is None:
+                    return
+                self.wfile.write(struct.pack("!H", len(reply)) + reply)
+
+    class UdpServer(socketserver.ThreadingUDPServer):
+        daemon_threads = True
+
+    class TcpServer(socketserver.ThreadingTCPServer):
+        daemon_threads = True
+        allow_reuse_address = True
+
+    servers = (UdpServer((address, port), Udp), TcpServer((address, port), Tcp))
+    for server in servers:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    return servers
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--address", default=os.environ.get("NODE_IP", ""))
+    parser.add_argument("--port", type=int, default=53)
+    parser.add_argument("--domain", default="cluster.local")
+    host, port = os.environ.get("KUBERNETES_SERVICE_HOST", ""), os.environ.get("KUBERNETES_SERVICE_PORT", "")
+    parser.add_argument("--api", default=f"https://{host}:{port}")
+    parser.add_argument("--token-file", default=f"{ACCOUNT}/token")
+    parser.add_argument("--ca-file", default=f"{ACCOUNT}/ca.crt")
+    args = parser.parse_args(argv)
+    if not args.address:
+        parser.error("give --address (or $NODE_IP)")
+    api = ApiServer(args.api, args.token_file, args.ca_file)
+    domain = args.domain.lower().strip(".")
+    serve(args.address, args.port, lambda name: api.lookup(name, domain), domain)
+    print(f"cluster-dns: serving {domain} on {args.address}:{args.port}", flush=True)
+    while True:
+        time.sleep(3600)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
