@@ -14,9 +14,10 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,10 @@ class NodeSettings:
     # What a checkpoint's images must leave free on the node's disk (the agent's --disk-reserve-bytes):
     # the kubelet evicts pods below its own threshold, so the images may not take the last of it.
     disk_reserve_bytes: int = 0
+    # How many of the node's containers CRIU dumps at once (each CRIU is one process walking its own
+    # tree): one per CPU. In turn, a LeaveRunning checkpoint kept every container released until the
+    # node's last dump ended.
+    parallel_dumps: int = field(default_factory=lambda: os.cpu_count() or 1)
 
 
 @dataclass(frozen=True)
@@ -378,7 +383,10 @@ class NodeDriver:
 
     async def _dump_all(self, mode: Mode, images_root: Path) -> None:
         dump_s = self.timeouts.dump_seconds
-        await dump_all(self.trees, self.ranks, mode, images_root, dump_s, self.leases, self.report.images)
+        await dump_all(
+            self.trees, self.ranks, mode, images_root, dump_s, self.leases, self.report.images,
+            self.settings.parallel_dumps,
+        )  # fmt: skip
 
     async def _preflight(self, images_root: Path) -> None:
         """Refuse, before any rank is gated, what a checkpoint cannot carry, or what would not fit on

@@ -93,48 +93,75 @@ async def dump_all(
     dump_s: float,
     leases: RankLeases,
     dumped: dict[str, Path],
+    parallel: int = 1,
 ) -> None:
     """Dump every tree (each under images_root/NAME, with its manifest) or, without trees, every rank on
-    its own; `dumped` gets each rank's image dir."""
+    its own; `dumped` gets each rank's image dir. Up to `parallel` trees dump at once: each CRIU freezes
+    and walks its own tree, and a node's containers share nothing CRIU holds. After a failure no further
+    tree starts; the ones dumping end (each within dump_s) before the first error is raised."""
     options = criu.DumpOptions(leave_running=mode is not Mode.STOP)
     members = tree_members(trees, ranks)
-    for t in trees:  # one CRIU at a time: each freezes and walks a whole tree
-        images = images_root / t.name
-        if t.container is not None:
-            upper = container_runtime.upper_dir(t.root_pid)  # before Stop's dump ends the container
-            shm = container_runtime.shm_dir(t.container)
-            # what a restore must mount again (an old container's file is hashed: off the loop)
-            build = await asyncio.to_thread(container_runtime.shim_build, t.container)
-            dump = functools.partial(container_runtime.checkpoint, t.container)
+    slots = asyncio.Semaphore(max(1, parallel))
+    failed: list[Exception] = []
+
+    async def one(t: ProcessTree) -> None:
+        async with slots:
+            if failed:
+                return
             try:
-                async with leases.unrenewed_while_dumped(members[t.name]):
-                    await asyncio.to_thread(dump, images, options, dump_s)
-            except criu.CriuError as exc:
-                gone = [r.rank.key() for r in members[t.name] if process_gone(r.pid)]
-                why = f" (the process of {', '.join(gone)} is gone)" if gone else ""
-                raise CheckpointFailed(f"dump of container {t.name}{why} failed: {exc}") from exc
-            # after the dump: with Stop nothing writes any more (LeaveRunning: see docs/node-agent.md)
-            await asyncio.to_thread(container_runtime.save_rootfs_diff, upper, images)
-            await asyncio.to_thread(container_runtime.save_shm, shm, images)
-        else:
-            async with leases.unrenewed_while_dumped(members[t.name]):
-                await asyncio.to_thread(criu.dump, t.root_pid, images, options, dump_s)
-        manifest: dict[str, Any] = {
-            "root_pid": t.root_pid,
-            "ranks": [
-                {"key": r.rank.key(), "pid": r.pid, "control": str(r.control_path)} for r in members[t.name]
-            ],
-        }
-        if t.container is not None:  # the runtime restores it, with matching options
-            manifest["runtime"] = "runc"
-            manifest["restore_args"] = container_runtime.restore_args(options)
-            if build is not None:
-                manifest[SHIM_BUILD] = build
-        (images / TREE_MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+                await dump_tree(t, members[t.name], options, images_root / t.name, dump_s, leases)
+            except Exception as exc:  # a cancellation (the phase's timeout) goes through
+                failed.append(exc)
+                return
         for r in members[t.name]:
-            dumped[r.rank.key()] = images
+            dumped[r.rank.key()] = images_root / t.name
+
+    await asyncio.gather(*(one(t) for t in trees))
+    if failed:
+        raise failed[0]
     for r in [] if trees else ranks:  # with trees, preflight put every rank in one
         images = images_root / r.rank.key().replace("/", "_")
         async with leases.unrenewed_while_dumped([r]):
             await asyncio.to_thread(criu.dump, r.pid, images, options, dump_s)
         dumped[r.rank.key()] = images
+
+
+async def dump_tree(
+    t: ProcessTree,
+    members: Sequence[LocalRank],
+    options: criu.DumpOptions,
+    images: Path,
+    dump_s: float,
+    leases: RankLeases,
+) -> None:
+    """Dump one tree into images, with the manifest a restore reads (TREE_MANIFEST)."""
+    build = None
+    if t.container is not None:
+        upper = container_runtime.upper_dir(t.root_pid)  # before Stop's dump ends the container
+        shm = container_runtime.shm_dir(t.container)
+        # what a restore must mount again (an old container's file is hashed: off the loop)
+        build = await asyncio.to_thread(container_runtime.shim_build, t.container)
+        dump = functools.partial(container_runtime.checkpoint, t.container)
+        try:
+            async with leases.unrenewed_while_dumped(members):
+                await asyncio.to_thread(dump, images, options, dump_s)
+        except criu.CriuError as exc:
+            gone = [r.rank.key() for r in members if process_gone(r.pid)]
+            why = f" (the process of {', '.join(gone)} is gone)" if gone else ""
+            raise CheckpointFailed(f"dump of container {t.name}{why} failed: {exc}") from exc
+        # after the dump: with Stop nothing writes any more (LeaveRunning: see docs/node-agent.md)
+        await asyncio.to_thread(container_runtime.save_rootfs_diff, upper, images)
+        await asyncio.to_thread(container_runtime.save_shm, shm, images)
+    else:
+        async with leases.unrenewed_while_dumped(members):
+            await asyncio.to_thread(criu.dump, t.root_pid, images, options, dump_s)
+    manifest: dict[str, Any] = {
+        "root_pid": t.root_pid,
+        "ranks": [{"key": r.rank.key(), "pid": r.pid, "control": str(r.control_path)} for r in members],
+    }
+    if t.container is not None:  # the runtime restores it, with matching options
+        manifest["runtime"] = "runc"
+        manifest["restore_args"] = container_runtime.restore_args(options)
+        if build is not None:
+            manifest[SHIM_BUILD] = build
+    (images / TREE_MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")

@@ -1,0 +1,115 @@
+"""A node's trees dump side by side (trees.dump_all), up to a bound, and a failure stops the ones not
+started. The trees are real processes (their /proc is read); CRIU is replaced by a recorder that takes
+its time, since what is tested is the order of the dumps, not what CRIU writes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ibckpt.coordination.ranks import RankId
+from ibckpt.vocabulary import Mode
+from ibckpt_node import criu
+from ibckpt_node.driver import NodeSettings
+from ibckpt_node.leases import RankLeases
+from ibckpt_node.ranks import LocalRank
+from ibckpt_node.trees import TREE_MANIFEST, ProcessTree, dump_all
+
+
+class Recorder:
+    """Stands in for criu.dump: each call takes `seconds`, the ones in `failing` fail."""
+
+    def __init__(self, seconds: float, failing: frozenset[int] = frozenset()) -> None:
+        self.seconds = seconds
+        self.failing = failing
+        self.lock = threading.Lock()
+        self.running = 0
+        self.most = 0
+        self.spans: dict[int, tuple[float, float]] = {}
+
+    def __call__(self, pid: int, images: Path, options: criu.DumpOptions, timeout_s: float) -> None:
+        with self.lock:
+            self.running += 1
+            self.most = max(self.most, self.running)
+        began = time.monotonic()
+        time.sleep(self.seconds if pid not in self.failing else 0.05)
+        with self.lock:
+            self.running -= 1
+            self.spans[pid] = (began, time.monotonic())
+        if pid in self.failing:
+            raise criu.CriuError("dump", str(pid), "exit status 1", "(a dump that failed)")
+        images.mkdir(parents=True)
+
+
+@pytest.fixture
+def processes() -> Iterator[list[int]]:
+    started = [subprocess.Popen(["sleep", "60"]) for _ in range(3)]
+    try:
+        yield [p.pid for p in started]
+    finally:
+        for p in started:
+            p.kill()
+            p.wait()
+
+
+def run(pids: list[int], tmp_path: Path, parallel: int) -> tuple[dict[str, Path], list[LocalRank]]:
+    trees = [ProcessTree(f"pod-{i}.main", pid) for i, pid in enumerate(pids)]
+    ranks = [
+        LocalRank(RankId("job", f"pod-{i}", "main", "0"), pid, tmp_path / f"{i}.sock")
+        for i, pid in enumerate(pids)
+    ]
+    dumped: dict[str, Path] = {}
+    leases = RankLeases("node-x", ranks, 30.0, 5.0)
+    asyncio.run(
+        dump_all(trees, ranks, Mode.LEAVE_RUNNING, tmp_path / "images", 60.0, leases, dumped, parallel)
+    )
+    return dumped, ranks
+
+
+def test_trees_dump_side_by_side_up_to_the_bound(
+    processes: list[int], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    recorder = Recorder(0.5)
+    monkeypatch.setattr(criu, "dump", recorder)
+    started = time.monotonic()
+    dumped, ranks = run(processes, tmp_path, parallel=3)
+    assert recorder.most == 3 and time.monotonic() - started < 1.4  # not 3 x 0.5 s in turn
+    for i, r in enumerate(ranks):
+        images = tmp_path / "images" / f"pod-{i}.main"
+        assert dumped[r.rank.key()] == images
+        manifest = json.loads((images / TREE_MANIFEST).read_text())
+        assert manifest["root_pid"] == r.pid and [e["key"] for e in manifest["ranks"]] == [r.rank.key()]
+
+    bounded = Recorder(0.2)
+    monkeypatch.setattr(criu, "dump", bounded)
+    run(processes, tmp_path / "again", parallel=2)
+    assert bounded.most == 2 and len(bounded.spans) == 3
+    # one at a time, as the node did before
+    single = Recorder(0.1)
+    monkeypatch.setattr(criu, "dump", single)
+    run(processes, tmp_path / "single", parallel=1)
+    assert single.most == 1 and len(single.spans) == 3
+
+
+def test_after_a_failed_dump_no_other_starts_and_the_running_ones_end_first(
+    processes: list[int], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first, second, third = processes
+    recorder = Recorder(0.6, failing=frozenset({first}))
+    monkeypatch.setattr(criu, "dump", recorder)
+    with pytest.raises(criu.CriuError):
+        run(processes, tmp_path, parallel=2)
+    assert set(recorder.spans) == {first, second}  # the third never started
+    assert third not in recorder.spans and recorder.running == 0  # the second ended before the raise
+
+
+def test_a_node_dumps_as_many_trees_at_once_as_it_has_cpus() -> None:
+    assert NodeSettings().parallel_dumps == (os.cpu_count() or 1) >= 1
