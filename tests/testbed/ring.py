@@ -457,6 +457,20 @@ def diagnose(cluster: Cluster, namespace: str, product_ns: str = PRODUCT_NS) -> 
         "logs", "-n", product_ns, "-l", "app.kubernetes.io/component=agent", "--tail=1000", check=False
     ).stdout
     errors = _once(line for line in agents.splitlines() if " ERROR " in line or " WARNING " in line)
+    # an agent the kubelet restarted (a failed liveness probe) aborts its node's sessions: say so
+    product_events = cluster.kubectl(
+        "get", "events", "-n", product_ns, "--sort-by=.lastTimestamp", check=False
+    ).stdout  # fmt: skip
+    unhealthy = _once(
+        line
+        for line in product_events.splitlines()
+        if any(w in line for w in ("Unhealthy", "Killing", "BackOff"))
+    )
+    restarts = cluster.kubectl(
+        "get", "pods", "-n", product_ns, "-o",
+        "custom-columns=POD:.metadata.name,NODE:.spec.nodeName,RESTARTS:.status.containerStatuses[0].restartCount",
+        check=False,
+    ).stdout  # fmt: skip
     shims = []  # what the shim said in each of the namespace's pods (a rebuild's settle counts, say)
     found = cluster.kubectl("get", "pods", "-n", namespace, "-o", "name", check=False).stdout.split()
     for pod in found[:6]:
@@ -470,6 +484,7 @@ def diagnose(cluster: Cluster, namespace: str, product_ns: str = PRODUCT_NS) -> 
     ).stdout  # fmt: skip
     return (
         f"{events[-2500:]}\n{logs[-4000:]}\nagents' warnings and errors:\n{chr(10).join(errors)[-4000:]}\n"
+        f"product pods:\n{restarts[-1000:]}\nprobes and restarts:\n{chr(10).join(unhealthy)[-2000:]}\n"
         f"shims:\n{chr(10).join(shims)[-3000:]}\njobs, first to last:\n{outcomes[:2500]}"
     )
 
