@@ -358,14 +358,15 @@ async def run(agent: Agent, session: Session) -> None:
         for error in await asyncio.to_thread(lock.unlock):  # a failed restore lets them go too
             log.error("session %s: %s", request.session_id, error)
         if report.state is not api.SessionState.SUCCEEDED:
-            failed = restore_errors(planned, restore_dir)
+            failed = await asyncio.to_thread(restore_errors, planned, restore_dir)
             for line in failed:
                 log.error("session %s: %s", request.session_id, line)
             if failed:
                 report.message = f"{report.message}; {'; '.join(failed)}"[:4000]
         # staged images are used once (the restored container has read them) or not at all; a failed
         # or aborted download's are removed too (`planned` is known before anything is staged)
-        unstage(planned, restore_dir)
+        # off the loop: a large pod's pages take seconds to remove, and the probes wait on the loop
+        await asyncio.to_thread(unstage, planned, restore_dir)
         report.finished_at = time.time()
         log.info(
             "session %s: %s (%s) %s", request.session_id, report.state.value, report.phase, report.message
