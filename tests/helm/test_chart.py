@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import base64
 import json
-import secrets
 import time
 from datetime import datetime
-from typing import Any
 
 import pytest
 from helm.conftest import (
@@ -29,12 +27,10 @@ from helm.conftest import (
 )
 
 from ibckpt.agentapi import agent_audience
-from testbed import pods, ring
+from testbed import pods
 from testbed.cluster import NODE_NAMES, Cluster, node_ip
-from testbed.dns import wait_cluster_dns
 from testbed.images import PRODUCT_IMAGE
 from testbed.release import audience_token
-from testbed.s3 import S3Server
 
 # The first test pays for the session's cluster (an image rebuild and two node boots: 10+ min on a
 # loaded 2-core machine) and the install.
@@ -313,57 +309,3 @@ def test_the_agent_api_answers_only_the_operator(installed: Release) -> None:
     assert "may not use the node agent" in logs or "refused" in logs, logs[-2000:]
     for token in (t for per_node in tokens.values() for t in per_node.values()):
         assert token not in logs
-
-
-def test_a_storage_named_by_an_in_cluster_service_with_its_own_secret_is_reached(
-    installed: Release, s3_server: S3Server
-) -> None:
-    """An S3 endpoint given as a Service's name, as a team running its S3 in the cluster writes it (here a
-    headless Service whose Endpoints are the host's S3), with credentials in a Secret of the team's own
-    name. The operator (pod network) reaches the bucket through the name, and the agents, on their nodes'
-    network, resolve it through the cluster DNS (agent.dnsPolicy ClusterFirstWithHostNet) and connect."""
-    cluster = installed.cluster
-    wait_cluster_dns(cluster)
-    ns, secret = "team-dns", "team-dns-s3-keys"
-    host = f"s3.{ns}.svc.cluster.local"
-    port = int(s3_server.endpoint.rsplit(":", 1)[1])
-    bucket = f"dns-{secrets.token_hex(3)}"
-    s3_server.create_bucket(bucket)
-    pods.namespace(cluster, ns)
-    try:
-        cluster.kubectl(
-            "create", "secret", "generic", secret, "-n", ns,
-            f"--from-literal=AWS_ACCESS_KEY_ID={s3_server.access_key}",
-            f"--from-literal=AWS_SECRET_ACCESS_KEY={s3_server.secret_key}",
-        )  # fmt: skip
-        service: dict[str, Any] = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "s3"}}
-        service["spec"] = {"clusterIP": "None", "ports": [{"port": port}]}
-        endpoints: dict[str, Any] = {"apiVersion": "v1", "kind": "Endpoints", "metadata": {"name": "s3"}}
-        endpoints["subsets"] = [{"addresses": [{"ip": "10.0.2.100"}], "ports": [{"port": port}]}]
-        storage = ring.storage(s3_server.endpoint, bucket)
-        storage["spec"]["endpoint"] = f"http://{host}:{port}"
-        storage["spec"]["credentialsSecretRef"] = {"name": secret}
-        pods.apply(cluster, ns, service, endpoints, storage)
-
-        deadline = time.monotonic() + 300
-        ready: dict[str, str] = {}
-        while time.monotonic() < deadline:
-            status = pods.get(cluster, ns, "checkpointstorage", "store").get("status") or {}
-            ready = next((c for c in status.get("conditions") or () if c["type"] == "Ready"), {})
-            if ready.get("status") == "True":
-                break
-            time.sleep(3)
-        assert ready.get("status") == "True", ready
-
-        # what boto3 does first from the agent's network: getaddrinfo, then a connection
-        connect = (
-            f"import socket; print(socket.create_connection(({host!r}, {port}), timeout=20).getpeername()[0])"
-        )
-        for agent in installed.agent_pods():
-            name = agent["metadata"]["name"]
-            reached = cluster.kubectl("exec", "-n", NAMESPACE, name, "--", "python3", "-c", connect)
-            assert reached.stdout.strip() == "10.0.2.100", (name, reached.stdout, reached.stderr)
-            resolv = cluster.kubectl("exec", "-n", NAMESPACE, name, "--", "cat", "/etc/resolv.conf")
-            assert f"search {NAMESPACE}.svc.cluster.local" in resolv.stdout, resolv.stdout
-    finally:
-        pods.delete_namespace(cluster, ns)
