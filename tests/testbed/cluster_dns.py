@@ -2,9 +2,10 @@
 over DNS's own wire (RFC 1035, UDP and TCP) to the resolvers of the nodes' pods.
 
 It answers A queries for `SERVICE.NAMESPACE.svc.DOMAIN` from the apiserver: a Service's cluster IP, or
-for a headless one (clusterIP None) the addresses of its Endpoints. A name of the cluster's domain that
-names no Service gets NXDOMAIN; a name outside it REFUSED (the testbed has no upstream); other query
-types of a known name an empty answer. The kubelets point pods at it (clusterDNS: the node's address),
+for a headless one (clusterIP None) the addresses of its Endpoints. Any other name gets NXDOMAIN: the
+testbed has no upstream, and glibc ends a search list at a REFUSED (a pod's search domains are tried
+before the name itself, ndots 5) where it goes on after NXDOMAIN. Other query types of a known name get
+an empty answer. The kubelets point pods at it (clusterDNS: the node's address),
 so an agent with `dnsPolicy: ClusterFirstWithHostNet` resolves an in-cluster S3 Service's name as it
 would on a real cluster.
 
@@ -35,7 +36,7 @@ ACCOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
 TTL_S = 5
 TYPE_A = 1
 CLASS_IN = 1
-NOERROR, FORMERR, NXDOMAIN, NOTIMP, REFUSED = 0, 1, 3, 4, 5
+NOERROR, FORMERR, NXDOMAIN, NOTIMP = 0, 1, 3, 4
 API_TIMEOUT_S = 5.0
 
 # what a lookup gives: None when the name does not exist, else the IPv4 addresses it has (maybe none)
@@ -96,7 +97,7 @@ def answer(packet: bytes, lookup: Lookup, domain: str) -> bytes | None:
     in_zone = query.name == domain or query.name.endswith("." + domain)
     addresses: list[str] = []
     if not in_zone:
-        rcode = REFUSED
+        rcode = NXDOMAIN  # what CoreDNS's upstream would say of a name nobody has
     else:
         found = lookup(query.name)
         rcode, addresses = (NXDOMAIN, []) if found is None else (NOERROR, found)
