@@ -38,6 +38,7 @@ TYPE_A = 1
 CLASS_IN = 1
 NOERROR, FORMERR, NXDOMAIN, NOTIMP = 0, 1, 3, 4
 API_TIMEOUT_S = 5.0
+REFRESH_S = 2.0
 
 # what a lookup gives: None when the name does not exist, else the IPv4 addresses it has (maybe none)
 Lookup = Callable[[str], "list[str] | None"]
@@ -113,53 +114,67 @@ def answer(packet: bytes, lookup: Lookup, domain: str) -> bytes | None:
 
 
 class ApiServer:
-    """Services and Endpoints read from the apiserver, each answer kept TTL_S seconds."""
+    """Every Service and Endpoints of the cluster, listed again every REFRESH_S seconds in a thread of its
+    own (as CoreDNS keeps its informers' caches): a query is answered from memory. Asking the apiserver
+    per query took longer than the resolver's 5 s on the emulated nodes, and lookups failed."""
 
     def __init__(self, url: str, token_file: str, ca_file: str) -> None:
         self.url = url.rstrip("/")
         self.token_file = token_file
         self.context = ssl.create_default_context(cafile=ca_file)
-        self._cache: dict[str, tuple[float, Any]] = {}
-        self._lock = threading.Lock()
+        self._records: dict[tuple[str, str], list[str]] = {}  # (namespace, service) -> addresses
+        self._listed = threading.Event()
+        self._stopped = threading.Event()
 
     def get(self, path: str) -> Any:
-        """The object at path, None when the apiserver says 404."""
-        with self._lock:
-            kept = self._cache.get(path)
-        if kept is not None and time.monotonic() - kept[0] < TTL_S:
-            return kept[1]
         with open(self.token_file) as f:
             token = f.read().strip()  # the kubelet rotates it: read it every time
         request = urllib.request.Request(self.url + path, headers={"Authorization": f"Bearer {token}"})
-        try:
-            with urllib.request.urlopen(request, timeout=API_TIMEOUT_S, context=self.context) as reply:
-                found = json.load(reply)
-        except urllib.error.HTTPError as error:
-            if error.code != 404:
-                raise
-            found = None
-        with self._lock:
-            self._cache[path] = (time.monotonic(), found)
-        return found
+        with urllib.request.urlopen(request, timeout=API_TIMEOUT_S, context=self.context) as reply:
+            return json.load(reply)
+
+    def refresh(self) -> None:
+        """List Services and Endpoints once and replace the records."""
+        services = self.get("/api/v1/services")["items"]
+        endpoints = {
+            (e["metadata"]["namespace"], e["metadata"]["name"]): e
+            for e in self.get("/api/v1/endpoints")["items"]
+        }
+        records: dict[tuple[str, str], list[str]] = {}
+        for service in services:
+            key = (service["metadata"]["namespace"], service["metadata"]["name"])
+            cluster_ip = (service.get("spec") or {}).get("clusterIP")
+            if cluster_ip and cluster_ip != "None":
+                records[key] = [str(cluster_ip)]
+                continue
+            subsets = (endpoints.get(key) or {}).get("subsets") or []
+            records[key] = [a["ip"] for subset in subsets for a in subset.get("addresses") or []]
+        self._records = records  # one assignment: a query sees the old records or the new ones
+        self._listed.set()
+
+    def keep_listing(self) -> None:
+        """refresh() every REFRESH_S until stop(); a failure is said and retried."""
+        while not self._stopped.is_set():
+            try:
+                self.refresh()
+            except Exception as error:
+                print(f"cluster-dns: listing Services and Endpoints: {error}", file=sys.stderr, flush=True)
+            self._stopped.wait(REFRESH_S)
+
+    def start(self) -> None:
+        threading.Thread(target=self.keep_listing, daemon=True).start()
+
+    def stop(self) -> None:
+        self._stopped.set()
 
     def lookup(self, name: str, domain: str) -> list[str] | None:
         labels = name.split(".")
         zone = ["svc", *domain.split(".")]
         if len(labels) != len(zone) + 2 or labels[2:] != zone:
             return None
-        service, namespace = labels[0], labels[1]
-        found = self.get(f"/api/v1/namespaces/{namespace}/services/{service}")
-        if found is None:
-            return None
-        cluster_ip = found.get("spec", {}).get("clusterIP")
-        if cluster_ip and cluster_ip != "None":
-            return [str(cluster_ip)]
-        endpoints = self.get(f"/api/v1/namespaces/{namespace}/endpoints/{service}") or {}
-        return [
-            address["ip"]
-            for subset in endpoints.get("subsets") or []
-            for address in subset.get("addresses") or []
-        ]
+        if not self._listed.wait(API_TIMEOUT_S):
+            raise RuntimeError("no list of the Services yet")  # SERVFAIL: the resolver tries again
+        return self._records.get((labels[1], labels[0]))
 
 
 def serve(address: str, port: int, lookup: Lookup, domain: str) -> tuple[socketserver.BaseServer, ...]:
@@ -217,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.address:
         parser.error("give --address (or $NODE_IP)")
     api = ApiServer(args.api, args.token_file, args.ca_file)
+    api.start()
     domain = args.domain.lower().strip(".")
     serve(args.address, args.port, lambda name: api.lookup(name, domain), domain)
     print(f"cluster-dns: serving {domain} on {args.address}:{args.port}", flush=True)

@@ -30,7 +30,7 @@ def dns_objects() -> list[dict[str, Any]]:
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "ClusterRole",
         "metadata": {"name": DNS_NAME},
-        "rules": [{"apiGroups": [""], "resources": ["services", "endpoints"], "verbs": ["get"]}],
+        "rules": [{"apiGroups": [""], "resources": ["services", "endpoints"], "verbs": ["list"]}],
     }
     binding = {
         "apiVersion": "rbac.authorization.k8s.io/v1",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -59,11 +60,13 @@ def dns(kube: ControlPlane, tmp_path: Path) -> Iterator[int]:
     token = tmp_path / "token"
     token.write_text(kube.token)
     api = cluster_dns.ApiServer(kube.url, str(token), str(kube.ca_file))
+    api.start()
     port = free_port()
     servers = cluster_dns.serve("127.0.0.1", port, lambda name: api.lookup(name, DOMAIN), DOMAIN)
     try:
         yield port
     finally:
+        api.stop()
         for server in servers:
             server.shutdown()
             server.server_close()
@@ -89,6 +92,9 @@ def test_services_resolve_as_a_pods_resolver_asks_and_other_names_do_not(kube_ap
         )
         core.create_namespaced_service(ns, {"metadata": {"name": "web"}, "spec": {"ports": [{"port": 80}]}})
         web_ip = core.read_namespaced_service("web", ns).spec.cluster_ip
+        deadline = time.monotonic() + 20  # the next listing knows them
+        while reply_of(ask_udp(dns, query(f"web.{ns}.svc.{DOMAIN}")))[0] != 0 and time.monotonic() < deadline:
+            time.sleep(0.2)
 
         assert reply_of(ask_udp(dns, query(f"s3.{ns}.svc.{DOMAIN}"))) == (0, ["10.0.2.100"])
         assert reply_of(ask_tcp(dns, query(f"S3.{ns.upper()}.svc.{DOMAIN}"))) == (0, ["10.0.2.100"])
