@@ -59,9 +59,19 @@ def test_a_storage_named_by_an_in_cluster_service_with_its_own_secret_is_reached
         assert ready.get("status") == "True", (ready, dns_log(installed))
 
         # what boto3 does first from the agent's network: getaddrinfo, then a connection
-        connect = (
-            f"import socket; print(socket.create_connection(({host!r}, {port}), timeout=20).getpeername()[0])"
-        )
+        # as botocore would: a failed name lookup or connection is tried again, here for up to a minute
+        connect = "\n".join([
+            "import socket, time",
+            "deadline = time.monotonic() + 60",
+            "while True:",
+            "    try:",
+            f"        print(socket.create_connection(({host!r}, {port}), timeout=20).getpeername()[0])",
+            "        break",
+            "    except OSError:",
+            "        if time.monotonic() > deadline:",
+            "            raise",
+            "        time.sleep(2)",
+        ])  # fmt: skip
         for agent in installed.agent_pods():
             name = agent["metadata"]["name"]
             resolv = cluster.kubectl(
