@@ -17,7 +17,7 @@ from testbed.s3 import S3Server, start_s3, stop_s3
 
 pytest_plugins = ["testbed.pytest_guest", "testbed.budget"]
 
-FIRST_CLUSTER_TEST_TIMEOUT_S = 1800
+CLUSTER_SETUP_S = 1500
 
 
 def _order(item: pytest.Item) -> tuple[int, int]:
@@ -42,8 +42,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     first_cluster = next((item for item in items if item.get_closest_marker("cluster")), None)
     if first_cluster is not None:
         # Its setup boots the guests (4-5 min) and installs the chart, which waits for the operator to
-        # lead (up to 10 min on a slow day): more than the 900 s a test may otherwise take.
-        first_cluster.add_marker(pytest.mark.timeout(FIRST_CLUSTER_TEST_TIMEOUT_S))
+        # lead (16 min in all on a loaded day): that time on top of what the test itself may take.
+        own = first_cluster.get_closest_marker("timeout")
+        limit = float(own.args[0]) if own and own.args else float(first_cluster.config.getini("timeout"))
+        first_cluster.add_marker(pytest.mark.timeout(limit + CLUSTER_SETUP_S))
 
 
 @pytest.fixture(scope="session")
