@@ -25,8 +25,23 @@ def rdma_resources() -> dict[str, Any]:
     return {"limits": {RDMA_RESOURCE: "1"}, "requests": {RDMA_RESOURCE: "1"}}
 
 
+def node_daemonset(name: str, namespace: str, pod: dict[str, Any]) -> dict[str, Any]:
+    """A DaemonSet of the testbed's vendor parts: one pod on every node, on the node's network, on
+    tainted nodes too, gone at once when deleted."""
+    labels = {"app": name}
+    spec = {"hostNetwork": True, "tolerations": [{"operator": "Exists"}], "terminationGracePeriodSeconds": 1}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "DaemonSet",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {
+            "selector": {"matchLabels": labels},
+            "template": {"metadata": {"labels": labels}, "spec": {**spec, **pod}},
+        },
+    }
+
+
 def plugin_objects() -> list[dict[str, Any]]:
-    labels = {"app": PLUGIN_NAME}
     script = {
         "apiVersion": "v1",
         "kind": "ConfigMap",
@@ -34,42 +49,29 @@ def plugin_objects() -> list[dict[str, Any]]:
         "data": {"plugin.py": _SCRIPT.read_text()},
     }
     host = {"/var/lib/kubelet/device-plugins": "plugins", "/dev/infiniband": "infiniband"}
-    daemonset = {
-        "apiVersion": "apps/v1",
-        "kind": "DaemonSet",
-        "metadata": {"name": PLUGIN_NAME, "namespace": PLUGIN_NS},
-        "spec": {
-            "selector": {"matchLabels": labels},
-            "template": {
-                "metadata": {"labels": labels},
-                "spec": {
-                    "hostNetwork": True,
-                    "tolerations": [{"operator": "Exists"}],
-                    "terminationGracePeriodSeconds": 1,
-                    "automountServiceAccountToken": False,
-                    "containers": [
-                        {
-                            "name": "plugin",
-                            "image": APPS_IMAGE,
-                            "imagePullPolicy": "Never",
-                            "command": ["python3", "-u", "/plugin/plugin.py"],
-                            # A vendor's device plugin reads the node's devices: it is privileged, the
-                            # RDMA pods it serves are not.
-                            "securityContext": {"privileged": True},
-                            "volumeMounts": [
-                                {"name": "script", "mountPath": "/plugin"},
-                                *({"name": n, "mountPath": p} for p, n in host.items()),
-                            ],
-                        }
-                    ],
-                    "volumes": [
-                        {"name": "script", "configMap": {"name": PLUGIN_NAME}},
-                        *({"name": n, "hostPath": {"path": p}} for p, n in host.items()),
-                    ],
-                },
-            },
-        },
+    pod = {
+        "automountServiceAccountToken": False,
+        "containers": [
+            {
+                "name": "plugin",
+                "image": APPS_IMAGE,
+                "imagePullPolicy": "Never",
+                "command": ["python3", "-u", "/plugin/plugin.py"],
+                # A vendor's device plugin reads the node's devices: it is privileged, the
+                # RDMA pods it serves are not.
+                "securityContext": {"privileged": True},
+                "volumeMounts": [
+                    {"name": "script", "mountPath": "/plugin"},
+                    *({"name": n, "mountPath": p} for p, n in host.items()),
+                ],
+            }
+        ],
+        "volumes": [
+            {"name": "script", "configMap": {"name": PLUGIN_NAME}},
+            *({"name": n, "hostPath": {"path": p}} for p, n in host.items()),
+        ],
     }
+    daemonset = node_daemonset(PLUGIN_NAME, PLUGIN_NS, pod)
     return [script, daemonset]
 
 

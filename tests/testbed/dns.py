@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from testbed.devices import node_daemonset
 from testbed.images import APPS_IMAGE
 
 if TYPE_CHECKING:
@@ -19,7 +20,6 @@ _SCRIPT = Path(__file__).with_name("cluster_dns.py")
 
 
 def dns_objects() -> list[dict[str, Any]]:
-    labels = {"app": DNS_NAME}
     meta = {"name": DNS_NAME, "namespace": DNS_NS}
     script = {
         "apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": {"dns.py": _SCRIPT.read_text()}
@@ -39,38 +39,23 @@ def dns_objects() -> list[dict[str, Any]]:
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": DNS_NAME},
         "subjects": [{"kind": "ServiceAccount", "name": DNS_NAME, "namespace": DNS_NS}],
     }
-    daemonset = {
-        "apiVersion": "apps/v1",
-        "kind": "DaemonSet",
-        "metadata": meta,
-        "spec": {
-            "selector": {"matchLabels": labels},
-            "template": {
-                "metadata": {"labels": labels},
-                "spec": {
-                    "hostNetwork": True,
-                    "serviceAccountName": DNS_NAME,
-                    "tolerations": [{"operator": "Exists"}],
-                    "terminationGracePeriodSeconds": 1,
-                    "containers": [
-                        {
-                            "name": "dns",
-                            "image": APPS_IMAGE,
-                            "imagePullPolicy": "Never",
-                            "command": ["python3", "-u", "/dns/dns.py"],
-                            "env": [
-                                {"name": "NODE_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.hostIP"}}}
-                            ],
-                            # port 53 only: it reads the API with its own account
-                            "securityContext": {"capabilities": {"add": ["NET_BIND_SERVICE"]}},
-                            "volumeMounts": [{"name": "script", "mountPath": "/dns"}],
-                        }
-                    ],
-                    "volumes": [{"name": "script", "configMap": {"name": DNS_NAME}}],
-                },
-            },
-        },
+    pod = {
+        "serviceAccountName": DNS_NAME,
+        "containers": [
+            {
+                "name": "dns",
+                "image": APPS_IMAGE,
+                "imagePullPolicy": "Never",
+                "command": ["python3", "-u", "/dns/dns.py"],
+                "env": [{"name": "NODE_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.hostIP"}}}],
+                # port 53 only: it reads the API with its own account
+                "securityContext": {"capabilities": {"add": ["NET_BIND_SERVICE"]}},
+                "volumeMounts": [{"name": "script", "mountPath": "/dns"}],
+            }
+        ],
+        "volumes": [{"name": "script", "configMap": {"name": DNS_NAME}}],
     }
+    daemonset = node_daemonset(DNS_NAME, DNS_NS, pod)
     return [script, account, role, binding, daemonset]
 
 
