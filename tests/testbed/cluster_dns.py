@@ -38,7 +38,8 @@ TYPE_A = 1
 CLASS_IN = 1
 NOERROR, FORMERR, NXDOMAIN, NOTIMP = 0, 1, 3, 4
 API_TIMEOUT_S = 5.0
-REFRESH_S = 2.0
+REFRESH_S = 30.0  # idle: a listing costs the emulated node's CPU
+MISS_REFRESH_S = 1.0  # a name not listed lists again, at most this often
 
 # what a lookup gives: None when the name does not exist, else the IPv4 addresses it has (maybe none)
 Lookup = Callable[[str], "list[str] | None"]
@@ -115,7 +116,8 @@ def answer(packet: bytes, lookup: Lookup, domain: str) -> bytes | None:
 
 class ApiServer:
     """Every Service and Endpoints of the cluster, listed again every REFRESH_S seconds in a thread of its
-    own (as CoreDNS keeps its informers' caches): a query is answered from memory. Asking the apiserver
+    own (as CoreDNS keeps its informers' caches), and at once when a Service name is not in the list: a
+    query is answered from memory. Asking the apiserver
     per query took longer than the resolver's 5 s on the emulated nodes, and lookups failed."""
 
     def __init__(self, url: str, token_file: str, ca_file: str) -> None:
@@ -125,6 +127,8 @@ class ApiServer:
         self._records: dict[tuple[str, str], list[str]] = {}  # (namespace, service) -> addresses
         self._listed = threading.Event()
         self._stopped = threading.Event()
+        self._refreshing = threading.Lock()
+        self._listed_at = 0.0
 
     def get(self, path: str) -> Any:
         with open(self.token_file) as f:
@@ -133,8 +137,15 @@ class ApiServer:
         with urllib.request.urlopen(request, timeout=API_TIMEOUT_S, context=self.context) as reply:
             return json.load(reply)
 
-    def refresh(self) -> None:
-        """List Services and Endpoints once and replace the records."""
+    def refresh(self, unless_since: float | None = None) -> None:
+        """List Services and Endpoints once and replace the records; not again if a listing that started
+        after `unless_since` ended meanwhile (the A and AAAA queries of one lookup miss together)."""
+        with self._refreshing:
+            if unless_since is None or self._listed_at < unless_since:
+                self._refresh()
+
+    def _refresh(self) -> None:
+        started = time.monotonic()
         services = self.get("/api/v1/services")["items"]
         endpoints = {
             (e["metadata"]["namespace"], e["metadata"]["name"]): e
@@ -150,6 +161,7 @@ class ApiServer:
             subsets = (endpoints.get(key) or {}).get("subsets") or []
             records[key] = [a["ip"] for subset in subsets for a in subset.get("addresses") or []]
         self._records = records  # one assignment: a query sees the old records or the new ones
+        self._listed_at = started
         self._listed.set()
 
     def keep_listing(self) -> None:
@@ -174,7 +186,11 @@ class ApiServer:
             return None
         if not self._listed.wait(API_TIMEOUT_S):
             raise RuntimeError("no list of the Services yet")  # SERVFAIL: the resolver tries again
-        return self._records.get((labels[1], labels[0]))
+        key = (labels[1], labels[0])
+        asked = time.monotonic()
+        if key not in self._records and asked - self._listed_at > MISS_REFRESH_S:
+            self.refresh(unless_since=asked - MISS_REFRESH_S)  # a Service made since the last listing
+        return self._records.get(key)
 
 
 def serve(address: str, port: int, lookup: Lookup, domain: str) -> tuple[socketserver.BaseServer, ...]:
