@@ -105,16 +105,17 @@ async def dump_all(
     failed: list[Exception] = []
 
     async def one(t: ProcessTree) -> None:
+        images = images_root / t.name
         async with slots:
             if failed:
                 return
             try:
-                await dump_tree(t, members[t.name], options, images_root / t.name, dump_s, leases)
+                await dump_tree(t, members[t.name], options, images, dump_s, leases)
             except Exception as exc:  # a cancellation (the phase's timeout) goes through
                 failed.append(exc)
                 return
         for r in members[t.name]:
-            dumped[r.rank.key()] = images_root / t.name
+            dumped[r.rank.key()] = images
 
     await asyncio.gather(*(one(t) for t in trees))
     if failed:

@@ -12,7 +12,7 @@ import pytest
 from helm.conftest import NAMESPACE, Release
 
 from testbed import pods, ring
-from testbed.dns import wait_cluster_dns
+from testbed.dns import DNS_NAME, DNS_NS, wait_cluster_dns
 from testbed.s3 import S3Server
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900), pytest.mark.budget(minutes=5)]
@@ -89,7 +89,5 @@ def test_a_storage_named_by_an_in_cluster_service_with_its_own_secret_is_reached
 
 def dns_log(installed: Release) -> str:
     """What the testbed's DNS said (its errors: the apiserver out of reach, say)."""
-    logs = installed.cluster.kubectl(
-        "logs", "-n", "kube-system", "-l", "app=testbed-cluster-dns", check=False
-    )
+    logs = installed.cluster.kubectl("logs", "-n", DNS_NS, "-l", f"app={DNS_NAME}", check=False)
     return (logs.stdout + logs.stderr)[-2000:]

@@ -27,7 +27,6 @@ import struct
 import sys
 import threading
 import time
-import urllib.error
 import urllib.request
 from collections.abc import Callable
 from typing import Any
@@ -36,7 +35,7 @@ ACCOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
 TTL_S = 5
 TYPE_A = 1
 CLASS_IN = 1
-NOERROR, FORMERR, NXDOMAIN, NOTIMP = 0, 1, 3, 4
+NOERROR, FORMERR, SERVFAIL, NXDOMAIN, NOTIMP = 0, 1, 2, 3, 4
 API_TIMEOUT_S = 5.0
 REFRESH_S = 30.0  # idle: a listing costs the emulated node's CPU
 MISS_REFRESH_S = 1.0  # a name not listed lists again, at most this often
@@ -202,7 +201,7 @@ def serve(address: str, port: int, lookup: Lookup, domain: str) -> tuple[sockets
         except Exception as error:  # the apiserver unreachable, say: SERVFAIL, and say why in the log
             print(f"cluster-dns: {error}", file=sys.stderr, flush=True)
             query = parse(packet)
-            return error_reply(query.ident, 2) if isinstance(query, Query) else None
+            return error_reply(query.ident, SERVFAIL) if isinstance(query, Query) else None
 
     class Udp(socketserver.BaseRequestHandler):
         def handle(self) -> None:
