@@ -389,7 +389,12 @@ def test_a_restart_amid_an_agent_rollout_waits_for_the_next_agent_to_resume_the_
     with operator():
         time.sleep(4)  # the new operator has found no agent on node-a by now
         assert not a.aborts
-        cluster_ns.agent_pod("node-a", a.host)  # the DaemonSet's next pod
+        # the DaemonSet's next pod, first Pending with no address: nothing can be sent to it yet
+        cluster_ns.agent_pod("node-a", "", ready=False)
+        time.sleep(2)
+        assert not a.aborts
+        status = {"phase": "Running", "podIP": a.host, "conditions": [{"type": "Ready", "status": "True"}]}
+        core.patch_namespaced_pod_status("agent-node-a", OPERATOR_NS, {"status": status})
         after = cluster_ns.wait(JOBS, "rolled", phase("Failed"))
     assert after["status"]["reason"] == "OperatorRestarted", after["status"]
     assert [s for s, _ in a.aborts] == [session] and len(a.rejoins) == 1, a.aborts

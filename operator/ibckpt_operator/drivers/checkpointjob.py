@@ -440,11 +440,11 @@ class CheckpointJobDriver(CheckpointStoreDriver):
 
         report: SessionReport | None = None
         for turn in range(ABORT_TURNS):
-            agent = agent or await self._next_agent(node)
+            agent = agent if agent is not None and agent.host else await self._next_agent(node)
             if agent is None:
                 return failed("AgentUnreachable", f"no ibckpt agent on node {node} to resume it")
             try:
-                report = await self._send_abort(agent, session_id, rejoin)
+                report, agent = await self._send_abort(agent, session_id, rejoin)
             except AgentError as error:
                 return failed("AgentUnreachable", f"node {node}: {error}")
             if report is None or report.state.finished:
@@ -473,26 +473,33 @@ class CheckpointJobDriver(CheckpointStoreDriver):
         without an agent pod for a moment, and its released ranks come back only through the next."""
         asked = time.monotonic()
         while time.monotonic() - asked <= current().agent_unreachable_seconds:
-            agent = (await agents_by_node(self.rt.kube)).get(node)
+            agent = await self._agent_with_address(node)
             if agent is not None:
                 return agent
             await asyncio.sleep(current().poll_seconds)
         return None
 
+    async def _agent_with_address(self, node: str) -> Agent | None:
+        """The node's agent pod once it has an address: a pod just made by its DaemonSet has none yet."""
+        agent = (await agents_by_node(self.rt.kube)).get(node)
+        return agent if agent is not None and agent.host else None
+
     async def _send_abort(
         self, agent: Agent, session_id: str, rejoin: tuple[str, str] | None
-    ) -> SessionReport | None:
+    ) -> tuple[SessionReport | None, Agent]:
         """The abort, retried while the agent is silent or stopping (503): one that is restarting (it
         crashed, or a rollout replaces it) answers again soon, and brings back what its predecessor
-        left. Raises AgentError once it has been silent for as long as a session's poll may be, or at
-        once on another error it answered."""
+        left. Each retry goes to the node's current agent pod (a replaced one has a new address). Raises
+        AgentError once the node's agent has been silent for as long as a session's poll may be, or at
+        once on another error it answered. Returns the report and the agent that answered."""
         reason = (self.state.message if self.state else None) or "aborted by the operator"
         asked = time.monotonic()
         while True:
             try:
-                return await self.rt.gateway.abort(agent, session_id, reason[:1000], rejoin)
+                return await self.rt.gateway.abort(agent, session_id, reason[:1000], rejoin), agent
             except AgentError as error:
                 answered = error.status not in (0, 503)
                 if answered or time.monotonic() - asked > current().agent_unreachable_seconds:
                     raise
                 await asyncio.sleep(current().poll_seconds)
+                agent = await self._agent_with_address(agent.node) or agent
