@@ -33,6 +33,14 @@ int ibk_do_itimer(long which, long long us, char *out, size_t len);
  * it (the control protocol's drain takes another value) */
 #define IBK_DRAIN_STALL_MS 20
 
+/* redirty.c: at release, a CPU write to each page the device may have
+ * written, so a dump after a pre-dump copies it again */
+struct ibk_redirty {
+	size_t pages;        /* touched */
+	size_t missed_bytes; /* in MRs the device may write, not writable now */
+};
+void ibk_redirty_mrs(struct ibk_redirty *out);
+
 /* report.c: the status report's walks over the objects */
 void ibk_report_qps(char *out, size_t len);
 void ibk_report_identity(char *out, size_t len);

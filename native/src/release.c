@@ -268,6 +268,7 @@ int ibk_do_release(int timeout_ms, int quiet_only, char *out, size_t len)
 	long t0 = ibk_ms_now(), t_flushed, t_destroyed;
 	struct ibk_ctx *ctx;
 	int errs = 0, fds, maps, late = 0, unflushed = 0, settled = 0, cm_detached;
+	struct ibk_redirty redirty;
 
 	if (ibk_phase_cur != IBK_DRAINED) {
 		ibk_report_begin(out, len, "release", 0, t0);
@@ -287,6 +288,7 @@ int ibk_do_release(int timeout_ms, int quiet_only, char *out, size_t len)
 	t_flushed = ibk_ms_now();
 	FOR_EACH_CTX(ctx)
 	errs += release_destroy(ctx);
+	ibk_redirty_mrs(&redirty); /* no QP is left to write them */
 	pthread_mutex_unlock(&ibk_ctx_lock);
 	cm_detached = ibk_cm_release();
 	t_destroyed = ibk_ms_now();
@@ -295,8 +297,10 @@ int ibk_do_release(int timeout_ms, int quiet_only, char *out, size_t len)
 	ibk_report_begin(out, len, "release", errs == 0 && fds == 0 && maps == 0, t0);
 	ibk_jcat(out, len,
 	     ",\"late_completions\":%d,\"settled\":%s,\"flush_ms\":%ld,\"destroy_ms\":%ld,\"errors\":%d,"
-	     "\"device_fds\":%d,\"device_maps\":%d,\"cm_detached\":%d,",
-	     late, settled ? "true" : "false", t_flushed - t0, t_destroyed - t_flushed, errs, fds, maps, cm_detached);
+	     "\"device_fds\":%d,\"device_maps\":%d,\"cm_detached\":%d,\"redirtied_pages\":%zu,"
+	     "\"redirty_missed_bytes\":%zu,",
+	     late, settled ? "true" : "false", t_flushed - t0, t_destroyed - t_flushed, errs, fds, maps, cm_detached,
+	     redirty.pages, redirty.missed_bytes);
 	pthread_mutex_lock(&ibk_ctx_lock);
 	ibk_report_qps(out, len);
 	pthread_mutex_unlock(&ibk_ctx_lock);

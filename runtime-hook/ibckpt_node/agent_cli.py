@@ -100,7 +100,7 @@ async def _run(args: argparse.Namespace, drivers: list[NodeDriver]) -> NodeRepor
                     client,
                     local,
                     timeouts=PhaseSeconds(),
-                    settings=NodeSettings(drain_stall_ms=args.drain_stall_ms),
+                    settings=NodeSettings(drain_stall_ms=args.drain_stall_ms, criu_plugins=args.criu_plugins),
                     job_addrs=args.job_addr or None,
                     trees=trees,
                     boost_nice=boost,
@@ -160,6 +160,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="end a drain after this long without a completion when rebuild can settle what is left",
     )
     cut.add_argument("--quiesce-barrier", action="store_true", help="wait for every node after quiesce too")
+    cut.add_argument(
+        "--criu-plugins",
+        default="",
+        metavar="DIR",
+        help="pre-dump each tree before the cut with CRIU's plugins in DIR (ibckpt_uverbs.so); every node "
+        "of the job must be given one",
+    )
     cut.add_argument(
         "--release-quiet", action="store_true", help="release waits for quiet CQs instead of counting flushes"
     )

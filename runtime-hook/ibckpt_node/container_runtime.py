@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ibckpt_node import criu
 from ibckpt_node.criu import CriuError, DumpOptions, DumpResult
 from ibckpt_node.hook import oci
 
@@ -68,32 +69,49 @@ def _tail(path: Path) -> str:
 
 
 def checkpoint(
-    container: RuntimeContainer, images: Path, options: DumpOptions, timeout_s: float
+    container: RuntimeContainer,
+    images: Path,
+    options: DumpOptions,
+    timeout_s: float,
+    parent: Path | None = None,
+    pre_dump_plugins: str | None = None,
 ) -> DumpResult:
-    """`runc checkpoint` of the container into `images` (created, must be empty)."""
+    """`runc checkpoint` of the container into `images` (created, must be empty). With `parent` (a
+    pre-dump of it), only the pages written since; with `pre_dump_plugins` (CRIU's plugin dir on the
+    node), a pre-dump: the container goes on running (criu.py)."""
+    action = "pre-dump" if pre_dump_plugins else "checkpoint"
     images.mkdir(parents=True, exist_ok=True)
     if any(images.iterdir()):
-        raise CriuError("checkpoint", container.container_id, f"image dir {images} is not empty", "")
+        raise CriuError(action, container.container_id, f"image dir {images} is not empty", "")
     args = [
         *in_node_mount_namespace(), container.runc, *(["--root", container.root] if container.root else []),
         "checkpoint", "--image-path", str(images), "--work-path", str(images),
     ]  # fmt: skip
-    args += [*options.dump_flags(), container.container_id]
+    if pre_dump_plugins:
+        args += ["--pre-dump", *options.restore_flags()]
+    else:
+        args += options.dump_flags()
+    if parent is not None:
+        args += ["--parent-path", criu.parent_arg(images, parent)]
+    args.append(container.container_id)
+    log = images / ("pre-dump.log" if pre_dump_plugins else "dump.log")
     started = time.monotonic()
     try:
-        proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout_s)
+        proc = subprocess.run(
+            args, capture_output=True, text=True, timeout=timeout_s, env=criu.plugins_env(pre_dump_plugins)
+        )
     except subprocess.TimeoutExpired:
         raise CriuError(
-            "checkpoint",
+            action,
             container.container_id,
             f"runc checkpoint timed out after {timeout_s:g}s (it was killed)",
-            _tail(images / "dump.log"),
+            _tail(log),
         ) from None
     if proc.returncode != 0:
         detail = f"runc checkpoint exit status {proc.returncode}"
         if proc.stderr.strip():
             detail += f": {proc.stderr.strip()[-500:]}"
-        raise CriuError("checkpoint", container.container_id, detail, _tail(images / "dump.log"))
+        raise CriuError(action, container.container_id, detail, _tail(log))
     return DumpResult(images, time.monotonic() - started)
 
 

@@ -2,10 +2,17 @@
 
 Every call is bounded by a timeout; on timeout CRIU is killed and the error says so. A dump
 that fails leaves the task running (CRIU resumes it), so the caller can rebuild and resume.
+
+A pre-dump copies a tree's memory while it runs and starts tracking which pages it writes; a dump
+given that pre-dump as its parent then copies only those pages, and CRIU reads the rest from the
+parent's images at restore (`parent` in the image dir). The verbs device may still be open during a
+pre-dump: CRIU passes over its mappings with the plugin in PLUGINS_ENV's directory
+(native/criu_plugin/uverbs_vma.c).
 """
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -15,6 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 LOG_TAIL_CHARS = 4000
+# Where CRIU looks for plugins when no --libdir is given: it loads every .so there.
+PLUGINS_ENV = "CRIU_LIBS_DIR"
+# A dump's link to its pre-dump, as CRIU names it in the image dir.
+PARENT_LINK = "parent"
 
 
 def parse_version(output: str) -> tuple[int, int, int] | None:
@@ -87,9 +98,18 @@ def _tail(path: Path) -> str:
         return f"(no log at {path})"
 
 
-def _run(action: str, subject: str, args: Sequence[str], log: Path, timeout_s: float) -> None:
+def plugins_env(plugins: str | None) -> dict[str, str] | None:
+    """The environment of a CRIU (or a runc that starts one) that loads the plugins of `plugins`."""
+    return None if not plugins else {**os.environ, PLUGINS_ENV: plugins}
+
+
+def _run(
+    action: str, subject: str, args: Sequence[str], log: Path, timeout_s: float, plugins: str | None = None
+) -> None:
     try:
-        proc = subprocess.run(list(args), capture_output=True, text=True, timeout=timeout_s)
+        proc = subprocess.run(
+            list(args), capture_output=True, text=True, timeout=timeout_s, env=plugins_env(plugins)
+        )
     except subprocess.TimeoutExpired:
         raise CriuError(
             action, subject, f"timed out after {timeout_s:g}s (criu was killed)", _tail(log)
@@ -101,16 +121,50 @@ def _run(action: str, subject: str, args: Sequence[str], log: Path, timeout_s: f
         raise CriuError(action, subject, detail, _tail(log))
 
 
-def dump(pid: int, images: Path, options: DumpOptions, timeout_s: float) -> DumpResult:
-    """Dump the process tree rooted at `pid` into `images` (created, must be empty)."""
+def _empty_dir(action: str, subject: str, images: Path) -> None:
     images.mkdir(parents=True, exist_ok=True)
     if any(images.iterdir()):
-        raise CriuError("dump", str(pid), f"image dir {images} is not empty", "")
+        raise CriuError(action, subject, f"image dir {images} is not empty", "")
+
+
+def parent_arg(images: Path, parent: Path) -> str:
+    """A pre-dump's dir as CRIU and runc take it: relative to the dump's own image dir."""
+    return os.path.relpath(parent, images)
+
+
+def pre_dump(pid: int, images: Path, options: DumpOptions, timeout_s: float, plugins: str) -> DumpResult:
+    """Copy the memory of the tree rooted at `pid` into `images` while it runs (CRIU freezes it only
+    to collect its pages) and start tracking the pages it writes from then on."""
+    _empty_dir("pre-dump", str(pid), images)
+    args = [criu_binary(), "pre-dump", "-t", str(pid), "-D", str(images), "-o", "pre-dump.log", "-v4"]
+    args += ["--track-mem", *(["--shell-job"] if options.shell_job else [])]
+    started = time.monotonic()
+    _run("pre-dump", f"pid {pid}", args, images / "pre-dump.log", timeout_s, plugins)
+    return DumpResult(images, time.monotonic() - started)
+
+
+def dump(
+    pid: int, images: Path, options: DumpOptions, timeout_s: float, parent: Path | None = None
+) -> DumpResult:
+    """Dump the process tree rooted at `pid` into `images` (created, must be empty); with `parent` (a
+    pre-dump of it), only the pages written since."""
+    _empty_dir("dump", str(pid), images)
     args = [criu_binary(), "dump", "-t", str(pid), "-D", str(images), "-o", "dump.log", "-v4"]
     args += options.dump_flags()
+    if parent is not None:
+        args += ["--prev-images-dir", parent_arg(images, parent), "--track-mem"]
     started = time.monotonic()
     _run("dump", f"pid {pid}", args, images / "dump.log", timeout_s)
     return DumpResult(images, time.monotonic() - started)
+
+
+def adopt_parent(images: Path, parent: Path) -> None:
+    """Move a dump's pre-dump into its image dir, in place of CRIU's link to it: the images then
+    travel as one tree, and a restore finds the parent's pages where CRIU looks for them."""
+    link = images / PARENT_LINK
+    if link.is_symlink():
+        link.unlink()
+    parent.rename(link)
 
 
 def restore(

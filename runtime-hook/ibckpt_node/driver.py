@@ -32,13 +32,22 @@ from ibckpt_node.leases import RankLeases, ms
 from ibckpt_node.preflight import Preflight
 from ibckpt_node.procfs import device_fds_and_maps
 from ibckpt_node.ranks import LocalRank, NodeReport, on_all, unanswered
-from ibckpt_node.trees import ProcessTree, check_released, dump_all, read_tree_manifest
+from ibckpt_node.trees import (
+    ProcessTree,
+    check_released,
+    dump_all,
+    pre_dump_all,
+    read_tree_manifest,
+    without_redirty,
+)
 
 log = logging.getLogger(__name__)
 
 # A barrier that marks no rank's progress: every node holds its restored TCP connections before any
 # node restores a rank (tcp_remap.py).
 LOCKED = "locked"
+# A checkpoint's phase before the cut: every node pre-dumped its trees (trees.pre_dump_all).
+PRE_DUMPED = "pre-dumped"
 
 
 @dataclass(frozen=True)
@@ -70,6 +79,10 @@ class NodeSettings:
     # tree): one per CPU. In turn, a LeaveRunning checkpoint kept every container released until the
     # node's last dump ended.
     parallel_dumps: int = field(default_factory=lambda: os.cpu_count() or 1)
+    # CRIU's plugin dir with ibckpt_uverbs.so, as the dumps see it (for a container, on the node): with
+    # one, each tree is pre-dumped before the cut and its dump copies only what changed since, so
+    # the ranks stay gated for the last dirty pages only (docs/node-agent.md, "Pre-dumps"). Empty: none.
+    criu_plugins: str = ""
 
 
 @dataclass(frozen=True)
@@ -315,10 +328,13 @@ class NodeDriver:
             with self._boosted("cut"):
                 await self._preflight(images_root)
                 touched = True
+                parents = await self._pre_dump(images_root)
                 self.leases.start()  # from the first quiesce until resume, abort or the kill
                 await self._cut()
             check_released(self.trees, self.ranks)
-            await self._phase(Milestone.DUMPED, lambda: self._dump_all(mode, images_root), t.dump_seconds)
+            await self._phase(
+                Milestone.DUMPED, lambda: self._dump_all(mode, images_root, parents), t.dump_seconds
+            )
             if mode is Mode.STOP:
                 self.report.outcome = "Stopped"
                 return self.report
@@ -381,11 +397,36 @@ class NodeDriver:
             return False
         return True
 
-    async def _dump_all(self, mode: Mode, images_root: Path) -> None:
+    async def _pre_dump(self, images_root: Path) -> dict[str, Path]:
+        """Copy the ranks' memory while they run, before the cut (a phase with a barrier, so that no
+        node's ranks wait gated for another node's pre-dumps). Nothing without a plugin dir."""
+        plugins = self.settings.criu_plugins
+        if not plugins:
+            return {}
+        done: dict[str, Path] = {}
+
+        async def work() -> None:
+            done.update(
+                await pre_dump_all(
+                    self.trees, self.ranks, images_root, self.timeouts.dump_seconds, plugins,
+                    self.settings.parallel_dumps,
+                )
+            )  # fmt: skip
+
+        await self._phase(PRE_DUMPED, work, self.timeouts.dump_seconds)
+        return done
+
+    async def _dump_all(self, mode: Mode, images_root: Path, parents: dict[str, Path]) -> None:
         dump_s = self.timeouts.dump_seconds
+        stale = without_redirty(self.trees, self.ranks, self.report.shim.get("release", {}))
+        for name in sorted(stale & parents.keys()):
+            log.warning(
+                "%s: %s is dumped in full: a rank's release did not mark its device's pages", self.node, name
+            )
+        usable = {name: where for name, where in parents.items() if name not in stale}
         await dump_all(
             self.trees, self.ranks, mode, images_root, dump_s, self.leases, self.report.images,
-            self.settings.parallel_dumps,
+            self.settings.parallel_dumps, usable,
         )  # fmt: skip
 
     async def _preflight(self, images_root: Path) -> None:

@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-from collections.abc import Sequence
+import logging
+import shutil
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +21,10 @@ from ibckpt_node.leases import RankLeases
 from ibckpt_node.procfs import device_fds_and_maps, process_gone, process_tree
 from ibckpt_node.ranks import LocalRank
 
+log = logging.getLogger(__name__)
+
 TREE_MANIFEST = "ibckpt-tree.json"
+PRE_DUMPS = ".pre-dumps"  # under the images' root: each unit's pre-dump, until its dump adopts it
 SHIM_BUILD = "shim_build"  # a container tree's key in it: the shim build its processes mapped (a digest)
 
 
@@ -85,6 +90,65 @@ def check_released(trees: Sequence[ProcessTree], ranks: Sequence[LocalRank]) -> 
             )
 
 
+def lone_rank_dir(r: LocalRank) -> str:
+    """The image dir's name of a rank dumped on its own (no tree)."""
+    return r.rank.key().replace("/", "_")
+
+
+async def pre_dump_all(
+    trees: Sequence[ProcessTree],
+    ranks: Sequence[LocalRank],
+    images_root: Path,
+    bound_s: float,
+    plugins: str,
+    parallel: int = 1,
+) -> dict[str, Path]:
+    """Pre-dump every tree (or, without trees, every rank) while it runs, up to `parallel` at once;
+    returns each pre-dump that succeeded, by the name of the dir its dump will have. One that fails
+    is only logged: its unit is then dumped in full, as without pre-dumps."""
+    units = [(t.name, t.root_pid, t.container) for t in trees] or [
+        (lone_rank_dir(r), r.pid, None) for r in ranks
+    ]
+    slots = asyncio.Semaphore(max(1, parallel))
+    done: dict[str, Path] = {}
+
+    async def one(name: str, pid: int, container: container_runtime.RuntimeContainer | None) -> None:
+        where = images_root / PRE_DUMPS / name
+        async with slots:
+            try:
+                if container is not None:
+                    await asyncio.to_thread(
+                        container_runtime.checkpoint, container, where, criu.DumpOptions(), bound_s,
+                        pre_dump_plugins=plugins,
+                    )  # fmt: skip
+                else:
+                    await asyncio.to_thread(criu.pre_dump, pid, where, criu.DumpOptions(), bound_s, plugins)
+            except criu.CriuError as exc:
+                log.warning("pre-dump of %s failed; it is dumped in full: %s", name, exc)
+                await asyncio.to_thread(shutil.rmtree, where, True)
+                return
+        done[name] = where
+
+    await asyncio.gather(*(one(*unit) for unit in units))
+    return done
+
+
+def without_redirty(
+    trees: Sequence[ProcessTree], ranks: Sequence[LocalRank], releases: Mapping[str, Mapping[str, Any]]
+) -> set[str]:
+    """The units (tree names, or lone ranks' dirs) with a rank whose release did not mark every page its
+    device may have written (native/src/redirty.c): a dump on their pre-dump could keep a stale page.
+    A shim build older than that mark says nothing about it, and counts too."""
+
+    def unmarked(r: LocalRank) -> bool:
+        reply = releases.get(r.rank.key(), {})
+        return "redirtied_pages" not in reply or reply.get("redirty_missed_bytes") != 0
+
+    if trees:
+        return {name for name, rs in tree_members(trees, ranks).items() if any(unmarked(r) for r in rs)}
+    return {lone_rank_dir(r) for r in ranks if unmarked(r)}
+
+
 async def dump_all(
     trees: Sequence[ProcessTree],
     ranks: Sequence[LocalRank],
@@ -94,13 +158,17 @@ async def dump_all(
     leases: RankLeases,
     dumped: dict[str, Path],
     parallel: int = 1,
+    parents: Mapping[str, Path] | None = None,
 ) -> None:
     """Dump every tree (each under images_root/NAME, with its manifest) or, without trees, every rank on
     its own; `dumped` gets each rank's image dir. Up to `parallel` trees dump at once: each CRIU freezes
     and walks its own tree, and a node's containers share nothing CRIU holds. After a failure no further
-    tree starts; the ones dumping end (each within dump_s) before the first error is raised."""
+    tree starts; the ones dumping end (each within dump_s) before the first error is raised. A unit
+    with a pre-dump in `parents` dumps only what changed since, and its image dir takes the pre-dump in
+    (criu.adopt_parent)."""
     options = criu.DumpOptions(leave_running=mode is not Mode.STOP)
     members = tree_members(trees, ranks)
+    parents = parents or {}
     slots = asyncio.Semaphore(max(1, parallel))
     failed: list[Exception] = []
 
@@ -110,7 +178,7 @@ async def dump_all(
             if failed:
                 return
             try:
-                await dump_tree(t, members[t.name], options, images, dump_s, leases)
+                await dump_tree(t, members[t.name], options, images, dump_s, leases, parents.get(t.name))
             except Exception as exc:  # a cancellation (the phase's timeout) goes through
                 failed.append(exc)
                 return
@@ -121,9 +189,11 @@ async def dump_all(
     if failed:
         raise failed[0]
     for r in [] if trees else ranks:  # with trees, preflight put every rank in one
-        images = images_root / r.rank.key().replace("/", "_")
+        images, parent = images_root / lone_rank_dir(r), parents.get(lone_rank_dir(r))
         async with leases.unrenewed_while_dumped([r]):
-            await asyncio.to_thread(criu.dump, r.pid, images, options, dump_s)
+            await asyncio.to_thread(criu.dump, r.pid, images, options, dump_s, parent)
+        if parent is not None:
+            criu.adopt_parent(images, parent)
         dumped[r.rank.key()] = images
 
 
@@ -134,8 +204,10 @@ async def dump_tree(
     images: Path,
     dump_s: float,
     leases: RankLeases,
+    parent: Path | None = None,
 ) -> None:
-    """Dump one tree into images, with the manifest a restore reads (TREE_MANIFEST)."""
+    """Dump one tree into images, with the manifest a restore reads (TREE_MANIFEST); with `parent`,
+    on that pre-dump of it."""
     build = None
     if t.container is not None:
         upper = container_runtime.upper_dir(t.root_pid)  # before Stop's dump ends the container
@@ -145,7 +217,7 @@ async def dump_tree(
         dump = functools.partial(container_runtime.checkpoint, t.container)
         try:
             async with leases.unrenewed_while_dumped(members):
-                await asyncio.to_thread(dump, images, options, dump_s)
+                await asyncio.to_thread(dump, images, options, dump_s, parent)
         except criu.CriuError as exc:
             gone = [r.rank.key() for r in members if process_gone(r.pid)]
             why = f" (the process of {', '.join(gone)} is gone)" if gone else ""
@@ -155,7 +227,9 @@ async def dump_tree(
         await asyncio.to_thread(container_runtime.save_shm, shm, images)
     else:
         async with leases.unrenewed_while_dumped(members):
-            await asyncio.to_thread(criu.dump, t.root_pid, images, options, dump_s)
+            await asyncio.to_thread(criu.dump, t.root_pid, images, options, dump_s, parent)
+    if parent is not None:
+        criu.adopt_parent(images, parent)
     manifest: dict[str, Any] = {
         "root_pid": t.root_pid,
         "ranks": [{"key": r.rank.key(), "pid": r.pid, "control": str(r.control_path)} for r in members],

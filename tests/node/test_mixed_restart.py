@@ -8,6 +8,12 @@ ranks 2 and 3 from their images and, in the same epoch, rebuilds the held ranks 
 the moved peers' new GID and QPNs. Node B powers off; all four ranks finish on node A and every
 ordered pair must show exactly-once delivery with matching checksums.
 
+Both nodes pre-dump their ranks before the cut, with the traffic on, and dump after the release only
+what changed since (issue 31). The receive buffers are written by the device, which no page table sees:
+had the shim not marked them at release (native/src/redirty.c), node B's ranks would come back with
+the pre-dump's stale buffers, and the checksums of the messages they had received but not yet read
+would not match.
+
 The moved ranks are siblings (issue 29): they share node B's GID as their virtual one. Node B's QP
 numbers were made to run ahead of node A's (QPs made and dropped before its ranks start), so the QPs
 the moved ranks make on node A after the restore get real numbers from the very range their virtual
@@ -22,11 +28,12 @@ import dataclasses
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 from node.a2a_job import assert_exactly_once, assert_ok, diagnostics, prelude, ready_qpns
 
-from shimtest import TESTS_DIR
+from shimtest import BUILD_DIR, TESTS_DIR
 from testbed.coordinator import guest_envs
 from testbed.guest import GuestSpec, run_pair
 
@@ -35,6 +42,7 @@ pytestmark = pytest.mark.twoguests
 HOSTS = ["10.77.0.1", "10.77.0.1", "10.77.0.2", "10.77.0.2"]
 NEW_QPS = 6  # each moved rank makes, after the restore
 CHURN = 24  # QPs node B makes and drops first: node A hands out its ranks' numbers only later
+CRIU_PLUGINS = BUILD_DIR / "criu"  # ibckpt_uverbs.so alone
 
 SCRIPT = """
 case $IBCKPT_NODE in
@@ -50,7 +58,7 @@ for r in $mine; do start_rank $r; done
 for r in $mine; do wait_for READY {work}/r$r.out 180; done
 sleep 3  # traffic in flight on every QP when the checkpoint starts
 IBCKPT_SESSION_TOKEN=$TOKEN_CKPT agent checkpoint --session {ckpt} $(rank_args pid $mine) \
-  --images {work}/images --mode $mode > {work}/ckpt-node-$IBCKPT_NODE.json
+  --images {work}/images --mode $mode --criu-plugins {plugins} > {work}/ckpt-node-$IBCKPT_NODE.json
 [ $IBCKPT_NODE = 2 ] && exit 0  # its ranks now live only in the images
 for r in 0 1; do grep -q DONE {work}/r$r.out && {{ echo "rank $r ended before the restore"; exit 1; }}; done
 IBCKPT_SESSION_TOKEN=$TOKEN_RESTORE agent restore --session {restore} --epoch 2 \
@@ -68,7 +76,7 @@ def test_one_nodes_ranks_move_while_the_others_stay(coordinator, tmp_path: Path)
     work = tmp_path
     ckpt, tokens_ckpt = coordinator.create_session({"node-1", "node-2"})
     restore, tokens_restore = coordinator.create_session({"node-1"})
-    names = {"many": TESTS_DIR / "many_qps", "churn": CHURN, "new_qps": NEW_QPS}
+    names = {"many": TESTS_DIR / "many_qps", "churn": CHURN, "new_qps": NEW_QPS, "plugins": CRIU_PLUGINS}
     script = prelude(work, coordinator.port, HOSTS) + SCRIPT.format(
         work=work, ckpt=ckpt, restore=restore, **names
     )
@@ -85,6 +93,7 @@ def test_one_nodes_ranks_move_while_the_others_stay(coordinator, tmp_path: Path)
         # A real checkpoint of all four ranks: every rank has an image.
         for r in range(4):
             assert (work / "images" / f"a2a_rank-{r}_main_0" / "dump.log").exists()
+        assert_dumped_on_pre_dumps(work, ckpt_a, ckpt_b)
         restored = json.loads((work / "restore.json").read_text())
         assert set(restored["restored_pids"]) == {"a2a/rank-2/main/0", "a2a/rank-3/main/0"}
         assert set(restored["shim"]["rebuild"]) == {f"a2a/rank-{r}/main/0" for r in range(4)}
@@ -102,6 +111,27 @@ def test_one_nodes_ranks_move_while_the_others_stay(coordinator, tmp_path: Path)
         assert_siblings_apart(work)
     except (AssertionError, KeyError, OSError) as exc:
         raise AssertionError(f"{exc!r}{diagnostics(work, results)}") from None
+
+
+def pages_bytes(images: Path) -> int:
+    return sum(f.stat().st_size for f in images.glob("pages-*.img"))
+
+
+def assert_dumped_on_pre_dumps(work: Path, *reports: dict[str, Any]) -> None:
+    """Each node pre-dumped, each rank's release marked its MR pages, and each rank's dump holds its
+    pre-dump as `parent` and only a part of its pages (the rest comes from the parent)."""
+    for report in reports:
+        assert "pre-dumped" in report["phases"], report["phases"]
+        for key, reply in report["shim"]["release"].items():
+            assert reply["redirtied_pages"] > 0 and reply["redirty_missed_bytes"] == 0, (key, reply)
+    for r in range(4):
+        images = work / "images" / f"a2a_rank-{r}_main_0"
+        parent = images / "parent"
+        assert parent.is_dir() and not parent.is_symlink(), sorted(p.name for p in images.iterdir())
+        assert (parent / "pre-dump.log").exists() and not (
+            work / "images" / ".pre-dumps" / images.name
+        ).exists()
+        assert 0 < pages_bytes(images) < pages_bytes(parent), (r, pages_bytes(images), pages_bytes(parent))
 
 
 NEW_RE = re.compile(r"NEW rank=\d+ lkey=\d+ old_lkeys=\d+,\d+ qpn=(\d+)((?: more=\d+)*)")

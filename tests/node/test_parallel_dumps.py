@@ -1,6 +1,8 @@
 """A node's trees dump side by side (trees.dump_all), up to a bound, and a failure stops the ones not
-started. The trees are real processes (their /proc is read); CRIU is replaced by a recorder that takes
-its time, since what is tested is the order of the dumps, not what CRIU writes."""
+started; pre-dumps (trees.pre_dump_all) likewise, and a dump on a pre-dump takes it in. The trees are
+real processes (their /proc is read); CRIU is replaced by a recorder that takes its time, since what is
+tested is the order of the dumps and where their images go, not what CRIU writes (the two-guest
+tests/node/test_mixed_restart.py dumps on real pre-dumps)."""
 
 from __future__ import annotations
 
@@ -21,7 +23,14 @@ from ibckpt_node import criu
 from ibckpt_node.driver import NodeSettings
 from ibckpt_node.leases import RankLeases
 from ibckpt_node.ranks import LocalRank
-from ibckpt_node.trees import TREE_MANIFEST, ProcessTree, dump_all
+from ibckpt_node.trees import (
+    PRE_DUMPS,
+    TREE_MANIFEST,
+    ProcessTree,
+    dump_all,
+    pre_dump_all,
+    without_redirty,
+)
 
 
 class Recorder:
@@ -35,7 +44,9 @@ class Recorder:
         self.most = 0
         self.spans: dict[int, tuple[float, float]] = {}
 
-    def __call__(self, pid: int, images: Path, options: criu.DumpOptions, timeout_s: float) -> None:
+    def __call__(
+        self, pid: int, images: Path, options: criu.DumpOptions, timeout_s: float, parent: Path | None = None
+    ) -> None:
         with self.lock:
             self.running += 1
             self.most = max(self.most, self.running)
@@ -47,6 +58,8 @@ class Recorder:
         if pid in self.failing:
             raise criu.CriuError("dump", str(pid), "exit status 1", "(a dump that failed)")
         images.mkdir(parents=True)
+        if parent is not None:  # as CRIU does: a link to the pre-dump, relative to the images
+            (images / criu.PARENT_LINK).symlink_to(criu.parent_arg(images, parent))
 
 
 @pytest.fixture
@@ -60,16 +73,25 @@ def processes() -> Iterator[list[int]]:
             p.wait()
 
 
-def run(pids: list[int], tmp_path: Path, parallel: int) -> tuple[dict[str, Path], list[LocalRank]]:
+def node(pids: list[int], tmp_path: Path) -> tuple[list[ProcessTree], list[LocalRank]]:
     trees = [ProcessTree(f"pod-{i}.main", pid) for i, pid in enumerate(pids)]
     ranks = [
         LocalRank(RankId("job", f"pod-{i}", "main", "0"), pid, tmp_path / f"{i}.sock")
         for i, pid in enumerate(pids)
     ]
+    return trees, ranks
+
+
+def run(
+    pids: list[int], tmp_path: Path, parallel: int, parents: dict[str, Path] | None = None
+) -> tuple[dict[str, Path], list[LocalRank]]:
+    trees, ranks = node(pids, tmp_path)
     dumped: dict[str, Path] = {}
     leases = RankLeases("node-x", ranks, 30.0, 5.0)
     asyncio.run(
-        dump_all(trees, ranks, Mode.LEAVE_RUNNING, tmp_path / "images", 60.0, leases, dumped, parallel)
+        dump_all(
+            trees, ranks, Mode.LEAVE_RUNNING, tmp_path / "images", 60.0, leases, dumped, parallel, parents
+        )
     )
     return dumped, ranks
 
@@ -113,3 +135,54 @@ def test_after_a_failed_dump_no_other_starts_and_the_running_ones_end_first(
 
 def test_a_node_dumps_as_many_trees_at_once_as_it_has_cpus() -> None:
     assert NodeSettings().parallel_dumps == (os.cpu_count() or 1) >= 1
+
+
+def test_pre_dumps_go_side_by_side_and_one_that_fails_leaves_its_tree_to_a_full_dump(
+    processes: list[int], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    recorder = Recorder(0.4, failing=frozenset({processes[1]}))
+    seen_plugins: list[str] = []
+
+    def pre_dump(pid: int, images: Path, options: criu.DumpOptions, timeout_s: float, plugins: str) -> None:
+        seen_plugins.append(plugins)
+        recorder(pid, images, options, timeout_s)
+        (images / "pages-1.img").write_bytes(b"x" * 4096)
+
+    monkeypatch.setattr(criu, "pre_dump", pre_dump)
+    trees, ranks = node(processes, tmp_path)
+    root = tmp_path / "images"
+    started = time.monotonic()
+    done = asyncio.run(pre_dump_all(trees, ranks, root, 60.0, "/plugins", parallel=3))
+    assert recorder.most == 3 and time.monotonic() - started < 1.0
+    assert seen_plugins == ["/plugins"] * 3
+    # the second failed: only logged, and nothing of it is left for its dump to take
+    assert done == {
+        "pod-0.main": root / PRE_DUMPS / "pod-0.main",
+        "pod-2.main": root / PRE_DUMPS / "pod-2.main",
+    }
+    assert not (root / PRE_DUMPS / "pod-1.main").exists()
+
+    # the dumps: the two with a pre-dump take it in as `parent`; the other is dumped in full
+    dumps = Recorder(0.0)
+    monkeypatch.setattr(criu, "dump", dumps)
+    dumped, ranks = run(processes, tmp_path, parallel=3, parents=done)
+    for i in (0, 2):
+        parent = dumped[ranks[i].rank.key()] / criu.PARENT_LINK
+        assert parent.is_dir() and not parent.is_symlink() and (parent / "pages-1.img").exists()
+    assert not (dumped[ranks[1].rank.key()] / criu.PARENT_LINK).exists()
+    assert not any((root / PRE_DUMPS).iterdir())
+
+
+def test_a_pre_dump_is_used_only_where_every_rank_marked_its_device_pages(
+    processes: list[int], tmp_path: Path
+) -> None:
+    trees, ranks = node(processes, tmp_path)
+    releases = {
+        ranks[0].rank.key(): {"redirtied_pages": 12, "redirty_missed_bytes": 0},
+        ranks[1].rank.key(): {"redirtied_pages": 12, "redirty_missed_bytes": 4096},  # mprotected since
+        ranks[2].rank.key(): {"ok": True},  # a shim build older than the mark
+    }
+    assert without_redirty(trees, ranks, releases) == {"pod-1.main", "pod-2.main"}
+    # without trees, each rank is its own unit
+    assert without_redirty([], ranks[:1], releases) == set()
+    assert without_redirty([], ranks[:2], releases) == {"job_pod-1_main_0"}
