@@ -44,7 +44,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 			else
 				check(c.verb >= IBK_CMD_HELLO && c.verb <= IBK_CMD_LAST && c.nargs <= 2 &&
 				      (c.verb != IBK_CMD_ITIMER || c.nargs == 2) &&
-				      (c.verb != IBK_CMD_RESERVE || c.nargs >= 1));
+				      (c.verb != IBK_CMD_RESERVE || c.nargs >= 1) &&
+				      (c.verb != IBK_CMD_DEVMAP ||
+				       (c.nargs >= 1 && strlen(c.name[0]) < IBK_NAME_MAX &&
+					strlen(c.name[1]) < IBK_NAME_MAX && !strchr(c.name[0], ' '))));
 		}
 	}
 	return 0;

@@ -68,6 +68,18 @@ class lines:  # a namespace: lines.quiesce(ms) reads as the line it builds
         """Keep virtual QPNs [first, first + count) from the QPs the rank makes; first 0 empties the set."""
         return f"reserve {first} {count}" if first else "reserve 0"
 
+    @staticmethod
+    def devmap(old: str | None, new: str = "") -> str:
+        """Reopen the context that was on device `old` on device `new` at the next rebuild; old None
+        empties the map (a rebuild that goes well empties it too). Names are single words of at most
+        63 characters, as the kernel's are."""
+        if old is None:
+            return "devmap -"
+        for name in (old, new):
+            if not name or len(name) > 63 or name == "-" or any(c.isspace() for c in name):
+                raise ValueError(f"not a device name: {name!r}")
+        return f"devmap {old} {new}"
+
 
 MAX_REPLY = 1 << 20  # a status of thousands of QPs is a few hundred KiB
 
@@ -141,6 +153,8 @@ def checked_phase(command: str, reply: dict[str, Any]) -> dict[str, Any]:
 MAX_STATUS_GIDS = 64
 MAX_STATUS_QPS = 16 * 4096
 MAX_STATUS_ENTRY = 512  # characters of one `unsupported` entry
+MAX_DEVICE_NAME = 63  # characters of a device name (the kernel's IB_DEVICE_NAME_MAX, NUL excluded)
+MAX_DEVICE_INDEX = 1023  # a device's index in a process's device list
 _GID = re.compile(r"[0-9a-fA-F]{32}")
 _QPN_MAX = 0xFFFFFFFF  # a uint32 on the wire: an app may hand any dest_qp_num to modify_qp
 
@@ -156,6 +170,9 @@ class ShimStatus:
     peers: tuple[tuple[int, int, str, int], ...]  # (QPN, type, peer GID, peer QPN)
     unsupported: tuple[str, ...]
     ah_gids: tuple[str, ...]
+    # (device name, index in the device list; -1 not listed) of each verbs context, oldest first; ()
+    # from a shim that predates it (native/src/devmap.c: what a rebuild maps the contexts by)
+    contexts: tuple[tuple[str, int], ...] = ()
 
     @classmethod
     def parse(cls, reply: Mapping[str, Any], command: str = "status") -> ShimStatus:
@@ -183,6 +200,15 @@ class ShimStatus:
                 raise fail(f"an entry of {key!r} has {field} {value!r}, not an integer 0..{top}")
             return value
 
+        def device(entry: Any) -> tuple[str, int]:
+            name = entry.get("device") if isinstance(entry, dict) else None
+            if not isinstance(name, str) or not 0 < len(name) <= MAX_DEVICE_NAME:
+                raise fail(f"an entry of 'contexts' has device {name!r}, not a name of 1..{MAX_DEVICE_NAME}")
+            index = entry.get("index")
+            if not isinstance(index, int) or isinstance(index, bool) or not -1 <= index <= MAX_DEVICE_INDEX:
+                raise fail(f"an entry of 'contexts' has index {index!r}, not -1..{MAX_DEVICE_INDEX}")
+            return name, index
+
         state = reply.get("state")
         if state is not None and state not in STATES:
             raise fail(f"state {state!r} is none of {sorted(STATES)}")
@@ -207,6 +233,7 @@ class ShimStatus:
             ),
             unsupported=tuple(unsupported),
             ah_gids=tuple(gid(g, "ah_gids") for g in listed("ah_gids", MAX_STATUS_QPS)),
+            contexts=tuple(device(c) for c in listed("contexts", MAX_STATUS_GIDS)),
         )
 
 
@@ -342,6 +369,9 @@ class AsyncShimControl:
 
     async def reserve(self, first: int, count: int, timeout_s: float) -> dict[str, Any]:
         return await self.phase(lines.reserve(first, count), timeout_s)
+
+    async def devmap(self, old: str | None, new: str, timeout_s: float) -> dict[str, Any]:
+        return await self.phase(lines.devmap(old, new), timeout_s)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,5 +1,6 @@
 /* The control protocol's input side: lines, then commands.  Pure, fuzzed
  * on the host (native/fuzz). */
+#include <ctype.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -40,8 +41,35 @@ static const struct {
 	{"hello", IBK_CMD_HELLO},	{"status", IBK_CMD_STATUS},   {"quiesce", IBK_CMD_QUIESCE},
 	{"drain", IBK_CMD_DRAIN},	{"release", IBK_CMD_RELEASE}, {"rebuild", IBK_CMD_REBUILD},
 	{"resume", IBK_CMD_RESUME}, {"abort", IBK_CMD_ABORT},	      {"lease", IBK_CMD_LEASE},
-	{"itimer", IBK_CMD_ITIMER},	{"reserve", IBK_CMD_RESERVE},
+	{"itimer", IBK_CMD_ITIMER},	{"reserve", IBK_CMD_RESERVE}, {"devmap", IBK_CMD_DEVMAP},
 };
+
+/* The words after the verb into c->name: their count, or -1 for a word
+ * longer than a device name or more than two words. */
+static int name_words(const char *p, struct ibk_cmd *c)
+{
+	int n = 0;
+
+	while (isspace((unsigned char)*p))
+		p++;
+	while (*p && !isspace((unsigned char)*p)) /* the verb */
+		p++;
+	for (;;) {
+		size_t w;
+
+		while (isspace((unsigned char)*p))
+			p++;
+		if (!*p)
+			return n;
+		for (w = 0; p[w] && !isspace((unsigned char)p[w]); w++)
+			;
+		if (n == 2 || w >= IBK_NAME_MAX)
+			return -1;
+		memcpy(c->name[n], p, w);
+		c->name[n++][w] = 0;
+		p += w;
+	}
+}
 
 int ibk_command_parse(const char *line, struct ibk_cmd *c)
 {
@@ -51,6 +79,7 @@ int ibk_command_parse(const char *line, struct ibk_cmd *c)
 
 	c->verb = 0;
 	c->error = NULL;
+	c->name[0][0] = c->name[1][0] = 0;
 	c->nargs = n > 1 ? n - 1 : 0;
 	c->quiet = strstr(line, " quiet") != NULL;
 	if (n < 1) {
@@ -75,6 +104,15 @@ int ibk_command_parse(const char *line, struct ibk_cmd *c)
 	if (c->verb == IBK_CMD_RESERVE && c->nargs < 1) {
 		c->error = "reserve needs a QPN";
 		return -1;
+	}
+	if (c->verb == IBK_CMD_DEVMAP) {
+		int n = name_words(line, c);
+
+		c->nargs = n < 0 ? 0 : n;
+		if (!(n == 2 && strcmp(c->name[0], "-")) && !(n == 1 && !strcmp(c->name[0], "-"))) {
+			c->error = "devmap needs <old device> <new device> (names of at most 63 characters), or -";
+			return -1;
+		}
 	}
 	if (c->verb == IBK_CMD_LEASE && c->nargs < 1) {
 		c->error = "lease needs ms";

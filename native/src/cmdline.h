@@ -25,7 +25,9 @@ char *ibk_linebuf_line(struct ibk_linebuf *lb);
 
 enum ibk_verb { IBK_CMD_HELLO = 1, IBK_CMD_STATUS, IBK_CMD_QUIESCE, IBK_CMD_DRAIN, IBK_CMD_RELEASE,
 		IBK_CMD_REBUILD, IBK_CMD_RESUME, IBK_CMD_ABORT, IBK_CMD_LEASE, IBK_CMD_ITIMER,
-		IBK_CMD_RESERVE, IBK_CMD_LAST = IBK_CMD_RESERVE };
+		IBK_CMD_RESERVE, IBK_CMD_DEVMAP, IBK_CMD_LAST = IBK_CMD_DEVMAP };
+
+#define IBK_NAME_MAX 64 /* a device name and its NUL (the kernel's IB_DEVICE_NAME_MAX) */
 
 struct ibk_cmd {
 	enum ibk_verb verb;
@@ -33,6 +35,7 @@ struct ibk_cmd {
 	unsigned long long a; /* timeout ms, rebuild's epoch, lease ms, itimer's which, or a QPN */
 	long b;               /* drain's stall ms, rebuild's timeout ms, itimer's us, or a count */
 	int quiet;            /* release ... quiet */
+	char name[2][IBK_NAME_MAX]; /* devmap's old and new device names ("-" alone empties) */
 	const char *error;    /* when the line is not a command */
 };
 

@@ -2,7 +2,7 @@
  * over the control socket or through ibckpt_control().  One at a time.
  *   hello | status | quiesce [ms] | drain [ms [stall_ms]] | release [ms] [quiet]
  *   rebuild <epoch> [ms] | resume | abort | lease <ms> | itimer <which> <us>
- *   reserve <qpn> [count] */
+ *   reserve <qpn> [count] | devmap <old> <new> | devmap - */
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include "cmdline.h"
+#include "devmap.h"
 #include "devthread.h"
 #include "ibckpt.h"
 #include "lease.h"
@@ -38,6 +39,7 @@ static int do_status(char *out, size_t len)
 	ibk_lease_report(out, len);
 	ibk_report_qps(out, len);
 	ibk_report_identity(out, len);
+	ibk_report_contexts(out, len);
 	ibk_cm_report(out, len);
 	ibk_jcat(out, len, "}");
 	pthread_mutex_unlock(&ibk_ctx_lock);
@@ -93,6 +95,9 @@ static int run_command(const char *line, char *out, size_t len)
 		break;
 	case IBK_CMD_RESERVE:
 		rc = ibk_do_reserve(c.a, c.nargs >= 2 ? c.b : 1, out, len);
+		break;
+	case IBK_CMD_DEVMAP:
+		rc = ibk_do_devmap(c.name[0], c.name[1], out, len);
 		break;
 	case IBK_CMD_ABORT:
 	default:

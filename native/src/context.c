@@ -6,6 +6,7 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#include "devmap.h"
 #include "devthread.h"
 #include "shim.h"
 
@@ -337,6 +338,7 @@ IBK_EXPORT struct ibv_context *ibv_open_device(struct ibv_device *dev)
 	}
 	ctx->dev = dev;
 	snprintf(ctx->dev_name, sizeof(ctx->dev_name), "%s", ibk_real.get_device_name(dev));
+	ibk_ctx_place(ctx, dev); /* its name now and index, for a rebuild (devmap.c) */
 	pthread_mutex_init(&ctx->lock, NULL);
 	ctx->head.next = ctx->head.prev = &ctx->head;
 	if (ibk_idmap_init(&ctx->lkeys, 64) || ibk_idmap_init(&ctx->qpns, 16) ||
@@ -364,6 +366,7 @@ IBK_EXPORT struct ibv_context *ibv_open_device(struct ibv_device *dev)
 fail:
 	ibk_async_close(ctx);
 	ibk_real.close_device(ctx->real);
+	ibk_devlist_put(ctx->devs);
 	ibk_idmap_fini(&ctx->lkeys);
 	ibk_idmap_fini(&ctx->qpns);
 	ibk_idmap_fini(&ctx->rqpns);
@@ -386,6 +389,7 @@ IBK_EXPORT int ibv_close_device(struct ibv_context *c)
 			;
 	if (*pp)
 		*pp = ctx->next_ctx;
+	ibk_devlist_put(ctx->devs); /* its refs are counted under this lock */
 	pthread_mutex_unlock(&ibk_ctx_lock);
 	if (ctx->real) {
 		ibk_devfd_forget(ctx->real->cmd_fd);

@@ -29,8 +29,14 @@ struct ibk_obj {
 struct ibk_ctx {
 	struct verbs_context vctx; /* the app holds &vctx.context */
 	struct ibv_context *real;
-	struct ibv_device *dev;
+	struct ibv_device *dev; /* held in devs; the same struct: the same device */
 	char dev_name[IBV_SYSFS_NAME_MAX];
+	/* The list dev is in, and its index there: the order of the devices the
+	 * process was given.  A rebuild reopens the context by name, else by
+	 * index (devmap.c), and both then name the device it is on now. */
+	struct ibk_devlist *devs;
+	int dev_index;  /* -1: dev was not listed */
+	int plan_index; /* rebuild: the device chosen for it in the new list */
 	pthread_mutex_t lock; /* object list and id tables */
 	struct ibk_obj head;  /* circular list sentinel */
 	struct ibk_idmap lkeys; /* virtual lkey -> real lkey */

@@ -7,27 +7,19 @@
 #include <unistd.h>
 
 #include "coord.h"
+#include "devmap.h"
 #include "devthread.h"
 #include "phases.h"
 
-static int rebuild_open(struct ibk_ctx *ctx)
+/* Open the device the plan chose for ctx (devmap.c: before any is opened). */
+static int rebuild_open(struct ibk_ctx *ctx, struct ibk_devlist *now)
 {
-	const char *want = getenv("IBCKPT_DEVICE");
-	struct ibv_device **list;
-	int i, n;
-
-	list = ibk_real.get_device_list(&n);
-	if (!list)
+	ctx->real = ibk_devthread_open(now->list[ctx->plan_index]);
+	if (!ctx->real) {
+		ibk_log("rebuild: cannot open %s (index %d)", now->names[ctx->plan_index], ctx->plan_index);
 		return -ENODEV;
-	for (i = 0; i < n && !ctx->real; i++)
-		if (!strcmp(ibk_real.get_device_name(list[i]), want && *want ? want : ctx->dev_name))
-			ctx->real = ibk_devthread_open(list[i]);
-	/* otherwise any device with a port like ours */
-	for (i = 0; i < n && !ctx->real; i++)
-		ctx->real = ibk_devthread_open(list[i]);
-	ibk_real.free_device_list(list);
-	if (!ctx->real)
-		return -ENODEV;
+	}
+	ibk_ctx_moved(ctx, now);
 	if (ibk_async_attach(ctx))
 		ibk_log("rebuild: async events of %s will not be delivered", ctx->dev_name);
 	ibk_ctx_remember_gids(ctx);
@@ -329,9 +321,11 @@ int ibk_do_rebuild(uint64_t epoch, int timeout_ms, char *out, size_t len)
 	/* each step's ms, for the report; lap is when the last step ended */
 	long lap = t0, t_open = 0, t_objects = 0, t_publish = 0, t_peers = 0, t_settle = 0;
 	struct ibk_ctx *ctx;
+	struct ibk_devlist *now = NULL;
 	struct ibk_obj *o;
 	int rc = 0;
 	const char *step = "open";
+	char why[2048] = "";
 
 	if (ibk_phase_cur != IBK_RELEASED) {
 		ibk_report_begin(out, len, "rebuild", 0, t0);
@@ -344,12 +338,18 @@ int ibk_do_rebuild(uint64_t epoch, int timeout_ms, char *out, size_t len)
 		return -ENOTCONN;
 	}
 	pthread_mutex_lock(&ibk_ctx_lock);
+	/* every context's device is chosen before any is opened: a refusal
+	 * leaves the process released as it was, for a rebuild that can work */
+	if (ibk_devmap_plan(&now, why, sizeof(why))) {
+		rc = -ENODEV;
+		goto out;
+	}
 	atomic_store(&ibk_translating, 1);
 	atomic_store(&ibk_xlate_any, 1);
 	FOR_EACH_CTX(ctx)
 	{
 		ctx->translate = 1;
-		rc = rebuild_open(ctx);
+		rc = rebuild_open(ctx, now);
 		if (rc)
 			goto out;
 		t_open += lap_ms(&lap);
@@ -417,9 +417,13 @@ int ibk_do_rebuild(uint64_t epoch, int timeout_ms, char *out, size_t len)
 	t_settle = lap_ms(&lap);
 	ibk_last_epoch = epoch;
 	ibk_phase_cur = IBK_REBUILT;
+	ibk_devmap_consumed();
 out:
+	ibk_devlist_put(now);
 	ibk_report_begin(out, len, "rebuild", rc == 0, t0);
-	if (rc)
+	if (rc && why[0])
+		ibk_jcat(out, len, ",\"error\":\"refused: %s\"", why);
+	else if (rc)
 		ibk_jcat(out, len, ",\"error\":\"%s failed: %s\"", step, strerror(-rc));
 	ibk_jcat(out, len, ",\"steps_ms\":{\"open\":%ld,\"objects\":%ld,\"publish\":%ld,\"peers\":%ld,\"settle\":%ld}",
 	     t_open, t_objects, t_publish, t_peers, t_settle);

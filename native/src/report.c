@@ -1,5 +1,6 @@
 /* The parts of the status report that walk the shadow objects: per-QP
  * counters, and this rank's identity for the agent's preflight. */
+#include "devmap.h"
 #include "phases.h"
 #include "rdmacm.h"
 
@@ -125,5 +126,39 @@ void ibk_report_identity(char *out, size_t len)
 		ibk_jcat(out, len, "%s\"verbs device of the parent process (opened before fork)\"", n++ ? "," : "");
 	/* librdmacm's ids that a checkpoint would not carry (rdmacm.c) */
 	ibk_cm_report_problems(out, len, &n);
+	ibk_jcat(out, len, "]");
+}
+
+/* Each context's device, as the agent records it in a checkpoint: its name
+ * and index in the device list now, its virtual GIDs and, while open, the
+ * real ones (they tell which device it is really on). */
+void ibk_report_contexts(char *out, size_t len)
+{
+	struct ibk_ctx *ctx;
+	char name[IBV_SYSFS_NAME_MAX * 6], hex[40];
+	int n = 0, k, i, g, kind;
+
+	for (ctx = ibk_ctx_list; ctx; ctx = ctx->next_ctx)
+		n++;
+	ibk_jcat(out, len, ",\"contexts\":[");
+	for (k = n - 1; k >= 0; k--) { /* the list is newest first */
+		for (ctx = ibk_ctx_list, i = 0; i < k; i++)
+			ctx = ctx->next_ctx;
+		ibk_json_str(name, sizeof(name), ctx->dev_name);
+		ibk_jcat(out, len, "%s{\"device\":\"%s\",\"index\":%d", k == n - 1 ? "" : ",", name, ctx->dev_index);
+		for (kind = 0; kind < 2; kind++) {
+			int first = 1;
+
+			ibk_jcat(out, len, kind ? "],\"real_gids\":[" : ",\"gids\":[");
+			for (g = 0; g < 4; g++) {
+				if (!(ctx->port_gid_valid & (1u << g)) || (kind && !ctx->real))
+					continue;
+				ibk_gid_hex(kind ? &ctx->rgid[g] : &ctx->vgid[g], hex);
+				ibk_jcat(out, len, "%s\"%s\"", first ? "" : ",", hex);
+				first = 0;
+			}
+		}
+		ibk_jcat(out, len, "]}");
+	}
 	ibk_jcat(out, len, "]");
 }
