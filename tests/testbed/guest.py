@@ -135,6 +135,9 @@ class GuestSpec:
     cwd: Path = REPO
     # (host loopback port, guest port) pairs: qemu forwards 127.0.0.1:host to the guest's user NIC.
     host_forwards: Sequence[tuple[int, int]] = ()
+    # Soft-RoCE devices: 2 adds rxe1 on a dummy netdev of its own (10.78.0.<node>), for several HCAs
+    # per process (tests/native/test_devices_guest.py); the one `guest` run of a session keeps 1.
+    devices: int = 1
 
 
 @dataclass
@@ -172,6 +175,7 @@ def _qemu_args(spec: GuestSpec, job: Path, link_netdev: str | None) -> list[str]
             f"ibckpt.rw={','.join(rw_cmdline)}",
             f"ibckpt.node={spec.node}",
             f"ibckpt.link={int(spec.link)}",
+            f"ibckpt.devices={spec.devices}",
             # A sent frame's skb is freed at once, not when a later TX interrupt reclaims it:
             # rxe holds its QP until then, and destroying the QP waited (D state, in
             # __rxe_cleanup) for a reclaim that, on the emulated NIC, sometimes never came.
@@ -529,20 +533,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     run_p.add_argument(
         "--forward", type=int, action="append", default=[], help="host loopback port to expose"
     )
+    run_p.add_argument("--devices", type=int, choices=(1, 2), default=1, help="Soft-RoCE devices")
     run_p.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     command = " ".join(args.command[1:] if args.command[:1] == ["--"] else args.command)
     if args.two:
         ra, rb = run_pair(
-            GuestSpec(command, forward_ports=args.forward, cwd=Path.cwd()),
-            GuestSpec(command, forward_ports=args.forward, cwd=Path.cwd()),
+            GuestSpec(command, forward_ports=args.forward, cwd=Path.cwd(), devices=args.devices),
+            GuestSpec(command, forward_ports=args.forward, cwd=Path.cwd(), devices=args.devices),
             timeout=args.timeout,
             echo=True,
         )
         return ra.returncode or rb.returncode
-    result = run(
-        GuestSpec(command, forward_ports=args.forward, cwd=Path.cwd()), timeout=args.timeout, echo=True
-    )
+    spec = GuestSpec(command, forward_ports=args.forward, cwd=Path.cwd(), devices=args.devices)
+    result = run(spec, timeout=args.timeout, echo=True)
     return result.returncode
 
 
