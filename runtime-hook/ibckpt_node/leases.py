@@ -60,9 +60,9 @@ class RankLeases:
                     if (task is None or task.done()) and r.rank.key() not in self._unrenewed:
                         inflight[r.rank.key()] = asyncio.create_task(renew(r))
         finally:
-            for task in inflight.values():
-                task.cancel()
-            # none may still be connecting once stop() returns
+            # None may still be on its way once stop() returns, and none is cut off: one cancelled
+            # mid-send still reached its shim, after the `lease 0` that end() sent next, and armed a
+            # lease on a rank handed over to wait unbounded. Each is bounded by lease_s.
             await asyncio.gather(*inflight.values(), return_exceptions=True)
 
     @contextlib.asynccontextmanager
