@@ -80,7 +80,7 @@ async def test_no_lease_renewal_reaches_a_rank_while_criu_dumps_it(
     by_dir = {r.rank.key().replace("/", "_"): i for i, r in enumerate(ranks)}
     during: dict[int, list[int]] = {}
 
-    def slow_dump(pid: int, images: Path, options: object, timeout: float) -> None:
+    def slow_dump(pid: int, images: Path, options: object, timeout: float, parent: Path | None) -> None:
         before = [len(s.leases) for s in shims]
         time.sleep(1.0)  # 20 renewal periods: at least one reaches each other rank on a loaded machine
         during[by_dir[images.name]] = [len(s.leases) - n for s, n in zip(shims, before, strict=True)]

@@ -45,7 +45,7 @@ CASES = [
 ]
 
 
-def dump_stand_in(pid: int, images: Path, options: object, timeout: float) -> None:
+def dump_stand_in(pid: int, images: Path, options: object, timeout: float, parent: Path | None) -> None:
     images.mkdir(parents=True)  # CRIU cannot dump on the host: the rebuild and resume come after it
 
 

@@ -126,7 +126,7 @@ async def test_a_container_with_no_live_rank_is_dumped_as_a_plain_container(
     container's tree, and its manifest names no rank to rebuild."""
     dumped: list[int] = []
 
-    def dump(pid: int, images: Path, options: object, timeout: float) -> None:
+    def dump(pid: int, images: Path, options: object, timeout: float, parent: Path | None) -> None:
         dumped.append(pid)
         images.mkdir(parents=True)
 
