@@ -6,8 +6,8 @@
  * RDMA WRITEs and READ responses, atomics) without those page tables, so
  * such a page could keep the pre-dump's stale copy. At release, once no QP
  * can write any more, every page of an MR the device may write is written
- * once by the CPU with its own value (an atomic OR of zero), which sets its
- * soft-dirty bit. Without a pre-dump this only costs a pass over the MRs.
+ * once by the CPU with its own value (an atomic compare-and-swap), which
+ * sets its soft-dirty bit. Without a pre-dump this only costs a pass over the MRs.
  *
  * Only pages the process may write can be touched: an MR range that is now
  * not writable (mprotect after registration) is counted as missed, and the
@@ -17,6 +17,17 @@
 #include <unistd.h>
 
 #include "phases.h"
+
+/* A write of a byte's own value, atomic so that no concurrent store of the
+ * app's is lost. Not an OR of zero: compilers drop that as a no-op. A
+ * compare-and-swap that fails found the byte written since, which marked
+ * the page already. */
+static void write_same(volatile unsigned char *p)
+{
+	unsigned char v = __atomic_load_n(p, __ATOMIC_RELAXED);
+
+	__atomic_compare_exchange_n(p, &v, v, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
+}
 
 /* The writable parts of [start, end) per /proc/self/maps, touched; the
  * number of bytes of the range not writable is added to *missed. */
@@ -42,7 +53,7 @@ static size_t touch_writable(FILE *maps, uintptr_t start, uintptr_t end, size_t 
 		} else {
 			/* one byte of each page: the first page from `covered` on */
 			for (uintptr_t p = covered; p < hi; p = (p | (page - 1)) + 1, touched++)
-				__atomic_fetch_or((volatile unsigned char *)p, 0, __ATOMIC_RELAXED);
+				write_same((volatile unsigned char *)p);
 		}
 		covered = hi;
 	}

@@ -1,0 +1,152 @@
+/* write_mem: RDMA WRITEs into memory the CPU never writes, checked after a
+ * restore.  One process, two RC QPs on one device connected to each other:
+ * QP a writes rounds of a pattern into a region registered for QP b, one
+ * chunk after another, each page's words derived from (round, page).  The
+ * CPU fills only the one-chunk source buffer and counts the writes that
+ * completed.  When CHECKFILE appears it stops and checks that every page of
+ * the region holds what the last completed write of it put there: a page a
+ * dump took from an older copy (a pre-dump's, not marked again after the
+ * device wrote it) fails the check.
+ *
+ *   write_mem -f CHECKFILE [-m MIB] [-c CHUNK_KIB] [-g GID_INDEX]
+ *
+ * Prints READY once the first round completed, then "CHECK ok writes=N
+ * rounds=R" or "CHECK bad page=P ..." and exits 0 or 1. */
+#include <getopt.h>
+#include <sys/mman.h>
+
+#include "common.h"
+
+#define PAGE 4096u
+#define WORDS (PAGE / sizeof(uint64_t))
+
+static uint64_t page_word(uint64_t round, uint64_t page)
+{
+	return mix64((round << 32) ^ page ^ 0x5157u);
+}
+
+/* The source chunk for write number n: every page of chunk n % nchunks,
+ * as round n / nchunks leaves it. */
+static void fill(uint64_t *src, uint64_t n, size_t nchunks, size_t chunk_pages)
+{
+	uint64_t round = n / nchunks, first = (n % nchunks) * chunk_pages;
+
+	for (size_t p = 0; p < chunk_pages; p++) {
+		uint64_t w = page_word(round, first + p);
+
+		for (size_t i = 0; i < WORDS; i++)
+			src[p * WORDS + i] = w;
+	}
+}
+
+/* What the region must hold after `writes` completed writes; the first bad
+ * page, or -1. */
+static long check(const uint64_t *dst, uint64_t writes, size_t nchunks, size_t chunk_pages, uint64_t *got,
+		  uint64_t *want)
+{
+	for (size_t c = 0; c < nchunks; c++) {
+		/* the last write of chunk c: the largest n < writes with n % nchunks == c */
+		int written = writes > c;
+		uint64_t n = written ? c + (writes - 1 - c) / nchunks * nchunks : 0;
+
+		for (size_t p = c * chunk_pages; p < (c + 1) * chunk_pages; p++) {
+			*want = written ? page_word(n / nchunks, p) : 0;
+			for (size_t i = 0; i < WORDS; i++) {
+				*got = dst[p * WORDS + i];
+				if (*got != *want)
+					return (long)p;
+			}
+		}
+	}
+	return -1;
+}
+
+int main(int argc, char **argv)
+{
+	size_t mib = 8, chunk_kib = 64, nchunks, chunk_pages, len;
+	const char *checkfile = NULL;
+	int gid = 1, opt;
+	struct ibv_context *ctx;
+	struct ibv_pd *pd;
+	struct ibv_cq *cq;
+	struct ibv_qp *qa, *qb;
+	struct ibv_mr *src_mr, *dst_mr;
+	struct oob oa, ob;
+	uint64_t *src, *dst, writes = 0, got = 0, want = 0;
+	long bad;
+
+	while ((opt = getopt(argc, argv, "f:m:c:g:")) != -1) {
+		if (opt == 'f')
+			checkfile = optarg;
+		else if (opt == 'm')
+			mib = (size_t)atol(optarg);
+		else if (opt == 'c')
+			chunk_kib = (size_t)atol(optarg);
+		else if (opt == 'g')
+			gid = atoi(optarg);
+	}
+	len = mib << 20;
+	chunk_pages = (chunk_kib << 10) / PAGE;
+	if (!checkfile || !chunk_pages || len % (chunk_pages * PAGE))
+		DIE("usage: write_mem -f CHECKFILE [-m MIB] [-c CHUNK_KIB (pages, dividing MIB)] [-g GID]");
+	nchunks = len / (chunk_pages * PAGE);
+
+	ctx = open_first_device();
+	pd = ibv_alloc_pd(ctx);
+	cq = ibv_create_cq(ctx, 16, NULL, NULL, 0);
+	src = aligned_alloc(PAGE, chunk_pages * PAGE);
+	/* the region: fresh anonymous memory that only the device writes */
+	dst = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+	if (!pd || !cq || !src || dst == MAP_FAILED)
+		DIE("setup");
+	src_mr = ibv_reg_mr(pd, src, chunk_pages * PAGE, IBV_ACCESS_LOCAL_WRITE);
+	dst_mr = ibv_reg_mr(pd, dst, len, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
+	qa = create_rc_qp(pd, cq, 4, 1);
+	qb = create_rc_qp(pd, cq, 1, 1);
+	if (!src_mr || !dst_mr || !qa || !qb)
+		DIE("MRs and QPs");
+	qp_to_init(qa, 0);
+	qp_to_init(qb, IBV_ACCESS_REMOTE_WRITE);
+	oob_fill(&oa, ctx, gid, qa, 0, 0);
+	oob_fill(&ob, ctx, gid, qb, dst_mr->rkey, (uintptr_t)dst);
+	ob.psn ^= 0x5a5a;
+	qp_to_rts(qa, &ob, gid, oa.psn);
+	qp_to_rts(qb, &oa, gid, ob.psn);
+
+	while (!file_exists(checkfile)) {
+		struct ibv_sge sg = {(uintptr_t)src, (uint32_t)(chunk_pages * PAGE), src_mr->lkey};
+		struct ibv_send_wr wr, *badwr;
+		struct ibv_wc wc;
+		int n;
+
+		fill(src, writes, nchunks, chunk_pages);
+		memset(&wr, 0, sizeof(wr));
+		wr.wr_id = writes;
+		wr.sg_list = &sg;
+		wr.num_sge = 1;
+		wr.opcode = IBV_WR_RDMA_WRITE;
+		wr.send_flags = IBV_SEND_SIGNALED;
+		wr.wr.rdma.remote_addr = ob.addr + (writes % nchunks) * chunk_pages * PAGE;
+		wr.wr.rdma.rkey = ob.rkey;
+		if (ibv_post_send(qa, &wr, &badwr))
+			DIE("post write %llu", (unsigned long long)writes);
+		while ((n = ibv_poll_cq(cq, 1, &wc)) == 0)
+			;
+		if (n < 0 || wc.status != IBV_WC_SUCCESS || wc.wr_id != writes)
+			DIE("write %llu: status %d wr_id %llu", (unsigned long long)writes, n < 0 ? -1 : (int)wc.status,
+			    (unsigned long long)wc.wr_id);
+		if (++writes == nchunks) {
+			printf("READY region=%zu MiB chunks=%zu\n", mib, nchunks);
+			fflush(stdout);
+		}
+	}
+	bad = check(dst, writes, nchunks, chunk_pages, &got, &want);
+	if (bad >= 0) {
+		printf("CHECK bad page=%ld got=%016llx want=%016llx writes=%llu\n", bad, (unsigned long long)got,
+		       (unsigned long long)want, (unsigned long long)writes);
+		return 1;
+	}
+	printf("CHECK ok writes=%llu rounds=%llu\n", (unsigned long long)writes,
+	       (unsigned long long)(writes / nchunks));
+	return 0;
+}
