@@ -8,7 +8,11 @@
  * dump took from an older copy (a pre-dump's, not marked again after the
  * device wrote it) fails the check.
  *
- *   write_mem -f CHECKFILE [-m MIB] [-c CHUNK_KIB] [-g GID_INDEX]
+ *   write_mem -f CHECKFILE [-m MIB] [-c CHUNK_KIB] [-g GID_INDEX] [-d MIB -r PCT]
+ *
+ * With -d, the CPU also keeps a buffer of that size, of which it rewrites
+ * PCT percent of the pages each second (a job's own dirty rate, for
+ * bench/pre_dump_freeze.py); it is not checked.
  *
  * Prints READY once the first round completed, then "CHECK ok writes=N
  * rounds=R" or "CHECK bad page=P ..." and exits 0 or 1. */
@@ -61,9 +65,22 @@ static long check(const uint64_t *dst, uint64_t writes, size_t nchunks, size_t c
 	return -1;
 }
 
+/* The CPU's dirty rate: page by page through buf, `pct` percent of its
+ * pages per second since `t0`, as far as is due by now. */
+static void dirty_due(unsigned char *buf, size_t pages, double pct, long t0, size_t *done)
+{
+	size_t due = (size_t)((double)(now_ms() - t0) / 1000.0 * pct / 100.0 * (double)pages);
+
+	for (; *done < due; (*done)++)
+		buf[(*done % pages) * PAGE] += 1;
+}
+
 int main(int argc, char **argv)
 {
-	size_t mib = 8, chunk_kib = 64, nchunks, chunk_pages, len;
+	size_t mib = 8, chunk_kib = 64, nchunks, chunk_pages, len, dirty_mib = 0, dirtied = 0;
+	double dirty_pct = 0;
+	unsigned char *dirty = NULL;
+	long t0;
 	const char *checkfile = NULL;
 	int gid = 1, opt;
 	struct ibv_context *ctx;
@@ -75,7 +92,7 @@ int main(int argc, char **argv)
 	uint64_t *src, *dst, writes = 0, got = 0, want = 0;
 	long bad;
 
-	while ((opt = getopt(argc, argv, "f:m:c:g:")) != -1) {
+	while ((opt = getopt(argc, argv, "f:m:c:g:d:r:")) != -1) {
 		if (opt == 'f')
 			checkfile = optarg;
 		else if (opt == 'm')
@@ -84,6 +101,10 @@ int main(int argc, char **argv)
 			chunk_kib = (size_t)atol(optarg);
 		else if (opt == 'g')
 			gid = atoi(optarg);
+		else if (opt == 'd')
+			dirty_mib = (size_t)atol(optarg);
+		else if (opt == 'r')
+			dirty_pct = atof(optarg);
 	}
 	len = mib << 20;
 	chunk_pages = (chunk_kib << 10) / PAGE;
@@ -112,6 +133,13 @@ int main(int argc, char **argv)
 	ob.psn ^= 0x5a5a;
 	qp_to_rts(qa, &ob, gid, oa.psn);
 	qp_to_rts(qb, &oa, gid, ob.psn);
+	if (dirty_mib) { /* every page present from the start, as a job's working set */
+		dirty = malloc(dirty_mib << 20);
+		if (!dirty)
+			DIE("dirty buffer");
+		memset(dirty, 1, dirty_mib << 20);
+	}
+	t0 = now_ms();
 
 	while (!file_exists(checkfile)) {
 		struct ibv_sge sg = {(uintptr_t)src, (uint32_t)(chunk_pages * PAGE), src_mr->lkey};
@@ -135,6 +163,8 @@ int main(int argc, char **argv)
 		if (n < 0 || wc.status != IBV_WC_SUCCESS || wc.wr_id != writes)
 			DIE("write %llu: status %d wr_id %llu", (unsigned long long)writes, n < 0 ? -1 : (int)wc.status,
 			    (unsigned long long)wc.wr_id);
+		if (dirty)
+			dirty_due(dirty, (dirty_mib << 20) / PAGE, dirty_pct, t0, &dirtied);
 		if (++writes == nchunks) {
 			printf("READY region=%zu MiB chunks=%zu\n", mib, nchunks);
 			fflush(stdout);
