@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Generator, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +15,7 @@ from testbed.cluster import Cluster, start_cluster
 from testbed.coordinator import ThreadedCoordinator
 from testbed.gate import Gate
 from testbed.kube import ControlPlane, start_control_plane
+from testbed.reaper import die_with_parent
 from testbed.release import SESSION_RELEASE, Release, install, storage_secret
 from testbed.ring import PRODUCT_NS
 from testbed.s3 import S3Server, start_s3, stop_s3
@@ -27,6 +32,8 @@ def _order(item: pytest.Item) -> tuple[int, int]:
         return (3, 0 if budget is None else 1 if budget.kwargs.get("first") else 2)
     if item.get_closest_marker("guest"):
         return (1, 0)
+    if item.get_closest_marker("images"):
+        return (1, 1)  # once the background build (below) has had the guest run's time
     if item.get_closest_marker("twoguests") or item.get_closest_marker("guest_selftest"):
         return (2, 0)
     return (0, 0)
@@ -46,6 +53,37 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         own = first_cluster.get_closest_marker("timeout")
         limit = float(own.args[0]) if own and own.args else float(first_cluster.config.getini("timeout"))
         first_cluster.add_marker(pytest.mark.timeout(limit + CLUSTER_SETUP_S))
+
+
+_IMAGES_BUILD = pytest.StashKey[subprocess.Popen[bytes]]()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item) -> None:
+    """The node images (tests/testbed/images.py, minutes of buildah on a fresh machine) are built in
+    the background once the host's own tests are done, on the core they leave free while the `guest`
+    tests finish in their guest. Whoever needs the images first (the cluster, a packaging test) waits
+    on the build's lock, then takes them from the cache."""
+    config = item.config
+    if os.environ.get("IBCKPT_GUEST") == "1" or _IMAGES_BUILD in config.stash or _order(item)[0] < 1:
+        return
+    session = item.session
+    if not any(i.get_closest_marker("cluster") or i.get_closest_marker("images") for i in session.items):
+        return
+    base = config._tmp_path_factory.getbasetemp()  # type: ignore[attr-defined]
+    log = base / "images-build.log"
+    with open(log, "wb") as out:
+        config.stash[_IMAGES_BUILD] = subprocess.Popen(
+            [sys.executable, "-m", "testbed.images", "build"], cwd=Path(__file__).parent,
+            stdout=out, stderr=subprocess.STDOUT, preexec_fn=die_with_parent,
+        )  # fmt: skip
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    build = session.config.stash.get(_IMAGES_BUILD, None)
+    if build is not None and build.poll() is None:
+        build.kill()
+        build.wait()
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,11 @@ import json
 import struct
 import tarfile
 
+import pytest
+
 from testbed import images
+
+pytestmark = pytest.mark.images
 
 VENV = "opt/ibckpt/venv/lib/python3.11/site-packages/"
 

@@ -22,6 +22,8 @@ CLI: python -m testbed.images [build] [--only NAME]
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import hashlib
 import os
 import shutil
@@ -29,7 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -302,6 +304,17 @@ BUILDERS = {"pause": pause, "rdma-apps": apps, "ibckpt": product, "ibckpt-next":
 STORE_KEEP_S = 6 * 3600
 
 
+@contextlib.contextmanager
+def _exclusive() -> Iterator[None]:
+    """One build at a time per cache: the test session builds in the background (tests/conftest.py)
+    while a test may ask for the same images; the later one waits, then finds them cached."""
+    lock = cache_dir() / "images" / "build.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        yield
+
+
 def node_store(built: dict[str, Image], log: Path | None = None) -> Path:
     """A containerd root holding every image, unpacked once on the host and shared by the nodes.
 
@@ -309,6 +322,11 @@ def node_store(built: dict[str, Image], log: Path | None = None) -> Path:
     through an emulated CPU); here it takes seconds. A node mounts the unpacked layers as the
     lower dirs of its containers' overlays and keeps only its own changes in memory.
     """
+    with _exclusive():
+        return _node_store(built, log)
+
+
+def _node_store(built: dict[str, Image], log: Path | None) -> Path:
     log = log or cache_dir() / "images" / "build.log"
     key = hashlib.sha256(" ".join(sorted(str(i.tar) for i in built.values())).encode()).hexdigest()[:16]
     stores = cache_dir() / "node-store"
@@ -365,13 +383,14 @@ def build(only: Sequence[str] = (), log: Path | None = None) -> dict[str, Image]
     log = log or cache_dir() / "images" / "build.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     out: dict[str, Image] = {}
-    for short, builder in BUILDERS.items():
-        if only and short not in only:
-            continue
-        started = time.monotonic()
-        # the next release derives from the product image this build made, not from one built again
-        out[short] = next_release(log, out.get("ibckpt")) if builder is next_release else builder(log)
-        print(f"images: {short} {out[short].name} ({time.monotonic() - started:.1f}s) {out[short].tar}")
+    with _exclusive():
+        for short, builder in BUILDERS.items():
+            if only and short not in only:
+                continue
+            started = time.monotonic()
+            # the next release derives from the product image this build made, not from one built again
+            out[short] = next_release(log, out.get("ibckpt")) if builder is next_release else builder(log)
+            print(f"images: {short} {out[short].name} ({time.monotonic() - started:.1f}s) {out[short].tar}")
     return out
 
 

@@ -169,6 +169,19 @@ def pytest_collection_modifyitems(
 _RUN_KEY = pytest.StashKey[GuestRun]()
 
 
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    """The in-guest durations, which --durations cannot see: it times the stand-ins, and the first one
+    waits for the whole guest run."""
+    run = config.stash.get(_RUN_KEY, None)
+    if run is None or not run.results:
+        return
+    slowest = sorted(run.results.items(), key=lambda kv: -float(kv[1]["duration"]))[:15]
+    total = sum(float(entry["duration"]) for entry in run.results.values())
+    terminalreporter.write_sep("=", f"slowest in-guest tests (all {len(run.results)}: {total:.0f}s)")
+    for nodeid, entry in slowest:
+        terminalreporter.write_line(f"{float(entry['duration']):8.2f}s {entry['outcome']:7} {nodeid}")
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtestloop(session: pytest.Session) -> Iterator[None]:
     # Boot the guest while the host-side tests run: it is the long pole.
