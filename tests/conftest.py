@@ -34,17 +34,20 @@ def _order(item: pytest.Item) -> tuple[int, int]:
         return (1, 0)
     if item.get_closest_marker("images"):
         return (1, 1)  # once the background build (below) has had the guest run's time
-    if item.get_closest_marker("twoguests") or item.get_closest_marker("guest_selftest"):
+    if item.get_closest_marker("twoguests"):
         return (2, 0)
+    if item.get_closest_marker("guest_selftest"):
+        return (0, 1)  # its one guest runs on the core the host's tests leave free, beside the `guest` run
     return (0, 0)
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The host's own tests run first, while the one guest of the `guest` tests boots and runs them in
-    the background (it uses about one of the machine's cores; their stand-ins then wait less). Tests that
-    boot their own guests come after it, and the cluster's tests run last: its two node guests live from
-    its first test to the session's end, and would slow every other guest test down while they run."""
+    the background (it uses about one of the machine's cores; their stand-ins then wait less); the
+    plugin's own check, one small guest, closes them. Tests that boot two guests come after the `guest`
+    run, and the cluster's tests run last: its two node guests live from its first test to the
+    session's end, and would slow every other guest test down while they run."""
     items.sort(key=_order)  # stable: files keep their order within each group
     first_cluster = next((item for item in items if item.get_closest_marker("cluster")), None)
     if first_cluster is not None:
