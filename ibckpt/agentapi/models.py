@@ -322,6 +322,11 @@ class RestoreRequest(SessionBase):
         default_factory=list, description="Ranks held on this node (Hold) that rebuild with the moved ones."
     )
     remap_ip: dict[str, str] = Field(default_factory=dict, description="Old address -> new address.")
+    # None (not sent: an agent from before it reads the request as before): no explicit map
+    device_map: dict[str, str] | None = Field(
+        default=None,
+        description="Old RDMA device name -> new one, ahead of the rule in ibckpt/devicemap.py.",
+    )
 
 
 class AbortRequest(AgentModel):

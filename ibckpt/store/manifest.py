@@ -8,9 +8,18 @@ from __future__ import annotations
 
 import json
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from ibckpt.store.chunking import EntryKind, TreeError, check_relative, check_tree
 from ibckpt.store.errors import ManifestError
@@ -69,6 +78,26 @@ class FileRecord(_Model):
         return self
 
 
+DeviceName = Annotated[str, Field(min_length=1, max_length=63, pattern=r"^[^\s/]+$")]
+
+
+class ContainerDevices(_Model):
+    """The RDMA devices (HCA names, sysfs `ibdev`) of a checkpointed container: what a restore maps
+    onto the devices of the new one (ibckpt/devicemap.py)."""
+
+    allocated: list[DeviceName] = Field(
+        default_factory=list,
+        description="given to the container, in the order of its OCI config's /dev/infiniband/uverbs* nodes",
+    )
+    whole_node: bool = Field(
+        default=False,
+        description="it saw every device of its node (a hostPath /dev/infiniband): `allocated` is the node's",
+    )
+    used: dict[str, list[DeviceName]] = Field(
+        default_factory=dict, description="each verbs rank's devices (by rank key), in its contexts' order"
+    )
+
+
 class RankInfo(_Model):
     """One process (or container) of the job and where it ran; `root` is its subtree in `files`."""
 
@@ -76,6 +105,16 @@ class RankInfo(_Model):
     pod: str | None = None
     node: str | None = None
     root: str = ""
+    devices: ContainerDevices | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_unknown_devices(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # No key at all when nothing was recorded: a reader from before the field (extra="forbid")
+        # still reads what a checkpoint without devices records.
+        data: dict[str, Any] = handler(self)
+        if data.get("devices") is None:
+            data.pop("devices", None)
+        return data
 
 
 class Versions(_Model):

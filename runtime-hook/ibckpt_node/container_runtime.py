@@ -146,7 +146,7 @@ def save_rootfs_diff(upper: str | None, images: Path) -> int:
     return target.stat().st_size
 
 
-def _bundle_spec(container: RuntimeContainer) -> dict[str, object] | None:
+def bundle_spec(container: RuntimeContainer) -> dict[str, object] | None:
     """The container's edited spec, read from its bundle on the node; None when it cannot be read."""
     if not container.bundle:
         return None
@@ -161,7 +161,7 @@ def _bundle_spec(container: RuntimeContainer) -> dict[str, object] | None:
 def shm_dir(container: RuntimeContainer) -> str | None:
     """The node directory behind the container's /dev/shm (oci.shm_source), read from its bundle before
     the dump; None when there is none to carry."""
-    spec = _bundle_spec(container)
+    spec = bundle_spec(container)
     return oci.shm_source(spec) if spec is not None else None
 
 
@@ -171,7 +171,7 @@ def shim_build(container: RuntimeContainer) -> str | None:
     of the file it mounts (never rewritten since). None: no shim mounted, or its file cannot be read."""
     import hashlib
 
-    spec = _bundle_spec(container)
+    spec = bundle_spec(container)
     source = oci.shim_source(spec) if spec is not None else None
     if source is None:
         return None

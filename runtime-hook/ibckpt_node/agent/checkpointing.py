@@ -15,14 +15,15 @@ import asyncio
 import functools
 import logging
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ibckpt.agentapi import Milestone
 from ibckpt.agentapi import models as api
 from ibckpt.coordination.client import CoordinationAborted, CoordinatorError
 from ibckpt.coordination.ranks import RankId
-from ibckpt_node import driver
+from ibckpt_node import driver, rdma_devices
 from ibckpt_node.agent import disk, recovery
 from ibckpt_node.agent.kubesecrets import StagingError
 from ibckpt_node.agent.preupload import PreUpload
@@ -59,6 +60,12 @@ async def run(agent: Agent, session: Session) -> None:
                 settings=driver.NodeSettings(disk_reserve_bytes=agent.disk_reserve_bytes),
             )
             set_phase(session, api.RankPhase.PREFLIGHT)
+            devices = await rdma_devices.record(
+                [(t.name, t.container) for t in session.trees],
+                session.tree_keys,
+                session.ranks,
+                request.timeouts.seconds().quiesce_seconds,
+            )
             early = PreUpload(agent, session, images)
             early.start()
             try:
@@ -76,7 +83,7 @@ async def run(agent: Agent, session: Session) -> None:
             for progress in members:
                 progress.bytes = size // max(1, len(members))
         if request.images is not None:
-            await upload(agent, session, images, during)
+            await upload(agent, session, images, during, devices)
             staged = True
         for progress in report.ranks:
             progress.phase = final
@@ -149,9 +156,16 @@ async def settle(agent: Agent, session: Session, images: Path, staged: bool, why
         log.warning("session %s: its images in %s: %s", sid, images, exc)
 
 
-async def upload(agent: Agent, session: Session, images: Path, during: FollowStats | None = None) -> None:
+async def upload(
+    agent: Agent,
+    session: Session,
+    images: Path,
+    during: FollowStats | None = None,
+    devices: Mapping[str, Mapping[str, Any]] | None = None,
+) -> None:
     """Upload this node's images as its part of the checkpoint (the operator commits the parts); `during`:
-    what was uploaded while CRIU wrote them (preupload.py)."""
+    what was uploaded while CRIU wrote them (preupload.py); `devices`: each tree's RDMA devices
+    (rdma_devices.record), recorded in its RankInfo."""
     from ibckpt_node.agent.staging import image_keys, read_config, stage_trees  # boto3: when staging
 
     assert isinstance(session.request, api.CheckpointRequest)
@@ -176,7 +190,9 @@ async def upload(agent: Agent, session: Session, images: Path, during: FollowSta
     # pod names may hold dots: take each tree's pod from its ranks' keys (job/pod/container/process)
     trees = [(t.name, RankId.parse(session.tree_keys[t.name][0]).pod) for t in session.trees]
     started = time.monotonic()
-    staged = asyncio.to_thread(stage_trees, config, destination, agent.node, images, trees, count, keys)
+    staged = asyncio.to_thread(
+        stage_trees, config, destination, agent.node, images, trees, count, keys, devices
+    )
     try:
         # a thread cannot be cancelled: on timeout the upload may go on, but nothing commits it
         total = await asyncio.wait_for(staged, session.request.timeouts.upload_seconds)

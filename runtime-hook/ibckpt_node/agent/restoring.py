@@ -31,6 +31,7 @@ from ibckpt.agentapi import models as api
 from ibckpt.coordination.client import CoordinationAborted, CoordinatorError
 from ibckpt.coordination.ranks import RankId
 from ibckpt_node import driver, itimers, tcp_remap
+from ibckpt_node.agent import restoredevices
 from ibckpt_node.agent.kubesecrets import StagingError
 from ibckpt_node.agent.session import (
     Agent,
@@ -51,7 +52,7 @@ from ibckpt_node.trees import SHIM_BUILD, TREE_MANIFEST
 
 if TYPE_CHECKING:  # the store (boto3) is imported only when a restore stages
     from ibckpt.store import ManifestKeys, StoreConfig
-    from ibckpt.store.manifest import Manifest
+    from ibckpt.store.manifest import ContainerDevices, Manifest
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ class ContainerRestore:
     container: str
     tree_root: str  # the container's directory in the checkpoint, e.g. node-1/job-0.main
     rank_keys: tuple[str, ...]
+    devices: ContainerDevices | None = None  # what the checkpoint recorded (None: nothing)
 
 
 def plan(request: api.RestoreRequest, manifest: Manifest) -> list[ContainerRestore]:
@@ -108,9 +110,28 @@ def plan(request: api.RestoreRequest, manifest: Manifest) -> list[ContainerResto
                 container,
                 found[0],
                 tuple(r.rank_key for r in ranks),
+                next((r.devices for r in manifest.ranks if r.root == found[0]), None),
             )
         )
     return planned
+
+
+def recorded_devices(
+    planned: Sequence[ContainerRestore], uids: dict[str, str]
+) -> list[restoredevices.Recorded]:
+    """What each planned container's checkpoint recorded of its devices, with the restored pod's uid
+    (`uids`: rank key -> uid, as wait_for_ranks found them)."""
+    return [
+        restoredevices.Recorded(
+            f"{item.namespace}/{item.pod} container {item.container}",
+            uids.get(item.rank_keys[0], item.pod_uid),
+            item.container,
+            tuple(item.devices.allocated),
+            item.devices.used,
+        )
+        for item in planned
+        if item.devices is not None and item.rank_keys
+    ]
 
 
 def _private_dir(path: Path) -> None:
@@ -325,6 +346,13 @@ async def run(agent: Agent, session: Session) -> None:
                     uids,
                 )
                 await proxy.add(shim_channels(ranks))  # before any rebuild asks for records
+                await restoredevices.apply(  # each rank's device map, before any rank rebuilds
+                    recorded_devices(planned, uids),
+                    agent.registry.entries(),
+                    ranks,
+                    request.device_map,
+                    request.timeouts.quiesce_seconds,
+                )
                 if await asyncio.to_thread(itimers.criu_drops_one_shots):  # armed again (itimers.py)
                     for item in planned:
                         where = Path(restore_dir(item.namespace, item.pod, item.container), "images")
@@ -341,7 +369,7 @@ async def run(agent: Agent, session: Session) -> None:
         report.state = api.SessionState.SUCCEEDED
         report.phase = "Succeeded"
         report.message = f"restored {len(planned)} containers on {agent.node}"
-    except (StagingError, RestoreError) as exc:
+    except (StagingError, RestoreError, restoredevices.DeviceRestoreError) as exc:
         finish_failed(session, api.SessionState.FAILED, str(exc))
     except CoordinationAborted as exc:
         finish_failed(session, api.SessionState.ABORTED, str(exc))

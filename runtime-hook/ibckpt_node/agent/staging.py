@@ -12,8 +12,9 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from ibckpt.agentapi import models as api
 from ibckpt.api.common import SecretKeyReference
@@ -30,7 +31,7 @@ from ibckpt.store import (
 from ibckpt.store.config import encryption_key_from_secret
 from ibckpt.store.errors import StoreError
 from ibckpt.store.follow import Follower
-from ibckpt.store.manifest import RankInfo
+from ibckpt.store.manifest import ContainerDevices, RankInfo
 from ibckpt_node.agent.kubesecrets import SecretReader, StagingError
 
 
@@ -135,9 +136,11 @@ def stage_trees(
     trees: Sequence[tuple[str, str]],  # (image dir name under images_root, pod name)
     progress: Callable[[int], None],
     keys: ManifestKeys,
+    devices: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> int:
     """Upload each tree under `<node>/<tree>`, compressed as the job asked, and stage them as this node's
-    part, signed with `keys`; returns logical bytes."""
+    part, signed with `keys`, each tree with its RDMA devices if `devices` (by tree name) has them;
+    returns logical bytes."""
     try:
         store = ImageStore.open(upload_config(config, destination), signing=keys)
         with store.writer(destination.job, destination.checkpoint_id, progress=progress) as writer:
@@ -147,8 +150,16 @@ def stage_trees(
                 root = f"{node}/{name}"
                 records = writer.add_tree(images_root / name, under=root)
                 total += sum(r.size for r in records)
-                # numbered across the job: the commit refuses two parts that claim one number
-                ranks.append(RankInfo(rank=destination.first_rank + index, pod=pod, node=node, root=root))
+                used = (devices or {}).get(name)
+                ranks.append(
+                    RankInfo(
+                        rank=destination.first_rank + index,  # across the job: the commit refuses one twice
+                        pod=pod,
+                        node=node,
+                        root=root,
+                        devices=ContainerDevices.model_validate(used) if used is not None else None,
+                    )
+                )
             writer.stage(node, ranks)
         return total
     except StoreError as exc:

@@ -1,0 +1,166 @@
+"""Host tests of a container's RDMA devices (ibckpt_node.rdma_devices, agent/restoredevices.py): what a
+checkpoint records from the OCI spec, sysfs and the shims' status, and the maps a restore sends before
+its ranks rebuild, against stand-in shims (fake_shim.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from node.fake_shim import FakeShimSocket
+
+from ibckpt.coordination.ranks import RankId
+from ibckpt_node import rdma_devices
+from ibckpt_node.agent import restoredevices
+from ibckpt_node.agent.restoredevices import DeviceRestoreError, Recorded
+from ibckpt_node.container_runtime import RuntimeContainer
+from ibckpt_node.ranks import LocalRank
+from ibckpt_node.registry import RegisteredContainer
+
+KEY = "ring/ring-0/main/7"
+
+
+class DeviceShim(FakeShimSocket):
+    """A shim whose status lists verbs contexts; `knows_devmap` False answers as a shim from before."""
+
+    def __init__(self, path: Path, contexts: list[str], knows_devmap: bool = True) -> None:
+        super().__init__(path)
+        self.contexts = contexts
+        self.knows_devmap = knows_devmap
+
+    def answer(self, verb: str) -> tuple[bool, dict[str, object]]:
+        if verb == "status":
+            listed = [{"device": name, "index": i} for i, name in enumerate(self.contexts)]
+            return True, {"state": self.state, "gids": [], "qps": [], "contexts": listed}
+        if verb == "devmap":
+            if not self.knows_devmap:
+                return False, {"error": "unknown command"}
+            return True, {"phase": "devmap", "ok": True, "state": self.state}
+        return super().answer(verb)
+
+
+def sysfs(root: Path, devices: dict[str, str]) -> Path:
+    """A /sys/class/infiniband_verbs with uverbsN -> ibdev."""
+    for node, name in devices.items():
+        (root / node).mkdir(parents=True)
+        (root / node / "ibdev").write_text(name + "\n")
+    return root
+
+
+def spec(*nodes: str, mounts: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    devices = [{"path": f"/dev/infiniband/{n}", "type": "c"} for n in nodes]
+    devices.append({"path": "/dev/infiniband/rdma_cm", "type": "c"})
+    return {"linux": {"devices": devices}, "mounts": mounts or [{"destination": "/dev", "type": "tmpfs"}]}
+
+
+def container(tmp_path: Path, config: dict[str, Any], uid: str = "uid-1") -> RegisteredContainer:
+    """A registered container whose runtime record names a bundle with `config` as its spec."""
+    bundle, control = tmp_path / f"bundle-{uid}", tmp_path / f"ctl-{uid}" / "ctl"
+    bundle.mkdir()
+    control.mkdir(parents=True)
+    (bundle / "config.json").write_text(json.dumps(config))
+    record = {"runc": "runc", "root": "/run/runc", "bundle": str(bundle)}
+    (control.parent / "runtime.json").write_text(json.dumps(record))
+    return RegisteredContainer(
+        container_id=f"c-{uid}", namespace="team", pod="ring-0", pod_uid=uid, container="main", pid=4242,
+        pid_start=1, control_dir=str(control), control_socket=str(control / "7.sock"), shim=True,
+        registered_at=1.0,
+    )  # fmt: skip
+
+
+def test_the_allocation_is_the_specs_uverbs_nodes_in_order(tmp_path: Path) -> None:
+    sys = sysfs(tmp_path / "sys", {"uverbs0": "mlx5_0", "uverbs1": "mlx5_1", "uverbs2": "mlx5_2"})
+    assert rdma_devices.allocation(spec("uverbs2", "uverbs0"), sys) == (["mlx5_2", "mlx5_0"], False)
+    assert rdma_devices.allocation(spec(), sys) == ([], False)
+    assert rdma_devices.allocation(None, sys) is None
+
+
+def test_a_whole_dev_infiniband_mount_is_the_nodes_devices(tmp_path: Path) -> None:
+    sys = sysfs(tmp_path / "sys", {"uverbs10": "rxe1", "uverbs2": "rxe0"})
+    hostpath = [{"destination": "/dev/infiniband", "type": "bind", "source": "/dev/infiniband"}]
+    assert rdma_devices.allocation(spec(mounts=hostpath), sys) == (["rxe0", "rxe1"], True)
+
+
+def test_a_checkpoint_records_each_trees_devices_from_spec_and_status(tmp_path: Path) -> None:
+    sys = sysfs(tmp_path / "sys", {"uverbs0": "mlx5_0", "uverbs1": "mlx5_1"})
+    shim = DeviceShim(tmp_path / "7.sock", ["mlx5_1", "mlx5_0"])
+    entry = container(tmp_path, spec("uverbs1", "uverbs0"))
+    runtime = RuntimeContainer.recorded(entry.container_id, Path(entry.control_dir).parent)
+    rank = LocalRank(RankId.parse(KEY), 4242, shim.path)
+    found = asyncio.run(
+        rdma_devices.record([("ring-0.main", runtime)], {"ring-0.main": [KEY]}, [rank], 5, sys)
+    )
+    assert found == {
+        "ring-0.main": {
+            "allocated": ["mlx5_1", "mlx5_0"],
+            "whole_node": False,
+            "used": {KEY: ["mlx5_1", "mlx5_0"]},
+        }
+    }
+
+
+def recorded(uid: str = "uid-2") -> Recorded:
+    return Recorded(
+        "team/ring-0 container main", uid, "main", ("mlx5_0", "mlx5_1"), {KEY: ["mlx5_1", "mlx5_0"]}
+    )
+
+
+def test_a_restore_sends_the_renames_by_position(tmp_path: Path) -> None:
+    sys = sysfs(tmp_path / "sys", {"uverbs0": "mlx5_4", "uverbs1": "mlx5_5"})
+    shim = DeviceShim(tmp_path / "7.sock", [])
+    entry = container(tmp_path, spec("uverbs1", "uverbs0"), "uid-2")  # given mlx5_5, then mlx5_4
+    rank = LocalRank(RankId.parse(KEY), 4242, shim.path)
+    asyncio.run(restoredevices.apply([recorded()], [entry], [rank], None, 5, sys))
+    assert shim.lines == ["devmap -", "devmap mlx5_0 mlx5_5", "devmap mlx5_1 mlx5_4"]
+
+
+def test_the_requests_explicit_map_wins(tmp_path: Path) -> None:
+    sys = sysfs(tmp_path / "sys", {"uverbs0": "mlx5_0", "uverbs1": "mlx5_1"})
+    shim = DeviceShim(tmp_path / "7.sock", [])
+    entry = container(tmp_path, spec("uverbs0", "uverbs1"), "uid-2")
+    rank = LocalRank(RankId.parse(KEY), 4242, shim.path)
+    swap = {"mlx5_0": "mlx5_1", "mlx5_1": "mlx5_0"}
+    asyncio.run(restoredevices.apply([recorded()], [entry], [rank], swap, 5, sys))
+    assert shim.lines == ["devmap -", "devmap mlx5_0 mlx5_1", "devmap mlx5_1 mlx5_0"]
+
+
+def test_unchanged_names_send_nothing_so_an_old_shim_restores(tmp_path: Path) -> None:
+    sys = sysfs(tmp_path / "sys", {"uverbs0": "mlx5_1", "uverbs1": "mlx5_0"})
+    shim = DeviceShim(tmp_path / "7.sock", [], knows_devmap=False)
+    entry = container(tmp_path, spec("uverbs0", "uverbs1"), "uid-2")  # the same two, in the other order
+    rank = LocalRank(RankId.parse(KEY), 4242, shim.path)
+    asyncio.run(restoredevices.apply([recorded()], [entry], [rank], None, 5, sys))
+    assert shim.lines == []
+
+
+def test_an_old_shim_that_must_rename_fails_the_restore_readably(tmp_path: Path) -> None:
+    sys = sysfs(tmp_path / "sys", {"uverbs0": "mlx5_4", "uverbs1": "mlx5_5"})
+    shim = DeviceShim(tmp_path / "7.sock", [], knows_devmap=False)
+    entry = container(tmp_path, spec("uverbs0", "uverbs1"), "uid-2")
+    rank = LocalRank(RankId.parse(KEY), 4242, shim.path)
+    with pytest.raises(DeviceRestoreError, match="refused its device map"):
+        asyncio.run(restoredevices.apply([recorded()], [entry], [rank], None, 5, sys))
+
+
+def test_too_few_devices_refuse_before_any_rank_is_told(tmp_path: Path) -> None:
+    sys = sysfs(tmp_path / "sys", {"uverbs0": "mlx5_4"})
+    shim = DeviceShim(tmp_path / "7.sock", [])
+    entry = container(tmp_path, spec("uverbs0"), "uid-2")
+    rank = LocalRank(RankId.parse(KEY), 4242, shim.path)
+    with pytest.raises(DeviceRestoreError) as refused:
+        asyncio.run(restoredevices.apply([recorded()], [entry], [rank], None, 5, sys))
+    message = str(refused.value)
+    assert "team/ring-0 container main, rank ring/ring-0/main/7" in message
+    assert "device mlx5_1 (position 1 of mlx5_0, mlx5_1) has no counterpart" in message
+    assert "the container was given mlx5_4" in message
+    assert shim.lines == []
+
+
+def test_a_checkpoint_without_recorded_devices_maps_nothing(tmp_path: Path) -> None:
+    shim = DeviceShim(tmp_path / "7.sock", [])
+    rank = LocalRank(RankId.parse(KEY), 4242, shim.path)
+    asyncio.run(restoredevices.apply([], [], [rank], None, 5, tmp_path / "none"))
+    assert shim.lines == []
