@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import ipaddress
 import logging
 import os
@@ -38,7 +39,7 @@ from ibckpt_node.trees import (
     dump_all,
     pre_dump_all,
     read_tree_manifest,
-    without_redirty,
+    usable_parents,
 )
 
 log = logging.getLogger(__name__)
@@ -400,33 +401,21 @@ class NodeDriver:
     async def _pre_dump(self, images_root: Path) -> dict[str, Path]:
         """Copy the ranks' memory while they run, before the cut (a phase with a barrier, so that no
         node's ranks wait gated for another node's pre-dumps). Nothing without a plugin dir."""
-        plugins = self.settings.criu_plugins
-        if not plugins:
-            return {}
-        done: dict[str, Path] = {}
-
-        async def work() -> None:
-            done.update(
-                await pre_dump_all(
-                    self.trees, self.ranks, images_root, self.timeouts.dump_seconds, plugins,
-                    self.settings.parallel_dumps,
-                )
+        parents: dict[str, Path] = {}
+        if self.settings.criu_plugins:
+            bound_s = self.timeouts.dump_seconds
+            work = functools.partial(
+                pre_dump_all, self.trees, self.ranks, images_root, bound_s, self.settings.criu_plugins,
+                self.settings.parallel_dumps, parents,
             )  # fmt: skip
-
-        await self._phase(PRE_DUMPED, work, self.timeouts.dump_seconds)
-        return done
+            await self._phase(PRE_DUMPED, work, bound_s)
+        return parents
 
     async def _dump_all(self, mode: Mode, images_root: Path, parents: dict[str, Path]) -> None:
-        dump_s = self.timeouts.dump_seconds
-        stale = without_redirty(self.trees, self.ranks, self.report.shim.get("release", {}))
-        for name in sorted(stale & parents.keys()):
-            log.warning(
-                "%s: %s is dumped in full: a rank's release did not mark its device's pages", self.node, name
-            )
-        usable = {name: where for name, where in parents.items() if name not in stale}
+        usable = usable_parents(self.trees, self.ranks, self.report.shim.get("release", {}), parents)
         await dump_all(
-            self.trees, self.ranks, mode, images_root, dump_s, self.leases, self.report.images,
-            self.settings.parallel_dumps, usable,
+            self.trees, self.ranks, mode, images_root, self.timeouts.dump_seconds, self.leases,
+            self.report.images, self.settings.parallel_dumps, usable,
         )  # fmt: skip
 
     async def _preflight(self, images_root: Path) -> None:

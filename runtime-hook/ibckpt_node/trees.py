@@ -101,16 +101,17 @@ async def pre_dump_all(
     images_root: Path,
     bound_s: float,
     plugins: str,
-    parallel: int = 1,
-) -> dict[str, Path]:
+    parallel: int,
+    done: dict[str, Path],
+) -> None:
     """Pre-dump every tree (or, without trees, every rank) while it runs, up to `parallel` at once;
-    returns each pre-dump that succeeded, by the name of the dir its dump will have. One that fails
-    is only logged: its unit is then dumped in full, as without pre-dumps."""
+    each pre-dump that succeeds goes into `done`, by the name of the dir its dump will have (so a
+    bounded phase that cuts this short keeps those). One that fails is only logged: its unit is then
+    dumped in full, as without pre-dumps."""
     units = [(t.name, t.root_pid, t.container) for t in trees] or [
         (lone_rank_dir(r), r.pid, None) for r in ranks
     ]
     slots = asyncio.Semaphore(max(1, parallel))
-    done: dict[str, Path] = {}
 
     async def one(name: str, pid: int, container: container_runtime.RuntimeContainer | None) -> None:
         where = images_root / PRE_DUMPS / name
@@ -130,7 +131,20 @@ async def pre_dump_all(
         done[name] = where
 
     await asyncio.gather(*(one(*unit) for unit in units))
-    return done
+
+
+def usable_parents(
+    trees: Sequence[ProcessTree],
+    ranks: Sequence[LocalRank],
+    releases: Mapping[str, Mapping[str, Any]],
+    parents: Mapping[str, Path],
+) -> dict[str, Path]:
+    """The pre-dumps the final dumps may build on: none for a tree whose ranks' release did not mark
+    the pages their devices wrote (without_redirty), which is dumped in full."""
+    stale = without_redirty(trees, ranks, releases)
+    for name in sorted(stale & parents.keys()):
+        log.warning("%s is dumped in full: a rank's release did not mark its device's pages", name)
+    return {name: where for name, where in parents.items() if name not in stale}
 
 
 def without_redirty(

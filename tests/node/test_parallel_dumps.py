@@ -29,6 +29,7 @@ from ibckpt_node.trees import (
     ProcessTree,
     dump_all,
     pre_dump_all,
+    usable_parents,
     without_redirty,
 )
 
@@ -152,7 +153,8 @@ def test_pre_dumps_go_side_by_side_and_one_that_fails_leaves_its_tree_to_a_full_
     trees, ranks = node(processes, tmp_path)
     root = tmp_path / "images"
     started = time.monotonic()
-    done = asyncio.run(pre_dump_all(trees, ranks, root, 60.0, "/plugins", parallel=3))
+    done: dict[str, Path] = {}
+    asyncio.run(pre_dump_all(trees, ranks, root, 60.0, "/plugins", 3, done))
     assert recorder.most == 3 and time.monotonic() - started < 1.0
     assert seen_plugins == ["/plugins"] * 3
     # the second failed: only logged, and nothing of it is left for its dump to take
@@ -186,3 +188,5 @@ def test_a_pre_dump_is_used_only_where_every_rank_marked_its_device_pages(
     # without trees, each rank is its own unit
     assert without_redirty([], ranks[:1], releases) == set()
     assert without_redirty([], ranks[:2], releases) == {"job_pod-1_main_0"}
+    parents = {name: Path(name) for name in ("pod-0.main", "pod-1.main")}
+    assert usable_parents(trees, ranks, releases, parents) == {"pod-0.main": Path("pod-0.main")}
