@@ -193,6 +193,11 @@ class AgentInfo(AgentModel):
     )
     containers: list[RegisteredContainer] = Field(default_factory=list)
     sessions: list[str] = Field(default_factory=list, description="Ids of sessions still running.")
+    rdma_devices: list[str] | None = Field(
+        default=None,
+        description="The node's RDMA devices (HCA names, in uverbs order); None: an agent before they were "
+        "reported (a restore's devices are then checked by the agent only).",
+    )
 
 
 class ContainerList(AgentModel):

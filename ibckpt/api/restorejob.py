@@ -109,6 +109,11 @@ class RestoreJobSpec(ApiModel):
     )
     timeouts: RestoreTimeouts = RestoreTimeouts()
     active_deadline_seconds: int = Field(default=3600, ge=1, description="Bound on the whole restore.")
+    device_map: dict[str, str] | None = Field(
+        default=None,
+        description="RDMA device names, checkpointed -> on the destination, that win over the rule (the "
+        "same name, else the same position among the devices the pod is given): docs/rdma-pods.md.",
+    )
 
     @model_validator(mode="after")
     def _a_checkpoint(self) -> RestoreJobSpec:

@@ -1,7 +1,8 @@
 """RestoreJob against the real apiserver and the real S3, with fake node agents (conftest.py): a Stop
 checkpoint restored as new pods of the same names on the swapped nodes, the images staged before the
 pods are created; a failed agent undoes the restore (a failed download creates no pod); an existing
-pod or an incompatible node fails it before anything is created; bad input."""
+pod, an incompatible node or one without the RDMA devices the pods used fails it before anything is
+created; bad input."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from ibckpt import formats
 from ibckpt.agentapi import AgentFormats
 from ibckpt.api.schedule import SCHEDULE_LABEL
 from ibckpt.store import ImageStore, RankInfo, StoreConfig
+from ibckpt.store.manifest import ContainerDevices
 from testbed.s3 import S3Server
 
 Agents = Cluster = Any  # conftest.py's fixtures
@@ -521,3 +523,75 @@ def test_latest_of_a_schedule_binds_the_newest_restorable_checkpoint_and_restore
     assert any(
         e.reason == "NoRestorableCheckpoint" and e.type == "Warning" for e in cluster_ns.events("nothing")
     )
+
+
+# -- RDMA devices (docs/rdma-pods.md): refused before any pod when the destination's do not fit
+
+
+def commit_two_rail_checkpoint(config: StoreConfig, job: str) -> str:
+    """ring-0, checkpointed on node-a, whose rank used two HCAs (multi-rail)."""
+    store = ImageStore.open(config)
+    images = Path(f"/tmp/ibckpt-devices-test-{secrets.token_hex(3)}")
+    images.mkdir()
+    (images / "pages-1.img").write_bytes(os.urandom(10_000))
+    used = ContainerDevices(allocated=["mlx5_0", "mlx5_1"], used={"ring/ring-0/main/1": ["mlx5_0", "mlx5_1"]})
+    with store.writer(job, "c1") as writer:
+        writer.add_tree(images, under="node-a/ring-0.main")
+        writer.stage("node-a", ranks=[RankInfo(rank=0, pod="ring-0", node="node-a", root="node-a/ring-0.main",
+                                               devices=used)])  # fmt: skip
+    manifest = store.commit_parts(job, "c1", ["node-a"])
+    return store.context.layout.manifest_key(manifest.ref)
+
+
+@pytest.mark.parametrize("device_map", [None, {"mlx5_0": "rxe9"}], ids=["by-count", "explicit-target"])
+def test_a_pod_whose_devices_do_not_fit_its_node_is_refused_before_any_pod_exists(
+    cluster_ns: Cluster, s3_server: S3Server, bucket: str, agents: Agents, operator: Any, store_config: Any,
+    device_map: dict[str, str] | None,
+) -> None:  # fmt: skip
+    config = store_config(bucket)
+    one_hca = agents.add(cluster_ns, "node-b", 2, "complete", config)
+    one_hca.rdma_devices = ["rxe0"]
+    creds(cluster_ns, s3_server)
+    ns = cluster_ns.namespace
+    key = commit_two_rail_checkpoint(config, f"{ns}/ring")
+    cluster_ns.create("checkpoints", checkpoint("ring-c1", storage(s3_server, bucket), [("ring-0", "node-a")],
+                                                manifest_key=key, job=f"{ns}/ring"))  # fmt: skip
+    spec: dict[str, Any] = {"checkpointName": "ring-c1"}
+    if device_map:
+        spec["deviceMap"] = device_map
+    with operator():
+        cluster_ns.create(RESTORES, restore_job("back", **spec))
+        body = cluster_ns.wait(RESTORES, "back", phase("Failed"), timeout=60)
+    why = (
+        "the deviceMap names rxe9, not among the node's rxe0"
+        if device_map
+        else "its ranks used 2 RDMA devices (mlx5_0, mlx5_1), the node has 1 (rxe0)"
+    )
+    assert_failed(
+        cluster_ns, body, "DevicesDoNotFit", "node node-b cannot take the RDMA devices of pod ring-0",
+        f"container ring-0.main: {why}",
+    )  # fmt: skip
+    assert not pods_of(cluster_ns) and not one_hca.restores
+
+
+def test_a_node_with_enough_devices_restores_a_renamed_pair(
+    cluster_ns: Cluster, s3_server: S3Server, bucket: str, agents: Agents, operator: Any, store_config: Any
+) -> None:
+    """Two HCAs of other names: the operator admits the pod (the agent maps them by position), and the
+    agent is asked with the RestoreJob's deviceMap."""
+    config = store_config(bucket)
+    two_hcas = agents.add(cluster_ns, "node-b", 2, "complete", config)
+    two_hcas.rdma_devices = ["rxe0", "rxe1"]
+    creds(cluster_ns, s3_server)
+    ns = cluster_ns.namespace
+    key = commit_two_rail_checkpoint(config, f"{ns}/ring")
+    cluster_ns.create("checkpoints", checkpoint("ring-c1", storage(s3_server, bucket), [("ring-0", "node-a")],
+                                                manifest_key=key, job=f"{ns}/ring"))  # fmt: skip
+    with operator():
+        cluster_ns.create(
+            RESTORES, restore_job("back", checkpointName="ring-c1", deviceMap={"mlx5_0": "rxe1"})
+        )
+        done = cluster_ns.wait(RESTORES, "back", phase("Succeeded"), timeout=90)
+    assert done["status"]["phase"] == "Succeeded"
+    assert sorted(pods_of(cluster_ns)) == ["ring-0"]
+    assert [r.device_map for r in two_hcas.restores] == [{"mlx5_0": "rxe1"}]

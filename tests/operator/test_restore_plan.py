@@ -1,4 +1,4 @@
-"""The restore's pure decisions: pod templates, destination pods, placement, version compatibility."""
+"""The restore's pure decisions: pod templates, destination pods, placement, versions and devices."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from ibckpt_operator.machine.restoreplan import (
     NoNode,
     SourcePod,
     address_map,
+    device_problems,
     incompatibilities,
     newest,
     place_pods,
@@ -300,3 +301,16 @@ def test_hostnetwork_pods_of_one_node_split_over_two_is_refused_naming_both() ->
     ]
     with pytest.raises(AddressConflict, match=r"launcher and worker both ran on address 10\.77\.0\.1"):
         address_map(moves)
+
+
+def test_a_pods_devices_are_checked_per_container_against_what_the_node_reports() -> None:
+    used = {"ring-0.main": ["mlx5_0", "mlx5_1"], "ring-0.side": ["mlx5_0"]}
+    assert device_problems(used, NodeFacts(rdma_devices=["rxe0", "rxe1"]), None) == []
+    assert device_problems(used, NodeFacts(rdma_devices=["rxe0"]), None) == [
+        "container ring-0.main: its ranks used 2 RDMA devices (mlx5_0, mlx5_1), the node has 1 (rxe0)"
+    ]
+    assert device_problems(used, NodeFacts(rdma_devices=["rxe0", "rxe1"]), {"mlx5_0": "mlx5_0"}) == [
+        "container ring-0.main: the deviceMap names mlx5_0, not among the node's rxe0, rxe1",
+        "container ring-0.side: the deviceMap names mlx5_0, not among the node's rxe0, rxe1",
+    ]
+    assert device_problems(used, NodeFacts(), None) == []  # an agent that does not report its devices

@@ -89,6 +89,7 @@ class FakeAgent:
     formats: AgentFormats | None = field(default_factory=AgentFormats.this_release)
     shim_sha256: str | None = None  # the node's shim build, as a real agent reports it
     shim_builds: list[str] = field(default_factory=list)  # every build it keeps (empty: the current one)
+    rdma_devices: list[str] | None = None  # its node's HCAs, as /v1/info reports them (None: not reported)
     tls: ssl.SSLContext | None = None  # what it serves with, as a real agent: the operator's certificate
     tokens: list[dict[str, Any]] = field(default_factory=list)  # each call's token's claims
 
@@ -145,7 +146,7 @@ class FakeAgent:
                                      address=f"{agent.host}:1", shim_path="/opt/ibckpt/libibckpt.so",
                                      shim_present=True, containers=agent.containers,
                                      formats=agent.formats, shim_sha256=agent.shim_sha256,
-                                     shim_builds=builds)  # fmt: skip
+                                     shim_builds=builds, rdma_devices=agent.rdma_devices)  # fmt: skip
                     self.reply(200, info.to_json())
                 elif self.path == "/v1/containers":
                     self.reply(200, ContainerList(node=agent.node, containers=agent.containers).to_json())

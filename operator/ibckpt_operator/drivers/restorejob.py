@@ -264,6 +264,7 @@ class RestoreJobDriver(RestorePodsDriver):
                 checkpoint=self.checkpoint_ref,
                 ranks=ranks,
                 remap_ip=remap,
+                device_map=self.spec.device_map or None,
             )
             requests.append((node, agent, request))
 

@@ -19,7 +19,7 @@ from ibckpt.api import (
     PodCreator,
     RestoreJobSpec,
 )
-from ibckpt_operator.cluster import bindings, sources
+from ibckpt_operator.cluster import bindings, sources, storage
 from ibckpt_operator.cluster.agents import agents_by_node, agents_once_ready, each_agent, no_agent_message
 from ibckpt_operator.cluster.kube import ApiException, Body, api_message
 from ibckpt_operator.cluster.pods import node_ready, restore_marker
@@ -34,6 +34,7 @@ from ibckpt_operator.machine.restoreplan import (
     NodeFacts,
     NoNode,
     SourcePod,
+    device_problems,
     incompatibilities,
     place_pods,
     unchecked,
@@ -134,6 +135,7 @@ class RestorePodsDriver(Driver[RestoreState]):
         infos = dict(
             zip(asked, await each_agent([self.rt.gateway.info(agents[n]) for n in asked]), strict=True)
         )
+        devices = await self.devices_used(checkpoint)
         for pod in action.pods:
             existing = await self.rt.kube.get_pod(self.namespace, pod.name)
             if existing is not None and await self.remove_ended_source(existing):
@@ -159,14 +161,46 @@ class RestorePodsDriver(Driver[RestoreState]):
             reads = info.formats.reads if info.formats is not None else None
             facts = NodeFacts(
                 ibckpt=info.version, kernel=kernels.get(pod.node), reads=reads, shim=info.shim_sha256,
-                shim_builds=info.shim_builds,
+                shim_builds=info.shim_builds, rdma_devices=info.rdma_devices,
             )  # fmt: skip
             problems = incompatibilities(checkpoint.spec.requires, facts)
             if problems:
                 message = f"node {pod.node} cannot restore pod {pod.name}: {'; '.join(problems)}"
                 self.emit(StepFailed(action.attempt, "IncompatibleNode", message, pod=pod.name))
                 return
+            unmapped = device_problems(devices.get(pod.name, {}), facts, self.spec.device_map)
+            if unmapped:
+                message = (
+                    f"node {pod.node} cannot take the RDMA devices of pod {pod.name}: {'; '.join(unmapped)}"
+                )
+                self.emit(StepFailed(action.attempt, "DevicesDoNotFit", message, pod=pod.name))
+                return
             self.emit(PodAdmitted(action.attempt, pod.name))
+
+    async def devices_used(self, checkpoint: Checkpoint) -> dict[str, dict[str, list[str]]]:
+        """The RDMA devices each checkpointed pod's containers used (pod -> its tree in the checkpoint ->
+        the devices, each once), from the manifest; {} when it cannot be read: each node's agent then
+        refuses a restore whose devices do not map, after the pods exist."""
+        from ibckpt.store import CheckpointRef, StoreError
+
+        spec = checkpoint.spec
+        if not spec.job_name or not spec.checkpoint_id:
+            return {}
+        try:
+            resolved = await storage.check(self.rt.kube, self.namespace, spec.storage_ref, spec.storage)
+            store = await asyncio.to_thread(storage.open_store, resolved.config)
+            manifest = await asyncio.to_thread(
+                store.manifest, CheckpointRef(spec.job_name, spec.checkpoint_id)
+            )
+        except (StoreError, storage.StorageProblem, OSError) as exc:
+            log.warning("%s: the checkpoint's RDMA devices are not checked: %s", self.key, exc)
+            return {}
+        found: dict[str, dict[str, list[str]]] = {}
+        for rank in manifest.ranks:
+            if rank.pod and rank.devices is not None:
+                used = (name for names in rank.devices.used.values() for name in names)
+                found.setdefault(rank.pod, {})[rank.root.rsplit("/", 1)[-1]] = list(dict.fromkeys(used))
+        return found
 
     def replaceable(self, pod: Body) -> bool:
         """Controller mode: a source pod on its way out (its controller creates it again, bound here) or

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from ibckpt import formats
 from ibckpt.api import RequiredVersions
+from ibckpt.devicemap import unfit
 
 HOSTNAME_LABEL = "kubernetes.io/hostname"
 
@@ -81,6 +82,7 @@ class NodeFacts:
     reads: Mapping[str, Sequence[int]] | None = None
     shim: str | None = None  # sha256 of its current shim build (AgentInfo.shimSha256)
     shim_builds: Sequence[str] = ()  # every shim build it keeps (AgentInfo.shimBuilds; empty: not reported)
+    rdma_devices: Sequence[str] | None = None  # its HCAs (AgentInfo.rdmaDevices; None: not reported)
 
 
 def incompatibilities(required: RequiredVersions | None, node: NodeFacts) -> list[str]:
@@ -114,6 +116,22 @@ def incompatibilities(required: RequiredVersions | None, node: NodeFacts) -> lis
         )
     if required.kernel and node.kernel and not _kernel_compatible(required.kernel, node.kernel):
         problems.append(f"its kernel is {node.kernel}, the checkpoint needs {required.kernel} or a newer one")
+    return problems
+
+
+def device_problems(
+    used: Mapping[str, Sequence[str]], node: NodeFacts, explicit: Mapping[str, str] | None
+) -> list[str]:
+    """Why the node's RDMA devices cannot take the devices a pod's containers used (`used`: by the
+    container's tree in the checkpoint, as its manifest recorded them): devicemap.unfit per container.
+    Nothing is said when the node's agent does not report its devices (the agent checks them anyway)."""
+    if node.rdma_devices is None:
+        return []
+    problems = []
+    for container, devices in sorted(used.items()):
+        why = unfit(devices, node.rdma_devices, explicit)
+        if why:
+            problems.append(f"container {container}: {why}")
     return problems
 
 

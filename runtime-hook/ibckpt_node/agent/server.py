@@ -14,6 +14,7 @@ from pydantic import ValidationError
 
 import ibckpt
 from ibckpt.agentapi import models as api
+from ibckpt_node import rdma_devices
 from ibckpt_node.agent.auth import Authenticator, AuthError
 from ibckpt_node.agent.disk import DEFAULT_KEEP_FAILED_S
 from ibckpt_node.agent.fence import Fenced, LeaderFence
@@ -216,6 +217,7 @@ class AgentServer:
                     shim_builds=self.shim_builds(),
                     containers=self.containers(),
                     sessions=self.sessions.running(),
+                    rdma_devices=rdma_devices.node_devices(),
                 )
             )
         if path == "/v1/containers" and method == "GET":
