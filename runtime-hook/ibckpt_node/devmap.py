@@ -6,7 +6,8 @@ same index among those the container was given, else refuses the rebuild. Where 
 better (a restore onto a node whose HCAs have other names), it sends `devmap <old> <new>` per device
 first (native/src/devmap.c); `devmap -` empties the rank's map, and a rebuild that goes well empties
 it too. Each context's device name and index are in the rank's `status` (`ShimStatus.contexts`).
-Nothing in the agent sends a map yet: the operator does not know the devices of a restore's target.
+A restore sends each rank's renames through `send` before the rank rebuilds (agent/restoredevices.py,
+the rule in ibckpt/devicemap.py); a rank whose devices keep their names is sent nothing.
 """
 
 from __future__ import annotations
