@@ -1,6 +1,7 @@
 """Host tests of a container's RDMA devices (ibckpt_node.rdma_devices, agent/restoredevices.py): what a
 checkpoint records from the OCI spec, sysfs and the shims' status, and the maps a restore sends before
-its ranks rebuild, against stand-in shims (fake_shim.py)."""
+its ranks rebuild, against stand-in shims (fake_shim.py); with the driver's restore, the maps come
+before the rebuild and a refusal rebuilds no rank."""
 
 from __future__ import annotations
 
@@ -12,13 +13,18 @@ from typing import Any
 import pytest
 from node.fake_shim import FakeShimSocket
 
+from ibckpt.coordination.client import CoordinatorClient
 from ibckpt.coordination.ranks import RankId
+from ibckpt.vocabulary import PhaseSeconds
 from ibckpt_node import rdma_devices
 from ibckpt_node.agent import restoredevices
 from ibckpt_node.agent.restoredevices import DeviceRestoreError, Recorded
 from ibckpt_node.container_runtime import RuntimeContainer
+from ibckpt_node.driver import NodeDriver
 from ibckpt_node.ranks import LocalRank
 from ibckpt_node.registry import RegisteredContainer
+from testbed.coordinator import ThreadedCoordinator
+from testbed.tlsfiles import shared_pki
 
 KEY = "ring/ring-0/main/7"
 
@@ -164,3 +170,53 @@ def test_a_checkpoint_without_recorded_devices_maps_nothing(tmp_path: Path) -> N
     rank = LocalRank(RankId.parse(KEY), 4242, shim.path)
     asyncio.run(restoredevices.apply([], [], [rank], None, 5, tmp_path / "none"))
     assert shim.lines == []
+
+
+async def restore_with_maps(
+    coordinator: ThreadedCoordinator, tmp_path: Path, pid: int, given: list[str]
+) -> tuple[DeviceShim, NodeDriver, BaseException | None]:
+    """One node's restore as the agent runs it (agent/restoring.py): once the runtime restored the
+    container, its ranks get their device maps, then the driver rebuilds and resumes them."""
+    sys = sysfs(tmp_path / "sys", {f"uverbs{i}": name for i, name in enumerate(given)})
+    shim = DeviceShim(tmp_path / "7.sock", [])
+    shim.state = "released"  # as a restore brings a rank back
+    entry = container(tmp_path, spec(*(f"uverbs{i}" for i in range(len(given)))), "uid-2")
+    rank = LocalRank(RankId.parse(KEY), pid, shim.path)
+    session, tokens = coordinator.create_session({"node-1"})
+    client = await CoordinatorClient.connect(
+        "127.0.0.1", coordinator.port, session, "node-1", tokens["node-1"], tls=shared_pki().client()
+    )
+    driver = NodeDriver("node-1", client, [], PhaseSeconds(rebuild_seconds=10))
+
+    async def restored() -> list[LocalRank]:
+        await restoredevices.apply([recorded()], [entry], [rank], None, 5, sys)
+        return [rank]
+
+    try:
+        await asyncio.wait_for(driver.rebuild_restored(restored, epoch=2), 30)
+        failure = None
+    except Exception as exc:
+        failure = exc
+    finally:
+        await client.close()
+    return shim, driver, failure
+
+
+async def test_the_maps_reach_each_rank_before_its_rebuild(
+    coordinator: ThreadedCoordinator, tmp_path: Path, sleeper: int
+) -> None:
+    shim, driver, failure = await restore_with_maps(coordinator, tmp_path, sleeper, ["mlx5_4", "mlx5_5"])
+    assert failure is None and driver.report.outcome == "Succeeded"
+    sent = [line.split()[0] for line in shim.lines]
+    assert shim.lines[:3] == ["devmap -", "devmap mlx5_0 mlx5_4", "devmap mlx5_1 mlx5_5"]
+    assert sent.index("rebuild") > 2 and sent[-1] == "resume"
+
+
+async def test_a_refused_map_fails_the_restore_before_any_rank_rebuilds(
+    coordinator: ThreadedCoordinator, tmp_path: Path, sleeper: int
+) -> None:
+    shim, driver, failure = await restore_with_maps(coordinator, tmp_path, sleeper, ["mlx5_4"])
+    assert isinstance(failure, DeviceRestoreError), failure
+    assert "device mlx5_1 (position 1 of mlx5_0, mlx5_1) has no counterpart" in str(failure)
+    assert driver.report.outcome == "Aborted"
+    assert "rebuild" not in [line.split()[0] for line in shim.lines] and shim.state == "released"
