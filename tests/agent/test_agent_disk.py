@@ -383,6 +383,7 @@ def test_a_checkpoint_that_would_not_fit_on_the_disk_is_refused_and_its_rank_unt
     assert report.state == "Refused", report
     assert report.message.startswith("node-x: refusing to checkpoint on this node: its images would need")
     assert f"{tmp_path / 'state' / 'sessions' / session} has 1.0 MiB (1048576 bytes) free" in report.message
-    assert shim.commands == ["status"]
+    # read-only: the device list the checkpoint records (rdma_devices.record), then the preflight's
+    assert shim.commands == ["status", "status"]
     assert [r.phase for r in report.ranks] == ["Resumed"], report  # never stopped: not a failed resume
     assert not (tmp_path / "state" / "sessions" / session).exists()
