@@ -112,7 +112,7 @@ def main() -> int:
     for name in ("full1", "pre", "full2"):
         report, stats = load(f"{name}.json"), load(f"{name}-stats.json")["entries"][0]["dump"]
         gated = sum(report["phases"].get(phase, 0.0) for phase in GATED)
-        frozen, pre = stats["frozen_time"] / 1e6, report["phases"].get("pre-dumped", 0.0)
+        frozen, pre = stats["frozen_time"] / 1e6, report["phases"].get("PreDumped", 0.0)
         rows[name] = (gated, frozen, stats["pages_written"], stats["pages_skipped_parent"], pre)
     check = next(line for line in (work / "mem.out").read_text().splitlines() if line.startswith("CHECK"))
     print(

@@ -19,6 +19,7 @@ from typing import Final
 class Milestone(StrEnum):
     JOINED = "Joined"  # the node is connected to the job's coordinator
     ADMITTED = "Admitted"  # preflight found nothing that would stop the checkpoint
+    PRE_DUMPED = "PreDumped"  # the ranks' memory copied while they ran (only with spec.preDump)
     QUIESCED = "Quiesced"
     DRAINED = "Drained"
     RELEASED = "Released"
@@ -33,6 +34,7 @@ class Milestone(StrEnum):
 # The order a checkpoint goes in. A LeaveRunning node rebuilds and resumes its ranks before it uploads,
 # so the operator takes Uploaded from the finished session, not from this order's position.
 CHECKPOINT_MILESTONES: Final = (
+    Milestone.PRE_DUMPED,
     Milestone.QUIESCED,
     Milestone.DRAINED,
     Milestone.RELEASED,

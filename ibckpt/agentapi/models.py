@@ -127,6 +127,7 @@ class RankPhase(StrEnum):
 
     PENDING = "Pending"
     PREFLIGHT = "Preflight"
+    PRE_DUMPING = "PreDumping"
     QUIESCING = "Quiescing"
     DRAINING = "Draining"
     RELEASING = "Releasing"
@@ -298,6 +299,10 @@ class CheckpointRequest(SessionBase):
         default=None, description="Stage the images to S3; without it they stay on the node."
     )
     job_addresses: list[str] = Field(default_factory=list, description="Addresses of the job's nodes.")
+    pre_dump: bool = Field(
+        default=False,
+        description="Pre-dump every tree before the cut, then pass the PreDumped barrier (spec.preDump).",
+    )
 
 
 class RestoreRank(AgentModel):

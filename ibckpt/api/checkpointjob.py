@@ -46,6 +46,7 @@ class JobPhase(StrEnum):
 
     PENDING = "Pending"
     ADMITTED = "Admitted"
+    PRE_DUMPING = "PreDumping"
     QUIESCING = "Quiescing"
     DRAINING = "Draining"
     RELEASING = "Releasing"
@@ -81,7 +82,9 @@ class JobTimeouts(ApiModel):
     quiesce_seconds: int = Field(default=B.quiesce, ge=1)
     drain_seconds: int = Field(default=B.drain, ge=1)
     release_seconds: int = Field(default=B.release, ge=1)
-    dump_seconds: int = Field(default=B.dump, ge=1)
+    dump_seconds: int = Field(
+        default=B.dump, ge=1, description="Dumping, and PreDumping when the job pre-dumps."
+    )
     upload_seconds: int = Field(
         default=B.upload, ge=1, description="Uploading, including the manifest commit."
     )
@@ -124,6 +127,14 @@ class CheckpointJobSpec(ApiModel):
         default=3600, ge=1, description="Bound on the whole job, from its start to Succeeded or Failed."
     )
     concurrency_policy: ConcurrencyPolicy = ConcurrencyPolicy.WAIT
+    pre_dump: bool = Field(
+        default=False,
+        description=(
+            "Copy the pods' memory while they run (PreDumping), then gate the ranks only while the pages "
+            "changed since are dumped. Worth it when a pod holds much more memory than it writes "
+            "during one pre-dump (docs/node-agent.md, Pre-dumps)."
+        ),
+    )
     compression: CompressionCodec = Field(
         default="zstd",
         description="zstd: chunks compressed at the node agents' zstd level; none: stored as they are.",
@@ -155,6 +166,7 @@ class CheckpointTimings(ApiModel):
     until their dump ended (Stop: they run again only where they are restored)."""
 
     pause_seconds: float | None = Field(default=None, ge=0)
+    pre_dump_seconds: float | None = Field(default=None, ge=0)
     quiesce_seconds: float | None = Field(default=None, ge=0)
     drain_seconds: float | None = Field(default=None, ge=0)
     release_seconds: float | None = Field(default=None, ge=0)

@@ -100,7 +100,11 @@ async def _run(args: argparse.Namespace, drivers: list[NodeDriver]) -> NodeRepor
                     client,
                     local,
                     timeouts=PhaseSeconds(),
-                    settings=NodeSettings(drain_stall_ms=args.drain_stall_ms, criu_plugins=args.criu_plugins),
+                    settings=NodeSettings(
+                        drain_stall_ms=args.drain_stall_ms,
+                        pre_dump=bool(args.criu_plugins),
+                        criu_plugins=args.criu_plugins,
+                    ),
                     job_addrs=args.job_addr or None,
                     trees=trees,
                     boost_nice=boost,

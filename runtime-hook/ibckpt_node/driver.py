@@ -47,8 +47,6 @@ log = logging.getLogger(__name__)
 # A barrier that marks no rank's progress: every node holds its restored TCP connections before any
 # node restores a rank (tcp_remap.py).
 LOCKED = "locked"
-# A checkpoint's phase before the cut: every node pre-dumped its trees (trees.pre_dump_all).
-PRE_DUMPED = "pre-dumped"
 
 
 @dataclass(frozen=True)
@@ -80,9 +78,12 @@ class NodeSettings:
     # tree): one per CPU. In turn, a LeaveRunning checkpoint kept every container released until the
     # node's last dump ended.
     parallel_dumps: int = field(default_factory=lambda: os.cpu_count() or 1)
-    # CRIU's plugin dir with ibckpt_uverbs.so, as the dumps see it (for a container, on the node): with
-    # one, each tree is pre-dumped before the cut and its dump copies only what changed since, so
-    # the ranks stay gated for the last dirty pages only (docs/node-agent.md, "Pre-dumps"). Empty: none.
+    # Pre-dumps (the request's pre_dump): each tree is pre-dumped before the cut (phase PreDumped, with
+    # its barrier) and its dump copies only what changed since, so the ranks stay gated for the last
+    # dirty pages only (docs/node-agent.md, "Pre-dumps"). They need CRIU's plugin dir with
+    # ibckpt_uverbs.so, as the dumps see it (for a container, on the node); without one the phase
+    # passes its barrier with no pre-dump, and the trees are dumped in full.
+    pre_dump: bool = False
     criu_plugins: str = ""
 
 
@@ -400,15 +401,18 @@ class NodeDriver:
 
     async def _pre_dump(self, images_root: Path) -> dict[str, Path]:
         """Copy the ranks' memory while they run, before the cut (a phase with a barrier, so that no
-        node's ranks wait gated for another node's pre-dumps). Nothing without a plugin dir."""
+        node's ranks wait gated for another node's pre-dumps)."""
         parents: dict[str, Path] = {}
-        if self.settings.criu_plugins:
-            bound_s = self.timeouts.dump_seconds
-            work = functools.partial(
-                pre_dump_all, self.trees, self.ranks, images_root, bound_s, self.settings.criu_plugins,
-                self.settings.parallel_dumps, parents,
-            )  # fmt: skip
-            await self._phase(PRE_DUMPED, work, bound_s)
+        plugins, bound_s = self.settings.criu_plugins, self.timeouts.dump_seconds
+        if not self.settings.pre_dump:
+            return parents
+        if not plugins:
+            log.warning("%s: no CRIU plugin dir for pre-dumps: the trees are dumped in full", self.node)
+        trees, ranks = (self.trees, self.ranks) if plugins else ([], [])  # none: only the barrier
+        work = functools.partial(
+            pre_dump_all, trees, ranks, images_root, bound_s, plugins, self.settings.parallel_dumps, parents
+        )
+        await self._phase(Milestone.PRE_DUMPED, work, bound_s)
         return parents
 
     async def _dump_all(self, mode: Mode, images_root: Path, parents: dict[str, Path]) -> None:

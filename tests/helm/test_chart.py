@@ -68,6 +68,8 @@ def test_the_agent_installed_the_node_pieces(installed: Release) -> None:
             "build=$(sha256sum /usr/lib/ibckpt/libibckpt.so | cut -d' ' -f1); "
             "cmp /usr/lib/ibckpt/libibckpt.so /host/usr/local/lib/ibckpt/builds/$build/libibckpt.so "
             "&& echo same-shim; echo build=$build; "
+            "cmp /usr/lib/ibckpt/criu/ibckpt_uverbs.so /host/usr/local/lib/ibckpt/criu/ibckpt_uverbs.so "
+            "&& echo same-criu-plugin; "
             "echo handler-blocks: $(grep -c 'BEGIN ibckpt runtime handler' /host/etc/containerd/config.toml)"
         )
         out = installed.cluster.kubectl("exec", "-n", NAMESPACE, name, "--", "sh", "-c", script).stdout
@@ -82,6 +84,8 @@ def test_the_agent_installed_the_node_pieces(installed: Release) -> None:
         }
         assert "#!/bin/sh\n#!/usr/bin/python3 -IS\n" in out, out  # ibckpt-runc, then ibckpt-hook
         assert "registry-socket\n600 root\nsame-shim" in out, out
+        # CRIU's plugin for a CheckpointJob's preDump, where runc's CRIU on the node loads it
+        assert "\nsame-criu-plugin\n" in out, out
         # the nodes' containerd started with a stock config: the agent added the handler, once
         assert "handler-blocks: 1\n" in out, out
         node = pods.get(installed.cluster, NAMESPACE, "node", p["spec"]["nodeName"])

@@ -36,6 +36,7 @@ NODE_FILES = (
     "/usr/local/bin/ibckpt-runc",
     "/usr/local/bin/ibckpt-hook",
     "/usr/local/lib/ibckpt/builds",  # every shim build kept
+    "/usr/local/lib/ibckpt/criu",  # CRIU's plugin for pre-dumps
     "/etc/ibckpt/node.json",
 )
 

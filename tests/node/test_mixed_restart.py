@@ -118,7 +118,7 @@ def assert_dumped_on_pre_dumps(work: Path, *reports: dict[str, Any]) -> None:
     """Each node pre-dumped, each rank's release marked its MR pages, and each rank's dump holds its
     pre-dump as `parent` and took pages from it (CRIU's own account, tests/node/test_pre_dump_guest.py)."""
     for report in reports:
-        assert "pre-dumped" in report["phases"], report["phases"]
+        assert "PreDumped" in report["phases"], report["phases"]
         for key, reply in report["shim"]["release"].items():
             assert reply["redirtied_pages"] > 0 and reply["redirty_missed_bytes"] == 0, (key, reply)
     for r in range(4):

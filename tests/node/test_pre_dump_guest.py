@@ -63,7 +63,7 @@ def test_a_dump_on_a_pre_dump_keeps_what_the_device_wrote_since(coordinator, tmp
         "--images", str(images), "--mode", "Stop", "--criu-plugins", str(BUILD_DIR / "criu"),
     )  # fmt: skip
     assert report["outcome"] == "Stopped", report
-    assert "pre-dumped" in report["phases"], report["phases"]
+    assert "PreDumped" in report["phases"], report["phases"]
     release = report["shim"]["release"][KEY]
     # every page of the region and of the source chunk, marked once no QP could write them
     assert release["redirtied_pages"] >= REGION_PAGES and release["redirty_missed_bytes"] == 0, release

@@ -87,6 +87,38 @@ def test_leave_running_goes_through_every_phase_in_order() -> None:
     assert job.last.wake_at is None
 
 
+def test_a_pre_dump_starts_the_agents_at_pre_dumping_and_the_cut_follows_every_pods_pre_dump() -> None:
+    job = Driver(pre_dump=True)
+    job.to_phase(JobPhase.PRE_DUMPING)
+    assert job.phases == [JobPhase.PENDING, JobPhase.ADMITTED, JobPhase.PRE_DUMPING]
+    assert job.side_effects()[-1] == "QuiesceRanks"  # the agents start here: they pre-dump, then cut
+    assert job.last.wake_at == job.state.phase_since + SPEC.timeouts.dump_seconds
+    job.send(PodStepDone(job.attempt, "uid-0"))
+    job.send(PodStepDone(job.attempt, "uid-1"))
+    assert job.state.phase == JobPhase.PRE_DUMPING  # no pod is cut before every pod's pre-dump
+    job.send(PodStepDone(job.attempt, "uid-2"))
+    assert job.state.phase == JobPhase.QUIESCING
+    job.to_phase(JobPhase.SUCCEEDED)
+    assert job.side_effects().count("QuiesceRanks") == 1  # the quiesce is awaited, not asked again
+    assert job.awaited()[:2] == [Milestone.QUIESCED, Milestone.DRAINED]
+    assert all(m.progress == "Resumed" for m in job.state.members)
+
+
+def test_a_pre_dump_that_overruns_dump_seconds_aborts_and_resumes_every_rank() -> None:
+    job = Driver(pre_dump=True)
+    job.to_phase(JobPhase.PRE_DUMPING)
+    job.send(PodStepDone(job.attempt, "uid-0"))
+    job.send(Tick(), after=SPEC.timeouts.dump_seconds)
+    assert job.state.phase == JobPhase.ABORTING and job.state.reason == "PreDumpingTimeout"
+    assert job.state.message == (
+        f"PreDumping did not finish within {SPEC.timeouts.dump_seconds}s (waiting for ring-1, ring-2)"
+    )
+    (resume,) = job.of_type(ResumeAll)
+    assert resume.pods == PODS
+    job.all_done()
+    assert job.state.phase == JobPhase.FAILED and not job.of_type(CommitManifest)
+
+
 def test_stop_kills_the_sources_only_after_the_commit_and_publish() -> None:
     job = Driver(CheckpointMode.STOP)
     job.to_phase(JobPhase.SUCCEEDED)

@@ -29,6 +29,16 @@ def events(job: CheckpointDriver, reason: str) -> list[EmitEvent]:
     return [a for a in job.actions if isinstance(a, EmitEvent) and a.reason == reason]
 
 
+def test_a_busy_agent_refusing_a_pre_dumping_session_is_asked_again_too() -> None:
+    job = CheckpointDriver(pre_dump=True)
+    job.to_phase(JobPhase.PRE_DUMPING)
+    assert job.step == JobStep.PRE_DUMP
+    job.send(StepFailed(job.attempt, "AgentBusy", BUSY))
+    job.all_done()
+    state = job.state
+    assert (state.phase, state.reason, state.session_turn) == (JobPhase.PENDING, "WaitingForAgent", 1)
+
+
 def test_a_busy_agent_takes_the_session_back_and_the_job_asks_again_with_a_new_session() -> None:
     job = CheckpointDriver()
     refused_as_busy(job)

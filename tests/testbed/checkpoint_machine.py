@@ -22,7 +22,9 @@ SPEC = CheckpointJobSpec.from_wire(
     {"selector": {"matchLabels": {"app": "ring"}}, "storageRef": {"name": "s3"}}
 )
 PER_POD_STEPS = {
+    JobStep.PRE_DUMP,
     JobStep.QUIESCE,
+    JobStep.QUIESCE_AFTER_PRE_DUMP,
     JobStep.DRAIN,
     JobStep.RELEASE,
     JobStep.DUMP,

@@ -42,7 +42,14 @@ DRAINED_AT: dict[str, float] = {}
 
 # CheckpointJob phases in which the job has touched the ranks (admitted, session open).
 TOUCHING = frozenset(
-    {JobPhase.QUIESCING, JobPhase.DRAINING, JobPhase.RELEASING, JobPhase.DUMPING, JobPhase.UPLOADING}
+    {
+        JobPhase.PRE_DUMPING,
+        JobPhase.QUIESCING,
+        JobPhase.DRAINING,
+        JobPhase.RELEASING,
+        JobPhase.DUMPING,
+        JobPhase.UPLOADING,
+    }
 )
 AFTER_COMMIT = frozenset({JobPhase.COMMITTED, JobPhase.STOPPED, JobPhase.SUCCEEDED})
 

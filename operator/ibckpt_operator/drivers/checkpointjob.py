@@ -261,6 +261,7 @@ class CheckpointJobDriver(CheckpointStoreDriver):
         bound = float(
             t.quiesce_seconds + t.drain_seconds + t.release_seconds + t.dump_seconds + t.upload_seconds
             + t.publish_seconds + t.rebuild_seconds + t.resume_seconds + t.abort_seconds
+            + (t.dump_seconds if self.spec.pre_dump else 0)
         )  # fmt: skip
         opened = await self.open_coordinator_session(action, bound, self.session_id(self.state))
         if opened is not None:
@@ -334,6 +335,7 @@ class CheckpointJobDriver(CheckpointStoreDriver):
                 job=self.rank_job,
                 mode=mode,
                 ranks=ranks,
+                pre_dump=self.spec.pre_dump,
                 images=ImageDestination(
                     location=resolved.location,
                     credentials=SecretRef(namespace=self.namespace, name=secret.name),

@@ -1,6 +1,7 @@
 """The CheckpointJob state machine: (state, event, now) -> (state, actions). Pure: no I/O, no clock.
 
-    Pending -> Admitted -> Quiescing -> Draining -> Releasing -> Dumping -> Uploading -> Committed
+    Pending -> Admitted [-> PreDumping: spec.preDump] -> Quiescing -> Draining -> Releasing -> Dumping
+      -> Uploading -> Committed
       -> Rebuilding -> Resuming -> Succeeded          (LeaveRunning)
       -> Stopped -> Succeeded                         (Stop: sources killed only now)
     any failure, deadline, lost pod or cancel before Committed -> Aborting (ResumeAll) -> Failed
@@ -88,7 +89,9 @@ class JobStep(StrEnum):
     CLAIM = "claim"
     ADMIT = "admit"
     OPEN_SESSION = "open-session"
+    PRE_DUMP = "pre-dump"  # spec.preDump: the agents start here, and cut once every node pre-dumped
     QUIESCE = "quiesce"
+    QUIESCE_AFTER_PRE_DUMP = "quiesce-after-pre-dump"  # the agents go on from their pre-dumps
     DRAIN = "drain"
     RELEASE = "release"
     DUMP = "dump"
@@ -111,7 +114,9 @@ STEPS: Mapping[JobStep, StepRule] = {
     JobStep.ADMIT: StepRule(AdmitPods, Milestone.ADMITTED, Unknown.REISSUE),  # read-only checks
     # a coordinator session touches no rank
     JobStep.OPEN_SESSION: StepRule(OpenSession, None, Unknown.REISSUE),
+    JobStep.PRE_DUMP: StepRule(QuiesceRanks, Milestone.PRE_DUMPED, Unknown.ABORT),
     JobStep.QUIESCE: StepRule(QuiesceRanks, Milestone.QUIESCED, Unknown.ABORT),
+    JobStep.QUIESCE_AFTER_PRE_DUMP: StepRule(AwaitMilestone, Milestone.QUIESCED, Unknown.ABORT),
     JobStep.DRAIN: StepRule(AwaitMilestone, Milestone.DRAINED, Unknown.ABORT),
     JobStep.RELEASE: StepRule(AwaitMilestone, Milestone.RELEASED, Unknown.ABORT),
     JobStep.DUMP: StepRule(AwaitMilestone, Milestone.DUMPED, Unknown.ABORT),
@@ -132,7 +137,9 @@ STEP_LABEL: Mapping[JobStep, Label | None] = {step: rule.label for step, rule in
 ON_UNKNOWN: Mapping[JobStep, Unknown] = {step: rule.on_unknown for step, rule in STEPS.items()}
 NEXT_STEP: Mapping[JobStep, tuple[JobStep, JobPhase]] = {
     JobStep.ADMIT: (JobStep.OPEN_SESSION, JobPhase.ADMITTED),
+    JobStep.PRE_DUMP: (JobStep.QUIESCE_AFTER_PRE_DUMP, JobPhase.QUIESCING),
     JobStep.QUIESCE: (JobStep.DRAIN, JobPhase.DRAINING),
+    JobStep.QUIESCE_AFTER_PRE_DUMP: (JobStep.DRAIN, JobPhase.DRAINING),
     JobStep.DRAIN: (JobStep.RELEASE, JobPhase.RELEASING),
     JobStep.RELEASE: (JobStep.DUMP, JobPhase.DUMPING),
     JobStep.DUMP: (JobStep.UPLOAD, JobPhase.UPLOADING),
@@ -144,6 +151,8 @@ TERMINAL = frozenset({JobPhase.SUCCEEDED, JobPhase.FAILED})
 UNTOUCHED = frozenset({JobPhase.PENDING, JobPhase.ADMITTED})
 # Phases after the manifest commit: the checkpoint exists whatever happens next.
 AFTER_COMMIT = frozenset({JobPhase.COMMITTED, JobPhase.REBUILDING, JobPhase.RESUMING, JobPhase.STOPPED})
+# Where the agents start: a busy agent refuses the session here, before any rank is gated.
+FIRST_CUT_PHASES = frozenset({JobPhase.PRE_DUMPING, JobPhase.QUIESCING})
 # A node's agent refused the session as busy with another one; `waiting_for` while the job waits for it.
 AGENT_BUSY = "AgentBusy"
 BUSY_AGENT = "a busy node's agent"
@@ -177,6 +186,7 @@ class JobConfig:
     checkpoint_name: str
     mode: CheckpointMode = CheckpointMode.LEAVE_RUNNING
     concurrency: ConcurrencyPolicy = ConcurrencyPolicy.WAIT
+    pre_dump: bool = False
     timeouts: Mapping[JobPhase, float] = field(default_factory=dict)
     active_deadline: float = 3600.0
     retry_seconds: float = 5.0  # how often a waiting job asks for its pods again
@@ -192,10 +202,12 @@ class JobConfig:
             checkpoint_name=spec.checkpoint_name or checkpoint_name,
             mode=spec.mode,
             concurrency=spec.concurrency_policy,
+            pre_dump=spec.pre_dump,
             agent_wait_seconds=agent_wait_seconds,
             timeouts={
                 JobPhase.PENDING: t.admit_seconds,
                 JobPhase.ADMITTED: t.admit_seconds,
+                JobPhase.PRE_DUMPING: t.dump_seconds,
                 JobPhase.QUIESCING: t.quiesce_seconds,
                 JobPhase.DRAINING: t.drain_seconds,
                 JobPhase.RELEASING: t.release_seconds,
@@ -292,7 +304,10 @@ class CheckpointMachine:
             )
             return self._fail(state, "AdmissionRefused", f"{name}: {event.message}", now)
         if isinstance(event, SessionOpened) and step == JobStep.OPEN_SESSION:
-            state, actions = self._issue(state, JobStep.QUIESCE, now, JobPhase.QUIESCING)
+            if self.config.pre_dump:
+                state, actions = self._issue(state, JobStep.PRE_DUMP, now, JobPhase.PRE_DUMPING)
+            else:
+                state, actions = self._issue(state, JobStep.QUIESCE, now, JobPhase.QUIESCING)
             return self._done(state, actions, now)
         if isinstance(event, PodStepDone) and step not in (None, JobStep.ADMIT):
             return self._member_done(state, event.pod, event.bytes, event.seconds, now)
@@ -453,7 +468,7 @@ class CheckpointMachine:
         the policy lets the job wait and the next ask is within agent_wait_seconds of its start."""
         return (
             self.config.concurrency == ConcurrencyPolicy.WAIT
-            and JobPhase.QUIESCING in (state.phase, state.aborted_from)
+            and (state.phase in FIRST_CUT_PHASES or state.aborted_from in FIRST_CUT_PHASES)
             and now + self.config.agent_retry_seconds <= state.started_at + self.config.agent_wait_seconds
         )
 
@@ -489,7 +504,7 @@ class CheckpointMachine:
                 "checkpoint is still restorable)"
             )
         waits = self.config.concurrency == ConcurrencyPolicy.WAIT
-        if state.reason == AGENT_BUSY and state.aborted_from == JobPhase.QUIESCING and waits:
+        if state.reason == AGENT_BUSY and state.aborted_from in FIRST_CUT_PHASES and waits:
             waited, bound = now - state.started_at, self.config.agent_wait_seconds
             message += f"; asked for {waited:.0f}s of the {bound:g}s a job waits for it"
         return self._fail(state, state.reason or "Aborted", message, now)

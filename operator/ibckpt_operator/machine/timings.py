@@ -2,6 +2,7 @@
 each ending at the barrier every node passes). Pure.
 
 - A phase took what its slowest node took: every node waits at its barrier for that one.
+- A pre-dump (spec.preDump) runs before the cut, while the ranks run: it is not part of the pause.
 - A node's ranks were gated (paused) from the cut (quiesce) until they ran again: through rebuild and
   resume for LeaveRunning; until the dump ended for Stop (the ranks then wait for the kill and run again
   only where they are restored).
@@ -39,6 +40,7 @@ def checkpoint_timings(
     paused = [p for phases in by_node.values() if (p := paused_seconds(phases, leave_running)) is not None]
     return CheckpointTimings(
         pause_seconds=max(paused) if paused else None,
+        pre_dump_seconds=_slowest(by_node, Milestone.PRE_DUMPED),
         quiesce_seconds=_slowest(by_node, Milestone.QUIESCED),
         drain_seconds=_slowest(by_node, Milestone.DRAINED),
         release_seconds=_slowest(by_node, Milestone.RELEASED),

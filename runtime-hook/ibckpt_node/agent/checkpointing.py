@@ -57,7 +57,11 @@ async def run(agent: Agent, session: Session) -> None:
                 confine=proxy.confine,
                 rejoin=functools.partial(recovery.rejoin, agent, session, proxy),
                 on_milestone=functools.partial(passed, session),
-                settings=driver.NodeSettings(disk_reserve_bytes=agent.disk_reserve_bytes),
+                settings=driver.NodeSettings(
+                    disk_reserve_bytes=agent.disk_reserve_bytes,
+                    pre_dump=request.pre_dump,
+                    criu_plugins=agent.criu_plugins,
+                ),
             )
             set_phase(session, api.RankPhase.PREFLIGHT)
             devices = await rdma_devices.record(

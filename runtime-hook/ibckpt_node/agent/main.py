@@ -51,6 +51,7 @@ log = logging.getLogger("ibckpt_node.agent")
 
 DEFAULT_HOST_DIR = "/var/lib/ibckpt"
 IMAGE_SHIM = "/usr/lib/ibckpt/libibckpt.so"  # where the Dockerfile puts it
+IMAGE_CRIU_PLUGINS = "/usr/lib/ibckpt/criu"  # ibckpt_uverbs.so, for pre-dumps (Dockerfile)
 
 
 def current_shim(prefix: str, shim_source: Path) -> str:
@@ -59,6 +60,12 @@ def current_shim(prefix: str, shim_source: Path) -> str:
     if shim_source.is_file():
         return install.build_host_path(prefix, install.file_digest(shim_source))
     return f"{prefix}/lib/ibckpt/libibckpt.so"
+
+
+def criu_plugins_on_node(prefix: str, lib_dir: Path) -> str:
+    """CRIU's plugin dir for pre-dumps as runc's CRIU sees it on the node, when the install put one
+    there (hook/install.py); empty: a CheckpointJob's preDump then dumps in full (docs/node-agent.md)."""
+    return f"{prefix}/lib/ibckpt/criu" if (lib_dir / "criu" / "ibckpt_uverbs.so").is_file() else ""
 
 
 def node_config(prefix: str, host_dir: str, runc: str, shim: str) -> dict[str, object]:
@@ -285,6 +292,7 @@ async def serve(args: argparse.Namespace) -> None:
             keep_failed_images_s=args.keep_failed_images,
             disk_reserve_bytes=args.disk_reserve_bytes,
             pre_upload=args.pre_upload,
+            criu_plugins=criu_plugins_on_node(args.prefix, lib_dir),
             readiness=(lambda: (node.ready, node.reason)) if node else None,
             image_keys=Path(args.image_keys) if args.image_keys else None,
         )
@@ -312,8 +320,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.prefix, args.host_dir, args.runc, current_shim(args.prefix, Path(args.shim_source))
         )
         install.install(
-            Path(args.install_root), args.prefix, args.node_python, Path(args.shim_source), config
-        )
+            Path(args.install_root), args.prefix, args.node_python, Path(args.shim_source), config,
+            Path(IMAGE_CRIU_PLUGINS),
+        )  # fmt: skip
         log.info("installed the hook, the runtime wrapper and the shim under %s on the node", args.prefix)
     with contextlib.suppress(KeyboardInterrupt):
         try:

@@ -91,6 +91,7 @@ class AgentServer:
         disk_reserve_bytes: int = 0,
         pre_upload: bool = True,
         shim_builds: Callable[[], list[str]] | None = None,
+        criu_plugins: str = "",
     ) -> None:
         self.node = node
         # the node's own readiness (nodesetup: prerequisites, runtime handler), on top of serving
@@ -114,6 +115,7 @@ class AgentServer:
             disk_reserve_bytes,
             pre_upload,
             coordinator_tls=coordinator_tls,
+            criu_plugins=criu_plugins,
         )
         self.fence = LeaderFence(work_dir / "leader-epoch")
         self.http = HttpServer(host, port, self.handle, error, tls)

@@ -37,7 +37,8 @@ log = logging.getLogger(__name__)
 # The milestone a rank passed last -> the phase it is in now (present tense, for people reading status).
 PHASE_AFTER = {
     Milestone.JOINED: api.RankPhase.PREFLIGHT,
-    Milestone.ADMITTED: api.RankPhase.QUIESCING,
+    Milestone.ADMITTED: api.RankPhase.QUIESCING,  # PreDumping when the session pre-dumps (passed)
+    Milestone.PRE_DUMPED: api.RankPhase.QUIESCING,
     Milestone.QUIESCED: api.RankPhase.DRAINING,
     Milestone.DRAINED: api.RankPhase.RELEASING,
     Milestone.RELEASED: api.RankPhase.DUMPING,
@@ -141,6 +142,7 @@ class Agent:
     image_keys: Path | None = None  # None: this agent neither stages nor restores images
     disk_reserve_bytes: int = 0  # what a checkpoint's images leave free on the node's disk
     pre_upload: bool = True  # upload the dump's whole chunks while CRIU writes them (store/follow.py)
+    criu_plugins: str = ""  # CRIU's plugin dir on the node, for a request's pre-dumps (driver.NodeSettings)
 
 
 @dataclass
@@ -216,6 +218,8 @@ def passed(session: Session, milestone: Milestone) -> None:
     if session.engine is not None:
         report.phases.update(session.engine.report.phases)
     phase = PHASE_AFTER[milestone]
+    if milestone == Milestone.ADMITTED and session.engine is not None and session.engine.settings.pre_dump:
+        phase = api.RankPhase.PRE_DUMPING
     report.phase = phase.value
     for progress in report.ranks:
         if not progress.error:

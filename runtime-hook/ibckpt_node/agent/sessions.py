@@ -61,6 +61,7 @@ class Sessions:
         pre_upload: bool = True,
         *,
         coordinator_tls: Callable[[], ssl.SSLContext],
+        criu_plugins: str = "",
     ) -> None:
         self.agent = Agent(
             node,
@@ -73,6 +74,7 @@ class Sessions:
             image_keys,
             disk_reserve_bytes,
             pre_upload,
+            criu_plugins,
         )
         self.sessions: dict[str, Session] = {}
         self.sweeper: asyncio.Task[None] | None = None

@@ -128,8 +128,30 @@ def installed_builds(lib_dir: Path) -> list[str]:
     return [name for name in names if oci.is_build_digest(name) and (builds / name / oci.SHIM_FILE).is_file()]
 
 
+def install_criu_plugins(source: Path, lib_dir: Path) -> bool:
+    """CRIU's plugins for pre-dumps (ibckpt_uverbs.so) as LIB_DIR/criu/, where runc's CRIU on the node
+    loads them (CRIU_LIBS_DIR); False when the image has none. A plugin is replaced whole: a CRIU that
+    starts meanwhile loads the old file or the new one."""
+    plugins = sorted(source.glob("*.so")) if source.is_dir() else []
+    if not plugins:
+        return False
+    target = lib_dir / "criu"
+    target.mkdir(parents=True, exist_ok=True)
+    for plugin in plugins:
+        tmp = target / f".{plugin.name}.ibckpt-tmp"
+        shutil.copyfile(plugin, tmp)
+        tmp.chmod(0o644)
+        tmp.replace(target / plugin.name)
+    return True
+
+
 def install(
-    root: Path, prefix: str, python: str, shim: Path | None, config: dict[str, object] | None
+    root: Path,
+    prefix: str,
+    python: str,
+    shim: Path | None,
+    config: dict[str, object] | None,
+    criu_plugins: Path | None = None,
 ) -> str | None:
     """Install everything; returns the shim's build path on the node (None: no shim given), which
     node.json's `shim` then names."""
@@ -146,6 +168,8 @@ def install(
     _write(top / "bin" / "ibckpt-runc", runc_launcher(python, libdir, runc), 0o755)
     _write(top / "bin" / "ibckpt-hook", launcher(python, libdir, "ibckpt_node.hook.main"), 0o755)
     installed = None
+    if criu_plugins is not None:
+        install_criu_plugins(criu_plugins, top / "lib" / "ibckpt")
     if shim is not None:
         (top / "lib" / "ibckpt").mkdir(parents=True, exist_ok=True)
         installed = build_host_path(prefix, install_shim(shim, top / "lib" / "ibckpt"))
