@@ -6,6 +6,7 @@ import asyncio
 import http.client
 import socket
 import ssl
+import sys
 import tempfile
 import threading
 import time
@@ -24,6 +25,16 @@ from testbed.tlsfiles import Pki, shared_pki
 
 OPERATOR = "system:serviceaccount:ibckpt:ibckpt-operator"
 TOKENS = {"op-token": OPERATOR, "other-token": "system:serviceaccount:default:default"}
+
+
+def stand_in_criu(tmp_path: Path, script: str) -> Path:
+    """tmp_path/bin/criu: a Python `script` standing in for CRIU (put its dir first on PATH); its path."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    criu = bin_dir / "criu"
+    criu.write_text(f"#!{sys.executable}\n{script}")
+    criu.chmod(0o755)
+    return criu
 
 
 # The image key set the tests' agents sign and verify with; a test's commit signs with it as the operator.

@@ -10,11 +10,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from agent.agent_harness import Running
+from agent.agent_harness import Running, stand_in_criu
 from agent.test_agent_session import Shim, checkpoint_request, registered_shim, wait_finished
 
 from ibckpt.agentapi import Mode
@@ -34,15 +33,13 @@ class MarkingShim(Shim):
         return ok, reply
 
 
-def logging_criu(tmp_path: Path) -> Path:
+@pytest.fixture
+def criu_calls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A criu that writes a pages file into -D and logs its action, CRIU_LIBS_DIR and parent, one JSON
-    line per call; returns the log."""
+    line per call, in the returned file."""
     calls = tmp_path / "criu-calls"
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    criu = bin_dir / "criu"
-    criu.write_text(
-        f"#!{sys.executable}\n"
+    stand_in_criu(
+        tmp_path,
         "import json, os, sys\n"
         "args = sys.argv[1:]\n"
         "if args[:1] not in (['pre-dump'], ['dump']):\n"
@@ -54,9 +51,9 @@ def logging_criu(tmp_path: Path) -> Path:
         "seen = parent is not None and os.path.isfile(os.path.join(images, parent, 'pages-1.img'))\n"
         "call = {'action': args[0], 'plugins': os.environ.get('CRIU_LIBS_DIR'), 'parent': parent,\n"
         "        'parent_has_pages': seen, 'images': images}\n"
-        f"open({str(calls)!r}, 'a').write(json.dumps(call) + '\\n')\n"
+        f"open({str(calls)!r}, 'a').write(json.dumps(call) + '\\n')\n",
     )
-    criu.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
     return calls
 
 
@@ -68,14 +65,12 @@ def logging_criu(tmp_path: Path) -> Path:
 def test_a_pre_dump_request_pre_dumps_the_tree_then_dumps_on_it(
     marks: bool,
     plugins: str,
+    criu_calls: Path,
     agent: Running,
-    tmp_path: Path,
     coordinator: ThreadedCoordinator,
     sleeper: subprocess.Popen[bytes],
-    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
 ) -> None:
-    calls = logging_criu(tmp_path)
-    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
     sessions = agent.server.sessions
     sessions.agent = dataclasses.replace(sessions.agent, criu_plugins=plugins)
     shim = registered_shim(tmp_path / "state", sleeper.pid)
@@ -90,7 +85,7 @@ def test_a_pre_dump_request_pre_dumps_the_tree_then_dumps_on_it(
     # the barrier was passed either way: the operator's PreDumping ends only there
     assert Milestone.PRE_DUMPED in report.phases, report.phases
 
-    logged = [json.loads(line) for line in calls.read_text().splitlines()]
+    logged = [json.loads(line) for line in criu_calls.read_text().splitlines()]
     actions = [c["action"] for c in logged]
     if not plugins:
         assert actions == ["dump"] and logged[0]["parent"] is None

@@ -10,11 +10,10 @@ import dataclasses
 import os
 import secrets
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from agent.agent_harness import IMAGE_KEYS, Running
+from agent.agent_harness import IMAGE_KEYS, Running, stand_in_criu
 from agent.test_agent_disk import SECRET, agent_options, location, secret_data, wait_finished
 from agent.test_agent_session import checkpoint_request, registered_shim
 
@@ -39,11 +38,8 @@ def slow_criu(tmp_path: Path, s3: S3Server, bucket: str) -> tuple[bytes, Path]:
     source = tmp_path / "pages.src"
     source.write_bytes(pages)
     seen = tmp_path / "seen-before-exit"
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    criu = bin_dir / "criu"
-    criu.write_text(
-        f"#!{sys.executable}\n"
+    stand_in_criu(
+        tmp_path,
         "import sys, time, boto3\n"
         "args = sys.argv[1:]\n"
         "if args[:1] != ['dump']:\n"
@@ -61,9 +57,8 @@ def slow_criu(tmp_path: Path, s3: S3Server, bucket: str) -> tuple[bytes, Path]:
         f"    if count >= {CHUNKS} or time.monotonic() > deadline:\n"
         "        break\n"
         "    time.sleep(0.2)\n"
-        f"open({str(seen)!r}, 'w').write(str(count))\n"
+        f"open({str(seen)!r}, 'w').write(str(count))\n",
     )
-    criu.chmod(0o755)
     return pages, seen
 
 
