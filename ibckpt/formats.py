@@ -26,9 +26,14 @@ RESTORE = "restore"
 SHIM_PROTOCOL = "shimProtocol"
 
 # What a checkpoint taken by this release is written in (the manifest: the newest schema it may write).
-WRITES: Mapping[str, int] = {MANIFEST: 3, CHUNKS: 1, RESTORE: 1, SHIM_PROTOCOL: 1}
+WRITES: Mapping[str, int] = {MANIFEST: 4, CHUNKS: 1, RESTORE: 1, SHIM_PROTOCOL: 1}
 # What this release reads.
-READS: Mapping[str, Sequence[int]] = {MANIFEST: (1, 2, 3), CHUNKS: (1,), RESTORE: (1,), SHIM_PROTOCOL: (1,)}
+READS: Mapping[str, Sequence[int]] = {
+    MANIFEST: (1, 2, 3, 4),
+    CHUNKS: (1,),
+    RESTORE: (1,),
+    SHIM_PROTOCOL: (1,),
+}
 # A checkpoint recorded before its formats were: every release until then wrote these.
 BEFORE_RECORDED: Mapping[str, int] = {MANIFEST: 2, CHUNKS: 1, RESTORE: 1, SHIM_PROTOCOL: 1}
 

@@ -28,11 +28,15 @@ from ibckpt.store.signing import ManifestKeys
 
 # 2: a chunk may be a pack of several files' bytes; ChunkRef.offset says where a file's slice starts.
 # Writers that made no pack write 1, which readers of schema 1 still read.
-# 3: a signature (signing.py): every manifest the agents and the operator write, signed, is schema 3, so
-# that older readers refuse it by its number. Unsigned writers (the CLI without a key) write 1 or 2.
+# 3: a signature (signing.py), so that older readers refuse it by its number. Unsigned writers (the CLI
+# without a key) write 1 or 2.
+# 4: a rank may record its RDMA devices (RankInfo.devices), which readers of 3 reject as an unknown
+# field: every manifest the agents and the operator sign is schema 4 (the devices are recorded only by
+# them), so that older readers refuse it by its number.
 PACKED_SCHEMA_VERSION = 2
-SCHEMA_VERSION = 3
-SUPPORTED_SCHEMAS = frozenset({1, 2, 3})
+SIGNED_SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
+SUPPORTED_SCHEMAS = frozenset({1, 2, 3, 4})
 ManifestKind = Literal["ibckpt.dev/CheckpointManifest", "ibckpt.dev/CheckpointPart"]
 MANIFEST_KIND: ManifestKind = "ibckpt.dev/CheckpointManifest"
 # A part is what one node wrote of a multi-node checkpoint, staged until the manifest merges all parts.
@@ -194,8 +198,8 @@ class Manifest(_Model):
             seen.add(record.path)
         if self.schema_version == 1 and any(chunk.offset for chunk in self.chunk_refs()):
             raise ValueError("schema_version 1 has no chunk offsets")
-        if self.signature is not None and self.schema_version < SCHEMA_VERSION:
-            raise ValueError(f"only schema_version {SCHEMA_VERSION} carries a signature")
+        if self.signature is not None and self.schema_version < SIGNED_SCHEMA_VERSION:
+            raise ValueError(f"only schema_version {SIGNED_SCHEMA_VERSION} and later carry a signature")
         return self
 
     @property

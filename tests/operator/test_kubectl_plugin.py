@@ -125,7 +125,7 @@ def test_checkpoint_list_describe_and_restore_latest_as_a_user(
             timings = dict(line.split() for line in text.split("Timings:\n")[1].splitlines()[:7])
             assert timings["pause"] == "0.80s" and timings["dump"] == "0.20s", text
             # what a restore node must satisfy: the formats the agents wrote, as name=number
-            assert "Requires:  formats (chunks=1, manifest=3, restore=1, shimProtocol=1)" in text, text
+            assert "Requires:  formats (chunks=1, manifest=4, restore=1, shimProtocol=1)" in text, text
             # kubectl get: the job's size and seconds
             got = subprocess.run(
                 [str(kubectl_bin()), f"--kubeconfig={kube.kubeconfig}", "get", "ckj", "ring-a", "-n", ns],

@@ -132,8 +132,8 @@ def test_schema_1_is_written_without_offsets_and_read_as_it_always_was() -> None
     raw = json.loads(old.to_json())
     assert raw["schema_version"] == 1 and "offset" not in raw["files"][0]["chunks"][0]
     assert parse_manifest(old.to_json(), "here") == old
-    raw["schema_version"] = 4
-    with pytest.raises(ManifestError, match=r"schema_version 4; this ibckpt reads \[1, 2, 3\]"):
+    raw["schema_version"] = 5
+    with pytest.raises(ManifestError, match=r"schema_version 5; this ibckpt reads \[1, 2, 3, 4\]"):
         parse_manifest(json.dumps(raw).encode(), "here")
 
 

@@ -114,8 +114,8 @@ def test_manifest_round_trips_through_json() -> None:
 
 
 def test_manifest_refuses_unknown_schema_and_inconsistency() -> None:
-    newer = sample_manifest().to_json().replace(b'"schema_version": 2', b'"schema_version": 4')
-    with pytest.raises(ManifestError, match=r"schema_version 4; this ibckpt reads \[1, 2, 3\]"):
+    newer = sample_manifest().to_json().replace(b'"schema_version": 2', b'"schema_version": 5')
+    with pytest.raises(ManifestError, match=r"schema_version 5; this ibckpt reads \[1, 2, 3, 4\]"):
         parse_manifest(newer, "x")
     with pytest.raises(ManifestError, match="not JSON"):
         parse_manifest(b"{", "x")
