@@ -30,6 +30,7 @@ The test only uses kubectl, the S3 relay, a listing of the bucket, and the agent
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import time
@@ -286,7 +287,8 @@ def test_faults_mid_checkpoint_leave_the_ring_running_and_list_nothing(
 
     # 1. S3 unreachable once the ranks are cut: the upload fails, the session aborts
     pods.apply(cluster, job_ns, job("s3-cut", "gated"))
-    cut_in = wait_for_phase(cluster, job_ns, "s3-cut", CUT[:3])
+    # not at Quiescing: the operator's storage check as it starts the agents reads the bucket then
+    cut_in = wait_for_phase(cluster, job_ns, "s3-cut", CUT[1:3])
     s3_gate.cut()
     try:
         failed = assert_failed_cleanly(cluster, job_ns, "s3-cut", s3_server, bucket)
@@ -338,11 +340,21 @@ def test_faults_mid_checkpoint_leave_the_ring_running_and_list_nothing(
     assert "lease expired" in shim and "while quiesced: resuming on my own" in shim, shim[-3000:]
     wait_ready(installed, agent_on(installed, "node-2")["metadata"]["name"])
 
-    # 4. Nothing in the way: the job checkpoints
-    pods.apply(cluster, job_ns, job("after", "store"))
+    # 4. Nothing in the way: the job checkpoints, on pre-dumps (spec.preDump: each pod's memory is copied
+    #    while it runs, then only what changed since); step 5 restores it on the swapped nodes
+    after = job("after", "store")
+    after["spec"]["preDump"] = True
+    pods.apply(cluster, job_ns, after)
+    assert wait_for_phase(cluster, job_ns, "after", ("PreDumping",)) == "PreDumping"
     done = ring.wait_phase(cluster, job_ns, "checkpointjob", "after", "Succeeded", 900)
     good = done["status"]["checkpointName"]
+    assert done["status"]["timings"]["preDumpSeconds"] > 0, done["status"]["timings"]
     assert len(manifests(s3_server, bucket)) == 1, manifests(s3_server, bucket)
+    (manifest,) = manifests(s3_server, bucket)
+    listed = json.loads(s3_server.client().get_object(Bucket=bucket, Key=manifest)["Body"].read())
+    # each pod's container dump names its pre-dump as parent, kept inside its images
+    parents = {f["path"].split("/parent/")[0] for f in listed["files"] if "/parent/pages-" in f["path"]}
+    assert len(parents) == 2, sorted(f["path"] for f in listed["files"])
     assert [c["metadata"]["name"] for c in pods.get(cluster, job_ns, "checkpoints")["items"]] == [good]
     ring.running(cluster, job_ns)
 
