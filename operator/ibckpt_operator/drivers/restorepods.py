@@ -187,7 +187,9 @@ class RestorePodsDriver(Driver[RestoreState]):
         if not spec.job_name or not spec.checkpoint_id:
             return {}
         try:
-            resolved = await storage.check(self.rt.kube, self.namespace, spec.storage_ref, spec.storage)
+            # resolved, not checked: opening the store makes the one request a check would
+            location = await storage.location_of(self.rt.kube, self.namespace, spec.storage_ref, spec.storage)
+            resolved = await storage.resolve(self.rt.kube, self.namespace, location)
             store = await asyncio.to_thread(storage.open_store, resolved.config)
             manifest = await asyncio.to_thread(
                 store.manifest, CheckpointRef(spec.job_name, spec.checkpoint_id)
