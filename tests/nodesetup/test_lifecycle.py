@@ -184,3 +184,14 @@ def test_the_next_runtime_is_looked_for_on_the_whole_node_not_only_the_charts_mo
     (node / "usr/sbin/runc").write_text("#!/bin/sh\n")
     (node / "usr/sbin/runc").chmod(0o755)
     assert runtime().ok, runtime()
+
+
+def test_a_probe_that_answers_late_is_bounded_and_says_so() -> None:
+    """A slow node is told apart from one that lacks a program: the finding names the bound it ran out."""
+    assert host.run_on_node(["sh", "-c", "echo 3 11"]) == (0, "3 11\n")
+    status, said = host.run_on_node(["sleep", "5"], timeout_s=0.2)
+    assert status is None and said == "no answer within 0.2s"
+    finding = prereqs.python("/usr/bin/python3", status, said)
+    assert not finding.ok
+    assert finding.detail == "/usr/bin/python3 cannot run on the node (no answer within 0.2s)"
+    assert host.PROBE_TIMEOUT_S >= 120  # seen: over 30 s for python3's start on a busy emulated node

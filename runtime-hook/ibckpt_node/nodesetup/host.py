@@ -53,8 +53,15 @@ class NodeSetup:
         return containerd.Handler(name=self.handler_name, binary=f"{self.prefix}/bin/ibckpt-runc")
 
 
-def run_on_node(argv: list[str], timeout_s: float = 30.0) -> tuple[int | None, str]:
-    """(status, output) of a command in the node's mount namespace; status None: it could not start."""
+# A probe's bound (`criu --version`, `python3 -c`). A slow node is not a node that lacks something: on an
+# emulated node busy with its first pods, python3's start alone took over 30 s, and the agent stayed
+# not Ready for minutes, its Event saying python3 could not run.
+PROBE_TIMEOUT_S = 120.0
+
+
+def run_on_node(argv: list[str], timeout_s: float = PROBE_TIMEOUT_S) -> tuple[int | None, str]:
+    """(status, output) of a command in the node's mount namespace; status None: it could not start,
+    or gave no answer within `timeout_s`."""
     try:
         proc = subprocess.run(
             [*in_node_mount_namespace(), *argv],
@@ -63,7 +70,9 @@ def run_on_node(argv: list[str], timeout_s: float = 30.0) -> tuple[int | None, s
             timeout=timeout_s,
             check=False,
         )
-    except (OSError, subprocess.TimeoutExpired) as exc:
+    except subprocess.TimeoutExpired:
+        return None, f"no answer within {timeout_s:g}s"
+    except OSError as exc:
         return None, str(exc)
     if proc.returncode in (126, 127):  # nsenter's "cannot execute" / "not found"
         return None, proc.stderr
