@@ -22,7 +22,6 @@ from pathlib import Path, PurePosixPath
 from types import TracebackType
 
 import botocore.exceptions
-from boto3.s3.transfer import TransferConfig
 
 from ibckpt import __version__
 from ibckpt.store import codec
@@ -98,6 +97,8 @@ class CheckpointWriter:
         self._started_at = datetime.now(UTC)
         self._wall_start = time.perf_counter()
         self._committed: Manifest | None = None
+        from boto3.s3.transfer import TransferConfig  # boto3 loads with the first client (s3.py)
+
         self._transfer_config = TransferConfig(
             multipart_threshold=self._config.multipart_threshold,
             multipart_chunksize=max(8 * 1024 * 1024, self._config.multipart_threshold // 4),
