@@ -14,6 +14,10 @@ other identity). Errors come back as ErrorReply with the status code.
     GET  /v1/sessions/{id}             SessionReport (404: unknown)
     POST /v1/sessions/{id}/abort       AbortRequest      -> SessionReport
 
+The memory tier (agentapi/memory.py) adds agent <-> agent calls under /v1/memory/: a checkpointing agent
+keeps a copy of its part in the memory of another node's agent (MemoryCopyTarget), and a restoring agent
+reads chunks from it (MemoryCopySource) before it asks S3.
+
 A session runs in the agent after the 202; the operator polls its report. Storage credentials never
 travel here: a request names the Secret (ImageDestination.credentials) and the agent reads it itself.
 The coordinator's per-session token does travel (the agent must present it to the coordinator); it is
@@ -291,6 +295,36 @@ class SessionBase(AgentModel):
         return clear_on_the_wire(token, info)
 
 
+class MemoryCopyTarget(AgentModel):
+    """Where a checkpointing agent keeps the memory copy of its part: another node's agent (the operator
+    chooses it, never the node itself)."""
+
+    node: str = Field(min_length=1, max_length=253)
+    address: str = Field(pattern=r"^[^\s/]+:[0-9]{1,5}$", description="host:port of that node's agent API.")
+
+
+class MemoryCopySource(AgentModel):
+    """A memory copy a restoring agent may read chunks from before it asks S3: `part` (the source node's
+    part of the checkpoint) as the agent of `node` holds it."""
+
+    node: str = Field(min_length=1, max_length=253)
+    address: str = Field(pattern=r"^[^\s/]+:[0-9]{1,5}$")
+    part: str = Field(min_length=1, max_length=253)
+
+
+class MemoryCopyReport(AgentModel):
+    """Checkpoint: the copy of this node's part that `node` keeps (`kept`: sealed there). Restore: what was
+    read from memory copies instead of S3 (`node`: the holder, or several joined by commas)."""
+
+    node: str
+    part: str
+    kept: bool = False
+    chunks: int = Field(default=0, ge=0)
+    bytes: int = Field(default=0, ge=0)
+    seconds: float = Field(default=0.0, ge=0)
+    message: str = ""
+
+
 class CheckpointRequest(SessionBase):
     job: str = Field(min_length=1, max_length=253, description="The job's name in rank keys.")
     mode: Mode = Mode.LEAVE_RUNNING
@@ -302,6 +336,10 @@ class CheckpointRequest(SessionBase):
     pre_dump: bool = Field(
         default=False,
         description="Pre-dump every tree before the cut, then pass the PreDumped barrier (spec.preDump).",
+    )
+    # None (not sent, so an agent from before the memory tier reads the request as before): S3 only
+    memory_copy: MemoryCopyTarget | None = Field(
+        default=None, description="Also keep this node's part in that agent's memory (the memory tier)."
     )
 
 
@@ -336,6 +374,9 @@ class RestoreRequest(SessionBase):
     device_map: dict[str, str] | None = Field(
         default=None,
         description="Old RDMA device name -> new one, ahead of the rule in ibckpt/devicemap.py.",
+    )
+    memory_copies: list[MemoryCopySource] | None = Field(
+        default=None, description="Living memory copies of the checkpoint's parts, read before S3."
     )
 
 
@@ -379,3 +420,4 @@ class SessionReport(AgentModel):
     bytes: int = Field(default=0, ge=0)
     started_at: float = Field(description="Unix time.")
     finished_at: float | None = None
+    memory_copy: MemoryCopyReport | None = Field(default=None, description="The memory tier's part here.")
