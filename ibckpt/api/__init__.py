@@ -12,8 +12,10 @@ from ibckpt.api.checkpoint import (
     CheckpointSpec,
     CheckpointStatus,
     JobReference,
+    MemoryCopy,
     PodTemplate,
     RequiredVersions,
+    StorageTier,
 )
 from ibckpt.api.checkpointjob import (
     CHECKPOINT_JOB,
@@ -51,6 +53,7 @@ from ibckpt.api.objects import (
 from ibckpt.api.restorejob import (
     RESTORE_JOB,
     LatestCheckpoint,
+    MemoryReads,
     PodCreator,
     RestoreJobSpec,
     RestoreJobStatus,
@@ -113,6 +116,8 @@ __all__ = [
     "LabelSelectorRequirement",
     "LatestCheckpoint",
     "LocalObjectReference",
+    "MemoryCopy",
+    "MemoryReads",
     "ObjectMeta",
     "OwnerReference",
     "PhaseTiming",
@@ -131,5 +136,6 @@ __all__ = [
     "SecretKeyReference",
     "SkippedCheckpoint",
     "StorageImport",
+    "StorageTier",
     "WorkloadReference",
 ]

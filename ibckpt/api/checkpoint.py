@@ -4,6 +4,7 @@ VolumeSnapshotContent. The operator creates it after the manifest commit; a Rest
 from __future__ import annotations
 
 from datetime import datetime
+from enum import StrEnum
 from typing import Annotated, Any
 
 from pydantic import ConfigDict, Field, WithJsonSchema, model_validator
@@ -112,8 +113,33 @@ class CheckpointSpec(ApiModel):
         return self
 
 
+class StorageTier(StrEnum):
+    """Where a checkpoint's images are held: S3 (durable), and a node agent's memory (the memory tier:
+    fast to read, gone with that node or the job's next checkpoint)."""
+
+    S3 = "S3"
+    MEMORY = "Memory"
+
+
+class MemoryCopy(ApiModel):
+    """One node's part of the images, kept in the memory of another node's agent."""
+
+    part: str = Field(description="The node whose part of the images this is (where the pod ran).")
+    node: str = Field(description="The node whose agent holds the copy.")
+    chunks: int | None = Field(default=None, ge=0)
+    bytes: int | None = Field(default=None, ge=0, description="Stored bytes (compressed, encrypted) held.")
+
+
 class CheckpointStatus(ApiModel):
     ready_to_restore: bool | None = None
+    tiers: list[StorageTier] | None = Field(
+        default=None, description="Where the images were held when it was committed (unset: S3 only)."
+    )
+    memory_copies: list[MemoryCopy] | None = Field(
+        default=None,
+        description="The parts kept in memory: a restore reads them there while their holder lives, and "
+        "S3 for the rest (docs/recovery.md).",
+    )
     message: str | None = None
     observed_generation: ObservedGeneration = None
     conditions: Conditions = None

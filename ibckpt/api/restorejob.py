@@ -127,6 +127,14 @@ class SkippedCheckpoint(ApiModel):
     reason: str = Field(description="Why it was passed over.")
 
 
+class MemoryReads(ApiModel):
+    """What the restore read from memory copies of the checkpoint instead of S3 (docs/recovery.md)."""
+
+    chunks: int = Field(default=0, ge=0)
+    bytes: int = Field(default=0, ge=0, description="Stored bytes read from memory.")
+    holders: list[str] | None = Field(default=None, description="The nodes whose agents served them.")
+
+
 class RestoreJobStatus(ApiModel):
     """What the operator did; `attempt` is written before each side effect (see CheckpointJob)."""
 
@@ -142,6 +150,7 @@ class RestoreJobStatus(ApiModel):
         default=None, description="latestOf: the newer Checkpoints passed over, newest first, and why."
     )
     pods: list[PodRow] | None = Field(default=None, description="One row per pod; node is the destination.")
+    memory_reads: MemoryReads | None = Field(default=None, description="Unset: every chunk came from S3.")
     phase_timings: list[PhaseTiming] | None = Field(default=None, description=PHASE_TIMINGS_DESCRIPTION)
     start_time: datetime | None = None
     phase_start_time: datetime | None = None

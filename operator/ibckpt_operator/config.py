@@ -43,6 +43,9 @@ class OperatorConfig:
     image_keys: str = ""
     release: str = ""  # the Helm release: labels what the operator makes outside the chart (uninstall)
     grants_owner: str = ""  # the agents' ClusterRole: owns the storage grants, so uninstall removes them
+    # The memory tier (the chart's agent.memoryTier): each node's part of a checkpoint is also kept in
+    # the memory of the next node's agent (machine/memorytier.py), and restores read it there first.
+    memory_tier: bool = False
     agent_timeout: float = 10.0
     # An agent pod that is not Ready is waited for this long before the pods on its node are refused.
     agent_ready_wait_seconds: float = 90.0

@@ -70,6 +70,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--grants-owner", default="",
                         help="the agents' ClusterRole: it owns the storage Roles, so deleting it (helm "
                         "uninstall) has Kubernetes delete them in every namespace")  # fmt: skip
+    parser.add_argument("--memory-tier", action="store_true",
+                        help="the agents keep a memory tier (the chart's agent.memoryTier): ask each "
+                        "checkpointing node to keep its part in the next node's agent too")  # fmt: skip
     parser.add_argument("--gc-grace-seconds", type=float, default=3600.0,
                         help="a deleted Checkpoint's chunks younger than this are swept later")  # fmt: skip
     parser.add_argument("--store-sweep-seconds", type=float, default=3600.0,
@@ -99,6 +102,7 @@ def main(argv: list[str] | None = None) -> None:
             release=args.release,
             image_keys=args.image_keys,
             grants_owner=args.grants_owner,
+            memory_tier=args.memory_tier,
             gc_grace_seconds=args.gc_grace_seconds,
             store_sweep_seconds=args.store_sweep_seconds,
         )

@@ -124,8 +124,8 @@ class Cluster:
         labels = {"app.kubernetes.io/component": "agent", "app.kubernetes.io/instance": "ibckpt"}
         self.pod(f"agent-{node}", node, labels, namespace=OPERATOR_NS, ip=ip, ready=ready)
 
-    def agent_pod_ready(self, node: str) -> None:
-        status = {"conditions": [{"type": "Ready", "status": "True"}]}
+    def agent_pod_ready(self, node: str, ready: bool = True) -> None:
+        status = {"conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}
         self.core.patch_namespaced_pod_status(f"agent-{node}", OPERATOR_NS, {"status": status})
 
     def secret(self, name: str, data: dict[str, str]) -> None:

@@ -23,6 +23,7 @@ from ibckpt.agentapi import (
     AgentInfo,
     CheckpointRequest,
     ContainerList,
+    MemoryCopyReport,
     Milestone,
     Mode,
     RankPhase,
@@ -274,8 +275,14 @@ class FakeAgent:
                 return
             self.set_phase(session, phase, done)
         time.sleep(0.2)
+        # as the real agent reports chunks it read from memory copies: one per copy named, here
+        copies = request.memory_copies or []
+        read = copies and MemoryCopyReport(
+            node=",".join(c.node for c in copies), part=",".join(c.part for c in copies), kept=True,
+            chunks=len(copies), bytes=1000 * len(copies),
+        )  # fmt: skip
         self.set_phase(session, RankPhase.DONE, Milestone.RESUMED, state=SessionState.SUCCEEDED,
-                       finished_at=time.time())  # fmt: skip
+                       finished_at=time.time(), memory_copy=read or None)  # fmt: skip
 
     def find_pod(self, namespace: str, name: str) -> tuple[str, str] | None:
         return self.pod_lookup(namespace, name) if self.pod_lookup is not None else None
@@ -365,5 +372,9 @@ class FakeAgent:
             writer.stage(self.node, ranks=[rank])
         final = (RankPhase.HELD, Milestone.UPLOADED) if request.mode == Mode.HOLD else (RankPhase.DONE, None)
         took[Milestone.UPLOADED] = round(time.monotonic() - upload_started, 3)
+        # the memory tier: the real agent pushes its part to the named agent before its session succeeds
+        kept = request.memory_copy and MemoryCopyReport(
+            node=request.memory_copy.node, part=self.node, kept=True, chunks=1, bytes=200_000, seconds=0.1
+        )
         self.set_phase(session, *final, bytes=200_000, state=SessionState.SUCCEEDED, finished_at=time.time(),
-                       phases=took)  # fmt: skip
+                       phases=took, memory_copy=kept or None)  # fmt: skip

@@ -38,6 +38,12 @@ class Agent:
     ready: bool
 
 
+def agent_address(agent: Agent) -> str:
+    """host:port of a node's agent API, as another agent dials it (an IPv6 host in brackets)."""
+    host = f"[{agent.host}]" if ":" in agent.host else agent.host
+    return f"{host}:{current().agent_port}"
+
+
 def _ready(pod: Body) -> bool:
     status = pod.get("status", {})
     if pod.get("metadata", {}).get("deletionTimestamp") or status.get("phase") != "Running":

@@ -20,6 +20,7 @@ from ibckpt.agentapi import (
     AgentInfo,
     CheckpointRequest,
     ImageDestination,
+    MemoryCopyTarget,
     Mode,
     PhaseTimeouts,
     RankPhase,
@@ -32,6 +33,7 @@ from ibckpt.store.units import format_size
 from ibckpt_operator.cluster import secretgrants, selection
 from ibckpt_operator.cluster.agents import (
     Agent,
+    agent_address,
     agent_failure,
     agents_by_node,
     agents_once_ready,
@@ -46,7 +48,7 @@ from ibckpt_operator.drivers.base import StepProblem
 from ibckpt_operator.drivers.checkpointstore import CheckpointStoreDriver
 from ibckpt_operator.drivers.progress import Session
 from ibckpt_operator.drivers.runtime import Runtime
-from ibckpt_operator.machine import CheckpointMachine, JobConfig, JobState, PodRef
+from ibckpt_operator.machine import CheckpointMachine, JobConfig, JobState, PodRef, memorytier
 from ibckpt_operator.machine.actions import (
     AdmitPods,
     ClaimPods,
@@ -307,6 +309,7 @@ class CheckpointJobDriver(CheckpointStoreDriver):
         first_rank = 0  # each node's container trees take the next numbers in the checkpoint
         nodes = list(self.session.nodes.items())
         infos = await each_agent([self.rt.gateway.info(agent) for _, agent in nodes])
+        buddies = await self.memory_buddies()
         requests: list[tuple[str, Agent, CheckpointRequest]] = []
         for (node, agent), info in zip(nodes, infos, strict=True):
             if isinstance(info, AgentError):
@@ -345,6 +348,7 @@ class CheckpointJobDriver(CheckpointStoreDriver):
                     compression=None if self.spec.compression == "zstd" else self.spec.compression,
                 ),
                 job_addresses=sorted({a.host for a in self.session.nodes.values() if a.host}),
+                memory_copy=buddies.get(node),
             )
             first_rank += len(ranks)
             requests.append((node, agent, request))
@@ -363,6 +367,18 @@ class CheckpointJobDriver(CheckpointStoreDriver):
                 return
         for node, agent in self.session.nodes.items():
             self.spawn(self.poll(node, agent, action.attempt))
+
+    async def memory_buddies(self) -> dict[str, MemoryCopyTarget]:
+        """Where each of the job's nodes keeps its part in memory (machine/memorytier.py), when the release
+        runs the memory tier; a node with no buddy (a one-node cluster) keeps S3 only."""
+        assert self.session is not None
+        if not current().memory_tier:
+            return {}
+        agents = {node: a for node, a in (await agents_by_node(self.rt.kube)).items() if a.ready and a.host}
+        return {
+            node: MemoryCopyTarget(node=buddy, address=agent_address(agents[buddy]))
+            for node, buddy in memorytier.buddies(self.session.nodes, agents).items()
+        }
 
     async def poll(self, node: str, agent: Agent, attempt: str) -> None:
         """Follow the node's session report until it ends: rank progress, bytes, and failures."""
@@ -384,6 +400,8 @@ class CheckpointJobDriver(CheckpointStoreDriver):
         self.progress.absorb(report, lambda rank: rank.pod_uid)
         if report.phases:
             self.node_phases[report.node] = dict(report.phases)
+        if report.memory_copy is not None:
+            self.memory_reports[report.node] = report.memory_copy
         self.report_progress()
 
     async def kill(self, action: KillSources) -> None:

@@ -12,7 +12,7 @@ import functools
 import logging
 import time
 
-from ibckpt.agentapi import CHECKPOINT_MILESTONES, Milestone
+from ibckpt.agentapi import CHECKPOINT_MILESTONES, MemoryCopyReport, Milestone
 from ibckpt.api import (
     CHECKPOINT,
     CHECKPOINT_JOB,
@@ -21,6 +21,7 @@ from ibckpt.api import (
     CheckpointMode,
     CheckpointSize,
     CheckpointSpec,
+    CheckpointStatus,
     CheckpointTimings,
     JobReference,
     ObjectMeta,
@@ -34,7 +35,7 @@ from ibckpt_operator.drivers.base import Driver
 from ibckpt_operator.drivers.progress import PodProgress
 from ibckpt_operator.drivers.recording import RestoreRecord
 from ibckpt_operator.drivers.runtime import Runtime
-from ibckpt_operator.machine import CheckpointMachine, JobState
+from ibckpt_operator.machine import CheckpointMachine, JobState, memorytier
 from ibckpt_operator.machine.actions import CommitManifest, DiscardUpload, PublishCheckpoint, VerifyManifest
 from ibckpt_operator.machine.checkpoint import CheckpointPublished, ManifestCommitted, ManifestMissing
 from ibckpt_operator.machine.timings import checkpoint_timings
@@ -63,6 +64,9 @@ class CheckpointStoreDriver(Driver[JobState]):
         self.resolved: storage.ResolvedStorage | None = None
         self.record = RestoreRecord()  # what a restore needs, written into the Checkpoint
         self.node_phases: dict[str, dict[str, float]] = {}  # each node's last SessionReport.phases
+        # each node's SessionReport.memoryCopy (the memory tier): in memory only, so a Checkpoint
+        # published by a restarted operator says S3 only, which is true of what it can vouch for
+        self.memory_reports: dict[str, MemoryCopyReport] = {}
 
     def timings(self, state: JobState, now: float) -> CheckpointTimings | None:
         """From the nodes' reports; the total runs from the job's start to its end (or to `now`)."""
@@ -191,9 +195,15 @@ class CheckpointStoreDriver(Driver[JobState]):
         )
         created = await self.rt.kube.create_custom(CHECKPOINT.plural, self.namespace, checkpoint.to_wire())
         if created:
+            copies = memorytier.kept_copies(self.memory_reports)
+            status = CheckpointStatus(
+                ready_to_restore=True,
+                tiers=memorytier.tiers(copies, spec.nodes or []),
+                memory_copies=copies or None,
+            )
             with contextlib.suppress(Exception):
                 await self.rt.kube.patch_status(
-                    CHECKPOINT.plural, self.namespace, action.checkpoint_name, {"readyToRestore": True}
+                    CHECKPOINT.plural, self.namespace, action.checkpoint_name, status.to_wire()
                 )
         self.emit(CheckpointPublished(action.attempt))
 

@@ -24,6 +24,8 @@ from ibckpt.agentapi import (
     RESTORE_MILESTONES,
     AgentError,
     ImageSource,
+    MemoryCopyReport,
+    MemoryCopySource,
     Milestone,
     PhaseTimeouts,
     RestoreRank,
@@ -31,10 +33,11 @@ from ibckpt.agentapi import (
     SecretRef,
     SessionReport,
 )
-from ibckpt.api import RestoreJobStatus, RestorePhase, SkippedCheckpoint
+from ibckpt.api import Checkpoint, MemoryReads, RestoreJobStatus, RestorePhase, SkippedCheckpoint
 from ibckpt_operator.cluster import bindings, secretgrants, storage
 from ibckpt_operator.cluster.agents import (
     Agent,
+    agent_address,
     agent_failure,
     agents_by_node,
     each_agent,
@@ -46,7 +49,7 @@ from ibckpt_operator.cluster.pods import restored_lost
 from ibckpt_operator.drivers.progress import PodProgress
 from ibckpt_operator.drivers.restorepods import RestorePodsDriver
 from ibckpt_operator.drivers.runtime import Runtime
-from ibckpt_operator.machine import PodRef, RestoreConfig, RestoreMachine, RestoreState
+from ibckpt_operator.machine import PodRef, RestoreConfig, RestoreMachine, RestoreState, memorytier
 from ibckpt_operator.machine.actions import (
     AdmitNodes,
     AwaitMilestone,
@@ -85,6 +88,8 @@ class RestoreJobDriver(RestorePodsDriver):
         # latestOf: what drivers/latest.py wrote before this driver started; kept in every status written
         skipped = (body.get("status") or {}).get("skippedCheckpoints") or None
         self.skipped = [SkippedCheckpoint.from_wire(s) for s in skipped] if skipped else None
+        # each node's SessionReport.memoryCopy: the chunks it read from memory copies (status.memoryReads)
+        self.memory_reads: dict[str, MemoryCopyReport] = {}
         if self.by_controller:
             bindings.register(self)
 
@@ -135,7 +140,16 @@ class RestoreJobDriver(RestorePodsDriver):
 
     def status_of(self, state: RestoreState, now: float) -> RestoreJobStatus:
         status = restore_status(state, generation=self.generation, previous=self.conditions, now=now)
-        return status.model_copy(update={"skipped_checkpoints": self.skipped}) if self.skipped else status
+        update: dict[str, object] = {}
+        if self.skipped:
+            update["skipped_checkpoints"] = self.skipped
+        read = [r for r in self.memory_reads.values() if r.chunks]
+        if read:
+            holders = sorted({node for r in read for node in r.node.split(",") if node})
+            update["memory_reads"] = MemoryReads(
+                chunks=sum(r.chunks for r in read), bytes=sum(r.bytes for r in read), holders=holders
+            )
+        return status.model_copy(update=update) if update else status
 
     def background(self) -> list[Awaitable[None]]:
         # a created pod that is deleted, replaced or fails before the restore ends is lost
@@ -213,6 +227,18 @@ class RestoreJobDriver(RestorePodsDriver):
                 moves.append(AddressMove(pod.name, recorded.host_ip, agent.host))
         return moves
 
+    async def memory_sources(self, checkpoint: Checkpoint) -> list[MemoryCopySource]:
+        """The checkpoint's memory copies whose holder's agent is ready (machine/memorytier.py): the
+        restoring agents read those chunks there, and the rest from S3."""
+        recorded = (checkpoint.status.memory_copies if checkpoint.status else None) or []
+        if not recorded:
+            return []
+        agents = {node: a for node, a in (await agents_by_node(self.rt.kube)).items() if a.ready and a.host}
+        return [
+            MemoryCopySource(node=copy.node, address=agent_address(agents[copy.node]), part=copy.part)
+            for copy in memorytier.readable_copies(recorded, agents)
+        ]
+
     async def start_agents(self, action: DownloadImages) -> None:
         assert self.session is not None and self.state is not None
         checkpoint = await self.require_checkpoint()
@@ -231,6 +257,7 @@ class RestoreJobDriver(RestorePodsDriver):
         except AddressConflict as conflict:
             self.emit(StepFailed(action.attempt, "AddressConflict", str(conflict)))
             return
+        copies = await self.memory_sources(checkpoint)
         requests: list[tuple[str, Agent, RestoreRequest]] = []
         for node, agent in sorted(self.session.nodes.items()):
             ranks = []
@@ -265,6 +292,7 @@ class RestoreJobDriver(RestorePodsDriver):
                 ranks=ranks,
                 remap_ip=remap,
                 device_map=self.spec.device_map or None,
+                memory_copies=copies or None,
             )
             requests.append((node, agent, request))
 
@@ -321,6 +349,8 @@ class RestoreJobDriver(RestorePodsDriver):
         by_key = self.pods_of_ranks()
         by_uid = {m.pod.uid: m.pod.name for m in self.state.members if m.pod.uid}
         self.progress.absorb(report, lambda rank: by_key.get(rank.rank_key) or by_uid.get(rank.pod_uid))
+        if report.memory_copy is not None:
+            self.memory_reads[report.node] = report.memory_copy
         self.report_progress()
 
     def report_progress(self) -> None:

@@ -1,0 +1,44 @@
+"""The memory tier's pure rules (machine/memorytier.py): placement on a ring of the ready agents' nodes,
+what the Checkpoint says of its tiers, and which copies a restore may read."""
+
+from __future__ import annotations
+
+from ibckpt.agentapi import MemoryCopyReport
+from ibckpt.api import MemoryCopy, StorageTier
+from ibckpt_operator.machine import memorytier
+
+
+def test_each_node_keeps_its_part_on_the_next_ready_node_never_itself() -> None:
+    ring = ["n1", "n2", "n3", "n4"]
+    assert memorytier.buddies(["n1", "n2"], ring) == {"n1": "n2", "n2": "n3"}
+    assert memorytier.buddies(["n4"], ring) == {"n4": "n1"}  # the ring wraps
+    assert memorytier.buddies(["n2", "n1"], ["n2", "n1"]) == {"n1": "n2", "n2": "n1"}
+    # every holder keeps one other node's part: no node is chosen twice when the whole ring checkpoints
+    chosen = memorytier.buddies(ring, ring)
+    assert sorted(chosen.values()) == ring and all(node != buddy for node, buddy in chosen.items())
+
+
+def test_a_lone_node_or_a_node_outside_the_ring_is_placed_by_name() -> None:
+    assert memorytier.buddies(["n1"], ["n1"]) == {}  # nobody else: S3 only
+    assert memorytier.buddies(["n1"], []) == {}
+    # n2's agent is not ready: its part still goes to the next ready node after it
+    assert memorytier.buddies(["n2"], ["n1", "n3"]) == {"n2": "n3"}
+    assert memorytier.buddies(["n9"], ["n1", "n3"]) == {"n9": "n1"}
+
+
+def test_the_checkpoint_lists_kept_copies_and_says_memory_only_when_every_part_has_one() -> None:
+    reports = {
+        "n1": MemoryCopyReport(node="n2", part="n1", kept=True, chunks=3, bytes=30),
+        "n2": MemoryCopyReport(node="n3", part="n2", kept=False, message="over the budget"),
+    }
+    copies = memorytier.kept_copies(reports)
+    assert copies == [MemoryCopy(part="n1", node="n2", chunks=3, bytes=30)]
+    assert memorytier.tiers(copies, ["n1", "n2"]) == [StorageTier.S3]
+    assert memorytier.tiers(copies, ["n1"]) == [StorageTier.S3, StorageTier.MEMORY]
+    assert memorytier.tiers([], []) == [StorageTier.S3]
+
+
+def test_a_restore_reads_only_copies_whose_holder_lives() -> None:
+    copies = [MemoryCopy(part="n1", node="n2"), MemoryCopy(part="n2", node="n3")]
+    assert memorytier.readable_copies(copies, {"n1", "n2"}) == [copies[0]]
+    assert memorytier.readable_copies(copies, set()) == []
