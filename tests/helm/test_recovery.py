@@ -183,6 +183,13 @@ def test_a_dead_rank_then_a_dead_node_bring_the_job_back_from_its_last_checkpoin
     restore = pods.get(cluster, job_ns, "restorejob", recovery["restoreJob"])
     assert restore["status"]["phase"] == "Succeeded", restore["status"]
     assert restore["metadata"]["ownerReferences"][0]["kind"] == "CheckpointSchedule"
+    # the memory tier: each node's part was kept by the other node's agent, and read there
+    assert _memory_copies(installed, job_ns, latest["metadata"]["name"]) == {
+        "node-1": "node-2",
+        "node-2": "node-1",
+    }
+    reads = restore["status"]["memoryReads"]
+    assert reads["holders"] == ["node-1", "node-2"] and reads["chunks"] > 0, restore["status"]
     events = cluster.kubectl("get", "events", "-n", job_ns, "--field-selector", "reason=Recovered").stdout
     assert SCHEDULE in events, events
     started = cluster.kubectl("get", "events", "-n", job_ns, "--field-selector", "reason=RecoveryStarted",
@@ -199,6 +206,13 @@ def test_a_dead_rank_then_a_dead_node_bring_the_job_back_from_its_last_checkpoin
     _nothing_left_on_disk(installed)  # a second checkpoint and a restore onto node-2 alone
     ring.finish(cluster, job_ns)
     cluster.kubectl("delete", "checkpointschedule", SCHEDULE, "-n", job_ns, "--wait=false")
+
+
+def _memory_copies(installed: Release, namespace: str, checkpoint: str) -> dict[str, str]:
+    """Which node's agent kept each part of the Checkpoint in memory (its status, docs/recovery.md)."""
+    status = pods.get(installed.cluster, namespace, "checkpoint", checkpoint)["status"]
+    assert status["tiers"] == ["S3", "Memory"], status
+    return {copy["part"]: copy["node"] for copy in status["memoryCopies"]}
 
 
 def _a_dead_node(installed: Release, job_ns: str, known: set[str]) -> None:
@@ -240,6 +254,11 @@ def _a_dead_node(installed: Release, job_ns: str, known: set[str]) -> None:
         restore = pods.get(cluster, job_ns, "restorejob", recovery["restoreJob"])
         assert restore["status"]["phase"] == "Succeeded", restore["status"]
         assert restore["spec"]["avoidNodes"] == ["node-1"], restore["spec"]
+        # node-1's part was read from node-2's memory; node-2's, kept by the dead node-1, from S3
+        copies = _memory_copies(installed, job_ns, latest["metadata"]["name"])
+        assert copies == {"node-1": "node-2", "node-2": "node-1"}, copies
+        reads = restore["status"]["memoryReads"]
+        assert reads["holders"] == ["node-2"] and reads["chunks"] > 0, restore["status"]
         after = _uids(cluster, job_ns)
         assert not set(after.values()) & set(before.values()), (before, after)
         assert ring.placement(cluster, job_ns) == {"ring-0": "node-2", "ring-1": "node-2"}

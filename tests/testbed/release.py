@@ -123,6 +123,7 @@ def storage_secret(cluster: Cluster, namespace: str, access_key: str, secret_key
 
 
 WEBHOOK_CLIENT_CA_SECRET = "apiserver-webhook-client-ca"
+MEMORY_TIER_BYTES = 256 * 1024 * 1024
 
 
 def install(
@@ -160,6 +161,9 @@ def install(
     # one, and its restart takes minutes on these nodes. With 60 s a leader still restarted once, while
     # node-2's kubelet could not even finish TLS handshakes: 120 s (a step-down after 80 s).
     pin += ["--set", "operator.leaseSeconds=120"]
+    # The memory tier on (docs/recovery.md, "Tiers"): the ring's parts are a few MB; 256 MiB per agent
+    # fits the chart's 1 GiB agent limit and the 3 GiB guests.
+    pin += ["--set", f"agent.memoryTier.bytes={MEMORY_TIER_BYTES}"]
     out = helm(
         cluster, "install", name, str(CHART), "--namespace", namespace,
         "--set", f"image.repository={repository}", "--set", f"image.tag={tag}",
