@@ -310,6 +310,11 @@ def describe(api: KubeApi, args: argparse.Namespace) -> int:
         ("Ranks", str(spec.get("rankCount") if spec.get("rankCount") is not None else "-")),
         ("Size", _size(spec) + (f" ({format_size(stored)} new in the bucket)" if stored is not None else "")),
         ("Ready to restore", _yes_no(status.get("readyToRestore"), "not checked yet")),
+        ("Tiers", ", ".join(status.get("tiers") or ["S3"])),
+        (
+            "Memory copies",
+            ", ".join(f"{c['part']} on {c['node']}" for c in status.get("memoryCopies") or []) or "-",
+        ),
         ("Manifest", spec.get("manifestKey") or "-"),
     ]
     if status.get("message"):

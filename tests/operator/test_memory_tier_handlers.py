@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from testbed.cluster import kubectl_ibckpt
 from testbed.s3 import S3Server
 
 Agents = Cluster = Any  # conftest.py's fixtures
@@ -31,7 +32,13 @@ def stop_job(cluster: Cluster, s3: S3Server, bucket: str) -> dict[str, Any]:
 
 
 def test_parts_go_to_the_next_nodes_memory_and_a_restore_reads_them_there(
-    cluster_ns: Cluster, s3_server: S3Server, bucket: str, agents: Agents, operator: Any, store_config: Any
+    kube: Any,
+    cluster_ns: Cluster,
+    s3_server: S3Server,
+    bucket: str,
+    agents: Agents,
+    operator: Any,
+    store_config: Any,
 ) -> None:
     config = store_config(bucket)
     a = agents.add(cluster_ns, "node-a", 1, "complete", config)
@@ -58,6 +65,11 @@ def test_parts_go_to_the_next_nodes_memory_and_a_restore_reads_them_there(
             ("node-a", "node-b"),
             ("node-b", "node-c"),
         ]
+        # as a user sees it
+        described = kubectl_ibckpt(kube.kubeconfig, cluster_ns.namespace, "describe", "ring-c1", timeout=120)
+        assert described.returncode == 0, described.stderr
+        assert "Tiers:" in described.stdout and "S3, Memory" in described.stdout, described.stdout
+        assert "node-a on node-b, node-b on node-c" in described.stdout, described.stdout
 
         # node-c's agent goes away: its copy is not offered, and that part is read from S3; both pods
         # come back on node-a
