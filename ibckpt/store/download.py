@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
+import logging
 import os
 import secrets
 import shutil
 import stat
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
@@ -26,6 +28,8 @@ from ibckpt.store.layout import CheckpointRef
 from ibckpt.store.leases import holder_lease, wait_for_sweeps
 from ibckpt.store.manifest import FileRecord, Manifest, check_restorable
 from ibckpt.store.s3 import missing_as, s3_errors
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,11 @@ class ChunkUse:
         return sum(place.length for place in self.places)
 
 
+# A chunk's stored bytes from somewhere other than S3 (the memory tier's copies), or None where it is not
+# held. Untrusted: its bytes are verified as S3's are, and a chunk it fails on is read from S3.
+ChunkSource = Callable[[str], bytes | None]
+
+
 @dataclass
 class TransferReport:
     ref: CheckpointRef
@@ -64,6 +73,9 @@ class TransferReport:
     seconds: float = 0.0
     stages: dict[str, float] = field(default_factory=dict)
     problems: list[ChunkError] = field(default_factory=list)
+    source_chunks: int = 0  # read from the chunk source and verified
+    source_bytes: int = 0  # their stored bytes
+    source_rejected: int = 0  # offered by the source but corrupt: read from S3
 
 
 @contextmanager
@@ -100,7 +112,7 @@ def select_subtree(files: list[FileRecord], subtree: str | None) -> list[FileRec
     return chosen
 
 
-def _placements(files: list[FileRecord]) -> dict[str, ChunkUse]:
+def placements(files: list[FileRecord]) -> dict[str, ChunkUse]:
     """chunk id -> every place its bytes go."""
     where: dict[str, ChunkUse] = {}
     for record in files:
@@ -129,12 +141,27 @@ def fetch_chunk(context: StoreContext, ref: CheckpointRef, cid: str, size: int, 
         missing_as(lambda: _missing(ref, cid, f"{context.connection.where()}, key {key}")),
     ):
         stored = context.client.get_object(Bucket=context.bucket, Key=key)["Body"].read()
+    return open_verified(context, ref, cid, size, stored, times, f"key {key}")
+
+
+def open_verified(
+    context: StoreContext,
+    ref: CheckpointRef,
+    cid: str,
+    size: int,
+    stored: bytes,
+    times: StageTimes,
+    where: str,
+) -> bytes:
+    """A chunk's plain bytes from its stored bytes, verified against its id and at least `size` long;
+    ChunkCorruptError names the chunk, the checkpoint and `where` the bytes came from."""
+    key = where
     try:
         with times.timed("decode"):
             plain = codec.open_chunk(stored, cid, context.keys)
     except codec.CodecError as error:
         raise ChunkCorruptError(
-            f"chunk {cid} of checkpoint {ref} is corrupt: {error} (key {key})",
+            f"chunk {cid} of checkpoint {ref} is corrupt: {error} ({key})",
             chunk_id=cid,
             checkpoint=str(ref),
         ) from None
@@ -143,7 +170,7 @@ def fetch_chunk(context: StoreContext, ref: CheckpointRef, cid: str, size: int, 
     if actual != cid or len(plain) < size:
         raise ChunkCorruptError(
             f"chunk {cid} of checkpoint {ref} is corrupt: its content hashes to {actual} "
-            f"({len(plain)} bytes, {size} needed) (key {key})",
+            f"({len(plain)} bytes, {size} needed) ({key})",
             chunk_id=cid,
             checkpoint=str(ref),
         )
@@ -157,9 +184,11 @@ def restore(
     *,
     progress: ProgressCallback | None = None,
     subtree: str | None = None,
+    chunk_source: ChunkSource | None = None,
 ) -> TransferReport:
     """Rebuild checkpoint `ref` at `destination`, which must not exist or be an empty directory.
-    `subtree`: only that directory of the checkpoint (a node's part of it), as the destination's root."""
+    `subtree`: only that directory of the checkpoint (a node's part of it), as the destination's root.
+    `chunk_source`: asked for each chunk before S3 (the memory tier)."""
     if destination.exists() and (not destination.is_dir() or any(destination.iterdir())):
         raise StoreError(f"restore destination {destination} exists and is not an empty directory")
     workers = context.connection.config.workers
@@ -171,13 +200,17 @@ def restore(
         files = select_subtree(manifest.files, subtree)
         # Again for the subtree: a link that stays inside the checkpoint may leave the part restored.
         check_restorable(files, f"checkpoint {ref}" + (f" (subtree {subtree!r})" if subtree else ""))
-        placements = _placements(files)
+        uses = placements(files)
         staging.mkdir(parents=True)
         try:
+            sourced = _SourceCounts(chunk_source, report)
 
             def fetch_and_write(root_fd: int, cid: str) -> int:
-                use = placements[cid]
-                plain = memoryview(fetch_chunk(context, ref, cid, use.extent, times))
+                use = uses[cid]
+                found = sourced.plain(context, ref, cid, use.extent, times)
+                plain = memoryview(
+                    found if found is not None else fetch_chunk(context, ref, cid, use.extent, times)
+                )
                 with times.timed("write"):
                     for place in use.places:
                         piece = plain[place.start : place.start + place.length]
@@ -188,7 +221,7 @@ def restore(
 
             def fill(root_fd: int) -> None:
                 with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="ibckpt-down") as pool:
-                    futures = [pool.submit(fetch_and_write, root_fd, cid) for cid in placements]
+                    futures = [pool.submit(fetch_and_write, root_fd, cid) for cid in uses]
                     try:
                         for future in concurrent.futures.as_completed(futures):
                             report.logical_bytes += future.result()
@@ -204,10 +237,48 @@ def restore(
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
-    report.chunks = len(placements)
+    report.chunks = len(uses)
     report.seconds = time.perf_counter() - started
     report.stages = dict(times.seconds)
     return report
+
+
+class _SourceCounts:
+    """A restore's chunk source, asked from the download threads, and what it gave (into the report)."""
+
+    def __init__(self, source: ChunkSource | None, report: TransferReport) -> None:
+        self.source = source
+        self.report = report
+        self.lock = threading.Lock()
+        self.warned = False
+
+    def plain(
+        self, context: StoreContext, ref: CheckpointRef, cid: str, size: int, times: StageTimes
+    ) -> bytes | None:
+        if self.source is None:
+            return None
+        try:
+            with times.timed("source"):
+                stored = self.source(cid)
+        except Exception as error:  # a source that failed is a source that does not have it
+            with self.lock:
+                warn, self.warned = not self.warned, True
+            if warn:
+                log.warning("restore of %s: the chunk source failed (%s); reading S3 instead", ref, error)
+            return None
+        if stored is None:
+            return None
+        try:
+            plain = open_verified(context, ref, cid, size, stored, times, "from the chunk source")
+        except ChunkCorruptError as error:
+            log.warning("restore of %s: %s; reading S3 instead", ref, error)
+            with self.lock:
+                self.report.source_rejected += 1
+            return None
+        with self.lock:
+            self.report.source_chunks += 1
+            self.report.source_bytes += len(stored)
+        return plain
 
 
 # Every path of the tree is reached one component at a time from the tree's own directory fd, never through
@@ -361,11 +432,11 @@ def verify(
     times = StageTimes()
     started = time.perf_counter()
     with reading(context, ref) as manifest:
-        placements = _placements(manifest.files)
+        uses = placements(manifest.files)
         stored_sizes = manifest.chunk_sizes()
 
         def check(cid: str) -> int:
-            use = placements[cid]
+            use = uses[cid]
             try:
                 if deep:
                     fetch_chunk(context, ref, cid, use.extent, times)
@@ -380,9 +451,9 @@ def verify(
         with concurrent.futures.ThreadPoolExecutor(
             context.connection.config.workers, thread_name_prefix="ibckpt-verify"
         ) as pool:
-            for future in [pool.submit(check, cid) for cid in placements]:
+            for future in [pool.submit(check, cid) for cid in uses]:
                 report.logical_bytes += future.result()
-    report.chunks = len(placements)
+    report.chunks = len(uses)
     report.seconds = time.perf_counter() - started
     report.stages = dict(times.seconds)
     report.problems.sort(key=lambda problem: problem.chunk_id)

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
 
-from ibckpt.store import catalog, download, gc, parts
+from ibckpt.store import catalog, download, gc, memorycopy, parts
 from ibckpt.store.codec import ChunkKeys
 from ibckpt.store.config import StoreConfig
 from ibckpt.store.context import ProgressCallback, StoreContext
@@ -138,8 +138,17 @@ class ImageStore:
         *,
         progress: ProgressCallback | None = None,
         subtree: str | None = None,
+        chunk_source: download.ChunkSource | None = None,
     ) -> download.TransferReport:
-        return download.restore(self.context, ref, destination, progress=progress, subtree=subtree)
+        return download.restore(
+            self.context, ref, destination, progress=progress, subtree=subtree, chunk_source=chunk_source
+        )
+
+    def stored_chunks(self, part: Manifest, root: Path, under: str) -> Iterator[tuple[str, bytes]]:
+        """The chunks of `part`'s files below `under` (a node's directory in the checkpoint), rebuilt from
+        the tree at `root` and sealed as stored: the memory tier's copy (memorycopy.py)."""
+        files = download.select_subtree(part.files, under)
+        return memorycopy.stored_chunks(self.context, files, root, part.compression.level)
 
     def verify(
         self, ref: CheckpointRef, *, deep: bool = True, progress: ProgressCallback | None = None
