@@ -136,10 +136,17 @@ class AgentClient:
         except ValidationError as exc:
             raise AgentError(0, f"agent {self.host}:{self.port}{path}: bad reply: {exc}") from exc
 
-    def _call(self, method: str, path: str, body: bytes | None, auth: bool = True) -> tuple[int, bytes]:
+    def _call(
+        self,
+        method: str,
+        path: str,
+        body: bytes | None,
+        auth: bool = True,
+        content_type: str = "application/json",
+    ) -> tuple[int, bytes]:
         headers = {"Accept": "application/json"}
         if body is not None:
-            headers["Content-Type"] = "application/json"
+            headers["Content-Type"] = content_type
         if auth:
             headers["Authorization"] = f"Bearer {self._token}"
             if self.leader_epoch is not None:

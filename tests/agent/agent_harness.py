@@ -24,7 +24,8 @@ from ibckpt_node.registry import ContainerRegistry
 from testbed.tlsfiles import Pki, shared_pki
 
 OPERATOR = "system:serviceaccount:ibckpt:ibckpt-operator"
-TOKENS = {"op-token": OPERATOR, "other-token": "system:serviceaccount:default:default"}
+AGENTS = "system:serviceaccount:ibckpt:ibckpt-agent"  # the agents' own account (the memory tier)
+TOKENS = {"op-token": OPERATOR, "other-token": "system:serviceaccount:default:default", "agent-token": AGENTS}
 
 
 def stand_in_criu(tmp_path: Path, script: str) -> Path:
@@ -68,7 +69,7 @@ class Running:
 
     def __init__(
         self, state: Path, pki: Pki | None = None, *, node: str = "node-x", reviewer: Reviewer | None = None,
-        allowed: str = OPERATOR,
+        allowed: str = OPERATOR, memory_budget: int = 0, memory_token_file: Path | None = None,
     ) -> None:  # fmt: skip
         self.pki = pki or shared_pki()  # the CA the tests' coordinators serve with
         state.parent.mkdir(parents=True, exist_ok=True)
@@ -88,6 +89,9 @@ class Running:
             work_dir=state,
             shim_path=str(state / "lib" / "libibckpt.so"),
             image_keys=write_image_keys(state.with_name(state.name + "-image-keys")),
+            memory_budget=memory_budget,
+            memory_authenticator=Authenticator(reviewer or self.reviewer, frozenset({AGENTS})),
+            memory_token_file=memory_token_file,
         )
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()

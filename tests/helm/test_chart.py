@@ -27,6 +27,7 @@ from helm.conftest import (
 )
 
 from ibckpt.agentapi import agent_audience
+from ibckpt.agentapi.memory import MEMORY_TIER_AUDIENCE
 from testbed import pods
 from testbed.cluster import NODE_NAMES, Cluster, node_ip
 from testbed.images import PRODUCT_IMAGE
@@ -201,6 +202,15 @@ for node, ip in cfg["nodes"].items():
             r[who] = {"status": 200, "info": info.to_wire()}
         except AgentError as exc:
             r[who] = {"status": exc.status, "error": exc.message}
+    # the memory tier's routes, as another node's agent calls them
+    for who in ("memory", "memoryDefault"):
+        conn = http.client.HTTPConnection(ip, cfg["port"], timeout=30)
+        sock = socket.create_connection((ip, cfg["port"]), 30)
+        conn.sock = tls.wrap_socket(sock, server_hostname=AGENT_SERVER_NAME)
+        token = cfg["tokens"][node][who]
+        conn.request("GET", "/v1/memory/copies", headers={"Authorization": "Bearer " + token})
+        reply = conn.getresponse()
+        r["copies-" + who] = {"status": reply.status, "body": reply.read().decode()[:2000]}
     text = urllib.request.urlopen(f"http://{ip}:{cfg['metrics']}/metrics", timeout=30).read().decode()
     r["metrics"] = [line for line in text.splitlines() if line.startswith("ibckpt_agent_requests_total")]
     out[node] = r
@@ -242,6 +252,9 @@ def test_the_agent_api_answers_only_the_operator(installed: Release) -> None:
             "apiserver": audience_token(cluster, NAMESPACE, OPERATOR_SA, "https://kubernetes.default.svc"),
             "agent": audience_token(cluster, NAMESPACE, AGENT_SA, agent_audience(node)),
             "default": audience_token(cluster, NAMESPACE, "default", agent_audience(node)),
+            # the agents' own token for each other's memory tier, and another account's of that audience
+            "memory": audience_token(cluster, NAMESPACE, AGENT_SA, MEMORY_TIER_AUDIENCE),
+            "memoryDefault": audience_token(cluster, NAMESPACE, "default", MEMORY_TIER_AUDIENCE),
             "forged": "eyJhbGciOiJSUzI1NiJ9.e30.forged",
         }
         for node, other in zip(NODE_NAMES, reversed(NODE_NAMES), strict=True)
@@ -287,6 +300,10 @@ def test_the_agent_api_answers_only_the_operator(installed: Release) -> None:
         )
         assert r["default"]["status"] == 403, r
         assert r["operator"]["status"] == 200, r
+        # the agents' memory-tier token opens the memory routes alone, and only for the agents' account
+        assert r["memory"]["status"] == 401 and r["memoryDefault"]["status"] == 401, r
+        assert r["copies-memory"]["status"] == 200, r
+        assert r["copies-memoryDefault"]["status"] == 403, r
         # the operator's own tokens for any other audience are not the agents' to accept
         assert r["legacy"]["status"] == 401 and r["apiserver"]["status"] == 401, r
         # nor another node's agent's: a token taken from one call is worthless at any other agent

@@ -142,3 +142,24 @@ class Authenticator:
             log.warning("refused a call from %s (not %s)", username, ", ".join(sorted(self.allowed)))
             raise AuthError(403, f"{username} may not use the node agent")
         return username
+
+
+class FirstAccepting:
+    """Several ways in (the memory tier's routes take the agents' own tokens and the operator's): the first
+    authenticator that accepts the caller decides. Refused by all: 403 if one of them knew the caller
+    (authenticated, not allowed), else 401; an apiserver that does not answer (503) ends there."""
+
+    def __init__(self, *authenticators: Authenticator) -> None:
+        self.authenticators = authenticators
+
+    async def check(self, authorization: str | None) -> str:
+        refused = AuthError(401, "the token was not authenticated")
+        for authenticator in self.authenticators:
+            try:
+                return await authenticator.check(authorization)
+            except AuthError as exc:
+                if exc.status not in (401, 403):
+                    raise
+                if refused.status == 401:
+                    refused = exc
+        raise refused

@@ -170,7 +170,8 @@ async def upload(
     """Upload this node's images as its part of the checkpoint (the operator commits the parts); `during`:
     what was uploaded while CRIU wrote them (preupload.py); `devices`: each tree's RDMA devices
     (rdma_devices.record), recorded in its RankInfo."""
-    from ibckpt_node.agent.staging import image_keys, read_config, stage_trees  # boto3: when staging
+    from ibckpt_node.agent import memorycopies  # boto3: when staging
+    from ibckpt_node.agent.staging import image_keys, read_config, stage_part
 
     assert isinstance(session.request, api.CheckpointRequest)
     destination = session.request.images
@@ -194,17 +195,23 @@ async def upload(
     # pod names may hold dots: take each tree's pod from its ranks' keys (job/pod/container/process)
     trees = [(t.name, RankId.parse(session.tree_keys[t.name][0]).pod) for t in session.trees]
     started = time.monotonic()
-    staged = asyncio.to_thread(
-        stage_trees, config, destination, agent.node, images, trees, count, keys, devices
+    staging = asyncio.to_thread(
+        stage_part, config, destination, agent.node, images, trees, count, keys, devices
     )
     try:
         # a thread cannot be cancelled: on timeout the upload may go on, but nothing commits it
-        total = await asyncio.wait_for(staged, session.request.timeouts.upload_seconds)
+        staged = await asyncio.wait_for(staging, session.request.timeouts.upload_seconds)
     except TimeoutError:
         raise StagingError(
             f"upload did not finish within {session.request.timeouts.upload_seconds:g}s"
         ) from None
+    total = staged.logical_bytes
     report.phases[Milestone.UPLOADED] = round(time.monotonic() - started, 3)
+    if session.request.memory_copy is not None:
+        deadline = started + session.request.timeouts.upload_seconds
+        target = session.request.memory_copy
+        report.memory_copy = await memorycopies.keep_within(agent, target, staged, images, deadline)
+        report.phases["memoryCopy"] = report.memory_copy.seconds
     report.message = (
         f"staged {total} bytes ({uploaded} uploaded, the rest already stored) as part {agent.node} "
         f"of {destination.job}/{destination.checkpoint_id}"

@@ -31,6 +31,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, start_http_server
 
 from ibckpt import logsetup
+from ibckpt.agentapi.memory import MEMORY_TIER_AUDIENCE
 from ibckpt.agentapi.models import DEFAULT_PORT, agent_audience
 from ibckpt.tls import TlsSetupError, client_context_from
 from ibckpt_node import failpoints
@@ -129,6 +130,26 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         action="append",
         default=[i for i in os.environ.get("IBCKPT_AGENT_ALLOW", "").split(",") if i],
         help="an identity that may call the API (system:serviceaccount:NS:NAME); $IBCKPT_AGENT_ALLOW",
+    )
+    parser.add_argument(
+        "--memory-tier-bytes",
+        type=int,
+        default=int(os.environ.get("IBCKPT_MEMORY_TIER_BYTES") or 0),
+        help="what this agent may hold of the other nodes' checkpoint parts (the memory tier); 0: off "
+        "($IBCKPT_MEMORY_TIER_BYTES)",
+    )
+    parser.add_argument(
+        "--agent-identity",
+        default=os.environ.get("IBCKPT_AGENT_IDENTITY", ""),
+        help="the agents' own identity (system:serviceaccount:NS:NAME), which the memory tier's routes "
+        "accept with tokens of its audience ($IBCKPT_AGENT_IDENTITY)",
+    )
+    parser.add_argument(
+        "--memory-tier-token",
+        default=os.environ.get("IBCKPT_MEMORY_TIER_TOKEN_FILE", ""),
+        metavar="FILE",
+        help="this agent's token for the other agents' memory tier, read at each use "
+        "($IBCKPT_MEMORY_TIER_TOKEN_FILE); empty: it keeps no copies elsewhere",
     )
     parser.add_argument(
         "--image-keys",
@@ -295,6 +316,13 @@ async def serve(args: argparse.Namespace) -> None:
             criu_plugins=criu_plugins_on_node(args.prefix, lib_dir),
             readiness=(lambda: (node.ready, node.reason)) if node else None,
             image_keys=Path(args.image_keys) if args.image_keys else None,
+            memory_budget=args.memory_tier_bytes,
+            memory_authenticator=Authenticator(
+                TokenReviewer.in_cluster(MEMORY_TIER_AUDIENCE), frozenset([args.agent_identity])
+            )
+            if args.agent_identity
+            else None,
+            memory_token_file=Path(args.memory_tier_token) if args.memory_tier_token else None,
         )
         if args.metrics_port:
             start_http_server(args.metrics_port, addr=args.address, registry=metrics)

@@ -53,6 +53,7 @@ from ibckpt_node.trees import SHIM_BUILD, TREE_MANIFEST
 if TYPE_CHECKING:  # the store (boto3) is imported only when a restore stages
     from ibckpt.store import ManifestKeys, StoreConfig
     from ibckpt.store.manifest import ContainerDevices, Manifest
+    from ibckpt_node.agent.memorycopies import CopyReader
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +153,7 @@ def stage(
     stop: threading.Event | None = None,
     *,
     keys: ManifestKeys,
+    copies: CopyReader | None = None,
 ) -> int:
     """Fetch and stage every planned container's images; returns the bytes fetched. `keys`: the image key
     set the manifest must verify with (the agent always gives it).
@@ -183,8 +185,12 @@ def stage(
                     shutil.rmtree(where)  # a retried session: start from nothing
                 for level in (where.parents[2], where.parents[1], where.parent, where):
                     _private_dir(level)
-                report = store.restore(ref, where / "images", progress=progress, subtree=item.tree_root)
+                report = store.restore(
+                    ref, where / "images", progress=progress, subtree=item.tree_root, chunk_source=copies
+                )
                 total += report.logical_bytes
+                if copies is not None:
+                    copies.tally(report)
                 (where / "images").chmod(0o700)
                 restore_args, shim_build = _from_tree_manifest(where / "images")
                 prepared = tcp_remap.prepare_images(where / "images", remap or {})
@@ -414,6 +420,7 @@ async def download(
     staged, so that the caller removes what a failed download staged) and stage their images."""
     from ibckpt.store import ImageStore, StoreError  # boto3: only when staging
     from ibckpt.store.layout import CheckpointRef
+    from ibckpt_node.agent import memorycopies
     from ibckpt_node.agent.staging import image_keys, read_config
 
     if agent.secrets is None:
@@ -443,6 +450,7 @@ async def download(
         fetched += size
 
     started = time.monotonic()
+    copies = memorycopies.reader_for(request, agent.memory_token_file, agent.coordinator_tls)
     staging = asyncio.to_thread(
         stage,
         config,
@@ -455,6 +463,7 @@ async def download(
         lock,
         stop,
         keys=keys,
+        copies=copies,
     )
     try:
         session.report.bytes = await asyncio.wait_for(staging, request.timeouts.download_seconds)
@@ -464,6 +473,8 @@ async def download(
         for key in item.rank_keys:
             session.by_key[key].bytes = session.report.bytes // max(1, len(session.report.ranks))
     session.report.phases[Milestone.DOWNLOADED] = round(time.monotonic() - started, 3)
+    if copies is not None:
+        session.report.memory_copy = copies.report()
     if remap or lock.connections:
         log.info(
             "session %s: addresses remapped %s; TCP connections held until every node restored: %s",

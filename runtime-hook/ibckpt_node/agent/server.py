@@ -14,12 +14,15 @@ from pydantic import ValidationError
 
 import ibckpt
 from ibckpt.agentapi import models as api
+from ibckpt.agentapi.memory import COPIES
 from ibckpt_node import rdma_devices
-from ibckpt_node.agent.auth import Authenticator, AuthError
+from ibckpt_node.agent import memoryroutes
+from ibckpt_node.agent.auth import Authenticator, AuthError, FirstAccepting
 from ibckpt_node.agent.disk import DEFAULT_KEEP_FAILED_S
 from ibckpt_node.agent.fence import Fenced, LeaderFence
 from ibckpt_node.agent.httpserver import HttpServer, Request, Response, TlsContext
 from ibckpt_node.agent.kubesecrets import SecretReader
+from ibckpt_node.agent.memorytier import MemoryShelf
 from ibckpt_node.agent.session import SessionError
 from ibckpt_node.agent.sessions import Sessions
 from ibckpt_node.registry import ContainerRegistry, RegisteredContainer
@@ -92,12 +95,20 @@ class AgentServer:
         pre_upload: bool = True,
         shim_builds: Callable[[], list[str]] | None = None,
         criu_plugins: str = "",
+        memory_budget: int = 0,
+        memory_authenticator: Authenticator | None = None,
+        memory_token_file: Path | None = None,
     ) -> None:
         self.node = node
         # the node's own readiness (nodesetup: prerequisites, runtime handler), on top of serving
         self.readiness = readiness or (lambda: (True, ""))
         self.registry = registry
         self.auth = authenticator
+        # the memory tier (memorytier.py): what this agent holds for the others; the agents' own tokens
+        # (memory_authenticator) open its routes, as the operator's do
+        self.shelf = MemoryShelf(node, memory_budget)
+        others = (memory_authenticator,) if memory_authenticator is not None else ()
+        self.memory_auth = FirstAccepting(*others, authenticator)
         self.shim_path = shim_path
         self.shim_present_path = shim_present_path or Path(shim_path)
         self._shim_digest: tuple[tuple[int, int, int], str] | None = None
@@ -116,6 +127,7 @@ class AgentServer:
             pre_upload,
             coordinator_tls=coordinator_tls,
             criu_plugins=criu_plugins,
+            memory_token_file=memory_token_file,
         )
         self.fence = LeaderFence(work_dir / "leader-epoch")
         self.http = HttpServer(host, port, self.handle, error, tls)
@@ -155,6 +167,8 @@ class AgentServer:
 
     async def handle(self, request: Request) -> Response:
         route = request.path if not request.path.startswith("/v1/sessions/") else "/v1/sessions/{id}"
+        if request.path.startswith(COPIES + "/"):
+            route = memoryroutes.ROUTE
         response = await self._route(request)
         self.metrics.requests.labels(route if response.status != 404 else "other", str(response.status)).inc()
         return response
@@ -172,6 +186,13 @@ class AgentServer:
             return Response(503, ((reason or "starting") + "\n").encode(), "text/plain")
         if not path.startswith(api.API_PREFIX + "/"):
             return error(404, f"no such path {path}")
+        if path == COPIES or path.startswith(COPIES + "/"):
+            # agents call these too, with no leader epoch: the fence is the operator's alone
+            try:
+                await self.memory_auth.check(request.headers.get("authorization"))
+            except AuthError as exc:
+                return error(exc.status, str(exc))
+            return memoryroutes.handle(self.shelf, method, path, request.body)
         try:
             await self.auth.check(request.headers.get("authorization"))
         except AuthError as exc:

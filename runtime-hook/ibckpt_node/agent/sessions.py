@@ -62,6 +62,7 @@ class Sessions:
         *,
         coordinator_tls: Callable[[], ssl.SSLContext],
         criu_plugins: str = "",
+        memory_token_file: Path | None = None,
     ) -> None:
         self.agent = Agent(
             node,
@@ -75,6 +76,7 @@ class Sessions:
             disk_reserve_bytes,
             pre_upload,
             criu_plugins,
+            memory_token_file,
         )
         self.sessions: dict[str, Session] = {}
         self.sweeper: asyncio.Task[None] | None = None

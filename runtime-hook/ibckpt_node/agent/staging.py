@@ -14,7 +14,7 @@ import binascii
 import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from ibckpt.agentapi import models as api
 from ibckpt.api.common import SecretKeyReference
@@ -31,7 +31,7 @@ from ibckpt.store import (
 from ibckpt.store.config import encryption_key_from_secret
 from ibckpt.store.errors import StoreError
 from ibckpt.store.follow import Follower
-from ibckpt.store.manifest import ContainerDevices, RankInfo
+from ibckpt.store.manifest import ContainerDevices, Manifest, RankInfo
 from ibckpt_node.agent.kubesecrets import SecretReader, StagingError
 
 
@@ -141,6 +141,26 @@ def stage_trees(
     """Upload each tree under `<node>/<tree>`, compressed as the job asked, and stage them as this node's
     part, signed with `keys`, each tree with its RDMA devices if `devices` (by tree name) has them;
     returns logical bytes."""
+    return stage_part(config, destination, node, images_root, trees, progress, keys, devices).logical_bytes
+
+
+class StagedPart(NamedTuple):
+    logical_bytes: int
+    store: ImageStore  # as it staged: the memory tier's copy is sealed the same way
+    part: Manifest
+
+
+def stage_part(
+    config: StoreConfig,
+    destination: api.ImageDestination,
+    node: str,
+    images_root: Path,
+    trees: Sequence[tuple[str, str]],
+    progress: Callable[[int], None],
+    keys: ManifestKeys,
+    devices: Mapping[str, Mapping[str, Any]] | None = None,
+) -> StagedPart:
+    """stage_trees, keeping what the memory tier's copy needs (agent/memorycopies.py)."""
     try:
         store = ImageStore.open(upload_config(config, destination), signing=keys)
         with store.writer(destination.job, destination.checkpoint_id, progress=progress) as writer:
@@ -160,7 +180,7 @@ def stage_trees(
                         devices=ContainerDevices.model_validate(used) if used is not None else None,
                     )
                 )
-            writer.stage(node, ranks)
-        return total
+            part = writer.stage(node, ranks)
+        return StagedPart(total, store, part)
     except StoreError as exc:
         raise StagingError(f"staging to {config.where()}: {exc}") from exc

@@ -1,0 +1,128 @@
+"""The memory tier's shelf: the copies of other nodes' parts this agent holds in memory, within a budget
+(docs/recovery.md, "Tiers"; the wire is ibckpt/agentapi/memory.py). Pure and single-threaded: the
+agent's event loop calls it.
+
+A copy grows piece by piece, then is sealed with its index; only a sealed copy is served. Newer copies
+matter more than older ones: sealing a copy drops the older ones of the same job and part, and a piece
+that would pass the budget first drops the oldest sealed copies of any job. A copy that is left
+unsealed for UNSEALED_S is dropped (its sender died or gave up).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ibckpt.agentapi.memory import CHUNK_ID, FULL_STATUS, HeldCopies, HeldCopy, MemorySeal
+from ibckpt.store.units import format_size
+
+UNSEALED_S = 600.0
+Key = tuple[str, str, str]  # job, checkpoint, part
+
+
+class ShelfError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class Copy:
+    key: Key
+    started: float  # the clock's, for expiry
+    created_at: float  # unix time, for people
+    data: bytearray = field(default_factory=bytearray)
+    pieces: int = 0
+    index: dict[str, tuple[int, int]] | None = None  # set by the seal
+
+    def held(self) -> HeldCopy:
+        job, checkpoint, part = self.key
+        return HeldCopy(job=job, checkpoint=checkpoint, part=part, bytes=len(self.data),
+                        chunks=len(self.index or {}), sealed=self.index is not None,
+                        created_at=self.created_at)  # fmt: skip
+
+
+class MemoryShelf:
+    def __init__(self, node: str, budget: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.node = node
+        self.budget = budget
+        self.clock = clock
+        self.copies: dict[Key, Copy] = {}  # in arrival order: the oldest first
+
+    @property
+    def used(self) -> int:
+        return sum(len(c.data) for c in self.copies.values())
+
+    def put_piece(self, key: Key, index: int, data: bytes) -> None:
+        self._expire()
+        if self.budget <= 0:
+            raise ShelfError(FULL_STATUS, f"node {self.node} keeps no memory tier (its budget is 0)")
+        copy = self.copies.get(key)
+        if index == 0:  # a new copy, or one sent again from the start
+            self.copies.pop(key, None)
+            copy = self.copies[key] = Copy(key, self.clock(), time.time())
+        if copy is None or copy.index is not None or index != copy.pieces:
+            expected = "piece 0" if copy is None or copy.index is not None else f"piece {copy.pieces}"
+            raise ShelfError(409, f"copy {'/'.join(key)}: piece {index} out of order (expected {expected})")
+        if not self._make_room(len(data), keep=key):
+            del self.copies[key]
+            need = format_size(len(copy.data) + len(data))
+            raise ShelfError(
+                FULL_STATUS,
+                f"node {self.node}'s memory tier is full: {format_size(self.budget)} budget, "
+                f"{format_size(self.used)} held by other copies, and this copy needs over {need}",
+            )
+        copy.data += data
+        copy.pieces += 1
+
+    def seal(self, key: Key, seal: MemorySeal) -> HeldCopy:
+        copy = self.copies.get(key)
+        if copy is None or copy.index is not None:
+            raise ShelfError(404, f"no copy {'/'.join(key)} being received")
+        if seal.bytes != len(copy.data):
+            del self.copies[key]
+            raise ShelfError(
+                400, f"copy {'/'.join(key)}: {len(copy.data)} bytes arrived, the seal says {seal.bytes}"
+            )
+        for cid, (offset, length) in seal.chunks.items():
+            if not CHUNK_ID.match(cid) or offset < 0 or length < 0 or offset + length > len(copy.data):
+                del self.copies[key]
+                raise ShelfError(400, f"copy {'/'.join(key)}: chunk {cid[:70]} is not inside the copy")
+        copy.index = dict(seal.chunks)
+        job, _, part = key
+        for other in [k for k, c in self.copies.items() if c is not copy and (k[0], k[2]) == (job, part)]:
+            del self.copies[other]  # a newer checkpoint of the same part: the older is no use
+        return copy.held()
+
+    def chunk(self, key: Key, chunk_id: str) -> bytes | None:
+        copy = self.copies.get(key)
+        if copy is None or copy.index is None or chunk_id not in copy.index:
+            return None
+        offset, length = copy.index[chunk_id]
+        return bytes(copy.data[offset : offset + length])
+
+    def drop(self, job: str, checkpoint: str) -> int:
+        gone = [k for k in self.copies if k[:2] == (job, checkpoint)]
+        for key in gone:
+            del self.copies[key]
+        return len(gone)
+
+    def listing(self) -> HeldCopies:
+        self._expire()
+        return HeldCopies(node=self.node, budget=self.budget, used=self.used,
+                          copies=[c.held() for c in self.copies.values()])  # fmt: skip
+
+    def _make_room(self, size: int, keep: Key) -> bool:
+        """Drop the oldest sealed copies until `size` more bytes fit; False if they cannot."""
+        while self.used + size > self.budget:
+            oldest = next((k for k, c in self.copies.items() if c.index is not None and k != keep), None)
+            if oldest is None:
+                return False
+            del self.copies[oldest]
+        return True
+
+    def _expire(self) -> None:
+        now = self.clock()
+        for key in [k for k, c in self.copies.items() if c.index is None and now - c.started > UNSEALED_S]:
+            del self.copies[key]
