@@ -1,0 +1,136 @@
+"""The memory tier against S3, side by side in one run (docs/recovery.md, "Tiers").
+
+    .venv/bin/python bench/memory_tier.py                     # 64 MiB and 256 MiB parts
+    .venv/bin/python bench/memory_tier.py --sizes 1GiB --mtbf-hours 12
+
+For each size, one node's part (incompressible pages plus small CRIU-like files) is:
+1. staged to S3 as the agent stages it (stage_part: chunk, compress, PUT, the signed part): the cost a
+   checkpoint pays today before it commits;
+2. kept in another agent's memory (memorycopies.keep: rebuilt from the images, sent over the agents' TLS
+   to a real agent server's shelf, sealed): the cost of a commit on the memory tier, had the commit waited
+   for the copies alone;
+3. restored from S3, then restored with the copy as the chunk source (every chunk from memory).
+It prints the ratios memory/S3 and the Young/Daly interval sqrt(2 * C * MTBF) under each cost C. The S3
+server (SeaweedFS) and the holder agent run on this machine: both paths cross loopback, so the ratios say
+what ibckpt's own work costs on each path, not what a real network or a remote bucket would add.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import math
+import os
+import secrets
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))  # the SeaweedFS launcher and the agent harness the tests use
+
+from agent.agent_harness import IMAGE_KEYS, Running  # noqa: E402
+
+from ibckpt.agentapi import ImageDestination, MemoryCopySource, MemoryCopyTarget, SecretRef  # noqa: E402
+from ibckpt.api import S3Location  # noqa: E402
+from ibckpt.store import ImageStore  # noqa: E402
+from ibckpt.store.units import format_size, parse_size  # noqa: E402
+from ibckpt_node.agent import memorycopies  # noqa: E402
+from ibckpt_node.agent.staging import stage_part, store_config  # noqa: E402
+from testbed.s3 import S3Server, start_s3, stop_s3  # noqa: E402
+
+MiB = 1024 * 1024
+
+
+def images(root: Path, size: int) -> Path:
+    tree = root / "images" / "solver-0.main"
+    tree.mkdir(parents=True)
+    (tree / "pages-1.img").write_bytes(os.urandom(size))
+    for n in range(40):
+        (tree / f"fdinfo-{n}.img").write_bytes(b"fd %d\n" % n * (20 + n))
+    return root / "images"
+
+
+def one_size(s3: S3Server, holder: Running, token: Path, size: int, work: Path) -> dict[str, float]:
+    bucket = "bench-" + secrets.token_hex(4)
+    s3.create_bucket(bucket)
+    location = S3Location.model_validate({"endpoint": s3.endpoint, "region": s3.region, "bucket": bucket,
+                                          "credentialsSecretRef": {"name": "s3"}})  # fmt: skip
+    destination = ImageDestination(location=location, credentials=SecretRef(namespace="b", name="s3"),
+                                   job="bench/solver", checkpoint_id="c1")  # fmt: skip
+    keys = {"AWS_ACCESS_KEY_ID": s3.access_key, "AWS_SECRET_ACCESS_KEY": s3.secret_key}
+    config = store_config(location, destination.credentials, {k: base64.b64encode(v.encode()).decode()
+                                                              for k, v in keys.items()})  # fmt: skip
+    root = images(work, size)
+    t = time.perf_counter()
+    staged = stage_part(config, destination, "node-1", root, [("solver-0.main", "solver-0")], lambda n: None,
+                        IMAGE_KEYS)  # fmt: skip
+    upload = time.perf_counter() - t
+    staged.store.commit_parts("bench/solver", "c1", ["node-1"])
+    target = MemoryCopyTarget(node="node-2", address=f"127.0.0.1:{holder.port}")
+    t = time.perf_counter()
+    kept = memorycopies.keep(staged.store, staged.part, root, "node-1", target, token, holder.pki.client(),
+                             time.monotonic() + 3600)  # fmt: skip
+    copy = time.perf_counter() - t
+    assert kept.kept, kept.message
+    store = ImageStore.open(staged.store.config, signing=IMAGE_KEYS)
+    t = time.perf_counter()
+    store.restore(staged.part.ref, work / "from-s3", subtree="node-1/solver-0.main")
+    from_s3 = time.perf_counter() - t
+    source = MemoryCopySource(node="node-2", address=target.address, part="node-1")
+    client = memorycopies.client(target.address, token, holder.pki.client())
+    reader = memorycopies.CopyReader("bench/solver", "c1", [(source, client)])
+    t = time.perf_counter()
+    report = store.restore(staged.part.ref, work / "from-memory", subtree="node-1/solver-0.main",
+                           chunk_source=reader)  # fmt: skip
+    from_memory = time.perf_counter() - t
+    assert report.source_chunks == report.chunks, (report.source_chunks, report.chunks)
+    for name in ("pages-1.img", "fdinfo-7.img"):
+        original = (root / "solver-0.main" / name).read_bytes()
+        assert (
+            (work / "from-s3" / name).read_bytes() == original == (work / "from-memory" / name).read_bytes()
+        )
+    holder_client = memorycopies.client(target.address, token, holder.pki.client())
+    holder_client.drop("bench/solver", "c1")
+    return {"upload": upload, "copy": copy, "from_s3": from_s3, "from_memory": from_memory}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="64MiB,256MiB", help="comma-separated part sizes")
+    parser.add_argument("--mtbf-hours", type=float, default=24.0, help="for the Young/Daly interval")
+    args = parser.parse_args()
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    work = Path(tempfile.mkdtemp(prefix="ibckpt-bench-memory-"))
+    token = work / "token"
+    token.write_text("agent-token")
+    s3 = start_s3(work / "s3")
+    holder = Running(work / "holder", node="node-2", memory_budget=2 * max(sizes) + 64 * MiB)
+    mtbf = args.mtbf_hours * 3600
+    try:
+        for size in sizes:
+            run = work / f"run-{size}"
+            run.mkdir()
+            r = one_size(s3, holder, token, size, run)
+            shutil.rmtree(run)
+            mb = size / MiB
+            interval = {k: math.sqrt(2 * r[k] * mtbf) / 60 for k in ("upload", "copy")}
+            print(f"part of {format_size(size)}:")
+            ratio = r["copy"] / r["upload"]
+            print(f"  commit cost  S3 upload {r['upload']:.2f}s ({mb / r['upload']:.0f} MB/s), memory copy "
+                  f"{r['copy']:.2f}s ({mb / r['copy']:.0f} MB/s): ratio {ratio:.2f}")  # fmt: skip
+            print(f"  restore      from S3 {r['from_s3']:.2f}s ({mb / r['from_s3']:.0f} MB/s), from memory "
+                  f"{r['from_memory']:.2f}s ({mb / r['from_memory']:.0f} MB/s): "
+                  f"ratio {r['from_memory'] / r['from_s3']:.2f}")  # fmt: skip
+            print(f"  Young/Daly interval at MTBF {args.mtbf_hours:g} h: {interval['upload']:.1f} min "
+                  f"committing on S3, {interval['copy']:.1f} min were it committing on the copy")  # fmt: skip
+    finally:
+        holder.stop()
+        stop_s3(s3)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
