@@ -10,6 +10,10 @@ every message delivered exactly once.
    The testbed then plays the cloud and deletes the vanished node's Node: the job comes back on node-2.
    A fresh guest then takes node-1's place, so the session's cluster goes on with two nodes.
 
+The release runs the memory tier: each node's part is kept by the other node's agent. After step 1 the
+restore reads both parts from memory; after step 2 node-1's part from node-2's memory (node-2's copy died
+with node-1 and comes from S3).
+
 Before the first, the schedule takes 2 checkpoints (its retention keeps the newest), and no node's
 disk ever holds more than about two checkpoints' images. Between the two failures, the nodes' disks:
 once its sessions ended, no node keeps checkpoint images or restore staging, but a failed checkpoint's,
