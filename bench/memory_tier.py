@@ -23,6 +23,7 @@ import math
 import os
 import secrets
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -31,17 +32,45 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))  # the SeaweedFS launcher and the agent harness the tests use
 
-from agent.agent_harness import IMAGE_KEYS, Running  # noqa: E402
+from agent.agent_harness import IMAGE_KEYS  # noqa: E402
 
 from ibckpt.agentapi import ImageDestination, MemoryCopySource, MemoryCopyTarget, SecretRef  # noqa: E402
 from ibckpt.api import S3Location  # noqa: E402
 from ibckpt.store import ImageStore  # noqa: E402
 from ibckpt.store.units import format_size, parse_size  # noqa: E402
+from ibckpt.tls import client_context  # noqa: E402
 from ibckpt_node.agent import memorycopies  # noqa: E402
 from ibckpt_node.agent.staging import stage_part, store_config  # noqa: E402
 from testbed.s3 import S3Server, start_s3, stop_s3  # noqa: E402
 
 MiB = 1024 * 1024
+# The holder: a real agent server in its own process, as on another node (in this one, its TLS would
+# share the restoring threads' interpreter lock, which SeaweedFS does not).
+HOLDER = """
+import sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from agent.agent_harness import Running
+holder = Running(Path(sys.argv[2]), node="node-2", memory_budget=int(sys.argv[3]))
+Path(sys.argv[2] + ".ca").write_bytes(holder.pki.ca.ca_crt)
+print(holder.port, flush=True)
+sys.stdin.read()
+holder.stop()
+"""
+
+
+class Holder:
+    def __init__(self, state: Path, budget: int) -> None:
+        args = [sys.executable, "-c", HOLDER, str(REPO / "tests"), str(state), str(budget)]
+        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        self.port = int(self.proc.stdout.readline())
+        self.tls = client_context(Path(str(state) + ".ca").read_bytes())
+
+    def stop(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(60)
 
 
 def images(root: Path, size: int) -> Path:
@@ -53,7 +82,7 @@ def images(root: Path, size: int) -> Path:
     return root / "images"
 
 
-def one_size(s3: S3Server, holder: Running, token: Path, size: int, work: Path) -> dict[str, float]:
+def one_size(s3: S3Server, holder: Holder, token: Path, size: int, work: Path) -> dict[str, float]:
     bucket = "bench-" + secrets.token_hex(4)
     s3.create_bucket(bucket)
     location = S3Location.model_validate({"endpoint": s3.endpoint, "region": s3.region, "bucket": bucket,
@@ -71,7 +100,7 @@ def one_size(s3: S3Server, holder: Running, token: Path, size: int, work: Path) 
     staged.store.commit_parts("bench/solver", "c1", ["node-1"])
     target = MemoryCopyTarget(node="node-2", address=f"127.0.0.1:{holder.port}")
     t = time.perf_counter()
-    kept = memorycopies.keep(staged.store, staged.part, root, "node-1", target, token, holder.pki.client(),
+    kept = memorycopies.keep(staged.store, staged.part, root, "node-1", target, token, holder.tls,
                              time.monotonic() + 3600)  # fmt: skip
     copy = time.perf_counter() - t
     assert kept.kept, kept.message
@@ -80,7 +109,7 @@ def one_size(s3: S3Server, holder: Running, token: Path, size: int, work: Path) 
     store.restore(staged.part.ref, work / "from-s3", subtree="node-1/solver-0.main")
     from_s3 = time.perf_counter() - t
     source = MemoryCopySource(node="node-2", address=target.address, part="node-1")
-    client = memorycopies.client(target.address, token, holder.pki.client())
+    client = memorycopies.client(target.address, token, holder.tls)
     reader = memorycopies.CopyReader("bench/solver", "c1", [(source, client)])
     t = time.perf_counter()
     report = store.restore(staged.part.ref, work / "from-memory", subtree="node-1/solver-0.main",
@@ -92,7 +121,7 @@ def one_size(s3: S3Server, holder: Running, token: Path, size: int, work: Path) 
         assert (
             (work / "from-s3" / name).read_bytes() == original == (work / "from-memory" / name).read_bytes()
         )
-    holder_client = memorycopies.client(target.address, token, holder.pki.client())
+    holder_client = memorycopies.client(target.address, token, holder.tls)
     holder_client.drop("bench/solver", "c1")
     return {"upload": upload, "copy": copy, "from_s3": from_s3, "from_memory": from_memory}
 
@@ -107,7 +136,7 @@ def main() -> None:
     token = work / "token"
     token.write_text("agent-token")
     s3 = start_s3(work / "s3")
-    holder = Running(work / "holder", node="node-2", memory_budget=2 * max(sizes) + 64 * MiB)
+    holder = Holder(work / "holder", 2 * max(sizes) + 64 * MiB)
     mtbf = args.mtbf_hours * 3600
     try:
         for size in sizes:
