@@ -15,10 +15,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ibckpt.agentapi.memory import CHUNK_ID, FULL_STATUS, HeldCopies, HeldCopy, MemorySeal
-from ibckpt.store.units import format_size
 
 UNSEALED_S = 600.0
 Key = tuple[str, str, str]  # job, checkpoint, part
+
+
+def mib(size: int) -> str:
+    """Sizes in messages; not the store's format_size, which would import the whole store at start."""
+    return f"{size / (1024 * 1024):.1f} MiB"
 
 
 class ShelfError(Exception):
@@ -67,11 +71,11 @@ class MemoryShelf:
             raise ShelfError(409, f"copy {'/'.join(key)}: piece {index} out of order (expected {expected})")
         if not self._make_room(len(data), keep=key):
             del self.copies[key]
-            need = format_size(len(copy.data) + len(data))
+            need = mib(len(copy.data) + len(data))
             raise ShelfError(
                 FULL_STATUS,
-                f"node {self.node}'s memory tier is full: {format_size(self.budget)} budget, "
-                f"{format_size(self.used)} held by other copies, and this copy needs over {need}",
+                f"node {self.node}'s memory tier is full: {mib(self.budget)} budget, "
+                f"{mib(self.used)} held by other copies, and this copy needs over {need}",
             )
         copy.data += data
         copy.pieces += 1
