@@ -12,31 +12,42 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from ibckpt.store import codec
-from ibckpt.store.context import StoreContext
-from ibckpt.store.download import placements
+from ibckpt.store.context import StageTimes, StoreContext
+from ibckpt.store.download import Placement, placements
 from ibckpt.store.errors import StoreError
 from ibckpt.store.manifest import FileRecord
+from ibckpt.store.upload import seal_chunk
 
 
 def stored_chunks(
-    context: StoreContext, files: Sequence[FileRecord], root: Path, level: int
+    context: StoreContext, files: Sequence[FileRecord], root: Path, *, level: int | None = None
 ) -> Iterator[tuple[str, bytes]]:
-    """Each distinct chunk of `files` (paths relative to `root`) as the store keeps it, sealed at zstd
-    `level` (the part's own), one at a time. A file that changed since it was stored raises StoreError."""
+    """Each distinct chunk of `files` (paths relative to `root`) as the store keeps it, one at a time.
+    `level`: the zstd level the chunks were stored at (the part's); None, the configuration's, as uploads
+    use. A file that changed since it was stored raises StoreError naming it."""
+    if level is None:
+        level = context.connection.config.compression_level
+    times = StageTimes()  # what seal_chunk measures; nobody reads it here
     for cid, use in placements(list(files)).items():
         plain = bytearray(use.extent)
         for place in use.places:
-            path = root / place.path
-            try:
-                with open(path, "rb") as file:
-                    data = os.pread(file.fileno(), place.length, place.offset)
-            except OSError as error:
-                raise StoreError(f"cannot read {path} for the memory copy: {error}") from error
-            if len(data) != place.length:
-                raise StoreError(f"{path} is shorter than when it was stored (chunk {cid})")
-            plain[place.start : place.start + place.length] = data
+            plain[place.start : place.start + place.length] = _read(root, place, cid)
         if codec.chunk_id(hashlib.sha256(plain).digest(), context.keys) != cid:
-            names = ", ".join(sorted({place.path for place in use.places}))
+            names = ", ".join(sorted({str(root / place.path) for place in use.places}))
             raise StoreError(f"{names} changed since it was stored (chunk {cid})")
-        payload, chosen = codec.compress(bytes(plain), level)
-        yield cid, codec.seal(payload, chosen, len(plain), cid, context.keys)
+        yield cid, seal_chunk(bytes(plain), cid, level, context.keys, times)
+
+
+def _read(root: Path, place: Placement, cid: str) -> bytes:
+    path = root / place.path
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            data = os.pread(fd, place.length, place.offset)
+        finally:
+            os.close(fd)
+    except OSError as error:
+        raise StoreError(f"cannot read {path} for the memory copy: {error}") from error
+    if len(data) != place.length:  # a regular file's pread is short only at its end
+        raise StoreError(f"{path} changed since it was stored: it is shorter (chunk {cid})")
+    return data

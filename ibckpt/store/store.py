@@ -148,7 +148,7 @@ class ImageStore:
         """The chunks of `part`'s files below `under` (a node's directory in the checkpoint), rebuilt from
         the tree at `root` and sealed as stored: the memory tier's copy (memorycopy.py)."""
         files = download.select_subtree(part.files, under)
-        return memorycopy.stored_chunks(self.context, files, root, part.compression.level)
+        return memorycopy.stored_chunks(self.context, files, root, level=part.compression.level)
 
     def verify(
         self, ref: CheckpointRef, *, deep: bool = True, progress: ProgressCallback | None = None

@@ -27,6 +27,7 @@ from ibckpt import __version__
 from ibckpt.store import codec
 from ibckpt.store.catalog import latest_ref
 from ibckpt.store.chunking import TreeError, check_relative, walk
+from ibckpt.store.codec import ChunkKeys
 from ibckpt.store.context import ProgressCallback, RateLimiter, StageTimes, StoreContext
 from ibckpt.store.errors import CheckpointNotFoundError, ManifestError, StoreError
 from ibckpt.store.layout import CheckpointRef, check_checkpoint_id, check_job, new_checkpoint_id
@@ -60,6 +61,15 @@ class _Task:
     pieces: tuple[Piece, ...]
     paths: tuple[str, ...]  # the file of each piece
     packed: bool
+
+
+def seal_chunk(plain: bytes, cid: str, level: int, keys: ChunkKeys | None, times: StageTimes) -> bytes:
+    """A chunk as the store keeps it: zstd at `level` where it pays, framed, sealed when `keys` are set.
+    The one definition: the memory tier's copies (memorycopy.py) must be byte-compatible with S3's."""
+    with times.timed("compress"):
+        payload, chosen = codec.compress(plain, level)
+    with times.timed("encrypt" if keys else "frame"):
+        return codec.seal(payload, chosen, len(plain), cid, keys)
 
 
 class CheckpointWriter:
@@ -315,10 +325,7 @@ class CheckpointWriter:
     def _put(self, cid: str, plain: bytes, *, only_if_absent: bool) -> int | None:
         """Seal and upload; None if only_if_absent and the bucket has the chunk (or is writing it now)."""
         assert self._lease is not None
-        with self._times.timed("compress"):
-            payload, chosen = codec.compress(plain, self._config.compression_level)
-        with self._times.timed("encrypt" if self._context.keys else "frame"):
-            stored = codec.seal(payload, chosen, len(plain), cid, self._context.keys)
+        stored = seal_chunk(plain, cid, self._config.compression_level, self._context.keys, self._times)
         self._limiter.take(len(stored))
         self._lease.check()
         key = self._context.layout.chunk_key(cid)
