@@ -155,13 +155,12 @@ def open_verified(
 ) -> bytes:
     """A chunk's plain bytes from its stored bytes, verified against its id and at least `size` long;
     ChunkCorruptError names the chunk, the checkpoint and `where` the bytes came from."""
-    key = where
     try:
         with times.timed("decode"):
             plain = codec.open_chunk(stored, cid, context.keys)
     except codec.CodecError as error:
         raise ChunkCorruptError(
-            f"chunk {cid} of checkpoint {ref} is corrupt: {error} ({key})",
+            f"chunk {cid} of checkpoint {ref} is corrupt: {error} ({where})",
             chunk_id=cid,
             checkpoint=str(ref),
         ) from None
@@ -170,7 +169,7 @@ def open_verified(
     if actual != cid or len(plain) < size:
         raise ChunkCorruptError(
             f"chunk {cid} of checkpoint {ref} is corrupt: its content hashes to {actual} "
-            f"({len(plain)} bytes, {size} needed) ({key})",
+            f"({len(plain)} bytes, {size} needed) ({where})",
             chunk_id=cid,
             checkpoint=str(ref),
         )
@@ -244,13 +243,22 @@ def restore(
 
 
 class _SourceCounts:
-    """A restore's chunk source, asked from the download threads, and what it gave (into the report)."""
+    """A restore's chunk source, asked from the download threads, and what it gave (into the report).
+    A failure and a rejection are each logged once per restore: a copy sealed with another key, or a
+    holder gone, would otherwise log every chunk."""
 
     def __init__(self, source: ChunkSource | None, report: TransferReport) -> None:
         self.source = source
         self.report = report
         self.lock = threading.Lock()
-        self.warned = False
+        self.warned: set[str] = set()
+
+    def _warn_once(self, kind: str, ref: CheckpointRef, problem: object) -> None:
+        with self.lock:
+            first = kind not in self.warned
+            self.warned.add(kind)
+        if first:
+            log.warning("restore of %s: %s; reading S3 instead (logged once)", ref, problem)
 
     def plain(
         self, context: StoreContext, ref: CheckpointRef, cid: str, size: int, times: StageTimes
@@ -261,17 +269,14 @@ class _SourceCounts:
             with times.timed("source"):
                 stored = self.source(cid)
         except Exception as error:  # a source that failed is a source that does not have it
-            with self.lock:
-                warn, self.warned = not self.warned, True
-            if warn:
-                log.warning("restore of %s: the chunk source failed (%s); reading S3 instead", ref, error)
+            self._warn_once("failed", ref, f"the chunk source failed ({error!r})")
             return None
         if stored is None:
             return None
         try:
             plain = open_verified(context, ref, cid, size, stored, times, "from the chunk source")
         except ChunkCorruptError as error:
-            log.warning("restore of %s: %s; reading S3 instead", ref, error)
+            self._warn_once("rejected", ref, error)
             with self.lock:
                 self.report.source_rejected += 1
             return None

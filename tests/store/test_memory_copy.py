@@ -4,6 +4,7 @@ them from such a copy before S3, trusting nothing it is given."""
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -12,8 +13,11 @@ from typing import Any
 import pytest
 from pydantic import SecretBytes
 
-from ibckpt.store import EncryptionConfig, ImageStore, RankInfo, StoreError
+from ibckpt.store import EncryptionConfig, ImageStore, RankInfo, StoreError, codec, memorycopy
+from ibckpt.store.context import StageTimes
+from ibckpt.store.download import select_subtree
 from ibckpt.store.manifest import Manifest
+from ibckpt.store.upload import seal_chunk
 
 CHUNK = 256 * 1024  # the fixture's chunk size
 MARKER = b"PLAINTEXT-MARKER-" * 64
@@ -46,6 +50,11 @@ def test_a_restore_reads_every_chunk_from_the_copy_and_none_from_s3(
     copy = dict(store.stored_chunks(part, source, "node-1"))
     distinct = {chunk.id for record in manifest.files for chunk in record.chunks}
     assert set(copy) == distinct and len(distinct) >= 4  # whole chunks and packs, each once
+    stored_sizes = {chunk.id: chunk.stored_size for record in manifest.files for chunk in record.chunks}
+    assert {cid: len(stored) for cid, stored in copy.items()} == stored_sizes  # sealed as the upload sealed
+    files = select_subtree(part.files, "node-1")
+    at_default = memorycopy.stored_chunks(store.context, files, source)  # the configuration's level: the same
+    assert {cid: len(stored) for cid, stored in at_default} == stored_sizes
     if encrypted:
         assert not any(MARKER[:32] in stored for stored in copy.values())
 
@@ -94,3 +103,25 @@ def test_a_copy_of_images_that_changed_since_the_upload_is_refused(
         file.write(b"changed")
     with pytest.raises(StoreError, match=r"pages-1\.img changed since it was stored"):
         dict(store.stored_chunks(part, source, "node-1"))
+
+
+def test_a_copy_sealed_under_another_key_is_refused_chunk_by_chunk_and_logged_once(
+    make_store: Any, tree_factory: Any, helpers: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    key = EncryptionConfig(mode="client", client_key=SecretBytes(os.urandom(32)))
+    store = make_store(pack_below=64 * 1024, encryption=key)
+    source = images(tree_factory, helpers)
+    part, manifest = staged_part(store, source)
+    # The same chunks under the same ids, sealed with a key the restore does not have.
+    other = codec.ChunkKeys.derive(os.urandom(32))
+    foreign = {
+        cid: seal_chunk(codec.open_chunk(stored, cid, store.context.keys), cid, 3, other, StageTimes())
+        for cid, stored in store.stored_chunks(part, source, "node-1")
+    }
+
+    restored = tmp_path / "restored"
+    with caplog.at_level(logging.WARNING, logger="ibckpt.store.download"):
+        report = store.restore(manifest.ref, restored, subtree="node-1", chunk_source=foreign.get)
+    helpers.assert_same_tree(source, restored)
+    assert (report.source_chunks, report.source_rejected) == (0, len(foreign))
+    assert len([r for r in caplog.records if "reading S3 instead" in r.getMessage()]) == 1
