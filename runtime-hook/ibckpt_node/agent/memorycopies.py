@@ -117,8 +117,10 @@ class CopyReader:
     chunks: int = 0
     stored_bytes: int = 0
     rejected: int = 0
+    fetched: int = 0  # every chunk the restores read, from memory or S3
 
     def tally(self, restored: TransferReport) -> None:
+        self.fetched += restored.chunks
         self.chunks += restored.source_chunks
         self.stored_bytes += restored.source_bytes
         self.rejected += restored.source_rejected
@@ -146,7 +148,8 @@ class CopyReader:
         """What the restore took from memory (the store's counts: verified chunks and their bytes)."""
         holders = sorted(self.served)
         parts = sorted({s.part for s, _ in self.copies if s.node in self.served})
-        message = f"{self.chunks} chunks from memory copies ({self.rejected} rejected)"
+        from_s3 = max(0, self.fetched - self.chunks)
+        message = f"{self.chunks} chunks from memory, {from_s3} from S3, {self.rejected} rejected"
         if self.failed:
             message += f"; not reachable: {', '.join(sorted(self.failed))}"
         return api.MemoryCopyReport(node=",".join(holders), part=",".join(parts), kept=self.chunks > 0,

@@ -469,12 +469,13 @@ async def download(
         session.report.bytes = await asyncio.wait_for(staging, request.timeouts.download_seconds)
     except TimeoutError:
         raise StagingError(f"download did not finish within {request.timeouts.download_seconds:g}s") from None
+    finally:  # a failed download's reads from memory are reported too
+        if copies is not None:
+            session.report.memory_copy = copies.report()
     for item in planned:
         for key in item.rank_keys:
             session.by_key[key].bytes = session.report.bytes // max(1, len(session.report.ranks))
     session.report.phases[Milestone.DOWNLOADED] = round(time.monotonic() - started, 3)
-    if copies is not None:
-        session.report.memory_copy = copies.report()
     if remap or lock.connections:
         log.info(
             "session %s: addresses remapped %s; TCP connections held until every node restored: %s",

@@ -109,6 +109,7 @@ class AgentServer:
         self.shelf = MemoryShelf(node, memory_budget)
         others = (memory_authenticator,) if memory_authenticator is not None else ()
         self.memory_auth = FirstAccepting(*others, authenticator)
+        self.agent_identities = memory_authenticator.allowed if memory_authenticator else frozenset()
         self.shim_path = shim_path
         self.shim_present_path = shim_present_path or Path(shim_path)
         self._shim_digest: tuple[tuple[int, int, int], str] | None = None
@@ -187,12 +188,7 @@ class AgentServer:
         if not path.startswith(api.API_PREFIX + "/"):
             return error(404, f"no such path {path}")
         if path == COPIES or path.startswith(COPIES + "/"):
-            # agents call these too, with no leader epoch: the fence is the operator's alone
-            try:
-                await self.memory_auth.check(request.headers.get("authorization"))
-            except AuthError as exc:
-                return error(exc.status, str(exc))
-            return memoryroutes.handle(self.shelf, method, path, request.body)
+            return await self._memory(request)
         try:
             await self.auth.check(request.headers.get("authorization"))
         except AuthError as exc:
@@ -211,6 +207,21 @@ class AgentServer:
             return error(exc.status, str(exc))
         except ValidationError as exc:
             return error(422, f"bad request body: {exc}")
+
+    async def _memory(self, request: Request) -> Response:
+        """The memory tier's routes: the agents call them too, with no leader epoch, so the fence is for the
+        operator's calls alone (it lists and drops copies as the leader it is)."""
+        try:
+            caller = await self.memory_auth.check(request.headers.get("authorization"))
+        except AuthError as exc:
+            return error(exc.status, str(exc))
+        if caller not in self.agent_identities:
+            try:
+                self.fence.check(request.headers.get(api.LEADER_EPOCH_HEADER.lower()))
+            except Fenced as exc:
+                log.warning("refused %s %s: %s", request.method, request.path, exc)
+                return error(409, str(exc))
+        return memoryroutes.handle(self.shelf, request.method, request.path, request.body)
 
     def shim_digest(self) -> str | None:
         """sha256 of the node's shim file: a restored process maps it again, so a checkpoint records it
