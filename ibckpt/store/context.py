@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ibckpt.store import codec
 from ibckpt.store.codec import ChunkKeys
 from ibckpt.store.errors import CheckpointNotFoundError
 from ibckpt.store.layout import CheckpointRef, Layout
@@ -121,3 +122,17 @@ class _Timer:
 
     def __exit__(self, *exc: object) -> None:
         self._times.add(self._stage, time.perf_counter() - self._start, time.thread_time() - self._cpu_start)
+
+
+def seal_chunk(
+    plain: bytes, cid: str, level: int, keys: ChunkKeys | None, times: StageTimes | None = None
+) -> bytes:
+    """A chunk as the store keeps it: zstd at `level` where it pays, framed, sealed when `keys` are set.
+    The one definition: the upload's, the follower's and the memory tier's copies (memorycopy.py) are
+    byte-compatible. `times`: where the upload counts its stages."""
+    if times is None:
+        times = StageTimes()
+    with times.timed("compress"):
+        payload, chosen = codec.compress(plain, level)
+    with times.timed("encrypt" if keys else "frame"):
+        return codec.seal(payload, chosen, len(plain), cid, keys)

@@ -32,7 +32,7 @@ import botocore.exceptions
 
 from ibckpt.store import codec
 from ibckpt.store.catalog import latest_ref
-from ibckpt.store.context import RateLimiter, StoreContext
+from ibckpt.store.context import RateLimiter, StoreContext, seal_chunk
 from ibckpt.store.errors import StoreError
 from ibckpt.store.s3 import connect, error_code, is_not_found
 
@@ -254,8 +254,7 @@ class Follower:
         except botocore.exceptions.ClientError as error:
             if not (is_not_found(error) or error_code(error) == "403"):
                 raise
-        payload, chosen = codec.compress(plain, self._config.compression_level)
-        stored = codec.seal(payload, chosen, len(plain), cid, self._context.keys)
+        stored = seal_chunk(plain, cid, self._config.compression_level, self._context.keys)
         self._limiter.take(len(stored), wait=self._stop.wait)  # a stop cuts the wait short
         if self._stop.is_set():
             raise _Dropped

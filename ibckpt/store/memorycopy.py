@@ -12,11 +12,10 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from ibckpt.store import codec
-from ibckpt.store.context import StageTimes, StoreContext
+from ibckpt.store.context import StoreContext, seal_chunk
 from ibckpt.store.download import Placement, placements
 from ibckpt.store.errors import StoreError
 from ibckpt.store.manifest import FileRecord
-from ibckpt.store.upload import seal_chunk
 
 
 def stored_chunks(
@@ -27,7 +26,6 @@ def stored_chunks(
     use. A file that changed since it was stored raises StoreError naming it."""
     if level is None:
         level = context.connection.config.compression_level
-    times = StageTimes()  # what seal_chunk measures; nobody reads it here
     for cid, use in placements(list(files)).items():
         plain = bytearray(use.extent)
         for place in use.places:
@@ -35,7 +33,7 @@ def stored_chunks(
         if codec.chunk_id(hashlib.sha256(plain).digest(), context.keys) != cid:
             names = ", ".join(sorted({str(root / place.path) for place in use.places}))
             raise StoreError(f"{names} changed since it was stored (chunk {cid})")
-        yield cid, seal_chunk(bytes(plain), cid, level, context.keys, times)
+        yield cid, seal_chunk(bytes(plain), cid, level, context.keys)
 
 
 def _read(root: Path, place: Placement, cid: str) -> bytes:

@@ -27,8 +27,7 @@ from ibckpt import __version__
 from ibckpt.store import codec
 from ibckpt.store.catalog import latest_ref
 from ibckpt.store.chunking import TreeError, check_relative, walk
-from ibckpt.store.codec import ChunkKeys
-from ibckpt.store.context import ProgressCallback, RateLimiter, StageTimes, StoreContext
+from ibckpt.store.context import ProgressCallback, RateLimiter, StageTimes, StoreContext, seal_chunk
 from ibckpt.store.errors import CheckpointNotFoundError, ManifestError, StoreError
 from ibckpt.store.layout import CheckpointRef, check_checkpoint_id, check_job, new_checkpoint_id
 from ibckpt.store.leases import Lease, holder_lease, wait_for_sweeps
@@ -61,15 +60,6 @@ class _Task:
     pieces: tuple[Piece, ...]
     paths: tuple[str, ...]  # the file of each piece
     packed: bool
-
-
-def seal_chunk(plain: bytes, cid: str, level: int, keys: ChunkKeys | None, times: StageTimes) -> bytes:
-    """A chunk as the store keeps it: zstd at `level` where it pays, framed, sealed when `keys` are set.
-    The one definition: the memory tier's copies (memorycopy.py) must be byte-compatible with S3's."""
-    with times.timed("compress"):
-        payload, chosen = codec.compress(plain, level)
-    with times.timed("encrypt" if keys else "frame"):
-        return codec.seal(payload, chosen, len(plain), cid, keys)
 
 
 class CheckpointWriter:

@@ -14,10 +14,9 @@ import pytest
 from pydantic import SecretBytes
 
 from ibckpt.store import EncryptionConfig, ImageStore, RankInfo, StoreError, codec, memorycopy
-from ibckpt.store.context import StageTimes
+from ibckpt.store.context import StageTimes, seal_chunk
 from ibckpt.store.download import select_subtree
 from ibckpt.store.manifest import Manifest
-from ibckpt.store.upload import seal_chunk
 
 CHUNK = 256 * 1024  # the fixture's chunk size
 MARKER = b"PLAINTEXT-MARKER-" * 64
