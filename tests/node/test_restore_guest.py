@@ -26,6 +26,7 @@ RANKS = {
     "ring/rank-0/main/0": ("server", ["-A", f"alarm:{DUE_S}"]),
     "ring/rank-1/main/0": ("client", ["-c", "127.0.0.1", "-A", f"interval:{DUE_S}"]),
 }
+INTERVAL_S = 1  # rc_seq's interval timer repeats every second once it fired
 SLACK_MS = 4000  # a signal's delivery to a process of the emulated guest, and the test's own steps
 
 
@@ -93,6 +94,7 @@ def test_stop_then_restore_on_the_same_node(coordinator, tmp_path: Path) -> None
         said = {r: _timers((tmp_path / f"{r}.out").read_text()) for r, _ in RANKS.values()}
         assert time.monotonic() < deadline, f"not every timer fired after the restore: {said}"
         time.sleep(0.5)
+    time.sleep(INTERVAL_S * 3)  # the client's interval timer fires again (its first may have been just now)
     stop.touch()
     deadline = time.monotonic() + 120
     while not all("RESULT" in (tmp_path / f"{r}.out").read_text() for r, _ in RANKS.values()):
