@@ -133,7 +133,9 @@ class MemoryCopy(ApiModel):
 class CheckpointStatus(ApiModel):
     ready_to_restore: bool | None = None
     tiers: list[StorageTier] | None = Field(
-        default=None, description="Where the images were held when it was committed (unset: S3 only)."
+        default=None,
+        description="Where the images are held (unset: S3 only). Memory while every part's copy is held: "
+        "the operator drops it when a holder replaced, lost or dropped a copy.",
     )
     memory_copies: list[MemoryCopy] | None = Field(
         default=None,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import kubernetes
 import pytest
 
 from testbed.cluster import kubectl_ibckpt
@@ -81,11 +82,71 @@ def test_parts_go_to_the_next_nodes_memory_and_a_restore_reads_them_there(
                 "spec": {"checkpointName": "ring-c1", "avoidNodes": ["node-b"]}}  # fmt: skip
         cluster_ns.create("restorejobs", back)
         body = cluster_ns.wait("restorejobs", "back", phase("Succeeded"), timeout=90)
-    [request] = a.restores
-    assert [(m.node, m.address, m.part) for m in request.memory_copies or []] == [
-        ("node-b", f"{b.host}:{b.port}", "node-a")
-    ]
-    assert body["status"]["memoryReads"] == {"chunks": 1, "bytes": 1000, "holders": ["node-b"]}
+        [request] = a.restores
+        assert [(m.node, m.address, m.part) for m in request.memory_copies or []] == [
+            ("node-b", f"{b.host}:{b.port}", "node-a")
+        ]
+        assert body["status"]["memoryReads"] == {"chunks": 1, "bytes": 1000, "holders": ["node-b"]}
+        # an unready holder is not forgotten: it may still hold its copy
+        status = (cluster_ns.get("checkpoints", "ring-c1") or {})["status"]
+        assert status["tiers"] == ["S3", "Memory"] and len(status["memoryCopies"]) == 2
+
+        # deleting the Checkpoint drops its copies where the holder is reachable, and says where not
+        assert [c.checkpoint for c in b.shelf.listing().copies] == ["ring-c1"]
+        cluster_ns.delete("checkpoints", "ring-c1")
+        [dropped] = cluster_ns.wait_events("ring-c1", "MemoryCopiesDropped")
+        assert "dropped on node-b, not on node-c (not reachable)" in dropped.message, dropped.message
+        assert b.shelf.listing().copies == []
+
+
+def test_copies_a_holder_lost_or_replaced_are_neither_read_nor_listed(
+    cluster_ns: Cluster, s3_server: S3Server, bucket: str, agents: Agents, operator: Any, store_config: Any
+) -> None:
+    config = store_config(bucket)
+    a = agents.add(cluster_ns, "node-a", 1, "complete", config)
+    b = agents.add(cluster_ns, "node-b", 2, "complete", config)
+    # the pods of one workload, as a schedule checkpoints them: its checkpoints are one job in the store
+    batch = kubernetes.client.BatchV1Api(cluster_ns.api)
+    template = {"spec": {"restartPolicy": "Never", "containers": [{"name": "main", "image": "ring:test"}]}}
+    owner = batch.create_namespaced_job(
+        cluster_ns.namespace, {"metadata": {"name": "ring"}, "spec": {"template": template, "suspend": True}}
+    )
+    ref = [{"apiVersion": "batch/v1", "kind": "Job", "name": "ring", "uid": owner.metadata.uid}]
+    for agent, pod in ((a, "ring-0"), (b, "ring-1")):
+        agent.register(cluster_ns.pod(pod, agent.node, RING, owners=ref), cluster_ns.namespace)
+    cluster_ns.s3_secret(s3_server)
+    with operator(memory_tier=True):
+        for name in ("c1", "c2"):  # two LeaveRunning checkpoints of one job: each holder keeps the latest
+            job = stop_job(cluster_ns, s3_server, bucket)
+            job["metadata"]["name"] = name
+            del job["spec"]["selector"]
+            job["spec"] |= {"workloadRef": {"kind": "Job", "name": "ring"}, "mode": "LeaveRunning",
+                            "checkpointName": f"ring-{name}"}  # fmt: skip
+            cluster_ns.create("checkpointjobs", job)
+            cluster_ns.wait("checkpointjobs", name, phase("Succeeded"), timeout=90)
+        assert [c.checkpoint for c in b.shelf.listing().copies] == ["ring-c2"]
+        older = cluster_ns.wait("checkpoints", "ring-c1", lambda c: c["status"].get("tiers") == ["S3"])
+        assert "memoryCopies" not in older["status"]
+        newer = (cluster_ns.get("checkpoints", "ring-c2") or {})["status"]
+        assert newer["tiers"] == ["S3", "Memory"]
+        assert [(m["part"], m["node"]) for m in newer["memoryCopies"]] == [
+            ("node-a", "node-b"),
+            ("node-b", "node-a"),
+        ]
+
+        # node-a's agent restarted: it holds nothing now, so only node-b's copy is read
+        a.restart_shelf()
+        for pod in ("ring-0", "ring-1"):  # the job was lost: its pods are gone
+            cluster_ns.core.delete_namespaced_pod(pod, cluster_ns.namespace, grace_period_seconds=0)
+        back = {"apiVersion": API, "kind": "RestoreJob", "metadata": {"name": "back"},
+                "spec": {"checkpointName": "ring-c2"}}  # fmt: skip
+        cluster_ns.create("restorejobs", back)
+        cluster_ns.wait("restorejobs", "back", phase("Succeeded"), timeout=90)
+        sent = [(m.node, m.part) for agent in (a, b) for r in agent.restores for m in r.memory_copies or []]
+        assert sorted(set(sent)) == [("node-b", "node-a")], sent
+        status = (cluster_ns.get("checkpoints", "ring-c2") or {})["status"]
+        assert status["tiers"] == ["S3"]
+        assert [(m["part"], m["node"]) for m in status["memoryCopies"]] == [("node-a", "node-b")]
 
 
 def test_without_the_tier_nothing_is_kept_in_memory(

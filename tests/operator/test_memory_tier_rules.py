@@ -1,9 +1,10 @@
 """The memory tier's pure rules (machine/memorytier.py): placement on a ring of the ready agents' nodes,
-what the Checkpoint says of its tiers, and which copies a restore may read."""
+what the Checkpoint says of its tiers, which copies a restore may read, and which are known gone."""
 
 from __future__ import annotations
 
 from ibckpt.agentapi import MemoryCopyReport
+from ibckpt.agentapi.memory import HeldCopies, HeldCopy
 from ibckpt.api import MemoryCopy, StorageTier
 from ibckpt_operator.machine import memorytier
 
@@ -42,3 +43,35 @@ def test_a_restore_reads_only_copies_whose_holder_lives() -> None:
     copies = [MemoryCopy(part="n1", node="n2"), MemoryCopy(part="n2", node="n3")]
     assert memorytier.readable_copies(copies, {"n1", "n2"}) == [copies[0]]
     assert memorytier.readable_copies(copies, set()) == []
+
+
+def _listing(node: str, *held: tuple[str, str, str, bool]) -> HeldCopies:
+    copies = [
+        HeldCopy(job=j, checkpoint=c, part=p, bytes=1, chunks=1, sealed=s, created_at=0)
+        for j, c, p, s in held
+    ]
+    return HeldCopies(node=node, budget=10, used=len(copies), copies=copies)
+
+
+def test_a_copy_is_read_only_where_its_holder_lists_it_and_forgotten_only_where_it_answered() -> None:
+    copies = [
+        MemoryCopy(part="n1", node="n2"),
+        MemoryCopy(part="n2", node="n3"),
+        MemoryCopy(part="n3", node="n1"),
+    ]
+    listings = {
+        "n2": _listing("n2", ("ns/j", "c1", "n1", True), ("ns/j", "c0", "n3", True)),
+        "n3": _listing(
+            "n3", ("ns/j", "c1", "n2", False), ("ns/other", "c1", "n2", True)
+        ),  # unsealed; another job
+        "n1": None,  # did not answer: may still hold it
+    }
+    held, gone = memorytier.held_now(copies, listings, "ns/j", "c1")
+    assert held == [copies[0]]
+    assert gone == [copies[1]]
+
+
+def test_a_newer_copy_of_the_same_part_on_the_same_holder_replaces_the_older() -> None:
+    older = [MemoryCopy(part="n1", node="n2"), MemoryCopy(part="n2", node="n3")]
+    newer = [MemoryCopy(part="n1", node="n2"), MemoryCopy(part="n2", node="n1")]  # n2's part moved holder
+    assert memorytier.replaced(older, newer) == [older[1]]

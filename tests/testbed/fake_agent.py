@@ -35,10 +35,17 @@ from ibckpt.agentapi import (
     SessionState,
     agent_audience,
 )
+from ibckpt.agentapi.memory import COPIES, MemorySeal
 from ibckpt.store import CheckpointRef, ImageStore, ManifestKeys, RankInfo, StoreConfig
+from ibckpt_node.agent import memoryroutes
+from ibckpt_node.agent.memorytier import MemoryShelf
 
 # Whose tokens the fake agents take: the operator's account in the test apiserver (tests/operator).
 OPERATOR_SUBJECT = "system:serviceaccount:ibckpt-system:ibckpt-operator"
+# Each fake agent's memory tier, by its address: the real agent's shelf and routes, so that what the
+# operator lists and drops is what the fake agents "sent" to each other.
+SHELVES: dict[str, MemoryShelf] = {}
+SHELF_BYTES = 64 * 1024 * 1024
 
 
 def token_claims(token: str) -> dict[str, Any]:
@@ -112,8 +119,18 @@ class FakeAgent:
             )
         )
 
+    @property
+    def shelf(self) -> MemoryShelf:
+        return SHELVES.setdefault(f"{self.host}:{self.port}", MemoryShelf(self.node, SHELF_BYTES))
+
+    def restart_shelf(self) -> None:
+        """As an agent restarted: what it held for the others is gone."""
+        SHELVES.pop(f"{self.host}:{self.port}", None)
+
     def start(self) -> None:
         agent = self
+        self.restart_shelf()
+        _ = self.shelf  # an empty one, which the others' copies reach by this agent's address
 
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *args: Any) -> None:
@@ -151,6 +168,8 @@ class FakeAgent:
                     self.reply(200, info.to_json())
                 elif self.path == "/v1/containers":
                     self.reply(200, ContainerList(node=agent.node, containers=agent.containers).to_json())
+                elif self.path.startswith(COPIES):
+                    self.memory("GET")
                 elif self.path.startswith("/v1/sessions/"):
                     report = agent.reports.get(self.path.rsplit("/", 1)[1])
                     if report is None:
@@ -159,6 +178,14 @@ class FakeAgent:
                         self.reply(200, report.to_json())
                 else:
                     self.reply(404, b'{"error": "no such path"}')
+
+            def do_DELETE(self) -> None:
+                if self.authorized():
+                    self.memory("DELETE")
+
+            def memory(self, method: str) -> None:
+                answer = memoryroutes.handle(agent.shelf, method, self.path, b"")
+                self.reply(answer.status, answer.body)
 
             def do_POST(self) -> None:
                 if not self.authorized():
@@ -210,6 +237,20 @@ class FakeAgent:
         if self.tls is not None:  # each accepted connection does its handshake in the serving thread
             self.server.socket = self.tls.wrap_socket(self.server.socket, server_side=True)
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def keep_copy(self, request: CheckpointRequest) -> MemoryCopyReport:
+        """This node's part "sent" to the holder's shelf as one chunk of 200 kB, sealed."""
+        assert request.memory_copy is not None and request.images is not None
+        holder = SHELVES.get(request.memory_copy.address)
+        report = MemoryCopyReport(node=request.memory_copy.node, part=self.node)
+        if holder is None:
+            report.message = f"not kept on {request.memory_copy.node}: not reachable"
+            return report
+        key = (request.images.job, request.images.checkpoint_id, self.node)
+        holder.put_piece(key, 0, bytes(200_000))
+        held = holder.seal(key, MemorySeal(chunks={"0" * 64: (0, 200_000)}, bytes=200_000))
+        report.kept, report.chunks, report.bytes, report.seconds = True, held.chunks, held.bytes, 0.1
+        return report
 
     def stop(self) -> None:
         if self.server is not None:
@@ -373,8 +414,6 @@ class FakeAgent:
         final = (RankPhase.HELD, Milestone.UPLOADED) if request.mode == Mode.HOLD else (RankPhase.DONE, None)
         took[Milestone.UPLOADED] = round(time.monotonic() - upload_started, 3)
         # the memory tier: the real agent pushes its part to the named agent before its session succeeds
-        kept = request.memory_copy and MemoryCopyReport(
-            node=request.memory_copy.node, part=self.node, kept=True, chunks=1, bytes=200_000, seconds=0.1
-        )
+        kept = request.memory_copy and self.keep_copy(request)
         self.set_phase(session, *final, bytes=200_000, state=SessionState.SUCCEEDED, finished_at=time.time(),
                        phases=took, memory_copy=kept or None)  # fmt: skip

@@ -24,6 +24,7 @@ from ibckpt.agentapi import (
     SessionReport,
     SessionState,
 )
+from ibckpt.agentapi.memory import HeldCopies, MemoryClient
 from ibckpt_operator.cluster.agenttokens import AgentTokens
 from ibckpt_operator.cluster.kube import Body, Kube
 from ibckpt_operator.cluster.pods import ready_condition
@@ -104,6 +105,7 @@ def no_agent_message(pod: str, node: str, agent: Agent | None) -> str:
 AGENT_CONCURRENCY = 32
 
 R = TypeVar("R")
+C = TypeVar("C", bound=AgentClient)
 
 
 class AgentGateway:
@@ -140,11 +142,14 @@ class AgentGateway:
         return self.client(agent)
 
     def client(self, agent: Agent) -> AgentClient:
+        return self._make(AgentClient, agent)
+
+    def _make(self, kind: type[C], agent: Agent) -> C:
         settings = current()
         token = self._token if self._tokens is None else self._tokens.cached(agent.node)
         if token is None:  # _client() just got it: only a token older than its reuse would be missing
             raise AgentError(0, f"no token for the agent of node {agent.node}")
-        return AgentClient(
+        return kind(
             agent.host,
             settings.agent_port,
             tls=self.tls,
@@ -152,6 +157,18 @@ class AgentGateway:
             timeout_s=settings.agent_timeout,
             leader_epoch=self._epoch(),
         )
+
+    async def _memory(self, agent: Agent) -> MemoryClient:
+        await self._client(agent)
+        return self._make(MemoryClient, agent)
+
+    async def held_copies(self, agent: Agent) -> HeldCopies:
+        """The memory-tier copies this agent holds for the others."""
+        return await self._run((await self._memory(agent)).copies)
+
+    async def drop_copies(self, agent: Agent, job: str, checkpoint: str) -> HeldCopies:
+        """Drop its copies of one checkpoint; what it holds then."""
+        return await self._run((await self._memory(agent)).drop, job, checkpoint)
 
     async def info(self, agent: Agent) -> AgentInfo:
         return await self._run((await self._client(agent)).info)

@@ -31,6 +31,7 @@ from ibckpt_operator import metrics
 from ibckpt_operator.cluster import storage
 from ibckpt_operator.cluster.imports import RECORD_LABEL, restore_record
 from ibckpt_operator.cluster.kube import Body
+from ibckpt_operator.drivers import memorycopies
 from ibckpt_operator.drivers.base import Driver
 from ibckpt_operator.drivers.progress import PodProgress
 from ibckpt_operator.drivers.recording import RestoreRecord
@@ -205,6 +206,12 @@ class CheckpointStoreDriver(Driver[JobState]):
                 await self.rt.kube.patch_status(
                     CHECKPOINT.plural, self.namespace, action.checkpoint_name, status.to_wire()
                 )
+            try:  # advice only: a restore asks the holders what they keep
+                await memorycopies.forget_replaced(
+                    self.rt, self.namespace, self.store_job, action.checkpoint_name, copies
+                )
+            except Exception as error:
+                log.warning("%s: older Checkpoints' memory copies not updated: %s", self.key, error)
         self.emit(CheckpointPublished(action.attempt))
 
     def copied_labels(self) -> dict[str, str]:

@@ -46,10 +46,11 @@ from ibckpt_operator.cluster.agents import (
 )
 from ibckpt_operator.cluster.kube import Body
 from ibckpt_operator.cluster.pods import restored_lost
+from ibckpt_operator.drivers import memorycopies
 from ibckpt_operator.drivers.progress import PodProgress
 from ibckpt_operator.drivers.restorepods import RestorePodsDriver
 from ibckpt_operator.drivers.runtime import Runtime
-from ibckpt_operator.machine import PodRef, RestoreConfig, RestoreMachine, RestoreState, memorytier
+from ibckpt_operator.machine import PodRef, RestoreConfig, RestoreMachine, RestoreState
 from ibckpt_operator.machine.actions import (
     AdmitNodes,
     AwaitMilestone,
@@ -228,15 +229,11 @@ class RestoreJobDriver(RestorePodsDriver):
         return moves
 
     async def memory_sources(self, checkpoint: Checkpoint) -> list[MemoryCopySource]:
-        """The checkpoint's memory copies whose holder's agent is ready (machine/memorytier.py): the
-        restoring agents read those chunks there, and the rest from S3."""
-        recorded = (checkpoint.status.memory_copies if checkpoint.status else None) or []
-        if not recorded:
-            return []
-        agents = {node: a for node, a in (await agents_by_node(self.rt.kube)).items() if a.ready and a.host}
+        """The checkpoint's memory copies that a ready agent lists as held now (drivers/memorycopies.py):
+        the restoring agents read those chunks there, and the rest from S3."""
+        held, agents = await memorycopies.held_now(self.rt, checkpoint)
         return [
-            MemoryCopySource(node=copy.node, address=agent_address(agents[copy.node]), part=copy.part)
-            for copy in memorytier.readable_copies(recorded, agents)
+            MemoryCopySource(node=c.node, address=agent_address(agents[c.node]), part=c.part) for c in held
         ]
 
     async def start_agents(self, action: DownloadImages) -> None:

@@ -16,7 +16,7 @@ from ibckpt.store import CheckpointNotFoundError, RetentionPolicy, StoreConfig, 
 from ibckpt_operator import metrics
 from ibckpt_operator.cluster import storage
 from ibckpt_operator.config import current
-from ibckpt_operator.drivers import runtime
+from ibckpt_operator.drivers import memorycopies, runtime
 
 log = logging.getLogger(__name__)
 RETAIN_ANNOTATION = "ibckpt.io/retain-images"  # "true": deleting the object leaves the images in place
@@ -40,11 +40,27 @@ def remove_images(config: StoreConfig, manifest_key: str, grace_seconds: float) 
     return f"{said}; chunk sweep deferred ({report.skipped_reason})"
 
 
+async def drop_memory_copies(rt: runtime.Runtime, raw: dict[str, Any]) -> None:
+    """The holders drop the checkpoint's memory copies (once: they are a cache, never worth a retry)."""
+    where = f"checkpoint {raw['metadata']['namespace']}/{raw['metadata']['name']}"
+    try:
+        said = await memorycopies.drop(rt, Checkpoint.from_wire(raw))
+    except Exception as error:
+        log.warning("%s: memory copies not dropped: %s", where, error)
+        await rt.kube.post_event(raw, "Warning", "MemoryCopiesKept", f"memory copies not dropped: {error}")
+        return
+    if said:
+        log.info("%s: %s", where, said)
+        await rt.kube.post_event(raw, "Normal", "MemoryCopiesDropped", said)
+
+
 @kopf.on.delete(GROUP, VERSION, CHECKPOINT.plural)
 async def delete_images(body: kopf.Body, retry: int, **_: Any) -> None:
     rt = runtime.get()
     raw = copy.deepcopy(dict(body))
     meta = raw["metadata"]
+    if retry == 0:
+        await drop_memory_copies(rt, raw)
     if (meta.get("annotations") or {}).get(RETAIN_ANNOTATION) == "true":
         await rt.kube.post_event(
             raw, "Normal", "ImagesRetained", f"{RETAIN_ANNOTATION}: images left in place"

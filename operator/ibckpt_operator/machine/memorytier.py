@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping
 
+from ibckpt.agentapi.memory import HeldCopies
 from ibckpt.agentapi.models import MemoryCopyReport
 from ibckpt.api import MemoryCopy, StorageTier
 
@@ -51,3 +52,32 @@ def readable_copies(copies: Iterable[MemoryCopy], living: Collection[str]) -> li
     a copy replaced since by the job's next checkpoint) is read from S3: the chunks are verified by id, so
     a missing or stale copy costs time, never correctness."""
     return [copy for copy in copies if copy.node in living]
+
+
+def held_now(
+    copies: Iterable[MemoryCopy], listings: Mapping[str, HeldCopies | None], job: str, checkpoint: str
+) -> tuple[list[MemoryCopy], list[MemoryCopy]]:
+    """Of the recorded copies, (held, gone): held, those their holder lists now, sealed; gone, those
+    whose holder answered (`listings`: its answer, None when it gave none) without them. A holder that
+    restarted, dropped the copy for its budget or replaced it with the job's next checkpoint no longer
+    has it: a restore is not sent there, and the Checkpoint stops saying so. A holder that did not
+    answer may still have it: not read now, not forgotten either."""
+    listed: set[tuple[str, str]] = set()
+    for node, listing in listings.items():
+        if listing is not None:
+            mine = (c for c in listing.copies if c.sealed and (c.job, c.checkpoint) == (job, checkpoint))
+            listed |= {(node, c.part) for c in mine}
+    held, gone = [], []
+    for copy in copies:
+        if (copy.node, copy.part) in listed:
+            held.append(copy)
+        elif listings.get(copy.node) is not None:
+            gone.append(copy)
+    return held, gone
+
+
+def replaced(older: Iterable[MemoryCopy], newer: Iterable[MemoryCopy]) -> list[MemoryCopy]:
+    """An older checkpoint's copies that are still held once the same job's newer copies were sealed: a
+    holder keeps one copy of each job's part, the latest (agent/memorytier.py)."""
+    taken = {(copy.node, copy.part) for copy in newer}
+    return [copy for copy in older if (copy.node, copy.part) not in taken]

@@ -1,0 +1,115 @@
+"""The operator's side of the memory tier (docs/recovery.md, "Tiers") after a commit: which of a
+Checkpoint's copies their holders still keep, what its status says about them, and their removal with
+the Checkpoint. The placement and the rules are machine/memorytier.py's; the copies are the agents'."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+from ibckpt.agentapi import AgentError
+from ibckpt.agentapi.memory import HeldCopies
+from ibckpt.api import CHECKPOINT, Checkpoint, MemoryCopy
+from ibckpt_operator.cluster.agents import Agent, agents_by_node, each_agent
+from ibckpt_operator.drivers.runtime import Runtime
+from ibckpt_operator.machine import memorytier
+
+log = logging.getLogger(__name__)
+
+
+def recorded(checkpoint: Checkpoint) -> list[MemoryCopy]:
+    return list((checkpoint.status.memory_copies if checkpoint.status else None) or [])
+
+
+async def listings(rt: Runtime, holders: dict[str, Agent]) -> dict[str, HeldCopies | None]:
+    """Each holder's list of what it keeps; None for one that did not answer (it is read as holding
+    nothing: its chunks come from S3)."""
+    nodes = sorted(holders)
+    answers = await each_agent([rt.gateway.held_copies(holders[node]) for node in nodes])
+    found: dict[str, HeldCopies | None] = {}
+    for node, answer in zip(nodes, answers, strict=True):
+        if isinstance(answer, AgentError):
+            log.info("memory tier: the agent of %s did not list its copies: %s", node, answer)
+            found[node] = None
+        else:
+            found[node] = answer
+    return found
+
+
+async def held_now(rt: Runtime, checkpoint: Checkpoint) -> tuple[list[MemoryCopy], dict[str, Agent]]:
+    """The checkpoint's copies that their holder, a ready agent, lists now; and the ready agents. The
+    Checkpoint's status stops listing the copies a holder answered it no longer has."""
+    copies = recorded(checkpoint)
+    if not copies:
+        return [], {}
+    agents = {node: a for node, a in (await agents_by_node(rt.kube)).items() if a.ready and a.host}
+    living = memorytier.readable_copies(copies, agents)
+    answers = await listings(rt, {c.node: agents[c.node] for c in living})
+    job, name = checkpoint.spec.job_name or "", checkpoint.spec.checkpoint_id or ""
+    held, gone = memorytier.held_now(living, answers, job, name)
+    if gone:
+        await say_held(rt, checkpoint, [c for c in copies if c not in gone])
+    return held, agents
+
+
+async def say_held(rt: Runtime, checkpoint: Checkpoint, copies: list[MemoryCopy]) -> None:
+    """Write which copies are held, and so which tiers hold the checkpoint, into its status."""
+    meta = checkpoint.metadata
+    assert meta is not None and meta.name and meta.namespace
+    status = {
+        "tiers": [t.value for t in memorytier.tiers(copies, checkpoint.spec.nodes or [])],
+        "memoryCopies": [c.to_wire() for c in copies] or None,  # null: the merge patch removes the field
+    }
+    try:
+        await rt.kube.patch_status(CHECKPOINT.plural, meta.namespace, meta.name, status)
+    except Exception as error:  # the status is advice: a restore asks the holders again
+        log.warning(
+            "checkpoint %s/%s: memory copies not updated in status: %s", meta.namespace, meta.name, error
+        )
+        return
+    gone = len(recorded(checkpoint)) - len(copies)
+    log.info("checkpoint %s/%s: %d memory copies no longer held; tiers now %s",
+             meta.namespace, meta.name, gone, status["tiers"])  # fmt: skip
+
+
+async def forget_replaced(
+    rt: Runtime, namespace: str, job: str, newest: str, copies: list[MemoryCopy]
+) -> None:
+    """The job's older Checkpoints stop listing the copies that the newest one's replaced on their holders
+    (each keeps one copy per part of a job)."""
+    if not copies:
+        return
+    for body in await rt.kube.list_custom(CHECKPOINT.plural):
+        with contextlib.suppress(ValueError):
+            older = Checkpoint.from_wire(body)
+            meta = older.metadata
+            if (
+                meta is None
+                or meta.namespace != namespace
+                or meta.name == newest
+                or older.spec.job_name != job
+            ):
+                continue
+            before = recorded(older)
+            kept = memorytier.replaced(before, copies)
+            if len(kept) < len(before):
+                await say_held(rt, older, kept)
+
+
+async def drop(rt: Runtime, checkpoint: Checkpoint) -> str:
+    """Ask each holder of the checkpoint's copies to drop them (a deleted Checkpoint). Returns what
+    happened, for the Event; a holder that is gone or does not answer holds nothing for long (its budget
+    drops the oldest copies first)."""
+    copies = recorded(checkpoint)
+    if not copies:
+        return ""
+    job, name = checkpoint.spec.job_name or "", checkpoint.spec.checkpoint_id or ""
+    agents = {node: a for node, a in (await agents_by_node(rt.kube)).items() if a.ready and a.host}
+    holders = sorted({c.node for c in copies})
+    reachable = [n for n in holders if n in agents]
+    answers = await each_agent([rt.gateway.drop_copies(agents[n], job, name) for n in reachable])
+    dropped = [n for n, a in zip(reachable, answers, strict=True) if not isinstance(a, AgentError)]
+    said = f"memory copies dropped on {', '.join(dropped) or 'no node'}"
+    if missed := sorted(set(holders) - set(dropped)):
+        said += f", not on {', '.join(missed)} (not reachable)"
+    return said
