@@ -192,6 +192,7 @@ class HttpServer:
         return await read_request(reader, where)
 
     async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, where: str) -> None:
+        abandoned = False
         try:
             try:
                 try:
@@ -214,12 +215,23 @@ class HttpServer:
             await asyncio.wait_for(writer.drain(), WRITE_TIMEOUT_S)
         except (OSError, ConnectionError, TimeoutError) as exc:
             log.debug("connection from %s: %s", where, exc)
+        except GeneratorExit:  # closed with its loop gone (a stopped server's): nothing can be awaited
+            abandoned = True
+            raise
         finally:
-            writer.close()  # over TLS: sends close_notify and waits for the peer's, at most WRITE_TIMEOUT_S
-            try:
-                await asyncio.wait_for(writer.wait_closed(), WRITE_TIMEOUT_S)
-            except (OSError, ConnectionError, TimeoutError):
-                # a TLS transport whose connection is already lost has no protocol left to abort
-                # (CPython 3.11 raises AttributeError there): nothing is left to close then
-                with contextlib.suppress(AttributeError):
+            if abandoned:
+                with contextlib.suppress(Exception):
                     writer.transport.abort()
+            else:
+                writer.close()  # over TLS: sends close_notify; _closed waits for the peer's
+                await self._closed(writer)
+
+    @staticmethod
+    async def _closed(writer: asyncio.StreamWriter) -> None:
+        try:
+            await asyncio.wait_for(writer.wait_closed(), WRITE_TIMEOUT_S)
+        except (OSError, ConnectionError, TimeoutError):
+            # a TLS transport whose connection is already lost has no protocol left to abort
+            # (CPython 3.11 raises AttributeError there): nothing is left to close then
+            with contextlib.suppress(AttributeError):
+                writer.transport.abort()
