@@ -41,7 +41,7 @@ class Request:
 @dataclass
 class Response:
     status: int
-    body: bytes = b""
+    body: bytes | memoryview = b""
     content_type: str = "application/json"
     headers: dict[str, str] = field(default_factory=dict)
 
@@ -92,7 +92,9 @@ async def read_request(reader: asyncio.StreamReader, peer: str) -> Request:
     return Request(method, path, headers, body, peer)
 
 
-def encode(response: Response) -> bytes:
+def encode_head(response: Response) -> bytes:
+    """The status line and headers; the body is written after them as it is (a chunk of a memory copy
+    is a view of the holder's bytes: not copied into one buffer with its head)."""
     reason = http.HTTPStatus(response.status).phrase
     head = [
         f"HTTP/1.1 {response.status} {reason}",
@@ -101,7 +103,7 @@ def encode(response: Response) -> bytes:
         "Connection: close",
         *(f"{k}: {v}" for k, v in response.headers.items()),
     ]
-    return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + response.body
+    return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1")
 
 
 class HttpServer:
@@ -211,7 +213,9 @@ class HttpServer:
                 except Exception:
                     log.exception("%s %s from %s", request.method, request.path, where)
                     response = self.error(500, "internal error (see the agent's log)")
-            writer.write(encode(response))
+            writer.write(encode_head(response))
+            if response.body:
+                writer.write(response.body)
             await asyncio.wait_for(writer.drain(), WRITE_TIMEOUT_S)
         except (OSError, ConnectionError, TimeoutError) as exc:
             log.debug("connection from %s: %s", where, exc)

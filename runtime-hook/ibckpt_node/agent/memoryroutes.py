@@ -18,7 +18,7 @@ def _error(status: int, message: str) -> Response:
     return Response(status, json.dumps({"error": message}).encode())
 
 
-def _ok(body: bytes, content_type: str = "application/json") -> Response:
+def _ok(body: bytes | memoryview, content_type: str = "application/json") -> Response:
     return Response(200, body, content_type)
 
 

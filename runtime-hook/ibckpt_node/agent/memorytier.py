@@ -99,12 +99,14 @@ class MemoryShelf:
             del self.copies[other]  # a newer checkpoint of the same part: the older is no use
         return copy.held()
 
-    def chunk(self, key: Key, chunk_id: str) -> bytes | None:
+    def chunk(self, key: Key, chunk_id: str) -> memoryview | None:
+        """A view of the chunk's bytes, not a copy: a sealed copy's data never changes size (a copy sent
+        again is a new one), and a dropped copy lives on until its last view is written."""
         copy = self.copies.get(key)
         if copy is None or copy.index is None or chunk_id not in copy.index:
             return None
         offset, length = copy.index[chunk_id]
-        return bytes(copy.data[offset : offset + length])
+        return memoryview(copy.data)[offset : offset + length]
 
     def drop(self, job: str, checkpoint: str) -> int:
         gone = [k for k in self.copies if k[:2] == (job, checkpoint)]
