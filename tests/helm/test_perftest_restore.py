@@ -33,8 +33,11 @@ from helm.conftest import Release
 from testbed import pods, ring, sibling_ids
 from testbed.cluster import Cluster, node_ip
 
-# budget: what it may take on the slowest machine seen; first of the long stories (tests/testbed/budget.py)
-pytestmark = [pytest.mark.cluster, pytest.mark.timeout(2700), pytest.mark.budget(minutes=36, first=True)]
+# budget: what it may take on the slowest machine seen; first of the long stories (tests/testbed/budget.py).
+# perftest's own clock sets it: DURATION of writes, plus the Stop's downtime (not counted by its alarm),
+# the pods' start and SLACK. 2026-12-03: 20.3 min (LeaveRunning 107 s, Stop 72 s, restore about 1 min);
+# a Stop as slow as the slowest seen (5 min) makes it about 24.
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(2700), pytest.mark.budget(minutes=26, first=True)]
 
 # Seconds of writes: both checkpoints must come while the client writes. On the emulated nodes the
 # LeaveRunning cycle of this job took 6 to 7 min (2026-12-02: 65-100 s of dump per pod, 1.5-2 min of
