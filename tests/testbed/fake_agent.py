@@ -136,7 +136,7 @@ class FakeAgent:
             def log_message(self, *args: Any) -> None:
                 pass
 
-            def reply(self, status: int, body: bytes) -> None:
+            def reply(self, status: int, body: bytes | memoryview) -> None:
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
