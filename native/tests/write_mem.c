@@ -8,11 +8,14 @@
  * dump took from an older copy (a pre-dump's, not marked again after the
  * device wrote it) fails the check.
  *
- *   write_mem -f CHECKFILE [-m MIB] [-c CHUNK_KIB] [-g GID_INDEX] [-d MIB -r PCT]
+ *   write_mem -f CHECKFILE [-m MIB] [-c CHUNK_KIB] [-g GID_INDEX] [-d MIB -r PCT] [-n]
  *
- * With -d, the CPU also keeps a buffer of that size, of which it rewrites
+ * With -d, the CPU also keeps a buffer of that size, of random bytes (so
+ * neither compression nor dedup shrinks its image), of which it rewrites
  * PCT percent of the pages each second (a job's own dirty rate, for
- * bench/pre_dump_freeze.py); it is not checked.
+ * bench/pre_dump_freeze.py and bench/large_pod.py); it is not checked.
+ * -n: no device and no region, only that buffer: the same memory as a
+ * plain process, which CRIU can dump without ibckpt (the raw side).
  *
  * Prints READY once the first round completed, then "CHECK ok writes=N
  * rounds=R" or "CHECK bad page=P ..." and exits 0 or 1. */
@@ -65,6 +68,18 @@ static long check(const uint64_t *dst, uint64_t writes, size_t nchunks, size_t c
 	return -1;
 }
 
+/* Every page present from the start, as a job's working set, and random. */
+static unsigned char *random_buffer(size_t bytes)
+{
+	uint64_t *words = malloc(bytes);
+
+	if (!words)
+		DIE("dirty buffer of %zu bytes", bytes);
+	for (size_t i = 0; i < bytes / sizeof(uint64_t); i++)
+		words[i] = mix64(i ^ 0x9e3779b97f4a7c15ull);
+	return (unsigned char *)words;
+}
+
 /* The CPU's dirty rate: page by page through buf, `pct` percent of its
  * pages per second since `t0`, as far as is due by now. */
 static void dirty_due(unsigned char *buf, size_t pages, double pct, long t0, size_t *done)
@@ -75,6 +90,22 @@ static void dirty_due(unsigned char *buf, size_t pages, double pct, long t0, siz
 		buf[(*done % pages) * PAGE] += 1;
 }
 
+/* -n: dirty the buffer at its rate until CHECKFILE appears. */
+static int dirty_only(const char *checkfile, unsigned char *buf, size_t pages, double pct)
+{
+	long t0 = now_ms();
+	size_t done = 0;
+
+	printf("READY dirty=%zu MiB\n", pages * PAGE >> 20);
+	fflush(stdout);
+	while (!file_exists(checkfile)) {
+		dirty_due(buf, pages, pct, t0, &done);
+		usleep(1000);
+	}
+	printf("CHECK ok dirtied=%zu\n", done);
+	return 0;
+}
+
 int main(int argc, char **argv)
 {
 	size_t mib = 8, chunk_kib = 64, nchunks, chunk_pages, len, dirty_mib = 0, dirtied = 0;
@@ -82,7 +113,7 @@ int main(int argc, char **argv)
 	unsigned char *dirty = NULL;
 	long t0;
 	const char *checkfile = NULL;
-	int gid = 1, opt;
+	int gid = 1, opt, no_device = 0;
 	struct ibv_context *ctx;
 	struct ibv_pd *pd;
 	struct ibv_cq *cq;
@@ -92,7 +123,7 @@ int main(int argc, char **argv)
 	uint64_t *src, *dst, writes = 0, got = 0, want = 0;
 	long bad;
 
-	while ((opt = getopt(argc, argv, "f:m:c:g:d:r:")) != -1) {
+	while ((opt = getopt(argc, argv, "f:m:c:g:d:r:n")) != -1) {
 		if (opt == 'f')
 			checkfile = optarg;
 		else if (opt == 'm')
@@ -105,12 +136,21 @@ int main(int argc, char **argv)
 			dirty_mib = (size_t)atol(optarg);
 		else if (opt == 'r')
 			dirty_pct = atof(optarg);
+		else if (opt == 'n')
+			no_device = 1;
 	}
 	len = mib << 20;
 	chunk_pages = (chunk_kib << 10) / PAGE;
 	if (!checkfile || !chunk_pages || len % (chunk_pages * PAGE))
 		DIE("usage: write_mem -f CHECKFILE [-m MIB] [-c CHUNK_KIB (pages, dividing MIB)] [-g GID]");
 	nchunks = len / (chunk_pages * PAGE);
+	if (dirty_mib)
+		dirty = random_buffer(dirty_mib << 20);
+	if (no_device) {
+		if (!dirty)
+			DIE("-n needs -d MIB");
+		return dirty_only(checkfile, dirty, (dirty_mib << 20) / PAGE, dirty_pct);
+	}
 
 	ctx = open_first_device();
 	pd = ibv_alloc_pd(ctx);
@@ -133,12 +173,6 @@ int main(int argc, char **argv)
 	ob.psn ^= 0x5a5a;
 	qp_to_rts(qa, &ob, gid, oa.psn);
 	qp_to_rts(qb, &oa, gid, ob.psn);
-	if (dirty_mib) { /* every page present from the start, as a job's working set */
-		dirty = malloc(dirty_mib << 20);
-		if (!dirty)
-			DIE("dirty buffer");
-		memset(dirty, 1, dirty_mib << 20);
-	}
 	t0 = now_ms();
 
 	while (!file_exists(checkfile)) {

@@ -1,0 +1,264 @@
+"""A pod that holds real-sized memory, checkpointed and restored through ibckpt, against the raw tools on the
+same node in the same run (issue 31): the freeze, the Stop checkpoint and the restore, at each size given.
+
+Run from the repo root:  .venv/bin/python bench/large_pod.py [--mib 64 512] [--rate 5]
+(boots S3, the control plane and the two Soft-RoCE nodes and installs the chart, about 15 minutes under TCG,
+then about 10 minutes per 256 MiB; read the ratios, not the seconds)
+
+ibckpt: pod `big` on node-1, unprivileged, its device from the plugin, runs native/tests/write_mem under the
+shim: RDMA WRITEs into an 8 MiB region in a loop, beside a buffer of MIB MiB of random bytes of which it
+rewrites RATE percent of the pages every second. Per size:
+  1. a LeaveRunning CheckpointJob with `preDump`: the pod's frozenSeconds from the job's status (the cut's
+     start until its rank ran again: drain, release, the final dump, rebuild, resume);
+  2. a Stop CheckpointJob: apply to Succeeded (committed, the source stopped);
+  3. a RestoreJob onto node-2: apply to Succeeded (running again); then the rank stops and checks that its
+     region holds every write it completed (CHECK ok), so the numbers are those of a restore that worked.
+raw, on node-1 through its agent pod (hostPID; the node's runc and root, as the agent runs them): a pod of
+the same image and RuntimeClass without a device runs `write_mem -n` (the same buffer, the same rate, no
+verbs, so CRIU dumps it without ibckpt):
+  freeze   `runc checkpoint --leave-running`, whole (with no pre-dump CRIU keeps the process frozen until
+           its pages are written; the runc and CRIU start are counted too, in ibckpt's favour);
+  stop     `runc checkpoint` + a boto3 upload (multipart, the client's defaults) of its image files;
+  restore  their boto3 download + `runc restore --detach`.
+Goals (issue 31): freeze <= 0.3x at 5%/s, stop <= 1.0x, restore <= 1.0x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import secrets
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from pod_vs_raw import (  # bench/, the script's own directory
+    BUNDLES,
+    CHECKPOINT_STAGES,
+    FLAGS,
+    RESTORE_STAGES,
+    RUNC_ROOT,
+    follow_phases,
+    on_cluster,
+    stages,
+)
+
+from testbed import pods, ring
+from testbed.cluster import Cluster
+from testbed.images import APPS_IMAGE
+from testbed.release import Release, install, storage_secret
+from testbed.s3 import S3Server
+
+NS = "bench"
+BUCKET = "bench-large-pod"
+LABELS = {"app": "big"}
+
+# Runs in node-1's agent pod (its Python has boto3): parameters as one JSON line on stdin, one JSON line of
+# seconds and bytes out. Nothing of the credentials is printed.
+RAW = r"""
+import json, os, shutil, subprocess, sys, time
+import boto3
+from boto3.s3.transfer import TransferConfig
+p = json.loads(sys.stdin.readline())
+runc = ["nsenter", "--target", "1", "--mount", "--", p["runc"], "--root", p["root"]]
+work = p["work"]
+host = "/proc/1/root" + work  # the same directory, as this pod sees the node's
+shutil.rmtree(host, ignore_errors=True)
+os.makedirs(host + "/lr")
+os.makedirs(host + "/img")
+out = {}
+def checkpoint(into, *extra):
+    t = time.monotonic()
+    subprocess.run(runc + ["checkpoint", *extra, *p["flags"], "--image-path", work + "/" + into,
+                           "--work-path", work + "/" + into, p["id"]], check=True, capture_output=True)
+    return time.monotonic() - t
+out["freeze"] = checkpoint("lr", "--leave-running")
+shutil.rmtree(host + "/lr")
+out["dump"] = checkpoint("img")
+files = sorted(f.name for f in os.scandir(host + "/img") if f.is_file())
+out["dump_bytes"] = sum(os.path.getsize(host + "/img/" + f) for f in files)
+s3 = boto3.client("s3", endpoint_url=p["endpoint"], aws_access_key_id=p["key"],
+                  aws_secret_access_key=p["secret"], region_name="us-east-1")
+config = TransferConfig()
+t = time.monotonic()
+for f in files:
+    s3.upload_file(host + "/img/" + f, p["bucket"], "raw/" + f, Config=config)
+out["upload"] = time.monotonic() - t
+os.makedirs(host + "/back")
+t = time.monotonic()
+for f in files:
+    s3.download_file(p["bucket"], "raw/" + f, host + "/back/" + f, Config=config)
+out["download"] = time.monotonic() - t
+spec = json.load(open("/proc/1/root" + p["bundle"] + "/config.json"))
+spec["root"]["path"] = p["bundle"] + "/rootfs"
+spec["linux"]["cgroupsPath"] = spec["linux"].get("cgroupsPath", "") + "-raw"
+os.makedirs(host + "/bundle")
+json.dump(spec, open(host + "/bundle/config.json", "w"))
+t = time.monotonic()
+subprocess.run(runc + ["restore", "--detach", *p["flags"], "--image-path", work + "/back",
+                       "--work-path", work + "/back", "--bundle", work + "/bundle", p["id"] + "-raw"],
+               check=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+out["restore"] = time.monotonic() - t
+subprocess.run(runc + ["delete", "--force", p["id"] + "-raw"], capture_output=True)
+shutil.rmtree(host, ignore_errors=True)
+print(json.dumps(out))
+"""
+
+
+def write_mem(mib: int, rate: float, *, device: bool) -> list[str]:
+    args = f"-f /tmp/stop -d {mib} -r {rate:g}" + ("" if device else " -n")
+    return ["sh", "-c", f"write_mem {args}; echo big-done $?; exec sleep 1000000"]
+
+
+def big_pod(mib: int, rate: float) -> dict[str, Any]:
+    pod = pods.rdma_pod("big", "node-1", write_mem(mib, rate, device=True), APPS_IMAGE, labels=LABELS)
+    pod["spec"]["hostNetwork"] = False
+    pod["spec"]["runtimeClassName"] = "ibckpt"
+    return pod
+
+
+def plain_pod(mib: int, rate: float) -> dict[str, Any]:
+    pod = pods.rdma_pod("plain", "node-1", write_mem(mib, rate, device=False), APPS_IMAGE, host_network=False)
+    pod["spec"]["runtimeClassName"] = "ibckpt"
+    pod["spec"]["containers"][0].pop("resources")  # no RDMA device: no shim, CRIU dumps it raw
+    return pod
+
+
+def wait_log(cluster: Cluster, pod: str, word: str, timeout: float = 600) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        out = cluster.kubectl("logs", "-n", NS, pod, check=False).stdout
+        if word in out:
+            return out
+        time.sleep(2)
+    raise SystemExit(f"{pod} did not print {word} in {timeout:g}s: {cluster.diagnose()[-3000:]}")
+
+
+def job(name: str, mode: str, pre_dump: bool = False) -> dict[str, Any]:
+    body = ring.checkpoint_job(name, mode)
+    body["spec"]["selector"] = {"matchLabels": LABELS}
+    body["spec"]["timeouts"].update({"dumpSeconds": 1800, "uploadSeconds": 3600})
+    if pre_dump:
+        body["spec"]["preDump"] = True
+    return body
+
+
+def ibckpt_side(cluster: Cluster, mib: int, rate: float) -> dict[str, Any]:
+    pods.apply(cluster, NS, big_pod(mib, rate))
+    pods.wait_pod(cluster, NS, "big", {"Running"})
+    wait_log(cluster, "big", "READY")
+    out: dict[str, Any] = {}
+
+    pods.apply(cluster, NS, job(f"lr-{mib}", "LeaveRunning", pre_dump=True))
+    spent, done = follow_phases(cluster, "checkpointjob", f"lr-{mib}", timeout=3600, namespace=NS)
+    row = next(r for r in done["status"]["pods"] if r["name"] == "big")
+    out["freeze"] = float(row["frozenSeconds"])
+    timings = done["status"].get("timings") or {}
+    out["pre_dump"] = float(timings.get("preDumpSeconds") or 0.0)
+    out["lr_total"] = ring.seconds(done)
+
+    pods.apply(cluster, NS, job(f"stop-{mib}", "Stop"))
+    spent, done = follow_phases(cluster, "checkpointjob", f"stop-{mib}", timeout=3600, namespace=NS)
+    out["stop"] = ring.seconds(done)
+    out["stop_stages"] = stages(spent, CHECKPOINT_STAGES)
+    row = next(r for r in done["status"]["pods"] if r["name"] == "big")
+    out["bytes"] = int(row.get("bytes") or 0)
+    checkpoint = done["status"]["checkpointName"]
+
+    cluster.kubectl("delete", "pod", "-n", NS, "big", "--timeout=180s", timeout=200)
+    pods.apply(cluster, NS, ring.restore_job(f"back-{mib}", checkpoint))
+    spent, done = follow_phases(cluster, "restorejob", f"back-{mib}", timeout=3600, namespace=NS)
+    out["restore"] = ring.seconds(done)
+    out["restore_stages"] = stages(spent, RESTORE_STAGES)
+    node = pods.get(cluster, NS, "pod", "big")["spec"]["nodeName"]
+    cluster.kubectl("exec", "-n", NS, "big", "--", "touch", "/tmp/stop")
+    log = wait_log(cluster, "big", "big-done")
+    if "CHECK ok" not in log:
+        raise SystemExit(f"the restored rank's region is wrong:\n{log[-2000:]}")
+    print(f"{mib} MiB: restored on {node}; {log.strip().splitlines()[-2]}")
+    cluster.kubectl("delete", "pod", "-n", NS, "big", "--wait=false", check=False)
+    return out
+
+
+def raw_side(cluster: Cluster, release: Release, s3: S3Server, mib: int, rate: float) -> dict[str, Any]:
+    cluster.kubectl("delete", "pod", "-n", NS, "plain", "--timeout=120s", check=False, timeout=150)
+    pods.apply(cluster, NS, plain_pod(mib, rate))
+    body = pods.wait_pod(cluster, NS, "plain", {"Running"})
+    wait_log(cluster, "plain", "READY")
+    time.sleep(5)  # as long again as the write loop has run on the ibckpt side before its first cut, roughly
+    container_id = body["status"]["containerStatuses"][0]["containerID"].split("://", 1)[1]
+    agent = next(p for p in release.agent_pods() if p["spec"]["nodeName"] == "node-1")
+    params = {
+        "runc": "runc", "root": RUNC_ROOT, "id": container_id, "bundle": f"{BUNDLES}/{container_id}",
+        "flags": FLAGS, "work": f"/var/lib/ibckpt/bench-large-{secrets.token_hex(3)}",
+        "endpoint": ring.storage(s3.endpoint, BUCKET)["spec"]["endpoint"], "bucket": BUCKET,
+        "key": s3.access_key, "secret": s3.secret_key,
+    }  # fmt: skip
+    proc = cluster.kubectl(
+        "exec", "-i", "-n", release.namespace, agent["metadata"]["name"], "--",
+        "/opt/ibckpt/venv/bin/python", "-c", RAW, stdin=json.dumps(params) + "\n", timeout=3600,
+    )  # fmt: skip
+    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    cluster.kubectl("delete", "pod", "-n", NS, "plain", "--wait=false", check=False)
+    return result
+
+
+def report(mib: int, rate: float, ours: dict[str, Any], raw: dict[str, Any]) -> None:
+    def line(name: str, a: float, b: float | None) -> None:
+        ratio = f"{a / b:8.2f}x" if b else f"{'-':>9}"
+        print(f"  {name:<34}{a:10.1f}{(b if b is not None else float('nan')):10.1f}{ratio}")
+
+    mb = ours["bytes"] / 1e6
+    print(
+        f"\n{mib} MiB at {rate:g}%/s: ibckpt stored {mb:.0f} MB for the pod; "
+        f"raw images {raw['dump_bytes'] / 1e6:.0f} MB"
+    )
+    print(f"  {'':<34}{'ibckpt s':>10}{'raw s':>10}{'ratio':>9}")
+    line("freeze (LeaveRunning, pre-dumped)", ours["freeze"], raw["freeze"])
+    line("  its pre-dump, while running", ours["pre_dump"], None)
+    line("  the whole LeaveRunning job", ours["lr_total"], None)
+    line("stop: apply to committed", ours["stop"], raw["dump"] + raw["upload"])
+    for stage, seconds in ours["stop_stages"].items():
+        line(f"  {stage}", seconds, {"dump": raw["dump"], "upload": raw["upload"]}.get(stage))
+    line("restore: apply to running", ours["restore"], raw["download"] + raw["restore"])
+    for stage, seconds in ours["restore_stages"].items():
+        line(f"  {stage}", seconds, {"download": raw["download"], "restore": raw["restore"]}.get(stage))
+    up = ours["stop_stages"].get("upload") or 0.0
+    if up:
+        print(
+            f"  upload rate: ibckpt {mb / up:.1f} MB/s, "
+            f"raw boto3 {raw['dump_bytes'] / 1e6 / raw['upload']:.1f} MB/s"
+        )
+
+
+def run(cluster: Cluster, s3: S3Server, sizes: list[int], rate: float) -> None:
+    pods.namespace(cluster, ring.PRODUCT_NS)
+    storage_secret(cluster, ring.PRODUCT_NS, s3.access_key, s3.secret_key)
+    release = install(cluster, "ibckpt", ring.PRODUCT_NS)
+    release.operator_leading()
+    pods.namespace(cluster, NS)
+    storage_secret(cluster, NS, s3.access_key, s3.secret_key)
+    pods.apply(cluster, NS, ring.storage(s3.endpoint, BUCKET))
+    for mib in sizes:
+        ours = ibckpt_side(cluster, mib, rate)
+        raw = raw_side(cluster, release, s3, mib, rate)
+        print(json.dumps({"mib": mib, "rate": rate, "ibckpt": ours, "raw": raw}))
+        report(mib, rate, ours, raw)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mib", type=int, nargs="+", default=[64, 512])
+    parser.add_argument(
+        "--rate", type=float, default=5.0, help="percent of the buffer's pages rewritten per second"
+    )
+    args = parser.parse_args()
+    on_cluster(BUCKET, lambda cluster, s3: run(cluster, s3, args.mib, args.rate))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
