@@ -18,8 +18,9 @@ the same image and RuntimeClass without a device runs `write_mem -n` (the same b
 verbs, so CRIU dumps it without ibckpt):
   freeze   `runc checkpoint --leave-running`, whole (with no pre-dump CRIU keeps the process frozen until
            its pages are written; the runc and CRIU start are counted too, in ibckpt's favour);
-  stop     `runc checkpoint` + a boto3 upload (multipart, the client's defaults) of its image files;
-  restore  their boto3 download + `runc restore --detach`.
+  stop     that dump + a boto3 upload (multipart, the client's defaults) of its image files (a dump
+           that kills the container costs the same, and its rootfs would be gone for the restore);
+  restore  their boto3 download + `runc restore --detach` as a second container of the same bundle.
 Goals (issue 31): freeze <= 0.3x at 5%/s, stop <= 1.0x, restore <= 1.0x.
 """
 
@@ -67,17 +68,12 @@ runc = ["nsenter", "--target", "1", "--mount", "--", p["runc"], "--root", p["roo
 work = p["work"]
 host = "/proc/1/root" + work  # the same directory, as this pod sees the node's
 shutil.rmtree(host, ignore_errors=True)
-os.makedirs(host + "/lr")
 os.makedirs(host + "/img")
 out = {}
-def checkpoint(into, *extra):
-    t = time.monotonic()
-    subprocess.run(runc + ["checkpoint", *extra, *p["flags"], "--image-path", work + "/" + into,
-                           "--work-path", work + "/" + into, p["id"]], check=True, capture_output=True)
-    return time.monotonic() - t
-out["freeze"] = checkpoint("lr", "--leave-running")
-shutil.rmtree(host + "/lr")
-out["dump"] = checkpoint("img")
+t = time.monotonic()
+subprocess.run(runc + ["checkpoint", "--leave-running", *p["flags"], "--image-path", work + "/img",
+                       "--work-path", work + "/img", p["id"]], check=True, capture_output=True)
+out["freeze"] = out["dump"] = time.monotonic() - t
 files = sorted(f.name for f in os.scandir(host + "/img") if f.is_file())
 out["dump_bytes"] = sum(os.path.getsize(host + "/img/" + f) for f in files)
 s3 = boto3.client("s3", endpoint_url=p["endpoint"], aws_access_key_id=p["key"],
@@ -92,6 +88,7 @@ t = time.monotonic()
 for f in files:
     s3.download_file(p["bucket"], "raw/" + f, host + "/back/" + f, Config=config)
 out["download"] = time.monotonic() - t
+# a second container of the same bundle (the first still runs, so its rootfs is there)
 spec = json.load(open("/proc/1/root" + p["bundle"] + "/config.json"))
 spec["root"]["path"] = p["bundle"] + "/rootfs"
 spec["linux"]["cgroupsPath"] = spec["linux"].get("cgroupsPath", "") + "-raw"
@@ -244,8 +241,9 @@ def run(cluster: Cluster, s3: S3Server, sizes: list[int], rate: float) -> None:
     pods.apply(cluster, NS, ring.storage(s3.endpoint, BUCKET))
     for mib in sizes:
         ours = ibckpt_side(cluster, mib, rate)
+        print(json.dumps({"mib": mib, "rate": rate, "ibckpt": ours}), flush=True)
         raw = raw_side(cluster, release, s3, mib, rate)
-        print(json.dumps({"mib": mib, "rate": rate, "ibckpt": ours, "raw": raw}))
+        print(json.dumps({"mib": mib, "rate": rate, "raw": raw}), flush=True)
         report(mib, rate, ours, raw)
 
 
