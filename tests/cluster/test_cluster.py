@@ -70,10 +70,10 @@ def test_kubectl_exec_into_an_unprivileged_rdma_pod(cluster: Cluster, ns: str) -
     out = cluster.kubectl("exec", "-n", ns, "shell", "--", "sh", "-c", script).stdout
     lines = out.split()
     assert lines[0] == "shell", out  # a pod-network pod has its own UTS namespace
-    assert "rxe0" in out, out
-    # the plugin's allocation: the node's uverbs node (and rdma_cm where the node loads rdma_ucm)
+    assert "rxe0" in out and "rxe1" in out, out
+    # the plugin's allocation: the node's two uverbs nodes (and rdma_cm where the node loads rdma_ucm)
     given = set(out.split("devices:", 1)[1].split("\n", 1)[0].split())
-    assert given in ({"uverbs0"}, {"rdma_cm", "uverbs0"}), out
+    assert given - {"rdma_cm"} == {"uverbs0", "uverbs1"}, out
     cap_eff = int(out.rsplit("CapEff:", 1)[1].split()[0], 16)
     assert not cap_eff & (1 << 21), f"CAP_SYS_ADMIN in {cap_eff:x}"  # unprivileged
     assert cap_eff & (1 << 14), f"no CAP_IPC_LOCK in {cap_eff:x}"

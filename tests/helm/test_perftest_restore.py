@@ -6,7 +6,10 @@ was lost across the restore. Here the server (perf-0, node-1) and the client (pe
 hostNetwork pods of the `ibckpt` class, their devices from the device plugin, as a user runs perftest.
 Every pod holds four verbs processes and every node two pods (tests/testbed/sibling_ids.py): perftest
 and three many_qps in each perf pod, four many_qps in each ids pod. Eight processes per node, one job,
-whose virtual QP numbers must stay apart from their siblings' over the cycles.
+whose virtual QP numbers must stay apart from their siblings' over the cycles. Each node has two HCAs
+(rxe0, rxe1, each on a link of its own) and each pod is given both by the plugin: perftest writes over
+rxe1 while many_qps holds its QPs on rxe0, so every perf pod is checkpointed and moved with two devices
+in use, and its RDMA traffic over the second one is restored on the other node's second one (issue 30).
 
 1. A LeaveRunning CheckpointJob checkpoints all four pods where they run (queue pairs released and rebuilt
    in place; the same processes go on). Every many_qps process then makes new QPs.
@@ -23,6 +26,7 @@ node agents alone; it is the cluster form of the two-guest sibling check in test
 
 from __future__ import annotations
 
+import re
 import time
 from datetime import datetime
 from typing import Any
@@ -49,7 +53,8 @@ LABELS = {"app": "perf"}
 PODS = {"perf-0": "node-1", "ids-0": "node-1", "perf-1": "node-2", "ids-1": "node-2"}
 SOURCES = {node: tuple(name for name, on in PODS.items() if on == node) for node in set(PODS.values())}
 MANY_QPS = {"perf-0": 3, "perf-1": 3, "ids-0": 4, "ids-1": 4}  # beside perftest in the perf pods
-PERFTEST = f"ib_write_bw -d rxe0 -x 1 -F -s 1024 -D {DURATION} -p 18515"
+# the nodes' second HCA, on a link of its own (10.78.0.N); many_qps opens the first one, rxe0
+PERFTEST = f"ib_write_bw -d rxe1 -x 1 -F -s 1024 -D {DURATION} -p 18515"
 SLACK = 90.0  # on emulated nodes: the pods' starts, the restore's last steps, the report
 
 
@@ -154,6 +159,8 @@ def test_ib_write_bw_with_a_duration_restored_on_the_other_nodes_ends_on_time(
     server = cluster.kubectl("logs", "-n", job_ns, "perf-0").stdout
     assert "perftest-exit 0" in client and "BW average" in client, client[-3000:]
     assert "perftest-exit 0" in server, server[-3000:]
+    for log in (client, server):  # perftest's header names the device it opened before the moves
+        assert re.search(r"Device\s*:\s*rxe1\b", log), log[:2000]
     # on time: it wrote for DURATION seconds, before the cut and after the restore
     ran = (cut - began) + (ended - back)
     print(f"perftest -D {DURATION}: ran {ran:.0f}s ({cut - began:.0f}s before the cut, "

@@ -5,8 +5,10 @@ apiserver reaches kubelets through) runs on the host's 127.0.0.1. Each of the tw
 guests runs containerd, runc, CNI and a kubelet with a node identity of its own (a client cert
 for system:node:node-N, as kubeadm gives them), joins the apiserver at 10.0.2.100 (qemu's
 forward) and registers as node-1 / node-2 with an RDMA label. Pods with /dev/infiniband on the
-two nodes talk RDMA over the guests' private link (rxe0, 10.77.0.N). Pods get the RDMA devices as
-on real clusters, from a device plugin (devices.py) that every node runs once it is Ready.
+two nodes talk RDMA over the guests' private link (rxe0, 10.77.0.N), and over a second link of their
+own for the second HCA (rxe1, 10.78.0.N): two HCAs per node, as multi-rail nodes have. Pods get the
+RDMA devices as on real clusters, from a device plugin (devices.py) that every node runs once it is
+Ready.
 
 CLI (for a person at the keyboard): python -m testbed.cluster up
     prints a kubeconfig path, keeps the cluster until Ctrl-C.
@@ -311,10 +313,12 @@ def start_cluster(
     memory_mb: int = 3072,
     cpus: int = 2,
     echo: bool = False,
+    devices: int = 2,
 ) -> Cluster:
     """Control plane on the host, two node guests; returns once both nodes are Ready.
 
     forward_ports: host services (S3, ...) that pods and nodes reach at 10.0.2.100:<port>.
+    devices: HCAs per node: rxe0 on the nodes' link, and with 2 rxe1 on a second link of its own.
     The nodes' containerd starts with a stock configuration: the chart's agents add the ibckpt handler.
     """
     root = Path(workdir or tempfile.mkdtemp(prefix="ibckpt-cluster-"))
@@ -335,6 +339,7 @@ def start_cluster(
                 command=f"bash {HERE / 'node-init.sh'} {node_dirs[n]}",
                 cpus=cpus,
                 memory_mb=memory_mb,
+                devices=devices,
                 writable=[node_dirs[n]],
                 forward_ports=[api_port, *forward_ports],
                 host_forwards=[

@@ -2,7 +2,7 @@
 # Stage 2, PID 1 in the host tree (overlay): mount the writable host dirs,
 # bring up Soft-RoCE, run the job's command and power off.
 # Kernel command line: ibckpt.job=DIR ibckpt.rw=TAG:PATH,... ibckpt.node=N ibckpt.link=0|1
-# ibckpt.devices=1|2 (2: a second Soft-RoCE device, rxe1, on a dummy netdev of its own)
+# ibckpt.devices=1|2 (2: a second Soft-RoCE device, rxe1, on a second link NIC or a dummy netdev)
 export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 mount -t proc proc /proc
 mount -t sysfs sys /sys
@@ -57,14 +57,20 @@ for _ in $(seq 100); do
   sleep 0.05
 done
 [[ -e /dev/infiniband/uverbs0 ]] || fail "no /dev/infiniband/uverbs0"
-# Opt-in: a second HCA (multi-rail), rxe1 on a dummy netdev and subnet of its own, in either
-# mode. tests/native/test_devices_guest.py runs this function in a guest booted without it.
+# Opt-in: a second HCA (multi-rail), rxe1 on a subnet of its own: on the second link NIC
+# (52:54:00:78:00:0N) when the guest has one (the cluster's nodes), else on a dummy netdev.
+# tests/native/test_devices_guest.py runs this function in a guest booted without it.
 second_device() {
-  modprobe dummy numdummies=0
-  ip link add roce1 type dummy || return 1
-  ip addr add "10.78.0.$1/24" dev roce1
-  ip link set roce1 mtu 1500 up
-  rdma link add rxe1 type rxe netdev roce1 || return 1
+  local nic
+  nic=$(nic_by_mac "52:54:00:78:00:0$1")
+  if [[ -z $nic ]]; then
+    modprobe dummy numdummies=0
+    ip link add roce1 type dummy || return 1
+    nic=roce1
+  fi
+  ip addr add "10.78.0.$1/24" dev "$nic"
+  ip link set "$nic" mtu 1500 up
+  rdma link add rxe1 type rxe netdev "$nic" || return 1
   local v
   for _ in $(seq 100); do # until its uverbs node is there to open
     for v in /sys/class/infiniband_verbs/uverbs*; do
@@ -80,6 +86,9 @@ fi
 if [[ $link == 1 ]]; then
   peer=10.77.0.$((3 - node))
   for _ in $(seq 200); do ping -c1 -W1 "$peer" >/dev/null 2>&1 && break; done
+  if [[ $devices == 2 && -n $(nic_by_mac "52:54:00:78:00:0$node") ]]; then
+    for _ in $(seq 200); do ping -c1 -W1 "10.78.0.$((3 - node))" >/dev/null 2>&1 && break; done
+  fi
 fi
 
 export IBCKPT_GUEST=1 IBCKPT_NODE=$node HOME=/root

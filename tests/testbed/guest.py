@@ -135,8 +135,9 @@ class GuestSpec:
     cwd: Path = REPO
     # (host loopback port, guest port) pairs: qemu forwards 127.0.0.1:host to the guest's user NIC.
     host_forwards: Sequence[tuple[int, int]] = ()
-    # Soft-RoCE devices: 2 adds rxe1 on a dummy netdev of its own (10.78.0.<node>), for several HCAs
-    # per process (tests/native/test_devices_guest.py); the one `guest` run of a session keeps 1.
+    # Soft-RoCE devices: 2 adds rxe1 (10.78.0.<node>), for several HCAs per process: on a second link
+    # between the cluster's nodes (GuestPair), else on a dummy netdev of its own
+    # (tests/native/test_devices_guest.py); the one `guest` run of a session keeps 1.
     devices: int = 1
 
 
@@ -148,7 +149,9 @@ class GuestResult:
     seconds: float
 
 
-def _qemu_args(spec: GuestSpec, job: Path, link_netdev: str | None) -> list[str]:
+def _qemu_args(
+    spec: GuestSpec, job: Path, link_netdev: str | None, link2_netdev: str | None = None
+) -> list[str]:
     k = kernel()
     writable = [job, REPO, *spec.writable]
     rw_args: list[str] = []
@@ -231,6 +234,13 @@ def _qemu_args(spec: GuestSpec, job: Path, link_netdev: str | None) -> list[str]
         ]
         # A monitor to read the link NIC's virtqueues when its transmit queue stalls.
         args[args.index("-monitor") + 1] = f"unix:{job / 'monitor.sock'},server=on,wait=off"
+    if link2_netdev is not None:  # the second HCA's own link (rxe1), told apart by its MAC
+        args += [
+            "-netdev",
+            f"{link2_netdev},id=link2",
+            "-device",
+            f"virtio-net-pci,netdev=link2,mac=52:54:00:78:00:0{spec.node}",
+        ]
     return args
 
 
@@ -245,7 +255,9 @@ def _prepare_job(spec: GuestSpec, root: Path) -> Path:
 
 
 class _Guest:
-    def __init__(self, spec: GuestSpec, root: Path, link: str | None, echo: bool) -> None:
+    def __init__(
+        self, spec: GuestSpec, root: Path, link: str | None, echo: bool, link2: str | None = None
+    ) -> None:
         self.spec = spec
         self.job = _prepare_job(spec, root)
         self.echo = echo
@@ -253,7 +265,7 @@ class _Guest:
         self.stall_line: str | None = None
         self.started = time.monotonic()
         self.proc = subprocess.Popen(
-            _qemu_args(spec, self.job, link),
+            _qemu_args(spec, self.job, link, link2),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -425,11 +437,16 @@ def run_pair(
         return result_a, result_b
 
 
+def _stream(sock: Path, server: bool) -> str:
+    return f"stream,server={'on' if server else 'off'},addr.type=unix,addr.path={sock}"
+
+
 class GuestPair:
     """Two linked guests that run until stopped (the cluster's nodes), not until a command ends.
 
     node-2 listens on the link and node-1 connects: qemu's stream server takes a new connection once its
-    client is gone, so node-1 can be killed hard and replaced by a fresh guest (`replace`)."""
+    client is gone, so node-1 can be killed hard and replaced by a fresh guest (`replace`). With
+    `devices=2` the guests get a second link the same way, for rxe1 (several HCAs per node)."""
 
     def __init__(self, spec_a: GuestSpec, spec_b: GuestSpec, echo: bool = False) -> None:
         self.root = Path(tempfile.mkdtemp(prefix="ibckpt-pair-"))
@@ -437,6 +454,7 @@ class GuestPair:
         spec_a = dataclasses.replace(spec_a, node=1, link=True)
         spec_b = dataclasses.replace(spec_b, node=2, link=True)
         self.sock = self.root / "link.sock"
+        self.sock2 = self.root / "link2.sock" if spec_a.devices == 2 else None
         self.guests: list[_Guest] = []
         self.boots = 0
         try:
@@ -450,16 +468,23 @@ class GuestPair:
         root = self.root / f"boot{self.boots}"
         root.mkdir()
         self.sock.unlink(missing_ok=True)
-        b = _Guest(spec_b, root, f"stream,server=on,addr.type=unix,addr.path={self.sock}", self.echo)
+        link2 = None
+        if self.sock2 is not None:
+            self.sock2.unlink(missing_ok=True)
+            link2 = _stream(self.sock2, server=True)
+        b = _Guest(spec_b, root, _stream(self.sock, server=True), self.echo, link2)
         self.guests = [b]
-        _wait_for_socket(self.sock, b, time.monotonic() + LINK_LISTEN_S)
+        for sock in (self.sock, self.sock2):
+            if sock is not None:
+                _wait_for_socket(sock, b, time.monotonic() + LINK_LISTEN_S)
         self.guests.insert(0, self._connect(spec_a))  # guests[i] is node-(i+1)
 
     def _connect(self, spec: GuestSpec) -> _Guest:
         self.boots += 1
         root = self.root / f"boot{self.boots}"  # a fresh job dir for each guest started
         root.mkdir()
-        return _Guest(spec, root, f"stream,server=off,addr.type=unix,addr.path={self.sock}", self.echo)
+        link2 = _stream(self.sock2, server=False) if self.sock2 is not None else None
+        return _Guest(spec, root, _stream(self.sock, server=False), self.echo, link2)
 
     def kill(self, node: int) -> None:
         """Kill a node's qemu at once: no shutdown inside the guest, as a host that loses power."""
