@@ -18,8 +18,9 @@ the same image and RuntimeClass without a device runs `write_mem -n` (the same b
 verbs, so CRIU dumps it without ibckpt):
   freeze   `runc checkpoint --leave-running`, whole (with no pre-dump CRIU keeps the process frozen until
            its pages are written; the runc and CRIU start are counted too, in ibckpt's favour);
-  stop     that dump + a boto3 upload (multipart, the client's defaults) of its image files (a dump
-           that kills the container costs the same, and its rootfs would be gone for the restore);
+  stop     that dump + a boto3 upload (multipart, the client's defaults) of as many random bytes as
+           ibckpt stored for the pod (bench/pod_vs_raw.py's raw side; a dump that kills the container
+           costs the same, and would leave no rootfs for the restore);
   restore  their boto3 download + `runc restore --detach` as a second container of the same bundle.
 Goals (issue 31): freeze <= 0.3x at 5%/s, stop <= 1.0x, restore <= 1.0x.
 """
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import secrets
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -37,13 +38,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from pod_vs_raw import (  # bench/, the script's own directory
-    BUNDLES,
     CHECKPOINT_STAGES,
-    FLAGS,
     RESTORE_STAGES,
-    RUNC_ROOT,
     follow_phases,
     on_cluster,
+    raw_run,
     stages,
 )
 
@@ -57,53 +56,6 @@ NS = "bench"
 BUCKET = "bench-large-pod"
 LABELS = {"app": "big"}
 
-# Runs in node-1's agent pod (its Python has boto3): parameters as one JSON line on stdin, one JSON line of
-# seconds and bytes out. Nothing of the credentials is printed.
-RAW = r"""
-import json, os, shutil, subprocess, sys, time
-import boto3
-from boto3.s3.transfer import TransferConfig
-p = json.loads(sys.stdin.readline())
-runc = ["nsenter", "--target", "1", "--mount", "--", p["runc"], "--root", p["root"]]
-work = p["work"]
-host = "/proc/1/root" + work  # the same directory, as this pod sees the node's
-shutil.rmtree(host, ignore_errors=True)
-os.makedirs(host + "/img")
-out = {}
-t = time.monotonic()
-subprocess.run(runc + ["checkpoint", "--leave-running", *p["flags"], "--image-path", work + "/img",
-                       "--work-path", work + "/img", p["id"]], check=True, capture_output=True)
-out["freeze"] = out["dump"] = time.monotonic() - t
-files = sorted(f.name for f in os.scandir(host + "/img") if f.is_file())
-out["dump_bytes"] = sum(os.path.getsize(host + "/img/" + f) for f in files)
-s3 = boto3.client("s3", endpoint_url=p["endpoint"], aws_access_key_id=p["key"],
-                  aws_secret_access_key=p["secret"], region_name="us-east-1")
-config = TransferConfig()
-t = time.monotonic()
-for f in files:
-    s3.upload_file(host + "/img/" + f, p["bucket"], "raw/" + f, Config=config)
-out["upload"] = time.monotonic() - t
-os.makedirs(host + "/back")
-t = time.monotonic()
-for f in files:
-    s3.download_file(p["bucket"], "raw/" + f, host + "/back/" + f, Config=config)
-out["download"] = time.monotonic() - t
-# a second container of the same bundle (the first still runs, so its rootfs is there)
-spec = json.load(open("/proc/1/root" + p["bundle"] + "/config.json"))
-spec["root"]["path"] = p["bundle"] + "/rootfs"
-spec["linux"]["cgroupsPath"] = spec["linux"].get("cgroupsPath", "") + "-raw"
-os.makedirs(host + "/bundle")
-json.dump(spec, open(host + "/bundle/config.json", "w"))
-t = time.monotonic()
-subprocess.run(runc + ["restore", "--detach", *p["flags"], "--image-path", work + "/back",
-                       "--work-path", work + "/back", "--bundle", work + "/bundle", p["id"] + "-raw"],
-               check=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-out["restore"] = time.monotonic() - t
-subprocess.run(runc + ["delete", "--force", p["id"] + "-raw"], capture_output=True)
-shutil.rmtree(host, ignore_errors=True)
-print(json.dumps(out))
-"""
-
 
 def write_mem(mib: int, rate: float, *, device: bool) -> list[str]:
     args = f"-f /tmp/stop -d {mib} -r {rate:g}" + ("" if device else " -n")
@@ -114,13 +66,6 @@ def big_pod(mib: int, rate: float) -> dict[str, Any]:
     pod = pods.rdma_pod("big", "node-1", write_mem(mib, rate, device=True), APPS_IMAGE, labels=LABELS)
     pod["spec"]["hostNetwork"] = False
     pod["spec"]["runtimeClassName"] = "ibckpt"
-    return pod
-
-
-def plain_pod(mib: int, rate: float) -> dict[str, Any]:
-    pod = pods.rdma_pod("plain", "node-1", write_mem(mib, rate, device=False), APPS_IMAGE, host_network=False)
-    pod["spec"]["runtimeClassName"] = "ibckpt"
-    pod["spec"]["containers"][0].pop("resources")  # no RDMA device: no shim, CRIU dumps it raw
     return pod
 
 
@@ -180,27 +125,18 @@ def ibckpt_side(cluster: Cluster, mib: int, rate: float) -> dict[str, Any]:
     return out
 
 
-def raw_side(cluster: Cluster, release: Release, s3: S3Server, mib: int, rate: float) -> dict[str, Any]:
+def raw_side(cluster: Cluster, release: Release, s3: S3Server, mib: int, rate: float, payload: int) -> Any:
+    """pod_vs_raw's raw side on `write_mem -n`: its leave-running dump, `payload` bytes to S3 and back, and
+    its restore as a second container."""
     cluster.kubectl("delete", "pod", "-n", NS, "plain", "--timeout=120s", check=False, timeout=150)
-    pods.apply(cluster, NS, plain_pod(mib, rate))
-    body = pods.wait_pod(cluster, NS, "plain", {"Running"})
-    wait_log(cluster, "plain", "READY")
-    time.sleep(5)  # as long again as the write loop has run on the ibckpt side before its first cut, roughly
-    container_id = body["status"]["containerStatuses"][0]["containerID"].split("://", 1)[1]
-    agent = next(p for p in release.agent_pods() if p["spec"]["nodeName"] == "node-1")
-    params = {
-        "runc": "runc", "root": RUNC_ROOT, "id": container_id, "bundle": f"{BUNDLES}/{container_id}",
-        "flags": FLAGS, "work": f"/var/lib/ibckpt/bench-large-{secrets.token_hex(3)}",
-        "endpoint": ring.storage(s3.endpoint, BUCKET)["spec"]["endpoint"], "bucket": BUCKET,
-        "key": s3.access_key, "secret": s3.secret_key,
-    }  # fmt: skip
-    proc = cluster.kubectl(
-        "exec", "-i", "-n", release.namespace, agent["metadata"]["name"], "--",
-        "/opt/ibckpt/venv/bin/python", "-c", RAW, stdin=json.dumps(params) + "\n", timeout=3600,
-    )  # fmt: skip
-    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
-    cluster.kubectl("delete", "pod", "-n", NS, "plain", "--wait=false", check=False)
-    return result
+    command = " ".join(shlex.quote(a) for a in write_mem(mib, rate, device=False))
+
+    def ready() -> None:
+        wait_log(cluster, "plain", "READY")
+        time.sleep(5)  # its buffer dirtied for a while, as the ibckpt side's was before its cut
+
+    result = raw_run(cluster, release, s3, payload, command, ready, NS, BUCKET, timeout=3600)
+    return {**result, "freeze": result["dump"]}  # --leave-running: frozen until its pages are written
 
 
 def report(mib: int, rate: float, ours: dict[str, Any], raw: dict[str, Any]) -> None:
@@ -227,7 +163,7 @@ def report(mib: int, rate: float, ours: dict[str, Any], raw: dict[str, Any]) -> 
     if up:
         print(
             f"  upload rate: ibckpt {mb / up:.1f} MB/s, "
-            f"raw boto3 {raw['dump_bytes'] / 1e6 / raw['upload']:.1f} MB/s"
+            f"raw boto3 {mb / raw['upload']:.1f} MB/s (the same bytes)"
         )
 
 
@@ -242,7 +178,7 @@ def run(cluster: Cluster, s3: S3Server, sizes: list[int], rate: float) -> None:
     for mib in sizes:
         ours = ibckpt_side(cluster, mib, rate)
         print(json.dumps({"mib": mib, "rate": rate, "ibckpt": ours}), flush=True)
-        raw = raw_side(cluster, release, s3, mib, rate)
+        raw = raw_side(cluster, release, s3, mib, rate, max(ours["bytes"], 1))
         print(json.dumps({"mib": mib, "rate": rate, "raw": raw}), flush=True)
         report(mib, rate, ours, raw)
 

@@ -132,26 +132,40 @@ def stages(spent: dict[str, float], groups: dict[str, tuple[str, ...]]) -> dict[
     return {stage: sum(spent.get(p, 0.0) for p in phases) for stage, phases in groups.items()}
 
 
-def raw_run(cluster: Cluster, release: Release, s3: S3Server, payload: int) -> dict[str, float]:
-    plain = pods.rdma_pod("plain", "node-1", ["sh", "-c", PLAIN], APPS_IMAGE, host_network=False)
+def raw_run(
+    cluster: Cluster,
+    release: Release,
+    s3: S3Server,
+    payload: int,
+    command: str = PLAIN,
+    ready: Callable[[], object] | None = None,
+    namespace: str = NS,
+    bucket: str = BUCKET,
+    timeout: float = 900,
+) -> dict[str, float]:
+    """The raw side on node-1: pod `plain` (the image and RuntimeClass, no device) runs `command`; once it
+    runs and `ready()` returned, RAW in node-1's agent pod. Returns RAW's seconds and bytes."""
+    plain = pods.rdma_pod("plain", "node-1", ["sh", "-c", command], APPS_IMAGE, host_network=False)
     plain["spec"]["runtimeClassName"] = "ibckpt"
     plain["spec"]["containers"][0].pop("resources")  # no RDMA device from the plugin
-    pods.apply(cluster, NS, plain)
-    body = pods.wait_pod(cluster, NS, "plain", {"Running"})
+    pods.apply(cluster, namespace, plain)
+    body = pods.wait_pod(cluster, namespace, "plain", {"Running"})
+    if ready is not None:
+        ready()
     container_id = body["status"]["containerStatuses"][0]["containerID"].split("://", 1)[1]
     agent = next(p for p in release.agent_pods() if p["spec"]["nodeName"] == "node-1")
     params = {
         "runc": "runc", "root": RUNC_ROOT, "id": container_id, "bundle": f"{BUNDLES}/{container_id}",
         "flags": FLAGS, "work": f"/var/lib/ibckpt/bench-raw-{secrets.token_hex(3)}", "bytes": payload,
-        "endpoint": ring.storage(s3.endpoint, BUCKET)["spec"]["endpoint"], "bucket": BUCKET,
+        "endpoint": ring.storage(s3.endpoint, bucket)["spec"]["endpoint"], "bucket": bucket,
         "key": s3.access_key, "secret": s3.secret_key,
     }  # fmt: skip
     proc = cluster.kubectl(
         "exec", "-i", "-n", release.namespace, agent["metadata"]["name"], "--",
-        "/opt/ibckpt/venv/bin/python", "-c", RAW, stdin=json.dumps(params) + "\n", timeout=900,
+        "/opt/ibckpt/venv/bin/python", "-c", RAW, stdin=json.dumps(params) + "\n", timeout=timeout,
     )  # fmt: skip
     result: dict[str, float] = json.loads(proc.stdout.strip().splitlines()[-1])
-    cluster.kubectl("delete", "pod", "-n", NS, "plain", "--wait=false", check=False)
+    cluster.kubectl("delete", "pod", "-n", namespace, "plain", "--wait=false", check=False)
     return result
 
 
