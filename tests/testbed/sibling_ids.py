@@ -6,9 +6,10 @@ share that node's GIDs as their virtual ones, so a QP one makes after a rebuild 
 take a virtual QPN a sibling holds (docs/native-shim.md, "Virtual ids"). The test reads every process's
 own shim `status` from inside its pod (`kubectl exec`), as the control protocol allows the container's
 user (docs/wire-formats.md), and checks:
-  - no two processes of one source node hold one virtual QPN;
-  - each was told, before its rebuild, exactly its siblings' virtual QPNs (`reserved_qpns`, sent by the
-    node agent: runtime-hook/ibckpt_node/qpn_reserve.py);
+  - no two processes of one source node hold one virtual (GID, QPN): processes on different HCAs of one
+    node (the perftest story: rxe0 and rxe1) may hold one number, as they do natively;
+  - each was told, before its rebuild, exactly the virtual QPNs of its siblings that share a GID with
+    it (`reserved_qpns`, sent by the node agent: runtime-hook/ibckpt_node/qpn_reserve.py);
   - the QPs made after the rebuild keep their real QPN as their virtual one (peers reach them as they
     are), and none is a number a sibling holds.
 """
@@ -122,22 +123,33 @@ def held(status: Mapping[str, Any]) -> set[int]:
     return {int(q["qpn"]) for q in status["qps"]}
 
 
+def gids(status: Mapping[str, Any]) -> set[str]:
+    """The process's virtual GIDs (an all-zero one is an unset table entry): a QPN names a QP only
+    together with a GID, so two processes on different HCAs may both hold one number."""
+    return {g for g in status["gids"] if int(g, 16)}
+
+
 def assert_apart(group: str, before: Statuses, after: Statuses) -> int:
     """The processes of one source node (`before`: as they were rebuilt, `after`: with their new QPs):
-    told their siblings' QPNs, holding none of them, new QPs at their real numbers. Returns the count
-    of new QPs."""
+    none holds a (GID, QPN) another holds, each was told its siblings' QPNs (those sharing a GID with
+    it), new QPs at their real numbers. Returns the count of new QPs."""
     assert before and set(before) == set(after), (group, sorted(before), sorted(after))
-    owner: dict[int, str] = {}
+    owner: dict[tuple[str, int], str] = {}
     for key, status in after.items():
-        for q in held(status):
-            assert q not in owner, f"{group}: {owner[q]} and {key} both hold virtual QPN {q}"
-            owner[q] = key
+        for g in gids(status):
+            for q in held(status):
+                assert (g, q) not in owner, f"{group}: {owner[g, q]} and {key} both hold virtual QP {g}/{q}"
+                owner[g, q] = key
     made = 0
     for key, status in before.items():
-        theirs = sum(len(held(other)) for k, other in before.items() if k != key)
-        assert status["reserved_qpns"] == theirs, (group, key, status["reserved_qpns"], theirs)
+        theirs: set[int] = set()
+        for k, other in before.items():
+            if k != key and gids(other) & gids(status):
+                theirs |= held(other)
+        assert status["reserved_qpns"] == len(theirs), (group, key, status["reserved_qpns"], len(theirs))
         real = {int(q["qpn"]): int(q["real_qpn"]) for q in after[key]["qps"]}
         new = held(after[key]) - held(status)
         assert all(real[q] == q for q in new), (group, key, sorted(new), real)
+        assert not new & theirs, (group, key, sorted(new & theirs))
         made += len(new)
     return made
