@@ -13,7 +13,7 @@ import pytest
 
 from ibckpt.agentapi import AgentError, SessionKind, SessionReport, SessionState
 from ibckpt_operator import config as settings
-from ibckpt_operator.cluster.agents import Agent, AgentGateway, each_agent, follow_session
+from ibckpt_operator.cluster.agents import Agent, AgentGateway, agent_fate, each_agent, follow_session
 
 AGENT = Agent("node-a", "ibckpt-agent-x", "127.0.0.1", True)
 
@@ -167,3 +167,45 @@ def test_the_gateway_calls_up_to_its_bound_at_once_whatever_the_default_executor
     assert [o for o in outcomes if isinstance(o, str)] == [a.node for a in agents if a.node != "n3"]
     failed = [o for o in outcomes if isinstance(o, AgentError)]
     assert [str(f) for f in failed] == [str(AgentError(0, "agent n3: connection refused"))]
+
+
+def agent_pod(name: str, node: str, terminated: dict[str, Any] | None = None) -> dict[str, Any]:
+    status = {"name": "agent", "restartCount": 1 if terminated else 0, "lastState": {}}
+    if terminated:
+        status["lastState"] = {"terminated": terminated}
+    return {"metadata": {"name": name}, "spec": {"nodeName": node}, "status": {"containerStatuses": [status]}}
+
+
+def test_a_lost_session_names_the_oom_kill_that_restarted_the_agent() -> None:
+    began = time.time()
+    killed = {"reason": "OOMKilled", "exitCode": 137, "finishedAt": time.strftime("%Y-%m-%dT%H:%M:%SZ")}
+    pods = [agent_pod("ibckpt-agent-x", "node-a", killed), agent_pod("ibckpt-agent-y", "node-b")]
+
+    async def fate(since: float) -> str:
+        assert abs(since - began) < 5
+        return agent_fate(AGENT, pods, since - 1)
+
+    end = asyncio.run(follow_session(ScriptedGateway([None]), AGENT, "s1", lambda _: None, fate=fate))
+    assert end.reason == "AgentLostSession"
+    assert end.message == (
+        "node node-a: the agent no longer knows session s1; its pod ibckpt-agent-x restarted "
+        "(agent: OOMKilled, exit 137): raise the chart's agent.resources.limits.memory (docs/node-agent.md)"
+    )
+
+
+def test_an_agent_fate_tells_only_what_happened_since_the_session_began() -> None:
+    old = {"reason": "Error", "exitCode": 1, "finishedAt": "2026-01-01T00:00:00Z"}
+    assert agent_fate(AGENT, [agent_pod("ibckpt-agent-x", "node-a", old)], time.time()) == ""
+    assert agent_fate(AGENT, [agent_pod("ibckpt-agent-x", "node-a")], 0) == ""
+    replaced = [agent_pod("ibckpt-agent-z", "node-a"), agent_pod("ibckpt-agent-y", "node-b")]
+    assert agent_fate(AGENT, replaced, 0) == "; its pod ibckpt-agent-x is gone (now ibckpt-agent-z)"
+    assert agent_fate(AGENT, [], 0) == "; its pod ibckpt-agent-x is gone"
+
+
+def test_a_silent_agent_says_nothing_more_when_its_pod_tells_nothing() -> None:
+    async def fate(since: float) -> str:
+        return agent_fate(AGENT, [agent_pod("ibckpt-agent-x", "node-a")], since)
+
+    gateway = ScriptedGateway([AgentError(0, "timed out")])
+    end = asyncio.run(follow_session(gateway, AGENT, "s1", lambda _: None, fate=fate))
+    assert end.reason == "AgentUnreachable" and end.message.endswith("(timed out)"), end.message

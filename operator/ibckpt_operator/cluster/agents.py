@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import ssl
 import time
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import datetime
 from typing import TypeVar
 
 from ibckpt.agentapi import (
@@ -29,6 +31,8 @@ from ibckpt_operator.cluster.agenttokens import AgentTokens
 from ibckpt_operator.cluster.kube import Body, Kube
 from ibckpt_operator.cluster.pods import ready_condition
 from ibckpt_operator.config import current
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,42 @@ async def agents_once_ready(
             await on_wait(sorted(agents[n].pod for n in unready))
             told = True
         await asyncio.sleep(min(AGENT_READY_POLL_S, left))
+
+
+def agent_fate(agent: Agent, pods: Sequence[Body], since: float) -> str:
+    """What the agent pods say of why `agent` forgot a session or went silent after `since` (epoch
+    seconds): its container ended and restarted (an OOM kill names the limit to raise), or its pod is
+    gone. Empty when they tell nothing."""
+    mine = [p for p in pods if p.get("metadata", {}).get("name") == agent.pod]
+    if not mine:
+        now = [p["metadata"]["name"] for p in pods if p.get("spec", {}).get("nodeName") == agent.node]
+        return f"; its pod {agent.pod} is gone" + (f" (now {', '.join(sorted(now))})" if now else "")
+    for container in mine[0].get("status", {}).get("containerStatuses", []):
+        ended = (container.get("lastState") or {}).get("terminated") or {}
+        finished = ended.get("finishedAt") or ""
+        try:
+            when = datetime.fromisoformat(finished.replace("Z", "+00:00")).timestamp()
+        except ValueError:
+            continue
+        if when < since:
+            continue
+        reason = ended.get("reason") or "ended"
+        exit_code = ended.get("exitCode")
+        note = f"; its pod {agent.pod} restarted ({container.get('name')}: {reason}, exit {exit_code})"
+        if reason == "OOMKilled":
+            note += ": raise the chart's agent.resources.limits.memory (docs/node-agent.md)"
+        return note
+    return ""
+
+
+async def agent_fate_now(kube: Kube, agent: Agent, since: float) -> str:
+    """agent_fate from the agent pods as they are now; empty when they cannot be read."""
+    try:
+        pods = await kube.list_pods(current().namespace, current().agent_selector)
+    except Exception as exc:  # a note for a message: never the reason a failure is lost
+        log.debug("agent pods unreadable for %s: %s", agent.node, exc)
+        return ""
+    return agent_fate(agent, pods, since)
 
 
 def no_agent_message(pod: str, node: str, agent: Agent | None) -> str:
@@ -264,12 +304,19 @@ async def follow_session(
     session_id: str,
     absorb: Callable[[SessionReport], None],
     refused_reason: str = "PreflightRefused",
+    fate: Callable[[float], Awaitable[str]] | None = None,
 ) -> SessionEnd:
     """Read a node's session report until it ends, handing each running or successful one to `absorb`
     (a failed session's rank phases say nothing of success). Unanswered polls are retried: an agent
-    that is busy staging images may answer late; only silence for agent_unreachable_seconds fails."""
+    that is busy staging images may answer late; only silence for agent_unreachable_seconds fails.
+    When the agent is lost, `fate(since)` may say why (agent_fate_now)."""
     node = agent.node
     last_answer = time.monotonic()
+    began = time.time()
+
+    async def why() -> str:
+        return await fate(began) if fate is not None else ""
+
     while True:
         await asyncio.sleep(current().poll_seconds)
         try:
@@ -278,13 +325,17 @@ async def follow_session(
             silent = time.monotonic() - last_answer
             if silent > current().agent_unreachable_seconds:
                 return SessionEnd(
-                    None, "AgentUnreachable", f"node {node}: no answer for {silent:.0f}s ({error})"
+                    None,
+                    "AgentUnreachable",
+                    f"node {node}: no answer for {silent:.0f}s ({error}){await why()}",
                 )
             continue
         last_answer = time.monotonic()
         if report is None:
             return SessionEnd(
-                None, "AgentLostSession", f"node {node}: the agent no longer knows session {session_id}"
+                None,
+                "AgentLostSession",
+                f"node {node}: the agent no longer knows session {session_id}{await why()}",
             )
         if report.state in (SessionState.RUNNING, SessionState.SUCCEEDED):
             absorb(report)

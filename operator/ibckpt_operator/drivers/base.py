@@ -13,7 +13,7 @@ from ibckpt.api import ApiModel, Condition
 from ibckpt.store import CheckpointExistsError, StoreError
 from ibckpt_operator import metrics
 from ibckpt_operator.cluster import storage
-from ibckpt_operator.cluster.agents import agents_by_node
+from ibckpt_operator.cluster.agents import Agent, agent_fate_now, agents_by_node
 from ibckpt_operator.cluster.kube import Body, is_status
 from ibckpt_operator.config import current
 from ibckpt_operator.coordinator.session import Session as CoordinatorSession
@@ -169,6 +169,10 @@ class Driver(Generic[S]):
         sid, tokens = self.rt.coordinator.create_session(set(nodes), bound, session_id)
         self.session = Session(sid, tokens, nodes)
         return self.rt.coordinator.sessions[sid]
+
+    def fate(self, agent: Agent) -> Callable[[float], Awaitable[str]]:
+        """For follow_session: what the agent pods say when `agent` is lost (an OOM kill, a replaced pod)."""
+        return lambda since: agent_fate_now(self.rt.kube, agent, since)
 
     def phase_of(self, state: S) -> str:
         return str(getattr(state, "phase", ""))

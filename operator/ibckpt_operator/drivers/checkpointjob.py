@@ -383,7 +383,9 @@ class CheckpointJobDriver(CheckpointStoreDriver):
     async def poll(self, node: str, agent: Agent, attempt: str) -> None:
         """Follow the node's session report until it ends: rank progress, bytes, and failures."""
         assert self.session is not None
-        end = await follow_session(self.rt.gateway, agent, self.session.id, self.absorb)
+        end = await follow_session(
+            self.rt.gateway, agent, self.session.id, self.absorb, fate=self.fate(agent)
+        )
         if end.reason:
             self.fail_current(end.reason, end.message)
 
@@ -469,7 +471,9 @@ class CheckpointJobDriver(CheckpointStoreDriver):
                 return failed("AgentUnreachable", f"node {node}: {error}")
             if report is None or report.state.finished:
                 break
-            end = await follow_session(self.rt.gateway, agent, session_id, lambda _: None)
+            end = await follow_session(
+                self.rt.gateway, agent, session_id, lambda _: None, fate=self.fate(agent)
+            )
             if end.report is not None:
                 report = end.report
                 break

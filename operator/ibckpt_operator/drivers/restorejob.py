@@ -329,7 +329,9 @@ class RestoreJobDriver(RestorePodsDriver):
             self.follow(node, agent, self.session_id(self.state.run))
 
     async def poll(self, node: str, agent: Agent, session_id: str) -> None:
-        end = await follow_session(self.rt.gateway, agent, session_id, self.absorb, "AgentRefused")
+        end = await follow_session(
+            self.rt.gateway, agent, session_id, self.absorb, "AgentRefused", self.fate(agent)
+        )
         if end.reason:
             self.fail_current(end.reason, end.message)
 
