@@ -1,7 +1,7 @@
 """A pod that holds real-sized memory, checkpointed and restored through ibckpt, against the raw tools on the
 same node in the same run (issue 31): the freeze, the Stop checkpoint and the restore, at each size given.
 
-Run from the repo root:  .venv/bin/python bench/large_pod.py [--mib 64 512] [--rate 5]
+Run from the repo root:  .venv/bin/python bench/large_pod.py [--mib 64 512] [--rate 5] [--agent-memory 2Gi]
 (boots S3, the control plane and the two Soft-RoCE nodes and installs the chart, about 15 minutes under TCG,
 then about 10 minutes per 256 MiB; read the ratios, not the seconds)
 
@@ -167,10 +167,11 @@ def report(mib: int, rate: float, ours: dict[str, Any], raw: dict[str, Any]) -> 
         )
 
 
-def run(cluster: Cluster, s3: S3Server, sizes: list[int], rate: float) -> None:
+def run(cluster: Cluster, s3: S3Server, sizes: list[int], rate: float, agent_memory: str) -> None:
     pods.namespace(cluster, ring.PRODUCT_NS)
     storage_secret(cluster, ring.PRODUCT_NS, s3.access_key, s3.secret_key)
-    release = install(cluster, "ibckpt", ring.PRODUCT_NS)
+    values = [f"agent.resources.limits.memory={agent_memory}"] if agent_memory else []
+    release = install(cluster, "ibckpt", ring.PRODUCT_NS, values=values)
     release.operator_leading()
     pods.namespace(cluster, NS)
     storage_secret(cluster, NS, s3.access_key, s3.secret_key)
@@ -189,8 +190,14 @@ def main() -> int:
     parser.add_argument(
         "--rate", type=float, default=5.0, help="percent of the buffer's pages rewritten per second"
     )
+    parser.add_argument(
+        "--agent-memory",
+        default="",
+        help="the agents' memory limit (the chart's default unless given): the testbed's disks are tmpfs, "
+        "so the image files CRIU writes count in the agent's memory (docs/node-agent.md)",
+    )
     args = parser.parse_args()
-    on_cluster(BUCKET, lambda cluster, s3: run(cluster, s3, args.mib, args.rate))
+    on_cluster(BUCKET, lambda cluster, s3: run(cluster, s3, args.mib, args.rate, args.agent_memory))
     return 0
 
 

@@ -7,6 +7,7 @@ import base64
 import json
 import subprocess
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,11 +134,13 @@ def install(
     log_level: str = "info",
     operator_node: str | None = None,
     failpoints: bool = False,
+    values: Sequence[str] = (),
 ) -> Release:
     """helm install the chart from the repository into `namespace` (it exists), and wait until every
     node's agent is ready. `operator_node`: the node the operator must run on; on the testbed's
     WEBHOOK_NODE its eviction webhook is published on the port the host forwards there, which is how
-    the apiserver reaches it. `failpoints`: the agents honour armed failpoints (ibckpt_node.failpoints)."""
+    the apiserver reaches it. `failpoints`: the agents honour armed failpoints (ibckpt_node.failpoints).
+    `values`: more chart values, as `--set` takes them (a bench's agent memory limit)."""
     repository, tag = PRODUCT_IMAGE.rsplit(":", 1)
     pin = []
     if operator_node:
@@ -164,6 +167,8 @@ def install(
     # The memory tier on (docs/recovery.md, "Tiers"): the ring's parts are a few MB; 256 MiB per agent
     # fits the chart's 1 GiB agent limit and the 3 GiB guests.
     pin += ["--set", f"agent.memoryTier.bytes={MEMORY_TIER_BYTES}"]
+    for value in values:
+        pin += ["--set", value]
     out = helm(
         cluster, "install", name, str(CHART), "--namespace", namespace,
         "--set", f"image.repository={repository}", "--set", f"image.tag={tag}",
