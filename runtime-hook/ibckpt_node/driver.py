@@ -430,7 +430,7 @@ class NodeDriver:
         lookup_s = self.settings.preflight_lookup_s
         check = Preflight(
             self.client, self.ranks, self.trees, self.job_addrs, lookup_s, images_root,
-            self.settings.disk_reserve_bytes,
+            self.settings.disk_reserve_bytes, self.settings.pre_dump,
         )  # fmt: skip
         barrier_s = t.quiesce_seconds + self.settings.barrier_slack_s
         refusals = await check.refusals(

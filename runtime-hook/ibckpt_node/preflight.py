@@ -11,7 +11,10 @@ through the coordinator's abort so that every node refuses.
 And a checkpoint whose images would not fit on this node's disk is refused too, rather than failing
 its dump after the cut: the images of a process are about its resident memory, so the estimate is
 the sum of VmRSS over every process dumped (each tree's, or each lone rank's), plus a margin
-(`image_estimate`), against the free space where the images go.
+(`image_estimate`), against the free space where the images go; twice the resident memory with
+pre-dumps, whose images stay until the final dump, which may hold every page again. Where the images go
+is a tmpfs (a diskless node's root), their pages count in the agent's own memory cgroup and cannot be
+written back: they must also fit in what its limit leaves, or the agent is killed mid-dump.
 
 The decisions here are pure (in or out of the job, fits or not; procfs.py reads /proc); Preflight, at
 the bottom, runs them on this node's ranks with the other nodes, through the coordinator.
@@ -205,13 +208,17 @@ def size_text(n: int) -> str:
     return f"{n} bytes"
 
 
-def disk_problem(resident: int, processes: int, free: int, where: Path, reserve: int = 0) -> str | None:
-    """Why images of `resident` bytes of memory in `processes` processes do not fit in `free` bytes at
-    `where` while leaving `reserve` bytes free; None when they do."""
-    need = image_estimate(resident)
+def disk_problem(
+    resident: int, processes: int, free: int, where: Path, reserve: int = 0, copies: int = 1
+) -> str | None:
+    """Why images of `resident` bytes of memory in `processes` processes, `copies` times (2: a pre-dump
+    and the final dump), do not fit in `free` bytes at `where` while leaving `reserve` bytes free; None
+    when they do."""
+    need = image_estimate(resident * copies)
     if need + reserve <= free:
         return None
     processes_text = f"{processes} process{'' if processes == 1 else 'es'}"
+    processes_text += ", twice (a pre-dump and the final dump)" if copies == 2 else ""
     kept = (
         f", of which the agent leaves {size_text(reserve)} ({reserve} bytes) to the node" if reserve else ""
     )
@@ -248,14 +255,91 @@ def existing(path: Path) -> Path:
     return path
 
 
+MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs"})  # their files are pages of the writer's cgroup
+
+
+def filesystem_type(path: Path, mounts: str) -> str:
+    """The type of the filesystem `path` is on: that of the longest mount point above it in `mounts`
+    (/proc/self/mounts; the last mount of a point wins)."""
+    best, kind = -1, ""
+    target = str(path)
+    for line in mounts.splitlines():
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = fields[1].replace("\\040", " ")
+        inside = target == point or target.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= best:
+            best, kind = len(point), fields[2]
+    return kind
+
+
+UNLIMITED = 1 << 62  # cgroup v1 writes "no limit" as a number near 2**63
+
+
+def cgroup_memory(cgroup_root: Path, self_cgroup: str) -> tuple[int, int] | None:
+    """(limit, unreclaimable use: anon + shmem) of this process's memory cgroup, named in `self_cgroup`
+    (/proc/self/cgroup) under `cgroup_root`: v2's "0::/path", or v1's "N:memory:/path" under memory/.
+    A container may see its own cgroup at the root rather than at its path. None without a limit."""
+    v1 = next((line.split(":", 2)[2] for line in self_cgroup.splitlines() if ":memory:" in line), None)
+    v2 = next((line[3:] for line in self_cgroup.splitlines() if line.startswith("0::")), None)
+    if v1 is not None:
+        base, names = cgroup_root / "memory", ("memory.limit_in_bytes", "rss", "shmem")
+    elif v2 is not None:
+        base, names = cgroup_root, ("memory.max", "anon", "shmem")
+    else:
+        return None
+    path = (v1 if v1 is not None else v2 or "").strip().lstrip("/")
+    for group in (base / path, base):
+        try:
+            limit = (group / names[0]).read_text().strip()
+            stat = dict(line.split()[:2] for line in (group / "memory.stat").read_text().splitlines())
+        except (OSError, ValueError):
+            continue
+        if not limit.isdigit() or int(limit) >= UNLIMITED:
+            return None  # v2's "max", v1's huge number
+        return int(limit), int(stat.get(names[1], 0)) + int(stat.get(names[2], 0))
+    return None
+
+
+def memory_problem(need: int, limit: int, used: int, where: Path, kind: str) -> str | None:
+    """Why images of `need` bytes on `where`, a `kind` counted in the agent's memory, do not fit in
+    what its `limit` leaves after `used`; None when they do."""
+    if used + need <= limit:
+        return None
+    return (
+        f"refusing to checkpoint on this node: its images would need about {size_text(need)} ({need} bytes) "
+        f"on {where}, a {kind} whose files count in the agent's memory, and the agent holds "
+        f"{size_text(used)} of its {size_text(limit)} limit: raise the chart's "
+        "agent.resources.limits.memory or give agent.hostDir a disk (docs/node-agent.md)"
+    )
+
+
 def room_problem(
-    trees: Sequence[ProcessTree], ranks: Sequence[LocalRank], images_root: Path, reserve: int = 0
+    trees: Sequence[ProcessTree],
+    ranks: Sequence[LocalRank],
+    images_root: Path,
+    reserve: int = 0,
+    pre_dumped: bool = False,
+    proc: Path = Path("/proc"),
+    cgroup_root: Path = Path("/sys/fs/cgroup"),
 ) -> str | None:
-    """This node's images would not fit where they go, `reserve` bytes left free: why, else None."""
+    """This node's images would not fit where they go, `reserve` bytes left free, or (on a tmpfs) in
+    the agent's memory limit: why, else None."""
     pids = dumped_processes(trees, ranks)
     resident = sum(resident_bytes(pid) for pid in pids)
     where = existing(images_root)
-    return disk_problem(resident, len(pids), shutil.disk_usage(where).free, where, reserve)
+    copies = 2 if pre_dumped else 1
+    problem = disk_problem(resident, len(pids), shutil.disk_usage(where).free, where, reserve, copies)
+    if problem:
+        return problem
+    kind = filesystem_type(where.resolve(), (proc / "self" / "mounts").read_text())
+    if kind not in MEMORY_FILESYSTEMS:
+        return None
+    memory = cgroup_memory(cgroup_root, (proc / "self" / "cgroup").read_text())
+    if memory is None:
+        return None
+    return memory_problem(image_estimate(resident * copies), *memory, where, kind)
 
 
 # -- the run on this node ----------------------------------------------------------------
@@ -274,9 +358,11 @@ class Preflight:
         lookup_s: float,
         images_root: Path | None = None,
         disk_reserve: int = 0,
+        pre_dumped: bool = False,
     ) -> None:
         """`images_root`: where this node's images will be written, to check they fit, `disk_reserve`
-        bytes left free (None: not on this node's disk, not checked)."""
+        bytes left free (None: not on this node's disk, not checked); `pre_dumped`: pre-dump images
+        will be there too."""
         self.client = client
         self.ranks = ranks
         self.trees = trees
@@ -284,6 +370,7 @@ class Preflight:
         self.lookup_s = lookup_s
         self.images_root = images_root
         self.disk_reserve = disk_reserve
+        self.pre_dumped = pre_dumped
 
     async def refusals(self, bound_s: float, barrier_s: float, joined: Callable[[], None]) -> list[str]:
         """What this node refuses (nothing: it may go on), once every node has joined."""
@@ -334,7 +421,7 @@ class Preflight:
         if self.images_root is not None:
             try:
                 room = await asyncio.to_thread(
-                    room_problem, self.trees, self.ranks, self.images_root, self.disk_reserve
+                    room_problem, self.trees, self.ranks, self.images_root, self.disk_reserve, self.pre_dumped
                 )
             except OSError as exc:  # not known to be short: the dump says so if it is
                 log.warning("preflight: the free space for %s is unknown: %s", self.images_root, exc)

@@ -1,7 +1,8 @@
 """Preflight's room check on the host: the images' size is estimated from the resident memory of every
 process the dump saves, and a checkpoint that would not fit where its images go is refused before any
-rank is touched. Only the disk's free space is faked (shutil.disk_usage): the processes, /proc, the
-driver, its coordinator and the shim's control socket are real or the usual stand-ins."""
+rank is touched; on a tmpfs, the images must also fit in the agent's memory limit. Only the disk's free
+space (shutil.disk_usage) and, for the tmpfs rule, the mounts and cgroup files are faked: the processes,
+/proc, the driver, its coordinator and the shim's control socket are real or the usual stand-ins."""
 
 from __future__ import annotations
 
@@ -129,3 +130,101 @@ async def test_a_checkpoint_that_fits_goes_on_past_preflight(
     assert asked == [str(tmp_path / "images")]  # the free space was looked at, and sufficed
     assert shim.commands[:3] == ["status", "quiesce", "drain"], shim.commands
     assert driver.report.outcome != "Refused"
+
+
+# -- images on a tmpfs: they count in the agent's memory ---------------------------------------
+
+MOUNTS = """\
+rootfs / rootfs rw 0 0
+tmpfs / tmpfs rw,mode=755 0 0
+/dev/vda1 /var ext4 rw 0 0
+tmpfs /var/lib/ibckpt tmpfs rw 0 0
+/dev/vda2 /var/lib/ibckpt\\040disk ext4 rw 0 0
+"""
+
+
+def test_the_filesystem_of_a_path_is_that_of_its_longest_mount_point() -> None:
+    assert preflight.filesystem_type(Path("/var/lib/ibckpt/sessions/s1"), MOUNTS) == "tmpfs"
+    assert preflight.filesystem_type(Path("/var/lib/ibckpt"), MOUNTS) == "tmpfs"
+    assert preflight.filesystem_type(Path("/var/lib/ibckpt disk/x"), MOUNTS) == "ext4"
+    assert preflight.filesystem_type(Path("/var/lib/ibckpt2"), MOUNTS) == "ext4"  # /var's, not a prefix
+    assert preflight.filesystem_type(Path("/etc"), MOUNTS) == "tmpfs"  # the last mount of / wins
+
+
+def _group(root: Path, limit: str, stat: str) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    name = "memory.max" if "anon" in stat else "memory.limit_in_bytes"
+    (root / name).write_text(limit + "\n")
+    (root / "memory.stat").write_text(stat)
+
+
+def test_the_agent_memory_is_read_from_its_cgroup_v1_or_v2(tmp_path: Path) -> None:
+    # v1, the whole hierarchy visible: the agent's group at its path under memory/
+    v1 = "12:memory:/kubepods/pod1/agent\n11:cpu,cpuacct:/kubepods/pod1/agent\n"
+    _group(tmp_path / "a" / "memory" / "kubepods/pod1/agent", str(1 << 30), "cache 5\nrss 300\nshmem 20\n")
+    assert preflight.cgroup_memory(tmp_path / "a", v1) == (1 << 30, 320)
+    # v1 in a container that sees its own group at the root
+    _group(tmp_path / "b" / "memory", str(1 << 30), "rss 7\nshmem 3\ntotal_rss 99\n")
+    assert preflight.cgroup_memory(tmp_path / "b", v1) == (1 << 30, 10)
+    # v1 without a limit
+    _group(tmp_path / "c" / "memory", "9223372036854771712", "rss 1\n")
+    assert preflight.cgroup_memory(tmp_path / "c", v1) is None
+    # v2, a private cgroup namespace ("0::/")
+    _group(tmp_path / "d", "536870912", "anon 100\nfile 900\nshmem 50\n")
+    assert preflight.cgroup_memory(tmp_path / "d", "0::/\n") == (536870912, 150)
+    _group(tmp_path / "e", "max", "anon 100\n")
+    assert preflight.cgroup_memory(tmp_path / "e", "0::/\n") is None
+    assert preflight.cgroup_memory(tmp_path / "nothing", "0::/x\n") is None
+
+
+def test_images_on_a_tmpfs_must_fit_in_what_the_agent_limit_leaves() -> None:
+    where = Path("/var/lib/ibckpt")
+    assert preflight.memory_problem(600 * MIB, 1 << 30, 424 * MIB, where, "tmpfs") is None
+    refused = preflight.memory_problem(600 * MIB, 1 << 30, 425 * MIB, where, "tmpfs")
+    assert refused == (
+        f"refusing to checkpoint on this node: its images would need about 600.0 MiB ({600 * MIB} bytes) "
+        "on /var/lib/ibckpt, a tmpfs whose files count in the agent's memory, and the agent holds 425.0 MiB "
+        "of its 1.0 GiB limit: raise the chart's agent.resources.limits.memory or give agent.hostDir a disk "
+        "(docs/node-agent.md)"
+    )
+
+
+def test_a_pre_dumped_checkpoint_needs_room_for_two_copies_of_its_pages(
+    tmp_path: Path, big: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rank = LocalRank(RankId.parse("job/rank-0/main/0"), big, Path("/nonexistent"))
+    resident = preflight.resident_bytes(big)
+    once, twice = preflight.image_estimate(resident), preflight.image_estimate(2 * resident)
+    _free(monkeypatch, (once + twice) // 2)
+    assert preflight.room_problem([], [rank], tmp_path) is None
+    refused = preflight.room_problem([], [rank], tmp_path, pre_dumped=True)
+    assert refused is not None and "in 1 process, twice (a pre-dump and the final dump)" in refused, refused
+
+
+def test_on_a_tmpfs_the_agent_limit_refuses_what_the_disk_would_take(
+    tmp_path: Path, big: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rank = LocalRank(RankId.parse("job/rank-0/main/0"), big, Path("/nonexistent"))
+    _free(monkeypatch, 1 << 40)
+    proc = tmp_path / "proc"
+    (proc / "self").mkdir(parents=True)
+    # the real /proc for the process's memory, a made-up one for this process's mounts and cgroup
+    monkeypatch.setattr(preflight, "resident_bytes", lambda pid: 200 * MIB if pid == big else 0)
+    images = tmp_path / "host" / "sessions"  # made by the dump: its nearest existing parent is looked at
+    images.parent.mkdir()
+    (proc / "self" / "mounts").write_text(
+        f"/dev/vda1 / ext4 rw 0 0\ntmpfs {tmp_path / 'host'} tmpfs rw 0 0\n"
+    )
+    (proc / "self" / "cgroup").write_text("0::/agent\n")
+    _group(tmp_path / "cg" / "agent", str(360 * MIB), "anon 50000000\nshmem 30000000\n")  # 284 + 76 MiB
+    refused = preflight.room_problem([], [rank], images, proc=proc, cgroup_root=tmp_path / "cg")
+    assert refused is not None and "a tmpfs whose files count in the agent's memory" in refused, refused
+    # on a disk, the same images are the disk's business alone
+    (proc / "self" / "mounts").write_text(
+        f"tmpfs / tmpfs rw 0 0\n/dev/vda1 {tmp_path / 'host'} ext4 rw 0 0\n"
+    )
+    assert preflight.room_problem([], [rank], images, proc=proc, cgroup_root=tmp_path / "cg") is None
+    # and with room in the limit, a tmpfs is fine
+    (proc / "self" / "mounts").write_text(f"tmpfs {tmp_path / 'host'} tmpfs rw 0 0\n")
+    _group(tmp_path / "cg" / "agent", str(361 * MIB), "anon 50000000\nshmem 30000000\n")
+    assert preflight.room_problem([], [rank], images, proc=proc, cgroup_root=tmp_path / "cg") is None
