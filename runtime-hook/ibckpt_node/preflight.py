@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+import os
 import shutil
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -255,61 +256,76 @@ def existing(path: Path) -> Path:
     return path
 
 
-MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs"})  # their files are pages of the writer's cgroup
-
-
-def filesystem_type(path: Path, mounts: str) -> str:
-    """The type of the filesystem `path` is on: that of the longest mount point above it in `mounts`
-    (/proc/self/mounts; the last mount of a point wins)."""
-    best, kind = -1, ""
-    target = str(path)
-    for line in mounts.splitlines():
-        fields = line.split()
-        if len(fields) < 3:
-            continue
-        point = fields[1].replace("\\040", " ")
-        inside = target == point or target.startswith(point.rstrip("/") + "/")
-        if inside and len(point) >= best:
-            best, kind = len(point), fields[2]
-    return kind
-
-
 UNLIMITED = 1 << 62  # cgroup v1 writes "no limit" as a number near 2**63
+PROBE_BYTES = 4 << 20
 
 
-def cgroup_memory(cgroup_root: Path, self_cgroup: str) -> tuple[int, int] | None:
-    """(limit, unreclaimable use: anon + shmem) of this process's memory cgroup, named in `self_cgroup`
-    (/proc/self/cgroup) under `cgroup_root`: v2's "0::/path", or v1's "N:memory:/path" under memory/.
-    A container may see its own cgroup at the root rather than at its path. None without a limit."""
-    v1 = next((line.split(":", 2)[2] for line in self_cgroup.splitlines() if ":memory:" in line), None)
-    v2 = next((line[3:] for line in self_cgroup.splitlines() if line.startswith("0::")), None)
+@dataclass(frozen=True)
+class MemoryCgroup:
+    """This process's memory cgroup: its limit file (v2's memory.max, v1's memory.limit_in_bytes) and
+    the memory.stat key of its anonymous pages (v2's anon, v1's rss); shmem is named alike in both."""
+
+    group: Path
+    limit_file: str
+    anon_key: str
+
+    def stat(self) -> dict[str, int]:
+        lines = (self.group / "memory.stat").read_text().splitlines()
+        return {f[0]: int(f[1]) for f in (line.split() for line in lines) if len(f) >= 2 and f[1].isdigit()}
+
+    def limit(self) -> int | None:
+        text = (self.group / self.limit_file).read_text().strip()
+        return int(text) if text.isdigit() and int(text) < UNLIMITED else None  # "max", v1's huge number
+
+    def held(self) -> int:
+        """Its pages no reclaim frees: anonymous memory and tmpfs files."""
+        stat = self.stat()
+        return stat.get(self.anon_key, 0) + stat.get("shmem", 0)
+
+
+def memory_cgroup(cgroup_root: Path, self_cgroup: str) -> MemoryCgroup | None:
+    """This process's memory cgroup, named in `self_cgroup` (/proc/self/cgroup) under `cgroup_root`:
+    v1's "N:memory:/path" under memory/, else v2's "0::/path". A container may see its own cgroup at
+    the root instead of at its path. None when there is none to read."""
+    lines = self_cgroup.splitlines()
+    v1 = next((line.split(":", 2)[2] for line in lines if ":memory:" in line), None)
+    v2 = next((line[3:] for line in lines if line.startswith("0::")), None)
     if v1 is not None:
-        base, names = cgroup_root / "memory", ("memory.limit_in_bytes", "rss", "shmem")
+        base, limit_file, anon_key, path = cgroup_root / "memory", "memory.limit_in_bytes", "rss", v1
     elif v2 is not None:
-        base, names = cgroup_root, ("memory.max", "anon", "shmem")
+        base, limit_file, anon_key, path = cgroup_root, "memory.max", "anon", v2
     else:
         return None
-    path = (v1 if v1 is not None else v2 or "").strip().lstrip("/")
-    for group in (base / path, base):
-        try:
-            limit = (group / names[0]).read_text().strip()
-            stat = dict(line.split()[:2] for line in (group / "memory.stat").read_text().splitlines())
-        except (OSError, ValueError):
-            continue
-        if not limit.isdigit() or int(limit) >= UNLIMITED:
-            return None  # v2's "max", v1's huge number
-        return int(limit), int(stat.get(names[1], 0)) + int(stat.get(names[2], 0))
+    for group in (base / path.strip().lstrip("/"), base):
+        if (group / limit_file).is_file() and (group / "memory.stat").is_file():
+            return MemoryCgroup(group, limit_file, anon_key)
     return None
 
 
-def memory_problem(need: int, limit: int, used: int, where: Path, kind: str) -> str | None:
-    """Why images of `need` bytes on `where`, a `kind` counted in the agent's memory, do not fit in
+def written_as_memory(where: Path, cgroup: MemoryCgroup, probe_bytes: int = PROBE_BYTES) -> bool:
+    """Whether the files written in `where` are pages of `cgroup`'s shmem: a tmpfs, or an overlay whose
+    upper dir is one (the mounts a container sees may not show that). Measured: a probe file is written
+    there, the cgroup's shmem read before and after, and the file removed."""
+    probe = where / f".ibckpt-memory-probe-{os.getpid()}"
+    before = cgroup.stat().get("shmem", 0)
+    try:
+        with open(probe, "wb") as f:
+            f.write(bytes(probe_bytes))
+            f.flush()
+            grew = cgroup.stat().get("shmem", 0) - before
+    finally:
+        probe.unlink(missing_ok=True)
+    return grew >= probe_bytes // 2
+
+
+def memory_problem(need: int, limit: int, used: int, where: Path) -> str | None:
+    """Why images of `need` bytes on `where`, whose files count in the agent's memory, do not fit in
     what its `limit` leaves after `used`; None when they do."""
     if used + need <= limit:
         return None
     return (
         f"refusing to checkpoint on this node: its images would need about {size_text(need)} ({need} bytes) "
-        f"on {where}, a {kind} whose files count in the agent's memory, and the agent holds "
+        f"on {where}, whose files count in the agent's memory (a tmpfs), and the agent holds "
         f"{size_text(used)} of its {size_text(limit)} limit: raise the chart's "
         "agent.resources.limits.memory or give agent.hostDir a disk (docs/node-agent.md)"
     )
@@ -333,13 +349,11 @@ def room_problem(
     problem = disk_problem(resident, len(pids), shutil.disk_usage(where).free, where, reserve, copies)
     if problem:
         return problem
-    kind = filesystem_type(where.resolve(), (proc / "self" / "mounts").read_text())
-    if kind not in MEMORY_FILESYSTEMS:
+    cgroup = memory_cgroup(cgroup_root, (proc / "self" / "cgroup").read_text())
+    limit = cgroup.limit() if cgroup is not None else None
+    if cgroup is None or limit is None or not written_as_memory(where, cgroup):
         return None
-    memory = cgroup_memory(cgroup_root, (proc / "self" / "cgroup").read_text())
-    if memory is None:
-        return None
-    return memory_problem(image_estimate(resident * copies), *memory, where, kind)
+    return memory_problem(image_estimate(resident * copies), limit, cgroup.held(), where)
 
 
 # -- the run on this node ----------------------------------------------------------------

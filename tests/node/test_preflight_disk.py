@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -134,22 +135,6 @@ async def test_a_checkpoint_that_fits_goes_on_past_preflight(
 
 # -- images on a tmpfs: they count in the agent's memory ---------------------------------------
 
-MOUNTS = """\
-rootfs / rootfs rw 0 0
-tmpfs / tmpfs rw,mode=755 0 0
-/dev/vda1 /var ext4 rw 0 0
-tmpfs /var/lib/ibckpt tmpfs rw 0 0
-/dev/vda2 /var/lib/ibckpt\\040disk ext4 rw 0 0
-"""
-
-
-def test_the_filesystem_of_a_path_is_that_of_its_longest_mount_point() -> None:
-    assert preflight.filesystem_type(Path("/var/lib/ibckpt/sessions/s1"), MOUNTS) == "tmpfs"
-    assert preflight.filesystem_type(Path("/var/lib/ibckpt"), MOUNTS) == "tmpfs"
-    assert preflight.filesystem_type(Path("/var/lib/ibckpt disk/x"), MOUNTS) == "ext4"
-    assert preflight.filesystem_type(Path("/var/lib/ibckpt2"), MOUNTS) == "ext4"  # /var's, not a prefix
-    assert preflight.filesystem_type(Path("/etc"), MOUNTS) == "tmpfs"  # the last mount of / wins
-
 
 def _group(root: Path, limit: str, stat: str) -> None:
     root.mkdir(parents=True, exist_ok=True)
@@ -159,33 +144,46 @@ def _group(root: Path, limit: str, stat: str) -> None:
 
 
 def test_the_agent_memory_is_read_from_its_cgroup_v1_or_v2(tmp_path: Path) -> None:
+    def read(root: Path, self_cgroup: str) -> tuple[int | None, int] | None:
+        group = preflight.memory_cgroup(root, self_cgroup)
+        return None if group is None else (group.limit(), group.held())
+
     # v1, the whole hierarchy visible: the agent's group at its path under memory/
-    v1 = "12:memory:/kubepods/pod1/agent\n11:cpu,cpuacct:/kubepods/pod1/agent\n"
+    v1 = "12:memory:/kubepods/pod1/agent\n11:cpu,cpuacct:/kubepods/pod1/agent\n0::/\n"
     _group(tmp_path / "a" / "memory" / "kubepods/pod1/agent", str(1 << 30), "cache 5\nrss 300\nshmem 20\n")
-    assert preflight.cgroup_memory(tmp_path / "a", v1) == (1 << 30, 320)
+    assert read(tmp_path / "a", v1) == (1 << 30, 320)
     # v1 in a container that sees its own group at the root
     _group(tmp_path / "b" / "memory", str(1 << 30), "rss 7\nshmem 3\ntotal_rss 99\n")
-    assert preflight.cgroup_memory(tmp_path / "b", v1) == (1 << 30, 10)
+    assert read(tmp_path / "b", v1) == (1 << 30, 10)
     # v1 without a limit
     _group(tmp_path / "c" / "memory", "9223372036854771712", "rss 1\n")
-    assert preflight.cgroup_memory(tmp_path / "c", v1) is None
+    assert read(tmp_path / "c", v1) == (None, 1)
     # v2, a private cgroup namespace ("0::/")
     _group(tmp_path / "d", "536870912", "anon 100\nfile 900\nshmem 50\n")
-    assert preflight.cgroup_memory(tmp_path / "d", "0::/\n") == (536870912, 150)
+    assert read(tmp_path / "d", "0::/\n") == (536870912, 150)
     _group(tmp_path / "e", "max", "anon 100\n")
-    assert preflight.cgroup_memory(tmp_path / "e", "0::/\n") is None
-    assert preflight.cgroup_memory(tmp_path / "nothing", "0::/x\n") is None
+    assert read(tmp_path / "e", "0::/\n") == (None, 100)
+    assert read(tmp_path / "nothing", "0::/x\n") is None
+
+
+def test_a_tmpfs_is_told_from_a_disk_by_what_a_file_written_there_costs_this_process() -> None:
+    """Real files, this process's real cgroup: /dev/shm is a tmpfs, the repository is on a disk."""
+    group = preflight.memory_cgroup(Path("/sys/fs/cgroup"), Path("/proc/self/cgroup").read_text())
+    assert group is not None, Path("/proc/self/cgroup").read_text()
+    assert preflight.written_as_memory(Path("/dev/shm"), group)
+    assert not preflight.written_as_memory(Path(__file__).parent, group)
+    assert not list(Path("/dev/shm").glob(".ibckpt-memory-probe-*"))  # the probe is removed
 
 
 def test_images_on_a_tmpfs_must_fit_in_what_the_agent_limit_leaves() -> None:
     where = Path("/var/lib/ibckpt")
-    assert preflight.memory_problem(600 * MIB, 1 << 30, 424 * MIB, where, "tmpfs") is None
-    refused = preflight.memory_problem(600 * MIB, 1 << 30, 425 * MIB, where, "tmpfs")
+    assert preflight.memory_problem(600 * MIB, 1 << 30, 424 * MIB, where) is None
+    refused = preflight.memory_problem(600 * MIB, 1 << 30, 425 * MIB, where)
     assert refused == (
         f"refusing to checkpoint on this node: its images would need about 600.0 MiB ({600 * MIB} bytes) "
-        "on /var/lib/ibckpt, a tmpfs whose files count in the agent's memory, and the agent holds 425.0 MiB "
-        "of its 1.0 GiB limit: raise the chart's agent.resources.limits.memory or give agent.hostDir a disk "
-        "(docs/node-agent.md)"
+        "on /var/lib/ibckpt, whose files count in the agent's memory (a tmpfs), and the agent holds "
+        "425.0 MiB of its 1.0 GiB limit: raise the chart's agent.resources.limits.memory or give "
+        "agent.hostDir a disk (docs/node-agent.md)"
     )
 
 
@@ -204,27 +202,33 @@ def test_a_pre_dumped_checkpoint_needs_room_for_two_copies_of_its_pages(
 def test_on_a_tmpfs_the_agent_limit_refuses_what_the_disk_would_take(
     tmp_path: Path, big: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The agent's cgroup is made up (its limit and use); whether the images' directory is memory is
+    measured for real: /dev/shm, then the repository's disk."""
     rank = LocalRank(RankId.parse("job/rank-0/main/0"), big, Path("/nonexistent"))
     _free(monkeypatch, 1 << 40)
+    monkeypatch.setattr(preflight, "resident_bytes", lambda pid: 200 * MIB if pid == big else 0)
     proc = tmp_path / "proc"
     (proc / "self").mkdir(parents=True)
-    # the real /proc for the process's memory, a made-up one for this process's mounts and cgroup
-    monkeypatch.setattr(preflight, "resident_bytes", lambda pid: 200 * MIB if pid == big else 0)
-    images = tmp_path / "host" / "sessions"  # made by the dump: its nearest existing parent is looked at
-    images.parent.mkdir()
-    (proc / "self" / "mounts").write_text(
-        f"/dev/vda1 / ext4 rw 0 0\ntmpfs {tmp_path / 'host'} tmpfs rw 0 0\n"
-    )
     (proc / "self" / "cgroup").write_text("0::/agent\n")
-    _group(tmp_path / "cg" / "agent", str(360 * MIB), "anon 50000000\nshmem 30000000\n")  # 284 + 76 MiB
-    refused = preflight.room_problem([], [rank], images, proc=proc, cgroup_root=tmp_path / "cg")
-    assert refused is not None and "a tmpfs whose files count in the agent's memory" in refused, refused
+    made_up = tmp_path / "cg"
+    _group(made_up / "agent", str(360 * MIB), "anon 50000000\nshmem 30000000\n")  # 284 + 76 MiB
+    real = preflight.memory_cgroup(Path("/sys/fs/cgroup"), Path("/proc/self/cgroup").read_text())
+    assert real is not None
+    # the probe's cost is read from this process's real cgroup, the limit and use from the made-up one
+    probe = preflight.written_as_memory
+    monkeypatch.setattr(preflight, "written_as_memory", lambda where, _: probe(where, real))
+    shm = Path(tempfile.mkdtemp(dir="/dev/shm"))
+    try:
+        refused = preflight.room_problem([], [rank], shm / "sessions", proc=proc, cgroup_root=made_up)
+        assert refused is not None and f"on {shm}, whose files count in the agent's memory" in refused, (
+            refused
+        )
+        # with room in the limit, a tmpfs is fine
+        _group(made_up / "agent", str(361 * MIB), "anon 50000000\nshmem 30000000\n")
+        assert preflight.room_problem([], [rank], shm / "sessions", proc=proc, cgroup_root=made_up) is None
+    finally:
+        shutil.rmtree(shm)
     # on a disk, the same images are the disk's business alone
-    (proc / "self" / "mounts").write_text(
-        f"tmpfs / tmpfs rw 0 0\n/dev/vda1 {tmp_path / 'host'} ext4 rw 0 0\n"
-    )
-    assert preflight.room_problem([], [rank], images, proc=proc, cgroup_root=tmp_path / "cg") is None
-    # and with room in the limit, a tmpfs is fine
-    (proc / "self" / "mounts").write_text(f"tmpfs {tmp_path / 'host'} tmpfs rw 0 0\n")
-    _group(tmp_path / "cg" / "agent", str(361 * MIB), "anon 50000000\nshmem 30000000\n")
-    assert preflight.room_problem([], [rank], images, proc=proc, cgroup_root=tmp_path / "cg") is None
+    _group(made_up / "agent", str(360 * MIB), "anon 50000000\nshmem 30000000\n")
+    disk = Path(__file__).parent
+    assert preflight.room_problem([], [rank], disk / "nonexistent", proc=proc, cgroup_root=made_up) is None
