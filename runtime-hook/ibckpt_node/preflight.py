@@ -438,7 +438,7 @@ class Preflight:
                     room_problem, self.trees, self.ranks, self.images_root, self.disk_reserve, self.pre_dumped
                 )
             except OSError as exc:  # not known to be short: the dump says so if it is
-                log.warning("preflight: the free space for %s is unknown: %s", self.images_root, exc)
+                log.warning("preflight: the room for %s is unknown: %s", self.images_root, exc)
                 room = None
             if room:
                 refusals.append(room)

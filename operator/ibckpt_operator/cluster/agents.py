@@ -12,7 +12,6 @@ import time
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from datetime import datetime
 from typing import TypeVar
 
 from ibckpt.agentapi import (
@@ -30,6 +29,7 @@ from ibckpt.agentapi.memory import HeldCopies, MemoryClient
 from ibckpt_operator.cluster.agenttokens import AgentTokens
 from ibckpt_operator.cluster.kube import Body, Kube
 from ibckpt_operator.cluster.pods import ready_condition
+from ibckpt_operator.cluster.schedules import timestamp
 from ibckpt_operator.config import current
 
 log = logging.getLogger(__name__)
@@ -109,12 +109,11 @@ def agent_fate(agent: Agent, pods: Sequence[Body], since: float) -> str:
         return f"; its pod {agent.pod} is gone" + (f" (now {', '.join(sorted(now))})" if now else "")
     for container in mine[0].get("status", {}).get("containerStatuses", []):
         ended = (container.get("lastState") or {}).get("terminated") or {}
-        finished = ended.get("finishedAt") or ""
         try:
-            when = datetime.fromisoformat(finished.replace("Z", "+00:00")).timestamp()
+            when = timestamp(ended.get("finishedAt"))
         except ValueError:
             continue
-        if when < since:
+        if when is None or when < since:
             continue
         reason = ended.get("reason") or "ended"
         exit_code = ended.get("exitCode")
