@@ -14,7 +14,9 @@ the sum of VmRSS over every process dumped (each tree's, or each lone rank's), p
 (`image_estimate`), against the free space where the images go; twice the resident memory with
 pre-dumps, whose images stay until the final dump, which may hold every page again. Where the images go
 is a tmpfs (a diskless node's root), their pages count in the agent's own memory cgroup and cannot be
-written back: they must also fit in what its limit leaves, or the agent is killed mid-dump.
+written back: they must also fit in what its limit leaves, or the agent is killed mid-dump. A restore's
+staging is held to the same rules before it fetches anything (`restore_room_problem`), the size being
+that of the checkpoint's files it stages.
 
 The decisions here are pure (in or out of the job, fits or not; procfs.py reads /proc); Preflight, at
 the bottom, runs them on this node's ranks with the other nodes, through the coordinator.
@@ -30,6 +32,7 @@ import shutil
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ibckpt.coordination.client import CoordinationTimedOut, CoordinatorClient
 from ibckpt.coordination.keys import gid_key, qp_key
@@ -49,6 +52,9 @@ from ibckpt_node.procfs import (
 )
 from ibckpt_node.ranks import LocalRank, on_all
 from ibckpt_node.trees import ProcessTree, tree_members
+
+if TYPE_CHECKING:  # the store (boto3) is imported only where a restore stages
+    from ibckpt.store.manifest import FileRecord
 
 log = logging.getLogger(__name__)
 
@@ -215,18 +221,24 @@ def disk_problem(
     """Why images of `resident` bytes of memory in `processes` processes, `copies` times (2: a pre-dump
     and the final dump), do not fit in `free` bytes at `where` while leaving `reserve` bytes free; None
     when they do."""
-    need = image_estimate(resident * copies)
-    if need + reserve <= free:
-        return None
     processes_text = f"{processes} process{'' if processes == 1 else 'es'}"
     processes_text += ", twice (a pre-dump and the final dump)" if copies == 2 else ""
+    basis = f"{size_text(resident)} resident in {processes_text}"
+    return short_of_disk("checkpoint", image_estimate(resident * copies), basis, free, where, reserve)
+
+
+def short_of_disk(verb: str, need: int, basis: str, free: int, where: Path, reserve: int = 0) -> str | None:
+    """Why images of `need` bytes (`basis` and the margin) do not fit in `free` bytes at `where` while
+    leaving `reserve` bytes free, for a `verb` ("checkpoint", "restore"); None when they do."""
+    if need + reserve <= free:
+        return None
     kept = (
         f", of which the agent leaves {size_text(reserve)} ({reserve} bytes) to the node" if reserve else ""
     )
     return (
-        f"refusing to checkpoint on this node: its images would need about {size_text(need)} ({need} "
-        f"bytes: {size_text(resident)} resident in {processes_text}, plus {MARGIN_FRACTION:.0%} and "
-        f"{MARGIN_BYTES >> 20} MiB) and {where} has {size_text(free)} ({free} bytes) free{kept}"
+        f"refusing to {verb} on this node: its images would need about {size_text(need)} ({need} "
+        f"bytes: {basis}, plus {MARGIN_FRACTION:.0%} and {MARGIN_BYTES >> 20} MiB) and {where} has "
+        f"{size_text(free)} ({free} bytes) free{kept}"
     )
 
 
@@ -318,17 +330,29 @@ def written_as_memory(where: Path, cgroup: MemoryCgroup, probe_bytes: int = PROB
     return grew >= probe_bytes // 2
 
 
-def memory_problem(need: int, limit: int, used: int, where: Path) -> str | None:
+def memory_problem(need: int, limit: int, used: int, where: Path, verb: str = "checkpoint") -> str | None:
     """Why images of `need` bytes on `where`, whose files count in the agent's memory, do not fit in
     what its `limit` leaves after `used`; None when they do."""
     if used + need <= limit:
         return None
     return (
-        f"refusing to checkpoint on this node: its images would need about {size_text(need)} ({need} bytes) "
+        f"refusing to {verb} on this node: its images would need about {size_text(need)} ({need} bytes) "
         f"on {where}, whose files count in the agent's memory (a tmpfs), and the agent holds "
         f"{size_text(used)} of its {size_text(limit)} limit: raise the chart's "
         "agent.resources.limits.memory or give agent.hostDir a disk (docs/node-agent.md)"
     )
+
+
+def memory_room_problem(
+    need: int, where: Path, verb: str, proc: Path = Path("/proc"), cgroup_root: Path = Path("/sys/fs/cgroup")
+) -> str | None:
+    """Why images of `need` bytes on `where` (it exists) do not fit in the agent's memory limit, when
+    that is where its files count (a tmpfs); None when they do, or count elsewhere."""
+    cgroup = memory_cgroup(cgroup_root, (proc / "self" / "cgroup").read_text())
+    limit = cgroup.limit() if cgroup is not None else None
+    if cgroup is None or limit is None or not written_as_memory(where, cgroup):
+        return None
+    return memory_problem(need, limit, cgroup.held(), where, verb)
 
 
 def room_problem(
@@ -347,13 +371,35 @@ def room_problem(
     where = existing(images_root)
     copies = 2 if pre_dumped else 1
     problem = disk_problem(resident, len(pids), shutil.disk_usage(where).free, where, reserve, copies)
+    return problem or memory_room_problem(
+        image_estimate(resident * copies), where, "checkpoint", proc, cgroup_root
+    )
+
+
+def restore_bytes(files: Iterable[FileRecord], trees: Iterable[str]) -> int:
+    """The bytes a restore stages: the sizes of the checkpoint's files under each of `trees` (a
+    container's directory in the checkpoint, picked as download.select_subtree does), once per tree."""
+    prefixes = [tree.strip("/") + "/" for tree in trees]
+    return sum(r.size for r in files if r.kind == "file" for p in prefixes if r.path.startswith(p))
+
+
+def restore_room_problem(
+    files: Iterable[FileRecord],
+    trees: Sequence[str],
+    staging: Path,
+    proc: Path = Path("/proc"),
+    cgroup_root: Path = Path("/sys/fs/cgroup"),
+) -> str | None:
+    """Why the images of `trees` would not fit where they are staged (on its disk, and on a tmpfs in the
+    agent's memory limit), with a checkpoint's margin; None when they fit. No disk reserve: they are removed
+    once restored."""
+    size = restore_bytes(files, trees)
+    need, where = image_estimate(size), existing(staging)
+    basis = f"{size_text(size)} in the files of {len(trees)} container{'' if len(trees) == 1 else 's'}"
+    problem = short_of_disk("restore", need, basis, shutil.disk_usage(where).free, where)
     if problem:
-        return problem
-    cgroup = memory_cgroup(cgroup_root, (proc / "self" / "cgroup").read_text())
-    limit = cgroup.limit() if cgroup is not None else None
-    if cgroup is None or limit is None or not written_as_memory(where, cgroup):
-        return None
-    return memory_problem(image_estimate(resident * copies), limit, cgroup.held(), where)
+        return f"{problem}: free space there or give agent.hostDir a larger disk (docs/node-agent.md)"
+    return memory_room_problem(need, where, "restore", proc, cgroup_root)
 
 
 # -- the run on this node ----------------------------------------------------------------

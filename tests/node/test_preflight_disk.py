@@ -1,8 +1,9 @@
 """Preflight's room check on the host: the images' size is estimated from the resident memory of every
 process the dump saves, and a checkpoint that would not fit where its images go is refused before any
-rank is touched; on a tmpfs, the images must also fit in the agent's memory limit. Only the disk's free
-space (shutil.disk_usage) and, for the tmpfs rule, the mounts and cgroup files are faked: the processes,
-/proc, the driver, its coordinator and the shim's control socket are real or the usual stand-ins."""
+rank is touched; on a tmpfs, the images must also fit in the agent's memory limit. A restore's staging
+is held to the same rules, its size read from the checkpoint's manifest. Only the disk's free space
+(shutil.disk_usage) and, for the tmpfs rule, the mounts and cgroup files are faked: the processes, /proc,
+the driver, its coordinator and the shim's control socket are real or the usual stand-ins."""
 
 from __future__ import annotations
 
@@ -18,8 +19,10 @@ from types import SimpleNamespace
 import pytest
 from node.driver_harness import connected_driver, failed_checkpoint, unwritable_images
 from node.fake_shim import FakeShimSocket
+from store.conftest import sample_manifest
 
 from ibckpt.coordination.ranks import RankId
+from ibckpt.store.manifest import ChunkRef, FileRecord, Manifest
 from ibckpt.vocabulary import Mode
 from ibckpt_node import preflight
 from ibckpt_node.errors import CheckpointRefused
@@ -232,3 +235,99 @@ def test_on_a_tmpfs_the_agent_limit_refuses_what_the_disk_would_take(
     _group(made_up / "agent", str(360 * MIB), "anon 50000000\nshmem 30000000\n")
     disk = Path(__file__).parent
     assert preflight.room_problem([], [rank], disk / "nonexistent", proc=proc, cgroup_root=made_up) is None
+
+
+# -- a restore's staging: the same rules, before anything is fetched ---------------------------
+
+
+def _checkpoint(sizes: dict[str, int]) -> Manifest:
+    """A manifest whose files are `sizes` (path -> bytes; each tree's directory and a symlink too)."""
+    files = [FileRecord(path=d, kind="dir", mode=0o755) for d in sorted({p.rsplit("/", 1)[0] for p in sizes})]
+    files += [
+        FileRecord(
+            path=p, kind="file", mode=0o600, size=n, chunks=[ChunkRef(id="ab" * 32, size=n, stored_size=1)]
+        )
+        for p, n in sizes.items()
+    ]
+    files.append(FileRecord(path="node-1/ring-0.main/link", kind="symlink", mode=0o777, target="pages-1.img"))
+    return sample_manifest(files=files)
+
+
+def test_a_restore_stages_the_files_of_its_containers_trees_alone() -> None:
+    manifest = _checkpoint({
+        "node-1/ring-0.main/pages-1.img": 300 * MIB,
+        "node-1/ring-0.main/core-1.img": 5 * MIB,
+        "node-1/ring-0.main2/pages-1.img": 7 * MIB,  # another tree, whose name starts alike
+        "node-2/ring-1.main/pages-1.img": 200 * MIB,
+    })  # fmt: skip
+    assert preflight.restore_bytes(manifest.files, ["node-1/ring-0.main"]) == 305 * MIB
+    assert preflight.restore_bytes(manifest.files, ["node-1/ring-0.main", "node-2/ring-1.main/"]) == 505 * MIB
+    assert preflight.restore_bytes(manifest.files, ["node-3/ring-2.main"]) == 0
+
+
+def test_a_restore_that_would_not_fit_on_the_disk_is_refused_and_one_that_fits_is_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    manifest = _checkpoint(
+        {"node-1/ring-0.main/pages-1.img": 1000 * MIB, "node-1/ring-1.main/pages-1.img": 0}
+    )
+    trees = ["node-1/ring-0.main", "node-1/ring-1.main"]
+    need = preflight.image_estimate(1000 * MIB)
+    staging = tmp_path / "restore"  # not made yet: the free space is asked of its parent
+    asked = _free(monkeypatch, need)
+    assert preflight.restore_room_problem(manifest.files, trees, staging) is None
+    _free(monkeypatch, need - 1)
+    refused = preflight.restore_room_problem(manifest.files, trees, staging)
+    assert refused == (
+        f"refusing to restore on this node: its images would need about 1.1 GiB ({need} bytes: 1000.0 MiB "
+        f"in the files of 2 containers, plus 10% and 64 MiB) and {tmp_path} has 1.1 GiB ({need - 1} bytes) "
+        "free: free space there or give agent.hostDir a larger disk (docs/node-agent.md)"
+    )
+    assert asked == [str(tmp_path)]
+
+
+def test_a_restore_on_a_tmpfs_must_fit_in_what_the_agent_limit_leaves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As for a checkpoint: the agent's cgroup is made up, whether /dev/shm is memory is measured."""
+    assert preflight.memory_problem(600 * MIB, 1 << 30, 425 * MIB, Path("/h/restore"), "restore") == (
+        f"refusing to restore on this node: its images would need about 600.0 MiB ({600 * MIB} bytes) on "
+        "/h/restore, whose files count in the agent's memory (a tmpfs), and the agent holds 425.0 MiB of its "
+        "1.0 GiB limit: raise the chart's agent.resources.limits.memory or give agent.hostDir a disk "
+        "(docs/node-agent.md)"
+    )
+    _free(monkeypatch, 1 << 40)  # a container's /dev/shm may be small: the disk rule is not tested here
+    manifest = _checkpoint({"node-1/ring-0.main/pages-1.img": 200 * MIB})
+    need = preflight.image_estimate(200 * MIB)  # 284 MiB
+    proc = tmp_path / "proc"
+    (proc / "self").mkdir(parents=True)
+    (proc / "self" / "cgroup").write_text("0::/agent\n")
+    made_up = tmp_path / "cg"
+    _group(made_up / "agent", str(need + 80 * MIB - 1), f"anon {60 * MIB}\nshmem {20 * MIB}\n")
+    real = preflight.memory_cgroup(Path("/sys/fs/cgroup"), Path("/proc/self/cgroup").read_text())
+    assert real is not None
+    probe = preflight.written_as_memory
+    monkeypatch.setattr(preflight, "written_as_memory", lambda where, _: probe(where, real))
+    shm = Path(tempfile.mkdtemp(dir="/dev/shm"))
+    trees = ["node-1/ring-0.main"]
+    try:
+        staging = shm / "restore" / "team" / "ring-0" / "main"
+        refused = preflight.restore_room_problem(
+            manifest.files, trees, staging, proc=proc, cgroup_root=made_up
+        )
+        assert refused is not None and refused.startswith(
+            f"refusing to restore on this node: its images would need about 284.0 MiB ({need} bytes) on "
+            f"{shm}, whose files count in the agent's memory (a tmpfs), and the agent holds 80.0 MiB of its"
+        ), refused
+        _group(made_up / "agent", str(need + 80 * MIB), f"anon {60 * MIB}\nshmem {20 * MIB}\n")
+        assert (
+            preflight.restore_room_problem(manifest.files, trees, staging, proc=proc, cgroup_root=made_up)
+            is None
+        )
+        assert list(shm.iterdir()) == []  # the probe is gone, nothing was made
+    finally:
+        shutil.rmtree(shm)
+    # on a disk, the disk alone decides
+    _group(made_up / "agent", str(need), f"anon {60 * MIB}\n")
+    disk = Path(__file__).parent / "nonexistent"
+    assert preflight.restore_room_problem(manifest.files, trees, disk, proc=proc, cgroup_root=made_up) is None
