@@ -2,7 +2,7 @@
 coordinator, driver and SeaweedFS; the rank's shim a fake control socket, CRIU a stand-in that exits 0):
 staged images are removed, images that were not staged stay for a bounded time and say so, the sweep
 at start removes what outlived its bound but never a session's recovery record, a failed restore
-leaves no staging, and a checkpoint that would not fit on the disk is refused untouched."""
+leaves no staging, and a checkpoint or a restore that would not fit on the disk is refused untouched."""
 
 from __future__ import annotations
 
@@ -40,6 +40,7 @@ from ibckpt.store import ImageStore
 from ibckpt_node.agent import disk, recovery, restoring
 from ibckpt_node.agent.main import parse
 from ibckpt_node.agent.staging import stage_trees, store_config
+from ibckpt_node.preflight import image_estimate
 from ibckpt_node.trees import TREE_MANIFEST
 from testbed.coordinator import ThreadedCoordinator
 from testbed.s3 import S3Server
@@ -284,44 +285,79 @@ def test_the_sweep_leaves_a_running_sessions_images_and_a_running_restores_stagi
 # -- a restore that fails removes its staging ---------------------------------------------------
 
 
+def restore_of(
+    s3: S3Server, tmp_path: Path, checkpoint_id: str, manifests: dict[str, bool]
+) -> RestoreRequest:
+    """A restore of `checkpoint_id`, committed first: one 4000-byte pages image per pod of `manifests`, and
+    a tree manifest for those marked True."""
+    bucket = "disk-" + secrets.token_hex(6)
+    s3.create_bucket(bucket)
+    dumped = tmp_path / "dumped"
+    for pod, with_manifest in manifests.items():
+        (dumped / f"{pod}.main").mkdir(parents=True)
+        (dumped / f"{pod}.main" / "pages-1.img").write_bytes(os.urandom(4000))
+        if with_manifest:
+            manifest = json.dumps({"runtime": "runc", "restore_args": ""})
+            (dumped / f"{pod}.main" / TREE_MANIFEST).write_text(manifest)
+    destination = ImageDestination(
+        location=location(s3, bucket), credentials=SECRET, job="ring", checkpoint_id=checkpoint_id
+    )
+    config = store_config(destination.location, SECRET, secret_data(s3))
+    trees = [(f"{pod}.main", pod) for pod in manifests]
+    stage_trees(config, destination, "node-1", dumped, trees, lambda n: None, IMAGE_KEYS)
+    ImageStore.open(config, signing=IMAGE_KEYS).commit_parts("ring", checkpoint_id, ["node-1"])
+    return RestoreRequest(
+        session_id=f"rsj-{checkpoint_id}",
+        coordinator="127.0.0.1:9",  # never reached: the download fails first
+        session_token=SecretStr("t"),
+        job="ring",
+        checkpoint=f"team/{checkpoint_id}",
+        images=ImageSource(
+            location=destination.location, credentials=SECRET, job="ring", checkpoint_id=checkpoint_id
+        ),
+        ranks=[
+            RestoreRank(container="main", rank_key=f"ring/{pod}/main/1", namespace="team", pod=pod)
+            for pod in manifests
+        ],
+    )
+
+
 def test_a_restore_whose_download_fails_midway_leaves_no_staging(
     agent: Running, tmp_path: Path, s3_server: S3Server
 ) -> None:
     """ring-0's tree is staged, then ring-1's is refused (no tree manifest): the session fails, and what
     it had staged is gone."""
     state = tmp_path / "state"
-    bucket = "disk-" + secrets.token_hex(6)
-    s3_server.create_bucket(bucket)
-    dumped = tmp_path / "dumped"
-    for pod in ("ring-0", "ring-1"):
-        (dumped / f"{pod}.main").mkdir(parents=True)
-        (dumped / f"{pod}.main" / "pages-1.img").write_bytes(os.urandom(4000))
-    (dumped / "ring-0.main" / TREE_MANIFEST).write_text(json.dumps({"runtime": "runc", "restore_args": ""}))
-    destination = ImageDestination(
-        location=location(s3_server, bucket), credentials=SECRET, job="ring", checkpoint_id="c4"
-    )
-    config = store_config(destination.location, SECRET, secret_data(s3_server))
-    trees = [("ring-0.main", "ring-0"), ("ring-1.main", "ring-1")]
-    stage_trees(config, destination, "node-1", dumped, trees, lambda n: None, IMAGE_KEYS)
-    ImageStore.open(config, signing=IMAGE_KEYS).commit_parts("ring", "c4", ["node-1"])
-
+    request = restore_of(s3_server, tmp_path, "c4", {"ring-0": True, "ring-1": False})
     agent_options(agent, s3_server)
-    request = RestoreRequest(
-        session_id="rsj-disk",
-        coordinator="127.0.0.1:9",  # never reached: the download fails first
-        session_token=SecretStr("t"),
-        job="ring",
-        checkpoint="team/c4",
-        images=ImageSource(location=destination.location, credentials=SECRET, job="ring", checkpoint_id="c4"),
-        ranks=[
-            RestoreRank(container="main", rank_key=f"ring/{pod}/main/1", namespace="team", pod=pod)
-            for pod in ("ring-0", "ring-1")
-        ],
+    client = agent.client()
+    client.restore(request)
+    report = wait_finished(client, "rsj-c4")
+    assert report.state == "Failed" and "no tree manifest" in report.message, report
+    assert not (state / "restore" / "team").exists(), list((state / "restore").rglob("*"))
+
+
+def test_a_restore_that_would_not_fit_on_the_disk_is_refused_before_it_stages_anything(
+    agent: Running, tmp_path: Path, s3_server: S3Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state = tmp_path / "state"
+    request = restore_of(s3_server, tmp_path, "c6", {"ring-0": True})
+    agent_options(agent, s3_server)
+    monkeypatch.setattr(
+        shutil, "disk_usage", lambda path: SimpleNamespace(total=1 << 30, used=0, free=1 << 20)
     )
     client = agent.client()
     client.restore(request)
-    report = wait_finished(client, "rsj-disk")
-    assert report.state == "Failed" and "no tree manifest" in report.message, report
+    report = wait_finished(client, "rsj-c6")
+    assert report.state == "Refused", report
+    size = sum(f.stat().st_size for f in (tmp_path / "dumped" / "ring-0.main").iterdir())  # ~3.9 KiB
+    assert report.message == (
+        f"refusing to restore on this node: its images would need about 64.0 MiB ({image_estimate(size)} "
+        f"bytes: {size / 1024:.1f} KiB in the files of 1 container, plus 10% and 64 MiB) and {state} has "
+        "1.0 MiB (1048576 bytes) free: free space there or give agent.hostDir a larger disk "
+        "(docs/node-agent.md)"
+    ), report.message
+    assert [r.phase for r in report.ranks] == ["Failed"], report
     assert not (state / "restore" / "team").exists(), list((state / "restore").rglob("*"))
 
 

@@ -18,6 +18,7 @@ import asyncio
 import functools
 import json
 import logging
+import os
 import shutil
 import threading
 import time
@@ -30,7 +31,7 @@ from ibckpt.agentapi import Milestone
 from ibckpt.agentapi import models as api
 from ibckpt.coordination.client import CoordinationAborted, CoordinatorError
 from ibckpt.coordination.ranks import RankId
-from ibckpt_node import driver, itimers, tcp_remap
+from ibckpt_node import driver, itimers, preflight, tcp_remap
 from ibckpt_node.agent import restoredevices
 from ibckpt_node.agent.kubesecrets import StagingError
 from ibckpt_node.agent.session import (
@@ -62,6 +63,10 @@ POLL_S = 0.25
 
 class RestoreError(Exception):
     """This node cannot restore what it was asked to; the message says why."""
+
+
+class RestoreRefused(RestoreError):
+    """Refused before anything was staged: the images would not fit on this node."""
 
 
 @dataclass(frozen=True)
@@ -133,6 +138,28 @@ def recorded_devices(
         for item in planned
         if item.devices is not None and item.rank_keys
     ]
+
+
+def check_room(
+    manifest: Manifest,
+    planned: Sequence[ContainerRestore],
+    restore_dir: Callable[[str, str, str], str],
+) -> None:
+    """RestoreRefused when the planned containers' images would not fit where they are staged, by the
+    checkpoint's rules (preflight.restore_room_problem)."""
+    if not planned:
+        return
+    dirs = [restore_dir(item.namespace, item.pod, item.container) for item in planned]
+    staging = Path(os.path.commonpath(dirs))
+    try:
+        problem = preflight.restore_room_problem(
+            manifest.files, [item.tree_root for item in planned], staging
+        )
+    except OSError as exc:  # not known to be short: the download says so if it is
+        log.warning("the room for a restore in %s is unknown: %s", staging, exc)
+        return
+    if problem:
+        raise RestoreRefused(problem)
 
 
 def _private_dir(path: Path) -> None:
@@ -375,6 +402,8 @@ async def run(agent: Agent, session: Session) -> None:
         report.state = api.SessionState.SUCCEEDED
         report.phase = "Succeeded"
         report.message = f"restored {len(planned)} containers on {agent.node}"
+    except RestoreRefused as exc:
+        finish_failed(session, api.SessionState.REFUSED, str(exc))
     except (StagingError, RestoreError, restoredevices.DeviceRestoreError) as exc:
         finish_failed(session, api.SessionState.FAILED, str(exc))
     except CoordinationAborted as exc:
@@ -443,6 +472,8 @@ async def download(
         raise RestoreError(f"the restore request's address map: {exc}") from None
     manifest = await asyncio.to_thread(read_manifest)
     planned[:] = plan(request, manifest)
+    restore_dir = agent.registry.config.restore_dir
+    await asyncio.to_thread(check_room, manifest, planned, restore_dir)
     fetched = 0
 
     def count(size: int) -> None:  # runs on the download's threads
@@ -457,7 +488,7 @@ async def download(
         source,
         request.checkpoint,
         planned,
-        agent.registry.config.restore_dir,
+        restore_dir,
         count,
         remap,
         lock,
