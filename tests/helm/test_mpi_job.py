@@ -1,4 +1,5 @@
-"""An MPI job in pods, on the real cluster with the chart installed: Open MPI over UCX on rxe, a launcher pod
+"""An MPI job in pods, on the real cluster with the chart installed: Open MPI over UCX on two HCAs per node
+(multi-rail: rxe0 and rxe1, each on a link of its own), a launcher pod
 (mpirun and rank 0) on node-1 and a worker pod (the exec server mpirun starts orted with, and rank 1) on
 node-2, both owned by an MPIJob as the MPI Operator creates them (tests/testbed/mpijob.py). A run of
 jacobi is moved, and must still print exactly the RESULT of an uninterrupted run of the same binary: a
@@ -81,6 +82,22 @@ def _sealed_in_the_bucket(s3: S3Server, bucket: str) -> None:
         assert head[:4] == codec.MAGIC and head[6] == codec.Cipher.AES_256_GCM, (k, head)
 
 
+def _both_rails_recorded(s3: S3Server, bucket: str) -> None:
+    """The checkpoint's manifest (signed, not sealed) records that each rank's UCX held verbs contexts on
+    both HCAs of its node: the restore had to rebuild both rails, each onto the same HCA of the new node."""
+    client = s3.client()
+    keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket).get("Contents", [])]
+    manifests = [k for k in keys if "/manifests/" in f"/{k}" and k.endswith(".json")]
+    assert len(manifests) == 1, keys
+    manifest = json.loads(client.get_object(Bucket=bucket, Key=manifests[0])["Body"].read())
+    used = {
+        key: sorted(devices) for rank in manifest["ranks"] for key, devices in rank["devices"]["used"].items()
+    }
+    assert len(used) == 2 and all(devices == sorted(mpijob.RAILS) for devices in used.values()), used
+    for rank in manifest["ranks"]:
+        assert set(mpijob.RAILS) <= set(rank["devices"]["allocated"]), rank
+
+
 def test_an_mpijob_moved_by_a_restorejob_prints_the_uninterrupted_result(
     installed: Release, job_ns: str, mpi_crd: None, s3_server: S3Server
 ) -> None:
@@ -117,6 +134,7 @@ def test_an_mpijob_moved_by_a_restorejob_prints_the_uninterrupted_result(
     assert ranks == {mpijob.LAUNCHER: 1, mpijob.WORKER: 1} and spec["rankCount"] == 2, spec["pods"]
     _the_plugin_shows(cluster, job_ns, checkpoint["metadata"]["name"])
     _sealed_in_the_bucket(s3_server, bucket)
+    _both_rails_recorded(s3_server, bucket)
 
     cluster.kubectl("delete", "pod", "-n", job_ns, *mpijob.MEMBERS, "--timeout=120s", timeout=150)
     back = kubectl_ibckpt(

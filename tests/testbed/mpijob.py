@@ -33,10 +33,13 @@ SLEEP_MS = 60
 FAST = "/tmp/fast"
 ROOT_OK = "export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1"
 # The settings docs/mpi.md found for Open MPI's UCX PML on rxe; tcp first among UCX's connection
-# managers keeps UCX from holding an rdma_cm fd the shim does not manage.
+# managers keeps UCX from holding an rdma_cm fd the shim does not manage. Multi-rail: UCX opens both
+# HCAs of each node (rxe0, rxe1, each on its own link) and may spread a message over two lanes.
+RAILS = ("rxe0", "rxe1")
 UCX = (
     "--mca pml ucx --mca pml_ucx_devices any --mca osc ucx --mca btl self "
-    "-x UCX_NET_DEVICES=rxe0:1 -x UCX_TLS=rc_verbs,ud_verbs,self -x UCX_UD_ETH_DGID_CHECK=n "
+    f"-x UCX_NET_DEVICES={','.join(f'{d}:1' for d in RAILS)} -x UCX_MAX_EAGER_RAILS=2 "
+    "-x UCX_MAX_RNDV_RAILS=2 -x UCX_TLS=rc_verbs,ud_verbs,self -x UCX_UD_ETH_DGID_CHECK=n "
     "-x UCX_SOCKADDR_TLS_PRIORITY=tcp"
 )
 _RESULT = re.compile(r"^RESULT .*$", re.MULTILINE)
