@@ -15,6 +15,12 @@ if TYPE_CHECKING:
     from testbed.cluster import Cluster
 
 RDMA_RESOURCE = "rdma/hca"
+# node-2's plugin gives a container its HCAs last first (uverbs1, then uverbs0): every restore between
+# the nodes meets the same devices in another order, and must map them by name (docs/rdma-pods.md)
+REVERSED_ON = ("node-2",)
+REVERSE_ARGS = [arg for node in REVERSED_ON for arg in ("--reverse-on", node)]
+# each HCA's link between the nodes, by the first two octets of its addresses (guest-init2.sh)
+LINKS = {"10.77": "rxe0", "10.78": "rxe1"}
 PLUGIN_NS = "kube-system"
 PLUGIN_NAME = "testbed-rdma-device-plugin"
 _SCRIPT = Path(__file__).with_name("rdma_device_plugin.py")
@@ -23,6 +29,13 @@ _SCRIPT = Path(__file__).with_name("rdma_device_plugin.py")
 def rdma_resources() -> dict[str, Any]:
     """What an RDMA container asks for: one share of its node's HCAs."""
     return {"limits": {RDMA_RESOURCE: "1"}, "requests": {RDMA_RESOURCE: "1"}}
+
+
+def rails(gids: list[str]) -> set[str]:
+    """The HCAs whose links the IPv4-mapped GIDs among `gids` (hex, as the shim's status gives them)
+    are on: a context's virtual GIDs name the HCA it was opened on, its real ones the HCA it is on now."""
+    raw = [bytes.fromhex(g) for g in gids]
+    return {LINKS[f"{b[12]}.{b[13]}"] for b in raw if b[:12] == bytes(10) + b"\xff\xff"}
 
 
 def node_daemonset(name: str, namespace: str, pod: dict[str, Any]) -> dict[str, Any]:
@@ -56,7 +69,8 @@ def plugin_objects() -> list[dict[str, Any]]:
                 "name": "plugin",
                 "image": APPS_IMAGE,
                 "imagePullPolicy": "Never",
-                "command": ["python3", "-u", "/plugin/plugin.py"],
+                "command": ["python3", "-u", "/plugin/plugin.py", *REVERSE_ARGS],
+                "env": [{"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}],
                 # A vendor's device plugin reads the node's devices: it is privileged, the
                 # RDMA pods it serves are not.
                 "securityContext": {"privileged": True},

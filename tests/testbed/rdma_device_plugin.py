@@ -10,7 +10,11 @@ Standalone on purpose: it runs in the testbed's apps image (python3 and python3-
 a ConfigMap, so it imports only the standard library and grpc. The protobuf messages it needs are few
 and small, so they are encoded here by hand (the field numbers are the API's, pluginapi v1beta1).
 
-    python3 rdma_device_plugin.py [--slots N] [--resource rdma/hca]
+    python3 rdma_device_plugin.py [--slots N] [--resource rdma/hca] [--reverse-on NODE ...]
+
+--reverse-on: on that node (NODE_NAME in the environment) a container is given its uverbs nodes in
+the other order, the last HCA first, as a plugin that enumerates its node's devices otherwise does: a
+restore between such nodes must find each device by its name, not by its place (ibckpt/devicemap.py).
 """
 
 from __future__ import annotations
@@ -133,9 +137,12 @@ def allocate_response(containers: list[list[str]]) -> bytes:
 # -- the node's devices -----------------------------------------------------------------------------
 
 
-def rdma_device_paths() -> list[str]:
-    """Every uverbs node of this node's HCAs, in index order, then rdma_cm if the node has it."""
+def rdma_device_paths(reverse: bool = False) -> list[str]:
+    """Every uverbs node of this node's HCAs, in index order (or the other way), then rdma_cm if the
+    node has it."""
     names = sorted((p.name for p in SYS_VERBS.glob("uverbs*")), key=lambda n: int(n[len("uverbs") :]))
+    if reverse:
+        names.reverse()
     paths = [str(DEV_DIR / n) for n in names if (DEV_DIR / n).exists()]
     if (DEV_DIR / "rdma_cm").exists():
         paths.append(str(DEV_DIR / "rdma_cm"))
@@ -146,8 +153,9 @@ def rdma_device_paths() -> list[str]:
 
 
 class Plugin:
-    def __init__(self, resource: str, slots: int) -> None:
+    def __init__(self, resource: str, slots: int, reverse: bool = False) -> None:
         self.resource = resource
+        self.reverse = reverse
         self.ids = [f"hca-{i}" for i in range(slots)]
         self.endpoint = "ibckpt-testbed-rdma.sock"
         self.stopped = threading.Event()
@@ -163,7 +171,7 @@ class Plugin:
 
     def allocate(self, request: bytes, _context: object) -> bytes:
         containers = allocate_request_ids(request)
-        paths = rdma_device_paths()
+        paths = rdma_device_paths(self.reverse)
         print(f"allocate {containers}: {paths}", flush=True)
         return allocate_response([paths for _ in containers])
 
@@ -218,12 +226,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--resource", default="rdma/hca")
     parser.add_argument("--slots", type=int, default=32)
+    parser.add_argument("--reverse-on", action="append", default=[], metavar="NODE")
     args = parser.parse_args(argv)
+    reverse = os.environ.get("NODE_NAME", "") in args.reverse_on
     while True:
         while not KUBELET_SOCKET.exists():
             time.sleep(1)
         try:
-            Plugin(args.resource, args.slots).serve()
+            Plugin(args.resource, args.slots, reverse).serve()
         except Exception as error:  # a kubelet mid-restart refuses Register: try again shortly
             print(f"device plugin: {error}", file=sys.stderr, flush=True)
             time.sleep(2)

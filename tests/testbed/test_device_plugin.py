@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
+
 from testbed import rdma_device_plugin as plugin
 
 
@@ -37,3 +41,18 @@ def test_list_and_watch_and_long_varints() -> None:
     assert {d[1][1] for d in devices} == {b"Unhealthy"}
     assert len(response) > 127  # the list's own lengths are single bytes; a payload this long is not
     assert plugin.decode(plugin._field(7, b"y" * 300)) == [(7, b"y" * 300)]
+
+
+def test_a_reversing_node_gives_its_hcas_last_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    sysfs, dev = tmp_path / "sys", tmp_path / "dev"
+    for n in (0, 1, 10):
+        (sysfs / f"uverbs{n}").mkdir(parents=True)
+        dev.mkdir(exist_ok=True)
+        (dev / f"uverbs{n}").touch()
+    (dev / "rdma_cm").touch()
+    monkeypatch.setattr(plugin, "SYS_VERBS", sysfs)
+    monkeypatch.setattr(plugin, "DEV_DIR", dev)
+    names = [p.rpartition("/")[2] for p in plugin.rdma_device_paths()]
+    assert names == ["uverbs0", "uverbs1", "uverbs10", "rdma_cm"]  # by index, not by text
+    names = [p.rpartition("/")[2] for p in plugin.rdma_device_paths(reverse=True)]
+    assert names == ["uverbs10", "uverbs1", "uverbs0", "rdma_cm"]
