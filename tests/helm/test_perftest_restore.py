@@ -15,6 +15,9 @@ in use, and its RDMA traffic over the second one is restored on the other node's
    in place; the same processes go on). Every many_qps process then makes new QPs.
 2. A Stop CheckpointJob cuts them all, and a RestoreJob brings every pod back on the other node. The
    restore remaps the nodes' addresses in the images, so perftest's TCP control connection follows.
+   Its `deviceMap` swaps the HCAs (rxe0 -> rxe1, rxe1 -> rxe0): the operator's map wins over the same
+   name, and every verbs context is reopened on the other link, as each one's real GIDs must show,
+   while its virtual ones stay. perftest's writes then cross the first link, many_qps' QPs the second.
    Every many_qps process makes new QPs again, now beside the siblings it was checkpointed with.
 After each cycle no two processes of one source node hold one virtual QPN, and each was told its
 siblings' numbers before it rebuilt. perftest must end by itself, exit 0, and the client's report must
@@ -34,7 +37,7 @@ from typing import Any
 import pytest
 from helm.conftest import Release
 
-from testbed import pods, ring, sibling_ids
+from testbed import devices, pods, ring, sibling_ids
 from testbed.cluster import Cluster, node_ip
 
 # budget: what it may take on the slowest machine seen; first of the long stories (tests/testbed/budget.py).
@@ -56,6 +59,7 @@ MANY_QPS = {"perf-0": 3, "perf-1": 3, "ids-0": 4, "ids-1": 4}  # beside perftest
 # the nodes' second HCA, on a link of its own (10.78.0.N); many_qps opens the first one, rxe0
 PERFTEST = f"ib_write_bw -d rxe1 -x 1 -F -s 1024 -D {DURATION} -p 18515"
 SLACK = 90.0  # on emulated nodes: the pods' starts, the restore's last steps, the report
+SWAP = {"rxe0": "rxe1", "rxe1": "rxe0"}  # the RestoreJob's deviceMap
 
 
 def perf_pod(name: str, node: str, command: str) -> dict[str, Any]:
@@ -80,10 +84,29 @@ def container_state(cluster: Cluster, namespace: str, name: str) -> dict[str, An
     return dict(pod["status"]["containerStatuses"][0]["state"])
 
 
-def siblings_apart(cluster: Cluster, job_ns: str, cycle: str) -> int:
-    """Each source node's processes after `cycle`: apart, told, and new QPs at their real numbers. Returns
-    how many times a shim had to ask again for a QPN (its log line), to show the check had work."""
+def contexts_on(statuses: sibling_ids.Statuses, swapped: bool) -> int:
+    """Every process holds a verbs context, each on the HCA its virtual GIDs name, or (`swapped`) on the
+    other one, and only perftest's on rxe1 (by its virtual GIDs): how many contexts were checked."""
+    on_rxe1 = 0
+    checked = 0
+    for key, status in statuses.items():
+        assert status["contexts"], (key, status)
+        for context in status["contexts"]:
+            virtual, real = devices.rails(context["gids"]), devices.rails(context["real_gids"])
+            expected = {SWAP[d] for d in virtual} if swapped else virtual
+            assert len(virtual) == 1 and real == expected, (key, swapped, context)
+            on_rxe1 += virtual == {"rxe1"}
+            checked += 1
+    assert on_rxe1 == 2, statuses  # perftest, in each perf pod
+    return checked
+
+
+def siblings_apart(cluster: Cluster, job_ns: str, cycle: str, swapped: bool = False) -> int:
+    """Each source node's processes after `cycle`: apart, told, new QPs at their real numbers, and each
+    context on its HCA (contexts_on). Returns how many times a shim had to ask again for a QPN (its log
+    line), to show the check had work."""
     before, after = sibling_ids.statuses(cluster, job_ns, [*PODS], more=PODS)
+    assert contexts_on(before, swapped) >= len(PODS) * sibling_ids.PROCESSES, before
     made = 0
     for node, names in SOURCES.items():
         group = {k: v for k, v in before.items() if k.split("/")[0] in names}
@@ -142,13 +165,13 @@ def test_ib_write_bw_with_a_duration_restored_on_the_other_nodes_ends_on_time(
     assert cut < began + DURATION - 30, f"the checkpoint came {cut - began:.0f}s after perftest began"
     name = stopped["status"]["checkpointName"]
 
-    pods.apply(cluster, job_ns, ring.restore_job("perf-back", name))
+    pods.apply(cluster, job_ns, ring.restore_job("perf-back", name, device_map=SWAP))
     restored = ring.wait_phase(cluster, job_ns, "restorejob", "perf-back", "Succeeded", 900)
     back = stamp(restored["status"]["completionTime"])
     other = {"node-1": "node-2", "node-2": "node-1"}
     moved = {name: other[node] for name, node in PODS.items()}
     assert ring.placement(cluster, job_ns) == moved
-    taken += siblings_apart(cluster, job_ns, "after the restore")
+    taken += siblings_apart(cluster, job_ns, "after the restore", swapped=True)
 
     # it was still writing when it was cut: the time it had left runs from its restore
     left = began + DURATION - cut
