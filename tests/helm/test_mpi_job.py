@@ -27,7 +27,7 @@ import pytest
 from helm.conftest import NAMESPACE, Release
 
 from ibckpt.store import codec
-from testbed import mpijob, pods, ring
+from testbed import devices, mpijob, pods, ring, sibling_ids
 from testbed.cluster import Cluster, kubectl_ibckpt, node_ip
 from testbed.s3 import S3Server
 
@@ -84,7 +84,8 @@ def _sealed_in_the_bucket(s3: S3Server, bucket: str) -> None:
 
 def _both_rails_recorded(s3: S3Server, bucket: str) -> None:
     """The checkpoint's manifest (signed, not sealed) records that each rank's UCX held verbs contexts on
-    both HCAs of its node: the restore had to rebuild both rails, each onto the same HCA of the new node."""
+    both HCAs of its node, and the order its pod was given them: node-2's plugin gives them last first
+    (devices.REVERSED_ON), so each pod is restored on a node that lists its HCAs the other way round."""
     client = s3.client()
     keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket).get("Contents", [])]
     manifests = [k for k in keys if "/manifests/" in f"/{k}" and k.endswith(".json")]
@@ -95,7 +96,22 @@ def _both_rails_recorded(s3: S3Server, bucket: str) -> None:
     }
     assert len(used) == 2 and all(devices == sorted(mpijob.RAILS) for devices in used.values()), used
     for rank in manifest["ranks"]:
-        assert set(mpijob.RAILS) <= set(rank["devices"]["allocated"]), rank
+        given = [d for d in rank["devices"]["allocated"] if d in mpijob.RAILS]
+        expected = list(mpijob.RAILS)[:: -1 if rank["node"] in devices.REVERSED_ON else 1]
+        assert given == expected, rank
+
+
+def _rails_kept_by_name(cluster: Cluster, job_ns: str) -> None:
+    """Each restored rank's verbs contexts, read from its shim's `status` in its pod: each is on the HCA
+    of the name it was opened with (its real GIDs on the link its virtual ones are on), though the
+    new node gave the pod its HCAs in the other order (ibckpt/devicemap.py: the same name first)."""
+    statuses, _ = sibling_ids.statuses(cluster, job_ns, list(mpijob.MEMBERS))
+    ranks = [s for s in statuses.values() if s["contexts"]]
+    assert len(ranks) == 2, statuses
+    for status in ranks:
+        opened = [devices.rails(c["gids"]) for c in status["contexts"]]
+        now = [devices.rails(c["real_gids"]) for c in status["contexts"]]
+        assert opened == now and sorted(d for o in opened for d in o) == sorted(mpijob.RAILS), status
 
 
 def test_an_mpijob_moved_by_a_restorejob_prints_the_uninterrupted_result(
@@ -150,6 +166,7 @@ def test_an_mpijob_moved_by_a_restorejob_prints_the_uninterrupted_result(
     assert placed[mpijob.WORKER]["spec"]["nodeName"] == "node-1", restored["status"]
     assert placed[mpijob.WORKER]["status"]["podIP"] == node_ip(1)
     moved = mpijob.progress(cluster, job_ns, cut_at)
+    _rails_kept_by_name(cluster, job_ns)
     expected = mpijob.uninterrupted(cluster, job_ns)  # done long ago
 
     after = mpijob.finish(cluster, job_ns)
