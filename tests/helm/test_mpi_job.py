@@ -92,9 +92,9 @@ def _both_rails_recorded(s3: S3Server, bucket: str) -> None:
     assert len(manifests) == 1, keys
     manifest = json.loads(client.get_object(Bucket=bucket, Key=manifests[0])["Body"].read())
     used = {
-        key: sorted(devices) for rank in manifest["ranks"] for key, devices in rank["devices"]["used"].items()
+        key: sorted(names) for rank in manifest["ranks"] for key, names in rank["devices"]["used"].items()
     }
-    assert len(used) == 2 and all(devices == sorted(mpijob.RAILS) for devices in used.values()), used
+    assert len(used) == 2 and all(names == sorted(mpijob.RAILS) for names in used.values()), used
     for rank in manifest["ranks"]:
         given = [d for d in rank["devices"]["allocated"] if d in mpijob.RAILS]
         expected = list(mpijob.RAILS)[:: -1 if rank["node"] in devices.REVERSED_ON else 1]

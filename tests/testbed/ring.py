@@ -426,8 +426,11 @@ def storage(s3_endpoint: str, bucket: str) -> dict[str, Any]:
 
 def restore_job(name: str, checkpoint: str, device_map: dict[str, str] | None = None) -> dict[str, Any]:
     """A RestoreJob that brings the ring back with each pod off the node it was checkpointed on."""
-    spec: dict[str, Any] = {"checkpointName": checkpoint, "avoidSourceNodes": True}
-    spec["timeouts"] = {"admitSeconds": 300}
+    spec: dict[str, Any] = {
+        "checkpointName": checkpoint,
+        "avoidSourceNodes": True,
+        "timeouts": {"admitSeconds": 300},
+    }
     if device_map is not None:
         spec["deviceMap"] = device_map
     return {
