@@ -25,7 +25,7 @@ from testbed.images import APPS_IMAGE, NEXT_IMAGE
 from testbed.release import CHART, helm
 
 # budget: at most what it took on the slowest machine seen (tests/testbed/budget.py)
-pytestmark = [pytest.mark.cluster, pytest.mark.timeout(2400), pytest.mark.budget(minutes=18)]
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(2400), pytest.mark.budget(minutes=14)]
 
 READY_LABEL = "ibckpt.io/runtime-ready"
 HOST_LIB = "/host/usr/local/lib/ibckpt"  # the node's, in the agent
