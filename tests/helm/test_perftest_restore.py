@@ -11,7 +11,8 @@ whose virtual QP numbers must stay apart from their siblings' over the cycles. E
 rxe1 while many_qps holds its QPs on rxe0, so every perf pod is checkpointed and moved with two devices
 in use, and its RDMA traffic over the second one is restored on the other node's second one (issue 30).
 
-A Stop CheckpointJob cuts them all, and a RestoreJob brings every pod back on the other node. The restore
+A Stop CheckpointJob cuts them all. A RestoreJob whose deviceMap names an HCA the nodes lack fails before
+any pod exists; then a RestoreJob brings every pod back on the other node. The restore
 remaps the nodes' addresses in the images, so perftest's TCP control connection follows. Its `deviceMap`
 swaps the HCAs (rxe0 -> rxe1, rxe1 -> rxe0): the operator's map wins over the same name, and every verbs
 context is reopened on the other link, as each one's real GIDs must show, while its virtual ones stay.
@@ -57,6 +58,7 @@ MANY_QPS = {"perf-0": 3, "perf-1": 3, "ids-0": 4, "ids-1": 4}  # beside perftest
 PERFTEST = f"ib_write_bw -d rxe1 -x 1 -F -s 1024 -D {DURATION} -p 18515"
 SLACK = 90.0  # on emulated nodes: the pods' starts, the restore's last steps, the report
 SWAP = {"rxe0": "rxe1", "rxe1": "rxe0"}  # the RestoreJob's deviceMap
+NOWHERE = {"rxe0": "mlx5_7"}  # an HCA neither node has: refused before any pod is made
 
 
 def perf_pod(name: str, node: str, command: str) -> dict[str, Any]:
@@ -114,6 +116,23 @@ def siblings_apart(cluster: Cluster, job_ns: str, cycle: str, swapped: bool = Fa
     return logs.count(sibling_ids.TAKEN)
 
 
+def refused_before_any_pod(cluster: Cluster, job_ns: str, checkpoint: str) -> None:
+    """A RestoreJob whose deviceMap names an HCA no node has fails before any pod exists, and says why
+    in its status and a Warning Event; the Checkpoint stays restorable (the next RestoreJob uses it)."""
+    pods.apply(cluster, job_ns, ring.restore_job("perf-nowhere", checkpoint, device_map=NOWHERE))
+    failed = ring.wait_phase(cluster, job_ns, "restorejob", "perf-nowhere", "Failed", 300)
+    status = failed["status"]
+    assert status["reason"] == "DevicesDoNotFit", status
+    words = ("cannot take the RDMA devices of pod", "the deviceMap names mlx5_7, not among", "rxe1")
+    assert all(word in status["message"] for word in words), status
+    events = [
+        e for e in pods.get(cluster, job_ns, "events")["items"]
+        if e["involvedObject"]["name"] == "perf-nowhere" and e["reason"] == "DevicesDoNotFit"
+    ]  # fmt: skip
+    assert events and events[0]["type"] == "Warning", events
+    assert not pods.get(cluster, job_ns, "pod")["items"], "a refused restore created pods"
+
+
 def test_ib_write_bw_with_a_duration_restored_on_the_other_nodes_ends_on_time(
     installed: Release, job_ns: str
 ) -> None:
@@ -147,6 +166,7 @@ def test_ib_write_bw_with_a_duration_restored_on_the_other_nodes_ends_on_time(
     checkpoint = pods.get(cluster, job_ns, "checkpoint", name)
     assert {p["name"] for p in checkpoint["spec"]["pods"]} == set(PODS), checkpoint["spec"]["pods"]
 
+    refused_before_any_pod(cluster, job_ns, name)
     pods.apply(cluster, job_ns, ring.restore_job("perf-back", name, device_map=SWAP))
     restored = ring.wait_phase(cluster, job_ns, "restorejob", "perf-back", "Succeeded", 900)
     back = stamp(restored["status"]["completionTime"])
