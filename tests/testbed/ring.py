@@ -104,10 +104,13 @@ def member(
 AWAIT_SERVER = 'until [ -s /tmp/server ]; do sleep 1; done; server="$(cat /tmp/server)"; sleep 3'
 
 
-def start(cluster: Cluster, namespace: str, host_network: bool = False, devices: str = "plugin") -> None:
+def start(
+    cluster: Cluster, namespace: str, host_network: bool = False, devices: str = "plugin", beside: str = ""
+) -> None:
     """ring-0 on node-1, ring-1 on node-2; returns once they exchange messages. With `host_network` the pods
     share their nodes' network and ring-1 also keeps a TCP connection to ring-0 (KEEPER) for the whole run.
-    `devices`: how the pods get their RDMA devices (pods.rdma_pod)."""
+    `devices`: how the pods get their RDMA devices (pods.rdma_pod). `beside`: a command each pod runs in
+    the background for its whole life, next to its rank."""
     server = (
         f'{WRITE_KEEPER}; python3 /tmp/keeper.py serve "$HOST_IP" & {SERVER}; wait'
         if host_network
@@ -117,6 +120,8 @@ def start(cluster: Cluster, namespace: str, host_network: bool = False, devices:
     client = f"{AWAIT_SERVER}; {rc_client}"
     if host_network:
         client = f'{WRITE_KEEPER}; {AWAIT_SERVER}; python3 /tmp/keeper.py ask "$server" & {rc_client}; wait'
+    if beside:
+        server, client = f"{beside} & {server}", f"{beside} & {client}"
     keeper_pod = member("ring-0", "node-1", server, host_network, devices)
     host_ip = {"name": "HOST_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.hostIP"}}}
     keeper_pod["spec"]["containers"][0].setdefault("env", []).append(host_ip)
