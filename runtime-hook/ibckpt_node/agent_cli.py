@@ -6,12 +6,15 @@
         [--release-quiet]
     ibckpt-node restore --coordinator HOST:PORT --session ID --node NAME \
         --rank KEY=IMAGE_DIR:CONTROL_SOCKET ... [--rejoin KEY=PID:CONTROL_SOCKET ...] [--epoch N] \
-        [--remap-ip OLD=NEW ...] [--tree IMAGE_DIR ...]
+        [--remap-ip OLD=NEW ...] [--tree IMAGE_DIR ...] [--device-map OLD=NEW ...]
 
 Before any rank is touched, checkpoint refuses a rank with a TCP connection to an address that
 is not one of the job's (--job-addr; default: every node of the session publishes its own), a
 QP connected outside the job, or a verb the shim refused. --remap-ip rewrites the TCP socket
 addresses in the images before CRIU restores them, so connections between ranks follow a move.
+--device-map sends a restored rank's contexts on HCA OLD to this node's HCA NEW (the RestoreJob's
+deviceMap, docs/rdma-pods.md); other devices keep their names. A NEW this node lacks is refused before
+anything is restored; a device a rank used that has no counterpart here, before any rank rebuilds.
 
 --tree dumps a whole process tree (say mpirun or orted with its ranks) as one image, under
 IMAGES/NAME; every --rank must then be inside a tree. Restore it with --tree IMAGES/NAME: the
@@ -36,14 +39,17 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from ibckpt.coordination.client import CoordinatorClient, CoordinatorError
 from ibckpt.coordination.ranks import RankId
+from ibckpt.devicemap import DeviceMapError
 from ibckpt.tls import CA_FILE, TlsSetupError, client_context_from
 from ibckpt.vocabulary import Mode, PhaseSeconds
+from ibckpt_native.control import ControlError
+from ibckpt_node import rdma_devices
 from ibckpt_node.coord_proxy import Channel, ShimCoordinatorProxy
 from ibckpt_node.criu import CriuError
 from ibckpt_node.driver import CutOptions, NodeDriver, NodeSettings
@@ -69,6 +75,44 @@ def _parse_tree(spec: str) -> ProcessTree:
     if not sep or not name or "/" in name or not pid.isdigit():
         raise CheckpointFailed(f"--tree {spec!r}: expected NAME=ROOT_PID")
     return ProcessTree(name, int(pid))
+
+
+def _parse_device_map(specs: Sequence[str]) -> dict[str, str]:
+    """--device-map OLD=NEW ... as {old: new}; ValueError naming a bad one."""
+    mapping: dict[str, str] = {}
+    for spec in specs:
+        old, sep, new = spec.partition("=")
+        if not sep or not old or not new or old in mapping:
+            raise ValueError(f"--device-map {spec!r}: expected OLD=NEW, each OLD once")
+        mapping[old] = new
+    return mapping
+
+
+def _absent_targets(mapping: dict[str, str], sysfs: Path = rdma_devices.VERBS_SYSFS) -> str:
+    """Why `mapping` cannot apply on this node (a target it does not have), or ""."""
+    here = rdma_devices.node_devices(sysfs)
+    missing = sorted({new for new in mapping.values() if new not in here})
+    if not missing:
+        return ""
+    return f"--device-map names {', '.join(missing)}, not among this node's {', '.join(here) or 'none'}"
+
+
+def _send_device_maps(
+    mapping: dict[str, str], timeout_s: float
+) -> Callable[[Sequence[LocalRank]], Awaitable[None]] | None:
+    """The driver's before_rebuild for --device-map, None without one."""
+    if not mapping:
+        return None
+
+    async def send(restored: Sequence[LocalRank]) -> None:
+        try:
+            await rdma_devices.map_by_hand(restored, mapping, timeout_s)
+        except DeviceMapError as exc:
+            raise CheckpointFailed(f"no device map fits: {exc}") from None
+        except (ControlError, OSError) as exc:
+            raise CheckpointFailed(f"a rank refused its device map (a shim without devmap?): {exc}") from None
+
+    return send
 
 
 def _report_json(report: NodeReport) -> str:
@@ -124,7 +168,8 @@ async def _run(args: argparse.Namespace, drivers: list[NodeDriver]) -> NodeRepor
             rejoin = [LocalRank(rank, int(where), control) for rank, where, control in held]
             remap = parse_map(args.remap_ip)
             tree_dirs = [Path(spec) for spec in args.tree]
-            return await driver.restore(images, controls, args.epoch, rejoin, remap, tree_dirs)
+            maps = _send_device_maps(_parse_device_map(args.device_map), driver.timeouts.quiesce_seconds)
+            return await driver.restore(images, controls, args.epoch, rejoin, remap, tree_dirs, maps)
     finally:
         await client.close()
 
@@ -180,6 +225,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--remap-ip", action="append", default=[], help="restore: OLD=NEW, rewrite TCP socket addresses"
     )
+    parser.add_argument(
+        "--device-map", action="append", default=[], help="restore: OLD=NEW, reopen HCA OLD's contexts on NEW"
+    )
     args = parser.parse_args(argv)
     if args.command == "checkpoint" and not args.images:
         parser.error("checkpoint needs --images")
@@ -187,8 +235,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("give at least one --rank (or, to restore, a --tree)")
     try:
         parse_map(args.remap_ip)
+        device_map = _parse_device_map(args.device_map)
     except ValueError as exc:
         parser.error(str(exc))
+    if device_map and args.command != "restore":
+        parser.error("--device-map is for restore")
+    absent = _absent_targets(device_map)
+    if absent:  # before anything is restored
+        print(f"ibckpt-node: restore refused: {absent}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     drivers: list[NodeDriver] = []
     try:

@@ -505,6 +505,7 @@ class NodeDriver:
         rejoin: Sequence[LocalRank] = (),
         remap: tcp_remap.AddressMap | None = None,
         trees: Sequence[Path] = (),
+        before_rebuild: Callable[[Sequence[LocalRank]], Awaitable[None]] | None = None,
     ) -> NodeReport:
         """Restore this node's ranks from their images, then rebuild toward the peers and resume.
 
@@ -513,7 +514,8 @@ class NodeDriver:
         `remap` ({old: new} address, the same on every node) rewrites the images' TCP sockets
         before CRIU restores them, so connections between ranks that moved follow them.
         `trees` are image dirs of whole process trees (ProcessTree); their manifests name the
-        ranks inside, which CRIU restores with their pids.
+        ranks inside, which CRIU restores with their pids. `before_rebuild` gets the restored ranks
+        (not the rejoining ones) before any rank rebuilds: say, to send their device maps.
         """
         t = self.timeouts
         lock = tcp_remap.ConnectionLock([])
@@ -558,6 +560,8 @@ class NodeDriver:
             finally:
                 for error in await asyncio.to_thread(lock.unlock):
                     log.error("%s: %s", self.node, error)
+            if before_rebuild is not None:
+                await before_rebuild([r for r in self.ranks if r not in rejoin])
             await self._rebuild_and_resume(epoch)
 
         return await self._restoring(steps)  # the rejoining ranks and, once restored, the others

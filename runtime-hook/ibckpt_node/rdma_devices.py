@@ -131,6 +131,22 @@ async def send_maps(
     await asyncio.gather(*(one(r) for r in ranks))
 
 
+async def map_by_hand(
+    ranks: Sequence[LocalRank], explicit: Mapping[str, str], timeout_s: float, sysfs: Path = VERBS_SYSFS
+) -> None:
+    """`ibckpt-node restore --device-map`: the restored ranks' maps by the same rule, with this node's
+    devices as the allocation (a process outside a container may open any of them); DeviceMapError
+    naming the rank when a device it used has no counterpart here."""
+    here = node_devices(sysfs)
+    maps = {}
+    for key, devices in (await used_devices(ranks, timeout_s)).items():
+        try:
+            maps[key] = renames(device_map(devices, [], here, explicit))
+        except DeviceMapError as exc:
+            raise DeviceMapError(f"rank {key}: {exc} (ibckpt-node: --device-map OLD=NEW)") from None
+    await send_maps(ranks, maps, timeout_s)
+
+
 async def record(
     trees: Sequence[tuple[str, container_runtime.RuntimeContainer | None]],
     tree_keys: Mapping[str, Sequence[str]],

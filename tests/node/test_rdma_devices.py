@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +16,9 @@ from node.fake_shim import FakeShimSocket
 
 from ibckpt.coordination.client import CoordinatorClient
 from ibckpt.coordination.ranks import RankId
+from ibckpt.devicemap import DeviceMapError
 from ibckpt.vocabulary import PhaseSeconds
-from ibckpt_node import rdma_devices
+from ibckpt_node import agent_cli, rdma_devices
 from ibckpt_node.agent import restoredevices
 from ibckpt_node.agent.restoredevices import DeviceRestoreError, Recorded
 from ibckpt_node.container_runtime import RuntimeContainer
@@ -220,3 +222,71 @@ async def test_a_refused_map_fails_the_restore_before_any_rank_rebuilds(
     assert "device mlx5_1 (position 1 of mlx5_0, mlx5_1) has no counterpart" in str(failure)
     assert driver.report.outcome == "Aborted"
     assert "rebuild" not in [line.split()[0] for line in shim.lines] and shim.state == "released"
+
+
+# `ibckpt-node restore --device-map`, the plain path (no Kubernetes): the same rule, this node's devices
+# as the allocation, the map checked before anything is restored.
+
+
+def test_the_plain_paths_map_renames_what_it_names_and_keeps_the_rest(tmp_path: Path) -> None:
+    sys = sysfs(tmp_path / "sys", {"uverbs0": "mlx5_1", "uverbs1": "mlx5_4"})
+    shim = DeviceShim(tmp_path / "7.sock", ["mlx5_0", "mlx5_1"])
+    rank = LocalRank(RankId.parse(KEY), 4242, shim.path)
+    asyncio.run(rdma_devices.map_by_hand([rank], {"mlx5_0": "mlx5_4"}, 5, sys))
+    assert shim.lines == ["status", "devmap -", "devmap mlx5_0 mlx5_4"]  # mlx5_1 is here: kept
+
+
+def test_the_plain_paths_map_refuses_a_device_with_no_counterpart_before_telling_any_rank(
+    tmp_path: Path,
+) -> None:
+    sys = sysfs(tmp_path / "sys", {"uverbs0": "mlx5_4"})
+    shim = DeviceShim(tmp_path / "7.sock", ["mlx5_0", "mlx5_2"])
+    rank = LocalRank(RankId.parse(KEY), 4242, shim.path)
+    with pytest.raises(DeviceMapError) as refused:
+        asyncio.run(rdma_devices.map_by_hand([rank], {"mlx5_0": "mlx5_4"}, 5, sys))
+    assert f"rank {KEY}: device mlx5_2 (no recorded allocation) has no counterpart" in str(refused.value)
+    assert "--device-map OLD=NEW" in str(refused.value) and shim.lines == ["status"]
+
+
+def test_ibckpt_node_refuses_a_map_to_a_device_this_node_lacks_before_restoring(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    shim = DeviceShim(tmp_path / "7.sock", ["rxe0"])
+    images = tmp_path / "images"  # never read: the refusal comes first
+    args = ["restore", "--coordinator", "127.0.0.1:1", "--session", "s", "--node", "node-1",
+            "--rank", f"{KEY}={images}:{shim.path}", "--device-map", "rxe0=nowhere7"]  # fmt: skip
+    assert agent_cli.main(args) == 2
+    said = capsys.readouterr().err
+    assert "restore refused: --device-map names nowhere7, not among this node's" in said, said
+    assert shim.lines == [] and not images.exists()
+    with pytest.raises(SystemExit) as bad:
+        agent_cli.main([*args[:-1], "rxe0"])
+    assert bad.value.code == 2 and "expected OLD=NEW" in capsys.readouterr().err
+
+
+async def test_the_plain_restore_asks_before_rebuild_ahead_of_any_rebuild(
+    coordinator: ThreadedCoordinator, tmp_path: Path, sleeper: int
+) -> None:
+    """driver.restore's hook (what --device-map sends through) runs after CRIU, before any rebuild, and
+    gets the restored ranks only: a rank that stayed (a Hold's, rejoining) keeps its devices."""
+    shim = DeviceShim(tmp_path / "7.sock", ["rxe0"])
+    shim.state = "released"
+    held = LocalRank(RankId.parse(KEY), sleeper, shim.path)
+    session, tokens = coordinator.create_session({"node-1"})
+    client = await CoordinatorClient.connect(
+        "127.0.0.1", coordinator.port, session, "node-1", tokens["node-1"], tls=shared_pki().client()
+    )
+    driver = NodeDriver("node-1", client, [], PhaseSeconds(rebuild_seconds=10))
+    seen: list[tuple[list[str], list[str]]] = []
+
+    async def before_rebuild(restored: Sequence[LocalRank]) -> None:
+        seen.append(([r.rank.key() for r in restored], [line.split()[0] for line in shim.lines]))
+
+    try:
+        report = await asyncio.wait_for(driver.restore({}, {}, 2, [held], before_rebuild=before_rebuild), 30)
+    finally:
+        await client.close()
+    assert report.outcome == "Succeeded" and len(seen) == 1
+    restored, said_before = seen[0]
+    assert restored == [] and "rebuild" not in said_before
+    assert "rebuild" in [line.split()[0] for line in shim.lines]
