@@ -116,9 +116,16 @@ def siblings_apart(cluster: Cluster, job_ns: str, cycle: str, swapped: bool = Fa
     return logs.count(sibling_ids.TAKEN)
 
 
+def uids(cluster: Cluster, job_ns: str) -> dict[str, str]:
+    """The namespace's pods (after a Stop, the stopped ones until a restore replaces them), by name."""
+    return {p["metadata"]["name"]: p["metadata"]["uid"] for p in pods.get(cluster, job_ns, "pod")["items"]}
+
+
 def refused_before_any_pod(cluster: Cluster, job_ns: str, checkpoint: str) -> None:
-    """A RestoreJob whose deviceMap names an HCA no node has fails before any pod exists, and says why
-    in its status and a Warning Event; the Checkpoint stays restorable (the next RestoreJob uses it)."""
+    """A RestoreJob whose deviceMap names an HCA no node has fails before it touches a pod (the stopped
+    ones stay as they are, none is made), and says why in its status and a Warning Event; the Checkpoint
+    stays restorable (the next RestoreJob uses it)."""
+    before = uids(cluster, job_ns)
     pods.apply(cluster, job_ns, ring.restore_job("perf-nowhere", checkpoint, device_map=NOWHERE))
     failed = ring.wait_phase(cluster, job_ns, "restorejob", "perf-nowhere", "Failed", 300)
     status = failed["status"]
@@ -130,7 +137,7 @@ def refused_before_any_pod(cluster: Cluster, job_ns: str, checkpoint: str) -> No
         if e["involvedObject"]["name"] == "perf-nowhere" and e["reason"] == "DevicesDoNotFit"
     ]  # fmt: skip
     assert events and events[0]["type"] == "Warning", events
-    assert not pods.get(cluster, job_ns, "pod")["items"], "a refused restore created pods"
+    assert uids(cluster, job_ns) == before, "a refused restore touched the job's pods"
 
 
 def test_ib_write_bw_with_a_duration_restored_on_the_other_nodes_ends_on_time(
