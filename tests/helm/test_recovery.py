@@ -33,8 +33,9 @@ from helm.conftest import Release
 from testbed import pods, ring
 from testbed.cluster import delete_vanished_node
 
-# budget: at most what it took on the slowest machine seen (tests/testbed/budget.py)
-pytestmark = [pytest.mark.cluster, pytest.mark.timeout(2400), pytest.mark.budget(minutes=25)]
+# budget (tests/testbed/budget.py): 9.8 min in CI's run of 2026-12-04; 24.3 alone at the slowest pace seen,
+# its cluster's setup included
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(2400), pytest.mark.budget(minutes=20)]
 
 SCHEDULE = "ring"
 PERIODIC = 2  # checkpoints the schedule takes before the first failure: one more than it keeps
