@@ -33,9 +33,10 @@ from helm.conftest import Release
 from testbed import pods, ring
 from testbed.cluster import delete_vanished_node
 
-# budget (tests/testbed/budget.py): 9.8 min in CI's run of 2026-12-04; 24.3 alone at the slowest pace seen,
-# its cluster's setup included
-pytestmark = [pytest.mark.cluster, pytest.mark.timeout(2400), pytest.mark.budget(minutes=20)]
+# budget (tests/testbed/budget.py): 9.8 min in a CI-like run of 2026-12-04, 24.3 alone at the slowest pace
+# seen. Kept at 25 so that, when time is short, this story (it runs before test_uninstall) is the one left
+# out: at 20 a run whose perftest story passed reached test_uninstall at 60 min and skipped it.
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(2400), pytest.mark.budget(minutes=25)]
 
 SCHEDULE = "ring"
 PERIODIC = 2  # checkpoints the schedule takes before the first failure: one more than it keeps
