@@ -178,7 +178,10 @@ def agent_pod(name: str, node: str, terminated: dict[str, Any] | None = None) ->
 
 def test_a_lost_session_names_the_oom_kill_that_restarted_the_agent() -> None:
     began = time.time()
-    killed = {"reason": "OOMKilled", "exitCode": 137, "finishedAt": time.strftime("%Y-%m-%dT%H:%M:%SZ")}
+    # ended after any `since` the check below allows (finishedAt has whole seconds; a loaded machine
+    # starts the session more than a second after `began`)
+    ended = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(began + 6))
+    killed = {"reason": "OOMKilled", "exitCode": 137, "finishedAt": ended}
     pods = [agent_pod("ibckpt-agent-x", "node-a", killed), agent_pod("ibckpt-agent-y", "node-b")]
 
     async def fate(since: float) -> str:
