@@ -55,7 +55,8 @@ def move(cluster: Cluster, ns: str, shape: str, tag: str) -> tuple[float, float]
     given, hca = SHAPES[shape]
     ring.start(cluster, ns, devices=given, beside=pingpong(hca))
     expected = {"rxe0", hca}  # the rank is on rxe0
-    assert all(used == expected for used in rails_in_use(cluster, ns).values()), rails_in_use(cluster, ns)
+    in_use = rails_in_use(cluster, ns)
+    assert all(used == expected for used in in_use.values()), in_use
     pods.apply(cluster, ns, ring.checkpoint_job(f"move-{tag}", "Stop"))
     _, job = follow_phases(cluster, "checkpointjob", f"move-{tag}", namespace=ns)
     cluster.kubectl("delete", "pod", "-n", ns, *ring.MEMBERS, "--timeout=180s", timeout=200)
@@ -64,7 +65,8 @@ def move(cluster: Cluster, ns: str, shape: str, tag: str) -> tuple[float, float]
     container = pods.get(cluster, ns, "pod", "ring-0")["spec"]["containers"][0]
     # the restored pod kept its shape (the apiserver gives a lab-shape container an empty `resources`)
     assert bool(container.get("resources", {}).get("limits")) == (given == "plugin"), container
-    assert all(used == expected for used in rails_in_use(cluster, ns).values()), rails_in_use(cluster, ns)
+    in_use = rails_in_use(cluster, ns)
+    assert all(used == expected for used in in_use.values()), in_use
     ring.finish(cluster, ns)  # a restore that worked: exactly once, or the bench stops here
     cluster.kubectl("delete", "pod", "-n", ns, *ring.MEMBERS, "--timeout=180s", timeout=200)
     return ring.seconds(job), ring.seconds(restored)

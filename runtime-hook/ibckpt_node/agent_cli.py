@@ -110,7 +110,7 @@ def _send_device_maps(
         except DeviceMapError as exc:
             raise CheckpointFailed(f"no device map fits: {exc}") from None
         except (ControlError, OSError) as exc:
-            raise CheckpointFailed(f"a rank refused its device map (a shim without devmap?): {exc}") from None
+            raise CheckpointFailed(f"{rdma_devices.MAP_REFUSED}: {exc}") from None
 
     return send
 

@@ -25,6 +25,8 @@ from ibckpt_node.ranks import LocalRank
 log = logging.getLogger(__name__)
 
 VERBS_SYSFS = Path("/sys/class/infiniband_verbs")
+# why a restore fails when send_maps meets a shim that would not take its map
+MAP_REFUSED = "a rank refused its device map (a shim without devmap?)"
 _UVERBS = re.compile(r"^uverbs([0-9]+)$")
 
 

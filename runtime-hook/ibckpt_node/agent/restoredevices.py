@@ -87,4 +87,4 @@ async def apply(
     try:
         await rdma_devices.send_maps(ranks, maps, timeout_s)
     except (ControlError, OSError) as exc:
-        raise DeviceRestoreError(f"a rank refused its device map (a shim without devmap?): {exc}") from None
+        raise DeviceRestoreError(f"{rdma_devices.MAP_REFUSED}: {exc}") from None
