@@ -5,7 +5,7 @@ FROM debian:bookworm-slim AS native
 RUN apt-get update && apt-get install -y --no-install-recommends gcc make libc6-dev libibverbs-dev \
     && rm -rf /var/lib/apt/lists/*
 COPY native/ /src/native/
-RUN make -C /src/native build/libibckpt.so build/criu/ibckpt_uverbs.so
+RUN make -C /src/native build/libibckpt.so build/criu/ibckpt_uverbs.so build/ibckpt-front
 
 FROM debian:bookworm-slim AS python
 RUN apt-get update && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
@@ -31,6 +31,7 @@ RUN apt-get update && apt-get install -y --no-install-recommends python3 criu ru
 COPY --from=python /opt/ibckpt/venv /opt/ibckpt/venv
 COPY --from=native /src/native/build/libibckpt.so /usr/lib/ibckpt/libibckpt.so
 COPY --from=native /src/native/build/criu/ibckpt_uverbs.so /usr/lib/ibckpt/criu/ibckpt_uverbs.so
+COPY --from=native /src/native/build/ibckpt-front /usr/lib/ibckpt/ibckpt-front
 ENV PATH=/opt/ibckpt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 # The operator and CLI run as this user; the agent's pod asks for root (it drives CRIU).
 USER 65532

@@ -4,16 +4,17 @@ Run: .venv/bin/python bench/hook_cost.py [--runs 20] [--host-only]
 
 Host part (no runtime needed): the hook process alone, given a non-RDMA container's state on
 stdin and its config.json, as the runtime calls it, against /bin/true given the same stdin (the
-cost of any hook at all), both as installed on a node (`python3 -IS` launcher) and as a virtualenv
-console script would start it.
+cost of any hook at all): as installed on a node, the compiled front (native/front) and Python's
+`python3 -IS` launcher, and as a virtualenv console script would start it.
 
 Guest part (a Soft-RoCE guest with the real runc; TCG makes every number ~20x the host's, so read
-the ratios): `runc run` of a trivial container (/bin/true) three ways:
+the ratios): `runc run` of a trivial container (/bin/true):
   runc        plain runc, no hook: the baseline;
   wrapper     ibckpt-runc as the handler: create is edited only for RDMA containers, so this is
               the wrapper's start-up plus one exec;
   hooks.d     plain runc with ibckpt-hook at createRuntime and poststop in config.json, which is
-              what podman or CRI-O do for every container with hooks.d's `always`.
+              what podman or CRI-O do for every container with hooks.d's `always`;
+the last two each with the compiled front and with Python's launchers alone (no front).
 Prints the median per container start and each ratio to the baseline.
 """
 
@@ -30,6 +31,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+FRONT = REPO / "native" / "build" / "ibckpt-front"  # make native
+PYTHON_PREFIX = "/opt/ibckpt-python"  # the guest's second install: Python's launchers, no front
 sys.path.insert(0, str(REPO / "tests"))
 
 PLAIN_SPEC = {
@@ -78,18 +81,26 @@ def host_part(runs: int) -> None:
         in_venv = timed(venv, runs, state, {**env, **{"PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
         passthrough = timed([str(wrapper), "--root", "/run/runc", "state", "c1"], runs, b"", env)
         assert not (root / "state" / "containers").exists(), "a plain container must not be registered"
+        fronted = root / "front"
+        install.install(fronted, "/usr/local", "/usr/bin/python3", None, {"runc": "/bin/true"}, front=FRONT)
+        front_hook = timed([str(fronted / "usr/local/bin/ibckpt-hook"), "createRuntime"], runs, state, env)
+        front_runc = [str(fronted / "usr/local/bin/ibckpt-runc"), "--root", "/run/runc", "state", "c1"]
+        front_pass = timed(front_runc, runs, b"", env)
     print(f"host, hook process for a non-RDMA container (median of {runs}):")
     print(f"  /bin/true (any hook at all)        {base * 1e3:7.1f} ms")
     print(f"  python3 -IS -c pass (the floor)    {interpreter * 1e3:7.1f} ms  ({interpreter / base:.1f}x)")
     print(f"  ibckpt-hook, installed (-IS)       {installed * 1e3:7.1f} ms  ({installed / base:.1f}x)")
     print(f"  ibckpt-hook, virtualenv python     {in_venv * 1e3:7.1f} ms  ({in_venv / base:.1f}x)")
     print(f"  ibckpt-runc state (exec of 'runc') {passthrough * 1e3:7.1f} ms  ({passthrough / base:.1f}x)")
+    print(f"  ibckpt-hook, compiled front        {front_hook * 1e3:7.1f} ms  ({front_hook / base:.1f}x)")
+    print(f"  ibckpt-runc state, compiled front  {front_pass * 1e3:7.1f} ms  ({front_pass / base:.1f}x)")
 
 
 GUEST_SCRIPT = """
 set -e
 sh {repo}/tests/hook/guest-cgroups.sh
-{python} -m ibckpt_node.hook.install --config '{{"runc": "/usr/sbin/runc"}}' >/dev/null
+{python} -m ibckpt_node.hook.install --config '{{"runc": "/usr/sbin/runc"}}' --front {front} >/dev/null
+{python} -m ibckpt_node.hook.install --prefix {python_prefix} >/dev/null
 {python} {repo}/bench/hook_cost.py --inside --runs {runs}
 """
 
@@ -109,22 +120,35 @@ def guest_inside(runs: int) -> None:
         {"destination": "/usr", "type": "bind", "source": "/usr", "options": ["rbind", "ro"]}
     )
     plain = json.dumps(spec)
-    spec["hooks"] = {
-        stage: [{"path": "/usr/local/bin/ibckpt-hook", "args": ["ibckpt-hook", stage]}]
-        for stage in ("createRuntime", "poststop")
-    }
-    hooked = json.dumps(spec)
+    hooked = {}
+    for name, prefix in (("front", "/usr/local"), ("python", PYTHON_PREFIX)):
+        spec["hooks"] = {
+            stage: [{"path": f"{prefix}/bin/ibckpt-hook", "args": ["ibckpt-hook", stage]}]
+            for stage in ("createRuntime", "poststop")
+        }
+        hooked[name] = json.dumps(spec)
     results = {}
     for name, runtime, config in (
         ("runc", "runc", plain),
-        ("wrapper", "/usr/local/bin/ibckpt-runc", plain),
-        ("hooks.d", "runc", hooked),
+        ("wrapper, front", "/usr/local/bin/ibckpt-runc", plain),
+        ("wrapper, Python", f"{PYTHON_PREFIX}/bin/ibckpt-runc", plain),
+        ("hooks.d, front", "runc", hooked["front"]),
+        ("hooks.d, Python", "runc", hooked["python"]),
     ):
         samples = []
         for i in range(runs):
             (work / "config.json").write_text(config)
             t0 = time.perf_counter()
-            subprocess.run([runtime, "run", "--bundle", str(work), f"{name}-{i}"], check=True)
+            subprocess.run(
+                [
+                    runtime,
+                    "run",
+                    "--bundle",
+                    str(work),
+                    f"{name.replace(', ', '-').replace('.', '').lower()}-{i}",
+                ],
+                check=True,
+            )
             samples.append(time.perf_counter() - t0)
         results[name] = statistics.median(samples)
         assert json.loads((work / "config.json").read_text()) == json.loads(config), "plain: no edit"
@@ -150,14 +174,16 @@ def main() -> int:
         return 0
     from testbed import guest
 
-    script = GUEST_SCRIPT.format(repo=REPO, python=sys.executable, runs=args.runs)
+    script = GUEST_SCRIPT.format(
+        repo=REPO, python=sys.executable, runs=args.runs, front=FRONT, python_prefix=PYTHON_PREFIX
+    )
     result = guest.run(guest.GuestSpec(command=script), timeout=1800)
     lines = result.output.splitlines()
     start = next((i for i, line in enumerate(lines) if line.startswith("guest (TCG)")), None)
     if result.returncode != 0 or start is None:
         print("\n".join(lines[-40:]))
         return 1
-    print("\n".join(lines[start : start + 5]))
+    print("\n".join(lines[start : start + 7]))
     return 0
 
 

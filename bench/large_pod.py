@@ -2,6 +2,7 @@
 same node in the same run (issue 31): the freeze, the Stop checkpoint and the restore, at each size given.
 
 Run from the repo root:  .venv/bin/python bench/large_pod.py [--mib 64 512] [--rate 5] [--agent-memory 2Gi]
+                             [--guest-memory-mib 6144]
 (boots S3, the control plane and the two Soft-RoCE nodes and installs the chart, about 15 minutes under TCG,
 then about 10 minutes per 256 MiB; read the ratios, not the seconds)
 
@@ -121,7 +122,8 @@ def ibckpt_side(cluster: Cluster, mib: int, rate: float) -> dict[str, Any]:
     if "CHECK ok" not in log:
         raise SystemExit(f"the restored rank's region is wrong:\n{log[-2000:]}")
     print(f"{mib} MiB: restored on {node}; {log.strip().splitlines()[-2]}")
-    cluster.kubectl("delete", "pod", "-n", NS, "big", "--wait=false", check=False)
+    # gone before the next size applies its own `big` (an apply to a pod still terminating is an update)
+    cluster.kubectl("delete", "pod", "-n", NS, "big", "--timeout=300s", check=False, timeout=320)
     return out
 
 
@@ -196,8 +198,19 @@ def main() -> int:
         help="the agents' memory limit (the chart's default unless given): the testbed's disks are tmpfs, "
         "so the image files CRIU writes count in the agent's memory (docs/node-agent.md)",
     )
+    parser.add_argument(
+        "--guest-memory-mib",
+        type=int,
+        default=3072,
+        help="each node guest's memory; its tmpfs disks get half: a pre-dumped pod's images are on it "
+        "twice, beside the pod's own memory (6144 for 512 MiB)",
+    )
     args = parser.parse_args()
-    on_cluster(BUCKET, lambda cluster, s3: run(cluster, s3, args.mib, args.rate, args.agent_memory))
+    on_cluster(
+        BUCKET,
+        lambda cluster, s3: run(cluster, s3, args.mib, args.rate, args.agent_memory),
+        memory_mb=args.guest_memory_mib,
+    )
     return 0
 
 

@@ -3,13 +3,15 @@
     .venv/bin/python bench/memory_tier.py                     # 64 MiB and 256 MiB parts
     .venv/bin/python bench/memory_tier.py --sizes 1GiB --mtbf-hours 12
 
-For each size, one node's part (incompressible pages plus small CRIU-like files) is:
-1. staged to S3 as the agent stages it (stage_part: chunk, compress, PUT, the signed part): the cost a
-   checkpoint pays today before it commits;
-2. kept in another agent's memory (memorycopies.keep: rebuilt from the images, sent over the agents' TLS
-   to a real agent server's shelf, sealed): the cost of a commit on the memory tier, had the commit waited
-   for the copies alone;
-3. restored from S3, then restored with the copy as the chunk source (every chunk from memory).
+For each size, one node's part (incompressible pages plus small CRIU-like files) is committed twice:
+1. on S3 (commitOn: S3), as the agent stages it and the operator commits it: stage_part (chunk,
+   compress, PUT, the signed part) then commit_parts (the merged, signed manifest);
+2. on the memory tier (commitOn: Memory): memorycopies.keep_first (the part sealed chunk by chunk and
+   streamed over the agents' TLS to a real agent server's shelf, sealed with its signed part manifest),
+   then what the operator does: the part manifest read back from the holder, commit_in_memory (merged
+   and signed, no S3 call) and the signed manifest put on the holder;
+3. restored from S3, then restored from memory alone (memory_only: the manifest and every chunk from
+   the holder, no S3 client).
 It prints the ratios memory/S3 and the Young/Daly interval sqrt(2 * C * MTBF) under each cost C. The S3
 server (SeaweedFS) and the holder agent run on this machine: both paths cross loopback, so the ratios say
 what ibckpt's own work costs on each path, not what a real network or a remote bucket would add.
@@ -36,7 +38,8 @@ from agent.agent_harness import IMAGE_KEYS  # noqa: E402
 
 from ibckpt.agentapi import ImageDestination, MemoryCopySource, MemoryCopyTarget, SecretRef  # noqa: E402
 from ibckpt.api import S3Location  # noqa: E402
-from ibckpt.store import ImageStore  # noqa: E402
+from ibckpt.store import CheckpointRef, ImageStore  # noqa: E402
+from ibckpt.store.parts import commit_in_memory  # noqa: E402
 from ibckpt.store.units import format_size, parse_size  # noqa: E402
 from ibckpt.tls import client_context  # noqa: E402
 from ibckpt_node.agent import memorycopies  # noqa: E402
@@ -93,27 +96,37 @@ def one_size(s3: S3Server, holder: Holder, token: Path, size: int, work: Path) -
     config = store_config(location, destination.credentials, {k: base64.b64encode(v.encode()).decode()
                                                               for k, v in keys.items()})  # fmt: skip
     root = images(work, size)
+    trees = [("solver-0.main", "solver-0")]
     t = time.perf_counter()
-    staged = stage_part(config, destination, "node-1", root, [("solver-0.main", "solver-0")], lambda n: None,
-                        IMAGE_KEYS)  # fmt: skip
-    upload = time.perf_counter() - t
+    staged = stage_part(config, destination, "node-1", root, trees, lambda n: None, IMAGE_KEYS)
     staged.store.commit_parts("bench/solver", "c1", ["node-1"])
-    target = MemoryCopyTarget(node="node-2", address=f"127.0.0.1:{holder.port}")
+    upload = time.perf_counter() - t
+    # the same part committed on the memory tier, as checkpoint c2: what commitOn Memory does
+    destination = destination.model_copy(update={"checkpoint_id": "c2"})
+    target = MemoryCopyTarget(node="node-2", address=f"127.0.0.1:{holder.port}", first=True)
+    holder_client = memorycopies.client(target.address, token, holder.tls)
     t = time.perf_counter()
-    kept = memorycopies.keep(staged.store, staged.part, root, "node-1", target, token, holder.tls,
-                             time.monotonic() + 3600)  # fmt: skip
-    copy = time.perf_counter() - t
+    kept = memorycopies.keep_first(config, destination, "node-1", root, trees, IMAGE_KEYS, None, target,
+                                   token, holder.tls, time.monotonic() + 3600)  # fmt: skip
     assert kept.kept, kept.message
+    part = holder_client.part_manifest("bench/solver", "c2", "node-1")
+    assert part is not None
+    offline = ImageStore.offline(staged.store.config, signing=IMAGE_KEYS)
+    _, signed = commit_in_memory(offline.context, "bench/solver", "c2", {"node-1": part}, ["node-1"])
+    holder_client.put_manifest("bench/solver", "c2", signed)
+    copy = time.perf_counter() - t
     store = ImageStore.open(staged.store.config, signing=IMAGE_KEYS)
     t = time.perf_counter()
     store.restore(staged.part.ref, work / "from-s3", subtree="node-1/solver-0.main")
     from_s3 = time.perf_counter() - t
+    # a memory-only restore: the manifest and every chunk from the holder, no S3 client
     source = MemoryCopySource(node="node-2", address=target.address, part="node-1")
-    client = memorycopies.client(target.address, token, holder.tls)
-    reader = memorycopies.CopyReader("bench/solver", "c1", [(source, client)])
+    reader = memorycopies.CopyReader("bench/solver", "c2", [(source, holder_client)])
+    ref = CheckpointRef("bench/solver", "c2")
     t = time.perf_counter()
-    report = store.restore(staged.part.ref, work / "from-memory", subtree="node-1/solver-0.main",
-                           chunk_source=reader)  # fmt: skip
+    manifest = memorycopies.read_manifest(offline, ref, reader)
+    report = offline.restore(ref, work / "from-memory", subtree="node-1/solver-0.main", chunk_source=reader,
+                             manifest=manifest, source_only=True)  # fmt: skip
     from_memory = time.perf_counter() - t
     assert report.source_chunks == report.chunks, (report.source_chunks, report.chunks)
     for name in ("pages-1.img", "fdinfo-7.img"):
@@ -121,8 +134,7 @@ def one_size(s3: S3Server, holder: Holder, token: Path, size: int, work: Path) -
         assert (
             (work / "from-s3" / name).read_bytes() == original == (work / "from-memory" / name).read_bytes()
         )
-    holder_client = memorycopies.client(target.address, token, holder.tls)
-    holder_client.drop("bench/solver", "c1")
+    holder_client.drop("bench/solver", "c2")
     return {"upload": upload, "copy": copy, "from_s3": from_s3, "from_memory": from_memory}
 
 
@@ -148,13 +160,13 @@ def main() -> None:
             interval = {k: math.sqrt(2 * r[k] * mtbf) / 60 for k in ("upload", "copy")}
             print(f"part of {format_size(size)}:")
             ratio = r["copy"] / r["upload"]
-            print(f"  commit cost  S3 upload {r['upload']:.2f}s ({mb / r['upload']:.0f} MB/s), memory copy "
+            print(f"  commit cost  on S3 {r['upload']:.2f}s ({mb / r['upload']:.0f} MB/s), on memory "
                   f"{r['copy']:.2f}s ({mb / r['copy']:.0f} MB/s): ratio {ratio:.2f}")  # fmt: skip
             print(f"  restore      from S3 {r['from_s3']:.2f}s ({mb / r['from_s3']:.0f} MB/s), from memory "
                   f"{r['from_memory']:.2f}s ({mb / r['from_memory']:.0f} MB/s): "
                   f"ratio {r['from_memory'] / r['from_s3']:.2f}")  # fmt: skip
             print(f"  Young/Daly interval at MTBF {args.mtbf_hours:g} h: {interval['upload']:.1f} min "
-                  f"committing on S3, {interval['copy']:.1f} min were it committing on the copy")  # fmt: skip
+                  f"committing on S3, {interval['copy']:.1f} min committing on memory")  # fmt: skip
     finally:
         holder.stop()
         stop_s3(s3)

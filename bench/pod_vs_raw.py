@@ -218,14 +218,16 @@ def run(cluster: Cluster, s3: S3Server, raw_only: int | None = None) -> None:
     print("(raw has no admission, cut, commit, rebuild or resume: those rows are ibckpt's own cost)")
 
 
-def on_cluster(bucket: str, body: Callable[[Cluster, S3Server], None]) -> None:
-    """Run `body` on a fresh testbed cluster with S3 on the host (and `bucket` in it), then stop both."""
+def on_cluster(bucket: str, body: Callable[[Cluster, S3Server], None], memory_mb: int = 3072) -> None:
+    """Run `body` on a fresh testbed cluster with S3 on the host (and `bucket` in it), then stop both.
+    `memory_mb`: each node guest's memory (its disks are tmpfs, half of it)."""
     with tempfile.TemporaryDirectory(prefix="ibckpt-bench-") as tmp:
         work = Path(tmp)
         s3 = start_s3(work / "s3")
         try:
             s3.create_bucket(bucket)
-            cluster = start_cluster(work / "cluster", forward_ports=[int(s3.endpoint.rsplit(":", 1)[1])])
+            port = int(s3.endpoint.rsplit(":", 1)[1])
+            cluster = start_cluster(work / "cluster", forward_ports=[port], memory_mb=memory_mb)
             try:
                 body(cluster, s3)
             finally:

@@ -25,6 +25,7 @@ class Milestone(StrEnum):
     RELEASED = "Released"
     DUMPED = "Dumped"
     UPLOADED = "Uploaded"
+    MEMORY_KEPT = "MemoryKept"  # the part and its signed manifest sealed on its buddy (commitOn: Memory)
     DOWNLOADED = "Downloaded"
     RESTORED = "Restored"
     REBUILT = "Rebuilt"

@@ -301,6 +301,12 @@ class MemoryCopyTarget(AgentModel):
 
     node: str = Field(min_length=1, max_length=253)
     address: str = Field(pattern=r"^[^\s/]+:[0-9]{1,5}$", description="host:port of that node's agent API.")
+    # False (not sent: an agent from before it reads the request as before): the copy follows the upload
+    first: bool = Field(
+        default=False,
+        description="Keep the copy, with the part's signed manifest, before the S3 upload and report "
+        "MemoryKept: the job commits on the memory tier (commitOn: Memory).",
+    )
 
 
 class MemoryCopySource(AgentModel):
@@ -377,6 +383,11 @@ class RestoreRequest(SessionBase):
     )
     memory_copies: list[MemoryCopySource] | None = Field(
         default=None, description="Living memory copies of the checkpoint's parts, read before S3."
+    )
+    memory_only: bool = Field(
+        default=False,
+        description="The checkpoint is held in memory only: its signed manifest and every chunk come from "
+        "memory_copies' holders, and S3 is never asked.",
     )
 
 

@@ -11,11 +11,12 @@ from ibckpt.api.checkpoint import (
     CheckpointSize,
     CheckpointSpec,
     CheckpointStatus,
+    CheckpointUpload,
     JobReference,
     MemoryCopy,
     PodTemplate,
     RequiredVersions,
-    StorageTier,
+    UploadState,
 )
 from ibckpt.api.checkpointjob import (
     CHECKPOINT_JOB,
@@ -39,6 +40,7 @@ from ibckpt.api.common import (
     LocalObjectReference,
     PhaseTiming,
     SecretKeyReference,
+    StorageTier,
 )
 from ibckpt.api.kinds import KINDS
 from ibckpt.api.objects import (
@@ -101,6 +103,7 @@ __all__ = [
     "CheckpointStorageSpec",
     "CheckpointStorageStatus",
     "CheckpointTimings",
+    "CheckpointUpload",
     "CompressionCodec",
     "ConcurrencyPolicy",
     "Condition",
@@ -137,5 +140,6 @@ __all__ = [
     "SkippedCheckpoint",
     "StorageImport",
     "StorageTier",
+    "UploadState",
     "WorkloadReference",
 ]

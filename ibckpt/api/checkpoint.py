@@ -11,7 +11,7 @@ from pydantic import ConfigDict, Field, WithJsonSchema, model_validator
 
 from ibckpt.api.base import ApiModel, KindInfo, PrinterColumn
 from ibckpt.api.checkpointjob import CheckpointMode, CheckpointTimings, WorkloadReference
-from ibckpt.api.common import Conditions, LocalObjectReference, ObservedGeneration
+from ibckpt.api.common import Conditions, LocalObjectReference, ObservedGeneration, StorageTier
 from ibckpt.api.storage import S3Location
 
 
@@ -113,14 +113,6 @@ class CheckpointSpec(ApiModel):
         return self
 
 
-class StorageTier(StrEnum):
-    """Where a checkpoint's images are held: S3 (durable), and a node agent's memory (the memory tier:
-    fast to read, gone with that node or the job's next checkpoint)."""
-
-    S3 = "S3"
-    MEMORY = "Memory"
-
-
 class MemoryCopy(ApiModel):
     """One node's part of the images, kept in the memory of another node's agent."""
 
@@ -128,6 +120,26 @@ class MemoryCopy(ApiModel):
     node: str = Field(description="The node whose agent holds the copy.")
     chunks: int | None = Field(default=None, ge=0)
     bytes: int | None = Field(default=None, ge=0, description="Stored bytes (compressed, encrypted) held.")
+
+
+class UploadState(StrEnum):
+    IN_PROGRESS = "InProgress"
+    MERGED = "Merged"
+    NOT_FINISHED = "NotFinished"
+
+
+class CheckpointUpload(ApiModel):
+    """commitOn Memory: the background commit to S3 after the memory commit, recorded so that a restarted
+    operator takes it up again (docs/recovery.md, "Tiers")."""
+
+    state: UploadState = Field(
+        description="InProgress: the operator waits for every node's S3 part to merge them; Merged: in S3 "
+        "(tiers list S3); NotFinished: not all parts were staged by the deadline, memory only."
+    )
+    deadline: datetime = Field(
+        description="Until when the operator waits for the parts: the commit plus the job's "
+        "timeouts.uploadSeconds. An operator started later than it says NotFinished at once."
+    )
 
 
 class CheckpointStatus(ApiModel):
@@ -141,6 +153,9 @@ class CheckpointStatus(ApiModel):
         default=None,
         description="The parts kept in memory: a restore reads them there while their holder lives, and "
         "S3 for the rest (docs/recovery.md).",
+    )
+    upload: CheckpointUpload | None = Field(
+        default=None, description="commitOn Memory: the background commit to S3 (unset: committed on S3)."
     )
     message: str | None = None
     observed_generation: ObservedGeneration = None

@@ -17,6 +17,7 @@ from ibckpt.api.common import (
     LocalObjectReference,
     ObservedGeneration,
     PhaseTiming,
+    StorageTier,
 )
 from ibckpt.api.storage import S3Location
 from ibckpt.vocabulary import DEFAULT_BOUNDS as B
@@ -148,6 +149,14 @@ class CheckpointJobSpec(ApiModel):
     copy_labels: list[str] | None = Field(
         default=None, description="Keys of this job's labels to copy onto the Checkpoint ('*': all)."
     )
+    commit_on: StorageTier = Field(
+        default=StorageTier.S3,
+        description=(
+            "The tier the checkpoint commits on. S3: once every part is uploaded. Memory: once every part "
+            "and its signed manifest is kept in a neighbour agent's memory (needs the memory tier and two "
+            "ready agents); the S3 upload then finishes in the background (docs/recovery.md, Tiers)."
+        ),
+    )
 
     @model_validator(mode="after")
     def _one_of_each(self) -> CheckpointJobSpec:
@@ -172,6 +181,11 @@ class CheckpointTimings(ApiModel):
     release_seconds: float | None = Field(default=None, ge=0)
     dump_seconds: float | None = Field(default=None, ge=0)
     upload_seconds: float | None = Field(default=None, ge=0)
+    commit_seconds: float | None = Field(
+        default=None,
+        ge=0,
+        description="From the cut to the commit on the job's tier (commitOn): a schedule's measured cost.",
+    )
     total_seconds: float | None = Field(default=None, ge=0)
 
 
@@ -222,6 +236,10 @@ class CheckpointJobStatus(ApiModel):
     pods: list[PodRow] | None = None
     checkpoint_name: str | None = None
     manifest_key: str | None = None
+    committed_on: StorageTier | None = Field(
+        default=None,
+        description="The tier the checkpoint committed on: commitOn, or S3 when a memory copy failed.",
+    )
     bytes: int | None = Field(default=None, ge=0)
     size: str | None = Field(default=None, description="bytes, for people (printer column).")
     timings: CheckpointTimings | None = None

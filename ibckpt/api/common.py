@@ -90,3 +90,11 @@ CONDITIONS_SCHEMA_EXTRA: JsonDict = {"x-kubernetes-list-type": "map", "x-kuberne
 # The two fields every kind's status has, written `observed_generation: ObservedGeneration = None`.
 ObservedGeneration = Annotated[int | None, Field(ge=0)]
 Conditions = Annotated[list[Condition] | None, Field(json_schema_extra=CONDITIONS_SCHEMA_EXTRA)]
+
+
+class StorageTier(StrEnum):
+    """Where a checkpoint's images are held: S3 (durable), and a node agent's memory (the memory tier:
+    fast to read, gone with that node or the job's next checkpoint)."""
+
+    S3 = "S3"
+    MEMORY = "Memory"

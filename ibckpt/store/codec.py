@@ -107,7 +107,7 @@ def worth_compressing(plain: bytes | memoryview, level: int) -> bool:
     return len(_compressor(min(level, 1)).compress(sample)) <= PROBE_SIZE * (1 - PROBE_MIN_SAVING)
 
 
-def compress(plain: bytes, level: int) -> tuple[bytes, Codec]:
+def compress(plain: bytes | memoryview, level: int) -> tuple[bytes | memoryview, Codec]:
     """zstd at `level` if it pays, else the bytes unchanged. Level 0 never compresses."""
     if level <= 0 or not plain or not worth_compressing(plain, level):
         return plain, Codec.RAW
@@ -117,7 +117,9 @@ def compress(plain: bytes, level: int) -> tuple[bytes, Codec]:
     return packed, Codec.ZSTD
 
 
-def seal(payload: bytes, codec: Codec, plain_size: int, cid: str, keys: ChunkKeys | None) -> bytes:
+def seal(
+    payload: bytes | memoryview, codec: Codec, plain_size: int, cid: str, keys: ChunkKeys | None
+) -> bytes:
     """Header + payload, encrypted when keys are given."""
     cipher = Cipher.NONE if keys is None else Cipher.AES_256_GCM
     header = _HEADER.pack(MAGIC, FORMAT_VERSION, codec, cipher, 0, plain_size)
@@ -127,8 +129,41 @@ def seal(payload: bytes, codec: Codec, plain_size: int, cid: str, keys: ChunkKey
     return header + nonce + AESGCM(keys.seal).encrypt(nonce, payload, header + cid.encode())
 
 
-def open_chunk(stored: bytes, cid: str, keys: ChunkKeys | None) -> bytes:
-    """Stored bytes -> plain bytes, checking the header, the GCM tag and the size (not the hash)."""
+def framed_buffer(plain_size: int) -> bytearray:
+    """Room for a chunk's header followed by its `plain_size` plain bytes, for `seal_framed`: the caller
+    reads the plain bytes straight into buffer[HEADER_SIZE:]."""
+    return bytearray(HEADER_SIZE + plain_size)
+
+
+def seal_framed(
+    buffer: bytearray, payload: bytes | memoryview, codec: Codec, cid: str, keys: ChunkKeys | None
+) -> bytearray:
+    """The stored chunk of the plain bytes at buffer[HEADER_SIZE:], byte for byte what seal() gives;
+    `payload` and `codec` are what compress() gave for them. Raw and unencrypted (memory pages that do
+    not compress, most of a dump), the header is written in place and `buffer` is the result: no copy of
+    the chunk. Otherwise the payload is copied (or encrypted) once, straight into the result."""
+    plain_size = len(buffer) - HEADER_SIZE
+    cipher = Cipher.NONE if keys is None else Cipher.AES_256_GCM
+    if keys is None and codec is Codec.RAW:
+        _HEADER.pack_into(buffer, 0, MAGIC, FORMAT_VERSION, codec, cipher, 0, plain_size)
+        return buffer
+    extra = 0 if keys is None else NONCE_SIZE + TAG_SIZE
+    stored = bytearray(HEADER_SIZE + extra + len(payload))
+    _HEADER.pack_into(stored, 0, MAGIC, FORMAT_VERSION, codec, cipher, 0, plain_size)
+    if keys is None:
+        stored[HEADER_SIZE:] = payload
+        return stored
+    nonce = os.urandom(NONCE_SIZE)
+    stored[HEADER_SIZE : HEADER_SIZE + NONCE_SIZE] = nonce
+    associated = bytes(stored[:HEADER_SIZE]) + cid.encode()
+    ciphertext = memoryview(stored)[HEADER_SIZE + NONCE_SIZE :]
+    AESGCM(keys.seal).encrypt_into(nonce, payload, associated, ciphertext)
+    return stored
+
+
+def open_chunk(stored: bytes | bytearray, cid: str, keys: ChunkKeys | None) -> bytes | memoryview:
+    """Stored bytes -> plain bytes, checking the header, the GCM tag and the size (not the hash). A raw,
+    unencrypted chunk's plain bytes are a view of `stored`, not a copy."""
     if len(stored) < HEADER_SIZE:
         raise CodecError(f"truncated: {len(stored)} bytes, shorter than the header")
     magic, version, codec_value, cipher_value, _reserved, plain_size = _HEADER.unpack_from(stored)
@@ -138,14 +173,18 @@ def open_chunk(stored: bytes, cid: str, keys: ChunkKeys | None) -> bytes:
         codec, cipher = Codec(codec_value), Cipher(cipher_value)
     except ValueError:
         raise CodecError(f"unknown codec {codec_value} or cipher {cipher_value}") from None
-    header, body = stored[:HEADER_SIZE], stored[HEADER_SIZE:]
+    # A view: slicing bytes would copy the whole chunk once more.
+    header, body = bytes(stored[:HEADER_SIZE]), memoryview(stored)[HEADER_SIZE:]
+    plain: bytes | memoryview
     if cipher is Cipher.AES_256_GCM:
         if keys is None:
             raise CodecError("the chunk is encrypted and no client-side key is configured")
         if len(body) < NONCE_SIZE + TAG_SIZE:
             raise CodecError("truncated encrypted chunk")
         try:
-            body = AESGCM(keys.seal).decrypt(body[:NONCE_SIZE], body[NONCE_SIZE:], header + cid.encode())
+            body = memoryview(
+                AESGCM(keys.seal).decrypt(body[:NONCE_SIZE], body[NONCE_SIZE:], header + cid.encode())
+            )
         except InvalidTag:
             raise CodecError("authentication failed (damaged, or sealed with another key)") from None
     if codec is Codec.ZSTD:

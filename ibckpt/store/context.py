@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -49,7 +50,7 @@ class StoreContext:
             s3_errors(self.connection, f"reading the manifest of {ref}"),
             missing_as(lambda: self.not_found(ref)),
         ):
-            data = self.client.get_object(Bucket=self.bucket, Key=key)["Body"].read()
+            data = self.client.get_object(Bucket=self.bucket, Key=key, ChecksumMode="ENABLED")["Body"].read()
         keys = self.signing if verified else None
         return parse_manifest(data, f"{ref} ({key})", keys=keys, object_key=key)
 
@@ -125,14 +126,45 @@ class _Timer:
 
 
 def seal_chunk(
-    plain: bytes, cid: str, level: int, keys: ChunkKeys | None, times: StageTimes | None = None
+    plain: bytes | memoryview, cid: str, level: int, keys: ChunkKeys | None, times: StageTimes | None = None
 ) -> bytes:
     """A chunk as the store keeps it: zstd at `level` where it pays, framed, sealed when `keys` are set.
-    The one definition: the upload's, the follower's and the memory tier's copies (memorycopy.py) are
-    byte-compatible. `times`: where the upload counts its stages."""
+    The one definition: the upload's (codec.seal_framed: the same bytes, fewer copies), the follower's
+    and the memory tier's copies (memorycopy.py) are byte-compatible. `times`: where the upload counts
+    its stages."""
     if times is None:
         times = StageTimes()
     with times.timed("compress"):
         payload, chosen = codec.compress(plain, level)
     with times.timed("encrypt" if keys else "frame"):
         return codec.seal(payload, chosen, len(plain), cid, keys)
+
+
+def seal_framed_chunk(
+    buffer: bytearray, cid: str, level: int, keys: ChunkKeys | None, times: StageTimes | None = None
+) -> bytearray:
+    """seal_chunk of the plain bytes at buffer[HEADER_SIZE:] (codec.framed_buffer), with fewer copies:
+    a raw, unencrypted chunk is `buffer` itself with its header written in place (codec.seal_framed)."""
+    if times is None:
+        times = StageTimes()
+    with times.timed("compress"):
+        payload, chosen = codec.compress(memoryview(buffer)[codec.HEADER_SIZE :], level)
+    with times.timed("encrypt" if keys else "frame"):
+        return codec.seal_framed(buffer, payload, chosen, cid, keys)
+
+
+@dataclass(frozen=True)
+class FollowedSpan:
+    """A whole chunk the follower hashed, and found or put in the bucket."""
+
+    chunk_id: str
+    stored_size: int
+    crc32: int  # of its plain bytes: the upload takes chunk_id only while they still match
+
+
+# A span of a file: (its normalized path, its inode, the span's offset)
+SpanKey = tuple[str, int, int]
+
+
+def span_key(path: str, inode: int, offset: int) -> SpanKey:
+    return os.path.normpath(path), inode, offset

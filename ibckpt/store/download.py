@@ -17,7 +17,7 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -131,9 +131,11 @@ def _missing(ref: CheckpointRef, cid: str, where: str) -> ChunkMissingError:
     )
 
 
-def fetch_chunk(context: StoreContext, ref: CheckpointRef, cid: str, size: int, times: StageTimes) -> bytes:
+def fetch_chunk(
+    context: StoreContext, ref: CheckpointRef, cid: str, size: int, times: StageTimes
+) -> bytes | memoryview:
     """One chunk's plain bytes, verified against its id and at least `size` long; ChunkError names the chunk
-    and the checkpoint."""
+    and the checkpoint. No CRC32 of the response (s3.connect): the id check below covers every byte."""
     key = context.layout.chunk_key(cid)
     with (
         times.timed("get"),
@@ -152,7 +154,7 @@ def open_verified(
     stored: bytes,
     times: StageTimes,
     where: str,
-) -> bytes:
+) -> bytes | memoryview:
     """A chunk's plain bytes from its stored bytes, verified against its id and at least `size` long;
     ChunkCorruptError names the chunk, the checkpoint and `where` the bytes came from."""
     try:
@@ -184,17 +186,27 @@ def restore(
     progress: ProgressCallback | None = None,
     subtree: str | None = None,
     chunk_source: ChunkSource | None = None,
+    manifest: Manifest | None = None,
+    source_only: bool = False,
 ) -> TransferReport:
     """Rebuild checkpoint `ref` at `destination`, which must not exist or be an empty directory.
     `subtree`: only that directory of the checkpoint (a node's part of it), as the destination's root.
-    `chunk_source`: asked for each chunk before S3 (the memory tier)."""
+    `chunk_source`: asked for each chunk before S3 (the memory tier). `manifest`: the checkpoint's,
+    already verified by the caller (it came from elsewhere than S3), read from S3 otherwise, under a reader
+    lease. `source_only`: S3 is not read at all: a chunk the source does not give fails the restore."""
     if destination.exists() and (not destination.is_dir() or any(destination.iterdir())):
         raise StoreError(f"restore destination {destination} exists and is not an empty directory")
+    if source_only and (manifest is None or chunk_source is None):
+        raise StoreError("a restore without S3 needs the manifest and a chunk source")
     workers = context.connection.config.workers
     report = TransferReport(ref)
     times = StageTimes()
     started = time.perf_counter()
-    with reading(context, ref) as manifest:
+    given: AbstractContextManager[Manifest] | None = None
+    if manifest is not None:
+        _check_key(context, manifest)
+        given = nullcontext(manifest)
+    with given or reading(context, ref) as manifest:
         staging = destination.parent / f".{destination.name}.partial-{secrets.token_hex(4)}"
         files = select_subtree(manifest.files, subtree)
         # Again for the subtree: a link that stays inside the checkpoint may leave the part restored.
@@ -207,6 +219,8 @@ def restore(
             def fetch_and_write(root_fd: int, cid: str) -> int:
                 use = uses[cid]
                 found = sourced.plain(context, ref, cid, use.extent, times)
+                if found is None and source_only:
+                    raise _missing(ref, cid, "not given by the chunk source, and S3 is not read")
                 plain = memoryview(
                     found if found is not None else fetch_chunk(context, ref, cid, use.extent, times)
                 )
@@ -262,7 +276,7 @@ class _SourceCounts:
 
     def plain(
         self, context: StoreContext, ref: CheckpointRef, cid: str, size: int, times: StageTimes
-    ) -> bytes | None:
+    ) -> bytes | memoryview | None:
         if self.source is None:
             return None
         try:

@@ -21,7 +21,7 @@ from ibckpt.store.layout import CheckpointRef
 from ibckpt.store.leases import Lease, LeaseRecord, read_records
 from ibckpt.store.manifest import Manifest, parse_manifest
 from ibckpt.store.retention import CheckpointFacts, Decision, RetentionPolicy, decide
-from ibckpt.store.s3 import ListedObject, list_objects, s3_errors
+from ibckpt.store.s3 import ListedObject, list_objects, pages, s3_errors
 
 DEFAULT_GRACE = timedelta(hours=1)
 # Staged parts that nobody committed for this long belong to a checkpoint that failed.
@@ -154,7 +154,8 @@ def _sweep(
 
 def _load_part(context: StoreContext, item: ListedObject) -> Manifest:
     with s3_errors(context.connection, f"reading staged part {item.key}"):
-        data = context.client.get_object(Bucket=context.bucket, Key=item.key)["Body"].read()
+        response = context.client.get_object(Bucket=context.bucket, Key=item.key, ChecksumMode="ENABLED")
+        data = response["Body"].read()
     return parse_manifest(data, item.key)
 
 
@@ -187,8 +188,9 @@ def _abort_stale_multipart(context: StoreContext, cutoff: datetime, marker: Leas
     """Multipart uploads of chunks left by killed writers hold storage until aborted."""
     aborted = 0
     try:
-        paginator = context.client.get_paginator("list_multipart_uploads")
-        for page in paginator.paginate(Bucket=context.bucket, Prefix=context.layout.chunks):
+        for page in pages(
+            context.client.list_multipart_uploads, Bucket=context.bucket, Prefix=context.layout.chunks
+        ):
             for upload in page.get("Uploads", []):
                 if upload["Initiated"].astimezone(UTC) <= cutoff:
                     marker.check()

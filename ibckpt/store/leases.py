@@ -151,7 +151,9 @@ def read_records(connection: Connection, prefix: str, action: str) -> tuple[list
 def _record(connection: Connection, item: ListedObject) -> LeaseRecord:
     body: dict[str, object] = {}
     try:
-        response = connection.client.get_object(Bucket=connection.config.bucket, Key=item.key)
+        response = connection.client.get_object(
+            Bucket=connection.config.bucket, Key=item.key, ChecksumMode="ENABLED"
+        )
         body = json.loads(response["Body"].read())
     except botocore.exceptions.ClientError as error:
         if not is_not_found(error):

@@ -7,7 +7,7 @@ collector once they are older than its `abandoned_after`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 
 import botocore.exceptions
@@ -58,7 +58,8 @@ def _delete_keys(context: StoreContext, ref: CheckpointRef, keys: list[str]) -> 
 
 def _load(context: StoreContext, item: ListedObject) -> Manifest:
     with s3_errors(context.connection, f"reading part {item.key}"):
-        data = context.client.get_object(Bucket=context.bucket, Key=item.key)["Body"].read()
+        response = context.client.get_object(Bucket=context.bucket, Key=item.key, ChecksumMode="ENABLED")
+        data = response["Body"].read()
     part = parse_manifest(data, item.key, keys=context.signing, object_key=item.key)
     if part.kind != PART_KIND:
         raise ManifestError(f"{item.key} is not a checkpoint part")
@@ -158,6 +159,49 @@ def commit_parts(
         # The parts just merged: listing them again would cost a request and find the same ones.
         _delete_keys(context, ref, [context.layout.part_key(ref, name) for name in parts])
     return manifest
+
+
+def commit_in_memory(
+    context: StoreContext,
+    job: str,
+    checkpoint_id: str,
+    held: Mapping[str, bytes],
+    expected: Sequence[str],
+    *,
+    versions: Versions | None = None,
+    labels: dict[str, str] | None = None,
+) -> tuple[Manifest, bytes]:
+    """The commit on the memory tier: the part manifests as their holders keep them (`held`: node -> the
+    bytes of its signed part manifest) merged as commit_parts merges the staged ones, and the manifest
+    signed for the key it will have in the bucket, with its bytes. Pure: no S3 call; the caller hands the
+    bytes to the holders. Each part must verify for its own part key (a holder cannot pass one node's part
+    as another's), and exactly the `expected` parts must be there: a checkpoint missing a rank must not
+    exist on any tier."""
+    ref = CheckpointRef(check_job(job), check_checkpoint_id(checkpoint_id))
+    if set(expected) != set(held):
+        missing = sorted(set(expected) - set(held))
+        extra = sorted(set(held) - set(expected))
+        raise StoreError(f"cannot commit {ref} in memory: parts missing {missing}, unexpected {extra}")
+    parts: dict[str, Manifest] = {}
+    for node, data in held.items():
+        key = context.layout.part_key(ref, check_checkpoint_id(node))
+        part = parse_manifest(data, f"part {node} of {ref} (memory)", keys=context.signing, object_key=key)
+        if part.kind != PART_KIND or part.ref != ref:
+            raise ManifestError(f"the part {node} held in memory is not a part of {ref}")
+        parts[node] = part
+    manifest = merge_parts(parts, versions, labels)
+    if context.signing is not None:  # as StoreContext.put_manifest signs what it writes
+        manifest = manifest.signed(context.signing, context.layout.manifest_key(ref))
+    return manifest, manifest.to_json()
+
+
+def staged_parts(context: StoreContext, ref: CheckpointRef) -> set[str]:
+    """The names of the parts staged for `ref` now (one listing, nothing read): the background commit to
+    S3 after a commit on the memory tier waits until every node's is there."""
+    listed, _ = list_objects(
+        context.connection, context.layout.checkpoint_parts(ref), f"listing parts of {ref}"
+    )
+    return {part_name(item.key) for item in listed if item.key.endswith(".json")}
 
 
 def _refuse_if_committed(context: StoreContext, ref: CheckpointRef) -> None:

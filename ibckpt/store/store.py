@@ -2,22 +2,23 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 from ibckpt.store import catalog, download, gc, memorycopy, parts
 from ibckpt.store.codec import ChunkKeys
 from ibckpt.store.config import StoreConfig
-from ibckpt.store.context import ProgressCallback, StoreContext
-from ibckpt.store.errors import ConfigError
+from ibckpt.store.context import FollowedSpan, ProgressCallback, SpanKey, StoreContext
+from ibckpt.store.errors import ConfigError, StoreError
 from ibckpt.store.follow import Follower, follow_context
 from ibckpt.store.layout import CheckpointRef, Layout
-from ibckpt.store.manifest import Manifest, RankInfo, Versions
+from ibckpt.store.manifest import Manifest, RankInfo, Versions, parse_manifest
 from ibckpt.store.retention import RetentionPolicy
 from ibckpt.store.s3 import Connection, check_bucket, connect
 from ibckpt.store.signing import ManifestKeys
-from ibckpt.store.upload import CheckpointWriter
+from ibckpt.store.upload import CheckpointWriter, ChunkSink
 
 
 def _put_args(config: StoreConfig) -> dict[str, str]:
@@ -27,6 +28,13 @@ def _put_args(config: StoreConfig) -> dict[str, str]:
     if mode == "sse-kms":
         return {"ServerSideEncryption": "aws:kms", "SSEKMSKeyId": config.encryption.kms_key_id or ""}
     return {}
+
+
+class _NoS3:
+    """The S3 client of a store opened offline: any use is a bug, and says so instead of reaching S3."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise StoreError(f"S3 is not used here (the store was opened without it), yet {name} was called")
 
 
 class ImageStore:
@@ -52,6 +60,12 @@ class ImageStore:
         )
 
     @classmethod
+    def offline(cls, config: StoreConfig, *, signing: ManifestKeys | None = None) -> ImageStore:
+        """The store's keys, codec and layout with no S3 client at all: for what is written to a sink
+        (`sealer`) or restored from a manifest and chunks given (the memory tier's)."""
+        return cls(config, Connection(_NoS3(), config, "none (offline)"), signing=signing)  # type: ignore[arg-type]
+
+    @classmethod
     def open(cls, config: StoreConfig, *, signing: ManifestKeys | None = None) -> ImageStore:
         """Connect and check that the bucket is there and the credentials are accepted."""
         store = cls(config, signing=signing)
@@ -73,6 +87,15 @@ class ImageStore:
     def manifest(self, ref: CheckpointRef) -> Manifest:
         return self.context.load_manifest(ref)
 
+    def manifest_from(self, ref: CheckpointRef, data: bytes, where: str) -> Manifest:
+        """The manifest of `ref` from bytes read elsewhere than its object (`where`, for messages),
+        verified as one read from the bucket is: signed for the object key it would have there."""
+        key = self.context.layout.manifest_key(ref)
+        manifest = parse_manifest(data, f"{ref} ({where})", keys=self.context.signing, object_key=key)
+        if manifest.ref != ref:  # the signature binds the key, and so the ref; a plain check costs nothing
+            raise StoreError(f"the manifest from {where} is of {manifest.ref}, not {ref}")
+        return manifest
+
     def sign(self, ref: CheckpointRef) -> Manifest:
         """Sign a committed manifest where it lies, unverified as it is: an admin vouches for a checkpoint
         written before manifests were signed (or by hand). Needs the key set."""
@@ -87,9 +110,20 @@ class ImageStore:
 
     # -- writing ---------------------------------------------------------------------------------------
     def writer(
-        self, job: str, checkpoint_id: str | None = None, *, progress: ProgressCallback | None = None
+        self,
+        job: str,
+        checkpoint_id: str | None = None,
+        *,
+        progress: ProgressCallback | None = None,
+        followed: Mapping[SpanKey, FollowedSpan] | None = None,
     ) -> CheckpointWriter:
-        return CheckpointWriter(self.context, job, checkpoint_id, progress=progress)
+        """`followed`: a follower's spans (FollowStats.spans) of the trees this writer adds."""
+        return CheckpointWriter(self.context, job, checkpoint_id, progress=progress, followed=followed)
+
+    def sealer(self, job: str, checkpoint_id: str, sink: ChunkSink) -> CheckpointWriter:
+        """A writer that gives each distinct chunk, sealed as stored, to `sink`, and its part by
+        `sealed_part`, with no S3 call (upload.py)."""
+        return CheckpointWriter(self.context, job, checkpoint_id, sink=sink)
 
     def follow(self, root: Path, job: str | None = None, *, timeout: float | None = None) -> Follower:
         """Upload the whole chunks of files growing under root (a dump in progress) before the writer of
@@ -139,10 +173,15 @@ class ImageStore:
         progress: ProgressCallback | None = None,
         subtree: str | None = None,
         chunk_source: download.ChunkSource | None = None,
+        manifest: Manifest | None = None,
+        source_only: bool = False,
     ) -> download.TransferReport:
+        """`manifest`: already read and verified (manifest_from), not read from S3; `source_only`: every
+        chunk from `chunk_source`, none from S3 (download.restore)."""
         return download.restore(
-            self.context, ref, destination, progress=progress, subtree=subtree, chunk_source=chunk_source
-        )
+            self.context, ref, destination, progress=progress, subtree=subtree, chunk_source=chunk_source,
+            manifest=manifest, source_only=source_only,
+        )  # fmt: skip
 
     def stored_chunks(self, part: Manifest, root: Path, under: str) -> Iterator[tuple[str, bytes]]:
         """The chunks of `part`'s files below `under` (a node's directory in the checkpoint), rebuilt from

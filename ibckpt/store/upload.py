@@ -1,10 +1,15 @@
 """Writing a checkpoint: stream file trees into content-addressed chunks, then commit the manifest last.
 
 Each worker thread takes one chunk, a span of one big file or a pack of small files (packing.py), and does
-the whole pipeline for it: read (pread, no staging copy), sha256, skip if the chunk is known or already in
-the bucket, else zstd (when it pays), seal and PUT.
+the whole pipeline for it: read (preadv into the buffer a raw chunk is sent from), sha256, skip if the
+chunk is known or already in the bucket, else zstd (when it pays), seal and PUT.
 hashlib, zstandard and the network all release the GIL, so the threads overlap on every core. In-flight
 chunks are bounded by the worker count, which bounds memory to about workers x 2 x chunk_size.
+
+A writer with a `sink` touches no S3 at all (no lease, no lookup, no PUT): each distinct chunk, sealed as
+the bucket would keep it, goes to the sink, and `sealed_part` gives the signed part manifest that `stage`
+would PUT. The memory tier's copy made before the upload (docs/recovery.md, "Tiers") is written so: one
+definition of chunking, the same chunk ids and bytes.
 """
 
 from __future__ import annotations
@@ -15,11 +20,13 @@ import io
 import os
 import threading
 import time
-from collections.abc import Iterable
+import zlib
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
 from types import TracebackType
+from typing import NamedTuple
 
 import botocore.exceptions
 
@@ -27,7 +34,16 @@ from ibckpt import __version__
 from ibckpt.store import codec
 from ibckpt.store.catalog import latest_ref
 from ibckpt.store.chunking import TreeError, check_relative, walk
-from ibckpt.store.context import ProgressCallback, RateLimiter, StageTimes, StoreContext, seal_chunk
+from ibckpt.store.context import (
+    FollowedSpan,
+    ProgressCallback,
+    RateLimiter,
+    SpanKey,
+    StageTimes,
+    StoreContext,
+    seal_framed_chunk,
+    span_key,
+)
 from ibckpt.store.errors import CheckpointNotFoundError, ManifestError, StoreError
 from ibckpt.store.layout import CheckpointRef, check_checkpoint_id, check_job, new_checkpoint_id
 from ibckpt.store.leases import Lease, holder_lease, wait_for_sweeps
@@ -51,6 +67,17 @@ from ibckpt.store.s3 import error_code, is_not_found, s3_errors
 # Reading the job's latest manifest costs two requests (list, get) and saves at most one per chunk it
 # names: worth it only for trees of at least this many chunks.
 LEARN_FROM_CHUNKS = 3
+
+# Takes each distinct chunk (id, stored bytes) of a writer in sink mode, once, from the writer's threads
+# (concurrently: the sink serializes what must be).
+ChunkSink = Callable[[str, bytes], None]
+
+
+class SealedPart(NamedTuple):
+    """A part manifest as `stage` writes it: the Manifest and its bytes (signed for the part's key)."""
+
+    manifest: Manifest
+    data: bytes
 
 
 @dataclass(frozen=True)
@@ -77,12 +104,17 @@ class CheckpointWriter:
         *,
         progress: ProgressCallback | None = None,
         reuse_latest: bool = True,
+        sink: ChunkSink | None = None,
+        followed: Mapping[SpanKey, FollowedSpan] | None = None,
     ) -> None:
         self._context = context
         self._config = context.connection.config
         self.ref = CheckpointRef(check_job(job), check_checkpoint_id(checkpoint_id or new_checkpoint_id()))
         self._progress = progress
-        self._reuse_latest = reuse_latest
+        self._sink = sink
+        # a sink must have every chunk: none is skipped for being in the job's latest checkpoint
+        self._reuse_latest = reuse_latest and sink is None
+        self._begun = False
         self._lease: Lease | None = None
         self._learned = False
         self._packed = False  # some file's bytes are in a pack: the manifest needs schema 2
@@ -90,6 +122,9 @@ class CheckpointWriter:
         self._known: dict[str, int] = {}  # chunk id -> stored size, for chunks known to be in the bucket
         self._pending: dict[str, concurrent.futures.Future[int]] = {}
         self._known_lock = threading.Lock()
+        self._buffers = threading.local()  # each worker thread's buffer for full-size chunks (_buffer)
+        self._followed = followed or {}  # what a follower hashed during the dump (follow.py)
+        self._inodes: dict[str, int] = {}
         self._uploaded_chunks = 0
         self._uploaded_bytes = 0
         self._times = StageTimes()
@@ -117,8 +152,11 @@ class CheckpointWriter:
         self.close()
 
     def begin(self) -> None:
-        """Take the writer lease (before any chunk) and wait out sweeps."""
-        if self._lease is not None:
+        """Take the writer lease (before any chunk) and wait out sweeps; with a sink, nothing to take."""
+        if self._begun:
+            return
+        if self._sink is not None:
+            self._begun = True
             return
         connection, layout = self._context.connection, self._context.layout
         lease = holder_lease(connection, layout, "writer", self.ref.job, self.ref.checkpoint_id)
@@ -130,11 +168,17 @@ class CheckpointWriter:
         except BaseException:
             self.close()  # __exit__ does not run when __enter__ fails
             raise
+        self._begun = True
 
     def close(self) -> None:
+        self._begun = False
         if self._lease is not None:
             self._lease.release()
             self._lease = None
+
+    def _check_lease(self) -> None:
+        if self._lease is not None:
+            self._lease.check()
 
     def _learn_latest(self) -> None:
         # Chunks of a manifest read while we hold a lease cannot be swept before we release it, so they need
@@ -153,7 +197,7 @@ class CheckpointWriter:
     # -- writing ---------------------------------------------------------------------------------------
     def add_tree(self, root: Path, under: str = "") -> list[FileRecord]:
         """Upload every file under root; their paths in the checkpoint are prefixed with `under`."""
-        if self._lease is None:
+        if not self._begun:
             raise StoreError("CheckpointWriter.add_tree() before begin()")
         base = PurePosixPath(check_relative(under)) if under else None
         entries = list(walk(root))
@@ -227,44 +271,85 @@ class CheckpointWriter:
         return [[chunks[index] for index in sorted(chunks)] for chunks in results]
 
     @staticmethod
-    def _read(path: str, piece: Piece) -> bytes:
+    def _read_into(path: str, piece: Piece, into: memoryview) -> None:
+        """The piece's bytes into `into` (its length), read in place: no bytes object to copy from."""
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
-            data = os.pread(fd, piece.length, piece.offset)
-            while len(data) < piece.length:
-                more = os.pread(fd, piece.length - len(data), piece.offset + len(data))
-                if not more:
+            done = 0
+            while done < piece.length:
+                got = os.preadv(fd, [into[done:]], piece.offset + done)
+                if not got:
                     raise TreeError(f"{path} shrank while it was being uploaded")
-                data += more
-            return data
+                done += got
         finally:
             os.close(fd)
 
     def _chunk(self, task: _Task) -> list[tuple[Piece, ChunkRef]]:
-        assert self._lease is not None
-        self._lease.check()
+        self._check_lease()
         with self._times.timed("read"):
-            parts = [self._read(path, piece) for path, piece in zip(task.paths, task.pieces, strict=True)]
-            plain = parts[0] if len(parts) == 1 else b"".join(parts)
-        with self._times.timed("hash"):
-            cid = codec.chunk_id(hashlib.sha256(plain).digest(), self._context.keys)
+            # Each piece is read at its place in a buffer that has room for the chunk's header before it:
+            # a pack needs no join, and a chunk stored raw is sent from this very buffer (codec.seal_framed).
+            size = sum(piece.length for piece in task.pieces)
+            buffer = self._buffer(size)
+            view, at = memoryview(buffer), codec.HEADER_SIZE
+            for path, piece in zip(task.paths, task.pieces, strict=True):
+                self._read_into(path, piece, view[at : at + piece.length])
+                at += piece.length
+        cid, followed = self._chunk_id(task, view[codec.HEADER_SIZE :])
         # A HEAD before the PUT pays only when the chunk is likely there already: a pack changes whenever
         # any of its small files does (CRIU rewrites them all at every dump), and an unchanged one is named
         # by the job's latest manifest. Measured on the host (SeaweedFS): a HEAD costs the client 1.0 ms of
         # CPU, a PUT of 1 MiB 3.3 ms and a refused one 2.8 ms; a new chunk saves a whole request.
         # The multipart upload (boto3's) is not made conditional here: such chunks are looked up first.
-        blind_below, single_put = self._config.blind_put_below, len(plain) < self._config.multipart_threshold
-        blind = blind_below > 0 and single_put and (task.packed or len(plain) < blind_below)
-        stored_size = self._ensure_stored(cid, plain, blind)
+        blind_below, single_put = self._config.blind_put_below, size < self._config.multipart_threshold
+        # the follower's chunk is most likely there: looked up, not sent again
+        blind = blind_below > 0 and single_put and (task.packed or size < blind_below) and not followed
+        stored_size = self._ensure_stored(cid, buffer, blind)
         if self._progress is not None:
-            self._progress(len(plain))
+            self._progress(size)
         return [
             (piece, ChunkRef(id=cid, size=piece.length, stored_size=stored_size, offset=piece.at))
             for piece in task.pieces
         ]
 
-    def _ensure_stored(self, cid: str, plain: bytes, blind: bool) -> int:
-        """The chunk's stored size, uploading it unless it is known or already in the bucket."""
+    def _chunk_id(self, task: _Task, plain: memoryview) -> tuple[str, bool]:
+        """The id of the task's plain bytes, and whether a follower recorded it: its id is taken while
+        the bytes' CRC32 still matches (follow.py), else they are hashed."""
+        followed = self._followed_span(task)
+        if followed is not None:
+            with self._times.timed("verify"):
+                if zlib.crc32(plain) == followed.crc32:
+                    return followed.chunk_id, True
+        with self._times.timed("hash"):
+            return codec.chunk_id(hashlib.sha256(plain).digest(), self._context.keys), False
+
+    def _followed_span(self, task: _Task) -> FollowedSpan | None:
+        """What the follower recorded for this task's span: whole chunks of one file only."""
+        if not self._followed or task.packed or len(task.pieces) != 1:
+            return None
+        path, piece = task.paths[0], task.pieces[0]
+        inode = self._inodes.get(path)
+        if inode is None:
+            try:
+                inode = self._inodes[path] = os.stat(path).st_ino
+            except OSError:
+                return None
+        return self._followed.get(span_key(path, inode, piece.offset))
+
+    def _buffer(self, size: int) -> bytearray:
+        """A framed buffer for `size` plain bytes. Full-size chunks (most of them) reuse their thread's: a
+        new buffer costs Python's zero fill and the kernel's page faults, two more passes over the chunk.
+        Nothing keeps a chunk's buffer once its _chunk returns (a sink gets a copy), so the next may."""
+        if size != self._config.chunk_size:
+            return codec.framed_buffer(size)
+        buffer: bytearray | None = getattr(self._buffers, "full", None)
+        if buffer is None:
+            buffer = self._buffers.full = codec.framed_buffer(size)
+        return buffer
+
+    def _ensure_stored(self, cid: str, buffer: bytearray, blind: bool) -> int:
+        """The chunk's stored size, uploading it unless it is known or already in the bucket. `buffer`:
+        the chunk's plain bytes after room for its header (codec.framed_buffer)."""
         with self._known_lock:
             if cid in self._known:
                 return self._known[cid]
@@ -275,7 +360,7 @@ class CheckpointWriter:
         if not owner:
             return pending.result()  # another thread is storing the same bytes
         try:
-            stored_size = self._store(cid, plain, blind)
+            stored_size = self._store(cid, buffer, blind)
         except BaseException as error:
             pending.set_exception(error)
             with self._known_lock:
@@ -287,16 +372,21 @@ class CheckpointWriter:
         pending.set_result(stored_size)
         return stored_size
 
-    def _store(self, cid: str, plain: bytes, blind: bool) -> int:
+    def _store(self, cid: str, buffer: bytearray, blind: bool) -> int:
+        if self._sink is not None:
+            stored = bytes(self._seal(cid, buffer))  # the sink keeps it: bytes, which nothing changes
+            with self._times.timed("sink"):
+                self._sink(cid, stored)
+            return len(stored)
         if blind:
             # Conditional: a chunk that is there already keeps its bytes (and the stored size other
             # manifests recorded); only then is it looked up.
-            stored_size = self._put(cid, plain, only_if_absent=True)
+            stored_size = self._put(cid, buffer, only_if_absent=True)
             if stored_size is not None:
                 return stored_size
         stored_size = self._existing_size(cid)
         if stored_size is None:
-            stored_size = self._put(cid, plain, only_if_absent=False)
+            stored_size = self._put(cid, buffer, only_if_absent=False)
         assert stored_size is not None
         return stored_size
 
@@ -312,10 +402,16 @@ class CheckpointWriter:
                 raise
         return int(head["ContentLength"])
 
-    def _put(self, cid: str, plain: bytes, *, only_if_absent: bool) -> int | None:
+    def _seal(self, cid: str, buffer: bytearray) -> bytearray:
+        level = self._config.compression_level
+        return seal_framed_chunk(buffer, cid, level, self._context.keys, self._times)
+
+    def _put(self, cid: str, buffer: bytearray, *, only_if_absent: bool) -> int | None:
         """Seal and upload; None if only_if_absent and the bucket has the chunk (or is writing it now)."""
         assert self._lease is not None
-        stored = seal_chunk(plain, cid, self._config.compression_level, self._context.keys, self._times)
+        # A bytearray body goes out as it is: botocore hashes it (SigV4, CRC32) and urllib3 sends it in one
+        # call. A bytes body is wrapped in a BytesIO that each of the three reads again in copied pieces.
+        stored = self._seal(cid, buffer)
         self._limiter.take(len(stored))
         self._lease.check()
         key = self._context.layout.chunk_key(cid)
@@ -339,7 +435,7 @@ class CheckpointWriter:
                     raise
             else:
                 self._context.client.upload_fileobj(
-                    io.BytesIO(stored),
+                    io.BytesIO(stored),  # chunks this big (a chunk_size set above 64 MiB) are rare
                     self._context.bucket,
                     key,
                     ExtraArgs={"ContentType": "application/octet-stream", **self._context.put_args},
@@ -394,7 +490,7 @@ class CheckpointWriter:
     ) -> Manifest:
         """Write the manifest. From this moment the checkpoint exists; before it, it does not."""
         if self._lease is None:
-            raise StoreError("CheckpointWriter.commit() before begin()")
+            raise StoreError("CheckpointWriter.commit() before begin(), or with a sink (no S3)")
         if self._committed is None:
             manifest = self._build(MANIFEST_KIND, ranks, versions, labels)
             self._lease.check()
@@ -407,11 +503,26 @@ class CheckpointWriter:
         exists once `ImageStore.commit_parts` has merged the parts into its manifest. Until then the part
         keeps its chunks from garbage collection."""
         if self._lease is None:
-            raise StoreError("CheckpointWriter.stage() before begin()")
+            raise StoreError("CheckpointWriter.stage() before begin(), or with a sink (no S3: sealed_part)")
         staged = self._build(PART_KIND, ranks, versions, None)
         self._lease.check()
         key = self._context.layout.part_key(self.ref, check_checkpoint_id(part))
         return self._context.put_manifest(key, staged, f"staging part {part} of {self.ref}")
+
+    def sealed_part(
+        self, part: str, ranks: Iterable[RankInfo] = (), versions: Versions | None = None
+    ) -> SealedPart:
+        """The part manifest `stage` would write, signed for the part's key as it would be, and its bytes;
+        written nowhere (a sink's writer has no other way to a part)."""
+        if not self._begun:
+            raise StoreError("CheckpointWriter.sealed_part() before begin()")
+        manifest = self._build(PART_KIND, ranks, versions, None)
+        signing = self._context.signing
+        if signing is not None:  # as StoreContext.put_manifest signs what it writes
+            manifest = manifest.signed(
+                signing, self._context.layout.part_key(self.ref, check_checkpoint_id(part))
+            )
+        return SealedPart(manifest, manifest.to_json())
 
 
 def summarize(records: list[FileRecord], uploaded_chunks: int, uploaded_bytes: int) -> Stats:

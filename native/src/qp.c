@@ -112,16 +112,26 @@ static void qp_type_refuse(struct ibk_pd *pd, const struct ibv_qp_init_attr *att
 /* A new QP's virtual QPN is its real one, so peers reach it with no record.
  * When that QPN is taken (a live virtual QPN of this process, or one the
  * agent reserved for a sibling: reserve.c), the device is asked for another
- * while the taken ones are held; devices hand QPNs out in turn.  Only when
- * every try is taken does the QP get a fresh virtual QPN (ibk_qpn_choose). */
-#define QPN_TRIES 16
+ * while the taken ones are held.  Devices hand QPNs out in turn, so one more
+ * try than there are taken QPNs finds a free one; a sibling's block of QPNs
+ * after a restore is longer than any fixed count.  Only when every try is
+ * taken (or the device refuses more QPs) does the QP get a fresh virtual QPN
+ * (ibk_qpn_choose). */
+#define QPN_TRIES_MAX 4096
 
 static void qp_avoid_taken_qpn(struct ibk_ctx *ctx, struct ibk_qp *qp)
 {
-	struct ibv_qp *held[QPN_TRIES];
+	struct ibv_qp **held = NULL;
 	uint32_t first = qp->real->qp_num;
-	int n = 0, i, taken;
+	size_t n = 0, i, tries;
+	int taken;
 
+	pthread_mutex_lock(&ctx->lock);
+	tries = ctx->qpns.live + 1;
+	pthread_mutex_unlock(&ctx->lock);
+	tries += ibk_reserve_count();
+	if (tries > QPN_TRIES_MAX)
+		tries = QPN_TRIES_MAX;
 	for (;;) {
 		struct ibv_qp *prev = qp->real;
 		struct ibv_qp_cap cap = qp->real_cap;
@@ -129,7 +139,9 @@ static void qp_avoid_taken_qpn(struct ibk_ctx *ctx, struct ibk_qp *qp)
 		pthread_mutex_lock(&ctx->lock);
 		taken = ibk_reserve_taken(&ctx->qpns, prev->qp_num);
 		pthread_mutex_unlock(&ctx->lock);
-		if (!taken || n == QPN_TRIES)
+		if (!taken || n == tries)
+			break;
+		if (!held && !(held = calloc(tries, sizeof(*held))))
 			break;
 		if (ibk_qp_create_real(qp)) {
 			qp->real = prev;
@@ -146,8 +158,9 @@ static void qp_avoid_taken_qpn(struct ibk_ctx *ctx, struct ibk_qp *qp)
 		ibk_idmap_del(&ctx->rqpns, qpn);
 		pthread_mutex_unlock(&ctx->lock);
 	}
+	free(held);
 	if (n) /* rare: worth a line */
-		ibk_log("QPN %u was taken (a live virtual QPN here or a sibling's): the device gave %u after %d tries",
+		ibk_log("QPN %u was taken (a live virtual QPN here or a sibling's): the device gave %u after %zu tries",
 			first, qp->real->qp_num, n);
 }
 

@@ -64,8 +64,8 @@ def slow_criu(tmp_path: Path, s3: S3Server, bucket: str) -> tuple[bytes, Path]:
 
 @pytest.mark.parametrize(
     ("pre_upload", "mode"),
-    [(True, Mode.STOP), (False, Mode.STOP), (True, Mode.LEAVE_RUNNING)],
-    ids=["on", "off", "on-but-leave-running"],
+    [(True, Mode.STOP), (True, Mode.HOLD), (False, Mode.STOP), (True, Mode.LEAVE_RUNNING)],
+    ids=["on", "on-hold", "off", "on-but-leave-running"],
 )
 def test_the_dumps_chunks_are_stored_before_criu_exits(
     pre_upload: bool,
@@ -93,14 +93,14 @@ def test_the_dumps_chunks_are_stored_before_criu_exits(
     client = agent.client()
     client.checkpoint(request.model_copy(update={"images": destination}))
     report = wait_finished(client, session, timeout_s=120)
-    ended = "Stopped" if mode == Mode.STOP else "Succeeded"
+    ended = {Mode.STOP: "Stopped", Mode.HOLD: "Held"}.get(mode, "Succeeded")
     assert (report.state, report.phase) == ("Succeeded", ended), report
 
     during = int(seen.read_text())  # chunks in the bucket before criu exited
     config = store_config(destination.location, SECRET, secret_data(s3_server))
     store = ImageStore.open(config, signing=IMAGE_KEYS)
     manifest = store.commit_parts("ring", "c1", ["node-x"])
-    if pre_upload and mode == Mode.STOP:
+    if pre_upload and mode != Mode.LEAVE_RUNNING:  # a Hold is how the operator runs a Stop job
         assert during == CHUNKS
         assert f"; {CHUNKS} chunks were uploaded during the dump" in report.message
         # the upload after the dump stored only what the follower could not: the packed small files

@@ -17,7 +17,17 @@ import pytest
 from agent.agent_harness import IMAGE_KEYS, Running
 
 from ibckpt.agentapi import ImageDestination, MemoryCopySource, MemoryCopyTarget, SecretRef
-from ibckpt.agentapi.memory import COPIES, PIECE_BYTES, MemoryClient, MemorySeal, copy_path, parse_copy_path
+from ibckpt.agentapi.client import AgentError
+from ibckpt.agentapi.memory import (
+    COPIES,
+    PIECE_BYTES,
+    MemoryClient,
+    MemorySeal,
+    copy_path,
+    manifest_path,
+    parse_copy_path,
+    parse_manifest_path,
+)
 from ibckpt.api import S3Location
 from ibckpt.store import ImageStore
 from ibckpt_node.agent import memorycopies
@@ -97,6 +107,31 @@ def test_an_unsealed_copy_is_dropped_after_its_bound() -> None:
     assert shelf.listing().copies == []
 
 
+def test_a_checkpoints_manifest_counts_in_the_budget_and_goes_with_its_last_copy() -> None:
+    shelf = MemoryShelf("node-2", 40)
+    with pytest.raises(ShelfError, match="holds no copy of ns/ring/c1") as none:
+        shelf.put_manifest("ns/ring", "c1", b"{}")  # no use without its copies
+    assert none.value.status == 404
+    shelf.put_piece(KEY, 0, b"abcd")
+    shelf.seal(KEY, MemorySeal(chunks={ONE: (0, 4)}, bytes=4, manifest='{"part":1}'))
+    assert shelf.part_manifest(KEY) == b'{"part":1}' and shelf.used == 14
+    other = ("ns/ring", "c1", "node-3")
+    sealed(shelf, other, b"efgh")
+    shelf.put_manifest("ns/ring", "c1", b"m" * 10)
+    shelf.put_manifest("ns/ring", "c1", b"n" * 12)  # replaces the first: its bytes are counted once
+    assert shelf.manifest("ns/ring", "c1") == b"n" * 12 and shelf.used == 30
+    with pytest.raises(ShelfError, match="memory tier is full") as full:
+        shelf.put_manifest("ns/ring", "c1", b"o" * 30)  # its own copies are not dropped for it
+    assert full.value.status == 507 and shelf.manifest("ns/ring", "c1") == b"n" * 12
+    # a newer checkpoint of one part replaces that copy; the manifest stays with the other part's
+    sealed(shelf, ("ns/ring", "c2", "node-1"), b"new")
+    assert shelf.manifest("ns/ring", "c1") is not None and shelf.part_manifest(KEY) is None
+    sealed(shelf, ("ns/ring", "c2", "node-3"), b"new")  # c1's last copy goes, and its manifest
+    assert shelf.manifest("ns/ring", "c1") is None and shelf.used == 6
+    shelf.put_manifest("ns/ring", "c2", b"m")
+    assert shelf.drop("ns/ring", "c2") == 2 and shelf.manifest("ns/ring", "c2") is None
+
+
 def test_a_copys_path_round_trips_a_namespaced_job() -> None:
     path = copy_path("ns/ring", "c1", "node-1")
     assert path == f"{COPIES}/ns%2Fring/c1/node-1"
@@ -148,6 +183,36 @@ def test_the_agents_token_opens_the_memory_routes_and_nothing_else(holder: Runni
     )
     assert status == 507 and "memory tier is full: 32.0 MiB budget" in json.loads(body)["error"], body
     assert memory_client(holder).copies().used == 0  # the copy that did not fit is gone
+
+
+def test_the_holder_keeps_a_part_manifest_with_its_copy_and_the_checkpoints_beside_them(
+    tmp_path: Path,
+) -> None:
+    holder = Running(tmp_path / "small", node="node-3", memory_budget=64)
+    try:
+        agent, operator = memory_client(holder), memory_client(holder, "op-token")
+        assert operator.manifest("ns/ring", "c1") is None and agent.part_manifest(*KEY) is None
+        agent.put_piece(*KEY, 0, b"abcd")
+        assert agent.part_manifest(*KEY) is None  # not sealed yet
+        agent.seal(*KEY, MemorySeal(chunks={ONE: (0, 4)}, bytes=4, manifest='{"part": "node-1"}'))
+        assert agent.part_manifest(*KEY) == b'{"part": "node-1"}'
+        with pytest.raises(AgentError) as none:
+            operator.put_manifest("ns/ring", "c2", b"{}")
+        assert none.value.status == 404
+        operator.put_manifest("ns/ring", "c1", b'{"merged": true}')
+        assert agent.manifest("ns/ring", "c1") == b'{"merged": true}'
+        assert operator.copies().used == 4 + 18 + 16
+        with pytest.raises(AgentError, match="memory tier is full") as full:
+            operator.put_manifest("ns/ring", "c1", b"m" * 64)
+        assert full.value.status == 507 and agent.manifest("ns/ring", "c1") == b'{"merged": true}'
+        status, _, body = holder.raw("GET", manifest_path("ns/ring", "c1"), {"Authorization": "Bearer other"})
+        assert status in (401, 403), body  # the harness's stub knows no such token
+        operator.drop("ns/ring", "c1")
+        assert operator.manifest("ns/ring", "c1") is None and operator.copies().used == 0
+    finally:
+        holder.stop()
+    assert parse_manifest_path(manifest_path("ns/ring", "c1")) == ("ns/ring", "c1")
+    assert parse_copy_path(copy_path(*KEY) + "/manifest/x") is None
 
 
 # -- a part kept on another agent, and read back -------------------------------------------------------

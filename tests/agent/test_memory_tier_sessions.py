@@ -12,6 +12,7 @@ import os
 import secrets
 import shutil
 import subprocess
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -86,8 +87,11 @@ def node_x(tmp_path: Path, token_file: Path) -> Iterator[Running]:
     running.stop()
 
 
-def holder(tmp_path: Path, budget: int) -> Running:
-    return Running(tmp_path / f"holder-{budget}", node="node-b", memory_budget=budget)
+def holder(tmp_path: Path, budget: int, token_file: Path | None = None) -> Running:
+    """node-b's agent, holding up to `budget` bytes for the others (`token_file`: it reads copies too)."""
+    return Running(
+        tmp_path / f"holder-{budget}", node="node-b", memory_budget=budget, memory_token_file=token_file
+    )
 
 
 def checkpoint(
@@ -107,7 +111,14 @@ def checkpoint(
     )
     client = agent.client()
     client.checkpoint(request)
-    return wait_finished(client, session, timeout_s=120)
+    report = wait_finished(client, session, timeout_s=120)
+    # the copy follows the session's report (a job commits on S3 without waiting for it); the report
+    # says how it went once the images are removed
+    deadline = time.monotonic() + 60
+    while report.memory_copy is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+        report = client.session(session)
+    return report
 
 
 def commit(s3: S3Server, bucket: str) -> tuple[ImageStore, Manifest]:
@@ -183,7 +194,7 @@ def test_a_restore_reads_the_copy_a_checkpoint_kept_on_its_buddy_then_s3_once_it
     bucket = "memtier-" + secrets.token_hex(6)
     s3_server.create_bucket(bucket)
     registered_shim(tmp_path / "state", sleeper.pid)
-    node_b = holder(tmp_path, 64 * 1024 * 1024)
+    node_b = holder(tmp_path, 64 * 1024 * 1024, token_file)
     node_y = Running(tmp_path / "node-y", node="node-y", memory_token_file=token_file)
     try:
         report = checkpoint(node_x, s3_server, bucket, coordinator, node_b)
@@ -214,6 +225,14 @@ def test_a_restore_reads_the_copy_a_checkpoint_kept_on_its_buddy_then_s3_once_it
         assert read is not None and read.kept, restored
         assert (read.node, read.part, read.chunks) == ("node-b", "node-x", len(distinct)), read
         assert read.bytes == kept.bytes and read.message.startswith(f"{len(distinct)} chunks from memory")
+        assert the_same(unstage_kept, dumped)
+
+        # a restore on the holder itself reads its own shelf in-process: the address it is given is no
+        # server, and S3 has no chunk
+        here = MemoryCopySource(node="node-b", address="127.0.0.1:1", part="node-x")
+        restored = restore(node_b, s3_server, bucket, coordinator, [here], unstage_kept)
+        read = restored.memory_copy
+        assert read is not None and read.kept and read.chunks == len(distinct), restored
         assert the_same(unstage_kept, dumped)
 
         # the chunks back in S3, the copy dropped (the operator deletes a checkpoint's copies): S3 serves

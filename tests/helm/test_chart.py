@@ -62,8 +62,10 @@ def test_the_agent_installed_the_node_pieces(installed: Release) -> None:
     for p in installed.agent_pods():
         name = p["metadata"]["name"]
         script = (
-            "cat /host/etc/ibckpt/node.json; head -1 /host/usr/local/bin/ibckpt-runc; "
-            "head -1 /host/usr/local/bin/ibckpt-hook; "
+            "cat /host/etc/ibckpt/node.json; "
+            "for f in ibckpt-runc ibckpt-hook; do cmp /usr/lib/ibckpt/ibckpt-front /host/usr/local/bin/$f "
+            "&& echo front-$f; head -1 /host/usr/local/lib/ibckpt/launch/$f; done; "
+            "readlink /host/usr/local/lib/ibckpt/runc; "
             "test -S /var/lib/ibckpt/registry.sock && echo registry-socket; "
             "stat -c '%a %U' /var/lib/ibckpt/registry.sock; "
             "build=$(sha256sum /usr/lib/ibckpt/libibckpt.so | cut -d' ' -f1); "
@@ -83,7 +85,9 @@ def test_the_agent_installed_the_node_pieces(installed: Release) -> None:
             "hook": "/usr/local/bin/ibckpt-hook",
             "state_dir": "/var/lib/ibckpt",
         }
-        assert "#!/bin/sh\n#!/usr/bin/python3 -IS\n" in out, out  # ibckpt-runc, then ibckpt-hook
+        # the compiled front as both entry points, Python's launchers behind it, runc linked for it
+        launchers = "front-ibckpt-runc\n#!/usr/bin/python3 -IS\nfront-ibckpt-hook\n#!/usr/bin/python3 -IS\n"
+        assert launchers + "/usr/sbin/runc\n" in out, out
         assert "registry-socket\n600 root\nsame-shim" in out, out
         # CRIU's plugin for a CheckpointJob's preDump, where runc's CRIU on the node loads it
         assert "\nsame-criu-plugin\n" in out, out

@@ -27,6 +27,7 @@ pytestmark = pytest.mark.guest
 
 REPO = Path(__file__).resolve().parents[2]
 SHIM = REPO / "native" / "build" / "libibckpt.so"
+FRONT = REPO / "native" / "build" / "ibckpt-front"  # the entry points, as the agent installs them
 HOOKS_D = REPO / "runtime-hook" / "hooks.d"
 STATE = Path("/run/ibckpt")
 REGISTRY = STATE / "registry.sock"
@@ -82,7 +83,7 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """Cgroups, the node install, a registry; yields a directory with a rootfs in it."""
     sh("sh", str(Path(__file__).with_name("guest-cgroups.sh")))
     config = {"runc": "/usr/sbin/runc", "shim": "/usr/local/lib/ibckpt/libibckpt.so"}
-    install = [sys.executable, "-m", "ibckpt_node.hook.install", "--shim", str(SHIM)]
+    install = [sys.executable, "-m", "ibckpt_node.hook.install", "--shim", str(SHIM), "--front", str(FRONT)]
     sh(*install, "--config", json.dumps(config))
     registry = subprocess.Popen(
         [sys.executable, "-m", "ibckpt_node.registry", "serve", "--state-dir", str(STATE)],

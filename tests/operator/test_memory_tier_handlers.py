@@ -25,6 +25,10 @@ def phase(wanted: str) -> Any:
     return lambda body: (body.get("status") or {}).get("phase") == wanted
 
 
+def tiers(wanted: list[str]) -> Any:
+    return lambda body: (body.get("status") or {}).get("tiers") == wanted
+
+
 def stop_job(cluster: Cluster, s3: S3Server, bucket: str) -> dict[str, Any]:
     """A Stop CheckpointJob `move` of the ring's pods, committed as Checkpoint `ring-c1`."""
     return {"apiVersion": API, "kind": "CheckpointJob", "metadata": {"name": "move"},
@@ -59,9 +63,9 @@ def test_parts_go_to_the_next_nodes_memory_and_a_restore_reads_them_there(
             "node-b": ("node-c", f"{c.host}:{c.port}"),
         }
         assert not c.requests  # no pod of the job there: it only holds node-b's part
-        status = (cluster_ns.get("checkpoints", "ring-c1") or {})["status"]
+        # committed on S3 first: the copies are listed once their holders have them sealed
+        status = cluster_ns.wait("checkpoints", "ring-c1", tiers(["S3", "Memory"]))["status"]
         assert status["readyToRestore"] is True
-        assert status["tiers"] == ["S3", "Memory"]
         assert [(m["part"], m["node"]) for m in status["memoryCopies"]] == [
             ("node-a", "node-b"),
             ("node-b", "node-c"),
@@ -124,11 +128,10 @@ def test_copies_a_holder_lost_or_replaced_are_neither_read_nor_listed(
                             "checkpointName": f"ring-{name}"}  # fmt: skip
             cluster_ns.create("checkpointjobs", job)
             cluster_ns.wait("checkpointjobs", name, phase("Succeeded"), timeout=90)
+        newer = cluster_ns.wait("checkpoints", "ring-c2", tiers(["S3", "Memory"]))["status"]
         assert [c.checkpoint for c in b.shelf.listing().copies] == ["ring-c2"]
-        older = cluster_ns.wait("checkpoints", "ring-c1", lambda c: c["status"].get("tiers") == ["S3"])
+        older = cluster_ns.wait("checkpoints", "ring-c1", tiers(["S3"]))
         assert "memoryCopies" not in older["status"]
-        newer = (cluster_ns.get("checkpoints", "ring-c2") or {})["status"]
-        assert newer["tiers"] == ["S3", "Memory"]
         assert [(m["part"], m["node"]) for m in newer["memoryCopies"]] == [
             ("node-a", "node-b"),
             ("node-b", "node-a"),

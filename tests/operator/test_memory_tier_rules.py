@@ -75,3 +75,18 @@ def test_a_newer_copy_of_the_same_part_on_the_same_holder_replaces_the_older() -
     older = [MemoryCopy(part="n1", node="n2"), MemoryCopy(part="n2", node="n3")]
     newer = [MemoryCopy(part="n1", node="n2"), MemoryCopy(part="n2", node="n1")]  # n2's part moved holder
     assert memorytier.replaced(older, newer) == [older[1]]
+
+
+def test_after_a_commit_on_s3_a_copy_counts_once_its_own_holder_lists_it_sealed() -> None:
+    holders = {"n1": "n2", "n2": "n3", "n3": "n1"}  # each part and the node told to keep it
+    listings = {
+        "n2": _listing("n2", ("ns/j", "c1", "n1", True), ("ns/j", "c1", "n3", True)),  # n3's, not its own
+        "n3": _listing("n3", ("ns/j", "c1", "n2", False)),  # still arriving
+        "n1": None,  # did not answer
+    }
+    found = memorytier.sealed_copies(holders, listings, "ns/j", "c1")
+    assert [(c.part, c.node) for c in found] == [("n1", "n2")]
+    listings["n3"] = _listing("n3", ("ns/j", "c1", "n2", True), ("ns/j", "c0", "n2", True))
+    listings["n1"] = _listing("n1", ("ns/other", "c1", "n3", True))  # another job's
+    found = memorytier.sealed_copies(holders, listings, "ns/j", "c1")
+    assert [(c.part, c.node) for c in found] == [("n1", "n2"), ("n2", "n3")]

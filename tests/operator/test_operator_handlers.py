@@ -14,6 +14,7 @@ import pytest
 
 from ibckpt.agentapi import Milestone, RankPhase
 from ibckpt.store import ImageStore
+from testbed.gate import Gate
 from testbed.ports import free_port
 from testbed.s3 import S3Server
 
@@ -606,3 +607,38 @@ def _counter(metrics: str, name: str) -> float:
     """A counter without labels from a /metrics page (0 when it was never incremented)."""
     found = re.search(rf"^{re.escape(name)} (\S+)$", metrics, re.MULTILINE)
     return float(found.group(1)) if found else 0.0
+
+
+def test_a_checkpoint_whose_store_hangs_is_deleted_within_its_bound(
+    cluster_ns: Cluster, s3_server: S3Server, s3_gate: Gate, bucket: str, operator: Any, monkeypatch: Any
+) -> None:
+    """The images' deletion (the finalizer) waits for a store that never answers only for its bound, each
+    try: then the Checkpoint goes, with ImagesNotDeleted, and its namespace can go too."""
+    from ibckpt_operator.handlers import checkpoint as handlers
+
+    monkeypatch.setattr(handlers, "DELETE_SECONDS", 2.0)
+    monkeypatch.setattr(handlers, "DELETE_READ_TIMEOUT", 1.0)
+    monkeypatch.setattr(handlers, "DELETE_RETRIES", 1)
+    cluster_ns.s3_secret(s3_server)
+    where = cluster_ns.s3_location(s3_server, bucket) | {"endpoint": f"http://127.0.0.1:{s3_gate.port}"}
+    name = "hung-1"
+    with operator():
+        cluster_ns.create("checkpoints", {
+            "apiVersion": "ibckpt.io/v1alpha1", "kind": "Checkpoint", "metadata": {"name": name},
+            "spec": {"manifestKey": "ibckpt/v1/manifests/ns/job/hung-1.json", "storage": where,
+                     "jobName": f"{cluster_ns.namespace}/job", "checkpointId": name, "pods": []},
+        })  # fmt: skip
+        cluster_ns.wait(
+            "checkpoints", name, lambda body: bool(body["metadata"].get("finalizers")), timeout=30
+        )
+        s3_gate.stall()  # every request waits, as on a store that hangs
+        try:
+            began = time.monotonic()
+            cluster_ns.delete("checkpoints", name)
+            while cluster_ns.get("checkpoints", name) is not None:
+                assert time.monotonic() - began < 45, "the finalizer waited on the store past its bound"
+                time.sleep(0.5)
+            [event] = [e for e in cluster_ns.events(name) if e.reason == "ImagesNotDeleted"]
+            assert "gave up after 2 tries" in event.message and "did not answer within 2s" in event.message
+        finally:
+            s3_gate.mend()

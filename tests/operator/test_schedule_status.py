@@ -3,7 +3,7 @@ measured cost of a finished job, how the interval was chosen, and the ScheduleSt
 
 from __future__ import annotations
 
-from ibckpt.api import CheckpointScheduleSpec, CheckpointScheduleStatus
+from ibckpt.api import CheckpointScheduleSpec, CheckpointScheduleStatus, JobPhase, StorageTier
 from ibckpt_operator.cluster import schedules
 from ibckpt_operator.machine.core import Tick
 from ibckpt_operator.machine.schedule import JobFinished, ScheduleMachine, SchedulePolicy
@@ -68,6 +68,26 @@ def test_the_measured_cost() -> None:
     timings = {"pauseSeconds": 4.0, "totalSeconds": 30}
     assert schedules.measured_seconds(job, {"spec": {"timings": timings}}) == 4.0
     assert schedules.measured_seconds({"status": {}}, None) is None
+    # the time to commit on the job's tier, when the Checkpoint has it: memory's, not the S3 upload after
+    timings = {"commitSeconds": 2.5, "pauseSeconds": 4.0, "uploadSeconds": 60.0, "totalSeconds": 70}
+    assert schedules.measured_seconds(job, {"spec": {"timings": timings}}) == 2.5
+
+
+def test_the_commit_is_timed_from_the_cut_to_the_commit_on_the_jobs_tier() -> None:
+    from ibckpt_operator.machine.timings import commit_seconds
+    from testbed.checkpoint_machine import CheckpointDriver
+
+    for tier, took in ((StorageTier.S3, 60.0), (StorageTier.MEMORY, 3.0)):
+        job = CheckpointDriver(commit_on=tier)
+        job.to_phase(JobPhase.UPLOADING)
+        assert commit_seconds(job.state.phase_spans, job.state.phase, job.state.phase_since) is None
+        job.now += took  # the upload, or the copies and their commit in memory
+        job.to_phase(JobPhase.COMMITTED)
+        cut = next(s.started_at for s in job.state.phase_spans if s.phase == JobPhase.QUIESCING)
+        measured = commit_seconds(job.state.phase_spans, job.state.phase, job.state.phase_since)
+        assert measured == round(job.state.phase_since - cut, 3) and took <= measured < took + 5
+        job.to_phase(JobPhase.SUCCEEDED)  # still the commit's, not the end's
+        assert commit_seconds(job.state.phase_spans, job.state.phase, job.state.phase_since) == measured
 
 
 def test_how_the_interval_was_chosen_and_the_state_through_status() -> None:

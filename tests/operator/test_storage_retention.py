@@ -108,10 +108,6 @@ def test_storage_retention_deletes_what_it_drops_and_the_sweep_removes_orphans(
             cluster_ns.patch(CHECKPOINTS, "ck-1", {"metadata": {"labels": {"ibckpt.io/pinned": "true"}}})
             dropped = cluster_ns.get(CHECKPOINTS, "ck-2")["spec"]["manifestKey"]  # type: ignore[index]
             assert dropped in s3_keys(s3_server, bucket)
-            # A writer that died after uploading a chunk and before any manifest named it.
-            orphan = ImageStore.open(config).context.layout.chunk_key("ab" * 32)
-            s3_server.client().put_object(Bucket=bucket, Key=orphan, Body=b"lost")
-            assert orphan in s3_keys(s3_server, bucket)
 
             cluster_ns.patch(STORAGES, "store", {"spec": {"retention": {"keepLast": 1}}})
             body = cluster_ns.wait(
@@ -128,11 +124,21 @@ def test_storage_retention_deletes_what_it_drops_and_the_sweep_removes_orphans(
             assert status["lastSweepTime"], status
             pruned = cluster_ns.wait_events("store", "CheckpointPruned")
             assert pruned[0].message == "ck-2: not among the 1 newest", pruned[0].message
-            # The finalizer deleted the manifest; a sweep (due at every check here) took the orphan.
             deadline = time.monotonic() + 60
-            while {dropped, orphan} & s3_keys(s3_server, bucket):
-                assert time.monotonic() < deadline, {dropped, orphan} & s3_keys(s3_server, bucket)
-                cluster_ns.patch(STORAGES, "store", {"spec": {"retention": {"keepLast": 1, "minKeep": 1}}})
+            while dropped in s3_keys(s3_server, bucket):  # the finalizer deletes the manifest
+                assert time.monotonic() < deadline, f"{dropped} was never deleted"
+                time.sleep(0.3)
+            # A writer that died after uploading a chunk and before any manifest named it. Put only now:
+            # the finalizer's own collection would otherwise take it before a sweep could.
+            orphan = ImageStore.open(config).context.layout.chunk_key("ab" * 32)
+            s3_server.client().put_object(Bucket=bucket, Key=orphan, Body=b"lost")
+            # A sweep (due at every check here) takes the orphan.
+            deadline, turn = time.monotonic() + 60, 0
+            while orphan in s3_keys(s3_server, bucket):
+                assert time.monotonic() < deadline, f"{orphan} was never swept"
+                turn += 1  # a change each time, so that each patch is an update the operator handles
+                rules = {"keepLast": 1, "minKeep": 1 + turn % 2}
+                cluster_ns.patch(STORAGES, "store", {"spec": {"retention": rules}})
                 time.sleep(1)
             swept = cluster_ns.wait_events("store", "StoreSwept")
             assert "unreferenced chunk" in swept[-1].message, swept[-1].message

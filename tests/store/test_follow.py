@@ -1,23 +1,27 @@
 """The follower (ibckpt/store/follow.py) against the real SeaweedFS: it uploads the whole chunks of a file
 while another thread appends to it, and the upload after it skips them and writes the same manifest a
-plain upload writes; what changed after the follower read it, or what it failed to store, is uploaded by
-the pass as usual; it stops when told or when its time is up, leaving no thread."""
+plain upload writes, hashing none of them again; what changed after the follower read it (its CRC32
+differs), or what it failed to store, is hashed and uploaded by the pass as usual; it stops when told or
+when its time is up, leaving no thread."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import secrets
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pydantic import SecretBytes
 from store.conftest import Requests, StoreFactory, compressible, config_for
 
 from ibckpt.store import CheckpointRef, EncryptionConfig, ImageStore, Manifest
-from ibckpt.store.follow import GIVE_UP_AFTER, Follower
+from ibckpt.store import upload as upload_module
+from ibckpt.store.follow import GIVE_UP_AFTER, Follower, FollowStats
 from testbed.gate import Gate
 from testbed.s3 import S3Server
 
@@ -53,10 +57,23 @@ def follower_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("ibckpt-follow")]
 
 
-def upload(store: ImageStore, root: Path, checkpoint: str = "c1") -> Manifest:
-    with store.writer("ns/solver", checkpoint) as writer:
+def upload(
+    store: ImageStore, root: Path, checkpoint: str = "c1", followed: FollowStats | None = None
+) -> Manifest:
+    with store.writer("ns/solver", checkpoint, followed=followed.spans if followed else None) as writer:
         writer.add_tree(root)
         return writer.commit()
+
+
+class Sha256Count:
+    """hashlib for upload.py, counting the SHA-256 passes its writer makes."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def sha256(self, data: bytes | memoryview) -> Any:
+        self.calls += 1
+        return hashlib.sha256(data)
 
 
 def chunk_lists(manifest: Manifest) -> dict[str, list[tuple[str, int, int, int]]]:
@@ -74,7 +91,11 @@ def fresh_bucket(s3_server: S3Server) -> str:
 
 @pytest.mark.parametrize("encryption", ["none", "client"])
 def test_the_pass_after_the_follower_skips_its_chunks_and_writes_the_same_manifest(
-    encryption: str, make_store: StoreFactory, s3_server: S3Server, tmp_path: Path
+    encryption: str,
+    make_store: StoreFactory,
+    s3_server: S3Server,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # big chunks are looked up before they are PUT, as with the defaults (8 MiB chunks, 1 MiB)
     settings: dict[str, object] = {"blind_put_below": CHUNK // 2}
@@ -93,7 +114,11 @@ def test_the_pass_after_the_follower_skips_its_chunks_and_writes_the_same_manife
     assert during >= 1, "nothing was uploaded while the file grew"
     assert not follower_threads()
     warm_requests, cold_requests = Requests(followed.client), Requests(plain.client)
-    warm = upload(followed, root)
+    assert len(follower.stats.spans) == 12, follower.stats.spans
+    hashed = Sha256Count()
+    monkeypatch.setattr(upload_module, "hashlib", hashed)
+    warm = upload(followed, root, followed=follower.stats)
+    assert hashed.calls == 1  # only the pack: the 12 spans matched the follower's CRC32s
     cold = upload(plain, root)
 
     assert chunk_lists(warm) == chunk_lists(cold)
@@ -123,7 +148,7 @@ def test_a_span_rewritten_after_the_follower_read_it_is_restored_as_it_is_now(
         with path.open("r+b") as file:  # chunk 1 changes once the follower has stored it
             file.seek(CHUNK)
             file.write(newer)
-    manifest = upload(store, root)
+    manifest = upload(store, root, followed=follower.stats)  # its CRC32 differs now: hashed again
     assert manifest.stats.uploaded_chunks == 1  # the rewritten span, under its new id
     back = tmp_path / "back"
     store.restore(CheckpointRef("ns/solver", "c1"), back)

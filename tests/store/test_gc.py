@@ -187,3 +187,26 @@ def test_an_unsigned_manifest_keeps_its_chunks_without_stopping_a_signing_stores
     report = signing.gc(RetentionPolicy(), grace=NO_GRACE)
     assert report.swept and report.chunks_deleted == 1, report
     assert stored_chunk_ids(list_chunks) == set(forged.chunk_sizes())
+
+
+def test_listings_follow_every_page_without_botocore_paginators(s3_server: Any, bucket: str) -> None:
+    """s3.pages, on the real server, a few keys per page: every object and every multipart upload comes
+    back once, in order (sweeps list chunks, leases and stale uploads this way)."""
+    from ibckpt.store.s3 import pages
+
+    client = s3_server.client()
+    keys = [f"paged/{i:02d}" for i in range(7)]
+    for key in keys:
+        client.put_object(Bucket=bucket, Key=key, Body=b"x")
+    listed = pages(client.list_objects_v2, Bucket=bucket, Prefix="paged/", MaxKeys=3)
+    got = [[item["Key"] for item in page.get("Contents", [])] for page in listed]
+    assert len(got) == 3 and [key for page in got for key in page] == keys, got
+    uploads = {
+        client.create_multipart_upload(Bucket=bucket, Key=f"paged/up-{i}")["UploadId"] for i in range(3)
+    }
+    seen = [
+        upload["UploadId"]
+        for page in pages(client.list_multipart_uploads, Bucket=bucket, Prefix="paged/up-", MaxUploads=1)
+        for upload in page.get("Uploads", [])
+    ]
+    assert sorted(seen) == sorted(uploads), (seen, uploads)

@@ -77,6 +77,47 @@ def test_compressible_chunks_are_compressed_and_random_ones_are_not() -> None:
     assert encode(text, 0)[2] is codec.Codec.RAW
 
 
+def framed(plain: bytes, level: int, keys: codec.ChunkKeys | None = None) -> tuple[str, bytearray, bytearray]:
+    """(id, the buffer the upload reads into, what seal_framed made of it) for `plain`."""
+    buffer = codec.framed_buffer(len(plain))
+    buffer[codec.HEADER_SIZE :] = plain
+    cid = codec.chunk_id(hashlib.sha256(plain).digest(), keys)
+    payload, chosen = codec.compress(memoryview(buffer)[codec.HEADER_SIZE :], level)
+    return cid, buffer, codec.seal_framed(buffer, payload, chosen, cid, keys)
+
+
+def test_an_incompressible_chunk_is_framed_in_its_own_buffer_and_reads_back() -> None:
+    noise = os.urandom(300_000)
+    cid, buffer, stored = framed(noise, 3)
+    assert stored is buffer  # the header written in place: the chunk's bytes are not copied
+    assert bytes(stored) == encode(noise, 3)[1]  # the format is seal()'s, byte for byte
+    plain = codec.open_chunk(bytes(stored), cid, None)
+    assert isinstance(plain, memoryview) and bytes(plain) == noise  # read back as a view, not a copy
+
+
+def test_a_compressible_chunk_is_still_compressed_when_framed() -> None:
+    text = b"rank 3 step 1000 residual 1.0e-06 converged false\n" * 20_000
+    cid, buffer, stored = framed(text, 3)
+    assert stored is not buffer and len(stored) < len(text) / 20
+    assert bytes(stored) == encode(text, 3)[1]
+    assert codec.open_chunk(bytes(stored), cid, None) == text
+    assert bytes(framed(text, 0)[2]) == encode(text, 0)[1]  # level 0: raw
+
+
+def test_framed_encrypted_chunks_open_with_the_key_only() -> None:
+    keys = codec.ChunkKeys.derive(os.urandom(32))
+    for plain in (os.urandom(200_000), b"secret pages " * 20_000):
+        cid, buffer, stored = framed(plain, 3, keys)
+        assert (
+            stored is not buffer
+            and bytes(stored[: codec.HEADER_SIZE]) == encode(plain, 3, keys)[1][: codec.HEADER_SIZE]
+        )
+        assert len(stored) == len(encode(plain, 3, keys)[1])
+        assert codec.open_chunk(bytes(stored), cid, keys) == plain
+        with pytest.raises(codec.CodecError, match="authentication failed"):
+            codec.open_chunk(bytes(stored), cid, codec.ChunkKeys.derive(os.urandom(32)))
+
+
 def test_damaged_chunks_fail_to_open() -> None:
     text = b"abc" * 50_000
     cid, stored, _ = encode(text, 3)

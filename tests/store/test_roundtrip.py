@@ -162,3 +162,71 @@ def test_server_side_encryption_headers(make_store: Any, tree_factory: Any, tmp_
         assert store.client.head_object(Bucket=bucket, Key=key).get("ServerSideEncryption") == "AES256", key
     store.restore(manifest.ref, tmp_path / "out")
     assert (tmp_path / "out" / "a.img").read_bytes() == data
+
+
+def test_chunks_carry_the_checksums_that_count_and_no_others(
+    make_store: Any, tree_factory: Any, helpers: Any, tmp_path: Path
+) -> None:
+    """A chunk PUT keeps its CRC32 (the one check SeaweedFS makes of a body), has no SigV4 payload hash, and
+    is sent from the buffer it was read into; a chunk GET asks for no CRC32 (its id is checked instead); a
+    manifest GET still does."""
+    store = make_store()
+    sent: list[tuple[str, str, dict[str, bytes], object]] = []
+
+    def record(request: Any, **_: Any) -> None:
+        sent.append((request.method, request.url, dict(request.headers), request.body))
+
+    store.client.meta.events.register("before-send.s3", record)
+    source = tree_factory(
+        {"pages.img": os.urandom(2 * CHUNK), "text.img": helpers.compressible(CHUNK, seed=5)}
+    )
+    manifest = store.upload_tree(source, "solver")
+    store.restore(manifest.ref, tmp_path / "out")
+    helpers.assert_same_tree(source, tmp_path / "out")
+
+    def of(method: str, area: str) -> list[tuple[dict[str, bytes], object]]:
+        return [
+            (headers, body) for verb, url, headers, body in sent if verb == method and f"/v1/{area}" in url
+        ]
+
+    chunk_puts, chunk_gets = of("PUT", "chunks/"), of("GET", "chunks/")
+    assert len(chunk_puts) == 3 and len(chunk_gets) == 3
+    assert all("x-amz-checksum-crc32" in headers for headers, _ in chunk_puts)
+    # not a second SHA-256 of each body for SigV4, over http too: the chunk id covers it
+    signed = [{k.lower(): v for k, v in headers.items()}["x-amz-content-sha256"] for headers, _ in chunk_puts]
+    assert signed == [b"UNSIGNED-PAYLOAD"] * 3, signed
+    assert sum(isinstance(body, bytearray) for _, body in chunk_puts) == 3
+    assert not any("x-amz-checksum-mode" in headers for headers, _ in chunk_gets)
+    manifest_gets = of("GET", "manifests/")
+    assert manifest_gets and all(headers["x-amz-checksum-mode"] == b"ENABLED" for headers, _ in manifest_gets)
+
+
+def test_a_chunk_changed_on_the_wire_is_refused(make_store: Any, tree_factory: Any) -> None:
+    """SeaweedFS does not check the SigV4 payload hash; the CRC32 is what catches a changed body."""
+    store = make_store()
+
+    def flip(request: Any, **_: Any) -> None:
+        if request.method == "PUT" and "/v1/chunks/" in request.url:
+            body = bytearray(request.body)
+            body[-1] ^= 1
+            request.body = body
+
+    store.client.meta.events.register("before-send.s3", flip)
+    with pytest.raises(StoreError, match="BadDigest"):
+        store.upload_tree(tree_factory({"pages.img": os.urandom(CHUNK)}), "solver")
+
+
+def test_one_worker_reusing_its_buffer_stores_every_chunk_intact(
+    make_store: Any, tree_factory: Any, helpers: Any, tmp_path: Path
+) -> None:
+    """Full-size chunks are read into their thread's one buffer: with one worker, every chunk after the
+    first, raw or compressed, reuses the buffer the one before was sent from."""
+    store = make_store(workers=1)
+    pages = b"".join(
+        os.urandom(CHUNK) if index % 2 else helpers.compressible(CHUNK, seed=index) for index in range(6)
+    )
+    source = tree_factory({"pages.img": pages + os.urandom(100), "other.img": os.urandom(CHUNK)})
+    manifest = store.upload_tree(source, "solver")
+    assert manifest.stats.uploaded_chunks == manifest.stats.distinct_chunks == 8
+    store.restore(manifest.ref, tmp_path / "out")
+    helpers.assert_same_tree(source, tmp_path / "out")

@@ -3,7 +3,7 @@
 CI stops a run at 90 minutes. On a machine much slower than usual (qemu TCG shares two cores), the whole
 suite no longer fits, and a run stopped at the limit lands nothing. A story marked
 `@pytest.mark.budget(minutes=N)` (N: what it may take on the slowest machine seen) starts only if the
-session's pytest time so far plus N stays within IBCKPT_TEST_BUDGET_MINUTES (74 unless set): otherwise
+session's pytest time so far plus N stays within IBCKPT_TEST_BUDGET_MINUTES (78 unless set): otherwise
 it is skipped, and says so in one line with the numbers. Every other test always runs. Such skips are
 not passes: the note of a run that had them must say which stories were left out (docs/testbed.md).
 `budget(minutes=N, first=True)` marks a story that runs before the other long ones (tests/conftest.py):
@@ -18,7 +18,9 @@ import time
 import pytest
 
 BUDGET_ENV = "IBCKPT_TEST_BUDGET_MINUTES"
-DEFAULT_BUDGET_MINUTES = 74.0  # setup and teardown add 1-2 min at CI's pace, 8-10 at the slowest seen
+# 74 until 2026-12-04, when the recovery story (10 min) came to run in CI: at CI's pace the whole suite
+# then ends near 80 min. Setup and teardown add 1-2 min at CI's pace, 8-10 at the slowest seen.
+DEFAULT_BUDGET_MINUTES = 78.0
 
 _started = time.monotonic()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ibckpt.api import CheckpointJobSpec, CheckpointMode
+from ibckpt.api import CheckpointJobSpec, CheckpointMode, StorageTier
 from ibckpt.vocabulary import Milestone
 from ibckpt_operator.machine import CheckpointMachine, JobConfig, JobState, JobStep, PodRef
 from ibckpt_operator.machine.actions import AwaitMilestone
@@ -29,6 +29,7 @@ PER_POD_STEPS = {
     JobStep.RELEASE,
     JobStep.DUMP,
     JobStep.UPLOAD,
+    JobStep.KEEP,
     JobStep.REBUILD,
     JobStep.RESUME,
     JobStep.KILL,
@@ -71,11 +72,23 @@ class CheckpointDriver(MachineDriver[JobState]):
             self.send(SessionOpened(self.attempt))
         elif step in (JobStep.COMMIT, JobStep.VERIFY_COMMIT):
             self.send(ManifestCommitted(self.attempt, "ibckpt/v1/manifests/ns/ring/c1.json"))
+        elif step == JobStep.COMMIT_IN_MEMORY:
+            key = "ibckpt/v1/manifests/ns/ring/c1.json"
+            self.send(ManifestCommitted(self.attempt, key, StorageTier.MEMORY))
         elif step == JobStep.PUBLISH:
             self.send(CheckpointPublished(self.attempt))
         else:
             assert step in PER_POD_STEPS
             self.all_done()
+
+    def to_step(self, step: JobStep) -> None:
+        """Drive the happy path until `step` is in flight."""
+        for _ in range(50):
+            if self.state.step is not None and self.step == step:
+                return
+            assert self.state.phase not in TERMINAL, self.phases
+            self.advance()
+        raise AssertionError(f"never reached step {step}: {self.phases}")
 
     def awaited(self) -> list[Milestone]:
         return [action.milestone for action in self.of_type(AwaitMilestone)]

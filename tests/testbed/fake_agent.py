@@ -35,7 +35,7 @@ from ibckpt.agentapi import (
     SessionState,
     agent_audience,
 )
-from ibckpt.agentapi.memory import COPIES, MemorySeal
+from ibckpt.agentapi.memory import COPIES, MANIFESTS, MemorySeal
 from ibckpt.store import CheckpointRef, ImageStore, ManifestKeys, RankInfo, StoreConfig
 from ibckpt_node.agent import memoryroutes
 from ibckpt_node.agent.memorytier import MemoryShelf
@@ -100,6 +100,10 @@ class FakeAgent:
     rdma_devices: list[str] | None = None  # its node's HCAs, as /v1/info reports them (None: not reported)
     tls: ssl.SSLContext | None = None  # what it serves with, as a real agent: the operator's certificate
     tokens: list[dict[str, Any]] = field(default_factory=list)  # each call's token's claims
+    # commitOn Memory (MemoryCopyTarget.first): the S3 upload after the copy waits for this to be set
+    # (None: at once), and `upload_failure` then fails the session as a failed upload does
+    upload_gate: threading.Event | None = None
+    upload_failure: str | None = None
 
     def register(
         self, pod: dict[str, Any], namespace: str, container: str = "main", shim_build: str | None = None
@@ -168,7 +172,7 @@ class FakeAgent:
                     self.reply(200, info.to_json())
                 elif self.path == "/v1/containers":
                     self.reply(200, ContainerList(node=agent.node, containers=agent.containers).to_json())
-                elif self.path.startswith(COPIES):
+                elif self.path.startswith((COPIES, MANIFESTS)):  # as the real agent routes them
                     self.memory("GET")
                 elif self.path.startswith("/v1/sessions/"):
                     report = agent.reports.get(self.path.rsplit("/", 1)[1])
@@ -183,8 +187,12 @@ class FakeAgent:
                 if self.authorized():
                     self.memory("DELETE")
 
-            def memory(self, method: str) -> None:
-                answer = memoryroutes.handle(agent.shelf, method, self.path, b"")
+            def do_PUT(self) -> None:  # the operator hands a holder a checkpoint's manifest
+                if self.authorized():
+                    self.memory("PUT", self.rfile.read(int(self.headers.get("Content-Length") or 0)))
+
+            def memory(self, method: str, body: bytes = b"") -> None:
+                answer = memoryroutes.handle(agent.shelf, method, self.path, body)
                 self.reply(answer.status, answer.body)
 
             def do_POST(self) -> None:
@@ -252,6 +260,34 @@ class FakeAgent:
         report.kept, report.chunks, report.bytes, report.seconds = True, held.chunks, held.bytes, 0.1
         return report
 
+    def keep_first(self, request: CheckpointRequest, images: Path) -> MemoryCopyReport:
+        """commitOn Memory: this node's part sealed on the holder's shelf, chunks and signed part manifest
+        as the real agent's keep_first sends them, before the S3 upload."""
+        assert request.memory_copy is not None and request.images is not None and self.store is not None
+        holder = SHELVES.get(request.memory_copy.address)
+        report = MemoryCopyReport(node=request.memory_copy.node, part=self.node)
+        if holder is None:
+            report.message = f"not kept on {request.memory_copy.node}: not reachable"
+            return report
+        key = (request.images.job, request.images.checkpoint_id, self.node)
+        sealed: dict[str, bytes] = {}
+        store = ImageStore.offline(self.store.for_codec(request.images.codec), signing=self.signing)
+        with store.sealer(request.images.job, request.images.checkpoint_id, sealed.__setitem__) as writer:
+            writer.add_tree(images, under=self.node)
+            part = writer.sealed_part(self.node, [self.rank_info()])
+        data, chunks = b"", {}
+        for cid, stored in sealed.items():
+            chunks[cid] = (len(data), len(stored))
+            data += stored
+        holder.put_piece(key, 0, data)
+        seal = MemorySeal(chunks=chunks, bytes=len(data), manifest=bytes(part.data).decode())
+        held = holder.seal(key, seal)
+        report.kept, report.chunks, report.bytes, report.seconds = True, held.chunks, held.bytes, 0.1
+        return report
+
+    def rank_info(self) -> RankInfo:
+        return RankInfo(rank=int(self.host.rsplit(".", 1)[1]), pod=self.node, node=self.node, root=self.node)
+
     def stop(self) -> None:
         if self.server is not None:
             self.server.shutdown()
@@ -284,9 +320,15 @@ class FakeAgent:
         session = request.session_id
         try:
             assert self.store is not None
-            ImageStore.open(self.store, signing=self.signing).manifest(
-                CheckpointRef(request.images.job, request.images.checkpoint_id)
-            )
+            if request.memory_only:  # as the real agent: the signed manifest from a holder, no S3 call
+                held = [SHELVES[c.address].manifest(request.images.job, request.images.checkpoint_id)
+                        for c in request.memory_copies or () if c.address in SHELVES]  # fmt: skip
+                if not any(held):
+                    raise LookupError("no holder keeps the checkpoint's manifest")
+            else:
+                ImageStore.open(self.store, signing=self.signing).manifest(
+                    CheckpointRef(request.images.job, request.images.checkpoint_id)
+                )
         except Exception as error:
             self.set_phase(session, RankPhase.FAILED, state=SessionState.FAILED, finished_at=time.time(),
                            message=f"{self.node}: reading the manifest: {error}")  # fmt: skip
@@ -403,17 +445,31 @@ class FakeAgent:
         images = Path(f"/tmp/ibckpt-fake-agent-{self.node}-{secrets.token_hex(3)}")
         images.mkdir()
         (images / "pages-1.img").write_bytes(os.urandom(200_000))
+        first = request.memory_copy is not None and request.memory_copy.first
+        kept = None
+        if first:  # the copy and its signed part before the upload (commitOn Memory)
+            kept = self.keep_first(request, images)
+            if kept.kept:
+                took[Milestone.MEMORY_KEPT] = 0.1
+            self.set_phase(session, RankPhase.UPLOADING, phases=dict(took), memory_copy=kept)
+            if self.upload_gate is not None:
+                self.upload_gate.wait(60)
+            if self.upload_failure is not None:
+                self.set_phase(session, RankPhase.FAILED, state=SessionState.FAILED,
+                               message=self.upload_failure, finished_at=time.time())  # fmt: skip
+                return
+            upload_started = time.monotonic()
         # as the real agent's staging: the job's compression decides the level
         store = ImageStore.open(self.store.for_codec(request.images.codec), signing=self.signing)
         with store.writer(request.images.job, request.images.checkpoint_id) as writer:
             writer.add_tree(images, under=self.node)
-            rank = RankInfo(
-                rank=int(self.host.rsplit(".", 1)[1]), pod=self.node, node=self.node, root=self.node
-            )
-            writer.stage(self.node, ranks=[rank])
+            writer.stage(self.node, ranks=[self.rank_info()])
         final = (RankPhase.HELD, Milestone.UPLOADED) if request.mode == Mode.HOLD else (RankPhase.DONE, None)
         took[Milestone.UPLOADED] = round(time.monotonic() - upload_started, 3)
-        # the memory tier: the real agent pushes its part to the named agent before its session succeeds
-        kept = request.memory_copy and self.keep_copy(request)
         self.set_phase(session, *final, bytes=200_000, state=SessionState.SUCCEEDED, finished_at=time.time(),
                        phases=took, memory_copy=kept or None)  # fmt: skip
+        # the memory tier, commitOn S3: as the real agent, the part goes to the named agent once the session
+        # has reported (the operator lists it once the holder has it sealed)
+        if not first and request.memory_copy is not None:
+            time.sleep(0.5)  # after the operator has seen the report: it cannot count on the copy being there
+            self.set_phase(session, *final, memory_copy=self.keep_copy(request))

@@ -74,6 +74,11 @@ async def agents_by_node(kube: Kube) -> dict[str, Agent]:
 AGENT_READY_POLL_S = 2.0
 
 
+async def ready_agents(kube: Kube) -> dict[str, Agent]:
+    """agents_by_node, only the ready agents with an address (those an operator call can reach)."""
+    return {node: a for node, a in (await agents_by_node(kube)).items() if a.ready and a.host}
+
+
 async def agents_once_ready(
     kube: Kube, nodes: Collection[str], on_wait: Callable[[list[str]], Awaitable[None]]
 ) -> dict[str, Agent]:
@@ -208,6 +213,18 @@ class AgentGateway:
     async def drop_copies(self, agent: Agent, job: str, checkpoint: str) -> HeldCopies:
         """Drop its copies of one checkpoint; what it holds then."""
         return await self._run((await self._memory(agent)).drop, job, checkpoint)
+
+    async def part_manifest(self, agent: Agent, job: str, checkpoint: str, part: str) -> bytes | None:
+        """The signed part manifest a holder keeps with its copy of `part`; None: no sealed copy."""
+        return await self._run((await self._memory(agent)).part_manifest, job, checkpoint, part)
+
+    async def put_manifest(self, agent: Agent, job: str, checkpoint: str, data: bytes) -> None:
+        """Hand a holder the checkpoint's signed manifest, kept beside its copies."""
+        await self._run((await self._memory(agent)).put_manifest, job, checkpoint, data)
+
+    async def held_manifest(self, agent: Agent, job: str, checkpoint: str) -> bytes | None:
+        """The checkpoint's signed manifest a holder keeps; None: it keeps none."""
+        return await self._run((await self._memory(agent)).manifest, job, checkpoint)
 
     async def info(self, agent: Agent) -> AgentInfo:
         return await self._run((await self._client(agent)).info)

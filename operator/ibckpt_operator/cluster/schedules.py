@@ -108,10 +108,11 @@ def timestamp(value: Any) -> float | None:
 
 
 def measured_seconds(job: Mapping[str, Any], checkpoint: Mapping[str, Any] | None) -> float | None:
-    """The cost of one checkpoint: the Checkpoint's pauseSeconds (what the ranks were gated), else its
-    totalSeconds, else the job's start to completion."""
+    """The cost of one checkpoint: the Checkpoint's commitSeconds (from the cut to the commit on the tier
+    the job commits on: with commitOn Memory, the copies, not the S3 upload after them), else its
+    pauseSeconds (what the ranks were gated), else its totalSeconds, else the job's start to completion."""
     timings = ((checkpoint or {}).get("spec") or {}).get("timings") or {}
-    for key in ("pauseSeconds", "totalSeconds"):
+    for key in ("commitSeconds", "pauseSeconds", "totalSeconds"):
         if timings.get(key) is not None:
             return float(timings[key])
     status = job.get("status") or {}

@@ -146,6 +146,17 @@ def _problem(error: StoreError) -> StorageProblem:
     return StorageProblem("StorageUnavailable", str(error))
 
 
+def offline_store(config: StoreConfig) -> ImageStore:
+    """The store's keys and layout with no S3 client (any S3 call raises): to sign and verify the manifests
+    of the memory tier, which never reach S3 through it."""
+    keys_dir = current().image_keys
+    try:
+        signing = load_keys(Path(keys_dir)) if keys_dir else None
+    except StoreError as error:
+        raise StorageProblem("ImageKeysUnavailable", str(error)) from None
+    return ImageStore.offline(config, signing=signing)
+
+
 def open_store(config: StoreConfig) -> ImageStore:
     """Connect and head the bucket (blocking: call it in a thread). With the operator's image key set
     (read at each call: a rotated Secret is picked up), what it commits is signed and what it reads must
@@ -162,11 +173,20 @@ def open_store(config: StoreConfig) -> ImageStore:
 
 
 async def check(
-    kube: Kube, namespace: str, ref: LocalObjectReference | None, inline: S3Location | None
+    kube: Kube,
+    namespace: str,
+    ref: LocalObjectReference | None,
+    inline: S3Location | None,
+    *,
+    reach: bool = True,
 ) -> ResolvedStorage:
-    """Resolve the location and its Secrets, then one HEAD on the bucket: a clear reason if any fails."""
+    """Resolve the location and its Secrets, then one HEAD on the bucket: a clear reason if any fails.
+    `reach=False` skips the HEAD, for work that needs the keys and not the bucket (a restore from memory
+    copies alone)."""
     location = await location_of(kube, namespace, ref, inline)
     resolved = await resolve(kube, namespace, location)
+    if not reach:
+        return resolved
     # the check is quick to give up; the commit, verify and delete that use `resolved` keep the
     # store's own retries and timeouts (a commit through a slow path failed on the check's)
     settings = current()

@@ -21,6 +21,7 @@ from ibckpt.agentapi import (
     CheckpointRequest,
     ImageDestination,
     MemoryCopyTarget,
+    Milestone,
     Mode,
     PhaseTimeouts,
     RankPhase,
@@ -28,7 +29,7 @@ from ibckpt.agentapi import (
     SecretRef,
     SessionReport,
 )
-from ibckpt.api import CHECKPOINT, CheckpointJobStatus, CheckpointMode, JobPhase
+from ibckpt.api import CHECKPOINT, CheckpointJobStatus, CheckpointMode, JobPhase, StorageTier
 from ibckpt.store.units import format_size
 from ibckpt_operator.cluster import secretgrants, selection
 from ibckpt_operator.cluster.agents import (
@@ -40,6 +41,7 @@ from ibckpt_operator.cluster.agents import (
     each_agent,
     follow_session,
     no_agent_message,
+    ready_agents,
 )
 from ibckpt_operator.cluster.kube import Body
 from ibckpt_operator.cluster.pods import gone
@@ -52,6 +54,7 @@ from ibckpt_operator.machine import CheckpointMachine, JobConfig, JobState, PodR
 from ibckpt_operator.machine.actions import (
     AdmitPods,
     ClaimPods,
+    CommitInMemory,
     CommitManifest,
     DiscardUpload,
     KillSources,
@@ -63,7 +66,13 @@ from ibckpt_operator.machine.actions import (
     SelectPods,
     VerifyManifest,
 )
-from ibckpt_operator.machine.checkpoint import AGENT_BUSY, STEP_LABEL, TERMINAL
+from ibckpt_operator.machine.checkpoint import (
+    AFTER_COMMIT,
+    AGENT_BUSY,
+    STEP_LABEL,
+    TERMINAL,
+    MemoryCopyMissed,
+)
 from ibckpt_operator.machine.core import (
     Action,
     Event,
@@ -92,6 +101,15 @@ ABORT_TURNS = 3
 class CheckpointJobDriver(CheckpointStoreDriver):
     def __init__(self, runtime: Runtime, body: Body) -> None:
         super().__init__(runtime, body)
+        # commitOn Memory: the nodes whose part and its manifest are sealed on their buddy, and those whose
+        # copy failed (why); (attempt, pod or node) already told to the machine
+        self.kept_nodes: set[str] = set()
+        self.missed_nodes: dict[str, str] = {}
+        self.memory_told: set[tuple[str, str]] = set()
+
+    @property
+    def commits_in_memory(self) -> bool:
+        return self.spec.commit_on == StorageTier.MEMORY
 
     # -- the machine
 
@@ -182,6 +200,8 @@ class CheckpointJobDriver(CheckpointStoreDriver):
             await self.start_agents(action)
         elif isinstance(action, CommitManifest):
             await self.commit(action)
+        elif isinstance(action, CommitInMemory):
+            await self.commit_in_memory(action)
         elif isinstance(action, VerifyManifest):
             await self.verify(action)
         elif isinstance(action, PublishCheckpoint):
@@ -196,6 +216,8 @@ class CheckpointJobDriver(CheckpointStoreDriver):
     async def select(self, action: SelectPods) -> None:
         # The storage is checked first: bad credentials or an unreachable bucket fail before any pod.
         await self.store()
+        if self.commits_in_memory:
+            await self.require_memory_tier()
         name = self.spec.checkpoint_name
         if name and await self.rt.kube.get_custom(CHECKPOINT.plural, self.namespace, name) is not None:
             # a commit would refuse it anyway (the store never replaces a manifest): say so before any
@@ -208,6 +230,20 @@ class CheckpointJobDriver(CheckpointStoreDriver):
             self.rt.kube, self.namespace, self.spec.selector, self.spec.workload_ref
         )
         self.emit(PodsSelected(action.attempt, pods))
+
+    async def require_memory_tier(self) -> None:
+        """commitOn Memory needs the tier on and a ring of two ready agents (each part on another node):
+        refused before any pod is touched, rather than committed on S3 unasked."""
+        if not current().memory_tier:
+            message = "commitOn: Memory needs the memory tier (the chart's agent.memoryTier.bytes above 0)"
+            raise StepProblem("MemoryTierUnavailable", message)
+        ready = sorted(await ready_agents(self.rt.kube))
+        if len(ready) < 2:
+            message = (
+                f"commitOn: Memory needs two nodes with a ready ibckpt agent (each part is kept on another "
+                f"node), found {len(ready)}: {', '.join(ready) or 'none'}"
+            )
+            raise StepProblem("MemoryTierUnavailable", message)
 
     async def admit(self, action: AdmitPods) -> None:
         scheduled: list[tuple[PodRef, Body, str]] = []
@@ -295,6 +331,8 @@ class CheckpointJobDriver(CheckpointStoreDriver):
         if state.phase == JobPhase.ABORTING:
             return
         label = STEP_LABEL.get(state.step.kind)  # type: ignore[call-overload]
+        if self.commits_in_memory:
+            self.report_memory_progress(state, label)
         for done in self.progress.steps_done(state.step.attempt, label, [m.pod.uid for m in state.members]):
             self.emit(done)
 
@@ -310,6 +348,7 @@ class CheckpointJobDriver(CheckpointStoreDriver):
         nodes = list(self.session.nodes.items())
         infos = await each_agent([self.rt.gateway.info(agent) for _, agent in nodes])
         buddies = await self.memory_buddies()
+        self.memory_holders = {node: target.node for node, target in buddies.items()}
         requests: list[tuple[str, Agent, CheckpointRequest]] = []
         for (node, agent), info in zip(nodes, infos, strict=True):
             if isinstance(info, AgentError):
@@ -374,9 +413,11 @@ class CheckpointJobDriver(CheckpointStoreDriver):
         assert self.session is not None
         if not current().memory_tier:
             return {}
-        agents = {node: a for node, a in (await agents_by_node(self.rt.kube)).items() if a.ready and a.host}
+        agents = await ready_agents(self.rt.kube)
         return {
-            node: MemoryCopyTarget(node=buddy, address=agent_address(agents[buddy]))
+            node: MemoryCopyTarget(
+                node=buddy, address=agent_address(agents[buddy]), first=self.commits_in_memory
+            )
             for node, buddy in memorytier.buddies(self.session.nodes, agents).items()
         }
 
@@ -386,11 +427,22 @@ class CheckpointJobDriver(CheckpointStoreDriver):
         end = await follow_session(
             self.rt.gateway, agent, self.session.id, self.absorb, fate=self.fate(agent)
         )
+        if end.reason and end.report is not None and self.commits_in_memory:
+            self.absorb_copy(end.report)  # a failed session's last report may be the first with its copy
+            if end.report.node in self.kept_nodes:
+                # dumped and kept in memory: its upload's failure is the background commit's to report
+                log.info("%s: node %s's upload after its copy: %s", self.key, node, end.message)
+                self.absorb(end.report)
+                return
         if end.reason:
             self.fail_current(end.reason, end.message)
 
     def fail_current(self, reason: str, message: str) -> None:
         state = self.state
+        if state is not None and self.after_memory_commit(state):
+            # the session ends with its S3 upload, which the background commit waits for (durable.py)
+            log.info("%s: a node's upload after the memory commit: %s: %s", self.key, reason, message)
+            return
         if state is not None and state.attempt and state.phase not in (JobPhase.ABORTING, *TERMINAL):
             self.emit(StepFailed(state.attempt, reason, message))
 
@@ -404,7 +456,43 @@ class CheckpointJobDriver(CheckpointStoreDriver):
             self.node_phases[report.node] = dict(report.phases)
         if report.memory_copy is not None:
             self.memory_reports[report.node] = report.memory_copy
+        if self.commits_in_memory:
+            self.absorb_copy(report)
         self.report_progress()
+
+    def absorb_copy(self, report: SessionReport) -> None:
+        """commitOn Memory: a node's part is kept once its report has MemoryKept (with its copy); it is
+        missed when its copy failed, or when its session ended without one."""
+        copy = report.memory_copy
+        if Milestone.MEMORY_KEPT in report.phases and copy is not None and copy.kept:
+            self.kept_nodes.add(report.node)
+        elif copy is not None and not copy.kept:
+            self.missed_nodes[report.node] = copy.message or "its agent did not keep it"
+        elif report.state.finished and report.node not in self.kept_nodes:
+            self.missed_nodes[report.node] = f"its session ended {report.state} with no copy"
+
+    def after_memory_commit(self, state: JobState) -> bool:
+        return state.committed_on == StorageTier.MEMORY and state.phase in AFTER_COMMIT
+
+    def report_memory_progress(self, state: JobState, label: object) -> None:
+        """MemoryKept, and after a memory commit a LeaveRunning node's rebuild and resume, from the copies:
+        its agent resumed the ranks before it kept the copy, and its session ends only with the upload."""
+        assert state.step is not None
+        attempt = state.step.attempt
+        if label == Milestone.MEMORY_KEPT:
+            if self.missed_nodes and (attempt, "missed") not in self.memory_told:
+                self.memory_told.add((attempt, "missed"))
+                node, why = sorted(self.missed_nodes.items())[0]
+                self.emit(MemoryCopyMissed(attempt, node, why))
+                return
+        elif not (label in (Milestone.REBUILT, Milestone.RESUMED) and self.after_memory_commit(state)):
+            return
+        if label != Milestone.MEMORY_KEPT and self.spec.mode == CheckpointMode.STOP:
+            return
+        for member in state.members:
+            if member.pod.node in self.kept_nodes and (attempt, member.pod.uid) not in self.memory_told:
+                self.memory_told.add((attempt, member.pod.uid))
+                self.emit(PodStepDone(attempt, member.pod.uid))
 
     async def kill(self, action: KillSources) -> None:
         for pod in action.pods:

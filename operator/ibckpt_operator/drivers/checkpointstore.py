@@ -1,8 +1,9 @@
 """A CheckpointJob's spec and names, and the half of its driver that deals with the image store and the
 Checkpoint it publishes: the storage check, the commit of the nodes' staged parts (CommitManifest), its
-verification after a restart (VerifyManifest), the discard of an aborted attempt's parts (DiscardUpload),
-and the Checkpoint itself (PublishCheckpoint). The pods and the agents are CheckpointJobDriver's
-(checkpointjob.py)."""
+verification after a restart (VerifyManifest), the commit on the memory tier (CommitInMemory: the parts'
+manifests their holders keep, merged and handed back to them; S3 follows in the background, durable.py),
+the discard of an aborted attempt's parts (DiscardUpload), and the Checkpoint itself (PublishCheckpoint).
+The pods and the agents are CheckpointJobDriver's (checkpointjob.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import contextlib
 import functools
 import logging
 import time
+from datetime import UTC, datetime
 
-from ibckpt.agentapi import CHECKPOINT_MILESTONES, MemoryCopyReport, Milestone
+from ibckpt.agentapi import CHECKPOINT_MILESTONES, AgentError, MemoryCopyReport, Milestone
 from ibckpt.api import (
     CHECKPOINT,
     CHECKPOINT_JOB,
@@ -23,23 +25,33 @@ from ibckpt.api import (
     CheckpointSpec,
     CheckpointStatus,
     CheckpointTimings,
+    CheckpointUpload,
     JobReference,
     ObjectMeta,
+    StorageTier,
+    UploadState,
 )
 from ibckpt.store.units import format_size
 from ibckpt_operator import metrics
 from ibckpt_operator.cluster import storage
+from ibckpt_operator.cluster.agents import each_agent, ready_agents
 from ibckpt_operator.cluster.imports import RECORD_LABEL, restore_record
 from ibckpt_operator.cluster.kube import Body
-from ibckpt_operator.drivers import memorycopies
-from ibckpt_operator.drivers.base import Driver
+from ibckpt_operator.drivers import durable, memorycopies
+from ibckpt_operator.drivers.base import Driver, StepProblem
 from ibckpt_operator.drivers.progress import PodProgress
 from ibckpt_operator.drivers.recording import RestoreRecord
 from ibckpt_operator.drivers.runtime import Runtime
 from ibckpt_operator.machine import CheckpointMachine, JobState, memorytier
-from ibckpt_operator.machine.actions import CommitManifest, DiscardUpload, PublishCheckpoint, VerifyManifest
+from ibckpt_operator.machine.actions import (
+    CommitInMemory,
+    CommitManifest,
+    DiscardUpload,
+    PublishCheckpoint,
+    VerifyManifest,
+)
 from ibckpt_operator.machine.checkpoint import CheckpointPublished, ManifestCommitted, ManifestMissing
-from ibckpt_operator.machine.timings import checkpoint_timings
+from ibckpt_operator.machine.timings import checkpoint_timings, commit_seconds
 
 log = logging.getLogger(__name__)
 
@@ -68,12 +80,21 @@ class CheckpointStoreDriver(Driver[JobState]):
         # each node's SessionReport.memoryCopy (the memory tier): in memory only, so a Checkpoint
         # published by a restarted operator says S3 only, which is true of what it can vouch for
         self.memory_reports: dict[str, MemoryCopyReport] = {}
+        # each node's buddy, as the requests named it: with a commit on S3 the copies are made after the
+        # sessions reported, and the Checkpoint lists them once their holders have them sealed
+        self.memory_holders: dict[str, str] = {}
+        self.memory_labels: dict[str, str] = {}  # the restore record the memory commit signed
+        self.upload_deadline = datetime.now(UTC)  # status.upload.deadline, set when published in memory
 
     def timings(self, state: JobState, now: float) -> CheckpointTimings | None:
         """From the nodes' reports; the total runs from the job's start to its end (or to `now`)."""
         end = state.finished_at if state.finished_at is not None else now
         leave_running = self.spec.mode != CheckpointMode.STOP
-        return checkpoint_timings(self.node_phases, leave_running, end - state.started_at)
+        timings = checkpoint_timings(self.node_phases, leave_running, end - state.started_at)
+        committed = commit_seconds(state.phase_spans, state.phase, state.phase_since)
+        if timings is None or committed is None:
+            return timings
+        return timings.model_copy(update={"commit_seconds": committed})
 
     # -- names
 
@@ -119,10 +140,9 @@ class CheckpointStoreDriver(Driver[JobState]):
 
         # what a Checkpoint object needs, signed with the manifest: `kubectl ibckpt import` makes it again
         ref = CheckpointRef(self.store_job, action.checkpoint_name)
-        spec = await self.checkpoint_spec(
+        labels = await self.record_labels(
             action.checkpoint_name, image_store.context.layout.manifest_key(ref)
         )
-        labels = {RECORD_LABEL: restore_record(spec, self.copied_labels())}
         manifest = await asyncio.to_thread(
             functools.partial(
                 image_store.commit_parts, self.store_job, action.checkpoint_name, expected, labels=labels
@@ -131,6 +151,51 @@ class CheckpointStoreDriver(Driver[JobState]):
         metrics.CHECKPOINT_BYTES.inc(manifest.stats.logical_bytes)
         key = image_store.context.layout.manifest_key(manifest.ref)
         self.emit(ManifestCommitted(action.attempt, key))
+
+    async def record_labels(self, checkpoint_name: str, manifest_key: str) -> dict[str, str]:
+        """What a Checkpoint object needs, signed with the manifest (`kubectl ibckpt import`)."""
+        spec = await self.checkpoint_spec(checkpoint_name, manifest_key)
+        return {RECORD_LABEL: restore_record(spec, self.copied_labels())}
+
+    async def commit_in_memory(self, action: CommitInMemory) -> None:
+        """commitOn Memory: each part's signed manifest from its holder, merged and signed for the bucket
+        key (parts.commit_in_memory, no S3), then handed to every holder of the job's parts, which keep it
+        beside their copies: a restore reads it there."""
+        from ibckpt.store import CheckpointRef
+        from ibckpt.store.parts import commit_in_memory
+
+        assert self.state is not None
+        resolved = await self.store()
+        expected = sorted({m.pod.node for m in self.state.members})
+        holders = {node: self.memory_reports[node].node for node in expected if node in self.memory_reports}
+        agents = await ready_agents(self.rt.kube)
+        if lost := sorted(node for node in expected if holders.get(node) not in agents):
+            message = f"no ready holder keeps the part of {', '.join(lost)} in memory"
+            raise StepProblem("MemoryCopyLost", message)
+        job, name = self.store_job, action.checkpoint_name
+        answers = await each_agent(
+            [self.rt.gateway.part_manifest(agents[holders[n]], job, name, n) for n in expected]
+        )
+        held: dict[str, bytes] = {}
+        for node, answer in zip(expected, answers, strict=True):
+            if isinstance(answer, AgentError) or answer is None:
+                why = answer if isinstance(answer, AgentError) else "it keeps no sealed copy"
+                raise StepProblem("MemoryCopyLost", f"the part of {node} on {holders[node]}: {why}")
+            held[node] = answer
+        image_store = await asyncio.to_thread(storage.offline_store, resolved.config)
+        key = image_store.context.layout.manifest_key(CheckpointRef(job, name))
+        self.memory_labels = await self.record_labels(name, key)
+        commit = functools.partial(
+            commit_in_memory, image_store.context, job, name, held, expected, labels=self.memory_labels
+        )
+        manifest, data = await asyncio.to_thread(commit)
+        keepers = sorted(set(holders.values()))
+        given = await each_agent([self.rt.gateway.put_manifest(agents[n], job, name, data) for n in keepers])
+        if refused := [f"{n}: {a}" for n, a in zip(keepers, given, strict=True) if isinstance(a, AgentError)]:
+            # a holder without the manifest could not serve a restore of the memory tier alone
+            raise StepProblem("MemoryCommitFailed", f"the manifest was not kept by {'; '.join(refused)}")
+        metrics.CHECKPOINT_BYTES.inc(manifest.stats.logical_bytes)
+        self.emit(ManifestCommitted(action.attempt, key, StorageTier.MEMORY))
 
     async def verify(self, action: VerifyManifest) -> None:
         resolved = await self.store()
@@ -197,10 +262,19 @@ class CheckpointStoreDriver(Driver[JobState]):
         created = await self.rt.kube.create_custom(CHECKPOINT.plural, self.namespace, checkpoint.to_wire())
         if created:
             copies = memorytier.kept_copies(self.memory_reports)
+            upload = self.spec.timeouts.upload_seconds
+            # what a restarted operator needs to take the S3 commit up again (durable.resume)
+            self.upload_deadline = durable.deadline_after(upload, datetime.now(UTC))
             status = CheckpointStatus(
                 ready_to_restore=True,
-                tiers=memorytier.tiers(copies, spec.nodes or []),
+                tiers=memorytier.tiers(copies, spec.nodes or [], on_s3=not action.in_memory),
                 memory_copies=copies or None,
+                message=f"committed in memory; the S3 upload is in progress (within {upload}s)"
+                if action.in_memory
+                else None,
+                upload=CheckpointUpload(state=UploadState.IN_PROGRESS, deadline=self.upload_deadline)
+                if action.in_memory
+                else None,
             )
             with contextlib.suppress(Exception):
                 await self.rt.kube.patch_status(
@@ -212,7 +286,25 @@ class CheckpointStoreDriver(Driver[JobState]):
                 )
             except Exception as error:
                 log.warning("%s: older Checkpoints' memory copies not updated: %s", self.key, error)
+            if action.in_memory:
+                await self.upload_in_background(action.checkpoint_name, spec.nodes or [])
+            elif self.memory_holders and not copies:
+                holders, bound = dict(self.memory_holders), float(self.spec.timeouts.upload_seconds)
+                watch = memorycopies.record_when_sealed(
+                    self.rt, self.namespace, action.checkpoint_name, self.store_job, holders, bound
+                )
+                self.rt.detach(watch, f"memory copies {self.key}")
         self.emit(CheckpointPublished(action.attempt))
+
+    async def upload_in_background(self, checkpoint_name: str, parts: list[str]) -> None:
+        """After a commit on the memory tier: merge the S3 parts once staged (durable.py)."""
+        resolved = await self.store()
+        upload = durable.Upload(
+            namespace=self.namespace, name=checkpoint_name, job=self.store_job, checkpoint_id=checkpoint_name,
+            parts=tuple(parts), labels=self.memory_labels, config=resolved.config,
+            deadline=self.upload_deadline, bound_seconds=float(self.spec.timeouts.upload_seconds),
+        )  # fmt: skip
+        self.rt.detach(durable.commit_when_uploaded(self.rt, upload), f"s3 commit {self.key}")
 
     def copied_labels(self) -> dict[str, str]:
         labels: dict[str, str] = self.body["metadata"].get("labels") or {}

@@ -4,13 +4,15 @@ the Checkpoint. The placement and the rules are machine/memorytier.py's; the cop
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
+import time
 
 from ibckpt.agentapi import AgentError
 from ibckpt.agentapi.memory import HeldCopies
 from ibckpt.api import CHECKPOINT, Checkpoint, MemoryCopy
-from ibckpt_operator.cluster.agents import Agent, agents_by_node, each_agent
+from ibckpt_operator.cluster.agents import Agent, each_agent, ready_agents
 from ibckpt_operator.drivers.runtime import Runtime
 from ibckpt_operator.machine import memorytier
 
@@ -42,7 +44,7 @@ async def held_now(rt: Runtime, checkpoint: Checkpoint) -> tuple[list[MemoryCopy
     copies = recorded(checkpoint)
     if not copies:
         return [], {}
-    agents = {node: a for node, a in (await agents_by_node(rt.kube)).items() if a.ready and a.host}
+    agents = await ready_agents(rt.kube)
     living = memorytier.readable_copies(copies, agents)
     answers = await listings(rt, {c.node: agents[c.node] for c in living})
     job, name = checkpoint.spec.job_name or "", checkpoint.spec.checkpoint_id or ""
@@ -56,10 +58,19 @@ async def say_held(rt: Runtime, checkpoint: Checkpoint, copies: list[MemoryCopy]
     """Write which copies are held, and so which tiers hold the checkpoint, into its status."""
     meta = checkpoint.metadata
     assert meta is not None and meta.name and meta.namespace
-    status = {
-        "tiers": [t.value for t in memorytier.tiers(copies, checkpoint.spec.nodes or [])],
+    parts = checkpoint.spec.nodes or []
+    on_s3 = memorytier.checkpoint_on_s3(checkpoint)
+    status: dict[str, object] = {
+        "tiers": [t.value for t in memorytier.tiers(copies, parts, on_s3)],
         "memoryCopies": [c.to_wire() for c in copies] or None,  # null: the merge patch removes the field
     }
+    if not on_s3 and (lost := memorytier.missing_parts(copies, parts)):
+        # committed on the memory tier, not yet in S3: never half-restored from what is left
+        status["readyToRestore"] = False
+        status["message"] = (
+            f"not restorable: the memory copy of part {', '.join(lost)} is lost and the checkpoint's S3 "
+            "upload was not merged"
+        )
     try:
         await rt.kube.patch_status(CHECKPOINT.plural, meta.namespace, meta.name, status)
     except Exception as error:  # the status is advice: a restore asks the holders again
@@ -67,9 +78,40 @@ async def say_held(rt: Runtime, checkpoint: Checkpoint, copies: list[MemoryCopy]
             "checkpoint %s/%s: memory copies not updated in status: %s", meta.namespace, meta.name, error
         )
         return
-    gone = len(recorded(checkpoint)) - len(copies)
-    log.info("checkpoint %s/%s: %d memory copies no longer held; tiers now %s",
-             meta.namespace, meta.name, gone, status["tiers"])  # fmt: skip
+    held = ", ".join(f"{c.part} on {c.node}" for c in copies) or "none"
+    log.info("checkpoint %s/%s: memory copies held: %s; tiers now %s",
+             meta.namespace, meta.name, held, status["tiers"])  # fmt: skip
+
+
+WATCH_EVERY_S = 1.0
+
+
+async def record_when_sealed(
+    rt: Runtime, namespace: str, name: str, job: str, holders: dict[str, str], bound_s: float
+) -> None:
+    """commitOn S3: each node copies its part to its buddy after its session reported, so the job commits
+    without waiting for the copies. Ask the holders (`holders`: part -> node) until each lists its part
+    sealed, or for `bound_s`; then the Checkpoint lists what they hold, and the job's older Checkpoints
+    stop listing the copies these replaced. Runs detached from the job; an error is only logged."""
+    try:
+        deadline = time.monotonic() + bound_s
+        while True:
+            ready = await ready_agents(rt.kube)
+            asked = {node: ready[node] for node in set(holders.values()) if node in ready}
+            found = memorytier.sealed_copies(holders, await listings(rt, asked), job, name)
+            if len(found) == len(holders) or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(WATCH_EVERY_S)
+        if missed := sorted(set(holders) - {c.part for c in found}):
+            log.warning("checkpoint %s/%s: no memory copy of part %s sealed within %gs: in S3 only",
+                        namespace, name, ", ".join(missed), bound_s)  # fmt: skip
+        body = await rt.kube.get_custom(CHECKPOINT.plural, namespace, name)
+        if body is None or not found:  # deleted meanwhile, or nothing to say
+            return
+        await say_held(rt, Checkpoint.from_wire(body), found)
+        await forget_replaced(rt, namespace, job, name, found)
+    except Exception as error:
+        log.warning("checkpoint %s/%s: its memory copies not recorded: %s", namespace, name, error)
 
 
 async def forget_replaced(
@@ -104,7 +146,7 @@ async def drop(rt: Runtime, checkpoint: Checkpoint) -> str:
     if not copies:
         return ""
     job, name = checkpoint.spec.job_name or "", checkpoint.spec.checkpoint_id or ""
-    agents = {node: a for node, a in (await agents_by_node(rt.kube)).items() if a.ready and a.host}
+    agents = await ready_agents(rt.kube)
     holders = sorted({c.node for c in copies})
     reachable = [n for n in holders if n in agents]
     answers = await each_agent([rt.gateway.drop_copies(agents[n], job, name) for n in reachable])

@@ -50,7 +50,7 @@ from ibckpt_operator.drivers import memorycopies
 from ibckpt_operator.drivers.progress import PodProgress
 from ibckpt_operator.drivers.restorepods import RestorePodsDriver
 from ibckpt_operator.drivers.runtime import Runtime
-from ibckpt_operator.machine import PodRef, RestoreConfig, RestoreMachine, RestoreState
+from ibckpt_operator.machine import PodRef, RestoreConfig, RestoreMachine, RestoreState, memorytier
 from ibckpt_operator.machine.actions import (
     AdmitNodes,
     AwaitMilestone,
@@ -199,7 +199,9 @@ class RestoreJobDriver(RestorePodsDriver):
         if refused is not None and refused.reason == "ForeignCheckpoint":  # before its storage is read
             self.emit(StepFailed(action.attempt, refused.reason, refused.message))
             return
-        await storage.check(self.rt.kube, self.namespace, spec.storage_ref, spec.storage)
+        # held in memory only: the restore reads no byte from S3, so S3 need not answer (docs/recovery.md)
+        reach = memorytier.checkpoint_on_s3(checkpoint)
+        await storage.check(self.rt.kube, self.namespace, spec.storage_ref, spec.storage, reach=reach)
         if refused is not None:
             self.emit(StepFailed(action.attempt, refused.reason, refused.message))
             return
@@ -240,8 +242,14 @@ class RestoreJobDriver(RestorePodsDriver):
         assert self.session is not None and self.state is not None
         checkpoint = await self.require_checkpoint()
         assert checkpoint.spec.job_name and checkpoint.spec.checkpoint_id  # resolve refused one without
+        # committed in memory and not yet (or never) in S3: every part from a holder, or no restore at all
+        memory_only = not memorytier.checkpoint_on_s3(checkpoint)
         resolved = await storage.check(
-            self.rt.kube, self.namespace, checkpoint.spec.storage_ref, checkpoint.spec.storage
+            self.rt.kube,
+            self.namespace,
+            checkpoint.spec.storage_ref,
+            checkpoint.spec.storage,
+            reach=not memory_only,
         )
         await secretgrants.grant(self.rt.kube, self.namespace, resolved.location)
         secret = resolved.location.credentials_secret_ref
@@ -255,6 +263,13 @@ class RestoreJobDriver(RestorePodsDriver):
             self.emit(StepFailed(action.attempt, "AddressConflict", str(conflict)))
             return
         copies = await self.memory_sources(checkpoint)
+        if memory_only and (lost := sorted(set(checkpoint.spec.nodes or []) - {c.part for c in copies})):
+            message = (
+                f"checkpoint {checkpoint.spec.checkpoint_id} is held in memory only (its S3 upload was not "
+                f"merged) and no ready holder keeps the part of {', '.join(lost)}"
+            )
+            self.emit(StepFailed(action.attempt, "MemoryCopyLost", message))
+            return
         requests: list[tuple[str, Agent, RestoreRequest]] = []
         for node, agent in sorted(self.session.nodes.items()):
             ranks = []
@@ -290,6 +305,7 @@ class RestoreJobDriver(RestorePodsDriver):
                 remap_ip=remap,
                 device_map=self.spec.device_map or None,
                 memory_copies=copies or None,
+                memory_only=memory_only,
             )
             requests.append((node, agent, request))
 

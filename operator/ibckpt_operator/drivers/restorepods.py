@@ -6,6 +6,7 @@ restore is undone (CleanUpRestore). The agents' side is RestoreJobDriver's (rest
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -23,9 +24,10 @@ from ibckpt_operator.cluster import bindings, sources, storage
 from ibckpt_operator.cluster.agents import agents_by_node, agents_once_ready, each_agent, no_agent_message
 from ibckpt_operator.cluster.kube import ApiException, Body, api_message
 from ibckpt_operator.cluster.pods import node_ready, restore_marker
+from ibckpt_operator.drivers import memorycopies
 from ibckpt_operator.drivers.base import Driver, StepProblem
 from ibckpt_operator.drivers.runtime import Runtime
-from ibckpt_operator.machine import RestoreState
+from ibckpt_operator.machine import RestoreState, memorytier
 from ibckpt_operator.machine.actions import AdmitNodes, CleanUpRestore, CreatePods, PlacePods
 from ibckpt_operator.machine.core import PodAdmitted, PodRefused, PodStepDone, StepFailed
 from ibckpt_operator.machine.podtemplate import destination_pod
@@ -190,11 +192,14 @@ class RestorePodsDriver(Driver[RestoreState]):
             # resolved, not checked: opening the store makes the one request a check would
             location = await storage.location_of(self.rt.kube, self.namespace, spec.storage_ref, spec.storage)
             resolved = await storage.resolve(self.rt.kube, self.namespace, location)
-            store = await asyncio.to_thread(storage.open_store, resolved.config)
-            manifest = await asyncio.to_thread(
-                store.manifest, CheckpointRef(spec.job_name, spec.checkpoint_id)
-            )
-        except (StoreError, storage.StorageProblem, OSError) as exc:
+            ref = CheckpointRef(spec.job_name, spec.checkpoint_id)
+            if memorytier.checkpoint_on_s3(checkpoint):
+                store = await asyncio.to_thread(storage.open_store, resolved.config)
+                manifest = await asyncio.to_thread(store.manifest, ref)
+            else:  # committed in memory: the manifest its holders keep, verified as S3's would be
+                store = await asyncio.to_thread(storage.offline_store, resolved.config)
+                manifest = store.manifest_from(ref, await self.held_manifest(checkpoint), "a holder's memory")
+        except (StoreError, storage.StorageProblem, OSError, AgentError) as exc:
             log.warning("%s: the checkpoint's RDMA devices are not checked: %s", self.key, exc)
             return {}
         found: dict[str, dict[str, list[str]]] = {}
@@ -203,6 +208,19 @@ class RestorePodsDriver(Driver[RestoreState]):
                 used = (name for names in rank.devices.used.values() for name in names)
                 found.setdefault(rank.pod, {})[rank.root.rsplit("/", 1)[-1]] = list(dict.fromkeys(used))
         return found
+
+    async def held_manifest(self, checkpoint: Checkpoint) -> bytes:
+        """The signed manifest of a checkpoint committed in memory, from the first holder that keeps it."""
+        from ibckpt.store import StoreError
+
+        held, agents = await memorycopies.held_now(self.rt, checkpoint)
+        job, name = checkpoint.spec.job_name or "", checkpoint.spec.checkpoint_id or ""
+        for holder in sorted({copy.node for copy in held}):
+            with contextlib.suppress(AgentError):
+                data = await self.rt.gateway.held_manifest(agents[holder], job, name)
+                if data is not None:
+                    return data
+        raise StoreError(f"no ready holder keeps the manifest of {job}/{name} in memory")
 
     def replaceable(self, pod: Body) -> bool:
         """Controller mode: a source pod on its way out (its controller creates it again, bound here) or

@@ -1,5 +1,6 @@
 """Checkpoint: a finalizer that removes the checkpoint's objects from the store when it is deleted (its
-manifest at once; its chunks by a sweep of what no other checkpoint references)."""
+manifest at once; its chunks by a sweep of what no other checkpoint references); and, at the operator's
+start, the background commit to S3 of a memory commit that a previous operator left waiting."""
 
 from __future__ import annotations
 
@@ -16,11 +17,15 @@ from ibckpt.store import CheckpointNotFoundError, RetentionPolicy, StoreConfig, 
 from ibckpt_operator import metrics
 from ibckpt_operator.cluster import storage
 from ibckpt_operator.config import current
-from ibckpt_operator.drivers import memorycopies, runtime
+from ibckpt_operator.drivers import durable, memorycopies, runtime
 
 log = logging.getLogger(__name__)
 RETAIN_ANNOTATION = "ibckpt.io/retain-images"  # "true": deleting the object leaves the images in place
 DELETE_RETRIES = 5
+# One try's bound, and the store's own for it: a store that hangs must not hold the Checkpoint (and so its
+# namespace's deletion) for the client's default retries of every request (5 x 60 s each).
+DELETE_SECONDS = 60.0
+DELETE_READ_TIMEOUT = 15.0
 
 
 def remove_images(config: StoreConfig, manifest_key: str, grace_seconds: float) -> str:
@@ -72,11 +77,15 @@ async def delete_images(body: kopf.Body, retry: int, **_: Any) -> None:
             rt.kube, meta["namespace"], checkpoint.spec.storage_ref, checkpoint.spec.storage
         )
         resolved = await storage.resolve(rt.kube, meta["namespace"], location)
-        said = await asyncio.to_thread(
-            remove_images, resolved.config, checkpoint.spec.manifest_key, current().gc_grace_seconds
+        quick = resolved.config.with_overrides(
+            max_attempts=2, read_timeout=min(resolved.config.read_timeout, DELETE_READ_TIMEOUT)
         )
-    except (storage.StorageProblem, StoreError, ValueError) as error:
-        message = str(error)
+        removing = asyncio.to_thread(
+            remove_images, quick, checkpoint.spec.manifest_key, current().gc_grace_seconds
+        )
+        said = await asyncio.wait_for(removing, DELETE_SECONDS)  # the thread ends on its own timeouts
+    except (storage.StorageProblem, StoreError, ValueError, TimeoutError) as error:
+        message = str(error) or f"the store did not answer within {DELETE_SECONDS:g}s"
         if retry < DELETE_RETRIES:
             raise kopf.TemporaryError(f"images not deleted yet: {message}", delay=5) from None
         # The object goes anyway: a finalizer that never ends would block the namespace's deletion.
@@ -87,3 +96,10 @@ async def delete_images(body: kopf.Body, retry: int, **_: Any) -> None:
     metrics.CHECKPOINTS_DELETED.inc()
     log.info("checkpoint %s/%s: %s", meta["namespace"], meta["name"], said)
     await rt.kube.post_event(raw, "Normal", "ImagesDeleted", said)
+
+
+@kopf.on.resume(GROUP, VERSION, CHECKPOINT.plural)
+async def resume_upload(body: kopf.Body, **_: Any) -> None:
+    """status.upload InProgress: the S3 commit went with the operator that started it; taken up again,
+    detached (durable.resume). Handlers run only once startup holds the Lease: the leader's alone."""
+    await durable.resume(runtime.get(), copy.deepcopy(dict(body)))

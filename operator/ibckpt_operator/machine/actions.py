@@ -70,6 +70,14 @@ class CommitManifest(StepAction):
 
 
 @dataclass(frozen=True)
+class CommitInMemory(StepAction):
+    """commitOn Memory: merge the members' part manifests their holders keep into the manifest, signed for
+    its bucket key, and hand it to every holder (no S3): the checkpoint exists on the memory tier."""
+
+    checkpoint_name: str = ""
+
+
+@dataclass(frozen=True)
 class VerifyManifest(StepAction):
     """Look whether the manifest exists (answer ManifestCommitted or ManifestMissing); writes nothing."""
 
@@ -89,6 +97,7 @@ class PublishCheckpoint(StepAction):
 
     checkpoint_name: str = ""
     manifest_key: str = ""
+    in_memory: bool = False  # committed on the memory tier: S3 follows in the background
 
 
 @dataclass(frozen=True)

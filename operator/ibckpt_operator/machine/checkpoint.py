@@ -1,7 +1,7 @@
 """The CheckpointJob state machine: (state, event, now) -> (state, actions). Pure: no I/O, no clock.
 
     Pending -> Admitted [-> PreDumping: spec.preDump] -> Quiescing -> Draining -> Releasing -> Dumping
-      -> Uploading -> Committed
+      -> Uploading -> Committed                       (commitOn Memory: Uploading keeps and commits in memory)
       -> Rebuilding -> Resuming -> Succeeded          (LeaveRunning)
       -> Stopped -> Succeeded                         (Stop: sources killed only now)
     any failure, deadline, lost pod or cancel before Committed -> Aborting (ResumeAll) -> Failed
@@ -9,7 +9,8 @@
 
 The rules it encodes (tests/operator/test_checkpoint_machine.py shows each):
 - every member is admitted before any member is touched; the members are pinned by UID at selection;
-- the manifest is committed only after every member uploaded, so a partial set is never published;
+- the manifest is committed only after every member uploaded, so a partial set is never published; with
+  commitOn Memory, after every member's part is kept on its buddy, or (a copy failed) on S3 as without;
 - Stop kills the sources only once the checkpoint is committed and its Checkpoint object exists;
 - each side effect gets a new attempt id, recorded in the state the handler writes to status before it acts;
   a result for another attempt is stale and ignored; after an operator restart a step with an unknown
@@ -27,13 +28,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
-from ibckpt.api import CheckpointJobSpec, CheckpointMode, ConcurrencyPolicy, JobPhase
+from ibckpt.api import CheckpointJobSpec, CheckpointMode, ConcurrencyPolicy, JobPhase, StorageTier
 from ibckpt.vocabulary import Milestone
 from ibckpt_operator.machine.actions import (
     AdmitPods,
     AwaitMilestone,
     ClaimPods,
     CloseSession,
+    CommitInMemory,
     CommitManifest,
     DiscardUpload,
     KillSources,
@@ -96,7 +98,9 @@ class JobStep(StrEnum):
     RELEASE = "release"
     DUMP = "dump"
     UPLOAD = "upload"
+    KEEP = "keep-in-memory"  # commitOn Memory: every part and its manifest sealed on its buddy
     COMMIT = "commit"
+    COMMIT_IN_MEMORY = "commit-in-memory"
     VERIFY_COMMIT = "verify-commit"
     PUBLISH = "publish"
     REBUILD = "rebuild"
@@ -121,6 +125,9 @@ STEPS: Mapping[JobStep, StepRule] = {
     JobStep.RELEASE: StepRule(AwaitMilestone, Milestone.RELEASED, Unknown.ABORT),
     JobStep.DUMP: StepRule(AwaitMilestone, Milestone.DUMPED, Unknown.ABORT),
     JobStep.UPLOAD: StepRule(AwaitMilestone, Milestone.UPLOADED, Unknown.ABORT),
+    # the agents' reports of their copies were in the last operator's memory: abort, as for an upload
+    JobStep.KEEP: StepRule(AwaitMilestone, Milestone.MEMORY_KEPT, Unknown.ABORT),
+    JobStep.COMMIT_IN_MEMORY: StepRule(CommitInMemory, None, Unknown.ABORT),
     # one PUT: the manifest is there or not
     JobStep.COMMIT: StepRule(CommitManifest, None, Unknown.VERIFY),
     JobStep.VERIFY_COMMIT: StepRule(VerifyManifest, None, Unknown.REISSUE),
@@ -144,8 +151,12 @@ NEXT_STEP: Mapping[JobStep, tuple[JobStep, JobPhase]] = {
     JobStep.RELEASE: (JobStep.DUMP, JobPhase.DUMPING),
     JobStep.DUMP: (JobStep.UPLOAD, JobPhase.UPLOADING),
     JobStep.UPLOAD: (JobStep.COMMIT, JobPhase.UPLOADING),
+    JobStep.KEEP: (JobStep.COMMIT_IN_MEMORY, JobPhase.UPLOADING),
     JobStep.REBUILD: (JobStep.RESUME, JobPhase.RESUMING),
 }
+# commitOn Memory: after the dump, every part is kept on its buddy, then committed there.
+AFTER_DUMP_IN_MEMORY = (JobStep.KEEP, JobPhase.UPLOADING)
+COMMIT_STEPS = frozenset({JobStep.COMMIT, JobStep.VERIFY_COMMIT, JobStep.COMMIT_IN_MEMORY})
 TERMINAL = frozenset({JobPhase.SUCCEEDED, JobPhase.FAILED})
 # Phases in which no rank has been touched: a failure ends the job, nothing to bring back.
 UNTOUCHED = frozenset({JobPhase.PENDING, JobPhase.ADMITTED})
@@ -165,6 +176,16 @@ BUSY_AGENT = "a busy node's agent"
 class ManifestCommitted(Event):
     attempt: str
     manifest_key: str
+    tier: StorageTier = StorageTier.S3
+
+
+@dataclass(frozen=True)
+class MemoryCopyMissed(Event):
+    """commitOn Memory: a node's part was not kept on its buddy (its agent said why)."""
+
+    attempt: str
+    node: str
+    message: str
 
 
 @dataclass(frozen=True)
@@ -187,6 +208,7 @@ class JobConfig:
     mode: CheckpointMode = CheckpointMode.LEAVE_RUNNING
     concurrency: ConcurrencyPolicy = ConcurrencyPolicy.WAIT
     pre_dump: bool = False
+    commit_on: StorageTier = StorageTier.S3
     timeouts: Mapping[JobPhase, float] = field(default_factory=dict)
     active_deadline: float = 3600.0
     retry_seconds: float = 5.0  # how often a waiting job asks for its pods again
@@ -203,6 +225,7 @@ class JobConfig:
             mode=spec.mode,
             concurrency=spec.concurrency_policy,
             pre_dump=spec.pre_dump,
+            commit_on=spec.commit_on,
             agent_wait_seconds=agent_wait_seconds,
             timeouts={
                 JobPhase.PENDING: t.admit_seconds,
@@ -232,6 +255,7 @@ class JobState(RunState[JobPhase]):
     waiting_for: str | None = None
     retry_at: float | None = None
     manifest_key: str | None = None
+    committed_on: StorageTier | None = None
     session_turn: int = 0  # sessions opened again after a busy agent: each needs its own id
 
 
@@ -311,8 +335,10 @@ class CheckpointMachine:
             return self._done(state, actions, now)
         if isinstance(event, PodStepDone) and step not in (None, JobStep.ADMIT):
             return self._member_done(state, event.pod, event.bytes, event.seconds, now)
-        if isinstance(event, ManifestCommitted) and step in (JobStep.COMMIT, JobStep.VERIFY_COMMIT):
-            state = replace(state, manifest_key=event.manifest_key)
+        if isinstance(event, MemoryCopyMissed) and step == JobStep.KEEP:
+            return self._copy_missed(state, event, now)
+        if isinstance(event, ManifestCommitted) and step in COMMIT_STEPS:
+            state = replace(state, manifest_key=event.manifest_key, committed_on=event.tier)
             state, actions = self._issue(state, JobStep.PUBLISH, now, JobPhase.COMMITTED)
             return self._done(state, actions, now)
         if isinstance(event, ManifestMissing) and step == JobStep.VERIFY_COMMIT:
@@ -350,11 +376,21 @@ class CheckpointMachine:
             return self._done(state, [], now)
         if step in NEXT_STEP:
             next_step, phase = NEXT_STEP[step]
+            if step == JobStep.DUMP and self.config.commit_on == StorageTier.MEMORY:
+                next_step, phase = AFTER_DUMP_IN_MEMORY
             state, actions = self._issue(state, next_step, now, phase)
             return self._done(state, actions, now)
         if step == JobStep.RESUME_ALL and state.phase == JobPhase.ABORTING:
             return self._aborted(state, now)
         return self._succeed(state, now)  # RESUME, KILL, or RESUME_ALL after a restart past the commit
+
+    def _copy_missed(self, state: JobState, event: MemoryCopyMissed, now: float) -> JobTransition:
+        """A part not kept in memory: the checkpoint commits on S3 instead, once every part is uploaded
+        (the agents upload after their copy whatever became of it), and says why."""
+        message = f"node {event.node}'s part was not kept in memory ({event.message}): committing on S3"
+        state = replace(state, message=message)
+        state, actions = self._issue(state, JobStep.UPLOAD, now)
+        return self._done(state, [EmitEvent("Warning", "CommitOnS3", message), *actions], now)
 
     def _busy(self, state: JobState, event: PodsBusy, now: float) -> JobTransition:
         message = f"pods of this job are being checkpointed by {event.holder}"
@@ -540,8 +576,9 @@ class CheckpointMachine:
                 assert isinstance(label, Milestone)
                 return AwaitMilestone(attempt, pods, milestone=label)
             if kind is PublishCheckpoint:
-                return PublishCheckpoint(attempt, pods, name, state.manifest_key or "")
-            if kind in (CommitManifest, VerifyManifest):
+                in_memory = state.committed_on == StorageTier.MEMORY
+                return PublishCheckpoint(attempt, pods, name, state.manifest_key or "", in_memory)
+            if kind in (CommitManifest, CommitInMemory, VerifyManifest):
                 return kind(attempt, pods, name)
             return kind(attempt, pods)
 

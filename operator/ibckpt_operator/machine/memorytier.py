@@ -13,7 +13,7 @@ from collections.abc import Collection, Iterable, Mapping
 
 from ibckpt.agentapi.memory import HeldCopies
 from ibckpt.agentapi.models import MemoryCopyReport
-from ibckpt.api import MemoryCopy, StorageTier
+from ibckpt.api import Checkpoint, MemoryCopy, StorageTier
 
 
 def buddies(job_nodes: Iterable[str], agent_nodes: Collection[str]) -> dict[str, str]:
@@ -39,12 +39,29 @@ def kept_copies(reports: Mapping[str, MemoryCopyReport]) -> list[MemoryCopy]:
     ]
 
 
-def tiers(copies: Collection[MemoryCopy], parts: Collection[str]) -> list[StorageTier]:
-    """S3 always (the commit is there); Memory when every part of the checkpoint has a kept copy."""
+def tiers(copies: Collection[MemoryCopy], parts: Collection[str], on_s3: bool = True) -> list[StorageTier]:
+    """S3 when the manifest is there (always, but after a commit on the memory tier until the upload is
+    merged: `on_s3`); Memory when every part of the checkpoint has a kept copy. Empty: held nowhere whole."""
     held = {copy.part for copy in copies}
-    if parts and set(parts) <= held:
-        return [StorageTier.S3, StorageTier.MEMORY]
-    return [StorageTier.S3]
+    whole = bool(parts) and set(parts) <= held
+    return [StorageTier.S3] * on_s3 + [StorageTier.MEMORY] * whole
+
+
+def on_s3(tiers_now: Collection[StorageTier] | None) -> bool:
+    """Whether a Checkpoint's manifest is in S3: unset tiers mean S3 only (before the memory tier)."""
+    return tiers_now is None or StorageTier.S3 in tiers_now
+
+
+def checkpoint_on_s3(checkpoint: Checkpoint) -> bool:
+    """on_s3 of the Checkpoint's tiers as its status says them now."""
+    return on_s3(checkpoint.status.tiers if checkpoint.status else None)
+
+
+def missing_parts(copies: Iterable[MemoryCopy], parts: Iterable[str]) -> list[str]:
+    """The parts that have no copy among `copies`: a memory-only checkpoint cannot be restored without
+    them."""
+    held = {copy.part for copy in copies}
+    return sorted(set(parts) - held)
 
 
 def readable_copies(copies: Iterable[MemoryCopy], living: Collection[str]) -> list[MemoryCopy]:
@@ -74,6 +91,21 @@ def held_now(
         elif listings.get(copy.node) is not None:
             gone.append(copy)
     return held, gone
+
+
+def sealed_copies(
+    holders: Mapping[str, str], listings: Mapping[str, HeldCopies | None], job: str, checkpoint: str
+) -> list[MemoryCopy]:
+    """The checkpoint's copies that their holder lists sealed now, in part order. `holders`: each part's
+    node told to keep it; `listings`: each holder's answer (None: it gave none)."""
+    found = []
+    for part, node in sorted(holders.items()):
+        listing = listings.get(node)
+        for c in listing.copies if listing is not None else []:
+            if c.sealed and (c.job, c.checkpoint, c.part) == (job, checkpoint, part):
+                found.append(MemoryCopy(part=part, node=node, chunks=c.chunks, bytes=c.bytes))
+                break
+    return found
 
 
 def replaced(older: Iterable[MemoryCopy], newer: Iterable[MemoryCopy]) -> list[MemoryCopy]:

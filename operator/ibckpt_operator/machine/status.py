@@ -232,6 +232,7 @@ def job_status(
         pod_count=len(state.members),
         checkpoint_name=checkpoint_name if committed else None,
         manifest_key=state.manifest_key,
+        committed_on=state.committed_on,
         bytes=sum(m.bytes or 0 for m in state.members) if committed else None,
         claimed=state.claimed,
     )  # fmt: skip
@@ -246,6 +247,7 @@ def job_state(status: CheckpointJobStatus) -> JobState:
         waiting_for=status.waiting_for,
         session_turn=status.session_turn or 0,
         manifest_key=status.manifest_key,
+        committed_on=status.committed_on,
     )
 
 

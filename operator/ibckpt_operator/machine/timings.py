@@ -3,6 +3,8 @@ each ending at the barrier every node passes). Pure.
 
 - A phase took what its slowest node took: every node waits at its barrier for that one.
 - A pre-dump (spec.preDump) runs before the cut, while the ranks run: it is not part of the pause.
+- The commit took from the cut (the job entering Quiescing) to the commit on the job's tier (entering
+  Committed): with commitOn Memory, the copies; with S3, the upload. A schedule's cost.
 - A node's ranks were gated (paused) from the cut (quiesce) until they ran again: through rebuild and
   resume for LeaveRunning; until the dump ended for Stop (the ranks then wait for the kill and run again
   only where they are restored).
@@ -10,10 +12,11 @@ each ending at the barrier every node passes). Pure.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
-from ibckpt.api import CheckpointTimings
+from ibckpt.api import CheckpointTimings, JobPhase
 from ibckpt.vocabulary import Milestone
+from ibckpt_operator.machine.core import PhaseSpan
 
 CUT = (Milestone.QUIESCED, Milestone.DRAINED, Milestone.RELEASED, Milestone.DUMPED)
 BACK = (Milestone.REBUILT, Milestone.RESUMED)
@@ -48,6 +51,17 @@ def checkpoint_timings(
         upload_seconds=_slowest(by_node, Milestone.UPLOADED),
         total_seconds=None if total_seconds is None else round(max(0.0, total_seconds), 3),
     )
+
+
+def commit_seconds(spans: Iterable[PhaseSpan], phase: str, phase_since: float) -> float | None:
+    """From the cut to the commit, from the job's phases (those it left, and the one it is in since
+    `phase_since`); None before the commit. A session opened again starts its cut again: the last counts."""
+    started = {span.phase: span.started_at for span in spans}
+    committed = phase_since if phase == JobPhase.COMMITTED else started.get(JobPhase.COMMITTED)
+    cut = started.get(JobPhase.QUIESCING)
+    if committed is None or cut is None or committed < cut:
+        return None
+    return round(committed - cut, 3)
 
 
 def upload_rate(bytes_: int | None, phases: Phases) -> int | None:

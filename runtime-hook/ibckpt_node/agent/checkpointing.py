@@ -3,7 +3,8 @@
 The run connects to the job's coordinator, serves the shims' coordinator socket and runs the driver
 (NodeDriver.checkpoint) over the ranks and their process trees. The images land in
 WORK_DIR/sessions/<id>/images; with a store named in the request, `upload` stages them as this node's
-part of the checkpoint (the operator commits the parts), and then they are removed from the node. Images
+part of the checkpoint (the operator commits the parts), and then they are removed from the node (with
+the memory tier and a commit on S3, once the part is also copied to its buddy, after the report). Images
 that were not staged stay for a bounded time (`settle`, disk.py). A coordinator lost on the way is
 replaced through recovery.rejoin; ranks a Stop or Hold dump leaves released wait for recovery.py or a
 kill.
@@ -16,6 +17,7 @@ import functools
 import logging
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +35,7 @@ from ibckpt_node.errors import CheckpointFailed, CheckpointRefused
 
 if TYPE_CHECKING:
     from ibckpt.store.follow import FollowStats
+    from ibckpt_node.agent.staging import StagedPart
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +47,7 @@ async def run(agent: Agent, session: Session) -> None:
     images = agent.work_dir / "sessions" / request.session_id / "images"
     staged = False
     why = ""  # why images that were not staged stay (disk.keep)
+    copy: MemoryCopy | None = None  # the memory tier's copy, made once the session has reported
     try:
         async with coordinated(agent, session) as (client, proxy):
             session.engine = driver.NodeDriver(
@@ -87,7 +91,7 @@ async def run(agent: Agent, session: Session) -> None:
             for progress in members:
                 progress.bytes = size // max(1, len(members))
         if request.images is not None:
-            await upload(agent, session, images, during, devices)
+            copy = await upload(agent, session, images, during, devices)
             staged = True
         for progress in report.ranks:
             progress.phase = final
@@ -127,7 +131,11 @@ async def run(agent: Agent, session: Session) -> None:
         back = all(p.phase is not api.RankPhase.FAILED for p in report.ranks)
         if not session.held and back:
             recovery.forget(agent.work_dir, request.session_id)
-        await settle(agent, session, images, staged, why or report.state.value.lower())
+        if report.state is not api.SessionState.SUCCEEDED:
+            copy = None
+        session.copying = copy is not None  # the sweep leaves its images alone meanwhile
+        if copy is None:
+            await settle(agent, session, images, staged, why or report.state.value.lower())
         if not session.recovering:
             report.finished_at = time.time()
             log.info(
@@ -138,6 +146,18 @@ async def run(agent: Agent, session: Session) -> None:
                 report.message,
             )
             agent.on_finished(report)
+    if copy is not None:
+        held = None
+        try:
+            held = await copy.make()
+        except Exception:
+            log.exception("session %s: the memory copy", request.session_id)
+        finally:
+            session.copying = False
+            await settle(agent, session, images, staged, "staged")
+        if held is not None:  # in the report once the images are gone too
+            report.memory_copy = held
+            report.phases["memoryCopy"] = held.seconds
 
 
 async def settle(agent: Agent, session: Session, images: Path, staged: bool, why: str) -> None:
@@ -166,10 +186,11 @@ async def upload(
     images: Path,
     during: FollowStats | None = None,
     devices: Mapping[str, Mapping[str, Any]] | None = None,
-) -> None:
+) -> MemoryCopy | None:
     """Upload this node's images as its part of the checkpoint (the operator commits the parts); `during`:
     what was uploaded while CRIU wrote them (preupload.py); `devices`: each tree's RDMA devices
-    (rdma_devices.record), recorded in its RankInfo."""
+    (rdma_devices.record), recorded in its RankInfo. Returns the memory tier's copy still to make when the
+    job commits on S3: the session reports first, so the commit does not wait for it."""
     from ibckpt_node.agent import memorycopies  # boto3: when staging
     from ibckpt_node.agent.staging import image_keys, read_config, stage_part
 
@@ -195,8 +216,22 @@ async def upload(
     # pod names may hold dots: take each tree's pod from its ranks' keys (job/pod/container/process)
     trees = [(t.name, RankId.parse(session.tree_keys[t.name][0]).pod) for t in session.trees]
     started = time.monotonic()
+    target = session.request.memory_copy
+    first = target is not None and target.first
+    if target is not None and first:
+        # commitOn: Memory: the copy and its signed part first, so the operator may commit on the
+        # holders while S3 is slow or away; the S3 upload follows, and is not copied again
+        deadline = started + session.request.timeouts.upload_seconds
+        report.memory_copy = await memorycopies.keep_first_within(
+            agent, target, config, destination, images, trees, keys, devices, deadline
+        )
+        report.phases["memoryCopy"] = report.memory_copy.seconds
+        if report.memory_copy.kept:
+            report.phases[Milestone.MEMORY_KEPT] = report.memory_copy.seconds
+        started = time.monotonic()
+    followed = during.spans if during is not None else None
     staging = asyncio.to_thread(
-        stage_part, config, destination, agent.node, images, trees, count, keys, devices
+        stage_part, config, destination, agent.node, images, trees, count, keys, devices, followed
     )
     try:
         # a thread cannot be cancelled: on timeout the upload may go on, but nothing commits it
@@ -207,14 +242,40 @@ async def upload(
         ) from None
     total = staged.logical_bytes
     report.phases[Milestone.UPLOADED] = round(time.monotonic() - started, 3)
-    if session.request.memory_copy is not None:
-        deadline = started + session.request.timeouts.upload_seconds
-        target = session.request.memory_copy
-        report.memory_copy = await memorycopies.keep_within(agent, target, staged, images, deadline)
-        report.phases["memoryCopy"] = report.memory_copy.seconds
     report.message = (
         f"staged {total} bytes ({uploaded} uploaded, the rest already stored) as part {agent.node} "
         f"of {destination.job}/{destination.checkpoint_id}"
     )
     if during is not None:
         report.message += f"; {during.stored_chunks} chunks were uploaded during the dump"
+    if target is not None and not first:
+        return MemoryCopy(agent, session, target, staged, images)
+    return None
+
+
+@dataclass
+class MemoryCopy:
+    """commitOn S3: this node's part copied to its buddy once the session has reported (the operator
+    commits on S3 meanwhile and lists the copy once its holder has sealed it). Bounded by the upload's
+    timeout from its start; its outcome is logged, and added to the finished report once the images are
+    removed."""
+
+    agent: Agent
+    session: Session
+    target: api.MemoryCopyTarget
+    staged: StagedPart
+    images: Path
+
+    async def make(self) -> api.MemoryCopyReport:
+        from ibckpt_node.agent import memorycopies
+
+        sid = self.session.request.session_id
+        assert isinstance(self.session.request, api.CheckpointRequest)
+        deadline = time.monotonic() + self.session.request.timeouts.upload_seconds
+        kept = await memorycopies.keep_within(self.agent, self.target, self.staged, self.images, deadline)
+        if kept.kept:
+            log.info("session %s: part kept in memory on %s (%d chunks, %d bytes) in %.1fs",
+                     sid, kept.node, kept.chunks, kept.bytes, kept.seconds)  # fmt: skip
+        else:
+            log.warning("session %s: part not kept in memory on %s: %s", sid, kept.node, kept.message)
+        return kept

@@ -53,6 +53,7 @@ log = logging.getLogger("ibckpt_node.agent")
 DEFAULT_HOST_DIR = "/var/lib/ibckpt"
 IMAGE_SHIM = "/usr/lib/ibckpt/libibckpt.so"  # where the Dockerfile puts it
 IMAGE_CRIU_PLUGINS = "/usr/lib/ibckpt/criu"  # ibckpt_uverbs.so, for pre-dumps (Dockerfile)
+IMAGE_FRONT = Path("/usr/lib/ibckpt/ibckpt-front")  # ibckpt-hook's and ibckpt-runc's first step (Dockerfile)
 
 
 def current_shim(prefix: str, shim_source: Path) -> str:
@@ -349,7 +350,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         install.install(
             Path(args.install_root), args.prefix, args.node_python, Path(args.shim_source), config,
-            Path(IMAGE_CRIU_PLUGINS),
+            Path(IMAGE_CRIU_PLUGINS), front=IMAGE_FRONT if IMAGE_FRONT.is_file() else None,
         )  # fmt: skip
         log.info("installed the hook, the runtime wrapper and the shim under %s on the node", args.prefix)
     with contextlib.suppress(KeyboardInterrupt):

@@ -7,11 +7,20 @@ import json
 
 from pydantic import ValidationError
 
-from ibckpt.agentapi.memory import CHUNK_ID, COPIES, MemorySeal, parse_copy_path
+from ibckpt.agentapi.memory import (
+    CHUNK_ID,
+    COPIES,
+    MANIFESTS,
+    PIECE_BYTES,
+    MemorySeal,
+    parse_copy_path,
+    parse_manifest_path,
+)
 from ibckpt_node.agent.httpserver import Response
 from ibckpt_node.agent.memorytier import MemoryShelf, ShelfError
 
-ROUTE = f"{COPIES}/{{copy}}"  # the metrics' label: never a raw path
+ROUTE = f"{COPIES}/{{copy}}"  # the metrics' labels: never a raw path
+MANIFEST_ROUTE = f"{MANIFESTS}/{{checkpoint}}"
 
 
 def _error(status: int, message: str) -> Response:
@@ -25,6 +34,8 @@ def _ok(body: bytes | memoryview, content_type: str = "application/json") -> Res
 def handle(shelf: MemoryShelf, method: str, path: str, body: bytes) -> Response:
     if path == COPIES and method == "GET":
         return _ok(shelf.listing().to_json())
+    if path.startswith(MANIFESTS + "/"):
+        return _manifest(shelf, method, path, body)
     parsed = parse_copy_path(path)
     if parsed is None:
         return _error(404, f"no such path {path}")
@@ -46,8 +57,35 @@ def handle(shelf: MemoryShelf, method: str, path: str, body: bytes) -> Response:
             if stored is None:
                 return _error(404, f"chunk {argument} of {job}/{checkpoint} part {part} is not held here")
             return _ok(stored, "application/octet-stream")
+        if verb == "manifest" and method == "GET":
+            manifest = shelf.part_manifest(key)
+            if manifest is None:
+                return _error(404, f"no sealed copy of {job}/{checkpoint} part {part} with a manifest here")
+            return _ok(manifest)
     except ShelfError as error:
         return _error(error.status, str(error))
     except ValidationError as error:
         return _error(422, f"bad request body: {error}")
+    return _error(405, f"{method} {path} is not part of the memory tier's API")
+
+
+def _manifest(shelf: MemoryShelf, method: str, path: str, body: bytes) -> Response:
+    """A checkpoint's signed manifest, kept beside its copies."""
+    parsed = parse_manifest_path(path)
+    if parsed is None:
+        return _error(404, f"no such path {path}")
+    job, checkpoint = parsed
+    if method == "GET":
+        manifest = shelf.manifest(job, checkpoint)
+        if manifest is None:
+            return _error(404, f"no manifest of {job}/{checkpoint} held here")
+        return _ok(manifest)
+    if method == "PUT":
+        if len(body) > PIECE_BYTES:  # the server's own bound is the same; this says so for any server
+            return _error(413, f"a manifest of at most {PIECE_BYTES} bytes, not {len(body)}")
+        try:
+            shelf.put_manifest(job, checkpoint, body)
+        except ShelfError as error:
+            return _error(error.status, str(error))
+        return Response(204)
     return _error(405, f"{method} {path} is not part of the memory tier's API")

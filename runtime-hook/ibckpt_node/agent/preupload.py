@@ -1,9 +1,11 @@
 """A checkpoint's pages go to the store while CRIU writes them (ibckpt/store/follow.py), beside the dump.
 
-Started with a Stop session's checkpoint, stopped when the dump ends or fails. It never fails the session and
+Started with a Stop or Hold session's checkpoint, stopped when the dump ends or fails. It never fails the
+session and
 never delays the dump: the Secrets are read and the store opened in the background, and the upload after
-the dump re-reads every file and stores whatever is missing, so a follower that could not start, or that
-failed, only leaves that upload more to do.
+the dump re-reads every file and stores whatever is missing (hashing again only the spans the follower did
+not record, or that changed since), so a follower that could not start, or that failed, only leaves that
+upload more to do.
 """
 
 from __future__ import annotations
@@ -42,9 +44,11 @@ class PreUpload:
     def start(self) -> None:
         request = self._session.request
         assert isinstance(request, api.CheckpointRequest)
-        # Only when the ranks end with the dump: in LeaveRunning and Hold they wait frozen for it, and
-        # the follower's hashing and PUTs would take CPU from CRIU (the upload comes after they resume).
-        if request.mode != Mode.STOP:
+        # Not in LeaveRunning, whose ranks wait frozen for the dump and run on right after it: the
+        # follower's hashing and PUTs would take CPU from CRIU (the upload comes after they resume). A Stop
+        # and a Hold (the operator's Stop jobs and drains) end their ranks' run with the dump, and what
+        # their job waits for is the commit.
+        if request.mode == Mode.LEAVE_RUNNING:
             return
         if request.images is None or not self._agent.pre_upload or self._agent.secrets is None:
             return

@@ -181,9 +181,11 @@ def stage(
     *,
     keys: ManifestKeys,
     copies: CopyReader | None = None,
+    manifest: Manifest | None = None,
 ) -> int:
     """Fetch and stage every planned container's images; returns the bytes fetched. `keys`: the image key
-    set the manifest must verify with (the agent always gives it).
+    set the manifest must verify with (the agent always gives it). `manifest`: the checkpoint's, read from
+    the memory tier and verified: then every chunk comes from `copies` and S3 is not used at all.
 
     `stop` set: the session is over (a thread cannot be cancelled, so a download past its bound or
     aborted goes on here): nothing more is staged or held, and what this call staged is removed.
@@ -201,8 +203,12 @@ def stage(
 
     ref = CheckpointRef(source.job, source.checkpoint_id)
     total = 0
+    memory_only = manifest is not None
+    item: ContainerRestore | None = None
     try:
-        store = ImageStore.open(config, signing=keys)
+        store = (
+            ImageStore.offline(config, signing=keys) if memory_only else ImageStore.open(config, signing=keys)
+        )
         for item in planned:
             if stopped():
                 break
@@ -213,8 +219,9 @@ def stage(
                 for level in (where.parents[2], where.parents[1], where.parent, where):
                     _private_dir(level)
                 report = store.restore(
-                    ref, where / "images", progress=progress, subtree=item.tree_root, chunk_source=copies
-                )
+                    ref, where / "images", progress=progress, subtree=item.tree_root, chunk_source=copies,
+                    manifest=manifest, source_only=memory_only,
+                )  # fmt: skip
                 total += report.logical_bytes
                 if copies is not None:
                     copies.tally(report)
@@ -243,6 +250,11 @@ def stage(
                 if stopped():  # the session ended meanwhile, and may have unstaged before this was
                     unstage([item], restore_dir)
     except StoreError as exc:
+        if memory_only and item is not None:
+            part = item.tree_root.split("/", 1)[0]  # a node's part: <node>/<pod>.<container>
+            held = [s.node for s, _ in copies.copies if s.part == part] if copies is not None else []
+            holders = f"held by {', '.join(held)}" if held else "which no holder was named for"
+            raise StagingError(f"restoring {ref} from memory alone: part {part}, {holders}: {exc}") from exc
         raise StagingError(f"fetching {ref} from {config.where()}: {exc}") from exc
     except tcp_remap.RemapError as exc:
         raise RestoreError(f"moving the TCP connections in the images of {checkpoint}: {exc}") from exc
@@ -459,8 +471,18 @@ async def download(
     ref = CheckpointRef(source.job, source.checkpoint_id)
     keys = image_keys(agent.image_keys)
 
+    copies = memorycopies.reader_for(request, agent.memory_token_file, agent.coordinator_tls, agent)
+    if request.memory_only and copies is None:
+        raise StagingError(f"a restore of {ref} from memory alone, and no memory copy to read (or no token)")
+
     def read_manifest():  # type: ignore[no-untyped-def]
         # Verified here, before anything is planned or written; stage() verifies again what it fetches.
+        if request.memory_only:  # the holders' copy, verified as S3's would be; S3 is not asked
+            assert copies is not None
+            try:
+                return memorycopies.read_manifest(ImageStore.offline(config, signing=keys), ref, copies)
+            except StoreError as exc:
+                raise StagingError(f"reading {ref} from memory alone: {exc}") from exc
         try:
             return ImageStore.open(config, signing=keys).manifest(ref)
         except StoreError as exc:
@@ -481,7 +503,6 @@ async def download(
         fetched += size
 
     started = time.monotonic()
-    copies = memorycopies.reader_for(request, agent.memory_token_file, agent.coordinator_tls)
     staging = asyncio.to_thread(
         stage,
         config,
@@ -495,6 +516,7 @@ async def download(
         stop,
         keys=keys,
         copies=copies,
+        manifest=manifest if request.memory_only else None,
     )
     try:
         session.report.bytes = await asyncio.wait_for(staging, request.timeouts.download_seconds)

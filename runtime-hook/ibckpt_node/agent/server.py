@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 import ibckpt
 from ibckpt.agentapi import models as api
-from ibckpt.agentapi.memory import COPIES
+from ibckpt.agentapi.memory import COPIES, MANIFESTS, MEMORY
 from ibckpt_node import rdma_devices
 from ibckpt_node.agent import memoryroutes
 from ibckpt_node.agent.auth import Authenticator, AuthError, FirstAccepting
@@ -129,6 +129,7 @@ class AgentServer:
             coordinator_tls=coordinator_tls,
             criu_plugins=criu_plugins,
             memory_token_file=memory_token_file,
+            shelf=self.shelf,
         )
         self.fence = LeaderFence(work_dir / "leader-epoch")
         self.http = HttpServer(host, port, self.handle, error, tls)
@@ -170,6 +171,8 @@ class AgentServer:
         route = request.path if not request.path.startswith("/v1/sessions/") else "/v1/sessions/{id}"
         if request.path.startswith(COPIES + "/"):
             route = memoryroutes.ROUTE
+        elif request.path.startswith(MANIFESTS + "/"):
+            route = memoryroutes.MANIFEST_ROUTE
         response = await self._route(request)
         self.metrics.requests.labels(route if response.status != 404 else "other", str(response.status)).inc()
         return response
@@ -187,7 +190,7 @@ class AgentServer:
             return Response(503, ((reason or "starting") + "\n").encode(), "text/plain")
         if not path.startswith(api.API_PREFIX + "/"):
             return error(404, f"no such path {path}")
-        if path == COPIES or path.startswith(COPIES + "/"):
+        if path.startswith(MEMORY + "/"):
             return await self._memory(request)
         try:
             await self.auth.check(request.headers.get("authorization"))

@@ -26,6 +26,7 @@ from ibckpt.coordination.ranks import PLAIN_CONTAINER, RankId
 from ibckpt_node import control_sockets, driver
 from ibckpt_node.agent.disk import DEFAULT_KEEP_FAILED_S
 from ibckpt_node.agent.kubesecrets import SecretReader
+from ibckpt_node.agent.memorytier import MemoryShelf
 from ibckpt_node.coord_proxy import Channel, ShimCoordinatorProxy, channels_for
 from ibckpt_node.procfs import process_gone
 from ibckpt_node.ranks import LocalRank
@@ -146,6 +147,8 @@ class Agent:
     # this agent's own token for the other agents' memory tier (a projected token the kubelet renews, read
     # at each use); None: it keeps no copies elsewhere and reads none (memorycopies.py)
     memory_token_file: Path | None = None
+    # what this agent holds for the others (memorytier.py): a restore here reads its own copies in-process
+    shelf: MemoryShelf | None = None
 
 
 @dataclass
@@ -163,6 +166,7 @@ class Session:
     rejoin_to: api.AbortRequest | None = None  # the coordinator that replaces a lost one
     rejoin_ready: asyncio.Event = field(default_factory=asyncio.Event)
     recovering: bool = False  # an abort brings back ranks the driver left (recovery.py)
+    copying: bool = False  # finished, and its part still going to its buddy's memory (checkpointing.py)
 
     @property
     def token(self) -> str:
@@ -234,8 +238,8 @@ def passed(session: Session, milestone: Milestone) -> None:
 def finish_failed(session: Session, state: api.SessionState, message: str) -> None:
     report = session.report
     engine = session.engine
-    if engine is not None:
-        report.phases = dict(engine.report.phases)
+    if engine is not None:  # the agent's own (MemoryKept before a failed upload) stay
+        report.phases.update(engine.report.phases)
     report.state = state
     report.message = message
     # Ranks that run again (LeaveRunning resumed them before a failed upload, or the driver's abort

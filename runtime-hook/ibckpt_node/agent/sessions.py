@@ -27,6 +27,7 @@ from ibckpt.agentapi import models as api
 from ibckpt.coordination.client import CoordinatorError
 from ibckpt_node.agent import checkpointing, disk, recovery, restoring
 from ibckpt_node.agent.kubesecrets import SecretReader
+from ibckpt_node.agent.memorytier import MemoryShelf
 from ibckpt_node.agent.session import Agent, Session, SessionError, container_ranks, report_entries
 from ibckpt_node.container_runtime import RuntimeContainer
 from ibckpt_node.criu import CriuError
@@ -63,6 +64,7 @@ class Sessions:
         coordinator_tls: Callable[[], ssl.SSLContext],
         criu_plugins: str = "",
         memory_token_file: Path | None = None,
+        shelf: MemoryShelf | None = None,
     ) -> None:
         self.agent = Agent(
             node,
@@ -77,6 +79,7 @@ class Sessions:
             pre_upload,
             criu_plugins,
             memory_token_file,
+            shelf,
         )
         self.sessions: dict[str, Session] = {}
         self.sweeper: asyncio.Task[None] | None = None
@@ -283,7 +286,11 @@ class Sessions:
         where sessions start; the removal on a thread. An error is logged, never raised."""
         agent = self.agent
         try:
-            busy = {sid for sid, s in self.sessions.items() if s.recovering or not s.report.state.finished}
+            busy = {
+                sid
+                for sid, s in self.sessions.items()
+                if s.recovering or s.copying or not s.report.state.finished
+            }
             restoring = any(
                 isinstance(s.request, api.RestoreRequest) and not s.report.state.finished
                 for s in self.sessions.values()
@@ -304,7 +311,9 @@ class Sessions:
             self.sweeper.cancel()
             await asyncio.wait([self.sweeper])
         for session in self.sessions.values():
-            if session.task is not None and not session.task.done():
+            # a finished session still copying its part to a buddy is not aborted (its held ranks are
+            # the operator's to kill or bring back); its copy gets the wait below
+            if session.task is not None and not session.task.done() and not session.copying:
                 await self.abort(session.report.session_id, "the node agent is stopping")
         tasks = [s.task for s in self.sessions.values() if s.task is not None and not s.task.done()]
         if tasks:

@@ -29,9 +29,11 @@ from ibckpt.store import (
     load_keys,
 )
 from ibckpt.store.config import encryption_key_from_secret
+from ibckpt.store.context import FollowedSpan, SpanKey
 from ibckpt.store.errors import StoreError
 from ibckpt.store.follow import Follower
 from ibckpt.store.manifest import ContainerDevices, Manifest, RankInfo
+from ibckpt.store.upload import CheckpointWriter, ChunkSink, SealedPart
 from ibckpt_node.agent.kubesecrets import SecretReader, StagingError
 
 
@@ -159,28 +161,63 @@ def stage_part(
     progress: Callable[[int], None],
     keys: ManifestKeys,
     devices: Mapping[str, Mapping[str, Any]] | None = None,
+    followed: Mapping[SpanKey, FollowedSpan] | None = None,
 ) -> StagedPart:
-    """stage_trees, keeping what the memory tier's copy needs (agent/memorycopies.py)."""
+    """stage_trees, keeping what the memory tier's copy needs (agent/memorycopies.py); `followed`: what
+    the follower hashed during the dump (FollowStats.spans), not hashed again while it still matches."""
     try:
         store = ImageStore.open(upload_config(config, destination), signing=keys)
-        with store.writer(destination.job, destination.checkpoint_id, progress=progress) as writer:
-            total = 0
-            ranks = []
-            for index, (name, pod) in enumerate(trees):
-                root = f"{node}/{name}"
-                records = writer.add_tree(images_root / name, under=root)
-                total += sum(r.size for r in records)
-                used = (devices or {}).get(name)
-                ranks.append(
-                    RankInfo(
-                        rank=destination.first_rank + index,  # across the job: the commit refuses one twice
-                        pod=pod,
-                        node=node,
-                        root=root,
-                        devices=ContainerDevices.model_validate(used) if used is not None else None,
-                    )
-                )
+        job, checkpoint = destination.job, destination.checkpoint_id
+        with store.writer(job, checkpoint, progress=progress, followed=followed) as writer:
+            total, ranks = _add_trees(writer, destination, node, images_root, trees, devices)
             part = writer.stage(node, ranks)
         return StagedPart(total, store, part)
     except StoreError as exc:
         raise StagingError(f"staging to {config.where()}: {exc}") from exc
+
+
+def seal_part(
+    config: StoreConfig,
+    destination: api.ImageDestination,
+    node: str,
+    images_root: Path,
+    trees: Sequence[tuple[str, str]],
+    keys: ManifestKeys,
+    sink: ChunkSink,
+    devices: Mapping[str, Mapping[str, Any]] | None = None,
+) -> SealedPart:
+    """This node's part as stage_part writes it, with no S3 call: each distinct chunk sealed as stored to
+    `sink`, and the signed part manifest returned (the memory tier's copy before the upload). StoreError
+    says what failed."""
+    store = ImageStore.offline(upload_config(config, destination), signing=keys)
+    with store.sealer(destination.job, destination.checkpoint_id, sink) as writer:
+        _, ranks = _add_trees(writer, destination, node, images_root, trees, devices)
+        return writer.sealed_part(node, ranks)
+
+
+def _add_trees(
+    writer: CheckpointWriter,
+    destination: api.ImageDestination,
+    node: str,
+    images_root: Path,
+    trees: Sequence[tuple[str, str]],
+    devices: Mapping[str, Mapping[str, Any]] | None,
+) -> tuple[int, list[RankInfo]]:
+    """Each tree under `<node>/<tree>`: (logical bytes, the ranks, each with its RDMA devices)."""
+    total = 0
+    ranks = []
+    for index, (name, pod) in enumerate(trees):
+        root = f"{node}/{name}"
+        records = writer.add_tree(images_root / name, under=root)
+        total += sum(r.size for r in records)
+        used = (devices or {}).get(name)
+        ranks.append(
+            RankInfo(
+                rank=destination.first_rank + index,  # across the job: the commit refuses one twice
+                pod=pod,
+                node=node,
+                root=root,
+                devices=ContainerDevices.model_validate(used) if used is not None else None,
+            )
+        )
+    return total, ranks

@@ -1,14 +1,15 @@
 """Install the hook, the runtime handler and the shim onto a node (the agent's init step).
 
     python -m ibckpt_node.hook.install [--root /host] [--prefix /usr/local] [--shim FILE]
-        [--python /usr/bin/python3] [--config JSON]
+        [--python /usr/bin/python3] [--config JSON] [--front FILE]
 
 The runtime runs the hook and the wrapper in the node's own filesystem, not in the agent's
 image, and on every container create. So they go in as a copy of this package (standard library
-only) under PREFIX/lib/ibckpt/python, with launchers PREFIX/bin/ibckpt-hook and
-PREFIX/bin/ibckpt-runc that start the node's python with -I -S: no site-packages scan, no
-user environment, about 10 ms faster than a console script in a virtualenv. ibckpt-runc is a
-shell script that starts Python only for create, run and start.
+only) under PREFIX/lib/ibckpt/python, with launchers under PREFIX/lib/ibckpt/launch that start the
+node's python with -I -S: no site-packages scan, no user environment, about 10 ms faster than a
+console script in a virtualenv. PREFIX/bin/ibckpt-hook and ibckpt-runc, what the runtime runs, are
+the compiled front (native/front, static): a container that is not ours, and a runc call other than
+create, run and start, never start Python.
 
 The shim goes in as PREFIX/lib/ibckpt/builds/<sha256>/libibckpt.so, one directory per build, written
 once and kept across upgrades: a restored process must map the very build it mapped before
@@ -33,30 +34,27 @@ HERE = Path(__file__).resolve().parent
 MODULES = ("__init__.py", "oci.py", "client.py", "main.py", "stages.py", "runc.py", "restore.py", "unpack.py")
 
 
-def launcher(python: str, libdir: str, module: str) -> str:
+def launcher(python: str, libdir: str, module: str, call: str = "main()") -> str:
     return (
         f"#!{python} -IS\n"
         "import sys\n"
         f"sys.path.insert(0, {libdir!r})\n"
         f"from {module} import main\n"
-        "sys.exit(main())\n"
+        f"sys.exit({call})\n"
     )
 
 
-def runc_launcher(python: str, libdir: str, runc: str) -> str:
-    """ibckpt-runc as a shell script: only a call naming create, run or start may need the wrapper's
-    Python (runc.main passes every other one through); the rest go straight to runc. containerd
-    bounds a task's delete at 10 s, and on a loaded node Python's start alone took seconds of that."""
-    code = (
-        f"import sys; sys.path.insert(0, {json.dumps(libdir)}); from ibckpt_node.hook.runc import main; "
-        f"sys.exit(main(default_runc={json.dumps(runc)}))"
-    )
+def runc_launcher(launch: str, runc: str) -> str:
+    """ibckpt-runc as a shell script, where no compiled front is installed: only a call naming create,
+    run or start may need the wrapper's Python (runc.main passes every other one through); the rest go
+    straight to runc. containerd bounds a task's delete at 10 s, and on a loaded node Python's start
+    alone took seconds of that."""
     return (
         "#!/bin/sh\n"
         "# ibckpt-runc: runc for the ibckpt runtime handler (ibckpt_node.hook.runc)\n"
         'for arg in "$@"; do\n'
         "  case $arg in\n"
-        f'    create|run|start) exec {shlex.quote(python)} -IS -c {shlex.quote(code)} "$@" ;;\n'
+        f'    create|run|start) exec {shlex.quote(launch)} "$@" ;;\n'
         "  esac\n"
         "done\n"
         "runc=${IBCKPT_RUNC:-}\n"
@@ -65,11 +63,49 @@ def runc_launcher(python: str, libdir: str, runc: str) -> str:
     )
 
 
-def _write(path: Path, text: str, mode: int) -> None:
+def _write(path: Path, text: str | bytes, mode: int) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
+    if isinstance(text, bytes):
+        tmp.write_bytes(text)
+    else:
+        tmp.write_text(text)
     tmp.chmod(mode)
     tmp.replace(path)  # atomic: a create running now sees the old file or the new one
+
+
+def _link(path: Path, target: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(target)
+    tmp.replace(path)
+
+
+def install_entry_points(top: Path, prefix: str, python: str, runc: str, front: Path | None) -> None:
+    """PREFIX/bin/ibckpt-hook and ibckpt-runc, what the runtime runs. Python's launchers go under
+    PREFIX/lib/ibckpt/launch/. With the compiled front (native/front) the two entry points are copies of
+    it: it answers what is not ours without Python and execs those launchers for the rest, and finds
+    runc as PREFIX/lib/ibckpt/runc. Without it, they are the launchers (the wrapper a shell script)."""
+    libdir = f"{prefix}/lib/ibckpt/python"
+    launch = top / "lib" / "ibckpt" / "launch"
+    launch.mkdir(parents=True, exist_ok=True)
+    hook = launcher(python, libdir, "ibckpt_node.hook.main")
+    _write(launch / "ibckpt-hook", hook, 0o755)
+    _write(
+        launch / "ibckpt-runc", launcher(python, libdir, "ibckpt_node.hook.runc", f"main({runc!r})"), 0o755
+    )
+    (top / "bin").mkdir(parents=True, exist_ok=True)
+    if front is None:
+        _write(
+            top / "bin" / "ibckpt-runc", runc_launcher(f"{prefix}/lib/ibckpt/launch/ibckpt-runc", runc), 0o755
+        )
+        _write(top / "bin" / "ibckpt-hook", hook, 0o755)
+        return
+    _link(top / "lib" / "ibckpt" / "runc", runc)
+    binary = front.read_bytes()
+    for name in ("ibckpt-runc", "ibckpt-hook"):
+        path = top / "bin" / name
+        if not (path.is_file() and path.read_bytes() == binary):  # an agent's restart: left as it is
+            _write(path, binary, 0o755)
 
 
 class InstallError(Exception):
@@ -152,6 +188,7 @@ def install(
     shim: Path | None,
     config: dict[str, object] | None,
     criu_plugins: Path | None = None,
+    front: Path | None = None,
 ) -> str | None:
     """Install everything; returns the shim's build path on the node (None: no shim given), which
     node.json's `shim` then names."""
@@ -162,11 +199,9 @@ def install(
     _write(pkg / "__init__.py", '"""ibckpt_node: the node-side hook only (installed copy)."""\n', 0o644)
     for name in MODULES:
         _write(pkg / "hook" / name, (HERE / name).read_text(), 0o644)
-    (top / "bin").mkdir(parents=True, exist_ok=True)
     runc = str((config or {}).get("runc", "/usr/sbin/runc"))
     # the wrapper passes most calls through without reading node.json: it gets runc here
-    _write(top / "bin" / "ibckpt-runc", runc_launcher(python, libdir, runc), 0o755)
-    _write(top / "bin" / "ibckpt-hook", launcher(python, libdir, "ibckpt_node.hook.main"), 0o755)
+    install_entry_points(top, prefix, python, runc, front)
     installed = None
     if criu_plugins is not None:
         install_criu_plugins(criu_plugins, top / "lib" / "ibckpt")
@@ -190,9 +225,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--python", default="/usr/bin/python3", help="the node's python3 (>= 3.9)")
     parser.add_argument("--shim", type=Path, help="libibckpt.so to keep as PREFIX/lib/ibckpt/builds/SHA256/")
     parser.add_argument("--config", help="JSON object to write as /etc/ibckpt/node.json")
+    parser.add_argument(
+        "--front", type=Path, help="ibckpt-front (native/front) to install as both entry points"
+    )
     args = parser.parse_args(argv)
     config = json.loads(args.config) if args.config else None
-    install(Path(args.root), args.prefix, args.python, args.shim, config)
+    install(Path(args.root), args.prefix, args.python, args.shim, config, front=args.front)
     print(f"installed under {os.path.join(args.root, args.prefix.lstrip('/'))}")
     return 0
 
