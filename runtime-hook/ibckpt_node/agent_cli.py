@@ -54,6 +54,7 @@ from ibckpt_node.coord_proxy import Channel, ShimCoordinatorProxy
 from ibckpt_node.criu import CriuError
 from ibckpt_node.driver import CutOptions, NodeDriver, NodeSettings
 from ibckpt_node.errors import CheckpointFailed
+from ibckpt_node.predumps import PreDumpRounds
 from ibckpt_node.priority import DEFAULT_BOOST_NICE
 from ibckpt_node.ranks import LocalRank, NodeReport
 from ibckpt_node.tcp_remap import RemapError, parse_map
@@ -148,6 +149,7 @@ async def _run(args: argparse.Namespace, drivers: list[NodeDriver]) -> NodeRepor
                         drain_stall_ms=args.drain_stall_ms,
                         pre_dump=bool(args.criu_plugins),
                         criu_plugins=args.criu_plugins,
+                        pre_dump_rounds=PreDumpRounds(settle_bytes=args.pre_dump_settle_bytes),
                     ),
                     job_addrs=args.job_addr or None,
                     trees=trees,
@@ -215,6 +217,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="DIR",
         help="pre-dump each tree before the cut with CRIU's plugins in DIR (ibckpt_uverbs.so); every node "
         "of the job must be given one",
+    )
+    cut.add_argument(
+        "--pre-dump-settle-bytes",
+        type=int,
+        default=PreDumpRounds.settle_bytes,
+        metavar="N",
+        help="pre-dump a tree again while its last round wrote more than N bytes of pages (and shrank)",
     )
     cut.add_argument(
         "--release-quiet", action="store_true", help="release waits for quiet CQs instead of counting flushes"

@@ -132,15 +132,25 @@ def parent_arg(images: Path, parent: Path) -> str:
     return os.path.relpath(parent, images)
 
 
-def pre_dump(pid: int, images: Path, options: DumpOptions, timeout_s: float, plugins: str) -> DumpResult:
+def pre_dump(
+    pid: int, images: Path, options: DumpOptions, timeout_s: float, plugins: str, parent: Path | None = None
+) -> DumpResult:
     """Copy the memory of the tree rooted at `pid` into `images` while it runs (CRIU freezes it only
-    to collect its pages) and start tracking the pages it writes from then on."""
+    to collect its pages) and start tracking the pages it writes from then on; with `parent` (an
+    earlier pre-dump of it), only the pages written since that one."""
     _empty_dir("pre-dump", str(pid), images)
     args = [criu_binary(), "pre-dump", "-t", str(pid), "-D", str(images), "-o", "pre-dump.log", "-v4"]
     args += ["--track-mem", *(["--shell-job"] if options.shell_job else [])]
+    if parent is not None:
+        args += ["--prev-images-dir", parent_arg(images, parent)]
     started = time.monotonic()
     _run("pre-dump", f"pid {pid}", args, images / "pre-dump.log", timeout_s, plugins)
     return DumpResult(images, time.monotonic() - started)
+
+
+def pages_bytes(images: Path) -> int:
+    """The bytes of memory pages a dump or pre-dump wrote into `images` (its pages-*.img files)."""
+    return sum(p.stat().st_size for p in images.glob("pages-*.img"))
 
 
 def dump(
@@ -160,11 +170,18 @@ def dump(
 
 def adopt_parent(images: Path, parent: Path) -> None:
     """Move a dump's pre-dump into its image dir, in place of CRIU's link to it: the images then
-    travel as one tree, and a restore finds the parent's pages where CRIU looks for them."""
-    link = images / PARENT_LINK
-    if link.is_symlink():
-        link.unlink()
-    parent.rename(link)
+    travel as one tree, and a restore finds the parent's pages where CRIU looks for them. A pre-dump
+    on an earlier one brings that one in as its own `parent`, and so on down the chain."""
+    chain = [parent]
+    while (link := chain[-1] / PARENT_LINK).is_symlink():
+        chain.append((chain[-1] / os.readlink(link)).resolve())  # before anything moves
+    where = images
+    for pre in chain:
+        link = where / PARENT_LINK
+        if link.is_symlink():
+            link.unlink()
+        pre.rename(link)
+        where = link
 
 
 def restore(

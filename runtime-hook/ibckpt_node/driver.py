@@ -30,17 +30,11 @@ from ibckpt_native.control import ControlError, ShimStatus, lines
 from ibckpt_node import abort, criu, failpoints, itimers, priority, qpn_reserve, stuck, tcp_remap
 from ibckpt_node.errors import CheckpointFailed, CheckpointRefused
 from ibckpt_node.leases import RankLeases, ms
+from ibckpt_node.predumps import PreDumpRounds, forget_rounds, pre_dump_all, usable_parents
 from ibckpt_node.preflight import Preflight
 from ibckpt_node.procfs import device_fds_and_maps
 from ibckpt_node.ranks import LocalRank, NodeReport, on_all, unanswered
-from ibckpt_node.trees import (
-    ProcessTree,
-    check_released,
-    dump_all,
-    pre_dump_all,
-    read_tree_manifest,
-    usable_parents,
-)
+from ibckpt_node.trees import ProcessTree, check_released, dump_all, read_tree_manifest
 
 log = logging.getLogger(__name__)
 
@@ -82,9 +76,10 @@ class NodeSettings:
     # its barrier) and its dump copies only what changed since, so the ranks stay gated for the last
     # dirty pages only (docs/node-agent.md, "Pre-dumps"). They need CRIU's plugin dir with
     # ibckpt_uverbs.so, as the dumps see it (for a container, on the node); without one the phase
-    # passes its barrier with no pre-dump, and the trees are dumped in full.
+    # passes its barrier with no pre-dump, and the trees are dumped in full. Rounds: predumps.py.
     pre_dump: bool = False
     criu_plugins: str = ""
+    pre_dump_rounds: PreDumpRounds = field(default_factory=PreDumpRounds)
 
 
 @dataclass(frozen=True)
@@ -410,8 +405,9 @@ class NodeDriver:
             log.warning("%s: no CRIU plugin dir for pre-dumps: the trees are dumped in full", self.node)
         trees, ranks = (self.trees, self.ranks) if plugins else ([], [])  # none: only the barrier
         work = functools.partial(
-            pre_dump_all, trees, ranks, images_root, bound_s, plugins, self.settings.parallel_dumps, parents
-        )
+            pre_dump_all, trees, ranks, images_root, bound_s, plugins, self.settings.parallel_dumps, parents,
+            self.settings.pre_dump_rounds,
+        )  # fmt: skip
         await self._phase(Milestone.PRE_DUMPED, work, bound_s)
         return parents
 
@@ -421,6 +417,8 @@ class NodeDriver:
             self.trees, self.ranks, mode, images_root, self.timeouts.dump_seconds, self.leases,
             self.report.images, self.settings.parallel_dumps, usable,
         )  # fmt: skip
+        if parents:
+            await asyncio.to_thread(forget_rounds, images_root)
 
     async def _preflight(self, images_root: Path) -> None:
         """Refuse, before any rank is gated, what a checkpoint cannot carry, or what would not fit on

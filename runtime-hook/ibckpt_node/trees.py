@@ -7,7 +7,6 @@ import asyncio
 import functools
 import json
 import logging
-import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +23,6 @@ from ibckpt_node.ranks import LocalRank
 log = logging.getLogger(__name__)
 
 TREE_MANIFEST = "ibckpt-tree.json"
-PRE_DUMPS = ".pre-dumps"  # under the images' root: each unit's pre-dump, until its dump adopts it
 SHIM_BUILD = "shim_build"  # a container tree's key in it: the shim build its processes mapped (a digest)
 
 
@@ -93,74 +91,6 @@ def check_released(trees: Sequence[ProcessTree], ranks: Sequence[LocalRank]) -> 
 def lone_rank_dir(r: LocalRank) -> str:
     """The image dir's name of a rank dumped on its own (no tree)."""
     return r.rank.key().replace("/", "_")
-
-
-async def pre_dump_all(
-    trees: Sequence[ProcessTree],
-    ranks: Sequence[LocalRank],
-    images_root: Path,
-    bound_s: float,
-    plugins: str,
-    parallel: int,
-    done: dict[str, Path],
-) -> None:
-    """Pre-dump every tree (or, without trees, every rank) while it runs, up to `parallel` at once;
-    each pre-dump that succeeds goes into `done`, by the name of the dir its dump will have (so a
-    bounded phase that cuts this short keeps those). One that fails is only logged: its unit is then
-    dumped in full, as without pre-dumps."""
-    units = [(t.name, t.root_pid, t.container) for t in trees] or [
-        (lone_rank_dir(r), r.pid, None) for r in ranks
-    ]
-    slots = asyncio.Semaphore(max(1, parallel))
-
-    async def one(name: str, pid: int, container: container_runtime.RuntimeContainer | None) -> None:
-        where = images_root / PRE_DUMPS / name
-        async with slots:
-            try:
-                if container is not None:
-                    await asyncio.to_thread(
-                        container_runtime.checkpoint, container, where, criu.DumpOptions(), bound_s,
-                        pre_dump_plugins=plugins,
-                    )  # fmt: skip
-                else:
-                    await asyncio.to_thread(criu.pre_dump, pid, where, criu.DumpOptions(), bound_s, plugins)
-            except criu.CriuError as exc:
-                log.warning("pre-dump of %s failed; it is dumped in full: %s", name, exc)
-                await asyncio.to_thread(shutil.rmtree, where, True)
-                return
-        done[name] = where
-
-    await asyncio.gather(*(one(*unit) for unit in units))
-
-
-def usable_parents(
-    trees: Sequence[ProcessTree],
-    ranks: Sequence[LocalRank],
-    releases: Mapping[str, Mapping[str, Any]],
-    parents: Mapping[str, Path],
-) -> dict[str, Path]:
-    """The pre-dumps the final dumps may build on: none for a tree whose ranks' release did not mark
-    the pages their devices wrote (without_redirty), which is dumped in full."""
-    stale = without_redirty(trees, ranks, releases)
-    for name in sorted(stale & parents.keys()):
-        log.warning("%s is dumped in full: a rank's release did not mark its device's pages", name)
-    return {name: where for name, where in parents.items() if name not in stale}
-
-
-def without_redirty(
-    trees: Sequence[ProcessTree], ranks: Sequence[LocalRank], releases: Mapping[str, Mapping[str, Any]]
-) -> set[str]:
-    """The units (tree names, or lone ranks' dirs) with a rank whose release did not mark every page its
-    device may have written (native/src/redirty.c): a dump on their pre-dump could keep a stale page.
-    A shim build older than that mark says nothing about it, and counts too."""
-
-    def unmarked(r: LocalRank) -> bool:
-        reply = releases.get(r.rank.key(), {})
-        return "redirtied_pages" not in reply or reply.get("redirty_missed_bytes") != 0
-
-    if trees:
-        return {name for name, rs in tree_members(trees, ranks).items() if any(unmarked(r) for r in rs)}
-    return {lone_rank_dir(r) for r in ranks if unmarked(r)}
 
 
 async def dump_all(

@@ -1,5 +1,6 @@
 """A node's trees dump side by side (trees.dump_all), up to a bound, and a failure stops the ones not
-started; pre-dumps (trees.pre_dump_all) likewise, and a dump on a pre-dump takes it in. The trees are
+started; pre-dumps (predumps.pre_dump_all) likewise, in rounds while they shrink, and a dump on a
+pre-dump takes its chain of rounds in. The trees are
 real processes (their /proc is read); CRIU is replaced by a recorder that takes its time, since what is
 tested is the order of the dumps and where their images go, not what CRIU writes (the two-guest
 tests/node/test_mixed_restart.py dumps on real pre-dumps)."""
@@ -22,16 +23,17 @@ from ibckpt.vocabulary import Mode
 from ibckpt_node import criu
 from ibckpt_node.driver import NodeSettings
 from ibckpt_node.leases import RankLeases
-from ibckpt_node.ranks import LocalRank
-from ibckpt_node.trees import (
+from ibckpt_node.predumps import (
     PRE_DUMPS,
-    TREE_MANIFEST,
-    ProcessTree,
-    dump_all,
+    PreDumpRounds,
+    forget_rounds,
     pre_dump_all,
+    round_dir,
     usable_parents,
     without_redirty,
 )
+from ibckpt_node.ranks import LocalRank
+from ibckpt_node.trees import TREE_MANIFEST, ProcessTree, dump_all
 
 
 class Recorder:
@@ -144,10 +146,12 @@ def test_pre_dumps_go_side_by_side_and_one_that_fails_leaves_its_tree_to_a_full_
     recorder = Recorder(0.4, failing=frozenset({processes[1]}))
     seen_plugins: list[str] = []
 
-    def pre_dump(pid: int, images: Path, options: criu.DumpOptions, timeout_s: float, plugins: str) -> None:
+    def pre_dump(
+        pid: int, images: Path, options: criu.DumpOptions, timeout_s: float, plugins: str, parent: Path | None
+    ) -> None:
         seen_plugins.append(plugins)
-        recorder(pid, images, options, timeout_s)
-        (images / "pages-1.img").write_bytes(b"x" * 4096)
+        recorder(pid, images, options, timeout_s, parent)
+        (images / "pages-1.img").write_bytes(b"x" * 4096)  # small: one round
 
     monkeypatch.setattr(criu, "pre_dump", pre_dump)
     trees, ranks = node(processes, tmp_path)
@@ -159,10 +163,10 @@ def test_pre_dumps_go_side_by_side_and_one_that_fails_leaves_its_tree_to_a_full_
     assert seen_plugins == ["/plugins"] * 3
     # the second failed: only logged, and nothing of it is left for its dump to take
     assert done == {
-        "pod-0.main": root / PRE_DUMPS / "pod-0.main",
-        "pod-2.main": root / PRE_DUMPS / "pod-2.main",
+        "pod-0.main": round_dir(root, "pod-0.main", 1),
+        "pod-2.main": round_dir(root, "pod-2.main", 1),
     }
-    assert not (root / PRE_DUMPS / "pod-1.main").exists()
+    assert not round_dir(root, "pod-1.main", 1).exists()
 
     # the dumps: the two with a pre-dump take it in as `parent`; the other is dumped in full
     dumps = Recorder(0.0)
@@ -172,6 +176,7 @@ def test_pre_dumps_go_side_by_side_and_one_that_fails_leaves_its_tree_to_a_full_
         parent = dumped[ranks[i].rank.key()] / criu.PARENT_LINK
         assert parent.is_dir() and not parent.is_symlink() and (parent / "pages-1.img").exists()
     assert not (dumped[ranks[1].rank.key()] / criu.PARENT_LINK).exists()
+    forget_rounds(root)
     assert not any((root / PRE_DUMPS).iterdir())
 
 
@@ -190,3 +195,62 @@ def test_a_pre_dump_is_used_only_where_every_rank_marked_its_device_pages(
     assert without_redirty([], ranks[:2], releases) == {"job_pod-1_main_0"}
     parents = {name: Path(name) for name in ("pod-0.main", "pod-1.main")}
     assert usable_parents(trees, ranks, releases, parents) == {"pod-0.main": Path("pod-0.main")}
+
+
+def test_rounds_go_on_while_they_shrink_and_the_dump_takes_the_chain_in(
+    processes: list[int], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # bytes of pages each round writes, by tree: one converges, one does not, one's second round fails
+    sizes = {processes[0]: [8000, 3000, 900], processes[1]: [8000, 6000], processes[2]: [8000]}
+    calls: list[tuple[int, Path | None]] = []
+    recorder = Recorder(0.0)
+
+    def pre_dump(
+        pid: int, images: Path, options: criu.DumpOptions, timeout_s: float, plugins: str, parent: Path | None
+    ) -> None:
+        calls.append((pid, parent))
+        if pid == processes[2] and parent is not None:
+            images.mkdir(parents=True)
+            (images / "pages-1.img").write_bytes(b"partial")
+            raise criu.CriuError("pre-dump", str(pid), "exit status 1", "(a round that failed)")
+        recorder(pid, images, options, timeout_s, parent)
+        (images / "pages-1.img").write_bytes(b"x" * sizes[pid].pop(0))
+
+    monkeypatch.setattr(criu, "pre_dump", pre_dump)
+    trees, ranks = node(processes, tmp_path)
+    root = tmp_path / "images"
+    done: dict[str, Path] = {}
+    rounds = PreDumpRounds(most=5, settle_bytes=1000, shrink=0.5)
+    asyncio.run(pre_dump_all(trees, ranks, root, 60.0, "/plugins", 3, done, rounds))
+    # 8000, 3000 (shrank by half), 900 (settled); 8000, 6000 (did not shrink by half); 8000, a failure
+    assert done == {
+        "pod-0.main": round_dir(root, "pod-0.main", 3),
+        "pod-1.main": round_dir(root, "pod-1.main", 2),
+        "pod-2.main": round_dir(root, "pod-2.main", 1),
+    }
+    by_pid = {pid: [parent for p, parent in calls if p == pid] for pid in processes}
+    assert by_pid[processes[0]] == [None, round_dir(root, "pod-0.main", 1), round_dir(root, "pod-0.main", 2)]
+    assert by_pid[processes[2]] == [None, round_dir(root, "pod-2.main", 1)]
+    assert not round_dir(root, "pod-2.main", 2).exists()  # the failed round left nothing
+
+    monkeypatch.setattr(criu, "dump", Recorder(0.0))
+    dumped, ranks = run(processes, tmp_path, parallel=3, parents=done)
+    forget_rounds(root)
+    assert not any((root / PRE_DUMPS).iterdir())
+    # each dump holds its chain as real dirs, newest round first, each with its own pages
+    for i, want in ((0, [900, 3000, 8000]), (1, [6000, 8000]), (2, [8000])):
+        where, got = dumped[ranks[i].rank.key()], []
+        while (where := where / criu.PARENT_LINK).exists():
+            assert where.is_dir() and not where.is_symlink(), where
+            got.append(criu.pages_bytes(where))
+        assert got == want, (i, got)
+
+
+def test_a_round_is_run_only_while_it_pays() -> None:
+    rounds = PreDumpRounds(most=3, settle_bytes=100, shrink=0.5)
+    assert rounds.another(1, [1000], last_s=1.0, left_s=10.0)
+    assert not rounds.another(1, [100], last_s=1.0, left_s=10.0)  # settled: the dump copies that much
+    assert not rounds.another(1, [1000], last_s=6.0, left_s=10.0)  # another might not end in the bound
+    assert rounds.another(2, [1000, 500], last_s=1.0, left_s=10.0)
+    assert not rounds.another(2, [1000, 501], last_s=1.0, left_s=10.0)  # not converging
+    assert not rounds.another(3, [1000, 400, 150], last_s=1.0, left_s=10.0)  # the most

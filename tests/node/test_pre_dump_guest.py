@@ -1,8 +1,8 @@
 """A dump on a pre-dump copies again what the device wrote after the pre-dump (issue 31; docs/node-agent.md,
 "Pre-dumps"). write_mem (native/tests/write_mem.c) RDMA-writes rounds of a pattern, chunk after chunk,
-into an 8 MiB region its CPU never writes. The node agent pre-dumps it while it writes, then checkpoints
-it (Stop) on that pre-dump and restores it; once restored it checks that every page of the region holds
-what the last completed write of it put there.
+into an 8 MiB region its CPU never writes. The node agent pre-dumps it in rounds (each on the one
+before) while it writes, then checkpoints it (Stop) on the last round and restores it; once restored it
+checks that every page of the region holds what the last completed write of it put there.
 
 The device's writes set no soft-dirty bit, so the shim marks the region at release (native/src/redirty.c)
 and CRIU's account must show every page of it written again. With the mark compiled to a no-op (a first
@@ -61,6 +61,7 @@ def test_a_dump_on_a_pre_dump_keeps_what_the_device_wrote_since(coordinator, tmp
     report = run_node_agent(
         coordinator.port, session, tokens["node-1"], "checkpoint", f"--rank={KEY}={proc.pid}:{CONTROL}",
         "--images", str(images), "--mode", "Stop", "--criu-plugins", str(BUILD_DIR / "criu"),
+        "--pre-dump-settle-bytes", "0",  # rounds while they shrink: the dump builds on a chain
     )  # fmt: skip
     assert report["outcome"] == "Stopped", report
     assert "PreDumped" in report["phases"], report["phases"]
@@ -74,6 +75,11 @@ def test_a_dump_on_a_pre_dump_keeps_what_the_device_wrote_since(coordinator, tmp
     parent = rank_images / "parent"
     assert parent.is_dir() and (parent / "pre-dump.log").exists(), sorted(
         p.name for p in rank_images.iterdir()
+    )
+    # a second round built on the first, and both travel inside the dump's images
+    first = parent / "parent"
+    assert first.is_dir() and not first.is_symlink() and (first / "pre-dump.log").exists(), sorted(
+        p.name for p in parent.iterdir()
     )
     stats = dump_stats(rank_images)
     # the dump took pages from its pre-dump (the code and the libraries did not change) and wrote the
