@@ -4,8 +4,9 @@ Run from the repo root:  .venv/bin/python bench/pre_dump_freeze.py [--mib 256] [
 
 One rank (native/tests/write_mem under the shim) RDMA-writes an 8 MiB region in a loop and rewrites
 --rate percent of the pages of its own --mib MiB buffer each second. The node agent takes three
-LeaveRunning checkpoints of it in a row: without a pre-dump, with one, and without again (the two
-without bracket the one with). For each it prints the rank's gated time (from the cut's start until
+LeaveRunning checkpoints of it in a row: without a pre-dump, with one round of pre-dump, with rounds
+as the agent runs them (predumps.PreDumpRounds), and without again (the two without bracket the
+others). For each it prints the rank's gated time (from the cut's start until
 it runs again: drain, release, dump, rebuild, resume, from the agent's report), CRIU's own freeze of
 the dump (`frozen_time` in its stats) and the pages the dump wrote. Then the ratio the issue asks
 for: the gated time with a pre-dump against CRIU's freeze of a whole dump of the same process, the
@@ -29,6 +30,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "native"))
 
 KEY = "mem/rank-0/main/0"
 CONTROL = "/run/ibckpt/mem.ctl"
+NAMES = ("full1", "pre", "rounds", "full2")
+LABELS = {
+    "full1": "whole dump (before)",
+    "pre": "on one pre-dump",
+    "rounds": "on pre-dump rounds",
+    "full2": "whole dump (after)",
+}
 GATED = ("Drained", "Released", "Dumped", "Rebuilt", "Resumed")  # the fast cut: no Quiesced barrier
 
 SCRIPT = """
@@ -49,13 +57,16 @@ agent() {{
 sleep 5
 agent $TOKEN_FULL1 {full1} --images {work}/full1 > {work}/full1.json
 sleep 5
-agent $TOKEN_PRE {pre} --images {work}/pre --criu-plugins {plugins} > {work}/pre.json
+agent $TOKEN_PRE {pre} --images {work}/pre --criu-plugins {plugins} \
+  --pre-dump-settle-bytes 1000000000000 > {work}/pre.json
+sleep 5
+agent $TOKEN_ROUNDS {rounds} --images {work}/rounds --criu-plugins {plugins} > {work}/rounds.json
 sleep 5
 agent $TOKEN_FULL2 {full2} --images {work}/full2 > {work}/full2.json
 sleep 2
 touch {work}/check
 for _ in $(seq 600); do grep -q CHECK {work}/mem.out && break; sleep 0.2; done
-for name in full1 pre full2; do
+for name in full1 pre rounds full2; do
   crit decode -i {work}/$name/mem_rank-0_main_0/stats-dump > {work}/$name-stats.json
 done
 """
@@ -80,7 +91,7 @@ def main() -> int:
     try:
         tokens: dict[str, dict[str, str]] = {}
         sessions: dict[str, str] = {}
-        for name in ("full1", "pre", "full2"):
+        for name in NAMES:
             sessions[name], tokens[f"TOKEN_{name.upper()}"] = coord.create_session(
                 {"node-1"}, deadline_s=1800
             )
@@ -109,26 +120,31 @@ def main() -> int:
         return data
 
     rows = {}
-    for name in ("full1", "pre", "full2"):
+    for name in NAMES:
         report, stats = load(f"{name}.json"), load(f"{name}-stats.json")["entries"][0]["dump"]
         gated = sum(report["phases"].get(phase, 0.0) for phase in GATED)
         frozen, pre = stats["frozen_time"] / 1e6, report["phases"].get("PreDumped", 0.0)
-        rows[name] = (gated, frozen, stats["pages_written"], stats["pages_skipped_parent"], pre)
+        rounds, below = 0, work / name / KEY.replace("/", "_")
+        while (below := below / "parent").is_dir():
+            rounds += 1
+        rows[name] = (gated, frozen, stats["pages_written"], stats["pages_skipped_parent"], pre, rounds)
     check = next(line for line in (work / "mem.out").read_text().splitlines() if line.startswith("CHECK"))
     print(
         f"one rank: {args.mib} MiB its CPU rewrites at {args.rate:g}%/s, and an 8 MiB region its NIC writes"
     )
-    print(f"one guest, ran {guest_s:.0f} s; after the three checkpoints the rank says: {check}\n")
+    print(f"one guest, ran {guest_s:.0f} s; after the four checkpoints the rank says: {check}\n")
     print(f"{'LeaveRunning':<22}{'gated s':>9}{'CRIU frozen s':>15}{'pages written':>15}{'from parent':>13}"
-          f"{'pre-dump s':>12}")  # fmt: skip
-    labels = {"full1": "whole dump (before)", "pre": "on a pre-dump", "full2": "whole dump (after)"}
-    for name, (gated, frozen, written, parent, pre) in rows.items():
-        print(f"{labels[name]:<22}{gated:>9.2f}{frozen:>15.2f}{written:>15}{parent:>13}{pre:>12.2f}")
+          f"{'pre-dump s':>12}{'rounds':>8}")  # fmt: skip
+    for name, (gated, frozen, written, parent, pre, rounds) in rows.items():
+        print(
+            f"{LABELS[name]:<22}{gated:>9.2f}{frozen:>15.2f}{written:>15}{parent:>13}{pre:>12.2f}{rounds:>8}"
+        )
     full_gated = (rows["full1"][0] + rows["full2"][0]) / 2
     full_frozen = (rows["full1"][1] + rows["full2"][1]) / 2
-    print(f"\ngated on a pre-dump / gated on a whole dump:        {rows['pre'][0] / full_gated:.2f}")
-    ratio = rows["pre"][0] / full_frozen
-    print(f"gated on a pre-dump / CRIU's freeze of a whole dump: {ratio:.2f}  (goal <= 0.3)")
+    for name in ("pre", "rounds"):
+        print(f"\ngated {LABELS[name]} / gated on a whole dump:        {rows[name][0] / full_gated:.2f}")
+        ratio = rows[name][0] / full_frozen
+        print(f"gated {LABELS[name]} / CRIU's freeze of a whole dump: {ratio:.2f}  (goal <= 0.3)")
     if args.keep:
         print(f"\nwork dir: {work}")
     else:

@@ -37,7 +37,7 @@ class PreDumpRounds:
     settle_bytes: int = 64 << 20
     # A round that kept more than this share of the round before is not converging: the application
     # writes about as fast as CRIU copies, and another round would copy the same pages again.
-    shrink: float = 0.5
+    shrink: float = 0.7
 
     def another(self, done: int, pages: Sequence[int], last_s: float, left_s: float) -> bool:
         """Whether to run round done+1 after rounds that wrote `pages` bytes each, the last in last_s
