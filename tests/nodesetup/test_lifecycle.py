@@ -195,3 +195,21 @@ def test_a_probe_that_answers_late_is_bounded_and_says_so() -> None:
     assert not finding.ok
     assert finding.detail == "/usr/bin/python3 cannot run on the node (no answer within 0.2s)"
     assert host.PROBE_TIMEOUT_S >= 120  # seen: over 30 s for python3's start on a busy emulated node
+
+
+def test_containerd_is_back_only_once_its_socket_accepts(tmp_path: Path) -> None:
+    import socket
+
+    setup = host.NodeSetup(
+        root=tmp_path, prefix="/usr/local", next_runtime="runc", node_python="python3",
+        node_fs=tmp_path, socket="/run/containerd/containerd.sock",
+    )  # fmt: skip
+    where = tmp_path / "run/containerd/containerd.sock"
+    where.parent.mkdir(parents=True)
+    assert not host.containerd_answers(setup)  # no socket yet: the process is up, not serving
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
+        server.bind(str(where))
+        assert not host.containerd_answers(setup)  # bound, not listening
+        server.listen(1)
+        assert host.containerd_answers(setup)
+    assert not host.containerd_answers(setup)  # gone again (the file stays, nothing accepts)

@@ -12,6 +12,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import time
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ class NodeSetup:
     restart: str = "auto"
     manage: bool = True
     handler_name: str = "ibckpt"  # the RuntimeClass's handler
+    socket: str = "/run/containerd/containerd.sock"  # containerd's gRPC address (its [grpc] address)
     # The whole node as pid 1 sees it (the agent shares the node's pid namespace): for what lies outside
     # the chart's mounts, such as the next runtime in /usr/sbin or /usr/bin.
     node_fs: Path = Path("/proc/1/root")
@@ -186,6 +188,18 @@ def containerd_loaded(setup: NodeSetup) -> bool:
         return False
 
 
+def containerd_answers(setup: NodeSetup) -> bool:
+    """Whether containerd accepts on its socket: its process starts some seconds before it serves, and
+    a node called ready meanwhile had its first kubectl exec refused (the socket was not there yet)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(2.0)
+        try:
+            probe.connect(str(setup.on_node(setup.socket)))
+        except OSError:
+            return False
+    return True
+
+
 def restart_mode(setup: NodeSetup) -> str:
     if setup.restart != "auto":
         return setup.restart
@@ -214,7 +228,7 @@ def restart_containerd(setup: NodeSetup, timeout_s: float = 90.0) -> str:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         now = containerd_pids()
-        if now and not set(now) & set(before) and containerd_loaded(setup):
+        if now and not set(now) & set(before) and containerd_loaded(setup) and containerd_answers(setup):
             log.info("containerd restarted (pid %s) with the ibckpt handler", ",".join(map(str, now)))
             return ""
         time.sleep(1.0)
