@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -200,11 +201,8 @@ def test_a_probe_that_answers_late_is_bounded_and_says_so() -> None:
 def test_containerd_is_back_only_once_its_socket_accepts(tmp_path: Path) -> None:
     import socket
 
-    setup = host.NodeSetup(
-        root=tmp_path, prefix="/usr/local", next_runtime="runc", node_python="python3",
-        node_fs=tmp_path, socket="/run/containerd/containerd.sock",
-    )  # fmt: skip
-    where = tmp_path / "run/containerd/containerd.sock"
+    setup = dataclasses.replace(node_root(tmp_path), node_fs=tmp_path)
+    where = tmp_path / "run/containerd/containerd.sock"  # containerd's default: the config names none
     where.parent.mkdir(parents=True)
     assert not host.containerd_answers(setup)  # no socket yet: the process is up, not serving
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
@@ -213,3 +211,13 @@ def test_containerd_is_back_only_once_its_socket_accepts(tmp_path: Path) -> None
         server.listen(1)
         assert host.containerd_answers(setup)
     assert not host.containerd_answers(setup)  # gone again (the file stays, nothing accepts)
+
+    # a node whose containerd serves elsewhere, as its config says
+    config = tmp_path / "etc/containerd/config.toml"
+    config.write_text(STOCK + '[grpc]\n  address = "/run/k8s/containerd.sock"\n')
+    elsewhere = tmp_path / "run/k8s/containerd.sock"
+    elsewhere.parent.mkdir(parents=True)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
+        server.bind(str(elsewhere))
+        server.listen(1)
+        assert host.containerd_answers(setup)

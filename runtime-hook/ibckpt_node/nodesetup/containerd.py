@@ -60,6 +60,19 @@ def parse(text: str) -> dict[str, Any]:
         raise ConfigRefused(f"containerd's config is not valid TOML ({exc}); not editing it") from None
 
 
+DEFAULT_SOCKET = "/run/containerd/containerd.sock"
+
+
+def socket_path(text: str) -> str:
+    """Where containerd serves its API, as its config says ([grpc] address), or its default."""
+    try:
+        grpc = parse(text).get("grpc", {})
+    except ConfigRefused:
+        return DEFAULT_SOCKET
+    address = grpc.get("address") if isinstance(grpc, dict) else None
+    return address.removeprefix("unix://") if isinstance(address, str) and address else DEFAULT_SOCKET
+
+
 def version(data: dict[str, Any]) -> int:
     found = data.get("version", 1)
     if found == 2 or found == 3:

@@ -39,7 +39,6 @@ class NodeSetup:
     restart: str = "auto"
     manage: bool = True
     handler_name: str = "ibckpt"  # the RuntimeClass's handler
-    socket: str = "/run/containerd/containerd.sock"  # containerd's gRPC address (its [grpc] address)
     # The whole node as pid 1 sees it (the agent shares the node's pid namespace): for what lies outside
     # the chart's mounts, such as the next runtime in /usr/sbin or /usr/bin.
     node_fs: Path = Path("/proc/1/root")
@@ -191,10 +190,14 @@ def containerd_loaded(setup: NodeSetup) -> bool:
 def containerd_answers(setup: NodeSetup) -> bool:
     """Whether containerd accepts on its socket: its process starts some seconds before it serves, and
     a node called ready meanwhile had its first kubectl exec refused (the socket was not there yet)."""
+    try:
+        where = containerd.socket_path(setup.host(setup.config).read_text())
+    except OSError:
+        where = containerd.DEFAULT_SOCKET
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
         probe.settimeout(2.0)
         try:
-            probe.connect(str(setup.on_node(setup.socket)))
+            probe.connect(str(setup.on_node(where)))
         except OSError:
             return False
     return True
