@@ -162,9 +162,11 @@ class FollowedSpan:
     crc32: int  # of its plain bytes: the upload takes chunk_id only while they still match
 
 
-# A span of a file: (its normalized path, its inode, the span's offset)
-SpanKey = tuple[str, int, int]
+# A span of a file: (its device, its inode, the span's offset). Not its path: a file renamed after the
+# follower read it (a pre-dump the dump takes in as its parent) keeps its spans. The CRC32 of the span's
+# bytes, checked before its id is taken, is what says the bytes are still those the follower hashed.
+SpanKey = tuple[int, int, int]
 
 
-def span_key(path: str, inode: int, offset: int) -> SpanKey:
-    return os.path.normpath(path), inode, offset
+def span_key(info: os.stat_result, offset: int) -> SpanKey:
+    return info.st_dev, info.st_ino, offset

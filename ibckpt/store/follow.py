@@ -104,7 +104,7 @@ class Follower:
         self._slots = threading.BoundedSemaphore(self._config.workers)
         self._limiter = RateLimiter(self._config.max_rate)
         self._lock = threading.Lock()
-        self._next: dict[tuple[str, int], int] = {}  # (path, inode) -> offset of its next span
+        self._next: dict[tuple[int, int], int] = {}  # (device, inode) -> offset of its next span
         # chunk ids stored, found, or being stored here -> their stored size (None: being stored, or unknown)
         self._seen: dict[str, int | None] = {}
         self._failures_in_a_row = 0
@@ -189,14 +189,18 @@ class Follower:
     def _scan(self, pool: concurrent.futures.ThreadPoolExecutor) -> None:
         size = self._config.chunk_size
         for path, info in self._files():
-            key = (path, info.st_ino)
-            offset = self._next.get(key, 0)
-            while offset + size <= info.st_size:
+            key = (info.st_dev, info.st_ino)  # a file renamed meanwhile goes on where it was
+            while True:
+                with self._lock:
+                    offset = self._next.get(key, 0)
+                    if offset + size > info.st_size:
+                        break
+                    self._next[key] = offset + size
                 if not self._slot():
+                    with self._lock:
+                        self._next[key] = min(self._next[key], offset)
                     return
-                self._next[key] = offset + size
-                pool.submit(self._span, path, info.st_ino, offset)
-                offset += size
+                pool.submit(self._span, path, info, offset)
 
     def _slot(self) -> bool:
         while not self._stop.is_set() and time.monotonic() < self._deadline:
@@ -205,10 +209,10 @@ class Follower:
         return False
 
     # -- the upload threads ----------------------------------------------------------------------------
-    def _span(self, path: str, inode: int, offset: int) -> None:
+    def _span(self, path: str, info: os.stat_result, offset: int) -> None:
         try:
             if not self._stop.is_set() and not self.stats.gave_up:
-                self._store_span(path, inode, offset)
+                self._store_span(path, info, offset)
                 with self._lock:
                     self._failures_in_a_row = 0
         except _Dropped:
@@ -223,19 +227,27 @@ class Follower:
         finally:
             self._slots.release()
 
-    def _store_span(self, path: str, inode: int, offset: int) -> None:
+    def _store_span(self, path: str, info: os.stat_result, offset: int) -> None:
         size = self._config.chunk_size
         # Read after room for the header, as the upload reads: a chunk stored raw is sent from this buffer.
         buffer = codec.framed_buffer(size)
         plain = memoryview(buffer)[codec.HEADER_SIZE :]
-        with open(path, "rb", buffering=0) as file:
-            if os.fstat(file.fileno()).st_ino != inode:
+        try:
+            file = open(path, "rb", buffering=0)  # noqa: SIM115 (closed below)
+        except FileNotFoundError:  # renamed since the scan: the next scan finds it under its new path
+            with self._lock:
+                key = (info.st_dev, info.st_ino)
+                self._next[key] = min(self._next.get(key, offset), offset)
+            return
+        with file:
+            now = os.fstat(file.fileno())
+            if (now.st_dev, now.st_ino) != (info.st_dev, info.st_ino):
                 return  # replaced: the upload sees what it is now
             got = os.preadv(file.fileno(), [plain], offset)
         if got < size:  # shrank: the upload sees what it is now
             return
         cid = codec.chunk_id(hashlib.sha256(plain).digest(), self._context.keys)
-        key, crc = span_key(path, inode, offset), zlib.crc32(plain)
+        key, crc = span_key(info, offset), zlib.crc32(plain)
         with self._lock:
             if cid in self._seen:
                 self.stats.present_chunks += 1

@@ -124,7 +124,7 @@ class CheckpointWriter:
         self._known_lock = threading.Lock()
         self._buffers = threading.local()  # each worker thread's buffer for full-size chunks (_buffer)
         self._followed = followed or {}  # what a follower hashed during the dump (follow.py)
-        self._inodes: dict[str, int] = {}
+        self._stats: dict[str, os.stat_result] = {}  # each followed file's, for its spans' keys
         self._uploaded_chunks = 0
         self._uploaded_bytes = 0
         self._times = StageTimes()
@@ -328,13 +328,13 @@ class CheckpointWriter:
         if not self._followed or task.packed or len(task.pieces) != 1:
             return None
         path, piece = task.paths[0], task.pieces[0]
-        inode = self._inodes.get(path)
-        if inode is None:
+        info = self._stats.get(path)
+        if info is None:
             try:
-                inode = self._inodes[path] = os.stat(path).st_ino
+                info = self._stats[path] = os.stat(path)
             except OSError:
                 return None
-        return self._followed.get(span_key(path, inode, piece.offset))
+        return self._followed.get(span_key(info, piece.offset))
 
     def _buffer(self, size: int) -> bytearray:
         """A framed buffer for `size` plain bytes. Full-size chunks (most of them) reuse their thread's: a

@@ -133,6 +133,34 @@ def test_the_pass_after_the_follower_skips_its_chunks_and_writes_the_same_manife
     assert (back / "core-1.img").read_bytes() == b"core" * 1000
 
 
+def test_a_file_renamed_after_the_follower_read_it_keeps_its_spans(
+    make_store: StoreFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As a pre-dump that the dump takes in as its `parent`: the follower read it under one path, and
+    neither it nor the upload hashes it again under the new one."""
+    store = make_store()
+    data = pages(6)
+    root = tmp_path / "images"
+    first = root / ".pre-dumps" / "pod.main" / "round-1"
+    first.mkdir(parents=True)
+    with store.follow(root, "ns/solver", timeout=60) as follower:
+        append_slowly(first / "pages-1.img", data, pause=0.0)
+        wait_until(lambda: follower.stats.stored_chunks == 6)
+        (root / "pod.main").mkdir()
+        first.rename(root / "pod.main" / "parent")
+        time.sleep(1.0)  # scans of the tree under its new names
+    assert follower.stats.present_chunks == 0, follower.stats  # not read again under the new path
+    hashed = Sha256Count()
+    monkeypatch.setattr(upload_module, "hashlib", hashed)
+    with store.writer("ns/solver", "c1", followed=follower.stats.spans) as writer:
+        writer.add_tree(root / "pod.main")
+        manifest = writer.commit()
+    assert hashed.calls == 0 and manifest.stats.uploaded_chunks == 0  # the follower's ids, taken
+    back = tmp_path / "back"
+    store.restore(CheckpointRef("ns/solver", "c1"), back)
+    assert (back / "parent" / "pages-1.img").read_bytes() == data
+
+
 def test_a_span_rewritten_after_the_follower_read_it_is_restored_as_it_is_now(
     make_store: StoreFactory, tmp_path: Path
 ) -> None:
