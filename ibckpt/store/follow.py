@@ -236,8 +236,8 @@ class Follower:
             file = open(path, "rb", buffering=0)  # noqa: SIM115 (closed below)
         except FileNotFoundError:  # renamed since the scan: the next scan finds it under its new path
             with self._lock:
-                key = (info.st_dev, info.st_ino)
-                self._next[key] = min(self._next.get(key, offset), offset)
+                file_key = (info.st_dev, info.st_ino)
+                self._next[file_key] = min(self._next.get(file_key, offset), offset)
             return
         with file:
             now = os.fstat(file.fileno())
