@@ -246,13 +246,20 @@ class FakeAgent:
             self.server.socket = self.tls.wrap_socket(self.server.socket, server_side=True)
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
-    def keep_copy(self, request: CheckpointRequest) -> MemoryCopyReport:
-        """This node's part "sent" to the holder's shelf as one chunk of 200 kB, sealed."""
-        assert request.memory_copy is not None and request.images is not None
+    def _holder(self, request: CheckpointRequest) -> tuple[MemoryShelf | None, MemoryCopyReport]:
+        """The holder's shelf (None: not reachable, which the report then says) and an empty report."""
+        assert request.memory_copy is not None
         holder = SHELVES.get(request.memory_copy.address)
         report = MemoryCopyReport(node=request.memory_copy.node, part=self.node)
         if holder is None:
             report.message = f"not kept on {request.memory_copy.node}: not reachable"
+        return holder, report
+
+    def keep_copy(self, request: CheckpointRequest) -> MemoryCopyReport:
+        """This node's part "sent" to the holder's shelf as one chunk of 200 kB, sealed."""
+        assert request.memory_copy is not None and request.images is not None
+        holder, report = self._holder(request)
+        if holder is None:
             return report
         key = (request.images.job, request.images.checkpoint_id, self.node)
         holder.put_piece(key, 0, bytes(200_000))
@@ -264,10 +271,8 @@ class FakeAgent:
         """commitOn Memory: this node's part sealed on the holder's shelf, chunks and signed part manifest
         as the real agent's keep_first sends them, before the S3 upload."""
         assert request.memory_copy is not None and request.images is not None and self.store is not None
-        holder = SHELVES.get(request.memory_copy.address)
-        report = MemoryCopyReport(node=request.memory_copy.node, part=self.node)
+        holder, report = self._holder(request)
         if holder is None:
-            report.message = f"not kept on {request.memory_copy.node}: not reachable"
             return report
         key = (request.images.job, request.images.checkpoint_id, self.node)
         sealed: dict[str, bytes] = {}
