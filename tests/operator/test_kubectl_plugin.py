@@ -19,6 +19,7 @@ from ibckpt.store.signing import load_keys
 from testbed.cluster import kubectl_bin, kubectl_ibckpt
 from testbed.kube import ControlPlane
 from testbed.s3 import S3Server
+from testbed.status import phase
 
 Agents = Cluster = Any  # conftest.py's fixtures
 
@@ -100,12 +101,12 @@ def test_checkpoint_list_describe_and_restore_latest_as_a_user(
                  "metadata": {"name": "nightly-1", "labels": {"ibckpt.io/schedule": "nightly"}},
                  "spec": template},
             )  # fmt: skip
-            body = cluster_ns.wait("checkpointjobs", "nightly-1", _phase("Succeeded"), timeout=90)
+            body = cluster_ns.wait("checkpointjobs", "nightly-1", phase("Succeeded"), timeout=90)
             checkpoint_n = body["status"]["checkpointName"]
             time.sleep(1.1)  # committedTime has whole seconds
             later = plugin(kube, ns, "checkpoint", "-l", "app=ring", "--name", "ring-b", "--no-wait")
             assert later.returncode == 0 and later.stdout == "checkpointjob/ring-b created\n", later
-            cluster_ns.wait("checkpointjobs", "ring-b", _phase("Failed"), timeout=90)  # the pods are stopping
+            cluster_ns.wait("checkpointjobs", "ring-b", phase("Failed"), timeout=90)  # the pods are stopping
 
             listed = plugin(kube, ns, "list")
             assert listed.returncode == 0, listed.stderr
@@ -225,10 +226,6 @@ def test_what_a_user_gets_wrong_is_refused_in_one_line_and_creates_nothing(
         == []
     )
     assert plugin(kube, ns, "list").stdout == f"No Checkpoints in namespace {ns}.\n"
-
-
-def _phase(wanted: str) -> Any:
-    return lambda body: (body.get("status") or {}).get("phase") == wanted
 
 
 def test_logs_keeps_the_lines_of_the_jobs_time_and_what_follows_them() -> None:

@@ -17,16 +17,13 @@ import pytest
 from ibckpt.store import CheckpointRef, ImageStore
 from testbed.gate import Gate
 from testbed.s3 import S3Server
+from testbed.status import phase
 
 Agents = Cluster = Any  # conftest.py's fixtures
 pytestmark = [pytest.mark.kube, pytest.mark.s3, pytest.mark.usefixtures("runtime_class")]
 
 API = "ibckpt.io/v1alpha1"
 RING = {"app": "ring"}
-
-
-def phase(wanted: str) -> Any:
-    return lambda body: (body.get("status") or {}).get("phase") == wanted
 
 
 def memory_job(cluster: Cluster, s3: S3Server, bucket: str, **spec: Any) -> dict[str, Any]:

@@ -12,6 +12,7 @@ import pytest
 
 from testbed.cluster import kubectl_ibckpt
 from testbed.s3 import S3Server
+from testbed.status import phase
 
 Agents = Cluster = Any  # conftest.py's fixtures
 pytestmark = [pytest.mark.kube, pytest.mark.s3, pytest.mark.usefixtures("runtime_class")]
@@ -19,10 +20,6 @@ pytestmark = [pytest.mark.kube, pytest.mark.s3, pytest.mark.usefixtures("runtime
 
 API = "ibckpt.io/v1alpha1"
 RING = {"app": "ring"}
-
-
-def phase(wanted: str) -> Any:
-    return lambda body: (body.get("status") or {}).get("phase") == wanted
 
 
 def tiers(wanted: list[str]) -> Any:

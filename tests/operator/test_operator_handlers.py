@@ -17,6 +17,7 @@ from ibckpt.store import ImageStore
 from testbed.gate import Gate
 from testbed.ports import free_port
 from testbed.s3 import S3Server
+from testbed.status import phase
 
 OPERATOR_NS = "ibckpt-system"  # as conftest.py sets it up
 Agents = Cluster = Any  # conftest.py's fixtures (a test module cannot import its conftest by name)
@@ -54,10 +55,6 @@ def creds(cluster: Cluster, s3: S3Server, name: str = "s3-creds", secret_key: st
     cluster.secret(
         name, {"AWS_ACCESS_KEY_ID": s3.access_key, "AWS_SECRET_ACCESS_KEY": secret_key or s3.secret_key}
     )
-
-
-def phase(wanted: str) -> Any:
-    return lambda body: (body.get("status") or {}).get("phase") == wanted
 
 
 def condition(body: dict[str, Any], kind: str) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from ibckpt.api.schedule import SCHEDULE_LABEL
 from ibckpt.store import ImageStore, RankInfo, StoreConfig
 from ibckpt.store.manifest import ContainerDevices
 from testbed.s3 import S3Server
+from testbed.status import phase
 
 Agents = Cluster = Any  # conftest.py's fixtures
 pytestmark = [pytest.mark.kube, pytest.mark.s3, pytest.mark.usefixtures("runtime_class")]
@@ -35,10 +36,6 @@ def storage(s3: S3Server, bucket: str) -> dict[str, Any]:
 
 def creds(cluster: Cluster, s3: S3Server) -> None:
     cluster.s3_secret(s3)
-
-
-def phase(wanted: str) -> Any:
-    return lambda body: (body.get("status") or {}).get("phase") == wanted
 
 
 def restore_job(name: str, **spec: Any) -> dict[str, Any]:
