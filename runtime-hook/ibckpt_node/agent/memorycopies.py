@@ -51,6 +51,9 @@ class Holder(Protocol):
 
 
 CALL_TIMEOUT_S = 30.0
+# A piece's call that failed on its way may have left the holder without it: it is asked, and the piece
+# sent once more. 0: no answer (reset, timeout); 408: the holder did not get the whole piece in time.
+RESENDABLE = frozenset({0, 408})
 
 
 def client(address: str, token_file: Path, tls: ssl.SSLContext) -> MemoryClient:
@@ -118,6 +121,7 @@ class Pieces:
         self.index: dict[str, tuple[int, int]] = {}
         self.pending = bytearray()
         self.sent = 0  # pieces
+        self.offset = 0  # the bytes of the pieces sent
         self.size = 0
         self.lock = threading.Lock()
 
@@ -144,8 +148,36 @@ class Pieces:
     def _send(self, piece: bytes) -> None:
         if time.monotonic() > self.deadline:
             raise TimeoutError("the upload's bound passed")
-        self.holder.put_piece(*self.key, self.sent, piece)
+        try:
+            self.holder.put_piece(*self.key, self.sent, piece)
+        except AgentError as error:
+            if error.status not in RESENDABLE or not self._resend(piece):
+                raise
         self.sent += 1
+        self.offset += len(piece)
+
+    def _resend(self, piece: bytes) -> bool:
+        """After a piece's call failed on the way (a holder slow to read it, under load, answers 408):
+        True once the holder has it, asking what it holds and sending it once more if it has not."""
+        job, checkpoint, part = self.key
+        try:
+            held = next(
+                (c for c in self.holder.copies().copies
+                 if (c.job, c.checkpoint, c.part) == self.key and not c.sealed),
+                None,
+            )  # fmt: skip
+        except AgentError:
+            return False
+        got = 0 if held is None else held.bytes
+        if got == self.offset + len(piece) and held is not None:
+            return True  # it arrived; its answer was lost
+        if got != self.offset and self.sent > 0:
+            return False  # not where this copy left it (dropped for room, or sent again by another)
+        if time.monotonic() > self.deadline:
+            return False
+        log.info("%s/%s/%s: piece %d sent again", job, checkpoint, part, self.sent)
+        self.holder.put_piece(*self.key, self.sent, piece)
+        return True
 
 
 def _kept(report: api.MemoryCopyReport, held: HeldCopy, started: float) -> api.MemoryCopyReport:
