@@ -135,7 +135,12 @@ async def _run(args: argparse.Namespace, drivers: list[NodeDriver]) -> NodeRepor
     client = await CoordinatorClient.connect(host, int(port), args.session, args.node, token, tls=tls)
     try:
         boost = None if args.no_boost else DEFAULT_BOOST_NICE
-        async with ShimCoordinatorProxy(client, [Channel(Path(args.shim_socket))]) as proxy:
+        shim_socket = Path(args.shim_socket)
+        async with ShimCoordinatorProxy(client, [Channel(shim_socket)]) as proxy:
+
+            def confine(_control: Path, gids: Sequence[str], qpns: Sequence[int]) -> None:
+                proxy.confine_socket(shim_socket, gids, qpns)
+
             ranks = [_parse_rank(spec) for spec in args.rank]
             if args.command == "checkpoint":
                 local = [LocalRank(rank, int(where), control) for rank, where, control in ranks]
@@ -156,13 +161,16 @@ async def _run(args: argparse.Namespace, drivers: list[NodeDriver]) -> NodeRepor
                     boost_nice=boost,
                     cut=CutOptions(quiesce_barrier=args.quiesce_barrier, release_quiet=args.release_quiet),
                     flush_records=proxy.published,
+                    confine=confine,
                 )
                 drivers.append(driver)
                 try:
                     return await driver.checkpoint(Mode(args.mode), Path(args.images), args.epoch)
                 finally:
                     await driver.end_leases()  # a Hold leaves its ranks held, with no lease
-            driver = NodeDriver(args.node, client, [], boost_nice=boost, flush_records=proxy.published)
+            driver = NodeDriver(
+                args.node, client, [], boost_nice=boost, flush_records=proxy.published, confine=confine
+            )
             drivers.append(driver)
             images = {rank.key(): Path(where) for rank, where, _ in ranks}
             controls = {rank.key(): control for rank, _, control in ranks}

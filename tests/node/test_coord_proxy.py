@@ -317,3 +317,45 @@ async def test_a_container_whose_gids_are_not_learned_yet_is_not_confined(
         assert (await client.get(f"map/{H}/2", timeout=0.01)) == b"still"
     finally:
         await client.close()
+
+
+async def test_a_record_a_confined_rank_of_this_node_put_is_read_without_the_coordinator(
+    coordinator: ThreadedCoordinator, tmp_path: Path
+) -> None:
+    """Ranks whose QPs connect on one node: a GET of the epoch record of a QP that a confined rank
+    here PUT is answered from the proxy's copy, never asking the coordinator. Records of containers
+    not confined yet, of GID 0, and `map/` records are still read from the coordinator, and a
+    replaced coordinator drops the copies."""
+    a, b = _container(tmp_path, "a"), _container(tmp_path, "b")
+    me, zero = os.getpid(), "0" * 32
+    channels = channels_for([(a / "ctl" / "1.sock", me), (b / "ctl" / "1.sock", me)])
+    sock_a, sock_b = (c.path for c in channels)
+    client = await _client(coordinator)
+    asked: list[str] = []
+    real_get = client.get
+
+    async def get(key: str, timeout: float) -> bytes:
+        asked.append(key)
+        return await real_get(key, timeout)
+
+    client.get = get  # type: ignore[method-assign]
+    try:
+        async with ShimCoordinatorProxy(client, channels) as proxy:
+            proxy.confine(a / "ctl" / "1.sock", [G], [9])
+            lines = [f"PUT e6/qp/{G}/9 rec-a 1 0", f"PUT map/{G}/9 real-a", f"PUT e6/qp/{zero}/4 z"]
+            assert await _requests(sock_a, lines) == ["OK"] * 3
+            assert await _request(sock_b, f"PUT e6/qp/{H}/10 rec-b") == "OK"  # b is not confined
+            # at once, before the background PUT need have reached the coordinator
+            assert await _request(sock_b, f"GET e6/qp/{G}/9 5000") == "VAL rec-a 1 0"
+            assert asked == []
+            assert await _request(sock_a, f"GET e6/qp/{H}/10 5000") == "VAL rec-b"
+            assert await _request(sock_a, f"GET e6/qp/{zero}/4 5000") == "VAL z"
+            assert await _request(sock_a, f"GET map/{G}/9 5000") == "VAL real-a"
+            assert asked == [f"e6/qp/{H}/10", f"e6/qp/{zero}/4", f"map/{G}/9"]
+            await asyncio.wait_for(proxy.published(), 10)
+            assert (await real_get(f"e6/qp/{G}/9", timeout=0.01)) == b"rec-a 1 0"  # forwarded as well
+            proxy.use(client)  # as after a lost coordinator: the copies go
+            assert await _request(sock_b, f"GET e6/qp/{G}/9 5000") == "VAL rec-a 1 0"
+            assert asked[-1] == f"e6/qp/{G}/9"
+    finally:
+        await client.close()
