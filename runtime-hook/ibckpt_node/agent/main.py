@@ -34,7 +34,7 @@ from ibckpt import logsetup
 from ibckpt.agentapi.memory import MEMORY_TIER_AUDIENCE
 from ibckpt.agentapi.models import DEFAULT_PORT, agent_audience
 from ibckpt.tls import TlsSetupError, client_context_from
-from ibckpt_node import failpoints
+from ibckpt_node import container_runtime, failpoints
 from ibckpt_node.agent.auth import Authenticator, TokenReviewer
 from ibckpt_node.agent.disk import DEFAULT_KEEP_FAILED_S
 from ibckpt_node.agent.kubesecrets import KubeSecrets
@@ -42,6 +42,7 @@ from ibckpt_node.agent.server import AgentServer
 from ibckpt_node.agent.servingcert import DEFAULT_DIR as DEFAULT_TLS_DIR
 from ibckpt_node.agent.servingcert import DEFAULT_WAIT_S as DEFAULT_TLS_WAIT_S
 from ibckpt_node.agent.servingcert import ServingCertificate
+from ibckpt_node.criu import CriuError
 from ibckpt_node.hook import install
 from ibckpt_node.nodesetup import host as nodehost
 from ibckpt_node.nodesetup.kube import NodeApi
@@ -238,6 +239,16 @@ def warm_store_imports() -> None:
         log.warning("the image store could not be prepared: %s", exc)
 
 
+def warm_criu() -> None:
+    """Have the node's CRIU cache its kernel facts now, not in the first checkpoint's gate."""
+    try:
+        said = container_runtime.warm_criu()
+    except CriuError as exc:  # a checkpoint that needs CRIU reports its own error
+        log.warning("CRIU could not cache its kernel facts: %s", exc)
+        return
+    log.info("CRIU cached its kernel facts (%s)", said.splitlines()[-1] if said else "no output")
+
+
 def node_lifecycle(args: argparse.Namespace) -> NodeLifecycle:
     setup = nodehost.NodeSetup(
         root=Path(args.install_root),
@@ -287,6 +298,7 @@ async def serve(args: argparse.Namespace) -> None:
         loop.add_signal_handler(sig, stop.set)
     # The node's setup and the store's imports need no certificate: they overlap the operator's start.
     warm = asyncio.create_task(asyncio.to_thread(warm_store_imports), name="warm imports")
+    warm_kernel = asyncio.create_task(asyncio.to_thread(warm_criu), name="warm criu")
     preparing = asyncio.create_task(keep_preparing(node), name="node setup") if node else None
     certificate = ServingCertificate(args.tls_dir)
     server: AgentServer | None = None
@@ -336,6 +348,7 @@ async def serve(args: argparse.Namespace) -> None:
         if server is not None:
             await server.close(args.stop_timeout)
         await warm
+        await warm_kernel
         if node is not None and await asyncio.to_thread(node.uninstalling):
             log.info("the agent DaemonSet is gone: an uninstall; undoing what the agent did on the node")
             await asyncio.to_thread(node.uninstall)
