@@ -52,7 +52,6 @@ grep -q READY {work}/mem.out
 images=/var/lib/ibckpt-bench
 agent() {{
   tok=$1; session=$2; name=$3; shift 3
-  mkdir -p $images
   IBCKPT_SESSION_TOKEN=$tok {python} -m ibckpt_node.agent_cli checkpoint --coordinator {addr}:{port} \
     --session $session \
     --ca-file {work}/coordinator-ca.crt --node node-1 --rank {key}=$(cat {work}/mem.pid):{control} \

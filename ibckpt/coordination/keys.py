@@ -11,6 +11,8 @@ import re
 ZERO_GID = "0" * 32
 # What a shim publishes and reads (native/src/records.c): map/GID/QPN and eN/qp/GID/QPN.
 SHIM_RECORD = re.compile(r"(?:map|e[0-9]{1,20}/qp)/([0-9a-f]{32})/([0-9]{1,10})")
+# The epoch records among them (a rebuild's new QP), as against the `map/` ones.
+EPOCH_RECORD = re.compile(r"e[0-9]{1,20}/qp/")
 # What preflight publishes for each (GID, QPN) a node's ranks hold.
 PREFLIGHT_QP = re.compile(r"preflight/qp/([0-9a-f]{32})/([0-9]{1,10})")
 

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ibckpt.coordination.client import CoordinationTimedOut, CoordinatorClient, CoordinatorError
-from ibckpt.coordination.keys import SHIM_RECORD, ZERO_GID
+from ibckpt.coordination.keys import EPOCH_RECORD, SHIM_RECORD, ZERO_GID
 
 log = logging.getLogger(__name__)
 
@@ -305,7 +305,7 @@ class ShimCoordinatorProxy:
                     log.warning("%s: refused PUT %s: %s", channel, key, foreign)
                 return f"ERR refused: {foreign}"
             self._puts.put_nowait((key, rest.encode()))
-            if key.startswith("e") and channel in self._owned and matched.group(1) != ZERO_GID:
+            if EPOCH_RECORD.match(key) and channel in self._owned and matched.group(1) != ZERO_GID:
                 self._own_records[key] = rest
             return "OK"
         if verb == "GET" and key in self._own_records:
