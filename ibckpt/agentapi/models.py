@@ -331,6 +331,15 @@ class MemoryCopyReport(AgentModel):
     message: str = ""
 
 
+class StagingProgress(AgentModel):
+    """A restore's download on this node so far: the operator creates the pods once every node's is about
+    to end (machine/restore.py, "Overlap"), so that they start while the last bytes arrive."""
+
+    bytes_done: int = Field(default=0, ge=0, description="Bytes of the planned files written so far.")
+    bytes_planned: int = Field(default=0, ge=0, description="Bytes of every file this node stages.")
+    seconds: float = Field(default=0.0, ge=0, description="Since the download began, at `bytes_done`.")
+
+
 class CheckpointRequest(SessionBase):
     job: str = Field(min_length=1, max_length=253, description="The job's name in rank keys.")
     mode: Mode = Mode.LEAVE_RUNNING
@@ -432,3 +441,4 @@ class SessionReport(AgentModel):
     started_at: float = Field(description="Unix time.")
     finished_at: float | None = None
     memory_copy: MemoryCopyReport | None = Field(default=None, description="The memory tier's part here.")
+    staging: StagingProgress | None = Field(default=None, description="A restore's download, once planned.")

@@ -334,6 +334,12 @@ def test_a_restore_whose_download_fails_midway_leaves_no_staging(
     client.restore(request)
     report = wait_finished(client, "rsj-c4")
     assert report.state == "Failed" and "no tree manifest" in report.message, report
+    # Both trees were fetched before ring-1's was refused: the report counted every byte of them, the
+    # progress the operator creates the pods by (machine/restore.py, "Overlap").
+    tree = len(json.dumps({"runtime": "runc", "restore_args": ""}))
+    assert report.staging is not None, report
+    assert report.staging.bytes_planned == report.staging.bytes_done == 4000 + tree + 4000, report.staging
+    assert report.staging.seconds > 0
     assert not (state / "restore" / "team").exists(), list((state / "restore").rglob("*"))
 
 

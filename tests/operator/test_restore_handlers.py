@@ -406,6 +406,30 @@ def test_a_checkpoint_of_an_older_minor_release_restores_when_its_formats_are_re
     assert sorted(pods_of(cluster_ns)) == ["ring-0", "ring-1"]
 
 
+def test_the_pods_are_created_while_the_last_bytes_of_a_slow_download_arrive(
+    cluster_ns: Cluster, s3_server: S3Server, bucket: str, agents: Agents, operator: Any, store_config: Any
+) -> None:
+    """Each agent's download takes 8 s at a steady rate: once both expect to end within the lead
+    (machine/restore.py, "Overlap"), the pods are created while they still download."""
+    a, b = two_agents_and_a_checkpoint(cluster_ns, s3_server, bucket, agents, store_config)
+    a.staging_seconds = b.staging_seconds = 8.0
+    with operator():
+        cluster_ns.create(RESTORES, restore_job("back", checkpointName="ring-c1"))
+        done = cluster_ns.wait(RESTORES, "back", phase("Succeeded"), timeout=90)
+    assert sorted(pods_of(cluster_ns)) == ["ring-0", "ring-1"]
+    for agent in (a, b):
+        # the pods existed before the download ended, not before it began
+        early = [seconds for seconds, created in agent.staging_seen if created and seconds < 8.0]
+        assert early, agent.staging_seen
+        assert not agent.staging_seen[0][1]
+    [creating] = [e.message for e in cluster_ns.events("back") if e.reason == "CreatingPods"]
+    assert (
+        creating.startswith("every node expects its images staged within ")
+        and "creating the pods" in creating
+    )
+    assert [row["phase"] for row in done["status"]["pods"]] == ["Resumed", "Resumed"]
+
+
 def test_a_restore_waits_its_turn_on_a_node_whose_agent_restores_another_job(
     cluster_ns: Cluster, s3_server: S3Server, bucket: str, agents: Agents, operator: Any, store_config: Any
 ) -> None:

@@ -18,6 +18,7 @@ from ibckpt_operator.machine.actions import (
 )
 from ibckpt_operator.machine.core import (
     Cancelled,
+    EmitEvent,
     OperatorRestarted,
     PodAdmitted,
     PodLost,
@@ -28,11 +29,14 @@ from ibckpt_operator.machine.core import (
     Tick,
 )
 from ibckpt_operator.machine.restore import (
+    CREATE_LEAD_SECONDS,
     ON_UNKNOWN,
     TERMINAL,
     CheckpointResolved,
+    ImagesNearlyStaged,
     PodCreated,
     PodsPlaced,
+    staging_seconds_left,
 )
 from testbed.machines import T0, MachineDriver
 
@@ -172,6 +176,56 @@ def test_the_pods_are_created_only_once_every_pods_images_are_staged() -> None:
     assert job.step == RestoreStep.CREATE_PODS and job.state.phase == RestorePhase.RESTORING
     (create,) = job.of_type(CreatePods)
     assert [pod.name for pod in create.pods] == ["ring-0", "ring-1"]
+
+
+def test_the_pods_are_created_while_the_last_bytes_download_once_every_node_is_nearly_done() -> None:
+    job = Driver()
+    job.to_phase(RestorePhase.DOWNLOADING)
+    download = job.attempt
+    job.send(ImagesNearlyStaged(download, CREATE_LEAD_SECONDS + 1))  # too far off: the wrapper would give up
+    assert job.step == RestoreStep.DOWNLOAD and not job.of_type(CreatePods)
+    job.send(PodStepDone(download, "ring-0", bytes=10))
+    job.send(ImagesNearlyStaged(download, 12.0))
+    assert job.step == RestoreStep.CREATE_PODS and job.state.phase == RestorePhase.RESTORING
+    (create,) = job.of_type(CreatePods)
+    assert [pod.name for pod in create.pods] == ["ring-0", "ring-1"]  # ring-1 still downloading
+    said = [a.message for a in job.of_type(EmitEvent) if a.reason == "CreatingPods"]
+    assert said == [
+        "every node expects its images staged within 12s: creating the pods while the last bytes arrive"
+    ]
+    # The download's late answers and estimates change nothing now; the restore goes on as usual.
+    job.send(PodStepDone(download, "ring-1", bytes=10))
+    job.send(ImagesNearlyStaged(download, 0.0))
+    assert len(job.of_type(CreatePods)) == 1
+    job.to_phase(RestorePhase.SUCCEEDED)
+    assert job.side_effects()[4:7] == ["DownloadImages", "CreatePods", "AwaitMilestone(Restored)"]
+
+
+def test_a_download_that_fails_after_the_early_creation_removes_the_pods() -> None:
+    job = Driver()
+    job.to_phase(RestorePhase.DOWNLOADING)
+    job.send(ImagesNearlyStaged(job.attempt, 5.0))
+    job.send(PodCreated(job.attempt, "ring-0", "new-ring-0"))
+    job.send(StepFailed(job.attempt, "AgentFailed", "node-1: fetching ring/c1: chunk 1f2e is missing"))
+    assert job.state.phase == RestorePhase.CLEANING_UP and job.state.failed_from == RestorePhase.RESTORING
+    (cleanup,) = job.of_type(CleanUpRestore)
+    assert {pod.name: pod.uid for pod in cleanup.pods} == {"ring-0": "new-ring-0", "ring-1": ""}
+
+
+@pytest.mark.parametrize(
+    ("done", "planned", "seconds", "left"),
+    [
+        (0, 100, 5.0, None),  # nothing yet: no rate
+        (10, 100, 1.0, None),  # too early to trust the rate
+        (25, 100, 10.0, 30.0),  # a quarter in 10 s: three quarters in 30 s more
+        (100, 100, 0.0, 0.0),
+        (0, 0, 0.0, 0.0),  # nothing to stage on that node
+    ],
+)
+def test_a_nodes_remaining_download_time_comes_from_its_rate_so_far(
+    done: int, planned: int, seconds: float, left: float | None
+) -> None:
+    assert staging_seconds_left(done, planned, seconds) == left
 
 
 def test_a_failure_while_creating_the_pods_removes_those_created() -> None:

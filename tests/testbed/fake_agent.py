@@ -33,6 +33,7 @@ from ibckpt.agentapi import (
     SessionKind,
     SessionReport,
     SessionState,
+    StagingProgress,
     agent_audience,
 )
 from ibckpt.agentapi.memory import COPIES, MANIFESTS, MemorySeal
@@ -85,6 +86,10 @@ class FakeAgent:
     restore_hang: bool = False  # stay Restoring (the runtime never restored the container)
     busy_with: str | None = None  # another job's session runs here: new ones are refused as busy
     download_failure: str | None = None
+    # a download this long, its progress reported as the real agent's (StagingProgress); each report's
+    # time and whether every requested pod existed then go into `staging_seen`
+    staging_seconds: float = 0.0
+    staging_seen: list[tuple[float, bool]] = field(default_factory=list)
     # namespace, pod name -> (uid, restore-from annotation) of the pod of that name, or None
     pod_lookup: Callable[[str, str], tuple[str, str] | None] | None = None
     pods_at_request: list[list[str]] = field(default_factory=list)  # per restore: its pods that existed
@@ -345,6 +350,8 @@ class FakeAgent:
             self.set_phase(session, RankPhase.FAILED, state=SessionState.FAILED, finished_at=time.time(),
                            message=self.download_failure)  # fmt: skip
             return
+        if self.staging_seconds and not self.stage_slowly(request):
+            return
         self.set_phase(session, RankPhase.RESTORING, Milestone.DOWNLOADED, bytes=1000)  # the pods are next
         if not self.wait_for_pods(request):
             return
@@ -371,6 +378,23 @@ class FakeAgent:
         )  # fmt: skip
         self.set_phase(session, RankPhase.DONE, Milestone.RESUMED, state=SessionState.SUCCEEDED,
                        finished_at=time.time(), memory_copy=read or None)  # fmt: skip
+
+    def stage_slowly(self, request: RestoreRequest) -> bool:
+        """1000 bytes over staging_seconds, the progress in the report; False if aborted meanwhile."""
+        session, began, planned = request.session_id, time.monotonic(), 1000
+        while True:
+            seconds = min(time.monotonic() - began, self.staging_seconds)
+            done = int(planned * seconds / self.staging_seconds)
+            progress = StagingProgress(bytes_done=done, bytes_planned=planned, seconds=round(seconds, 3))
+            report = self.reports[session]
+            if report.state.finished:
+                return False
+            self.reports[session] = report.model_copy(update={"staging": progress})
+            pods = [self.find_pod(r.namespace, r.pod) for r in request.ranks]
+            self.staging_seen.append((seconds, all(pods)))
+            if done >= planned:
+                return True
+            time.sleep(0.2)
 
     def find_pod(self, namespace: str, name: str) -> tuple[str, str] | None:
         return self.pod_lookup(namespace, name) if self.pod_lookup is not None else None

@@ -72,7 +72,14 @@ from ibckpt_operator.machine.core import (
     Transition,
 )
 from ibckpt_operator.machine.latest import refusal
-from ibckpt_operator.machine.restore import STEP_LABEL, TERMINAL, CheckpointResolved, RestoreStep
+from ibckpt_operator.machine.restore import (
+    STEP_LABEL,
+    TERMINAL,
+    CheckpointResolved,
+    ImagesNearlyStaged,
+    RestoreStep,
+    staging_seconds_left,
+)
 from ibckpt_operator.machine.restoreplan import AddressConflict, AddressMove, address_map, rank_parts
 from ibckpt_operator.machine.status import restore_state, restore_status
 
@@ -91,6 +98,8 @@ class RestoreJobDriver(RestorePodsDriver):
         self.skipped = [SkippedCheckpoint.from_wire(s) for s in skipped] if skipped else None
         # each node's SessionReport.memoryCopy: the chunks it read from memory copies (status.memoryReads)
         self.memory_reads: dict[str, MemoryCopyReport] = {}
+        # each node's download: the seconds it still expects (machine/restore.py, "Overlap")
+        self.staging_left: dict[str, float] = {}
         if self.by_controller:
             bindings.register(self)
 
@@ -366,7 +375,24 @@ class RestoreJobDriver(RestorePodsDriver):
         self.progress.absorb(report, lambda rank: by_key.get(rank.rank_key) or by_uid.get(rank.pod_uid))
         if report.memory_copy is not None:
             self.memory_reads[report.node] = report.memory_copy
+        self.note_staging(report)
         self.report_progress()
+
+    def note_staging(self, report: SessionReport) -> None:
+        """While the images download: once every node has said how long its download still needs, the
+        longest of them to the machine, which creates the pods when it is short (ImagesNearlyStaged)."""
+        state, session, staging = self.state, self.session, report.staging
+        if state is None or state.step is None or state.step.kind != RestoreStep.DOWNLOAD or session is None:
+            return
+        if staging is None:
+            return
+        left = staging_seconds_left(staging.bytes_done, staging.bytes_planned, staging.seconds)
+        if left is None:
+            self.staging_left.pop(report.node, None)
+            return
+        self.staging_left[report.node] = left
+        if set(session.nodes) <= set(self.staging_left):
+            self.emit(ImagesNearlyStaged(state.step.attempt, max(self.staging_left.values())))
 
     def report_progress(self) -> None:
         """One PodStepDone per pod that has reached the step in flight's milestone (once per attempt).

@@ -5,9 +5,15 @@
                                      in Downloading, Restoring, Rebuilding, Resuming -> CleaningUp -> Failed
 
 Downloading asks the agents to download and stage the images (DownloadImages) before any destination
-pod exists: the node's runtime wrapper holds a restored container's create only briefly while it waits
-for staged images, so the pods are created (CreatePods, in Restoring) only once every pod's images are
-staged; the agents, told each pod's namespace and name, then restore the pod of that name. No part of a
+pod exists: the node's runtime wrapper holds a restored container's create only briefly (90 s) while it
+waits for staged images, so the pods are created (CreatePods, in Restoring) only once every pod's images
+are staged, or about to be (Overlap, below); the agents, told each pod's namespace and name, then
+restore the pod of that name.
+
+Overlap: each agent reports its download's bytes so far (StagingProgress). Once every node expects to be
+done within CREATE_LEAD_SECONDS at the rate it has had (ImagesNearlyStaged), the pods are created while
+the last bytes arrive: their scheduling, sandbox and create run beside the download instead of after it,
+and the wrapper's hold covers the rest with room for a slower end. No part of a
 job is left running by itself: once an agent session or a destination pod may exist, a failure aborts
 the sessions and removes every restored rank and created pod (CleanUpRestore) before the job fails.
 The Checkpoint stays valid for another RestoreJob. Placement honours the spec: a pod is never placed on
@@ -113,7 +119,8 @@ STEP_LABEL: Mapping[RestoreStep, Label | None] = {step: rule.label for step, rul
 ON_UNKNOWN: Mapping[RestoreStep, Unknown] = {step: rule.on_unknown for step, rule in STEPS.items()}
 NEXT_STEP: Mapping[RestoreStep, tuple[RestoreStep, RestorePhase] | None] = {
     RestoreStep.ADMIT: (RestoreStep.OPEN_SESSION, RestorePhase.ADMITTED),
-    # The pods are created once every pod's images are staged; creating them starts the restore.
+    # The pods are created once every pod's images are staged (or about to be: ImagesNearlyStaged);
+    # creating them starts the restore.
     RestoreStep.DOWNLOAD: (RestoreStep.CREATE_PODS, RestorePhase.RESTORING),
     RestoreStep.CREATE_PODS: (RestoreStep.RESTORE, RestorePhase.RESTORING),
     RestoreStep.RESTORE: (RestoreStep.REBUILD, RestorePhase.REBUILDING),
@@ -148,6 +155,31 @@ class PodCreated(Event):
     attempt: str
     pod: str
     uid: str
+
+
+# How soon every node must expect its download to end before the pods are created: well inside the
+# wrapper's 90 s hold (hook/oci.py restore_wait_s), so an estimate three times too short still fits.
+CREATE_LEAD_SECONDS = 30.0
+# A node's rate is trusted only after this much of its download (the first chunks include the slow start).
+RATE_SAMPLE_SECONDS = 2.0
+
+
+@dataclass(frozen=True)
+class ImagesNearlyStaged(Event):
+    """Every destination node expects its images staged within `seconds_left` (staging_seconds_left)."""
+
+    attempt: str
+    seconds_left: float
+
+
+def staging_seconds_left(done: int, planned: int, seconds: float) -> float | None:
+    """The seconds a node's download still needs at the rate it has had so far (`done` of `planned` bytes
+    in `seconds`); None while too little is known to say."""
+    if done >= planned:
+        return 0.0
+    if done <= 0 or seconds < RATE_SAMPLE_SECONDS:
+        return None
+    return seconds * (planned - done) / done
 
 
 @dataclass(frozen=True)
@@ -259,6 +291,17 @@ class RestoreMachine:
         if isinstance(event, SessionOpened) and step == RestoreStep.OPEN_SESSION:
             state, actions = self._issue(state, RestoreStep.DOWNLOAD, now, RestorePhase.DOWNLOADING)
             return self._done(state, actions)
+        if isinstance(event, ImagesNearlyStaged) and step == RestoreStep.DOWNLOAD:
+            if event.seconds_left > CREATE_LEAD_SECONDS:
+                return self._done(state, [])
+            note = EmitEvent(
+                "Normal",
+                "CreatingPods",
+                f"every node expects its images staged within {event.seconds_left:.0f}s: "
+                "creating the pods while the last bytes arrive",
+            )
+            state, actions = self._issue(state, RestoreStep.CREATE_PODS, now, RestorePhase.RESTORING)
+            return self._done(state, [note, *actions])
         if isinstance(event, PodCreated) and step == RestoreStep.CREATE_PODS:
             if all(member.pod.name != event.pod for member in state.members):
                 return self._done(state, [])

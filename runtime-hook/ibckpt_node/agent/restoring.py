@@ -366,8 +366,10 @@ async def run(agent: Agent, session: Session) -> None:
     lock = tcp_remap.ConnectionLock([])  # the restored TCP connections, held until every node restored
     stop = threading.Event()  # the session is over: a download still running stages nothing more
     try:
+        # A container of these pods registered before is not the restored one. Taken before the download:
+        # the operator may create the pods while the last bytes arrive (machine/restore.py, "Overlap").
+        staged_at = time.time()
         await download(agent, session, request, lock, planned, stop)
-        staged_at = time.time()  # a container of these pods registered before is not the restored one
         async with coordinated(agent, session) as (client, proxy):
             session.engine = engine = driver.NodeDriver(
                 agent.node,
@@ -496,13 +498,17 @@ async def download(
     planned[:] = plan(request, manifest)
     restore_dir = agent.registry.config.restore_dir
     await asyncio.to_thread(check_room, manifest, planned, restore_dir)
-    fetched = 0
-
-    def count(size: int) -> None:  # runs on the download's threads
-        nonlocal fetched
-        fetched += size
-
+    planned_bytes = preflight.restore_bytes(manifest.files, [item.tree_root for item in planned])
+    staging_progress = api.StagingProgress(bytes_planned=planned_bytes)
+    session.report.staging = staging_progress
     started = time.monotonic()
+    count_lock = threading.Lock()
+
+    def count(size: int) -> None:  # runs on the download's threads; the report reads it as it is
+        with count_lock:
+            staging_progress.bytes_done += size
+            staging_progress.seconds = round(time.monotonic() - started, 3)
+
     staging = asyncio.to_thread(
         stage,
         config,
