@@ -32,6 +32,10 @@ class Milestone(StrEnum):
     RESUMED = "Resumed"
 
 
+# Not a milestone: a key of a node's session phases (SessionReport.phases), the seconds its ranks were
+# gated by a LeaveRunning checkpoint, from the first quiesce until the last answered its resume.
+GATED: Final = "gated"
+
 # The order a checkpoint goes in. A LeaveRunning node rebuilds and resumes its ranks before it uploads,
 # so the operator takes Uploaded from the finished session, not from this order's position.
 CHECKPOINT_MILESTONES: Final = (

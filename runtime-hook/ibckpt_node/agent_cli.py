@@ -52,11 +52,12 @@ from ibckpt_native.control import ControlError
 from ibckpt_node import rdma_devices
 from ibckpt_node.coord_proxy import Channel, ShimCoordinatorProxy
 from ibckpt_node.criu import CriuError
-from ibckpt_node.driver import CutOptions, NodeDriver, NodeSettings
+from ibckpt_node.driver import NodeDriver
 from ibckpt_node.errors import CheckpointFailed
 from ibckpt_node.predumps import PreDumpRounds
 from ibckpt_node.priority import DEFAULT_BOOST_NICE
 from ibckpt_node.ranks import LocalRank, NodeReport
+from ibckpt_node.settings import CutOptions, NodeSettings
 from ibckpt_node.tcp_remap import RemapError, parse_map
 from ibckpt_node.trees import ProcessTree
 

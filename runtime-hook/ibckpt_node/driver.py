@@ -15,25 +15,24 @@ import contextlib
 import functools
 import ipaddress
 import logging
-import os
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ibckpt.coordination import keys
 from ibckpt.coordination.client import CoordinationAborted, CoordinatorClient, CoordinatorError
 from ibckpt.coordination.ranks import RankId
-from ibckpt.vocabulary import Milestone, Mode, PhaseSeconds
+from ibckpt.vocabulary import GATED, Milestone, Mode, PhaseSeconds
 from ibckpt_native.control import ControlError, ShimStatus, lines
 from ibckpt_node import abort, criu, failpoints, itimers, priority, qpn_reserve, stuck, tcp_remap
 from ibckpt_node.errors import CheckpointFailed, CheckpointRefused
 from ibckpt_node.leases import RankLeases, ms
-from ibckpt_node.predumps import PreDumpRounds, forget_rounds, pre_dump_all, usable_parents
+from ibckpt_node.predumps import forget_rounds, pre_dump_all, usable_parents
 from ibckpt_node.preflight import Preflight
 from ibckpt_node.procfs import device_fds_and_maps
 from ibckpt_node.ranks import LocalRank, NodeReport, on_all, unanswered
+from ibckpt_node.settings import CutOptions, NodeSettings
 from ibckpt_node.trees import ProcessTree, check_released, dump_all, read_tree_manifest
 
 log = logging.getLogger(__name__)
@@ -41,59 +40,6 @@ log = logging.getLogger(__name__)
 # A barrier that marks no rank's progress: every node holds its restored TCP connections before any
 # node restores a rank (tcp_remap.py).
 LOCKED = "locked"
-
-
-@dataclass(frozen=True)
-class NodeSettings:
-    """This node's own knobs; the per-phase bounds come with the request (`PhaseTimeouts.seconds()`)."""
-
-    # How long the shim polls for in-flight sends to complete. A send can stay pending
-    # (its receiver is quiesced too and posts no receives); the peers' counters settle it
-    # at rebuild, so the drain only needs to catch what completes promptly.
-    drain_settle_s: float = 3.0
-    # No completion for this long, with only sends the rebuild can settle left, ends the drain.
-    drain_stall_ms: int = 20
-    barrier_slack_s: float = 30.0  # how long a node waits for the slowest other node
-    # Preflight asks whether a key was published once every node has published its own (after
-    # a barrier): a key that is not there by then never comes, so the wait can be short.
-    preflight_lookup_s: float = 1.0
-    # The shim's lease (docs/native-shim.md, "Lease"): while the agent holds a rank out of
-    # running it renews it this often, for this long; a rank whose agent died resumes on its
-    # own (or, released, says it waits). Renewals go on through a dump of any length.
-    lease_s: float = 30.0
-    lease_renew_s: float = 5.0
-    # How long an abort looks for keys.RELEASING when this node does not know whether every node drained
-    # (its own barrier failed, or another agent ran the cut): a node past the barrier wrote it at once.
-    releasing_lookup_s: float = 3.0
-    # What a checkpoint's images must leave free on the node's disk (the agent's --disk-reserve-bytes):
-    # the kubelet evicts pods below its own threshold, so the images may not take the last of it.
-    disk_reserve_bytes: int = 0
-    # How many of the node's containers CRIU dumps at once (each CRIU is one process walking its own
-    # tree): one per CPU. In turn, a LeaveRunning checkpoint kept every container released until the
-    # node's last dump ended.
-    parallel_dumps: int = field(default_factory=lambda: os.cpu_count() or 1)
-    # Pre-dumps (the request's pre_dump): each tree is pre-dumped before the cut (phase PreDumped, with
-    # its barrier) and its dump copies only what changed since, so the ranks stay gated for the last
-    # dirty pages only (docs/node-agent.md, "Pre-dumps"). They need CRIU's plugin dir with
-    # ibckpt_uverbs.so, as the dumps see it (for a container, on the node); without one the phase
-    # passes its barrier with no pre-dump, and the trees are dumped in full. Rounds: predumps.py.
-    pre_dump: bool = False
-    criu_plugins: str = ""
-    pre_dump_rounds: PreDumpRounds = field(default_factory=PreDumpRounds)
-
-
-@dataclass(frozen=True)
-class CutOptions:
-    """How the cut (quiesce, drain, release) runs. The defaults are the fast cut; the others
-    reproduce the cut as it was before, so a benchmark can measure both side by side."""
-
-    # A barrier after quiesce. Not needed: a rank that drains while a peer is still running
-    # sees that peer's sends complete or stall, and rebuild settles the stalled ones either way.
-    # The barrier that matters comes after drain: no QP may go to ERR while a peer still waits
-    # on it.
-    quiesce_barrier: bool = False
-    # Release waits for its CQs to stay quiet for 20 ms instead of counting flushes.
-    release_quiet: bool = False
 
 
 Command = Callable[[LocalRank], Awaitable[dict[str, Any]]]  # one control command to one rank
@@ -204,6 +150,14 @@ class NodeDriver:
         """Run this node's part of a phase within its bound, then wait at the barrier `name` for every
         node: once past it, every node has passed milestone `name`."""
         started = time.monotonic()
+        await self._local(name, work, bound_s)
+        await self._meet(name, started, bound_s)
+
+    async def _local(
+        self, name: Milestone | str, work: Callable[[], Awaitable[None]], bound_s: float
+    ) -> None:
+        """This node's part of phase `name`, within its bound."""
+        started = time.monotonic()
         try:
             await asyncio.wait_for(work(), bound_s)
         except TimeoutError:
@@ -220,6 +174,9 @@ class NodeDriver:
             # must take the abort path, which rebuilds them, like any other phase failure.
             raise CheckpointFailed(f"{self.node}: {name} failed: {exc}") from exc
         self.report.local[name] = time.monotonic() - started
+
+    async def _meet(self, name: Milestone | str, started: float, bound_s: float) -> None:
+        """Wait at the barrier `name` for every node (`started`: when this node's part began)."""
         await self.client.barrier(name, timeout=bound_s + self.settings.barrier_slack_s)
         self._passed(name, started)
 
@@ -239,12 +196,19 @@ class NodeDriver:
             self.report.boosted[phases] = len(tids)
             yield
 
-    async def _rebuild_and_resume(self, epoch: int) -> None:
+    async def _rebuild_and_resume(self, epoch: int, cut_started: float | None = None) -> None:
         t = self.timeouts
         with self._boosted("rebuild"):
             await self._phase(Milestone.REBUILT, lambda: self._rebuild_all(epoch), t.rebuild_seconds)
             resume: Command = lambda r: r.shim.resume()  # noqa: E731
-            await self._phase(Milestone.RESUMED, lambda: self._each("resume", resume), t.rebuild_seconds)
+
+            async def resume_all() -> None:
+                await self._each("resume", resume)
+                # the ranks run again: the Resumed barrier after this is no part of their pause
+                if cut_started is not None:
+                    self.report.phases[GATED] = round(time.monotonic() - cut_started, 3)
+
+            await self._phase(Milestone.RESUMED, resume_all, t.rebuild_seconds)
 
     async def _rebuild_all(self, epoch: int) -> None:
         rebuild_ms = ms(self.timeouts.rebuild_seconds)
@@ -316,6 +280,7 @@ class NodeDriver:
     async def checkpoint(self, mode: Mode, images_root: Path, epoch: int) -> NodeReport:
         t = self.timeouts
         touched = False
+        released: asyncio.Task[None] | None = None
         try:
             # Every node is connected and ready before any rank is gated, so a node that is
             # late (or never comes) does not leave the others' ranks stalled; "checkpoint
@@ -327,11 +292,12 @@ class NodeDriver:
                 touched = True
                 parents = await self._pre_dump(images_root)
                 self.leases.start()  # from the first quiesce until resume, abort or the kill
-                await self._cut()
+                cut_started = time.monotonic()
+                # LeaveRunning: the dump may start before every node has released (see _cut)
+                released = await self._cut(meet_released_later=mode is Mode.LEAVE_RUNNING)
             check_released(self.trees, self.ranks)
-            await self._phase(
-                Milestone.DUMPED, lambda: self._dump_all(mode, images_root, parents), t.dump_seconds
-            )
+            dump = lambda: self._dump_meeting(released, mode, images_root, parents)  # noqa: E731
+            await self._phase(Milestone.DUMPED, dump, t.dump_seconds)
             if mode is Mode.STOP:
                 self.report.outcome = "Stopped"
                 return self.report
@@ -339,10 +305,12 @@ class NodeDriver:
                 # still held: the renewals go on until the session ends (end_leases)
                 self.report.outcome = "Held"
                 return self.report
-            await self._rebuild_and_resume(epoch)
+            await self._rebuild_and_resume(epoch, cut_started)
             self.report.outcome = "Succeeded"
             return self.report
         except Exception as exc:
+            if released is not None:
+                released.cancel()
             # Whatever went wrong once ranks were touched must abort: an unexpected error too (a shim
             # runs in the tenant's process; nothing it does may leave ranks quiesced)
             if not isinstance(exc, CheckpointFailed | CoordinatorError | OSError):
@@ -360,8 +328,15 @@ class NodeDriver:
             if self.report.outcome != "Held":
                 await self.leases.stop()
 
-    async def _cut(self) -> None:
-        """Quiesce, drain and release every local rank, with a barrier after drain and release."""
+    async def _cut(self, meet_released_later: bool = False) -> asyncio.Task[None] | None:
+        """Quiesce, drain and release every local rank, with a barrier after drain and release.
+
+        `meet_released_later`: the release's barrier is met in the background (the task returned),
+        so this node dumps its ranks while the others release theirs. Safe for a LeaveRunning dump:
+        after the drain no rank posts, and a released rank's memory has no QP or MR left for a peer's
+        NIC to reach; the Dumped barrier still waits for every node, and a failed release elsewhere
+        aborts the session, whose ranks CRIU left running. Not for Stop: its dump ends the ranks,
+        which an abort would then not bring back."""
         t, s = self.timeouts, self.settings
         quiesce_ms, settle_ms = ms(t.quiesce_seconds), ms(s.drain_settle_s)
         quiesce: Step = ("quiesce", lambda r: r.shim.quiesce(quiesce_ms))
@@ -374,7 +349,13 @@ class NodeDriver:
             await self._phase(Milestone.DRAINED, lambda: self._each_in_turn([quiesce, drain]), both)
         # Past this point a node may release: an abort must then release and rebuild every rank.
         await self.client.put(keys.RELEASING, b"1")
-        await self._phase(Milestone.RELEASED, lambda: self._each("release", self._release), t.release_seconds)
+        release = lambda: self._each("release", self._release)  # noqa: E731
+        if not meet_released_later:
+            await self._phase(Milestone.RELEASED, release, t.release_seconds)
+            return None
+        started = time.monotonic()
+        await self._local(Milestone.RELEASED, release, t.release_seconds)
+        return asyncio.ensure_future(self._meet(Milestone.RELEASED, started, t.release_seconds))
 
     async def _release(self, r: LocalRank) -> dict[str, Any]:
         return await r.shim.release(ms(self.timeouts.release_seconds), self.cut.release_quiet)
@@ -410,6 +391,21 @@ class NodeDriver:
         )  # fmt: skip
         await self._phase(Milestone.PRE_DUMPED, work, bound_s)
         return parents
+
+    async def _dump_meeting(self, released: asyncio.Task[None] | None, *dump: Any) -> None:
+        """_dump_all, then the Released barrier met meanwhile (`released`, see _cut). When both fail,
+        the barrier's failure (a lost coordinator, an aborted session) is the cause and is raised."""
+        try:
+            await self._dump_all(*dump)
+        except BaseException as exc:
+            if released is not None:
+                cause = released.exception() if released.done() and not released.cancelled() else None
+                released.cancel()
+                if cause is not None:
+                    raise cause from exc
+            raise
+        if released is not None:
+            await released
 
     async def _dump_all(self, mode: Mode, images_root: Path, parents: dict[str, Path]) -> None:
         usable = usable_parents(self.trees, self.ranks, self.report.shim.get("release", {}), parents)

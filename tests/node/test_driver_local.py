@@ -7,6 +7,7 @@ The abort path, the restore and the rejoin are test_driver_recovery.py's.
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 import time
 from pathlib import Path
@@ -20,14 +21,17 @@ from node.driver_harness import (
     failed_checkpoint,
     failed_dump,
     fake_ranks,
+    gather_closing,
+    session_clients,
     unwritable_images,
 )
 
-from ibckpt.vocabulary import Milestone, Mode, PhaseSeconds
+from ibckpt.vocabulary import GATED, Milestone, Mode, PhaseSeconds
 from ibckpt_node import criu, failpoints
-from ibckpt_node.driver import CutOptions, NodeSettings
+from ibckpt_node.driver import NodeDriver
 from ibckpt_node.errors import CheckpointFailed
 from ibckpt_node.ranks import LocalRank
+from ibckpt_node.settings import CutOptions, NodeSettings
 from testbed.coordinator import ThreadedCoordinator
 
 
@@ -127,6 +131,52 @@ async def test_the_old_cut_keeps_its_barrier_stall_window_and_quiet_release(
     assert {Milestone.QUIESCED, Milestone.DRAINED, Milestone.RELEASED} <= report.phases.keys(), report.phases
     for s in shims:
         assert s.lines[2].split()[2] == "100" and s.lines[3].endswith(" quiet"), s.lines
+
+
+@pytest.mark.parametrize("mode", [Mode.LEAVE_RUNNING, Mode.STOP])
+async def test_a_leave_running_node_dumps_while_the_others_release_and_says_how_long_it_was_gated(
+    coordinator: ThreadedCoordinator, tmp_path: Path, sleeper: int, mode: Mode
+) -> None:
+    """node-2's ranks release slowly. A LeaveRunning node-1 dumps meanwhile (its ranks are released: no
+    peer's NIC reaches them) and meets the Released barrier before its Dumped one; a Stop node-1 waits,
+    since its dump ends ranks that an abort could not bring back. CRIU does not run on the host, so the
+    dump here only looks at node-2's ranks."""
+    shims, ranks = fake_ranks(tmp_path, sleeper, SlowRelease)
+    for shim in shims[:6]:
+        shim.release_s = 0.0
+    clients = await session_clients(coordinator, ("node-1", "node-2"))
+    drivers = [
+        NodeDriver(node, client, mine, REBUILD_20S)
+        for node, client, mine in zip(("node-1", "node-2"), clients, (ranks[:6], ranks[6:]), strict=True)
+    ]
+    seen: dict[str, list[str]] = {}
+
+    async def dump(driver: NodeDriver, *_: object) -> None:
+        seen[driver.node] = [s.state for s in shims[6:]]
+
+    for driver in drivers:
+        driver._dump_all = functools.partial(dump, driver)  # type: ignore[method-assign]
+    outcomes = await gather_closing(
+        clients, *(d.checkpoint(mode, tmp_path / d.node, epoch=2) for d in drivers), timeout=60
+    )
+    assert [d.report.outcome for d in drivers] == [
+        "Succeeded" if mode is Mode.LEAVE_RUNNING else "Stopped"
+    ] * 2, outcomes
+    released = seen["node-1"].count("released")
+    if mode is Mode.LEAVE_RUNNING:
+        assert released < 6, seen  # node-2 still releasing
+        for d in drivers:
+            phases = d.report.phases
+            assert {Milestone.RELEASED, Milestone.DUMPED} <= phases.keys(), phases
+            # gated from the first quiesce to the last resume, the Resumed barrier after it not counted
+            # Released: this node's own part; its barrier was met during the dump
+            before = sum(phases[m] for m in (Milestone.DRAINED, Milestone.DUMPED, Milestone.REBUILT))
+            before += d.report.local[Milestone.RELEASED]
+            # (the phases do not tile it: the RELEASING key is put between two of them)
+            assert before - 0.001 <= phases[GATED] <= before + phases[Milestone.RESUMED] + 0.05, phases
+    else:
+        assert released == 6, seen
+        assert all(GATED not in d.report.phases for d in drivers)
 
 
 class HangingRelease(SlowRelease):

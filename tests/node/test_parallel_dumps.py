@@ -21,7 +21,6 @@ import pytest
 from ibckpt.coordination.ranks import RankId
 from ibckpt.vocabulary import Mode
 from ibckpt_node import criu
-from ibckpt_node.driver import NodeSettings
 from ibckpt_node.leases import RankLeases
 from ibckpt_node.predumps import (
     PRE_DUMPS,
@@ -33,6 +32,7 @@ from ibckpt_node.predumps import (
     without_redirty,
 )
 from ibckpt_node.ranks import LocalRank
+from ibckpt_node.settings import NodeSettings
 from ibckpt_node.trees import TREE_MANIFEST, ProcessTree, dump_all
 
 

@@ -38,6 +38,7 @@ from ibckpt.agentapi import (
 )
 from ibckpt.agentapi.memory import COPIES, MANIFESTS, MemorySeal
 from ibckpt.store import CheckpointRef, ImageStore, ManifestKeys, RankInfo, StoreConfig
+from ibckpt.vocabulary import GATED
 from ibckpt_node.agent import memoryroutes
 from ibckpt_node.agent.memorytier import MemoryShelf
 
@@ -469,6 +470,8 @@ class FakeAgent:
             time.sleep(0.2)
             took[done] = 0.2
             self.set_phase(session, phase, done, phases=dict(took))
+        if request.mode == Mode.LEAVE_RUNNING:  # the node's own measure: its Resumed barrier not counted
+            took[GATED] = 1.1
         upload_started = time.monotonic()
         assert self.store is not None and request.images is not None
         images = Path(f"/tmp/ibckpt-fake-agent-{self.node}-{secrets.token_hex(3)}")

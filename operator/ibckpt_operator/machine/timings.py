@@ -7,7 +7,8 @@ each ending at the barrier every node passes). Pure.
   Committed): with commitOn Memory, the copies; with S3, the upload. A schedule's cost.
 - A node's ranks were gated (paused) from the cut (quiesce) until they ran again: through rebuild and
   resume for LeaveRunning; until the dump ended for Stop (the ranks then wait for the kill and run again
-  only where they are restored).
+  only where they are restored). A LeaveRunning node says it itself (`gated`: until its last rank
+  answered its resume, the Resumed barrier after that not counted); else the phases are summed.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from ibckpt.api import CheckpointTimings, JobPhase
-from ibckpt.vocabulary import Milestone
+from ibckpt.vocabulary import GATED, Milestone
 from ibckpt_operator.machine.core import PhaseSpan
 
 CUT = (Milestone.QUIESCED, Milestone.DRAINED, Milestone.RELEASED, Milestone.DUMPED)
@@ -25,6 +26,8 @@ Phases = Mapping[str, float]
 
 def paused_seconds(phases: Phases, leave_running: bool) -> float | None:
     """How long one node's ranks were gated; None before its cut began."""
+    if leave_running and GATED in phases:
+        return round(phases[GATED], 3)
     parts = [phases[m] for m in (*CUT, *BACK) if m in phases and (leave_running or m in CUT)]
     return round(sum(parts), 3) if parts else None
 

@@ -25,7 +25,7 @@ from ibckpt.agentapi import Milestone
 from ibckpt.agentapi import models as api
 from ibckpt.coordination.client import CoordinationAborted, CoordinatorError
 from ibckpt.coordination.ranks import RankId
-from ibckpt_node import driver, rdma_devices
+from ibckpt_node import driver, rdma_devices, settings
 from ibckpt_node.agent import disk, recovery
 from ibckpt_node.agent.kubesecrets import StagingError
 from ibckpt_node.agent.preupload import PreUpload
@@ -61,7 +61,7 @@ async def run(agent: Agent, session: Session) -> None:
                 confine=proxy.confine,
                 rejoin=functools.partial(recovery.rejoin, agent, session, proxy),
                 on_milestone=functools.partial(passed, session),
-                settings=driver.NodeSettings(
+                settings=settings.NodeSettings(
                     disk_reserve_bytes=agent.disk_reserve_bytes,
                     pre_dump=request.pre_dump,
                     criu_plugins=agent.criu_plugins,

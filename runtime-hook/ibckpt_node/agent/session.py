@@ -143,7 +143,7 @@ class Agent:
     image_keys: Path | None = None  # None: this agent neither stages nor restores images
     disk_reserve_bytes: int = 0  # what a checkpoint's images leave free on the node's disk
     pre_upload: bool = True  # upload the dump's whole chunks while CRIU writes them (store/follow.py)
-    criu_plugins: str = ""  # CRIU's plugin dir on the node, for a request's pre-dumps (driver.NodeSettings)
+    criu_plugins: str = ""  # CRIU's plugin dir on the node, for a request's pre-dumps (settings.NodeSettings)
     # this agent's own token for the other agents' memory tier (a projected token the kubelet renews, read
     # at each use); None: it keeps no copies elsewhere and reads none (memorycopies.py)
     memory_token_file: Path | None = None
