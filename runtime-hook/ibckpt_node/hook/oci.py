@@ -79,8 +79,9 @@ class NodeConfig:
         self.hook = hook
         self.state_dir = state_dir
         self.registry_timeout_s = registry_timeout_s
-        # how long a restoring create waits for the agent to stage its images (it downloads them
-        # once the operator has created the pod); the kubelet retries a create that fails
+        # how long a restoring create waits for the agent to stage its images (the operator creates
+        # the pod once they are staged, or about 30 s before: machine/restore.py, "Overlap"); the
+        # kubelet retries a create that fails
         self.restore_wait_s = restore_wait_s
         self.config_file = config_file
 
