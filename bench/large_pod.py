@@ -33,6 +33,7 @@ import json
 import shlex
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +90,24 @@ def job(name: str, mode: str, pre_dump: bool = False) -> dict[str, Any]:
     return body
 
 
+def events(cluster: Cluster, name: str, job: dict[str, Any]) -> list[str]:
+    """The job's Events, each as `+SECONDS reason: message` from its start (CreatingPods says the pods
+    were created while the last bytes downloaded; WaitingForAgent, that an agent was busy)."""
+    found = json.loads(cluster.kubectl("get", "events", "-n", NS, "-o", "json",
+                                       "--field-selector", f"involvedObject.name={name}").stdout)  # fmt: skip
+    start = datetime.fromisoformat(job["status"]["startTime"].replace("Z", "+00:00"))
+    lines = []
+    for event in found["items"]:
+        at = event.get("eventTime") or event.get("lastTimestamp") or event.get("firstTimestamp")
+        when = (
+            (datetime.fromisoformat(at.replace("Z", "+00:00")) - start).total_seconds()
+            if at
+            else float("nan")
+        )
+        lines.append((when, f"+{when:.0f}s {event['reason']}: {event['message'][:160]}"))
+    return [line for _, line in sorted(lines)]
+
+
 def ibckpt_side(cluster: Cluster, mib: int, rate: float) -> dict[str, Any]:
     pods.apply(cluster, NS, big_pod(mib, rate))
     pods.wait_pod(cluster, NS, "big", {"Running"})
@@ -116,6 +135,7 @@ def ibckpt_side(cluster: Cluster, mib: int, rate: float) -> dict[str, Any]:
     spent, done = follow_phases(cluster, "restorejob", f"back-{mib}", timeout=3600, namespace=NS)
     out["restore"] = ring.seconds(done)
     out["restore_stages"] = stages(spent, RESTORE_STAGES)
+    out["restore_events"] = events(cluster, f"back-{mib}", done)
     node = pods.get(cluster, NS, "pod", "big")["spec"]["nodeName"]
     cluster.kubectl("exec", "-n", NS, "big", "--", "touch", "/tmp/stop")
     log = wait_log(cluster, "big", "big-done")
@@ -167,6 +187,9 @@ def report(mib: int, rate: float, ours: dict[str, Any], raw: dict[str, Any]) -> 
             f"  upload rate: ibckpt {mb / up:.1f} MB/s, "
             f"raw boto3 {mb / raw['upload']:.1f} MB/s (the same bytes)"
         )
+    print("  the RestoreJob's Events (from its start):")
+    for event in ours.get("restore_events", []):
+        print(f"    {event}")
 
 
 def run(cluster: Cluster, s3: S3Server, sizes: list[int], rate: float, agent_memory: str) -> None:

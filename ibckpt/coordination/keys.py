@@ -16,9 +16,12 @@ EPOCH_RECORD = re.compile(r"e[0-9]{1,20}/qp/")
 # What preflight publishes for each (GID, QPN) a node's ranks hold.
 PREFLIGHT_QP = re.compile(r"preflight/qp/([0-9a-f]{32})/([0-9]{1,10})")
 
-# Written by each node once every node's ranks are drained, before it releases its own: from then on
-# an abort releases every rank and rebuilds them all, since a peer may have released (abort.py).
+# Written by the coordinator the moment every node has reached the Drained barrier, before any node
+# hears so and releases: from then on an abort releases every rank and rebuilds them all, since a peer
+# may have released (abort.py). A node whose own barrier call failed reads it to know.
 RELEASING = "cut/releasing"
+# The key the coordinator writes as each of these barriers passes (the barriers are milestone names).
+PASSED_BARRIER_KEYS = {"Drained": RELEASING}
 
 # A claim: ("qp", GID, QPN) for every key naming a QP, else ("key", the key).
 Claim = tuple[str, ...]

@@ -347,8 +347,8 @@ class NodeDriver:
         else:
             both = t.quiesce_seconds + t.drain_seconds
             await self._phase(Milestone.DRAINED, lambda: self._each_in_turn([quiesce, drain]), both)
-        # Past this point a node may release: an abort must then release and rebuild every rank.
-        await self.client.put(keys.RELEASING, b"1")
+        # Past this point a node may release: an abort must then release and rebuild every rank. The
+        # coordinator wrote keys.RELEASING as the barrier passed, for a node that did not hear it did.
         release = lambda: self._each("release", self._release)  # noqa: E731
         if not meet_released_later:
             await self._phase(Milestone.RELEASED, release, t.release_seconds)

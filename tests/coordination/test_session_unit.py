@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import pytest
 
+from ibckpt.coordination.keys import RELEASING
 from ibckpt_operator.coordinator.session import (
     CoordinationTimeout,
     NotAParticipant,
@@ -29,6 +30,22 @@ async def test_barrier_releases_only_when_everyone_arrived() -> None:
     assert not a.done() and not b.done()
     await s.barrier("quiesced", "node-c", 5)
     await asyncio.wait_for(asyncio.gather(a, b), 1)
+
+
+async def test_the_drained_barrier_says_so_in_a_key_before_anyone_hears_it_passed() -> None:
+    """A node whose own barrier call failed learns from keys.RELEASING that the others may release."""
+    s = session()
+    waits = [asyncio.ensure_future(s.barrier("Drained", node, 5)) for node in ("node-a", "node-b")]
+    await asyncio.sleep(0.05)
+    with pytest.raises(CoordinationTimeout):  # not every node drained: nobody may release
+        await s.get(RELEASING, "node-a", 0.05)
+    await s.barrier("Drained", "node-c", 5)
+    assert await s.get(RELEASING, "node-b", 0.05) == b"1"
+    await asyncio.wait_for(asyncio.gather(*waits), 1)
+    other = session()  # another barrier writes nothing
+    await asyncio.gather(*(other.barrier("Quiesced", node, 1) for node in NODES))
+    with pytest.raises(CoordinationTimeout):
+        await other.get(RELEASING, "node-a", 0.05)
 
 
 async def test_barrier_timeout_names_the_missing() -> None:

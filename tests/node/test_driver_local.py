@@ -172,7 +172,7 @@ async def test_a_leave_running_node_dumps_while_the_others_release_and_says_how_
             # Released: this node's own part; its barrier was met during the dump
             before = sum(phases[m] for m in (Milestone.DRAINED, Milestone.DUMPED, Milestone.REBUILT))
             before += d.report.local[Milestone.RELEASED]
-            # (the phases do not tile it: the RELEASING key is put between two of them)
+            # (the phases do not quite tile it: a little runs between two of them)
             assert before - 0.001 <= phases[GATED] <= before + phases[Milestone.RESUMED] + 0.05, phases
     else:
         assert released == 6, seen

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from ibckpt.coordination.keys import Claim, claim_of
+from ibckpt.coordination.keys import PASSED_BARRIER_KEYS, Claim, claim_of
 
 # Published data: views into received frames are kept as they are, never copied.
 Blob = bytes | memoryview
@@ -171,7 +171,10 @@ class Session:
             arrived.add(participant)
             for listener in list(self.arrival_listeners):
                 listener(name, participant)
-        if arrived == self.participants:
+        if arrived == self.participants and not done.is_set():
+            if (key := PASSED_BARRIER_KEYS.get(name)) is not None:  # before anyone hears it passed
+                self._values[key] = b"1"
+                self._value_set.setdefault(key, asyncio.Event()).set()
             done.set()
         try:
             await self._wait(done, timeout_s, f"barrier {name!r}")
