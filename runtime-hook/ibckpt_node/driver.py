@@ -355,7 +355,10 @@ class NodeDriver:
             return None
         started = time.monotonic()
         await self._local(Milestone.RELEASED, release, t.release_seconds)
-        return asyncio.ensure_future(self._meet(Milestone.RELEASED, started, t.release_seconds))
+        met = asyncio.ensure_future(self._meet(Milestone.RELEASED, started, t.release_seconds))
+        # its failure is read by _dump_meeting, or superseded by the one that ended the checkpoint
+        met.add_done_callback(lambda task: task.cancelled() or task.exception())
+        return met
 
     async def _release(self, r: LocalRank) -> dict[str, Any]:
         return await r.shim.release(ms(self.timeouts.release_seconds), self.cut.release_quiet)

@@ -29,7 +29,7 @@ class NodeSettings:
     lease_s: float = 30.0
     lease_renew_s: float = 5.0
     # How long an abort looks for keys.RELEASING when this node does not know whether every node drained
-    # (its own barrier failed, or another agent ran the cut): a node past the barrier wrote it at once.
+    # (its own barrier failed, or another agent ran the cut): the coordinator wrote it as the barrier passed.
     releasing_lookup_s: float = 3.0
     # What a checkpoint's images must leave free on the node's disk (the agent's --disk-reserve-bytes):
     # the kubelet evicts pods below its own threshold, so the images may not take the last of it.
