@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import re
 
+from ibckpt.vocabulary import Milestone
+
 ZERO_GID = "0" * 32
 # What a shim publishes and reads (native/src/records.c): map/GID/QPN and eN/qp/GID/QPN.
 SHIM_RECORD = re.compile(r"(?:map|e[0-9]{1,20}/qp)/([0-9a-f]{32})/([0-9]{1,10})")
@@ -20,8 +22,8 @@ PREFLIGHT_QP = re.compile(r"preflight/qp/([0-9a-f]{32})/([0-9]{1,10})")
 # hears so and releases: from then on an abort releases every rank and rebuilds them all, since a peer
 # may have released (abort.py). A node whose own barrier call failed reads it to know.
 RELEASING = "cut/releasing"
-# The key the coordinator writes as each of these barriers passes (the barriers are milestone names).
-PASSED_BARRIER_KEYS = {"Drained": RELEASING}
+# The key the coordinator writes as each of these barriers passes.
+PASSED_BARRIER_KEYS = {Milestone.DRAINED.value: RELEASING}
 
 # A claim: ("qp", GID, QPN) for every key naming a QP, else ("key", the key).
 Claim = tuple[str, ...]

@@ -395,11 +395,13 @@ class NodeDriver:
         await self._phase(Milestone.PRE_DUMPED, work, bound_s)
         return parents
 
-    async def _dump_meeting(self, released: asyncio.Task[None] | None, *dump: Any) -> None:
+    async def _dump_meeting(
+        self, released: asyncio.Task[None] | None, mode: Mode, images_root: Path, parents: dict[str, Path]
+    ) -> None:
         """_dump_all, then the Released barrier met meanwhile (`released`, see _cut). When both fail,
         the barrier's failure (a lost coordinator, an aborted session) is the cause and is raised."""
         try:
-            await self._dump_all(*dump)
+            await self._dump_all(mode, images_root, parents)
         except BaseException as exc:
             if released is not None:
                 cause = released.exception() if released.done() and not released.cancelled() else None

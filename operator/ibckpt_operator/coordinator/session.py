@@ -173,8 +173,7 @@ class Session:
                 listener(name, participant)
         if arrived == self.participants and not done.is_set():
             if (key := PASSED_BARRIER_KEYS.get(name)) is not None:  # before anyone hears it passed
-                self._values[key] = b"1"
-                self._value_set.setdefault(key, asyncio.Event()).set()
+                self._store(key, b"1")
             done.set()
         try:
             await self._wait(done, timeout_s, f"barrier {name!r}")
@@ -210,8 +209,11 @@ class Session:
         for claim in claims:
             self._owners.setdefault(claim, participant)
         for key, value in records.items():
-            self._values[key] = value
-            self._value_set.setdefault(key, asyncio.Event()).set()
+            self._store(key, value)
+
+    def _store(self, key: str, value: bytes) -> None:
+        self._values[key] = value
+        self._value_set.setdefault(key, asyncio.Event()).set()
 
     async def get(self, key: str, participant: str, timeout_s: float) -> bytes:
         """The value of `key`, waiting up to `timeout_s` for somebody to publish it."""

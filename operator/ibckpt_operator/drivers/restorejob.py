@@ -382,9 +382,9 @@ class RestoreJobDriver(RestorePodsDriver):
         """While the images download: once every node has said how long its download still needs, the
         longest of them to the machine, which creates the pods when it is short (ImagesNearlyStaged)."""
         state, session, staging = self.state, self.session, report.staging
-        if state is None or state.step is None or state.step.kind != RestoreStep.DOWNLOAD or session is None:
+        if state is None or state.step is None or state.step.kind != RestoreStep.DOWNLOAD:
             return
-        if staging is None:
+        if session is None or staging is None:
             return
         left = staging_seconds_left(staging.bytes_done, staging.bytes_planned, staging.seconds)
         if left is None:
