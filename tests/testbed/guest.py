@@ -147,6 +147,8 @@ class GuestResult:
     returncode: int
     output: str
     seconds: float
+    # Set when the guest was killed because its kernel locked up (LOCKUP_KILL_SECONDS).
+    lockup: str | None = None
 
 
 def _qemu_args(
@@ -263,6 +265,7 @@ class _Guest:
         self.echo = echo
         self.buffer = io.StringIO()
         self.stall_line: str | None = None
+        self.lockup_line: str | None = None
         self.started = time.monotonic()
         self.proc = subprocess.Popen(
             _qemu_args(spec, self.job, link, link2),
@@ -283,18 +286,24 @@ class _Guest:
             self.buffer.write(line)
             if self.spec.link and LINK_STALL_SIGNATURE in line and self.stall_line is None:
                 self.stall_line = line.strip()
+            stuck = LOCKUP_SIGNATURE.search(line)
+            if stuck and int(stuck.group(1)) >= LOCKUP_KILL_SECONDS:
+                self.lockup_line = line.strip()
             if self.echo:
                 sys.stdout.write(prefix + line)
                 sys.stdout.flush()
 
     def wait(self, deadline: float) -> GuestResult:
-        try:
-            self.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
+        while self.proc.poll() is None and self.lockup_line is None and time.monotonic() < deadline:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+        if self.proc.poll() is None:
+            lockup = self.lockup_line
             self.kill()
             self.reader.join(5)
-            out = self.buffer.getvalue() + f"\nibckpt-guest: timed out, killed node-{self.spec.node}\n"
-            return GuestResult(self.spec.node, 124, out, time.monotonic() - self.started)
+            why = f"its kernel locked up ({lockup})" if lockup else "timed out"
+            out = self.buffer.getvalue() + f"\nibckpt-guest: {why}, killed node-{self.spec.node}\n"
+            return GuestResult(self.spec.node, 124, out, time.monotonic() - self.started, lockup)
         self.reader.join(5)
         rc_file = self.job / "rc"
         rc = int(rc_file.read_text()) if rc_file.exists() else 125
@@ -347,6 +356,10 @@ def _widen_link_queue() -> None:
 
 
 LINK_NIC_ID = "linknic"
+# A TCG guest on a loaded host now and then locks both CPUs in its kernel for good (docs/testbed.md,
+# "A guest whose kernel locks up"); the watchdog says so every ~30 s. Past this the guest is lost.
+LOCKUP_SIGNATURE = re.compile(r"soft lockup - CPU#\d+ stuck for (\d+)s")
+LOCKUP_KILL_SECONDS = 120
 # Printed by a guest kernel once its link NIC has not sent for 5 s with packets queued.
 LINK_STALL_SIGNATURE = "NETDEV WATCHDOG"
 

@@ -16,6 +16,7 @@ import os
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from testbed import guest as guest_vm
 
 IN_GUEST = os.environ.get("IBCKPT_GUEST") == "1"
 REPORT_OPTION = "--guest-report"
+RUNNING_FILE = "running"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -37,9 +39,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 class _Recorder:
+    """Writes the outcomes after every test, so a guest lost mid-run still tells which ran."""
+
     def __init__(self, path: Path) -> None:
         self.path = path
         self.results: dict[str, dict[str, Any]] = {}
+
+    @pytest.hookimpl
+    def pytest_runtest_logstart(self, nodeid: str) -> None:
+        self.path.with_name(RUNNING_FILE).write_text(nodeid)
 
     @pytest.hookimpl
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
@@ -54,10 +62,17 @@ class _Recorder:
             entry["outcome"] = "skipped"
             entry["longrepr"] = report.longreprtext
         entry["sections"] += [[f"{name} ({report.when}, in guest)", text] for name, text in report.sections]
+        if report.when == "teardown":
+            self._write()
 
     @pytest.hookimpl
     def pytest_sessionfinish(self) -> None:
-        self.path.write_text(json.dumps(self.results))
+        self._write()
+
+    def _write(self) -> None:
+        partial = self.path.with_suffix(".partial")
+        partial.write_text(json.dumps(self.results))
+        partial.replace(self.path)
 
 
 # ---- on the host: one guest run, stand-in items ----------------------------------------
@@ -73,6 +88,8 @@ class GuestRun:
         self.results: dict[str, dict[str, Any]] = {}
         self.failure: str | None = None
         self.console = ""
+        # Why each fresh guest was booted: the guests lost before it, in order.
+        self.restarts: list[str] = []
         self._thread = threading.Thread(target=self._run, name="guest-pytest", daemon=True)
         self._started = False
         self._lock = threading.Lock()
@@ -88,9 +105,22 @@ class GuestRun:
         self._thread.join()
 
     def _run(self) -> None:
+        deadline = time.monotonic() + self.timeout
+        for attempt in (1, 2):
+            pending = [nodeid for nodeid in self.nodeids if nodeid not in self.results]
+            lockup = self._run_guest(pending, deadline, attempt)
+            if lockup is None or attempt == 2 or self.failure is not None:
+                return
+            # The testbed failed, not the tests: what had not reported runs again in a fresh guest,
+            # the test that was running included, and each of them says so in its report.
+            self.restarts.append(lockup)
+            self.console = ""
+
+    def _run_guest(self, nodeids: list[str], deadline: float, attempt: int) -> str | None:
+        """One guest runs `nodeids`; returns why it was lost to a kernel lockup, else None."""
         with tempfile.TemporaryDirectory(prefix="ibckpt-guest-pytest-") as tmp:
             shared = Path(tmp)
-            (shared / "args").write_text("\n".join(self.nodeids) + "\n")
+            (shared / "args").write_text("\n".join(nodeids) + "\n")
             report = shared / "report.json"
             command = (
                 f"exec {sys.executable} -m pytest -p no:cacheprovider "
@@ -98,18 +128,25 @@ class GuestRun:
             )
             spec = guest_vm.GuestSpec(command, writable=[shared], cwd=self.rootdir)
             try:
-                result = guest_vm.run(spec, timeout=self.timeout)
+                result = guest_vm.run(spec, timeout=max(60.0, deadline - time.monotonic()))
             except Exception as exc:  # boot failures must fail the tests, not hang them
                 self.failure = f"guest could not run: {exc!r}"
-                return
+                return None
             self.console = result.output
-            if report.exists():
-                self.results = json.loads(report.read_text())
-            if not self.results:
+            reported: dict[str, dict[str, Any]] = json.loads(report.read_text()) if report.exists() else {}
+            for entry in reported.values():
+                entry["attempt"] = attempt
+            self.results.update(reported)
+            running = shared / RUNNING_FILE
+            if result.lockup is not None:
+                during = running.read_text() if running.exists() else "(before the first test)"
+                return f"the guest's kernel locked up while {during} ran: {result.lockup}"
+            if not reported:
                 self.failure = (
                     f"in-guest pytest gave no report (exit {result.returncode}); console tail:\n"
                     + "\n".join(result.output.splitlines()[-60:])
                 )
+            return None
 
 
 class GuestStandIn(pytest.Item):
@@ -121,11 +158,16 @@ class GuestStandIn(pytest.Item):
 
     def runtest(self) -> None:
         self.guest_run.wait()
-        if self.guest_run.failure:
-            pytest.fail(self.guest_run.failure, pytrace=False)
         entry = self.guest_run.results.get(self.nodeid)
         if entry is None:
-            pytest.fail("test did not run in the guest (crashed or timed out before it)", pytrace=False)
+            if self.guest_run.failure:
+                pytest.fail(self.guest_run.failure, pytrace=False)
+            lost = "; ".join(self.guest_run.restarts) or "crashed or timed out before it"
+            tail = "\n".join(self.guest_run.console.splitlines()[-40:])
+            pytest.fail(f"test did not run in the guest ({lost}); console tail:\n{tail}", pytrace=False)
+        if entry["attempt"] > 1:
+            restarts = "; ".join(self.guest_run.restarts)
+            self.add_report_section("call", "guest", f"--- run in a fresh guest, as {restarts}")
         for title, text in entry["sections"]:
             self.add_report_section("call", "guest", f"--- {title}\n{text}")
         if entry["outcome"] == "skipped":
@@ -173,7 +215,11 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     """The in-guest durations, which --durations cannot see: it times the stand-ins, and the first one
     waits for the whole guest run."""
     run = config.stash.get(_RUN_KEY, None)
-    if run is None or not run.results:
+    if run is None:
+        return
+    for why in run.restarts:
+        terminalreporter.write_line(f"in-guest run: a fresh guest ran the rest, as {why}")
+    if not run.results:
         return
     slowest = sorted(run.results.items(), key=lambda kv: -float(kv[1]["duration"]))[:15]
     total = sum(float(entry["duration"]) for entry in run.results.values())
