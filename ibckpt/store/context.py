@@ -160,6 +160,9 @@ class FollowedSpan:
     chunk_id: str
     stored_size: int
     crc32: int  # of its plain bytes: the upload takes chunk_id only while they still match
+    # Punched out of the node's disk once stored (follow.py, the disk window): the upload cannot read it
+    # back, so it takes chunk_id unchecked and only makes sure the bucket still has it.
+    released: bool = False
 
 
 # A span of a file: (its device, its inode, the span's offset). Not its path: a file renamed after the

@@ -13,12 +13,21 @@ CRC32 on the host, 26 times on the testbed's emulated CPUs), and one that change
 is hashed and uploaded as usual. The upload still HEADs each chunk under its own lease, so the follower
 holds none (a sweep may remove what it stored; young chunks are kept for the sweep's grace anyway), and
 its errors are logged and dropped.
+
+With `release` (the node's disk window), a span of a file CRIU writes once and never reads back while it
+dumps (`pages-*.img`) leaves the node's disk as soon as the bucket has it: its bytes are punched out of the
+file (a hole; the file keeps its size). The upload cannot check such a span, so it takes its id and only
+makes sure the bucket still has the chunk. The bucket's copy is then the only one, so a follower that
+releases holds a writer lease from before its first PUT until `FollowStats.end_lease()`, which the caller
+calls once the upload holds its own: no sweep runs in between.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import dataclasses
+import fnmatch
 import hashlib
 import logging
 import os
@@ -37,6 +46,7 @@ from ibckpt.store import codec
 from ibckpt.store.catalog import latest_ref
 from ibckpt.store.context import FollowedSpan, RateLimiter, SpanKey, StoreContext, seal_framed_chunk, span_key
 from ibckpt.store.errors import StoreError
+from ibckpt.store.leases import Lease, holder_lease, wait_for_sweeps
 from ibckpt.store.s3 import connect, error_code, is_not_found
 
 log = logging.getLogger(__name__)
@@ -52,6 +62,18 @@ FOLLOW_READ_TIMEOUT = 20.0
 _REFUSED = {"PreconditionFailed", "412", "ConditionalRequestConflict"}
 # Room for the chunk header, a nonce and a tag: a sealed span never exceeds chunk_size plus this.
 _SEAL_OVERHEAD = codec.HEADER_SIZE + codec.NONCE_SIZE + codec.TAG_SIZE
+# What CRIU writes front to back and never reads again during the dump (its page data): releasable.
+RELEASABLE = "pages-*.img"
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+
+
+def punch_hole(fd: int, offset: int, length: int) -> None:
+    """Free a file's blocks in [offset, offset + length) and keep its size: the range reads as zeros."""
+    if _libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, length) != 0:
+        error = ctypes.get_errno()
+        raise OSError(error, os.strerror(error))
 
 
 class _Dropped(Exception):
@@ -67,6 +89,15 @@ class FollowStats:
     gave_up: bool = False
     timed_out: bool = False
     spans: dict[SpanKey, FollowedSpan] = dataclasses.field(default_factory=dict)  # for the upload
+    released_bytes: int = 0  # punched out of the node's disk once stored (`release`)
+    # Held while released spans are only in the bucket: end it once the upload holds its own.
+    lease: Lease | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    def end_lease(self) -> None:
+        """Give up the follower's writer lease (safe to call more than once)."""
+        lease, self.lease = self.lease, None
+        if lease is not None:
+            lease.release()
 
 
 def follow_context(context: StoreContext) -> StoreContext:
@@ -91,8 +122,13 @@ class Follower:
         *,
         timeout: float | None = None,
         poll_seconds: float = POLL_SECONDS,
+        release_for: str | None = None,
     ) -> None:
+        """`release_for`: the id of the checkpoint being written, to release stored spans from the disk
+        under a writer lease of that checkpoint (needs `job`); None keeps every byte on the disk."""
         self._context = context
+        self._release_for = release_for if job is not None else None
+        self._releasing = False
         self._config = context.connection.config
         self._root = str(root)
         self._job = job
@@ -129,6 +165,8 @@ class Follower:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+        if not self.stats.released_bytes:  # every byte is still on the disk: nothing to keep safe
+            self.stats.end_lease()
         return self.stats
 
     @property
@@ -142,6 +180,7 @@ class Follower:
         if self._config.chunk_size + _SEAL_OVERHEAD >= self._config.multipart_threshold:
             return  # such chunks take the upload's multipart path; not copied here
         try:
+            self._take_lease()
             self._learn_latest()
             with concurrent.futures.ThreadPoolExecutor(
                 self._config.workers, thread_name_prefix="ibckpt-follow-up"
@@ -156,6 +195,22 @@ class Follower:
                 self._stop.set()  # spans not begun yet are dropped; the pool waits for those under way
         except Exception:  # never out of the thread: the upload after the dump does everything anyway
             log.exception("following %s", self._root)
+
+    def _take_lease(self) -> None:
+        # Before the first PUT, as the upload's: what is released is in no manifest yet, nor on the disk.
+        if self._release_for is None or self._job is None:
+            return
+        context = self._context
+        lease = holder_lease(context.connection, context.layout, "writer", self._job, self._release_for)
+        try:
+            lease.acquire()
+            wait_for_sweeps(context.connection, context.layout, lease)
+        except StoreError as error:
+            lease.release()
+            log.warning("no lease to release %s's pages with (they stay on disk): %s", self._root, error)
+            return
+        self.stats.lease = lease
+        self._releasing = True
 
     def _learn_latest(self) -> None:
         # The job's latest checkpoint names the chunks an unchanged span will hash to: not sent again.
@@ -253,6 +308,7 @@ class Follower:
                 self.stats.present_chunks += 1
                 if (known := self._seen[cid]) is not None:
                     self.stats.spans[key] = FollowedSpan(cid, known, crc)
+                    self._release(path, info, offset)
                 return
             self._seen[cid] = None
         try:
@@ -265,11 +321,35 @@ class Follower:
             if stored_size is not None:
                 self._seen[cid] = stored_size
                 self.stats.spans[key] = FollowedSpan(cid, stored_size, crc)
+                self._release(path, info, offset)
             if stored:
                 self.stats.stored_chunks += 1
                 self.stats.stored_bytes += stored_size or 0
             else:
                 self.stats.present_chunks += 1
+
+    def _release(self, path: str, info: os.stat_result, offset: int) -> None:
+        """(Under self._lock, its span just recorded.) Punch a stored span of a page file out of the disk
+        while the lease holds; a span that stays is uploaded as usual (checked against its CRC32)."""
+        lease = self.stats.lease
+        if not self._releasing or lease is None or not fnmatch.fnmatch(os.path.basename(path), RELEASABLE):
+            return
+        key = span_key(info, offset)
+        try:
+            lease.check()
+            fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+            try:
+                if (now := os.fstat(fd)) and (now.st_dev, now.st_ino) != (info.st_dev, info.st_ino):
+                    return
+                punch_hole(fd, offset, self._config.chunk_size)
+            finally:
+                os.close(fd)
+        except (OSError, StoreError) as error:  # no hole punching on this file system, or no lease
+            self._releasing = False
+            log.warning("stopped releasing %s's pages from the disk: %s", self._root, error)
+            return
+        self.stats.spans[key] = dataclasses.replace(self.stats.spans[key], released=True)
+        self.stats.released_bytes += self._config.chunk_size
 
     def _put(self, cid: str, buffer: bytearray) -> tuple[bool, int | None]:
         """As the upload's non-blind path: a HEAD, then a PUT that never replaces a stored chunk (whose

@@ -125,10 +125,19 @@ class ImageStore:
         `sealed_part`, with no S3 call (upload.py)."""
         return CheckpointWriter(self.context, job, checkpoint_id, sink=sink)
 
-    def follow(self, root: Path, job: str | None = None, *, timeout: float | None = None) -> Follower:
+    def follow(
+        self,
+        root: Path,
+        job: str | None = None,
+        *,
+        timeout: float | None = None,
+        release_for: str | None = None,
+    ) -> Follower:
         """Upload the whole chunks of files growing under root (a dump in progress) before the writer of
-        the same tree reads them; the writer then skips them (follow.py). Not started yet."""
-        return Follower(follow_context(self.context), root, job, timeout=timeout)
+        the same tree reads them; the writer then skips them (follow.py). Not started yet. `release_for`:
+        the checkpoint id, to punch stored page spans out of the disk (end the stats' lease after the
+        upload)."""
+        return Follower(follow_context(self.context), root, job, timeout=timeout, release_for=release_for)
 
     def upload_tree(
         self,

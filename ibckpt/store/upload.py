@@ -44,7 +44,7 @@ from ibckpt.store.context import (
     seal_framed_chunk,
     span_key,
 )
-from ibckpt.store.errors import CheckpointNotFoundError, ManifestError, StoreError
+from ibckpt.store.errors import CheckpointNotFoundError, ChunkMissingError, ManifestError, StoreError
 from ibckpt.store.layout import CheckpointRef, check_checkpoint_id, check_job, new_checkpoint_id
 from ibckpt.store.leases import Lease, holder_lease, wait_for_sweeps
 from ibckpt.store.manifest import (
@@ -286,6 +286,9 @@ class CheckpointWriter:
 
     def _chunk(self, task: _Task) -> list[tuple[Piece, ChunkRef]]:
         self._check_lease()
+        span = self._followed_span(task)
+        if span is not None and span.released:
+            return self._released_chunk(task, span)
         with self._times.timed("read"):
             # Each piece is read at its place in a buffer that has room for the chunk's header before it:
             # a pack needs no join, and a chunk stored raw is sent from this very buffer (codec.seal_framed).
@@ -310,6 +313,31 @@ class CheckpointWriter:
         return [
             (piece, ChunkRef(id=cid, size=piece.length, stored_size=stored_size, offset=piece.at))
             for piece in task.pieces
+        ]
+
+    def _released_chunk(self, task: _Task, span: FollowedSpan) -> list[tuple[Piece, ChunkRef]]:
+        """A span the follower punched out of the disk: its bytes are only in the bucket now, so it is
+        not read (a hole reads as zeros) and never uploaded from here, only looked up under our lease."""
+        if self._sink is not None:
+            raise StoreError(f"{task.paths[0]}: a span released from the disk cannot be sealed here")
+        with self._known_lock:
+            stored_size = self._known.get(span.chunk_id)
+        if stored_size is None:
+            stored_size = self._existing_size(span.chunk_id)
+            if stored_size is None:
+                raise ChunkMissingError(
+                    f"chunk {span.chunk_id} of {task.paths[0]} at {task.pieces[0].offset}, uploaded during "
+                    "the dump and released from the node's disk, is no longer in the bucket",
+                    chunk_id=span.chunk_id,
+                    checkpoint=f"{self.ref.job}/{self.ref.checkpoint_id}",
+                )
+            with self._known_lock:
+                self._known[span.chunk_id] = stored_size
+        piece = task.pieces[0]
+        if self._progress is not None:
+            self._progress(piece.length)
+        return [
+            (piece, ChunkRef(id=span.chunk_id, size=piece.length, stored_size=stored_size, offset=piece.at))
         ]
 
     def _chunk_id(self, task: _Task, plain: memoryview) -> tuple[str, bool]:

@@ -12,6 +12,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +20,9 @@ import pytest
 from pydantic import SecretBytes
 from store.conftest import Requests, StoreFactory, compressible, config_for
 
-from ibckpt.store import CheckpointRef, EncryptionConfig, ImageStore, Manifest
+from ibckpt.store import CheckpointRef, EncryptionConfig, ImageStore, Manifest, RetentionPolicy
 from ibckpt.store import upload as upload_module
+from ibckpt.store.errors import ChunkMissingError
 from ibckpt.store.follow import GIVE_UP_AFTER, Follower, FollowStats
 from testbed.gate import Gate
 from testbed.s3 import S3Server
@@ -255,3 +257,63 @@ def test_the_follower_keeps_to_the_rate_limit_and_a_stop_cuts_its_wait_short(
     follower.stop()  # four workers wait their turn, about 4 s for the last: not for stop()
     assert time.monotonic() - started < 1.5
     assert not follower_threads()
+
+
+def allocated(path: Path) -> int:
+    return path.stat().st_blocks * 512
+
+
+def test_released_spans_leave_the_disk_under_a_lease_and_the_upload_takes_them_from_the_bucket(
+    make_store: StoreFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The disk window: each page span the bucket has is punched out of the file (which keeps its
+    size), only page files are, no sweep runs while the bytes are only in the bucket, and the upload
+    neither reads nor uploads them again: the checkpoint restores the bytes as they were written."""
+    store = make_store(blind_put_below=CHUNK // 2)
+    data, other = pages(12, tail=100_000), os.urandom(4 * CHUNK)
+    root = tmp_path / "dump"
+    root.mkdir()
+    (root / "core-1.img").write_bytes(b"core" * 1000)
+    (root / "other.img").write_bytes(other)  # big, but not a page file: stays whole
+    path = root / "pages-1.img"
+    with store.follow(root, "ns/solver", release_for="c1") as follower:
+        append_slowly(path, data)
+        wait_until(lambda: follower.stats.stored_chunks == 16)
+        wait_until(lambda: follower.stats.released_bytes == 12 * CHUNK)
+    stats = follower.stats
+    assert path.stat().st_size == len(data)
+    assert allocated(path) <= CHUNK, allocated(path)  # the tail, not yet in a chunk, stays
+    assert allocated(root / "other.img") >= len(other)
+    assert path.read_bytes()[: 12 * CHUNK] == bytes(12 * CHUNK)  # holes
+    assert sum(span.released for span in stats.spans.values()) == 12
+    assert stats.lease is not None
+    swept = store.gc(RetentionPolicy(), grace=timedelta(0))  # would delete every chunk: none is in a manifest
+    assert swept.deferred_by and "writer" in swept.skipped_reason, swept
+
+    hashed = Sha256Count()
+    monkeypatch.setattr(upload_module, "hashlib", hashed)
+    manifest = upload(store, root, followed=stats)
+    stats.end_lease()
+    assert hashed.calls == 1  # the pack only: other.img matched its CRC32s, the pages were not read
+    assert manifest.stats.uploaded_chunks == 1
+    back = tmp_path / "back"
+    store.restore(CheckpointRef("ns/solver", "c1"), back)
+    assert (back / "pages-1.img").read_bytes() == data
+    assert (back / "other.img").read_bytes() == other
+
+
+def test_a_released_span_gone_from_the_bucket_fails_the_upload_and_nothing_is_listed(
+    make_store: StoreFactory, s3_server: S3Server, bucket: str, tmp_path: Path
+) -> None:
+    store = make_store()
+    root = tmp_path / "dump"
+    root.mkdir()
+    with store.follow(root, "ns/solver", release_for="c1") as follower:
+        append_slowly(root / "pages-1.img", pages(3), pause=0.0)
+        wait_until(lambda: follower.stats.released_bytes == 3 * CHUNK)
+    gone = next(span.chunk_id for span in follower.stats.spans.values())
+    s3_server.client().delete_object(Bucket=bucket, Key=store.context.layout.chunk_key(gone))
+    with pytest.raises(ChunkMissingError, match="released from the node's disk, is no longer in the bucket"):
+        upload(store, root, followed=follower.stats)  # never a chunk of zeros in its place
+    follower.stats.end_lease()
+    assert store.checkpoints("ns/solver") == []
