@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 
 from ibckpt.store import codec
@@ -16,17 +16,27 @@ from ibckpt.store.context import StoreContext, seal_chunk
 from ibckpt.store.download import Placement, placements
 from ibckpt.store.errors import StoreError
 from ibckpt.store.manifest import FileRecord
+from ibckpt.store.s3 import s3_errors
 
 
 def stored_chunks(
-    context: StoreContext, files: Sequence[FileRecord], root: Path, *, level: int | None = None
+    context: StoreContext,
+    files: Sequence[FileRecord],
+    root: Path,
+    *,
+    level: int | None = None,
+    from_bucket: Collection[str] = (),
 ) -> Iterator[tuple[str, bytes]]:
     """Each distinct chunk of `files` (paths relative to `root`) as the store keeps it, one at a time.
     `level`: the zstd level the chunks were stored at (the part's); None, the configuration's, as uploads
-    use. A file that changed since it was stored raises StoreError naming it."""
+    use. `from_bucket`: chunks no longer on the disk (released by the follower), read from the bucket. A
+    file that changed since it was stored raises StoreError naming it."""
     if level is None:
         level = context.connection.config.compression_level
     for cid, use in placements(list(files)).items():
+        if cid in from_bucket:
+            yield cid, _from_bucket(context, cid)
+            continue
         plain = bytearray(use.extent)
         for place in use.places:
             plain[place.start : place.start + place.length] = _read(root, place, cid)
@@ -49,3 +59,17 @@ def _read(root: Path, place: Placement, cid: str) -> bytes:
     if len(data) != place.length:  # a regular file's pread is short only at its end
         raise StoreError(f"{path} changed since it was stored: it is shorter (chunk {cid})")
     return data
+
+
+def _from_bucket(context: StoreContext, cid: str) -> bytes:
+    """A chunk as stored, checked against its id before it is copied anywhere."""
+    key = context.layout.chunk_key(cid)
+    with s3_errors(context.connection, f"reading chunk {cid} for the memory copy"):
+        stored: bytes = context.client.get_object(Bucket=context.bucket, Key=key)["Body"].read()
+    try:
+        plain = codec.open_chunk(stored, cid, context.keys)
+    except codec.CodecError as error:
+        raise StoreError(f"chunk {cid} in the bucket is corrupt: {error}") from None
+    if codec.chunk_id(hashlib.sha256(plain).digest(), context.keys) != cid:
+        raise StoreError(f"chunk {cid} in the bucket does not hash to its id")
+    return stored

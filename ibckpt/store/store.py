@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -192,11 +192,15 @@ class ImageStore:
             manifest=manifest, source_only=source_only,
         )  # fmt: skip
 
-    def stored_chunks(self, part: Manifest, root: Path, under: str) -> Iterator[tuple[str, bytes]]:
+    def stored_chunks(
+        self, part: Manifest, root: Path, under: str, from_bucket: Collection[str] = ()
+    ) -> Iterator[tuple[str, bytes]]:
         """The chunks of `part`'s files below `under` (a node's directory in the checkpoint), rebuilt from
-        the tree at `root` and sealed as stored: the memory tier's copy (memorycopy.py)."""
+        the tree at `root` and sealed as stored: the memory tier's copy (memorycopy.py). `from_bucket`:
+        those released from the disk during the dump, read from the bucket instead."""
         files = download.select_subtree(part.files, under)
-        return memorycopy.stored_chunks(self.context, files, root, level=part.compression.level)
+        level = part.compression.level
+        return memorycopy.stored_chunks(self.context, files, root, level=level, from_bucket=from_bucket)
 
     def verify(
         self, ref: CheckpointRef, *, deep: bool = True, progress: ProgressCallback | None = None

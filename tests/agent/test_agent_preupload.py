@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import secrets
 import subprocess
 from pathlib import Path
@@ -109,6 +110,91 @@ def test_the_dumps_chunks_are_stored_before_criu_exits(
         assert during == 0
         assert "during the dump" not in report.message
         assert manifest.stats.uploaded_chunks == manifest.stats.distinct_chunks
+    [record] = [r for r in manifest.files if r.path.endswith("/pages-1.img")]
+    back = tmp_path / "back"
+    store.restore(CheckpointRef("ring", "c1"), back)
+    assert (back / record.path).read_bytes() == pages
+
+
+WINDOW_CHUNKS = 2
+
+
+def criu_writing_faster_than_the_upload(tmp_path: Path, chunks: int) -> tuple[bytes, Path]:
+    """A criu that writes a pages file of `chunks` whole chunks and a tail at 100 MiB/s, faster than the
+    upload, and notes the most the file ever took on the disk (its blocks: a released span takes none)."""
+    pages = os.urandom(chunks * DEFAULT_CHUNK_SIZE + 123_456)
+    source = tmp_path / "pages.src"
+    source.write_bytes(pages)
+    peak = tmp_path / "peak-on-disk"
+    stand_in_criu(
+        tmp_path,
+        "import os, sys, time\n"
+        "args = sys.argv[1:]\n"
+        "if args[:1] != ['dump']:\n"
+        "    sys.exit(0)\n"
+        f"data = open({str(source)!r}, 'rb').read()\n"
+        "most = 0\n"
+        "with open(args[args.index('-D') + 1] + '/pages-1.img', 'wb') as out:\n"
+        "    for at in range(0, len(data), 1 << 20):\n"
+        "        out.write(data[at:at + (1 << 20)]); out.flush(); time.sleep(0.01)\n"
+        "        most = max(most, os.fstat(out.fileno()).st_blocks * 512)\n"
+        f"open({str(peak)!r}, 'w').write(str(most))\n",
+    )
+    return pages, peak
+
+
+@pytest.mark.parametrize("window", [True, False], ids=["window", "no-window"])
+def test_a_disk_window_keeps_a_stop_dump_to_the_uploads_pace_and_the_checkpoint_whole(
+    window: bool,
+    agent: Running,
+    tmp_path: Path,
+    coordinator: ThreadedCoordinator,
+    sleeper: subprocess.Popen[bytes],
+    s3_server: S3Server,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With the agent's disk window, a dump that writes 8 chunks at once holds at most about the window on
+    the disk: its page spans leave the disk once stored, and CRIU is paused until they have. The committed
+    checkpoint restores the same bytes, and the report says what left the disk."""
+    chunks = 8
+    bucket = "window-" + secrets.token_hex(6)
+    s3_server.create_bucket(bucket)
+    pages, peak = criu_writing_faster_than_the_upload(tmp_path, chunks)
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    agent_options(agent, s3_server)
+    sessions = agent.server.sessions
+    window_bytes = WINDOW_CHUNKS * DEFAULT_CHUNK_SIZE if window else 0
+    sessions.agent = dataclasses.replace(sessions.agent, disk_window_bytes=window_bytes)
+    registered_shim(tmp_path / "state", sleeper.pid)
+    session, tokens = coordinator.create_session({"node-x"})
+    destination = ImageDestination(
+        location=location(s3_server, bucket), credentials=SECRET, job="ring", checkpoint_id="c1"
+    )
+    request = checkpoint_request(coordinator, session, tokens["node-x"], Mode.STOP)
+    client = agent.client()
+    client.checkpoint(request.model_copy(update={"images": destination}))
+    report = wait_finished(client, session, timeout_s=180)
+    assert (report.state, report.phase) == ("Succeeded", "Stopped"), report
+
+    most = int(peak.read_text())
+    if window:
+        # the window, plus what CRIU writes between two looks and the span being uploaded
+        assert most <= window_bytes + 2 * DEFAULT_CHUNK_SIZE, (most, report.message)
+        said = re.search(
+            r"; (\d+) bytes left the disk once uploaded, the images held at most (\d+) \(window (\d+)\)",
+            report.message,
+        )
+        assert said, report.message
+        released, held, told = map(int, said.groups())
+        # all but the spans still on their way when the dump ended; the agent's own look agrees
+        assert released >= (chunks - 2) * DEFAULT_CHUNK_SIZE, report.message
+        assert held <= window_bytes + 2 * DEFAULT_CHUNK_SIZE and told == window_bytes, report.message
+    else:
+        assert most >= chunks * DEFAULT_CHUNK_SIZE  # the whole file, until the upload
+        assert "left the disk" not in report.message
+    config = store_config(destination.location, SECRET, secret_data(s3_server))
+    store = ImageStore.open(config, signing=IMAGE_KEYS)
+    manifest = store.commit_parts("ring", "c1", ["node-x"])
     [record] = [r for r in manifest.files if r.path.endswith("/pages-1.img")]
     back = tmp_path / "back"
     store.restore(CheckpointRef("ring", "c1"), back)

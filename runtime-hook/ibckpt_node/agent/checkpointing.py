@@ -48,6 +48,7 @@ async def run(agent: Agent, session: Session) -> None:
     staged = False
     why = ""  # why images that were not staged stay (disk.keep)
     copy: MemoryCopy | None = None  # the memory tier's copy, made once the session has reported
+    during: FollowStats | None = None  # what the follower uploaded while CRIU wrote
     try:
         async with coordinated(agent, session) as (client, proxy):
             session.engine = driver.NodeDriver(
@@ -93,6 +94,11 @@ async def run(agent: Agent, session: Session) -> None:
         if request.images is not None:
             copy = await upload(agent, session, images, during, devices)
             staged = True
+            if early.window is not None and during is not None:
+                report.message += (
+                    f"; {during.released_bytes} bytes left the disk once uploaded, the images held at most "
+                    f"{early.window.peak_bytes} (window {early.window.window})"
+                )
         for progress in report.ranks:
             progress.phase = final
         report.state = api.SessionState.SUCCEEDED
@@ -123,6 +129,8 @@ async def run(agent: Agent, session: Session) -> None:
         log.exception("session %s", request.session_id)
         finish_failed(session, api.SessionState.FAILED, f"agent error: {exc}")
     finally:
+        if during is not None:  # released pages are in no manifest: held until the upload had its lease
+            await asyncio.to_thread(during.end_lease)
         if session.engine is not None:
             # the renewals went on through the upload; a Held rank is handed over with no lease
             await session.engine.end_leases()
@@ -240,6 +248,9 @@ async def upload(
         raise StagingError(
             f"upload did not finish within {session.request.timeouts.upload_seconds:g}s"
         ) from None
+    finally:
+        if during is not None:
+            await asyncio.to_thread(during.end_lease)  # the upload's own lease covered the rest
     total = staged.logical_bytes
     report.phases[Milestone.UPLOADED] = round(time.monotonic() - started, 3)
     report.message = (

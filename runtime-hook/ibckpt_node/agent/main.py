@@ -177,6 +177,15 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         "threshold, say); a checkpoint that would not is refused before any rank is touched",
     )
     parser.add_argument(
+        "--disk-window-bytes",
+        type=int,
+        default=0,
+        metavar="BYTES",
+        help="what a Stop or Hold checkpoint's images may hold on the node's disk while they upload: "
+        "page data leaves the disk once stored, and CRIU waits for the upload past this (0: the whole "
+        "images stay until the upload ends)",
+    )
+    parser.add_argument(
         "--no-pre-upload",
         dest="pre_upload",
         action="store_false",
@@ -219,6 +228,8 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error("--address must be one of the node's addresses, not a wildcard")
     if args.disk_reserve_bytes < 0:
         parser.error("--disk-reserve-bytes must be 0 or more")
+    if args.disk_window_bytes < 0:
+        parser.error("--disk-window-bytes must be 0 or more")
     if args.tls_wait < 0:
         parser.error("--tls-wait must be 0 or more seconds")
     if args.keep_failed_images < 0:
@@ -325,6 +336,7 @@ async def serve(args: argparse.Namespace) -> None:
             secrets=KubeSecrets.in_cluster(),
             keep_failed_images_s=args.keep_failed_images,
             disk_reserve_bytes=args.disk_reserve_bytes,
+            disk_window_bytes=args.disk_window_bytes,
             pre_upload=args.pre_upload,
             criu_plugins=criu_plugins_on_node(args.prefix, lib_dir),
             readiness=(lambda: (node.ready, node.reason)) if node else None,

@@ -14,7 +14,7 @@ import logging
 import ssl
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -72,7 +72,7 @@ async def keep_within(
         return api.MemoryCopyReport(node=target.node, part=agent.node, message="no memory-tier token here")
     work = asyncio.to_thread(
         keep, staged.store, staged.part, images, agent.node, target, agent.memory_token_file,
-        agent.coordinator_tls(), deadline,
+        agent.coordinator_tls(), deadline, staged.released,
     )  # fmt: skip
     return await _bounded(work, agent, target, deadline)
 
@@ -96,15 +96,17 @@ def keep(
     token_file: Path,
     tls: ssl.SSLContext,
     deadline: float,
+    released: Collection[str] = (),
 ) -> api.MemoryCopyReport:
-    """Send this node's part (its chunks as stored, rebuilt from `images`) to `target` in pieces, then seal
-    it. Bounded by `deadline` (time.monotonic). Returns what the holder kept, or why it kept nothing."""
+    """Send this node's part (its chunks as stored, rebuilt from `images`, or read from S3 if `released`
+    from the disk during the dump) to `target` in pieces, then seal it. Bounded by `deadline`
+    (time.monotonic). Returns what the holder kept, or why it kept nothing."""
     started = time.monotonic()
     job, checkpoint = part.ref.job, part.ref.checkpoint_id
     report = api.MemoryCopyReport(node=target.node, part=node)
     try:
         pieces = Pieces(client(target.address, token_file, tls), (job, checkpoint, node), deadline)
-        for cid, stored in store.stored_chunks(part, images, node):
+        for cid, stored in store.stored_chunks(part, images, node, released):
             pieces.add(cid, stored)
         held = pieces.seal(None)
     except (AgentError, StoreError, OSError, ValueError) as error:  # TimeoutError is an OSError

@@ -6,6 +6,10 @@ never delays the dump: the Secrets are read and the store opened in the backgrou
 the dump re-reads every file and stores whatever is missing (hashing again only the spans the follower did
 not record, or that changed since), so a follower that could not start, or that failed, only leaves that
 upload more to do.
+
+With the agent's disk window (`--disk-window-bytes`), the follower also releases the page spans it stored
+from the disk, and diskwindow.py keeps CRIU to the upload's pace. Not when the job commits on its memory
+copies first: that copy is sealed from the images before the upload (memorycopies.keep_first).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from ibckpt.agentapi import Mode
 from ibckpt.agentapi import models as api
+from ibckpt_node.agent.diskwindow import DiskWindow, WindowStats
 from ibckpt_node.agent.session import Agent, Session
 
 if TYPE_CHECKING:
@@ -39,7 +44,9 @@ class PreUpload:
         self._lock = threading.Lock()  # the follower is started on a worker thread, stopped here
         self._stopped = False
         self._follower: Follower | None = None
+        self._window: DiskWindow | None = None
         self._task: asyncio.Task[None] | None = None
+        self.window: WindowStats | None = None  # after stop(): what the disk window saw
 
     def start(self) -> None:
         request = self._session.request
@@ -68,27 +75,46 @@ class PreUpload:
             bounds = dataclasses.asdict(request.timeouts.seconds())
             phases = ("preflight", "quiesce", "drain", "release", "dump")
             timeout = sum(bounds[f"{phase}_seconds"] for phase in phases)
-            await asyncio.to_thread(self._start_follower, config, destination, keys, timeout)
+            copy = request.memory_copy
+            window = agent.disk_window_bytes if copy is None or not copy.first else 0
+            # CRIU is paused only within half the dump's bound from here: the pre-dumps' and the dump's
+            # bounds (each dump_seconds) are never spent on the window alone (diskwindow.py)
+            give_way = bounds["dump_seconds"] / 2
+            await asyncio.to_thread(
+                self._start_follower, config, destination, keys, timeout, window, give_way
+            )
         except Exception as exc:  # the upload after the dump meets (and reports) the same problem
             log.warning("session %s: no upload during the dump: %s", request.session_id, exc)
 
     def _start_follower(
-        self, config: StoreConfig, destination: api.ImageDestination, keys: ManifestKeys, timeout: float
+        self,
+        config: StoreConfig,
+        destination: api.ImageDestination,
+        keys: ManifestKeys,
+        timeout: float,
+        window: int,
+        give_way: float,
     ) -> None:
         from ibckpt_node.agent.staging import follower
 
-        found = follower(config, destination, self._images, keys, timeout)
+        found = follower(config, destination, self._images, keys, timeout, release=window > 0)
         with self._lock:
-            if not self._stopped:  # else the dump is over already: never started, nothing to stop
-                self._follower = found.start()
+            if self._stopped:  # the dump is over already: never started, nothing to stop
+                return
+            self._follower = found.start()
+            if window > 0:
+                following = lambda: found.running and not found.stats.gave_up  # noqa: E731
+                self._window = DiskWindow(self._images, window, following, give_way).start()
 
     async def stop(self) -> FollowStats | None:
         """Stop following (the dump has ended or failed); the stats of what was uploaded meanwhile."""
         with self._lock:
             self._stopped = True
-            follower = self._follower
+            follower, window = self._follower, self._window
         if self._task is not None and not self._task.done():
             self._task.cancel()  # a store being opened on a thread finishes there, and starts nothing
+        if window is not None:
+            self.window = await asyncio.to_thread(window.stop)
         if follower is None:
             return None
         stats = await asyncio.to_thread(follower.stop)
@@ -100,4 +126,15 @@ class PreUpload:
             stats.present_chunks,
             stats.failed_chunks,
         )
+        if self.window is not None:
+            log.info(
+                "session %s: %d bytes left the disk as they were uploaded; the images held at most %d bytes "
+                "(window %d; CRIU paused %d times, %.1fs)",
+                self._session.request.session_id,
+                stats.released_bytes,
+                self.window.peak_bytes,
+                self.window.window,
+                self.window.pauses,
+                self.window.paused_seconds,
+            )
         return stats

@@ -98,6 +98,7 @@ class AgentServer:
         memory_budget: int = 0,
         memory_authenticator: Authenticator | None = None,
         memory_token_file: Path | None = None,
+        disk_window_bytes: int = 0,
     ) -> None:
         self.node = node
         # the node's own readiness (nodesetup: prerequisites, runtime handler), on top of serving
@@ -130,6 +131,7 @@ class AgentServer:
             criu_plugins=criu_plugins,
             memory_token_file=memory_token_file,
             shelf=self.shelf,
+            disk_window_bytes=disk_window_bytes,
         )
         self.fence = LeaderFence(work_dir / "leader-epoch")
         self.http = HttpServer(host, port, self.handle, error, tls)

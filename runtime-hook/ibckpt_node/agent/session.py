@@ -149,6 +149,8 @@ class Agent:
     memory_token_file: Path | None = None
     # what this agent holds for the others (memorytier.py): a restore here reads its own copies in-process
     shelf: MemoryShelf | None = None
+    # what a Stop or Hold dump's images may hold on the disk while they upload (diskwindow.py); 0: all
+    disk_window_bytes: int = 0
 
 
 @dataclass

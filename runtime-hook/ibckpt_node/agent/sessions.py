@@ -65,6 +65,7 @@ class Sessions:
         criu_plugins: str = "",
         memory_token_file: Path | None = None,
         shelf: MemoryShelf | None = None,
+        disk_window_bytes: int = 0,
     ) -> None:
         self.agent = Agent(
             node,
@@ -80,6 +81,7 @@ class Sessions:
             criu_plugins,
             memory_token_file,
             shelf,
+            disk_window_bytes,
         )
         self.sessions: dict[str, Session] = {}
         self.sweeper: asyncio.Task[None] | None = None

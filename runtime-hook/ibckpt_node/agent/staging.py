@@ -122,12 +122,19 @@ def upload_config(config: StoreConfig, destination: api.ImageDestination) -> Sto
 
 
 def follower(
-    config: StoreConfig, destination: api.ImageDestination, images: Path, keys: ManifestKeys, timeout: float
+    config: StoreConfig,
+    destination: api.ImageDestination,
+    images: Path,
+    keys: ManifestKeys,
+    timeout: float,
+    release: bool = False,
 ) -> Follower:
     """A follower (not started) of the dump under `images`, with the upload's configuration and keys, so
-    that what it stores has the ids and bytes the upload's chunks would have."""
+    that what it stores has the ids and bytes the upload's chunks would have; `release`: it punches what
+    it stored of the page files out of the disk (the disk window, diskwindow.py)."""
     store = ImageStore(upload_config(config, destination), signing=keys)
-    return store.follow(images, destination.job, timeout=timeout)
+    release_for = destination.checkpoint_id if release else None
+    return store.follow(images, destination.job, timeout=timeout, release_for=release_for)
 
 
 def stage_trees(
@@ -150,6 +157,7 @@ class StagedPart(NamedTuple):
     logical_bytes: int
     store: ImageStore  # as it staged: the memory tier's copy is sealed the same way
     part: Manifest
+    released: frozenset[str] = frozenset()  # chunks released from the disk: the copy reads them from S3
 
 
 def stage_part(
@@ -171,7 +179,8 @@ def stage_part(
         with store.writer(job, checkpoint, progress=progress, followed=followed) as writer:
             total, ranks = _add_trees(writer, destination, node, images_root, trees, devices)
             part = writer.stage(node, ranks)
-        return StagedPart(total, store, part)
+        released = frozenset(span.chunk_id for span in (followed or {}).values() if span.released)
+        return StagedPart(total, store, part, released)
     except StoreError as exc:
         raise StagingError(f"staging to {config.where()}: {exc}") from exc
 
