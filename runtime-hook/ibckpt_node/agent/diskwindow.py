@@ -15,6 +15,7 @@ progress for STALL_SECONDS, and for good once half the dump's bound has passed s
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import logging
 import os
 import signal
@@ -25,9 +26,12 @@ from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 
+from ibckpt.store.config import DEFAULT_CHUNK_SIZE
+from ibckpt.store.follow import RELEASABLE
+
 log = logging.getLogger(__name__)
 
-POLL_SECONDS = 0.1
+POLL_SECONDS = 0.05  # CRIU may write this long past the window before it is paused
 LOW_WATER = 0.75  # CRIU runs again once the bytes held are under this share of the window
 STALL_SECONDS = 30.0  # paused this long with no byte released: the window gives way
 CRIU = "criu"
@@ -78,13 +82,18 @@ class WindowGate:
         return Step.RESUME
 
 
-def held_bytes(root: Path) -> int:
-    """What the files under `root` take on the disk (their blocks: a released span takes none)."""
+def held_bytes(root: Path, chunk_size: int) -> int:
+    """What the page files under `root` take on the disk in whole chunks, which the follower may release
+    (their blocks: a released span takes none). A file's tail short of a chunk, and the other images (a
+    few MiB: cores, page maps), stay until the upload: pausing CRIU for them would gain nothing."""
     total = 0
     for dirpath, _, files in os.walk(root):
         for name in files:
+            if not fnmatch.fnmatch(name, RELEASABLE):
+                continue
             with contextlib.suppress(OSError):
-                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
+                info = os.lstat(os.path.join(dirpath, name))
+                total += max(0, info.st_blocks * 512 - info.st_size % chunk_size)
     return total
 
 
@@ -134,6 +143,7 @@ class DiskWindow:
     window: int
     following: Callable[[], bool]  # whether the follower still uploads (and so releases)
     give_way_after: float  # seconds from start()
+    chunk_size: int = DEFAULT_CHUNK_SIZE  # the follower's (set once its store's configuration is read)
     stats: WindowStats = field(init=False)
     _stop: threading.Event = field(default_factory=threading.Event, init=False)
     _thread: threading.Thread | None = field(default=None, init=False)
@@ -161,7 +171,7 @@ class DiskWindow:
         paused_at = 0.0
         try:
             while not self._stop.is_set():
-                held = held_bytes(self.images)
+                held = held_bytes(self.images, self.chunk_size)
                 self.stats.peak_bytes = max(self.stats.peak_bytes, held)
                 now = time.monotonic()
                 step = gate.step(held, self.following(), now)

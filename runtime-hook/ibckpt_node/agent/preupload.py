@@ -60,6 +60,23 @@ class PreUpload:
         if request.images is None or not self._agent.pre_upload or self._agent.secrets is None:
             return
         self._task = asyncio.create_task(self._open(request, request.images))
+        copy = request.memory_copy
+        if self._agent.disk_window_bytes > 0 and (copy is None or not copy.first):
+            # From now, not from the follower's start: CRIU may not outrun a follower still opening the
+            # store. CRIU is paused only within half the dump's bound from here: the pre-dumps' and the
+            # dump's bounds (each dump_seconds) are never spent on the window alone.
+            give_way = request.timeouts.seconds().dump_seconds / 2
+            window = DiskWindow(self._images, self._agent.disk_window_bytes, self._following, give_way)
+            self._window = window.start()
+
+    def _following(self) -> bool:
+        """Whether page spans may still leave the disk: the follower is opening, or runs and has not given
+        up (diskwindow.py)."""
+        with self._lock:
+            follower = self._follower
+        if follower is None:
+            return self._task is not None and not self._task.done()
+        return follower.running and not follower.stats.gave_up
 
     async def _open(self, request: api.CheckpointRequest, destination: api.ImageDestination) -> None:
         from ibckpt_node.agent.staging import image_keys, read_config  # boto3: when staging
@@ -75,14 +92,10 @@ class PreUpload:
             bounds = dataclasses.asdict(request.timeouts.seconds())
             phases = ("preflight", "quiesce", "drain", "release", "dump")
             timeout = sum(bounds[f"{phase}_seconds"] for phase in phases)
-            copy = request.memory_copy
-            window = agent.disk_window_bytes if copy is None or not copy.first else 0
-            # CRIU is paused only within half the dump's bound from here: the pre-dumps' and the dump's
-            # bounds (each dump_seconds) are never spent on the window alone (diskwindow.py)
-            give_way = bounds["dump_seconds"] / 2
-            await asyncio.to_thread(
-                self._start_follower, config, destination, keys, timeout, window, give_way
-            )
+            if self._window is not None:
+                self._window.chunk_size = config.chunk_size
+            release = self._window is not None
+            await asyncio.to_thread(self._start_follower, config, destination, keys, timeout, release)
         except Exception as exc:  # the upload after the dump meets (and reports) the same problem
             log.warning("session %s: no upload during the dump: %s", request.session_id, exc)
 
@@ -92,19 +105,14 @@ class PreUpload:
         destination: api.ImageDestination,
         keys: ManifestKeys,
         timeout: float,
-        window: int,
-        give_way: float,
+        release: bool,
     ) -> None:
         from ibckpt_node.agent.staging import follower
 
-        found = follower(config, destination, self._images, keys, timeout, release=window > 0)
+        found = follower(config, destination, self._images, keys, timeout, release=release)
         with self._lock:
-            if self._stopped:  # the dump is over already: never started, nothing to stop
-                return
-            self._follower = found.start()
-            if window > 0:
-                following = lambda: found.running and not found.stats.gave_up  # noqa: E731
-                self._window = DiskWindow(self._images, window, following, give_way).start()
+            if not self._stopped:  # else the dump is over already: never started, nothing to stop
+                self._follower = found.start()
 
     async def stop(self) -> FollowStats | None:
         """Stop following (the dump has ended or failed); the stats of what was uploaded meanwhile."""
