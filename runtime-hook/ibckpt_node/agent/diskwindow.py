@@ -26,9 +26,6 @@ from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 
-from ibckpt.store.config import DEFAULT_CHUNK_SIZE
-from ibckpt.store.follow import RELEASABLE
-
 log = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.05  # CRIU may write this long past the window before it is paused
@@ -86,6 +83,8 @@ def held_bytes(root: Path, chunk_size: int) -> int:
     """What the page files under `root` take on the disk in whole chunks, which the follower may release
     (their blocks: a released span takes none). A file's tail short of a chunk, and the other images (a
     few MiB: cores, page maps), stay until the upload: pausing CRIU for them would gain nothing."""
+    from ibckpt.store.follow import RELEASABLE  # the store: only once a window is watched (agent start)
+
     total = 0
     for dirpath, _, files in os.walk(root):
         for name in files:
@@ -143,7 +142,7 @@ class DiskWindow:
     window: int
     following: Callable[[], bool]  # whether the follower still uploads (and so releases)
     give_way_after: float  # seconds from start()
-    chunk_size: int = DEFAULT_CHUNK_SIZE  # the follower's (set once its store's configuration is read)
+    chunk_size: int = 0  # the follower's, once its store's configuration is read; 0: the default
     stats: WindowStats = field(init=False)
     _stop: threading.Event = field(default_factory=threading.Event, init=False)
     _thread: threading.Thread | None = field(default=None, init=False)
@@ -168,10 +167,12 @@ class DiskWindow:
         return self.stats
 
     def _run(self, gate: WindowGate) -> None:
+        from ibckpt.store.config import DEFAULT_CHUNK_SIZE
+
         paused_at = 0.0
         try:
             while not self._stop.is_set():
-                held = held_bytes(self.images, self.chunk_size)
+                held = held_bytes(self.images, self.chunk_size or DEFAULT_CHUNK_SIZE)
                 self.stats.peak_bytes = max(self.stats.peak_bytes, held)
                 now = time.monotonic()
                 step = gate.step(held, self.following(), now)
