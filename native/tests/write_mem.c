@@ -13,7 +13,8 @@
  * With -d, the CPU also keeps a buffer of that size, of random bytes (so
  * neither compression nor dedup shrinks its image), of which it rewrites
  * PCT percent of the pages each second (a job's own dirty rate, for
- * bench/pre_dump_freeze.py and bench/large_pod.py); it is not checked.
+ * bench/pre_dump_freeze.py and bench/large_pod.py); it is checked too,
+ * every page against the dirties counted.
  * -n: no device and no region, only that buffer: the same memory as a
  * plain process, which CRIU can dump without ibckpt (the raw side).
  *
@@ -68,6 +69,11 @@ static long check(const uint64_t *dst, uint64_t writes, size_t nchunks, size_t c
 	return -1;
 }
 
+static uint64_t buffer_word(size_t i)
+{
+	return mix64(i ^ 0x9e3779b97f4a7c15ull);
+}
+
 /* Every page present from the start, as a job's working set, and random. */
 static unsigned char *random_buffer(size_t bytes)
 {
@@ -76,8 +82,29 @@ static unsigned char *random_buffer(size_t bytes)
 	if (!words)
 		DIE("dirty buffer of %zu bytes", bytes);
 	for (size_t i = 0; i < bytes / sizeof(uint64_t); i++)
-		words[i] = mix64(i ^ 0x9e3779b97f4a7c15ull);
+		words[i] = buffer_word(i);
 	return (unsigned char *)words;
+}
+
+/* What the buffer must hold after `done` dirties (dirty_due: one more to
+ * the first byte of each page in turn); the first bad page, or -1. A page
+ * a checkpoint lost, zeroed or took from an older copy fails it. */
+static long check_buffer(const unsigned char *buf, size_t pages, size_t done)
+{
+	const uint64_t *words = (const uint64_t *)buf;
+
+	for (size_t p = 0; p < pages; p++) {
+		unsigned char first = (unsigned char)(buffer_word(p * WORDS) + done / pages + (p < done % pages));
+
+		if (buf[p * PAGE] != first)
+			return (long)p;
+		for (size_t i = p * WORDS + 1; i < (p + 1) * WORDS; i++)
+			if (words[i] != buffer_word(i))
+				return (long)p;
+		if ((words[p * WORDS] & ~(uint64_t)0xff) != (buffer_word(p * WORDS) & ~(uint64_t)0xff))
+			return (long)p;
+	}
+	return -1;
 }
 
 /* The CPU's dirty rate: page by page through buf, `pct` percent of its
@@ -101,6 +128,10 @@ static int dirty_only(const char *checkfile, unsigned char *buf, size_t pages, d
 	while (!file_exists(checkfile)) {
 		dirty_due(buf, pages, pct, t0, &done);
 		usleep(1000);
+	}
+	if (check_buffer(buf, pages, done) >= 0) {
+		printf("CHECK bad buffer page=%ld dirtied=%zu\n", check_buffer(buf, pages, done), done);
+		return 1;
 	}
 	printf("CHECK ok dirtied=%zu\n", done);
 	return 0;
@@ -210,7 +241,12 @@ int main(int argc, char **argv)
 		       (unsigned long long)want, (unsigned long long)writes);
 		return 1;
 	}
-	printf("CHECK ok writes=%llu rounds=%llu\n", (unsigned long long)writes,
-	       (unsigned long long)(writes / nchunks));
+	bad = dirty ? check_buffer(dirty, (dirty_mib << 20) / PAGE, dirtied) : -1;
+	if (bad >= 0) {
+		printf("CHECK bad buffer page=%ld dirtied=%zu\n", bad, dirtied);
+		return 1;
+	}
+	printf("CHECK ok writes=%llu rounds=%llu dirtied=%zu\n", (unsigned long long)writes,
+	       (unsigned long long)(writes / nchunks), dirtied);
 	return 0;
 }

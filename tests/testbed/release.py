@@ -125,6 +125,8 @@ def storage_secret(cluster: Cluster, namespace: str, access_key: str, secret_key
 
 WEBHOOK_CLIENT_CA_SECRET = "apiserver-webhook-client-ca"
 MEMORY_TIER_BYTES = 256 * 1024 * 1024
+# Two of the store's 8 MiB chunks: the ring's small images never reach it; tests/helm/test_large_pod.py's do.
+DISK_WINDOW_BYTES = 16 * 1024 * 1024
 
 
 def install(
@@ -167,6 +169,7 @@ def install(
     # The memory tier on (docs/recovery.md, "Tiers"): the ring's parts are a few MB; 256 MiB per agent
     # fits the chart's 1 GiB agent limit and the 3 GiB guests.
     pin += ["--set", f"agent.memoryTier.bytes={MEMORY_TIER_BYTES}"]
+    pin += ["--set", f"agent.diskWindowBytes={DISK_WINDOW_BYTES}"]
     for value in values:
         pin += ["--set", value]
     out = helm(
