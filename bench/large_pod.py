@@ -2,7 +2,7 @@
 same node in the same run (issue 31): the freeze, the Stop checkpoint and the restore, at each size given.
 
 Run from the repo root:  .venv/bin/python bench/large_pod.py [--mib 64 512] [--rate 5] [--agent-memory 2Gi]
-                             [--guest-memory-mib 6144]
+                             [--guest-memory-mib 6144] [--disk-window-mib 16]
 (boots S3, the control plane and the two Soft-RoCE nodes and installs the chart, about 15 minutes under TCG,
 then about 10 minutes per 256 MiB; read the ratios, not the seconds)
 
@@ -11,7 +11,8 @@ shim: RDMA WRITEs into an 8 MiB region in a loop, beside a buffer of MIB MiB of 
 rewrites RATE percent of the pages every second. Per size:
   1. a LeaveRunning CheckpointJob with `preDump`: the pod's frozenSeconds from the job's status (the cut's
      start until its rank ran again: drain, release, the final dump, rebuild, resume);
-  2. a Stop CheckpointJob: apply to Succeeded (committed, the source stopped);
+  2. a Stop CheckpointJob: apply to Succeeded (committed, the source stopped), and what node-1's disk
+     window did (the testbed release's 16 MiB unless --disk-window-mib says otherwise; 0: off);
   3. a RestoreJob onto node-2: apply to Succeeded (running again); then the rank stops and checks that its
      region holds every write it completed (CHECK ok), so the numbers are those of a restore that worked.
 raw, on node-1 through its agent pod (hostPID; the node's runc and root, as the agent runs them): a pod of
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shlex
 import sys
 import time
@@ -108,7 +110,25 @@ def events(cluster: Cluster, name: str, job: dict[str, Any]) -> list[str]:
     return [line for _, line in sorted(lines)]
 
 
-def ibckpt_side(cluster: Cluster, mib: int, rate: float) -> dict[str, Any]:
+# node-1's agent after a Stop's dump (runtime-hook/ibckpt_node/agent/preupload.py)
+WINDOW_LINE = re.compile(
+    r"(\d+) bytes left the disk as they were uploaded; the images held at most (\d+) bytes "
+    r"\(window (\d+); CRIU paused (\d+) times, ([\d.]+)s\)"
+)
+
+
+def window_seen(release: Release) -> str:
+    said = list(WINDOW_LINE.finditer(release.logs("agent")))
+    if not said:
+        return "no disk window (or nothing it could release)"
+    released, held, window, pauses, paused = said[-1].groups()
+    return (
+        f"{int(released) / 1e6:.0f} MB left the disk during the dump, at most {int(held) / 1e6:.0f} MB held "
+        f"(window {int(window) / 1e6:.0f} MB), CRIU paused {pauses} times for {float(paused):.1f} s"
+    )
+
+
+def ibckpt_side(cluster: Cluster, release: Release, mib: int, rate: float) -> dict[str, Any]:
     pods.apply(cluster, NS, big_pod(mib, rate))
     pods.wait_pod(cluster, NS, "big", {"Running"})
     wait_log(cluster, "big", "READY")
@@ -128,6 +148,7 @@ def ibckpt_side(cluster: Cluster, mib: int, rate: float) -> dict[str, Any]:
     out["stop_stages"] = stages(spent, CHECKPOINT_STAGES)
     row = next(r for r in done["status"]["pods"] if r["name"] == "big")
     out["bytes"] = int(row.get("bytes") or 0)
+    out["window"] = window_seen(release)
     checkpoint = done["status"]["checkpointName"]
 
     cluster.kubectl("delete", "pod", "-n", NS, "big", "--timeout=180s", timeout=200)
@@ -176,6 +197,7 @@ def report(mib: int, rate: float, ours: dict[str, Any], raw: dict[str, Any]) -> 
     line("  its pre-dump, while running", ours["pre_dump"], None)
     line("  the whole LeaveRunning job", ours["lr_total"], None)
     line("stop: apply to committed", ours["stop"], raw["dump"] + raw["upload"])
+    print(f"    its disk window: {ours['window']}")
     for stage, seconds in ours["stop_stages"].items():
         line(f"  {stage}", seconds, {"dump": raw["dump"], "upload": raw["upload"]}.get(stage))
     line("restore: apply to running", ours["restore"], raw["download"] + raw["restore"])
@@ -192,17 +214,21 @@ def report(mib: int, rate: float, ours: dict[str, Any], raw: dict[str, Any]) -> 
         print(f"    {event}")
 
 
-def run(cluster: Cluster, s3: S3Server, sizes: list[int], rate: float, agent_memory: str) -> None:
+def run(
+    cluster: Cluster, s3: S3Server, sizes: list[int], rate: float, agent_memory: str, window_mib: int | None
+) -> None:
     pods.namespace(cluster, ring.PRODUCT_NS)
     storage_secret(cluster, ring.PRODUCT_NS, s3.access_key, s3.secret_key)
     values = [f"agent.resources.limits.memory={agent_memory}"] if agent_memory else []
+    if window_mib is not None:
+        values.append(f"agent.diskWindowBytes={window_mib << 20}")
     release = install(cluster, "ibckpt", ring.PRODUCT_NS, values=values)
     release.operator_leading()
     pods.namespace(cluster, NS)
     storage_secret(cluster, NS, s3.access_key, s3.secret_key)
     pods.apply(cluster, NS, ring.storage(s3.endpoint, BUCKET))
     for mib in sizes:
-        ours = ibckpt_side(cluster, mib, rate)
+        ours = ibckpt_side(cluster, release, mib, rate)
         print(json.dumps({"mib": mib, "rate": rate, "ibckpt": ours}), flush=True)
         raw = raw_side(cluster, release, s3, mib, rate, max(ours["bytes"], 1))
         print(json.dumps({"mib": mib, "rate": rate, "raw": raw}), flush=True)
@@ -228,10 +254,17 @@ def main() -> int:
         help="each node guest's memory; its tmpfs disks get half: a pre-dumped pod's images are on it "
         "twice, beside the pod's own memory (6144 for 512 MiB)",
     )
+    parser.add_argument(
+        "--disk-window-mib",
+        type=int,
+        default=None,
+        help="the agents' disk window (docs/node-agent.md); the testbed release's 16 MiB unless given, "
+        "0 turns it off",
+    )
     args = parser.parse_args()
     on_cluster(
         BUCKET,
-        lambda cluster, s3: run(cluster, s3, args.mib, args.rate, args.agent_memory),
+        lambda cluster, s3: run(cluster, s3, args.mib, args.rate, args.agent_memory, args.disk_window_mib),
         memory_mb=args.guest_memory_mib,
     )
     return 0
