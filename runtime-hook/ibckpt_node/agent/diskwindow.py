@@ -8,7 +8,7 @@ follower has brought them back under LOW_WATER of it. So the dump goes at the up
 checkpoint costs about max(dump, upload), as before.
 
 Every pause is bounded: CRIU runs again when the follower stops or gives up, when the bytes held make no
-progress for STALL_SECONDS, and for good once half the dump's bound has passed since the follower started
+progress for STALL_SECONDS, and for good once half the dump's bound has passed since the pre-upload began
 (the window then gives way to the bound, and says so).
 """
 
