@@ -180,13 +180,15 @@ def test_the_agents_land_on_accelerator_nodes_and_resolve_cluster_names() -> Non
     assert spec["dnsPolicy"] == "ClusterFirstWithHostNet"
 
 
-def test_the_agents_upload_during_the_dump_unless_told_not_to() -> None:
+def test_the_agents_upload_during_the_dump_unless_told_not_to_within_a_disk_window_if_given() -> None:
     def args(*values: str) -> list[str]:
         agent = rendered_objects(*values)[("DaemonSet", "ibckpt-agent")]
         return list(agent["spec"]["template"]["spec"]["containers"][0]["args"])
 
-    assert "--no-pre-upload" not in args()
+    default = args()
+    assert "--no-pre-upload" not in default and "--disk-window-bytes=0" in default
     assert "--no-pre-upload" in args("--set", "agent.preUpload=false")
+    assert "--disk-window-bytes=4294967296" in args("--set", "agent.diskWindowBytes=4294967296")
 
 
 def test_the_operator_grants_storage_secrets_by_name_unless_told_not_to() -> None:
