@@ -10,7 +10,8 @@ cannot all be on the disk at once: node-1's agent says how many bytes left the d
 often CRIU waited and the most its images held, which must stay well under the whole. The RestoreJob
 downloads the part onto node-2; told to stop, the rank checks that its region holds every write it
 completed and that every page of its buffer holds what its own dirties made of it (`CHECK ok`): a page
-lost or zeroed by the release fails it.
+lost or zeroed by the release fails it. The memory tier's copy of the part, made on node-2 after the
+commit, reads the released chunks back from the bucket: the Checkpoint must list it.
 """
 
 from __future__ import annotations
@@ -87,6 +88,16 @@ def test_a_pod_larger_than_the_disk_window_is_stopped_and_restored_whole(
     assert held <= int(row["bytes"]) // 2, (said[-1].group(0), row)
 
     checkpoint = done["status"]["checkpointName"]
+    # The release runs the memory tier: node-1's part is copied to node-2's agent after the commit, its
+    # released chunks read back from the bucket (they are no longer on node-1's disk).
+    deadline = time.monotonic() + 120
+    while (status := pods.get(cluster, job_ns, "checkpoint", checkpoint)["status"]).get("tiers") != [
+        "S3",
+        "Memory",
+    ]:
+        assert time.monotonic() < deadline, status
+        time.sleep(2)
+    assert {c["part"]: c["node"] for c in status["memoryCopies"]} == {"node-1": "node-2"}, status
     cluster.kubectl("delete", "pod", "-n", job_ns, "big", "--timeout=180s", timeout=200, check=False)
     pods.apply(cluster, job_ns, ring.restore_job("big-back", checkpoint))
     ring.wait_phase(cluster, job_ns, "restorejob", "big-back", "Succeeded", 900)
