@@ -61,7 +61,15 @@ from agent.agent_harness import OPERATOR, Stub, register_entry
 from node.fake_shim import FakeShimSocket
 from pydantic import SecretStr
 
-from ibckpt.agentapi import AgentClient, AgentError, CheckpointRequest, Milestone, RankRef, SessionReport
+from ibckpt.agentapi import (
+    AgentClient,
+    AgentError,
+    CheckpointRequest,
+    Milestone,
+    Mode,
+    RankRef,
+    SessionReport,
+)
 from ibckpt.coordination.client import CoordinatorClient
 from ibckpt.tls import CA_FILE, client_context_from
 from ibckpt_node.agent import session as agent_session
@@ -252,6 +260,10 @@ def request_for(node: int, per_agent: int, port: int, token: str) -> CheckpointR
         job=JOB,
         ranks=[RankRef(pod_uid=f"uid-{container_id(node, r)}", container="main") for r in range(per_agent)],
         job_addresses=["127.0.0.1"],
+        # Hold, whose dump starts once every node has passed `released`: a LeaveRunning node meets that
+        # barrier during its dump, and a dump that fails at once (the stale file) could abort the session
+        # before the barrier passed everywhere, so that the cut measured would not be whole.
+        mode=Mode.HOLD,
     )
 
 
