@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from ibckpt_node.agent.diskwindow import (
+    LOOKAHEAD_LOOKS,
     LOW_WATER,
     STALL_SECONDS,
     DiskWindow,
@@ -27,12 +28,22 @@ MIB = 1 << 20
 
 def test_criu_pauses_past_the_window_and_runs_again_under_its_low_water() -> None:
     gate = WindowGate(window=100, give_way_at=1000.0)
-    assert gate.step(100, True, 0.0) is None
+    assert gate.step(100, True, 0.0) is None  # the first look knows no pace yet
+    assert gate.step(100, True, 0.5) is None
     assert gate.step(101, True, 1.0) is Step.PAUSE
     assert gate.step(90, True, 2.0) is None  # above the low water still
     assert gate.step(int(100 * LOW_WATER), True, 3.0) is Step.RESUME
     assert gate.step(101, True, 4.0) is Step.PAUSE  # and again
     assert not gate.gave_way
+
+
+def test_criu_pauses_before_the_window_when_it_writes_fast() -> None:
+    """At its last pace it would pass the window within LOOKAHEAD_LOOKS more looks: paused now."""
+    gate = WindowGate(window=100, give_way_at=1000.0)
+    assert gate.step(10, True, 0.0) is None
+    assert gate.step(30, True, 0.05) is None  # 30 + 3 * 20 = 90
+    assert LOOKAHEAD_LOOKS == 3
+    assert gate.step(50, True, 0.1) is Step.PAUSE  # 50 + 3 * 20 = 110, before it passed the window
 
 
 def test_the_window_gives_way_when_nothing_leaves_the_disk() -> None:

@@ -4,6 +4,7 @@ tests/conftest.py, which tests/cluster starts so that the operator starts while 
 from __future__ import annotations
 
 import secrets
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -43,3 +44,55 @@ def job_ns(installed: Release, s3_server: S3Server) -> Iterator[str]:
         yield JOB_NS
     finally:
         pods.delete_namespace(cluster, JOB_NS)
+
+
+HOST_DIR = "/var/lib/ibckpt"  # the chart's agent.hostDir
+LEFT_ON_DISK = """
+import os, sys
+def bytes_of(path):
+    try:
+        return os.lstat(path).st_size
+    except FileNotFoundError:
+        return 0
+def size(top, only=None):
+    total = 0
+    for root, dirs, files in os.walk(top):
+        if "kept.json" in files:
+            dirs.clear()
+            continue
+        if only is None or only in root.split(os.sep):
+            total += sum(bytes_of(os.path.join(root, f)) for f in files)
+    return total
+print(size(sys.argv[1] + "/sessions", "images"), size(sys.argv[1] + "/restore"))
+"""
+
+
+def left_on_disk(installed: Release) -> dict[str, tuple[int, int]]:
+    """Each node's (image bytes, restore staging bytes) under the agents' host dir (of running agents).
+    An exec is tried again for 30 s: a fresh node's agent restarts containerd once it serves, and the
+    kubelet answers no exec until containerd is back."""
+    found = {}
+    for agent in installed.agent_pods():
+        if agent["status"].get("phase") != "Running":
+            continue
+        deadline = time.monotonic() + 30
+        while True:
+            done = installed.cluster.kubectl(
+                "exec", "-n", installed.namespace, agent["metadata"]["name"], "--",
+                "/opt/ibckpt/venv/bin/python", "-c", LEFT_ON_DISK, HOST_DIR, check=False,
+            )  # fmt: skip
+            if done.returncode == 0 or time.monotonic() > deadline:
+                break
+            time.sleep(3)
+        assert done.returncode == 0, f"exec in {agent['metadata']['name']}: {done.stderr[-2000:]}"
+        out = done.stdout.split()
+        found[agent["spec"]["nodeName"]] = (int(out[0]), int(out[1]))
+    return found
+
+
+def nothing_left_on_disk(installed: Release) -> None:
+    """Within 120 s, no node keeps checkpoint images or restore staging (a kept failure's aside)."""
+    deadline = time.monotonic() + 120
+    while any(sum(left) for left in left_on_disk(installed).values()):
+        assert time.monotonic() < deadline, f"(image, staging) bytes left per node: {left_on_disk(installed)}"
+        time.sleep(5)

