@@ -118,10 +118,20 @@ async def forget_replaced(
     rt: Runtime, namespace: str, job: str, newest: str, copies: list[MemoryCopy]
 ) -> None:
     """The job's older Checkpoints stop listing the copies that the newest one's replaced on their holders
-    (each keeps one copy per part of a job)."""
+    (each keeps one copy per part of a job). Only those created before it: the watch of an older one
+    that ends late (record_when_sealed) must not strip a newer one's copies."""
     if not copies:
         return
-    for body in await rt.kube.list_custom(CHECKPOINT.plural):
+    bodies = await rt.kube.list_custom(CHECKPOINT.plural)
+    made = {
+        (body["metadata"].get("namespace"), body["metadata"].get("name")): body["metadata"].get(
+            "creationTimestamp"
+        )
+        for body in bodies
+        if isinstance(body.get("metadata"), dict)
+    }
+    newest_made = made.get((namespace, newest))
+    for body in bodies:
         with contextlib.suppress(ValueError):
             older = Checkpoint.from_wire(body)
             meta = older.metadata
@@ -131,6 +141,10 @@ async def forget_replaced(
                 or meta.name == newest
                 or older.spec.job_name != job
             ):
+                continue
+            older_made = made.get((meta.namespace, meta.name))
+            # RFC 3339 in UTC: ordered as strings; the same second is not known to be older
+            if not newest_made or not older_made or older_made >= newest_made:
                 continue
             before = recorded(older)
             kept = memorytier.replaced(before, copies)
