@@ -18,8 +18,8 @@ from agent.agent_harness import IMAGE_KEYS, Running, stand_in_criu
 from agent.test_agent_disk import SECRET, agent_options, location, secret_data, wait_finished
 from agent.test_agent_session import checkpoint_request, registered_shim
 
-from ibckpt.agentapi import ImageDestination, Mode
-from ibckpt.store import CheckpointRef, ImageStore
+from ibckpt.agentapi import ImageDestination, Mode, SessionReport
+from ibckpt.store import CheckpointRef, ImageStore, Manifest
 from ibckpt.store.config import DEFAULT_CHUNK_SIZE
 from ibckpt.store.layout import Layout
 from ibckpt_node.agent.staging import store_config
@@ -63,6 +63,45 @@ def slow_criu(tmp_path: Path, s3: S3Server, bucket: str) -> tuple[bytes, Path]:
     return pages, seen
 
 
+def checkpoint_to(
+    agent: Running,
+    coordinator: ThreadedCoordinator,
+    sleeper: subprocess.Popen[bytes],
+    s3_server: S3Server,
+    bucket: str,
+    mode: Mode,
+    tmp_path: Path,
+    timeout_s: float,
+) -> SessionReport:
+    """One node's checkpoint session of `sleeper` as job ring, checkpoint c1, staged to `bucket`."""
+    registered_shim(tmp_path / "state", sleeper.pid)
+    session, tokens = coordinator.create_session({"node-x"})
+    request = checkpoint_request(coordinator, session, tokens["node-x"], mode)
+    client = agent.client()
+    client.checkpoint(request.model_copy(update={"images": destination(s3_server, bucket)}))
+    return wait_finished(client, session, timeout_s=timeout_s)
+
+
+def destination(s3_server: S3Server, bucket: str) -> ImageDestination:
+    return ImageDestination(
+        location=location(s3_server, bucket), credentials=SECRET, job="ring", checkpoint_id="c1"
+    )
+
+
+def committed(s3_server: S3Server, bucket: str) -> tuple[ImageStore, Manifest]:
+    """ring/c1 committed from node-x's part, as the operator does."""
+    config = store_config(destination(s3_server, bucket).location, SECRET, secret_data(s3_server))
+    store = ImageStore.open(config, signing=IMAGE_KEYS)
+    return store, store.commit_parts("ring", "c1", ["node-x"])
+
+
+def restored_pages(store: ImageStore, manifest: Manifest, tmp_path: Path) -> bytes:
+    [record] = [r for r in manifest.files if r.path.endswith("/pages-1.img")]
+    back = tmp_path / "back"
+    store.restore(CheckpointRef("ring", "c1"), back)
+    return (back / record.path).read_bytes()
+
+
 @pytest.mark.parametrize(
     ("pre_upload", "mode"),
     [(True, Mode.STOP), (True, Mode.HOLD), (False, Mode.STOP), (True, Mode.LEAVE_RUNNING)],
@@ -85,22 +124,12 @@ def test_the_dumps_chunks_are_stored_before_criu_exits(
     agent_options(agent, s3_server)
     sessions = agent.server.sessions
     sessions.agent = dataclasses.replace(sessions.agent, pre_upload=pre_upload)
-    registered_shim(tmp_path / "state", sleeper.pid)
-    session, tokens = coordinator.create_session({"node-x"})
-    destination = ImageDestination(
-        location=location(s3_server, bucket), credentials=SECRET, job="ring", checkpoint_id="c1"
-    )
-    request = checkpoint_request(coordinator, session, tokens["node-x"], mode)
-    client = agent.client()
-    client.checkpoint(request.model_copy(update={"images": destination}))
-    report = wait_finished(client, session, timeout_s=120)
+    report = checkpoint_to(agent, coordinator, sleeper, s3_server, bucket, mode, tmp_path, timeout_s=120)
     ended = {Mode.STOP: "Stopped", Mode.HOLD: "Held"}.get(mode, "Succeeded")
     assert (report.state, report.phase) == ("Succeeded", ended), report
 
     during = int(seen.read_text())  # chunks in the bucket before criu exited
-    config = store_config(destination.location, SECRET, secret_data(s3_server))
-    store = ImageStore.open(config, signing=IMAGE_KEYS)
-    manifest = store.commit_parts("ring", "c1", ["node-x"])
+    store, manifest = committed(s3_server, bucket)
     if pre_upload and mode != Mode.LEAVE_RUNNING:  # a Hold is how the operator runs a Stop job
         assert during == CHUNKS
         assert f"; {CHUNKS} chunks were uploaded during the dump" in report.message
@@ -110,10 +139,7 @@ def test_the_dumps_chunks_are_stored_before_criu_exits(
         assert during == 0
         assert "during the dump" not in report.message
         assert manifest.stats.uploaded_chunks == manifest.stats.distinct_chunks
-    [record] = [r for r in manifest.files if r.path.endswith("/pages-1.img")]
-    back = tmp_path / "back"
-    store.restore(CheckpointRef("ring", "c1"), back)
-    assert (back / record.path).read_bytes() == pages
+    assert restored_pages(store, manifest, tmp_path) == pages
 
 
 WINDOW_CHUNKS = 2
@@ -165,15 +191,7 @@ def test_a_disk_window_keeps_a_stop_dump_to_the_uploads_pace_and_the_checkpoint_
     sessions = agent.server.sessions
     window_bytes = WINDOW_CHUNKS * DEFAULT_CHUNK_SIZE if window else 0
     sessions.agent = dataclasses.replace(sessions.agent, disk_window_bytes=window_bytes)
-    registered_shim(tmp_path / "state", sleeper.pid)
-    session, tokens = coordinator.create_session({"node-x"})
-    destination = ImageDestination(
-        location=location(s3_server, bucket), credentials=SECRET, job="ring", checkpoint_id="c1"
-    )
-    request = checkpoint_request(coordinator, session, tokens["node-x"], Mode.STOP)
-    client = agent.client()
-    client.checkpoint(request.model_copy(update={"images": destination}))
-    report = wait_finished(client, session, timeout_s=180)
+    report = checkpoint_to(agent, coordinator, sleeper, s3_server, bucket, Mode.STOP, tmp_path, timeout_s=180)
     assert (report.state, report.phase) == ("Succeeded", "Stopped"), report
 
     most = int(peak.read_text())
@@ -192,10 +210,5 @@ def test_a_disk_window_keeps_a_stop_dump_to_the_uploads_pace_and_the_checkpoint_
     else:
         assert most >= chunks * DEFAULT_CHUNK_SIZE  # the whole file, until the upload
         assert "left the disk" not in report.message
-    config = store_config(destination.location, SECRET, secret_data(s3_server))
-    store = ImageStore.open(config, signing=IMAGE_KEYS)
-    manifest = store.commit_parts("ring", "c1", ["node-x"])
-    [record] = [r for r in manifest.files if r.path.endswith("/pages-1.img")]
-    back = tmp_path / "back"
-    store.restore(CheckpointRef("ring", "c1"), back)
-    assert (back / record.path).read_bytes() == pages
+    store, manifest = committed(s3_server, bucket)
+    assert restored_pages(store, manifest, tmp_path) == pages
