@@ -129,7 +129,8 @@ async def run(agent: Agent, session: Session) -> None:
         log.exception("session %s", request.session_id)
         finish_failed(session, api.SessionState.FAILED, f"agent error: {exc}")
     finally:
-        if during is not None:  # released pages are in no manifest: held until the upload had its lease
+        # released pages were in no manifest: the follower's lease is held until the upload had its own
+        if during is not None:
             await asyncio.to_thread(during.end_lease)
         if session.engine is not None:
             # the renewals went on through the upload; a Held rank is handed over with no lease
@@ -248,9 +249,6 @@ async def upload(
         raise StagingError(
             f"upload did not finish within {session.request.timeouts.upload_seconds:g}s"
         ) from None
-    finally:
-        if during is not None:
-            await asyncio.to_thread(during.end_lease)  # the upload's own lease covered the rest
     total = staged.logical_bytes
     report.phases[Milestone.UPLOADED] = round(time.monotonic() - started, 3)
     report.message = (
