@@ -47,6 +47,9 @@ def test_parts_go_to_the_next_nodes_memory_and_a_restore_reads_them_there(
     b = agents.add(cluster_ns, "node-b", 2, "complete", config)
     # a third node with a ready agent and no pod of the job: the ring is a -> b -> c -> a
     c = agents.add(cluster_ns, "node-c", 3, "complete", config)
+    # node-a's copy is in the report that ends its session, node-b's comes after its own: the Checkpoint
+    # must list both (a CI run listed only the part whose copy came first, and never the other)
+    a.copy_in_last_report = True
     cluster_ns.rank_pod(a, "ring-0", RING)
     cluster_ns.rank_pod(b, "ring-1", RING)
     cluster_ns.s3_secret(s3_server)

@@ -110,6 +110,9 @@ class FakeAgent:
     # (None: at once), and `upload_failure` then fails the session as a failed upload does
     upload_gate: threading.Event | None = None
     upload_failure: str | None = None
+    # commitOn S3: the copy is made before the session's last report, as a real agent's small part is kept
+    # before the operator's next poll sees its session end (False: half a second after that report)
+    copy_in_last_report: bool = False
 
     def register(
         self, pod: dict[str, Any], namespace: str, container: str = "main", shim_build: str | None = None
@@ -498,10 +501,12 @@ class FakeAgent:
             writer.stage(self.node, ranks=[self.rank_info()])
         final = (RankPhase.HELD, Milestone.UPLOADED) if request.mode == Mode.HOLD else (RankPhase.DONE, None)
         took[Milestone.UPLOADED] = round(time.monotonic() - upload_started, 3)
+        if not first and request.memory_copy is not None and self.copy_in_last_report:
+            kept = self.keep_copy(request)
         self.set_phase(session, *final, bytes=200_000, state=SessionState.SUCCEEDED, finished_at=time.time(),
                        phases=took, memory_copy=kept or None)  # fmt: skip
         # the memory tier, commitOn S3: as the real agent, the part goes to the named agent once the session
         # has reported (the operator lists it once the holder has it sealed)
-        if not first and request.memory_copy is not None:
+        if not first and request.memory_copy is not None and not self.copy_in_last_report:
             time.sleep(0.5)  # after the operator has seen the report: it cannot count on the copy being there
             self.set_phase(session, *final, memory_copy=self.keep_copy(request))

@@ -288,7 +288,9 @@ class CheckpointStoreDriver(Driver[JobState]):
                 log.warning("%s: older Checkpoints' memory copies not updated: %s", self.key, error)
             if action.in_memory:
                 await self.upload_in_background(action.checkpoint_name, spec.nodes or [])
-            elif self.memory_holders and not copies:
+            elif memorytier.missing_parts(copies, self.memory_holders):
+                # some copies were not in the sessions' reports yet: watch them all (a fast node's copy
+                # can be, and the others' then were never listed)
                 holders, bound = dict(self.memory_holders), float(self.spec.timeouts.upload_seconds)
                 watch = memorycopies.record_when_sealed(
                     self.rt, self.namespace, action.checkpoint_name, self.store_job, holders, bound
