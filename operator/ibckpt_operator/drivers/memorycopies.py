@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from typing import Any
 
 from ibckpt.agentapi import AgentError
 from ibckpt.agentapi.memory import HeldCopies
@@ -123,14 +124,14 @@ async def forget_replaced(
     if not copies:
         return
     bodies = await rt.kube.list_custom(CHECKPOINT.plural)
-    made = {
-        (body["metadata"].get("namespace"), body["metadata"].get("name")): body["metadata"].get(
-            "creationTimestamp"
-        )
-        for body in bodies
-        if isinstance(body.get("metadata"), dict)
-    }
-    newest_made = made.get((namespace, newest))
+    newest_made = next(
+        (
+            made(body)
+            for body in bodies
+            if (made(body, "namespace"), made(body, "name")) == (namespace, newest)
+        ),
+        None,
+    )
     for body in bodies:
         with contextlib.suppress(ValueError):
             older = Checkpoint.from_wire(body)
@@ -142,7 +143,7 @@ async def forget_replaced(
                 or older.spec.job_name != job
             ):
                 continue
-            older_made = made.get((meta.namespace, meta.name))
+            older_made = made(body)
             # RFC 3339 in UTC: ordered as strings; the same second is not known to be older
             if not newest_made or not older_made or older_made >= newest_made:
                 continue
@@ -150,6 +151,13 @@ async def forget_replaced(
             kept = memorytier.replaced(before, copies)
             if len(kept) < len(before):
                 await say_held(rt, older, kept)
+
+
+def made(body: dict[str, Any], field: str = "creationTimestamp") -> str | None:
+    """A field of a Checkpoint body's metadata (by default when it was created), read before validation."""
+    meta = body.get("metadata")
+    value = meta.get(field) if isinstance(meta, dict) else None
+    return value if isinstance(value, str) else None
 
 
 async def drop(rt: Runtime, checkpoint: Checkpoint) -> str:
